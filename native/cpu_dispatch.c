@@ -1,0 +1,61 @@
+/* Run-time choice of the CPU instruction-set path and the thread-local error message. */
+#include "w4pack.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static _Thread_local char w4p_err[512];
+
+void w4p_set_error(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(w4p_err, sizeof w4p_err, fmt, ap);
+    va_end(ap);
+}
+
+const char *w4p_last_error(void) { return w4p_err; }
+
+int w4p_abi_version(void) { return W4P_ABI_VERSION; }
+
+int w4p_cpu_isa_available(void) {
+    int isa = W4P_ISA_SCALAR;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        isa |= W4P_ISA_AVX2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+        isa |= W4P_ISA_AVX512;
+    if ((isa & W4P_ISA_AVX512) && __builtin_cpu_supports("avx512vnni"))
+        isa |= W4P_ISA_AVX512VNNI;
+#elif defined(__aarch64__)
+    isa |= W4P_ISA_NEON;
+#endif
+    return isa;
+}
+
+int w4p_cpu_isa_selected(void) {
+    int avail = w4p_cpu_isa_available();
+    const char *force = getenv("W4PACK_ISA");
+    if (force && *force) {
+        if (!strcmp(force, "scalar")) return W4P_ISA_SCALAR;
+        if (!strcmp(force, "avx2") && (avail & W4P_ISA_AVX2)) return W4P_ISA_AVX2;
+        if (!strcmp(force, "avx512") && (avail & W4P_ISA_AVX512)) return W4P_ISA_AVX512;
+        if (!strcmp(force, "neon") && (avail & W4P_ISA_NEON)) return W4P_ISA_NEON;
+    }
+    if (avail & W4P_ISA_AVX512) return W4P_ISA_AVX512;
+    if (avail & W4P_ISA_AVX2) return W4P_ISA_AVX2;
+    if (avail & W4P_ISA_NEON) return W4P_ISA_NEON;
+    return W4P_ISA_SCALAR;
+}
+
+const char *w4p_cpu_isa_name(int isa) {
+    switch (isa) {
+    case W4P_ISA_SCALAR: return "scalar";
+    case W4P_ISA_AVX2: return "avx2";
+    case W4P_ISA_AVX512: return "avx512";
+    case W4P_ISA_NEON: return "neon";
+    default: return "unknown";
+    }
+}

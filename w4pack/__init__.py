@@ -1,0 +1,26 @@
+"""w4pack: convert, pack, verify, run and publish 4-bit LLM checkpoints."""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .canonical import CanonicalLayer, dequantize  # noqa: E402
+from .checkpoint import Checkpoint, CheckpointWriter, open_checkpoint, validate_checkpoint  # noqa: E402
+from .errors import BadInputError, UnsupportedError, VerificationError, W4PackError  # noqa: E402
+from .layout import PackedLayer, pack, unpack  # noqa: E402
+
+__all__ = [
+    "__version__",
+    "CanonicalLayer",
+    "dequantize",
+    "Checkpoint",
+    "CheckpointWriter",
+    "open_checkpoint",
+    "validate_checkpoint",
+    "PackedLayer",
+    "pack",
+    "unpack",
+    "W4PackError",
+    "BadInputError",
+    "UnsupportedError",
+    "VerificationError",
+]

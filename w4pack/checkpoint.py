@@ -1,0 +1,621 @@
+"""Packed checkpoint I/O: an atomic, streaming writer and a checking, memory-mapped reader.
+
+A checkpoint is a Hugging Face model folder (see docs/FORMAT.md):
+
+    config.json                          with quantization_config {quant_method: "w4pack", ...}
+    model-0000k-of-0000n.safetensors     shards: packed layers + pass-through tensors
+    model.safetensors.index.json         tensor -> shard
+    w4pack.json                          the manifest (schemas/manifest.schema.json), written last
+    tokenizer files, generation_config.json, ...   copied side files
+
+The writer buffers at most one shard in memory, fsyncs every file, writes the index and the manifest
+last and renames a temporary sibling folder into place, so an interrupted run leaves nothing that
+looks complete.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from . import __version__
+from .canonical import CanonicalLayer
+from .dtypes import dtype_name_of
+from .errors import BadInputError, IOFailure, UnsupportedError
+from .layout import LAYOUT_NAME, LAYOUT_VERSION, TILE_K, TILE_N, PackedLayer, pack, tensor_suffixes, unpack
+from .progress import Progress
+from .safetensors_io import SafetensorsFile, write_safetensors
+from .schema import validate_manifest, validate_quantization_config
+
+__all__ = [
+    "MANIFEST_NAME",
+    "INDEX_NAME",
+    "INCOMPLETE_MARKER",
+    "CheckpointWriter",
+    "Checkpoint",
+    "open_checkpoint",
+    "validate_checkpoint",
+    "parse_size",
+]
+
+MANIFEST_NAME = "w4pack.json"
+INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+INCOMPLETE_MARKER = ".w4pack-incomplete"
+DEFAULT_MAX_SHARD = 2 * 1024**3
+#: side files copied from a source folder when present
+SIDE_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
+    "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja", "chat_template.json",
+    "preprocessor_config.json",
+)
+_RESERVED = {CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, INCOMPLETE_MARKER}
+
+
+def parse_size(text: str | int) -> int:
+    """'2GB', '500MB', '10MiB' or an integer number of bytes."""
+    if isinstance(text, int):
+        return text
+    s = text.strip().upper().replace(" ", "")
+    units = {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "B": 1}
+    for suffix, mult in units.items():
+        if s.endswith(suffix):
+            try:
+                return int(float(s[: -len(suffix)]) * mult)
+            except ValueError:
+                break
+    try:
+        return int(s)
+    except ValueError:
+        raise BadInputError(f"cannot read size {text!r} (use e.g. 2GB, 500MB, 64MiB)") from None
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class CheckpointWriter:
+    """Stream layers and tensors into a new checkpoint folder; ``close()`` makes it appear atomically.
+
+    Example::
+
+        with CheckpointWriter("out/", config=hf_config, source={"format": "gptq"}) as w:
+            w.add_layer("model.layers.0.mlp.down_proj", canonical_layer)
+            w.add_tensor("model.embed_tokens.weight", emb, "float16")
+    """
+
+    def __init__(self, out_dir: str | os.PathLike[str], *, force: bool = False,
+                 max_shard_size: int | str = DEFAULT_MAX_SHARD, config: dict[str, Any] | None = None,
+                 source: dict[str, Any] | None = None, show_progress: bool | None = None):
+        self.target = Path(out_dir).absolute()
+        self.force = force
+        self.max_shard = parse_size(max_shard_size)
+        if self.max_shard < 1024:
+            raise BadInputError(f"max shard size {self.max_shard} bytes is too small")
+        self.config = dict(config or {})
+        self.source = dict(source or {})
+        if self.target.exists() and not force:
+            raise IOFailure("output already exists; pass --force (force=True) to replace it", file=str(self.target))
+        parent = self.target.parent
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.w4pack-tmp-", dir=parent))
+            (self.tmp / INCOMPLETE_MARKER).write_text("w4pack is writing this folder; it is not complete\n")
+        except OSError as exc:
+            raise IOFailure(f"cannot create a folder next to the output: {exc.strerror}", file=str(parent)) from None
+        self._pending: list[tuple[str, np.ndarray, str | None]] = []
+        self._pending_bytes = 0
+        self._shards: list[tuple[Path, int, str, list[str]]] = []  # tmp path, size, sha, names
+        self._names: set[str] = set()
+        self.layers: dict[str, dict[str, Any]] = {}
+        self.passthrough: list[str] = []
+        self.side_files: list[str] = []
+        self.fused: dict[str, Any] = {}
+        self._closed = False
+        self.show_progress = show_progress
+
+    # -- adding content ------------------------------------------------------------------------
+    def _queue(self, items: list[tuple[str, np.ndarray, str | None]]) -> None:
+        for name, _a, _d in items:
+            if name in self._names:
+                raise BadInputError("tensor name written twice", tensor=name)
+            self._names.add(name)
+        size = sum(a.nbytes for _n, a, _d in items)
+        if self._pending and self._pending_bytes + size > self.max_shard:
+            self._flush()
+        self._pending.extend(items)
+        self._pending_bytes += size
+
+    def add_layer(self, name: str, layer: CanonicalLayer | PackedLayer,
+                  source: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Pack (if canonical) and queue one quantized layer; returns its manifest entry."""
+        packed = pack(layer.replace(name=name)) if isinstance(layer, CanonicalLayer) else layer
+        meta = dict(packed.meta)
+        tensors = {}
+        items = []
+        for suffix in tensor_suffixes(meta["zero_mode"], meta["act_order"]) + (["bias"] if "bias" in packed.tensors else []):
+            tname = f"{name}.{suffix}"
+            arr = packed.tensors[suffix]
+            dname = None
+            if suffix in ("scales", "mins"):
+                dname = meta["scale_dtype"]
+            elif suffix == "bias":
+                dname = meta.get("bias_dtype") or dtype_name_of(arr)
+            items.append((tname, arr, dname))
+            tensors[suffix] = tname
+        self._queue(items)
+        meta.pop("bias_dtype", None) if meta.get("bias_dtype") is None else None
+        meta["tensors"] = tensors
+        src = dict(source if source is not None else packed.source)
+        if src:
+            meta["source"] = _clean_source(src)
+        self.layers[name] = meta
+        return meta
+
+    def add_tensor(self, name: str, arr: np.ndarray, dtype_name: str | None = None) -> None:
+        """Queue an unquantized tensor, passed through untouched (bf16 as uint16 with dtype_name='bfloat16')."""
+        self._queue([(name, np.asarray(arr), dtype_name)])
+        self.passthrough.append(name)
+
+    def add_side_file(self, src: str | os.PathLike[str], name: str | None = None) -> None:
+        """Copy a file (tokenizer, generation config, ...) into the folder."""
+        src = Path(src)
+        name = name or src.name
+        if name in _RESERVED or "/" in name or name.startswith(".") or name.endswith(".safetensors"):
+            raise BadInputError(f"refusing side file name {name!r}", file=str(src))
+        try:
+            shutil.copyfile(src, self.tmp / name)
+        except OSError as exc:
+            raise IOFailure(f"cannot copy side file: {exc.strerror}", file=str(src)) from None
+        if name not in self.side_files:
+            self.side_files.append(name)
+
+    def copy_side_files_from(self, folder: str | os.PathLike[str]) -> None:
+        for name in SIDE_FILES:
+            p = Path(folder) / name
+            if p.is_file():
+                self.add_side_file(p)
+
+    # -- finishing -----------------------------------------------------------------------------
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        path = self.tmp / f"shard-{len(self._shards):05d}.partial"
+        try:
+            size, sha = write_safetensors(path, self._pending, metadata={"format": "pt"})
+        except OSError as exc:
+            raise IOFailure(f"cannot write shard: {exc.strerror}", file=str(path)) from None
+        self._shards.append((path, size, sha, [n for n, _a, _d in self._pending]))
+        self._pending, self._pending_bytes = [], 0
+
+    def quantization_config(self) -> dict[str, Any]:
+        qc: dict[str, Any] = {"quant_method": "w4pack", "layout": LAYOUT_NAME, "layout_version": LAYOUT_VERSION,
+                              "format_version": 1, "manifest": MANIFEST_NAME}
+        metas = list(self.layers.values())
+        if metas:
+            for key in ("bits", "group_size", "zero_mode"):
+                qc[key] = Counter(m[key] for m in metas).most_common(1)[0][0]
+            qc["act_order"] = any(m["act_order"] for m in metas)
+        else:
+            qc.update(bits=4, group_size=128, zero_mode="none", act_order=False)
+        if self.source.get("format"):
+            qc["source_format"] = str(self.source["format"])
+        if self.fused:
+            qc["fused"] = self.fused
+        return qc
+
+    def manifest(self, shard_names: list[str], shard_info: list[tuple[int, str]]) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "format": "w4pack",
+            "format_version": 1,
+            "layout": {"name": LAYOUT_NAME, "version": LAYOUT_VERSION, "tile": [TILE_N, TILE_K]},
+            "created_by": f"w4pack {__version__}",
+            "shards": [{"file": n, "sha256": sha, "size": size} for n, (size, sha) in zip(shard_names, shard_info)],
+            "layers": self.layers,
+            "passthrough": self.passthrough,
+            "side_files": self.side_files,
+        }
+        if self.source:
+            doc["source"] = _clean_source(self.source)
+        if self.fused:
+            doc["fused"] = self.fused
+        return doc
+
+    def close(self) -> Path:
+        """Finish: shards, config.json, index, manifest (last), then rename into place."""
+        if self._closed:
+            return self.target
+        self._flush()
+        if not self._shards:
+            write_safetensors(self.tmp / "shard-00000.partial", [], metadata={"format": "pt"})
+            self._shards.append((self.tmp / "shard-00000.partial", *_size_sha(self.tmp / "shard-00000.partial"), []))
+        total = len(self._shards)
+        names = [f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i in range(total)]
+        weight_map: dict[str, str] = {}
+        for (path, _size, _sha, tnames), fname in zip(self._shards, names):
+            os.replace(path, self.tmp / fname)
+            for t in tnames:
+                weight_map[t] = fname
+        config = dict(self.config)
+        config["quantization_config"] = self.quantization_config()
+        validate_quantization_config(config["quantization_config"], file=CONFIG_NAME)
+        manifest = self.manifest(names, [(s, h) for _p, s, h, _t in self._shards])
+        validate_manifest(manifest, file=MANIFEST_NAME)
+        total_size = sum(s for _p, s, _h, _t in self._shards)
+        index = {"metadata": {"total_size": total_size, "format": "w4pack"}, "weight_map": dict(sorted(weight_map.items()))}
+        try:
+            _write_json(self.tmp / CONFIG_NAME, config)
+            _write_json(self.tmp / INDEX_NAME, index)
+            _write_json(self.tmp / MANIFEST_NAME, manifest)
+            os.unlink(self.tmp / INCOMPLETE_MARKER)
+            _fsync_dir(self.tmp)
+            old = None
+            if self.target.exists():
+                if not self.force:
+                    raise IOFailure("output appeared while writing; not replacing it without force",
+                                    file=str(self.target))
+                old = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.w4pack-old-", dir=self.target.parent))
+                os.replace(self.target, old / "x")
+            os.replace(self.tmp, self.target)
+            _fsync_dir(self.target.parent)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError as exc:
+            raise IOFailure(f"cannot finish the checkpoint: {exc.strerror}", file=str(self.target)) from None
+        self._closed = True
+        return self.target
+
+    def abort(self) -> None:
+        if not self._closed:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self._closed = True
+
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _size_sha(path: Path) -> tuple[int, str]:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return path.stat().st_size, h.hexdigest()
+
+
+def _write_json(path: Path, doc: Any) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, indent=2)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+_SOURCE_KEYS = {"format", "version", "path", "bits", "notes", "quirks", "base_model"}
+
+
+def _clean_source(src: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"format": str(src.get("format") or "unknown")}
+    for key in _SOURCE_KEYS - {"format"}:
+        if key in src and src[key] is not None:
+            val = src[key]
+            out[key] = [str(v) for v in val] if key in ("notes", "quirks") else (int(val) if key == "bits" else str(val))
+    extra = {k: v for k, v in src.items() if k not in _SOURCE_KEYS}
+    if extra:
+        out.setdefault("notes", []).extend(f"{k}={v}" for k, v in sorted(extra.items()))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+# ---------------------------------------------------------------------------------------------
+def _read_json(path: Path) -> Any:
+    if not path.is_file():
+        raise BadInputError("file is missing", file=str(path))
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadInputError(f"not valid JSON: {exc}", file=str(path)) from None
+
+
+def _safe_member(root: Path, name: Any, what: str, file: str) -> Path:
+    """Resolve a file name from an index/manifest, refusing anything that escapes the folder."""
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", "..") \
+            or name.startswith("/") or ".." in name:
+        raise BadInputError(f"{what} {name!r} is not a plain file name inside the folder", file=file)
+    p = root / name
+    if p.is_symlink():
+        target = p.resolve()
+        if not target.is_relative_to(root.resolve()):
+            raise BadInputError(f"{what} {name!r} is a symbolic link out of the folder", file=file)
+    return p
+
+
+class Checkpoint:
+    """An opened w4pack checkpoint. Structure is checked on open; data is memory-mapped on demand."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        root = self.path
+        if not root.is_dir():
+            raise BadInputError("not a folder (a w4pack checkpoint is a model folder)", file=str(root))
+        if (root / INCOMPLETE_MARKER).exists():
+            raise BadInputError("folder is an unfinished write (interrupted conversion); convert again",
+                                file=str(root))
+        mpath = root / MANIFEST_NAME
+        if not mpath.is_file():
+            raise BadInputError(f"no {MANIFEST_NAME}: not a w4pack checkpoint (or an unfinished write)", file=str(root))
+        self.manifest: dict[str, Any] = _read_json(mpath)
+        validate_manifest(self.manifest, file=str(mpath))
+        self.config: dict[str, Any] = _read_json(root / CONFIG_NAME)
+        if not isinstance(self.config, dict) or "quantization_config" not in self.config:
+            raise BadInputError("config.json has no quantization_config", file=str(root / CONFIG_NAME))
+        validate_quantization_config(self.config["quantization_config"], file=str(root / CONFIG_NAME))
+        ipath = root / INDEX_NAME
+        index = _read_json(ipath)
+        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+            raise BadInputError("index has no weight_map object", file=str(ipath))
+        self.weight_map: dict[str, str] = {}
+        for tname, fname in index["weight_map"].items():
+            _safe_member(root, fname, f"shard of tensor {tname}", str(ipath))
+            self.weight_map[tname] = fname
+        shard_files = {s["file"] for s in self.manifest["shards"]}
+        for s in self.manifest["shards"]:
+            p = _safe_member(root, s["file"], "shard", str(mpath))
+            if not p.is_file():
+                raise BadInputError("shard named in the manifest is missing", file=str(p))
+        stray = set(self.weight_map.values()) - shard_files
+        if stray:
+            raise BadInputError(f"index names shard {sorted(stray)[0]!r} that the manifest does not checksum",
+                                file=str(ipath))
+        for name, meta in self.manifest["layers"].items():
+            for suffix, tname in meta["tensors"].items():
+                if tname not in self.weight_map:
+                    raise BadInputError("tensor of a quantized layer is missing from the index", file=str(ipath),
+                                        tensor=tname)
+            _check_layer_meta(name, meta, str(mpath))
+        for tname in self.manifest["passthrough"]:
+            if tname not in self.weight_map:
+                raise BadInputError("pass-through tensor is missing from the index", file=str(ipath), tensor=tname)
+        self._files: dict[str, SafetensorsFile] = {}
+
+    # -- access --------------------------------------------------------------------------------
+    @property
+    def layers(self) -> list[str]:
+        """Names of the quantized layers (module paths)."""
+        return list(self.manifest["layers"])
+
+    @property
+    def passthrough(self) -> list[str]:
+        return list(self.manifest["passthrough"])
+
+    def _file(self, fname: str) -> SafetensorsFile:
+        if fname not in self._files:
+            self._files[fname] = SafetensorsFile(self.path / fname)
+        return self._files[fname]
+
+    def raw(self, tname: str) -> np.ndarray:
+        """A stored tensor as a read-only memory-mapped array (bf16 as uint16 bits)."""
+        if tname not in self.weight_map:
+            raise BadInputError("no such tensor in this checkpoint", file=str(self.path), tensor=tname)
+        return self._file(self.weight_map[tname]).get(tname)
+
+    def dtype_name(self, tname: str) -> str:
+        return self._file(self.weight_map[tname]).dtype_name(tname)
+
+    def tensor(self, tname: str) -> np.ndarray:
+        """A pass-through tensor (or any stored tensor) as stored."""
+        return self.raw(tname)
+
+    def packed(self, name: str) -> PackedLayer:
+        if name not in self.manifest["layers"]:
+            raise BadInputError("no such quantized layer", file=str(self.path), tensor=name)
+        meta = dict(self.manifest["layers"][name])
+        tensors = {}
+        for suffix, tname in meta["tensors"].items():
+            arr = self.raw(tname)
+            fdt = self.dtype_name(tname)
+            want = {"scales": meta["scale_dtype"], "mins": meta["scale_dtype"]}.get(suffix)
+            if suffix == "bias":
+                want = meta.get("bias_dtype") or fdt
+                meta["bias_dtype"] = want
+            if want is not None and fdt != want:
+                raise BadInputError(f"stored as {fdt} but the manifest says {want}",
+                                    file=str(self.path / self.weight_map[tname]), tensor=tname)
+            tensors[suffix] = arr
+        return PackedLayer(meta=meta, tensors=tensors, source=dict(meta.get("source", {})))
+
+    def layer(self, name: str) -> CanonicalLayer:
+        """The canonical layer: codes in the original column order, true shape, act-order undone."""
+        packed = self.packed(name)
+        try:
+            return unpack(packed, name=name)
+        except BadInputError as exc:
+            if exc.file is None:
+                tname = packed.meta["tensors"].get("qweight", name)
+                exc.file = str(self.path / self.weight_map.get(tname, ""))
+                exc.args = (exc.one_line(),)
+            raise
+
+    def dequantize(self, name: str, dtype: type = np.float32) -> np.ndarray:
+        """float32 [N, K] weights in the original input-channel order."""
+        return self.layer(name).dequantize(dtype)
+
+    def check_structure(self) -> None:
+        """Open every shard header and check every tensor's shape and dtype (no data read)."""
+        for fname in sorted(set(self.weight_map.values())):
+            f = self._file(fname)
+            for tname, owner in self.weight_map.items():
+                if owner == fname and tname not in f:
+                    raise BadInputError("tensor listed in the index is missing from its shard",
+                                        file=str(self.path / fname), tensor=tname)
+        for name in self.layers:
+            self.packed_shapes_ok(name)
+
+    def packed_shapes_ok(self, name: str) -> None:
+        from .layout import _expect, words_per_tile_lane
+        from .dtypes import FLOAT_DTYPES
+        meta = self.manifest["layers"][name]
+        np_, kp = meta["padded_shape"]
+        n, k = meta["shape"]
+        gp = meta["padded_groups"]
+        sd = FLOAT_DTYPES[meta["scale_dtype"]]
+        expect = {
+            "qweight": ((np_ // TILE_N, kp // TILE_K * 32 * words_per_tile_lane(meta["storage_bits"])), np.dtype(np.int32)),
+            "scales": ((gp, np_), sd),
+            "zeros": ((gp, np_), np.dtype(np.uint8 if meta["storage_bits"] == 4 else np.uint16)),
+            "mins": ((gp, np_), sd),
+            "perm": ((k,), np.dtype(np.int32)),
+        }
+        for suffix, tname in meta["tensors"].items():
+            fname = self.weight_map[tname]
+            f = self._file(fname)
+            if tname not in f:
+                raise BadInputError("tensor is missing from its shard", file=str(self.path / fname), tensor=tname)
+            dt, shape = f.info(tname)
+            if suffix == "bias":
+                if shape != (n,):
+                    raise BadInputError(f"shape {list(shape)} != [{n}]", file=str(self.path / fname), tensor=tname)
+                continue
+            want_shape, want_dt = expect[suffix]
+            if shape != want_shape:
+                raise BadInputError(f"shape {list(shape)} contradicts the manifest (expected {list(want_shape)})",
+                                    file=str(self.path / fname), tensor=tname)
+            stored = f.get(tname).dtype if 0 in shape else f.get(tname).dtype
+            if stored != want_dt:
+                raise BadInputError(f"dtype {dt} contradicts the manifest", file=str(self.path / fname), tensor=tname)
+
+    def verify_checksums(self, show_progress: bool | None = None) -> None:
+        shards = self.manifest["shards"]
+        total = sum(s["size"] for s in shards)
+        with Progress(total // (1 << 20) or 1, "checksums", " MiB", enabled=show_progress) as bar:
+            for s in shards:
+                p = self.path / s["file"]
+                size = p.stat().st_size
+                if size != s["size"]:
+                    raise BadInputError(f"size {size} != {s['size']} recorded in the manifest (truncated or altered)",
+                                        file=str(p))
+                h = hashlib.sha256()
+                with open(p, "rb") as fh:
+                    for chunk in iter(lambda: fh.read(8 << 20), b""):
+                        h.update(chunk)
+                        bar.update(len(chunk) >> 20)
+                if h.hexdigest() != s["sha256"]:
+                    raise BadInputError("sha256 differs from the manifest: the shard is corrupted or altered",
+                                        file=str(p))
+
+    def summary(self) -> dict[str, Any]:
+        layers = self.manifest["layers"]
+        kinds = Counter((m["bits"], m["group_size"], m["zero_mode"], m["act_order"]) for m in layers.values())
+        qbytes = 0
+        for m in layers.values():
+            for tname in m["tensors"].values():
+                f = self._file(self.weight_map[tname])
+                _dt, shape = f.info(tname)
+                qbytes += int(np.prod(shape)) * f.get(tname).dtype.itemsize if shape else 0
+        return {
+            "path": str(self.path),
+            "format_version": self.manifest["format_version"],
+            "layout": self.manifest["layout"],
+            "source": self.manifest.get("source"),
+            "architecture": (self.config.get("architectures") or [None])[0],
+            "model_type": self.config.get("model_type"),
+            "quantization_config": self.config["quantization_config"],
+            "num_layers": len(layers),
+            "num_passthrough": len(self.manifest["passthrough"]),
+            "shards": [{"file": s["file"], "size": s["size"]} for s in self.manifest["shards"]],
+            "total_size": sum(s["size"] for s in self.manifest["shards"]),
+            "quantized_bytes": qbytes,
+            "layer_kinds": [
+                {"bits": b, "group_size": g, "zero_mode": z, "act_order": a, "count": c}
+                for (b, g, z, a), c in sorted(kinds.items(), key=lambda kv: -kv[1])
+            ],
+            "side_files": self.manifest.get("side_files", []),
+        }
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _check_layer_meta(name: str, meta: dict[str, Any], file: str) -> None:
+    from .layout import padded_shape, storage_bits_for
+    n, k = meta["shape"]
+    if tuple(meta["padded_shape"]) != padded_shape(n, k):
+        raise BadInputError(f"padded_shape {meta['padded_shape']} contradicts shape {meta['shape']}", file=file,
+                            tensor=name)
+    if meta["storage_bits"] != storage_bits_for(meta["bits"]):
+        raise BadInputError("storage_bits contradicts bits", file=file, tensor=name)
+    gs = meta["group_size"]
+    kp = meta["padded_shape"][1]
+    g = 1 if gs == -1 else -(-k // gs)
+    gp = 1 if gs == -1 else -(-kp // gs)
+    if meta["num_groups"] != g or meta["padded_groups"] != gp:
+        raise BadInputError(f"num_groups/padded_groups {meta['num_groups']}/{meta['padded_groups']} contradict "
+                            f"K={k}, group_size={gs} (expected {g}/{gp})", file=file, tensor=name)
+    want = set(tensor_suffixes(meta["zero_mode"], meta["act_order"]))
+    have = set(meta["tensors"]) - {"bias"}
+    if want != have:
+        raise BadInputError(f"tensors {sorted(have)} do not match zero_mode/act_order (expected {sorted(want)})",
+                            file=file, tensor=name)
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Open a w4pack checkpoint folder, checking manifest, config, index and shard names.
+
+    Example::
+
+        ckpt = w4pack.open_checkpoint("llama-w4/")
+        for name in ckpt.layers:
+            w = ckpt.dequantize(name)        # float32 [N, K]
+    """
+    return Checkpoint(path)
+
+
+def validate_checkpoint(path: str | os.PathLike[str], *, checksums: bool = True,
+                        deep: bool = False, show_progress: bool | None = None) -> dict[str, Any]:
+    """Schema, index, shard headers, shapes and (by default) sha256 of every shard.
+
+    ``deep=True`` also unpacks every layer (code ranges, permutations). Raises BadInputError on the
+    first problem; returns the checkpoint summary when all is well.
+    """
+    with open_checkpoint(path) as ck:
+        ck.check_structure()
+        if checksums:
+            ck.verify_checksums(show_progress=show_progress)
+        if deep:
+            for name in ck.layers:
+                ck.layer(name)
+        out = ck.summary()
+        out["checks"] = ["schema", "index", "headers", "shapes"] + (["sha256"] if checksums else []) + \
+            (["unpack"] if deep else [])
+        return out

@@ -1,0 +1,77 @@
+"""w4pack inspect: what a checkpoint holds (any supported format)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..checkpoint import open_checkpoint
+from . import emit_json
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+@click.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+@click.option("--layers", "show_layers", is_flag=True, help="List every quantized layer.")
+def inspect(path: Path, as_json: bool, show_layers: bool) -> None:
+    """Show what the checkpoint PATH holds: layout, layers by kind, shards, source.
+
+    PATH is a w4pack checkpoint folder, or a source in any supported format (shown as convert would read it).
+    """
+    from ..formats import detect
+
+    fmt = detect(path)
+    if fmt != "w4pack":
+        from ..convert import plan
+
+        doc = plan(path, src_format=fmt)
+        if as_json:
+            emit_json(doc)
+            return
+        click.echo(f"{path}: {fmt} checkpoint ({doc['source_info'].get('version') or 'version unknown'})")
+        click.echo(f"  quantized layers: {len(doc['layers'])}   pass-through tensors: {len(doc['passthrough'])}")
+        for layer in doc["layers"] if show_layers else doc["layers"][:10]:
+            click.echo(f"  {layer['name']}: {layer['shape'][0]}x{layer['shape'][1]} {layer['bits']}-bit "
+                       f"g{layer['group_size']} zero={layer['zero_mode']}{' act-order' if layer['act_order'] else ''}")
+        if not show_layers and len(doc["layers"]) > 10:
+            click.echo(f"  ... {len(doc['layers']) - 10} more (--layers lists all)")
+        for note in doc["source_info"].get("notes", []) + doc["source_info"].get("quirks", []):
+            click.echo(f"  note: {note}")
+        return
+    with open_checkpoint(path) as ck:
+        ck.check_structure()
+        s = ck.summary()
+        if show_layers or as_json:
+            s["layers"] = {n: {k: v for k, v in m.items() if k != "tensors"} for n, m in ck.manifest["layers"].items()}
+        if as_json:
+            emit_json(s)
+            return
+        lay = s["layout"]
+        click.echo(f"{path}: w4pack checkpoint, layout {lay['name']} v{lay['version']}")
+        if s["source"]:
+            click.echo(f"  source: {s['source'].get('format')}"
+                       + (f" {s['source'].get('version')}" if s['source'].get('version') else ""))
+        if s["architecture"]:
+            click.echo(f"  model: {s['architecture']} ({s['model_type']})")
+        click.echo(f"  quantized layers: {s['num_layers']}   pass-through tensors: {s['num_passthrough']}")
+        for kind in s["layer_kinds"]:
+            g = "per-channel" if kind["group_size"] == -1 else f"group {kind['group_size']}"
+            click.echo(f"    {kind['count']:5d} x {kind['bits']}-bit, {g}, zero {kind['zero_mode']}"
+                       + (", act-order" if kind["act_order"] else ""))
+        click.echo(f"  shards: {len(s['shards'])}, {_human(s['total_size'])} "
+                   f"({_human(s['quantized_bytes'])} in quantized layers)")
+        if s["side_files"]:
+            click.echo(f"  side files: {', '.join(s['side_files'])}")
+        if show_layers:
+            for n, m in s["layers"].items():
+                click.echo(f"    {n}: {m['shape'][0]}x{m['shape'][1]} (padded {m['padded_shape'][0]}x"
+                           f"{m['padded_shape'][1]}) {m['bits']}-bit g{m['group_size']} {m['zero_mode']} "
+                           f"{m['scale_dtype']}{' act-order' if m['act_order'] else ''}")

@@ -1,0 +1,27 @@
+"""w4pack validate: is this folder a complete, uncorrupted w4pack checkpoint?"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..checkpoint import validate_checkpoint
+from . import emit_json
+
+
+@click.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+@click.option("--no-checksums", is_flag=True, help="Skip the sha256 of every shard (structure only).")
+@click.option("--deep", is_flag=True, help="Also unpack every layer and check code ranges and permutations.")
+def validate(path: Path, as_json: bool, no_checksums: bool, deep: bool) -> None:
+    """Check PATH against the schema, its index, shard headers, shapes and checksums.
+
+    Exits 0 when valid; 2 with one line naming the file and tensor when not.
+    """
+    report = validate_checkpoint(path, checksums=not no_checksums, deep=deep)
+    if as_json:
+        emit_json({"valid": True, **report})
+    else:
+        click.echo(f"{path}: valid w4pack checkpoint ({report['num_layers']} quantized layers, "
+                   f"{len(report['shards'])} shards; checked {', '.join(report['checks'])})")

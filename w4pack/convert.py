@@ -1,0 +1,68 @@
+"""convert: any supported source → w4pack (or another format), streaming, atomic, with a plan for --dry-run."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from .errors import UnsupportedError
+from .formats import get_format, open_source
+
+__all__ = ["convert", "plan"]
+
+
+def plan(src: str | Path, *, src_format: str | None = None, to: str = "w4pack", **options: Any) -> dict[str, Any]:
+    """What convert would do, without writing: layers, their kinds, pass-through tensors, side files."""
+    with open_source(src, src_format, **options) as source:
+        layers = []
+        target = get_format(to)
+        problems = []
+        for name in source.layer_names():
+            layer = source.read_layer(name)
+            layers.append({"name": name, "shape": [layer.out_features, layer.in_features], "bits": layer.bits,
+                           "group_size": layer.group_size, "zero_mode": layer.zero_mode,
+                           "act_order": bool(layer.act_order), "scale_dtype": layer.scale_dtype})
+            reason = target.capabilities.check(layer)
+            if reason:
+                problems.append(f"{name}: {to} cannot express {reason}")
+        return {
+            "source": str(src),
+            "source_format": source.info.get("format"),
+            "source_info": source.info,
+            "target_format": to,
+            "layers": layers,
+            "passthrough": source.passthrough_names(),
+            "side_files": [p.name for p in source.side_files()],
+            "problems": problems,
+        }
+
+
+def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, to: str = "w4pack",
+            force: bool = False, show_progress: bool | None = None, max_shard_size: int | str = "2GB",
+            **options: Any) -> dict[str, Any]:
+    """Convert ``src`` into ``dst`` in format ``to``; returns a summary (layers, bytes, seconds).
+
+    Example::
+
+        w4pack.convert("llama-gptq/", "llama-w4/")
+    """
+    t0 = time.perf_counter()
+    read_opts = {k: v for k, v in options.items() if k in ("base",)}
+    write_opts = {k: v for k, v in options.items() if k not in ("base",)}
+    with open_source(src, src_format, **read_opts) as source:
+        target = get_format(to)
+        if not source.layer_names() and to == "w4pack":
+            raise UnsupportedError("the source holds no quantized layers", file=str(src))
+        if to == "w4pack":
+            out = target.write(source, Path(dst), force=force, max_shard_size=max_shard_size,
+                               show_progress=show_progress)
+        else:
+            out = target.write(source, Path(dst), force=force, show_progress=show_progress, **write_opts)
+        n_layers = len(source.layer_names())
+        n_pass = len(source.passthrough_names())
+        info = dict(source.info)
+    size = sum(p.stat().st_size for p in Path(out).iterdir() if p.is_file())
+    seconds = time.perf_counter() - t0
+    return {"source": str(src), "source_format": info.get("format"), "output": str(out), "format": to,
+            "layers": n_layers, "passthrough": n_pass, "bytes": size, "seconds": round(seconds, 3),
+            "notes": info.get("notes", [])}

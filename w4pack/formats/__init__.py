@@ -1,0 +1,66 @@
+"""Readers and writers of external checkpoint formats, one module per family, behind one interface.
+
+``REGISTRY`` maps a format name to its class; ``detect(path)`` names the format of a checkpoint.
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from ..errors import BadInputError, UnsupportedError
+from .base import Capabilities, Format, Source, TensorData
+
+__all__ = ["REGISTRY", "get_format", "detect", "open_source", "Format", "Source", "Capabilities", "TensorData"]
+
+#: format name -> "module:Class"; modules are imported on first use so a broken optional
+#: dependency of one format does not break the others.
+_KNOWN = {
+    "w4pack": "w4pack.formats.w4pack:W4PackFormat",
+    "gptq": "w4pack.formats.gptq:GPTQFormat",
+    "awq": "w4pack.formats.awq:AWQFormat",
+    "toml": "w4pack.formats.toml_tables:TomlTablesFormat",
+    "compressed-tensors": "w4pack.formats.compressed_tensors:CompressedTensorsFormat",
+    "gguf": "w4pack.formats.gguf:GGUFFormat",
+}
+#: detection order: most specific first
+_DETECT_ORDER = ("w4pack", "gguf", "compressed-tensors", "awq", "toml", "gptq")
+
+REGISTRY: dict[str, type[Format]] = {}
+
+
+def _available() -> dict[str, type[Format]]:
+    for name, ref in _KNOWN.items():
+        if name in REGISTRY:
+            continue
+        mod, cls = ref.split(":")
+        try:
+            REGISTRY[name] = getattr(importlib.import_module(mod), cls)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("w4pack.formats."):
+                continue  # format not implemented in this build
+            raise
+    return REGISTRY
+
+
+def get_format(name: str) -> type[Format]:
+    formats = _available()
+    if name not in formats:
+        raise UnsupportedError(f"unknown format {name!r}; known: {', '.join(sorted(formats))}")
+    return formats[name]
+
+
+def detect(path: str | Path) -> str:
+    p = Path(path)
+    if not p.exists():
+        raise BadInputError("does not exist", file=str(p))
+    formats = _available()
+    for name in _DETECT_ORDER:
+        if name in formats and formats[name].detect(p):
+            return name
+    raise UnsupportedError("cannot tell which format this is; name it with --from "
+                           f"({', '.join(sorted(formats))})", file=str(p))
+
+
+def open_source(path: str | Path, fmt: str | None = None, **options: object) -> Source:
+    name = fmt or detect(path)
+    return get_format(name).open(Path(path), **options)

@@ -1,0 +1,129 @@
+"""The interface every external format implements: detect, open (read), write, and capabilities.
+
+A reader turns a peer's checkpoint into canonical layers plus pass-through tensors and side files; a
+writer takes any ``Source`` and writes the peer's bytes. Conversions compose them, so n formats need
+n readers and n writers, never n² scripts. Readers must stream: ``read_layer`` loads one layer.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from ..canonical import CanonicalLayer
+
+__all__ = ["Source", "Format", "Capabilities", "TensorData"]
+
+
+@dataclass
+class TensorData:
+    """A pass-through tensor: array (bf16 as uint16 bits) and its dtype name."""
+
+    array: np.ndarray
+    dtype: str
+
+
+@dataclass
+class Capabilities:
+    """What a format can express; ``check`` names the first reason a layer cannot be written."""
+
+    bits: tuple[int, ...] = (4,)
+    zero_modes: tuple[str, ...] = ("none", "int")
+    group_sizes: tuple[int, ...] | None = None  # None: any
+    act_order: bool = False
+    scale_dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32")
+    notes: list[str] = field(default_factory=list)
+
+    def check(self, layer: CanonicalLayer) -> str | None:
+        if layer.bits not in self.bits:
+            return f"{layer.bits}-bit layers (supported: {self.bits})"
+        if layer.zero_mode not in self.zero_modes:
+            return f"zero mode {layer.zero_mode!r} (supported: {self.zero_modes})"
+        if self.group_sizes is not None and layer.group_size not in self.group_sizes:
+            return f"group size {layer.group_size} (supported: {self.group_sizes})"
+        if layer.act_order and not self.act_order:
+            return "act-order (permuted g_idx)"
+        if layer.scale_dtype not in self.scale_dtypes:
+            return f"{layer.scale_dtype} scales (supported: {self.scale_dtypes})"
+        return None
+
+
+class Source(abc.ABC):
+    """An opened checkpoint in some format, read lazily layer by layer."""
+
+    #: Hugging Face config.json contents (may be empty when the source has none)
+    config: dict[str, Any]
+    #: {"format": ..., "version": ..., "notes": [...], "quirks": [...]} recorded in the manifest
+    info: dict[str, Any]
+    path: Path
+
+    @abc.abstractmethod
+    def layer_names(self) -> list[str]:
+        """Module paths of quantized linear layers, in file order."""
+
+    @abc.abstractmethod
+    def read_layer(self, name: str) -> CanonicalLayer:
+        """One layer as canonical (validated); streaming, so only this layer's data is loaded."""
+
+    @abc.abstractmethod
+    def passthrough_names(self) -> list[str]:
+        """Unquantized tensors to carry over (embeddings, norms, biases of unquantized layers...)."""
+
+    @abc.abstractmethod
+    def read_tensor(self, name: str) -> TensorData:
+        """One pass-through tensor."""
+
+    def side_files(self) -> list[Path]:
+        """Tokenizer files, generation config, ... to copy beside the weights."""
+        return []
+
+    def layers(self) -> Iterator[tuple[str, CanonicalLayer]]:
+        for name in self.layer_names():
+            yield name, self.read_layer(name)
+
+    def close(self) -> None:  # noqa: B027 - optional
+        pass
+
+    def __enter__(self) -> "Source":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Format(abc.ABC):
+    """A checkpoint family. Subclasses register themselves in ``w4pack.formats.REGISTRY``."""
+
+    name: str = ""
+    description: str = ""
+    capabilities: Capabilities = Capabilities()
+
+    @classmethod
+    @abc.abstractmethod
+    def detect(cls, path: Path) -> bool:
+        """True when ``path`` looks like this format (cheap: config files and tensor names only)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def open(cls, path: Path, **options: Any) -> Source:
+        """Open for reading."""
+
+    @classmethod
+    def write(cls, source: Source, out: Path, *, force: bool = False, **options: Any) -> Path:
+        """Write ``source`` in this format into ``out`` (atomically). Formats that cannot write raise."""
+        from ..errors import UnsupportedError
+
+        raise UnsupportedError(f"writing {cls.name} is not supported")
+
+    @classmethod
+    def check_writable(cls, source: Source) -> list[str]:
+        """Reasons (one per layer) why ``source`` cannot be written losslessly in this format."""
+        problems = []
+        for name in source.layer_names():
+            reason = cls.capabilities.check(source.read_layer(name))
+            if reason:
+                problems.append(f"{name}: {cls.name} cannot express {reason}")
+        return problems

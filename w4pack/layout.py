@@ -1,0 +1,267 @@
+"""Layout v1 ("w4pack-tiles"): the numpy reference pack/unpack, i.e. the executable spec of docs/LAYOUT.md.
+
+The weight matrix W [N, K] is the *A operand* of the tensor-core instruction (rows = output features),
+so one layout feeds mma.sync.m16n8k16 (sm_80+) and wgmma m64nNk16 with A from registers (sm_90): a
+warpgroup's A slice is four 16-row warp fragments of exactly this shape.
+
+* N is padded to a multiple of 16 (tile rows), K to a multiple of 64 (tile columns).
+* A tile is 16 rows × 64 columns. Tiles of one 16-row stripe are contiguous along K, so a stripe
+  streams like a copy (GEMV) and a 64-row wgmma block is four consecutive stripes.
+* Inside a tile, lane ``l`` of a warp loads one 16-byte vector: four 32-bit words, word ``j`` holding
+  the eight values that lane owns in the m16n8k16 A fragment of the k16 slice ``j``.
+* Inside a word, the eight 4-bit values sit at nibble positions [0, 4, 1, 5, 2, 6, 3, 7] (fragment
+  element e goes to nibble NIBBLE_POS[e]), so ``(w >> 4i) & 0x000f000f`` yields the fp16 pair i with one
+  lop3 and the 0x6400 bias trick.
+* 8-bit layers use the same tiles with two words per k16 slice (eight bytes in fragment order).
+* Act-order: the stored permutation ``perm`` sorts K by group; packed column k' holds original column
+  perm[k'], and the kernel reads activations as x[:, perm].
+* Scales, integer zeros and float minima are stored [Gp, Np] (group-major, N contiguous): a 16-row
+  stripe's parameters for one group are 16 consecutive values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .canonical import CanonicalLayer, default_g_idx
+from .dtypes import FLOAT_DTYPES
+from .errors import BadInputError, UnsupportedError
+
+__all__ = [
+    "LAYOUT_NAME",
+    "LAYOUT_VERSION",
+    "TILE_N",
+    "TILE_K",
+    "NIBBLE_POS",
+    "PackedLayer",
+    "pack",
+    "unpack",
+    "padded_shape",
+    "storage_bits_for",
+    "tensor_suffixes",
+]
+
+LAYOUT_NAME = "w4pack-tiles"
+LAYOUT_VERSION = 1
+TILE_N = 16
+TILE_K = 64
+WARP = 32
+#: nibble position of fragment element e (0..7) inside a 32-bit word
+NIBBLE_POS = np.array([0, 4, 1, 5, 2, 6, 3, 7], dtype=np.int64)
+
+
+def storage_bits_for(bits: int) -> int:
+    """2-, 3- and 4-bit codes are stored as 4-bit (widened losslessly); 8-bit as 8-bit."""
+    if bits in (2, 3, 4):
+        return 4
+    if bits == 8:
+        return 8
+    raise UnsupportedError(f"{bits}-bit layers are not supported (2, 3, 4 and 8 are)")
+
+
+def padded_shape(n: int, k: int) -> tuple[int, int]:
+    return -(-n // TILE_N) * TILE_N, -(-k // TILE_K) * TILE_K
+
+
+def words_per_tile_lane(storage_bits: int) -> int:
+    """32-bit words one lane owns in a 16×64 tile: 4 for 4-bit (one 16-byte load), 8 for 8-bit."""
+    return 4 if storage_bits == 4 else 8
+
+
+def tensor_suffixes(zero_mode: str, act_order: bool) -> list[str]:
+    out = ["qweight", "scales"]
+    if zero_mode == "int":
+        out.append("zeros")
+    elif zero_mode == "float":
+        out.append("mins")
+    if act_order:
+        out.append("perm")
+    return out
+
+
+@dataclass
+class PackedLayer:
+    """A layer in layout v1: tensors keyed by suffix (qweight, scales, zeros|mins, perm, bias) + metadata."""
+
+    meta: dict[str, Any]
+    tensors: dict[str, np.ndarray]
+    source: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.meta["shape"])  # type: ignore[return-value]
+
+    @property
+    def padded(self) -> tuple[int, int]:
+        return tuple(self.meta["padded_shape"])  # type: ignore[return-value]
+
+
+def _group_structure(layer: CanonicalLayer) -> tuple[np.ndarray | None, int]:
+    """Return (perm or None, effective group size). Refuse g_idx that are not permuted contiguous groups."""
+    k = layer.in_features
+    gs = layer.group_size
+    if gs == -1:
+        return None, -1
+    if gs % 16:
+        raise UnsupportedError(f"group size {gs} is not a multiple of 16; layout v1 needs whole k16 slices per group",
+                               tensor=layer.name or None)
+    trivial = default_g_idx(k, gs)
+    if np.array_equal(layer.g_idx, trivial):
+        return None, gs
+    perm = np.argsort(layer.g_idx, kind="stable").astype(np.int32)
+    if not np.array_equal(layer.g_idx[perm], trivial):
+        raise UnsupportedError("g_idx does not assign exactly group_size columns to each group (last group may be "
+                               "short), so sorting K cannot give contiguous groups", tensor=layer.name or None)
+    return perm, gs
+
+
+def pack(layer: CanonicalLayer) -> PackedLayer:
+    """Canonical layer → layout v1 tensors. Lossless: ``unpack(pack(x))`` equals ``x`` bit for bit."""
+    layer.validate()
+    n, k = layer.codes.shape
+    np_, kp = padded_shape(n, k)
+    sbits = storage_bits_for(layer.bits)
+    perm, gs = _group_structure(layer)
+    g = layer.num_groups
+    gp = 1 if gs == -1 else -(-kp // gs)
+
+    codes = layer.codes if perm is None else layer.codes[:, perm]
+    padded = np.zeros((np_, kp), dtype=np.uint8)
+    padded[:n, :k] = codes
+    qweight = _interleave(padded, sbits)
+
+    def param(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        out = np.zeros((gp, np_), dtype=dtype)
+        out[:g, :n] = arr.T
+        return out
+
+    tensors: dict[str, np.ndarray] = {"qweight": qweight, "scales": param(layer.scales, layer.scales.dtype)}
+    if layer.zero_mode == "int":
+        tensors["zeros"] = param(layer.zeros.astype(np.int64), np.dtype(np.uint8 if sbits == 4 else np.uint16))
+    elif layer.zero_mode == "float":
+        tensors["mins"] = param(layer.zeros, layer.zeros.dtype)
+    if perm is not None:
+        tensors["perm"] = perm
+    if layer.bias is not None:
+        tensors["bias"] = layer.bias
+    meta = {
+        "bits": layer.bits,
+        "storage_bits": sbits,
+        "group_size": layer.group_size,
+        "zero_mode": layer.zero_mode,
+        "shape": [n, k],
+        "padded_shape": [np_, kp],
+        "num_groups": g,
+        "padded_groups": gp,
+        "scale_dtype": layer.scale_dtype,
+        "act_order": perm is not None,
+        "bias_dtype": layer.bias_dtype if layer.bias is not None else None,
+    }
+    return PackedLayer(meta=meta, tensors=tensors, source=dict(layer.source))
+
+
+def unpack(packed: PackedLayer, name: str = "") -> CanonicalLayer:
+    """Layout v1 tensors → canonical layer (act-order undone, padding dropped), checking every shape."""
+    m = packed.meta
+    t = packed.tensors
+    n, k = m["shape"]
+    np_, kp = m["padded_shape"]
+    sbits, gs, g, gp = m["storage_bits"], m["group_size"], m["num_groups"], m["padded_groups"]
+    if (np_, kp) != padded_shape(n, k):
+        raise BadInputError(f"padded shape {[np_, kp]} does not match shape {[n, k]} (expected "
+                            f"{list(padded_shape(n, k))})", tensor=name or None)
+    if sbits != storage_bits_for(m["bits"]):
+        raise BadInputError(f"storage_bits {sbits} is wrong for {m['bits']}-bit codes", tensor=name or None)
+    expect_gp = 1 if gs == -1 else -(-kp // gs)
+    expect_g = 1 if gs == -1 else -(-k // gs)
+    if gp != expect_gp or g != expect_g:
+        raise BadInputError(f"group counts {g}/{gp} do not match K={k}, group_size={gs}", tensor=name or None)
+    wpl = words_per_tile_lane(sbits)
+    _expect(t, "qweight", (np_ // TILE_N, kp // TILE_K * WARP * wpl), np.dtype(np.int32), name)
+    sdt = FLOAT_DTYPES[m["scale_dtype"]]
+    _expect(t, "scales", (gp, np_), sdt, name)
+    codes = _deinterleave(t["qweight"], np_, kp, sbits)[:n, :k]
+    scales = np.ascontiguousarray(t["scales"][:g, :n].T)
+    zeros = None
+    if m["zero_mode"] == "int":
+        _expect(t, "zeros", (gp, np_), np.dtype(np.uint8 if sbits == 4 else np.uint16), name)
+        zeros = np.ascontiguousarray(t["zeros"][:g, :n].T).astype(np.int32)
+    elif m["zero_mode"] == "float":
+        _expect(t, "mins", (gp, np_), sdt, name)
+        zeros = np.ascontiguousarray(t["mins"][:g, :n].T)
+    g_idx = default_g_idx(k, gs)
+    if m["act_order"]:
+        _expect(t, "perm", (k,), np.dtype(np.int32), name)
+        perm = np.asarray(t["perm"])
+        if not np.array_equal(np.sort(perm), np.arange(k, dtype=np.int32)):
+            raise BadInputError("perm is not a permutation of 0..K-1", tensor=f"{name}.perm" if name else "perm")
+        orig_codes = np.empty_like(codes)
+        orig_codes[:, perm] = codes
+        codes = orig_codes
+        orig_g = np.empty_like(g_idx)
+        orig_g[perm] = g_idx
+        g_idx = orig_g
+    bias = None
+    if "bias" in t:
+        bias_dtype = m.get("bias_dtype") or "float16"
+        _expect(t, "bias", (n,), FLOAT_DTYPES[bias_dtype], name)
+        bias = np.array(t["bias"])
+    layer = CanonicalLayer(
+        codes=np.ascontiguousarray(codes), scales=scales, bits=m["bits"], group_size=gs,
+        zero_mode=m["zero_mode"], zeros=zeros, g_idx=g_idx, scale_dtype=m["scale_dtype"],
+        bias=bias, bias_dtype=m.get("bias_dtype") if bias is not None else None,
+        source=dict(packed.source), name=name,
+    )
+    if int(codes.max(initial=0)) > (1 << m["bits"]) - 1:
+        raise BadInputError(f"packed codes exceed the {m['bits']}-bit range", tensor=f"{name}.qweight")
+    return layer
+
+
+def _expect(t: dict[str, np.ndarray], key: str, shape: tuple[int, ...], dtype: np.dtype, name: str) -> None:
+    label = f"{name}.{key}" if name else key
+    if key not in t:
+        raise BadInputError("tensor is missing", tensor=label)
+    arr = t[key]
+    if tuple(arr.shape) != tuple(shape):
+        raise BadInputError(f"shape {list(arr.shape)} != expected {list(shape)}", tensor=label)
+    if arr.dtype != dtype:
+        raise BadInputError(f"dtype {arr.dtype} != expected {dtype}", tensor=label)
+
+
+def _split_axes(np_: int, kp: int) -> tuple[int, ...]:
+    # n = nb*16 + rh*8 + gid ; k = kb*64 + j*16 + kh*8 + tid*2 + e
+    return (np_ // TILE_N, 2, 8, kp // TILE_K, 4, 2, 4, 2)
+
+
+# (nb, rh, gid, kb, j, kh, tid, e) -> (nb, kb, gid, tid, j, kh, rh, e): lane = gid*4 + tid, elem = 4*kh + 2*rh + e
+_TO_TILES = (0, 3, 2, 6, 4, 5, 1, 7)
+_FROM_TILES = tuple(int(i) for i in np.argsort(_TO_TILES))
+
+
+def _interleave(codes: np.ndarray, sbits: int) -> np.ndarray:
+    np_, kp = codes.shape
+    t = codes.reshape(_split_axes(np_, kp)).transpose(_TO_TILES)
+    t = t.reshape(np_ // TILE_N, kp // TILE_K, WARP, 4, 8).astype(np.uint32)
+    if sbits == 4:
+        words = np.zeros(t.shape[:-1], dtype=np.uint32)
+        for e in range(8):
+            words |= t[..., e] << np.uint32(4 * NIBBLE_POS[e])
+    else:
+        b = t.reshape(t.shape[:-1] + (2, 4))
+        words = b[..., 0] | (b[..., 1] << np.uint32(8)) | (b[..., 2] << np.uint32(16)) | (b[..., 3] << np.uint32(24))
+    return np.ascontiguousarray(words.reshape(np_ // TILE_N, -1)).view(np.int32)
+
+
+def _deinterleave(qweight: np.ndarray, np_: int, kp: int, sbits: int) -> np.ndarray:
+    w = np.ascontiguousarray(qweight).view(np.uint32)
+    if sbits == 4:
+        w = w.reshape(np_ // TILE_N, kp // TILE_K, WARP, 4)
+        t = np.stack([(w >> np.uint32(4 * NIBBLE_POS[e])) & np.uint32(0xF) for e in range(8)], axis=-1)
+    else:
+        w = w.reshape(np_ // TILE_N, kp // TILE_K, WARP, 4, 2)
+        t = np.stack([(w >> np.uint32(8 * i)) & np.uint32(0xFF) for i in range(4)], axis=-1)
+        t = t.reshape(np_ // TILE_N, kp // TILE_K, WARP, 4, 8)
+    t = t.astype(np.uint8).reshape(np_ // TILE_N, kp // TILE_K, 8, 4, 4, 2, 2, 2)
+    return np.ascontiguousarray(t.transpose(_FROM_TILES)).reshape(np_, kp)

@@ -1,0 +1,202 @@
+"""A strict, memory-mapped safetensors reader and a small writer.
+
+Own code rather than the safetensors package because (1) numpy has no bfloat16 and we carry bf16 as
+uint16 bits, (2) hostile headers must become one-line errors naming the file and tensor, and (3) the
+writer must write one shard at a time to a file we fsync ourselves.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+from pathlib import Path
+from typing import Any, BinaryIO, Iterable
+
+import numpy as np
+
+from .errors import BadInputError, UnsupportedError
+
+__all__ = ["SafetensorsFile", "write_safetensors", "DTYPES", "dtype_to_st", "MAX_HEADER"]
+
+#: safetensors dtype code -> (numpy storage dtype, w4pack dtype name)
+DTYPES: dict[str, tuple[np.dtype, str]] = {
+    "F64": (np.dtype("<f8"), "float64"),
+    "F32": (np.dtype("<f4"), "float32"),
+    "F16": (np.dtype("<f2"), "float16"),
+    "BF16": (np.dtype("<u2"), "bfloat16"),
+    "I64": (np.dtype("<i8"), "int64"),
+    "I32": (np.dtype("<i4"), "int32"),
+    "I16": (np.dtype("<i2"), "int16"),
+    "I8": (np.dtype("i1"), "int8"),
+    "U64": (np.dtype("<u8"), "uint64"),
+    "U32": (np.dtype("<u4"), "uint32"),
+    "U16": (np.dtype("<u2"), "uint16"),
+    "U8": (np.dtype("u1"), "uint8"),
+    "BOOL": (np.dtype("?"), "bool"),
+}
+_NAME_TO_ST = {v[1]: k for k, v in DTYPES.items()}
+MAX_HEADER = 100 * 1024 * 1024
+
+
+def dtype_to_st(arr: np.ndarray, dtype_name: str | None = None) -> str:
+    """safetensors dtype code for an array; uint16 arrays are U16 unless dtype_name says bfloat16."""
+    if dtype_name == "bfloat16":
+        if arr.dtype != np.uint16:
+            raise ValueError("bfloat16 data must be held as uint16 bits")
+        return "BF16"
+    name = np.dtype(arr.dtype).name
+    if name not in _NAME_TO_ST:
+        raise UnsupportedError(f"cannot store dtype {arr.dtype} in safetensors")
+    return _NAME_TO_ST[name]
+
+
+class SafetensorsFile:
+    """A validated, memory-mapped safetensors file. ``get(name)`` returns a read-only numpy view."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        label = str(self.path)
+        try:
+            self._fh: BinaryIO | None = open(self.path, "rb")
+        except FileNotFoundError:
+            raise BadInputError("file does not exist", file=label) from None
+        except OSError as exc:
+            raise BadInputError(f"cannot open: {exc.strerror}", file=label) from None
+        size = os.fstat(self._fh.fileno()).st_size
+        if size < 8:
+            self.close()
+            raise BadInputError(f"truncated: {size} bytes, not even a header length", file=label)
+        (hlen,) = struct.unpack("<Q", self._fh.read(8))
+        if hlen > MAX_HEADER or 8 + hlen > size:
+            self.close()
+            raise BadInputError(f"header length {hlen} exceeds the file ({size} bytes): truncated or not safetensors",
+                                file=label)
+        raw = self._fh.read(hlen)
+        try:
+            header = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            self.close()
+            raise BadInputError(f"header is not valid JSON ({exc})", file=label) from None
+        if not isinstance(header, dict):
+            self.close()
+            raise BadInputError("header is not a JSON object", file=label)
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            self.close()
+            raise BadInputError("__metadata__ must map strings to strings", file=label)
+        self.metadata: dict[str, str] = meta
+        self.data_start = 8 + hlen
+        data_len = size - self.data_start
+        spans = []
+        self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        for name, info in header.items():
+            try:
+                dt = info["dtype"]
+                shape = tuple(int(d) for d in info["shape"])
+                begin, end = (int(x) for x in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                self.close()
+                raise BadInputError("header entry lacks dtype/shape/data_offsets", file=label, tensor=name) from None
+            if dt not in DTYPES:
+                self.close()
+                raise UnsupportedError(f"dtype {dt!r} is not supported", file=label, tensor=name)
+            if any(d < 0 for d in shape):
+                self.close()
+                raise BadInputError(f"negative dimension in shape {list(shape)}", file=label, tensor=name)
+            nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dt][0].itemsize
+            if begin < 0 or end < begin or end - begin != nbytes:
+                self.close()
+                raise BadInputError(f"data_offsets [{begin}, {end}] do not hold {nbytes} bytes for shape "
+                                    f"{list(shape)} {dt}", file=label, tensor=name)
+            if end > data_len:
+                self.close()
+                raise BadInputError(f"data runs past the end of the file ({end} > {data_len} bytes of data): "
+                                    "truncated", file=label, tensor=name)
+            spans.append((begin, end, name))
+            self.entries[name] = (dt, shape, begin, end)
+        spans.sort()
+        for (b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
+            if b1 < e0:
+                self.close()
+                raise BadInputError(f"data overlaps tensor {n0}", file=label, tensor=n1)
+        self._mm: mmap.mmap | None = None
+        if size > 0 and data_len > 0:
+            self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        dt, shape, _b, _e = self.entries[name]
+        return DTYPES[dt][1], shape
+
+    def get(self, name: str) -> np.ndarray:
+        """Read-only view into the mapped file (zero copy)."""
+        if name not in self.entries:
+            raise BadInputError("tensor is missing", file=str(self.path), tensor=name)
+        dt, shape, begin, end = self.entries[name]
+        npdt = DTYPES[dt][0]
+        if end == begin:
+            return np.zeros(shape, dtype=npdt)
+        assert self._mm is not None
+        return np.frombuffer(self._mm, dtype=npdt, count=(end - begin) // npdt.itemsize,
+                             offset=self.data_start + begin).reshape(shape)
+
+    def dtype_name(self, name: str) -> str:
+        return DTYPES[self.entries[name][0]][1]
+
+    def close(self) -> None:
+        mm = getattr(self, "_mm", None)
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # views still alive; the map is released when they go
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def write_safetensors(path: str | os.PathLike[str], tensors: Iterable[tuple[str, np.ndarray, str | None]],
+                      metadata: dict[str, str] | None = None, fsync: bool = True) -> tuple[int, str]:
+    """Write (name, array, dtype_name) triples; returns (file size, sha256 hex). Header padded to 8 bytes."""
+    items = list(tensors)
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for name, arr, dname in items:
+        nbytes = arr.nbytes
+        header[name] = {"dtype": dtype_to_st(arr, dname), "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    digest = hashlib.sha256()
+    with open(path, "wb") as fh:
+        for chunk in (struct.pack("<Q", len(raw)), raw):
+            fh.write(chunk)
+            digest.update(chunk)
+        for _name, arr, _d in items:
+            a = np.ascontiguousarray(arr)
+            if a.dtype.byteorder == ">":
+                a = a.astype(a.dtype.newbyteorder("<"))
+            if a.size:
+                buf = memoryview(a).cast("B")
+                fh.write(buf)
+                digest.update(buf)
+        fh.flush()
+        if fsync:
+            os.fsync(fh.fileno())
+        return fh.tell(), digest.hexdigest()
