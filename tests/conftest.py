@@ -1,0 +1,56 @@
+"""Shared test plumbing: where the peers' fixtures are, and the GPU marker."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def fixtures_root() -> Path | None:
+    """$W4PACK_FIXTURES, else ../shared/fixtures beside the checkout; None when neither exists."""
+    env = os.environ.get("W4PACK_FIXTURES")
+    if env:
+        p = Path(env)
+        return p if p.is_dir() else None
+    p = REPO.parent / "shared" / "fixtures"
+    return p if p.is_dir() else None
+
+
+def fixture_dir(*parts: str) -> Path:
+    """A fixture folder, or skip the test with the reason when fixtures are not available."""
+    root = fixtures_root()
+    if root is None:
+        pytest.skip("peer fixtures not found (set W4PACK_FIXTURES or place shared/fixtures beside the checkout)")
+    p = root.joinpath(*parts)
+    if not p.exists():
+        pytest.skip(f"fixture {p} not present")
+    return p
+
+
+def fixture_cases(family: str) -> list[str]:
+    """Case folder names of one fixture family (for parametrize); empty when fixtures are absent."""
+    root = fixtures_root()
+    if root is None or not (root / family).is_dir():
+        return []
+    return sorted(p.name for p in (root / family).iterdir() if p.is_dir() and (p / "case.json").exists())
+
+
+def has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if has_cuda():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
