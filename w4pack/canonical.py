@@ -59,8 +59,10 @@ class CanonicalLayer:
     def __post_init__(self) -> None:
         if self.g_idx is None and isinstance(self.codes, np.ndarray) and self.codes.ndim == 2:
             self.g_idx = default_g_idx(self.codes.shape[1], self.group_size)
-        if self.bias is not None and self.bias_dtype is None:
-            self.bias_dtype = self.scale_dtype if self.bias.dtype != np.float32 else "float32"
+        if self.bias is not None and self.bias_dtype is None and isinstance(self.bias, np.ndarray):
+            # uint16 bias data is bf16 bits (see dtypes.py)
+            self.bias_dtype = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32",
+                               np.dtype(np.uint16): "bfloat16"}.get(self.bias.dtype)
 
     # -- shape helpers -------------------------------------------------------------------------
     @property
@@ -141,6 +143,9 @@ class CanonicalLayer:
             if not np.all(np.isfinite(to_float32(self.zeros, self.scale_dtype))):
                 raise bad("float minima contain NaN or infinity")
         if self.bias is not None:
+            if self.bias_dtype is None and isinstance(self.bias, np.ndarray):
+                self.bias_dtype = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32",
+                                   np.dtype(np.uint16): "bfloat16"}.get(self.bias.dtype)
             if self.bias_dtype not in FLOAT_DTYPES or self.bias.dtype != FLOAT_DTYPES[self.bias_dtype]:
                 raise bad(f"bias must be stored as its dtype {self.bias_dtype}, got {self.bias.dtype}")
             if self.bias.shape != (n,):

@@ -497,7 +497,8 @@ class Checkpoint:
             dt, shape = f.info(tname)
             if suffix == "bias":
                 if shape != (n,):
-                    raise BadInputError(f"shape {list(shape)} != [{n}]", file=str(self.path / fname), tensor=tname)
+                    raise BadInputError(f"shape {list(shape)} contradicts the manifest (expected [{n}])",
+                                        file=str(self.path / fname), tensor=tname)
                 continue
             want_shape, want_dt = expect[suffix]
             if shape != want_shape:

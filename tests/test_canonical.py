@@ -1,0 +1,103 @@
+"""The canonical layer: invariants and the dequantize reference."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from w4pack.canonical import CanonicalLayer, default_g_idx
+from w4pack.dtypes import from_float32, to_float32
+from w4pack.errors import BadInputError
+
+
+def make(rng, n=8, k=96, bits=4, gs=32, mode="int", sdt="float16"):
+    g = 1 if gs == -1 else -(-k // gs)
+    s32 = (rng.random((n, g), dtype=np.float32) + 0.5) / 16
+    scales = from_float32(s32, sdt)
+    zeros = None
+    if mode == "int":
+        zeros = rng.integers(0, 1 << bits, (n, g)).astype(np.int32)
+    elif mode == "float":
+        zeros = from_float32(-rng.random((n, g), dtype=np.float32), sdt)
+    return CanonicalLayer(codes=rng.integers(0, 1 << bits, (n, k), dtype=np.uint8), scales=scales, bits=bits,
+                          group_size=gs, zero_mode=mode, zeros=zeros, scale_dtype=sdt, name="t")
+
+
+def test_dequantize_matches_formula_elementwise():
+    rng = np.random.default_rng(1)
+    for mode in ("none", "int", "float"):
+        for sdt in ("float16", "bfloat16", "float32"):
+            layer = make(rng, mode=mode, sdt=sdt).validate()
+            w = layer.dequantize(np.float64)
+            s = to_float32(layer.scales, sdt).astype(np.float64)
+            for n, k in [(0, 0), (3, 50), (7, 95)]:
+                g = layer.g_idx[k]
+                q = float(layer.codes[n, k])
+                if mode == "none":
+                    want = s[n, g] * (q - 8)
+                elif mode == "int":
+                    want = s[n, g] * (q - layer.zeros[n, g])
+                else:
+                    want = s[n, g] * q + float(to_float32(layer.zeros, sdt)[n, g])
+                assert w[n, k] == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
+def test_dequantize_uses_g_idx_permutation():
+    rng = np.random.default_rng(2)
+    layer = make(rng, k=64, gs=32)
+    layer.g_idx = np.array([1, 0] * 32, dtype=np.int32)
+    w = layer.dequantize()
+    s = to_float32(layer.scales, "float16")
+    assert w[0, 0] == np.float32(s[0, 1] * (float(layer.codes[0, 0]) - layer.zeros[0, 1]))
+    assert layer.act_order
+
+
+def test_bf16_roundtrip_exact():
+    x = np.array([1.0, -2.5, 3.140625, 1e-3, 65504.0, -0.0], dtype=np.float32)
+    b = from_float32(x, "bfloat16")
+    assert b.dtype == np.uint16
+    back = to_float32(b, "bfloat16")
+    assert np.array_equal(from_float32(back, "bfloat16"), b)
+    assert back[0] == 1.0 and back[1] == -2.5
+
+
+@pytest.mark.parametrize("mutate, msg", [
+    (lambda L: setattr(L, "bits", 5), "bits must be one of"),
+    (lambda L: setattr(L, "codes", L.codes.astype(np.int32)), "codes must be a uint8"),
+    (lambda L: L.codes.__setitem__((0, 0), 16), "codes exceed 15"),
+    (lambda L: setattr(L, "scales", L.scales[:, :2]), "scales shape"),
+    (lambda L: setattr(L, "g_idx", L.g_idx[:-1]), "g_idx must be"),
+    (lambda L: setattr(L, "g_idx", L.g_idx.astype(np.int64)), "g_idx must be int32"),
+    (lambda L: L.g_idx.__setitem__(0, 99), "g_idx values must lie"),
+    (lambda L: setattr(L, "zero_mode", "weird"), "zero_mode must be one of"),
+    (lambda L: setattr(L, "zeros", None), "needs zeros of shape"),
+    (lambda L: L.zeros.__setitem__((0, 0), 17), "integer zeros must lie"),
+    (lambda L: L.scales.__setitem__((0, 0), np.inf), "NaN or infinity"),
+    (lambda L: setattr(L, "group_size", 0), "group_size must be positive"),
+    (lambda L: setattr(L, "bias", np.zeros(3, np.float16)), "bias shape"),
+])
+def test_invariants_rejected_with_clear_error(mutate, msg):
+    layer = make(np.random.default_rng(3))
+    mutate(layer)
+    with pytest.raises(BadInputError, match=msg) as ei:
+        layer.validate()
+    assert "tensor t" in str(ei.value)
+
+
+def test_zero_16_allowed_for_v1_wraparound():
+    layer = make(np.random.default_rng(4))
+    layer.zeros[0, 0] = 16  # what AutoGPTQ's v1 readers decode for a stored -1
+    layer.validate()
+
+
+def test_default_g_idx():
+    assert default_g_idx(5, 2).tolist() == [0, 0, 1, 1, 2]
+    assert default_g_idx(3, -1).tolist() == [0, 0, 0]
+
+
+def test_differences_reports_what_differs():
+    rng = np.random.default_rng(5)
+    a = make(rng)
+    b = a.replace(codes=a.codes.copy())
+    assert a.equals(b)
+    b.codes[0, 0] ^= 1
+    assert any(d.startswith("codes") for d in a.differences(b))
