@@ -17,6 +17,7 @@ __all__ = ["REGISTRY", "get_format", "detect", "open_source", "Format", "Source"
 _KNOWN = {
     "w4pack": "w4pack.formats.w4pack:W4PackFormat",
     "gptq": "w4pack.formats.gptq:GPTQFormat",
+    "gptq-v2": "w4pack.formats.gptq:GPTQv2Format",
     "awq": "w4pack.formats.awq:AWQFormat",
     "toml": "w4pack.formats.toml_tables:TomlTablesFormat",
     "compressed-tensors": "w4pack.formats.compressed_tensors:CompressedTensorsFormat",

@@ -1,0 +1,1017 @@
+"""GPTQ family: AutoGPTQ, GPTQModel (``gptq`` = v1 and ``gptq_v2``), GPTQ-for-LLaMa (.safetensors / .pt).
+
+Reading decodes the peer's bytes exactly as the peers' kernels do (see ../shared/reference/formats-gptq.md):
+
+* ``qweight`` int32 [K*b/32, N]: codes as an LSB-first bit stream along K (3-bit values straddle words);
+* ``qzeros``  int32 [G, N*b/32]: zero fields, the same stream along N; v1 stores ``z - 1`` and readers
+  compute ``(field + 1) & (2**b - 1)`` ("masking"), v2 stores ``z``;
+* ``scales``  [G, N] in the stored dtype; ``g_idx`` int32 [K] (act-order makes it a permutation of groups);
+* ``bias`` [N] when the Linear had one.
+
+Metadata is checked against the tensors: bits and group size must agree with the shapes (else
+BadInputError naming file and tensor), and symmetric layers whose zero fields say the other version
+than the config are read as what they hold, with a warning and a note in the source info.
+
+Writing produces v1 by default (what the ecosystem reads) or v2 (``checkpoint_format="gptq_v2"``,
+``--to gptq-v2``). v1 cannot store a zero point of 0 or 2**b unambiguously, so such layers are refused
+before anything is written, naming the way out.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from .. import __version__
+from ..atomic import AtomicFolder
+from ..canonical import CanonicalLayer
+from ..checkpoint import SIDE_FILES, parse_size
+from ..dtypes import FLOAT_DTYPES
+from ..errors import BadInputError, IOFailure, UnsupportedError, W4PackError
+from ..progress import Progress
+from ..safetensors_io import SafetensorsFile, write_safetensors
+from ._bitpack import STREAM_BITS, pack_cols, pack_rows, unpack_cols, unpack_rows
+from .base import Capabilities, Format, Source, TensorData
+
+__all__ = ["GPTQFormat", "GPTQv2Format", "GPTQSource", "GPTQWarning", "write_gptq", "V1", "V2"]
+
+V1 = "gptq"
+V2 = "gptq_v2"
+_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "bias")
+_CONFIG_FILES = ("quantize_config.json", "quant_config.json")
+#: files a writer produces itself and never copies from the source
+_OWN_FILES = {"config.json", "quantize_config.json", "quant_config.json", "quantization_config.json",
+              "model.safetensors.index.json", "pytorch_model.bin.index.json", "w4pack.json"}
+DEFAULT_MAX_SHARD = "4GB"
+
+
+class GPTQWarning(UserWarning):
+    """The checkpoint's metadata contradicts its tensors (e.g. a "gptq" config over v2 zero points)."""
+
+
+def _natural_key(name: str) -> list[Any]:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _ones_pattern(bits: int) -> int:
+    """The int32 word with a 1 in every field: what GPTQModel subtracts per word to write v1."""
+    return sum(1 << (bits * j) for j in range(32 // bits))
+
+
+# ---------------------------------------------------------------------------------------------
+# tensor storage: safetensors shards (memory-mapped) or torch pickles loaded with weights_only
+# ---------------------------------------------------------------------------------------------
+_TORCH_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float64",
+                 "int64": "int64", "int32": "int32", "int16": "int16", "int8": "int8", "uint8": "uint8",
+                 "bool": "bool"}
+
+
+def _load_pt(path: Path) -> dict[str, Any]:
+    """A state dict from a .pt/.bin file, loaded only with torch.load(weights_only=True): a pickle that
+    would run code is refused by torch, and anything but a flat name -> tensor mapping is refused here."""
+    try:
+        import torch
+    except ImportError:
+        raise UnsupportedError("reading .pt/.bin checkpoints needs torch (pip install w4pack[torch])",
+                               file=str(path)) from None
+    obj = None
+    last: Exception | None = None
+    for mmap in (True, False):
+        try:
+            obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=mmap)
+            break
+        except FileNotFoundError:
+            raise BadInputError("file does not exist", file=str(path)) from None
+        except Exception as exc:  # noqa: BLE001 - torch raises many types; all mean "not a safe tensor file"
+            last = exc
+    if obj is None:
+        first = str(last).strip().splitlines()[0] if last is not None and str(last).strip() else type(last).__name__
+        raise BadInputError(f"not a tensor-only pickle (torch.load with weights_only=True refused it: {first[:200]})",
+                            file=str(path))
+    if not isinstance(obj, Mapping):
+        raise BadInputError(f"holds a {type(obj).__name__}, not a state dict of tensors", file=str(path))
+    for k, v in obj.items():
+        if not isinstance(k, str):
+            raise BadInputError(f"state dict key {k!r} is not a string", file=str(path))
+        if not isinstance(v, torch.Tensor):
+            raise BadInputError(f"holds a {type(v).__name__}, not a tensor", file=str(path), tensor=k)
+        if str(v.dtype).removeprefix("torch.") not in _TORCH_DTYPES:
+            raise UnsupportedError(f"dtype {v.dtype} is not supported", file=str(path), tensor=k)
+    return dict(obj)
+
+
+class _Store:
+    """Every tensor of a checkpoint by name, with the file it lives in; data is read on demand."""
+
+    def __init__(self) -> None:
+        self._st: dict[str, SafetensorsFile] = {}
+        self._pt: dict[str, dict[str, Any]] = {}
+        self.where: dict[str, str] = {}  # tensor -> file path (str)
+        self.metadata: dict[str, str] = {}
+
+    def add_safetensors(self, path: Path, only: set[str] | None = None) -> None:
+        f = SafetensorsFile(path)
+        self._st[str(path)] = f
+        self.metadata.update(f.metadata)
+        for name in f.keys():
+            if only is not None and name not in only:
+                continue
+            self._claim(name, str(path))
+
+    def add_pt(self, path: Path, only: set[str] | None = None) -> None:
+        sd = _load_pt(path)
+        self._pt[str(path)] = sd
+        for name in sd:
+            if only is not None and name not in only:
+                continue
+            self._claim(name, str(path))
+
+    def _claim(self, name: str, path: str) -> None:
+        if name in self.where and self.where[name] != path:
+            raise BadInputError(f"tensor also stored in {self.where[name]}", file=path, tensor=name)
+        self.where[name] = path
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        path = self.where[name]
+        if path in self._st:
+            return self._st[path].info(name)
+        t = self._pt[path][name]
+        return _TORCH_DTYPES[str(t.dtype).removeprefix("torch.")], tuple(int(d) for d in t.shape)
+
+    def get(self, name: str) -> np.ndarray:
+        """The stored array (bf16 as uint16 bits); safetensors data is a zero-copy memory map."""
+        path = self.where[name]
+        if path in self._st:
+            return self._st[path].get(name)
+        import torch
+
+        t = self._pt[path][name].detach().contiguous()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(np.uint16)
+        return t.numpy()
+
+    def close(self) -> None:
+        for f in self._st.values():
+            f.close()
+        self._st.clear()
+        self._pt.clear()
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadInputError(f"not valid JSON: {exc}", file=str(path)) from None
+    except OSError as exc:
+        raise BadInputError(f"cannot read: {exc.strerror}", file=str(path)) from None
+
+
+def _member(root: Path, name: Any, index: Path) -> Path:
+    """A shard named by an index: a plain file name inside the folder, never a path out of it."""
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith(".") \
+            or ".." in name:
+        raise BadInputError(f"index names shard {name!r}, which is not a plain file name inside the folder",
+                            file=str(index))
+    p = root / name
+    if p.is_symlink() and not p.resolve().is_relative_to(root.resolve()):
+        raise BadInputError(f"shard {name!r} is a symbolic link out of the folder", file=str(index))
+    if not p.is_file():
+        raise BadInputError(f"shard {name!r} named by the index is missing", file=str(p))
+    return p
+
+
+def _open_store(path: Path, base_name: str | None) -> tuple[_Store, Path]:
+    """Find and open the weight files of a folder (index, single or several files) or of one file."""
+    store = _Store()
+    if path.is_file():
+        (store.add_pt if path.suffix in (".pt", ".bin", ".pth") else store.add_safetensors)(path)
+        return store, path.parent
+    if not path.is_dir():
+        raise BadInputError("does not exist", file=str(path))
+    for index_name, adder in (("model.safetensors.index.json", store.add_safetensors),
+                              ("pytorch_model.bin.index.json", store.add_pt)):
+        ipath = path / index_name
+        if ipath.is_file():
+            doc = _read_json(ipath)
+            wmap = doc.get("weight_map") if isinstance(doc, dict) else None
+            if not isinstance(wmap, dict) or not wmap:
+                raise BadInputError("index has no weight_map", file=str(ipath))
+            by_file: dict[str, set[str]] = {}
+            for tname, fname in wmap.items():
+                by_file.setdefault(fname, set()).add(tname)
+            for fname, names in sorted(by_file.items()):
+                shard = _member(path, fname, ipath)
+                adder(shard, only=names)
+                for tname in sorted(names):
+                    if tname not in store:
+                        raise BadInputError("tensor listed in the index is missing from its shard", file=str(shard),
+                                            tensor=tname)
+            return store, path
+    st = sorted(path.glob("*.safetensors"))
+    if base_name and (path / f"{base_name}.safetensors").is_file():
+        st = [path / f"{base_name}.safetensors"]
+    if st:
+        for p in st:
+            store.add_safetensors(p)
+        return store, path
+    pts = sorted(p for p in path.iterdir() if p.suffix in (".pt", ".bin", ".pth") and p.is_file()
+                 and not p.name.startswith(("training_args", "optimizer", "scheduler", "rng_state")))
+    if pts:
+        for p in pts:
+            store.add_pt(p)
+        return store, path
+    raise BadInputError("no weights found (.safetensors, model.safetensors.index.json, .pt or .bin)", file=str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# configuration
+# ---------------------------------------------------------------------------------------------
+_SYNONYMS = {"w_bit": "bits", "wbits": "bits", "q_group_size": "group_size", "groupsize": "group_size"}
+
+
+def _normalise_qc(qc: dict[str, Any]) -> dict[str, Any]:
+    out = dict(qc)
+    for old, new in _SYNONYMS.items():
+        if old in out and new not in out:
+            out[new] = out[old]
+    return out
+
+
+def _quant_config(root: Path) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """(quantization config, HF config.json, notes). quantize_config.json wins over config.json on conflict."""
+    notes: list[str] = []
+    hf: dict[str, Any] = {}
+    cpath = root / "config.json"
+    if cpath.is_file():
+        doc = _read_json(cpath)
+        if not isinstance(doc, dict):
+            raise BadInputError("config.json is not a JSON object", file=str(cpath))
+        hf = doc
+    qc: dict[str, Any] = {}
+    from_hf = hf.get("quantization_config")
+    if isinstance(from_hf, dict):
+        qc = _normalise_qc(from_hf)
+    for name in _CONFIG_FILES:
+        p = root / name
+        if p.is_file():
+            doc = _read_json(p)
+            if not isinstance(doc, dict):
+                raise BadInputError("not a JSON object", file=str(p))
+            doc = _normalise_qc(doc)
+            for key in ("bits", "group_size", "sym", "desc_act", "checkpoint_format"):
+                if key in qc and key in doc and qc[key] != doc[key]:
+                    notes.append(f"{name} says {key}={doc[key]!r} but config.json says {qc[key]!r}; using {name}")
+            qc = {**qc, **doc}
+            break
+    return qc, hf, notes
+
+
+def _declared_version(qc: dict[str, Any]) -> str:
+    fmt = qc.get("checkpoint_format") or qc.get("format") or V1
+    fmt = str(fmt).lower()
+    if fmt in (V1, V2):
+        return fmt
+    if fmt in ("gptq_p", "marlin", "bitblas", "ipex", "qqq"):
+        raise UnsupportedError(f"GPTQ checkpoint_format {fmt!r} stores a different layout; only 'gptq' (v1) and "
+                               "'gptq_v2' are readable")
+    return V1
+
+
+def _dynamic_override(dynamic: Any, module: str) -> tuple[bool, dict[str, Any]]:
+    """GPTQModel ``dynamic``: the first pattern (re.match) that matches decides; ``-:`` skips the module."""
+    if not isinstance(dynamic, dict):
+        return False, {}
+    for pattern, overrides in dynamic.items():
+        try:
+            if pattern.startswith("-:"):
+                if re.match(pattern[2:], module):
+                    return True, {}
+            elif re.match(pattern.removeprefix("+:"), module):
+                return False, dict(overrides) if isinstance(overrides, dict) else {}
+        except re.error as exc:
+            raise BadInputError(f"dynamic pattern {pattern!r} is not a valid regular expression ({exc})") from None
+    return False, {}
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class _Plan:
+    """Everything about one quantized layer that the shapes and configs say, before any data is read."""
+
+    name: str
+    bits: int
+    group_size: int
+    in_features: int
+    out_features: int
+    groups: int
+    sym: bool | None
+    version: str
+    tensors: dict[str, str]
+    notes: list[str] = field(default_factory=list)
+    quirks: list[str] = field(default_factory=list)
+
+
+class GPTQSource(Source):
+    """An opened GPTQ checkpoint (folder or single file), read layer by layer from memory maps.
+
+    Options: ``checkpoint_format`` ("gptq"/"gptq_v2": trust this and skip auto-detection),
+    ``v1_zeros`` ("masking", the default, as AutoGPTQ/vLLM/transformers kernels decode v1 zeros; or
+    "carry", as GPTQModel's own loader does: add the per-word constant back with carry), and ``bits`` /
+    ``group_size`` for config-less files whose shapes cannot tell.
+    """
+
+    def __init__(self, path: Path, *, checkpoint_format: str | None = None, v1_zeros: str = "masking",
+                 bits: int | None = None, group_size: int | None = None):
+        self.path = Path(path)
+        if v1_zeros not in ("masking", "carry"):
+            raise UnsupportedError(f"v1_zeros must be 'masking' or 'carry', got {v1_zeros!r}")
+        if checkpoint_format not in (None, V1, V2):
+            raise UnsupportedError(f"checkpoint_format must be {V1!r} or {V2!r}, got {checkpoint_format!r}")
+        self.v1_zeros = v1_zeros
+        root = self.path if self.path.is_dir() else self.path.parent
+        if self.path.is_dir():
+            qc, hf, notes = _quant_config(root)
+        else:
+            qc, hf, notes = {}, {}, []
+        qm = qc.get("quant_method")
+        if qm is not None and str(qm).lower() != "gptq":
+            raise UnsupportedError(f"quantization_config says quant_method={qm!r}, not GPTQ", file=str(self.path))
+        if qc.get("is_marlin_format"):
+            raise UnsupportedError("is_marlin_format: qweight was repacked for Marlin on disk; re-export it in the "
+                                   "plain GPTQ layout", file=str(self.path))
+        pack_dtype = str(qc.get("pack_dtype", "int32")).removeprefix("torch.")
+        if pack_dtype != "int32":
+            raise UnsupportedError(f"pack_dtype {pack_dtype} is not supported (only int32 words)", file=str(self.path))
+        if bits is not None:
+            qc["bits"] = int(bits)
+        if group_size is not None:
+            qc["group_size"] = int(group_size)
+        self.qc = qc
+        self.declared = checkpoint_format or _declared_version(qc)
+        self.forced = checkpoint_format is not None
+        self.config = {k: v for k, v in hf.items() if k != "quantization_config"}
+        base_name = qc.get("model_file_base_name") if isinstance(qc.get("model_file_base_name"), str) else None
+        self.store, self.root = _open_store(self.path, base_name)
+        meta_q = (qc.get("meta") or {}).get("quantizer") if isinstance(qc.get("meta"), dict) else None
+        if meta_q:
+            producer = ", ".join(map(str, meta_q if isinstance(meta_q, list) else [meta_q]))
+        elif "pack_dtype" in qc or isinstance(qc.get("meta"), dict):
+            producer = "gptqmodel (from its config keys)"
+        elif "auto_gptq_version" in self.store.metadata:
+            producer = f"auto_gptq:{self.store.metadata['auto_gptq_version']}"
+        elif not qc:
+            producer = "unknown (no quantization config: GPTQ-for-LLaMa style state dict)"
+        else:
+            producer = "unknown"
+        self.producer = producer
+        self._gptqmodel = "gptqmodel" in producer.lower()
+        self.notes = list(notes)
+        self.quirks: list[str] = []
+        self._plans: dict[str, _Plan] = {}
+        try:
+            self._plan_all()
+        except BaseException:
+            self.store.close()
+            raise
+        versions = sorted({p.version for p in self._plans.values()}) or [self.declared]
+        self.info = {"format": "gptq", "version": versions[0] if len(versions) == 1 else "+".join(versions),
+                     "producer": producer, "notes": self.notes, "quirks": self.quirks}
+
+    # -- planning ------------------------------------------------------------------------------
+    def _plan_all(self) -> None:
+        names = self.store.names()
+        modules = sorted({n[: -len(".qweight")] for n in names if n.endswith(".qweight")}, key=_natural_key)
+        contradicted: list[str] = []
+        wrapped = 0
+        for m in modules:
+            plan = self._plan(m)
+            self._decide_version(plan)
+            if plan.version != self.declared:
+                contradicted.append(m)
+            wrapped += sum(1 for q in plan.quirks if q.startswith("v1-zero-wrap"))
+            self._plans[m] = plan
+        claimed = {t for p in self._plans.values() for t in p.tensors.values()}
+        self._passthrough = [n for n in names if n not in claimed]
+        if contradicted:
+            other = V2 if self.declared == V1 else V1
+            msg = (f"metadata says checkpoint_format {self.declared!r} but the zero points of {len(contradicted)} "
+                   f"symmetric layer(s) (first: {contradicted[0]}) are stored as {other}; read as {other}")
+            self.notes.append(msg)
+            warnings.warn(f"{self.path}: {msg}", GPTQWarning, stacklevel=3)
+        if wrapped:
+            self.quirks.append(f"v1-zero-wrap in {wrapped} layer(s): v1 zero fields holding all ones are decoded as "
+                               "zero 0, as masking v1 kernels do (AutoGPTQ, vLLM, transformers); see the layer notes")
+
+    def _plan(self, m: str) -> _Plan:
+        st = self.store
+        t = {s: f"{m}.{s}" for s in _SUFFIXES if f"{m}.{s}" in st}
+        qname = t["qweight"]
+        qfile = st.where[qname]
+        if "qzeros" not in t:
+            if f"{m}.zeros" in st:
+                raise UnsupportedError("float 'zeros' instead of 'qzeros': a pre-g_idx GPTQ-for-LLaMa checkpoint "
+                                       "(March 2023), not supported", file=qfile, tensor=f"{m}.zeros")
+            raise BadInputError(f"quantized layer has qweight but no {m}.qzeros", file=qfile, tensor=qname)
+        if "scales" not in t:
+            raise BadInputError(f"quantized layer has qweight but no {m}.scales", file=qfile, tensor=qname)
+        skip, over = _dynamic_override(self.qc.get("dynamic"), m)
+        notes: list[str] = []
+        if skip:
+            notes.append("the config's dynamic rules skip this module, but the file holds it quantized; read as "
+                         "quantized")
+        cfg_bits = over.get("bits", self.qc.get("bits"))
+        cfg_gs = over.get("group_size", self.qc.get("group_size"))
+        sym = over.get("sym", self.qc.get("sym"))
+        sym = None if sym is None else bool(sym)
+
+        def bad(tensor_key: str, msg: str) -> BadInputError:
+            return BadInputError(msg, file=st.where[t[tensor_key]], tensor=t[tensor_key])
+
+        qdt, qshape = st.info(qname)
+        if qdt not in ("int32", "uint32") or len(qshape) != 2:
+            raise bad("qweight", f"qweight must be int32 [K*bits/32, N], got {qdt} {list(qshape)}")
+        sdt, sshape = st.info(t["scales"])
+        if sdt not in FLOAT_DTYPES or len(sshape) != 2:
+            raise bad("scales", f"scales must be float16/bfloat16/float32 [G, N], got {sdt} {list(sshape)}")
+        zdt, zshape = st.info(t["qzeros"])
+        if zdt not in ("int32", "uint32") or len(zshape) != 2:
+            raise bad("qzeros", f"qzeros must be int32 [G, N*bits/32], got {zdt} {list(zshape)}")
+        rows, n = qshape
+        groups = sshape[0]
+        if sshape[1] != n or n == 0 or rows == 0 or groups == 0:
+            raise bad("qweight", f"qweight shape {list(qshape)} and scales shape {list(sshape)} disagree on N "
+                      "(or are empty)")
+        if zshape[0] != groups:
+            raise bad("qzeros", f"qzeros has {zshape[0]} group rows but scales has {groups}")
+        k = None
+        if "g_idx" in t:
+            gdt, gshape = st.info(t["g_idx"])
+            if gdt not in ("int32", "int64", "int16") or len(gshape) != 1:
+                raise bad("g_idx", f"g_idx must be an integer [K] vector, got {gdt} {list(gshape)}")
+            k = gshape[0]
+        zbits = _ratio(zshape[1] * 32, n)
+        if k is not None:
+            kb = _ratio(rows * 32, k)
+            if kb not in STREAM_BITS:
+                raise bad("qweight", f"qweight shape {list(qshape)} holds {rows * 32}/{k} bits per code for K={k} "
+                          f"(from g_idx): truncated or not a GPTQ qweight")
+            b = int(kb)
+            if cfg_bits is not None and int(cfg_bits) != b:
+                raise bad("qweight", f"qweight shape {list(qshape)} means {b}-bit codes for K={k}, but the config "
+                          f"says bits={cfg_bits}")
+        elif cfg_bits is not None:
+            b = int(cfg_bits)
+            if b not in STREAM_BITS:
+                raise UnsupportedError(f"bits={b} is not supported (GPTQ stream bits: {STREAM_BITS})",
+                                       file=qfile, tensor=qname)
+            if (rows * 32) % b:
+                raise bad("qweight", f"qweight has {rows} rows, not a whole number of {b}-bit codes per column")
+            k = rows * 32 // b
+            notes.append("no g_idx tensor: groups taken as k // group_size")
+        elif zbits in STREAM_BITS:
+            b = int(zbits)
+            k = rows * 32 // b
+            notes.append(f"no g_idx and no config: bits={b} inferred from the qzeros shape")
+        else:
+            raise BadInputError("cannot tell the bit width: no g_idx, no config bits, and qzeros shape "
+                                f"{list(zshape)} does not say it", file=qfile, tensor=qname)
+        if zbits != b:
+            raise bad("qzeros", f"qzeros shape {list(zshape)} does not hold {b}-bit zeros for N={n} "
+                      f"(expected [{groups}, {n * b // 32 if (n * b) % 32 == 0 else f'{n}*{b}/32'}])")
+        if (k * b) % 32 or rows != k * b // 32:
+            raise bad("qweight", f"qweight shape {list(qshape)} does not hold K={k} {b}-bit codes "
+                      f"(expected [{k * b / 32:g}, {n}])")
+        # group size: config, checked against G; else inferred
+        if cfg_gs is not None:
+            gs = int(cfg_gs)
+            if gs == 0 or gs < -1:
+                raise BadInputError(f"group_size {gs} is invalid", file=qfile, tensor=qname)
+            want_g = 1 if gs == -1 else math.ceil(k / gs)
+            if want_g != groups:
+                raise bad("scales", f"scales has {groups} groups but K={k} with group_size={gs} needs {want_g}")
+        elif groups == 1:
+            gs = -1
+        elif "g_idx" in t:
+            g_idx = np.asarray(st.get(t["g_idx"]))
+            if g_idx.size and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+                raise bad("g_idx", f"g_idx values {int(g_idx.min())}..{int(g_idx.max())} outside 0..{groups - 1}")
+            gs = int(np.bincount(g_idx.astype(np.int64), minlength=groups).max())
+            if math.ceil(k / gs) != groups:
+                raise bad("g_idx", f"g_idx group sizes are not uniform (largest {gs}, K={k}, G={groups})")
+            notes.append(f"group_size={gs} inferred from g_idx (no config)")
+        else:
+            gs = math.ceil(k / groups)
+            if math.ceil(k / gs) != groups:
+                raise bad("scales", f"cannot infer a group size for K={k} and G={groups}")
+            notes.append(f"group_size={gs} inferred from the scales shape (no config)")
+        if "bias" in t:
+            bdt, bshape = st.info(t["bias"])
+            if bdt not in FLOAT_DTYPES or bshape != (n,):
+                raise bad("bias", f"bias must be a float [N={n}] vector, got {bdt} {list(bshape)}")
+        return _Plan(name=m, bits=b, group_size=gs, in_features=k, out_features=n, groups=groups, sym=sym,
+                     version=self.declared, tensors=t, notes=notes)
+
+    def _fields(self, plan: _Plan) -> np.ndarray:
+        """Raw zero fields [G, N] as stored (no v1 offset applied)."""
+        return unpack_cols(self.store.get(plan.tensors["qzeros"]), plan.bits)[:, : plan.out_features]
+
+    def _decide_version(self, plan: _Plan) -> None:
+        """Trust the metadata, unless a symmetric layer's zero fields are uniformly the other version's value."""
+        fields = self._fields(plan)
+        half = 1 << (plan.bits - 1)
+        if not self.forced and plan.sym is not False and fields.size:
+            lo, hi = int(fields.min()), int(fields.max())
+            if lo == hi == half and self.declared == V1:
+                plan.version = V2
+            elif lo == hi == half - 1 and self.declared == V2:
+                plan.version = V1
+            if plan.version != self.declared:
+                plan.notes.append(f"metadata says {self.declared!r}, but every zero field is {lo} (the {plan.version} "
+                                  f"encoding of the symmetric zero {half}); read as {plan.version}")
+                plan.quirks.append("checkpoint-format-contradicted")
+        if plan.version == V1:
+            mask = (1 << plan.bits) - 1
+            wrapped = int(np.count_nonzero(fields == mask))
+            if wrapped:
+                plan.quirks.append(f"v1-zero-wrap: {wrapped} zero field(s)")
+                plan.notes.append(
+                    f"{wrapped} v1 zero field(s) hold all ones and decode to zero 0 as masking v1 readers compute it "
+                    f"((field+1) & {mask}; AutoGPTQ, vLLM, transformers). A real zero 0 cannot be stored in v1: "
+                    "AutoGPTQ's packer then forces every higher field of that word to all ones, GPTQModel's borrows 1 "
+                    "from the next field; these zeros are what the kernels use, not necessarily what was intended")
+                if self._gptqmodel and plan.bits in (2, 4, 8):
+                    carry = self._carry_zeros(plan)
+                    masked = (fields.astype(np.int32) + 1) & mask
+                    diff = int(np.count_nonzero(carry != masked))
+                    if diff:
+                        plan.notes.append(f"GPTQModel's own loader (adds {_ones_pattern(plan.bits):#x} per word, with "
+                                          f"carry) reads {diff} zero(s) differently; open with v1_zeros='carry' to "
+                                          "read them its way")
+
+    def _carry_zeros(self, plan: _Plan) -> np.ndarray:
+        words = np.asarray(self.store.get(plan.tensors["qzeros"])).view(np.uint32)
+        fixed = (words.astype(np.uint64) + _ones_pattern(plan.bits)) & 0xFFFFFFFF
+        return unpack_cols(fixed.astype(np.uint32), plan.bits)[:, : plan.out_features].astype(np.int32)
+
+    # -- Source interface ----------------------------------------------------------------------
+    def layer_names(self) -> list[str]:
+        return list(self._plans)
+
+    def passthrough_names(self) -> list[str]:
+        return list(self._passthrough)
+
+    def read_tensor(self, name: str) -> TensorData:
+        if name not in self.store:
+            raise BadInputError("no such tensor", file=str(self.path), tensor=name)
+        dt, _shape = self.store.info(name)
+        return TensorData(self.store.get(name), dt)
+
+    def side_files(self) -> list[Path]:
+        if not self.path.is_dir():
+            return []
+        return [self.path / n for n in SIDE_FILES if (self.path / n).is_file()]
+
+    def plan(self, name: str) -> _Plan:
+        if name not in self._plans:
+            raise BadInputError("no such quantized layer", file=str(self.path), tensor=name)
+        return self._plans[name]
+
+    def raw_fields(self, name: str) -> np.ndarray:
+        """The stored zero fields [G, N] of a layer, before any v1 offset (for inspection and tests)."""
+        return self._fields(self.plan(name))
+
+    def read_layer(self, name: str) -> CanonicalLayer:
+        plan = self.plan(name)
+        st, t, b = self.store, plan.tensors, plan.bits
+        codes = np.ascontiguousarray(unpack_rows(st.get(t["qweight"]), b).T)
+        fields = self._fields(plan)
+        mask = (1 << b) - 1
+        if plan.version == V2:
+            zeros = fields.astype(np.int32)
+        elif self.v1_zeros == "carry" and b in (2, 4, 8):
+            zeros = self._carry_zeros(plan)
+        else:
+            zeros = (fields.astype(np.int32) + 1) & mask
+        zeros = np.ascontiguousarray(zeros.T)
+        half = 1 << (b - 1)
+        if plan.sym is not False and bool(np.all(zeros == half)):
+            zero_mode, zeros_out = "none", None
+        else:
+            zero_mode, zeros_out = "int", zeros
+            if plan.sym:
+                plan_note = "config says sym=True but the zero points vary; kept as integer zeros"
+                if plan_note not in plan.notes:
+                    plan.notes.append(plan_note)
+        sdt, _ = st.info(t["scales"])
+        scales = np.ascontiguousarray(np.asarray(st.get(t["scales"])).T)
+        if "g_idx" in t:
+            raw_g = np.asarray(st.get(t["g_idx"]))
+            if raw_g.size and (int(raw_g.min()) < 0 or int(raw_g.max()) >= plan.groups):
+                raise BadInputError(f"g_idx values {int(raw_g.min())}..{int(raw_g.max())} lie outside the "
+                                    f"{plan.groups} groups", file=st.where[t["g_idx"]], tensor=t["g_idx"])
+            g_idx = raw_g.astype(np.int32)
+        else:
+            g_idx = None
+        bias = bias_dtype = None
+        if "bias" in t:
+            bias_dtype, _ = st.info(t["bias"])
+            bias = np.array(st.get(t["bias"]))
+        source: dict[str, Any] = {"format": "gptq", "version": plan.version}
+        if plan.notes:
+            source["notes"] = list(plan.notes)
+        if plan.quirks:
+            source["quirks"] = list(plan.quirks)
+        if self.v1_zeros == "carry" and plan.version == V1:
+            source.setdefault("notes", []).append("v1 zeros read GPTQModel's way (per-word add with carry)")
+        layer = CanonicalLayer(codes=codes, scales=scales, bits=b, group_size=plan.group_size, zero_mode=zero_mode,
+                               zeros=zeros_out, g_idx=g_idx, scale_dtype=sdt, bias=bias, bias_dtype=bias_dtype,
+                               source=source, name=name)
+        try:
+            return layer.validate()
+        except BadInputError as exc:
+            if exc.file is None:
+                key = "scales" if "scale" in exc.message else ("g_idx" if "g_idx" in exc.message and "g_idx" in t
+                                                               else "qweight")
+                exc.file = st.where[t[key]]
+                exc.tensor = t[key]
+                exc.args = (exc.one_line(),)
+            raise
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _ratio(num: int, den: int) -> float:
+    """num/den as an int when exact, else a non-integer float (never equal to a bit width)."""
+    if den == 0:
+        return -1.0
+    return num // den if num % den == 0 else num / den
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+# ---------------------------------------------------------------------------------------------
+class GPTQCapabilities(Capabilities):
+    """What GPTQ can hold: integer zeros only, codes and zeros as whole int32 streams, and in v1 only the
+    zero points 1..2**b-1 (the stored field is z-1, and readers disagree about a stored -1)."""
+
+    def __init__(self, version: str):
+        super().__init__(bits=STREAM_BITS, zero_modes=("none", "int"), group_sizes=None, act_order=True,
+                         scale_dtypes=("float16", "bfloat16", "float32"))
+        self.version = version
+
+    def check(self, layer: CanonicalLayer) -> str | None:
+        if layer.zero_mode == "float":
+            return ("float-minimum zero points (w = s*q + m): GPTQ stores integer zero points only; keep this "
+                    "layer in w4pack or a format with minima (GGUF Q4_1)")
+        reason = super().check(layer)
+        if reason:
+            return reason
+        b = layer.bits
+        if (layer.in_features * b) % 32:
+            return (f"K={layer.in_features} in_features: {b}-bit qweight needs K*{b} to be a multiple of 32 "
+                    "(whole int32 words per column)")
+        if (layer.out_features * b) % 32:
+            return (f"N={layer.out_features} out_features: {b}-bit qzeros need N*{b} to be a multiple of 32 "
+                    "(whole int32 words per group)")
+        if layer.zero_mode == "int":
+            z = layer.zeros
+            hi = (1 << b) - 1
+            if self.version == V1:
+                bad = int(np.count_nonzero((z < 1) | (z > hi)))
+                if bad:
+                    vals = sorted({int(v) for v in np.unique(z[(z < 1) | (z > hi)])})
+                    return (f"zero point(s) {vals} in {bad} group(s): GPTQ v1 stores zero-1, so a zero of 0 (or "
+                            f"{1 << b}) becomes a field that readers decode differently (masking kernels read 0, "
+                            "GPTQModel's loader borrows from the neighbouring field); write --to gptq-v2 "
+                            "(checkpoint_format='gptq_v2') instead")
+            else:
+                bad = int(np.count_nonzero(z > hi))
+                if bad:
+                    return (f"zero point {1 << b} in {bad} group(s): a {b}-bit GPTQ v2 field holds 0..{hi}; "
+                            "keep this layer in w4pack")
+        return None
+
+
+def _symmetric(layer: CanonicalLayer) -> bool:
+    if layer.zero_mode == "none":
+        return True
+    return layer.zero_mode == "int" and bool(np.all(layer.zeros == (1 << (layer.bits - 1))))
+
+
+def encode_layer(layer: CanonicalLayer, version: str = V1) -> dict[str, tuple[np.ndarray, str | None]]:
+    """The GPTQ tensors of one canonical layer: suffix -> (array, dtype name). Assumes the layer passed
+    GPTQCapabilities(version).check."""
+    b = layer.bits
+    qweight = pack_rows(np.ascontiguousarray(layer.codes.T), b)
+    z = layer.zero_points()  # [N, G] int32
+    fields = z - 1 if version == V1 else z
+    qzeros = pack_cols(np.ascontiguousarray(fields.T).astype(np.uint32), b)
+    out: dict[str, tuple[np.ndarray, str | None]] = {
+        "qweight": (qweight, None),
+        "qzeros": (qzeros, None),
+        "scales": (np.ascontiguousarray(layer.scales.T), layer.scale_dtype),
+        "g_idx": (np.ascontiguousarray(layer.g_idx, dtype=np.int32), None),
+    }
+    if layer.bias is not None:
+        out["bias"] = (np.ascontiguousarray(layer.bias), layer.bias_dtype)
+    return out
+
+
+class _ShardWriter:
+    """Buffers tensors up to ``max_shard`` bytes, writes numbered shards, then names them HF-style."""
+
+    def __init__(self, folder: Path, max_shard: int):
+        self.folder, self.max_shard = folder, max_shard
+        self.pending: list[tuple[str, np.ndarray, str | None]] = []
+        self.pending_bytes = 0
+        self.shards: list[tuple[Path, int, list[str]]] = []
+        self.names: set[str] = set()
+
+    def add(self, name: str, arr: np.ndarray, dtype: str | None) -> None:
+        if name in self.names:
+            raise BadInputError("tensor name would be written twice", tensor=name)
+        self.names.add(name)
+        if self.pending and self.pending_bytes + arr.nbytes > self.max_shard:
+            self.flush()
+        self.pending.append((name, arr, dtype))
+        self.pending_bytes += arr.nbytes
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        path = self.folder / f"shard-{len(self.shards):05d}.partial"
+        try:
+            size, _sha = write_safetensors(path, self.pending, metadata={"format": "pt"})
+        except OSError as exc:
+            raise IOFailure(f"cannot write: {exc.strerror}", file=str(path)) from None
+        self.shards.append((path, size, [n for n, _a, _d in self.pending]))
+        self.pending, self.pending_bytes = [], 0
+
+    def finish(self) -> list[str]:
+        self.flush()
+        if not self.shards:
+            path = self.folder / "shard-00000.partial"
+            size, _ = write_safetensors(path, [], metadata={"format": "pt"})
+            self.shards.append((path, size, []))
+        if len(self.shards) == 1:
+            os.replace(self.shards[0][0], self.folder / "model.safetensors")
+            return ["model.safetensors"]
+        total = len(self.shards)
+        names = [f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i in range(total)]
+        wmap: dict[str, str] = {}
+        for (path, _size, tnames), fname in zip(self.shards, names):
+            os.replace(path, self.folder / fname)
+            wmap.update({t: fname for t in tnames})
+        index = {"metadata": {"total_size": sum(s for _p, s, _t in self.shards)}, "weight_map": dict(sorted(wmap.items()))}
+        _write_json(self.folder / "model.safetensors.index.json", index)
+        return names
+
+
+def _write_json(path: Path, doc: Any) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, indent=2)
+        fh.write("\n")
+
+
+def _block_prefixes(names: list[str]) -> set[str]:
+    """'model.layers.' from 'model.layers.3.mlp.up_proj': where the repeated blocks live."""
+    out = set()
+    for n in names:
+        m = re.match(r"^(.*\.)\d+\.", n)
+        if m:
+            out.add(m.group(1))
+    return out
+
+
+def gptq_quantization_config(metas: dict[str, dict[str, Any]], passthrough: list[str],
+                             passthrough_2d: set[str], version: str) -> dict[str, Any]:
+    """The quantization_config (= quantize_config.json) for the written layers.
+
+    Global bits/group_size are the most common; other layers get GPTQModel ``dynamic`` overrides
+    ("+:^name$"), and 2-D ``.weight`` tensors left unquantized inside the quantized blocks get "-:" rules so
+    loaders do not expect them quantized.
+    """
+    if metas:
+        bits = Counter(m["bits"] for m in metas.values()).most_common(1)[0][0]
+        gs = Counter(m["group_size"] for m in metas.values()).most_common(1)[0][0]
+    else:
+        bits, gs = 4, 128
+    sym = all(m["sym"] for m in metas.values()) if metas else True
+    dynamic: dict[str, dict[str, Any]] = {}
+    for name, m in metas.items():
+        over = {}
+        if m["bits"] != bits:
+            over["bits"] = m["bits"]
+        if m["group_size"] != gs:
+            over["group_size"] = m["group_size"]
+        if over:
+            dynamic["+:^" + re.escape(name) + "$"] = over
+    blocks = _block_prefixes(list(metas))
+    for t in passthrough:
+        if t in passthrough_2d and t.endswith(".weight") and any(t.startswith(b) for b in blocks):
+            mod = t[: -len(".weight")]
+            if mod not in metas:
+                dynamic["-:^" + re.escape(mod) + "$"] = {}
+    qc: dict[str, Any] = {
+        "bits": bits,
+        "group_size": gs,
+        "desc_act": any(m["act_order"] for m in metas.values()),
+        "sym": sym,
+        "static_groups": False,
+        "lm_head": "lm_head" in metas,
+        "quant_method": "gptq",
+        "checkpoint_format": version,
+        "format": version,
+        "pack_dtype": "int32",
+        "model_file_base_name": "model",
+        "meta": {"quantizer": [f"w4pack:{__version__}"]},
+    }
+    if dynamic:
+        qc["dynamic"] = dynamic
+    return qc
+
+
+def write_gptq(source: Source, out: str | os.PathLike[str], *, force: bool = False,
+               checkpoint_format: str = V1, max_shard_size: int | str = DEFAULT_MAX_SHARD,
+               show_progress: bool | None = None, **_other: Any) -> Path:
+    """Write ``source`` as a GPTQ checkpoint folder (v1 by default, or ``checkpoint_format='gptq_v2'``).
+
+    Every layer is checked first; anything GPTQ cannot hold raises UnsupportedError before a byte is
+    written. The folder appears atomically: model.safetensors (or shards + index), config.json with
+    quantization_config, quantize_config.json, and the source's side files. Options meant for other
+    formats are ignored.
+
+    Example::
+
+        with open_source("llama-w4/") as src:
+            write_gptq(src, "llama-gptq/", checkpoint_format="gptq_v2")
+    """
+    if checkpoint_format not in (V1, V2):
+        raise UnsupportedError(f"checkpoint_format must be {V1!r} or {V2!r}, got {checkpoint_format!r}")
+    max_shard = parse_size(max_shard_size)
+    if max_shard < 1024:
+        raise BadInputError(f"max shard size {max_shard} bytes is too small")
+    caps = GPTQCapabilities(checkpoint_format)
+    names = source.layer_names()
+    passthrough = source.passthrough_names()
+    # 1. refuse up front, and collect what the config needs
+    problems: list[str] = []
+    metas: dict[str, dict[str, Any]] = {}
+    for name in names:
+        layer = source.read_layer(name)
+        reason = caps.check(layer)
+        if reason:
+            problems.append(f"{name}: {reason}")
+            continue
+        metas[name] = {"bits": layer.bits, "group_size": layer.group_size, "sym": _symmetric(layer),
+                       "act_order": bool(layer.act_order)}
+        del layer
+    if problems:
+        more = f" (and {len(problems) - 1} more layer(s))" if len(problems) > 1 else ""
+        raise UnsupportedError(f"cannot write as GPTQ {checkpoint_format}: {problems[0]}{more}",
+                               file=str(getattr(source, "path", "")) or None)
+    claimed = {f"{n}.{s}" for n in names for s in _SUFFIXES}
+    clash = [t for t in passthrough if t in claimed]
+    if clash:
+        raise BadInputError("pass-through tensor has the name of a quantized layer's GPTQ tensor", tensor=clash[0])
+    pass_2d: set[str] = set()
+    # 2. stream
+    with AtomicFolder(out, force=force) as tmp:
+        shards = _ShardWriter(tmp, max_shard)
+        with Progress(len(names) + len(passthrough), "writing gptq", enabled=show_progress) as bar:
+            for name in names:
+                layer = source.read_layer(name)
+                for suffix, (arr, dt) in encode_layer(layer, checkpoint_format).items():
+                    shards.add(f"{name}.{suffix}", arr, dt)
+                del layer
+                bar.update()
+            for tname in passthrough:
+                td = source.read_tensor(tname)
+                if np.ndim(td.array) == 2:
+                    pass_2d.add(tname)
+                shards.add(tname, td.array, td.dtype if td.dtype in FLOAT_DTYPES else None)
+                bar.update()
+        shards.finish()
+        qc = gptq_quantization_config(metas, passthrough, pass_2d, checkpoint_format)
+        config = {k: v for k, v in (source.config or {}).items() if k != "quantization_config"}
+        config["quantization_config"] = qc
+        _write_json(tmp / "config.json", config)
+        _write_json(tmp / "quantize_config.json", qc)
+        for p in source.side_files():
+            if p.name in _OWN_FILES or p.name.endswith((".safetensors", ".bin", ".pt")) or p.name.startswith("."):
+                continue
+            try:
+                (tmp / p.name).write_bytes(p.read_bytes())
+            except OSError as exc:
+                raise IOFailure(f"cannot copy side file: {exc.strerror}", file=str(p)) from None
+    return Path(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# the format
+# ---------------------------------------------------------------------------------------------
+def _looks_gptq_tensors(path: Path) -> bool:
+    """A .qweight whose column count equals its .scales' column count (AWQ packs N, GPTQ packs K)."""
+    try:
+        if path.is_dir():
+            files = sorted(path.glob("*.safetensors"))[:1] or sorted(
+                p for p in path.iterdir() if p.suffix in (".pt", ".bin", ".pth"))[:1]
+            if not files:
+                return False
+            path = files[0]
+        store = _Store()
+        try:
+            (store.add_pt if path.suffix in (".pt", ".bin", ".pth") else store.add_safetensors)(path)
+            for n in store.names():
+                if n.endswith(".qweight"):
+                    m = n[: -len(".qweight")]
+                    if f"{m}.scales" in store:
+                        q = store.info(n)[1]
+                        s = store.info(f"{m}.scales")[1]
+                        return len(q) == 2 and len(s) == 2 and q[1] == s[1]
+            return False
+        finally:
+            store.close()
+    except (W4PackError, OSError):
+        return False
+
+
+class GPTQFormat(Format):
+    name = "gptq"
+    description = "GPTQ (AutoGPTQ, GPTQModel v1/v2, GPTQ-for-LLaMa): int32 qweight packed along K, qzeros, g_idx"
+    capabilities = GPTQCapabilities(V1)
+    version = V1
+
+    @classmethod
+    def detect(cls, path: Path) -> bool:
+        p = Path(path)
+        if p.is_dir():
+            try:
+                qc, _hf, _n = _quant_config(p)
+            except W4PackError:
+                qc = {}
+            qm = str(qc.get("quant_method", "")).lower()
+            if qm and qm != "gptq":
+                return False
+            if qm == "gptq" and not str(qc.get("version", "")).lower().startswith("gem"):
+                return True
+        return _looks_gptq_tensors(p)
+
+    @classmethod
+    def open(cls, path: Path, **options: Any) -> Source:
+        options = {k: v for k, v in options.items() if not (k == "base" and v is None)}
+        if "base" in options:
+            raise UnsupportedError("--base is only for TOML+NumPy quant tables; a GPTQ checkpoint holds its codes")
+        allowed = {"checkpoint_format", "v1_zeros", "bits", "group_size"}
+        unknown = sorted(set(options) - allowed)
+        if unknown:
+            raise UnsupportedError(f"unknown GPTQ read option(s): {', '.join(unknown)}")
+        if cls.version == V2:
+            options["checkpoint_format"] = V2
+        return GPTQSource(Path(path), **options)
+
+    @classmethod
+    def write(cls, source: Source, out: Path, *, force: bool = False, **options: Any) -> Path:
+        options.setdefault("checkpoint_format", cls.version)
+        return write_gptq(source, out, force=force, **options)
+
+    @classmethod
+    def check_writable(cls, source: Source) -> list[str]:
+        problems = []
+        for name in source.layer_names():
+            reason = cls.capabilities.check(source.read_layer(name))
+            if reason:
+                problems.append(f"{name}: {cls.name} cannot express {reason}")
+        return problems
+
+
+class GPTQv2Format(GPTQFormat):
+    """``--to gptq-v2``: zero points stored as is (GPTQModel checkpoint_format "gptq_v2")."""
+
+    name = "gptq-v2"
+    description = "GPTQ with v2 zero points (GPTQModel checkpoint_format gptq_v2)"
+    capabilities = GPTQCapabilities(V2)
+    version = V2
+
+    @classmethod
+    def detect(cls, path: Path) -> bool:
+        return False  # "gptq" detects and reads both versions
+
