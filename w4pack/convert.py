@@ -57,7 +57,8 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
             out = target.write(source, Path(dst), force=force, max_shard_size=max_shard_size,
                                show_progress=show_progress)
         else:
-            out = target.write(source, Path(dst), force=force, show_progress=show_progress, **write_opts)
+            out = target.write(source, Path(dst), force=force, max_shard_size=max_shard_size,
+                               show_progress=show_progress, **write_opts)
         n_layers = len(source.layer_names())
         n_pass = len(source.passthrough_names())
         info = dict(source.info)
