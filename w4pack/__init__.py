@@ -7,6 +7,11 @@ from .canonical import CanonicalLayer, dequantize  # noqa: E402
 from .checkpoint import Checkpoint, CheckpointWriter, open_checkpoint, validate_checkpoint  # noqa: E402
 from .errors import BadInputError, UnsupportedError, VerificationError, W4PackError  # noqa: E402
 from .layout import PackedLayer, pack, unpack  # noqa: E402
+from .loading import install_transformers_hook, load_model, register_transformers  # noqa: E402
+
+# "w4pack" becomes a transformers quantization method as soon as transformers loads its quantizers (no import
+# cost here), so AutoModelForCausalLM.from_pretrained(folder) works on a packed folder after `import w4pack`.
+install_transformers_hook()
 
 __all__ = [
     "__version__",
@@ -23,4 +28,6 @@ __all__ = [
     "BadInputError",
     "UnsupportedError",
     "VerificationError",
+    "load_model",
+    "register_transformers",
 ]

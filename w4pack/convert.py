@@ -47,9 +47,16 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
         w4pack.convert("llama-gptq/", "llama-w4/")
     """
     t0 = time.perf_counter()
+    from .fuse import FusedSource, parse_fuse
+
+    fuse = parse_fuse(options.pop("fuse", None))
+    if fuse and to != "w4pack":
+        raise UnsupportedError(f"--fuse applies to w4pack output only, not {to}")
     read_opts = {k: v for k, v in options.items() if k in ("base",)}
     write_opts = {k: v for k, v in options.items() if k not in ("base",)}
     with open_source(src, src_format, **read_opts) as source:
+        if fuse:
+            source = FusedSource(source, fuse)
         target = get_format(to)
         if not source.layer_names() and to == "w4pack":
             raise UnsupportedError("the source holds no quantized layers", file=str(src))
@@ -60,10 +67,14 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
             out = target.write(source, Path(dst), force=force, max_shard_size=max_shard_size,
                                show_progress=show_progress, **write_opts)
         n_layers = len(source.layer_names())
+        fused = dict(getattr(source, "fused", {}) or {})
         n_pass = len(source.passthrough_names())
         info = dict(source.info)
     size = sum(p.stat().st_size for p in Path(out).iterdir() if p.is_file())
     seconds = time.perf_counter() - t0
-    return {"source": str(src), "source_format": info.get("format"), "output": str(out), "format": to,
-            "layers": n_layers, "passthrough": n_pass, "bytes": size, "seconds": round(seconds, 3),
-            "notes": info.get("notes", [])}
+    result = {"source": str(src), "source_format": info.get("format"), "output": str(out), "format": to,
+              "layers": n_layers, "passthrough": n_pass, "bytes": size, "seconds": round(seconds, 3),
+              "notes": info.get("notes", [])}
+    if fuse:
+        result["fused"] = fused
+    return result

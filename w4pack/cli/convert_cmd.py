@@ -17,11 +17,13 @@ from . import emit_json
 @click.option("--base", type=click.Path(path_type=Path), default=None,
               help="fp16/bf16/fp32 base model folder (needed by TOML+NumPy quant tables).")
 @click.option("--max-shard-size", default="2GB", show_default=True, help="Largest shard, e.g. 2GB, 500MB.")
+@click.option("--fuse", "fuse", default=None, metavar="KINDS",
+              help="Fuse projections into one packed layer: qkv, gate-up or qkv,gate-up (w4pack output).")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
 @click.option("--dry-run", is_flag=True, help="Print what would be converted; write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 def convert(src: Path, dst: Path, src_format: str | None, to: str, base: Path | None, max_shard_size: str,
-            force: bool, dry_run: bool, as_json: bool) -> None:
+            fuse: str | None, force: bool, dry_run: bool, as_json: bool) -> None:
     """Convert the checkpoint SRC into DST, losslessly.
 
     Streams layer by layer; DST appears only when complete and is never replaced without --force.
@@ -42,6 +44,8 @@ def convert(src: Path, dst: Path, src_format: str | None, to: str, base: Path | 
             for note in doc["source_info"].get("notes", []):
                 click.echo(f"  note: {note}")
         return
+    if fuse:
+        opts["fuse"] = fuse
     result = do_convert(src, dst, src_format=src_format, to=to, force=force, max_shard_size=max_shard_size, **opts)
     if as_json:
         emit_json(result)

@@ -83,6 +83,8 @@ def write_packed(source: Source, out: Path, *, force: bool = False, max_shard_si
                 t = source.read_tensor(tname)
                 writer.add_tensor(tname, t.array, t.dtype)
                 bar.update()
+        if getattr(source, "fused", None):  # FusedSource (w4pack.fuse) records its row ranges as it reads
+            writer.fused = dict(source.fused)
         for p in source.side_files():
             if p.name not in _NOT_SIDE_FILES:
                 writer.add_side_file(p)

@@ -1,0 +1,162 @@
+"""Fused projections: pack q/k/v (and gate/up) of one block into one layer at convert time.
+
+Why: at batch 1 each projection is a separate, latency-bound GEMM over the same input; one fused GEMM reads the
+input once and launches once. Fusing stacks the layers along N (output rows), which is lossless only when they
+share the group structure along K: same bits, group size, zero mode, scale dtype, input width and, with
+act-order, the same column permutation (g_idx). Otherwise the fusion is refused with the reason.
+
+The manifest records ``fused: {fused_name: [{"name": part, "rows": [start, end]}, ...]}`` (rows in the fused
+layer's output), and the loader puts ``W4SliceLinear`` views at the part names, so model code is unchanged.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from .canonical import CanonicalLayer
+from .errors import BadInputError, UnsupportedError
+from .formats.base import Source, TensorData
+
+__all__ = ["FUSIONS", "parse_fuse", "plan_fusion", "fuse_layers", "FusedSource", "fusion_blockers"]
+
+#: fusion kind -> (parts in order, fused module name)
+FUSIONS: dict[str, tuple[tuple[str, ...], str]] = {
+    "qkv": (("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+    "gate-up": (("gate_proj", "up_proj"), "gate_up_proj"),
+}
+
+
+def parse_fuse(spec: str | Iterable[str] | None) -> list[str]:
+    """'qkv,gate-up' (or a list) -> ['qkv', 'gate-up']; unknown kinds are bad input."""
+    if spec is None:
+        return []
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    kinds = []
+    for raw in items:
+        k = raw.strip().lower().replace("_", "-")
+        if not k:
+            continue
+        if k == "gateup":
+            k = "gate-up"
+        if k not in FUSIONS:
+            raise BadInputError(f"unknown fusion {raw!r} (known: {', '.join(FUSIONS)})")
+        if k not in kinds:
+            kinds.append(k)
+    return kinds
+
+
+def plan_fusion(layer_names: list[str], kinds: list[str]) -> dict[str, list[str]]:
+    """{fused name: [part names]} for every block that has all the parts of a requested fusion."""
+    present = set(layer_names)
+    out: dict[str, list[str]] = {}
+    for kind in kinds:
+        parts, fused_leaf = FUSIONS[kind]
+        for name in layer_names:
+            prefix, _, leaf = name.rpartition(".")
+            if leaf != parts[0]:
+                continue
+            full = [f"{prefix}.{p}" if prefix else p for p in parts]
+            if all(p in present for p in full):
+                fused = f"{prefix}.{fused_leaf}" if prefix else fused_leaf
+                if fused in present:
+                    raise UnsupportedError("the checkpoint already has a layer with the fused name",
+                                           tensor=fused)
+                out[fused] = full
+    return out
+
+
+def fusion_blockers(layers: list[CanonicalLayer]) -> list[str]:
+    """Why these layers cannot be stacked along N (empty when they can)."""
+    first = layers[0]
+    why = []
+    for other in layers[1:]:
+        for attr in ("bits", "group_size", "zero_mode", "scale_dtype", "in_features"):
+            a, b = getattr(first, attr), getattr(other, attr)
+            if a != b:
+                why.append(f"{attr} differs ({first.name}: {a}, {other.name}: {b})")
+        if first.in_features == other.in_features and not np.array_equal(first.g_idx, other.g_idx):
+            why.append(f"act-order permutations differ ({first.name} vs {other.name}): their groups along K "
+                       "are different column sets, so one packed layer cannot serve both")
+        if (first.bias is None) != (other.bias is None):
+            why.append(f"only some parts have a bias ({first.name}: {first.bias is not None}, "
+                       f"{other.name}: {other.bias is not None})")
+        elif first.bias is not None and first.bias_dtype != other.bias_dtype:
+            why.append(f"bias dtypes differ ({first.bias_dtype} vs {other.bias_dtype})")
+    return why
+
+
+def fuse_layers(name: str, layers: list[CanonicalLayer]) -> tuple[CanonicalLayer, list[dict[str, Any]]]:
+    """Stack layers along N into one canonical layer; returns it and the parts' row ranges."""
+    why = fusion_blockers(layers)
+    if why:
+        raise UnsupportedError(f"cannot fuse {', '.join(l.name for l in layers)}: " + "; ".join(why), tensor=name)
+    first = layers[0]
+    rows, start = [], 0
+    for l in layers:
+        rows.append({"name": l.name, "rows": [start, start + l.out_features]})
+        start += l.out_features
+    zeros = None
+    if first.zero_mode == "int":
+        zeros = np.concatenate([l.zeros.astype(np.int32) for l in layers], axis=0)
+    elif first.zero_mode == "float":
+        zeros = np.concatenate([l.zeros for l in layers], axis=0)
+    bias = None if first.bias is None else np.concatenate([l.bias for l in layers], axis=0)
+    notes = []
+    for l in layers:
+        notes.extend(l.source.get("notes", []) if isinstance(l.source, dict) else [])
+    source = dict(first.source) if isinstance(first.source, dict) else {}
+    fused = CanonicalLayer(
+        codes=np.concatenate([l.codes for l in layers], axis=0), scales=np.concatenate([l.scales for l in layers]),
+        bits=first.bits, group_size=first.group_size, zero_mode=first.zero_mode, zeros=zeros,
+        g_idx=first.g_idx.copy(), scale_dtype=first.scale_dtype, bias=bias, bias_dtype=first.bias_dtype,
+        source=source, name=name,
+    )
+    return fused.validate(), rows
+
+
+class FusedSource(Source):
+    """A Source that presents fused layers in place of their parts (one fused layer in memory at a time)."""
+
+    def __init__(self, inner: Source, kinds: list[str]):
+        self.inner = inner
+        self.config = inner.config
+        self.info = dict(inner.info)
+        self.path = getattr(inner, "path", Path("."))
+        self.plan = plan_fusion(inner.layer_names(), kinds)
+        self.kinds = kinds
+        self._part_of = {p: fused for fused, parts in self.plan.items() for p in parts}
+        self.fused: dict[str, list[dict[str, Any]]] = {}
+        if self.plan:
+            self.info["notes"] = list(self.info.get("notes", [])) + [
+                f"fused {len(self.plan)} projection group(s): {', '.join(kinds)}"]
+
+    def layer_names(self) -> list[str]:
+        out, seen = [], set()
+        for name in self.inner.layer_names():
+            target = self._part_of.get(name, name)
+            if target not in seen:
+                seen.add(target)
+                out.append(target)
+        return out
+
+    def read_layer(self, name: str) -> CanonicalLayer:
+        if name not in self.plan:
+            return self.inner.read_layer(name)
+        parts = [self.inner.read_layer(p).replace(name=p) for p in self.plan[name]]
+        layer, rows = fuse_layers(name, parts)
+        self.fused[name] = rows
+        return layer
+
+    def passthrough_names(self) -> list[str]:
+        return self.inner.passthrough_names()
+
+    def read_tensor(self, name: str) -> TensorData:
+        return self.inner.read_tensor(name)
+
+    def side_files(self) -> list[Path]:
+        return self.inner.side_files()
+
+    def close(self) -> None:
+        self.inner.close()
