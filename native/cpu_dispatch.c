@@ -41,9 +41,14 @@ int w4p_cpu_isa_selected(void) {
     if (force && *force) {
         if (!strcmp(force, "scalar")) return W4P_ISA_SCALAR;
         if (!strcmp(force, "avx2") && (avail & W4P_ISA_AVX2)) return W4P_ISA_AVX2;
+        /* "avx512" is the AVX-512 path with VNNI where present; "avx512novnni" forces the maddubs variant */
+        if (!strcmp(force, "avx512") && (avail & W4P_ISA_AVX512VNNI)) return W4P_ISA_AVX512VNNI;
         if (!strcmp(force, "avx512") && (avail & W4P_ISA_AVX512)) return W4P_ISA_AVX512;
+        if (!strcmp(force, "avx512vnni") && (avail & W4P_ISA_AVX512VNNI)) return W4P_ISA_AVX512VNNI;
+        if (!strcmp(force, "avx512novnni") && (avail & W4P_ISA_AVX512)) return W4P_ISA_AVX512;
         if (!strcmp(force, "neon") && (avail & W4P_ISA_NEON)) return W4P_ISA_NEON;
     }
+    if (avail & W4P_ISA_AVX512VNNI) return W4P_ISA_AVX512VNNI;
     if (avail & W4P_ISA_AVX512) return W4P_ISA_AVX512;
     if (avail & W4P_ISA_AVX2) return W4P_ISA_AVX2;
     if (avail & W4P_ISA_NEON) return W4P_ISA_NEON;
@@ -54,7 +59,8 @@ const char *w4p_cpu_isa_name(int isa) {
     switch (isa) {
     case W4P_ISA_SCALAR: return "scalar";
     case W4P_ISA_AVX2: return "avx2";
-    case W4P_ISA_AVX512: return "avx512";
+    case W4P_ISA_AVX512: return "avx512novnni";
+    case W4P_ISA_AVX512VNNI: return "avx512vnni";
     case W4P_ISA_NEON: return "neon";
     default: return "unknown";
     }

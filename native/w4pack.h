@@ -43,7 +43,83 @@ int w4p_cpu_isa_available(void);
 int w4p_cpu_isa_selected(void);
 const char *w4p_cpu_isa_name(int isa);
 
+/* Element types of activations, outputs, scales and biases. bf16 travels as raw uint16 bits. */
+#define W4P_DT_F16 1
+#define W4P_DT_BF16 2
+#define W4P_DT_F32 3
+#define W4P_ZERO_NONE 0
+#define W4P_ZERO_INT 1
+#define W4P_ZERO_FLOAT 2
+/* exact: weights dequantized to fp32, fp32 accumulation; fast: int8 activations per block, integer dots */
+#define W4P_PREC_EXACT 0
+#define W4P_PREC_FAST 1
+
+/* A packed layer in layout v1, as stored in the checkpoint (pointers are only read during create). */
+typedef struct {
+    int32_t n, k;            /* true shape [N, K] */
+    int32_t np, kp;          /* padded shape (N to 16, K to 64) */
+    int32_t bits;            /* 2, 3, 4 or 8 */
+    int32_t storage_bits;    /* 4 or 8 */
+    int32_t group_size;      /* > 0 (multiple of 16) or -1 (per channel) */
+    int32_t padded_groups;   /* Gp: rows of scales / zeros / mins */
+    int32_t zero_mode;       /* W4P_ZERO_* */
+    int32_t scale_dtype;     /* W4P_DT_*: dtype of scales and mins */
+    const int32_t *qweight;  /* [np/16][kp/64 * 32 * (storage_bits == 4 ? 4 : 8)] */
+    const void *scales;      /* [Gp][np] */
+    const void *zeros;       /* [Gp][np] uint8 (4-bit storage) or uint16 (8-bit); NULL unless zero_mode int */
+    const void *mins;        /* [Gp][np] scale dtype; NULL unless zero_mode float */
+    const int32_t *perm;     /* [k] act-order permutation, or NULL */
+} w4p_packed_desc;
+
+/* A layer repacked once into the CPU tile layout (2 MiB pages where possible); opaque. */
+typedef struct w4p_cpu_layer w4p_cpu_layer;
+
+int w4p_cpu_layer_create(const w4p_packed_desc *desc, w4p_cpu_layer **out);
+void w4p_cpu_layer_free(w4p_cpu_layer *layer);
+/* Bytes held by the repacked weights and parameters. */
+size_t w4p_cpu_layer_bytes(const w4p_cpu_layer *layer);
+/* The codes as the CPU layout holds them, [np][kp] in packed (permuted) K order: tests of the repack. */
+int w4p_cpu_layer_codes(const w4p_cpu_layer *layer, uint8_t *codes);
+
+/* y[m, :n] = x[m, :k] . W^T (+ bias) for m < M.  x: [M][ldx] of x_dtype; y: [M][ldy] of y_dtype;
+   bias: [n] of bias_dtype or NULL. isa: 0 = the dispatcher's choice, else one W4P_ISA_* path (must be
+   available). threads: the most threads to use (>= 1). */
+int w4p_cpu_gemm(const w4p_cpu_layer *layer, const void *x, int x_dtype, int64_t m, int64_t ldx,
+                 void *y, int y_dtype, int64_t ldy, const void *bias, int bias_dtype,
+                 int precision, int isa, int threads);
+
+/* Read `bytes` of buf as fast as the CPU can (benchmark of the memory read bandwidth); returns a checksum. */
+uint64_t w4p_cpu_read_stream(const void *buf, size_t bytes);
+
 /* W4P_CUDA_BEGIN ---- CUDA entry points (libw4p_cuda.so, loaded with ffi.dlopen) ------------------ */
+/* All device pointers; `stream` is a cudaStream_t (NULL = legacy default stream). Works under graph
+   capture. Errors: negative W4P_E* code, message from w4p_cuda_last_error() (thread-local). */
+#define W4P_CUDA_KERNEL_AUTO 0
+#define W4P_CUDA_KERNEL_STREAM 1
+#define W4P_CUDA_KERNEL_TILED 2
+#define W4P_CUDA_PROBE_LOAD 10
+#define W4P_CUDA_PROBE_DEQUANT 11
+int w4p_cuda_abi_version(void);
+const char *w4p_cuda_last_error(void);
+/* Number of CUDA devices; W4P_ENODEVICE ("no CUDA device: ...") when there is none or no driver. */
+int w4p_cuda_device_count(int *count);
+/* The plan w4p_cuda_gemm would use (kernel 0 = auto, splits 0 = auto) and the workspace it needs.
+   x_aligned: 1 if x is 16-byte aligned with ldx % 8 == 0. */
+int w4p_cuda_plan(int device, int64_t m, int n, int k, int storage_bits, int group_size, int act_order,
+                  int x_aligned, int kernel, int splits, int *kernel_out, int *splits_out,
+                  size_t *workspace_bytes);
+/* y[m, :n] = x[m, :k] . W^T (+ bias) for m < M, W in layout w4pack-tiles v1 (padded shape from n, k).
+   dtype W4P_DT_F16 or W4P_DT_BF16 for x, y, scales, zeros, mins and bias alike. zeros: [Gp][np] in
+   dtype holding the integer zero points (zero_mode int); mins: [Gp][np] (zero_mode float); perm: [k]
+   act-order permutation or NULL; bias [n] or NULL. workspace: zero-filled before its first use, reused
+   across calls on one stream (the kernels leave its counters at zero); too small a workspace makes the
+   call choose fewer splits or fail with W4P_EINVAL. Deterministic: the same inputs and plan give
+   bit-identical outputs. */
+int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k,
+                  const void *x, int64_t ldx, void *y, int64_t ldy,
+                  const int32_t *qweight, int storage_bits, int group_size, int zero_mode,
+                  const void *scales, const void *zeros, const void *mins, const int32_t *perm,
+                  const void *bias, void *workspace, size_t workspace_bytes, int kernel, int splits);
 /* W4P_CUDA_END */
 
 #ifdef __cplusplus

@@ -1,0 +1,150 @@
+/*
+ * AVX2 + FMA + F16C kernels (x86 without AVX-512).
+ *
+ * 16 ymm registers: a 64-column tile is processed as two 32-column halves (four ymm each), with up to
+ * two activation rows sharing each loaded weight vector.
+ *   fast:  low/high nibbles as unsigned bytes, vpmaddubsw with four broadcast int8 activations, then
+ *          vpmaddwd with ones (pairs of int16 -> int32). |q*a| <= 15*127 keeps int16 pairs far from
+ *          saturation.
+ *   exact: nibble -> int32 (shift, AND) -> fp32, one FMA per row.
+ */
+#if defined(__x86_64__) || defined(__i386__)
+#include "w4p_cpu_internal.h"
+
+#include <immintrin.h>
+#include <string.h>
+
+#define T2 __attribute__((target("avx2,fma,f16c")))
+#define INL inline __attribute__((always_inline))
+#define RMAX2 2
+
+static INL T2 void load_params_half(const struct w4p_cpu_layer *L, int tile, int blk, int half, __m256 s[4], __m256 o[4]) {
+    const uint8_t *p = w4p_tile_params(L, tile, w4p_block_group(L, blk));
+    for (int q = 0; q < 4; q++) {
+        const int col = 32 * half + 8 * q;
+        if (L->pkind == W4P_PK_F16U8) {
+            s[q] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * col)));
+            __m128i z8 = _mm_loadl_epi64((const __m128i *)(p + 128 + col));
+            __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(z8));
+            o[q] = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(s[q], z));
+        } else {
+            s[q] = _mm256_loadu_ps((const float *)p + col);
+            o[q] = _mm256_loadu_ps((const float *)p + 64 + col);
+        }
+    }
+}
+
+static INL T2 void fast_rows(const w4p_job *J, int tile, int64_t m0, const int R, float ybuf[][W4P_TILE]) {
+    const struct w4p_cpu_layer *L = J->L;
+    const int kp = L->kp, ab = L->ab, cpb = ab / 8, nblk = L->nblk;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int half = 0; half < 2; half++) {
+        for (int b = 0; b < nblk; b++) {
+            __m256 s[4], o[4];
+            load_params_half(L, tile, b, half, s, o);
+            for (int p = 0; p < L->planes; p++) {
+                const uint32_t *w = w4p_tile_words(L, tile, p) + (size_t)b * cpb * W4P_TILE + 32 * half;
+                const int8_t *a[RMAX2];
+                for (int r = 0; r < R; r++) a[r] = J->xq + (m0 + r) * kp + (size_t)b * ab;
+                __m256i acc[RMAX2][4];
+                for (int r = 0; r < R; r++)
+                    for (int q = 0; q < 4; q++) acc[r][q] = _mm256_setzero_si256();
+                for (int c = 0; c < cpb; c++) {
+                    __m256i alo[RMAX2], ahi[RMAX2];
+                    for (int r = 0; r < R; r++) {
+                        int32_t lo, hi;
+                        memcpy(&lo, a[r] + 8 * c, 4);
+                        memcpy(&hi, a[r] + 8 * c + 4, 4);
+                        alo[r] = _mm256_set1_epi32(lo);
+                        ahi[r] = _mm256_set1_epi32(hi);
+                    }
+                    const uint32_t *wc = w + (size_t)c * W4P_TILE;
+                    for (int q = 0; q < 4; q++) {
+                        __m256i wv = _mm256_loadu_si256((const __m256i *)(wc + 8 * q));
+                        __m256i lo = _mm256_and_si256(wv, m4);
+                        __m256i hi = _mm256_and_si256(_mm256_srli_epi32(wv, 4), m4);
+                        for (int r = 0; r < R; r++) {
+                            __m256i t16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, alo[r]), _mm256_maddubs_epi16(hi, ahi[r]));
+                            acc[r][q] = _mm256_add_epi32(acc[r][q], _mm256_madd_epi16(t16, ones));
+                        }
+                    }
+                }
+                const __m256 mult = _mm256_set1_ps(p ? 16.0f : 1.0f);
+                for (int r = 0; r < R; r++) {
+                    const __m256 xs = _mm256_set1_ps(J->xs[(m0 + r) * nblk + b]);
+                    const __m256 as = _mm256_set1_ps((float)J->xsum[(m0 + r) * nblk + b]);
+                    for (int q = 0; q < 4; q++) {
+                        __m256 t = _mm256_mul_ps(p ? _mm256_mul_ps(s[q], mult) : s[q], _mm256_cvtepi32_ps(acc[r][q]));
+                        if (p == 0) t = _mm256_fmadd_ps(o[q], as, t);
+                        float *yp = &ybuf[r][32 * half + 8 * q];
+                        _mm256_storeu_ps(yp, _mm256_fmadd_ps(t, xs, _mm256_loadu_ps(yp)));
+                    }
+                }
+            }
+        }
+    }
+}
+
+static INL T2 void exact_rows(const w4p_job *J, int tile, int64_t m0, const int R, float ybuf[][W4P_TILE]) {
+    const struct w4p_cpu_layer *L = J->L;
+    const int kp = L->kp, ab = L->ab, cpb = ab / 8, nblk = L->nblk;
+    const __m256i m4 = _mm256_set1_epi32(0x0F);
+    for (int half = 0; half < 2; half++) {
+        for (int b = 0; b < nblk; b++) {
+            __m256 s[4], o[4];
+            load_params_half(L, tile, b, half, s, o);
+            for (int p = 0; p < L->planes; p++) {
+                const uint32_t *w = w4p_tile_words(L, tile, p) + (size_t)b * cpb * W4P_TILE + 32 * half;
+                const float *x[RMAX2];
+                for (int r = 0; r < R; r++) x[r] = J->xf + (m0 + r) * kp + (size_t)b * ab;
+                __m256 acc[RMAX2][4];
+                for (int r = 0; r < R; r++)
+                    for (int q = 0; q < 4; q++) acc[r][q] = _mm256_setzero_ps();
+                for (int c = 0; c < cpb; c++) {
+                    const uint32_t *wc = w + (size_t)c * W4P_TILE;
+                    __m256i wv[4];
+                    for (int q = 0; q < 4; q++) wv[q] = _mm256_loadu_si256((const __m256i *)(wc + 8 * q));
+#pragma GCC unroll 8
+                    for (int t = 0; t < 8; t++) {
+                        const int koff = (t & 1) ? (t >> 1) + 4 : (t >> 1);
+                        __m256 xb[RMAX2];
+                        for (int r = 0; r < R; r++) xb[r] = _mm256_set1_ps(x[r][8 * c + koff]);
+                        for (int q = 0; q < 4; q++) {
+                            __m256i qi = _mm256_and_si256(t ? _mm256_srli_epi32(wv[q], 4 * t) : wv[q], m4);
+                            __m256 qf = _mm256_cvtepi32_ps(qi);
+                            for (int r = 0; r < R; r++) acc[r][q] = _mm256_fmadd_ps(qf, xb[r], acc[r][q]);
+                        }
+                    }
+                }
+                const __m256 mult = _mm256_set1_ps(p ? 16.0f : 1.0f);
+                for (int r = 0; r < R; r++) {
+                    const __m256 xsum = _mm256_set1_ps(J->xfsum[(m0 + r) * nblk + b]);
+                    for (int q = 0; q < 4; q++) {
+                        __m256 t = _mm256_mul_ps(p ? _mm256_mul_ps(s[q], mult) : s[q], acc[r][q]);
+                        if (p == 0) t = _mm256_fmadd_ps(o[q], xsum, t);
+                        float *yp = &ybuf[r][32 * half + 8 * q];
+                        _mm256_storeu_ps(yp, _mm256_add_ps(_mm256_loadu_ps(yp), t));
+                    }
+                }
+            }
+        }
+    }
+}
+
+T2 void w4p_tile_avx2(const w4p_job *J, int tile, int64_t m0, int64_t m1) {
+    float ybuf[RMAX2][W4P_TILE] __attribute__((aligned(32)));
+    for (int64_t m = m0; m < m1;) {
+        const int R = (m1 - m) >= 2 ? 2 : 1;
+        memset(ybuf, 0, sizeof ybuf);
+        if (J->precision == W4P_PREC_FAST) {
+            if (R == 2) fast_rows(J, tile, m, 2, ybuf); else fast_rows(J, tile, m, 1, ybuf);
+        } else {
+            if (R == 2) exact_rows(J, tile, m, 2, ybuf); else exact_rows(J, tile, m, 1, ybuf);
+        }
+        for (int r = 0; r < R; r++) w4p_store_row(J, m + r, tile, ybuf[r]);
+        m += R;
+    }
+}
+
+#endif

@@ -1,0 +1,280 @@
+/*
+ * The CPU GEMM driver: argument checks, activation preparation, work split, output conversion.
+ *
+ * y[m, n] = sum_k x[m, perm[k]] * w[n, k] (+ bias[n]), K in packed order. Per activation block b of
+ * `ab` columns (inside one quantization group g), with w = s*q + o (o = -s*z, or the float minimum):
+ *   exact: acc = sum q*x (fp32),                 y += s*acc + o*sum(x)
+ *   fast:  x ~ xs*a (a int8 per block), acc = sum q*a (int32, exact), y += xs*(s*acc + o*sum(a))
+ * so zero points cost one multiply-add per block and column, never one per weight. The fast path's
+ * result is the exact dot product of the dequantized weights with the int8-rounded activations.
+ */
+#include "w4p_cpu_internal.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- scalar conversions (round to nearest even, like numpy) ------------------------------------- */
+float w4p_half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, u;
+    if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            man &= 0x3FF;
+            u = sign | (exp << 23) | (man << 13);
+        }
+    } else if (exp == 31) {
+        u = sign | 0x7F800000u | (man << 13);
+    } else {
+        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+uint16_t w4p_float_to_half(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t sign = (u >> 16) & 0x8000;
+    uint32_t a = u & 0x7FFFFFFF;
+    if (a >= 0x7F800000) return (uint16_t)(sign | 0x7C00 | (a > 0x7F800000 ? 0x200 : 0));
+    if (a >= 0x477FF000) return (uint16_t)(sign | 0x7C00); /* rounds to >= 65520: inf */
+    if (a < 0x38800000) {                                  /* result subnormal or zero */
+        if (a < 0x33000000) return (uint16_t)sign;         /* < half of the smallest subnormal */
+        /* value = m * 2^(e-150); in units of the smallest subnormal 2^-24 that is m >> (126 - e) */
+        uint32_t e = a >> 23, m = (a & 0x7FFFFF) | 0x800000;
+        int shift = 126 - (int)e;
+        uint32_t q = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (q & 1))) q++;
+        return (uint16_t)(sign | q);
+    }
+    uint32_t r = a + 0xFFF + ((a >> 13) & 1) - (112u << 23);
+    return (uint16_t)(sign | (r >> 13));
+}
+
+uint16_t w4p_float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFF) > 0x7F800000) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+static inline float load_elem(const void *base, int dtype, int64_t i) {
+    switch (dtype) {
+    case W4P_DT_F16: return w4p_half_to_float(((const uint16_t *)base)[i]);
+    case W4P_DT_BF16: {
+        uint32_t u = (uint32_t)((const uint16_t *)base)[i] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    default: return ((const float *)base)[i];
+    }
+}
+
+static inline size_t dtype_size(int dtype) { return dtype == W4P_DT_F32 ? 4 : 2; }
+
+void w4p_block_params(const struct w4p_cpu_layer *L, int tile, int blk, float *s, float *o) {
+    const uint8_t *p = w4p_tile_params(L, tile, w4p_block_group(L, blk));
+    if (L->pkind == W4P_PK_F16U8) {
+        for (int i = 0; i < W4P_TILE; i++) {
+            s[i] = w4p_half_to_float(((const uint16_t *)p)[i]);
+            o[i] = -s[i] * (float)p[128 + i];
+        }
+    } else {
+        memcpy(s, p, 4 * W4P_TILE);
+        memcpy(o, p + 4 * W4P_TILE, 4 * W4P_TILE);
+    }
+}
+
+void w4p_store_row(const w4p_job *J, int64_t m, int tile, const float *v) {
+    int n0 = tile * W4P_TILE;
+    int cnt = J->L->n - n0;
+    if (cnt > W4P_TILE) cnt = W4P_TILE;
+    const float *b = J->bias ? J->bias + n0 : NULL;
+    switch (J->y_dtype) {
+    case W4P_DT_F16: {
+        uint16_t *y = (uint16_t *)J->y + m * J->ldy + n0;
+        for (int i = 0; i < cnt; i++) y[i] = w4p_float_to_half(b ? v[i] + b[i] : v[i]);
+        break;
+    }
+    case W4P_DT_BF16: {
+        uint16_t *y = (uint16_t *)J->y + m * J->ldy + n0;
+        for (int i = 0; i < cnt; i++) y[i] = w4p_float_to_bf16(b ? v[i] + b[i] : v[i]);
+        break;
+    }
+    default: {
+        float *y = (float *)J->y + m * J->ldy + n0;
+        for (int i = 0; i < cnt; i++) y[i] = b ? v[i] + b[i] : v[i];
+    }
+    }
+}
+
+/* ---- activation preparation ------------------------------------------------------------------- */
+typedef struct {
+    const struct w4p_cpu_layer *L;
+    const void *x;
+    int x_dtype;
+    int64_t ldx;
+    int precision;
+    float *xf;
+    float *xfsum;
+    int8_t *xq;
+    float *xs;
+    int32_t *xsum;
+} prep_ctx;
+
+static void prep_row(void *vctx, int64_t m) {
+    const prep_ctx *P = vctx;
+    const struct w4p_cpu_layer *L = P->L;
+    const int kp = L->kp, k = L->k, ab = L->ab;
+    float *xf = P->xf + m * kp;
+    const char *row = (const char *)P->x + (size_t)m * P->ldx * dtype_size(P->x_dtype);
+    if (L->perm) {
+        for (int i = 0; i < k; i++) xf[i] = load_elem(row, P->x_dtype, L->perm[i]);
+    } else if (P->x_dtype == W4P_DT_F32) {
+        memcpy(xf, row, 4 * (size_t)k);
+    } else {
+        for (int i = 0; i < k; i++) xf[i] = load_elem(row, P->x_dtype, i);
+    }
+    for (int i = k; i < kp; i++) xf[i] = 0.0f;
+    for (int b = 0; b < L->nblk; b++) {
+        const float *v = xf + (size_t)b * ab;
+        if (P->precision == W4P_PREC_EXACT) {
+            double s = 0.0;
+            for (int i = 0; i < ab; i++) s += v[i];
+            P->xfsum[m * L->nblk + b] = (float)s;
+        } else {
+            float amax = 0.0f;
+            for (int i = 0; i < ab; i++) amax = fmaxf(amax, fabsf(v[i]));
+            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int8_t *q = P->xq + m * kp + (size_t)b * ab;
+            int32_t sum = 0;
+            for (int i = 0; i < ab; i++) {
+                float r = nearbyintf(v[i] * inv);
+                r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+                q[i] = (int8_t)r;
+                sum += q[i];
+            }
+            P->xs[m * L->nblk + b] = amax / 127.0f;
+            P->xsum[m * L->nblk + b] = sum;
+        }
+    }
+}
+
+/* ---- work split ------------------------------------------------------------------------------- */
+#define W4P_MCHUNK 64 /* activation rows per work item: a tile's weights stay in L2 across them */
+
+typedef struct {
+    const w4p_job *job;
+    w4p_tile_fn fn;
+    int64_t mchunks;
+} run_ctx;
+
+static void run_item(void *vctx, int64_t i) {
+    const run_ctx *R = vctx;
+    int tile = (int)(i / R->mchunks);
+    int64_t m0 = (i % R->mchunks) * W4P_MCHUNK;
+    int64_t m1 = m0 + W4P_MCHUNK;
+    if (m1 > R->job->m) m1 = R->job->m;
+    R->fn(R->job, tile, m0, m1);
+}
+
+static w4p_tile_fn pick_kernel(int isa) {
+    switch (isa) {
+    case W4P_ISA_SCALAR: return w4p_tile_scalar;
+#if defined(__x86_64__) || defined(__i386__)
+    case W4P_ISA_AVX2: return w4p_tile_avx2;
+    case W4P_ISA_AVX512: return w4p_tile_avx512;
+    case W4P_ISA_AVX512VNNI: return w4p_tile_avx512vnni;
+#endif
+#if defined(__aarch64__)
+    case W4P_ISA_NEON: return w4p_tile_neon;
+#endif
+    default: return NULL;
+    }
+}
+
+static int valid_dtype(int dt) { return dt == W4P_DT_F16 || dt == W4P_DT_BF16 || dt == W4P_DT_F32; }
+
+int w4p_cpu_gemm(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t m, int64_t ldx,
+                 void *y, int y_dtype, int64_t ldy, const void *bias, int bias_dtype,
+                 int precision, int isa, int threads) {
+    if (!L) { w4p_set_error("null layer"); return W4P_EINVAL; }
+    if (!x || !y) { w4p_set_error("null activation or output pointer"); return W4P_EINVAL; }
+    if (m < 1) { w4p_set_error("M must be >= 1, got %lld", (long long)m); return W4P_EINVAL; }
+    if (ldx < L->k) { w4p_set_error("activation row stride %lld < K=%d", (long long)ldx, L->k); return W4P_EINVAL; }
+    if (ldy < L->n) { w4p_set_error("output row stride %lld < N=%d", (long long)ldy, L->n); return W4P_EINVAL; }
+    if (!valid_dtype(x_dtype) || !valid_dtype(y_dtype) || (bias && !valid_dtype(bias_dtype))) {
+        w4p_set_error("unknown dtype code (activation %d, output %d, bias %d)", x_dtype, y_dtype, bias_dtype);
+        return W4P_EINVAL;
+    }
+    if (precision != W4P_PREC_EXACT && precision != W4P_PREC_FAST) {
+        w4p_set_error("unknown precision %d", precision);
+        return W4P_EINVAL;
+    }
+    if (threads < 1) { w4p_set_error("threads must be >= 1, got %d", threads); return W4P_EINVAL; }
+    if (isa == 0) isa = w4p_cpu_isa_selected();
+    int avail = w4p_cpu_isa_available();
+    w4p_tile_fn fn = pick_kernel(isa);
+    if (!fn || !(avail & isa)) {
+        w4p_set_error("instruction-set path %s (%d) is not available on this CPU", w4p_cpu_isa_name(isa), isa);
+        return W4P_EUNSUPPORTED;
+    }
+
+    const size_t kp = (size_t)L->kp, nblk = (size_t)L->nblk;
+    prep_ctx P = {L, x, x_dtype, ldx, precision, NULL, NULL, NULL, NULL, NULL};
+    float *bias32 = NULL;
+    int rc = W4P_OK;
+    if (posix_memalign((void **)&P.xf, 64, (size_t)m * kp * sizeof(float))) P.xf = NULL;
+    if (precision == W4P_PREC_EXACT) {
+        P.xfsum = malloc((size_t)m * nblk * sizeof(float));
+    } else {
+        if (posix_memalign((void **)&P.xq, 64, (size_t)m * kp)) P.xq = NULL;
+        P.xs = malloc((size_t)m * nblk * sizeof(float));
+        P.xsum = malloc((size_t)m * nblk * sizeof(int32_t));
+    }
+    if (bias) bias32 = calloc((size_t)L->nt * W4P_TILE, sizeof(float));
+    if (!P.xf || (precision == W4P_PREC_EXACT ? !P.xfsum : (!P.xq || !P.xs || !P.xsum)) || (bias && !bias32)) {
+        w4p_set_error("out of memory for M=%lld activations", (long long)m);
+        rc = W4P_ENOMEM;
+        goto done;
+    }
+    if (bias)
+        for (int i = 0; i < L->n; i++) bias32[i] = load_elem(bias, bias_dtype, i);
+
+    w4p_parallel_for(m, m >= 8 ? threads : 1, prep_row, &P);
+
+    w4p_job job = {L, m, precision, P.xq, P.xs, P.xsum, P.xf, P.xfsum, y, y_dtype, ldy, bias32};
+    run_ctx R = {&job, fn, (m + W4P_MCHUNK - 1) / W4P_MCHUNK};
+    w4p_parallel_for((int64_t)L->nt * R.mchunks, threads, run_item, &R);
+done:
+    free(P.xf);
+    free(P.xfsum);
+    free(P.xq);
+    free(P.xs);
+    free(P.xsum);
+    free(bias32);
+    return rc;
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+uint64_t w4p_read_stream_avx512(const void *buf, size_t bytes);
+#endif
+
+uint64_t w4p_cpu_read_stream(const void *buf, size_t bytes) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (w4p_cpu_isa_available() & W4P_ISA_AVX512) return w4p_read_stream_avx512(buf, bytes);
+#endif
+    const uint64_t *p = buf;
+    uint64_t h0 = 0, h1 = 0, h2 = 0, h3 = 0;
+    size_t n = bytes / 8, i = 0;
+    for (; i + 4 <= n; i += 4) { h0 ^= p[i]; h1 ^= p[i + 1]; h2 ^= p[i + 2]; h3 ^= p[i + 3]; }
+    for (; i < n; i++) h0 ^= p[i];
+    return h0 ^ h1 ^ h2 ^ h3;
+}

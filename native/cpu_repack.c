@@ -1,0 +1,245 @@
+/*
+ * Load-time repack: layout v1 (GPU tiles, docs/LAYOUT.md) -> the CPU tile layout of w4p_cpu_internal.h.
+ *
+ * Same codes, only the address pattern changes: each 64-column tile becomes one sequential stream
+ * with 8 K-values of one column per 32-bit word, which is what the SIMD dot products want. Measured
+ * on the reference machine the same kernel ran 1.4-2.1x faster on this than on the GPU order, and the
+ * repack is paid once per layer. The buffer sits in 2 MiB pages (madvise) to keep the stream stable.
+ */
+#include "w4p_cpu_internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+static const int nibble_pos[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+
+static void *alloc_big(size_t bytes, int *huge) {
+    void *p = NULL;
+    size_t align = 64;
+    *huge = 0;
+    if (bytes >= ((size_t)2 << 20)) {
+        align = (size_t)2 << 20;
+        bytes = (bytes + align - 1) / align * align;
+    }
+    if (posix_memalign(&p, align, bytes ? bytes : 64) != 0) return NULL;
+#ifdef MADV_HUGEPAGE
+    if (align > 64 && madvise(p, bytes, MADV_HUGEPAGE) == 0) *huge = 1;
+#endif
+    memset(p, 0, bytes ? bytes : 64);
+    return p;
+}
+
+static float load_scalar(const void *base, int dtype, size_t i) {
+    switch (dtype) {
+    case W4P_DT_F16: return w4p_half_to_float(((const uint16_t *)base)[i]);
+    case W4P_DT_BF16: {
+        uint32_t u = (uint32_t)((const uint16_t *)base)[i] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    default: return ((const float *)base)[i];
+    }
+}
+
+static int largest_block(int gs, int kp) {
+    static const int cand[4] = {128, 64, 32, 16};
+    for (int i = 0; i < 4; i++)
+        if (gs % cand[i] == 0 && kp % cand[i] == 0) return cand[i];
+    return 0;
+}
+
+static int check_desc(const w4p_packed_desc *d) {
+    if (!d) { w4p_set_error("null layer description"); return W4P_EINVAL; }
+    if (d->n < 1 || d->k < 1) { w4p_set_error("empty weight shape [%d, %d]", d->n, d->k); return W4P_EINVAL; }
+    if (d->np != (d->n + 15) / 16 * 16 || d->kp != (d->k + 63) / 64 * 64) {
+        w4p_set_error("padded shape [%d, %d] does not match shape [%d, %d]", d->np, d->kp, d->n, d->k);
+        return W4P_EINVAL;
+    }
+    if (!(d->bits == 2 || d->bits == 3 || d->bits == 4 || d->bits == 8)) {
+        w4p_set_error("%d-bit layers are not supported (2, 3, 4, 8 are)", d->bits);
+        return W4P_EUNSUPPORTED;
+    }
+    if (d->storage_bits != (d->bits == 8 ? 8 : 4)) {
+        w4p_set_error("storage_bits %d is wrong for %d-bit codes", d->storage_bits, d->bits);
+        return W4P_EINVAL;
+    }
+    if (d->group_size == -1) {
+        if (d->padded_groups != 1) { w4p_set_error("per-channel layer needs 1 group, got %d", d->padded_groups); return W4P_EINVAL; }
+    } else {
+        if (d->group_size < 16 || d->group_size % 16) {
+            w4p_set_error("group size %d is not a positive multiple of 16", d->group_size);
+            return W4P_EUNSUPPORTED;
+        }
+        if (d->padded_groups != (d->kp + d->group_size - 1) / d->group_size) {
+            w4p_set_error("padded groups %d do not match kp=%d, group size %d", d->padded_groups, d->kp, d->group_size);
+            return W4P_EINVAL;
+        }
+    }
+    if (d->scale_dtype != W4P_DT_F16 && d->scale_dtype != W4P_DT_BF16 && d->scale_dtype != W4P_DT_F32) {
+        w4p_set_error("unknown scale dtype %d", d->scale_dtype);
+        return W4P_EINVAL;
+    }
+    if (!d->qweight || !d->scales) { w4p_set_error("qweight and scales are required"); return W4P_EINVAL; }
+    if (d->zero_mode == W4P_ZERO_INT && !d->zeros) { w4p_set_error("zero mode int needs zeros"); return W4P_EINVAL; }
+    if (d->zero_mode == W4P_ZERO_FLOAT && !d->mins) { w4p_set_error("zero mode float needs mins"); return W4P_EINVAL; }
+    if (d->zero_mode < 0 || d->zero_mode > 2) { w4p_set_error("unknown zero mode %d", d->zero_mode); return W4P_EINVAL; }
+    return W4P_OK;
+}
+
+/* Move every code of the v1 stripe-major words into the CPU tile words. */
+static void repack_codes(const w4p_packed_desc *d, struct w4p_cpu_layer *L) {
+    const int wpl = d->storage_bits == 4 ? 4 : 8;
+    const size_t row_words = (size_t)(d->kp / 64) * 32 * wpl;
+    const size_t kc = (size_t)d->kp / 8;
+    for (int nb = 0; nb < d->np / 16; nb++) {
+        const uint32_t *src = (const uint32_t *)d->qweight + (size_t)nb * row_words;
+        for (size_t wi = 0; wi < row_words; wi++) {
+            uint32_t word = src[wi];
+            if (!word) continue;
+            int kb = (int)(wi / (32 * wpl));
+            int lane = (int)(wi / wpl) % 32;
+            int sub = (int)(wi % wpl);
+            int gid = lane / 4, tid = lane % 4;
+            for (int e8 = 0; e8 < 8; e8++) {
+                int j, kh, rh, e;
+                uint32_t q;
+                if (wpl == 4) {
+                    j = sub;
+                    kh = e8 / 4, rh = (e8 / 2) % 2, e = e8 % 2;
+                    q = (word >> (4 * nibble_pos[e8])) & 0xF;
+                } else {
+                    if (e8 >= 4) break;
+                    j = sub / 2;
+                    kh = sub % 2, rh = e8 / 2, e = e8 % 2;
+                    q = (word >> (8 * e8)) & 0xFF;
+                }
+                if (!q) continue;
+                int n = nb * 16 + rh * 8 + gid;
+                int k = kb * 64 + j * 16 + kh * 8 + tid * 2 + e;
+                int tile = n / W4P_TILE, col = n % W4P_TILE;
+                int c = k / 8, off = k % 8;
+                int shift = 8 * (off % 4) + 4 * (off / 4);
+                uint32_t *dst = L->qw + ((size_t)tile * L->planes) * kc * W4P_TILE + (size_t)c * W4P_TILE + col;
+                dst[0] |= (q & 0xF) << shift;
+                if (L->planes == 2) dst[kc * W4P_TILE] |= (q >> 4) << shift;
+            }
+        }
+    }
+}
+
+static void repack_params(const w4p_packed_desc *d, struct w4p_cpu_layer *L) {
+    const int implicit_z = 1 << (d->bits - 1);
+    for (int t = 0; t < L->nt; t++) {
+        for (int g = 0; g < L->gp; g++) {
+            uint8_t *p = L->params + ((size_t)t * L->gp + g) * L->param_stride;
+            for (int i = 0; i < W4P_TILE; i++) {
+                int n = t * W4P_TILE + i;
+                size_t at = (size_t)g * d->np + n;
+                if (n >= d->np) continue; /* zero padding: scale 0 */
+                if (L->pkind == W4P_PK_F16U8) {
+                    ((uint16_t *)p)[i] = ((const uint16_t *)d->scales)[at];
+                    p[128 + i] = (uint8_t)(d->zero_mode == W4P_ZERO_INT ? ((const uint8_t *)d->zeros)[at] : implicit_z);
+                } else {
+                    float s = load_scalar(d->scales, d->scale_dtype, at);
+                    float o;
+                    if (d->zero_mode == W4P_ZERO_FLOAT) {
+                        o = load_scalar(d->mins, d->scale_dtype, at);
+                    } else {
+                        int z = implicit_z;
+                        if (d->zero_mode == W4P_ZERO_INT)
+                            z = d->storage_bits == 4 ? ((const uint8_t *)d->zeros)[at] : ((const uint16_t *)d->zeros)[at];
+                        o = -s * (float)z;
+                    }
+                    ((float *)p)[i] = s;
+                    ((float *)p)[W4P_TILE + i] = o;
+                }
+            }
+        }
+    }
+}
+
+int w4p_cpu_layer_create(const w4p_packed_desc *d, w4p_cpu_layer **out) {
+    if (!out) { w4p_set_error("null output pointer"); return W4P_EINVAL; }
+    *out = NULL;
+    int rc = check_desc(d);
+    if (rc) return rc;
+    struct w4p_cpu_layer *L = calloc(1, sizeof *L);
+    if (!L) { w4p_set_error("out of memory"); return W4P_ENOMEM; }
+    L->n = d->n, L->k = d->k, L->np = d->np, L->kp = d->kp;
+    L->bits = d->bits, L->storage_bits = d->storage_bits;
+    L->planes = d->storage_bits == 8 ? 2 : 1;
+    L->group_size = d->group_size == -1 ? d->kp : d->group_size;
+    L->gp = d->padded_groups;
+    L->zero_mode = d->zero_mode;
+    L->nt = (d->n + W4P_TILE - 1) / W4P_TILE;
+    L->ab = largest_block(L->group_size, d->kp);
+    L->nblk = d->kp / L->ab;
+    L->pkind = (d->scale_dtype == W4P_DT_F16 && d->zero_mode != W4P_ZERO_FLOAT && d->storage_bits == 4)
+                   ? W4P_PK_F16U8 : W4P_PK_F32;
+    L->param_stride = L->pkind == W4P_PK_F16U8 ? 192 : 512;
+    if (d->perm) {
+        L->perm = malloc(sizeof(int32_t) * (size_t)d->k);
+        uint8_t *seen = calloc((size_t)d->k, 1);
+        if (!L->perm || !seen) {
+            free(seen);
+            w4p_cpu_layer_free(L);
+            w4p_set_error("out of memory");
+            return W4P_ENOMEM;
+        }
+        for (int i = 0; i < d->k; i++) {
+            int32_t v = d->perm[i];
+            if (v < 0 || v >= d->k || seen[v]) {
+                free(seen);
+                w4p_cpu_layer_free(L);
+                w4p_set_error("perm is not a permutation of 0..%d (entry %d = %d)", d->k - 1, i, v);
+                return W4P_EINVAL;
+            }
+            seen[v] = 1;
+            L->perm[i] = v;
+        }
+        free(seen);
+    }
+    L->qw_bytes = (size_t)L->nt * L->planes * (size_t)(d->kp / 8) * W4P_TILE * 4;
+    L->param_bytes = (size_t)L->nt * L->gp * L->param_stride;
+    L->qw = alloc_big(L->qw_bytes, &L->qw_huge);
+    L->params = alloc_big(L->param_bytes, &L->params_huge);
+    if (!L->qw || !L->params) {
+        w4p_cpu_layer_free(L);
+        w4p_set_error("out of memory repacking a [%d, %d] layer", d->n, d->k);
+        return W4P_ENOMEM;
+    }
+    repack_codes(d, L);
+    repack_params(d, L);
+    *out = L;
+    return W4P_OK;
+}
+
+void w4p_cpu_layer_free(w4p_cpu_layer *L) {
+    if (!L) return;
+    free(L->qw);
+    free(L->params);
+    free(L->perm);
+    free(L);
+}
+
+size_t w4p_cpu_layer_bytes(const w4p_cpu_layer *L) { return L ? L->qw_bytes + L->param_bytes : 0; }
+
+int w4p_cpu_layer_codes(const w4p_cpu_layer *L, uint8_t *codes) {
+    if (!L || !codes) { w4p_set_error("null argument"); return W4P_EINVAL; }
+    const size_t kc = (size_t)L->kp / 8;
+    for (int n = 0; n < L->np; n++) {
+        int t = n / W4P_TILE, col = n % W4P_TILE;
+        for (int k = 0; k < L->kp; k++) {
+            int c = k / 8, off = k % 8;
+            int shift = 8 * (off % 4) + 4 * (off / 4);
+            uint32_t q = 0;
+            for (int p = 0; p < L->planes; p++)
+                q |= ((w4p_tile_words(L, t, p)[(size_t)c * W4P_TILE + col] >> shift) & 0xF) << (4 * p);
+            codes[(size_t)n * L->kp + k] = (uint8_t)q;
+        }
+    }
+    (void)kc;
+    return W4P_OK;
+}

@@ -1,0 +1,338 @@
+"""cffi binding of the native CPU W4A16 GEMM (``w4pack._w4p_cpu``) and ``CpuPackedLinear``.
+
+A ``CpuPackedLinear`` repacks one layer once into the CPU tile layout (2 MiB pages) and then runs
+``y = x · Wᵀ (+ bias)`` for numpy arrays and torch CPU tensors without copying contiguous inputs.
+The kernel releases the GIL while it runs.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from ..errors import BadInputError, UnsupportedError, W4PackError
+from ..layout import PackedLayer, padded_shape, storage_bits_for, words_per_tile_lane
+
+try:
+    from .._w4p_cpu import ffi, lib
+except ImportError as _exc:  # pragma: no cover - only without a build
+    ffi = lib = None
+    _IMPORT_ERROR: Exception | None = _exc
+else:
+    _IMPORT_ERROR = None
+
+__all__ = ["CpuPackedLinear", "isa_info", "available", "ISA_CODES", "PRECISIONS", "default_threads"]
+
+#: instruction-set path name -> W4P_ISA_* code ("avx512" means "with VNNI where present")
+ISA_CODES = {"scalar": 1, "avx2": 2, "avx512novnni": 4, "avx512vnni": 8, "neon": 16}
+PRECISIONS = {"exact": 0, "fast": 1}
+_DT = {"float16": 1, "bfloat16": 2, "float32": 3}
+_ZERO = {"none": 0, "int": 1, "float": 2}
+
+
+def _lib() -> Any:
+    if lib is None:
+        raise UnsupportedError(f"the native CPU module is not built ({_IMPORT_ERROR}); run `make native`")
+    return lib
+
+
+def available() -> bool:
+    """True when the CPU extension is importable."""
+    return lib is not None
+
+
+def _check(rc: int, what: str) -> None:
+    if rc == 0:
+        return
+    msg = ffi.string(lib.w4p_last_error()).decode("utf-8", "replace")
+    if rc == -2:
+        raise MemoryError(f"{what}: {msg}")
+    if rc == -3:
+        raise UnsupportedError(f"{what}: {msg}")
+    raise BadInputError(f"{what}: {msg}")
+
+
+def _available_names() -> list[str]:
+    bits = _lib().w4p_cpu_isa_available()
+    return [name for name, code in ISA_CODES.items() if bits & code]
+
+
+def resolve_isa(isa: str | None = None) -> int:
+    """W4P_ISA_* code for a path name (or $W4PACK_ISA, or 0 = automatic), refusing unavailable paths."""
+    name = isa if isa is not None else (os.environ.get("W4PACK_ISA") or None)
+    if name is None or name == "auto":
+        return 0
+    bits = _lib().w4p_cpu_isa_available()
+    if name == "avx512":
+        name = "avx512vnni" if bits & ISA_CODES["avx512vnni"] else "avx512novnni"
+    code = ISA_CODES.get(name)
+    if code is None:
+        raise BadInputError(f"unknown instruction-set path {name!r} (known: avx512, {', '.join(ISA_CODES)})")
+    if not bits & code:
+        raise UnsupportedError(f"instruction-set path {name!r} is not available on this CPU "
+                               f"(available: {', '.join(_available_names())})")
+    return code
+
+
+def isa_info() -> dict[str, Any]:
+    """Which CPU paths exist here, which one runs by default, and whether $W4PACK_ISA forces one."""
+    L = _lib()
+    sel = L.w4p_cpu_isa_selected()
+    return {
+        "available": _available_names(),
+        "selected": ffi.string(L.w4p_cpu_isa_name(sel)).decode(),
+        "forced": os.environ.get("W4PACK_ISA") or None,
+        "abi_version": L.w4p_abi_version(),
+    }
+
+
+def default_threads() -> int:
+    """$W4PACK_THREADS, else every core this process may run on (users); tests pass threads=1."""
+    env = os.environ.get("W4PACK_THREADS")
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise BadInputError(f"W4PACK_THREADS={env!r} is not an integer") from None
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# array plumbing: numpy arrays and torch CPU tensors, bf16 as uint16 bits / torch.bfloat16
+# ---------------------------------------------------------------------------------------------
+def _is_torch(x: Any) -> bool:
+    mod = type(x).__module__
+    return mod.startswith("torch") and hasattr(x, "data_ptr")
+
+
+def _torch_dtype_name(t: Any) -> str:
+    import torch
+
+    names = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+    if t.dtype not in names:
+        raise BadInputError(f"activations must be float16, bfloat16 or float32, got {t.dtype}")
+    return names[t.dtype]
+
+
+def _np_dtype_name(a: np.ndarray, what: str) -> str:
+    if a.dtype == np.float16:
+        return "float16"
+    if a.dtype == np.float32:
+        return "float32"
+    if a.dtype == np.uint16:
+        return "bfloat16"
+    raise BadInputError(f"{what} must be float16, float32 or bfloat16 (as uint16 bits), got {a.dtype}")
+
+
+def _dtype_name(spec: Any) -> str:
+    """Normalise an output dtype given as a name, a numpy dtype or a torch dtype."""
+    if isinstance(spec, str):
+        name = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32",
+                "float": "float32"}.get(spec, spec)
+        if name in _DT:
+            return name
+    else:
+        try:
+            import torch
+
+            if isinstance(spec, torch.dtype):
+                return {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}[spec]
+        except (ImportError, KeyError):
+            pass
+        try:
+            d = np.dtype(spec)
+            return {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32",
+                    np.dtype(np.uint16): "bfloat16"}[d]
+        except (TypeError, KeyError):
+            pass
+    raise BadInputError(f"output dtype must be float16, bfloat16 or float32, got {spec!r}")
+
+
+class _Operand:
+    """A [M, K] view of an activation array: pointer, row stride, dtype, and how to shape the output."""
+
+    def __init__(self, x: Any, k: int):
+        self.torch = _is_torch(x)
+        if self.torch:
+            if x.device.type != "cpu":
+                raise BadInputError(f"CpuPackedLinear takes CPU tensors, got one on {x.device}")
+            self.dtype = _torch_dtype_name(x)
+            if x.dim() == 0 or x.shape[-1] != k:
+                raise BadInputError(f"activations have shape {list(x.shape)}; the last dimension must be K={k}")
+            self.lead = tuple(x.shape[:-1])
+            x2 = x.reshape(-1, k) if x.dim() != 2 else x
+            if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
+                x2 = x2.contiguous()
+            self.m = int(x2.shape[0])
+            self.ld = int(x2.stride(0)) if self.m > 1 else k
+            self.keep = x2
+            self.ptr = ffi.cast("void *", x2.data_ptr())
+        else:
+            a = x if isinstance(x, np.ndarray) else np.asarray(x)
+            self.dtype = _np_dtype_name(a, "activations")
+            if a.ndim == 0 or a.shape[-1] != k:
+                raise BadInputError(f"activations have shape {list(a.shape)}; the last dimension must be K={k}")
+            self.lead = tuple(a.shape[:-1])
+            a2 = a.reshape(-1, k) if a.ndim != 2 else a
+            item = a2.itemsize
+            if a2.strides[1] != item or (a2.shape[0] > 1 and (a2.strides[0] % item or a2.strides[0] < k * item)):
+                a2 = np.ascontiguousarray(a2)
+            self.m = int(a2.shape[0])
+            self.ld = int(a2.strides[0] // item) if self.m > 1 else k
+            self.keep = a2
+            self.ptr = ffi.cast("void *", a2.ctypes.data) if a2.size else ffi.NULL
+        if self.m < 1:
+            raise BadInputError("activations hold no rows (M = 0)")
+
+    def new_output(self, n: int, dtype: str) -> tuple[Any, Any]:
+        if self.torch:
+            import torch
+
+            tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+            y = torch.empty((self.m, n), dtype=tdt)
+            return y, ffi.cast("void *", y.data_ptr())
+        y = np.empty((self.m, n), dtype={"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}[dtype])
+        return y, ffi.cast("void *", y.ctypes.data)
+
+    def shape_output(self, y: Any, n: int) -> Any:
+        return y.reshape(self.lead + (n,))
+
+
+def _bias_operand(bias: Any, n: int) -> tuple[Any, Any, int]:
+    """(keep-alive, pointer, dtype code) for a bias vector of N values."""
+    if _is_torch(bias):
+        name = _torch_dtype_name(bias)
+        b = bias.detach().to("cpu").contiguous().reshape(-1)
+        if b.numel() != n:
+            raise BadInputError(f"bias has {b.numel()} values, expected N={n}")
+        return b, ffi.cast("void *", b.data_ptr()), _DT[name]
+    b = np.ascontiguousarray(np.asarray(bias)).reshape(-1)
+    name = _np_dtype_name(b, "bias")
+    if b.size != n:
+        raise BadInputError(f"bias has {b.size} values, expected N={n}")
+    return b, ffi.cast("void *", b.ctypes.data), _DT[name]
+
+
+def _expect(t: dict[str, np.ndarray], key: str, shape: tuple[int, ...], dtype: np.dtype, name: str) -> np.ndarray:
+    label = f"{name}.{key}" if name else key
+    if key not in t:
+        raise BadInputError("tensor is missing", tensor=label)
+    arr = np.asarray(t[key])
+    if tuple(arr.shape) != tuple(shape) or arr.dtype != dtype:
+        raise BadInputError(f"shape {list(arr.shape)} / dtype {arr.dtype} != expected {list(shape)} / {dtype}",
+                            tensor=label)
+    return np.ascontiguousarray(arr)
+
+
+class CpuPackedLinear:
+    """One packed layer repacked for the CPU kernels; ``forward`` runs the GEMM as often as needed.
+
+    Example::
+
+        lin = CpuPackedLinear(ckpt.packed("model.layers.0.mlp.down_proj"))
+        y = lin.forward(x_fp16, precision="fast")      # numpy or torch CPU, [..., K] -> [..., N]
+    """
+
+    def __init__(self, packed: PackedLayer, threads: int | None = None, name: str = ""):
+        L = _lib()
+        m = packed.meta
+        self.name = name
+        try:
+            n, k = (int(v) for v in m["shape"])
+            np_, kp = (int(v) for v in m["padded_shape"])
+            bits, sbits, gs = int(m["bits"]), int(m["storage_bits"]), int(m["group_size"])
+            gp, zero_mode, scale_dtype = int(m["padded_groups"]), str(m["zero_mode"]), str(m["scale_dtype"])
+            act_order = bool(m.get("act_order", False))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise BadInputError(f"packed layer metadata is incomplete: {exc}", tensor=name or None) from None
+        if (np_, kp) != padded_shape(n, k):
+            raise BadInputError(f"padded shape {[np_, kp]} does not match shape {[n, k]}", tensor=name or None)
+        if sbits != storage_bits_for(bits):
+            raise BadInputError(f"storage_bits {sbits} is wrong for {bits}-bit codes", tensor=name or None)
+        if zero_mode not in _ZERO or scale_dtype not in _DT:
+            raise BadInputError(f"zero mode {zero_mode!r} / scale dtype {scale_dtype!r} unknown", tensor=name or None)
+        t = packed.tensors
+        sdt = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16), "float32": np.dtype(np.float32)}
+        qweight = _expect(t, "qweight", (np_ // 16, kp // 64 * 32 * words_per_tile_lane(sbits)),
+                          np.dtype(np.int32), name)
+        scales = _expect(t, "scales", (gp, np_), sdt[scale_dtype], name)
+        keep = [qweight, scales]
+        desc = ffi.new("w4p_packed_desc *")
+        desc.n, desc.k, desc.np, desc.kp = n, k, np_, kp
+        desc.bits, desc.storage_bits, desc.group_size, desc.padded_groups = bits, sbits, gs, gp
+        desc.zero_mode, desc.scale_dtype = _ZERO[zero_mode], _DT[scale_dtype]
+        desc.qweight = ffi.cast("const int32_t *", qweight.ctypes.data)
+        desc.scales = ffi.cast("const void *", scales.ctypes.data)
+        if zero_mode == "int":
+            zeros = _expect(t, "zeros", (gp, np_), np.dtype(np.uint8 if sbits == 4 else np.uint16), name)
+            keep.append(zeros)
+            desc.zeros = ffi.cast("const void *", zeros.ctypes.data)
+        elif zero_mode == "float":
+            mins = _expect(t, "mins", (gp, np_), sdt[scale_dtype], name)
+            keep.append(mins)
+            desc.mins = ffi.cast("const void *", mins.ctypes.data)
+        if act_order:
+            perm = _expect(t, "perm", (k,), np.dtype(np.int32), name)
+            keep.append(perm)
+            desc.perm = ffi.cast("const int32_t *", perm.ctypes.data)
+        out = ffi.new("w4p_cpu_layer **")
+        try:
+            _check(L.w4p_cpu_layer_create(desc, out), f"repacking layer {name or ''}".strip())
+        except W4PackError as exc:
+            exc.tensor = exc.tensor or name or None
+            raise
+        self._layer = ffi.gc(out[0], L.w4p_cpu_layer_free)
+        del keep
+        self.out_features, self.in_features = n, k
+        self.meta = dict(m)
+        self.threads = threads
+        self.bias = t.get("bias")
+        self.nbytes = int(L.w4p_cpu_layer_bytes(self._layer))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    def codes(self) -> np.ndarray:
+        """The codes as the CPU layout holds them, [Np, Kp] in packed (act-order) K order (tests)."""
+        np_, kp = (int(v) for v in self.meta["padded_shape"])
+        out = np.empty((np_, kp), dtype=np.uint8)
+        _check(lib.w4p_cpu_layer_codes(self._layer, ffi.cast("uint8_t *", out.ctypes.data)), "codes")
+        return out
+
+    def forward(self, x: Any, precision: str = "exact", bias: Any = None, out_dtype: Any = None,
+                threads: int | None = None, isa: str | None = None) -> Any:
+        """y = x · Wᵀ + bias for x [..., K] (numpy fp16/fp32/bf16-as-uint16, or torch CPU tensor).
+
+        bias: None uses the layer's own bias (if it has one), False none, an array or tensor of N values
+        that bias instead. out_dtype defaults to the activations' dtype. precision: "exact" or "fast".
+        threads: defaults to the constructor's value, then $W4PACK_THREADS, then all cores.
+        isa: force an instruction-set path ("scalar", "avx2", "avx512", ...); default $W4PACK_ISA or auto.
+        """
+        if precision not in PRECISIONS:
+            raise BadInputError(f"precision must be 'exact' or 'fast', got {precision!r}")
+        op = _Operand(x, self.in_features)
+        odt = op.dtype if out_dtype is None else _dtype_name(out_dtype)
+        n = self.out_features
+        if bias is None:
+            bias = self.bias
+        if bias is False or bias is None:
+            bkeep, bptr, bdt = None, ffi.NULL, 0
+        else:
+            bkeep, bptr, bdt = _bias_operand(bias, n)
+        nthreads = threads if threads is not None else (self.threads if self.threads is not None else default_threads())
+        if int(nthreads) < 1:
+            raise BadInputError(f"threads must be >= 1, got {nthreads}")
+        isa_code = resolve_isa(isa)
+        y, yptr = op.new_output(n, odt)
+        rc = lib.w4p_cpu_gemm(self._layer, op.ptr, _DT[op.dtype], op.m, op.ld, yptr, _DT[odt], n,
+                              bptr, bdt, PRECISIONS[precision], isa_code, int(nthreads))
+        del bkeep
+        _check(rc, f"gemm {self.name}".strip())
+        return op.shape_output(y, n)
+
+    __call__ = forward
