@@ -710,12 +710,6 @@ class GPTQCapabilities(Capabilities):
         return None
 
 
-def _symmetric(layer: CanonicalLayer) -> bool:
-    if layer.zero_mode == "none":
-        return True
-    return layer.zero_mode == "int" and bool(np.all(layer.zeros == (1 << (layer.bits - 1))))
-
-
 def encode_layer(layer: CanonicalLayer, version: str = V1) -> dict[str, tuple[np.ndarray, str | None]]:
     """The GPTQ tensors of one canonical layer: suffix -> (array, dtype name). Assumes the layer passed
     GPTQCapabilities(version).check."""
@@ -805,8 +799,8 @@ def gptq_quantization_config(metas: dict[str, dict[str, Any]], passthrough: list
                              passthrough_2d: set[str], version: str) -> dict[str, Any]:
     """The quantization_config (= quantize_config.json) for the written layers.
 
-    Global bits/group_size are the most common; other layers get GPTQModel ``dynamic`` overrides
-    ("+:^name$"), and 2-D ``.weight`` tensors left unquantized inside the quantized blocks get "-:" rules so
+    Global bits/group_size/sym are the most common; other layers get GPTQModel ``dynamic`` overrides
+    ("+:^name$"; sym is true exactly for zero mode "none", so a re-read gives the same canonical layer), and 2-D ``.weight`` tensors left unquantized inside the quantized blocks get "-:" rules so
     loaders do not expect them quantized.
     """
     if metas:
@@ -814,14 +808,17 @@ def gptq_quantization_config(metas: dict[str, dict[str, Any]], passthrough: list
         gs = Counter(m["group_size"] for m in metas.values()).most_common(1)[0][0]
     else:
         bits, gs = 4, 128
-    sym = all(m["sym"] for m in metas.values()) if metas else True
+    n_sym = sum(1 for m in metas.values() if m["sym"])
+    sym = n_sym * 2 >= len(metas)
     dynamic: dict[str, dict[str, Any]] = {}
     for name, m in metas.items():
-        over = {}
+        over: dict[str, Any] = {}
         if m["bits"] != bits:
             over["bits"] = m["bits"]
         if m["group_size"] != gs:
             over["group_size"] = m["group_size"]
+        if m["sym"] != sym:
+            over["sym"] = m["sym"]
         if over:
             dynamic["+:^" + re.escape(name) + "$"] = over
     blocks = _block_prefixes(list(metas))
@@ -881,7 +878,7 @@ def write_gptq(source: Source, out: str | os.PathLike[str], *, force: bool = Fal
         if reason:
             problems.append(f"{name}: {reason}")
             continue
-        metas[name] = {"bits": layer.bits, "group_size": layer.group_size, "sym": _symmetric(layer),
+        metas[name] = {"bits": layer.bits, "group_size": layer.group_size, "sym": layer.zero_mode == "none",
                        "act_order": bool(layer.act_order)}
         del layer
     if problems:
