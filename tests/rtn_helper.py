@@ -122,11 +122,13 @@ class MemorySource(Source):
 
 def quantize_model(model: Any, *, bits: int = 4, group_size: int = 32, sym: bool = True,
                    scale_dtype: str = "float16", act_order: bool = False, float_min: bool = False,
-                   skip: tuple[str, ...] = ("lm_head",), seed: int = 0
+                   skip: tuple[str, ...] = ("lm_head",), seed: int = 0, perm_seed: int | None = None
                    ) -> tuple[dict[str, CanonicalLayer], dict[str, tuple[np.ndarray, str]]]:
     """RTN-quantize every nn.Linear of ``model`` (except names in ``skip``): (layers, pass-through tensors).
 
     Tied output embeddings are left out of the tensors (the config's tie_word_embeddings restores them).
+    With act_order, each layer gets its own column permutation unless ``perm_seed`` is given, which makes every
+    layer of the same input width share one (as fusable q/k/v must).
     """
     import torch
 
@@ -137,7 +139,8 @@ def quantize_model(model: Any, *, bits: int = 4, group_size: int = 32, sym: bool
             bias = None if mod.bias is None else mod.bias.detach().float().numpy()
             layers[name] = rtn_quantize(mod.weight.detach().float().numpy(), bits=bits, group_size=group_size,
                                         sym=sym, scale_dtype=scale_dtype, act_order=act_order,
-                                        float_min=float_min, bias=bias, seed=seed + i, name=name)
+                                        float_min=float_min, bias=bias,
+                                        seed=seed + i if perm_seed is None else perm_seed, name=name)
             quantized_params.update({f"{name}.weight", f"{name}.bias"})
     tensors: dict[str, tuple[np.ndarray, str]] = {}
     seen: set[int] = set()

@@ -201,8 +201,20 @@ def _materialize_buffers(model: Any, device: Any) -> None:
         init = getattr(model, "_init_weights", None)
         if init is None:
             raise UnsupportedError(f"cannot compute the buffers {meta_bufs} of {mname}")
+        # transformers' init functions skip tensors flagged as initialized: protect the loaded weights
+        for t in list(mod.parameters(recurse=False)) + [b for n, b in mod.named_buffers(recurse=False)
+                                                         if n not in meta_bufs]:
+            t._is_hf_initialized = True
+        try:
+            from transformers.initialization import guard_torch_init_functions
+        except ImportError:  # older transformers: plain call
+            guard_torch_init_functions = None
         with torch.no_grad():
-            init(mod)
+            if guard_torch_init_functions is not None:
+                with guard_torch_init_functions():
+                    init(mod)
+            else:
+                init(mod)
 
 
 def _leftover_meta(model: Any) -> list[str]:

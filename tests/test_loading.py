@@ -1,0 +1,200 @@
+"""load_model on every architecture w4pack claims: tiny random models, RTN-quantized, written as GPTQ and as AWQ by
+the format writers, converted (unfused and with --fuse qkv,gate-up), loaded with W4Linear and compared with the
+float model holding the exact dequantized weights: logits within tolerance, same argmax, same 1-token generation,
+single and left-padded batched input."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from rtn_helper import MemorySource, quantize_model  # noqa: E402
+
+import w4pack  # noqa: E402
+from w4pack.convert import convert  # noqa: E402
+from w4pack.dtypes import to_float32  # noqa: E402
+from w4pack.errors import BadInputError, UnsupportedError  # noqa: E402
+from w4pack.formats import get_format  # noqa: E402
+from w4pack.loading import load_model  # noqa: E402
+from w4pack.torch_module import W4FusedLinear, W4Linear, W4SliceLinear  # noqa: E402
+
+VOCAB = 160
+COMMON = dict(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=64, pad_token_id=0)
+
+
+def _config(arch: str):
+    from transformers import (GemmaConfig, LlamaConfig, MistralConfig, OPTConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config)
+
+    attn = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    if arch == "llama":
+        return LlamaConfig(**attn, **COMMON, tie_word_embeddings=False)
+    if arch == "mistral":
+        return MistralConfig(**attn, **COMMON, sliding_window=None)
+    if arch == "qwen2":  # q/k/v carry biases
+        return Qwen2Config(**attn, **COMMON, tie_word_embeddings=False)
+    if arch == "qwen3":  # hidden 96: K and N off the 64/16 tile grid; q/k norms
+        return Qwen3Config(hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2,
+                           head_dim=16, **COMMON)
+    if arch == "gemma":  # tied embeddings, scaled embeddings, gelu
+        return GemmaConfig(**attn, head_dim=16, **COMMON)
+    if arch == "phi3":  # natively fused qkv_proj / gate_up_proj
+        return Phi3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                          **{**COMMON, "pad_token_id": 0}, eos_token_id=2, bos_token_id=1)
+    if arch == "opt":  # biases everywhere, learned positions, fc1/fc2
+        return OPTConfig(hidden_size=64, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64,
+                         **{k: v for k, v in COMMON.items() if k != "pad_token_id"}, pad_token_id=1)
+    raise KeyError(arch)
+
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "opt"]
+
+
+def _float_model(arch: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_config(arch), dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the default init, so logits differ clearly between tokens
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    return model.eval()
+
+
+def _reference(model, layers):
+    """The float model with every quantized Linear holding its exact dequantized weights (and bias)."""
+    with torch.no_grad():
+        for name, layer in layers.items():
+            lin = model.get_submodule(name)
+            lin.weight.copy_(torch.from_numpy(layer.dequantize(np.float32)))
+            if layer.bias is not None:
+                lin.bias.copy_(torch.from_numpy(to_float32(layer.bias, layer.bias_dtype)))
+    return model
+
+
+def _write(tmp: Path, arch: str, fmt: str, *, act_order: bool = False, perm_seed: int | None = None):
+    """(source checkpoint folder in ``fmt``, canonical layers, reference model)."""
+    model = _float_model(arch)
+    layers, tensors = quantize_model(model, group_size=32, sym=(fmt == "gptq"), act_order=act_order,
+                                     perm_seed=perm_seed)
+    cfg = model.config.to_dict()
+    cfg["architectures"] = [type(model).__name__]
+    src = MemorySource(cfg, layers, tensors)
+    out = tmp / f"{arch}-{fmt}"
+    get_format(fmt).write(src, out)
+    return out, layers, _reference(model, layers)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(3)
+    single = torch.randint(3, VOCAB, (1, 9), generator=g)
+    batch = torch.randint(3, VOCAB, (2, 9), generator=g)
+    mask = torch.ones_like(batch)
+    mask[1, :3] = 0  # left padding
+    batch[1, :3] = 0
+    return single, batch, mask
+
+
+def _compare(packed, ref) -> None:
+    single, batch, mask = _inputs()
+    with torch.no_grad():
+        a, b = packed(single).logits, ref(single).logits
+        scale = b.abs().max()
+        assert (a - b).abs().max() / scale < 1e-4
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        a, b = packed(batch, attention_mask=mask).logits, ref(batch, attention_mask=mask).logits
+        valid = mask.bool()
+        assert (a[valid] - b[valid]).abs().max() / b[valid].abs().max() < 1e-4
+        assert torch.equal(a[valid].argmax(-1), b[valid].argmax(-1))
+        for ids, m in ((single, None), (batch, mask)):
+            kw = {"attention_mask": m} if m is not None else {}
+            ga = packed.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0, **kw)
+            gb = ref.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0, **kw)
+            assert torch.equal(ga, gb)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_architecture_unfused_and_fused(tmp_path: Path, arch: str, fmt: str) -> None:
+    src, layers, ref = _write(tmp_path, arch, fmt)
+    plain, fused = tmp_path / "plain", tmp_path / "fused"
+    convert(src, plain)
+    result = convert(src, fused, fuse="qkv,gate-up")
+    model = load_model(plain)
+    n_w4 = sum(isinstance(m, W4Linear) for m in model.modules())
+    assert n_w4 == len(layers)
+    _compare(model, ref)
+    fmodel = load_model(fused)
+    manifest = json.loads((fused / "w4pack.json").read_text())
+    if arch == "phi3":  # already fused by the model itself: nothing to fuse
+        assert not manifest.get("fused") and not result["fused"]
+    else:
+        groups = 2 * (1 if arch == "opt" else 2)  # per block: qkv (+ gate/up except OPT)
+        assert len(manifest["fused"]) == groups
+        qc = json.loads((fused / "config.json").read_text())["quantization_config"]
+        assert qc["fused"] == manifest["fused"]
+        assert sum(isinstance(m, W4FusedLinear) for m in fmodel.modules()) == groups
+        assert any(isinstance(m, W4SliceLinear) for m in fmodel.modules())
+    _compare(fmodel, ref)
+
+
+def test_act_order_loads_and_fuses_only_with_matching_permutations(tmp_path: Path) -> None:
+    src, layers, ref = _write(tmp_path, "llama", "gptq", act_order=True)
+    assert all(layer.act_order for layer in layers.values())
+    convert(src, tmp_path / "plain")
+    _compare(load_model(tmp_path / "plain"), ref)
+    with pytest.raises(UnsupportedError, match="act-order permutations differ"):
+        convert(src, tmp_path / "refused", fuse="qkv")
+    assert not (tmp_path / "refused").exists()
+    # one permutation shared by every layer of the same width: q/k/v and gate/up can be fused
+    src2, _layers2, ref2 = _write(tmp_path / "same", "llama", "gptq", act_order=True, perm_seed=11)
+    convert(src2, tmp_path / "fused", fuse="qkv,gate-up")
+    _compare(load_model(tmp_path / "fused"), ref2)
+
+
+def test_from_pretrained_after_import(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    src, _layers, ref = _write(tmp_path, "qwen2", "awq")
+    convert(src, tmp_path / "w4", fuse="qkv")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "w4")
+    assert isinstance(model.model.layers[0].mlp.down_proj, W4Linear)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, W4SliceLinear)
+    _compare(model, ref)
+
+
+def test_bfloat16_model_and_tied_embeddings(tmp_path: Path) -> None:
+    src, _layers, ref = _write(tmp_path, "gemma", "gptq")
+    convert(src, tmp_path / "w4")
+    model = load_model(tmp_path / "w4", dtype="bfloat16")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    single, _b, _m = _inputs()
+    with torch.no_grad():
+        a, b = model(single).logits.float(), ref(single).logits
+    assert (a - b).abs().max() / b.abs().max() < 5e-2
+
+
+def test_bad_checkpoints_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(BadInputError):
+        load_model(tmp_path / "missing")
+    src, _layers, _ref = _write(tmp_path, "llama", "gptq")
+    convert(src, tmp_path / "w4")
+    cfg_path = tmp_path / "w4" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["intermediate_size"] = 96  # the model no longer matches the packed shapes
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(BadInputError, match="does not match"):
+        load_model(tmp_path / "w4")
+    with pytest.raises(BadInputError, match="precision"):
+        load_model(tmp_path / "w4", precision="sloppy")
+
+
+def test_load_model_is_exported() -> None:
+    assert w4pack.load_model is load_model

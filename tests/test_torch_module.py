@@ -1,0 +1,184 @@
+"""W4Linear: the native GEMM behind a torch module and custom op, against the float64 dequantized reference."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from rtn_helper import rtn_quantize  # noqa: E402
+
+from w4pack.layout import pack  # noqa: E402
+from w4pack.torch_module import W4FusedLinear, W4Linear, W4SliceLinear  # noqa: E402
+
+RNG = np.random.default_rng(7)
+
+
+def _layer(n: int, k: int, **kw):
+    w = RNG.standard_normal((n, k)).astype(np.float32) * 0.05
+    bias = RNG.standard_normal(n).astype(np.float32) * 0.1 if kw.pop("with_bias", False) else None
+    return rtn_quantize(w, bias=bias, **kw)
+
+
+def _reference(layer, x: np.ndarray) -> np.ndarray:
+    """float64 x @ W.T + b with W the canonical dequantized weights."""
+    y = x.astype(np.float64) @ layer.dequantize(np.float64).T
+    if layer.bias is not None:
+        from w4pack.dtypes import to_float64
+
+        y = y + to_float64(layer.bias, layer.bias_dtype)
+    return y
+
+
+CASES = [
+    dict(n=48, k=128, group_size=32, sym=True),
+    dict(n=40, k=96, group_size=32, sym=False),                      # N, K not multiples of the tile
+    dict(n=64, k=128, group_size=64, sym=False, float_min=True),      # GGUF Q4_1-like float minimum
+    dict(n=32, k=128, group_size=32, sym=True, act_order=True),       # act-order permutation
+    dict(n=32, k=64, group_size=-1, sym=True, scale_dtype="bfloat16", with_bias=True),
+    dict(n=32, k=128, group_size=32, sym=False, scale_dtype="float32", with_bias=True),
+    dict(n=24, k=64, group_size=16, sym=True, bits=8),
+    dict(n=16, k=64, group_size=32, sym=False, bits=3),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_forward_matches_float64_reference(case: dict) -> None:
+    c = dict(case)
+    n, k = c.pop("n"), c.pop("k")
+    layer = _layer(n, k, **c)
+    mod = W4Linear.from_canonical(layer)
+    x = RNG.standard_normal((3, 5, k)).astype(np.float32)
+    y = mod(torch.from_numpy(x))
+    assert y.shape == (3, 5, n) and y.dtype == torch.float32
+    ref = _reference(layer, x.reshape(-1, k)).reshape(3, 5, n)
+    err = np.abs(y.numpy() - ref).max() / np.abs(ref).max()
+    assert err < 1e-5, err
+
+
+def test_fast_path_is_close() -> None:
+    layer = _layer(64, 256, group_size=64, sym=False)
+    mod = W4Linear.from_canonical(layer, precision="fast")
+    x = RNG.standard_normal((4, 256)).astype(np.float32)
+    y = mod(torch.from_numpy(x)).numpy()
+    ref = _reference(layer, x)
+    rel_rms = np.sqrt(np.mean((y - ref) ** 2) / np.mean(ref**2))
+    assert rel_rms < 2e-2, rel_rms
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_inputs_give_half_outputs(dtype: str) -> None:
+    layer = _layer(32, 128, group_size=32, sym=True)
+    mod = W4Linear.from_canonical(layer)
+    tdt = getattr(torch, dtype)
+    x = torch.from_numpy(RNG.standard_normal((2, 128)).astype(np.float32)).to(tdt)
+    y = mod(x)
+    assert y.dtype == tdt
+    ref = _reference(layer, x.float().numpy())
+    assert np.abs(y.float().numpy() - ref).max() / np.abs(ref).max() < 1e-2
+
+
+def test_dequantize_and_repr() -> None:
+    layer = _layer(40, 96, group_size=32, sym=False, act_order=True)
+    mod = W4Linear.from_canonical(layer)
+    np.testing.assert_array_equal(mod.dequantize().numpy(), layer.dequantize(np.float32))
+    r = repr(mod)
+    assert "bits=4" in r and "group_size=32" in r and "zero_mode=int" in r and "act_order=True" in r
+
+
+def test_dtype_casts_never_touch_scales_and_state_dict_round_trips() -> None:
+    layer = _layer(32, 64, group_size=32, sym=False, with_bias=True)
+    mod = W4Linear.from_canonical(layer)
+    before = {k: v.clone() for k, v in mod.state_dict().items()}
+    mod.to(torch.bfloat16)
+    for key, val in mod.state_dict().items():
+        assert torch.equal(val, before[key]), key
+    empty = W4Linear(pack(layer).meta, has_bias=True)
+    empty.load_state_dict(before)
+    x = torch.randn(2, 64)
+    assert torch.equal(empty(x), W4Linear.from_canonical(layer)(x))
+    assert empty.packed_layer().tensors["scales"].dtype == np.float16
+
+
+def test_wrong_input_width_is_refused() -> None:
+    mod = W4Linear.from_canonical(_layer(16, 64, group_size=32))
+    with pytest.raises(ValueError, match="expects 64"):
+        mod(torch.randn(2, 32))
+
+
+def test_custom_op_fake_and_compile() -> None:
+    layer = _layer(32, 128, group_size=32, sym=True, with_bias=True)
+    mod = W4Linear.from_canonical(layer)
+    x = torch.randn(3, 128)
+    torch.library.opcheck(torch.ops.w4pack.linear.default, (x, mod.qweight, mod.handle, 32, "exact"),
+                          test_utils=("test_schema", "test_faketensor"))
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = mod
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.lin(t)) * 2
+
+    net = Net()
+    compiled = torch.compile(net, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), net(x))
+
+
+def _fused_parts():
+    q = _layer(64, 64, group_size=32, sym=True, name="a.q_proj")
+    k = _layer(32, 64, group_size=32, sym=True, name="a.k_proj")
+    v = _layer(32, 64, group_size=32, sym=True, name="a.v_proj")
+    return q, k, v
+
+
+def test_fused_slices_run_one_gemm_per_input() -> None:
+    from w4pack.fuse import fuse_layers
+
+    parts = _fused_parts()
+    fused_layer, rows = fuse_layers("a.qkv_proj", list(parts))
+    packed = pack(fused_layer)
+    fused = W4FusedLinear(packed.meta, rows, has_bias=False, device="meta")
+    fused.load_packed(packed)
+    views = [W4SliceLinear(fused, i) for i in range(3)]
+    calls = []
+    real_run = fused._run
+    fused._run = lambda x, p: (calls.append(1), real_run(x, p))[1]  # type: ignore[method-assign]
+    x = torch.randn(2, 3, 64)
+    outs = [v(x) for v in views]
+    assert len(calls) == 1
+    for out, part in zip(outs, parts):
+        ref = _reference(part, x.reshape(-1, 64).numpy()).reshape(2, 3, -1)
+        assert np.abs(out.numpy() - ref).max() / np.abs(ref).max() < 1e-5
+    # a new input (or the same tensor changed in place) runs the GEMM again
+    x.mul_(2)
+    views[0](x)
+    assert len(calls) == 2
+    outs2 = [v(x) for v in views[1:]]
+    assert len(calls) == 2
+    assert torch.allclose(outs2[0], outs[1] * 2, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu_and_captures_in_a_graph() -> None:
+    layer = _layer(128, 256, group_size=128, sym=False)
+    cpu = W4Linear.from_canonical(layer)
+    gpu = W4Linear.from_canonical(layer).to("cuda")
+    x = torch.randn(4, 256)
+    y_cpu = cpu(x)
+    xg = x.to("cuda", torch.float16)
+    y_gpu = gpu(xg)
+    assert y_gpu.dtype == torch.float16
+    assert torch.allclose(y_gpu.float().cpu(), y_cpu, rtol=2e-2, atol=2e-2)
+    static_x = xg.clone()
+    gpu(static_x)  # warm up (prepares the kernel outside the capture)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = gpu(static_x)
+    x2 = torch.randn(4, 256, device="cuda", dtype=torch.float16)
+    static_x.copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_y, gpu(x2))

@@ -1,0 +1,59 @@
+"""w4pack run: generate from a prompt, or measure perplexity over a text file, with the native kernels."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from . import emit_json
+
+
+@click.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--prompt", default=None, help="Text to continue (or to answer, with --chat).")
+@click.option("--perplexity", "ppl_file", type=click.Path(path_type=Path), default=None,
+              help="Measure perplexity over this UTF-8 text file instead of generating.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(1, 1 << 16))
+@click.option("--precision", type=click.Choice(["exact", "fast"]), default="exact", show_default=True,
+              help="CPU kernel path: exact (fp32 dequantize) or fast (int8 activations, ~0.4% RMS error).")
+@click.option("--dtype", default=None, help="Activation dtype: float32, float16, bfloat16 (default: float32 on "
+                                            "CPU, float16 on CUDA).")
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0, None),
+              help="0 is greedy; above 0 samples.")
+@click.option("--seed", default=None, type=int, help="Seed for sampling (repeatable output).")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
+@click.option("--threads", default=None, type=click.IntRange(1, 1024), help="CPU kernel threads.")
+@click.option("--window", default=None, type=click.IntRange(2, 1 << 20),
+              help="Perplexity window in tokens (default: model context, at most 1024).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+def run(path: Path, prompt: str | None, ppl_file: Path | None, device: str, max_new_tokens: int, precision: str,
+        dtype: str | None, temperature: float, seed: int | None, chat: bool, threads: int | None,
+        window: int | None, as_json: bool) -> None:
+    """Load the packed checkpoint PATH and generate from --prompt, or score --perplexity FILE.
+
+    The tokenizer comes from PATH; quantized layers run w4pack's kernels (CPU or CUDA). Reports tokens/s.
+    """
+    from ..errors import BadInputError
+    from ..run import generate, perplexity
+
+    if (prompt is None) == (ppl_file is None):
+        raise BadInputError("give exactly one of --prompt TEXT or --perplexity FILE")
+    if ppl_file is not None:
+        doc = perplexity(path, ppl_file, device=device, precision=precision, dtype=dtype, window=window,
+                         threads=threads)
+        if as_json:
+            emit_json(doc)
+        else:
+            click.echo(f"perplexity {doc['perplexity']:.4f} over {doc['scored_tokens']} tokens "
+                       f"(window {doc['window']}) on {doc['device']}, {doc['tokens_per_s']} tokens/s")
+        return
+    doc = generate(path, prompt, device=device, max_new_tokens=max_new_tokens, precision=precision,
+                   temperature=temperature, seed=seed, dtype=dtype, chat=chat, threads=threads)
+    if as_json:
+        emit_json(doc)
+    else:
+        click.echo(doc["completion"] if chat else prompt + doc["completion"])
+        rate = f"{doc['tokens_per_s']} tokens/s" if doc["tokens_per_s"] is not None else "n/a tokens/s"
+        click.echo(f"[{doc['new_tokens']} tokens on {doc['device']} ({doc['precision']}): {rate} decode, "
+                   f"first token {doc['prefill_s'] * 1000:.0f} ms, load {doc['load_s']:.2f} s]", err=True)
