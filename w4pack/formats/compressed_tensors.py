@@ -1,0 +1,668 @@
+"""compressed-tensors ``pack-quantized`` (llm-compressor, vLLM): reader and writer.
+
+On disk, per quantized Linear ``<m>`` (facts: reference/formats-awq-ct-gguf.md §4):
+
+* ``<m>.weight_packed``     int32 [N, ceil(K·b/32)]: signed codes + 2**(b-1), a dense little-endian bit stream per
+  row (4-bit: nibble i of word c is column 8c+i; no interleave).
+* ``<m>.weight_scale``      bf16/fp16/fp32: group [N, K/G], channel [N, 1], tensor [1].
+* ``<m>.weight_shape``      int64 [2] = [N, K] (the only exact record of K for channel/tensor).
+* ``<m>.weight_zero_point`` asymmetric only: int32 [ceil(N·b/32), G], signed zeros + 2**(b-1) packed along N (the
+  last word padded); tensor strategy and files older than 0.9.4 keep it unpacked with the scale's shape.
+* ``<m>.weight_g_idx``      int32 [K] in older files with ``actorder: "group"``.
+
+Symmetric layers have no zero point: the implicit unsigned zero is 2**(b-1), i.e. canonical zero mode "none".
+Unsigned codes and zeros are exactly the canonical ones, so reading and writing are lossless.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..atomic import AtomicFolder
+from ..canonical import CanonicalLayer, default_g_idx
+from ..checkpoint import SIDE_FILES, parse_size
+from ..dtypes import FLOAT_DTYPES
+from ..errors import BadInputError, UnsupportedError
+from ..safetensors_io import SafetensorsFile, write_safetensors
+from .base import Capabilities, Format, Source, TensorData
+
+__all__ = ["CompressedTensorsFormat", "CompressedTensorsSource", "pack_rows", "unpack_rows"]
+
+#: the compressed-tensors release whose on-disk format this module writes (and was checked against)
+CT_FORMAT_VERSION = "0.20.1"
+_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+_STRATEGIES = ("group", "channel", "tensor")
+
+
+# ---------------------------------------------------------------------------------------------
+# bit streams
+# ---------------------------------------------------------------------------------------------
+def unpack_rows(words: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """Unsigned b-bit values [R, count] from int32 rows [R, W] holding a dense little-endian bit stream."""
+    u = np.ascontiguousarray(words).astype("<u4", copy=False)
+    byts = u.view(np.uint8).reshape(u.shape[0], -1)
+    if bits == 8:
+        return byts[:, :count].copy()
+    if bits == 4:
+        out = np.empty((byts.shape[0], byts.shape[1], 2), dtype=np.uint8)
+        np.bitwise_and(byts, 15, out=out[:, :, 0])
+        np.right_shift(byts, 4, out=out[:, :, 1])
+        return out.reshape(byts.shape[0], -1)[:, :count].copy()
+    stream = np.unpackbits(byts, axis=1, bitorder="little")[:, : count * bits]
+    weights = (1 << np.arange(bits, dtype=np.uint16)).astype(np.uint16)
+    return (stream.reshape(u.shape[0], count, bits).astype(np.uint16) @ weights).astype(np.uint8)
+
+
+def _unpack_rows_legacy(words: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """compressed-tensors < 0.17 for odd widths: 32 // b whole values per word, the top bits unused."""
+    per = 32 // bits
+    u = np.ascontiguousarray(words).astype("<u4", copy=False).astype(np.uint64)
+    shifts = (np.arange(per, dtype=np.uint64) * bits)
+    vals = (u[:, :, None] >> shifts) & ((1 << bits) - 1)
+    return vals.reshape(u.shape[0], -1)[:, :count].astype(np.uint8)
+
+
+def pack_rows(vals: np.ndarray, bits: int) -> np.ndarray:
+    """int32 [R, ceil(C·b/32)] dense bit stream of unsigned b-bit values [R, C] (inverse of unpack_rows)."""
+    vals = np.ascontiguousarray(vals, dtype=np.uint8)
+    r, c = vals.shape
+    nwords = -(-c * bits // 32)
+    if bits in (4, 8):
+        per_word = 32 // bits
+        padded = np.zeros((r, nwords * per_word), dtype=np.uint8)
+        padded[:, :c] = vals
+        if bits == 4:
+            byts = (padded[:, 0::2] | (padded[:, 1::2] << 4)).astype(np.uint8)
+        else:
+            byts = padded
+    else:
+        bitarr = ((vals[:, :, None] >> np.arange(bits, dtype=np.uint8)) & 1).reshape(r, c * bits)
+        full = np.zeros((r, nwords * 32), dtype=np.uint8)
+        full[:, : c * bits] = bitarr
+        byts = np.packbits(full, axis=1, bitorder="little")
+    return np.ascontiguousarray(byts).view("<u4").astype(np.int32, copy=False).reshape(r, nwords)
+
+
+# ---------------------------------------------------------------------------------------------
+# config
+# ---------------------------------------------------------------------------------------------
+def _matches(name: str, target: str) -> bool:
+    """compressed-tensors target/ignore matching: 're:<regex>', an exact module name, or a class name."""
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    if target == name:
+        return True
+    # a class name ("Linear"): every module we see with packed weights is a Linear
+    return "." not in target and target[:1].isupper() and target.endswith("Linear")
+
+
+def _scalar(arr: np.ndarray) -> int:
+    return int(np.asarray(arr).reshape(-1)[0])
+
+
+class CompressedTensorsSource(Source):
+    """A compressed-tensors model folder (config.json + safetensors shards) or a bare .safetensors file."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.notes: list[str] = []
+        self._files: dict[Path, SafetensorsFile] = {}
+        self.folder = self.path if self.path.is_dir() else self.path.parent
+        self.config: dict[str, Any] = {}
+        qcfg: dict[str, Any] | None = None
+        cfg_path = self.folder / "config.json"
+        if self.path.is_dir() and cfg_path.is_file():
+            try:
+                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise BadInputError(f"not valid JSON: {exc}", file=str(cfg_path)) from None
+            if not isinstance(cfg, dict):
+                raise BadInputError("config.json is not a JSON object", file=str(cfg_path))
+            qcfg = cfg.get("quantization_config") or cfg.get("compression_config")
+            self.config = {k: v for k, v in cfg.items() if k not in ("quantization_config", "compression_config")}
+        self.qcfg = qcfg if isinstance(qcfg, dict) else None
+        self._cfg_label = str(cfg_path)
+        self.tensor_file: dict[str, Path] = self._index()
+        self._parse_config()
+        # modules with packed weights, in file order
+        self._layers: list[str] = []
+        seen = set()
+        for t in self.tensor_file:
+            if t.endswith(".weight_packed"):
+                m = t[: -len(".weight_packed")]
+                if m not in seen:
+                    seen.add(m)
+                    self._layers.append(m)
+        if not self._layers:
+            raise UnsupportedError("no weight_packed tensors: not a pack-quantized compressed-tensors checkpoint",
+                                   file=str(self.path))
+        owned = set()
+        for m in self._layers:
+            for s in _SUFFIXES + ("bias",):
+                owned.add(f"{m}.{s}")
+            if f"{m}.weight" in self.tensor_file:
+                raise BadInputError("module holds both weight and weight_packed", file=str(self.tensor_file[m + ".weight"]),
+                                    tensor=f"{m}.weight")
+        self._passthrough = [t for t in self.tensor_file if t not in owned]
+        version = (self.qcfg or {}).get("version")
+        self.info = {"format": "compressed-tensors", "version": None if version is None else str(version),
+                     "notes": self.notes}
+
+    # -- files ---------------------------------------------------------------------------------
+    def _index(self) -> dict[str, Path]:
+        if self.path.is_file():
+            files = [self.path]
+        else:
+            idx = self.path / "model.safetensors.index.json"
+            if idx.is_file():
+                try:
+                    wm = json.loads(idx.read_text(encoding="utf-8"))["weight_map"]
+                except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+                    raise BadInputError("index has no weight_map", file=str(idx)) from None
+                out: dict[str, Path] = {}
+                for t, fname in wm.items():
+                    if not isinstance(fname, str) or "/" in fname or "\\" in fname or fname.startswith("."):
+                        raise BadInputError(f"shard name {fname!r} is not a plain file name", file=str(idx), tensor=t)
+                    p = self.path / fname
+                    if not p.is_file():
+                        raise BadInputError("shard named in the index is missing", file=str(p), tensor=t)
+                    out[t] = p
+                for p in sorted(set(out.values())):
+                    f = self._file(p)
+                    for t, owner in out.items():
+                        if owner == p and t not in f:
+                            raise BadInputError("tensor listed in the index is missing from its shard", file=str(p),
+                                                tensor=t)
+                return out
+            files = sorted(self.path.glob("*.safetensors"))
+            if not files:
+                raise BadInputError("no .safetensors files", file=str(self.path))
+        out = {}
+        for p in files:
+            for t in self._file(p).keys():
+                if t in out:
+                    raise BadInputError(f"tensor appears in two files ({out[t].name})", file=str(p), tensor=t)
+                out[t] = p
+        return out
+
+    def _file(self, p: Path) -> SafetensorsFile:
+        if p not in self._files:
+            self._files[p] = SafetensorsFile(p)
+        return self._files[p]
+
+    def _get(self, tname: str) -> np.ndarray:
+        return self._file(self.tensor_file[tname]).get(tname)
+
+    def _label(self, tname: str) -> str:
+        return str(self.tensor_file.get(tname, self.path))
+
+    # -- config --------------------------------------------------------------------------------
+    def _parse_config(self) -> None:
+        self.groups: list[tuple[str, list[str], dict[str, Any], str]] = []
+        self.ignore: list[str] = []
+        q = self.qcfg
+        if q is None:
+            self.notes.append("no quantization_config: schemes inferred from tensor shapes")
+            return
+        label = self._cfg_label
+        qm = q.get("quant_method")
+        if qm not in (None, "compressed-tensors", "sparseml"):
+            raise UnsupportedError(f"quant_method is {qm!r}, not compressed-tensors", file=label)
+        fmt = q.get("format") or "pack-quantized"
+        if q.get("quantization_status") not in (None, "compressed"):
+            raise UnsupportedError(f"quantization_status {q.get('quantization_status')!r}: weights are not stored "
+                                   "compressed", file=label)
+        groups = q.get("config_groups") or {}
+        if not isinstance(groups, dict):
+            raise BadInputError("config_groups is not an object", file=label)
+        for gname, g in groups.items():
+            if not isinstance(g, dict):
+                raise BadInputError(f"config group {gname!r} is not an object", file=label)
+            targets = g.get("targets") or []
+            if isinstance(targets, str):
+                targets = [targets]
+            weights = g.get("weights")
+            if not isinstance(weights, dict):
+                continue  # activation-only scheme: nothing stored for weights
+            self.groups.append((gname, [str(t) for t in targets], weights, str(g.get("format") or fmt)))
+        ign = q.get("ignore") or []
+        self.ignore = [str(x) for x in (ign if isinstance(ign, list) else [ign])]
+        if q.get("sparsity_config"):
+            sc = q["sparsity_config"]
+            if isinstance(sc, dict) and sc.get("format") not in (None, "dense"):
+                raise UnsupportedError(f"sparse compression {sc.get('format')!r} is not supported", file=label)
+
+    def _scheme(self, name: str) -> tuple[dict[str, Any] | None, str]:
+        """(weights args, format) of the config group that claims ``name``; (None, '') without a config."""
+        if self.qcfg is None:
+            return None, ""
+        if any(_matches(name, t) for t in self.ignore):
+            raise BadInputError("module is listed in ignore but stores packed weights", file=self._cfg_label,
+                                tensor=name)
+        # compressed-tensors prefers exact names over regexes over class names
+        for kind in ("exact", "re", "class"):
+            for _g, targets, weights, fmt in self.groups:
+                for t in targets:
+                    k = "re" if t.startswith("re:") else ("exact" if t == name else "class")
+                    if k == kind and _matches(name, t):
+                        return weights, fmt
+        raise BadInputError("no config group targets this module", file=self._cfg_label, tensor=name)
+
+    # -- Source --------------------------------------------------------------------------------
+    def layer_names(self) -> list[str]:
+        return list(self._layers)
+
+    def passthrough_names(self) -> list[str]:
+        return list(self._passthrough)
+
+    def read_tensor(self, name: str) -> TensorData:
+        if name not in self.tensor_file:
+            raise BadInputError("no such tensor", file=str(self.path), tensor=name)
+        f = self._file(self.tensor_file[name])
+        return TensorData(f.get(name), f.dtype_name(name))
+
+    def side_files(self) -> list[Path]:
+        if not self.path.is_dir():
+            return []
+        return [self.path / n for n in SIDE_FILES if (self.path / n).is_file()]
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def read_layer(self, name: str) -> CanonicalLayer:
+        if name not in self._layers:
+            raise BadInputError("no such quantized layer", file=str(self.path), tensor=name)
+        tp, ts, tsh = f"{name}.weight_packed", f"{name}.weight_scale", f"{name}.weight_shape"
+        for t in (ts,):
+            if t not in self.tensor_file:
+                raise BadInputError("tensor is missing", file=str(self.path), tensor=t)
+        packed = self._get(tp)
+        if packed.dtype != np.int32 or packed.ndim != 2:
+            raise BadInputError(f"weight_packed must be int32 [N, words], got {packed.dtype} {list(packed.shape)}",
+                                file=self._label(tp), tensor=tp)
+        n, words = packed.shape
+        scale_f = self._file(self.tensor_file[ts])
+        sdt = scale_f.dtype_name(ts)
+        if sdt not in FLOAT_DTYPES:
+            raise UnsupportedError(f"weight_scale dtype {sdt} (expected bfloat16, float16 or float32)",
+                                   file=self._label(ts), tensor=ts)
+        scale = scale_f.get(ts)
+        weights, fmt = self._scheme(name)
+        if fmt and fmt != "pack-quantized":
+            raise UnsupportedError(f"format {fmt!r}: only pack-quantized int weights are supported",
+                                   file=self._cfg_label, tensor=name)
+        # shape: weight_shape is authoritative
+        if tsh in self.tensor_file:
+            shp = self._get(tsh)
+            if shp.size != 2 or shp.dtype.kind not in "iu":
+                raise BadInputError(f"weight_shape must hold two integers, got {shp.dtype} {list(shp.shape)}",
+                                    file=self._label(tsh), tensor=tsh)
+            n_s, k = (int(x) for x in np.asarray(shp).reshape(-1))
+            if n_s != n:
+                raise BadInputError(f"weight_shape says {n_s} rows but weight_packed has {n}", file=self._label(tsh),
+                                    tensor=tsh)
+        else:
+            k = None
+        zp_name = f"{name}.weight_zero_point"
+        has_zp = zp_name in self.tensor_file
+        notes: dict[str, Any] = {}
+        if weights is not None:
+            if str(weights.get("type", "int")) != "int":
+                raise UnsupportedError(f"weight type {weights.get('type')!r}: only int is supported",
+                                       file=self._cfg_label, tensor=name)
+            bits = int(weights.get("num_bits", 4))
+            sym = bool(weights.get("symmetric", True))
+            strategy = str(weights.get("strategy") or ("group" if weights.get("group_size") else "channel"))
+            gs_cfg = weights.get("group_size")
+            if strategy not in _STRATEGIES:
+                raise UnsupportedError(f"strategy {strategy!r} (supported: {', '.join(_STRATEGIES)})",
+                                       file=self._cfg_label, tensor=name)
+            if sym and has_zp:
+                # older files kept an all-zero zero point beside symmetric weights; ignore it only if so
+                notes["quirk"] = "symmetric scheme with a stored weight_zero_point"
+            if not sym and not has_zp:
+                raise BadInputError("asymmetric scheme but weight_zero_point is missing", file=self._label(tp),
+                                    tensor=zp_name)
+        else:
+            sym = not has_zp
+            strategy = "tensor" if scale.size == 1 and scale.ndim <= 1 else ("channel" if scale.shape[-1] == 1
+                                                                                else "group")
+            gs_cfg = None
+            bits = None
+        if k is None:
+            if strategy == "group" and gs_cfg:
+                k = int(scale.shape[-1]) * int(gs_cfg)
+            elif bits is not None and (words * 32) % bits == 0:
+                k = words * 32 // bits
+                notes["quirk"] = "no weight_shape: in_features taken from the packed width"
+            else:
+                raise BadInputError("weight_shape is missing and in_features cannot be derived",
+                                    file=self._label(tp), tensor=tsh)
+        if bits is None:  # infer from the packed width
+            cands = [b for b in (4, 8, 2, 3) if -(-k * b // 32) == words]
+            if not cands:
+                raise BadInputError(f"weight_packed width {words} fits no bit width for in_features {k}",
+                                    file=self._label(tp), tensor=tp)
+            bits = cands[0]
+        if bits not in (2, 3, 4, 8):
+            raise UnsupportedError(f"{bits}-bit weights (supported: 2, 3, 4, 8)", file=self._label(tp), tensor=name)
+        if k < 1:
+            raise BadInputError(f"in_features {k} must be positive", file=self._label(tsh), tensor=tsh)
+        # codes
+        dense = -(-k * bits // 32)
+        legacy = -(-k // (32 // bits))
+        if words == dense:
+            codes = unpack_rows(packed, bits, k)
+        elif words == legacy:
+            codes = _unpack_rows_legacy(packed, bits, k)
+            notes["quirk"] = f"pre-0.17 packing: {32 // bits} values per int32"
+        else:
+            raise BadInputError(f"weight_packed has {words} words per row; {k} {bits}-bit values need {dense}",
+                                file=self._label(tp), tensor=tp)
+        # scales -> [N, G]
+        if strategy == "tensor":
+            if scale.size != 1:
+                raise BadInputError(f"tensor strategy needs one scale, got shape {list(scale.shape)}",
+                                    file=self._label(ts), tensor=ts)
+            scales = np.broadcast_to(np.asarray(scale).reshape(1, 1), (n, 1)).copy()
+            group_size = -1
+        else:
+            if scale.ndim != 2 or scale.shape[0] != n:
+                raise BadInputError(f"weight_scale shape {list(scale.shape)} does not have {n} rows",
+                                    file=self._label(ts), tensor=ts)
+            g = int(scale.shape[1])
+            if strategy == "channel":
+                if g != 1:
+                    raise BadInputError(f"channel strategy needs weight_scale [N, 1], got {list(scale.shape)}",
+                                        file=self._label(ts), tensor=ts)
+                group_size = -1
+            else:
+                if gs_cfg:
+                    group_size = int(gs_cfg)
+                elif k % g == 0:
+                    group_size = k // g
+                else:
+                    raise BadInputError(f"cannot infer the group size: {k} columns, {g} groups", file=self._label(ts),
+                                        tensor=ts)
+                if group_size == k and g == 1 and gs_cfg in (None, -1):
+                    group_size = -1
+                if group_size != -1 and -(-k // group_size) != g:
+                    raise BadInputError(f"weight_scale has {g} groups; {k} columns in groups of {group_size} need "
+                                        f"{-(-k // group_size)}", file=self._label(ts), tensor=ts)
+            scales = np.array(scale)
+        # zero points
+        offset = 1 << (bits - 1)
+        zeros = None
+        zero_mode = "none"
+        if has_zp and not sym:
+            zp = self._get(zp_name)
+            ng = scales.shape[1]
+            if strategy != "tensor" and zp.dtype == np.int32 and zp.ndim == 2 and zp.shape == (-(-n * bits // 32), ng) \
+                    and zp.shape != (n, ng):
+                zeros = unpack_rows(np.ascontiguousarray(zp.T), bits, n).T.copy()
+            elif zp.size == scales.size or (strategy == "tensor" and zp.size == 1):
+                # unpacked (tensor strategy, or files older than 0.9.4): signed values in the scale's shape
+                zvals = np.asarray(zp)
+                if zvals.dtype.kind == "f" or zvals.dtype == np.uint16:
+                    raw = zvals.astype(np.float32) if zvals.dtype.kind == "f" else \
+                        (zvals.astype(np.uint32) << 16).view(np.float32)
+                    if not np.all(raw == np.round(raw)):
+                        raise BadInputError("zero points are not integers", file=self._label(zp_name), tensor=zp_name)
+                    zvals = raw.astype(np.int64)
+                zs = zvals.astype(np.int64).reshape(-1)
+                zs = np.broadcast_to(zs.reshape(1, 1), (n, 1)) if strategy == "tensor" else zs.reshape(n, ng)
+                zeros = (zs + offset)
+                if int(zeros.min()) < 0 or int(zeros.max()) > (1 << bits) - 1:
+                    raise BadInputError(f"zero points outside the signed {bits}-bit range", file=self._label(zp_name),
+                                        tensor=zp_name)
+                zeros = zeros.astype(np.uint8)
+                notes["quirk"] = "unpacked weight_zero_point"
+            else:
+                raise BadInputError(f"weight_zero_point shape {list(zp.shape)} {zp.dtype} fits neither packed "
+                                    f"[{-(-n * bits // 32)}, {ng}] nor unpacked [{n}, {ng}]",
+                                    file=self._label(zp_name), tensor=zp_name)
+            zero_mode = "int"
+        # g_idx
+        gi_name = f"{name}.weight_g_idx"
+        g_idx = None
+        if gi_name in self.tensor_file:
+            gi = self._get(gi_name)
+            if gi.shape != (k,) or gi.dtype.kind not in "iu":
+                raise BadInputError(f"weight_g_idx must be int [{k}], got {gi.dtype} {list(gi.shape)}",
+                                    file=self._label(gi_name), tensor=gi_name)
+            if group_size == -1:
+                if np.any(np.asarray(gi) != 0):
+                    raise BadInputError("weight_g_idx names groups but the layer has one", file=self._label(gi_name),
+                                        tensor=gi_name)
+            g_idx = np.asarray(gi).astype(np.int32)
+            if g_idx.size and (int(g_idx.min()) < 0 or int(g_idx.max()) >= scales.shape[1]):
+                raise BadInputError(f"weight_g_idx values outside 0..{scales.shape[1] - 1}",
+                                    file=self._label(gi_name), tensor=gi_name)
+        bias = bias_dtype = None
+        if f"{name}.bias" in self.tensor_file:
+            bf = self._file(self.tensor_file[f"{name}.bias"])
+            bias_dtype = bf.dtype_name(f"{name}.bias")
+            bias = np.array(bf.get(f"{name}.bias"))
+        source = {"format": "compressed-tensors", "strategy": strategy, "symmetric": sym}
+        if notes:
+            source.update(notes)
+        layer = CanonicalLayer(codes=codes, scales=scales, bits=bits, group_size=group_size, zero_mode=zero_mode,
+                               zeros=zeros, g_idx=g_idx, scale_dtype=sdt, bias=bias, bias_dtype=bias_dtype,
+                               source=source, name=name)
+        try:
+            return layer.validate()
+        except BadInputError as exc:
+            raise BadInputError(exc.message, file=self._label(tp), tensor=name) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+# ---------------------------------------------------------------------------------------------
+def _strategy_hint(layer: CanonicalLayer) -> str | None:
+    src = layer.source or {}
+    if src.get("strategy"):
+        return str(src["strategy"])
+    for note in src.get("notes") or []:
+        if isinstance(note, str) and note.startswith("strategy="):
+            return note.split("=", 1)[1]
+    return None
+
+
+def _layer_tensors(name: str, layer: CanonicalLayer) -> tuple[tuple[Any, ...], list[tuple[str, np.ndarray, str | None]]]:
+    """(scheme key, [(tensor name, array, dtype name)]) of one layer, or UnsupportedError."""
+    reason = CompressedTensorsFormat.capabilities.check(layer)
+    if reason:
+        raise UnsupportedError(f"compressed-tensors cannot express {reason}", tensor=name)
+    n, k, b = layer.out_features, layer.in_features, layer.bits
+    sym = layer.zero_mode == "none"
+    if not sym and int(layer.zeros.max()) > (1 << b) - 1:
+        raise UnsupportedError(f"zero point {1 << b} does not fit the signed {b}-bit range of compressed-tensors",
+                               tensor=name)
+    if layer.group_size == -1:
+        strategy = "channel"
+        if _strategy_hint(layer) == "tensor" and np.all(layer.scales == layer.scales.reshape(-1)[0]) and \
+                (sym or np.all(layer.zeros == layer.zeros.reshape(-1)[0])):
+            strategy = "tensor"
+        gs = None
+    else:
+        if k % layer.group_size:
+            raise UnsupportedError(f"group size {layer.group_size} does not divide in_features {k} "
+                                   "(compressed-tensors requires whole groups)", tensor=name)
+        strategy, gs = "group", layer.group_size
+    items: list[tuple[str, np.ndarray, str | None]] = [
+        (f"{name}.weight_packed", pack_rows(layer.codes, b), None),
+    ]
+    if strategy == "tensor":
+        items.append((f"{name}.weight_scale", np.ascontiguousarray(layer.scales.reshape(-1)[:1]), layer.scale_dtype))
+    else:
+        items.append((f"{name}.weight_scale", np.ascontiguousarray(layer.scales), layer.scale_dtype))
+    items.append((f"{name}.weight_shape", np.array([n, k], dtype=np.int64), None))
+    if not sym:
+        if strategy == "tensor":
+            signed = (layer.zeros.reshape(-1)[:1].astype(np.int16) - (1 << (b - 1))).astype(np.int8)
+            items.append((f"{name}.weight_zero_point", signed, None))
+        else:
+            zp = pack_rows(np.ascontiguousarray(layer.zeros.astype(np.uint8).T), b).T
+            items.append((f"{name}.weight_zero_point", np.ascontiguousarray(zp), None))
+    if layer.bias is not None:
+        items.append((f"{name}.bias", np.ascontiguousarray(layer.bias), layer.bias_dtype))
+    return (b, sym, strategy, gs), items
+
+
+class _ShardWriter:
+    """Buffers tensors into shards of at most ``max_bytes`` in a folder; names them model-k-of-n at the end."""
+
+    def __init__(self, folder: Path, max_bytes: int):
+        self.folder, self.max = folder, max_bytes
+        self.pending: list[tuple[str, np.ndarray, str | None]] = []
+        self.size = 0
+        self.shards: list[tuple[Path, list[str]]] = []
+        self.names: set[str] = set()
+
+    def add(self, items: list[tuple[str, np.ndarray, str | None]]) -> None:
+        for t, _a, _d in items:
+            if t in self.names:
+                raise BadInputError("tensor name written twice", tensor=t)
+            self.names.add(t)
+        size = sum(a.nbytes for _t, a, _d in items)
+        if self.pending and self.size + size > self.max:
+            self.flush()
+        self.pending.extend(items)
+        self.size += size
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        p = self.folder / f"shard-{len(self.shards):05d}.partial"
+        write_safetensors(p, self.pending, metadata={"format": "pt"})
+        self.shards.append((p, [t for t, _a, _d in self.pending]))
+        self.pending, self.size = [], 0
+
+    def close(self) -> None:
+        self.flush()
+        if not self.shards:
+            p = self.folder / "shard-00000.partial"
+            write_safetensors(p, [], metadata={"format": "pt"})
+            self.shards.append((p, []))
+        if len(self.shards) == 1:
+            os.replace(self.shards[0][0], self.folder / "model.safetensors")
+            return
+        total = len(self.shards)
+        wm: dict[str, str] = {}
+        size = 0
+        for i, (p, names) in enumerate(self.shards):
+            fname = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+            os.replace(p, self.folder / fname)
+            size += (self.folder / fname).stat().st_size
+            wm.update({t: fname for t in names})
+        with open(self.folder / "model.safetensors.index.json", "w", encoding="utf-8") as fh:
+            json.dump({"metadata": {"total_size": size}, "weight_map": dict(sorted(wm.items()))}, fh, indent=2)
+
+
+def build_quantization_config(schemes: dict[str, tuple[Any, ...]], ignore: list[str]) -> dict[str, Any]:
+    """config.json quantization_config for layers {module: (bits, sym, strategy, group_size)}.
+
+    One scheme: targets ["Linear"] plus an ignore list of every unquantized module that has a 2-D weight (so a
+    tied lm_head or a kept-in-fp16 projection is not expected to be packed). Several: explicit module names.
+    """
+    by_key: dict[tuple[Any, ...], list[str]] = {}
+    for name, key in schemes.items():
+        by_key.setdefault(key, []).append(name)
+    groups: dict[str, Any] = {}
+    for i, ((bits, sym, strategy, gs), names) in enumerate(sorted(by_key.items(), key=lambda kv: str(kv[0]))):
+        groups[f"group_{i}"] = {
+            "targets": ["Linear"] if len(by_key) == 1 else sorted(names),
+            "weights": {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": strategy,
+                        "group_size": gs, "dynamic": False, "actorder": None, "observer": "minmax",
+                        "observer_kwargs": {}},
+            "input_activations": None, "output_activations": None, "format": "pack-quantized",
+        }
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "version": CT_FORMAT_VERSION, "config_groups": groups, "ignore": sorted(ignore),
+            "kv_cache_scheme": None, "global_compression_ratio": None, "sparsity_config": {},
+            "transform_config": {}}
+
+
+class CompressedTensorsFormat(Format):
+    name = "compressed-tensors"
+    description = "compressed-tensors pack-quantized (llm-compressor / vLLM)"
+    capabilities = Capabilities(bits=(2, 3, 4, 8), zero_modes=("none", "int"), act_order=False,
+                                notes=["group strategy needs group_size dividing in_features",
+                                       "act-order (weight_g_idx) is read but not written: compressed-tensors 0.20 "
+                                       "removed it"])
+
+    @classmethod
+    def detect(cls, path: Path) -> bool:
+        p = Path(path)
+        if p.is_dir():
+            cfg = p / "config.json"
+            if cfg.is_file():
+                try:
+                    doc = json.loads(cfg.read_text(encoding="utf-8"))
+                except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+                    return False
+                q = (doc.get("quantization_config") or doc.get("compression_config")) if isinstance(doc, dict) else None
+                if isinstance(q, dict):
+                    return q.get("quant_method") == "compressed-tensors"
+            files = sorted(p.glob("*.safetensors"))[:1]
+        elif p.suffix == ".safetensors":
+            files = [p]
+        else:
+            return False
+        for f in files:
+            try:
+                with SafetensorsFile(f) as st:
+                    return any(t.endswith(".weight_packed") for t in st.keys())
+            except (BadInputError, UnsupportedError):
+                return False
+        return False
+
+    @classmethod
+    def open(cls, path: Path, **options: Any) -> Source:
+        return CompressedTensorsSource(Path(path))
+
+    @classmethod
+    def write(cls, source: Source, out: Path, *, force: bool = False, max_shard_size: int | str = "5GB",
+              show_progress: bool | None = None, **options: Any) -> Path:
+        """Write ``source`` as a pack-quantized folder: config.json, model(-k-of-n).safetensors, side files."""
+        from ..progress import Progress
+
+        names = source.layer_names()
+        passthrough = source.passthrough_names()
+        quantized = set(names)
+        schemes: dict[str, tuple[Any, ...]] = {}
+        ignore: set[str] = set()
+        with AtomicFolder(out, force=force) as tmp:
+            shards = _ShardWriter(tmp, parse_size(max_shard_size))
+            with Progress(len(names) + len(passthrough), "writing", enabled=show_progress) as bar:
+                for name in names:
+                    key, items = _layer_tensors(name, source.read_layer(name))
+                    schemes[name] = key
+                    shards.add(items)
+                    bar.update()
+                for t in passthrough:
+                    td = source.read_tensor(t)
+                    if t.endswith(".weight") and td.array.ndim == 2 and t[: -len(".weight")] not in quantized:
+                        ignore.add(t[: -len(".weight")])
+                    shards.add([(t, td.array, td.dtype)])
+                    bar.update()
+            if "lm_head" not in quantized:
+                ignore.add("lm_head")
+            shards.close()
+            config = dict(source.config)
+            config["quantization_config"] = build_quantization_config(schemes, sorted(ignore))
+            with open(tmp / "config.json", "w", encoding="utf-8") as fh:
+                json.dump(config, fh, indent=2)
+                fh.write("\n")
+            for p in source.side_files():
+                if p.name in SIDE_FILES:
+                    shutil.copyfile(p, tmp / p.name)
+        return Path(out)
