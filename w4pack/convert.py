@@ -70,7 +70,9 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
         fused = dict(getattr(source, "fused", {}) or {})
         n_pass = len(source.passthrough_names())
         info = dict(source.info)
-    size = sum(p.stat().st_size for p in Path(out).iterdir() if p.is_file())
+    out_path = Path(out)  # a folder, or one file for single-file formats (GGUF)
+    size = out_path.stat().st_size if out_path.is_file() else \
+        sum(p.stat().st_size for p in out_path.iterdir() if p.is_file())
     seconds = time.perf_counter() - t0
     result = {"source": str(src), "source_format": info.get("format"), "output": str(out), "format": to,
               "layers": n_layers, "passthrough": n_pass, "bytes": size, "seconds": round(seconds, 3),
