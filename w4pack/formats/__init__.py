@@ -63,5 +63,9 @@ def detect(path: str | Path) -> str:
 
 
 def open_source(path: str | Path, fmt: str | None = None, **options: object) -> Source:
+    if str(path).startswith("hf:/"):  # hf://owner/name[@rev]: download what the format needs (w4pack.hub)
+        from ..hub import open_hub_source
+
+        return open_hub_source(str(path), fmt, **options)
     name = fmt or detect(path)
     return get_format(name).open(Path(path), **options)

@@ -1,0 +1,370 @@
+"""push / pull / hf:// sources against a real Hub-protocol server on loopback (tests/hub_server.py),
+driven by the real huggingface_hub client with HF_HUB_DISABLE_XET=1 and an explicit endpoint."""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+from hub_fixtures import BAD_TOKEN, OTHER_TOKEN, READ_TOKEN, TOKEN, USER, folder_bytes, hub, make_checkpoint  # noqa: F401
+from hub_server import VALIDATED_AGAINST, parse_front_matter
+
+REPO = f"{USER}/tiny-w4"
+
+
+def _cli(args: list[str], capfd: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    from w4pack.cli import main
+
+    rc = main(args)
+    out, err = capfd.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    return make_checkpoint(tmp_path / "tiny-w4", verify={"passed": True, "layers": 4, "max_rel_err": 3e-7,
+                                                          "worst": ["model.layers.0.mlp.down_proj"]})
+
+
+def _lfs_oids(folder: Path) -> set[str]:
+    manifest = json.loads((folder / "w4pack.json").read_text())
+    return {s["sha256"] for s in manifest["shards"]}
+
+
+def _uploaded(hub, since: int = 0) -> list[str]:  # noqa: ANN001
+    return [r.path.rsplit("/", 1)[-1] for r in hub.requests[since:] if r.route == "lfs_upload" and r.status == 200]
+
+
+# -- round trip ---------------------------------------------------------------------------------------
+def test_push_pull_round_trip_is_byte_identical(hub, ckpt: Path, tmp_path: Path) -> None:  # noqa: ANN001
+    from w4pack.hub import pull, push
+
+    events: list[dict] = []
+    res = push(ckpt, REPO, endpoint=hub.endpoint, token=TOKEN, progress=events.append)
+    assert res["commit"] and not res["unchanged"] and res["card_written"]
+    local = folder_bytes(ckpt)
+    assert "README.md" in local and len([f for f in local if f.endswith(".safetensors")]) >= 2
+    # the server holds exactly the folder (plus the repo's own .gitattributes)
+    remote = hub.files(REPO)
+    assert {k: v for k, v in remote.items() if k != ".gitattributes"} == local
+    # every shard went through LFS (batch + PUT with sha256 check), once
+    assert sorted(_uploaded(hub)) == sorted(_lfs_oids(ckpt))
+    assert hub.count("commit", status=200) == 1
+    assert [e["file"] for e in events] == [f["path"] for f in res["files"]]
+    assert events[-1]["bytes_done"] == events[-1]["bytes_total"] == sum(len(v) for v in local.values())
+
+    out = pull(REPO, tmp_path / "pulled", endpoint=hub.endpoint, token=TOKEN)
+    assert folder_bytes(out) == local
+    assert not (out / ".cache").exists() and not (out / ".gitattributes").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".pulled")]  # no temp sibling left
+
+
+def test_model_card_renders_and_validates(hub, ckpt: Path) -> None:  # noqa: ANN001
+    from huggingface_hub import ModelCard
+
+    from w4pack.hub import push
+
+    (ckpt / "README.md").write_text("---\nlanguage: en\nlicense: mit\ntags:\n- mine\n---\n\nNotes by the author.\n")
+    push(ckpt, REPO, endpoint=hub.endpoint, token=TOKEN)
+    text = (ckpt / "README.md").read_text()
+    assert hub.validated_cards and hub.validated_cards[-1] == text  # the Hub's validate-yaml accepted it
+    card = ModelCard(text)  # front matter parsed back by huggingface_hub (PyYAML)
+    meta = card.data.to_dict()
+    assert meta["base_model"] == "example-org/tiny-llama-base"
+    assert meta["base_model_relation"] == "quantized"
+    assert meta["library_name"] == "w4pack"
+    assert meta["license"] == "mit"  # the author's explicit license wins over the inherited one
+    assert meta["language"] == "en"  # unknown keys are kept
+    assert meta["pipeline_tag"] == "text-generation"
+    assert meta["tags"][0] == "mine" and {"w4pack", "int4", "gptq"} <= set(meta["tags"])
+    assert parse_front_matter(text)["base_model_relation"] == "quantized"  # and by the server's reader
+    body = card.text
+    assert "Notes by the author." in body
+    assert "| 4 | 4-bit | 64 | integer | no | float16 | 2 |" in body
+    assert "| 4 | 4-bit | 32 | symmetric | yes | float16 | 1 |" in body
+    assert "| 4 | 4-bit | 32 | float minimum | no | float16 | 1 |" in body
+    assert "## Verification" in body and "| max_rel_err | 3e-07 |" in body
+    # a second render of the updated card is identical (generated part replaced, not appended)
+    from w4pack.hub import model_card
+
+    assert model_card(ckpt, repo_id=REPO) == text
+
+
+def test_card_inherits_license_and_omits_unknown_base(tmp_path: Path) -> None:
+    from huggingface_hub import ModelCard
+
+    from w4pack.hub import model_card
+
+    folder = make_checkpoint(tmp_path / "m", source={"format": "awq"})
+    meta = ModelCard(model_card(folder)).data.to_dict()
+    assert "base_model" not in meta and "base_model_relation" not in meta and "license" not in meta
+    assert "awq" in meta["tags"] and "## Verification" not in model_card(folder)
+
+
+# -- re-runs send only what is missing ------------------------------------------------------------------
+def test_repeated_push_sends_nothing_new(hub, ckpt: Path) -> None:  # noqa: ANN001
+    from w4pack.hub import push
+
+    first = push(ckpt, REPO, endpoint=hub.endpoint, token=TOKEN)
+    mark = len(hub.requests)
+    again = push(ckpt, REPO, endpoint=hub.endpoint, token=TOKEN)
+    later = hub.requests[mark:]
+    assert again["unchanged"] and again["changed_files"] == [] and again["commit"] == first["commit"]
+    assert not [r for r in later if r.route in ("lfs_upload", "lfs_verify", "commit")]
+    assert {r.route for r in later} == {"create_repo", "revision_info", "preupload", "lfs_batch"}
+
+
+def test_interrupted_push_resumes_with_only_the_missing_blobs(hub, ckpt: Path, capfd) -> None:  # noqa: ANN001
+    oids = sorted(_lfs_oids(ckpt))
+    hub.fail("lfs_upload", 400, match=oids[-1], message="storage refused the part")  # not retried by the client
+    rc, out, err = _cli(["push", str(ckpt), REPO, "--endpoint", hub.endpoint, "--token", TOKEN], capfd)
+    assert rc == 4 and "HTTP 400" in err and TOKEN not in out + err
+    first = _uploaded(hub)
+    assert oids[-1] not in first and hub.count("commit") == 0
+    mark = len(hub.requests)
+    rc, out, err = _cli(["push", str(ckpt), REPO, "--endpoint", hub.endpoint, "--token", TOKEN, "--json"], capfd)
+    assert rc == 0, err
+    second = _uploaded(hub, mark)
+    assert sorted(first + second) == oids  # each blob sent exactly once over both runs
+    assert hub.count("commit", status=200) == 1
+    assert json.loads(out)["commit"] == hub.repos[REPO].refs["main"]
+
+
+def test_stale_shards_of_an_earlier_push_are_deleted(hub, tmp_path: Path) -> None:  # noqa: ANN001
+    from w4pack.hub import push
+
+    a = make_checkpoint(tmp_path / "a", max_shard_size=20_000)
+    push(a, REPO, endpoint=hub.endpoint, token=TOKEN)
+    b = make_checkpoint(tmp_path / "b", seed=1, max_shard_size=10**9)
+    res = push(b, REPO, endpoint=hub.endpoint, token=TOKEN)
+    assert res["deleted_files"] and all(f.endswith(".safetensors") for f in res["deleted_files"])
+    assert {k for k in hub.files(REPO) if k != ".gitattributes"} == set(folder_bytes(b))
+
+
+# -- transient failures -----------------------------------------------------------------------------
+def test_transient_failures_are_retried(hub, ckpt: Path, tmp_path: Path) -> None:  # noqa: ANN001
+    from w4pack.hub import pull, push
+
+    hub.fail("preupload", 503)
+    hub.drop("lfs_upload")  # connection closed without an answer
+    hub.fail("commit", 502)  # the client does not retry a commit; w4pack re-runs the idempotent upload
+    hub.fail("resolve", 429, match="config.json", headers={"Retry-After": "0"})
+    res = push(ckpt, REPO, endpoint=hub.endpoint, token=TOKEN)
+    assert res["commit"] == hub.repos[REPO].refs["main"]
+    assert hub.count("preupload", status=503) == 1 and hub.count("commit", status=502) == 1
+    assert any(r.route == "lfs_upload" and r.status == -1 for r in hub.requests)
+    assert sorted(set(_uploaded(hub))) == sorted(_lfs_oids(ckpt))
+    out = pull(REPO, tmp_path / "p", endpoint=hub.endpoint, token=TOKEN)
+    assert folder_bytes(out) == folder_bytes(ckpt)
+
+
+# -- errors: one clear line, exit 4, never the token ------------------------------------------------
+@pytest.mark.parametrize("case", ["401", "403", "404", "409"])
+def test_http_errors_give_one_line_and_exit_4(hub, ckpt: Path, tmp_path: Path, capfd, caplog, case: str) -> None:  # noqa: ANN001
+    token = {"401": BAD_TOKEN, "403": OTHER_TOKEN, "404": TOKEN, "409": TOKEN}[case]
+    if case == "404":
+        args = ["pull", f"{USER}/does-not-exist", str(tmp_path / "d"), "--endpoint", hub.endpoint, "--token", token]
+    else:
+        if case == "409":
+            hub.fail("commit", 409, message="branch is locked")
+        args = ["push", str(ckpt), REPO, "--endpoint", hub.endpoint, "--token", token]
+    rc, out, err = _cli(args, capfd)
+    assert rc == 4
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("w4pack: error:")]
+    assert len(errors) == 1, err
+    expect = {"401": "authentication failed (HTTP 401)", "403": "permission denied (HTTP 403)",
+              "404": "not found on", "409": "conflict (HTTP 409)"}[case]
+    assert expect in errors[0] and "Traceback" not in err
+    assert token not in out + err + caplog.text
+    assert not (tmp_path / "d").exists()
+    if case != "404":
+        assert hub.count("commit", status=200) == 0
+
+
+def test_network_failure_exits_4(ckpt: Path, tmp_path: Path, capfd, monkeypatch) -> None:  # noqa: ANN001
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    rc, out, err = _cli(["pull", REPO, str(tmp_path / "d"), "--endpoint", dead, "--token", TOKEN], capfd)
+    assert rc == 4 and "w4pack: error:" in err and TOKEN not in out + err
+    rc, out, err = _cli(["push", str(ckpt), REPO, "--endpoint", dead, "--token", TOKEN], capfd)
+    assert rc == 4 and "network failure" in err and TOKEN not in out + err
+
+
+# -- refused before any request ---------------------------------------------------------------------
+def test_invalid_folder_is_refused_before_any_request(hub, ckpt: Path, capfd) -> None:  # noqa: ANN001
+    shard = sorted(ckpt.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    rc, out, err = _cli(["push", str(ckpt), REPO, "--endpoint", hub.endpoint, "--token", TOKEN], capfd)
+    assert rc == 2 and "sha256" in err and shard.name in err
+    assert hub.requests == []
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    del cfg["quantization_config"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    rc, out, err = _cli(["push", str(ckpt), REPO, "--endpoint", hub.endpoint, "--token", TOKEN], capfd)
+    assert rc == 2 and "quantization_config" in err and hub.requests == []
+
+    rc, out, err = _cli(["push", str(ckpt), REPO, "--endpoint", hub.endpoint, "--token", TOKEN, "--no-validate"],
+                        capfd)
+    assert rc == 0 and "WITHOUT checking" in err and hub.count("commit", status=200) == 1
+
+
+def test_dry_run_makes_no_request(hub, ckpt: Path, capfd) -> None:  # noqa: ANN001
+    before = folder_bytes(ckpt)
+    rc, out, err = _cli(["push", str(ckpt), REPO, "--endpoint", hub.endpoint, "--token", TOKEN, "--dry-run",
+                         "--json"], capfd)
+    assert rc == 0, err
+    plan = json.loads(out)
+    assert plan["dry_run"] and plan["card_changed"] and "README.md" in {f["path"] for f in plan["files"]}
+    assert hub.requests == [] and folder_bytes(ckpt) == before  # nothing sent, nothing written
+    rc, out, err = _cli(["push", str(ckpt), REPO, "--dry-run"], capfd)
+    assert rc == 0 and "would push" in out and hub.requests == []
+
+
+# -- pull: atomic, no clobber, validated ------------------------------------------------------------
+def test_pull_refuses_to_clobber_and_validates(hub, ckpt: Path, tmp_path: Path, capfd) -> None:  # noqa: ANN001
+    from w4pack.errors import BadInputError, IOFailure
+    from w4pack.hub import pull, push
+
+    push(ckpt, REPO, endpoint=hub.endpoint, token=TOKEN)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "keep.txt").write_text("mine")
+    with pytest.raises(IOFailure, match="already exists"):
+        pull(REPO, dest, endpoint=hub.endpoint, token=TOKEN)
+    assert (dest / "keep.txt").exists() and hub.count("resolve") == 0
+    rc, out, err = _cli(["pull", REPO, str(dest), "--endpoint", hub.endpoint, "--token", TOKEN, "--force",
+                         "--json"], capfd)
+    assert rc == 0, err and json.loads(out)["layers"] == 4
+    assert folder_bytes(dest) == folder_bytes(ckpt)
+
+    hub.add_repo(f"{USER}/not-w4pack", {"config.json": b"{}", "model.safetensors": b"\0" * 64})
+    with pytest.raises(BadInputError, match="not a valid w4pack checkpoint"):
+        pull(f"{USER}/not-w4pack", tmp_path / "bad", endpoint=hub.endpoint, token=TOKEN)
+    assert not (tmp_path / "bad").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".bad")]
+
+
+def test_branch_and_pull_request(hub, ckpt: Path, tmp_path: Path) -> None:  # noqa: ANN001
+    from w4pack.hub import pull, push
+
+    res = push(ckpt, REPO, endpoint=hub.endpoint, token=TOKEN, revision="dev", private=True)
+    repo = hub.repos[REPO]
+    assert repo.private and repo.refs["dev"] == res["commit"] and "w4pack.json" not in hub.files(REPO, "main")
+    out = pull(REPO, tmp_path / "dev", revision="dev", endpoint=hub.endpoint, token=TOKEN)
+    assert folder_bytes(out) == folder_bytes(ckpt)
+    with pytest.raises(Exception, match="404"):  # private: invisible to another user
+        pull(REPO, tmp_path / "x", revision="dev", endpoint=hub.endpoint, token=OTHER_TOKEN)
+
+    pr = push(ckpt, REPO, endpoint=hub.endpoint, token=TOKEN, create_pr=True, commit_message="w4pack via PR")
+    assert pr["pr_url"].endswith("/discussions/1") and repo.refs["refs/pr/1"] == pr["commit"]
+    assert repo.commits[pr["commit"]].summary == "w4pack via PR"
+    assert "w4pack.json" not in hub.files(REPO, "main")  # main untouched
+
+
+def test_read_only_token_can_pull_but_not_push(hub, ckpt: Path, tmp_path: Path) -> None:  # noqa: ANN001
+    from w4pack.errors import IOFailure
+    from w4pack.hub import pull, push
+
+    push(ckpt, REPO, endpoint=hub.endpoint, token=TOKEN)
+    out = pull(REPO, tmp_path / "ro", endpoint=hub.endpoint, token=READ_TOKEN)
+    assert folder_bytes(out) == folder_bytes(ckpt)
+    (ckpt / "extra.txt").write_text("new file")
+    with pytest.raises(IOFailure, match=r"HTTP 403") as info:
+        push(ckpt, REPO, endpoint=hub.endpoint, token=READ_TOKEN)
+    assert READ_TOKEN not in str(info.value)
+
+
+# -- hf:// sources for convert ----------------------------------------------------------------------
+def test_source_patterns_pick_only_what_the_format_needs() -> None:
+    from w4pack.errors import BadInputError
+    from w4pack.hub import _source_patterns, parse_hub_spec
+
+    assert parse_hub_spec("hf://o/n") == ("o/n", None, None)
+    assert parse_hub_spec("hf:/o/n@refs%2Fpr%2F2/sub/x.gguf") == ("o/n", "refs/pr/2", "sub/x.gguf")
+    with pytest.raises(BadInputError):
+        parse_hub_spec("hf://only-one-part")
+    pats, single = _source_patterns(["a.gguf", "b.gguf", "README.md"], "b.gguf")
+    assert single and "b.gguf" in pats and "a.gguf" not in pats
+    with pytest.raises(BadInputError, match="2 GGUF files"):
+        _source_patterns(["a.gguf", "b.gguf"], None)
+    pats, _ = _source_patterns(["model.pt", "config.json"], None)
+    assert "*.pt" in pats and "*.safetensors" not in pats
+
+
+def test_convert_from_hf_uses_only_needed_files(hub, ckpt: Path, tmp_path: Path, capfd, monkeypatch) -> None:  # noqa: ANN001
+    from w4pack.checkpoint import validate_checkpoint
+    from w4pack.hub import push, resolve_source
+
+    push(ckpt, f"{USER}/src", endpoint=hub.endpoint, token=TOKEN)
+    # an unrelated big file in the repo must not be downloaded
+    hub.add_repo(f"{USER}/other")
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    local = resolve_source(f"hf://{USER}/src", endpoint=hub.endpoint, token=TOKEN)
+    assert folder_bytes(local) == folder_bytes(ckpt)
+    n = hub.count("resolve")
+    assert resolve_source(f"hf://{USER}/src@main") == local and hub.count("resolve") == n  # cached by commit
+
+    rc, out, err = _cli(["convert", f"hf://{USER}/src", str(tmp_path / "repacked"), "--json"], capfd)
+    assert rc == 0, err
+    summary = validate_checkpoint(tmp_path / "repacked")
+    assert summary["num_layers"] == 4 and summary["source"]["base_model"] == "example-org/tiny-llama-base"
+    assert TOKEN not in out + err
+
+
+def test_convert_gptq_fixture_from_hf(hub, tmp_path: Path, monkeypatch, capfd) -> None:  # noqa: ANN001
+    from conftest import fixture_dir
+
+    pytest.importorskip("w4pack.formats.gptq")
+    from w4pack.checkpoint import validate_checkpoint
+
+    src = fixture_dir("gptq", "gm_tiny_llama_b4_g64_descact_sym_v1_sharded")
+    files = {p.relative_to(src).as_posix(): p.read_bytes() for p in src.rglob("*") if p.is_file()}
+    hub.add_repo("w4org/tiny-gptq", files)
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    rc, out, err = _cli(["convert", "hf://w4org/tiny-gptq", str(tmp_path / "w4"), "--json"], capfd)
+    assert rc == 0, err
+    fetched = {r.path.split("/resolve/", 1)[1].split("/", 1)[1] for r in hub.requests
+               if r.route == "resolve"}  # every downloaded file is resolved (LFS ones then redirected)
+    assert not [f for f in fetched if f.startswith("truth/") or f in ("case.json", "quant_log.csv")]
+    assert {f for f in files if f.endswith(".safetensors")} <= fetched
+    summary = validate_checkpoint(tmp_path / "w4")
+    assert summary["num_layers"] > 0 and summary["source"]["base_model"] == "w4org/tiny-gptq"
+    # and the converted model goes up and comes back intact
+    from w4pack.hub import pull, push
+
+    push(tmp_path / "w4", "w4org/tiny-w4", endpoint=hub.endpoint, token=TOKEN)
+    back = pull("w4org/tiny-w4", tmp_path / "back", endpoint=hub.endpoint, token=TOKEN)
+    assert folder_bytes(back) == folder_bytes(tmp_path / "w4")
+
+
+def test_server_rejects_unknown_routes_loudly(hub) -> None:  # noqa: ANN001
+    import urllib.error
+    import urllib.request
+
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(f"{hub.endpoint}/api/spaces/x/y/runtime", timeout=5)
+    assert info.value.code == 599 and b"no route" in info.value.read()
+    assert hub.protocol_errors == [f"hub_server: no route GET /api/spaces/x/y/runtime (api)"]
+    hub.protocol_errors.clear()  # expected here; the fixture asserts the list is empty
+
+
+def test_client_version_is_the_one_the_server_was_checked_against() -> None:
+    import huggingface_hub
+
+    major = huggingface_hub.__version__.split(".")[0]
+    assert major == VALIDATED_AGAINST.split(".")[0], (
+        f"huggingface_hub {huggingface_hub.__version__}: re-check tests/hub_server.py routes "
+        f"(validated against {VALIDATED_AGAINST})")
