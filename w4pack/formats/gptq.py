@@ -38,7 +38,7 @@ from ..dtypes import FLOAT_DTYPES
 from ..errors import BadInputError, IOFailure, UnsupportedError, W4PackError
 from ..progress import Progress
 from ..safetensors_io import SafetensorsFile, write_safetensors
-from ._bitpack import STREAM_BITS, pack_cols, pack_rows, unpack_cols, unpack_rows
+from ._bitpack import STREAM_BITS, pack_last, unpack_last
 from .base import Capabilities, Format, Source, TensorData
 
 __all__ = ["GPTQFormat", "GPTQv2Format", "GPTQSource", "GPTQWarning", "write_gptq", "V1", "V2"]
@@ -530,7 +530,7 @@ class GPTQSource(Source):
 
     def _fields(self, plan: _Plan) -> np.ndarray:
         """Raw zero fields [G, N] as stored (no v1 offset applied)."""
-        return unpack_cols(self.store.get(plan.tensors["qzeros"]), plan.bits)[:, : plan.out_features]
+        return unpack_last(self.store.get(plan.tensors["qzeros"]), plan.bits)[:, : plan.out_features]
 
     def _decide_version(self, plan: _Plan) -> None:
         """Trust the metadata, unless a symmetric layer's zero fields are uniformly the other version's value."""
@@ -568,7 +568,7 @@ class GPTQSource(Source):
     def _carry_zeros(self, plan: _Plan) -> np.ndarray:
         words = np.asarray(self.store.get(plan.tensors["qzeros"])).view(np.uint32)
         fixed = (words.astype(np.uint64) + _ones_pattern(plan.bits)) & 0xFFFFFFFF
-        return unpack_cols(fixed.astype(np.uint32), plan.bits)[:, : plan.out_features].astype(np.int32)
+        return unpack_last(fixed.astype(np.uint32), plan.bits)[:, : plan.out_features].astype(np.int32)
 
     # -- Source interface ----------------------------------------------------------------------
     def layer_names(self) -> list[str]:
@@ -600,7 +600,7 @@ class GPTQSource(Source):
     def read_layer(self, name: str) -> CanonicalLayer:
         plan = self.plan(name)
         st, t, b = self.store, plan.tensors, plan.bits
-        codes = np.ascontiguousarray(unpack_rows(st.get(t["qweight"]), b).T)
+        codes = unpack_last(np.ascontiguousarray(np.asarray(st.get(t["qweight"])).T), b)  # [N, K]
         fields = self._fields(plan)
         mask = (1 << b) - 1
         if plan.version == V2:
@@ -714,10 +714,10 @@ def encode_layer(layer: CanonicalLayer, version: str = V1) -> dict[str, tuple[np
     """The GPTQ tensors of one canonical layer: suffix -> (array, dtype name). Assumes the layer passed
     GPTQCapabilities(version).check."""
     b = layer.bits
-    qweight = pack_rows(np.ascontiguousarray(layer.codes.T), b)
+    qweight = np.ascontiguousarray(pack_last(layer.codes, b).T)  # [K*b/32, N]
     z = layer.zero_points()  # [N, G] int32
     fields = z - 1 if version == V1 else z
-    qzeros = pack_cols(np.ascontiguousarray(fields.T).astype(np.uint32), b)
+    qzeros = pack_last(np.ascontiguousarray(fields.T), b)  # [G, N*b/32]
     out: dict[str, tuple[np.ndarray, str | None]] = {
         "qweight": (qweight, None),
         "qzeros": (qzeros, None),
