@@ -1,0 +1,301 @@
+"""TOML+NumPy quant tables: fixture truth rebuilt exactly from base weights, tables written back, bad tables refused."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from conftest import fixture_cases, fixture_dir
+from w4pack.canonical import CanonicalLayer
+from w4pack.checkpoint import open_checkpoint
+from w4pack.cli import cli
+from w4pack.convert import convert
+from w4pack.dtypes import from_float32, to_float32
+from w4pack.errors import BadInputError, UnsupportedError
+from w4pack.formats import detect, get_format
+from w4pack.formats.base import Source, TensorData
+from w4pack.safetensors_io import SafetensorsFile, write_safetensors
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+TOML = get_format("toml")
+CASES = fixture_cases("toml")
+BASES = [("base_weights_fp16.safetensors", "codes_rtn_from_base_weights"),
+         ("gptq_fakequant_weights_fp16.safetensors", "codes")]
+
+
+class MemSource(Source):
+    def __init__(self, layers: dict[str, CanonicalLayer], tensors: dict[str, TensorData] | None = None):
+        self._layers, self._tensors = layers, tensors or {}
+        self.config = {"model_type": "llama"}
+        self.info = {"format": "memory"}
+        self.path = Path("memory")
+
+    def layer_names(self) -> list[str]:
+        return list(self._layers)
+
+    def read_layer(self, name: str) -> CanonicalLayer:
+        return self._layers[name]
+
+    def passthrough_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def read_tensor(self, name: str) -> TensorData:
+        return self._tensors[name]
+
+
+def truth(case: Path, name: str, codes_key: str) -> dict[str, Any]:
+    t = case / "truth" / name
+    out = {k: np.load(t / f"{k}.npy") for k in ("scales", "zeros", "g_idx")}
+    out["codes"] = np.load(t / f"{codes_key}.npy")
+    out["bits"] = int(np.load(t / "bits.npy"))
+    out["group_size"] = int(np.load(t / "group_size.npy"))
+    return out
+
+
+def assert_truth(layer: CanonicalLayer, tr: dict[str, Any]) -> None:
+    assert (layer.bits, layer.group_size, layer.zero_mode, layer.scale_dtype) == (tr["bits"], tr["group_size"],
+                                                                                 "int", "float32")
+    np.testing.assert_array_equal(layer.codes, tr["codes"])
+    np.testing.assert_array_equal(layer.scales, tr["scales"])
+    np.testing.assert_array_equal(layer.zeros, tr["zeros"])
+    np.testing.assert_array_equal(layer.g_idx, tr["g_idx"])
+    g = tr["g_idx"]
+    want = tr["scales"][:, g].astype(np.float64) * (tr["codes"].astype(np.float64) - tr["zeros"][:, g])
+    np.testing.assert_array_equal(layer.dequantize(np.float64), want)
+
+
+# -- fixtures -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("base,codes_key", BASES)
+@pytest.mark.parametrize("case", CASES)
+def test_fixture_codes_rebuilt_exactly(case: str, base: str, codes_key: str) -> None:
+    """Original weights give the RTN codes; GPTQ's fake-quantized weights give GPTQ's own codes, bit for bit."""
+    d = fixture_dir("toml", case)
+    assert detect(d / "quant_dir") == "toml"
+    with TOML.open(d / "quant_dir", base=d / base) as src:
+        names = src.layer_names()
+        assert len(names) == 14
+        for name in names:
+            assert_truth(src.read_layer(name), truth(d, name, codes_key))
+        assert src.info["version"] == ("quant.toml" if case.startswith("quant") else "decoder-N.toml")
+
+
+def test_mixed_bits_and_group_sizes_of_the_observer() -> None:
+    d = fixture_dir("toml", "quant_toml_asym_actorder_observer")
+    with TOML.open(d / "quant_dir", base=d / BASES[0][0]) as src:
+        kinds = {(src.read_layer(n).bits, src.read_layer(n).group_size) for n in src.layer_names()}
+        assert {(4, 64), (4, 32), (8, 32), (8, 64)} <= kinds
+        assert all(src.read_layer(n).act_order for n in src.layer_names())
+
+
+def test_tables_need_base_weights(tmp_path: Path) -> None:
+    d = fixture_dir("toml", "quant_toml_asym_actorder_observer")
+    with pytest.raises(BadInputError, match="--base"):
+        TOML.open(d / "quant_dir")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_rewrite_reproduces_peer_tables(case: str, tmp_path: Path) -> None:
+    d = fixture_dir("toml", case)
+    variant = "quant.toml" if case.startswith("quant") else "decoder"
+    with TOML.open(d / "quant_dir", base=d / BASES[0][0]) as src:
+        TOML.write(src, tmp_path / "out", variant=variant, weights=False)
+    peer = d / "quant_dir"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(p.name for p in peer.iterdir())
+    for p in peer.iterdir():
+        mine = tmp_path / "out" / p.name
+        if p.suffix == ".npy":
+            assert mine.read_bytes() == p.read_bytes(), p.name
+        else:
+            assert tomllib.loads(mine.read_text()) == tomllib.loads(p.read_text()), p.name
+
+
+def test_whole_model_to_w4pack_and_back(tmp_path: Path) -> None:
+    d = fixture_dir("toml", "quant_toml_asym_actorder_observer")
+    base = d / BASES[1][0]
+    convert(d / "quant_dir", tmp_path / "w4", base=base, show_progress=False)
+    ck = open_checkpoint(tmp_path / "w4")
+    assert len(ck.layers) == 14
+    for name in ck.layers:
+        assert_truth(ck.layer(name), truth(d, name, "codes"))
+    convert(tmp_path / "w4", tmp_path / "tables", to="toml", show_progress=False)
+    assert detect(tmp_path / "tables") == "toml"
+    convert(tmp_path / "tables", tmp_path / "w4b", show_progress=False)  # its own weights are the base
+    ck2 = open_checkpoint(tmp_path / "w4b")
+    for name in ck.layers:
+        assert ck2.layer(name).differences(ck.layer(name)) == []
+    peer = tomllib.loads((d / "quant_dir" / "quant.toml").read_text())
+    assert tomllib.loads((tmp_path / "tables" / "quant.toml").read_text()) == peer
+
+
+# -- round trips of random layers ----------------------------------------------------------------
+def random_layer(rng: np.random.Generator, n: int, k: int, g: int, bits: int, *, zero_mode: str = "int",
+                 scale_dtype: str = "float32", act_order: bool = False, bias: bool = False) -> CanonicalLayer:
+    ng = 1 if g == -1 else -(-k // g)
+    scales = from_float32(rng.uniform(1e-4, 3e-2, size=(n, ng)).astype(np.float32), scale_dtype)
+    zeros = rng.integers(0, (1 << bits) + 1, size=(n, ng)).astype(np.int32) if zero_mode == "int" else None
+    g_idx = None
+    if act_order:
+        g_idx = (np.arange(k) // g).astype(np.int32)[rng.permutation(k)]
+    layer = CanonicalLayer(codes=rng.integers(0, 1 << bits, size=(n, k)).astype(np.uint8), scales=scales, bits=bits,
+                           group_size=g, zero_mode=zero_mode, zeros=zeros, g_idx=g_idx, scale_dtype=scale_dtype)
+    if bias:
+        layer.bias, layer.bias_dtype = from_float32(rng.standard_normal(n).astype(np.float32), "bfloat16"), "bfloat16"
+    return layer.validate()
+
+
+ROUND_TRIPS = [  # (N, K, group size, bits, zero mode, scale dtype, act-order, bias)
+    (13, 77, 32, 4, "int", "float32", True, False),     # odd N and K, K not a multiple of the group
+    (8, 96, -1, 8, "int", "float16", False, True),
+    (24, 130, 64, 3, "none", "bfloat16", True, False),
+    (5, 64, 16, 2, "int", "float16", False, False),
+    (32, 256, 128, 8, "none", "float32", False, True),
+]
+
+
+@pytest.mark.parametrize("variant", ["quant.toml", "decoder"])
+@pytest.mark.parametrize("n,k,g,bits,zm,sdt,act,bias", ROUND_TRIPS)
+def test_random_round_trip(variant: str, n: int, k: int, g: int, bits: int, zm: str, sdt: str, act: bool,
+                           bias: bool, tmp_path: Path) -> None:
+    rng = np.random.default_rng(n * 1000 + k)
+    layers = {f"model.layers.{i}.self_attn.o_proj": random_layer(rng, n, k, g, bits, zero_mode=zm, scale_dtype=sdt,
+                                                                 act_order=act, bias=bias) for i in range(2)}
+    emb = TensorData(from_float32(rng.standard_normal((10, k)).astype(np.float32), "bfloat16"), "bfloat16")
+    TOML.write(MemSource(layers, {"model.embed_tokens.weight": emb}), tmp_path / "t", variant=variant)
+    with TOML.open(tmp_path / "t") as back:
+        assert back.layer_names() == list(layers)
+        assert back.passthrough_names() == ["model.embed_tokens.weight"]
+        t = back.read_tensor("model.embed_tokens.weight")
+        assert t.dtype == "bfloat16" and np.array_equal(t.array, emb.array)
+        for name, layer in layers.items():
+            assert back.read_layer(name).differences(layer) == []
+    # a runtime reading only the observer's keys gets float32 scales holding the same values
+    doc_name = "quant.toml" if variant == "quant.toml" else "decoder-0.toml"
+    table = tomllib.loads((tmp_path / "t" / doc_name).read_text())["model.layers.0.self_attn.o_proj"]
+    assert table["wbits"] == bits and table["groupsize"] == g and table["sym"] == (zm == "none")
+    assert ("group_ids" in table) == (g > 0) and ("zero" in table) == (zm == "int")
+
+
+def test_float_minima_refused_up_front(tmp_path: Path) -> None:
+    rng = np.random.default_rng(9)
+    good = random_layer(rng, 8, 64, 32, 4)
+    bad = good.replace(zero_mode="float", zeros=np.full((8, 2), -0.05, dtype=np.float32))
+    with pytest.raises(UnsupportedError, match="model.layers.1.mlp.up_proj") as exc:
+        TOML.write(MemSource({"model.layers.0.mlp.up_proj": good, "model.layers.1.mlp.up_proj": bad}),
+                   tmp_path / "t")
+    assert "float" in str(exc.value) and "\n" not in str(exc.value)
+    assert not (tmp_path / "t").exists()
+
+
+# -- bad tables ---------------------------------------------------------------------------------
+@pytest.fixture()
+def table_copy(tmp_path: Path) -> tuple[Path, Path]:
+    d = fixture_dir("toml", "quant_toml_asym_actorder_observer")
+    shutil.copytree(d / "quant_dir", tmp_path / "q")
+    return tmp_path / "q", d / BASES[0][0]
+
+
+LAYER = "model.layers.0.self_attn.k_proj"
+
+
+def _edit_toml(q: Path, old: str, new: str) -> None:
+    text = (q / "quant.toml").read_text()
+    assert old in text
+    (q / "quant.toml").write_text(text.replace(old, new, 1))
+
+
+def _bad(call: Any, *needles: str) -> str:
+    with pytest.raises(BadInputError) as exc:
+        call()
+    text = str(exc.value)
+    assert "\n" not in text
+    for needle in needles:
+        assert needle in text, text
+    return text
+
+
+@pytest.mark.parametrize("path", ["../escape.scale.npy", "/etc/passwd.npy", "sub/../../x.npy"])
+def test_npy_path_escaping_the_folder(table_copy: tuple[Path, Path], path: str) -> None:
+    q, base = table_copy
+    _edit_toml(q, f'scale = "{LAYER}.scale.npy"', f'scale = "{path}"')
+    src = TOML.open(q, base=base)
+    _bad(lambda: src.read_layer(LAYER), "quant.toml", f"tensor {LAYER}", "escapes")
+
+
+def test_table_layer_missing_from_base(table_copy: tuple[Path, Path], tmp_path: Path) -> None:
+    q, base = table_copy
+    f = SafetensorsFile(base)
+    keep = [(n, np.array(f.get(n)), f.dtype_name(n)) for n in f.keys() if n != f"{LAYER}.weight"]
+    write_safetensors(tmp_path / "partial.safetensors", keep)
+    _bad(lambda: TOML.open(q, base=tmp_path / "partial.safetensors"), "partial.safetensors", f"{LAYER}.weight")
+
+
+def test_truncated_and_pickled_npy(table_copy: tuple[Path, Path]) -> None:
+    q, base = table_copy
+    p = q / f"{LAYER}.scale.npy"
+    p.write_bytes(p.read_bytes()[:-40])
+    src = TOML.open(q, base=base)
+    _bad(lambda: src.read_layer(LAYER), p.name, f"tensor {LAYER}")
+    np.save(q / f"{LAYER}.zero.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    np.save(p, np.ones((128, 2), dtype=np.float32))
+    _bad(lambda: TOML.open(q, base=base).read_layer(LAYER), f"{LAYER}.zero.npy", f"tensor {LAYER}")
+
+
+@pytest.mark.parametrize("what,needle", [
+    ("scale_shape", "scale shape"), ("gids_range", "group_ids must lie"), ("zero_frac", "not integers"),
+    ("scale_zero", "scale holds zero"),
+])
+def test_inconsistent_tables(table_copy: tuple[Path, Path], what: str, needle: str) -> None:
+    q, base = table_copy
+    if what == "scale_shape":
+        np.save(q / f"{LAYER}.scale.npy", np.ones((128, 3), dtype=np.float32))
+    elif what == "gids_range":
+        g = np.load(q / f"{LAYER}.group_ids.npy")
+        g[5] = 7
+        np.save(q / f"{LAYER}.group_ids.npy", g)
+    elif what == "zero_frac":
+        z = np.load(q / f"{LAYER}.zero.npy")
+        z[0, 0] += 0.5
+        np.save(q / f"{LAYER}.zero.npy", z)
+    else:
+        s = np.load(q / f"{LAYER}.scale.npy")
+        s[1, 1] = 0
+        np.save(q / f"{LAYER}.scale.npy", s)
+    _bad(lambda: TOML.open(q, base=base).read_layer(LAYER), "quant.toml", f"tensor {LAYER}", needle)
+
+
+def test_invalid_toml_and_unsupported_bits(table_copy: tuple[Path, Path]) -> None:
+    q, base = table_copy
+    original = (q / "quant.toml").read_text()
+    (q / "quant.toml").write_text(original + "\n[broken\n")
+    _bad(lambda: TOML.open(q, base=base), "quant.toml", "not valid TOML")
+    (q / "quant.toml").write_text(original.replace("wbits = 4", "wbits = 6", 1))
+    with pytest.raises(UnsupportedError, match="6-bit"):
+        TOML.open(q, base=base).read_layer(LAYER)
+
+
+# -- CLI ----------------------------------------------------------------------------------------
+def test_cli_convert_with_base_and_back_to_toml(tmp_path: Path) -> None:
+    d = fixture_dir("toml", "decoder_toml_inline_asym_g64")
+    runner = CliRunner()
+    res = runner.invoke(cli, ["convert", str(d / "quant_dir"), str(tmp_path / "w4"), "--base",
+                              str(d / BASES[0][0]), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["source_format"] == "toml"
+    res = runner.invoke(cli, ["convert", str(tmp_path / "w4"), str(tmp_path / "t"), "--to", "toml"])
+    assert res.exit_code == 0, res.output
+    with TOML.open(tmp_path / "t") as back:
+        for name in back.layer_names():
+            assert_truth(back.read_layer(name), truth(d, name, "codes_rtn_from_base_weights"))
+    w = SafetensorsFile(tmp_path / "t" / "model.safetensors")
+    assert w.dtype_name(f"{LAYER}.weight") == "float16"  # fp16 reproduces the codes, so the runtime gets fp16
+    assert np.all(np.isfinite(to_float32(w.get(f"{LAYER}.weight"), "float16")))
