@@ -173,7 +173,8 @@ def _relabel(src_case: str, tmp: Path, **changes: Any) -> Path:
     return d
 
 
-@pytest.mark.parametrize("case,label", [("gm_b4_sym_g128_descact_v2", "gptq"), ("gm_b4_sym_g128_descact_v1", "gptq_v2")])
+@pytest.mark.parametrize("case,label", [("gm_b4_sym_g128_descact_v2", "gptq"),
+                                        ("gm_b4_sym_g128_descact_v1", "gptq_v2")])
 def test_metadata_contradicting_zeros_is_detected(tmp_path: Path, case: str, label: str) -> None:
     d = _relabel(case, tmp_path, checkpoint_format=label, format=label)
     with pytest.warns(GPTQWarning, match="stored as"):
@@ -408,7 +409,8 @@ def test_model_converts_to_w4pack_and_back(tmp_path: Path, case: str) -> None:
                 a, b = src.read_tensor(t), again.read_tensor(t)
                 assert a.dtype == b.dtype and a.array.tobytes() == b.array.tobytes()
     qc = json.loads((back / "config.json").read_text())["quantization_config"]
-    assert (qc["bits"], qc["group_size"], qc["desc_act"], qc["sym"], qc["checkpoint_format"]) == (4, 64, True, True, "gptq")
+    got = (qc["bits"], qc["group_size"], qc["desc_act"], qc["sym"], qc["checkpoint_format"])
+    assert got == (4, 64, True, True, "gptq")
     for side in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (back / side).is_file() == (d / side).is_file()
     ck.close()

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import shutil
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -292,7 +293,7 @@ def _declared_version(qc: dict[str, Any]) -> str:
     return V1
 
 
-def _dynamic_override(dynamic: Any, module: str) -> tuple[bool, dict[str, Any]]:
+def _dynamic_override(dynamic: Any, module: str, file: str | None = None) -> tuple[bool, dict[str, Any]]:
     """GPTQModel ``dynamic``: the first pattern (re.match) that matches decides; ``-:`` skips the module."""
     if not isinstance(dynamic, dict):
         return False, {}
@@ -304,7 +305,8 @@ def _dynamic_override(dynamic: Any, module: str) -> tuple[bool, dict[str, Any]]:
             elif re.match(pattern.removeprefix("+:"), module):
                 return False, dict(overrides) if isinstance(overrides, dict) else {}
         except re.error as exc:
-            raise BadInputError(f"dynamic pattern {pattern!r} is not a valid regular expression ({exc})") from None
+            raise BadInputError(f"dynamic pattern {pattern!r} is not a valid regular expression ({exc})",
+                                file=file) from None
     return False, {}
 
 
@@ -345,11 +347,9 @@ class GPTQSource(Source):
         if checkpoint_format not in (None, V1, V2):
             raise UnsupportedError(f"checkpoint_format must be {V1!r} or {V2!r}, got {checkpoint_format!r}")
         self.v1_zeros = v1_zeros
+        # a single weights file uses the configs beside it, if any (GPTQ-for-LLaMa files have none)
         root = self.path if self.path.is_dir() else self.path.parent
-        if self.path.is_dir():
-            qc, hf, notes = _quant_config(root)
-        else:
-            qc, hf, notes = {}, {}, []
+        qc, hf, notes = _quant_config(root)
         qm = qc.get("quant_method")
         if qm is not None and str(qm).lower() != "gptq":
             raise UnsupportedError(f"quantization_config says quant_method={qm!r}, not GPTQ", file=str(self.path))
@@ -431,7 +431,7 @@ class GPTQSource(Source):
             raise BadInputError(f"quantized layer has qweight but no {m}.qzeros", file=qfile, tensor=qname)
         if "scales" not in t:
             raise BadInputError(f"quantized layer has qweight but no {m}.scales", file=qfile, tensor=qname)
-        skip, over = _dynamic_override(self.qc.get("dynamic"), m)
+        skip, over = _dynamic_override(self.qc.get("dynamic"), m, str(self.root / "quantize_config.json"))
         notes: list[str] = []
         if skip:
             notes.append("the config's dynamic rules skip this module, but the file holds it quantized; read as "
@@ -647,8 +647,9 @@ class GPTQSource(Source):
             return layer.validate()
         except BadInputError as exc:
             if exc.file is None:
-                key = "scales" if "scale" in exc.message else ("g_idx" if "g_idx" in exc.message and "g_idx" in t
-                                                               else "qweight")
+                msg = exc.message
+                key = next((k for k, word in (("scales", "scale"), ("g_idx", "g_idx"), ("qzeros", "zero"),
+                                              ("bias", "bias")) if word in msg and k in t), "qweight")
                 exc.file = st.where[t[key]]
                 exc.tensor = t[key]
                 exc.args = (exc.one_line(),)
@@ -774,7 +775,8 @@ class _ShardWriter:
         for (path, _size, tnames), fname in zip(self.shards, names):
             os.replace(path, self.folder / fname)
             wmap.update({t: fname for t in tnames})
-        index = {"metadata": {"total_size": sum(s for _p, s, _t in self.shards)}, "weight_map": dict(sorted(wmap.items()))}
+        index = {"metadata": {"total_size": sum(s for _p, s, _t in self.shards)},
+                 "weight_map": dict(sorted(wmap.items()))}
         _write_json(self.folder / "model.safetensors.index.json", index)
         return names
 
@@ -800,7 +802,8 @@ def gptq_quantization_config(metas: dict[str, dict[str, Any]], passthrough: list
     """The quantization_config (= quantize_config.json) for the written layers.
 
     Global bits/group_size/sym are the most common; other layers get GPTQModel ``dynamic`` overrides
-    ("+:^name$"; sym is true exactly for zero mode "none", so a re-read gives the same canonical layer), and 2-D ``.weight`` tensors left unquantized inside the quantized blocks get "-:" rules so
+    ("+:^name$"; sym is true exactly for zero mode "none", so a re-read gives the same canonical layer),
+    and 2-D ``.weight`` tensors left unquantized inside the quantized blocks get "-:" rules so
     loaders do not expect them quantized.
     """
     if metas:
@@ -916,7 +919,7 @@ def write_gptq(source: Source, out: str | os.PathLike[str], *, force: bool = Fal
             if p.name in _OWN_FILES or p.name.endswith((".safetensors", ".bin", ".pt")) or p.name.startswith("."):
                 continue
             try:
-                (tmp / p.name).write_bytes(p.read_bytes())
+                shutil.copyfile(p, tmp / p.name)
             except OSError as exc:
                 raise IOFailure(f"cannot copy side file: {exc.strerror}", file=str(p)) from None
     return Path(out)
@@ -989,15 +992,6 @@ class GPTQFormat(Format):
     def write(cls, source: Source, out: Path, *, force: bool = False, **options: Any) -> Path:
         options.setdefault("checkpoint_format", cls.version)
         return write_gptq(source, out, force=force, **options)
-
-    @classmethod
-    def check_writable(cls, source: Source) -> list[str]:
-        problems = []
-        for name in source.layer_names():
-            reason = cls.capabilities.check(source.read_layer(name))
-            if reason:
-                problems.append(f"{name}: {cls.name} cannot express {reason}")
-        return problems
 
 
 class GPTQv2Format(GPTQFormat):
