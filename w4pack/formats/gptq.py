@@ -38,7 +38,7 @@ from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES
 from ..errors import BadInputError, IOFailure, UnsupportedError, W4PackError
 from ..progress import Progress
-from ..safetensors_io import SafetensorsFile, write_safetensors
+from ..safetensors_io import SafetensorsFile, dtype_to_st
 from ._bitpack import STREAM_BITS, pack_last, unpack_last
 from .base import Capabilities, Format, Source, TensorData
 
@@ -730,55 +730,124 @@ def encode_layer(layer: CanonicalLayer, version: str = V1) -> dict[str, tuple[np
     return out
 
 
-class _ShardWriter:
-    """Buffers tensors up to ``max_shard`` bytes, writes numbered shards, then names them HF-style."""
+@dataclass
+class _Entry:
+    name: str
+    shape: tuple[int, ...]
+    st_dtype: str
+    nbytes: int
 
-    def __init__(self, folder: Path, max_shard: int):
-        self.folder, self.max_shard = folder, max_shard
-        self.pending: list[tuple[str, np.ndarray, str | None]] = []
-        self.pending_bytes = 0
-        self.shards: list[tuple[Path, int, list[str]]] = []
-        self.names: set[str] = set()
 
-    def add(self, name: str, arr: np.ndarray, dtype: str | None) -> None:
-        if name in self.names:
-            raise BadInputError("tensor name would be written twice", tensor=name)
-        self.names.add(name)
-        if self.pending and self.pending_bytes + arr.nbytes > self.max_shard:
-            self.flush()
-        self.pending.append((name, arr, dtype))
-        self.pending_bytes += arr.nbytes
+def _layer_entries(name: str, meta: dict[str, Any]) -> list[_Entry]:
+    """The GPTQ tensors ``encode_layer`` will produce for a layer, known from its shape alone."""
+    n, k, b, g = meta["out_features"], meta["in_features"], meta["bits"], meta["groups"]
+    item = {"F16": 2, "BF16": 2, "F32": 4}
+    sdt = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
+    out = [_Entry(f"{name}.qweight", (k * b // 32, n), "I32", k * b // 32 * n * 4),
+           _Entry(f"{name}.qzeros", (g, n * b // 32), "I32", g * n * b // 32 * 4),
+           _Entry(f"{name}.scales", (g, n), sdt[meta["scale_dtype"]], g * n * item[sdt[meta["scale_dtype"]]]),
+           _Entry(f"{name}.g_idx", (k,), "I32", k * 4)]
+    if meta["bias_dtype"] is not None:
+        bdt = sdt[meta["bias_dtype"]]
+        out.append(_Entry(f"{name}.bias", (n,), bdt, n * item[bdt]))
+    return out
 
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        path = self.folder / f"shard-{len(self.shards):05d}.partial"
+
+class _StreamingShards:
+    """Safetensors shards written tensor by tensor, in an order planned up front.
+
+    Every tensor's shape and dtype is known before the first byte (from the capability pass), so
+    each shard's header is written first and the data streams after it: memory holds one layer, not
+    one shard. A tensor that arrives out of plan is a bug in a source (it changed between passes).
+    """
+
+    def __init__(self, folder: Path, entries: list[_Entry], max_shard: int):
+        self.folder = folder
+        self.shards: list[list[_Entry]] = [[]]
+        size = 0
+        for e in entries:
+            if self.shards[-1] and size + e.nbytes > max_shard:
+                self.shards.append([])
+                size = 0
+            self.shards[-1].append(e)
+            size += e.nbytes
+        total = len(self.shards)
+        self.files = (["model.safetensors"] if total == 1 else
+                      [f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i in range(total)])
+        self._order = [(si, e) for si, shard in enumerate(self.shards) for e in shard]
+        self._pos = 0
+        self._fh: Any = None
+        self._shard = -1
+        if not entries:
+            self._open(0)
+            self._close()
+
+    def _open(self, si: int) -> None:
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        off = 0
+        for e in self.shards[si]:
+            header[e.name] = {"dtype": e.st_dtype, "shape": list(e.shape), "data_offsets": [off, off + e.nbytes]}
+            off += e.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)
+        path = self.folder / self.files[si]
         try:
-            size, _sha = write_safetensors(path, self.pending, metadata={"format": "pt"})
+            self._fh = open(path, "wb")
+            self._fh.write(len(raw).to_bytes(8, "little"))
+            self._fh.write(raw)
         except OSError as exc:
             raise IOFailure(f"cannot write: {exc.strerror}", file=str(path)) from None
-        self.shards.append((path, size, [n for n, _a, _d in self.pending]))
-        self.pending, self.pending_bytes = [], 0
+        self._shard = si
+
+    def _close(self) -> None:
+        try:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self._fh.close()
+        except OSError as exc:
+            raise IOFailure(f"cannot write: {exc.strerror}", file=str(self.folder / self.files[self._shard])) from None
+        self._fh = None
+
+    def write(self, name: str, arr: np.ndarray, dtype_name: str | None) -> None:
+        if self._pos >= len(self._order):
+            raise BadInputError("the source produced more tensors than it listed", tensor=name)
+        si, e = self._order[self._pos]
+        a = np.ascontiguousarray(arr)
+        if a.dtype.byteorder == ">":
+            a = a.astype(a.dtype.newbyteorder("<"))
+        if name != e.name or tuple(a.shape) != e.shape or dtype_to_st(a, dtype_name) != e.st_dtype:
+            raise BadInputError(f"the source changed between passes: expected {e.name} {list(e.shape)} {e.st_dtype}, "
+                                f"got {list(a.shape)} {dtype_to_st(a, dtype_name)}", tensor=name)
+        if si != self._shard:
+            self._open(si)
+        try:
+            if a.size:
+                self._fh.write(memoryview(a).cast("B"))
+        except OSError as exc:
+            raise IOFailure(f"cannot write: {exc.strerror}", file=str(self.folder / self.files[si])) from None
+        self._pos += 1
+        if self._pos == len(self._order) or self._order[self._pos][0] != si:
+            self._close()
 
     def finish(self) -> list[str]:
-        self.flush()
-        if not self.shards:
-            path = self.folder / "shard-00000.partial"
-            size, _ = write_safetensors(path, [], metadata={"format": "pt"})
-            self.shards.append((path, size, []))
-        if len(self.shards) == 1:
-            os.replace(self.shards[0][0], self.folder / "model.safetensors")
-            return ["model.safetensors"]
-        total = len(self.shards)
-        names = [f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i in range(total)]
-        wmap: dict[str, str] = {}
-        for (path, _size, tnames), fname in zip(self.shards, names):
-            os.replace(path, self.folder / fname)
-            wmap.update({t: fname for t in tnames})
-        index = {"metadata": {"total_size": sum(s for _p, s, _t in self.shards)},
-                 "weight_map": dict(sorted(wmap.items()))}
-        _write_json(self.folder / "model.safetensors.index.json", index)
-        return names
+        if self._pos != len(self._order):
+            raise BadInputError(f"the source produced {self._pos} of the {len(self._order)} tensors it listed")
+        if len(self.files) > 1:
+            wmap = {e.name: self.files[si] for si, e in self._order}
+            total = sum(e.nbytes for _si, e in self._order)
+            _write_json(self.folder / "model.safetensors.index.json",
+                        {"metadata": {"total_size": total}, "weight_map": dict(sorted(wmap.items()))})
+        return self.files
+
+    def abort(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def _st_name(dtype: str) -> str | None:
+    """The dtype name to hand to the safetensors writer: only bfloat16 differs from numpy's own."""
+    return "bfloat16" if dtype == "bfloat16" else None
 
 
 def _write_json(path: Path, doc: Any) -> None:
@@ -882,7 +951,10 @@ def write_gptq(source: Source, out: str | os.PathLike[str], *, force: bool = Fal
             problems.append(f"{name}: {reason}")
             continue
         metas[name] = {"bits": layer.bits, "group_size": layer.group_size, "sym": layer.zero_mode == "none",
-                       "act_order": bool(layer.act_order)}
+                       "act_order": bool(layer.act_order), "out_features": layer.out_features,
+                       "in_features": layer.in_features, "groups": layer.num_groups,
+                       "scale_dtype": layer.scale_dtype,
+                       "bias_dtype": layer.bias_dtype if layer.bias is not None else None}
         del layer
     if problems:
         more = f" (and {len(problems) - 1} more layer(s))" if len(problems) > 1 else ""
@@ -892,24 +964,33 @@ def write_gptq(source: Source, out: str | os.PathLike[str], *, force: bool = Fal
     clash = [t for t in passthrough if t in claimed]
     if clash:
         raise BadInputError("pass-through tensor has the name of a quantized layer's GPTQ tensor", tensor=clash[0])
+    entries = [e for name in names for e in _layer_entries(name, metas[name])]
     pass_2d: set[str] = set()
-    # 2. stream
+    for tname in passthrough:
+        td = source.read_tensor(tname)  # memory-mapped in every reader: only the shape is looked at here
+        arr = np.asarray(td.array)
+        if arr.ndim == 2:
+            pass_2d.add(tname)
+        entries.append(_Entry(tname, tuple(arr.shape), dtype_to_st(arr, _st_name(td.dtype)), arr.nbytes))
+        del td, arr
+    # 2. stream: one layer in memory at a time, straight into its planned place
     with AtomicFolder(out, force=force) as tmp:
-        shards = _ShardWriter(tmp, max_shard)
-        with Progress(len(names) + len(passthrough), "writing gptq", enabled=show_progress) as bar:
-            for name in names:
-                layer = source.read_layer(name)
-                for suffix, (arr, dt) in encode_layer(layer, checkpoint_format).items():
-                    shards.add(f"{name}.{suffix}", arr, dt)
-                del layer
-                bar.update()
-            for tname in passthrough:
-                td = source.read_tensor(tname)
-                if np.ndim(td.array) == 2:
-                    pass_2d.add(tname)
-                shards.add(tname, td.array, td.dtype if td.dtype in FLOAT_DTYPES else None)
-                bar.update()
-        shards.finish()
+        shards = _StreamingShards(tmp, entries, max_shard)
+        try:
+            with Progress(len(names) + len(passthrough), "writing gptq", enabled=show_progress) as bar:
+                for name in names:
+                    layer = source.read_layer(name)
+                    for suffix, (arr, dt) in encode_layer(layer, checkpoint_format).items():
+                        shards.write(f"{name}.{suffix}", arr, dt)
+                    del layer
+                    bar.update()
+                for tname in passthrough:
+                    td = source.read_tensor(tname)
+                    shards.write(tname, td.array, _st_name(td.dtype))
+                    bar.update()
+            shards.finish()
+        finally:
+            shards.abort()
         qc = gptq_quantization_config(metas, passthrough, pass_2d, checkpoint_format)
         config = {k: v for k, v in (source.config or {}).items() if k != "quantization_config"}
         config["quantization_config"] = qc
