@@ -1,0 +1,406 @@
+"""compressed-tensors pack-quantized: fixtures bit-exact, round trips, the peer's own (de)compressor, bad input.
+
+The peer checks use the ``compressed-tensors`` package itself (a test dependency): what we write must decompress in
+its ``PackedQuantizationCompressor`` to the bf16/fp16 rounding of our exact dequantization, and what it compresses
+must read back in w4pack to exactly the codes, scales and zeros it was given.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from conftest import fixture_cases, fixture_dir
+from w4pack.canonical import CanonicalLayer
+from w4pack.checkpoint import open_checkpoint
+from w4pack.cli import main
+from w4pack.convert import convert
+from w4pack.dtypes import from_float32, to_float32
+from w4pack.errors import BadInputError, UnsupportedError
+from w4pack.formats import detect, get_format
+from w4pack.formats.base import Source, TensorData
+from w4pack.formats.compressed_tensors import pack_rows, unpack_rows
+from w4pack.safetensors_io import SafetensorsFile, write_safetensors
+
+CT = get_format("compressed-tensors")
+FAMILY = "compressed-tensors"
+SINGLE = [c for c in fixture_cases(FAMILY) if not c.startswith("tiny_")]
+WHOLE = [c for c in fixture_cases(FAMILY) if c.startswith("tiny_")]
+PREFIX = "model.layers.0.mlp.down_proj"
+
+
+class MemSource(Source):
+    """Canonical layers and tensors in memory: what a writer is handed."""
+
+    def __init__(self, layers: dict[str, CanonicalLayer], tensors: dict[str, TensorData] | None = None,
+                 config: dict[str, Any] | None = None):
+        self._layers, self._tensors = layers, tensors or {}
+        self.config = config or {"model_type": "llama"}
+        self.info = {"format": "memory"}
+        self.path = Path("memory")
+
+    def layer_names(self) -> list[str]:
+        return list(self._layers)
+
+    def read_layer(self, name: str) -> CanonicalLayer:
+        return self._layers[name].replace(name=name)
+
+    def passthrough_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def read_tensor(self, name: str) -> TensorData:
+        return self._tensors[name]
+
+
+def rand_layer(n: int, k: int, *, bits: int = 4, group: int = 64, asym: bool = False, scale_dtype: str = "bfloat16",
+               seed: int = 0) -> CanonicalLayer:
+    rng = np.random.default_rng(seed)
+    g = 1 if group == -1 else k // group
+    scales = from_float32(rng.uniform(0.001, 0.05, (n, g)).astype(np.float32), scale_dtype)
+    zeros = rng.integers(0, 1 << bits, (n, g)).astype(np.uint8) if asym else None
+    return CanonicalLayer(codes=rng.integers(0, 1 << bits, (n, k)).astype(np.uint8), scales=scales, bits=bits,
+                          group_size=group, zero_mode="int" if asym else "none", zeros=zeros,
+                          scale_dtype=scale_dtype).validate()
+
+
+def case_src(case: Path) -> Path:
+    return case if (case / "config.json").is_file() else case / "model.safetensors"
+
+
+def truth(case: Path, name: str) -> dict[str, np.ndarray]:
+    t = case / "truth" / name if (case / "truth" / name).is_dir() else case / "truth"
+    return {k: np.load(t / f"{k}.npy") for k in ("codes", "scales", "zeros")}
+
+
+def assert_matches_truth(layer: CanonicalLayer, tr: dict[str, np.ndarray]) -> None:
+    n, g = layer.scales.shape
+    assert np.array_equal(layer.codes, tr["codes"])
+    scales = to_float32(layer.scales, layer.scale_dtype)
+    assert np.array_equal(scales, np.broadcast_to(tr["scales"].reshape(-1, tr["scales"].shape[-1]), (n, g)))
+    assert np.array_equal(layer.zero_points(), np.broadcast_to(tr["zeros"].astype(np.int32), (n, g)))
+    # the fixture's dequant formula, evaluated independently
+    gi = np.zeros(layer.in_features, np.int64) if layer.group_size == -1 else \
+        np.arange(layer.in_features) // layer.group_size
+    z = np.broadcast_to(tr["zeros"].astype(np.float32), (n, g))
+    s = np.broadcast_to(tr["scales"].astype(np.float32).reshape(-1, tr["scales"].shape[-1]), (n, g))
+    assert np.array_equal(layer.dequantize(), (tr["codes"].astype(np.float32) - z[:, gi]) * s[:, gi])
+
+
+def tensors_of(path: Path) -> dict[str, tuple[str, np.ndarray]]:
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    out = {}
+    for f in files:
+        with SafetensorsFile(f) as st:
+            for t in st.keys():
+                out[t] = (st.dtype_name(t), np.array(st.get(t)))
+    return out
+
+
+# -- bit streams ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("cols", [1, 7, 64, 70, 576])
+def test_pack_rows_round_trip_and_bit_order(bits: int, cols: int) -> None:
+    rng = np.random.default_rng(cols * 10 + bits)
+    vals = rng.integers(0, 1 << bits, (3, cols)).astype(np.uint8)
+    words = pack_rows(vals, bits)
+    assert words.dtype == np.int32 and words.shape == (3, -(-cols * bits // 32))
+    assert np.array_equal(unpack_rows(words, bits, cols), vals)
+    # element e occupies bits e*b .. e*b+b-1 of the row's little-endian stream (independent big-int check)
+    for r in range(3):
+        stream = sum(int(w) << (32 * i) for i, w in enumerate(words[r].view(np.uint32)))
+        got = [(stream >> (e * bits)) & ((1 << bits) - 1) for e in range(cols)]
+        assert got == vals[r].tolist()
+
+
+# -- fixtures ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case_name", SINGLE)
+def test_single_layer_fixture_bit_exact(case_name: str) -> None:
+    case = fixture_dir(FAMILY, case_name)
+    meta = json.loads((case / "case.json").read_text())
+    src = case_src(case)
+    assert detect(src) == "compressed-tensors"
+    with CT.open(src) as s:
+        assert s.layer_names() == [PREFIX]
+        layer = s.read_layer(PREFIX)
+        assert layer.bits == meta["bits"]
+        assert layer.zero_mode == ("none" if meta["symmetric"] else "int")
+        assert layer.group_size == (meta["group_size"] if meta["strategy"] == "group" else -1)
+        assert layer.scale_dtype == "bfloat16"
+        assert layer.source["strategy"] == meta["strategy"]
+        assert_matches_truth(layer, truth(case, PREFIX))
+
+
+@pytest.mark.parametrize("case_name", WHOLE)
+def test_whole_model_fixture_bit_exact(case_name: str) -> None:
+    case = fixture_dir(FAMILY, case_name)
+    with CT.open(case) as s:
+        names = s.layer_names()
+        expected = sorted(p.name for p in (case / "truth").iterdir() if p.is_dir())
+        assert sorted(names) == expected
+        for name in names:
+            assert_matches_truth(s.read_layer(name), truth(case, name))
+        assert "lm_head.weight" in s.passthrough_names() and "model.norm.weight" in s.passthrough_names()
+        assert not any(".weight_" in t for t in s.passthrough_names())
+        assert "quantization_config" not in s.config and s.config["model_type"] == "llama"
+        assert s.info["version"] == "0.20.1"
+        assert [p.name for p in s.side_files()] == ["generation_config.json"]
+
+
+@pytest.mark.parametrize("case_name", SINGLE + WHOLE)
+def test_round_trip_through_w4pack_is_byte_identical(case_name: str, tmp_path: Path) -> None:
+    """compressed-tensors -> w4pack -> compressed-tensors gives back every tensor, bit for bit."""
+    case = fixture_dir(FAMILY, case_name)
+    src = case_src(case)
+    convert(src, tmp_path / "w4", show_progress=False)
+    ck = open_checkpoint(tmp_path / "w4")
+    assert ck.manifest["source"]["format"] == "compressed-tensors"
+    convert(tmp_path / "w4", tmp_path / "ct", to="compressed-tensors", show_progress=False)
+    a, b = tensors_of(src), tensors_of(tmp_path / "ct")
+    assert sorted(a) == sorted(b)
+    for t, (dt, arr) in a.items():
+        assert b[t][0] == dt, t
+        assert b[t][1].shape == arr.shape and np.array_equal(b[t][1], arr), t
+    qc = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
+    if (case / "config.json").is_file():
+        orig = json.loads((case / "config.json").read_text())
+        ow = orig["quantization_config"]["config_groups"]["group_0"]["weights"]
+        nw = qc["config_groups"]["group_0"]["weights"]
+        for key in ("num_bits", "type", "symmetric", "strategy", "group_size"):
+            assert nw[key] == ow[key], key
+        assert "lm_head" in qc["ignore"]
+        assert {k: v for k, v in orig.items() if k != "quantization_config"} == \
+            {k: v for k, v in json.loads((tmp_path / "ct" / "config.json").read_text()).items()
+             if k != "quantization_config"}
+
+
+# -- the peer's own code ----------------------------------------------------------------------------------------
+def _peer_decompress(folder: Path) -> dict[str, np.ndarray]:
+    """Decompress every layer of a folder we wrote with compressed-tensors' PackedQuantizationCompressor."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+
+    qc = QuantizationConfig.model_validate(json.loads((folder / "config.json").read_text())["quantization_config"])
+    sd = load_file(str(folder / "model.safetensors"))
+    mods = sorted({k[: -len(".weight_packed")] for k in sd if k.endswith(".weight_packed")})
+    out = {}
+    for m in mods:
+        scheme = None
+        for g in qc.config_groups.values():
+            if "Linear" in g.targets or m in g.targets:
+                scheme = g
+        assert scheme is not None, m
+        local = {k[len(m) + 1:]: v for k, v in sd.items() if k.startswith(m + ".")}
+        res = PackedQuantizationCompressor.decompress(local, scheme)
+        out[m] = res["weight"].to(torch.float32).numpy()
+    return out
+
+
+def _rounded(w: np.ndarray, dtype: str) -> np.ndarray:
+    return to_float32(from_float32(w, dtype), dtype) if dtype != "float32" else w
+
+
+PEER_CASES = [
+    # (n, k, bits, group, asym, scale dtype): N not a multiple of 8 pads the packed zero points
+    (196, 576, 4, 64, True, "bfloat16"),
+    (200, 256, 4, -1, True, "float16"),
+    (128, 256, 4, 128, False, "float16"),
+    (64, 128, 8, 32, True, "bfloat16"),
+    (72, 96, 3, 32, True, "bfloat16"),
+    (40, 128, 2, -1, False, "float32"),
+]
+
+
+@pytest.mark.parametrize("n,k,bits,group,asym,sdt", PEER_CASES)
+def test_written_layers_decompress_in_compressed_tensors(n: int, k: int, bits: int, group: int, asym: bool,
+                                                          sdt: str, tmp_path: Path) -> None:
+    layer = rand_layer(n, k, bits=bits, group=group, asym=asym, scale_dtype=sdt, seed=n + k)
+    CT.write(MemSource({PREFIX: layer}), tmp_path / "ct")
+    st = tensors_of(tmp_path / "ct")
+    assert st[f"{PREFIX}.weight_packed"][1].shape == (n, -(-k * bits // 32))
+    if asym:
+        assert st[f"{PREFIX}.weight_zero_point"][1].shape == (-(-n * bits // 32), layer.num_groups)
+    else:
+        assert f"{PREFIX}.weight_zero_point" not in st
+    got = _peer_decompress(tmp_path / "ct")[PREFIX]
+    # the peer computes (q - z) * s in the scale dtype: exact product rounded once
+    assert np.array_equal(got, _rounded(layer.dequantize(np.float64).astype(np.float32), sdt))
+    with CT.open(tmp_path / "ct") as s:
+        assert s.read_layer(PREFIX).equals(layer)
+
+
+@pytest.mark.parametrize("strategy,bits,sym,group", [("group", 4, False, 32), ("channel", 8, True, None),
+                                                      ("tensor", 4, True, None), ("group", 3, False, 64)])
+def test_peer_compressed_layers_read_exactly(strategy: str, bits: int, sym: bool, group: int | None,
+                                            tmp_path: Path) -> None:
+    """What compressed-tensors' own compressor writes reads back as exactly the codes/scales/zeros it was given."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from safetensors.torch import save_file
+
+    n, k = 104, 192
+    rng = np.random.default_rng(bits)
+    g = k // group if strategy == "group" else 1
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    q = rng.integers(lo, hi + 1, (n, k))
+    zp = np.zeros((n, g), np.int64) if sym else rng.integers(lo, hi + 1, (n, g))
+    if strategy == "tensor":
+        scale = torch.tensor([0.0123], dtype=torch.bfloat16)
+        s_full = np.full((n, 1), float(scale.float()), np.float32)
+    else:
+        scale = torch.tensor(rng.uniform(0.001, 0.05, (n, g)), dtype=torch.float32).to(torch.bfloat16)
+        s_full = scale.float().numpy()
+    gi = np.arange(k) // (k // g)
+    w = ((q - zp[:, gi]) * s_full[:, gi]).astype(np.float32)
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, strategy=strategy, group_size=group)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
+    state = {"weight": torch.tensor(w), "weight_scale": scale}
+    if not sym:
+        state["weight_zero_point"] = torch.tensor(zp, dtype=torch.int8)
+    comp = PackedQuantizationCompressor.compress(state, scheme)
+    save_file({f"{PREFIX}.{key}": v.contiguous() for key, v in comp.items()}, str(tmp_path / "model.safetensors"))
+    cfg = {"model_type": "llama", "quantization_config": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": args.model_dump(mode="json")}},
+        "ignore": ["lm_head"]}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with CT.open(tmp_path) as s:
+        layer = s.read_layer(PREFIX)
+    off = 1 << (bits - 1)
+    assert layer.bits == bits and layer.group_size == (group if strategy == "group" else -1)
+    assert np.array_equal(layer.codes, (q + off).astype(np.uint8))
+    assert np.array_equal(to_float32(layer.scales, "bfloat16"), np.broadcast_to(s_full, (n, g)))
+    assert np.array_equal(layer.zero_points(), (zp + off).astype(np.int32))
+
+
+def test_transformers_loads_what_we_write(tmp_path: Path) -> None:
+    """The whole-model fixture, re-written by w4pack, loads in transformers and gives the reference logits."""
+    case = fixture_dir(FAMILY, "tiny_llama_w4a16_sym_g128")
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    convert(case, tmp_path / "w4", show_progress=False)
+    convert(tmp_path / "w4", tmp_path / "ct", to="compressed-tensors", show_progress=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ct"), dtype=torch.float32)
+    ids = torch.tensor(np.load(case / "truth" / "input_ids.npy"))
+    with torch.no_grad():
+        logits = model(ids).logits.float().numpy()
+    ref = np.load(case / "truth" / "ref_logits_f32.npy")
+    assert np.max(np.abs(logits - ref)) < 1e-4
+
+
+# -- writer refusals --------------------------------------------------------------------------------------------
+def test_writer_refuses_what_compressed_tensors_cannot_hold(tmp_path: Path) -> None:
+    base = rand_layer(32, 128, group=32)
+    fmin = base.replace(zero_mode="float", zeros=base.scales.copy())
+    with pytest.raises(UnsupportedError, match="zero mode 'float'"):
+        CT.write(MemSource({PREFIX: fmin}), tmp_path / "a")
+    perm = base.replace(g_idx=np.random.default_rng(0).permutation(base.g_idx).astype(np.int32))
+    with pytest.raises(UnsupportedError, match="act-order"):
+        CT.write(MemSource({PREFIX: perm}), tmp_path / "b")
+    short = rand_layer(32, 96, group=-1).replace(group_size=64, scales=from_float32(np.ones((32, 2), np.float32),
+                                                                                     "bfloat16"))
+    short = short.replace(g_idx=(np.arange(96) // 64).astype(np.int32)).validate()
+    with pytest.raises(UnsupportedError, match="does not divide"):
+        CT.write(MemSource({PREFIX: short}), tmp_path / "c")
+    z16 = rand_layer(32, 128, group=32, asym=True)
+    z16.zeros[0, 0] = 16
+    with pytest.raises(UnsupportedError, match="signed 4-bit"):
+        CT.write(MemSource({PREFIX: z16.validate()}), tmp_path / "d")
+    assert not any(tmp_path.iterdir())  # nothing left behind
+
+
+def test_mixed_schemes_get_explicit_targets(tmp_path: Path) -> None:
+    layers = {"model.layers.0.mlp.up_proj": rand_layer(64, 128, group=64),
+              "model.layers.0.mlp.down_proj": rand_layer(128, 64, bits=8, group=-1, asym=True, seed=3)}
+    emb = TensorData(np.zeros((10, 128), np.float16), "float16")
+    CT.write(MemSource(layers, {"model.embed_tokens.weight": emb}), tmp_path / "ct")
+    qc = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    targets = sorted(t for g in qc["config_groups"].values() for t in g["targets"])
+    assert targets == sorted(layers)
+    assert qc["ignore"] == ["lm_head", "model.embed_tokens"]
+    with CT.open(tmp_path / "ct") as s:
+        for name, layer in layers.items():
+            assert s.read_layer(name).equals(layer)
+        assert s.passthrough_names() == ["model.embed_tokens.weight"]
+
+
+# -- bad input --------------------------------------------------------------------------------------------------
+def _bad_copy(tmp_path: Path, edit: Any) -> Path:
+    case = fixture_dir(FAMILY, "asym_group64_in256_out384")
+    tensors = tensors_of(case / "model.safetensors")
+    edit(tensors)
+    out = tmp_path / "bad"
+    out.mkdir()
+    write_safetensors(out / "model.safetensors", [(t, a, d) for t, (d, a) in tensors.items()])
+    return out
+
+
+@pytest.mark.parametrize("what,edit,match", [
+    ("narrow weight_packed", lambda t: t.__setitem__(f"{PREFIX}.weight_packed",
+                                                     ("int32", t[f"{PREFIX}.weight_packed"][1][:, :-1].copy())),
+     "words per row|fits no bit width"),
+    ("scale rows", lambda t: t.__setitem__(f"{PREFIX}.weight_scale",
+                                           ("bfloat16", t[f"{PREFIX}.weight_scale"][1][:-1].copy())),
+     "rows"),
+    ("zero point shape", lambda t: t.__setitem__(f"{PREFIX}.weight_zero_point",
+                                                 ("int32", t[f"{PREFIX}.weight_zero_point"][1][:-1].copy())),
+     "weight_zero_point shape"),
+    ("weight_shape lies", lambda t: t.__setitem__(f"{PREFIX}.weight_shape", ("int64", np.array([383, 256]))),
+     "weight_shape says 383 rows"),
+    ("weight_packed dtype", lambda t: t.__setitem__(f"{PREFIX}.weight_packed",
+                                                    ("float32", t[f"{PREFIX}.weight_packed"][1].view(np.float32))),
+     "must be int32"),
+])
+def test_bad_tensors_are_one_line_errors(what: str, edit: Any, match: str, tmp_path: Path) -> None:
+    bad = _bad_copy(tmp_path, edit)
+    with pytest.raises(BadInputError, match=match) as exc:
+        with CT.open(bad) as s:
+            s.read_layer(PREFIX)
+    assert "\n" not in str(exc.value) and "model.safetensors" in str(exc.value)
+    rc = main(["convert", str(bad), str(tmp_path / "out")])
+    assert rc == 2 and not (tmp_path / "out").exists()
+
+
+def test_cli_bad_input_prints_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = _bad_copy(tmp_path, lambda t: t.pop(f"{PREFIX}.weight_zero_point"))
+    cfg = {"model_type": "llama", "quantization_config": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 64}}}}}
+    (bad / "config.json").write_text(json.dumps(cfg))
+    rc = main(["convert", str(bad), str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "weight_zero_point" in err[0] and "asymmetric" in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_unsupported_formats_and_types(tmp_path: Path) -> None:
+    case = fixture_dir(FAMILY, "tiny_llama_w4a16_sym_g128")
+    work = tmp_path / "m"
+    shutil.copytree(case, work, ignore=shutil.ignore_patterns("truth"))
+    cfg = json.loads((work / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["format"] = "marlin-24"
+    (work / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedError, match="marlin-24"):
+        with CT.open(work) as s:
+            s.read_layer(s.layer_names()[0])
+    cfg["quantization_config"]["config_groups"]["group_0"]["format"] = "pack-quantized"
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["type"] = "float"
+    (work / "config.json").write_text(json.dumps(cfg))
+    assert main(["convert", str(work), str(tmp_path / "out")]) == 3
+    cfg["quantization_config"]["ignore"] = ["lm_head", "re:.*down_proj$"]
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["type"] = "int"
+    (work / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(BadInputError, match="ignore"):
+        with CT.open(work) as s:
+            s.read_layer("model.layers.0.mlp.down_proj")
