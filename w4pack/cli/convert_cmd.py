@@ -13,7 +13,7 @@ from . import emit_json
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option("--from", "src_format", default=None, help="Source format (default: detected).")
 @click.option("--to", "to", default="w4pack", show_default=True,
-              help="Target format: w4pack, gptq, awq, toml, compressed-tensors, gguf.")
+              help="Target format: w4pack, gptq, gptq-v2, awq, toml, compressed-tensors, gguf.")
 @click.option("--base", type=click.Path(path_type=Path), default=None,
               help="fp16/bf16/fp32 base model folder (needed by TOML+NumPy quant tables).")
 @click.option("--max-shard-size", default="2GB", show_default=True, help="Largest shard, e.g. 2GB, 500MB.")
