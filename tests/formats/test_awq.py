@@ -491,3 +491,22 @@ def test_cli_convert_to_w4pack_and_back_to_awq(tmp_path: Path) -> None:
         assert_truth(back.read_layer(PREFIX), truth_of(d, None))
     res = runner.invoke(cli, ["convert", str(tmp_path / "w4"), str(tmp_path / "awq"), "--to", "awq", "--dry-run"])
     assert res.exit_code == 0 and "cannot convert" not in res.output
+
+
+def test_sharded_output_with_index_reads_back(tmp_path: Path) -> None:
+    d = fixture_dir("awq", "tiny_llama_gemm_g128")
+    with AWQ.open(d) as src:
+        AWQ.write(src, tmp_path / "out", max_shard_size="300KB")
+        index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+        shards = sorted(set(index["weight_map"].values()))
+        assert len(shards) > 2 and not (tmp_path / "out" / "model.safetensors").exists()
+        for s in shards:  # a shard passes the limit only when one tensor alone is larger
+            held = [t for t, f in index["weight_map"].items() if f == s]
+            assert (tmp_path / "out" / s).stat().st_size <= 300_000 + 4096 or len(held) == 1, s
+        assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]
+        with AWQ.open(tmp_path / "out") as back:
+            assert back.layer_names() == src.layer_names()
+            for name in src.layer_names():
+                assert back.read_layer(name).differences(src.read_layer(name)) == []
+            for t in src.passthrough_names():
+                assert back.read_tensor(t).array.tobytes() == src.read_tensor(t).array.tobytes()

@@ -18,11 +18,12 @@ dequantization ``q·scale + qzeros``. Pickled ``.pt`` dumps are opened only with
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
+import shutil
+import struct
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from ..canonical import CanonicalLayer
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES, from_float32, to_float32
 from ..errors import BadInputError, IOFailure, UnsupportedError
-from ..safetensors_io import SafetensorsFile, write_safetensors
+from ..safetensors_io import SafetensorsFile, dtype_to_st
 from .base import Capabilities, Format, Source, TensorData
 
 __all__ = [
@@ -697,12 +698,18 @@ def _fp16_exact(arr: np.ndarray) -> bool:
 
 
 class _ShardWriter:
-    """Buffers tensors up to ``max_bytes`` and writes AutoAWQ-style shards with an index when there are several."""
+    """Streams tensors into AutoAWQ-style shards (one file, or ``model-0000k-of-0000n`` + index).
+
+    Memory stays at one tensor: data goes to a spool file as it arrives; when a shard is full its header is
+    written and the spool copied behind it (the header needs every offset, so it cannot come first).
+    """
 
     def __init__(self, folder: Path, max_bytes: int):
         self.folder, self.max_bytes = folder, max_bytes
-        self.pending: list[tuple[str, np.ndarray, str | None]] = []
-        self.pending_bytes = 0
+        self.entries: list[tuple[str, str, list[int], int]] = []  # name, st dtype, shape, nbytes
+        self.spool_path = folder / ".spool.partial"
+        self.spool = open(self.spool_path, "wb")
+        self.spool_bytes = 0
         self.shards: list[tuple[Path, list[str], int]] = []
         self.seen: set[str] = set()
 
@@ -710,25 +717,41 @@ class _ShardWriter:
         if name in self.seen:
             raise BadInputError("tensor name written twice", tensor=name)
         self.seen.add(name)
-        if self.pending and self.pending_bytes + arr.nbytes > self.max_bytes:
+        a = np.ascontiguousarray(arr)
+        if a.dtype.byteorder == ">":
+            a = a.astype(a.dtype.newbyteorder("<"))
+        if self.entries and self.spool_bytes + a.nbytes > self.max_bytes:
             self.flush()
-        self.pending.append((name, np.ascontiguousarray(arr), dtype))
-        self.pending_bytes += arr.nbytes
+        self.entries.append((name, dtype_to_st(a, dtype), list(a.shape), a.nbytes))
+        if a.nbytes:
+            self.spool.write(memoryview(a).cast("B"))
+        self.spool_bytes += a.nbytes
 
     def flush(self) -> None:
-        if not self.pending:
+        if not self.entries and self.shards:
             return
+        self.spool.close()
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, dt, shape, nbytes in self.entries:
+            header[name] = {"dtype": dt, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)
         path = self.folder / f".shard-{len(self.shards):05d}.partial"
-        size, _sha = write_safetensors(path, self.pending, metadata={"format": "pt"})
-        self.shards.append((path, [n for n, _a, _d in self.pending], size))
-        self.pending, self.pending_bytes = [], 0
+        with open(path, "wb") as out, open(self.spool_path, "rb") as spool:
+            out.write(struct.pack("<Q", len(raw)))
+            out.write(raw)
+            shutil.copyfileobj(spool, out, 16 << 20)
+            size = out.tell()
+        self.shards.append((path, [e[0] for e in self.entries], size))
+        self.entries, self.spool_bytes = [], 0
+        self.spool = open(self.spool_path, "wb")
 
     def finish(self) -> None:
         self.flush()
-        if not self.shards:
-            path = self.folder / ".shard-00000.partial"
-            write_safetensors(path, [], metadata={"format": "pt"})
-            self.shards.append((path, [], path.stat().st_size))
+        self.spool.close()
+        os.unlink(self.spool_path)
         total = len(self.shards)
         if total == 1:
             os.replace(self.shards[0][0], self.folder / "model.safetensors")
@@ -740,6 +763,12 @@ class _ShardWriter:
             weight_map.update({n: fname for n in names})
         index = {"metadata": {"total_size": sum(s for _p, _n, s in self.shards)}, "weight_map": weight_map}
         _write_json(self.folder / INDEX_NAME, index)
+
+    def __enter__(self) -> "_ShardWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.spool.close()  # on error the AtomicFolder removes the partial files
 
 
 def _write_json(path: Path, doc: Any) -> None:
@@ -911,8 +940,8 @@ class AWQFormat(Format):
         names = source.layer_names()
         passthrough = source.passthrough_names()
         group_size = None
-        with AtomicFolder(out, force=force) as tmp:
-            shards = _ShardWriter(tmp, parse_size(max_shard_size))
+        max_bytes = parse_size(max_shard_size)
+        with AtomicFolder(out, force=force) as tmp, _ShardWriter(tmp, max_bytes) as shards:
             with Progress(len(names) + len(passthrough), "writing awq", enabled=show_progress) as bar:
                 for name in names:
                     layer = source.read_layer(name)
@@ -922,7 +951,7 @@ class AWQFormat(Format):
                     bar.update()
                 for tname in passthrough:
                     t = source.read_tensor(tname)
-                    shards.add(tname, t.array, t.dtype if t.dtype == "bfloat16" else None)
+                    shards.add(tname, t.array, t.dtype)
                     bar.update()
             shards.finish()
             qc = {"quant_method": "awq", "zero_point": True, "group_size": group_size if group_size else 128,

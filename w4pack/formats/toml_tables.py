@@ -17,6 +17,7 @@ the pass-through tensors, so the folder is complete for a C++/SIMD runtime and r
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -432,8 +433,9 @@ class TomlTablesFormat(Format):
             raise UnsupportedError(f"cannot write TOML tables: {problems[0]}{more}", file=str(source.path))
         passthrough = source.passthrough_names()
         tables: dict[str, dict[str, dict[str, Any]]] = {}
-        with AtomicFolder(out, force=force) as tmp:
-            shards = _ShardWriter(tmp, parse_size(max_shard_size)) if weights else None
+        max_bytes = parse_size(max_shard_size)
+        with AtomicFolder(out, force=force) as tmp, \
+                (_ShardWriter(tmp, max_bytes) if weights else contextlib.nullcontext()) as shards:
             with Progress(len(names) + len(passthrough), "writing tables", enabled=show_progress) as bar:
                 for name in names:
                     layer = source.read_layer(name).replace(name=name)
@@ -450,7 +452,7 @@ class TomlTablesFormat(Format):
                 if shards is not None:
                     for tname in passthrough:
                         t = source.read_tensor(tname)
-                        shards.add(tname, t.array, t.dtype if t.dtype == "bfloat16" else None)
+                        shards.add(tname, t.array, t.dtype)
                         bar.update()
             if shards is not None:
                 shards.finish()
