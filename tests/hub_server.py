@@ -252,9 +252,8 @@ class HubServer:
         repo = Repo(repo_id, private)
         self.repos[repo_id] = repo
         oid = self._new_commit_oid(repo_id, "initial")
-        repo.commits[oid] = Commit(oid, None, "initial commit",
-                                   {".gitattributes": Entry(len(GITATTRIBUTES), hashlib.sha256(GITATTRIBUTES).hexdigest(),
-                                                            False, GITATTRIBUTES)}, time.time())
+        attrs = Entry(len(GITATTRIBUTES), hashlib.sha256(GITATTRIBUTES).hexdigest(), False, GITATTRIBUTES)
+        repo.commits[oid] = Commit(oid, None, "initial commit", {".gitattributes": attrs}, time.time())
         repo.refs["main"] = oid
         return repo
 
@@ -590,8 +589,8 @@ class _Handler(BaseHTTPRequestHandler):
                 repo.refs[ref] = head_oid
                 pr_url = f"{self.hub.endpoint}/{repo.repo_id}/discussions/{repo.prs}"
             oid = self.hub._commit(repo, ref, header["summary"], files)
-        self._json(200, {"success": True, "commitOid": oid, "commitUrl": f"{self.hub.endpoint}/{repo.repo_id}/commit/{oid}",
-                         "pullRequestUrl": pr_url, "hookOutput": ""})
+        self._json(200, {"success": True, "commitOid": oid, "pullRequestUrl": pr_url, "hookOutput": "",
+                         "commitUrl": f"{self.hub.endpoint}/{repo.repo_id}/commit/{oid}"})
 
     def r_create_branch(self, p: dict[str, str], q: dict[str, list[str]], body: bytes) -> None:
         doc = _json_body(body) if body else {}

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hub_fixtures import BAD_TOKEN, OTHER_TOKEN, READ_TOKEN, TOKEN, USER, folder_bytes, hub, make_checkpoint  # noqa: F401
+from hub_fixtures import (BAD_TOKEN, OTHER_TOKEN, READ_TOKEN, TOKEN, USER, folder_bytes,  # noqa: F401
+                          hub, make_checkpoint)
 from hub_server import VALIDATED_AGAINST, parse_front_matter
 
 REPO = f"{USER}/tiny-w4"
@@ -163,7 +164,8 @@ def test_transient_failures_are_retried(hub, ckpt: Path, tmp_path: Path) -> None
 
 # -- errors: one clear line, exit 4, never the token ------------------------------------------------
 @pytest.mark.parametrize("case", ["401", "403", "404", "409"])
-def test_http_errors_give_one_line_and_exit_4(hub, ckpt: Path, tmp_path: Path, capfd, caplog, case: str) -> None:  # noqa: ANN001
+def test_http_errors_give_one_line_and_exit_4(hub, ckpt: Path, tmp_path: Path, capfd, caplog,  # noqa: ANN001
+                                             case: str) -> None:
     token = {"401": BAD_TOKEN, "403": OTHER_TOKEN, "404": TOKEN, "409": TOKEN}[case]
     if case == "404":
         args = ["pull", f"{USER}/does-not-exist", str(tmp_path / "d"), "--endpoint", hub.endpoint, "--token", token]
@@ -303,7 +305,8 @@ def test_source_patterns_pick_only_what_the_format_needs() -> None:
     assert "*.pt" in pats and "*.safetensors" not in pats
 
 
-def test_convert_from_hf_uses_only_needed_files(hub, ckpt: Path, tmp_path: Path, capfd, monkeypatch) -> None:  # noqa: ANN001
+def test_convert_from_hf_uses_only_needed_files(hub, ckpt: Path, tmp_path: Path, capfd,  # noqa: ANN001
+                                                monkeypatch) -> None:
     from w4pack.checkpoint import validate_checkpoint
     from w4pack.hub import push, resolve_source
 
@@ -316,6 +319,8 @@ def test_convert_from_hf_uses_only_needed_files(hub, ckpt: Path, tmp_path: Path,
     assert folder_bytes(local) == folder_bytes(ckpt)
     n = hub.count("resolve")
     assert resolve_source(f"hf://{USER}/src@main") == local and hub.count("resolve") == n  # cached by commit
+    mark = len(hub.requests)
+    assert resolve_source(f"hf://{USER}/src@{local.name}") == local and len(hub.requests) == mark  # offline
 
     rc, out, err = _cli(["convert", f"hf://{USER}/src", str(tmp_path / "repacked"), "--json"], capfd)
     assert rc == 0, err

@@ -465,15 +465,14 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
 
     The folder is validated first (no request is made for an invalid one); ``validate=False`` skips that
     and says so on stderr. README.md is written or updated in the folder (or uploaded from memory when the
-    folder is read-only). ``dry_run`` reports the plan and makes no request. ``progress``: None draws a bar
-    on stderr when it is a terminal, True/False force it, a callable receives one dict per uploaded file.
+    folder is read-only). ``dry_run`` reports the plan and makes no request. ``progress``: None shows the
+    client's upload bars on stderr when it is a terminal, True/False force them on/off, a callable receives
+    one dict per uploaded file (file, index, files, bytes_done, bytes_total) instead.
 
     Example::
 
         w4pack.hub.push("llama-w4/", "me/llama-w4", private=True)
     """
-    from .progress import Progress
-
     folder = Path(path)
     _check_repo_id(repo_id)
     if not folder.is_dir():
@@ -483,7 +482,8 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
     ep = _endpoint(endpoint)
     summary: dict[str, Any] | None = None
     if validate:
-        summary = validate_checkpoint(folder, checksums=True, show_progress=False)
+        bars = None if progress is None else progress is True
+        summary = validate_checkpoint(folder, checksums=True, show_progress=bars)
     else:
         _say(f"WARNING: --no-validate: pushing {folder} WITHOUT checking it; an invalid or corrupted "
              "checkpoint may be published")
@@ -517,7 +517,7 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
     api = _api(ep, token)
-    show = sys.stderr.isatty() if progress is None else (progress is True)
+    show = sys.stderr.isatty() if progress is None else (progress is True)  # a callable replaces the bars
     callback = progress if callable(progress) else None
     errs = dict(repo_id=repo_id, endpoint=ep, token=token, revision=rev)
     with _hf_bars(show):
@@ -542,15 +542,13 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
         def upload_and_commit() -> Any:
             ops = make_ops()
             done = 0
-            with Progress(max(total >> 20, 1), "uploading", " MiB", enabled=show and callback is None) as bar:
-                for i, op in enumerate(ops):
-                    api.preupload_lfs_files(repo_id, additions=[op], revision=rev, create_pr=create_pr,
-                                            free_memory=False)
-                    done += sizes[op.path_in_repo]
-                    bar.update((done >> 20) - bar.n)
-                    if callback is not None:
-                        callback({"file": op.path_in_repo, "index": i + 1, "files": len(ops),
-                                  "bytes_done": done, "bytes_total": total})
+            for i, op in enumerate(ops):  # one file at a time: progress per file, bytes bars from the client
+                api.preupload_lfs_files(repo_id, additions=[op], revision=rev, create_pr=create_pr,
+                                        free_memory=False)
+                done += sizes[op.path_in_repo]
+                if callback is not None:
+                    callback({"file": op.path_in_repo, "index": i + 1, "files": len(ops),
+                              "bytes_done": done, "bytes_total": total})
             deletes = [CommitOperationDelete(path_in_repo=f) for f in stale]
             if not deletes and all(op._remote_oid is not None and op._remote_oid == op._local_oid for op in ops):
                 # the branch already holds every file: no commit (and no card re-validation) needed
@@ -692,13 +690,17 @@ def resolve_source(spec: str, *, endpoint: str | None = None, token: str | None 
     repo_id, rev, sub = parse_hub_spec(spec)
     ep = _endpoint(endpoint)
     errs = dict(repo_id=repo_id, endpoint=ep, token=token, revision=rev)
+    cache = _cache_root(cache_dir) / "hub" / repo_id.replace("/", "--")
+    if rev and re.fullmatch(r"[0-9a-f]{40}", rev) and (cache / rev / ".w4pack-complete").is_file() \
+            and (sub is None or (cache / rev / sub).exists()):
+        return cache / rev / sub if sub else cache / rev  # a commit never changes: no request needed
     api = _api(ep, token)
     with _hub_errors(action="read", **errs):
         info = _retrying(lambda: api.model_info(repo_id, revision=rev or "main"))
     sha = info.sha
     names = sorted(s.rfilename for s in (info.siblings or []))
     patterns, single = _source_patterns(names, sub)
-    root = _cache_root(cache_dir) / "hub" / repo_id.replace("/", "--") / sha
+    root = cache / sha
     key = json.dumps(sorted(patterns))
     done = root / ".w4pack-complete"
     if not (done.is_file() and done.read_text(encoding="utf-8") == key):
@@ -735,7 +737,7 @@ def open_hub_source(spec: str, fmt: str | None = None, **options: Any) -> Any:
     with contextlib.suppress(BadInputError):
         meta, _body = _existing_card(folder)
     info = src.info
-    info.setdefault("path", f"hf://{repo_id}" + (f"@{_rev}" if _rev else ""))
+    info["path"] = f"hf://{repo_id}" + (f"@{_rev}" if _rev else "")  # not the local cache path
     base = meta.get("base_model")
     if isinstance(base, list):
         base = base[0] if base else None
