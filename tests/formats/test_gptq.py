@@ -441,6 +441,26 @@ def test_gptq_for_llama_single_files(tmp_path: Path, case: str) -> None:
             assert layer.group_size == int(np.load(d / "truth" / "group_size.npy"))
 
 
+def test_autogptq_bin_folder_and_dynamic_skip(tmp_path: Path) -> None:
+    """AutoGPTQ's use_safetensors=False writes a .bin beside quantize_config.json; a GPTQModel "-:" rule
+    that names a module stored quantized anyway is noted, not obeyed (the tensors decide)."""
+    torch = pytest.importorskip("torch")
+    d = fixture_dir("gptq", "ag_b4_asym_g64")
+    with SafetensorsFile(next(d.glob("*.safetensors"))) as sf:
+        arrays = {k: torch.from_numpy(np.array(sf.get(k))) for k in sf.keys()}
+    folder = tmp_path / "m"
+    folder.mkdir()
+    torch.save(arrays, folder / "gptq_model-4bit-64g.bin")
+    qc = json.loads((d / "quantize_config.json").read_text())
+    qc["dynamic"] = {"-:.*down_proj": {}}
+    (folder / "quantize_config.json").write_text(json.dumps(qc))
+    assert detect(folder) == "gptq"
+    with GPTQFormat.open(folder) as src:
+        layer = src.read_layer(PREFIX)
+        assert_layer_is_truth(layer, truth_of(d, PREFIX))
+        assert any("dynamic rules skip" in n for n in layer.source["notes"])
+
+
 def test_pt_that_is_not_only_tensors_is_refused_and_never_runs(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     marker = tmp_path / "pwned"
