@@ -24,6 +24,7 @@ from w4pack.convert import convert
 from w4pack.dtypes import from_float32, to_float32
 from w4pack.errors import BadInputError, IOFailure, UnsupportedError
 from w4pack.formats import detect, get_format
+from w4pack.formats.awq import awq_tensors
 from w4pack.formats.base import Source, TensorData
 from w4pack.safetensors_io import SafetensorsFile, write_safetensors
 
@@ -510,3 +511,52 @@ def test_sharded_output_with_index_reads_back(tmp_path: Path) -> None:
                 assert back.read_layer(name).differences(src.read_layer(name)) == []
             for t in src.passthrough_names():
                 assert back.read_tensor(t).array.tobytes() == src.read_tensor(t).array.tobytes()
+
+
+def test_autoawq_01_quant_config_json(tmp_path: Path) -> None:
+    """AutoAWQ 0.1.x kept its settings in quant_config.json (w_bit, q_group_size, upper-case version)."""
+    d = fixture_dir("awq", "gemv_g64_in576_out128")
+    shutil.copytree(d, tmp_path / "m", ignore=shutil.ignore_patterns("truth", "case.json"))
+    (tmp_path / "m" / "quant_config.json").write_text(json.dumps(
+        {"zero_point": True, "q_group_size": 64, "w_bit": 4, "version": "GEMV"}))
+    assert detect(tmp_path / "m") == "awq"
+    with AWQ.open(tmp_path / "m") as src:
+        assert_truth(src.read_layer(PREFIX), truth_of(d, None))
+        assert not src.info["notes"]
+    (tmp_path / "m" / "quant_config.json").write_text(json.dumps(
+        {"zero_point": True, "q_group_size": 64, "w_bit": 4, "version": "GEMM"}))
+    with AWQ.open(tmp_path / "m") as src:  # the tensors win over a contradicting version, with a note
+        assert_truth(src.read_layer(PREFIX), truth_of(d, None))
+        assert any("contradicts" in n for n in src.info["notes"])
+
+
+def test_llm_awq_gemv_era_and_bf16_tinychat_dumps(tmp_path: Path) -> None:
+    """llm-awq late-2023 dumps use the GEMV layout; 2025 TinyChat dumps may carry bf16 scales and scaled_zeros."""
+    torch = pytest.importorskip("torch")
+    d = fixture_dir("awq", "gemv_g128_in512_out256")
+    f = SafetensorsFile(d / "model.safetensors")
+    torch.save({n: torch.from_numpy(np.array(f.get(n))) for n in f.keys()}, tmp_path / "gemv-era.pt")
+    with AWQ.open(tmp_path / "gemv-era.pt") as src:
+        assert src.info["version"] == "llm-awq-gemv-2023"
+        assert_truth(src.read_layer(PREFIX), truth_of(d, None))
+    tr = truth_of(d, None)
+    layer = CanonicalLayer(codes=tr["codes"], scales=from_float32(tr["scales"], "bfloat16"), bits=4, group_size=128,
+                           zero_mode="int", zeros=tr["zeros"].astype(np.int32), scale_dtype="bfloat16").validate()
+    t = {k: v for k, (v, _d) in awq_tensors(layer, "gemv_fast").items()}
+    as_torch = lambda a: torch.from_numpy(np.array(a)).view(torch.bfloat16)  # noqa: E731
+    torch.save({f"{PREFIX}.qweight": torch.from_numpy(t["qweight"]), f"{PREFIX}.scales": as_torch(t["scales"]),
+                f"{PREFIX}.scaled_zeros": as_torch(t["qzeros"])}, tmp_path / "v2-bf16.pt")
+    with AWQ.open(tmp_path / "v2-bf16.pt") as src:
+        got = src.read_layer(PREFIX)
+        assert got.scale_dtype == "bfloat16" and got.zero_mode == "int"
+        assert got.differences(layer) == []
+
+
+def test_unquantized_linears_listed_for_loaders(tmp_path: Path) -> None:
+    rng = np.random.default_rng(8)
+    tensors = {n: TensorData(np.zeros(shape, dtype=np.float16), "float16") for n, shape in [
+        ("model.embed_tokens.weight", (10, 64)), ("model.layers.0.mlp.gate.weight", (4, 64)),
+        ("model.norm.weight", (64,)), ("lm_head.weight", (10, 64))]}
+    AWQ.write(MemSource({"model.layers.0.self_attn.q_proj": random_layer(rng, 64, 64, 32)}, tensors), tmp_path / "o")
+    qc = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]
+    assert qc["modules_to_not_convert"] == ["model.layers.0.mlp.gate"]
