@@ -163,25 +163,27 @@ def test_transient_failures_are_retried(hub, ckpt: Path, tmp_path: Path) -> None
 
 
 # -- errors: one clear line, exit 4, never the token ------------------------------------------------
-@pytest.mark.parametrize("case", ["401", "403", "404", "409"])
+@pytest.mark.parametrize("case", ["401", "401-anonymous", "403", "404", "409"])
 def test_http_errors_give_one_line_and_exit_4(hub, ckpt: Path, tmp_path: Path, capfd, caplog,  # noqa: ANN001
                                              case: str) -> None:
-    token = {"401": BAD_TOKEN, "403": OTHER_TOKEN, "404": TOKEN, "409": TOKEN}[case]
+    token = {"401": BAD_TOKEN, "401-anonymous": "", "403": OTHER_TOKEN, "404": TOKEN, "409": TOKEN}[case]
+    auth = ["--token", token] if token else []
     if case == "404":
-        args = ["pull", f"{USER}/does-not-exist", str(tmp_path / "d"), "--endpoint", hub.endpoint, "--token", token]
+        args = ["pull", f"{USER}/does-not-exist", str(tmp_path / "d"), "--endpoint", hub.endpoint] + auth
     else:
         if case == "409":
             hub.fail("commit", 409, message="branch is locked")
-        args = ["push", str(ckpt), REPO, "--endpoint", hub.endpoint, "--token", token]
+        args = ["push", str(ckpt), REPO, "--endpoint", hub.endpoint] + auth
     rc, out, err = _cli(args, capfd)
     assert rc == 4
     lines = [ln for ln in err.splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.startswith("w4pack: error:")]
     assert len(errors) == 1, err
-    expect = {"401": "authentication failed (HTTP 401)", "403": "permission denied (HTTP 403)",
-              "404": "not found on", "409": "conflict (HTTP 409)"}[case]
+    expect = {"401": "authentication failed (HTTP 401)", "401-anonymous": "authentication failed (HTTP 401)",
+              "403": "permission denied (HTTP 403)", "404": "not found on", "409": "conflict (HTTP 409)"}[case]
     assert expect in errors[0] and "Traceback" not in err
-    assert token not in out + err + caplog.text
+    for secret in (BAD_TOKEN, OTHER_TOKEN, TOKEN, READ_TOKEN):
+        assert secret not in out + err + caplog.text
     assert not (tmp_path / "d").exists()
     if case != "404":
         assert hub.count("commit", status=200) == 0

@@ -34,6 +34,7 @@ def push(path: Path, repo_id: str, private: bool, revision: str | None, commit_m
 
     PATH is validated first (schema, index, checksums); README.md is written or updated with a model card
     (base model, license, quantization details). Re-running after a failure sends only what is missing.
+    A Hub-compatible server without Xet storage needs HF_HUB_DISABLE_XET=1 in the environment.
     """
     from ..hub import push as do_push
 
