@@ -19,13 +19,17 @@
 
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx2")))
 #define INL inline __attribute__((always_inline))
+#define W4P_PREFETCH 2048 /* bytes ahead in the weight stream */
 
-static INL T512 __m512i dot4(__m512i acc, __m512i w, __m512i a, const int vnni) {
+/* acc += w (u8) . a (four s8 at a4, broadcast to every lane) */
+static INL T512 __m512i dot4(__m512i acc, __m512i w, const int8_t *a4, const int vnni) {
     if (vnni) {
-        __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(a));
+        __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)a4));
         return acc;
     }
-    __m512i p = _mm512_maddubs_epi16(w, a);
+    int32_t v;
+    memcpy(&v, a4, 4);
+    __m512i p = _mm512_maddubs_epi16(w, _mm512_set1_epi32(v));
     return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
 }
 
@@ -71,120 +75,115 @@ static INL T512 void store_row(const w4p_job *J, int64_t m, int tile, float *v) 
     }
 }
 
-static INL T512 void fast_rows(const w4p_job *J, int tile, int64_t m0, const int R, const int vnni) {
+/* One activation block (and plane) of the tile for rows m .. m+R-1, added into y[r][64]. */
+static INL T512 void fast_block(const w4p_job *J, int tile, int b, int p, int64_t m, const int R, const int vnni,
+                                const __m512 s[4], const __m512 o[4], float (*y)[W4P_TILE], const int pf) {
     const struct w4p_cpu_layer *L = J->L;
     const int kp = L->kp, ab = L->ab, cpb = ab / 8, nblk = L->nblk;
-    float ybuf[W4P_RMAX][W4P_TILE] __attribute__((aligned(64)));
-    memset(ybuf, 0, sizeof ybuf);
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    for (int b = 0; b < nblk; b++) {
-        __m512 s[4], o[4];
-        load_params(L, tile, b, s, o);
-        for (int p = 0; p < L->planes; p++) {
-            const uint32_t *w = w4p_tile_words(L, tile, p) + (size_t)b * cpb * W4P_TILE;
-            const int8_t *a[W4P_RMAX];
-            for (int r = 0; r < R; r++) a[r] = J->xq + (m0 + r) * kp + (size_t)b * ab;
-            __m512i acc[W4P_RMAX][4];
-            for (int r = 0; r < R; r++)
-                for (int q = 0; q < 4; q++) acc[r][q] = _mm512_setzero_si512();
-            for (int c = 0; c < cpb; c++) {
-                __m512i alo[W4P_RMAX], ahi[W4P_RMAX];
-                for (int r = 0; r < R; r++) {
-                    int32_t lo, hi;
-                    memcpy(&lo, a[r] + 8 * c, 4);
-                    memcpy(&hi, a[r] + 8 * c + 4, 4);
-                    alo[r] = _mm512_set1_epi32(lo);
-                    ahi[r] = _mm512_set1_epi32(hi);
-                }
-                const uint32_t *wc = w + (size_t)c * W4P_TILE;
-                for (int q = 0; q < 4; q++) {
-                    __m512i wv = _mm512_loadu_si512((const void *)(wc + 16 * q));
-                    __m512i lo = _mm512_and_si512(wv, m4);
-                    __m512i hi = _mm512_and_si512(_mm512_srli_epi32(wv, 4), m4);
-                    for (int r = 0; r < R; r++) {
-                        acc[r][q] = dot4(acc[r][q], lo, alo[r], vnni);
-                        acc[r][q] = dot4(acc[r][q], hi, ahi[r], vnni);
-                    }
-                }
-            }
-            const __m512 mult = _mm512_set1_ps(p ? 16.0f : 1.0f);
+    const uint32_t *w = w4p_tile_words(L, tile, p) + (size_t)b * cpb * W4P_TILE;
+    const int8_t *a[W4P_RMAX];
+    for (int r = 0; r < R; r++) a[r] = J->xq + (m + r) * kp + (size_t)b * ab;
+    __m512i acc[W4P_RMAX][4];
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < 4; q++) acc[r][q] = _mm512_setzero_si512();
+    for (int c = 0; c < cpb; c++) {
+        const uint32_t *wc = w + (size_t)c * W4P_TILE;
+        if (pf)
+            for (int q = 0; q < 4; q++) _mm_prefetch((const char *)(wc + 16 * q) + W4P_PREFETCH, _MM_HINT_T0);
+        for (int q = 0; q < 4; q++) {
+            __m512i wv = _mm512_loadu_si512((const void *)(wc + 16 * q));
+            __m512i lo = _mm512_and_si512(wv, m4);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi32(wv, 4), m4);
             for (int r = 0; r < R; r++) {
-                const __m512 xs = _mm512_set1_ps(J->xs[(m0 + r) * nblk + b]);
-                const __m512 as = _mm512_set1_ps((float)J->xsum[(m0 + r) * nblk + b]);
-                for (int q = 0; q < 4; q++) {
-                    __m512 t = _mm512_mul_ps(p ? _mm512_mul_ps(s[q], mult) : s[q], _mm512_cvtepi32_ps(acc[r][q]));
-                    if (p == 0) t = _mm512_fmadd_ps(o[q], as, t);
-                    __m512 y = _mm512_load_ps(&ybuf[r][16 * q]);
-                    _mm512_store_ps(&ybuf[r][16 * q], _mm512_fmadd_ps(t, xs, y));
-                }
+                acc[r][q] = dot4(acc[r][q], lo, a[r] + 8 * c, vnni);
+                acc[r][q] = dot4(acc[r][q], hi, a[r] + 8 * c + 4, vnni);
             }
         }
     }
-    for (int r = 0; r < R; r++) store_row(J, m0 + r, tile, ybuf[r]);
+    const __m512 mult = _mm512_set1_ps(p ? 16.0f : 1.0f);
+    for (int r = 0; r < R; r++) {
+        const __m512 xs = _mm512_set1_ps(J->xs[(m + r) * nblk + b]);
+        const __m512 as = _mm512_set1_ps((float)J->xsum[(m + r) * nblk + b]);
+        for (int q = 0; q < 4; q++) {
+            __m512 t = _mm512_mul_ps(p ? _mm512_mul_ps(s[q], mult) : s[q], _mm512_cvtepi32_ps(acc[r][q]));
+            if (p == 0) t = _mm512_fmadd_ps(o[q], as, t);
+            __m512 yv = _mm512_load_ps(&y[r][16 * q]);
+            _mm512_store_ps(&y[r][16 * q], _mm512_fmadd_ps(t, xs, yv));
+        }
+    }
 }
 
-static INL T512 void exact_rows(const w4p_job *J, int tile, int64_t m0, const int R) {
+static INL T512 void exact_block(const w4p_job *J, int tile, int b, int p, int64_t m, const int R,
+                                 const __m512 s[4], const __m512 o[4], float (*y)[W4P_TILE], const int pf) {
     const struct w4p_cpu_layer *L = J->L;
     const int kp = L->kp, ab = L->ab, cpb = ab / 8, nblk = L->nblk;
-    float ybuf[W4P_RMAX][W4P_TILE] __attribute__((aligned(64)));
-    memset(ybuf, 0, sizeof ybuf);
     const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int b = 0; b < nblk; b++) {
+    const uint32_t *w = w4p_tile_words(L, tile, p) + (size_t)b * cpb * W4P_TILE;
+    const float *x[W4P_RMAX];
+    for (int r = 0; r < R; r++) x[r] = J->xf + (m + r) * kp + (size_t)b * ab;
+    __m512 acc[W4P_RMAX][4];
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < 4; q++) acc[r][q] = _mm512_setzero_ps();
+    for (int c = 0; c < cpb; c++) {
+        const uint32_t *wc = w + (size_t)c * W4P_TILE;
+        if (pf)
+            for (int q = 0; q < 4; q++) _mm_prefetch((const char *)(wc + 16 * q) + W4P_PREFETCH, _MM_HINT_T0);
+        __m512i wv[4];
+        for (int q = 0; q < 4; q++) wv[q] = _mm512_loadu_si512((const void *)(wc + 16 * q));
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) {
+            const int koff = (t & 1) ? (t >> 1) + 4 : (t >> 1); /* nibble t is byte t/2, low or high half */
+            for (int q = 0; q < 4; q++) {
+                __m512i idx = t ? _mm512_srli_epi32(wv[q], 4 * t) : wv[q];
+                __m512 qf = _mm512_permutexvar_ps(idx, lut);
+                for (int r = 0; r < R; r++) acc[r][q] = _mm512_fmadd_ps(qf, _mm512_set1_ps(x[r][8 * c + koff]), acc[r][q]);
+            }
+        }
+    }
+    const __m512 mult = _mm512_set1_ps(p ? 16.0f : 1.0f);
+    for (int r = 0; r < R; r++) {
+        const __m512 xsum = _mm512_set1_ps(J->xfsum[(m + r) * nblk + b]);
+        for (int q = 0; q < 4; q++) {
+            __m512 t = _mm512_mul_ps(p ? _mm512_mul_ps(s[q], mult) : s[q], acc[r][q]);
+            if (p == 0) t = _mm512_fmadd_ps(o[q], xsum, t);
+            __m512 yv = _mm512_load_ps(&y[r][16 * q]);
+            _mm512_store_ps(&y[r][16 * q], _mm512_add_ps(yv, t));
+        }
+    }
+}
+
+/* Blocks outer, row groups inner: a block's 4 KiB of weights is loaded from memory once and reused
+ * from L1 by every group of up to four activation rows. */
+static INL T512 void tile_impl(const w4p_job *J, int tile, int64_t m0, int64_t m1, const int vnni) {
+    const struct w4p_cpu_layer *L = J->L;
+    float y[W4P_MCHUNK][W4P_TILE] __attribute__((aligned(64)));
+    const int64_t rows = m1 - m0;
+    memset(y, 0, sizeof(float) * W4P_TILE * (size_t)rows);
+    const int fast = J->precision == W4P_PREC_FAST;
+    for (int b = 0; b < L->nblk; b++) {
         __m512 s[4], o[4];
         load_params(L, tile, b, s, o);
         for (int p = 0; p < L->planes; p++) {
-            const uint32_t *w = w4p_tile_words(L, tile, p) + (size_t)b * cpb * W4P_TILE;
-            const float *x[W4P_RMAX];
-            for (int r = 0; r < R; r++) x[r] = J->xf + (m0 + r) * kp + (size_t)b * ab;
-            __m512 acc[W4P_RMAX][4];
-            for (int r = 0; r < R; r++)
-                for (int q = 0; q < 4; q++) acc[r][q] = _mm512_setzero_ps();
-            for (int c = 0; c < cpb; c++) {
-                const uint32_t *wc = w + (size_t)c * W4P_TILE;
-                __m512i wv[4];
-                for (int q = 0; q < 4; q++) wv[q] = _mm512_loadu_si512((const void *)(wc + 16 * q));
-#pragma GCC unroll 8
-                for (int t = 0; t < 8; t++) {
-                    const int koff = (t & 1) ? (t >> 1) + 4 : (t >> 1); /* nibble t of byte t/2 */
-                    __m512 xb[W4P_RMAX];
-                    for (int r = 0; r < R; r++) xb[r] = _mm512_set1_ps(x[r][8 * c + koff]);
-                    for (int q = 0; q < 4; q++) {
-                        __m512i idx = t ? _mm512_srli_epi32(wv[q], 4 * t) : wv[q];
-                        __m512 qf = _mm512_permutexvar_ps(idx, lut);
-                        for (int r = 0; r < R; r++) acc[r][q] = _mm512_fmadd_ps(qf, xb[r], acc[r][q]);
-                    }
-                }
-            }
-            const __m512 mult = _mm512_set1_ps(p ? 16.0f : 1.0f);
-            for (int r = 0; r < R; r++) {
-                const __m512 xsum = _mm512_set1_ps(J->xfsum[(m0 + r) * nblk + b]);
-                for (int q = 0; q < 4; q++) {
-                    __m512 t = _mm512_mul_ps(p ? _mm512_mul_ps(s[q], mult) : s[q], acc[r][q]);
-                    if (p == 0) t = _mm512_fmadd_ps(o[q], xsum, t);
-                    __m512 y = _mm512_load_ps(&ybuf[r][16 * q]);
-                    _mm512_store_ps(&ybuf[r][16 * q], _mm512_add_ps(y, t));
+            for (int64_t m = m0; m < m1;) {
+                const int64_t rem = m1 - m;
+                const int pf = m == m0;
+                float (*yr)[W4P_TILE] = y + (m - m0);
+                if (fast) {
+                    if (rem >= 4) { fast_block(J, tile, b, p, m, 4, vnni, s, o, yr, pf); m += 4; }
+                    else if (rem == 3) { fast_block(J, tile, b, p, m, 3, vnni, s, o, yr, pf); m += 3; }
+                    else if (rem == 2) { fast_block(J, tile, b, p, m, 2, vnni, s, o, yr, pf); m += 2; }
+                    else { fast_block(J, tile, b, p, m, 1, vnni, s, o, yr, pf); m += 1; }
+                } else {
+                    if (rem >= 4) { exact_block(J, tile, b, p, m, 4, s, o, yr, pf); m += 4; }
+                    else if (rem == 3) { exact_block(J, tile, b, p, m, 3, s, o, yr, pf); m += 3; }
+                    else if (rem == 2) { exact_block(J, tile, b, p, m, 2, s, o, yr, pf); m += 2; }
+                    else { exact_block(J, tile, b, p, m, 1, s, o, yr, pf); m += 1; }
                 }
             }
         }
     }
-    for (int r = 0; r < R; r++) store_row(J, m0 + r, tile, ybuf[r]);
-}
-
-static INL T512 void tile_impl(const w4p_job *J, int tile, int64_t m0, int64_t m1, const int vnni) {
-    for (int64_t m = m0; m < m1;) {
-        int64_t rem = m1 - m;
-        if (J->precision == W4P_PREC_FAST) {
-            if (rem >= 4) { fast_rows(J, tile, m, 4, vnni); m += 4; }
-            else if (rem == 3) { fast_rows(J, tile, m, 3, vnni); m += 3; }
-            else if (rem == 2) { fast_rows(J, tile, m, 2, vnni); m += 2; }
-            else { fast_rows(J, tile, m, 1, vnni); m += 1; }
-        } else {
-            if (rem >= 4) { exact_rows(J, tile, m, 4); m += 4; }
-            else if (rem == 3) { exact_rows(J, tile, m, 3); m += 3; }
-            else if (rem == 2) { exact_rows(J, tile, m, 2); m += 2; }
-            else { exact_rows(J, tile, m, 1); m += 1; }
-        }
-    }
+    for (int64_t m = m0; m < m1; m++) store_row(J, m, tile, y[m - m0]);
 }
 
 T512 void w4p_tile_avx512(const w4p_job *J, int tile, int64_t m0, int64_t m1) { tile_impl(J, tile, m0, m1, 0); }
@@ -212,5 +211,48 @@ T512 uint64_t w4p_read_stream_avx512(const void *buf, size_t bytes) {
     for (int j = 0; j < 8; j++) h ^= out[j];
     for (; i < bytes; i++) h ^= (uint64_t)(unsigned char)p[i];
     return h;
+}
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+/* Activation preparation: dtype -> fp32 and per-block int8 quantization (same rounding as the C code). */
+T512 void w4p_cvt_avx512(const void *src, int dtype, float *dst, int n) {
+    int i = 0;
+    if (dtype == W4P_DT_F16) {
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i))));
+        for (; i < n; i++) dst[i] = w4p_half_to_float(((const uint16_t *)src)[i]);
+    } else if (dtype == W4P_DT_BF16) {
+        for (; i + 16 <= n; i += 16) {
+            __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i)));
+            _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)));
+        }
+        for (; i < n; i++) {
+            uint32_t u = (uint32_t)((const uint16_t *)src)[i] << 16;
+            memcpy(dst + i, &u, 4);
+        }
+    } else {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+    }
+}
+
+T512 void w4p_quant_avx512(const float *x, int n, int8_t *q, float *scale, int32_t *sum) {
+    /* n is a multiple of 16 (activation blocks are) */
+    __m512 amax = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    float m = _mm512_reduce_max_ps(amax);
+    float inv = m > 0.0f ? 127.0f / m : 0.0f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512 lim = _mm512_set1_ps(127.0f), nlim = _mm512_set1_ps(-127.0f);
+    __m512i s = _mm512_setzero_si512();
+    for (int i = 0; i < n; i += 16) {
+        __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_min_ps(_mm512_max_ps(v, nlim), lim);
+        __m512i vi = _mm512_cvtps_epi32(v);
+        s = _mm512_add_epi32(s, vi);
+        _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(vi));
+    }
+    *scale = m / 127.0f;
+    *sum = _mm512_reduce_add_epi32(s);
 }
 #endif

@@ -116,12 +116,41 @@ void w4p_store_row(const w4p_job *J, int64_t m, int tile, const float *v) {
 }
 
 /* ---- activation preparation ------------------------------------------------------------------- */
+void w4p_cvt_generic(const void *src, int dtype, float *dst, int n) {
+    if (dtype == W4P_DT_F32) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    for (int i = 0; i < n; i++) dst[i] = load_elem(src, dtype, i);
+}
+
+void w4p_quant_generic(const float *x, int n, int8_t *q, float *scale, int32_t *sum) {
+    float amax = 0.0f;
+    for (int i = 0; i < n; i++) {
+        float a = fabsf(x[i]);
+        amax = a > amax ? a : amax;
+    }
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t s = 0;
+    for (int i = 0; i < n; i++) {
+        float v = x[i] * inv;
+        v = (v + 12582912.0f) - 12582912.0f; /* round to nearest even, |v| <= 127 */
+        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+        q[i] = (int8_t)v;
+        s += q[i];
+    }
+    *scale = amax / 127.0f;
+    *sum = s;
+}
+
 typedef struct {
     const struct w4p_cpu_layer *L;
     const void *x;
     int x_dtype;
     int64_t ldx;
     int precision;
+    w4p_cvt_fn cvt;
+    w4p_quant_fn quant;
     float *xf;
     float *xfsum;
     int8_t *xq;
@@ -136,11 +165,17 @@ static void prep_row(void *vctx, int64_t m) {
     float *xf = P->xf + m * kp;
     const char *row = (const char *)P->x + (size_t)m * P->ldx * dtype_size(P->x_dtype);
     if (L->perm) {
-        for (int i = 0; i < k; i++) xf[i] = load_elem(row, P->x_dtype, L->perm[i]);
-    } else if (P->x_dtype == W4P_DT_F32) {
-        memcpy(xf, row, 4 * (size_t)k);
+        /* convert in source order into the tail of this row's scratch, then gather */
+        float *tmp = malloc(sizeof(float) * (size_t)k);
+        if (tmp) {
+            P->cvt(row, P->x_dtype, tmp, k);
+            for (int i = 0; i < k; i++) xf[i] = tmp[L->perm[i]];
+            free(tmp);
+        } else {
+            for (int i = 0; i < k; i++) xf[i] = load_elem(row, P->x_dtype, L->perm[i]);
+        }
     } else {
-        for (int i = 0; i < k; i++) xf[i] = load_elem(row, P->x_dtype, i);
+        P->cvt(row, P->x_dtype, xf, k);
     }
     for (int i = k; i < kp; i++) xf[i] = 0.0f;
     for (int b = 0; b < L->nblk; b++) {
@@ -150,25 +185,12 @@ static void prep_row(void *vctx, int64_t m) {
             for (int i = 0; i < ab; i++) s += v[i];
             P->xfsum[m * L->nblk + b] = (float)s;
         } else {
-            float amax = 0.0f;
-            for (int i = 0; i < ab; i++) amax = fmaxf(amax, fabsf(v[i]));
-            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int8_t *q = P->xq + m * kp + (size_t)b * ab;
-            int32_t sum = 0;
-            for (int i = 0; i < ab; i++) {
-                float r = nearbyintf(v[i] * inv);
-                r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
-                q[i] = (int8_t)r;
-                sum += q[i];
-            }
-            P->xs[m * L->nblk + b] = amax / 127.0f;
-            P->xsum[m * L->nblk + b] = sum;
+            P->quant(v, ab, P->xq + m * kp + (size_t)b * ab, &P->xs[m * L->nblk + b], &P->xsum[m * L->nblk + b]);
         }
     }
 }
 
 /* ---- work split ------------------------------------------------------------------------------- */
-#define W4P_MCHUNK 64 /* activation rows per work item: a tile's weights stay in L2 across them */
 
 typedef struct {
     const w4p_job *job;
@@ -219,8 +241,19 @@ int w4p_cpu_gemm(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t m, 
         return W4P_EINVAL;
     }
     if (threads < 1) { w4p_set_error("threads must be >= 1, got %d", threads); return W4P_EINVAL; }
-    if (isa == 0) isa = w4p_cpu_isa_selected();
     int avail = w4p_cpu_isa_available();
+    if (isa == 0) {
+        /* W4PACK_ISA is read on every call; a forced path that is unknown or unavailable is an error,
+           never a silent fallback (tests rely on the path they force actually running) */
+        const char *force = getenv("W4PACK_ISA");
+        isa = w4p_cpu_isa_selected();
+        if (force && *force && strcmp(force, "auto") && strcmp(force, w4p_cpu_isa_name(isa)) &&
+            !(!strcmp(force, "avx512") && (isa == W4P_ISA_AVX512 || isa == W4P_ISA_AVX512VNNI))) {
+            w4p_set_error("W4PACK_ISA=%s is not a path this CPU can run (available bit set %d; names: scalar, "
+                          "avx2, avx512, avx512vnni, avx512novnni, neon)", force, avail);
+            return W4P_EUNSUPPORTED;
+        }
+    }
     w4p_tile_fn fn = pick_kernel(isa);
     if (!fn || !(avail & isa)) {
         w4p_set_error("instruction-set path %s (%d) is not available on this CPU", w4p_cpu_isa_name(isa), isa);
@@ -228,7 +261,13 @@ int w4p_cpu_gemm(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t m, 
     }
 
     const size_t kp = (size_t)L->kp, nblk = (size_t)L->nblk;
-    prep_ctx P = {L, x, x_dtype, ldx, precision, NULL, NULL, NULL, NULL, NULL};
+    prep_ctx P = {L, x, x_dtype, ldx, precision, w4p_cvt_generic, w4p_quant_generic, NULL, NULL, NULL, NULL, NULL};
+#if defined(__x86_64__) || defined(__i386__)
+    if (isa == W4P_ISA_AVX512 || isa == W4P_ISA_AVX512VNNI) {
+        P.cvt = w4p_cvt_avx512;
+        P.quant = w4p_quant_avx512;
+    }
+#endif
     float *bias32 = NULL;
     int rc = W4P_OK;
     if (posix_memalign((void **)&P.xf, 64, (size_t)m * kp * sizeof(float))) P.xf = NULL;

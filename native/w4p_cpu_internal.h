@@ -25,6 +25,7 @@
 #define W4P_PK_F16U8 0
 #define W4P_PK_F32 1
 #define W4P_RMAX 4 /* activation rows per register tile */
+#define W4P_MCHUNK 64 /* activation rows per work item: a tile's weights stay in cache across them */
 
 void w4p_set_error(const char *fmt, ...);
 
@@ -75,6 +76,16 @@ void w4p_tile_avx512vnni(const w4p_job *job, int tile, int64_t m0, int64_t m1);
 #endif
 #if defined(__aarch64__)
 void w4p_tile_neon(const w4p_job *job, int tile, int64_t m0, int64_t m1);
+#endif
+
+/* activation preparation: dtype -> fp32 (n values), and one block of n (multiple of 16) to int8 */
+typedef void (*w4p_cvt_fn)(const void *src, int dtype, float *dst, int n);
+typedef void (*w4p_quant_fn)(const float *x, int n, int8_t *q, float *scale, int32_t *sum);
+void w4p_cvt_generic(const void *src, int dtype, float *dst, int n);
+void w4p_quant_generic(const float *x, int n, int8_t *q, float *scale, int32_t *sum);
+#if defined(__x86_64__) || defined(__i386__)
+void w4p_cvt_avx512(const void *src, int dtype, float *dst, int n);
+void w4p_quant_avx512(const float *x, int n, int8_t *q, float *scale, int32_t *sum);
 #endif
 
 /* helpers (cpu_gemm.c) */

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Build w4pack/_lib/libw4p_cuda.so with nvcc: SASS for sm_80, sm_86, sm_89, sm_90 plus compute_90 PTX,
+# the CUDA runtime linked statically (the library loads without libcudart and reports "no CUDA device"
+# cleanly where there is no driver). Skips the build when the library is newer than every input.
+# Environment: NVCC (default: nvcc on PATH), W4P_CUDA_ARCHS (e.g. "90" for a quick local build).
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+NVCC="${NVCC:-nvcc}"
+OUT="$ROOT/w4pack/_lib/libw4p_cuda.so"
+ARCHS="${W4P_CUDA_ARCHS:-80 86 89 90}"
+SRCS=("$HERE"/*.cu)
+INPUTS=("${SRCS[@]}" "$ROOT/native/w4pack.h" "$HERE/build.sh")
+
+if [ -f "$OUT" ] && [ -z "${W4P_CUDA_FORCE:-}" ]; then
+  stale=0
+  for f in "${INPUTS[@]}"; do [ "$f" -nt "$OUT" ] && stale=1; done
+  stamp="$OUT.archs"
+  [ "$(cat "$stamp" 2>/dev/null)" = "$ARCHS" ] || stale=1
+  if [ "$stale" = 0 ]; then echo "libw4p_cuda.so is up to date"; exit 0; fi
+fi
+
+GENCODE=()
+last=""
+for a in $ARCHS; do GENCODE+=("-gencode=arch=compute_$a,code=sm_$a"); last="$a"; done
+GENCODE+=("-gencode=arch=compute_$last,code=compute_$last")
+
+mkdir -p "$(dirname "$OUT")"
+tmp="$OUT.tmp.$$"
+echo "nvcc: building $(basename "$OUT") for sm_${ARCHS// /, sm_} + compute_$last PTX"
+"$NVCC" -O3 -std=c++17 -shared -Xcompiler -fPIC -Xcompiler -fvisibility=hidden -cudart static \
+  --threads 0 "${GENCODE[@]}" -I"$ROOT/native" "${SRCS[@]}" -o "$tmp"
+mv -f "$tmp" "$OUT"
+cp -f "$ROOT/native/w4pack.h" "$(dirname "$OUT")/w4pack.h"
+echo "$ARCHS" > "$OUT.archs"
+echo "built $OUT"

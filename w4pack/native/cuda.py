@@ -1,0 +1,326 @@
+"""CUDA W4A16 GEMM: ``CudaPackedLinear`` and ``gemm`` over ``libw4p_cuda.so`` (cffi ABI mode, ``ffi.dlopen``).
+
+The library is built by ``native/cuda/build.sh`` (``make cuda``) into ``w4pack/_lib``; its ABI is the
+CUDA section of ``native/w4pack.h`` (a copy sits beside the library), parsed here so it is declared once.
+A layer is uploaded once per device; every call runs on torch's current stream, so it works under
+CUDA graph capture. Activations are fp16 or bf16; scales, zero points, float minima and bias are
+converted once per activation dtype (exact when the checkpoint stores that dtype).
+"""
+from __future__ import annotations
+
+import re
+import threading
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import BadInputError, UnsupportedError, W4PackError
+from ..layout import PackedLayer, padded_shape
+
+__all__ = ["CudaPackedLinear", "gemm", "gemm_cuda", "available", "unavailable_reason", "library_path",
+           "header_path", "entry_points", "CudaKernelError", "KERNELS"]
+
+_HERE = Path(__file__).resolve().parent
+_LIBDIR = _HERE.parent / "_lib"
+#: kernel choice names -> W4P_CUDA_KERNEL_* (probes are diagnostics for tools/bench_gpu.py)
+KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "probe_load": 10, "probe_dequant": 11}
+_DT = {"float16": 1, "bfloat16": 2}
+_ZERO = {"none": 0, "int": 1, "float": 2}
+_W4P_ENODEVICE = -4
+
+
+class CudaKernelError(W4PackError, RuntimeError):
+    """The CUDA library refused or failed a call (its own message is included)."""
+
+    exit_code = 4
+
+
+def library_path() -> Path:
+    return _LIBDIR / "libw4p_cuda.so"
+
+
+def header_path() -> Path:
+    """The ABI header: the repository's native/w4pack.h when present, else the copy beside the library."""
+    repo = _HERE.parent.parent / "native" / "w4pack.h"
+    return repo if repo.exists() else _LIBDIR / "w4pack.h"
+
+
+def cuda_cdef(text: str) -> str:
+    """The CUDA section of the header (plus its integer #defines) as a cffi cdef."""
+    m = re.search(r"W4P_CUDA_BEGIN.*?\*/(.*?)/\*\s*W4P_CUDA_END", text, flags=re.S)
+    if not m:
+        raise UnsupportedError(f"{header_path()}: no W4P_CUDA_BEGIN/W4P_CUDA_END section")
+    body = re.sub(r"/\*.*?\*/", "", m.group(1), flags=re.S)
+    defines = [ln.strip() for ln in text.splitlines() if re.match(r"\s*#define\s+W4P_E\w+\s+-?\d+\s*$", ln)]
+    defines += [ln.strip() for ln in text.splitlines() if re.match(r"\s*#define\s+W4P_DT_\w+\s+-?\d+\s*$", ln)]
+    lines = [ln for ln in body.splitlines() if ln.strip()]
+    return "\n".join(defines + lines)
+
+
+def entry_points(text: str | None = None) -> list[str]:
+    """Names of the functions the CUDA section declares."""
+    cdef = cuda_cdef(text if text is not None else header_path().read_text())
+    return re.findall(r"\b(w4p_cuda_\w+)\s*\(", cdef)
+
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+def _load() -> tuple[Any, Any]:
+    """(ffi, lib), loaded once; raises UnsupportedError with the reason when the library is missing."""
+    with _lock:
+        if "lib" in _state:
+            return _state["ffi"], _state["lib"]
+        if "error" in _state:
+            raise UnsupportedError(_state["error"])
+        path = library_path()
+        try:
+            from cffi import FFI
+
+            if not path.exists():
+                raise OSError(f"{path} is not built (run `make cuda`; it needs nvcc)")
+            ffi = FFI()
+            ffi.cdef(cuda_cdef(header_path().read_text()))
+            lib = ffi.dlopen(str(path))
+            if lib.w4p_cuda_abi_version() != 1:
+                raise OSError(f"{path}: ABI version {lib.w4p_cuda_abi_version()} != 1 (rebuild with `make cuda`)")
+        except (OSError, ImportError, AttributeError) as exc:
+            _state["error"] = f"CUDA library unavailable: {exc}"
+            raise UnsupportedError(_state["error"]) from None
+        _state["ffi"], _state["lib"] = ffi, lib
+        return ffi, lib
+
+
+def unavailable_reason() -> str:
+    """Why the CUDA path cannot run here ("" when it can): no library, no driver/device, or no torch CUDA."""
+    try:
+        ffi, lib = _load()
+    except UnsupportedError as exc:
+        return exc.message
+    count = ffi.new("int *")
+    if lib.w4p_cuda_device_count(count) != 0:
+        return ffi.string(lib.w4p_cuda_last_error()).decode()
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed (the CUDA path takes torch CUDA tensors)"
+    if not torch.cuda.is_available():
+        return "no CUDA device: torch sees none"
+    return ""
+
+
+def available() -> bool:
+    """True when the library loads and a CUDA device is usable; see unavailable_reason() otherwise."""
+    return unavailable_reason() == ""
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        ffi, lib = _load()
+        msg = ffi.string(lib.w4p_cuda_last_error()).decode()
+        if rc == _W4P_ENODEVICE:
+            raise UnsupportedError(f"{what}: {msg}")
+        raise CudaKernelError(f"{what}: {msg} (code {rc})")
+
+
+# -- workspace: one zero-filled buffer per (device, stream); the kernels leave its counters at zero ---------
+_workspaces: dict[tuple[int, int], Any] = {}
+
+
+def _workspace(torch: Any, device: Any, stream_ptr: int, need: int) -> Any:
+    key = (device.index, stream_ptr)
+    ws = _workspaces.get(key)
+    if ws is None or ws.numel() < need:
+        size = max(need, 1 << 20, 0 if ws is None else min(2 * ws.numel(), need * 2))
+        ws = torch.zeros(size, dtype=torch.uint8, device=device)
+        _workspaces[key] = ws
+    return ws
+
+
+def _torch_dtype_name(torch: Any, dt: Any) -> str:
+    if dt == torch.float16:
+        return "float16"
+    if dt == torch.bfloat16:
+        return "bfloat16"
+    raise UnsupportedError(f"CUDA GEMM takes float16 or bfloat16 activations, got {dt}")
+
+
+def _to_torch(torch: Any, arr: np.ndarray, dtype_name: str | None = None) -> Any:
+    """numpy -> torch (bf16 held as uint16 bits becomes torch.bfloat16)."""
+    arr = np.ascontiguousarray(arr)
+    if dtype_name == "bfloat16" or (dtype_name is None and arr.dtype == np.uint16):
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    if arr.dtype == np.uint16:
+        arr = arr.astype(np.int32)
+    return torch.from_numpy(arr)
+
+
+class CudaPackedLinear:
+    """One packed layer on one CUDA device; ``forward(x)`` = x · Wᵀ (+ bias) on the current stream."""
+
+    def __init__(self, packed: PackedLayer, device: Any = None, dtypes: tuple[str, ...] | None = None):
+        import torch
+
+        _, self._lib_handle = _load()
+        reason = unavailable_reason()
+        if reason:
+            raise UnsupportedError(reason)
+        dev = torch.device(device if device is not None else "cuda")
+        if dev.type != "cuda":
+            raise BadInputError(f"CudaPackedLinear needs a cuda device, got {dev}")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
+        m, t = packed.meta, packed.tensors
+        self.n, self.k = (int(v) for v in m["shape"])
+        self.np_, self.kp = padded_shape(self.n, self.k)
+        if tuple(m["padded_shape"]) != (self.np_, self.kp):
+            raise BadInputError(f"padded shape {m['padded_shape']} does not match shape {m['shape']}")
+        self.storage_bits = int(m["storage_bits"])
+        self.group_size = int(m["group_size"])
+        self.zero_mode = str(m["zero_mode"])
+        self.scale_dtype = str(m["scale_dtype"])
+        wpl = 4 if self.storage_bits == 4 else 8
+        qw = np.ascontiguousarray(t["qweight"])
+        if qw.dtype != np.int32 or qw.shape != (self.np_ // 16, self.kp // 64 * 32 * wpl):
+            raise BadInputError(f"qweight {qw.dtype} {list(qw.shape)} does not match the layout", tensor="qweight")
+        self.qweight = torch.from_numpy(qw).to(dev)
+        # parameters in their stored dtypes; converted per activation dtype on first use (on the device)
+        self._src: dict[str, Any] = {"scales": _to_torch(torch, t["scales"], self.scale_dtype).to(dev)}
+        if self.zero_mode == "int":
+            self._src["zeros"] = _to_torch(torch, np.asarray(t["zeros"]).astype(np.int32)).to(dev)
+        elif self.zero_mode == "float":
+            self._src["mins"] = _to_torch(torch, t["mins"], self.scale_dtype).to(dev)
+        if "bias" in t:
+            self._src["bias"] = _to_torch(torch, t["bias"], m.get("bias_dtype") or None).to(dev)
+        self.perm = torch.from_numpy(np.ascontiguousarray(t["perm"], dtype=np.int32)).to(dev) if "perm" in t else None
+        self._by_dtype: dict[str, dict[str, Any]] = {}
+        self._plans: dict[tuple[int, str, bool, int, int], tuple[int, int, int]] = {}
+        default = dtypes if dtypes is not None else (
+            ("bfloat16",) if self.scale_dtype == "bfloat16" else ("float16",))
+        for name in default:
+            self.prepare(name)
+
+    @property
+    def out_features(self) -> int:
+        return self.n
+
+    @property
+    def in_features(self) -> int:
+        return self.k
+
+    def prepare(self, dtype_name: str) -> dict[str, Any]:
+        """Device copies of scales / zeros / mins / bias in ``dtype_name`` (done once; capture-safe after)."""
+        import torch
+
+        got = self._by_dtype.get(dtype_name)
+        if got is not None:
+            return got
+        if dtype_name not in _DT:
+            raise UnsupportedError(f"CUDA GEMM takes float16 or bfloat16 activations, not {dtype_name}")
+        tdt = torch.float16 if dtype_name == "float16" else torch.bfloat16
+        got = {k: v.to(tdt).contiguous() for k, v in self._src.items()}
+        self._by_dtype[dtype_name] = got
+        return got
+
+    def _plan(self, m: int, dtype_name: str, aligned: bool, kernel: int, splits: int) -> tuple[int, int, int]:
+        key = (m, dtype_name, aligned, kernel, splits)
+        got = self._plans.get(key)
+        if got is None:
+            ffi, lib = _load()
+            ko, so, wb = ffi.new("int *"), ffi.new("int *"), ffi.new("size_t *")
+            _check(lib.w4p_cuda_plan(self.device.index, m, self.n, self.k, self.storage_bits, self.group_size,
+                                     int(self.perm is not None), int(aligned), kernel, splits, ko, so, wb), "plan")
+            got = (ko[0], so[0], wb[0])
+            self._plans[key] = got
+        return got
+
+    def plan(self, m: int, dtype: str = "float16", kernel: str = "auto", splits: int = 0) -> dict[str, int]:
+        """The kernel, split count and workspace bytes a call with ``m`` rows would use."""
+        k, s, w = self._plan(m, dtype, True, KERNELS[kernel], splits)
+        return {"kernel": k, "splits": s, "workspace_bytes": w}
+
+    def forward(self, x: Any, bias: Any = None, out: Any = None, kernel: str = "auto", splits: int = 0) -> Any:
+        """y[..., N] = x[..., K] · Wᵀ (+ bias). bias: None -> the layer's own, False -> none, else [N] values.
+        out: optional preallocated [..., N] output (contiguous rows). kernel/splits: overrides for tests and
+        benchmarks (auto by default)."""
+        import torch
+
+        if not isinstance(x, torch.Tensor) or x.device.type != "cuda":
+            raise BadInputError("CudaPackedLinear.forward takes a torch CUDA tensor")
+        if x.device != self.device:
+            raise BadInputError(f"x is on {x.device}, the layer on {self.device}")
+        dtype_name = _torch_dtype_name(torch, x.dtype)
+        if x.shape[-1] != self.k:
+            raise BadInputError(f"x has {x.shape[-1]} features, the layer takes {self.k}")
+        lead = tuple(x.shape[:-1])
+        x2 = x.reshape(-1, self.k)
+        if x2.shape[0] > 0 and (x2.stride(1) != 1 or x2.stride(0) < self.k):
+            x2 = x2.contiguous()
+        m = int(x2.shape[0])
+        if out is None:
+            y = torch.empty((m, self.n), dtype=x.dtype, device=x.device)
+        else:
+            if out.dtype != x.dtype or out.device != x.device or tuple(out.shape) != lead + (self.n,):
+                raise BadInputError(f"out must be {x.dtype} {list(lead + (self.n,))} on {x.device}")
+            y = out.reshape(-1, self.n)
+            if y.stride(1) != 1:
+                raise BadInputError("out rows must be contiguous")
+        if m == 0:
+            return y.reshape(*lead, self.n)
+        params = self.prepare(dtype_name)
+        b = params.get("bias") if bias is None else None
+        if bias is not None and bias is not False:
+            b = torch.as_tensor(bias, device=x.device).to(x.dtype).contiguous()
+            if tuple(b.shape) != (self.n,):
+                raise BadInputError(f"bias has shape {list(b.shape)}, expected [{self.n}]")
+        aligned = x2.data_ptr() % 16 == 0 and x2.stride(0) % 8 == 0
+        kcode = KERNELS[kernel]
+        _, _, need = self._plan(m, dtype_name, aligned, kcode, splits)
+        stream = torch.cuda.current_stream(self.device)
+        ws = _workspace(torch, self.device, stream.cuda_stream, need)
+        ffi, lib = _load()
+        vp = lambda tensor: ffi.NULL if tensor is None else ffi.cast("void *", tensor.data_ptr())  # noqa: E731
+        rc = lib.w4p_cuda_gemm(
+            self.device.index, ffi.cast("void *", stream.cuda_stream), _DT[dtype_name], m, self.n, self.k,
+            vp(x2), x2.stride(0), vp(y), y.stride(0),
+            ffi.cast("int32_t *", self.qweight.data_ptr()), self.storage_bits, self.group_size, _ZERO[self.zero_mode],
+            vp(params["scales"]), vp(params.get("zeros")), vp(params.get("mins")),
+            ffi.NULL if self.perm is None else ffi.cast("int32_t *", self.perm.data_ptr()),
+            vp(b), vp(ws), ws.numel(), kcode, splits)
+        _check(rc, "w4p_cuda_gemm")
+        return y.reshape(*lead, self.n)
+
+    __call__ = forward
+
+
+_layers: dict[tuple[int, str], tuple[weakref.ref, CudaPackedLinear]] = {}
+
+
+def _layer_for(packed: PackedLayer, device: Any) -> CudaPackedLinear:
+    key = (id(packed), str(device))
+    hit = _layers.get(key)
+    if hit is not None and hit[0]() is packed:
+        return hit[1]
+    lin = CudaPackedLinear(packed, device)
+    _layers[key] = (weakref.ref(packed, lambda _r, k=key: _layers.pop(k, None)), lin)
+    return lin
+
+
+def gemm(x: Any, packed: PackedLayer, bias: Any = None, precision: str = "exact", out_dtype: Any = None) -> Any:
+    """y = x · Wᵀ (+ bias) for a torch CUDA tensor x; the layer is uploaded once per device and cached.
+    precision is accepted for symmetry with the CPU path (the CUDA kernel has one: fp32 accumulation)."""
+    if precision not in ("exact", "fast"):
+        raise BadInputError(f"precision must be 'exact' or 'fast', got {precision!r}")
+    y = _layer_for(packed, x.device).forward(x, bias=bias)
+    if out_dtype is not None and out_dtype != y.dtype:
+        y = y.to(out_dtype)
+    return y
+
+
+def gemm_cuda(x: Any, packed: PackedLayer, bias: Any = None) -> Any:
+    """Shorthand for ``gemm(x, packed, bias)``."""
+    return gemm(x, packed, bias=bias)
