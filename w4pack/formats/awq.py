@@ -450,7 +450,11 @@ class AWQSource(Source):
         self._kinds: dict[str, str] = {}
         hint = self.settings.get("version")
         for p in self._layers:
-            kind = _classify(self.store, p, hint)
+            try:
+                kind = _classify(self.store, p, hint)
+            except BadInputError:
+                self.store.close()
+                raise
             if kind == "marlin":
                 self.store.close()
                 raise UnsupportedError("AWQ Marlin layout (symmetric, tile-permuted) is not readable; convert the "
@@ -663,7 +667,7 @@ class AWQCapabilities(Capabilities):
         reason = super().check(layer)
         if reason:
             if layer.zero_mode == "float":
-                reason += " (float minima fit only version gemv_fast, or --to w4pack)"
+                reason += " (float minima fit only AWQ version gemv_fast; way out: --to w4pack)"
             if layer.act_order:
                 reason += " (way out: --to gptq or --to w4pack)"
             if layer.bits != 4:
@@ -674,7 +678,7 @@ class AWQCapabilities(Capabilities):
         if layer.zero_mode == "int" and int(layer.zeros.max()) > 15:
             return "a zero point of 16 (AWQ stores 4-bit zeros; way out: --to gptq-v2 or --to w4pack)"
         if layer.scale_dtype == "float32" and not _fp16_exact(layer.scales):
-            return "float32 scales that fp16 cannot hold exactly (way out: --to gptq or --to w4pack)"
+            return "float32 scales that fp16 cannot hold exactly (way out: --to w4pack or --to toml)"
         if layer.zero_mode == "float" and layer.scale_dtype == "float32" and not _fp16_exact(layer.zeros):
             return "float32 minima that fp16 cannot hold exactly (way out: --to w4pack)"
         if k % geff:

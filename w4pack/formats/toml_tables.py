@@ -386,7 +386,7 @@ class TomlCapabilities(Capabilities):
     def check(self, layer: CanonicalLayer) -> str | None:
         reason = super().check(layer)
         if reason and layer.zero_mode == "float":
-            reason += " (the tables store integer zeros; way out: --to w4pack or --to awq with version gemv_fast)"
+            reason += " (the tables store integer zeros; way out: --to w4pack)"
         return reason
 
 
