@@ -1,0 +1,267 @@
+"""The native CPU GEMM against numpy float64 references, on every instruction-set path this CPU has.
+
+Two references per case: the true one (float64 dequantized weights · the activations) and, for the
+fast path, its exact semantics (float64 weights · the int8-rounded activations, rounded per block the
+way docs/CPU.md specifies), which the kernel must hit to ~1e-6.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from w4pack.canonical import CanonicalLayer
+from w4pack.dtypes import from_float32, to_float32
+from w4pack.errors import BadInputError, UnsupportedError
+from w4pack.layout import PackedLayer, _deinterleave, pack
+
+cpu = pytest.importorskip("w4pack.native.cpu")
+if not cpu.available():  # pragma: no cover
+    pytest.skip("native CPU module not built (make native)", allow_module_level=True)
+
+from w4pack.native import CpuPackedLinear, cpu_linear, gemm, isa_info  # noqa: E402
+
+ALL_ISAS = ["scalar", "avx2", "avx512novnni", "avx512vnni", "neon"]
+
+
+def isa_or_skip(isa: str) -> str:
+    if isa not in isa_info()["available"]:
+        pytest.skip(f"{isa} path not available on this CPU")
+    return isa
+
+
+def make_layer(n: int, k: int, bits: int = 4, gs: int = 128, zero_mode: str = "int", act_order: bool = False,
+               scale_dtype: str = "float16", bias: bool = True, seed: int = 0) -> CanonicalLayer:
+    """Random, non-trivial layer: full code range, distinct non-zero scales, zeros and minima."""
+    rng = np.random.default_rng(seed)
+    g = 1 if gs == -1 else -(-k // gs)
+    codes = rng.integers(0, 1 << bits, (n, k), dtype=np.uint8)
+    s = (rng.random((n, g)) * 0.05 + 0.002).astype(np.float32)
+    scales = from_float32(s, scale_dtype) if scale_dtype == "bfloat16" else s.astype(scale_dtype)
+    zeros = None
+    if zero_mode == "int":
+        zeros = rng.integers(0, (1 << bits) + 1, (n, g)).astype(np.int32)
+    elif zero_mode == "float":
+        m = (rng.standard_normal((n, g)) * 0.1).astype(np.float32)
+        zeros = from_float32(m, scale_dtype) if scale_dtype == "bfloat16" else m.astype(scale_dtype)
+    g_idx = None
+    if act_order and gs != -1:
+        g_idx = (np.arange(k) // gs).astype(np.int32)
+        rng.shuffle(g_idx)
+    b = rng.standard_normal(n).astype(np.float16) if bias else None
+    return CanonicalLayer(codes=codes, scales=scales, bits=bits, group_size=gs, zero_mode=zero_mode, zeros=zeros,
+                          g_idx=g_idx, scale_dtype=scale_dtype, bias=b)
+
+
+def activations(m: int, k: int, dtype: str, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(array in dtype, its exact float64 values); non-zero, with an outlier column or two."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[:, rng.integers(0, k, 2)] *= 8.0
+    if dtype == "bfloat16":
+        xb = from_float32(x, "bfloat16")
+        return xb, to_float32(xb, "bfloat16").astype(np.float64)
+    xd = x.astype(dtype)
+    return xd, xd.astype(np.float64)
+
+
+def activation_block(layer: CanonicalLayer, kp: int) -> int:
+    """The kernel's activation block: the largest of 128/64/32/16 dividing the group size and Kp."""
+    gs = kp if layer.group_size == -1 else layer.group_size
+    return next(b for b in (128, 64, 32, 16) if gs % b == 0 and kp % b == 0)
+
+
+def fast_reference(layer: CanonicalLayer, packed: PackedLayer, x64: np.ndarray) -> np.ndarray:
+    """Exact semantics of the fast path: per block of K (packed order), a = rint(x·(127/amax)) in fp32,
+    x ≈ a·amax/127; the result is the float64 product of those values with the dequantized weights."""
+    n, k = layer.codes.shape
+    _, kp = packed.padded
+    perm = packed.tensors.get("perm")
+    order = np.arange(k) if perm is None else perm
+    xp = np.zeros((x64.shape[0], kp), dtype=np.float32)
+    xp[:, :k] = x64[:, order].astype(np.float32)
+    ab = activation_block(layer, kp)
+    blocks = xp.reshape(x64.shape[0], kp // ab, ab)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    a = np.clip(np.rint((blocks * inv).astype(np.float32)), -127, 127)
+    xq = (a * (amax / np.float32(127.0)).astype(np.float32).astype(np.float64)).reshape(x64.shape[0], kp)
+    w = np.zeros((n, kp))
+    w[:, :k] = layer.dequantize(np.float64)[:, order]
+    y = xq @ w.T
+    if layer.bias is not None:
+        y = y + layer.bias.astype(np.float64)
+    return y
+
+
+def true_reference(layer: CanonicalLayer, x64: np.ndarray) -> np.ndarray:
+    y = x64 @ layer.dequantize(np.float64).T
+    if layer.bias is not None:
+        y = y + layer.bias.astype(np.float64)
+    return y
+
+
+def rel(y: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref))
+
+
+# (n, k, bits, group size, zero mode, act-order, scale dtype): odd shapes, every zero mode and bit width
+CASES = [
+    (196, 576, 4, 64, "int", False, "float16"),      # K=576, N=196: neither a multiple of the tiles
+    (70, 300, 4, 32, "none", True, "float16"),       # act-order, K not a multiple of 64
+    (130, 256, 4, 128, "float", False, "float16"),   # float minima (GGUF Q4_1 style)
+    (96, 384, 3, 128, "int", True, "bfloat16"),      # 3-bit, act-order, bf16 scales
+    (64, 256, 2, 64, "none", False, "float32"),      # 2-bit, fp32 scales
+    (80, 512, 8, 128, "int", False, "float16"),      # 8-bit layer (two nibble planes)
+    (48, 200, 8, -1, "none", False, "bfloat16"),     # 8-bit per-channel
+    (33, 130, 4, -1, "int", False, "float16"),       # per-channel, tiny N
+    (100, 448, 4, 64, "float", True, "bfloat16"),    # act-order + float minima
+    (17, 96, 4, 32, "int", False, "float32"),
+]
+
+
+def _ids(c: tuple) -> str:
+    n, k, bits, gs, zm, act, sdt = c
+    return f"{n}x{k}-b{bits}-g{gs}-{zm}{'-act' if act else ''}-{sdt}"
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[_ids(c) for c in CASES])
+def case(request: pytest.FixtureRequest) -> tuple[CanonicalLayer, PackedLayer, CpuPackedLinear]:
+    n, k, bits, gs, zm, act, sdt = request.param
+    layer = make_layer(n, k, bits, gs, zm, act, sdt, seed=n + k)
+    packed = pack(layer)
+    return layer, packed, CpuPackedLinear(packed, threads=1)
+
+
+def test_repack_holds_the_same_codes(case: tuple) -> None:
+    _layer, packed, lin = case
+    np_, kp = packed.padded
+    expect = _deinterleave(packed.tensors["qweight"], np_, kp, packed.meta["storage_bits"])
+    assert np.array_equal(lin.codes(), expect)
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_every_isa_against_float64(case: tuple, isa: str) -> None:
+    isa_or_skip(isa)
+    layer, packed, lin = case
+    k = layer.in_features
+    for m, dt in ((1, "float16"), (3, "bfloat16"), (17, "float32")):
+        x, x64 = activations(m, k, dt, seed=m)
+        ref = true_reference(layer, x64)
+        y = lin.forward(x, precision="exact", out_dtype="float32", isa=isa, threads=1)
+        assert y.dtype == np.float32 and y.shape == (m, layer.out_features)
+        assert rel(y, ref) < 2e-6, (isa, m, dt, rel(y, ref))
+        yf = lin.forward(x, precision="fast", out_dtype="float32", isa=isa, threads=1)
+        assert rel(yf, fast_reference(layer, packed, x64)) < 2e-6, (isa, m, dt)
+        assert rel(yf, ref) < 2e-2, (isa, m, dt, rel(yf, ref))  # the documented cost of int8 activations
+
+
+def test_output_dtypes_round_the_fp32_result(case: tuple) -> None:
+    layer, _packed, lin = case
+    for dt in ("float16", "bfloat16", "float32"):
+        x, _ = activations(5, layer.in_features, dt, seed=7)
+        y32 = lin.forward(x, out_dtype="float32", threads=1)
+        y = lin.forward(x, threads=1)  # output in the activations' dtype
+        expect = y32.astype(np.float16) if dt == "float16" else (from_float32(y32, "bfloat16") if dt == "bfloat16" else y32)
+        assert y.dtype == expect.dtype
+        assert np.array_equal(y, expect)
+
+
+def test_threads_and_repeats_are_bit_identical() -> None:
+    layer = make_layer(300, 640, 4, 128, "int", True, seed=3)
+    lin = CpuPackedLinear(pack(layer))
+    x, _ = activations(67, 640, "float16", seed=5)
+    for prec in ("exact", "fast"):
+        y1 = lin.forward(x, precision=prec, threads=1)
+        y2 = lin.forward(x, precision=prec, threads=2)
+        y3 = lin.forward(x, precision=prec, threads=2)
+        assert np.array_equal(y1, y2) and np.array_equal(y2, y3)
+
+
+def test_m_from_1_to_67_on_the_default_path() -> None:
+    layer = make_layer(196, 576, 4, 64, "int", False, seed=11)
+    lin = CpuPackedLinear(pack(layer))
+    x, x64 = activations(67, 576, "float32", seed=2)
+    ref = true_reference(layer, x64)
+    for m in (1, 2, 4, 5, 8, 31, 64, 65, 67):
+        assert rel(lin.forward(x[:m], threads=1), ref[:m]) < 2e-6, m
+
+
+def test_w4pack_isa_env_forces_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = make_layer(64, 128, seed=4)
+    lin = CpuPackedLinear(pack(layer))
+    x, x64 = activations(2, 128, "float32")
+    ref = true_reference(layer, x64)
+    for isa in isa_info()["available"] + ["avx512"] * ("avx512novnni" in isa_info()["available"]):
+        monkeypatch.setenv("W4PACK_ISA", isa)
+        assert rel(lin.forward(x, threads=1), ref) < 2e-6
+    other = "neon" if "neon" not in isa_info()["available"] else "avx2"
+    monkeypatch.setenv("W4PACK_ISA", other)
+    with pytest.raises(UnsupportedError, match="W4PACK_ISA"):
+        lin.forward(x, threads=1)
+    monkeypatch.setenv("W4PACK_ISA", "sse9")
+    with pytest.raises(UnsupportedError):
+        lin.forward(x, threads=1)
+    with pytest.raises(BadInputError, match="unknown instruction-set"):
+        lin.forward(x, threads=1, isa="sse9")
+    monkeypatch.delenv("W4PACK_ISA")
+    info = isa_info()
+    assert info["selected"] in info["available"] and info["forced"] is None
+
+
+def test_shapes_bias_and_torch_tensors() -> None:
+    torch = pytest.importorskip("torch")
+    layer = make_layer(40, 192, 4, 64, "int", seed=9)
+    packed = pack(layer)
+    lin = cpu_linear(packed)
+    assert cpu_linear(packed) is lin  # repacked once, kept on the PackedLayer
+    x, x64 = activations(6, 192, "float32")
+    ref = true_reference(layer, x64)
+    nobias = ref - layer.bias.astype(np.float64)
+    assert rel(gemm(x.reshape(2, 3, 192), packed, threads=1).reshape(6, 40), ref) < 2e-6
+    assert rel(gemm(x, packed, bias=False, threads=1), nobias) < 2e-6
+    other = np.linspace(-1, 1, 40).astype(np.float32)
+    assert rel(gemm(x, packed, bias=other, threads=1), nobias + other) < 2e-6
+    assert gemm(x[0], packed, threads=1).shape == (40,)
+    wide = np.zeros((6, 300), np.float32)
+    wide[:, :192] = x
+    assert rel(gemm(wide[:, :192], packed, threads=1), ref) < 2e-6  # strided rows, no copy
+    for tdt, atol in ((torch.float32, 2e-6), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
+        xt = torch.from_numpy(x).to(tdt)
+        yt = gemm(xt, packed, threads=1)
+        assert isinstance(yt, torch.Tensor) and yt.dtype == tdt and yt.shape == (6, 40)
+        ref_t = true_reference(layer, xt.float().numpy().astype(np.float64))
+        assert rel(yt.float().numpy(), ref_t) < atol
+    yt = gemm(torch.from_numpy(x).t().contiguous().t(), packed, threads=1, out_dtype=torch.float32)
+    assert rel(yt.numpy(), ref) < 2e-6  # non-contiguous tensor is copied, result unchanged
+
+
+def test_bad_inputs_give_clean_errors() -> None:
+    layer = make_layer(32, 128, seed=1)
+    packed = pack(layer)
+    lin = CpuPackedLinear(packed)
+    x = np.ones((2, 128), np.float32)
+    with pytest.raises(BadInputError, match="K=128"):
+        lin.forward(np.ones((2, 100), np.float32))
+    with pytest.raises(BadInputError, match="float16"):
+        lin.forward(np.ones((2, 128), np.int32))
+    with pytest.raises(BadInputError, match="precision"):
+        lin.forward(x, precision="medium")
+    with pytest.raises(BadInputError, match="threads"):
+        lin.forward(x, threads=0)
+    with pytest.raises(BadInputError, match="M = 0"):
+        lin.forward(np.ones((0, 128), np.float32))
+    with pytest.raises(BadInputError, match="bias"):
+        lin.forward(x, bias=np.ones(7, np.float32))
+    with pytest.raises(BadInputError, match="output dtype"):
+        lin.forward(x, out_dtype="int8")
+    bad = PackedLayer(meta=dict(packed.meta), tensors=dict(packed.tensors))
+    bad.tensors["qweight"] = packed.tensors["qweight"][:, :-1]
+    with pytest.raises(BadInputError, match="qweight"):
+        CpuPackedLinear(bad)
+    meta = dict(packed.meta, padded_shape=[48, 128])
+    with pytest.raises(BadInputError, match="padded shape"):
+        CpuPackedLinear(PackedLayer(meta=meta, tensors=packed.tensors))
+    act = pack(make_layer(32, 128, 4, 32, "int", True, seed=2))
+    act.tensors["perm"] = np.zeros(128, np.int32)
+    with pytest.raises(BadInputError, match="permutation"):
+        CpuPackedLinear(act)
