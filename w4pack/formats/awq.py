@@ -400,8 +400,12 @@ def _classify(store: TensorStore, prefix: str, hint: str | None) -> str:
         raise BadInputError(f"qweight must be int32 (GEMM/GEMV) or int16 (GEMVFast), got {dt}",
                             file=store.file_of(qw), tensor=qw)
     if not has("qzeros"):
-        if hint == "marlin" or (len(shp) == 2 and has("scales")):
-            return "marlin"
+        if has("scales"):
+            _d, ss = store.info(f"{prefix}.scales")
+            if hint == "marlin" or (len(shp) == 2 and len(ss) == 2 and shp[1] == 2 * ss[1]):
+                return "marlin"
+            raise UnsupportedError("symmetric AWQ without qzeros is not supported (only Marlin is symmetric in "
+                                   "AutoAWQ)", file=store.file_of(qw), tensor=qw)
         raise BadInputError("quantized layer has qweight but no qzeros", file=store.file_of(qw), tensor=qw)
     if not has("scales"):
         raise BadInputError("quantized layer has no scales", file=store.file_of(qw), tensor=f"{prefix}.scales")
@@ -452,7 +456,7 @@ class AWQSource(Source):
         for p in self._layers:
             try:
                 kind = _classify(self.store, p, hint)
-            except BadInputError:
+            except (BadInputError, UnsupportedError):
                 self.store.close()
                 raise
             if kind == "marlin":
