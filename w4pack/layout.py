@@ -127,7 +127,7 @@ def pack(layer: CanonicalLayer) -> PackedLayer:
     g = layer.num_groups
     gp = 1 if gs == -1 else -(-kp // gs)
 
-    codes = layer.codes if perm is None else layer.codes[:, perm]
+    codes = layer.codes if perm is None else np.take(layer.codes, perm, axis=1)
     padded = np.zeros((np_, kp), dtype=np.uint8)
     padded[:n, :k] = codes
     qweight = _interleave(padded, sbits)
@@ -197,9 +197,7 @@ def unpack(packed: PackedLayer, name: str = "") -> CanonicalLayer:
         perm = np.asarray(t["perm"])
         if not np.array_equal(np.sort(perm), np.arange(k, dtype=np.int32)):
             raise BadInputError("perm is not a permutation of 0..K-1", tensor=f"{name}.perm" if name else "perm")
-        orig_codes = np.empty_like(codes)
-        orig_codes[:, perm] = codes
-        codes = orig_codes
+        codes = np.take(codes, np.argsort(perm).astype(np.int32), axis=1)
         orig_g = np.empty_like(g_idx)
         orig_g[perm] = g_idx
         g_idx = orig_g
@@ -242,26 +240,29 @@ _FROM_TILES = tuple(int(i) for i in np.argsort(_TO_TILES))
 
 def _interleave(codes: np.ndarray, sbits: int) -> np.ndarray:
     np_, kp = codes.shape
-    t = codes.reshape(_split_axes(np_, kp)).transpose(_TO_TILES)
-    t = t.reshape(np_ // TILE_N, kp // TILE_K, WARP, 4, 8).astype(np.uint32)
+    t = np.ascontiguousarray(codes.reshape(_split_axes(np_, kp)).transpose(_TO_TILES))
+    t = t.reshape(np_ // TILE_N, kp // TILE_K, WARP, 4, 8)
     if sbits == 4:
-        words = np.zeros(t.shape[:-1], dtype=np.uint32)
-        for e in range(8):
-            words |= t[..., e] << np.uint32(4 * NIBBLE_POS[e])
+        # byte b of the little-endian word holds nibble positions 2b (low) and 2b+1 (high);
+        # position p holds element INV[p] where NIBBLE_POS[INV[p]] = p
+        inv = np.argsort(NIBBLE_POS)
+        out = np.empty(t.shape[:-1] + (4,), dtype=np.uint8)
+        for b in range(4):
+            out[..., b] = t[..., inv[2 * b]] | (t[..., inv[2 * b + 1]] << np.uint8(4))
     else:
-        b = t.reshape(t.shape[:-1] + (2, 4))
-        words = b[..., 0] | (b[..., 1] << np.uint32(8)) | (b[..., 2] << np.uint32(16)) | (b[..., 3] << np.uint32(24))
-    return np.ascontiguousarray(words.reshape(np_ // TILE_N, -1)).view(np.int32)
+        out = t  # bytes already in fragment order: word w = elements 4w..4w+3, byte i = element 4w+i
+    return np.ascontiguousarray(out).reshape(np_ // TILE_N, -1).view("<i4")
 
 
 def _deinterleave(qweight: np.ndarray, np_: int, kp: int, sbits: int) -> np.ndarray:
-    w = np.ascontiguousarray(qweight).view(np.uint32)
+    raw = np.ascontiguousarray(qweight).astype("<i4", copy=False).view(np.uint8)
     if sbits == 4:
-        w = w.reshape(np_ // TILE_N, kp // TILE_K, WARP, 4)
-        t = np.stack([(w >> np.uint32(4 * NIBBLE_POS[e])) & np.uint32(0xF) for e in range(8)], axis=-1)
+        b = raw.reshape(np_ // TILE_N, kp // TILE_K, WARP, 4, 4)
+        t = np.empty(b.shape[:-1] + (8,), dtype=np.uint8)
+        for p in range(8):
+            byte = b[..., p // 2]
+            t[..., int(np.argsort(NIBBLE_POS)[p])] = (byte >> np.uint8(4)) if p % 2 else (byte & np.uint8(0xF))
     else:
-        w = w.reshape(np_ // TILE_N, kp // TILE_K, WARP, 4, 2)
-        t = np.stack([(w >> np.uint32(8 * i)) & np.uint32(0xFF) for i in range(4)], axis=-1)
-        t = t.reshape(np_ // TILE_N, kp // TILE_K, WARP, 4, 8)
-    t = t.astype(np.uint8).reshape(np_ // TILE_N, kp // TILE_K, 8, 4, 4, 2, 2, 2)
+        t = raw.reshape(np_ // TILE_N, kp // TILE_K, WARP, 4, 8)
+    t = t.reshape(np_ // TILE_N, kp // TILE_K, 8, 4, 4, 2, 2, 2)
     return np.ascontiguousarray(t.transpose(_FROM_TILES)).reshape(np_, kp)
