@@ -138,11 +138,14 @@ def test_stale_shards_of_an_earlier_push_are_deleted(hub, tmp_path: Path) -> Non
     from w4pack.hub import push
 
     a = make_checkpoint(tmp_path / "a", max_shard_size=20_000)
+    (a / "original").mkdir()
+    (a / "original" / "model.safetensors").write_bytes(b"\0" * 100)  # the owner's extra copy: kept
     push(a, REPO, endpoint=hub.endpoint, token=TOKEN)
     b = make_checkpoint(tmp_path / "b", seed=1, max_shard_size=10**9)
     res = push(b, REPO, endpoint=hub.endpoint, token=TOKEN)
     assert res["deleted_files"] and all(f.endswith(".safetensors") for f in res["deleted_files"])
-    assert {k for k in hub.files(REPO) if k != ".gitattributes"} == set(folder_bytes(b))
+    remote = {k for k in hub.files(REPO) if k != ".gitattributes"}
+    assert remote == set(folder_bytes(b)) | {"original/model.safetensors"}
 
 
 # -- transient failures -----------------------------------------------------------------------------
@@ -160,6 +163,7 @@ def test_transient_failures_are_retried(hub, ckpt: Path, tmp_path: Path) -> None
     assert sorted(set(_uploaded(hub))) == sorted(_lfs_oids(ckpt))
     out = pull(REPO, tmp_path / "p", endpoint=hub.endpoint, token=TOKEN)
     assert folder_bytes(out) == folder_bytes(ckpt)
+    assert hub.count("resolve", status=429) == 1
 
 
 # -- errors: one clear line, exit 4, never the token ------------------------------------------------
@@ -375,3 +379,16 @@ def test_client_version_is_the_one_the_server_was_checked_against() -> None:
     assert major == VALIDATED_AGAINST.split(".")[0], (
         f"huggingface_hub {huggingface_hub.__version__}: re-check tests/hub_server.py routes "
         f"(validated against {VALIDATED_AGAINST})")
+
+
+def test_read_only_folder_gets_its_card_uploaded_from_memory(hub, ckpt: Path, monkeypatch) -> None:  # noqa: ANN001
+    import w4pack.hub as whub
+
+    def refuse(path: Path, text: str) -> None:
+        raise PermissionError(13, "Read-only file system", str(path))
+
+    monkeypatch.setattr(whub, "_write_text_atomic", refuse)
+    res = whub.push(ckpt, REPO, endpoint=hub.endpoint, token=TOKEN)
+    assert not (ckpt / "README.md").exists() and not res["card_written"]
+    card = hub.files(REPO)["README.md"].decode()
+    assert card == whub.model_card(ckpt, repo_id=REPO) and "base_model_relation: quantized" in card
