@@ -32,7 +32,7 @@ from ..canonical import CanonicalLayer
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES, from_float32, to_float32
 from ..errors import BadInputError, IOFailure, UnsupportedError
-from ..safetensors_io import SafetensorsFile, dtype_to_st
+from ..safetensors_io import DTYPES, SafetensorsFile, dtype_to_st
 from .base import Capabilities, Format, Source, TensorData
 
 __all__ = [
@@ -86,6 +86,7 @@ class SafetensorsStore(TensorStore):
         self.path = Path(path)
         self._files: dict[str, SafetensorsFile] = {}
         self._where: dict[str, str] = {}
+        self._fds: dict[str, int] = {}
         if self.path.is_file():
             files = [self.path]
         else:
@@ -127,9 +128,24 @@ class SafetensorsStore(TensorStore):
         return self._files[self._where[name]].info(name)
 
     def get(self, name: str) -> np.ndarray:
+        """A private copy read with pread: mapped pages would stay in this process's RSS as the model streams by."""
         if name not in self._where:
             raise BadInputError("tensor is missing", file=str(self.path), tensor=name)
-        return self._files[self._where[name]].get(name)
+        fname = self._where[name]
+        f = self._files[fname]
+        dt, shape, begin, end = f.entries[name]
+        npdt = DTYPES[dt][0]
+        if fname not in self._fds:
+            self._fds[fname] = os.open(fname, os.O_RDONLY)
+        want = end - begin
+        buf = bytearray(want)
+        view, got = memoryview(buf), 0
+        while got < want:
+            n = os.preadv(self._fds[fname], [view[got:]], f.data_start + begin + got)
+            if n <= 0:
+                raise BadInputError("file ended while reading (truncated after opening?)", file=fname, tensor=name)
+            got += n
+        return np.frombuffer(buf, dtype=npdt).reshape(shape)
 
     def file_of(self, name: str) -> str:
         return self._where.get(name, str(self.path))
@@ -137,6 +153,9 @@ class SafetensorsStore(TensorStore):
     def close(self) -> None:
         for f in self._files.values():
             f.close()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
 
 
 _TORCH_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float64",
