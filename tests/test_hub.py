@@ -303,12 +303,15 @@ def test_source_patterns_pick_only_what_the_format_needs() -> None:
     assert parse_hub_spec("hf:/o/n@refs%2Fpr%2F2/sub/x.gguf") == ("o/n", "refs/pr/2", "sub/x.gguf")
     with pytest.raises(BadInputError):
         parse_hub_spec("hf://only-one-part")
-    pats, single = _source_patterns(["a.gguf", "b.gguf", "README.md"], "b.gguf")
-    assert single and "b.gguf" in pats and "a.gguf" not in pats
+    pats, target = _source_patterns(["a.gguf", "b.gguf", "README.md"], "b.gguf")
+    assert target == "b.gguf" and "b.gguf" in pats and "a.gguf" not in pats
     with pytest.raises(BadInputError, match="2 GGUF files"):
         _source_patterns(["a.gguf", "b.gguf"], None)
-    pats, _ = _source_patterns(["model.pt", "config.json"], None)
-    assert "*.pt" in pats and "*.safetensors" not in pats
+    assert _source_patterns(["m.Q4_0.gguf", "README.md"], None)[1] == "m.Q4_0.gguf"
+    pats, target = _source_patterns(["model.pt", "config.json"], None)
+    assert "*.pt" in pats and "*.safetensors" not in pats and target is None
+    pats, target = _source_patterns(["quant_dir/quant.toml", "quant_dir/a.npy", "base.safetensors"], None)
+    assert {"*.toml", "*.npy", "*.safetensors"} <= set(pats) and target is None
 
 
 def test_convert_from_hf_uses_only_needed_files(hub, ckpt: Path, tmp_path: Path, capfd,  # noqa: ANN001
@@ -326,7 +329,7 @@ def test_convert_from_hf_uses_only_needed_files(hub, ckpt: Path, tmp_path: Path,
     n = hub.count("resolve")
     assert resolve_source(f"hf://{USER}/src@main") == local and hub.count("resolve") == n  # cached by commit
     mark = len(hub.requests)
-    assert resolve_source(f"hf://{USER}/src@{local.name}") == local and len(hub.requests) == mark  # offline
+    assert resolve_source(f"hf://{USER}/src@{local.parent.name}") == local and len(hub.requests) == mark  # offline
 
     rc, out, err = _cli(["convert", f"hf://{USER}/src", str(tmp_path / "repacked"), "--json"], capfd)
     assert rc == 0, err
@@ -392,3 +395,27 @@ def test_read_only_folder_gets_its_card_uploaded_from_memory(hub, ckpt: Path, mo
     assert not (ckpt / "README.md").exists() and not res["card_written"]
     card = hub.files(REPO)["README.md"].decode()
     assert card == whub.model_card(ckpt, repo_id=REPO) and "base_model_relation: quantized" in card
+
+
+def test_convert_gguf_from_hf_picks_the_named_file(hub, tmp_path: Path, monkeypatch, capfd) -> None:  # noqa: ANN001
+    from conftest import fixture_dir
+
+    pytest.importorskip("w4pack.formats.gguf")
+    from w4pack.checkpoint import validate_checkpoint
+
+    gguf = (fixture_dir("gguf", "q4_0_exact_in512_out256") / "tensors.gguf").read_bytes()
+    hub.add_repo("w4org/ggufs", {"tiny.Q4_0.gguf": gguf, "tiny.copy.gguf": gguf, "README.md": b"# ggufs\n"})
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    rc, out, err = _cli(["convert", "hf://w4org/ggufs", str(tmp_path / "x")], capfd)
+    assert rc == 2 and "name one: hf://owner/name/" in err and hub.count("resolve") == 0
+    rc, out, err = _cli(["convert", "hf://w4org/ggufs/tiny.Q4_0.gguf", str(tmp_path / "w4"), "--json"], capfd)
+    assert rc == 0, err
+    fetched = {r.path.rsplit("/", 1)[-1] for r in hub.requests if r.route == "resolve"}
+    assert "tiny.Q4_0.gguf" in fetched and "tiny.copy.gguf" not in fetched
+    from w4pack.hub import resolve_source
+
+    sha = hub.repos["w4org/ggufs"].refs["main"]
+    mark = len(hub.requests)
+    got = resolve_source(f"hf://w4org/ggufs@{sha}/tiny.Q4_0.gguf")  # cached: no request, the file itself
+    assert got.is_file() and got.read_bytes() == gguf and len(hub.requests) == mark
+    assert validate_checkpoint(tmp_path / "w4")["num_layers"] == 1

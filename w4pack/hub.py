@@ -653,15 +653,17 @@ def _cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "w4pack"
 
 
-def _source_patterns(names: list[str], sub: str | None) -> tuple[list[str], bool]:
-    """allow_patterns for the files a source format needs, and whether ``sub`` names a single file."""
+def _source_patterns(names: list[str], sub: str | None) -> tuple[list[str], str | None]:
+    """allow_patterns for the files a source format needs, and the file to open when the source is one
+    file (``sub`` naming a file, or the repository's only GGUF: the GGUF reader takes a file)."""
     prefix = f"{sub}/" if sub else ""
     if sub and sub in names:  # a single file (one GGUF of many, one .pt)
-        return [sub] + list(_SOURCE_ALWAYS), True
+        return [sub] + list(_SOURCE_ALWAYS), sub
     inside = [n for n in names if n.startswith(prefix)]
     if sub and not inside:
         raise BadInputError(f"{sub!r} is neither a file nor a folder of this repository")
     pats = [prefix + p for p in _SOURCE_ALWAYS]
+    target = None
     ends = {os.path.splitext(n)[1] for n in inside}
     if ".safetensors" in ends:
         pats.append(prefix + "*.safetensors")
@@ -674,9 +676,10 @@ def _source_patterns(names: list[str], sub: str | None) -> tuple[list[str], bool
                                 f"{ggufs[0]} (others: {', '.join(ggufs[1:4])}{', ...' if len(ggufs) > 4 else ''})")
         if ggufs:
             pats.append(ggufs[0])
+            target = ggufs[0]
         elif ".pt" in ends:
             pats.append(prefix + "*.pt")
-    return pats, False
+    return pats, target
 
 
 def resolve_source(spec: str, *, endpoint: str | None = None, token: str | None = None,
@@ -684,31 +687,37 @@ def resolve_source(spec: str, *, endpoint: str | None = None, token: str | None 
     """Download (once, cached by commit) the files a ``hf://owner/name[@rev][/path]`` source needs.
 
     Only configs, the weights of the format present (``*.safetensors`` + index, quant-table ``*.toml`` +
-    ``*.npy``, one ``*.gguf``, or ``*.pt``), tokenizer files and the card are fetched. Returns the local folder
-    (or the file, when the spec names one). Cache: ``cache_dir``, ``$W4PACK_CACHE`` or ``~/.cache/w4pack``.
+    ``*.npy``, one ``*.gguf``, or ``*.pt``), tokenizer files and the card are fetched. Returns the local folder,
+    or the file when the spec names one or the source is a GGUF file. Cache: ``cache_dir``, ``$W4PACK_CACHE``
+    or ``~/.cache/w4pack``.
     """
     from huggingface_hub import snapshot_download
 
     repo_id, rev, sub = parse_hub_spec(spec)
     ep = _endpoint(endpoint)
     errs = dict(repo_id=repo_id, endpoint=ep, token=token, revision=rev)
+    # one folder per (commit, sub-path): e.g. two GGUF files of one commit do not evict each other
+    variant = "_" if not sub else re.sub(r"[^\w.\-]", "-", sub)
     cache = _cache_root(cache_dir) / "hub" / repo_id.replace("/", "--")
-    if rev and re.fullmatch(r"[0-9a-f]{40}", rev) and (cache / rev / ".w4pack-complete").is_file() \
-            and (sub is None or (cache / rev / sub).exists()):
-        return cache / rev / sub if sub else cache / rev  # a commit never changes: no request needed
+    marker = ".w4pack-complete"
+    if rev and re.fullmatch(r"[0-9a-f]{40}", rev) and (cache / rev / variant / marker).is_file():
+        root = cache / rev / variant  # a commit never changes: no request needed
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            target = json.loads((root / marker).read_text(encoding="utf-8"))["target"]
+            return root / target if target else (root / sub if sub else root)
     api = _api(ep, token)
     with _hub_errors(action="read", **errs):
         info = _retrying(lambda: api.model_info(repo_id, revision=rev or "main"))
     sha = info.sha
     names = sorted(s.rfilename for s in (info.siblings or []))
-    patterns, single = _source_patterns(names, sub)
-    root = cache / sha
-    key = json.dumps(sorted(patterns))
-    done = root / ".w4pack-complete"
+    patterns, target = _source_patterns(names, sub)
+    root = cache / sha / variant
+    key = json.dumps({"patterns": sorted(patterns), "target": target})
+    done = root / marker
     if not (done.is_file() and done.read_text(encoding="utf-8") == key):
         try:
             root.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{sha[:12]}.w4pack-tmp-", dir=root.parent))
+            tmp = Path(tempfile.mkdtemp(prefix=f".{variant}.w4pack-tmp-", dir=root.parent))
         except OSError as exc:
             raise IOFailure(f"cannot create the download cache: {exc.strerror}", file=str(root.parent)) from None
         try:
@@ -716,14 +725,14 @@ def resolve_source(spec: str, *, endpoint: str | None = None, token: str | None 
                 snapshot_download(repo_id, revision=sha, local_dir=tmp, endpoint=ep, token=token,
                                   allow_patterns=patterns, library_name="w4pack", library_version=__version__)
             _strip_download_cache(tmp)
-            (tmp / ".w4pack-complete").write_text(key, encoding="utf-8")
+            (tmp / marker).write_text(key, encoding="utf-8")
             if root.exists():
                 shutil.rmtree(root)
             os.replace(tmp, root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    return root / sub if sub else root
+    return root / target if target else (root / sub if sub else root)
 
 
 def open_hub_source(spec: str, fmt: str | None = None, **options: Any) -> Any:
