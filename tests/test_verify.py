@@ -1,0 +1,182 @@
+"""w4pack verify: passes on good checkpoints (own and converted fixtures), fails naming the layer on
+tampered ones, and reports quantization error against a base model."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from w4pack.canonical import CanonicalLayer
+from w4pack.checkpoint import CheckpointWriter, open_checkpoint
+from w4pack.cli import main
+from w4pack.errors import BadInputError, W4PackError
+from w4pack.safetensors_io import write_safetensors
+
+from conftest import fixture_cases, fixture_dir, has_cuda
+
+cpu = pytest.importorskip("w4pack.native.cpu")
+if not cpu.available():  # pragma: no cover
+    pytest.skip("native CPU module not built (make native)", allow_module_level=True)
+
+from w4pack.verify import TOLERANCE, verify  # noqa: E402
+
+from test_native_cpu import make_layer  # noqa: E402
+
+LAYERS = {
+    "model.layers.0.mlp.down_proj": dict(n=96, k=320, bits=4, gs=64, zero_mode="int", act_order=True, seed=1),
+    "model.layers.0.mlp.up_proj": dict(n=320, k=96, bits=4, gs=32, zero_mode="none", seed=2),
+    "model.layers.0.self_attn.q_proj": dict(n=96, k=96, bits=8, gs=-1, zero_mode="float", scale_dtype="bfloat16", seed=3),
+}
+
+
+def layers() -> dict[str, CanonicalLayer]:
+    return {name: make_layer(**spec) for name, spec in LAYERS.items()}
+
+
+def write(path: Path, content: dict[str, CanonicalLayer]) -> Path:
+    with CheckpointWriter(path, force=True, config={"model_type": "llama"}, source={"format": "test"}) as w:
+        for name, layer in content.items():
+            w.add_layer(name, layer)
+        w.add_tensor("model.norm.weight", np.linspace(0.5, 1.5, 96).astype(np.float16))
+    return path
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write(tmp_path_factory.mktemp("good") / "ck", layers())
+
+
+def run_cli(*args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    rc = main(["verify", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_good_checkpoint_passes(good: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rep = verify(good, against=good, threads=1, seed=1)
+    assert rep.ok, rep.summary()
+    assert {c.name for c in rep.layers} == set(LAYERS)
+    assert all(c.exact and c.gemm_error < TOLERANCE["exact"] for c in rep.layers)
+    assert rep.passthrough == {"total": 1, "identical": 1, "extra": 0}
+    rc, out, _ = run_cli(str(good), "--against", str(good), "--threads", "1", capsys=capsys)
+    assert rc == 0
+    assert "OK: 3 layers, 0 failed" in out and "3/3 bit-identical" in out
+    rc, out, _ = run_cli(str(good), "--precision", "fast", "--json", "--threads", "1", capsys=capsys)
+    doc = json.loads(out)
+    assert rc == 0 and doc["ok"] is True and doc["precision"] == "fast" and doc["tolerance"] == TOLERANCE["fast"]
+    assert len(doc["layers"]) == 3 and all(0 < lay["gemm_error"] < 2e-2 for lay in doc["layers"])
+
+
+def test_flipped_nibble_fails_naming_the_layer(good: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    content = layers()
+    bad = content["model.layers.0.mlp.up_proj"]
+    codes = bad.codes.copy()
+    codes[5, 7] ^= 0x1
+    content["model.layers.0.mlp.up_proj"] = bad.replace(codes=codes)
+    tampered = write(tmp_path / "ck", content)
+    rc, out, _ = run_cli(str(tampered), "--against", str(good), "--threads", "1", capsys=capsys)
+    assert rc == 1
+    first = out.splitlines()[1]
+    assert first.startswith("FAIL") and "model.layers.0.mlp.up_proj" in first and "DIFF" in first
+    assert "codes: 1 mismatches" in out
+    assert "1 failed" in out.splitlines()[-1]
+
+
+def test_wrong_scale_fails_naming_the_layer(good: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    content = layers()
+    bad = content["model.layers.0.mlp.down_proj"]
+    scales = bad.scales.copy()
+    scales[3, 1] = np.float16(float(scales[3, 1]) * 1.5)
+    content["model.layers.0.mlp.down_proj"] = bad.replace(scales=scales)
+    tampered = write(tmp_path / "ck", content)
+    rc, out, _ = run_cli(str(tampered), "--against", str(good), "--json", "--threads", "1", capsys=capsys)
+    doc = json.loads(out)
+    assert rc == 1 and doc["ok"] is False
+    worst = doc["layers"][0]
+    assert worst["name"] == "model.layers.0.mlp.down_proj" and worst["exact"] is False
+    assert any(re.search(r"scales: \d+ mismatches", p) for p in worst["problems"])
+    assert all(lay["ok"] for lay in doc["layers"][1:])
+
+
+def test_corrupted_shard_fails_structure_and_names_the_layer(good: Path, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    copy = tmp_path / "ck"
+    shutil.copytree(good, copy)
+    with open_checkpoint(copy) as ck:
+        tname = ck.manifest["layers"]["model.layers.0.self_attn.q_proj"]["tensors"]["qweight"]
+        shard = copy / ck.weight_map[tname]
+    data = bytearray(shard.read_bytes())
+    hlen = struct.unpack("<Q", data[:8])[0]
+    offset = 8 + hlen + json.loads(data[8:8 + hlen])[tname]["data_offsets"][0]
+    data[offset + 100] ^= 0x10  # one nibble of one code
+    shard.write_bytes(bytes(data))
+    rep = verify(copy, against=good, threads=1, seed=2)
+    assert not rep.ok and not rep.structure_ok and "sha256" in rep.structure_error
+    failed = [c.name for c in rep.failed_layers]
+    assert failed == ["model.layers.0.self_attn.q_proj"]
+    rc, out, _ = run_cli(str(copy), "--threads", "1", capsys=capsys)
+    assert rc == 1 and "sha256" in out
+
+
+def test_quantization_error_against_base(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    content = layers()
+    rng = np.random.default_rng(0)
+    tensors = []
+    expect = {}
+    for name, layer in content.items():
+        w = layer.dequantize(np.float64)
+        w0 = (w + rng.standard_normal(w.shape) * 0.01 * np.abs(w).mean()).astype(np.float16)
+        tensors.append((f"{name}.weight", w0, None))
+        expect[name] = np.linalg.norm(w - w0) / np.linalg.norm(w0.astype(np.float64))
+    base = tmp_path / "base"
+    base.mkdir()
+    write_safetensors(base / "model.safetensors", tensors, metadata={"format": "pt"})
+    ck = write(tmp_path / "ck", content)
+    rep = verify(ck, base=base, threads=1, seed=3)
+    assert rep.ok, rep.summary()
+    for c in rep.layers:
+        assert c.quant_error == pytest.approx(expect[c.name], rel=1e-6)
+    assert [c.name for c in rep.sorted_layers()] == sorted(expect, key=lambda n: -expect[n])
+    rc, out, _ = run_cli(str(ck), "--base", str(base / "model.safetensors"), "--threads", "1", capsys=capsys)
+    assert rc == 0 and "quant err" in out and "quantization error mean" in out
+
+
+def test_bad_input_and_unavailable_device(tmp_path: Path, good: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run_cli(str(tmp_path), capsys=capsys)
+    assert rc == 2 and "w4pack.json" in err
+    with pytest.raises(BadInputError):
+        verify(tmp_path)
+    if not has_cuda():
+        rc, _, err = run_cli(str(good), "--device", "cuda", capsys=capsys)
+        assert rc == 3 and "CUDA verification is not available" in err
+
+
+# ---- every converted fixture verifies bit-exact against its source ----------------------------------
+FIXTURES = [(fam, case) for fam in ("gptq", "awq", "compressed-tensors", "gguf", "toml") for case in fixture_cases(fam)]
+
+
+@pytest.mark.parametrize("family,case", FIXTURES, ids=[f"{f}/{c}" for f, c in FIXTURES] or None)
+def test_converted_fixture_verifies(family: str, case: str, tmp_path: Path) -> None:
+    from w4pack.convert import convert
+
+    src = fixture_dir(family, case)
+    opts = {}
+    base = None
+    if family == "toml":
+        base = src / "base_weights_fp16.safetensors"
+        opts["base"] = base
+        src = src / "quant_dir"
+    try:
+        convert(src, tmp_path / "out", **opts)
+    except (W4PackError, ImportError) as exc:
+        pytest.skip(f"{family} reader cannot convert this case yet: {exc}")
+    rep = verify(tmp_path / "out", against=src, base=base, threads=1, seed=4)
+    assert rep.ok, rep.summary() + "\n" + rep.table()
+    assert rep.layers and all(c.exact for c in rep.layers)
+    if base is not None:
+        assert all(c.quant_error is not None and c.quant_error < 0.5 for c in rep.layers)

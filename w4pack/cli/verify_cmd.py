@@ -1,0 +1,47 @@
+"""w4pack verify: structure, bit-exactness against the source, GEMM numerics, quantization error."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..errors import EXIT_OK, EXIT_VERIFY
+from . import emit_json
+
+
+@click.command()
+@click.argument("packed", type=click.Path(path_type=Path))
+@click.option("--against", "against", type=click.Path(path_type=Path), default=None,
+              help="Source checkpoint (any supported format): every layer must unpack to the same bits.")
+@click.option("--from", "src_format", default=None, help="Format of --against when detection cannot tell.")
+@click.option("--base", type=click.Path(path_type=Path), default=None,
+              help="Original fp16 model (folder or .safetensors): report each layer's quantization error.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the GEMM check runs.")
+@click.option("--precision", type=click.Choice(["exact", "fast"]), default="exact", show_default=True,
+              help="exact: fp32 dequantize + fp32 accumulate (tolerance 1e-5); fast: int8 activations (2e-2).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: all cores).")
+@click.option("--seed", type=int, default=None, help="Seed of the random activations (default: fresh).")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Show only the N worst layers.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+def verify(packed: Path, against: Path | None, src_format: str | None, base: Path | None, device: str,
+           precision: str, threads: int | None, seed: int | None, limit: int | None, as_json: bool) -> int:
+    """Verify PACKED: checksums and structure, bit-exactness against --against, the native GEMM on
+    random activations against a float64 reference, and with --base the quantization error.
+
+    Prints a per-layer table (worst first) and a summary line. Exit 0 when every check passes, 1 when
+    any fails, 2 for bad input, 3 when --device cuda is not available.
+    """
+    from ..verify import verify as run_verify
+
+    report = run_verify(packed, against=against, base=base, device=device, precision=precision,
+                        threads=threads, seed=seed, src_format=src_format)
+    if as_json:
+        emit_json(report.to_dict())
+    else:
+        if report.layers:
+            click.echo(report.table(limit=limit))
+        for p in report.problems:
+            click.echo(f"problem: {p}")
+        click.echo(f"verify {packed}: {report.summary()}")
+    return EXIT_OK if report.ok else EXIT_VERIFY

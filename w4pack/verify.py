@@ -1,0 +1,452 @@
+"""verify: prove a packed checkpoint is intact, identical to its source, and computes what it should.
+
+Four checks, each optional beyond the first:
+
+(a) structure  — manifest schema, config, index, shard headers and shapes, sha256 of every shard;
+(b) exactness  — with ``against``: every layer unpacked equals the source's canonical layer bit for
+                 bit (codes, scales, zeros, g_idx, bias), and the pass-through tensors are the same bytes;
+(c) numerics   — every layer's native GEMM on fresh random activations (several M) against a float64
+                 reference built from the canonical float64 dequantization; tolerance per precision;
+(d) quantization error — with ``base`` (the original fp16 model): ‖W_deq − W‖ / ‖W‖ per layer.
+
+Layers stream one at a time; the float64 reference is built in row chunks, so memory stays bounded.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from .canonical import CanonicalLayer
+from .checkpoint import MANIFEST_NAME, Checkpoint
+from .dtypes import to_float64
+from .errors import BadInputError, UnsupportedError, W4PackError
+from .progress import Progress
+from .safetensors_io import SafetensorsFile
+
+__all__ = ["verify", "VerifyReport", "LayerCheck", "TOLERANCE", "DEFAULT_MS"]
+
+#: relative error ‖y − y_ref‖ / ‖y_ref‖ allowed per precision (fp32 activations and output). Measured:
+#: exact ~1e-7 .. 4e-7, fast ~3e-3 .. 6e-3 (int8 activations per block; docs/CPU.md).
+TOLERANCE = {"exact": 1e-5, "fast": 2e-2}
+#: activation rows tried per layer
+DEFAULT_MS = (1, 4, 17)
+_ROW_CHUNK = 1024
+
+
+@dataclass
+class LayerCheck:
+    """The outcome of every check on one layer."""
+
+    name: str
+    shape: list[int]
+    kind: str
+    exact: bool | None = None           # None: no --against
+    gemm_error: float | None = None     # worst relative error over the M tried
+    gemm_tolerance: float | None = None
+    quant_error: float | None = None    # ‖W_deq − W‖/‖W‖ against --base
+    quant_max_abs: float | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def severity(self) -> float:
+        """Sort key, larger is worse: failures first, then GEMM error relative to its tolerance."""
+        s = 0.0
+        if self.problems:
+            s += 1e9
+        if self.gemm_error is not None and self.gemm_tolerance:
+            s += self.gemm_error / self.gemm_tolerance
+        return s
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    against: str | None
+    base: str | None
+    device: str
+    precision: str
+    ms: list[int]
+    seed: int
+    structure_ok: bool = True
+    structure_error: str | None = None
+    checks: list[str] = field(default_factory=list)
+    layers: list[LayerCheck] = field(default_factory=list)
+    passthrough: dict[str, Any] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def failed_layers(self) -> list[LayerCheck]:
+        return [c for c in self.layers if not c.ok]
+
+    @property
+    def ok(self) -> bool:
+        return self.structure_ok and not self.problems and not self.failed_layers
+
+    def sorted_layers(self) -> list[LayerCheck]:
+        """Worst first: failures, then by quantization error (with --base) or GEMM error."""
+        if self.base:
+            return sorted(self.layers, key=lambda c: (not c.problems, -(c.quant_error or 0.0), -c.severity()))
+        return sorted(self.layers, key=lambda c: -c.severity())
+
+    def summary(self) -> str:
+        n = len(self.layers)
+        bad = len(self.failed_layers)
+        parts = [f"{'OK' if self.ok else 'FAILED'}: {n} layers, {bad} failed"]
+        parts.append("structure " + ("ok" if self.structure_ok else f"FAILED ({self.structure_error})"))
+        if self.against:
+            same = sum(1 for c in self.layers if c.exact)
+            parts.append(f"{same}/{n} bit-identical to {self.against}")
+            if self.passthrough:
+                parts.append(f"pass-through {self.passthrough.get('identical', 0)}/{self.passthrough.get('total', 0)} identical")
+        errs = [c for c in self.layers if c.gemm_error is not None]
+        if errs:
+            worst = max(errs, key=lambda c: c.gemm_error)
+            parts.append(f"worst {self.precision} GEMM error {worst.gemm_error:.2e} (tolerance "
+                         f"{TOLERANCE[self.precision]:.0e}) at {worst.name}")
+        qs = [c for c in self.layers if c.quant_error is not None]
+        if qs:
+            worst_q = max(qs, key=lambda c: c.quant_error)
+            mean_q = float(np.mean([c.quant_error for c in qs]))
+            parts.append(f"quantization error mean {mean_q:.3e}, worst {worst_q.quant_error:.3e} at {worst_q.name}")
+        for p in self.problems[:3]:
+            parts.append(p)
+        return "; ".join(parts) + f" ({self.seconds:.1f} s)"
+
+    def table(self, limit: int | None = None) -> str:
+        """Per-layer table, worst first."""
+        rows = self.sorted_layers()
+        if limit is not None:
+            rows = rows[:limit]
+        head = ["status", "layer", "shape", "kind"]
+        if self.against:
+            head.append("exact")
+        head.append(f"gemm err ({self.precision})")
+        if self.base:
+            head += ["quant err", "max |dW|"]
+        lines = [head]
+        for c in rows:
+            row = ["ok" if c.ok else "FAIL", c.name, "x".join(str(v) for v in c.shape), c.kind]
+            if self.against:
+                row.append("-" if c.exact is None else ("same" if c.exact else "DIFF"))
+            row.append("-" if c.gemm_error is None else f"{c.gemm_error:.2e}")
+            if self.base:
+                row += ["-" if c.quant_error is None else f"{c.quant_error:.3e}",
+                        "-" if c.quant_max_abs is None else f"{c.quant_max_abs:.3e}"]
+            lines.append(row)
+        widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
+        out = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in lines]
+        for c in rows:
+            for p in c.problems:
+                out.append(f"  {c.name}: {p}")
+        return "\n".join(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ok"] = self.ok
+        d["layers"] = [dict(asdict(c), ok=c.ok) for c in self.sorted_layers()]
+        d["tolerance"] = TOLERANCE[self.precision]
+        d["summary"] = self.summary()
+        return d
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def _kind(meta: dict[str, Any]) -> str:
+    gs = meta["group_size"]
+    return (f"b{meta['bits']} g{'ch' if gs == -1 else gs} {meta['zero_mode']}"
+            + (" act" if meta.get("act_order") else ""))
+
+
+def _row_chunks(layer: CanonicalLayer) -> Iterator[tuple[int, int, np.ndarray]]:
+    """(n0, n1, float64 dequantized rows) in chunks, so a 28672-row layer never needs one big array."""
+    n = layer.out_features
+    for n0 in range(0, n, _ROW_CHUNK):
+        n1 = min(n, n0 + _ROW_CHUNK)
+        sub = layer.replace(codes=layer.codes[n0:n1], scales=layer.scales[n0:n1],
+                            zeros=None if layer.zeros is None else layer.zeros[n0:n1], bias=None)
+        yield n0, n1, sub.dequantize(np.float64)
+
+
+class _BaseWeights:
+    """Original weights of the unquantized model: a .safetensors file or a folder (index or shards)."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        p = Path(path)
+        if not p.exists():
+            raise BadInputError("base model does not exist", file=str(p))
+        files: list[Path]
+        if p.is_file():
+            files = [p]
+        elif (p / "model.safetensors.index.json").is_file():
+            try:
+                wm = json.loads((p / "model.safetensors.index.json").read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise BadInputError(f"index is not readable: {exc}", file=str(p / "model.safetensors.index.json")) from None
+            files = [p / f for f in sorted(set(wm.values()))]
+        else:
+            files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise BadInputError("base model holds no .safetensors weights", file=str(p))
+        self.files = [SafetensorsFile(f) for f in files]
+        self.where = {name: f for f in self.files for name in f.keys()}
+
+    def weight(self, layer: str) -> tuple[np.ndarray, str] | None:
+        f = self.where.get(f"{layer}.weight")
+        if f is None:
+            return None
+        return f.get(f"{layer}.weight"), f.dtype_name(f"{layer}.weight")
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+
+def _open_against(against: str | os.PathLike[str], base: str | os.PathLike[str] | None, src_format: str | None) -> Any:
+    from .formats import detect, open_source
+
+    fmt = src_format or detect(against)
+    opts: dict[str, Any] = {}
+    if base is not None and fmt == "toml":
+        opts["base"] = base  # quant tables hold no codes: they are rebuilt from the base weights
+    return open_source(against, fmt, **opts)
+
+
+def _gemm_runner(device: str, threads: int | None) -> Any:
+    """prepare(packed, name) -> run(x float32 [M, K], precision) -> float32 numpy [M, N] on the device."""
+    if device == "cpu":
+        from .native.cpu import CpuPackedLinear, available
+
+        if not available():
+            raise UnsupportedError("the native CPU module is not built (run `make native`)")
+
+        def prepare_cpu(packed: Any, name: str) -> Any:
+            lin = CpuPackedLinear(packed, threads=threads, name=name)  # repacked once per layer
+            bias = packed.tensors.get("bias")
+            return lambda x, precision: lin.forward(x, precision=precision, out_dtype="float32",
+                                                    bias=False if bias is None else bias)
+
+        return prepare_cpu
+    if device == "cuda":
+        why = None
+        if importlib.util.find_spec("w4pack.native.cuda") is None:
+            why = "w4pack.native.cuda is not part of this build"
+        else:
+            try:
+                import torch
+
+                if not torch.cuda.is_available():
+                    why = "torch sees no CUDA device"
+            except ImportError:
+                why = "torch is not installed"
+        if why:
+            raise UnsupportedError(f"CUDA verification is not available: {why}")
+        import torch
+
+        from .native import gemm
+
+        def prepare_cuda(packed: Any, name: str) -> Any:
+            b = packed.tensors.get("bias")
+            if b is not None:
+                dt = packed.meta.get("bias_dtype") or "float16"
+                b = torch.from_numpy(np.ascontiguousarray(b)).to("cuda")
+                b = b.view(torch.bfloat16) if dt == "bfloat16" else b
+
+            def run(x: np.ndarray, precision: str) -> np.ndarray:
+                y = gemm(torch.from_numpy(x).to("cuda"), packed, bias=False if b is None else b,
+                         precision=precision, out_dtype=torch.float32)
+                torch.cuda.synchronize()
+                return y.float().cpu().numpy()
+
+            return run
+
+        return prepare_cuda
+    raise BadInputError(f"device must be 'cpu' or 'cuda', got {device!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the checks
+# ---------------------------------------------------------------------------------------------
+def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | None = None,
+           base: str | os.PathLike[str] | None = None, device: str = "cpu", precision: str = "exact",
+           threads: int | None = None, ms: tuple[int, ...] = DEFAULT_MS, seed: int | None = None,
+           src_format: str | None = None, show_progress: bool | None = None) -> VerifyReport:
+    """Run the checks on the packed checkpoint at ``path``; never raises for a failed check (see
+    ``report.ok``), only for unusable input (not a w4pack folder, unreadable source: W4PackError).
+
+    Example::
+
+        rep = w4pack.verify.verify("llama-w4/", against="llama-gptq/")
+        print(rep.table()); assert rep.ok
+    """
+    if precision not in TOLERANCE:
+        raise BadInputError(f"precision must be 'exact' or 'fast', got {precision!r}")
+    if not ms or any(int(m) < 1 for m in ms):
+        raise BadInputError(f"activation rows must be >= 1, got {list(ms)}")
+    t0 = time.perf_counter()
+    if seed is None:
+        seed = int.from_bytes(os.urandom(4), "little")
+    root = Path(path)
+    runner = _gemm_runner(device, threads)
+    report = VerifyReport(path=str(root), against=None if against is None else str(against),
+                          base=None if base is None else str(base), device=device, precision=precision,
+                          ms=[int(m) for m in ms], seed=seed)
+    try:
+        ck = Checkpoint(root)
+    except BadInputError as exc:
+        if not (root / MANIFEST_NAME).is_file():
+            raise  # not a w4pack checkpoint at all: bad input, not a failed verification
+        report.structure_ok, report.structure_error = False, exc.one_line()
+        report.seconds = time.perf_counter() - t0
+        return report
+    source = None
+    base_w = None
+    try:
+        report.checks.append("structure")
+        try:
+            ck.check_structure()
+        except BadInputError as exc:
+            report.structure_ok, report.structure_error = False, exc.one_line()
+            return report
+        try:
+            ck.verify_checksums(show_progress=show_progress)
+        except BadInputError as exc:  # keep going: the layer checks name what changed
+            report.structure_ok, report.structure_error = False, exc.one_line()
+        if against is not None:
+            report.checks.append("exact")
+            source = _open_against(against, base, src_format)
+            src_names = set(source.layer_names())
+            for missing in sorted(src_names - set(ck.layers)):
+                report.problems.append(f"layer {missing} of the source is missing from the packed checkpoint")
+        report.checks.append(f"gemm-{precision}-{device}")
+        if base is not None:
+            report.checks.append("quant-error")
+            base_w = _BaseWeights(base)
+        rng = np.random.default_rng(seed)
+        tol = TOLERANCE[precision]
+        with Progress(len(ck.layers), "verify", enabled=show_progress) as bar:
+            for name in ck.layers:
+                report.layers.append(_check_layer(ck, name, source, base_w, runner, precision, tol, ms, rng))
+                bar.update()
+        if source is not None:
+            report.passthrough = _compare_passthrough(ck, source, report.problems)
+    finally:
+        ck.close()
+        if source is not None:
+            source.close()
+        if base_w is not None:
+            base_w.close()
+        report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _check_layer(ck: Checkpoint, name: str, source: Any, base_w: _BaseWeights | None, runner: Any,
+                 precision: str, tol: float, ms: tuple[int, ...], rng: np.random.Generator) -> LayerCheck:
+    meta = ck.manifest["layers"][name]
+    check = LayerCheck(name=name, shape=list(meta["shape"]), kind=_kind(meta))
+    try:
+        packed = ck.packed(name)
+        layer = ck.layer(name)
+    except W4PackError as exc:
+        check.problems.append(f"cannot unpack: {exc.one_line()}")
+        return check
+    if source is not None:
+        if name not in source.layer_names():
+            check.exact = False
+            check.problems.append("not in the source checkpoint")
+        else:
+            try:
+                diffs = layer.differences(source.read_layer(name))
+            except W4PackError as exc:
+                diffs = [f"source layer unreadable: {exc.one_line()}"]
+            check.exact = not diffs
+            if diffs:
+                check.problems.append("differs from the source: " + "; ".join(diffs[:4]))
+    # numerics: native GEMM vs float64 reference, fresh non-zero activations for every M
+    n, k = layer.out_features, layer.in_features
+    x_all = rng.standard_normal((sum(ms), k)).astype(np.float32)
+    x_all[x_all == 0] = 1.0
+    try:
+        run = runner(packed, name)
+        ys = []
+        at = 0
+        for m in ms:
+            ys.append(run(x_all[at:at + m], precision))
+            at += m
+        y = np.concatenate(ys, axis=0).astype(np.float64)
+        ref = np.empty((x_all.shape[0], n))
+        x64 = x_all.astype(np.float64)
+        wsq = 0.0
+        dsq = 0.0
+        dmax = 0.0
+        orig = base_w.weight(name) if base_w is not None else None
+        if base_w is not None and orig is None:
+            check.problems.append("no weight for this layer in the base model")
+        elif orig is not None and tuple(orig[0].shape) != (n, k):
+            check.problems.append(f"base weight has shape {list(orig[0].shape)}, expected {[n, k]}")
+            orig = None
+        for n0, n1, w in _row_chunks(layer):
+            ref[:, n0:n1] = x64 @ w.T
+            if layer.bias is not None:
+                ref[:, n0:n1] += to_float64(layer.bias[n0:n1], layer.bias_dtype or "float16")
+            if orig is not None:
+                w0 = to_float64(np.asarray(orig[0][n0:n1]), orig[1])
+                d = w - w0
+                wsq += float(np.sum(w0 * w0))
+                dsq += float(np.sum(d * d))
+                dmax = max(dmax, float(np.max(np.abs(d))))
+        if orig is not None:
+            check.quant_error = float(np.sqrt(dsq / wsq)) if wsq > 0 else float(np.sqrt(dsq))
+            check.quant_max_abs = dmax
+        worst = 0.0
+        at = 0
+        for m in ms:
+            r, yy = ref[at:at + m], y[at:at + m]
+            denom = np.linalg.norm(r)
+            e = float(np.linalg.norm(yy - r) / denom) if denom > 0 else float(np.linalg.norm(yy))
+            if not np.all(np.isfinite(yy)):
+                e = float("inf")
+            worst = max(worst, e)
+            at += m
+        check.gemm_error, check.gemm_tolerance = worst, tol
+        if not worst <= tol:
+            check.problems.append(f"{precision} GEMM error {worst:.2e} exceeds {tol:.0e}")
+    except W4PackError as exc:
+        check.problems.append(f"GEMM failed: {exc.one_line()}")
+    except MemoryError as exc:
+        check.problems.append(f"GEMM failed: out of memory ({exc})")
+    return check
+
+
+def _compare_passthrough(ck: Checkpoint, source: Any, problems: list[str]) -> dict[str, Any]:
+    """Pass-through tensors must be the source's bytes, dtype and shape, unchanged."""
+    src = list(source.passthrough_names())
+    mine = set(ck.passthrough)
+    identical = 0
+    for tname in src:
+        if tname not in mine:
+            problems.append(f"pass-through tensor {tname} of the source is missing")
+            continue
+        t = source.read_tensor(tname)
+        a, b = np.asarray(ck.raw(tname)), np.asarray(t.array)
+        same = (ck.dtype_name(tname) == t.dtype and a.shape == b.shape and a.dtype.itemsize == b.dtype.itemsize
+                and np.array_equal(np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8)))
+        if not same:
+            problems.append(f"pass-through tensor {tname} differs from the source")
+        else:
+            identical += 1
+    extra = sorted(mine - set(src))
+    for tname in extra[:5]:
+        problems.append(f"pass-through tensor {tname} is not in the source")
+    return {"total": len(src), "identical": identical, "extra": len(extra)}
