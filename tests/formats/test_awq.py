@@ -560,3 +560,26 @@ def test_unquantized_linears_listed_for_loaders(tmp_path: Path) -> None:
     AWQ.write(MemSource({"model.layers.0.self_attn.q_proj": random_layer(rng, 64, 64, 32)}, tensors), tmp_path / "o")
     qc = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]
     assert qc["modules_to_not_convert"] == ["model.layers.0.mlp.gate"]
+
+
+@pytest.mark.parametrize("version", ["gemm", "gemv", "gemv_fast"])
+@pytest.mark.parametrize("case", ["gemm_g64_in576_out128", "llm_awq_v2_2024_layer_g128_pt"])
+def test_w4pack_to_each_awq_version_decodes_to_truth(case: str, version: str, tmp_path: Path) -> None:
+    if case.endswith("_pt"):
+        pytest.importorskip("torch")
+    d = fixture_dir("awq", case)
+    tr = truth_of(d, None)
+    convert(d, tmp_path / "w4", show_progress=False)
+    if version == "gemv_fast" and tr["codes"].shape[1] % 64:
+        pytest.skip("GEMVFast needs in_features % 64 == 0")
+    convert(tmp_path / "w4", tmp_path / version, to="awq", version=version, show_progress=False)
+    k = tr["codes"].shape[1]
+    raw = decode_file_layer(tmp_path / version / "model.safetensors", PREFIX, version, k, k // tr["group_size"])
+    np.testing.assert_array_equal(raw["codes"], tr["codes"])
+    np.testing.assert_array_equal(raw["scales"], tr["scales"])
+    if version == "gemv_fast":
+        np.testing.assert_array_equal(raw["mins"], -(tr["scales"] * tr["zeros"]).astype(np.float16).astype(np.float32))
+    else:
+        np.testing.assert_array_equal(raw["zeros"], tr["zeros"])
+    with AWQ.open(tmp_path / version) as back:
+        assert back.read_layer(PREFIX).differences(open_checkpoint(tmp_path / "w4").layer(PREFIX)) == []
