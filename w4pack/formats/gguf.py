@@ -33,6 +33,10 @@ __all__ = ["GGUFFormat", "GGUFSource", "decode_q4_0", "decode_q4_1", "decode_q8_
            "rotary_row_permutation"]
 
 BLOCK = 32
+#: side file with the GGUF metadata (tokenizer vocabulary, chat template, ...) so that writing GGUF back keeps it
+METADATA_NAME = "gguf_metadata.json"
+#: keys the writer sets itself
+_WRITER_KEYS = {"general.architecture", "general.alignment"}
 _Q_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 
@@ -213,6 +217,14 @@ class GGUFSource(Source):
                 raise BadInputError("tensor name appears twice", file=label, tensor=t.name)
             self.tensors[t.name] = t
             self.types[t.name] = t.tensor_type.name
+        if self.tensors:
+            # gguf-py and llama.cpp pad every tensor to the alignment, so the last one ends the file; bytes left
+            # over mean the header announced fewer tensors than the file holds (or the data section is shifted)
+            align = int(_field(r, "general.alignment") or 32)
+            last = max(int(t.data_offset) + int(t.n_bytes) for t in r.tensors)
+            if size - last >= align:
+                raise BadInputError(f"{size - last} bytes after the last tensor's data: the header's tensor count "
+                                    f"({len(r.tensors)}) or offsets are wrong", file=label)
         arch = _field(r, "general.architecture")
         if arch is None:
             raise BadInputError("no general.architecture in the metadata", file=label)
@@ -381,10 +393,14 @@ class GGUFSource(Source):
         if self._side_files is not None:
             return list(self._side_files)
         self._side_files = []
-        if not self._export_tokenizer:
-            return []
         self._side_dir = Path(tempfile.mkdtemp(prefix="w4pack-gguf-tok-"))
-        if self.meta.get("tokenizer.ggml.model") is None:
+        import json
+
+        meta_doc = self.metadata_doc()
+        (self._side_dir / METADATA_NAME).write_text(json.dumps(meta_doc, ensure_ascii=False) + "\n", encoding="utf-8")
+        if not self._export_tokenizer:
+            pass
+        elif self.meta.get("tokenizer.ggml.model") is None:
             self.notes.append("no tokenizer in the GGUF metadata: none exported")
         else:
             try:
@@ -399,11 +415,35 @@ class GGUFSource(Source):
                                       f"{str(exc).splitlines()[0] if str(exc) else ''})")
         gen = {k: self.config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in self.config}
         if gen:
-            import json
-
             (self._side_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         self._side_files = sorted(p for p in self._side_dir.iterdir() if p.is_file())
         return list(self._side_files)
+
+    def metadata_doc(self) -> dict[str, Any]:
+        """Every metadata key with its GGUF value type, so a GGUF written back carries the same tokenizer/metadata."""
+        gguf = _gguf()
+        doc: dict[str, Any] = {}
+        skipped = []
+        for key, f in self.reader.fields.items():
+            if key.startswith("GGUF.") or key in _WRITER_KEYS:
+                continue
+            types = list(f.types)
+            if not types or (types[0] == gguf.GGUFValueType.ARRAY and
+                             (len(types) < 2 or types[1] == gguf.GGUFValueType.ARRAY)):
+                skipped.append(key)
+                continue
+            try:
+                value = f.contents()
+            except Exception:  # noqa: BLE001 - e.g. a string that is not UTF-8
+                skipped.append(key)
+                continue
+            if types[0] == gguf.GGUFValueType.ARRAY:
+                doc[key] = {"type": "ARRAY", "item": types[1].name, "value": value}
+            else:
+                doc[key] = {"type": types[0].name, "value": value}
+        if skipped:
+            self.notes.append(f"metadata not kept for a GGUF written back: {', '.join(skipped[:5])}")
+        return {"format": "w4pack gguf metadata", "version": 1, "metadata": doc, "tensor_types": dict(self.types)}
 
     def _export_hf_tokenizer(self, out: Path) -> None:
         import logging
@@ -473,6 +513,40 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
         inv = np.argsort(rotary_row_permutation(rows, int(n_head)))
         return inv
 
+    saved: dict[str, Any] = {}
+    for p in source.side_files():
+        if p.name == METADATA_NAME:
+            import json
+
+            try:
+                saved = json.loads(p.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise BadInputError(f"cannot read the saved GGUF metadata: {exc}", file=str(p)) from None
+            if not isinstance(saved, dict) or not isinstance(saved.get("metadata"), dict) or \
+                    not all(isinstance(v, dict) and "type" in v for v in saved["metadata"].values()):
+                raise BadInputError("saved GGUF metadata is not {metadata: {key: {type, value}}, ...}", file=str(p))
+    original_types: dict[str, str] = saved.get("tensor_types") or {}
+    requant: dict[str, str] = {}  # gguf name -> type, for float tensors that re-encode exactly
+
+    def exact_requant(gname: str, arr: np.ndarray) -> np.ndarray | None:
+        """Quantized bytes of a float tensor that came from a quantized GGUF tensor, if they reproduce it exactly."""
+        qt = original_types.get(gname)
+        if qt is None or qt in _PASS_TYPES.values() or arr.dtype != np.float32 or arr.ndim < 1:
+            return None
+        qtype = gguf.GGMLQuantizationType[qt]
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        if arr.shape[-1] % block:
+            return None
+        try:
+            data = gguf.quants.quantize(arr, qtype)
+        except (NotImplementedError, ValueError, TypeError):
+            return None
+        if gname not in requant:
+            if not np.array_equal(gguf.quants.dequantize(data, qtype).reshape(arr.shape), arr):
+                return None
+            requant[gname] = qt
+        return data
+
     def tensor_payload(kind: str, hf: str) -> tuple[np.ndarray, Any]:
         """(array to write, raw GGML type or None) of one output tensor, q/k rows re-permuted for llama.cpp."""
         if kind == "layer":
@@ -497,6 +571,12 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
             perm = qk_perm(tname, arr.shape[0])
             if perm is not None:
                 arr = np.ascontiguousarray(arr[perm])
+        if kind == "tensor" and dt == "float32" and original_types:
+            gname = _gguf_name(hf)
+            if pass_one or gname in requant:
+                data = exact_requant(gname, arr)
+                if data is not None:
+                    return data, gguf.GGMLQuantizationType[requant[gname]]
         qt = gguf.GGMLQuantizationType[_PASS_TYPES[dt]]
         if dt == "bfloat16":
             return arr.view(np.uint8), qt
@@ -507,10 +587,14 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
         jobs.append(("layer", name, _gguf_name(f"{name}.weight")))
         jobs.append(("bias", name, _gguf_name(f"{name}.bias")))
     jobs += [("tensor", t, _gguf_name(t)) for t in source.passthrough_names()]
+    if original_types:  # the source GGUF's tensor order, so a round trip reproduces the file
+        order = {g: i for i, g in enumerate(original_types)}
+        jobs.sort(key=lambda j: order.get(j[2], len(order)))
     # pass 1: every tensor's type, shape and size (GGUF writes infos before data); refuse before writing anything
     infos: list[tuple[str, str, str, tuple[int, ...], Any, int, Any]] = []
     types: Counter[str] = Counter()
     problems = []
+    pass_one = True
     for kind, hf, gname in jobs:
         if kind == "bias" and source.read_layer(hf).bias is None:
             continue
@@ -532,22 +616,32 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
             raise UnsupportedError(f"two tensors map to the GGUF name {gname}", tensor=hf)
         seen.add(gname)
     ftype = _FILE_TYPES[types.most_common(1)[0][0]] if types else 1
+    pass_one = False
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp_fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.w4pack-tmp-", dir=out.parent)
     os.close(tmp_fd)
     tmp = Path(tmp_name)
     try:
         w = gguf.GGUFWriter(str(tmp), arch=arch)
-        base = getattr(source, "info", {}).get("base_model")
-        if base:
-            w.add_name(str(base))
-        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        w.add_file_type(ftype)
-        for key, (kind, val) in kv.items():
-            if kind == "u32":
-                w.add_uint32(key, int(val))
+        VT = gguf.GGUFValueType
+        # saved keys first, in their original order, so a GGUF -> w4pack -> GGUF trip reproduces the header
+        final: dict[str, tuple[Any, Any, Any]] = {}
+        for key, entry in saved.get("metadata", {}).items():
+            if key in _WRITER_KEYS or (key.split(".")[0] in names.ARCHS and key.split(".")[0] != arch):
+                continue
+            if entry.get("type") == "ARRAY":
+                final[key] = (entry["value"], VT.ARRAY, VT[entry["item"]])
             else:
-                w.add_float32(key, float(val))
+                final[key] = (entry["value"], VT[entry["type"]], None)
+        final["general.quantization_version"] = (int(gguf.GGML_QUANT_VERSION), VT.UINT32, None)
+        final["general.file_type"] = (int(ftype), VT.UINT32, None)
+        base = getattr(source, "info", {}).get("base_model")
+        if base and "general.name" not in final:
+            final["general.name"] = (str(base), VT.STRING, None)
+        for key, (kind, val) in kv.items():
+            final[key] = (int(val), VT.UINT32, None) if kind == "u32" else (float(val), VT.FLOAT32, None)
+        for key, (val, vt, sub) in final.items():
+            w.add_key_value(key, val, vt, sub_type=sub)
         for _kind, _hf, gname, shape, dtype, nbytes, raw in infos:
             w.add_tensor_info(gname, shape, dtype, nbytes, raw_dtype=raw)
         w.write_header_to_file()
@@ -561,6 +655,9 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
         w.close()
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
