@@ -171,6 +171,8 @@ def test_converted_fixture_verifies(family: str, case: str, tmp_path: Path) -> N
         base = src / "base_weights_fp16.safetensors"
         opts["base"] = base
         src = src / "quant_dir"
+    elif family == "gguf":
+        src = next(src.glob("*.gguf"))
     try:
         convert(src, tmp_path / "out", **opts)
     except (W4PackError, ImportError) as exc:
