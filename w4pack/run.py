@@ -45,6 +45,16 @@ def _load(target: Any, device: str, precision: str, dtype: Any, threads: int | N
     return model, tok, str(getattr(model, "w4pack_path", "<model>"))
 
 
+def _model_precision(model: Any, asked: str) -> str:
+    """The CPU path the model's W4Linear modules use ("float" for a model without any)."""
+    from .torch_module import W4Linear
+
+    found = {m.precision for m in model.modules() if isinstance(m, W4Linear)}
+    if not found:
+        return "float"
+    return found.pop() if len(found) == 1 else asked
+
+
 def generate(target: Any, prompt: str, *, device: str = "cpu", max_new_tokens: int = 32,
              precision: str = "exact", temperature: float = 0.0, seed: int | None = None, dtype: Any = None,
              chat: bool = False, threads: int | None = None, top_p: float | None = None) -> dict[str, Any]:
@@ -99,7 +109,7 @@ def generate(target: Any, prompt: str, *, device: str = "cpu", max_new_tokens: i
     return {
         "path": path,
         "device": str(dev),
-        "precision": precision,
+        "precision": _model_precision(model, precision),
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "prompt": prompt,
         "chat": chat,
@@ -164,7 +174,7 @@ def perplexity(target: Any, text_file: str | os.PathLike[str] | None = None, *, 
     return {
         "path": path,
         "device": str(dev),
-        "precision": precision,
+        "precision": _model_precision(model, precision),
         "text_tokens": int(ids.numel()),
         "scored_tokens": count,
         "window": win,

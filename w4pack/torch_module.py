@@ -288,12 +288,13 @@ class W4FusedLinear(W4Linear):
         if torch.compiler.is_compiling():
             return self.forward(x)[..., lo:hi]
         c = self._cache
-        if c is not None and c[0] is x and c[1] == x._version and index not in c[3]:
+        version = -1 if x.is_inference() else x._version  # inference tensors keep no version counter
+        if c is not None and c[0] is x and c[1] == version and index not in c[3]:
             out, served = c[2], c[3]
         else:
             out, served = self.forward(x), set()
         served.add(index)
-        self._cache = None if len(served) == len(self.parts) else (x, x._version, out, served)
+        self._cache = None if len(served) == len(self.parts) else (x, version, out, served)
         return out[..., lo:hi]
 
     def extra_repr(self) -> str:

@@ -1,0 +1,268 @@
+"""`w4pack run` and w4pack.run: generation and perplexity with the native kernels, against transformers' own float
+model holding the same dequantized weights. Tiny random model + character tokenizer for the CLI, and the real
+SmolLM2-135M-Instruct (converted from its Q4_1 GGUF) for the issue's 20-token and perplexity checks."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from rtn_helper import MemorySource, quantize_model  # noqa: E402
+
+from w4pack.checkpoint import open_checkpoint  # noqa: E402
+from w4pack.cli import main  # noqa: E402
+from w4pack.convert import convert  # noqa: E402
+from w4pack.dtypes import to_float32  # noqa: E402
+from w4pack.formats import get_format  # noqa: E402
+from w4pack.loading import load_model, load_tokenizer  # noqa: E402
+from w4pack.run import dequantized_model, generate, perplexity  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE = REPO / "tests" / "data" / "ppl_sample.txt"
+
+
+def float_reference(path: Path, dtype: torch.dtype = torch.float32):
+    """transformers' own model from config.json, with torch's load_state_dict of the exact dequantized weights.
+
+    Independent of w4pack's loader and kernels: only the checkpoint reader and the canonical dequantize are shared.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(path)
+    del cfg.quantization_config
+    sd = {}
+    with open_checkpoint(path) as ck:
+        fused = ck.manifest.get("fused") or {}
+        for name in ck.layers:
+            layer = ck.layer(name)
+            w = torch.from_numpy(layer.dequantize(np.float32))
+            b = None if layer.bias is None else torch.from_numpy(to_float32(layer.bias, layer.bias_dtype))
+            parts = fused.get(name) or [{"name": name, "rows": [0, w.shape[0]]}]
+            for p in parts:
+                lo, hi = p["rows"]
+                sd[p["name"] + ".weight"] = w[lo:hi]
+                if b is not None:
+                    sd[p["name"] + ".bias"] = b[lo:hi]
+        for name in ck.passthrough:
+            arr = np.array(ck.raw(name))
+            t = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16) if ck.dtype_name(name) == "bfloat16" \
+                else torch.from_numpy(arr)
+            sd[name] = t.float()
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected, unexpected
+    assert set(missing) <= {"lm_head.weight"}, missing
+    model.tie_weights()
+    return model.to(dtype).eval()
+
+
+# -------------------------------------------------------------------------------------------------
+# a tiny model with a character tokenizer, written as GPTQ and converted
+# -------------------------------------------------------------------------------------------------
+def _char_tokenizer(folder: Path) -> list[Path]:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for c in [chr(i) for i in range(32, 127)] + ["\n"]:
+        vocab[c] = len(vocab)
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                  pad_token="<pad>")
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(folder)
+    return [p for p in folder.iterdir() if p.is_file()]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tmp = tmp_path_factory.mktemp("tiny")
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=112, max_position_embeddings=128, eos_token_id=None,
+                      bos_token_id=1, pad_token_id=0, tie_word_embeddings=True)
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.1)
+    layers, tensors = quantize_model(model, group_size=32, sym=False)
+    side = _char_tokenizer(tmp / "tok")
+    config = model.config.to_dict()
+    config["architectures"] = ["LlamaForCausalLM"]
+    get_format("gptq").write(MemorySource(config, layers, tensors, side), tmp / "gptq")
+    out = tmp / "w4"
+    convert(tmp / "gptq", out, fuse="qkv,gate-up")
+    return out
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def test_cli_greedy_generation_matches_float_model(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _err = _cli(capsys, "run", str(tiny), "--prompt", "The lamp was lit", "--max-new-tokens", "6",
+                         "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["new_tokens"] == 6 and doc["precision"] == "exact" and doc["sampling"] == "greedy"
+    assert "tokens_per_s" in doc and "prefill_s" in doc
+    tok = load_tokenizer(tiny)
+    ref = float_reference(tiny)
+    ids = tok("The lamp was lit", return_tensors="pt")
+    with torch.no_grad():
+        want = ref.generate(**ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert doc["token_ids"] == want[0, ids["input_ids"].shape[1]:].tolist()
+    assert doc["completion"] == tok.decode(doc["token_ids"], skip_special_tokens=True)
+    rc, out, err = _cli(capsys, "run", str(tiny), "--prompt", "The lamp was lit", "--max-new-tokens", "6")
+    assert rc == 0 and out.startswith("The lamp was lit") and "tokens/s" in err
+
+
+def test_sampling_is_repeatable_with_a_seed(tiny: Path) -> None:
+    model, tok = load_model(tiny), load_tokenizer(tiny)
+    a = generate((model, tok), "keeper", max_new_tokens=8, temperature=1.5, seed=3)
+    b = generate((model, tok), "keeper", max_new_tokens=8, temperature=1.5, seed=3)
+    greedy = generate((model, tok), "keeper", max_new_tokens=8)
+    assert a["token_ids"] == b["token_ids"] and a["sampling"] == {"temperature": 1.5, "seed": 3}
+    assert len(greedy["token_ids"]) == 8
+
+
+def test_cli_perplexity_matches_float_model(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _err = _cli(capsys, "run", str(tiny), "--perplexity", str(SAMPLE), "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["window"] == 128 and doc["scored_tokens"] > 1000
+    # independent reference: transformers' float model, cross-entropy per non-overlapping window
+    tok, ref = load_tokenizer(tiny), float_reference(tiny)
+    ids = tok(SAMPLE.read_text(encoding="utf-8"), return_tensors="pt")["input_ids"][0]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for s in range(0, ids.numel() - 1, 128):
+            chunk = ids[s:s + 128]
+            if chunk.numel() < 2:
+                break
+            logits = ref(chunk[None]).logits[0, :-1]
+            total += float(torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum"))
+            count += chunk.numel() - 1
+    assert doc["scored_tokens"] == count
+    assert abs(doc["perplexity"] / math.exp(total / count) - 1) < 1e-4
+
+
+def test_dequantized_model_replaces_every_packed_layer(tiny: Path) -> None:
+    from w4pack.torch_module import W4FusedLinear, W4Linear, W4SliceLinear
+
+    model = dequantized_model(load_model(tiny))
+    assert not any(isinstance(m, (W4Linear, W4FusedLinear, W4SliceLinear)) for m in model.modules())
+    ref = float_reference(tiny)
+    x = torch.randint(4, 100, (1, 12))
+    with torch.no_grad():
+        assert torch.allclose(model(x).logits, ref(x).logits, atol=1e-5)
+
+
+def test_usage_errors_exit_2_with_one_line(tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["run", str(tiny)],
+                 ["run", str(tiny), "--prompt", "x", "--perplexity", str(SAMPLE)],
+                 ["run", str(tmp_path / "nothing"), "--prompt", "x"],
+                 ["run", str(tiny), "--prompt", "x", "--chat"],
+                 ["run", str(tiny), "--perplexity", str(tmp_path / "missing.txt")]):
+        rc, _out, err = _cli(capsys, *argv)
+        assert rc == 2, (argv, err)
+        assert err.count("\n") == 1 and "Traceback" not in err
+
+
+# -------------------------------------------------------------------------------------------------
+# the real model
+# -------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("gguf")
+    import sys
+
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        from get_smollm2 import smollm2_gguf
+    finally:
+        sys.path.pop(0)
+    try:
+        gguf_path = smollm2_gguf()
+    except RuntimeError as exc:
+        pytest.skip(f"SmolLM2 GGUF unavailable: {exc}")
+    out = tmp_path_factory.mktemp("smollm2") / "w4"
+    convert(gguf_path, out)
+    return out
+
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def smol_models(smollm2: Path):
+    """(tokenizer, W4Linear model on CPU, transformers float reference), built once for the module."""
+    return load_tokenizer(smollm2), load_model(smollm2, device="cpu", precision="exact"), float_reference(smollm2)
+
+
+def test_smollm2_greedy_20_tokens_and_logits_match_float_model(smol_models) -> None:
+    tok, packed, ref = smol_models
+    got = generate((packed, tok), PROMPT, max_new_tokens=20)
+    ids = tok(PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        want = ref.generate(**ids, max_new_tokens=20, do_sample=False, pad_token_id=tok.eos_token_id)
+    n_prompt = ids["input_ids"].shape[1]
+    assert got["token_ids"] == want[0, n_prompt:].tolist()
+    assert len(got["token_ids"]) == 20
+    assert got["completion"].startswith(" Paris")
+    with torch.no_grad():  # per-token logits over prompt + continuation
+        a, b = packed(want).logits[0], ref(want).logits[0]
+    rel = ((a - b).abs().amax(-1) / b.abs().amax(-1))
+    assert float(rel.max()) < 1e-3, rel
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_smollm2_perplexity_within_half_a_percent(smol_models) -> None:
+    tok, packed, ref = smol_models
+    got = perplexity((packed, tok), SAMPLE)
+    want = perplexity((ref, tok), SAMPLE)
+    assert got["scored_tokens"] == want["scored_tokens"] > 300
+    assert got["precision"] == "exact" and want["precision"] == "float"
+    assert abs(got["perplexity"] / want["perplexity"] - 1) < 0.005
+
+
+@pytest.mark.gpu
+def test_smollm2_on_cuda_same_tokens_batched_and_graph_captured(smollm2: Path) -> None:
+    tok = load_tokenizer(smollm2)
+    cpu = generate((load_model(smollm2, device="cpu"), tok), PROMPT, max_new_tokens=20)
+    gpu_model = load_model(smollm2, device="cuda", dtype=torch.float32)
+    gpu = generate((gpu_model, tok), PROMPT, max_new_tokens=20)
+    assert gpu["token_ids"] == cpu["token_ids"]
+    # batched generation with left padding: each row equals its own single-row run
+    prompts = [PROMPT, "A lighthouse keeper needs"]
+    tok.padding_side = "left"
+    enc = tok(prompts, return_tensors="pt", padding=True).to("cuda")
+    with torch.no_grad():
+        batch = gpu_model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id)
+    for i, p in enumerate(prompts):
+        single = generate((gpu_model, tok), p, max_new_tokens=8)
+        assert batch[i, enc["input_ids"].shape[1]:].tolist() == single["token_ids"]
+    # CUDA graph capture of a decode-shaped forward (one token, static cache-free input)
+    x = torch.tensor([[tok.eos_token_id]], device="cuda")
+    with torch.no_grad():
+        eager = gpu_model(x).logits.clone()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = gpu_model(x).logits
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.allclose(static, eager, atol=1e-4, rtol=1e-4)
