@@ -20,6 +20,7 @@ from w4pack.dtypes import from_float32, to_float32
 from w4pack.errors import BadInputError, UnsupportedError
 from w4pack.formats import detect, get_format
 from w4pack.formats.base import Source, TensorData
+from w4pack.formats.toml_tables import dump_toml
 from w4pack.safetensors_io import SafetensorsFile, write_safetensors
 
 if sys.version_info >= (3, 11):
@@ -299,3 +300,19 @@ def test_cli_convert_with_base_and_back_to_toml(tmp_path: Path) -> None:
     w = SafetensorsFile(tmp_path / "t" / "model.safetensors")
     assert w.dtype_name(f"{LAYER}.weight") == "float16"  # fp16 reproduces the codes, so the runtime gets fp16
     assert np.all(np.isfinite(to_float32(w.get(f"{LAYER}.weight"), "float16")))
+
+
+def test_inline_scales_as_short_decimals_round_to_float32(tmp_path: Path) -> None:
+    """A decoder-N.toml whose scales are printed as short decimals still reads as the float32 values meant."""
+    d = fixture_dir("toml", "decoder_toml_inline_asym_g64")
+    shutil.copytree(d / "quant_dir", tmp_path / "q")
+    p = tmp_path / "q" / "decoder-0.toml"
+    doc = tomllib.loads(p.read_text())
+    for table in doc.values():
+        table["scale"] = [float(np.format_float_positional(np.float32(v), unique=True)) for v in table["scale"]]
+        table["scale"][0] = float(np.float32(table["scale"][0])) + 1e-12  # not a float32 decimal any more
+    p.write_text(dump_toml(doc))
+    with TOML.open(tmp_path / "q", base=d / BASES[0][0]) as src:
+        for name in src.layer_names():
+            assert_truth(src.read_layer(name), truth(d, name, BASES[0][1]))
+        assert any("rounded to the nearest float32" in n for n in src.info["notes"])

@@ -193,6 +193,7 @@ class TomlTablesSource(Source):
                       f"wbits {bits}"],
             "quirks": [],
         }
+        self._rounded_note = False
         if bfolder is None or self.base_path.resolve() != self.folder.resolve():
             self.info["notes"].append("with the original (pre-GPTQ) weights these are round-to-nearest codes on "
                                       "GPTQ's grid, not GPTQ's error-compensated codes")
@@ -244,6 +245,14 @@ class TomlTablesSource(Source):
                     raise ValueError("not a flat list of numbers")
                 if shape is not None:
                     arr = arr.reshape([int(d) for d in shape])
+                if key == "scale" and arr.dtype.kind == "f":
+                    # decimal text of float32 scales: the nearest float32 is the value meant
+                    a32 = arr.astype(np.float32)
+                    if not np.array_equal(a32.astype(np.float64), arr) and not self._rounded_note:
+                        self._rounded_note = True
+                        self.info["notes"].append("inline scales were not exact float32 decimals; rounded to the "
+                                                  "nearest float32")
+                    arr = a32
             except (ValueError, TypeError) as exc:
                 raise BadInputError(f"inline {key} list does not fit {key}_shape {shape}: {exc}", file=tfile,
                                     tensor=name) from None
