@@ -196,6 +196,9 @@ def test_http_errors_give_one_line_and_exit_4(hub, ckpt: Path, tmp_path: Path, c
 def test_network_failure_exits_4(ckpt: Path, tmp_path: Path, capfd, monkeypatch) -> None:  # noqa: ANN001
     import huggingface_hub.constants as hc
 
+    import w4pack.hub
+
+    monkeypatch.setattr(w4pack.hub, "_RETRY_WAIT", 0.01)  # w4pack's own re-runs; keeps the test short
     monkeypatch.setattr(hc, "HF_HUB_DISABLE_XET", True)
     monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     with socket.socket() as s:  # a port nobody listens on
@@ -205,6 +208,30 @@ def test_network_failure_exits_4(ckpt: Path, tmp_path: Path, capfd, monkeypatch)
     assert rc == 4 and "w4pack: error:" in err and TOKEN not in out + err
     rc, out, err = _cli(["push", str(ckpt), REPO, "--endpoint", dead, "--token", TOKEN], capfd)
     assert rc == 4 and "network failure" in err and TOKEN not in out + err
+
+
+def test_server_error_on_pull_is_named_and_retried(hub, ckpt: Path, tmp_path: Path, capfd,  # noqa: ANN001
+                                                   monkeypatch) -> None:
+    import w4pack.hub
+    from w4pack.hub import pull, push
+
+    monkeypatch.setattr(w4pack.hub, "_RETRY_WAIT", 0.01)
+    push(ckpt, REPO, endpoint=hub.endpoint, token=TOKEN)
+    hub.fail("revision_info", 500)  # once: w4pack runs the (resuming) download again
+    out = pull(REPO, tmp_path / "once", endpoint=hub.endpoint, token=TOKEN)
+    assert folder_bytes(out) == folder_bytes(ckpt) and hub.count("revision_info", status=500) == 1
+    hub.fail("revision_info", 500, times=3)  # every attempt: one line naming the HTTP failure
+    rc, out, err = _cli(["pull", REPO, str(tmp_path / "never"), "--endpoint", hub.endpoint, "--token", TOKEN],
+                        capfd)
+    assert rc == 4 and "the Hub failed (HTTP 500)" in err and not (tmp_path / "never").exists()
+
+
+def test_card_rejected_by_the_hub_is_bad_input(hub, tmp_path: Path, capfd) -> None:  # noqa: ANN001
+    folder = make_checkpoint(tmp_path / "m", source={"format": "gptq"})  # no base model known
+    (folder / "README.md").write_text("---\nbase_model_relation: merge\n---\nmine\n")
+    rc, out, err = _cli(["push", str(folder), REPO, "--endpoint", hub.endpoint, "--token", TOKEN], capfd)
+    assert rc == 2 and "rejected the model card metadata" in err and "base_model" in err
+    assert hub.count("commit") == 0 and TOKEN not in out + err
 
 
 # -- refused before any request ---------------------------------------------------------------------

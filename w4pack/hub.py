@@ -52,6 +52,7 @@ _SOURCE_ALWAYS = ("config.json", "quantize_config.json", "quant_config.json", "q
 #: but not create_repo or the commit POST)
 _TRANSIENT = {429, 500, 502, 503, 504}
 _ATTEMPTS = 3
+_RETRY_WAIT = 1.0  # seconds before the 2nd attempt, doubled after
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,9 +115,16 @@ def _translate(exc: BaseException, *, repo_id: str, endpoint: str, token: str | 
         import httpx as _httpx  # type: ignore[no-redef]
 
     where = f"{repo_id} on {endpoint}"
-    for e in _chain(exc):
+    chain = list(_chain(exc))
+    for e in chain:
+        if isinstance(e, ValueError) and "Invalid metadata in README.md" in str(e):  # validate-yaml said no
+            return BadInputError(_scrub(f"the Hub rejected the model card metadata: {' '.join(str(e).split())}",
+                                        token), file=CARD_NAME)
+    for e in chain:
         if isinstance(e, W4PackError):
             return e
+        if isinstance(e, hf_errors.LocalEntryNotFoundError) and e.__cause__ is not None:
+            continue  # "cannot find files": let the underlying HTTP or network error speak
         status = _status_of(e)
         detail = _server_message(e)
         tail = f" (server said: {detail})" if detail else ""
@@ -152,8 +160,8 @@ def _translate(exc: BaseException, *, repo_id: str, endpoint: str, token: str | 
         else:
             continue
         return IOFailure(_scrub(msg, token))
-    if isinstance(exc, ValueError) and "Invalid metadata in README.md" in str(exc):
-        return BadInputError(_scrub(f"the Hub rejected the model card metadata: {exc}", token), file=CARD_NAME)
+    if any(isinstance(e, hf_errors.LocalEntryNotFoundError) for e in chain):
+        return IOFailure(_scrub(f"cannot reach the Hub at {endpoint} to {action} {repo_id}", token))
     if isinstance(exc, OSError):
         return IOFailure(_scrub(f"cannot {action} {where}: {exc}", token))
     return IOFailure(_scrub(f"cannot {action} {where}: {type(exc).__name__}: {exc}", token))
@@ -184,8 +192,9 @@ def _is_transient(exc: BaseException) -> bool:
     return False
 
 
-def _retrying(fn: Callable[[], Any], *, attempts: int = _ATTEMPTS, wait: float = 1.0) -> Any:
+def _retrying(fn: Callable[[], Any], *, attempts: int = _ATTEMPTS, wait: float | None = None) -> Any:
     """Run ``fn`` again after a transient failure (5xx, 429, dropped connection); bounded."""
+    wait = _RETRY_WAIT if wait is None else wait
     for i in range(attempts):
         try:
             return fn()
@@ -602,9 +611,10 @@ def pull(repo_id: str, dest: str | os.PathLike[str], *, revision: str | None = N
     try:
         with _hf_bars(sys.stderr.isatty()), _hub_errors(repo_id=repo_id, endpoint=ep, token=token, action="download",
                                                          revision=revision):
-            snapshot_download(repo_id, revision=revision, local_dir=tmp, endpoint=ep, token=token,
-                              ignore_patterns=[".gitattributes"], library_name="w4pack",
-                              library_version=__version__)
+            # a re-run after a transient failure keeps what already arrived in tmp (local_dir resume)
+            _retrying(lambda: snapshot_download(repo_id, revision=revision, local_dir=tmp, endpoint=ep, token=token,
+                                                ignore_patterns=[".gitattributes"], library_name="w4pack",
+                                                library_version=__version__))
         _strip_download_cache(tmp)
         try:
             validate_checkpoint(tmp, checksums=True, show_progress=False)
@@ -722,8 +732,9 @@ def resolve_source(spec: str, *, endpoint: str | None = None, token: str | None 
             raise IOFailure(f"cannot create the download cache: {exc.strerror}", file=str(root.parent)) from None
         try:
             with _hf_bars(sys.stderr.isatty()), _hub_errors(action="download", **errs):
-                snapshot_download(repo_id, revision=sha, local_dir=tmp, endpoint=ep, token=token,
-                                  allow_patterns=patterns, library_name="w4pack", library_version=__version__)
+                _retrying(lambda: snapshot_download(repo_id, revision=sha, local_dir=tmp, endpoint=ep, token=token,
+                                                    allow_patterns=patterns, library_name="w4pack",
+                                                    library_version=__version__))
             _strip_download_cache(tmp)
             (tmp / marker).write_text(key, encoding="utf-8")
             if root.exists():
