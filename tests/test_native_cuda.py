@@ -1,0 +1,274 @@
+"""CUDA GEMM (w4pack.native.cuda, native/cuda/): the library builds, loads and resolves its ABI everywhere;
+on a GPU (``gpu`` marker) the kernels match the float64 reference for every option, write every output,
+repeat bit for bit and run under CUDA graph capture."""
+from __future__ import annotations
+
+import shutil
+import zlib
+
+import numpy as np
+import pytest
+
+from w4pack.canonical import CanonicalLayer, default_g_idx
+from w4pack.dtypes import from_float32, to_float64
+from w4pack.layout import pack
+from w4pack.native import cuda
+
+# -- everywhere (CI has nvcc but no GPU) -------------------------------------------------------------------
+
+
+def _lib_or_skip():
+    if not cuda.library_path().exists():
+        if shutil.which("nvcc"):
+            pytest.fail(f"nvcc is installed but {cuda.library_path()} is missing: `make cuda` must build it")
+        pytest.skip("no nvcc and no prebuilt libw4p_cuda.so")
+    return cuda._load()
+
+
+def test_header_declares_the_cuda_entry_points():
+    names = cuda.entry_points()
+    assert names == ["w4p_cuda_abi_version", "w4p_cuda_last_error", "w4p_cuda_device_count", "w4p_cuda_plan",
+                     "w4p_cuda_gemm"]
+
+
+def test_library_loads_and_resolves_every_entry_point():
+    ffi, lib = _lib_or_skip()
+    for name in cuda.entry_points():
+        assert getattr(lib, name) is not None  # raises AttributeError on an undefined symbol
+    assert lib.w4p_cuda_abi_version() == 1
+
+
+def test_device_count_reports_cleanly():
+    ffi, lib = _lib_or_skip()
+    count = ffi.new("int *")
+    rc = lib.w4p_cuda_device_count(count)
+    if rc == 0:
+        assert count[0] >= 1
+        return
+    assert rc == lib.W4P_ENODEVICE
+    assert ffi.string(lib.w4p_cuda_last_error()).decode().startswith("no CUDA device")
+    assert not cuda.available()
+    assert cuda.unavailable_reason().startswith("no CUDA device")
+
+
+def test_bad_arguments_come_back_as_codes():
+    ffi, lib = _lib_or_skip()
+    rc = lib.w4p_cuda_gemm(0, ffi.NULL, 1, 0, 16, 64, ffi.NULL, 64, ffi.NULL, 16, ffi.NULL, 4, 128, 0,
+                           ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, 0, 0, 0)
+    assert rc == lib.W4P_EINVAL
+    assert "bad shape" in ffi.string(lib.w4p_cuda_last_error()).decode()
+    rc = lib.w4p_cuda_gemm(0, ffi.NULL, 3, 1, 16, 64, ffi.NULL, 64, ffi.NULL, 16, ffi.NULL, 4, 128, 0,
+                           ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, 0, 0, 0)
+    assert rc == lib.W4P_EUNSUPPORTED
+
+
+# -- helpers -----------------------------------------------------------------------------------------------
+
+
+def random_layer(rng: np.random.Generator, n: int, k: int, bits: int = 4, gs: int = 128, zero_mode: str = "none",
+                 act_order: bool = False, scale_dtype: str = "float16", bias: bool = False) -> CanonicalLayer:
+    """A layer with random codes, positive scales and (for int / float zero modes) random zero points."""
+    g = 1 if gs == -1 else -(-k // gs)
+    codes = rng.integers(0, 1 << bits, size=(n, k), dtype=np.uint8)
+    s32 = (rng.uniform(0.5, 1.5, size=(n, g)) * (0.02 if bits == 4 else 0.002)).astype(np.float32)
+    scales = s32.astype(np.float16) if scale_dtype == "float16" else (
+        from_float32(s32, "bfloat16") if scale_dtype == "bfloat16" else s32)
+    zeros = None
+    if zero_mode == "int":
+        zeros = rng.integers(0, (1 << bits) + 1, size=(n, g)).astype(np.int32)
+    elif zero_mode == "float":
+        m32 = (rng.uniform(-1, 1, size=(n, g)) * (0.1 if bits == 4 else 0.2)).astype(np.float32)
+        zeros = m32.astype(np.float16) if scale_dtype == "float16" else (
+            from_float32(m32, "bfloat16") if scale_dtype == "bfloat16" else m32)
+    g_idx = default_g_idx(k, gs)
+    if act_order and gs != -1:
+        g_idx = g_idx[rng.permutation(k)].astype(np.int32)
+    b = rng.standard_normal(n).astype(np.float16) if bias else None
+    return CanonicalLayer(codes=codes, scales=scales, bits=bits, group_size=gs, zero_mode=zero_mode, zeros=zeros,
+                          g_idx=g_idx, scale_dtype=scale_dtype, bias=b).validate()
+
+
+def reference(layer: CanonicalLayer, x64: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    y = x64 @ layer.dequantize(np.float64).T
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def rel_err(y, ref: np.ndarray) -> float:
+    y64 = y.double().cpu().numpy()
+    assert np.isfinite(y64).all(), "non-finite or unwritten outputs"
+    return float(np.linalg.norm(y64 - ref) / np.linalg.norm(ref))
+
+
+def tolerance(dtype_name: str) -> float:
+    # fp16: weights rounded once to fp16 (2^-11) and fp16 output; bf16 rounds to 2^-8, so its output alone is ~1e-3
+    return 1e-3 if dtype_name == "float16" else 8e-3
+
+
+def run_case(torch, rng, layer: CanonicalLayer, m: int, dtype_name: str, kernel: str = "auto", splits: int = 0,
+             lin=None, bias: bool = True):
+    tdt = torch.float16 if dtype_name == "float16" else torch.bfloat16
+    lin = lin or cuda.CudaPackedLinear(pack(layer), "cuda")
+    x = torch.randn(m, layer.in_features, device="cuda").to(tdt)
+    out = torch.full((m, layer.out_features), float("nan"), dtype=tdt, device="cuda")  # poisoned
+    lin.forward(x, out=out, kernel=kernel, splits=splits)
+    torch.cuda.synchronize()
+    b = to_float64(layer.bias, layer.bias_dtype) if (layer.bias is not None and bias) else None
+    return rel_err(out, reference(layer, x.double().cpu().numpy(), b))
+
+
+# -- GPU ---------------------------------------------------------------------------------------------------
+
+OPTIONS = [
+    (bits, zm, gs, act)
+    for bits in (4, 8)
+    for zm in ("none", "int", "float")
+    for gs in (32, 64, 128, -1)
+    for act in (False, True)
+    if not (act and gs == -1)
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("bits,zero_mode,gs,act_order", OPTIONS)
+def test_every_option_matches_float64(dtype_name, bits, zero_mode, gs, act_order):
+    import torch
+
+    rng = np.random.default_rng(zlib.crc32(repr((dtype_name, bits, zero_mode, gs, act_order)).encode()))
+    layer = random_layer(rng, 196, 576, bits=bits, gs=gs, zero_mode=zero_mode, act_order=act_order,
+                         scale_dtype=dtype_name, bias=True)
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
+    for m, kernel in ((1, "stream"), (7, "auto"), (19, "stream"), (40, "stream"), (3, "tiled"), (67, "tiled"),
+                      (200, "auto")):
+        err = run_case(torch, rng, layer, m, dtype_name, kernel=kernel, lin=lin)
+        assert err <= tolerance(dtype_name), (m, kernel, err)
+
+
+@pytest.mark.gpu
+def test_odd_shapes_all_small_m():
+    import torch
+
+    rng = np.random.default_rng(1)
+    layer = random_layer(rng, 196, 576, gs=64, zero_mode="int", bias=True)
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda")
+    for m in range(1, 68):
+        for kernel in ("stream", "tiled"):
+            assert run_case(torch, rng, layer, m, "float16", kernel=kernel, lin=lin) <= 1e-3, (m, kernel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,gs", [(10, 100, 32), (33, 1000, 128), (130, 4104, -1), (1, 64, 64)])
+def test_padded_and_unaligned_shapes(n, k, gs):
+    import torch
+
+    rng = np.random.default_rng(n * k)
+    layer = random_layer(rng, n, k, gs=gs, zero_mode="float", act_order=gs != -1, scale_dtype="float32")
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda")
+    for m in (1, 9, 130):
+        for kernel in ("stream", "tiled", "auto"):
+            assert run_case(torch, rng, layer, m, "float16", kernel=kernel, lin=lin) <= 1e-3, (m, kernel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 64])
+def test_forced_splits(splits):
+    import torch
+
+    rng = np.random.default_rng(splits)
+    layer = random_layer(rng, 256, 4096, gs=128)
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda")
+    for m, kernel in ((1, "stream"), (24, "stream"), (96, "tiled")):
+        assert run_case(torch, rng, layer, m, "float16", kernel=kernel, splits=splits, lin=lin) <= 1e-3
+
+
+@pytest.mark.gpu
+def test_large_shapes():
+    import torch
+
+    rng = np.random.default_rng(7)
+    layer = random_layer(rng, 4096, 4096, gs=128, zero_mode="int")
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda")
+    for m in (1, 16, 64, 300, 2048):
+        assert run_case(torch, rng, layer, m, "float16", lin=lin) <= 1e-3, m
+    assert run_case(torch, rng, layer, 1000, "bfloat16", lin=lin) <= 8e-3
+
+
+@pytest.mark.gpu
+def test_strided_input_and_explicit_bias():
+    import torch
+
+    rng = np.random.default_rng(3)
+    layer = random_layer(rng, 96, 512, gs=128)
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda")
+    wide = torch.randn(20, 520, device="cuda", dtype=torch.float16)
+    x = wide[:, 3:515]  # row stride 520, not 16-byte aligned
+    bias = torch.randn(96, device="cuda", dtype=torch.float16)
+    y = lin.forward(x, bias=bias)
+    ref = reference(layer, x.double().cpu().numpy(), bias.double().cpu().numpy())
+    assert rel_err(y, ref) <= 1e-3
+    y3 = lin.forward(x.reshape(4, 5, 512), bias=False)
+    assert y3.shape == (4, 5, 96)
+    assert rel_err(y3.reshape(20, 96), reference(layer, x.double().cpu().numpy(), None)) <= 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,kernel", [(1, "stream"), (16, "stream"), (64, "tiled"), (1024, "tiled")])
+def test_repeated_calls_are_bit_identical(m, kernel):
+    import torch
+
+    rng = np.random.default_rng(m)
+    layer = random_layer(rng, 1024, 4096, gs=128, zero_mode="int")
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda")
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
+    assert lin.plan(m, kernel=kernel)["splits"] > 1 or m == 1024  # the split-K reduction is exercised
+    first = lin.forward(x, kernel=kernel)
+    for _ in range(20):
+        assert torch.equal(lin.forward(x, kernel=kernel), first)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay():
+    import torch
+
+    rng = np.random.default_rng(11)
+    layer = random_layer(rng, 512, 2048, gs=64, zero_mode="float", act_order=True, bias=True)
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda")
+    for m in (1, 48, 256):
+        x = torch.randn(m, 2048, device="cuda", dtype=torch.float16)
+        eager = lin.forward(x)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            lin.forward(x)  # warm-up on the capture stream (workspace allocated outside the capture)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = lin.forward(x)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, eager)
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, lin.forward(x))
+
+
+@pytest.mark.gpu
+def test_gemm_entry_and_errors():
+    import torch
+
+    from w4pack.errors import BadInputError, UnsupportedError
+
+    rng = np.random.default_rng(5)
+    layer = random_layer(rng, 64, 256, gs=64, bias=True)
+    packed = pack(layer)
+    x = torch.randn(3, 256, device="cuda", dtype=torch.float16)
+    y = cuda.gemm_cuda(x, packed)
+    ref = reference(layer, x.double().cpu().numpy(), to_float64(layer.bias, "float16"))
+    assert rel_err(y, ref) <= 1e-3
+    with pytest.raises(UnsupportedError):
+        cuda.gemm_cuda(x.float(), packed)
+    with pytest.raises(BadInputError):
+        cuda.gemm_cuda(x[:, :128], packed)

@@ -1,0 +1,260 @@
+#!/usr/bin/env python3
+"""GPU benchmark of the w4pack CUDA GEMM against cuBLAS fp16, torch tinygemm (bf16) and, when importable,
+Marlin / gemlite, on Llama-2 7B and 70B layer shapes, group size 128.
+
+Method (docs/CUDA.md): weights are L2-cold (each kernel rotates through enough weight copies to pass
+~4x the 60 MB L2); one CUDA graph holds one call per copy and is replayed; each replay is timed with
+CUDA events; the reported time per call is the median over replays divided by the copies. Achieved
+GB/s counts the bytes a call must move (int4 weights + scales [+ zeros] + activations in + outputs out).
+
+Usage: python tools/bench_gpu.py [--quick] [--sweep] [--json OUT.jsonl]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from w4pack.layout import LAYOUT_NAME, LAYOUT_VERSION, PackedLayer  # noqa: E402
+from w4pack.native import cuda as w4cuda  # noqa: E402
+
+SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 12288), (8192, 28672), (28672, 8192)]  # K x N
+MS = [1, 4, 8, 16, 32, 64, 128, 256, 1024]
+GS = 128
+L2_PASS_BYTES = 240e6
+READ_BW_REF = 4494.0  # GB/s, best read stream measured on this H200 (gpu-baseline.md)
+
+
+_STREAM: list = []
+
+
+def time_graph(calls, copies: int, replays: int = 15) -> float:
+    """Median microseconds per call: one graph with one call per weight copy, replayed and event-timed."""
+    if not _STREAM:
+        _STREAM.append(torch.cuda.Stream())
+    s = _STREAM[0]
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(copies):
+            calls(i)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(copies):
+            calls(i)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0 / copies)
+    del g
+    return statistics.median(times)
+
+
+def n_copies(bytes_per_copy: float) -> int:
+    return max(1, min(64, math.ceil(L2_PASS_BYTES / bytes_per_copy)))
+
+
+def random_packed(k: int, n: int, gs: int = GS, zero_mode: str = "none") -> PackedLayer:
+    """A valid packed layer with random codes (every int32 pattern is a valid set of 4-bit codes)."""
+    rng = np.random.default_rng(k * 7 + n)
+    np_, kp = -(-n // 16) * 16, -(-k // 64) * 64
+    gp = -(-kp // gs)
+    g = -(-k // gs)
+    meta = {"bits": 4, "storage_bits": 4, "group_size": gs, "zero_mode": zero_mode, "shape": [n, k],
+            "padded_shape": [np_, kp], "num_groups": g, "padded_groups": gp, "scale_dtype": "float16",
+            "act_order": False, "bias_dtype": None, "layout": LAYOUT_NAME, "layout_version": LAYOUT_VERSION}
+    qw = rng.integers(-2**31, 2**31, size=(np_ // 16, kp // 64 * 128), dtype=np.int64).astype(np.int32)
+    tensors = {"qweight": qw, "scales": (rng.uniform(0.5, 1.5, size=(gp, np_)) * 0.01).astype(np.float16)}
+    if zero_mode == "int":
+        tensors["zeros"] = rng.integers(0, 16, size=(gp, np_), dtype=np.uint8)
+    return PackedLayer(meta=meta, tensors=tensors)
+
+
+def w4_copies(packed: PackedLayer, copies: int) -> list[w4cuda.CudaPackedLinear]:
+    base = w4cuda.CudaPackedLinear(packed, "cuda", dtypes=("float16",))
+    out = [base]
+    for _ in range(copies - 1):
+        c = copy.copy(base)
+        c.qweight = base.qweight.clone()
+        c._by_dtype = {d: {kk: vv.clone() for kk, vv in p.items()} for d, p in base._by_dtype.items()}
+        out.append(c)
+    return out
+
+
+def w4_bytes(k: int, n: int, m: int) -> float:
+    return k * n / 2 + 2 * n * math.ceil(k / GS) + 2 * m * k + 2 * m * n
+
+
+def measure_w4(lins, k, n, m, kernel="auto", splits=0) -> float:
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    ys = [torch.empty(m, n, device="cuda", dtype=torch.float16) for _ in range(2)]
+    return time_graph(lambda i: lins[i].forward(x, out=ys[i & 1], kernel=kernel, splits=splits), len(lins))
+
+
+def measure_cublas(k, n, m) -> tuple[float, float]:
+    copies = n_copies(2 * k * n)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(copies)]
+    wts = [w.t().contiguous() for w in ws]  # [K, N] for x @ W
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    t_mm = time_graph(lambda i: torch.matmul(x, wts[i]), copies)
+    t_lin = time_graph(lambda i: F.linear(x, ws[i]), copies)
+    del ws, wts
+    return t_mm, t_lin
+
+
+def measure_tinygemm(k, n, m) -> float | None:
+    try:
+        copies = n_copies(k * n / 2)
+        inner = 8
+        packs, szs = [], []
+        for _ in range(copies):
+            w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+            packs.append(torch._convert_weight_to_int4pack(w, inner))
+            sz = torch.rand(k // GS, n, 2, device="cuda", dtype=torch.bfloat16)
+            szs.append(sz)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        t = time_graph(lambda i: torch._weight_int4pack_mm(x, packs[i], GS, szs[i]), copies)
+        del packs, szs
+        return t
+    except Exception as exc:  # noqa: BLE001 - a peer missing in this torch build is reported, not fatal
+        print(f"tinygemm unavailable: {exc}", file=sys.stderr)
+        return None
+
+
+def read_bandwidth() -> dict[str, float]:
+    """Device-to-device copy (read + write counted) and the w4pack probes over a 0.5 GB layer."""
+    a = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    t = time_graph(lambda i: b.copy_(a), 1, replays=10)
+    copy_gbs = 2 * a.numel() / (t * 1e-6) / 1e9
+    del a, b
+    packed = random_packed(16384, 65536)
+    lin = w4cuda.CudaPackedLinear(packed, "cuda", dtypes=("float16",))
+    x = torch.randn(1, 16384, device="cuda", dtype=torch.float16)
+    y = torch.empty(1, 65536, device="cuda", dtype=torch.float16)
+    qbytes = lin.qweight.numel() * 4
+    res = {"copy_rw_gbs": copy_gbs}
+    for probe in ("probe_load", "probe_dequant", "auto"):
+        t = time_graph(lambda i: lin.forward(x, out=y, kernel=probe), 1, replays=10)
+        res[f"{probe}_gbs"] = qbytes / (t * 1e-6) / 1e9
+        res[f"{probe}_us"] = t
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="M in 1, 16, 64, 256 only")
+    ap.add_argument("--sweep", action="store_true", help="also time forced kernels / split counts")
+    ap.add_argument("--json", type=Path, default=None, help="append one JSON line per measurement")
+    ap.add_argument("--shapes", default="", help="comma list of KxN (default: the six Llama shapes)")
+    args = ap.parse_args()
+    if not w4cuda.available():
+        print(f"w4pack CUDA unavailable: {w4cuda.unavailable_reason()}", file=sys.stderr)
+        return 2
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s] or SHAPES
+    ms = [1, 16, 64, 256] if args.quick else MS
+    props = torch.cuda.get_device_properties(0)
+    head = (f"GPU {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, layout {LAYOUT_NAME} v{LAYOUT_VERSION}")
+    print(head, flush=True)
+    jf = args.json.open("a") if args.json else None
+
+    def emit(rec: dict) -> None:
+        if jf:
+            jf.write(json.dumps(rec) + "\n")
+            jf.flush()
+
+    bw = read_bandwidth()
+    emit({"kind": "bandwidth", **bw})
+    print("bandwidth: copy (read+write) {copy_rw_gbs:.0f} GB/s; w4pack layout load-only {probe_load_gbs:.0f} GB/s, "
+          "load+dequant {probe_dequant_gbs:.0f} GB/s, full GEMV (M=1) {auto_gbs:.0f} GB/s of qweight".format(**bw),
+          flush=True)
+
+    try:
+        import marlin  # noqa: F401
+        print("marlin importable but not wired in this script", file=sys.stderr)
+    except ImportError:
+        pass
+    try:
+        import gemlite  # noqa: F401
+        print("gemlite importable but not wired in this script", file=sys.stderr)
+    except ImportError:
+        pass
+
+    tables = []
+    for k, n in shapes:
+        packed = random_packed(k, n)
+        lins = w4_copies(packed, n_copies(k * n / 2 * 1.03))
+        rows = []
+        for m in ms:
+            t_w4 = measure_w4(lins, k, n, m)
+            plan = lins[0].plan(m)
+            t_mm, t_lin = measure_cublas(k, n, m)
+            t_tg = measure_tinygemm(k, n, m)
+            best = min(t_mm, t_lin)
+            gbs = w4_bytes(k, n, m) / (t_w4 * 1e-6) / 1e9
+            rec = {"kind": "gemm", "K": k, "N": n, "M": m, "w4pack_us": t_w4, "cublas_mm_us": t_mm,
+                   "cublas_linear_us": t_lin, "tinygemm_us": t_tg, "w4pack_gbs": gbs, "plan": plan}
+            sweep = {}
+            if args.sweep:
+                if m <= 64:
+                    for sp in (1, 2, 4, 8, 16, 32):
+                        sweep[f"stream_s{sp}"] = measure_w4(lins, k, n, m, "stream", sp)
+                if m >= 16:
+                    sweep["tiled"] = measure_w4(lins, k, n, m, "tiled")
+                    if m <= 128:
+                        sweep["stream"] = measure_w4(lins, k, n, m, "stream")
+                rec["sweep"] = sweep
+            emit(rec)
+            rows.append(rec)
+            extra = " ".join(f"{a}={b:.1f}" for a, b in sweep.items())
+            print(f"  {k}x{n} M={m}: w4pack {t_w4:.1f} us ({plan['kernel']}/{plan['splits']}) cublas {best:.1f} "
+                  f"tinygemm {t_tg if t_tg is None else round(t_tg, 1)} {extra}", flush=True)
+        tables.append((k, n, rows))
+        del lins
+        torch.cuda.empty_cache()
+
+    print()
+    print(head)
+    print(f"Time per call (us, L2-cold, graph replay median); speedup over the faster cuBLAS fp16 layout; "
+          f"w4pack GB/s and % of the {READ_BW_REF:.0f} GB/s read stream")
+    geo: dict[int, list[float]] = {}
+    for k, n, rows in tables:
+        print(f"\nK={k} N={n}")
+        print("| M | w4pack | cuBLAS fp16 | tinygemm bf16 | w4pack x | tinygemm x | w4pack GB/s | % read BW | plan |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            best = min(r["cublas_mm_us"], r["cublas_linear_us"])
+            tg = r["tinygemm_us"]
+            sp = best / r["w4pack_us"]
+            geo.setdefault(r["M"], []).append(sp)
+            print(f"| {r['M']} | {r['w4pack_us']:.1f} | {best:.1f} | {'-' if tg is None else f'{tg:.1f}'} | "
+                  f"{sp:.2f}x | {'-' if tg is None else f'{best / tg:.2f}x'} | {r['w4pack_gbs']:.0f} | "
+                  f"{100 * r['w4pack_gbs'] / READ_BW_REF:.0f}% | {r['plan']['kernel']}/{r['plan']['splits']} |")
+    print("\nGeometric-mean speedup of w4pack over cuBLAS fp16 across shapes")
+    for m, v in geo.items():
+        print(f"  M={m}: {math.exp(sum(map(math.log, v)) / len(v)):.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
