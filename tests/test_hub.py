@@ -103,6 +103,9 @@ def test_card_inherits_license_and_omits_unknown_base(tmp_path: Path) -> None:
     meta = ModelCard(model_card(folder)).data.to_dict()
     assert "base_model" not in meta and "base_model_relation" not in meta and "license" not in meta
     assert "awq" in meta["tags"] and "## Verification" not in model_card(folder)
+    (folder / "README.md").write_text("---\nbase_model: someone/original\n---\n")  # named by the author
+    meta = ModelCard(model_card(folder)).data.to_dict()
+    assert meta["base_model"] == "someone/original" and meta["base_model_relation"] == "quantized"
 
 
 # -- re-runs send only what is missing ------------------------------------------------------------------

@@ -325,8 +325,9 @@ def _card_metadata(facts: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]
     base = source.get("base_model") or _notes_value(source, "base_model")
     if base:
         meta["base_model"] = base
-    if meta.get("base_model"):
         meta["base_model_relation"] = "quantized"
+    elif meta.get("base_model") and not meta.get("base_model_relation"):
+        meta["base_model_relation"] = "quantized"  # the author named the base; say how this derives from it
     meta["library_name"] = "w4pack"
     lic = old.get("license") or _notes_value(source, "license") or config.get("license")
     if lic:
