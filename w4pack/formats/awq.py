@@ -9,11 +9,17 @@ Layouts (facts in ``reference/formats-awq-ct-gguf.md`` §1-2; N = out_features, 
 * GEMVFast (AutoAWQ; llm-awq 2024 TinyChat dumps, whose zero tensor is named ``scaled_zeros``): ``qweight``
   int16 [N/4, K] (4-row interleave, 64-column stride, permuted nibbles); ``scales`` and ``qzeros`` [8·Wz, N],
   where the "zeros" are the float ``-(s·z)`` rounded to the scale dtype.
+* Marlin (AutoAWQ, symmetric only): ``qweight`` int32 [K/16, 2N] in 16x16 tiles with Marlin's fixed in-tile order;
+  ``scales`` [ng, N] permuted per 64 (or per 32 with one group); zero point implicitly 8 (zero mode "none").
 
 AWQ zeros are stored as they are (no GPTQ ±1), so GEMM/GEMV layers read as zero mode "int". For the float
 ``-(s·z)`` form we recover the integer z only when re-rounding ``-(s·z)`` reproduces every stored bit; otherwise the
 layer keeps the stored value as a float minimum (zero mode "float": w = s·q + m), which is exactly the peer's own
 dequantization ``q·scale + qzeros``. Pickled ``.pt`` dumps are opened only with ``torch.load(weights_only=True)``.
+
+Writing: GEMM (default), GEMV, GEMVFast or Marlin. AWQ is 4-bit, without act-order, one group size per model.
+Symmetric layers go into GEMM/GEMV/GEMVFast with explicit zeros 2^(bits-1) = 8 (lossless; they read back as zero
+mode "int"); float minima fit only GEMVFast. Anything else is refused before a byte is written.
 """
 from __future__ import annotations
 
@@ -44,7 +50,7 @@ __all__ = [
 #: nibble i of a GEMM word holds column 8c + AWQ_ORDER[i]; column j lives in nibble AWQ_REVERSE_ORDER[j]
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
-VERSIONS = ("gemm", "gemv", "gemv_fast")
+VERSIONS = ("gemm", "gemv", "gemv_fast", "marlin")
 _QSUFFIXES = ("qweight", "qzeros", "scales", "scaled_zeros", "bias")
 INDEX_NAME = "model.safetensors.index.json"
 #: files a reader never copies as side files (the writer makes its own)
@@ -361,6 +367,53 @@ def zeros_width(in_features: int, group_size: int) -> int | None:
     return -(-base // mult) * mult
 
 
+def _marlin_perms() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Marlin's fixed orders: position j of each 1024-code chunk holds code ``perm[j]`` of the 16x16-tiled
+    matrix (mma fragment order, then [0,2,4,6,1,3,5,7] within each 8); scales per 64 (grouped) or per 32
+    (one group) are taken in ``scale_perm`` / ``scale_perm_single`` order."""
+    perm = []
+    for i in range(32):
+        col = i // 4
+        rows = (2 * (i % 4), 2 * (i % 4) + 1, 2 * (i % 4 + 4), 2 * (i % 4 + 4) + 1)
+        base = [16 * r + col + 8 * blk for blk in (0, 1) for r in rows]
+        perm += [b + 256 * j for j in range(4) for b in base]
+    perm_arr = np.array(perm, dtype=np.int64).reshape(-1, 8)[:, list(AWQ_ORDER)].ravel()
+    scale_perm = np.array([i + 8 * j for i in range(8) for j in range(8)], dtype=np.int64)
+    single = np.array([2 * i + j for i in range(4) for j in (0, 1, 8, 9, 16, 17, 24, 25)], dtype=np.int64)
+    return perm_arr, scale_perm, single
+
+
+_MARLIN_PERM, _MARLIN_SCALE_PERM, _MARLIN_SCALE_PERM_SINGLE = _marlin_perms()
+
+
+def unpack_marlin(qweight: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """AutoAWQ Marlin int32 [K/16, 2N] + permuted scales [ng, N] -> codes uint8 [N, K], scales [N, ng]."""
+    k16, w = qweight.shape
+    ng, n = scales.shape
+    k = 16 * k16
+    res = _nibbles(qweight.view(np.uint32)).reshape(k16, w * 8)
+    chunks = res.reshape(-1, _MARLIN_PERM.size)
+    orig = np.empty_like(chunks)
+    orig[:, _MARLIN_PERM] = chunks
+    codes_kn = orig.reshape(k16, n // 16, 16, 16).transpose(0, 2, 1, 3).reshape(k, n)
+    sp = _MARLIN_SCALE_PERM if ng > 1 else _MARLIN_SCALE_PERM_SINGLE
+    sc = scales.reshape(-1, sp.size)
+    s_orig = np.empty_like(sc)
+    s_orig[:, sp] = sc
+    return np.ascontiguousarray(codes_kn.T), np.ascontiguousarray(s_orig.reshape(ng, n).T)
+
+
+def pack_marlin(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """codes uint8 [N, K], scales [N, ng] -> Marlin qweight int32 [K/16, 2N] and permuted scales [ng, N]."""
+    n, k = codes.shape
+    ng = scales.shape[1]
+    tiled = codes.T.reshape(k // 16, 16, n // 16, 16).transpose(0, 2, 1, 3).reshape(k // 16, n * 16)
+    res = tiled.reshape(-1, _MARLIN_PERM.size)[:, _MARLIN_PERM].reshape(k // 16, n * 16)
+    sp = _MARLIN_SCALE_PERM if ng > 1 else _MARLIN_SCALE_PERM_SINGLE
+    s = np.ascontiguousarray(scales.T).reshape(-1, sp.size)[:, sp].reshape(ng, n)
+    return _words(res.reshape(k // 16, n * 2, 8)), np.ascontiguousarray(s)
+
+
 # ---------------------------------------------------------------------------------------------
 # configuration
 # ---------------------------------------------------------------------------------------------
@@ -478,11 +531,6 @@ class AWQSource(Source):
             except (BadInputError, UnsupportedError):
                 self.store.close()
                 raise
-            if kind == "marlin":
-                self.store.close()
-                raise UnsupportedError("AWQ Marlin layout (symmetric, tile-permuted) is not readable; convert the "
-                                       "original GEMM checkpoint instead", file=self.store.file_of(f"{p}.qweight"),
-                                       tensor=f"{p}.qweight")
             self._kinds[p] = kind
         kinds = sorted(set(self._kinds.values()))
         is_pt = isinstance(self.store, PtStore)
@@ -520,7 +568,8 @@ class AWQSource(Source):
         if name not in self._kinds:
             raise BadInputError("not a quantized layer of this checkpoint", file=str(self.path), tensor=name)
         kind = self._kinds[name]
-        reader = {"gemm": self._read_gemm, "gemv": self._read_gemv, "gemv_fast": self._read_gemv_fast}[kind]
+        reader = {"gemm": self._read_gemm, "gemv": self._read_gemv, "gemv_fast": self._read_gemv_fast,
+                  "marlin": self._read_marlin}[kind]
         layer = reader(name)
         layer.name = name
         bias = f"{name}.bias"
@@ -617,6 +666,20 @@ class AWQSource(Source):
                               zero_mode="int", zeros=zeros, scale_dtype=sdt,
                               source={"format": "awq", "version": "gemv"})
 
+    def _read_marlin(self, p: str) -> CanonicalLayer:
+        qw, _ = self._tensor(f"{p}.qweight", ("int32",))
+        sc, sdt = self._tensor(f"{p}.scales", tuple(FLOAT_DTYPES))
+        k16, w = qw.shape
+        ng, n = sc.shape
+        k = 16 * k16
+        if w != 2 * n or n % 16 or (k * n) % _MARLIN_PERM.size or (ng * n) % (64 if ng > 1 else 32):
+            raise self._bad(f"{p}.qweight", f"Marlin shapes disagree: qweight {list(qw.shape)} (needs [in/16, 2*out]),"
+                            f" scales {list(sc.shape)}")
+        gs = self._group_size_unpadded(p, k, ng)
+        codes, scales = unpack_marlin(qw, sc)
+        return CanonicalLayer(codes=codes, scales=scales, bits=4, group_size=gs, zero_mode="none",
+                              scale_dtype=sdt, source={"format": "awq", "version": "marlin"})
+
     def _read_gemv_fast(self, p: str) -> CanonicalLayer:
         zname = f"{p}.scaled_zeros" if f"{p}.scaled_zeros" in self.store else f"{p}.qzeros"
         qw, _ = self._tensor(f"{p}.qweight", ("int16",))
@@ -706,6 +769,11 @@ class AWQCapabilities(Capabilities):
             return "float32 minima that fp16 cannot hold exactly (way out: --to w4pack)"
         if k % geff:
             return f"in_features {k} not a multiple of group size {g} (AWQ has no short last group)"
+        if self.version == "marlin":
+            if layer.zero_mode == "int" and np.any(layer.zeros != 8):
+                return "asymmetric zeros (Marlin is symmetric: zero 8 only; way out: version gemm)"
+            if n % 64 or k % 16:
+                return f"shape [{n}, {k}] (Marlin needs out % 64 == 0 and in % 16 == 0)"
         if self.version == "gemm" and n % 8:
             return f"out_features {n} not a multiple of 8 (GEMM packs 8 outputs per word)"
         if self.version in ("gemv", "gemv_fast"):
@@ -847,6 +915,10 @@ def awq_tensors(layer: CanonicalLayer, version: str = "gemm") -> dict[str, tuple
         out["qweight"] = (pack_gemv_fast(layer.codes), None)
         out["scales"] = (sp, sdt)
         out["qzeros"] = (mp, sdt)
+    elif version == "marlin":
+        qweight, mscales = pack_marlin(layer.codes, scales)
+        out["qweight"] = (qweight, None)
+        out["scales"] = (mscales, sdt)
     else:
         raise UnsupportedError(f"unknown AWQ version {version!r} (choose one of {', '.join(VERSIONS)})")
     if layer.bias is not None:
@@ -872,7 +944,7 @@ def _not_converted(source: Source) -> list[str] | None:
 
 class AWQFormat(Format):
     name = "awq"
-    description = "AWQ: AutoAWQ GEMM/GEMV/GEMVFast safetensors, llm-awq .pt dumps (2023 and 2024 TinyChat)"
+    description = "AWQ: AutoAWQ GEMM/GEMV/GEMVFast/Marlin safetensors, llm-awq .pt dumps (2023 and 2024 TinyChat)"
     capabilities = AWQCapabilities("gemm")
 
     @classmethod
@@ -952,7 +1024,7 @@ class AWQFormat(Format):
     def write(cls, source: Source, out: Path, *, force: bool = False, version: str = "gemm",
               max_shard_size: int | str = "5GB", show_progress: bool | None = None,
               **options: Any) -> Path:
-        """Write ``source`` as an AutoAWQ checkpoint (GEMM by default; ``version="gemv"`` or ``"gemv_fast"``).
+        """Write ``source`` as an AutoAWQ checkpoint (GEMM by default; ``version`` "gemv", "gemv_fast", "marlin").
 
         Everything is checked before anything is written. Symmetric layers are written with explicit zeros
         2^(bits-1) = 8, which dequantize identically (read back, they are integer-zero layers).
@@ -981,12 +1053,13 @@ class AWQFormat(Format):
                     shards.add(tname, t.array, t.dtype)
                     bar.update()
             shards.finish()
-            qc = {"quant_method": "awq", "zero_point": True, "group_size": group_size if group_size else 128,
+            qc = {"quant_method": "awq", "zero_point": version != "marlin", "group_size": group_size if group_size else 128,
                   "bits": 4, "version": version, "modules_to_not_convert": _not_converted(source)}
             config = {k: v for k, v in (source.config or {}).items() if k != "quantization_config"}
             config["quantization_config"] = qc
             _write_json(tmp / "config.json", config)
-            _write_json(tmp / "quant_config.json", {"zero_point": True, "q_group_size": qc["group_size"], "w_bit": 4,
+            _write_json(tmp / "quant_config.json", {"zero_point": qc["zero_point"], "q_group_size": qc["group_size"],
+                                                    "w_bit": 4,
                                                     "version": version.upper() if version != "gemv_fast" else "gemv_fast"})
             for p in source.side_files():
                 if p.name in _NOT_SIDE or p.name.endswith(".safetensors") or p.name.startswith("."):
