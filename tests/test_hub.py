@@ -3,7 +3,6 @@ driven by the real huggingface_hub client with HF_HUB_DISABLE_XET=1 and an expli
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 from pathlib import Path
 
