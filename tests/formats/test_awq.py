@@ -366,6 +366,7 @@ def test_inexact_scaled_zeros_stay_float(tmp_path: Path) -> None:
     (dict(k=100), "not a multiple of group size"),
     (dict(mixed=True), "one group size per model"),
     (dict(version="marlin"), "Marlin is symmetric"),
+    (dict(head=True), "quantized output head"),
 ])
 def test_refusals_name_layer_and_way_out(change: dict[str, Any], match: str, tmp_path: Path) -> None:
     rng = np.random.default_rng(5)
@@ -380,9 +381,12 @@ def test_refusals_name_layer_and_way_out(change: dict[str, Any], match: str, tmp
     layers = {"model.layers.0.self_attn.q_proj": layer}
     if change.get("mixed"):
         layers["model.layers.0.self_attn.k_proj"] = random_layer(rng, 16, 128, 32)
+    if change.get("head"):
+        layers = {"lm_head": layer, **layers}
     with pytest.raises(UnsupportedError, match=match) as exc:
         AWQ.write(MemSource(layers), tmp_path / "out", version=change.get("version", "gemm"))
-    assert "model.layers.0.self_attn" in str(exc.value) and "\n" not in str(exc.value)
+    assert ("lm_head" if change.get("head") else "model.layers.0.self_attn") in str(exc.value)
+    assert "\n" not in str(exc.value)
     assert not (tmp_path / "out").exists()
 
 

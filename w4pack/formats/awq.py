@@ -1014,6 +1014,9 @@ class AWQFormat(Format):
             if reason:
                 problems.append(f"{name}: awq ({version}) cannot express {reason}")
             groups.setdefault(layer.group_size, name)
+            if name.rsplit(".", 1)[-1] in ("lm_head", "embed_out", "output"):
+                problems.append(f"{name}: awq cannot express a quantized output head (AWQ loaders keep it in "
+                                "fp16; way out: --to gptq or --to w4pack)")
         if len(groups) > 1:
             desc = ", ".join(f"{g} ({n})" for g, n in groups.items())
             problems.append(f"AWQ stores one group size per model, the source mixes {desc} "
