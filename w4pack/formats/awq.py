@@ -761,6 +761,8 @@ class AWQCapabilities(Capabilities):
             return reason
         n, k, g = layer.out_features, layer.in_features, layer.group_size
         geff = k if g == -1 else g
+        if layer.name.rsplit(".", 1)[-1] in ("lm_head", "embed_out", "output"):
+            return "a quantized output head (AWQ loaders keep it in fp16; way out: --to gptq or --to w4pack)"
         if layer.zero_mode == "int" and int(layer.zeros.max()) > 15:
             return "a zero point of 16 (AWQ stores 4-bit zeros; way out: --to gptq-v2 or --to w4pack)"
         if layer.scale_dtype == "float32" and not _fp16_exact(layer.scales):
@@ -1010,13 +1012,10 @@ class AWQFormat(Format):
         groups: dict[int, str] = {}
         for name in source.layer_names():
             layer = source.read_layer(name)
-            reason = caps.check(layer)
+            reason = caps.check(layer.replace(name=name))
             if reason:
                 problems.append(f"{name}: awq ({version}) cannot express {reason}")
             groups.setdefault(layer.group_size, name)
-            if name.rsplit(".", 1)[-1] in ("lm_head", "embed_out", "output"):
-                problems.append(f"{name}: awq cannot express a quantized output head (AWQ loaders keep it in "
-                                "fp16; way out: --to gptq or --to w4pack)")
         if len(groups) > 1:
             desc = ", ".join(f"{g} ({n})" for g, n in groups.items())
             problems.append(f"AWQ stores one group size per model, the source mixes {desc} "
