@@ -84,9 +84,11 @@ static INL T512 void fast_block(const w4p_job *J, int tile, int b, int p, int64_
     const uint32_t *w = w4p_tile_words(L, tile, p) + (size_t)b * cpb * W4P_TILE;
     const int8_t *a[W4P_RMAX];
     for (int r = 0; r < R; r++) a[r] = J->xq + (m + r) * kp + (size_t)b * ab;
-    __m512i acc[W4P_RMAX][4];
+    /* with few rows, two accumulator sets (low / high nibbles) halve the dependency chains */
+    const int D = R <= 2 ? 2 : 1;
+    __m512i acc[W4P_RMAX][4], acc2[W4P_RMAX][4];
     for (int r = 0; r < R; r++)
-        for (int q = 0; q < 4; q++) acc[r][q] = _mm512_setzero_si512();
+        for (int q = 0; q < 4; q++) acc[r][q] = acc2[r][q] = _mm512_setzero_si512();
     for (int c = 0; c < cpb; c++) {
         const uint32_t *wc = w + (size_t)c * W4P_TILE;
         if (pf)
@@ -97,10 +99,14 @@ static INL T512 void fast_block(const w4p_job *J, int tile, int b, int p, int64_
             __m512i hi = _mm512_and_si512(_mm512_srli_epi32(wv, 4), m4);
             for (int r = 0; r < R; r++) {
                 acc[r][q] = dot4(acc[r][q], lo, a[r] + 8 * c, vnni);
-                acc[r][q] = dot4(acc[r][q], hi, a[r] + 8 * c + 4, vnni);
+                if (D == 2) acc2[r][q] = dot4(acc2[r][q], hi, a[r] + 8 * c + 4, vnni);
+                else acc[r][q] = dot4(acc[r][q], hi, a[r] + 8 * c + 4, vnni);
             }
         }
     }
+    if (D == 2)
+        for (int r = 0; r < R; r++)
+            for (int q = 0; q < 4; q++) acc[r][q] = _mm512_add_epi32(acc[r][q], acc2[r][q]);
     const __m512 mult = _mm512_set1_ps(p ? 16.0f : 1.0f);
     for (int r = 0; r < R; r++) {
         const __m512 xs = _mm512_set1_ps(J->xs[(m + r) * nblk + b]);
@@ -122,9 +128,10 @@ static INL T512 void exact_block(const w4p_job *J, int tile, int b, int p, int64
     const uint32_t *w = w4p_tile_words(L, tile, p) + (size_t)b * cpb * W4P_TILE;
     const float *x[W4P_RMAX];
     for (int r = 0; r < R; r++) x[r] = J->xf + (m + r) * kp + (size_t)b * ab;
-    __m512 acc[W4P_RMAX][4];
+    const int D = R <= 2 ? 2 : 1;
+    __m512 acc[W4P_RMAX][4], acc2[W4P_RMAX][4];
     for (int r = 0; r < R; r++)
-        for (int q = 0; q < 4; q++) acc[r][q] = _mm512_setzero_ps();
+        for (int q = 0; q < 4; q++) acc[r][q] = acc2[r][q] = _mm512_setzero_ps();
     for (int c = 0; c < cpb; c++) {
         const uint32_t *wc = w + (size_t)c * W4P_TILE;
         if (pf)
@@ -137,10 +144,16 @@ static INL T512 void exact_block(const w4p_job *J, int tile, int b, int p, int64
             for (int q = 0; q < 4; q++) {
                 __m512i idx = t ? _mm512_srli_epi32(wv[q], 4 * t) : wv[q];
                 __m512 qf = _mm512_permutexvar_ps(idx, lut);
-                for (int r = 0; r < R; r++) acc[r][q] = _mm512_fmadd_ps(qf, _mm512_set1_ps(x[r][8 * c + koff]), acc[r][q]);
+                for (int r = 0; r < R; r++) {
+                    if (D == 2 && (t & 1)) acc2[r][q] = _mm512_fmadd_ps(qf, _mm512_set1_ps(x[r][8 * c + koff]), acc2[r][q]);
+                    else acc[r][q] = _mm512_fmadd_ps(qf, _mm512_set1_ps(x[r][8 * c + koff]), acc[r][q]);
+                }
             }
         }
     }
+    if (D == 2)
+        for (int r = 0; r < R; r++)
+            for (int q = 0; q < 4; q++) acc[r][q] = _mm512_add_ps(acc[r][q], acc2[r][q]);
     const __m512 mult = _mm512_set1_ps(p ? 16.0f : 1.0f);
     for (int r = 0; r < R; r++) {
         const __m512 xsum = _mm512_set1_ps(J->xfsum[(m + r) * nblk + b]);
