@@ -473,6 +473,9 @@ class GGUFSource(Source):
 # ---------------------------------------------------------------------------------------------
 # writing
 # ---------------------------------------------------------------------------------------------
+#: hyperparameters always written from config.json, even when the saved source metadata lacked them
+_ESSENTIAL = (".block_count", ".context_length", ".embedding_length", ".feed_forward_length",
+              ".attention.head_count", ".attention.head_count_kv", ".attention.layer_norm_rms_epsilon")
 _FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7}
 _PASS_TYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int8": "I8",
                "int16": "I16", "int32": "I32", "int64": "I64"}
@@ -639,6 +642,8 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
         if base and "general.name" not in final:
             final["general.name"] = (str(base), VT.STRING, None)
         for key, (kind, val) in kv.items():
+            if saved.get("metadata") and key not in final and not key.endswith(_ESSENTIAL):
+                continue  # keep a GGUF -> w4pack -> GGUF trip to the keys the source had
             final[key] = (int(val), VT.UINT32, None) if kind == "u32" else (float(val), VT.FLOAT32, None)
         for key, (val, vt, sub) in final.items():
             w.add_key_value(key, val, vt, sub_type=sub)
