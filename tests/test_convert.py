@@ -57,7 +57,7 @@ def test_cli_convert_no_clobber_and_force(tmp_path):
 
 def test_cli_unknown_source(tmp_path):
     (tmp_path / "junk").mkdir()
-    (tmp_path / "junk" / "x.bin").write_bytes(b"\0" * 10)
+    (tmp_path / "junk" / "notes.txt").write_text("hello")
     proc = run_cli("convert", tmp_path / "junk", tmp_path / "dst")
     assert proc.returncode == 3 and "cannot tell which format" in proc.stderr
     proc = run_cli("convert", tmp_path / "missing", tmp_path / "dst")

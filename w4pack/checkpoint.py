@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -31,7 +32,7 @@ from .dtypes import dtype_name_of
 from .errors import BadInputError, IOFailure, UnsupportedError
 from .layout import LAYOUT_NAME, LAYOUT_VERSION, TILE_K, TILE_N, PackedLayer, pack, tensor_suffixes, unpack
 from .progress import Progress
-from .safetensors_io import SafetensorsFile, write_safetensors
+from .safetensors_io import SafetensorsFile, dtype_to_st
 from .schema import validate_manifest, validate_quantization_config
 
 __all__ = [
@@ -119,8 +120,12 @@ class CheckpointWriter:
             (self.tmp / INCOMPLETE_MARKER).write_text("w4pack is writing this folder; it is not complete\n")
         except OSError as exc:
             raise IOFailure(f"cannot create a folder next to the output: {exc.strerror}", file=str(parent)) from None
-        self._pending: list[tuple[str, np.ndarray, str | None]] = []
+        # tensors of the shard being built go straight to a spool file: memory holds one layer, not one shard
+        self._spool_path = self.tmp / "spool.partial"
+        self._spool = open(self._spool_path, "w+b")
+        self._pending: list[tuple[str, str, list[int], int, int]] = []  # name, st dtype, shape, begin, end
         self._pending_bytes = 0
+        self.peak_layer_bytes = 0
         self._shards: list[tuple[Path, int, str, list[str]]] = []  # tmp path, size, sha, names
         self._names: set[str] = set()
         self.layers: dict[str, dict[str, Any]] = {}
@@ -137,10 +142,21 @@ class CheckpointWriter:
                 raise BadInputError("tensor name written twice", tensor=name)
             self._names.add(name)
         size = sum(a.nbytes for _n, a, _d in items)
+        self.peak_layer_bytes = max(self.peak_layer_bytes, size)
         if self._pending and self._pending_bytes + size > self.max_shard:
             self._flush()
-        self._pending.extend(items)
-        self._pending_bytes += size
+        try:
+            for name, arr, dname in items:
+                a = np.ascontiguousarray(arr)
+                if a.dtype.byteorder == ">":
+                    a = a.astype(a.dtype.newbyteorder("<"))
+                begin = self._pending_bytes
+                if a.size:
+                    self._spool.write(memoryview(a).cast("B"))
+                self._pending_bytes += a.nbytes
+                self._pending.append((name, dtype_to_st(a, dname), list(a.shape), begin, self._pending_bytes))
+        except OSError as exc:
+            raise IOFailure(f"cannot write: {exc.strerror}", file=str(self._spool_path)) from None
 
     def add_layer(self, name: str, layer: CanonicalLayer | PackedLayer,
                   source: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -194,14 +210,29 @@ class CheckpointWriter:
 
     # -- finishing -----------------------------------------------------------------------------
     def _flush(self) -> None:
-        if not self._pending:
+        """Turn the spool into a shard: header, then the spooled bytes (kernel-side copy), fsync, sha256."""
+        if not self._pending and self._shards:
             return
         path = self.tmp / f"shard-{len(self._shards):05d}.partial"
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        for name, dt, shape, begin, end in self._pending:
+            header[name] = {"dtype": dt, "shape": shape, "data_offsets": [begin, end]}
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)
         try:
-            size, sha = write_safetensors(path, self._pending, metadata={"format": "pt"})
+            self._spool.flush()
+            with open(path, "wb") as out:
+                out.write(struct.pack("<Q", len(raw)) + raw)
+                out.flush()
+                _copy_range(self._spool, out, self._pending_bytes)
+                out.flush()
+                os.fsync(out.fileno())
+            self._spool.seek(0)
+            self._spool.truncate(0)
         except OSError as exc:
             raise IOFailure(f"cannot write shard: {exc.strerror}", file=str(path)) from None
-        self._shards.append((path, size, sha, [n for n, _a, _d in self._pending]))
+        size, sha = _size_sha(path)
+        self._shards.append((path, size, sha, [p[0] for p in self._pending]))
         self._pending, self._pending_bytes = [], 0
 
     def quantization_config(self) -> dict[str, Any]:
@@ -242,9 +273,8 @@ class CheckpointWriter:
         if self._closed:
             return self.target
         self._flush()
-        if not self._shards:
-            write_safetensors(self.tmp / "shard-00000.partial", [], metadata={"format": "pt"})
-            self._shards.append((self.tmp / "shard-00000.partial", *_size_sha(self.tmp / "shard-00000.partial"), []))
+        self._spool.close()
+        os.unlink(self._spool_path)
         total = len(self._shards)
         names = [f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i in range(total)]
         weight_map: dict[str, str] = {}
@@ -283,6 +313,7 @@ class CheckpointWriter:
 
     def abort(self) -> None:
         if not self._closed:
+            self._spool.close()
             shutil.rmtree(self.tmp, ignore_errors=True)
             self._closed = True
 
@@ -294,6 +325,29 @@ class CheckpointWriter:
             self.close()
         else:
             self.abort()
+
+
+def _copy_range(src: Any, dst: Any, nbytes: int) -> None:
+    """Copy the first nbytes of src to dst's current position, in the kernel where possible."""
+    src.seek(0)
+    done = 0
+    try:
+        while done < nbytes:
+            n = os.copy_file_range(src.fileno(), dst.fileno(), nbytes - done, done)
+            if n == 0:
+                break
+            done += n
+    except (AttributeError, OSError):
+        src.seek(done)
+        dst.seek(0, os.SEEK_END)
+        while done < nbytes:
+            chunk = src.read(min(8 << 20, nbytes - done))
+            if not chunk:
+                break
+            dst.write(chunk)
+            done += len(chunk)
+    if done != nbytes:
+        raise OSError(5, f"short copy ({done} of {nbytes} bytes)")
 
 
 def _size_sha(path: Path) -> tuple[int, str]:
