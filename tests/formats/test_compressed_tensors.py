@@ -238,7 +238,8 @@ def test_written_layers_decompress_in_compressed_tensors(n: int, k: int, bits: i
 
 
 @pytest.mark.parametrize("strategy,bits,sym,group", [("group", 4, False, 32), ("channel", 8, True, None),
-                                                      ("tensor", 4, True, None), ("group", 3, False, 64)])
+                                                      ("tensor", 4, True, None), ("tensor", 4, False, None),
+                                                      ("group", 3, False, 64)])
 def test_peer_compressed_layers_read_exactly(strategy: str, bits: int, sym: bool, group: int | None,
                                             tmp_path: Path) -> None:
     """What compressed-tensors' own compressor writes reads back as exactly the codes/scales/zeros it was given."""
@@ -255,6 +256,8 @@ def test_peer_compressed_layers_read_exactly(strategy: str, bits: int, sym: bool
     q = rng.integers(lo, hi + 1, (n, k))
     zp = np.zeros((n, g), np.int64) if sym else rng.integers(lo, hi + 1, (n, g))
     if strategy == "tensor":
+        zp = np.full((n, 1), zp[0, 0])
+    if strategy == "tensor":
         scale = torch.tensor([0.0123], dtype=torch.bfloat16)
         s_full = np.full((n, 1), float(scale.float()), np.float32)
     else:
@@ -266,7 +269,7 @@ def test_peer_compressed_layers_read_exactly(strategy: str, bits: int, sym: bool
     scheme = QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
     state = {"weight": torch.tensor(w), "weight_scale": scale}
     if not sym:
-        state["weight_zero_point"] = torch.tensor(zp, dtype=torch.int8)
+        state["weight_zero_point"] = torch.tensor(zp[:1, 0] if strategy == "tensor" else zp, dtype=torch.int8)
     comp = PackedQuantizationCompressor.compress(state, scheme)
     save_file({f"{PREFIX}.{key}": v.contiguous() for key, v in comp.items()}, str(tmp_path / "model.safetensors"))
     cfg = {"model_type": "llama", "quantization_config": {
@@ -404,3 +407,35 @@ def test_unsupported_formats_and_types(tmp_path: Path) -> None:
     with pytest.raises(BadInputError, match="ignore"):
         with CT.open(work) as s:
             s.read_layer("model.layers.0.mlp.down_proj")
+
+
+def test_weight_g_idx_of_older_files_is_read(tmp_path: Path) -> None:
+    """Files from compressed-tensors < 0.20 with actorder "group" carry weight_g_idx: a group per input column."""
+    n, k, gs = 48, 128, 32
+    rng = np.random.default_rng(7)
+    codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
+    g_idx = rng.permutation(np.arange(k) // gs).astype(np.int32)
+    scales = from_float32(rng.uniform(0.01, 0.05, (n, k // gs)).astype(np.float32), "bfloat16")
+    items = [(f"{PREFIX}.weight_packed", pack_rows(codes, 4), None), (f"{PREFIX}.weight_scale", scales, "bfloat16"),
+             (f"{PREFIX}.weight_shape", np.array([n, k], np.int64), None), (f"{PREFIX}.weight_g_idx", g_idx, None)]
+    write_safetensors(tmp_path / "model.safetensors", items)
+    cfg = {"model_type": "llama", "quantization_config": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "version": "0.9.2", "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": gs,
+            "actorder": "group"}}}, "ignore": ["lm_head"]}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with CT.open(tmp_path) as s:
+        layer = s.read_layer(PREFIX)
+    assert layer.act_order and np.array_equal(layer.g_idx, g_idx)
+    s_f = to_float32(scales, "bfloat16")
+    assert np.array_equal(layer.dequantize(), (codes.astype(np.float32) - 8) * s_f[:, g_idx])
+    convert(tmp_path, tmp_path / "w4", show_progress=False)
+    assert open_checkpoint(tmp_path / "w4").layer(PREFIX).equals(layer)
+    g_bad = g_idx.copy()
+    g_bad[0] = k // gs
+    items[3] = (f"{PREFIX}.weight_g_idx", g_bad, None)
+    write_safetensors(tmp_path / "model.safetensors", items)
+    with pytest.raises(BadInputError, match="weight_g_idx values outside"):
+        with CT.open(tmp_path) as s:
+            s.read_layer(PREFIX)
