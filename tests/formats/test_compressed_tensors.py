@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 from conftest import fixture_cases, fixture_dir
 from w4pack.canonical import CanonicalLayer

@@ -279,7 +279,8 @@ def _patch(data: bytes, what: str) -> bytes:
 
 @pytest.mark.parametrize("what,match", [
     ("truncated", "truncated"), ("truncated-header", "truncated"), ("count+1", "corrupt or truncated"),
-    ("count-1", "tensor count"), ("unknown-type", "unknown tensor type"), ("unknown-arch", "unknown architecture 'foo'"),
+    ("count-1", "tensor count"), ("unknown-type", "unknown tensor type"),
+    ("unknown-arch", "unknown architecture 'foo'"),
 ])
 def test_hostile_files_are_one_line_exit_2(what: str, match: str, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:

@@ -89,7 +89,8 @@ def _f32(x: Any) -> float:
     return float(str(np.float32(x)))
 
 
-def build_config(arch: str, meta: dict[str, Any], *, has_output: bool, vocab_hint: int | None) -> tuple[dict[str, Any], list[str]]:
+def build_config(arch: str, meta: dict[str, Any], *, has_output: bool,
+                 vocab_hint: int | None) -> tuple[dict[str, Any], list[str]]:
     """config.json for ``arch`` from GGUF metadata; returns (config, missing keys). Empty config when incomplete."""
     model_type, cls, _perm = ARCHS[arch]
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..atomic import AtomicFolder
-from ..canonical import CanonicalLayer, default_g_idx
+from ..canonical import CanonicalLayer
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES
 from ..errors import BadInputError, UnsupportedError
@@ -147,8 +147,8 @@ class CompressedTensorsSource(Source):
             for s in _SUFFIXES + ("bias",):
                 owned.add(f"{m}.{s}")
             if f"{m}.weight" in self.tensor_file:
-                raise BadInputError("module holds both weight and weight_packed", file=str(self.tensor_file[m + ".weight"]),
-                                    tensor=f"{m}.weight")
+                raise BadInputError("module holds both weight and weight_packed",
+                                    file=str(self.tensor_file[m + ".weight"]), tensor=f"{m}.weight")
         self._passthrough = [t for t in self.tensor_file if t not in owned]
         version = (self.qcfg or {}).get("version")
         self.info = {"format": "compressed-tensors", "version": None if version is None else str(version),
@@ -277,6 +277,31 @@ class CompressedTensorsSource(Source):
             f.close()
         self._files.clear()
 
+    def _zero_points(self, zp_name: str, strategy: str, bits: int, n: int, ng: int) -> tuple[np.ndarray, str | None]:
+        """Unsigned zero points [N, G] (signed + 2**(b-1)) from the packed or the older unpacked form."""
+        zp = self._get(zp_name)
+        label = self._label(zp_name)
+        packed_shape = (-(-n * bits // 32), ng)
+        if strategy != "tensor" and zp.dtype == np.int32 and zp.shape == packed_shape and zp.shape != (n, ng):
+            return unpack_rows(np.ascontiguousarray(zp.T), bits, n).T.copy(), None
+        if not (zp.size == n * ng or (strategy == "tensor" and zp.size == 1)):
+            raise BadInputError(f"weight_zero_point shape {list(zp.shape)} {zp.dtype} fits neither packed "
+                                f"{list(packed_shape)} nor unpacked [{n}, {ng}]", file=label, tensor=zp_name)
+        # unpacked (tensor strategy, or files older than 0.9.4): signed values in the scale's shape
+        zvals = np.asarray(zp)
+        if zvals.dtype.kind == "f" or zvals.dtype == np.uint16:  # float or bf16-bits zero points
+            raw = zvals.astype(np.float32) if zvals.dtype.kind == "f" else \
+                (zvals.astype(np.uint32) << 16).view(np.float32)
+            if not np.all(raw == np.round(raw)):
+                raise BadInputError("zero points are not integers", file=label, tensor=zp_name)
+            zvals = raw
+        zs = zvals.astype(np.int64).reshape(-1)
+        zs = np.broadcast_to(zs.reshape(1, 1), (n, 1)) if strategy == "tensor" else zs.reshape(n, ng)
+        zeros = zs + (1 << (bits - 1))
+        if int(zeros.min()) < 0 or int(zeros.max()) > (1 << bits) - 1:
+            raise BadInputError(f"zero points outside the signed {bits}-bit range", file=label, tensor=zp_name)
+        return zeros.astype(np.uint8), "unpacked weight_zero_point"
+
     def read_layer(self, name: str) -> CanonicalLayer:
         if name not in self._layers:
             raise BadInputError("no such quantized layer", file=str(self.path), tensor=name)
@@ -325,9 +350,6 @@ class CompressedTensorsSource(Source):
             if strategy not in _STRATEGIES:
                 raise UnsupportedError(f"strategy {strategy!r} (supported: {', '.join(_STRATEGIES)})",
                                        file=self._cfg_label, tensor=name)
-            if sym and has_zp:
-                # older files kept an all-zero zero point beside symmetric weights; ignore it only if so
-                notes["quirk"] = "symmetric scheme with a stored weight_zero_point"
             if not sym and not has_zp:
                 raise BadInputError("asymmetric scheme but weight_zero_point is missing", file=self._label(tp),
                                     tensor=zp_name)
@@ -399,37 +421,19 @@ class CompressedTensorsSource(Source):
                                         f"{-(-k // group_size)}", file=self._label(ts), tensor=ts)
             scales = np.array(scale)
         # zero points
-        offset = 1 << (bits - 1)
         zeros = None
         zero_mode = "none"
-        if has_zp and not sym:
-            zp = self._get(zp_name)
-            ng = scales.shape[1]
-            if strategy != "tensor" and zp.dtype == np.int32 and zp.ndim == 2 and zp.shape == (-(-n * bits // 32), ng) \
-                    and zp.shape != (n, ng):
-                zeros = unpack_rows(np.ascontiguousarray(zp.T), bits, n).T.copy()
-            elif zp.size == scales.size or (strategy == "tensor" and zp.size == 1):
-                # unpacked (tensor strategy, or files older than 0.9.4): signed values in the scale's shape
-                zvals = np.asarray(zp)
-                if zvals.dtype.kind == "f" or zvals.dtype == np.uint16:
-                    raw = zvals.astype(np.float32) if zvals.dtype.kind == "f" else \
-                        (zvals.astype(np.uint32) << 16).view(np.float32)
-                    if not np.all(raw == np.round(raw)):
-                        raise BadInputError("zero points are not integers", file=self._label(zp_name), tensor=zp_name)
-                    zvals = raw.astype(np.int64)
-                zs = zvals.astype(np.int64).reshape(-1)
-                zs = np.broadcast_to(zs.reshape(1, 1), (n, 1)) if strategy == "tensor" else zs.reshape(n, ng)
-                zeros = (zs + offset)
-                if int(zeros.min()) < 0 or int(zeros.max()) > (1 << bits) - 1:
-                    raise BadInputError(f"zero points outside the signed {bits}-bit range", file=self._label(zp_name),
-                                        tensor=zp_name)
-                zeros = zeros.astype(np.uint8)
-                notes["quirk"] = "unpacked weight_zero_point"
+        if has_zp:
+            zeros, quirk = self._zero_points(zp_name, strategy, bits, n, scales.shape[1])
+            if quirk:
+                notes["quirk"] = quirk
+            if sym:
+                if np.any(zeros != 1 << (bits - 1)):
+                    raise BadInputError("symmetric scheme but weight_zero_point holds nonzero zero points",
+                                        file=self._label(zp_name), tensor=zp_name)
+                zeros = None
             else:
-                raise BadInputError(f"weight_zero_point shape {list(zp.shape)} {zp.dtype} fits neither packed "
-                                    f"[{-(-n * bits // 32)}, {ng}] nor unpacked [{n}, {ng}]",
-                                    file=self._label(zp_name), tensor=zp_name)
-            zero_mode = "int"
+                zero_mode = "int"
         # g_idx
         gi_name = f"{name}.weight_g_idx"
         g_idx = None
@@ -476,7 +480,10 @@ def _strategy_hint(layer: CanonicalLayer) -> str | None:
     return None
 
 
-def _layer_tensors(name: str, layer: CanonicalLayer) -> tuple[tuple[Any, ...], list[tuple[str, np.ndarray, str | None]]]:
+_Items = list[tuple[str, np.ndarray, str | None]]
+
+
+def _layer_tensors(name: str, layer: CanonicalLayer) -> tuple[tuple[Any, ...], _Items]:
     """(scheme key, [(tensor name, array, dtype name)]) of one layer, or UnsupportedError."""
     reason = CompressedTensorsFormat.capabilities.check(layer)
     if reason:
@@ -628,6 +635,16 @@ class CompressedTensorsFormat(Format):
     @classmethod
     def open(cls, path: Path, **options: Any) -> Source:
         return CompressedTensorsSource(Path(path))
+
+    @classmethod
+    def check_writable(cls, source: Source) -> list[str]:
+        problems = []
+        for name in source.layer_names():
+            try:
+                _layer_tensors(name, source.read_layer(name))
+            except UnsupportedError as exc:
+                problems.append(f"{name}: {exc.message}")
+        return problems
 
     @classmethod
     def write(cls, source: Source, out: Path, *, force: bool = False, max_shard_size: int | str = "5GB",

@@ -142,7 +142,7 @@ def encode_layer(layer: CanonicalLayer) -> tuple[str, np.ndarray]:
         m = _as_f16_exact(layer.zeros, layer.scale_dtype)
         if m is None:
             raise no("float minima that are not fp16 values")
-    else:  # integer zeros: w = s·(q − z) = s·q + (−s·z), exact only when −s·z is an fp16 and s·z is exact in f32
+    else:  # integer zeros: w = s·(q − z) = s·q + (−s·z), exact only when −s·z is an fp16
         sz = -(d.astype(np.float64) * layer.zeros.astype(np.float64))
         m = sz.astype(np.float16)
         if not np.array_equal(m.astype(np.float64), sz):
