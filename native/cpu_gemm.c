@@ -124,6 +124,9 @@ void w4p_cvt_generic(const void *src, int dtype, float *dst, int n) {
     for (int i = 0; i < n; i++) dst[i] = load_elem(src, dtype, i);
 }
 
+/* fp-contract off: the product x*inv is rounded to fp32 before rounding to an integer on every
+ * target (an FMA-contracted version rounds differently on aarch64 and breaks cross-ISA agreement). */
+__attribute__((optimize("fp-contract=off")))
 void w4p_quant_generic(const float *x, int n, int8_t *q, float *scale, int32_t *sum) {
     float amax = 0.0f;
     for (int i = 0; i < n; i++) {

@@ -265,3 +265,66 @@ def test_bad_inputs_give_clean_errors() -> None:
     act.tensors["perm"] = np.zeros(128, np.int32)
     with pytest.raises(BadInputError, match="permutation"):
         CpuPackedLinear(act)
+
+
+# ---- NEON: cross-compiled with Debian's aarch64 gcc, run under qemu-user --------------------------
+NEON_CASES = [
+    (196, 576, 4, 64, "int", False, "float16", 3, "float16"),
+    (70, 300, 4, 32, "none", True, "bfloat16", 2, "bfloat16"),
+    (80, 256, 8, 128, "float", False, "float32", 5, "float32"),
+    (40, 130, 3, -1, "int", False, "float16", 1, "float16"),
+]
+_DT_CODE = {"float16": 1, "bfloat16": 2, "float32": 3}
+_ZERO_CODE = {"none": 0, "int": 1, "float": 2}
+
+
+def write_neon_case(path, layer: CanonicalLayer, packed: PackedLayer, m: int, xdt: str) -> None:
+    """The binary case file tests/native/neon_check.c reads (header, packed tensors, x, references)."""
+    meta = packed.meta
+    x, x64 = activations(m, layer.in_features, xdt, seed=m + 3)
+    t = packed.tensors
+    head = np.array([0x57345043, *meta["shape"], *meta["padded_shape"], meta["bits"], meta["storage_bits"],
+                     meta["group_size"], meta["padded_groups"], _ZERO_CODE[meta["zero_mode"]],
+                     _DT_CODE[meta["scale_dtype"]], int("perm" in t), m, _DT_CODE[xdt]], dtype=np.int32)
+    parts = [head, t["qweight"], t["scales"]]
+    parts += [t["zeros"]] if "zeros" in t else []
+    parts += [t["mins"]] if "mins" in t else []
+    parts += [t["perm"]] if "perm" in t else []
+    nobias = layer.replace(bias=None)
+    parts += [x, true_reference(nobias, x64), fast_reference(nobias, packed, x64)]
+    with open(path, "wb") as fh:
+        for a in parts:
+            fh.write(np.ascontiguousarray(a).tobytes())
+
+
+@pytest.fixture(scope="module")
+def neon_binary(tmp_path_factory: pytest.TempPathFactory):
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
+    if not cc or not qemu:
+        pytest.skip("NEON test needs Debian's cross compiler and emulator: "
+                    "apt-get install gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user-static")
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp_path_factory.mktemp("neon") / "neon_check"
+    sources = sorted(str(p) for p in (repo / "native").glob("cpu_*.c"))
+    subprocess.run([cc, "-O2", "-std=gnu11", "-static", "-Wall", "-Wno-unused-function", f"-I{repo / 'native'}",
+                    *sources, str(repo / "tests/native/neon_check.c"), "-o", str(out), "-lpthread", "-lm"],
+                   check=True, capture_output=True, text=True)
+    return qemu, out
+
+
+@pytest.mark.parametrize("qemu_cpu", ["max", "cortex-a53"], ids=["dotprod", "no-dotprod"])
+def test_neon_under_qemu(neon_binary, qemu_cpu: str, tmp_path) -> None:
+    import subprocess
+
+    qemu, binary = neon_binary
+    for i, (n, k, bits, gs, zm, act, sdt, m, xdt) in enumerate(NEON_CASES):
+        layer = make_layer(n, k, bits, gs, zm, act, sdt, bias=False, seed=i)
+        case = tmp_path / f"case{i}.bin"
+        write_neon_case(case, layer, pack(layer), m, xdt)
+        r = subprocess.run([qemu, "-cpu", qemu_cpu, str(binary), str(case)], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (n, k, bits, gs, zm, r.stdout + r.stderr)
+        assert r.stdout.count(" ok") == 4 and "neon fast" in r.stdout
