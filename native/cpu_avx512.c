@@ -22,6 +22,15 @@
 #define W4P_PREFETCH 2048 /* bytes ahead in the weight stream */
 
 /* acc += w (u8) . a (four s8 at a4, broadcast to every lane) */
+static INL T512 __m512i dot4r(__m512i acc, __m512i w, __m512i a, const int vnni) {
+    if (vnni) {
+        __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(a));
+        return acc;
+    }
+    __m512i p = _mm512_maddubs_epi16(w, a);
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+}
+
 static INL T512 __m512i dot4(__m512i acc, __m512i w, const int8_t *a4, const int vnni) {
     if (vnni) {
         __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)a4));
@@ -93,6 +102,26 @@ static INL T512 void fast_block(const w4p_job *J, int tile, int b, int p, int64_
         const uint32_t *wc = w + (size_t)c * W4P_TILE;
         if (pf)
             for (int q = 0; q < 4; q++) _mm_prefetch((const char *)(wc + 16 * q) + W4P_PREFETCH, _MM_HINT_T0);
+        if (R >= 3) { /* activations broadcast once per chunk into registers, reused by the 4 quarters */
+            __m512i alo[W4P_RMAX], ahi[W4P_RMAX];
+            for (int r = 0; r < R; r++) {
+                int32_t v0, v1;
+                memcpy(&v0, a[r] + 8 * c, 4);
+                memcpy(&v1, a[r] + 8 * c + 4, 4);
+                alo[r] = _mm512_set1_epi32(v0);
+                ahi[r] = _mm512_set1_epi32(v1);
+            }
+            for (int q = 0; q < 4; q++) {
+                __m512i wv = _mm512_loadu_si512((const void *)(wc + 16 * q));
+                __m512i lo = _mm512_and_si512(wv, m4);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi32(wv, 4), m4);
+                for (int r = 0; r < R; r++) {
+                    acc[r][q] = dot4r(acc[r][q], lo, alo[r], vnni);
+                    acc[r][q] = dot4r(acc[r][q], hi, ahi[r], vnni);
+                }
+            }
+            continue;
+        }
         for (int q = 0; q < 4; q++) {
             __m512i wv = _mm512_loadu_si512((const void *)(wc + 16 * q));
             __m512i lo = _mm512_and_si512(wv, m4);
