@@ -198,3 +198,67 @@ def test_bad_checkpoints_are_refused(tmp_path: Path) -> None:
 
 def test_load_model_is_exported() -> None:
     assert w4pack.load_model is load_model
+
+
+# -------------------------------------------------------------------------------------------------
+# GPU: the same checkpoints through the CUDA kernels
+# -------------------------------------------------------------------------------------------------
+GPU_CASES = [("llama", "gptq", None), ("qwen2", "awq", "qkv,gate-up"), ("opt", "awq", "qkv")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch,fmt,fuse", GPU_CASES)
+def test_cuda_generation_matches_cpu(tmp_path: Path, arch: str, fmt: str, fuse: str | None) -> None:
+    src, _layers, ref = _write(tmp_path, arch, fmt)
+    out = tmp_path / "w4"
+    convert(src, out, **({"fuse": fuse} if fuse else {}))
+    cpu = load_model(out)
+    gpu32 = load_model(out, device="cuda", dtype="float32")
+    gpu16 = load_model(out, device="cuda", dtype="float16")
+    single, batch, mask = _inputs()
+    with torch.no_grad():
+        want = cpu.generate(single, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        got = gpu32.generate(single.cuda(), max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(got.cpu(), want)
+        want_b = cpu.generate(batch, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        got_b = gpu32.generate(batch.cuda(), attention_mask=mask.cuda(), max_new_tokens=4, do_sample=False,
+                               pad_token_id=0)
+        assert torch.equal(got_b.cpu(), want_b)
+        a = gpu16(single.cuda()).logits.float().cpu()
+        b = ref(single).logits
+        assert (a - b).abs().max() / b.abs().max() < 2e-2
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_of_a_model_forward(tmp_path: Path) -> None:
+    src, _layers, _ref = _write(tmp_path, "llama", "awq")
+    convert(src, tmp_path / "w4", fuse="qkv,gate-up")
+    model = load_model(tmp_path / "w4", device="cuda", dtype="float16")
+    single, _b, _m = _inputs()
+    static_in = single.cuda()
+    with torch.no_grad():
+        model(static_in, use_cache=False)  # warm-up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = model(static_in, use_cache=False).logits
+        other = torch.randint(3, VOCAB, single.shape, device="cuda")
+        static_in.copy_(other)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = model(other, use_cache=False).logits
+    assert torch.equal(static_out, eager)
+
+
+@pytest.mark.gpu
+def test_torch_compile_on_cuda(tmp_path: Path) -> None:
+    src, _layers, _ref = _write(tmp_path, "qwen3", "gptq")
+    convert(src, tmp_path / "w4")
+    model = load_model(tmp_path / "w4", device="cuda", dtype="float16")
+    single, _b, _m = _inputs()
+    x = single.cuda()
+    with torch.no_grad():
+        eager = model(x, use_cache=False).logits
+        compiled = torch.compile(model, fullgraph=False)
+        got = compiled(x, use_cache=False).logits
+    assert torch.allclose(got, eager, atol=2e-2, rtol=2e-2)

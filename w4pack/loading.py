@@ -240,7 +240,7 @@ def load_model(path: str | os.PathLike[str], device: Any = "cpu", dtype: Any = N
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .torch_module import PRECISIONS
+    from .torch_module import PRECISIONS, W4Linear
 
     if precision not in PRECISIONS:
         raise BadInputError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -273,6 +273,11 @@ def load_model(path: str | os.PathLike[str], device: Any = "cpu", dtype: Any = N
                 model.generation_config = GenerationConfig.from_pretrained(str(ckpt.path))
             except (OSError, ValueError):
                 pass
+        # build the native kernels now (CPU repack, CUDA uploads): the first token is not charged for it and
+        # CUDA graph capture never meets an upload
+        for mod in model.modules():
+            if isinstance(mod, W4Linear):
+                mod.prepare(dev, torch_dtype)
         model.w4pack_path = str(ckpt.path)
         model.w4pack_quantization = dict(ckpt.config["quantization_config"])
     model.eval()
@@ -421,6 +426,7 @@ def _fill_skeleton(model: Any, ckpt: Checkpoint, device: Any, precision: str) ->
         mod.precision = precision
         mod.load_packed(ckpt.packed(name), device=device)
         mod._non_persistent_buffers_set.clear()  # the skeleton hid them from transformers' loader
+        mod.prepare(device)
 
 
 class _RegisterOnImport:

@@ -191,6 +191,7 @@ class W4Linear(nn.Module):
     # -- kernels ---------------------------------------------------------------------------------
     def _kernel(self, device: torch.device) -> Any:
         """The native kernel object for ``device``, built on first use and after the buffers moved."""
+        device = _normalize_device(device)
         key = (str(device), self.qweight.data_ptr())
         k = self._prepared.get(key)
         if k is None:
@@ -202,6 +203,14 @@ class W4Linear(nn.Module):
             self._prepared[key] = k
         return k
 
+    def prepare(self, device: Any = None, dtype: torch.dtype | None = None) -> "W4Linear":
+        """Build the native kernel now (CPU repack / CUDA parameter copies), e.g. before CUDA graph capture."""
+        dev = _normalize_device(device) if device is not None else self.qweight.device
+        kernel = self._kernel(dev)
+        if dev.type == "cuda" and dtype is not None:
+            kernel.prepare(_cuda_dtype_name(dtype, self.meta["scale_dtype"]))
+        return self
+
     def _run(self, x: torch.Tensor, precision: str) -> torch.Tensor:
         kernel = self._kernel(x.device)
         lead = x.shape[:-1]
@@ -209,13 +218,11 @@ class W4Linear(nn.Module):
         if x.device.type == "cpu":
             y = kernel.forward(x2.contiguous(), precision=precision)
         else:
-            y = kernel.forward(x2.contiguous())
-        if not isinstance(y, torch.Tensor):
-            y = torch.from_numpy(np.asarray(y))
-        y = y.to(device=x.device, dtype=x.dtype)
-        bias = getattr(kernel, "w4_bias", None)
-        if bias is not None:
-            y = y + bias.to(y.dtype)
+            # the CUDA kernels take fp16/bf16 activations: fp32 models run the GEMM in the scale dtype's
+            # 16-bit type (fp16 unless the checkpoint stores bf16 scales) and get fp32 back
+            half = TORCH_FLOAT[_cuda_dtype_name(x.dtype, self.meta["scale_dtype"])]
+            y = kernel.forward(x2.to(half).contiguous())
+        y = y.to(dtype=x.dtype)
         return y.reshape(*lead, self.out_features)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "W4Linear":  # noqa: D401 - torch hook
@@ -234,19 +241,39 @@ class W4Linear(nn.Module):
         return ", ".join(parts)
 
 
+def _normalize_device(device: Any) -> torch.device:
+    """'cuda' -> 'cuda:<current>', so a kernel prepared at load is found again by the inputs' device."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _cuda_dtype_name(dtype: torch.dtype, scale_dtype: str) -> str:
+    if dtype == torch.float16:
+        return "float16"
+    if dtype == torch.bfloat16:
+        return "bfloat16"
+    return "bfloat16" if scale_dtype == "bfloat16" else "float16"
+
+
 def _build_kernel(mod: W4Linear, device: torch.device) -> Any:
-    """Prepare the native kernel for this module's weights on ``device``."""
+    """Prepare the native kernel for this module's weights on ``device`` (both add the packed bias)."""
     if device.type == "cpu":
         from .native.cpu import CpuPackedLinear
 
-        kernel = CpuPackedLinear(mod.packed_layer(), threads=mod.threads)
-        kernel.w4_bias = None  # the CPU kernel adds the packed bias itself
-        return kernel
+        return CpuPackedLinear(mod.packed_layer(), threads=mod.threads)
     if device.type == "cuda":
         from .native.cuda import CudaPackedLinear
 
         kernel = CudaPackedLinear(mod.packed_layer(), device)
-        kernel.w4_bias = None
+        # the kernel reads qweight/perm in layout v1 as uploaded; share the module's device buffers instead
+        # of keeping a second copy of the largest tensor on the GPU
+        for attr in ("qweight", "perm"):
+            mine, theirs = mod._buffers.get(attr), getattr(kernel, attr, None)
+            if mine is not None and isinstance(theirs, torch.Tensor) and mine.device == theirs.device \
+                    and mine.dtype == theirs.dtype and mine.shape == theirs.shape and mine.is_contiguous():
+                setattr(kernel, attr, mine)
         return kernel
     raise UnsupportedError(f"W4Linear runs on cpu and cuda devices, not {device.type}")
 
