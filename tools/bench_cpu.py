@@ -118,7 +118,10 @@ def bench_w4pack(layer: CanonicalLayer, ms: list[int], threads: int, cold: int, 
 
 
 def bench_torch(layer: CanonicalLayer, ms: list[int], threads: int, cold: int, args: argparse.Namespace) -> list[dict]:
-    import torch
+    try:
+        import torch
+    except ImportError:
+        return [{"impl": "torch (not installed)", "m": None, "seconds": float("nan"), "bytes": 0}]
 
     torch.set_num_threads(threads)
     n, k = layer.codes.shape
