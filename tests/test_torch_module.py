@@ -182,3 +182,17 @@ def test_cuda_matches_cpu_and_captures_in_a_graph() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_y, gpu(x2))
+
+
+def test_deepcopy_gets_its_own_handle_and_weights() -> None:
+    import copy
+
+    layer = _layer(32, 64, group_size=32, sym=True)
+    mod = W4Linear.from_canonical(layer)
+    x = torch.randn(2, 64)
+    y = mod(x)
+    twin = copy.deepcopy(mod)
+    assert twin.handle != mod.handle
+    twin.qweight.zero_()  # all codes 0: a different layer
+    assert torch.equal(mod(x), y)
+    assert not torch.equal(twin(x), y)

@@ -127,9 +127,24 @@ class W4Linear(nn.Module):
         for suffix, (shape, dt) in _buffer_specs(self.meta, has_bias).items():
             self.register_buffer(suffix, torch.empty(shape, dtype=dt, device=device), persistent=persistent)
         self._prepared: dict[tuple[str, int], Any] = {}
+        self._register()
+
+    def _register(self) -> None:
+        """A fresh handle: the custom op finds this module (and its prepared kernels) by it."""
         with _LOCK:
             self.handle = next(_NEXT_HANDLE)
             _HANDLES[self.handle] = self
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # copy.deepcopy / pickle: the copy has its own buffers, so it needs its own handle and kernels
+        super().__setstate__(state)
+        self._prepared = {}
+        self._register()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__)
+        state["_prepared"] = {}  # native kernel objects are not copyable; rebuilt on first use
+        return state
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod

@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Decode tokens/s of a whole model through transformers: W4Linear (native kernels) against the float model.
+
+Shapes: ``smollm2`` (SmolLM2-135M: hidden 576, 30 layers, 9/3 heads, vocab 49152) and ``llama2-7b`` (hidden 4096,
+32 layers, 32 heads, intermediate 11008, vocab 32000), with random weights: the float model is built first and
+timed, then every Linear except the head is swapped for a W4Linear of the same shape (random 4-bit codes, group
+128 or 32, integer zeros; one random layer per shape, copied per module so each layer reads its own weights) and
+timed again with the same embeddings, norms and inputs.
+
+Method: ``generate`` with greedy decoding, ``min_new_tokens = max_new_tokens``, prompt of 16 random tokens; the
+decode rate is batch x (N - 1) / (t(N tokens) - t(1 token)), each time the median of ``--repeats`` runs after a
+warm-up, so prefill is excluded. This is transformers' eager loop (one Python pass per token): at batch 1 a
+small model is bound by launch and Python overhead for both models, which the numbers show as such.
+
+    python tools/bench_run.py --device cuda --shapes smollm2,llama2-7b --batches 1,8,32
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, group_size=32),
+    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000, tie_word_embeddings=False, group_size=128),
+}
+
+
+def _random_packed(n: int, k: int, group_size: int, seed: int) -> Any:
+    from w4pack.canonical import CanonicalLayer
+    from w4pack.layout import pack
+
+    rng = np.random.default_rng(seed)
+    g = -(-k // group_size)
+    layer = CanonicalLayer(codes=rng.integers(0, 16, (n, k), dtype=np.uint8),
+                           scales=(rng.random((n, g), dtype=np.float32) * 0.002 + 0.001).astype(np.float16),
+                           bits=4, group_size=group_size, zero_mode="int",
+                           zeros=rng.integers(6, 10, (n, g)).astype(np.int32), scale_dtype="float16")
+    return pack(layer)
+
+
+def build_float(shape: str, device: str, dtype: Any) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    spec = {k: v for k, v in SHAPES[shape].items() if k != "group_size"}
+    cfg = LlamaConfig(**spec, max_position_embeddings=4096, eos_token_id=None, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def swap_to_w4(model: Any, shape: str, device: str, precision: str) -> int:
+    import torch
+    from torch import nn
+
+    from w4pack.torch_module import W4Linear
+
+    gs = SHAPES[shape]["group_size"]
+    cache: dict[tuple[int, int], Any] = {}
+    count = 0
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, nn.Linear) or name.endswith("lm_head"):
+            continue
+        key = (mod.out_features, mod.in_features)
+        if key not in cache:
+            cache[key] = _random_packed(*key, gs, seed=len(cache))
+        w4 = W4Linear.from_packed(cache[key], device=device, precision=precision)
+        w4.prepare(device, next(model.parameters()).dtype)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, w4)
+        count += 1
+    if str(device).startswith("cuda"):
+        torch.cuda.empty_cache()
+    return count
+
+
+def decode_rate(model: Any, batch: int, new_tokens: int, repeats: int) -> dict[str, float]:
+    import torch
+
+    dev = next(model.parameters()).device
+    ids = torch.randint(3, model.config.vocab_size, (batch, 16), device=dev)
+
+    def timed(n: int) -> float:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - t0
+
+    timed(4)  # warm-up
+    t1 = statistics.median(timed(1) for _ in range(repeats))
+    tn = statistics.median(timed(new_tokens) for _ in range(repeats))
+    rate = batch * (new_tokens - 1) / max(tn - t1, 1e-9)
+    return {"batch": batch, "new_tokens": new_tokens, "prefill_s": round(t1, 4), "total_s": round(tn, 4),
+            "decode_tokens_per_s": round(rate, 1), "ms_per_step": round((tn - t1) / (new_tokens - 1) * 1000, 3)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shapes", default="smollm2,llama2-7b")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--precision", default="exact", choices=["exact", "fast"])
+    ap.add_argument("--json", dest="json_out", default=None, help="also write the results here")
+    args = ap.parse_args()
+    import torch
+
+    dtype = torch.float16 if args.device.startswith("cuda") else torch.float32
+    results = []
+    for shape in args.shapes.split(","):
+        model = build_float(shape, args.device, dtype)
+        row: dict[str, Any] = {"shape": shape, "device": args.device, "dtype": str(dtype), "float": [], "w4": []}
+        for b in (int(x) for x in args.batches.split(",")):
+            row["float"].append(decode_rate(model, b, args.new_tokens, args.repeats))
+            print(json.dumps({"shape": shape, "model": "float", **row["float"][-1]}), flush=True)
+        row["w4_layers"] = swap_to_w4(model, shape, args.device, args.precision)
+        for b in (int(x) for x in args.batches.split(",")):
+            row["w4"].append(decode_rate(model, b, args.new_tokens, args.repeats))
+            f = row["float"][len(row["w4"]) - 1]["decode_tokens_per_s"]
+            print(json.dumps({"shape": shape, "model": "w4", **row["w4"][-1],
+                              "speedup": round(row["w4"][-1]["decode_tokens_per_s"] / f, 3)}), flush=True)
+        results.append(row)
+        del model
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
