@@ -24,11 +24,13 @@ from w4pack.convert import convert
 from w4pack.dtypes import to_float32
 from w4pack.errors import BadInputError, UnsupportedError
 from w4pack.formats import detect, get_format
+from w4pack.formats.base import Source, TensorData
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from w4pack.formats.gguf import decode_q4_0, decode_q4_1, decode_q8_0, encode_layer  # noqa: E402
+from w4pack.formats.gguf import (  # noqa: E402
+    decode_q4_0, decode_q4_1, decode_q8_0, encode_layer, tokenizer_metadata)
 
 GGUF = get_format("gguf")
 FAMILY = "gguf"
@@ -322,8 +324,15 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return path, out
 
 
+@pytest.fixture(scope="module")
+def smollm2_reader(smollm2: tuple[Path, Path]) -> Any:
+    """The original file as gguf's own reader parses it (parsed once: its 49k tokens take seconds)."""
+    return gguf.GGUFReader(str(smollm2[0]))
+
+
 @pytest.mark.slow
-def test_smollm2_layers_equal_gguf_and_transformers_dequantization(smollm2: tuple[Path, Path]) -> None:
+def test_smollm2_layers_equal_gguf_and_transformers_dequantization(smollm2: tuple[Path, Path],
+                                                                   smollm2_reader: Any) -> None:
     """Every packed layer dequantizes to exactly gguf's own dequantization (q/k rows un-permuted), and to exactly
     what transformers' own GGUF loader makes of the same file; pass-through tensors too."""
     torch = pytest.importorskip("torch")
@@ -332,7 +341,7 @@ def test_smollm2_layers_equal_gguf_and_transformers_dequantization(smollm2: tupl
 
     path, out = smollm2
     ck = open_checkpoint(out)
-    src = tensors_by_name(path)
+    src = {t.name: t for t in smollm2_reader.tensors}
     q4_1 = [t for t in src.values() if t.tensor_type == Q.Q4_1]
     assert len(q4_1) == len(ck.layers) == 210
     with torch.device("meta"):
@@ -392,3 +401,46 @@ def test_smollm2_written_back_is_the_original_file(smollm2: tuple[Path, Path], t
     path, out = smollm2
     convert(out, tmp_path / "back.gguf", to="gguf", show_progress=False)
     assert (tmp_path / "back.gguf").read_bytes() == path.read_bytes()
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_rebuilt_from_tokenizer_json(smollm2: tuple[Path, Path], smollm2_reader: Any) -> None:
+    """A source without saved GGUF metadata (any Hugging Face folder) still gets llama.cpp's tokenizer keys:
+    rebuilt from the exported tokenizer.json, they equal the original GGUF's."""
+    _path, out = smollm2
+    side = [p for p in out.iterdir() if p.suffix in (".json", ".jinja") and p.name != "gguf_metadata.json"]
+    keys, why = tokenizer_metadata(side, json.loads((out / "config.json").read_text()))
+    assert why is None
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id",
+                "tokenizer.ggml.padding_token_id", "tokenizer.chat_template"):
+        assert keys[key][0] == smollm2_reader.fields[key].contents(), key
+        assert keys[key][1] == smollm2_reader.fields[key].types[0].name, key
+
+
+def test_gguf_without_tokenizer_warns(tmp_path: Path) -> None:
+    layer = CanonicalLayer(codes=np.zeros((32, 64), np.uint8), scales=np.ones((32, 2), np.float16), bits=4,
+                           group_size=32).validate()
+
+    class One(Source):
+        config = {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 4, "hidden_size": 64}
+        info = {"format": "memory"}
+        path = Path("memory")
+
+        def layer_names(self) -> list[str]:
+            return [LAYER]
+
+        def read_layer(self, name: str) -> CanonicalLayer:
+            return layer.replace(name=name)
+
+        def passthrough_names(self) -> list[str]:
+            return []
+
+        def read_tensor(self, name: str) -> TensorData:
+            raise KeyError(name)
+
+    with pytest.warns(UserWarning, match="no tokenizer embedded"):
+        GGUF.write(One(), tmp_path / "x.gguf")
+    t = tensors_by_name(tmp_path / "x.gguf")["blk.0.ffn_down.weight"]
+    assert t.tensor_type == Q.Q4_0 and np.array_equal(gguf.quants.dequantize(t.data, t.tensor_type),
+                                                      layer.dequantize())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -29,10 +30,15 @@ from ..errors import BadInputError, IOFailure, UnsupportedError
 from . import _hf_names as names
 from .base import Capabilities, Format, Source, TensorData
 
-__all__ = ["GGUFFormat", "GGUFSource", "decode_q4_0", "decode_q4_1", "decode_q8_0", "encode_layer",
+__all__ = ["GGUFFormat", "GGUFSource", "GGUFWarning", "tokenizer_metadata", "decode_q4_0", "decode_q4_1", "decode_q8_0", "encode_layer",
            "rotary_row_permutation"]
 
 BLOCK = 32
+
+
+class GGUFWarning(UserWarning):
+    """Something a written GGUF lacks (e.g. a tokenizer), said once per file."""
+
 #: side file with the GGUF metadata (tokenizer vocabulary, chat template, ...) so that writing GGUF back keeps it
 METADATA_NAME = "gguf_metadata.json"
 #: keys the writer sets itself
@@ -473,6 +479,62 @@ class GGUFSource(Source):
 # ---------------------------------------------------------------------------------------------
 # writing
 # ---------------------------------------------------------------------------------------------
+def tokenizer_metadata(side_files: list[Path], config: dict[str, Any]) -> tuple[dict[str, tuple[Any, str, str | None]],
+                                                                                 str | None]:
+    """GGUF tokenizer keys built from a Hugging Face tokenizer.json (byte-level BPE, llama.cpp's "gpt2" model).
+
+    Returns ({key: (value, value type, array item type)}, reason when nothing could be built). Used when the
+    source is not a GGUF (no saved metadata), so that llama.cpp can load what we write.
+    """
+    import json
+
+    files = {p.name: p for p in side_files}
+    if "tokenizer.json" not in files:
+        return {}, "no tokenizer.json"
+    try:
+        doc = json.loads(files["tokenizer.json"].read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise BadInputError(f"cannot read the tokenizer: {exc}", file=str(files["tokenizer.json"])) from None
+    model = doc.get("model") or {}
+    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        return {}, f"tokenizer model {model.get('type')!r} is not byte-level BPE"
+    ids: dict[int, str] = {int(i): str(t) for t, i in model["vocab"].items()}
+    kinds: dict[int, int] = {}
+    for a in doc.get("added_tokens") or []:
+        ids[int(a["id"])] = str(a["content"])
+        kinds[int(a["id"])] = 3 if a.get("special") else 4  # CONTROL / USER_DEFINED
+    size = max(ids) + 1 if ids else 0
+    tokens = [ids.get(i, f"[PAD{i}]") for i in range(size)]
+    types = [kinds.get(i, 1 if i in ids else 5) for i in range(size)]  # NORMAL, or UNUSED for gaps
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    out: dict[str, tuple[Any, str, str | None]] = {
+        "tokenizer.ggml.model": ("gpt2", "STRING", None),
+        "tokenizer.ggml.tokens": (tokens, "ARRAY", "STRING"),
+        "tokenizer.ggml.token_type": (types, "ARRAY", "INT32"),
+        "tokenizer.ggml.merges": (merges, "ARRAY", "STRING"),
+    }
+    tcfg: dict[str, Any] = {}
+    if "tokenizer_config.json" in files:
+        try:
+            tcfg = json.loads(files["tokenizer_config.json"].read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            tcfg = {}
+    index = {t: i for i, t in enumerate(tokens)}
+    for key, hf in (("bos_token_id", "bos_token"), ("eos_token_id", "eos_token"), ("unknown_token_id", "unk_token"),
+                    ("padding_token_id", "pad_token")):
+        tok = tcfg.get(hf)
+        tok = tok.get("content") if isinstance(tok, dict) else tok
+        tid = index.get(tok) if isinstance(tok, str) else config.get(hf.replace("_token", "_token_id"))
+        if isinstance(tid, int):
+            out[f"tokenizer.ggml.{key}"] = (tid, "UINT32", None)
+    template = tcfg.get("chat_template")
+    if not isinstance(template, str) and "chat_template.jinja" in files:
+        template = files["chat_template.jinja"].read_text(encoding="utf-8")
+    if isinstance(template, str) and template:
+        out["tokenizer.chat_template"] = (template, "STRING", None)
+    return out, None
+
+
 #: hyperparameters always written from config.json, even when the saved source metadata lacked them
 _ESSENTIAL = (".block_count", ".context_length", ".embedding_length", ".feed_forward_length",
               ".attention.head_count", ".attention.head_count_kv", ".attention.layer_norm_rms_epsilon")
@@ -517,7 +579,9 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
         return inv
 
     saved: dict[str, Any] = {}
-    for p in source.side_files():
+    notes: list[str] = []
+    side = source.side_files()
+    for p in side:
         if p.name == METADATA_NAME:
             import json
 
@@ -638,6 +702,12 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
                 final[key] = (entry["value"], VT[entry["type"]], None)
         final["general.quantization_version"] = (int(gguf.GGML_QUANT_VERSION), VT.UINT32, None)
         final["general.file_type"] = (int(ftype), VT.UINT32, None)
+        if not saved.get("metadata"):  # a GGUF source is reproduced as it was, with or without a tokenizer
+            tok, why = tokenizer_metadata(side, cfg)
+            for key, (val, vt, sub) in tok.items():
+                final[key] = (val, VT[vt], None if sub is None else VT[sub])
+            if why:
+                notes.append(f"no tokenizer embedded ({why}): llama.cpp needs one to run this file")
         base = getattr(source, "info", {}).get("base_model")
         if base and "general.name" not in final:
             final["general.name"] = (str(base), VT.STRING, None)
@@ -667,6 +737,8 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    for note in notes:
+        warnings.warn(f"{out}: {note}", GGUFWarning, stacklevel=3)
     return out
 
 
