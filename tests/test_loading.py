@@ -262,3 +262,46 @@ def test_torch_compile_on_cuda(tmp_path: Path) -> None:
         compiled = torch.compile(model, fullgraph=False)
         got = compiled(x, use_cache=False).logits
     assert torch.allclose(got, eager, atol=2e-2, rtol=2e-2)
+
+
+# -------------------------------------------------------------------------------------------------
+# --fuse at convert time
+# -------------------------------------------------------------------------------------------------
+def test_fuse_cli_records_groups_and_refuses_bad_requests(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from w4pack.cli import main
+
+    src, _layers, _ref = _write(tmp_path, "mistral", "awq")
+    rc = main(["convert", str(src), str(tmp_path / "w4"), "--fuse", "qkv,gate-up", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert sorted(doc["fused"]) == sorted(f"model.layers.{i}.{m}" for i in range(2)
+                                          for m in ("self_attn.qkv_proj", "mlp.gate_up_proj"))
+    assert doc["fused"]["model.layers.0.self_attn.qkv_proj"] == [
+        {"name": "model.layers.0.self_attn.q_proj", "rows": [0, 64]},
+        {"name": "model.layers.0.self_attn.k_proj", "rows": [64, 96]},
+        {"name": "model.layers.0.self_attn.v_proj", "rows": [96, 128]}]
+    assert w4pack.validate_checkpoint(tmp_path / "w4")["num_layers"] == 2 * 4  # qkv, o, gate_up, down per block
+    assert main(["convert", str(src), str(tmp_path / "x"), "--fuse", "qk"]) == 2
+    assert "unknown fusion" in capsys.readouterr().err
+    assert main(["convert", str(src), str(tmp_path / "y"), "--fuse", "qkv", "--to", "gptq"]) == 3
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_fusion_refuses_mismatched_group_structure() -> None:
+    from rtn_helper import rtn_quantize
+
+    from w4pack.fuse import fuse_layers, parse_fuse, plan_fusion
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((32, 64)).astype(np.float32)
+    q = rtn_quantize(w, group_size=32, name="b.q_proj")
+    k = rtn_quantize(w, group_size=64, name="b.k_proj")
+    v = rtn_quantize(w, group_size=32, bits=8, name="b.v_proj")
+    with pytest.raises(UnsupportedError) as exc:
+        fuse_layers("b.qkv_proj", [q, k, v])
+    assert "group_size differs" in str(exc.value) and "bits differs" in str(exc.value)
+    assert parse_fuse("QKV, gate_up") == ["qkv", "gate-up"]
+    assert plan_fusion(["b.q_proj", "b.k_proj", "c.q_proj", "c.v_proj"], ["qkv"]) == {}
+    fused, rows = fuse_layers("b.qkv_proj", [q, q.replace(name="b.k_proj"), q.replace(name="b.v_proj")])
+    assert fused.out_features == 96 and rows[2]["rows"] == [64, 96]
+    np.testing.assert_array_equal(fused.dequantize()[32:64], q.dequantize())

