@@ -444,3 +444,48 @@ def test_gguf_without_tokenizer_warns(tmp_path: Path) -> None:
     t = tensors_by_name(tmp_path / "x.gguf")["blk.0.ffn_down.weight"]
     assert t.tensor_type == Q.Q4_0 and np.array_equal(gguf.quants.dequantize(t.data, t.tensor_type),
                                                       layer.dequantize())
+
+
+def make_tokenizer_gguf(path: Path) -> None:
+    """A tiny byte-level BPE vocabulary in llama.cpp's keys, beside one Q4_0 layer."""
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_block_count(1)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(96)
+    w.add_head_count(4)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    toks = ["<s>", "</s>"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["ab", "abc", "Ġ", "Ġa"]
+    w.add_token_list(toks)
+    w.add_token_types([3, 3] + [1] * (len(toks) - 2))
+    w.add_token_merges(["a b", "ab c", "Ġ a"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    x = np.random.default_rng(0).normal(0, 0.05, (64, 96)).astype(np.float32)
+    w.add_tensor("blk.0.ffn_down.weight", gguf.quants.quantize(x, Q.Q4_0), raw_dtype=Q.Q4_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_tokenizer_exported_by_transformers(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    make_tokenizer_gguf(tmp_path / "t.gguf")
+    convert(tmp_path / "t.gguf", tmp_path / "w4", show_progress=False)
+    names = sorted(p.name for p in (tmp_path / "w4").iterdir())
+    assert "tokenizer.json" in names and "gguf_metadata.json" in names
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "w4"))
+    assert tok("abc", add_special_tokens=False)["input_ids"] == [29]  # merged by "a b" then "ab c"
+    notes = open_checkpoint(tmp_path / "w4").manifest["source"]["notes"]
+    assert any("tokenizer exported" in n for n in notes)
+
+
+def test_tokenizer_export_is_optional(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without transformers the conversion still works and says why there is no tokenizer."""
+    make_tokenizer_gguf(tmp_path / "t.gguf")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ModuleNotFoundError
+    convert(tmp_path / "t.gguf", tmp_path / "w4", show_progress=False)
+    assert not (tmp_path / "w4" / "tokenizer.json").exists()
+    notes = open_checkpoint(tmp_path / "w4").manifest["source"]["notes"]
+    assert any("transformers is not installed" in n for n in notes)
