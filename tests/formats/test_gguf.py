@@ -489,3 +489,28 @@ def test_tokenizer_export_is_optional(tmp_path: Path, monkeypatch: pytest.Monkey
     assert not (tmp_path / "w4" / "tokenizer.json").exists()
     notes = open_checkpoint(tmp_path / "w4").manifest["source"]["notes"]
     assert any("transformers is not installed" in n for n in notes)
+
+
+def test_k_quants_pass_through_and_come_back_as_f32(tmp_path: Path) -> None:
+    """gguf-py can dequantize Q4_K but not quantize it: read as float32, written back as F32, with a warning."""
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, (64, 144), dtype=np.uint8)  # 64 rows of one 256-element Q4_K super-block
+    raw[:, 0:4] = np.frombuffer(np.array([0.01, 0.001], "<f2").tobytes(), np.uint8)  # finite d, dmin
+    x = rng.normal(0, 0.05, (64, 256)).astype(np.float32)
+    w = gguf.GGUFWriter(str(tmp_path / "k.gguf"), arch="llama")
+    w.add_tensor("blk.0.ffn_down.weight", gguf.quants.quantize(x, Q.Q4_0), raw_dtype=Q.Q4_0)
+    w.add_tensor("output.weight", raw, raw_dtype=Q.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    convert(tmp_path / "k.gguf", tmp_path / "w4", show_progress=False)
+    ck = open_checkpoint(tmp_path / "w4")
+    assert ck.layers == [LAYER] and ck.passthrough == ["lm_head.weight"]
+    assert np.array_equal(ck.tensor("lm_head.weight"), gguf.quants.dequantize(raw, Q.Q4_K))
+    assert any("1 Q4_K" in n for n in ck.manifest["source"]["notes"])
+    with pytest.warns(UserWarning, match="written as F32.*1 Q4_K"):
+        convert(tmp_path / "w4", tmp_path / "back.gguf", to="gguf", show_progress=False)
+    back = tensors_by_name(tmp_path / "back.gguf")
+    assert back["output.weight"].tensor_type == Q.F32 and back["blk.0.ffn_down.weight"].tensor_type == Q.Q4_0
+    assert np.array_equal(np.asarray(back["output.weight"].data), gguf.quants.dequantize(raw, Q.Q4_K))

@@ -595,23 +595,27 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
     original_types: dict[str, str] = saved.get("tensor_types") or {}
     requant: dict[str, str] = {}  # gguf name -> type, for float tensors that re-encode exactly
 
+    lost: Counter[str] = Counter()  # original types that could not be re-encoded exactly
+
     def exact_requant(gname: str, arr: np.ndarray) -> np.ndarray | None:
         """Quantized bytes of a float tensor that came from a quantized GGUF tensor, if they reproduce it exactly."""
         qt = original_types.get(gname)
         if qt is None or qt in _PASS_TYPES.values() or arr.dtype != np.float32 or arr.ndim < 1:
             return None
         qtype = gguf.GGMLQuantizationType[qt]
-        block = gguf.GGML_QUANT_SIZES[qtype][0]
-        if arr.shape[-1] % block:
-            return None
-        try:
-            data = gguf.quants.quantize(arr, qtype)
-        except (NotImplementedError, ValueError, TypeError):
-            return None
-        if gname not in requant:
-            if not np.array_equal(gguf.quants.dequantize(data, qtype).reshape(arr.shape), arr):
-                return None
-            requant[gname] = qt
+        data = None
+        if arr.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+            try:
+                data = gguf.quants.quantize(arr, qtype)
+            except (NotImplementedError, ValueError, TypeError):  # gguf-py cannot quantize K-quants
+                data = None
+        if data is not None and gname not in requant:
+            if np.array_equal(gguf.quants.dequantize(data, qtype).reshape(arr.shape), arr):
+                requant[gname] = qt
+            else:
+                data = None
+        if data is None:
+            lost[qt] += 1
         return data
 
     def tensor_payload(kind: str, hf: str) -> tuple[np.ndarray, Any]:
@@ -684,6 +688,9 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
         seen.add(gname)
     ftype = _FILE_TYPES[types.most_common(1)[0][0]] if types else 1
     pass_one = False
+    if lost:
+        notes.append("written as F32, not re-encodable exactly by gguf: "
+                     + ", ".join(f"{c} {q}" for q, c in sorted(lost.items())))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp_fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.w4pack-tmp-", dir=out.parent)
     os.close(tmp_fd)
@@ -702,7 +709,7 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
                 final[key] = (entry["value"], VT[entry["type"]], None)
         final["general.quantization_version"] = (int(gguf.GGML_QUANT_VERSION), VT.UINT32, None)
         final["general.file_type"] = (int(ftype), VT.UINT32, None)
-        if not saved.get("metadata"):  # a GGUF source is reproduced as it was, with or without a tokenizer
+        if not saved:  # a GGUF source is reproduced as it was, with or without a tokenizer
             tok, why = tokenizer_metadata(side, cfg)
             for key, (val, vt, sub) in tok.items():
                 final[key] = (val, VT[vt], None if sub is None else VT[sub])
@@ -712,7 +719,7 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
         if base and "general.name" not in final:
             final["general.name"] = (str(base), VT.STRING, None)
         for key, (kind, val) in kv.items():
-            if saved.get("metadata") and key not in final and not key.endswith(_ESSENTIAL):
+            if saved and key not in final and not key.endswith(_ESSENTIAL):
                 continue  # keep a GGUF -> w4pack -> GGUF trip to the keys the source had
             final[key] = (int(val), VT.UINT32, None) if kind == "u32" else (float(val), VT.FLOAT32, None)
         for key, (val, vt, sub) in final.items():
