@@ -102,10 +102,6 @@ def _matches(name: str, target: str) -> bool:
     return "." not in target and target[:1].isupper() and target.endswith("Linear")
 
 
-def _scalar(arr: np.ndarray) -> int:
-    return int(np.asarray(arr).reshape(-1)[0])
-
-
 class CompressedTensorsSource(Source):
     """A compressed-tensors model folder (config.json + safetensors shards) or a bare .safetensors file."""
 
@@ -306,9 +302,8 @@ class CompressedTensorsSource(Source):
         if name not in self._layers:
             raise BadInputError("no such quantized layer", file=str(self.path), tensor=name)
         tp, ts, tsh = f"{name}.weight_packed", f"{name}.weight_scale", f"{name}.weight_shape"
-        for t in (ts,):
-            if t not in self.tensor_file:
-                raise BadInputError("tensor is missing", file=str(self.path), tensor=t)
+        if ts not in self.tensor_file:
+            raise BadInputError("tensor is missing", file=self._label(tp), tensor=ts)
         packed = self._get(tp)
         if packed.dtype != np.int32 or packed.ndim != 2:
             raise BadInputError(f"weight_packed must be int32 [N, words], got {packed.dtype} {list(packed.shape)}",
@@ -397,8 +392,8 @@ class CompressedTensorsSource(Source):
             scales = np.broadcast_to(np.asarray(scale).reshape(1, 1), (n, 1)).copy()
             group_size = -1
         else:
-            if scale.ndim != 2 or scale.shape[0] != n:
-                raise BadInputError(f"weight_scale shape {list(scale.shape)} does not have {n} rows",
+            if scale.ndim != 2 or scale.shape[0] != n or scale.shape[1] < 1:
+                raise BadInputError(f"weight_scale shape {list(scale.shape)} is not [{n} rows, groups]",
                                     file=self._label(ts), tensor=ts)
             g = int(scale.shape[1])
             if strategy == "channel":

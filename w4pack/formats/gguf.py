@@ -30,8 +30,8 @@ from ..errors import BadInputError, IOFailure, UnsupportedError
 from . import _hf_names as names
 from .base import Capabilities, Format, Source, TensorData
 
-__all__ = ["GGUFFormat", "GGUFSource", "GGUFWarning", "tokenizer_metadata", "decode_q4_0", "decode_q4_1", "decode_q8_0", "encode_layer",
-           "rotary_row_permutation"]
+__all__ = ["GGUFFormat", "GGUFSource", "GGUFWarning", "tokenizer_metadata", "decode_q4_0", "decode_q4_1",
+           "decode_q8_0", "encode_layer", "rotary_row_permutation", "write_gguf"]
 
 BLOCK = 32
 
