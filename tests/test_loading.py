@@ -305,3 +305,24 @@ def test_fusion_refuses_mismatched_group_structure() -> None:
     fused, rows = fuse_layers("b.qkv_proj", [q, q.replace(name="b.k_proj"), q.replace(name="b.v_proj")])
     assert fused.out_features == 96 and rows[2]["rows"] == [64, 96]
     np.testing.assert_array_equal(fused.dequantize()[32:64], q.dequantize())
+
+
+def test_repacking_a_fused_checkpoint_keeps_the_fusion(tmp_path: Path) -> None:
+    src, _layers, ref = _write(tmp_path, "llama", "awq")
+    convert(src, tmp_path / "fused", fuse="qkv")
+    convert(tmp_path / "fused", tmp_path / "again", max_shard_size="64KB")
+    convert(tmp_path / "fused", tmp_path / "more", fuse="gate-up")
+    first = json.loads((tmp_path / "fused" / "w4pack.json").read_text())["fused"]
+    assert json.loads((tmp_path / "again" / "w4pack.json").read_text())["fused"] == first
+    more = json.loads((tmp_path / "more" / "w4pack.json").read_text())["fused"]
+    assert len(more) == 4 and all(more[k] == v for k, v in first.items())
+    _compare(load_model(tmp_path / "more"), ref)
+
+
+def test_import_w4pack_loads_neither_torch_nor_transformers() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, w4pack; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]

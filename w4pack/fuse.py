@@ -127,7 +127,8 @@ class FusedSource(Source):
         self.plan = plan_fusion(inner.layer_names(), kinds)
         self.kinds = kinds
         self._part_of = {p: fused for fused, parts in self.plan.items() for p in parts}
-        self.fused: dict[str, list[dict[str, Any]]] = {}
+        # fusions the source already has (a fused w4pack checkpoint) stay recorded
+        self.fused: dict[str, list[dict[str, Any]]] = dict(getattr(inner, "fused", None) or {})
         if self.plan:
             self.info["notes"] = list(self.info.get("notes", [])) + [
                 f"fused {len(self.plan)} projection group(s): {', '.join(kinds)}"]

@@ -237,6 +237,7 @@ def load_model(path: str | os.PathLike[str], device: Any = "cpu", dtype: Any = N
         model = w4pack.load_model("smollm2-w4/", device="cpu")
         out = model.generate(**tok("Hello", return_tensors="pt"), max_new_tokens=20)
     """
+    _require_hf()
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -285,8 +286,18 @@ def load_model(path: str | os.PathLike[str], device: Any = "cpu", dtype: Any = N
     return model
 
 
+def _require_hf() -> None:
+    """One clear line instead of an import traceback when the optional dependencies are missing."""
+    import importlib.util
+
+    for mod, extra in (("torch", "torch"), ("transformers", "hf")):
+        if importlib.util.find_spec(mod) is None:
+            raise UnsupportedError(f"running a model needs {mod}: pip install 'w4pack[{extra}]'")
+
+
 def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     """The tokenizer stored beside the weights (tokenizer.json etc., copied by convert)."""
+    _require_hf()
     from transformers import AutoTokenizer
 
     try:

@@ -22,6 +22,8 @@ class W4PackSource(Source):
         self.config = {k: v for k, v in self.ckpt.config.items() if k != "quantization_config"}
         src = self.ckpt.manifest.get("source") or {}
         self.info = {"format": "w4pack", "version": "1", "notes": [f"repacked from {src.get('format', 'unknown')}"]}
+        #: fused projections of the manifest, carried over by write_packed (w4pack.fuse)
+        self.fused = dict(self.ckpt.manifest.get("fused") or {})
         if src.get("base_model"):
             self.info["base_model"] = src["base_model"]
 
