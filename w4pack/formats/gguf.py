@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 import warnings
+import weakref
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -400,6 +401,8 @@ class GGUFSource(Source):
             return list(self._side_files)
         self._side_files = []
         self._side_dir = Path(tempfile.mkdtemp(prefix="w4pack-gguf-tok-"))
+        # removed on close(), or when the source is garbage-collected without one
+        self._side_cleanup = weakref.finalize(self, shutil.rmtree, str(self._side_dir), True)
         import json
 
         meta_doc = self.metadata_doc()
@@ -468,7 +471,7 @@ class GGUFSource(Source):
 
     def close(self) -> None:
         if self._side_dir is not None:
-            shutil.rmtree(self._side_dir, ignore_errors=True)
+            self._side_cleanup()
             self._side_dir = None
             self._side_files = None
         # GGUFReader holds a np.memmap; dropping the reference releases the mapping
