@@ -148,3 +148,54 @@ T2 void w4p_tile_avx2(const w4p_job *J, int tile, int64_t m0, int64_t m1) {
 }
 
 #endif
+
+#if defined(__x86_64__) || defined(__i386__)
+/* Activation preparation with F16C (same rounding as the generic C code). */
+T2 void w4p_cvt_avx2(const void *src, int dtype, float *dst, int n) {
+    int i = 0;
+    if (dtype == W4P_DT_F16) {
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i))));
+        for (; i < n; i++) dst[i] = w4p_half_to_float(((const uint16_t *)src)[i]);
+    } else if (dtype == W4P_DT_BF16) {
+        for (; i + 8 <= n; i += 8) {
+            __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + i)));
+            _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
+        }
+        for (; i < n; i++) {
+            uint32_t u = (uint32_t)((const uint16_t *)src)[i] << 16;
+            memcpy(dst + i, &u, 4);
+        }
+    } else {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+    }
+}
+
+T2 void w4p_quant_avx2(const float *x, int n, int8_t *q, float *scale, int32_t *sum) {
+    /* n is a multiple of 16 */
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(x + i), absmask));
+    float mv[8];
+    _mm256_storeu_ps(mv, amax);
+    float m = 0.0f;
+    for (int j = 0; j < 8; j++) m = mv[j] > m ? mv[j] : m;
+    const float inv = m > 0.0f ? 127.0f / m : 0.0f;
+    const __m256 vinv = _mm256_set1_ps(inv), lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
+    __m256i s = _mm256_setzero_si256();
+    for (int i = 0; i < n; i += 8) {
+        __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm256_min_ps(_mm256_max_ps(v, nlim), lim);
+        __m256i vi = _mm256_cvtps_epi32(v);
+        s = _mm256_add_epi32(s, vi);
+        __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(vi), _mm256_extracti128_si256(vi, 1));
+        _mm_storel_epi64((__m128i *)(q + i), _mm_packs_epi16(w16, w16));
+    }
+    int32_t sv[8];
+    _mm256_storeu_si256((__m256i *)sv, s);
+    int32_t tot = 0;
+    for (int j = 0; j < 8; j++) tot += sv[j];
+    *scale = m / 127.0f;
+    *sum = tot;
+}
+#endif

@@ -269,6 +269,9 @@ int w4p_cpu_gemm(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t m, 
     if (isa == W4P_ISA_AVX512 || isa == W4P_ISA_AVX512VNNI) {
         P.cvt = w4p_cvt_avx512;
         P.quant = w4p_quant_avx512;
+    } else if (isa == W4P_ISA_AVX2) {
+        P.cvt = w4p_cvt_avx2;
+        P.quant = w4p_quant_avx2;
     }
 #endif
     float *bias32 = NULL;

