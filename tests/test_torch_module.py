@@ -124,6 +124,16 @@ def test_custom_op_fake_and_compile() -> None:
     net = Net()
     compiled = torch.compile(net, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), net(x))
+    seen: list[str] = []
+
+    def recording_backend(gm: torch.fx.GraphModule, _inputs: list) -> object:
+        seen.extend(str(node.target) for node in gm.graph.nodes)
+        return gm.forward
+
+    torch._dynamo.reset()
+    traced = torch.compile(net, backend=recording_backend, fullgraph=True)
+    assert torch.equal(traced(x), net(x))
+    assert any("w4pack.linear" in t for t in seen), seen  # one opaque node, not a trace into the kernel
 
 
 def _fused_parts():
