@@ -60,8 +60,23 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
+/* After fork() the child has none of the parent's workers: forget them (and any job state). */
+static void pool_after_fork_child(void) {
+    pthread_mutex_init(&pool_lock, NULL);
+    pthread_mutex_init(&pool_busy, NULL);
+    pthread_cond_init(&work_cv, NULL);
+    pthread_cond_init(&done_cv, NULL);
+    n_workers = 0;
+    job_open = 0;
+    joined = finished = 0;
+}
+
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+static void register_atfork(void) { pthread_atfork(NULL, NULL, pool_after_fork_child); }
+
 void w4p_parallel_for(int64_t n, int threads, w4p_task_fn fn, void *ctx) {
     if (n <= 0) return;
+    pthread_once(&atfork_once, register_atfork);
     if (threads > W4P_MAX_THREADS) threads = W4P_MAX_THREADS;
     if (threads > n) threads = (int)n;
     if (threads <= 1 || pthread_mutex_trylock(&pool_busy) != 0) {

@@ -328,3 +328,19 @@ def test_neon_under_qemu(neon_binary, qemu_cpu: str, tmp_path) -> None:
         r = subprocess.run([qemu, "-cpu", qemu_cpu, str(binary), str(case)], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, (n, k, bits, gs, zm, r.stdout + r.stderr)
         assert r.stdout.count(" ok") == 4 and "neon fast" in r.stdout
+
+
+def test_thread_pool_survives_fork() -> None:
+    import os
+
+    layer = make_layer(200, 256, seed=8)
+    lin = CpuPackedLinear(pack(layer))
+    x, x64 = activations(9, 256, "float32")
+    y = lin.forward(x, threads=2)  # the parent's pool now has a worker
+    pid = os.fork()
+    if pid == 0:  # child: no workers exist here; the pool must notice and still finish every item
+        ok = np.array_equal(lin.forward(x, threads=2), y)
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    assert rel(y, true_reference(layer, x64)) < 2e-6
