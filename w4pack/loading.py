@@ -139,9 +139,8 @@ def swap_in_packed_layers(model: Any, ckpt: Checkpoint, *, device: Any, precisio
     return out
 
 
-def _load_passthrough(model: Any, ckpt: Checkpoint, device: Any, dtype: Any) -> list[str]:
+def _load_passthrough(model: Any, ckpt: Checkpoint, device: Any) -> list[str]:
     """Stream the unquantized tensors into the model's (meta) parameters and buffers; returns unused names."""
-    import torch
     from torch import nn
 
     unused = []
@@ -160,19 +159,13 @@ def _load_passthrough(model: Any, ckpt: Checkpoint, device: Any, dtype: Any) -> 
         if tuple(t.shape) != tuple(cur.shape):
             raise BadInputError(f"shape {list(t.shape)} != the model's {list(cur.shape)}",
                                 file=str(ckpt.path / ckpt.weight_map[tname]), tensor=tname)
-        want = cur.dtype if cur.is_floating_point() and cur.dtype == torch.float32 and dtype != torch.float32 \
-            and _keeps_fp32(model, tname) else (dtype if t.is_floating_point() else cur.dtype)
-        t = t.to(device=device, dtype=want)
+        # the skeleton was built in the model dtype, with any module transformers keeps in fp32 already so
+        t = t.to(device=device, dtype=cur.dtype)
         if pname in mod._parameters:
             mod._parameters[pname] = nn.Parameter(t, requires_grad=False)
         else:
             mod._buffers[pname] = t
     return unused
-
-
-def _keeps_fp32(model: Any, tname: str) -> bool:
-    keep = getattr(model, "_keep_in_fp32_modules", None) or []
-    return any(k in tname.split(".") or tname.startswith(k) for k in keep)
 
 
 def _tie_embeddings(model: Any, config: Any) -> None:
@@ -256,7 +249,7 @@ def load_model(path: str | os.PathLike[str], device: Any = "cpu", dtype: Any = N
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
         swap_in_packed_layers(model, ckpt, device=dev, precision=precision, threads=threads)
-        unused = _load_passthrough(model, ckpt, dev, torch_dtype)
+        unused = _load_passthrough(model, ckpt, dev)
         _tie_embeddings(model, config)
         _materialize_buffers(model, dev)
         missing = _leftover_meta(model)
