@@ -266,3 +266,10 @@ def test_smollm2_on_cuda_same_tokens_batched_and_graph_captured(smollm2: Path) -
         graph.replay()
         torch.cuda.synchronize()
     assert torch.allclose(static, eager, atol=1e-4, rtol=1e-4)
+
+
+def test_cuda_without_a_device_is_unsupported(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    rc, _out, err = _cli(capsys, "run", str(tiny), "--prompt", "x", "--device", "cuda")
+    assert rc == 3 and "no CUDA device" in err and err.count("\n") == 1
