@@ -227,6 +227,12 @@ static w4p_tile_fn pick_kernel(int isa) {
 
 static int valid_dtype(int dt) { return dt == W4P_DT_F16 || dt == W4P_DT_BF16 || dt == W4P_DT_F32; }
 
+static int gemm_rows(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t m, int64_t ldx,
+                     void *y, int y_dtype, int64_t ldy, const float *bias32, int precision, int isa,
+                     w4p_tile_fn fn, int threads);
+
+#define W4P_ROWS_PER_PASS 256 /* activation scratch stays bounded (and cache-sized) for any M */
+
 int w4p_cpu_gemm(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t m, int64_t ldx,
                  void *y, int y_dtype, int64_t ldy, const void *bias, int bias_dtype,
                  int precision, int isa, int threads) {
@@ -263,6 +269,26 @@ int w4p_cpu_gemm(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t m, 
         return W4P_EUNSUPPORTED;
     }
 
+    float *bias32 = NULL;
+    if (bias) {
+        bias32 = calloc((size_t)L->nt * W4P_TILE, sizeof(float));
+        if (!bias32) { w4p_set_error("out of memory"); return W4P_ENOMEM; }
+        for (int i = 0; i < L->n; i++) bias32[i] = load_elem(bias, bias_dtype, i);
+    }
+    int rc = W4P_OK;
+    for (int64_t m0 = 0; m0 < m && rc == W4P_OK; m0 += W4P_ROWS_PER_PASS) {
+        int64_t mm = m - m0 < W4P_ROWS_PER_PASS ? m - m0 : W4P_ROWS_PER_PASS;
+        rc = gemm_rows(L, (const char *)x + (size_t)m0 * ldx * dtype_size(x_dtype), x_dtype, mm, ldx,
+                       (char *)y + (size_t)m0 * ldy * dtype_size(y_dtype), y_dtype, ldy, bias32, precision, isa, fn,
+                       threads);
+    }
+    free(bias32);
+    return rc;
+}
+
+static int gemm_rows(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t m, int64_t ldx,
+                     void *y, int y_dtype, int64_t ldy, const float *bias32, int precision, int isa,
+                     w4p_tile_fn fn, int threads) {
     const size_t kp = (size_t)L->kp, nblk = (size_t)L->nblk;
     prep_ctx P = {L, x, x_dtype, ldx, precision, w4p_cvt_generic, w4p_quant_generic, NULL, NULL, NULL, NULL, NULL};
 #if defined(__x86_64__) || defined(__i386__)
@@ -274,7 +300,6 @@ int w4p_cpu_gemm(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t m, 
         P.quant = w4p_quant_avx2;
     }
 #endif
-    float *bias32 = NULL;
     int rc = W4P_OK;
     if (posix_memalign((void **)&P.xf, 64, (size_t)m * kp * sizeof(float))) P.xf = NULL;
     if (precision == W4P_PREC_EXACT) {
@@ -284,14 +309,11 @@ int w4p_cpu_gemm(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t m, 
         P.xs = malloc((size_t)m * nblk * sizeof(float));
         P.xsum = malloc((size_t)m * nblk * sizeof(int32_t));
     }
-    if (bias) bias32 = calloc((size_t)L->nt * W4P_TILE, sizeof(float));
-    if (!P.xf || (precision == W4P_PREC_EXACT ? !P.xfsum : (!P.xq || !P.xs || !P.xsum)) || (bias && !bias32)) {
+    if (!P.xf || (precision == W4P_PREC_EXACT ? !P.xfsum : (!P.xq || !P.xs || !P.xsum))) {
         w4p_set_error("out of memory for M=%lld activations", (long long)m);
         rc = W4P_ENOMEM;
         goto done;
     }
-    if (bias)
-        for (int i = 0; i < L->n; i++) bias32[i] = load_elem(bias, bias_dtype, i);
 
     w4p_parallel_for(m, m >= 8 ? threads : 1, prep_row, &P);
 
@@ -304,7 +326,6 @@ done:
     free(P.xq);
     free(P.xs);
     free(P.xsum);
-    free(bias32);
     return rc;
 }
 

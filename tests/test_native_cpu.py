@@ -184,6 +184,14 @@ def test_m_from_1_to_67_on_the_default_path() -> None:
     ref = true_reference(layer, x64)
     for m in (1, 2, 4, 5, 8, 31, 64, 65, 67):
         assert rel(lin.forward(x[:m], threads=1), ref[:m]) < 2e-6, m
+    # more rows than one pass of the kernel's activation scratch (256): processed in passes
+    xl, xl64 = activations(600, 576, "float16", seed=6)
+    for prec, tol in (("exact", 2e-6), ("fast", 2e-2)):
+        yl = lin.forward(xl, precision=prec, out_dtype="float32", threads=2)
+        assert rel(yl, true_reference(layer, xl64)) < tol
+        if prec == "fast":  # integer dots: a row's result does not depend on the rows around it
+            assert np.array_equal(yl[300:301], lin.forward(xl[300:301], precision=prec, out_dtype="float32",
+                                                           threads=1))
 
 
 def test_w4pack_isa_env_forces_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
