@@ -14,14 +14,13 @@
 
 static const int nibble_pos[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 
+/* 2 MiB-aligned start (so whole huge pages cover the stream) for buffers of at least 2 MiB; the size is
+ * not rounded up: the tail simply stays in 4 KiB pages, and untouched alignment slack costs no memory. */
 static void *alloc_big(size_t bytes, int *huge) {
     void *p = NULL;
     size_t align = 64;
     *huge = 0;
-    if (bytes >= ((size_t)2 << 20)) {
-        align = (size_t)2 << 20;
-        bytes = (bytes + align - 1) / align * align;
-    }
+    if (bytes >= ((size_t)2 << 20)) align = (size_t)2 << 20;
     if (posix_memalign(&p, align, bytes ? bytes : 64) != 0) return NULL;
 #ifdef MADV_HUGEPAGE
     if (align > 64 && madvise(p, bytes, MADV_HUGEPAGE) == 0) *huge = 1;
