@@ -25,7 +25,9 @@ int w4p_cpu_isa_available(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         isa |= W4P_ISA_AVX2;
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+    /* libgcc's feature bits include the OS check (XCR0) for YMM/ZMM state */
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512dq") && (isa & W4P_ISA_AVX2))
         isa |= W4P_ISA_AVX512;
     if ((isa & W4P_ISA_AVX512) && __builtin_cpu_supports("avx512vnni"))
         isa |= W4P_ISA_AVX512VNNI;
