@@ -19,7 +19,7 @@
 
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx2")))
 #define INL inline __attribute__((always_inline))
-#define W4P_PREFETCH 2048 /* bytes ahead in the weight stream */
+#define W4P_PREFETCH 3072 /* bytes ahead in the weight stream */
 
 /* acc += w (u8) . a (four s8 at a4, broadcast to every lane) */
 static INL T512 __m512i dot4r(__m512i acc, __m512i w, __m512i a, const int vnni) {
