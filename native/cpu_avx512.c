@@ -19,7 +19,10 @@
 
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx2")))
 #define INL inline __attribute__((always_inline))
-#define W4P_PREFETCH 3072 /* bytes ahead in the weight stream */
+/* software prefetch of the weight stream (measured at M = 1, cold, on the Zen 5 VM): the fast path does
+ * best prefetching into L2 4 KiB ahead, the exact path (slower per byte) into L1 3 KiB ahead */
+#define W4P_PREFETCH_FAST 4096
+#define W4P_PREFETCH_EXACT 3072
 
 /* acc += w (u8) . a (four s8 at a4, broadcast to every lane) */
 static INL T512 __m512i dot4r(__m512i acc, __m512i w, __m512i a, const int vnni) {
@@ -101,7 +104,7 @@ static INL T512 void fast_block(const w4p_job *J, int tile, int b, int p, int64_
     for (int c = 0; c < cpb; c++) {
         const uint32_t *wc = w + (size_t)c * W4P_TILE;
         if (pf)
-            for (int q = 0; q < 4; q++) _mm_prefetch((const char *)(wc + 16 * q) + W4P_PREFETCH, _MM_HINT_T0);
+            for (int q = 0; q < 4; q++) _mm_prefetch((const char *)(wc + 16 * q) + W4P_PREFETCH_FAST, _MM_HINT_T1);
         if (R >= 3) { /* activations broadcast once per chunk into registers, reused by the 4 quarters */
             __m512i alo[W4P_RMAX], ahi[W4P_RMAX];
             for (int r = 0; r < R; r++) {
@@ -164,7 +167,7 @@ static INL T512 void exact_block(const w4p_job *J, int tile, int b, int p, int64
     for (int c = 0; c < cpb; c++) {
         const uint32_t *wc = w + (size_t)c * W4P_TILE;
         if (pf)
-            for (int q = 0; q < 4; q++) _mm_prefetch((const char *)(wc + 16 * q) + W4P_PREFETCH, _MM_HINT_T0);
+            for (int q = 0; q < 4; q++) _mm_prefetch((const char *)(wc + 16 * q) + W4P_PREFETCH_EXACT, _MM_HINT_T0);
         __m512i wv[4];
         for (int q = 0; q < 4; q++) wv[q] = _mm512_loadu_si512((const void *)(wc + 16 * q));
 #pragma GCC unroll 8
