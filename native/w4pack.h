@@ -120,6 +120,11 @@ int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k,
                   const int32_t *qweight, int storage_bits, int group_size, int zero_mode,
                   const void *scales, const void *zeros, const void *mins, const int32_t *perm,
                   const void *bias, void *workspace, size_t workspace_bytes, int kernel, int splits);
+/* W[n][k] (row stride ldw, original column order: act-order undone) = the layer's weights in dtype, one
+   rounding from fp32. For dense GEMMs at large M and for checks. */
+int w4p_cuda_dequantize(int device, void *stream, int dtype, int n, int k, const int32_t *qweight,
+                        int storage_bits, int group_size, int zero_mode, const void *scales,
+                        const void *zeros, const void *mins, const int32_t *perm, void *w, int64_t ldw);
 /* W4P_CUDA_END */
 
 #ifdef __cplusplus

@@ -144,7 +144,11 @@ def read_bandwidth() -> dict[str, float]:
     """Device-to-device copy (read + write counted) and the w4pack probes over a 0.5 GB layer."""
     a = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
-    t = time_graph(lambda i: b.copy_(a), 1, replays=10)
+    t_end = time.time() + 0.5  # let clocks ramp up before the first measurement
+    while time.time() < t_end:
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t = time_graph(lambda i: b.copy_(a), 1, replays=20)
     copy_gbs = 2 * a.numel() / (t * 1e-6) / 1e9
     del a, b
     packed = random_packed(16384, 65536)
@@ -221,6 +225,7 @@ def main() -> int:
                         sweep[f"stream_s{sp}"] = measure_w4(lins, k, n, m, "stream", sp)
                 if m >= 16:
                     sweep["tiled"] = measure_w4(lins, k, n, m, "tiled")
+                    sweep["dense"] = measure_w4(lins, k, n, m, "dense")
                     if m <= 128:
                         sweep["stream"] = measure_w4(lins, k, n, m, "stream")
                 rec["sweep"] = sweep

@@ -29,7 +29,7 @@ mkdir -p "$(dirname "$OUT")"
 tmp="$OUT.tmp.$$"
 echo "nvcc: building $(basename "$OUT") for sm_${ARCHS// /, sm_} + compute_$last PTX"
 "$NVCC" -O3 -std=c++17 -shared -Xcompiler -fPIC -Xcompiler -fvisibility=hidden -cudart static \
-  --threads 0 "${GENCODE[@]}" -I"$ROOT/native" "${SRCS[@]}" -o "$tmp"
+  --threads 0 -diag-suppress 177 "${GENCODE[@]}" -I"$ROOT/native" "${SRCS[@]}" -o "$tmp"
 mv -f "$tmp" "$OUT"
 cp -f "$ROOT/native/w4pack.h" "$(dirname "$OUT")/w4pack.h"
 echo "$ARCHS" > "$OUT.archs"

@@ -78,13 +78,7 @@ template <typename T2> __device__ __forceinline__ uint32_t as_u32(T2 v) { return
 // The four register pairs (a0..a3 of the m16n8k16 A fragment) of k16 slice j, as raw "magic + q" values.
 // 4-bit: word j, pair i = nibbles (i, i+4). 8-bit: words 2j and 2j+1, bytes in fragment order.
 template <typename T, int SB> struct Codes;
-template <> struct Codes<half, 4> {
-  static __device__ __forceinline__ void get(const uint32_t *w, int j, uint32_t (&h)[4]) {
-    uint32_t x = w[j];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = ((x >> (4 * i)) & 0x000f000fu) | 0x64006400u;
-  }
-};
+// (fp16 4-bit codes take the lop3 path in dq_int<half, 4> below.)
 template <> struct Codes<__nv_bfloat16, 4> {
   static __device__ __forceinline__ void get(const uint32_t *w, int j, uint32_t (&h)[4]) {
     uint32_t x = w[j];
@@ -116,23 +110,56 @@ template <> struct Codes<__nv_bfloat16, 8> {
   }
 };
 
-// Dequantize one k16 slice of one stripe into A registers. zm: 0/1 -> (h - zoff) * s, 2 -> (h - magic) * s + m.
+// Zero-point constants of one group for the two rows a lane holds (lo = row gid, hi = row gid + 8).
+template <typename T, int SB> struct ZC {
+  typename Tr<T, SB>::T2 lo, hi;
+};
+template <typename T, int SB> __device__ __forceinline__ ZC<T, SB> zc_make(float z_lo, float z_hi) {
+  ZC<T, SB> c;  // h - (magic + z) = q - z
+  c.lo = bcast2(from_f<T>(Tr<T, SB>::MAGIC + z_lo));
+  c.hi = bcast2(from_f<T>(Tr<T, SB>::MAGIC + z_hi));
+  return c;
+}
+template <> __device__ __forceinline__ ZC<half, 4> zc_make<half, 4>(float z_lo, float z_hi) {
+  ZC<half, 4> c;  // lo nibbles: h - (1024 + z); hi nibbles (16q + 1024): h / 16 - (64 + z)
+  c.lo = __float2half2_rn(1024.f + z_lo);
+  c.hi = __float2half2_rn(-(64.f + z_hi));
+  return c;
+}
+
+// (q - z) as exact pairs for the four A registers of k16 slice j.
 template <typename T, int SB>
-__device__ __forceinline__ void dequant(const uint32_t *w, int j, int zm, T s_lo, T s_hi, T z_lo, T z_hi,
-                                        uint32_t (&a)[4]) {
+__device__ __forceinline__ void dq_int(const uint32_t *w, int j, const ZC<T, SB> &c, uint32_t (&a)[4]) {
   using T2 = typename Tr<T, SB>::T2;
   uint32_t h[4];
   Codes<T, SB>::get(w, j, h);
-  T2 s2[2] = {bcast2(s_lo), bcast2(s_hi)};
-  T2 z2[2] = {bcast2(z_lo), bcast2(z_hi)};
-  if (zm != 2) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) a[i] = as_u32(__hmul2(__hsub2(as_t2<T2>(h[i]), z2[i & 1]), s2[i & 1]));
-  } else {
-    const T2 mg = bcast2(from_f<T>(Tr<T, SB>::MAGIC));
+  for (int i = 0; i < 4; ++i) a[i] = as_u32(__hsub2(as_t2<T2>(h[i]), (i & 1) ? c.hi : c.lo));
+}
+template <>
+__device__ __forceinline__ void dq_int<half, 4>(const uint32_t *w, int j, const ZC<half, 4> &c, uint32_t (&a)[4]) {
+  uint32_t x = w[j];
+  const uint32_t l0 = (x & 0x000f000fu) | 0x64006400u, h0 = (x & 0x00f000f0u) | 0x64006400u;
+  x >>= 8;
+  const uint32_t l1 = (x & 0x000f000fu) | 0x64006400u, h1 = (x & 0x00f000f0u) | 0x64006400u;
+  const half2 s16 = __float2half2_rn(0.0625f);
+  a[0] = as_u32(__hsub2(as_t2<half2>(l0), c.lo));
+  a[1] = as_u32(__hfma2(as_t2<half2>(h0), s16, c.hi));
+  a[2] = as_u32(__hsub2(as_t2<half2>(l1), c.lo));
+  a[3] = as_u32(__hfma2(as_t2<half2>(h1), s16, c.hi));
+}
+
+// s * q + m pairs (zero mode "float"): one rounding (FMA) per weight.
+template <typename T, int SB>
+__device__ __forceinline__ void dq_float(const uint32_t *w, int j, typename Tr<T, SB>::T2 s_lo,
+                                         typename Tr<T, SB>::T2 s_hi, typename Tr<T, SB>::T2 m_lo,
+                                         typename Tr<T, SB>::T2 m_hi, uint32_t (&a)[4]) {
+  using T2 = typename Tr<T, SB>::T2;
+  const ZC<T, SB> c0 = zc_make<T, SB>(0.f, 0.f);
+  uint32_t q[4];
+  dq_int<T, SB>(w, j, c0, q);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) a[i] = as_u32(__hfma2(__hsub2(as_t2<T2>(h[i]), mg), s2[i & 1], z2[i & 1]));
-  }
+  for (int i = 0; i < 4; ++i) a[i] = as_u32(__hfma2(as_t2<T2>(q[i]), (i & 1) ? s_hi : s_lo, (i & 1) ? m_hi : m_lo));
 }
 
 template <typename T> __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
@@ -176,7 +203,7 @@ template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile(
 // ------------------------------------------------------------------------------------------------
 // group of column k: shift for power-of-two group sizes (the common 32/64/128), division otherwise
 __device__ __forceinline__ int group_of(int k, int gs, int gshift) {
-  return gs <= 0 ? 0 : (gshift >= 0 ? (k >> gshift) : k / gs);
+  return gshift >= 0 ? (k >> gshift) : k / gs;  // per channel: gshift 30, every k < 2^30 is group 0
 }
 
 struct Params {
@@ -231,18 +258,31 @@ __device__ __forceinline__ void split_reduce(const Params &p, int rb, int tb, in
 }
 
 // ------------------------------------------------------------------------------------------------
-// Stream kernel: 4 warps, each owning MI consecutive 16-row stripes; all warps share one K range.
+// Stream kernel: 4 warps, each owning MI consecutive 16-row stripes and streaming them along the block's
+// K range. Weights: bursts of U tiles per warp, double-buffered in registers (the next U are in flight
+// while these are computed). Activations and group parameters: K-chunks of KC tiles, double-buffered in
+// shared memory with cp.async (chunk c+1 lands while chunk c is computed). Zero modes none/int: the MMA
+// takes exact (q - z) values and the fp32 accumulator gets the group's scale once per group; float
+// minima: the weights are dequantized (s * q + m) in the activation dtype.
 constexpr int SW = 4;  // warps per stream block
 
 template <int MI, int SB> struct StreamCfg {
-  static constexpr int V = SB / 4;                        // uint4 per lane per tile
+  static constexpr int V = SB / 4;                                 // uint4 per lane per tile
   static constexpr int U = (8 / (MI * V)) > 0 ? 8 / (MI * V) : 1;  // tiles in flight per warp
-  static constexpr int RB = SW * MI * 16;                 // rows per block
+  static constexpr int RB = SW * MI * 16;                          // rows per block
 };
 
-template <typename T, int SB, int MI, int NI, int MODE>
-__global__ void __launch_bounds__(SW * 32) stream_kernel(const Params p) {
+__host__ __device__ __forceinline__ int stream_ngmax(int KC, int gs) { return gs > 0 ? (KC * 64) / gs + 2 : 1; }
+__host__ __device__ __forceinline__ size_t stream_buf_bytes(int NI, int MI, int KC, int gs) {
+  const size_t x = (size_t)NI * 8 * (KC * 64 + 8) * 2;
+  const size_t prm = (size_t)stream_ngmax(KC, gs) * (SW * MI * 16) * 2;
+  return (x + 2 * prm + 15) / 16 * 16;
+}
+
+template <typename T, int SB, int MI, int NI, int MODE, bool FM>
+__global__ void __launch_bounds__(SW * 32, 3) stream_kernel(const Params p) {
   using C = StreamCfg<MI, SB>;
+  using T2 = typename Tr<T, SB>::T2;
   constexpr int V = C::V, U = C::U, RB = C::RB, TOK = NI * 8;
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -256,13 +296,10 @@ __global__ void __launch_bounds__(SW * 32) stream_kernel(const Params p) {
   const int t0 = (int)((int64_t)p.KT * split / p.S), t1 = (int)((int64_t)p.KT * (split + 1) / p.S);
   const int row0 = rb * RB;
   const int64_t tok0 = (int64_t)tb * TOK;
-  const int XP = p.KC * 64 + 8;  // smem row pitch of activations (elements): +16 B keeps ldmatrix conflict-free
-  T *sx = (T *)smem;
-  T *sS = sx + TOK * XP;
-  const int ngmax = (p.gs > 0 ? (p.KC * 64) / p.gs + 2 : 1);
-  T *sZ = sS + ngmax * RB;
+  const int XP = p.KC * 64 + 8;  // activation row pitch (elements): +16 B keeps ldmatrix conflict-free
+  const int ngmax = stream_ngmax(p.KC, p.gs);
+  const size_t buf_bytes = stream_buf_bytes(NI, MI, p.KC, p.gs);
 
-  // stripes of this warp
   const int stripe0 = rb * (SW * MI) + warp * MI;
   const int nstripes = p.Np >> 4;
   const uint4 *wbase[MI];
@@ -273,6 +310,69 @@ __global__ void __launch_bounds__(SW * 32) stream_kernel(const Params p) {
     wbase[mi] = reinterpret_cast<const uint4 *>(p.qw) + ((size_t)(wvalid[mi] ? stripe0 + mi : 0) * p.KT) * (32 * V) + lane * V;
   }
 
+  // ---- weights: bursts of U tiles per warp, double-buffered in registers ----
+  uint4 wr[U][MI][V];
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        const int t = t0 + u;
+        wr[u][mi][v] = (t < t1 && wvalid[mi]) ? ld_stream(wbase[mi] + (size_t)t * (32 * V) + v) : make_uint4(0, 0, 0, 0);
+      }
+
+  const T *x = (const T *)p.x;
+  // ---- chunk staging into buffer b: activations [TOK][XP], scales and zeros/mins [ngmax][RB] ----
+  auto stage = [&](int b, int cb, int ce) {
+    T *sx = reinterpret_cast<T *>(smem + b * buf_bytes);
+    T *sS = sx + TOK * XP;
+    T *sZ = sS + ngmax * RB;
+    const int kbeg = cb * 64, vpr = (ce - cb) * 8;  // 16-byte vectors per token row
+    const bool fast = !p.perm && p.xvec;
+    const int rows = (int)min((int64_t)TOK, p.M - tok0);  // rows >= M stay zero from the start
+    for (int r = 0; r < rows; ++r) {
+      const T *xr = x + (tok0 + r) * p.ldx;
+      for (int c = threadIdx.x; c < vpr; c += SW * 32) {
+        const int kk = kbeg + c * 8;
+        T *dst = sx + r * XP + c * 8;
+        if (fast && kk + 8 <= p.K) {
+          cp_async16(dst, xr + kk, true);
+        } else {
+          uint32_t hw[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const int kidx = kk + e;
+            hw[e] = 0;
+            if (kidx < p.K) {
+              T val = xr[p.perm ? __ldg(p.perm + kidx) : kidx];
+              hw[e] = *reinterpret_cast<const unsigned short *>(&val);
+            }
+          }
+          *reinterpret_cast<uint4 *>(dst) =
+              make_uint4(hw[0] | (hw[1] << 16), hw[2] | (hw[3] << 16), hw[4] | (hw[5] << 16), hw[6] | (hw[7] << 16));
+        }
+      }
+    }
+    const int g_lo = group_of(kbeg, p.gs, p.gshift);
+    const int ng = group_of(ce * 64 - 1, p.gs, p.gshift) - g_lo + 1;
+    const int vec = RB / 8;  // 16-byte vectors per group row block
+    const int nsrc = p.zm == 0 ? 1 : 2;
+    const T *zsrc = (const T *)(p.zm == 1 ? p.zeros : p.mins);
+    if (p.zm == 0)  // symmetric: the implicit zero point 2^(bits-1)
+      for (int idx = threadIdx.x; idx < ng * RB; idx += SW * 32) sZ[idx] = from_f<T>((float)(1 << (SB == 4 ? 3 : 7)));
+    for (int idx = threadIdx.x; idx < nsrc * ng * vec; idx += SW * 32) {
+      const int which = idx / (ng * vec), rem = idx - which * ng * vec;
+      const int gi = rem / vec, c = rem - gi * vec;
+      const int row = row0 + c * 8;
+      const bool ok = row < p.Np;
+      const T *srcb = which == 0 ? (const T *)p.scales : zsrc;
+      const T *src = ok ? srcb + (size_t)(g_lo + gi) * p.Np + row : srcb;
+      cp_async16((which == 0 ? sS : sZ) + gi * RB + c * 8, src, ok);
+    }
+    cp_async_commit();
+  };
+
   float acc[MI][NI][4];
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi)
@@ -282,95 +382,34 @@ __global__ void __launch_bounds__(SW * 32) stream_kernel(const Params p) {
       for (int c = 0; c < 4; ++c) acc[mi][ni][c] = 0.f;
   unsigned sink = 0;
 
-  uint4 wr[U][MI][V];
-#pragma unroll
-  for (int u = 0; u < U; ++u)
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-      for (int v = 0; v < V; ++v) {
-        int t = t0 + u;
-        if (t < t1 && wvalid[mi]) wr[u][mi][v] = ld_stream(wbase[mi] + (size_t)t * (32 * V) + v);
-        else wr[u][mi][v] = make_uint4(0, 0, 0, 0);
-      }
-
-  const T *x = (const T *)p.x;
-  int c_beg = t0, g_lo = 0;
-  const T zconst = from_f<T>(Tr<T, SB>::MAGIC + (float)(1 << (SB == 4 ? 3 : 7)));
-  const bool one_group = p.gs <= 0 || (p.gs % 64) == 0;  // one group per 64-wide tile
-
-  for (int base = t0; base < t1; base += U) {
-    if (((base - t0) % p.KC) == 0) {
-      // ---- stage activations and group parameters for tiles [base, cend) ----
-      c_beg = base;
-      const int cend = min(base + p.KC, t1);
-      const int kbeg = base * 64, klen = (cend - base) * 64;
-      __syncthreads();
-      {
-        const int vpr = klen >> 3;  // 16-byte vectors per token row
-        const int total = TOK * vpr;
-        for (int i0 = threadIdx.x; i0 < total; i0 += SW * 32 * 4) {
-          uint4 v[4];
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            const int idx = i0 + u * SW * 32;
-            v[u] = make_uint4(0, 0, 0, 0);
-            if (idx < total) {
-              const int r = idx / vpr, c = idx - r * vpr;
-              const int64_t tok = tok0 + r;
-              const int kk = kbeg + c * 8;
-              if (tok < p.M) {
-                const T *xr = x + tok * p.ldx;
-                if (!p.perm && p.xvec && kk + 8 <= p.K) {
-                  v[u] = __ldg(reinterpret_cast<const uint4 *>(xr + kk));
-                } else {
-                  uint32_t hw[8];
-#pragma unroll
-                  for (int e = 0; e < 8; ++e) {
-                    const int kidx = kk + e;
-                    hw[e] = 0;
-                    if (kidx < p.K) {
-                      T val = xr[p.perm ? __ldg(p.perm + kidx) : kidx];
-                      hw[e] = *reinterpret_cast<const unsigned short *>(&val);
-                    }
-                  }
-                  v[u] = make_uint4(hw[0] | (hw[1] << 16), hw[2] | (hw[3] << 16), hw[4] | (hw[5] << 16),
-                                    hw[6] | (hw[7] << 16));
-                }
-              }
-            }
-          }
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            const int idx = i0 + u * SW * 32;
-            if (idx < total) {
-              const int r = idx / vpr, c = idx - r * vpr;
-              *reinterpret_cast<uint4 *>(sx + r * XP + c * 8) = v[u];
-            }
-          }
-        }
-        g_lo = group_of(kbeg, p.gs, p.gshift);
-        const int g_hi = group_of(kbeg + klen - 1, p.gs, p.gshift);
-        const int ng = g_hi - g_lo + 1;
-        const T *sc = (const T *)p.scales;
-        const T *zp = (const T *)(p.zm == 1 ? p.zeros : p.mins);
-        for (int idx = threadIdx.x; idx < ng * RB; idx += SW * 32) {
-          const int gi = idx / RB, r = idx - gi * RB;
-          const int row = row0 + r;
-          T s = from_f<T>(0.f), z = zconst;
-          if (row < p.Np) {
-            const size_t off = (size_t)(g_lo + gi) * p.Np + row;
-            s = sc[off];
-            if (p.zm == 1) z = from_f<T>(to_f(zp[off]) + Tr<T, SB>::MAGIC);
-            else if (p.zm == 2) z = zp[off];
-          }
-          sS[idx] = s;
-          sZ[idx] = z;
-        }
-      }
-      __syncthreads();
+  const int nI = t1 - t0;
+  {
+    const int rows = (int)max((int64_t)0, min((int64_t)TOK, p.M - tok0));
+    const int vrow = XP / 8;
+    for (int b = 0; b < 2; ++b) {
+      uint4 *z4 = reinterpret_cast<uint4 *>(smem + b * buf_bytes) + rows * vrow;
+      for (int idx = threadIdx.x; idx < (TOK - rows) * vrow; idx += SW * 32) z4[idx] = make_uint4(0, 0, 0, 0);
     }
-
+  }
+  if (nI > 0) stage(0, t0, min(t0 + p.KC, t1));
+  const T *sx = reinterpret_cast<const T *>(smem);
+  const T *sS = sx;
+  const T *sZ = sx;
+  int cb = t0, g_lo = 0;
+  for (int base = t0; base < t1; base += U) {
+    if ((base - t0) % p.KC == 0) {  // next chunk: wait for its staging, start staging the one after
+      const int ch = (base - t0) / p.KC;
+      cb = base;
+      const int ce = min(cb + p.KC, t1);
+      cp_async_wait<0>();
+      __syncthreads();
+      if (ce < t1) stage((ch + 1) & 1, ce, min(ce + p.KC, t1));
+      sx = reinterpret_cast<const T *>(smem + (ch & 1) * buf_bytes);
+      sS = sx + TOK * XP;
+      sZ = sS + ngmax * RB;
+      g_lo = group_of(cb * 64, p.gs, p.gshift);
+    }
+    // burst: take the U tiles that arrived, request the next U (in flight while these are computed)
     uint4 cur[U][MI][V];
 #pragma unroll
     for (int u = 0; u < U; ++u)
@@ -384,66 +423,115 @@ __global__ void __launch_bounds__(SW * 32) stream_kernel(const Params p) {
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
         for (int v = 0; v < V; ++v) {
-          const int t = base + U + u;
-          if (t < t1 && wvalid[mi]) wr[u][mi][v] = ld_stream(wbase[mi] + (size_t)t * (32 * V) + v);
+          const int tn = base + U + u;
+          if (tn < t1 && wvalid[mi]) wr[u][mi][v] = ld_stream(wbase[mi] + (size_t)tn * (32 * V) + v);
         }
-
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int t = base + u;
       if (t >= t1) break;
-      if (MODE == 1) {
+      {
+        uint4 w[MI][V];
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-          for (int v = 0; v < V; ++v) sink ^= cur[u][mi][v].x ^ cur[u][mi][v].y ^ cur[u][mi][v].z ^ cur[u][mi][v].w;
-        continue;
-      }
-      const int tl = t - c_beg;
-      T s_lo[MI], s_hi[MI], z_lo[MI], z_hi[MI];
+          for (int v = 0; v < V; ++v) w[mi][v] = cur[u][mi][v];
+        if (MODE == 1) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int kl = tl * 64 + j * 16;
-        uint32_t b[NI][2];
+          for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int v = 0; v < V; ++v) sink ^= w[mi][v].x ^ w[mi][v].y ^ w[mi][v].z ^ w[mi][v].w;
+          continue;
+        }
+        const int tl = t - cb;
+        // B fragments of the whole tile: b[j][ni][2]
+        uint32_t b[4][NI][2];
         if (MODE == 0) {
+          if (NI == 1) {
 #pragma unroll
-          for (int ni = 0; ni + 1 < NI; ni += 2) {
-            const int q = lane >> 3;
-            const T *ptr = sx + ((ni + (q >> 1)) * 8 + (lane & 7)) * XP + kl + (q & 1) * 8;
-            ldsm_x4(smem_u32(ptr), b[ni][0], b[ni][1], b[ni + 1][0], b[ni + 1][1]);
-          }
-          if (NI & 1) {
-            const int q = (lane >> 3) & 1;
-            const T *ptr = sx + ((NI - 1) * 8 + (lane & 7)) * XP + kl + q * 8;
-            ldsm_x2(smem_u32(ptr), b[NI - 1][0], b[NI - 1][1]);
+            for (int jj = 0; jj < 2; ++jj) {
+              const int q = lane >> 3;
+              const T *ptr = sx + (lane & 7) * XP + tl * 64 + (jj * 2 + (q >> 1)) * 16 + (q & 1) * 8;
+              ldsm_x4(smem_u32(ptr), b[2 * jj][0][0], b[2 * jj][0][1], b[2 * jj + 1][0][0], b[2 * jj + 1][0][1]);
+            }
           }
         }
-        if (j == 0 || !one_group) {
-          const int gi = group_of(t * 64 + j * 16, p.gs, p.gshift) - g_lo;
+        // two 32-wide halves per tile: group sizes are multiples of 32, so each half has one group
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int gi = group_of(t * 64 + hh * 32, p.gs, p.gshift) - g_lo;
+          float tmp[MI][NI][4];
+          float s_lo[MI], s_hi[MI];
+          ZC<T, SB> zc[MI];
+          T2 s2lo[MI], s2hi[MI], m2lo[MI], m2hi[MI];
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi) {
-            const int rl = (warp * MI + mi) * 16 + gid;
-            s_lo[mi] = sS[gi * RB + rl];
-            s_hi[mi] = sS[gi * RB + rl + 8];
-            z_lo[mi] = sZ[gi * RB + rl];
-            z_hi[mi] = sZ[gi * RB + rl + 8];
+            const int rl = gi * RB + (warp * MI + mi) * 16 + gid;
+            if (!FM) {
+              s_lo[mi] = to_f(sS[rl]);
+              s_hi[mi] = to_f(sS[rl + 8]);
+              zc[mi] = zc_make<T, SB>(to_f(sZ[rl]), to_f(sZ[rl + 8]));
+#pragma unroll
+              for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) tmp[mi][ni][c] = 0.f;
+            } else {
+              s2lo[mi] = bcast2(sS[rl]);
+              s2hi[mi] = bcast2(sS[rl + 8]);
+              m2lo[mi] = bcast2(sZ[rl]);
+              m2hi[mi] = bcast2(sZ[rl + 8]);
+            }
           }
-        }
 #pragma unroll
-        for (int mi = 0; mi < MI; ++mi) {
-          uint32_t a[4];
-          dequant<T, SB>(reinterpret_cast<const uint32_t *>(&cur[u][mi][0]), j, p.zm, s_lo[mi], s_hi[mi], z_lo[mi],
-                         z_hi[mi], a);
-          if (MODE == 0) {
+          for (int jj = 0; jj < 2; ++jj) {
+            const int j = hh * 2 + jj;
+            if (MODE == 0 && NI > 1) {  // B fragments of slice j only (keeps registers low)
 #pragma unroll
-            for (int ni = 0; ni < NI; ++ni) mma<T>(acc[mi][ni], a, b[ni][0], b[ni][1]);
-          } else {
-            sink += a[0] ^ a[1] ^ a[2] ^ a[3];
+              for (int ni = 0; ni + 1 < NI; ni += 2) {
+                const int q = lane >> 3;
+                const T *ptr = sx + ((ni + (q >> 1)) * 8 + (lane & 7)) * XP + tl * 64 + j * 16 + (q & 1) * 8;
+                ldsm_x4(smem_u32(ptr), b[j][ni][0], b[j][ni][1], b[j][ni + 1][0], b[j][ni + 1][1]);
+              }
+            }
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi) {
+              const uint32_t *wd = reinterpret_cast<const uint32_t *>(&w[mi][0]);
+              uint32_t a[4];
+              if (!FM) {
+                dq_int<T, SB>(wd, j, zc[mi], a);
+                if (MODE == 0) {
+#pragma unroll
+                  for (int ni = 0; ni < NI; ++ni) mma<T>(tmp[mi][ni], a, b[j][ni][0], b[j][ni][1]);
+                } else {
+                  sink += a[0] ^ a[1] ^ a[2] ^ a[3];
+                }
+              } else {
+                dq_float<T, SB>(wd, j, s2lo[mi], s2hi[mi], m2lo[mi], m2hi[mi], a);
+                if (MODE == 0) {
+#pragma unroll
+                  for (int ni = 0; ni < NI; ++ni) mma<T>(acc[mi][ni], a, b[j][ni][0], b[j][ni][1]);
+                } else {
+                  sink += a[0] ^ a[1] ^ a[2] ^ a[3];
+                }
+              }
+            }
+          }
+          if (!FM && MODE == 0) {
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+              for (int ni = 0; ni < NI; ++ni) {
+                acc[mi][ni][0] = fmaf(s_lo[mi], tmp[mi][ni][0], acc[mi][ni][0]);
+                acc[mi][ni][1] = fmaf(s_lo[mi], tmp[mi][ni][1], acc[mi][ni][1]);
+                acc[mi][ni][2] = fmaf(s_hi[mi], tmp[mi][ni][2], acc[mi][ni][2]);
+                acc[mi][ni][3] = fmaf(s_hi[mi], tmp[mi][ni][3], acc[mi][ni][3]);
+              }
           }
         }
       }
     }
   }
+  cp_async_wait<0>();
 
   if (MODE != 0) {
     if (sink == p.sink) ((T *)p.y)[0] = from_f<T>((float)sink);  // keeps the loads; never true in practice
@@ -572,8 +660,8 @@ __global__ void __launch_bounds__(256) tiled_kernel(const Params p) {
     if (kt0 + s < kt1) load_stage(s, kt0 + s);
     cp_async_commit();
   }
-  const T zconst = from_f<T>(Tr<T, SB>::MAGIC + (float)(1 << (SB == 4 ? 3 : 7)));
-  const T mg = from_f<T>(Tr<T, SB>::MAGIC);
+  const float zdef = (float)(1 << (SB == 4 ? 3 : 7));
+  using T2 = typename Tr<T, SB>::T2;
 
   for (int kt = kt0; kt < kt1; ++kt) {
     cp_async_wait<TST - 2>();
@@ -602,15 +690,18 @@ __global__ void __launch_bounds__(256) tiled_kernel(const Params p) {
       for (int mi = 0; mi < 2; ++mi) {
         const int rl = (wm * 2 + mi) * 16 + gid;
         const T s_lo = sS[gi * TBM + rl], s_hi = sS[gi * TBM + rl + 8];
-        T z_lo = zconst, z_hi = zconst;
-        if (p.zm == 1) {
-          z_lo = __hadd(sZ[gi * TBM + rl], mg);
-          z_hi = __hadd(sZ[gi * TBM + rl + 8], mg);
-        } else if (p.zm == 2) {
-          z_lo = sZ[gi * TBM + rl];
-          z_hi = sZ[gi * TBM + rl + 8];
+        const uint32_t *wd = reinterpret_cast<const uint32_t *>(&wv[mi][0]);
+        if (p.zm != 2) {
+          const float zl = p.zm == 1 ? to_f(sZ[gi * TBM + rl]) : zdef, zh = p.zm == 1 ? to_f(sZ[gi * TBM + rl + 8]) : zdef;
+          const ZC<T, SB> zc = zc_make<T, SB>(zl, zh);
+          dq_int<T, SB>(wd, j, zc, a[mi]);
+          const T2 sl = bcast2(s_lo), sh = bcast2(s_hi);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) a[mi][i] = as_u32(__hmul2(as_t2<T2>(a[mi][i]), (i & 1) ? sh : sl));
+        } else {
+          dq_float<T, SB>(wd, j, bcast2(s_lo), bcast2(s_hi), bcast2(sZ[gi * TBM + rl]), bcast2(sZ[gi * TBM + rl + 8]),
+                          a[mi]);
         }
-        dequant<T, SB>(reinterpret_cast<const uint32_t *>(&wv[mi][0]), j, p.zm, s_lo, s_hi, z_lo, z_hi, a[mi]);
       }
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
@@ -661,6 +752,81 @@ __global__ void __launch_bounds__(256) tiled_kernel(const Params p) {
   split_reduce<T, TBM, TBN>(p, rb, tb, row0, (int)tok0);
 }
 
+// Dequantization to a dense [N][ldw] matrix in the original K order (act-order undone), for the large-M
+// path (dense GEMM by the caller's BLAS) and for checks. One warp per 16x64 tile: fp32 math, one rounding,
+// staged through shared memory so the rows go out as 16-byte stores.
+template <typename T, int SB>
+__global__ void __launch_bounds__(256) dequant_kernel(const Params p, T *w, int64_t ldw) {
+  constexpr int V = SB / 4;
+  __shared__ __align__(16) T tile[8][16][64 + 8];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gid = lane >> 2, tid4 = lane & 3;
+  const int64_t id = (int64_t)blockIdx.x * 8 + warp;
+  const int64_t ntiles = (int64_t)(p.Np >> 4) * p.KT;
+  if (id >= ntiles) return;
+  const int stripe = (int)(id / p.KT), kt = (int)(id % p.KT);
+  const uint4 *src = reinterpret_cast<const uint4 *>(p.qw) + (size_t)id * (32 * V) + lane * V;
+  uint32_t wd[4 * V];
+#pragma unroll
+  for (int v = 0; v < V; ++v) {
+    const uint4 q = ld_stream(src + v);
+    wd[4 * v] = q.x;
+    wd[4 * v + 1] = q.y;
+    wd[4 * v + 2] = q.z;
+    wd[4 * v + 3] = q.w;
+  }
+  const T *sc = (const T *)p.scales;
+  const T *zp = (const T *)(p.zm == 1 ? p.zeros : p.mins);
+  const float zdef = (float)(1 << (SB == 4 ? 3 : 7));
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int g = group_of(kt * 64 + j * 16, p.gs, p.gshift);
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      const int row = stripe * 16 + gid + rh * 8;
+      const size_t off = (size_t)g * p.Np + row;
+      const float s = to_f(sc[off]);
+      const float z = p.zm == 0 ? zdef : to_f(zp[off]);
+#pragma unroll
+      for (int kh = 0; kh < 2; ++kh) {
+        const int i = kh * 2 + rh;  // register pair a_i
+        float q0, q1;
+        if (SB == 4) {
+          q0 = (float)((wd[j] >> (4 * i)) & 15u);
+          q1 = (float)((wd[j] >> (4 * i + 16)) & 15u);
+        } else {
+          const uint32_t x = wd[2 * j + (i >> 1)];
+          q0 = (float)((x >> (16 * (i & 1))) & 255u);
+          q1 = (float)((x >> (16 * (i & 1) + 8)) & 255u);
+        }
+        const float v0 = p.zm == 2 ? fmaf(s, q0, z) : s * (q0 - z);
+        const float v1 = p.zm == 2 ? fmaf(s, q1, z) : s * (q1 - z);
+        T *d = &tile[warp][gid + rh * 8][j * 16 + kh * 8 + tid4 * 2];
+        d[0] = from_f<T>(v0);
+        d[1] = from_f<T>(v1);
+      }
+    }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int idx = lane + 32 * q;
+    const int r = idx >> 3, c = idx & 7;
+    const int grow = stripe * 16 + r;
+    const int gk = kt * 64 + c * 8;
+    if (grow >= p.N || gk >= p.K) continue;
+    const T *sv = &tile[warp][r][c * 8];
+    T *drow = w + (int64_t)grow * ldw;
+    if (!p.perm && gk + 8 <= p.K && p.xvec) {
+      *reinterpret_cast<uint4 *>(drow + gk) = *reinterpret_cast<const uint4 *>(sv);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        if (gk + e < p.K) drow[p.perm ? p.perm[gk + e] : gk + e] = sv[e];
+    }
+  }
+}
+
 // Activation gather for the tiled kernel: xg[m][k] = x[m][perm[k]] (or x[m][k]) for k < K, 0 up to Kp.
 template <typename T>
 __global__ void gather_kernel(const T *x, int64_t ldx, T *xg, int64_t M, int K, int Kp, const int32_t *perm) {
@@ -703,6 +869,14 @@ int dev_info(int device, DevInfo *out) {
   return W4P_OK;
 }
 
+int gshift_of(int gs) {
+  if (gs <= 0) return 30;
+  if ((gs & (gs - 1)) != 0) return -1;
+  int sh = 0;
+  while ((1 << sh) < gs) ++sh;
+  return sh;
+}
+
 struct Plan {
   int kernel = 0;  // 1 stream, 2 tiled, 10/11 probes (stream kernel variants)
   int S = 1, TB = 1, NI = 1, MI = 1, KC = 8;
@@ -714,29 +888,25 @@ struct Plan {
 
 int ceil_div(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 
-size_t stream_smem(int SBITS, int MI, int NI, int KC, int gs) {
-  const int RB = SW * MI * 16;
-  const int ngmax = gs > 0 ? (KC * 64) / gs + 2 : 1;
-  (void)SBITS;
-  return (size_t)NI * 8 * (KC * 64 + 8) * 2 + (size_t)2 * ngmax * RB * 2;
-}
-
 // kernel: 0 auto, 1 stream, 2 tiled, 10/11 probes. splits: 0 auto. ws_avail: bytes available (SIZE_MAX = plan only).
 int make_plan(int sms, int64_t m, int n, int k, int sbits, int gs, bool act_order, bool x_aligned, int kernel,
               int splits, size_t ws_avail, Plan *pl) {
   const int np = ceil_div(n, 16) * 16, kp = ceil_div(k, 64) * 64;
   const int KT = kp / 64;
   int kind = kernel;
-  if (kind == W4P_CUDA_KERNEL_AUTO) kind = m <= 32 ? 1 : 2;
+  // the stream kernel takes group sizes that are multiples of 32 (one group per 32-wide half tile)
+  const bool stream_ok = gs <= 0 || gs % 32 == 0;
+  if (kind == W4P_CUDA_KERNEL_AUTO) kind = (m <= 32 && stream_ok) ? 1 : 2;
+  if (kind != 2 && !stream_ok)
+    return fail(W4P_EUNSUPPORTED, "group size %d: the stream kernel needs a multiple of 32 (use auto or tiled)", gs);
   pl->kernel = kind;
   if (kind == 1 || kind == W4P_CUDA_PROBE_LOAD || kind == W4P_CUDA_PROBE_DEQUANT) {
-    const int NI = (int)(m >= 32 ? 4 : ceil_div(m, 8));
+    int NI = (int)(m > 16 ? 4 : ceil_div(m, 8));  // 1, 2 or 4 n8 tiles of tokens per block
+    if (kind != 1) NI = 1;                        // probes: the M <= 8 kernel
     const int MI = NI == 1 ? 1 : 2;
     const int V = sbits / 4;
     const int U = (8 / (MI * V)) > 0 ? 8 / (MI * V) : 1;
-    int KC = NI == 1 ? 32 : NI == 2 ? 16 : 8;
-    if (gs > 0 && gs < 64) KC = KC > 16 ? 16 : KC;  // bounded group-parameter staging
-    KC = ((KC + U - 1) / U) * U;
+    const int KC = NI == 1 ? 24 : NI == 2 ? 16 : 8;  // ~25-33 KB of activations per chunk buffer; multiple of U
     const int RB = SW * MI * 16;
     const int TB = ceil_div(m, NI * 8);
     const int nrb = ceil_div(np, RB);
@@ -747,16 +917,16 @@ int make_plan(int sms, int64_t m, int n, int k, int sbits, int gs, bool act_orde
     pl->tiles = nrb * TB;
     int S = splits;
     if (S <= 0) {
-      // aim at ~8 resident-block waves' worth of blocks so the tail stays short, >= 2*U tiles per split
-      const int64_t target = (int64_t)sms * 16;
+      // aim at ~4 waves of 3 resident blocks per SM (short tail), >= 8 tiles per warp and split
+      const int64_t target = (int64_t)sms * 12;
       S = (int)((target + pl->tiles - 1) / pl->tiles);
-      const int smax = KT / (2 * U) > 0 ? KT / (2 * U) : 1;
+      const int smax = KT / 8 > 0 ? KT / 8 : 1;
       if (S > smax) S = smax;
       if (S < 1) S = 1;
     }
     if (S > KT) S = KT;
     pl->S = S;
-    pl->smem = stream_smem(sbits, MI, NI, KC, gs);
+    pl->smem = 2 * stream_buf_bytes(NI, MI, KC, gs);
   } else if (kind == 2) {
     const int TB = ceil_div(m, TBN);
     const int nrb = ceil_div(np, TBM);
@@ -790,7 +960,10 @@ int make_plan(int sms, int64_t m, int n, int k, int sbits, int gs, bool act_orde
 
 template <typename T, int SB, int MI, int NI, int MODE>
 cudaError_t launch_stream_t(const Params &p, const Plan &pl, cudaStream_t st) {
-  auto fn = stream_kernel<T, SB, MI, NI, MODE>;
+  auto fn = stream_kernel<T, SB, MI, NI, MODE, false>;
+  if constexpr (MODE == 0) {
+    if (p.zm == 2) fn = stream_kernel<T, SB, MI, NI, MODE, true>;
+  }
   if (pl.smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
     if (e != cudaSuccess) return e;
@@ -802,11 +975,14 @@ cudaError_t launch_stream_t(const Params &p, const Plan &pl, cudaStream_t st) {
 
 template <typename T, int SB, int MODE>
 cudaError_t launch_stream_m(const Params &p, const Plan &pl, cudaStream_t st) {
-  switch (pl.NI) {
-    case 1: return launch_stream_t<T, SB, 1, 1, MODE>(p, pl, st);
-    case 2: return launch_stream_t<T, SB, 2, 2, MODE>(p, pl, st);
-    case 3: return launch_stream_t<T, SB, 2, 3, MODE>(p, pl, st);
-    default: return launch_stream_t<T, SB, 2, 4, MODE>(p, pl, st);
+  if constexpr (MODE != 0) {
+    return launch_stream_t<T, SB, 1, 1, MODE>(p, pl, st);
+  } else {
+    switch (pl.NI) {
+      case 1: return launch_stream_t<T, SB, 1, 1, MODE>(p, pl, st);
+      case 2: return launch_stream_t<T, SB, 2, 2, MODE>(p, pl, st);
+      default: return launch_stream_t<T, SB, 2, 4, MODE>(p, pl, st);
+    }
   }
 }
 
@@ -967,12 +1143,7 @@ int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k, 
   p.KT = p.Kp / 64;
   p.gs = group_size;
   p.zm = zero_mode;
-  p.gshift = -1;
-  if (group_size > 0 && (group_size & (group_size - 1)) == 0) {
-    int sh = 0;
-    while ((1 << sh) < group_size) ++sh;
-    p.gshift = sh;
-  }
+  p.gshift = gshift_of(group_size);
   p.S = pl.S;
   p.TB = pl.TB;
   p.KC = pl.KC;
@@ -987,6 +1158,56 @@ int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k, 
     cudaGetLastError();
     return fail(W4P_ECUDA, "kernel launch failed: %s", cudaGetErrorString(e));
   }
+  return W4P_OK;
+}
+
+
+int w4p_cuda_dequantize(int device, void *stream, int dtype, int n, int k, const int32_t *qweight, int storage_bits,
+                        int group_size, int zero_mode, const void *scales, const void *zeros, const void *mins,
+                        const int32_t *perm, void *w, int64_t ldw) {
+  if (n < 1 || k < 1) return fail(W4P_EINVAL, "bad shape n=%d k=%d", n, k);
+  if (dtype != W4P_DT_F16 && dtype != W4P_DT_BF16) return fail(W4P_EUNSUPPORTED, "dtype %d: fp16 or bf16 only", dtype);
+  if (storage_bits != 4 && storage_bits != 8) return fail(W4P_EINVAL, "storage_bits must be 4 or 8, got %d", storage_bits);
+  if (group_size != -1 && (group_size < 16 || group_size % 16))
+    return fail(W4P_EINVAL, "group_size %d: must be -1 or a positive multiple of 16", group_size);
+  if (zero_mode < 0 || zero_mode > 2) return fail(W4P_EINVAL, "zero_mode %d", zero_mode);
+  if (!qweight || !scales || !w) return fail(W4P_EINVAL, "qweight, scales and w are required");
+  if ((zero_mode == 1 && !zeros) || (zero_mode == 2 && !mins)) return fail(W4P_EINVAL, "zeros/mins missing");
+  if (ldw < k) return fail(W4P_EINVAL, "ldw %lld < k %d", (long long)ldw, k);
+  if ((uintptr_t)qweight & 15) return fail(W4P_EINVAL, "qweight must be 16-byte aligned");
+  cudaError_t e = cudaSetDevice(device);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return fail(W4P_ENODEVICE, "cudaSetDevice(%d): %s", device, cudaGetErrorString(e));
+  }
+  Params p;
+  memset(&p, 0, sizeof p);
+  p.qw = reinterpret_cast<const uint32_t *>(qweight);
+  p.scales = scales;
+  p.zeros = zeros;
+  p.mins = mins;
+  p.perm = perm;
+  p.N = n;
+  p.K = k;
+  p.Np = ceil_div(n, 16) * 16;
+  p.Kp = ceil_div(k, 64) * 64;
+  p.KT = p.Kp / 64;
+  p.gs = group_size;
+  p.zm = zero_mode;
+  p.gshift = gshift_of(group_size);
+  p.xvec = (((uintptr_t)w & 15) == 0 && ldw % 8 == 0) ? 1 : 0;
+  const int64_t tiles = (int64_t)(p.Np / 16) * p.KT;
+  const unsigned blocks = (unsigned)((tiles + 7) / 8);
+  cudaStream_t st = (cudaStream_t)stream;
+  if (dtype == W4P_DT_F16) {
+    if (storage_bits == 4) dequant_kernel<half, 4><<<blocks, 256, 0, st>>>(p, (half *)w, ldw);
+    else dequant_kernel<half, 8><<<blocks, 256, 0, st>>>(p, (half *)w, ldw);
+  } else {
+    if (storage_bits == 4) dequant_kernel<__nv_bfloat16, 4><<<blocks, 256, 0, st>>>(p, (__nv_bfloat16 *)w, ldw);
+    else dequant_kernel<__nv_bfloat16, 8><<<blocks, 256, 0, st>>>(p, (__nv_bfloat16 *)w, ldw);
+  }
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return fail(W4P_ECUDA, "dequantize launch failed: %s", cudaGetErrorString(e));
   return W4P_OK;
 }
 

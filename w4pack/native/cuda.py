@@ -24,8 +24,11 @@ __all__ = ["CudaPackedLinear", "gemm", "gemm_cuda", "available", "unavailable_re
 
 _HERE = Path(__file__).resolve().parent
 _LIBDIR = _HERE.parent / "_lib"
-#: kernel choice names -> W4P_CUDA_KERNEL_* (probes are diagnostics for tools/bench_gpu.py)
-KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "probe_load": 10, "probe_dequant": 11}
+#: kernel choice names -> W4P_CUDA_KERNEL_* (probes are diagnostics for tools/bench_gpu.py); "dense" is the
+#: large-M path: dequantize to a temporary fp16/bf16 matrix with w4p_cuda_dequantize, then torch's GEMM (cuBLAS)
+KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "dense": -1, "probe_load": 10, "probe_dequant": 11}
+#: from this many rows on, "auto" takes the dense path (measured crossover on an H200, docs/CUDA.md)
+DENSE_MIN_M = 64
 _DT = {"float16": 1, "bfloat16": 2}
 _ZERO = {"none": 0, "int": 1, "float": 2}
 _W4P_ENODEVICE = -4
@@ -239,9 +242,33 @@ class CudaPackedLinear:
         return got
 
     def plan(self, m: int, dtype: str = "float16", kernel: str = "auto", splits: int = 0) -> dict[str, int]:
-        """The kernel, split count and workspace bytes a call with ``m`` rows would use."""
+        """The kernel, split count and workspace bytes a call with ``m`` rows would use (kernel -1: dense)."""
+        if self._use_dense(m, kernel):
+            return {"kernel": -1, "splits": 1, "workspace_bytes": 0}
         k, s, w = self._plan(m, dtype, True, KERNELS[kernel], splits)
         return {"kernel": k, "splits": s, "workspace_bytes": w}
+
+    def _use_dense(self, m: int, kernel: str) -> bool:
+        return kernel == "dense" or (kernel == "auto" and m >= DENSE_MIN_M)
+
+    def dequantize(self, dtype: Any = None) -> Any:
+        """The dense weight W [N, K] (original column order) in fp16/bf16 on the device, freshly computed."""
+        import torch
+
+        dtype = dtype or torch.float16
+        dtype_name = _torch_dtype_name(torch, dtype)
+        params = self.prepare(dtype_name)
+        w = torch.empty((self.n, self.k), dtype=dtype, device=self.device)
+        ffi, lib = _load()
+        vp = lambda tensor: ffi.NULL if tensor is None else ffi.cast("void *", tensor.data_ptr())  # noqa: E731
+        stream = torch.cuda.current_stream(self.device)
+        rc = lib.w4p_cuda_dequantize(
+            self.device.index, ffi.cast("void *", stream.cuda_stream), _DT[dtype_name], self.n, self.k,
+            ffi.cast("int32_t *", self.qweight.data_ptr()), self.storage_bits, self.group_size,
+            _ZERO[self.zero_mode], vp(params["scales"]), vp(params.get("zeros")), vp(params.get("mins")),
+            ffi.NULL if self.perm is None else ffi.cast("int32_t *", self.perm.data_ptr()), vp(w), w.stride(0))
+        _check(rc, "w4p_cuda_dequantize")
+        return w
 
     def forward(self, x: Any, bias: Any = None, out: Any = None, kernel: str = "auto", splits: int = 0) -> Any:
         """y[..., N] = x[..., K] · Wᵀ (+ bias). bias: None -> the layer's own, False -> none, else [N] values.
@@ -277,6 +304,14 @@ class CudaPackedLinear:
             b = torch.as_tensor(bias, device=x.device).to(x.dtype).contiguous()
             if tuple(b.shape) != (self.n,):
                 raise BadInputError(f"bias has shape {list(b.shape)}, expected [{self.n}]")
+        if self._use_dense(m, kernel):
+            # large M is bound by arithmetic: one pass to dequantize, then the dense tensor-core GEMM
+            w = self.dequantize(x.dtype)
+            if b is None:
+                torch.mm(x2, w.t(), out=y)
+            else:
+                torch.addmm(b, x2, w.t(), out=y)
+            return y.reshape(*lead, self.n)
         aligned = x2.data_ptr() % 16 == 0 and x2.stride(0) % 8 == 0
         kcode = KERNELS[kernel]
         _, _, need = self._plan(m, dtype_name, aligned, kcode, splits)
