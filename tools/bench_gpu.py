@@ -164,16 +164,58 @@ def read_bandwidth() -> dict[str, float]:
     return res
 
 
+def smoke() -> int:
+    """A few small calls of every kernel path against the float64 reference (for compute-sanitizer runs)."""
+    from w4pack.canonical import CanonicalLayer, default_g_idx
+    from w4pack.layout import pack
+
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for bits, zm, gs in ((4, "int", 64), (8, "float", 32), (4, "none", -1)):
+        n, k = 196, 576
+        g = 1 if gs == -1 else -(-k // gs)
+        zeros = None
+        if zm == "int":
+            zeros = rng.integers(0, (1 << bits) + 1, size=(n, g)).astype(np.int32)
+        elif zm == "float":
+            zeros = rng.uniform(-0.1, 0.1, size=(n, g)).astype(np.float16)
+        g_idx = default_g_idx(k, gs)
+        if gs != -1:
+            g_idx = g_idx[rng.permutation(k)].astype(np.int32)
+        layer = CanonicalLayer(codes=rng.integers(0, 1 << bits, size=(n, k), dtype=np.uint8),
+                               scales=rng.uniform(0.005, 0.02, size=(n, g)).astype(np.float16), bits=bits,
+                               group_size=gs, zero_mode=zm, zeros=zeros, g_idx=g_idx,
+                               bias=rng.standard_normal(n).astype(np.float16)).validate()
+        lin = w4cuda.CudaPackedLinear(pack(layer), "cuda")
+        w64 = layer.dequantize(np.float64)
+        for m, kernel, splits in ((1, "stream", 0), (5, "stream", 3), (24, "stream", 0), (40, "tiled", 0),
+                                  (130, "tiled", 2), (70, "dense", 0)):
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            y = lin.forward(x, kernel=kernel, splits=splits)
+            ref = x.double().cpu().numpy() @ w64.T + layer.bias.astype(np.float64)
+            err = float(np.linalg.norm(y.double().cpu().numpy() - ref) / np.linalg.norm(ref))
+            worst = max(worst, err)
+            if not err <= 1e-3:
+                print(f"smoke FAILED: bits={bits} zero={zm} gs={gs} M={m} {kernel}: rel err {err:.2e}")
+                return 1
+    torch.cuda.synchronize()
+    print(f"smoke ok (worst relative error {worst:.2e})")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="M in 1, 16, 64, 256 only")
     ap.add_argument("--sweep", action="store_true", help="also time forced kernels / split counts")
     ap.add_argument("--json", type=Path, default=None, help="append one JSON line per measurement")
     ap.add_argument("--shapes", default="", help="comma list of KxN (default: the six Llama shapes)")
+    ap.add_argument("--smoke", action="store_true", help="only run a few small checked calls of every kernel")
     args = ap.parse_args()
     if not w4cuda.available():
         print(f"w4pack CUDA unavailable: {w4cuda.unavailable_reason()}", file=sys.stderr)
         return 2
+    if args.smoke:
+        return smoke()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s] or SHAPES
     ms = [1, 16, 64, 256] if args.quick else MS
     props = torch.cuda.get_device_properties(0)
@@ -223,6 +265,9 @@ def main() -> int:
                 if m <= 64:
                     for sp in (1, 2, 4, 8, 16, 32):
                         sweep[f"stream_s{sp}"] = measure_w4(lins, k, n, m, "stream", sp)
+                if m <= 8:
+                    for sp in (0, 1, 2, 4, 8):
+                        sweep[f"deep_s{sp}"] = measure_w4(lins, k, n, m, "stream_deep", sp)
                 if m >= 16:
                     sweep["tiled"] = measure_w4(lins, k, n, m, "tiled")
                     sweep["dense"] = measure_w4(lins, k, n, m, "dense")
