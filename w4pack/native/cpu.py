@@ -121,13 +121,25 @@ def _is_torch(x: Any) -> bool:
     return mod.startswith("torch") and hasattr(x, "data_ptr")
 
 
-def _torch_dtype_name(t: Any) -> str:
-    import torch
+_TORCH: dict[str, Any] = {}
 
-    names = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-    if t.dtype not in names:
+
+def _torch_tables() -> dict[str, Any]:
+    """torch dtype <-> name tables, built once (this is on the per-call path)."""
+    if not _TORCH:
+        import torch
+
+        _TORCH["torch"] = torch
+        _TORCH["names"] = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+        _TORCH["dtypes"] = {v: k for k, v in _TORCH["names"].items()}
+    return _TORCH
+
+
+def _torch_dtype_name(t: Any) -> str:
+    name = _torch_tables()["names"].get(t.dtype)
+    if name is None:
         raise BadInputError(f"activations must be float16, bfloat16 or float32, got {t.dtype}")
-    return names[t.dtype]
+    return name
 
 
 _NP_NAMES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32", np.dtype(np.uint16): "bfloat16"}
@@ -156,13 +168,10 @@ def _dtype_name(spec: Any) -> str:
         if name in _DT:
             return name
     else:
-        try:
-            import torch
-
-            if isinstance(spec, torch.dtype):
-                return {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}[spec]
-        except (ImportError, KeyError):
-            pass
+        if type(spec).__module__.startswith("torch"):
+            name = _torch_tables()["names"].get(spec)
+            if name is not None:
+                return name
         try:
             d = np.dtype(spec)
             return {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32",
@@ -210,16 +219,14 @@ class _Operand:
 
     def new_output(self, n: int, dtype: str) -> tuple[Any, Any]:
         if self.torch:
-            import torch
-
-            tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-            y = torch.empty((self.m, n), dtype=tdt)
+            tables = _torch_tables()
+            y = tables["torch"].empty((self.m, n), dtype=tables["dtypes"][dtype])
             return y, ffi.cast("void *", y.data_ptr())
         y = np.empty((self.m, n), dtype=_NP_OUT[dtype])
         return y, ffi.from_buffer(y)
 
     def shape_output(self, y: Any, n: int) -> Any:
-        return y.reshape(self.lead + (n,))
+        return y if self.lead == (self.m,) else y.reshape(self.lead + (n,))
 
 
 def _bias_operand(bias: Any, n: int) -> tuple[Any, Any, int]:
