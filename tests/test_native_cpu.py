@@ -116,6 +116,7 @@ CASES = [
     (33, 130, 4, -1, "int", False, "float16"),       # per-channel, tiny N
     (100, 448, 4, 64, "float", True, "bfloat16"),    # act-order + float minima
     (17, 96, 4, 32, "int", False, "float32"),
+    (50, 200, 4, 48, "int", True, "float16"),        # group size 48: activation blocks of 16
 ]
 
 
