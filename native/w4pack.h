@@ -97,7 +97,6 @@ uint64_t w4p_cpu_read_stream(const void *buf, size_t bytes);
 #define W4P_CUDA_KERNEL_AUTO 0
 #define W4P_CUDA_KERNEL_STREAM 1
 #define W4P_CUDA_KERNEL_TILED 2
-#define W4P_CUDA_KERNEL_STREAM_DEEP 12
 #define W4P_CUDA_PROBE_LOAD 10
 #define W4P_CUDA_PROBE_DEQUANT 11
 int w4p_cuda_abi_version(void);

@@ -265,9 +265,6 @@ def main() -> int:
                 if m <= 64:
                     for sp in (1, 2, 4, 8, 16, 32):
                         sweep[f"stream_s{sp}"] = measure_w4(lins, k, n, m, "stream", sp)
-                if m <= 8:
-                    for sp in (0, 1, 2, 4, 8):
-                        sweep[f"deep_s{sp}"] = measure_w4(lins, k, n, m, "stream_deep", sp)
                 if m >= 16:
                     sweep["tiled"] = measure_w4(lins, k, n, m, "tiled")
                     sweep["dense"] = measure_w4(lins, k, n, m, "dense")

@@ -266,9 +266,9 @@ __device__ __forceinline__ void split_reduce(const Params &p, int rb, int tb, in
 // minima: the weights are dequantized (s * q + m) in the activation dtype.
 constexpr int SW = 4;  // warps per stream block
 
-template <int MI, int SB, bool DEEP = false> struct StreamCfg {
+template <int MI, int SB> struct StreamCfg {
   static constexpr int V = SB / 4;                                 // uint4 per lane per tile
-  static constexpr int U = ((8 / (MI * V)) > 0 ? 8 / (MI * V) : 1) * (DEEP ? 2 : 1);  // tiles in flight per warp
+  static constexpr int U = (8 / (MI * V)) > 0 ? 8 / (MI * V) : 1;  // tiles in flight per warp (16 measured slower)
   static constexpr int RB = SW * MI * 16;                          // rows per block
 };
 
@@ -281,8 +281,8 @@ __host__ __device__ __forceinline__ size_t stream_buf_bytes(int NI, int MI, int 
 
 template <typename T, int SB, int MI, int NI, int MODE, bool FM>
 __global__ void __launch_bounds__(SW * 32, 3) stream_kernel(const Params p) {
-  using C = StreamCfg<MI, SB, MODE == 3>;
-  constexpr bool FULL = MODE == 0 || MODE == 3;  // 3: the same with twice the tiles in flight
+  using C = StreamCfg<MI, SB>;
+  constexpr bool FULL = MODE == 0;  // 1, 2: probes (load only; load + dequantize)
   using T2 = typename Tr<T, SB>::T2;
   constexpr int V = C::V, U = C::U, RB = C::RB, TOK = NI * 8;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -901,13 +901,13 @@ int make_plan(int sms, int64_t m, int n, int k, int sbits, int gs, bool act_orde
   if (kind != 2 && !stream_ok)
     return fail(W4P_EUNSUPPORTED, "group size %d: the stream kernel needs a multiple of 32 (use auto or tiled)", gs);
   pl->kernel = kind;
-  if (kind == 1 || kind == W4P_CUDA_PROBE_LOAD || kind == W4P_CUDA_PROBE_DEQUANT || kind == W4P_CUDA_KERNEL_STREAM_DEEP) {
+  if (kind == 1 || kind == W4P_CUDA_PROBE_LOAD || kind == W4P_CUDA_PROBE_DEQUANT) {
     int NI = (int)(m > 16 ? 4 : ceil_div(m, 8));  // 1, 2 or 4 n8 tiles of tokens per block
     if (kind != 1) NI = 1;                        // probes: the M <= 8 kernel
     const int MI = NI == 1 ? 1 : 2;
     const int V = sbits / 4;
-    const int U = ((8 / (MI * V)) > 0 ? 8 / (MI * V) : 1) * (kind == W4P_CUDA_KERNEL_STREAM_DEEP ? 2 : 1);
-    const int KC = kind == W4P_CUDA_KERNEL_STREAM_DEEP ? 32 : NI == 1 ? 24 : NI == 2 ? 16 : 8;  // multiple of U
+    const int U = (8 / (MI * V)) > 0 ? 8 / (MI * V) : 1;
+    const int KC = NI == 1 ? 24 : NI == 2 ? 16 : 8;  // ~25-33 KB of activations per chunk buffer; multiple of U
     const int RB = SW * MI * 16;
     const int TB = ceil_div(m, NI * 8);
     const int nrb = ceil_div(np, RB);
@@ -984,7 +984,7 @@ cudaError_t launch_stream_t(const Params &p, const Plan &pl, cudaStream_t st) {
 template <typename T, int SB, int MODE>
 cudaError_t launch_stream_m(const Params &p, const Plan &pl, cudaStream_t st) {
   if constexpr (MODE != 0) {
-    return launch_stream_t<T, SB, 1, 1, MODE>(p, pl, st);  // probes and the deep variant: M <= 8
+    return launch_stream_t<T, SB, 1, 1, MODE>(p, pl, st);  // probes: M <= 8
   } else {
     switch (pl.NI) {
       case 1: return launch_stream_t<T, SB, 1, 1, MODE>(p, pl, st);
@@ -1024,13 +1024,11 @@ cudaError_t launch_all(Params &p, const Plan &pl, int sbits, void *ws_gather, cu
     }
     return sbits == 4 ? launch_tiled_t<T, 4>(p, pl, st) : launch_tiled_t<T, 8>(p, pl, st);
   }
-  const int mode = pl.kernel == W4P_CUDA_PROBE_LOAD ? 1 : pl.kernel == W4P_CUDA_PROBE_DEQUANT ? 2
-                 : pl.kernel == W4P_CUDA_KERNEL_STREAM_DEEP ? 3 : 0;
-  if (mode != 0) {  // diagnostics and the deep-prefetch variant: fp16, 4-bit, M <= 8 only (small fatbin)
+  const int mode = pl.kernel == W4P_CUDA_PROBE_LOAD ? 1 : pl.kernel == W4P_CUDA_PROBE_DEQUANT ? 2 : 0;
+  if (mode != 0) {  // diagnostics: fp16, 4-bit, M <= 8 only (keeps the fatbin small)
     if (!std::is_same<T, half>::value || sbits != 4) return cudaErrorNotSupported;
     if (mode == 1) return launch_stream_m<half, 4, 1>(p, pl, st);
-    if (mode == 2) return launch_stream_m<half, 4, 2>(p, pl, st);
-    return launch_stream_m<half, 4, 3>(p, pl, st);
+    return launch_stream_m<half, 4, 2>(p, pl, st);
   }
   if (sbits == 4) return launch_stream_m<T, 4, 0>(p, pl, st);
   return launch_stream_m<T, 8, 0>(p, pl, st);

@@ -26,10 +26,10 @@ _HERE = Path(__file__).resolve().parent
 _LIBDIR = _HERE.parent / "_lib"
 #: kernel choice names -> W4P_CUDA_KERNEL_* (probes are diagnostics for tools/bench_gpu.py); "dense" is the
 #: large-M path: dequantize to a temporary fp16/bf16 matrix with w4p_cuda_dequantize, then torch's GEMM (cuBLAS)
-KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "dense": -1, "probe_load": 10, "probe_dequant": 11,
-           "stream_deep": 12}
-#: from this many rows on, "auto" takes the dense path (measured crossover on an H200, docs/CUDA.md)
-DENSE_MIN_M = 64
+KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "dense": -1, "probe_load": 10, "probe_dequant": 11}
+#: from this many rows on, "auto" takes the dense path (measured crossover on an H200, docs/CUDA.md): below it
+#: the stream kernel (weights read once, split-K), above it dequantize + cuBLAS beats the mma.sync tiled kernel
+DENSE_MIN_M = 33
 _DT = {"float16": 1, "bfloat16": 2}
 _ZERO = {"none": 0, "int": 1, "float": 2}
 _W4P_ENODEVICE = -4
