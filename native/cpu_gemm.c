@@ -269,6 +269,13 @@ int w4p_cpu_gemm(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t m, 
         return W4P_EUNSUPPORTED;
     }
 
+    /* waking a worker costs tens of microseconds on a busy machine: small problems run on fewer threads
+       (at least ~2M multiply-adds per thread) */
+    {
+        int64_t work = m * (int64_t)L->n * (int64_t)L->k;
+        int64_t most = 1 + work / ((int64_t)1 << 21);
+        if (threads > most) threads = (int)most;
+    }
     float *bias32 = NULL;
     if (bias) {
         bias32 = calloc((size_t)L->nt * W4P_TILE, sizeof(float));

@@ -342,9 +342,9 @@ def test_neon_under_qemu(neon_binary, qemu_cpu: str, tmp_path) -> None:
 def test_thread_pool_survives_fork() -> None:
     import os
 
-    layer = make_layer(200, 256, seed=8)
+    layer = make_layer(512, 1024, seed=8)  # big enough (4.7M multiply-adds) for the kernel to use 2 threads
     lin = CpuPackedLinear(pack(layer))
-    x, x64 = activations(9, 256, "float32")
+    x, x64 = activations(9, 1024, "float32")
     y = lin.forward(x, threads=2)  # the parent's pool now has a worker
     pid = os.fork()
     if pid == 0:  # child: no workers exist here; the pool must notice and still finish every item
