@@ -231,7 +231,7 @@ def main() -> int:
 
     bw = read_bandwidth()
     emit({"kind": "bandwidth", **bw})
-    print("bandwidth: copy (read+write) {copy_rw_gbs:.0f} GB/s; w4pack layout load-only {probe_load_gbs:.0f} GB/s, "
+    print("bandwidth: torch uint8 copy_ (read+write, not a ceiling) {copy_rw_gbs:.0f} GB/s; w4pack layout load-only {probe_load_gbs:.0f} GB/s, "
           "load+dequant {probe_dequant_gbs:.0f} GB/s, full GEMV (M=1) {auto_gbs:.0f} GB/s of qweight".format(**bw),
           flush=True)
 
