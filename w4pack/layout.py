@@ -112,8 +112,9 @@ def _group_structure(layer: CanonicalLayer) -> tuple[np.ndarray | None, int]:
         return None, gs
     perm = np.argsort(layer.g_idx, kind="stable").astype(np.int32)
     if not np.array_equal(layer.g_idx[perm], trivial):
-        raise UnsupportedError("g_idx does not assign exactly group_size columns to each group (last group may be "
-                               "short), so sorting K cannot give contiguous groups", tensor=layer.name or None)
+        raise BadInputError(f"g_idx contradicts group_size {gs}: its groups are not exactly {gs} columns each "
+                            "(last group may be short), so sorting K cannot give contiguous groups",
+                            tensor=layer.name or None)
     return perm, gs
 
 
