@@ -457,16 +457,31 @@ __global__ void __launch_bounds__(SW * 32, 3) stream_kernel(const Params p) {
             }
           }
         }
-        // two 32-wide halves per tile: group sizes are multiples of 32, so each half has one group
+        // two 32-wide halves per tile: group sizes are multiples of 32, so each half has one group; when
+        // both halves share it (group size >= 64), its parameters are read and applied once per tile
+        float tmp[MI][NI][4];
+        float s_lo[MI], s_hi[MI];
+        ZC<T, SB> zc[MI];
+        T2 s2lo[MI], s2hi[MI], m2lo[MI], m2hi[MI];
+        const int gi0 = group_of(t * 64, p.gs, p.gshift) - g_lo;
+        const int gi1 = group_of(t * 64 + 32, p.gs, p.gshift) - g_lo;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          const int gi = group_of(t * 64 + hh * 32, p.gs, p.gshift) - g_lo;
-          float tmp[MI][NI][4];
-          float s_lo[MI], s_hi[MI];
-          ZC<T, SB> zc[MI];
-          T2 s2lo[MI], s2hi[MI], m2lo[MI], m2hi[MI];
+          const int gi = hh == 0 ? gi0 : gi1;
+          if (hh == 1 && gi1 != gi0 && !FM && FULL) {  // close the first group
 #pragma unroll
-          for (int mi = 0; mi < MI; ++mi) {
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+              for (int ni = 0; ni < NI; ++ni) {
+                acc[mi][ni][0] = fmaf(s_lo[mi], tmp[mi][ni][0], acc[mi][ni][0]);
+                acc[mi][ni][1] = fmaf(s_lo[mi], tmp[mi][ni][1], acc[mi][ni][1]);
+                acc[mi][ni][2] = fmaf(s_hi[mi], tmp[mi][ni][2], acc[mi][ni][2]);
+                acc[mi][ni][3] = fmaf(s_hi[mi], tmp[mi][ni][3], acc[mi][ni][3]);
+              }
+          }
+          // a new group: read its parameters (same group in the second half: keep them and the partial sums)
+#pragma unroll
+          for (int mi = 0; mi < MI && (hh == 0 || gi1 != gi0); ++mi) {
             const int rl = gi * RB + (warp * MI + mi) * 16 + gid;
             if (!FM) {
               s_lo[mi] = to_f(sS[rl]);
@@ -517,17 +532,17 @@ __global__ void __launch_bounds__(SW * 32, 3) stream_kernel(const Params p) {
               }
             }
           }
-          if (!FM && FULL) {
+        }
+        if (!FM && FULL) {  // apply the (last) group's scale
 #pragma unroll
-            for (int mi = 0; mi < MI; ++mi)
+          for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-              for (int ni = 0; ni < NI; ++ni) {
-                acc[mi][ni][0] = fmaf(s_lo[mi], tmp[mi][ni][0], acc[mi][ni][0]);
-                acc[mi][ni][1] = fmaf(s_lo[mi], tmp[mi][ni][1], acc[mi][ni][1]);
-                acc[mi][ni][2] = fmaf(s_hi[mi], tmp[mi][ni][2], acc[mi][ni][2]);
-                acc[mi][ni][3] = fmaf(s_hi[mi], tmp[mi][ni][3], acc[mi][ni][3]);
-              }
-          }
+            for (int ni = 0; ni < NI; ++ni) {
+              acc[mi][ni][0] = fmaf(s_lo[mi], tmp[mi][ni][0], acc[mi][ni][0]);
+              acc[mi][ni][1] = fmaf(s_lo[mi], tmp[mi][ni][1], acc[mi][ni][1]);
+              acc[mi][ni][2] = fmaf(s_hi[mi], tmp[mi][ni][2], acc[mi][ni][2]);
+              acc[mi][ni][3] = fmaf(s_hi[mi], tmp[mi][ni][3], acc[mi][ni][3]);
+            }
         }
       }
     }
