@@ -20,6 +20,8 @@ warpgroup's A slice is four 16-row warp fragments of exactly this shape.
 """
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,10 +130,12 @@ def pack(layer: CanonicalLayer) -> PackedLayer:
     g = layer.num_groups
     gp = 1 if gs == -1 else -(-kp // gs)
 
-    codes = layer.codes if perm is None else np.take(layer.codes, perm, axis=1)
-    padded = np.zeros((np_, kp), dtype=np.uint8)
-    padded[:n, :k] = codes
-    qweight = _interleave(padded, sbits)
+    qweight = _native_pack(layer.codes, perm, sbits)
+    if qweight is None:
+        codes = layer.codes if perm is None else np.take(layer.codes, perm, axis=1)
+        padded = np.zeros((np_, kp), dtype=np.uint8)
+        padded[:n, :k] = codes
+        qweight = _interleave(padded, sbits)
 
     def param(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
         out = np.zeros((gp, np_), dtype=dtype)
@@ -237,6 +241,46 @@ def _split_axes(np_: int, kp: int) -> tuple[int, ...]:
 # (nb, rh, gid, kb, j, kh, tid, e) -> (nb, kb, gid, tid, j, kh, rh, e): lane = gid*4 + tid, elem = 4*kh + 2*rh + e
 _TO_TILES = (0, 3, 2, 6, 4, 5, 1, 7)
 _FROM_TILES = tuple(int(i) for i in np.argsort(_TO_TILES))
+
+
+def _native_lib() -> Any:
+    """The CPU extension's lib when it has the conversion entry points (little-endian hosts), else None."""
+    if not _NATIVE:
+        lib = None
+        if sys.byteorder == "little" and not os.environ.get("W4PACK_NO_NATIVE_PACK"):
+            try:
+                from ._w4p_cpu import lib as cpu_lib
+                lib = cpu_lib if hasattr(cpu_lib, "w4p_pack_layout_v1") else None
+            except ImportError:
+                lib = None
+        _NATIVE.append(lib)
+    return _NATIVE[0]
+
+
+_NATIVE: list[Any] = []
+
+
+def _native_pack(codes: np.ndarray, perm: np.ndarray | None, sbits: int) -> np.ndarray | None:
+    """Pad, permute and interleave in one native pass (bit-identical to the numpy path below), or None
+    when the extension is missing. Codes must already be validated (values < 2**sbits)."""
+    lib = _native_lib()
+    if lib is None or codes.ndim != 2 or codes.strides[1] != 1:
+        return None
+    from ._w4p_cpu import ffi
+    from .native.cpu import _check, default_threads
+
+    n, k = codes.shape
+    np_, kp = padded_shape(n, k)
+    out = np.empty((np_ // TILE_N, kp // TILE_K * WARP * words_per_tile_lane(sbits)), dtype="<i4")
+    p = ffi.NULL
+    if perm is not None:
+        perm = np.ascontiguousarray(perm, dtype=np.int32)
+        p = ffi.from_buffer("int32_t[]", perm)
+    src = ffi.cast("const uint8_t *", codes.__array_interface__["data"][0])
+    rc = lib.w4p_pack_layout_v1(src, codes.strides[0], n, k, p, sbits,
+                                ffi.from_buffer("int32_t[]", out), default_threads())
+    _check(rc, "pack")
+    return out
 
 
 def _interleave(codes: np.ndarray, sbits: int) -> np.ndarray:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import re
 import shutil
@@ -38,7 +39,7 @@ from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES
 from ..errors import BadInputError, IOFailure, UnsupportedError, W4PackError
 from ..progress import Progress
-from ..safetensors_io import SafetensorsFile, dtype_to_st
+from ..safetensors_io import DTYPES, SafetensorsFile, dtype_to_st
 from ._bitpack import STREAM_BITS, pack_last, unpack_last
 from .base import Capabilities, Format, Source, TensorData
 
@@ -158,6 +159,47 @@ class _Store:
         path = self.where[name]
         if path in self._st:
             return self._st[path].get(name)
+        return self._get_pt(path, name)
+
+    def read_copy(self, name: str) -> np.ndarray:
+        """A private copy of the array read with pread, not through the map: a big pass-through tensor
+        then leaves no mapped pages behind, so resident memory does not add up over a checkpoint."""
+        path = self.where[name]
+        f = self._st.get(path)
+        if f is None:
+            return np.array(self._get_pt(path, name))
+        dt, shape, begin, end = f.entries[name]
+        npdt = DTYPES[dt][0]
+        out = np.empty(shape, dtype=npdt)
+        if end > begin:
+            buf = memoryview(out.reshape(-1).view(np.uint8))
+            done = 0
+            with open(path, "rb", buffering=0) as fh:
+                while done < end - begin:
+                    got = os.preadv(fh.fileno(), [buf[done:]], f.data_start + begin + done)
+                    if got <= 0:
+                        raise IOFailure("short read (file changed while reading?)", file=path)
+                    done += got
+        return out
+
+    def release(self, name: str) -> None:
+        """Drop this tensor's mapped pages from our address space (the page cache keeps them): every
+        layer is read through the map once, so without this resident memory grows with the model."""
+        path = self.where.get(name)
+        f = self._st.get(path) if path is not None else None
+        mm = getattr(f, "_mm", None)
+        if mm is None or not hasattr(mm, "madvise"):
+            return
+        _dt, _shape, begin, end = f.entries[name]
+        start = (f.data_start + begin) // mmap.PAGESIZE * mmap.PAGESIZE
+        stop = f.data_start + end
+        if stop > start:
+            try:
+                mm.madvise(mmap.MADV_DONTNEED, start, stop - start)
+            except (OSError, ValueError):
+                pass
+
+    def _get_pt(self, path: str, name: str) -> np.ndarray:
         import torch
 
         t = self._pt[path][name].detach().contiguous()
@@ -530,7 +572,9 @@ class GPTQSource(Source):
 
     def _fields(self, plan: _Plan) -> np.ndarray:
         """Raw zero fields [G, N] as stored (no v1 offset applied)."""
-        return unpack_last(self.store.get(plan.tensors["qzeros"]), plan.bits)[:, : plan.out_features]
+        fields = unpack_last(self.store.get(plan.tensors["qzeros"]), plan.bits)[:, : plan.out_features]
+        self.store.release(plan.tensors["qzeros"])  # unpack_last copied them
+        return fields
 
     def _decide_version(self, plan: _Plan) -> None:
         """Trust the metadata, unless a symmetric layer's zero fields are uniformly the other version's value."""
@@ -581,7 +625,7 @@ class GPTQSource(Source):
         if name not in self.store:
             raise BadInputError("no such tensor", file=str(self.path), tensor=name)
         dt, _shape = self.store.info(name)
-        return TensorData(self.store.get(name), dt)
+        return TensorData(self.store.read_copy(name), dt)
 
     def side_files(self) -> list[Path]:
         if not self.path.is_dir():
@@ -600,7 +644,8 @@ class GPTQSource(Source):
     def read_layer(self, name: str) -> CanonicalLayer:
         plan = self.plan(name)
         st, t, b = self.store, plan.tensors, plan.bits
-        codes = unpack_last(np.ascontiguousarray(np.asarray(st.get(t["qweight"])).T), b)  # [N, K]
+        codes = _unpack_qweight(np.asarray(st.get(t["qweight"])), b)  # [N, K]
+        st.release(t["qweight"])
         fields = self._fields(plan)
         mask = (1 << b) - 1
         if plan.version == V2:
@@ -633,6 +678,8 @@ class GPTQSource(Source):
         if "bias" in t:
             bias_dtype, _ = st.info(t["bias"])
             bias = np.array(st.get(t["bias"]))
+        for tname in t.values():  # everything above is copied out of the map (or refaults harmlessly)
+            st.release(tname)
         source: dict[str, Any] = {"format": "gptq", "version": plan.version}
         if plan.notes:
             source["notes"] = list(plan.notes)
@@ -657,6 +704,28 @@ class GPTQSource(Source):
 
     def close(self) -> None:
         self.store.close()
+
+
+def _unpack_qweight(words: np.ndarray, bits: int) -> np.ndarray:
+    """qweight [K*b/32, N] -> codes uint8 [N, K]: one native pass (transpose + split) for 4 and 8 bits,
+    the numpy bit stream (the spec, _bitpack.unpack_last) otherwise."""
+    from ..layout import _native_lib
+
+    lib = _native_lib()
+    w = np.asarray(words)
+    if (lib is None or bits not in (4, 8) or w.ndim != 2 or w.dtype.kind not in "iu" or w.dtype.itemsize != 4
+            or not w.dtype.isnative or w.strides[1] != 4 or w.strides[0] % 4 or 0 in w.shape):
+        return unpack_last(np.ascontiguousarray(w.T), bits)
+    from .._w4p_cpu import ffi
+    from ..native.cpu import _check, default_threads
+
+    rows, n = w.shape
+    k = rows * 32 // bits
+    out = np.empty((n, k), dtype=np.uint8)
+    src = ffi.cast("const int32_t *", w.__array_interface__["data"][0])
+    _check(lib.w4p_gptq_unpack_codes(src, w.strides[0] // 4, rows, n, bits, ffi.from_buffer("uint8_t[]", out), k,
+                                     default_threads()), "GPTQ qweight unpack")
+    return out
 
 
 def _ratio(num: int, den: int) -> float:

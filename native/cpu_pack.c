@@ -1,0 +1,188 @@
+/*
+ * Conversion helpers: canonical codes -> layout v1 words, and GPTQ qweight -> canonical codes.
+ *
+ * Both are pure data movement that numpy does in several passes (gather for act-order, pad, a 8-axis
+ * transpose, nibble merge); here each output word is built once from a 16-row stripe held in cache.
+ * The numpy functions in w4pack/layout.py (_interleave) and w4pack/formats/_bitpack.py stay the
+ * executable spec; tests/test_pack_native.py compares both bit for bit.
+ *
+ * Layout v1 word of lane l = gid*4 + tid, k16 slice j, 16x64 tile (nb, kb), 4-bit storage, with
+ * r0 = 16nb + gid, r1 = r0 + 8 and c = 64kb + 16j + 2tid (see docs/LAYOUT.md):
+ *   nibbles 0..7 = q[r0][c], q[r1][c], q[r0][c+8], q[r1][c+8], q[r0][c+1], q[r1][c+1], q[r0][c+9], q[r1][c+9]
+ * 8-bit storage: the lane's 32 bytes are, per slice j, the eight fragment elements
+ *   q[r0][c], q[r0][c+1], q[r1][c], q[r1][c+1], q[r0][c+8], q[r0][c+9], q[r1][c+8], q[r1][c+9].
+ */
+#include "w4p_cpu_internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    const uint8_t *codes;
+    int64_t ldc;
+    int32_t n, k, np, kp;
+    const int32_t *perm;
+    int32_t sbits;
+    int32_t *out;
+    volatile int failed; /* a worker could not get its scratch buffer */
+} pack_ctx;
+
+/* one growing scratch buffer per thread (pool workers live for the process) */
+static __thread uint8_t *scratch;
+static __thread size_t scratch_size;
+
+static uint8_t *get_scratch(size_t bytes) {
+    if (bytes > scratch_size) {
+        uint8_t *p = realloc(scratch, bytes);
+        if (!p) return NULL;
+        scratch = p;
+        scratch_size = bytes;
+    }
+    return scratch;
+}
+
+/* rows 16nb .. 16nb+15 in packed column order, zero padded to [16][kp] */
+static void gather_stripe(const pack_ctx *c, int64_t nb, uint8_t *buf) {
+    for (int r = 0; r < 16; r++) {
+        int64_t row = nb * 16 + r;
+        uint8_t *dst = buf + (size_t)r * c->kp;
+        if (row >= c->n) {
+            memset(dst, 0, c->kp);
+            continue;
+        }
+        const uint8_t *src = c->codes + row * c->ldc;
+        if (c->perm) {
+            const int32_t *p = c->perm;
+            for (int32_t i = 0; i < c->k; i++) dst[i] = src[p[i]];
+        } else {
+            memcpy(dst, src, c->k);
+        }
+        memset(dst + c->k, 0, c->kp - c->k);
+    }
+}
+
+static void pack_stripe(void *vctx, int64_t nb) {
+    pack_ctx *c = vctx;
+    const int32_t kp = c->kp;
+    uint8_t *buf = get_scratch((size_t)24 * kp);
+    if (!buf) {
+        c->failed = 1;
+        return;
+    }
+    gather_stripe(c, nb, buf);
+    const int64_t kt = kp / 64;
+    if (c->sbits == 4) {
+        /* pair[gid][col] = q[r0][col] | q[r1][col] << 4: each word is then 4 bytes of one row of pair */
+        uint8_t *pair = buf + (size_t)16 * kp;
+        for (int g = 0; g < 8; g++) {
+            const uint8_t *a = buf + (size_t)g * kp, *b = buf + (size_t)(g + 8) * kp;
+            uint8_t *p = pair + (size_t)g * kp;
+            for (int32_t i = 0; i < kp; i++) p[i] = (uint8_t)(a[i] | (b[i] << 4));
+        }
+        uint32_t *out = (uint32_t *)c->out + nb * kt * 128;
+        for (int64_t t = 0; t < kt; t++) {
+            uint32_t *o = out + t * 128;
+            for (int g = 0; g < 8; g++) {
+                const uint8_t *p = pair + (size_t)g * kp + t * 64;
+                for (int tid = 0; tid < 4; tid++) {
+                    for (int j = 0; j < 4; j++) {
+                        const uint8_t *q = p + j * 16 + tid * 2;
+                        o[(g * 4 + tid) * 4 + j] = (uint32_t)q[0] | (uint32_t)q[8] << 8 |
+                                                   (uint32_t)q[1] << 16 | (uint32_t)q[9] << 24;
+                    }
+                }
+            }
+        }
+    } else {
+        uint8_t *out = (uint8_t *)c->out + nb * kt * 32 * 32;
+        for (int64_t t = 0; t < kt; t++) {
+            uint8_t *o = out + t * 32 * 32;
+            for (int g = 0; g < 8; g++) {
+                const uint8_t *a = buf + (size_t)g * kp + t * 64, *b = buf + (size_t)(g + 8) * kp + t * 64;
+                for (int tid = 0; tid < 4; tid++) {
+                    uint8_t *lane = o + (g * 4 + tid) * 32;
+                    for (int j = 0; j < 4; j++) {
+                        int cc = j * 16 + tid * 2;
+                        uint8_t *e = lane + j * 8;
+                        e[0] = a[cc]; e[1] = a[cc + 1]; e[2] = b[cc]; e[3] = b[cc + 1];
+                        e[4] = a[cc + 8]; e[5] = a[cc + 9]; e[6] = b[cc + 8]; e[7] = b[cc + 9];
+                    }
+                }
+            }
+        }
+    }
+}
+
+int w4p_pack_layout_v1(const uint8_t *codes, int64_t ldc, int32_t n, int32_t k, const int32_t *perm,
+                       int32_t storage_bits, int32_t *out, int threads) {
+    if (!codes || !out || n < 1 || k < 1 || ldc < k || (storage_bits != 4 && storage_bits != 8)) {
+        w4p_set_error("w4p_pack_layout_v1: bad arguments (n=%d k=%d ldc=%lld storage_bits=%d)", n, k,
+                      (long long)ldc, storage_bits);
+        return W4P_EINVAL;
+    }
+    if (perm) {
+        for (int32_t i = 0; i < k; i++) {
+            if (perm[i] < 0 || perm[i] >= k) {
+                w4p_set_error("w4p_pack_layout_v1: perm[%d] = %d is outside 0..%d", i, perm[i], k - 1);
+                return W4P_EINVAL;
+            }
+        }
+    }
+    pack_ctx c = {codes, ldc, n, k, (n + 15) / 16 * 16, (k + 63) / 64 * 64, perm, storage_bits, out, 0};
+    w4p_parallel_for(c.np / 16, threads < 1 ? 1 : threads, pack_stripe, &c);
+    if (c.failed) {
+        w4p_set_error("w4p_pack_layout_v1: out of memory for a %d-column stripe", c.kp);
+        return W4P_ENOMEM;
+    }
+    return W4P_OK;
+}
+
+/* ---- GPTQ qweight [k*bits/32][n] (stream along K, LSB first) -> codes [n][k] ------------------ */
+typedef struct {
+    const int32_t *qw;
+    int64_t ldq;
+    int32_t rows, n, bits;
+    uint8_t *codes;
+    int64_t ldc;
+} unpack_ctx;
+
+#define UNPACK_COLS 16
+
+/* the eight nibbles of a word, nibble i into byte i (little endian) */
+static inline uint64_t spread_nibbles(uint32_t w) {
+    uint64_t v = w;
+    v = (v | v << 16) & 0x0000FFFF0000FFFFull;
+    v = (v | v << 8) & 0x00FF00FF00FF00FFull;
+    v = (v | v << 4) & 0x0F0F0F0F0F0F0F0Full;
+    return v;
+}
+
+static void unpack_block(void *vctx, int64_t blk) {
+    const unpack_ctx *c = vctx;
+    int32_t n0 = (int32_t)(blk * UNPACK_COLS);
+    int32_t nc = c->n - n0 < UNPACK_COLS ? c->n - n0 : UNPACK_COLS;
+    for (int32_t r = 0; r < c->rows; r++) {
+        const uint32_t *w = (const uint32_t *)c->qw + r * c->ldq + n0;
+        if (c->bits == 4) {
+            for (int32_t i = 0; i < nc; i++) {
+                uint64_t v = spread_nibbles(w[i]);
+                memcpy(c->codes + (int64_t)(n0 + i) * c->ldc + (int64_t)r * 8, &v, 8);
+            }
+        } else {
+            for (int32_t i = 0; i < nc; i++) memcpy(c->codes + (int64_t)(n0 + i) * c->ldc + (int64_t)r * 4, &w[i], 4);
+        }
+    }
+}
+
+int w4p_gptq_unpack_codes(const int32_t *qweight, int64_t ldq, int32_t rows, int32_t n, int32_t bits,
+                          uint8_t *codes, int64_t ldc, int threads) {
+    int32_t per = bits == 4 ? 8 : 4;
+    if (!qweight || !codes || rows < 1 || n < 1 || ldq < n || (bits != 4 && bits != 8) ||
+        ldc < (int64_t)rows * per) {
+        w4p_set_error("w4p_gptq_unpack_codes: bad arguments (rows=%d n=%d bits=%d)", rows, n, bits);
+        return W4P_EINVAL;
+    }
+    unpack_ctx c = {qweight, ldq, rows, n, bits, codes, ldc};
+    w4p_parallel_for((n + UNPACK_COLS - 1) / UNPACK_COLS, threads < 1 ? 1 : threads, unpack_block, &c);
+    return W4P_OK;
+}

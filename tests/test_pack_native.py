@@ -1,0 +1,75 @@
+"""The native conversion helpers (native/cpu_pack.c) against their numpy specs, bit for bit."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from w4pack import layout
+from w4pack.canonical import CanonicalLayer
+from w4pack.formats import _bitpack
+
+lib = layout._native_lib()
+pytestmark = pytest.mark.skipif(lib is None, reason="native CPU module not built (make native)")
+
+
+def _spec_pack(codes: np.ndarray, perm: np.ndarray | None, sbits: int) -> np.ndarray:
+    n, k = codes.shape
+    np_, kp = layout.padded_shape(n, k)
+    padded = np.zeros((np_, kp), dtype=np.uint8)
+    padded[:n, :k] = codes if perm is None else codes[:, perm]
+    return layout._interleave(padded, sbits)
+
+
+@pytest.mark.parametrize("sbits", [4, 8])
+@pytest.mark.parametrize("n,k", [(1, 1), (17, 65), (33, 200), (48, 128), (5, 1000)])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_native_pack_matches_numpy(sbits: int, n: int, k: int, act_order: bool) -> None:
+    rng = np.random.default_rng(n * 1000 + k + sbits + act_order)
+    codes = rng.integers(0, 1 << sbits, size=(n, k), dtype=np.uint8)
+    perm = rng.permutation(k).astype(np.int32) if act_order else None
+    for threads in (1, 3):
+        from w4pack.native import cpu
+        saved = list(cpu._DEFAULT_THREADS)
+        cpu._DEFAULT_THREADS[:] = [threads]
+        try:
+            got = layout._native_pack(codes, perm, sbits)
+        finally:
+            cpu._DEFAULT_THREADS[:] = saved
+        assert got is not None
+        np.testing.assert_array_equal(got, _spec_pack(codes, perm, sbits))
+
+
+def test_native_pack_strided_rows() -> None:
+    """A row-strided view (e.g. codes[:, :k] of a wider array) packs like its contiguous copy."""
+    rng = np.random.default_rng(7)
+    wide = rng.integers(0, 16, size=(20, 300), dtype=np.uint8)
+    view = wide[:, :130]
+    np.testing.assert_array_equal(layout._native_pack(view, None, 4), _spec_pack(np.ascontiguousarray(view), None, 4))
+
+
+def test_pack_roundtrip_act_order_uses_native() -> None:
+    rng = np.random.default_rng(3)
+    n, k, gs = 40, 384, 128
+    g_idx = rng.permutation(np.arange(k) // gs).astype(np.int32)
+    layer = CanonicalLayer(codes=rng.integers(0, 16, size=(n, k), dtype=np.uint8),
+                           scales=rng.random((n, k // gs)).astype(np.float16), bits=4, group_size=gs,
+                           g_idx=g_idx)
+    packed = layout.pack(layer)
+    assert layout.unpack(packed).equals(layer)
+
+
+def test_native_pack_rejects_bad_perm() -> None:
+    codes = np.zeros((4, 8), dtype=np.uint8)
+    with pytest.raises(Exception, match="perm"):
+        layout._native_pack(codes, np.array([0, 1, 2, 3, 4, 5, 6, 99], dtype=np.int32), 4)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows,n", [(1, 1), (3, 17), (16, 40), (5, 33)])
+def test_native_gptq_unpack_matches_numpy(bits: int, rows: int, n: int) -> None:
+    from w4pack.formats.gptq import _unpack_qweight
+
+    rng = np.random.default_rng(rows * 100 + n + bits)
+    words = rng.integers(-(1 << 31), 1 << 31, size=(rows, n), dtype=np.int64).astype(np.int32)
+    want = _bitpack.unpack_last(np.ascontiguousarray(words.T), bits)
+    np.testing.assert_array_equal(_unpack_qweight(words, bits), want)
