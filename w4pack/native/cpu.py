@@ -364,3 +364,35 @@ class CpuPackedLinear:
         return op.shape_output(y, n)
 
     __call__ = forward
+
+
+def fast_block(packed: PackedLayer) -> int:
+    """Activation block of the fast path: the largest of 128/64/32/16 dividing the group size and Kp."""
+    kp = packed.meta["padded_shape"][1]
+    gs = kp if packed.meta["group_size"] == -1 else packed.meta["group_size"]
+    return next(b for b in (128, 64, 32, 16) if gs % b == 0 and kp % b == 0)
+
+
+def fast_rounded_activations(x: np.ndarray, packed: PackedLayer) -> np.ndarray:
+    """The activations as the fast path sees them, float64 [M, K] in the original column order.
+
+    Per row and per block of ``fast_block`` packed columns: a = rint(x·(127/amax)) in fp32, clipped to
+    ±127, and x ≈ a·(amax/127). ``fast`` GEMM results equal these values times the dequantized weights
+    (up to float32 accumulation), which is what ``w4pack verify --precision fast`` checks.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    m, k = x.shape
+    kp = packed.meta["padded_shape"][1]
+    perm = packed.tensors.get("perm")
+    order = np.arange(k) if perm is None else np.asarray(perm)
+    xp = np.zeros((m, kp), dtype=np.float32)
+    xp[:, :k] = x[:, order]
+    ab = fast_block(packed)
+    blocks = xp.reshape(m, kp // ab, ab)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    a = np.clip(np.rint((blocks * inv).astype(np.float32)), -127, 127)
+    xq = (a * (amax / np.float32(127.0)).astype(np.float32).astype(np.float64)).reshape(m, kp)[:, :k]
+    out = np.empty((m, k))
+    out[:, order] = xq
+    return out
