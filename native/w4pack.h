@@ -91,9 +91,10 @@ int w4p_cpu_gemm(const w4p_cpu_layer *layer, const void *x, int x_dtype, int64_t
 /* Conversion (cpu_pack.c). Canonical codes [n][k] (row stride ldc bytes, values < 2**storage_bits)
    -> layout v1 qweight words [np/16][kp/64 * 32 * (storage_bits == 4 ? 4 : 8)], with packed column j
    taken from original column perm[j] (perm: [k] or NULL) and zero padding; the numpy _interleave in
-   w4pack/layout.py is the spec. threads: the most threads to use (>= 1). */
+   w4pack/layout.py is the spec. *max_seen receives the largest code (the caller checks the bit range
+   with it; nothing is refused here). threads: the most threads to use (>= 1). */
 int w4p_pack_layout_v1(const uint8_t *codes, int64_t ldc, int32_t n, int32_t k, const int32_t *perm,
-                       int32_t storage_bits, int32_t *out, int threads);
+                       int32_t storage_bits, int32_t *out, int32_t *max_seen, int threads);
 /* GPTQ qweight [rows][ldq] int32 (bits = 4 or 8: codes along K, LSB first) -> codes [n][ldc] uint8,
    k = rows * 32 / bits columns written per row. */
 int w4p_gptq_unpack_codes(const int32_t *qweight, int64_t ldq, int32_t rows, int32_t n, int32_t bits,
@@ -108,6 +109,9 @@ uint64_t w4p_cpu_read_stream(const void *buf, size_t bytes);
 #define W4P_CUDA_KERNEL_AUTO 0
 #define W4P_CUDA_KERNEL_STREAM 1
 #define W4P_CUDA_KERNEL_TILED 2
+/* RING (M <= 16): stream-K over warps, a cp.async ring of 8 tiles per warp; RING2: slots of 2 tiles */
+#define W4P_CUDA_KERNEL_RING 3
+#define W4P_CUDA_KERNEL_RING2 4
 #define W4P_CUDA_PROBE_LOAD 10
 #define W4P_CUDA_PROBE_DEQUANT 11
 int w4p_cuda_abi_version(void);

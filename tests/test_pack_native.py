@@ -73,3 +73,15 @@ def test_native_gptq_unpack_matches_numpy(bits: int, rows: int, n: int) -> None:
     words = rng.integers(-(1 << 31), 1 << 31, size=(rows, n), dtype=np.int64).astype(np.int32)
     want = _bitpack.unpack_last(np.ascontiguousarray(words.T), bits)
     np.testing.assert_array_equal(_unpack_qweight(words, bits), want)
+
+
+def test_pack_refuses_codes_out_of_range() -> None:
+    """The native packer's own range check replaces validate()'s scan: a 3-bit layer holding 9 is bad input."""
+    from w4pack.errors import BadInputError
+
+    codes = np.zeros((16, 64), dtype=np.uint8)
+    codes[5, 7] = 9
+    layer = CanonicalLayer(codes=codes, scales=np.ones((16, 1), dtype=np.float16), bits=3, group_size=-1,
+                           name="m.q_proj")
+    with pytest.raises(BadInputError, match=r"codes exceed 7.*max 9"):
+        layout.pack(layer)

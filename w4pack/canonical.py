@@ -87,8 +87,12 @@ class CanonicalLayer:
         return dataclasses.replace(self, **changes)
 
     # -- validation ----------------------------------------------------------------------------
-    def validate(self) -> "CanonicalLayer":
-        """Check every invariant; raise BadInputError naming the layer and the broken rule."""
+    def validate(self, *, check_codes: bool = True) -> "CanonicalLayer":
+        """Check every invariant; raise BadInputError naming the layer and the broken rule.
+
+        ``check_codes=False`` skips only the scan of every code for the bit range, for callers that
+        guarantee it otherwise (codes split out of a ``bits``-wide stream, or the native packer, which
+        checks the range in the same pass)."""
 
         def bad(msg: str) -> BadInputError:
             return BadInputError(msg, tensor=self.name or None)
@@ -102,7 +106,7 @@ class CanonicalLayer:
         if n < 1 or k < 1:
             raise bad(f"empty weight shape [{n}, {k}]")
         qmax = (1 << self.bits) - 1
-        if self.codes.size and int(self.codes.max()) > qmax:
+        if check_codes and self.codes.size and int(self.codes.max()) > qmax:
             raise bad(f"codes exceed {qmax}, the largest {self.bits}-bit value (max {int(self.codes.max())})")
         if self.group_size != -1 and self.group_size < 1:
             raise bad(f"group_size must be positive or -1, got {self.group_size}")

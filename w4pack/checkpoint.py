@@ -8,12 +8,16 @@ A checkpoint is a Hugging Face model folder (see docs/FORMAT.md):
     w4pack.json                          the manifest (schemas/manifest.schema.json), written last
     tokenizer files, generation_config.json, ...   copied side files
 
-The writer buffers at most one shard in memory, fsyncs every file, writes the index and the manifest
-last and renames a temporary sibling folder into place, so an interrupted run leaves nothing that
-looks complete.
+The writer holds no shard in memory: tensors go straight into the shard file behind a reserved header
+area (the header needs every offset, so it is written when the shard is full, padded with spaces, or
+the data is copied behind it in the kernel when it outgrew the reservation). A background thread
+fsyncs and checksums each finished shard while the next one is written. The index and the manifest
+come last and a temporary sibling folder is renamed into place, so an interrupted run leaves nothing
+that looks complete.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -21,6 +25,7 @@ import shutil
 import struct
 import tempfile
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -51,6 +56,10 @@ INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 INCOMPLETE_MARKER = ".w4pack-incomplete"
 DEFAULT_MAX_SHARD = 2 * 1024**3
+#: header area reserved at the start of a shard before its first tensor (grown from shard to shard)
+_HEADER_RESERVE = 4096
+#: bytes a header entry takes at most beyond its tensor name (dtype, a 2-D shape, two offsets, JSON)
+_HEADER_ENTRY = 120
 #: side files copied from a source folder when present
 SIDE_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
@@ -103,7 +112,10 @@ class CheckpointWriter:
 
     def __init__(self, out_dir: str | os.PathLike[str], *, force: bool = False,
                  max_shard_size: int | str = DEFAULT_MAX_SHARD, config: dict[str, Any] | None = None,
-                 source: dict[str, Any] | None = None, show_progress: bool | None = None):
+                 source: dict[str, Any] | None = None, show_progress: bool | None = None,
+                 header_hint: int | None = None):
+        """``header_hint``: bytes of header to reserve in each shard (e.g. from ``header_bytes_hint``), so
+        that shards need no rewrite; without it the reservation starts small and grows."""
         self.target = Path(out_dir).absolute()
         self.force = force
         self.max_shard = parse_size(max_shard_size)
@@ -120,13 +132,17 @@ class CheckpointWriter:
             (self.tmp / INCOMPLETE_MARKER).write_text("w4pack is writing this folder; it is not complete\n")
         except OSError as exc:
             raise IOFailure(f"cannot create a folder next to the output: {exc.strerror}", file=str(parent)) from None
-        # tensors of the shard being built go straight to a spool file: memory holds one layer, not one shard
-        self._spool_path = self.tmp / "spool.partial"
-        self._spool = open(self._spool_path, "w+b")
+        # tensors of the shard being built go straight into its file, after a reserved header area
+        self._reserve = max(_HEADER_RESERVE, int(header_hint or 0))
+        self._shard: Any = None  # open file of the shard being built
+        self._shard_path: Path | None = None
+        self._shard_reserve = 0
         self._pending: list[tuple[str, str, list[int], int, int]] = []  # name, st dtype, shape, begin, end
         self._pending_bytes = 0
         self.peak_layer_bytes = 0
-        self._shards: list[tuple[Path, int, str, list[str]]] = []  # tmp path, size, sha, names
+        # tmp path, size, sha256 (a Future while the background thread computes it), names
+        self._shards: list[tuple[Path, int, Any, list[str]]] = []
+        self._sealer: ThreadPoolExecutor | None = None
         self._names: set[str] = set()
         self.layers: dict[str, dict[str, Any]] = {}
         self.passthrough: list[str] = []
@@ -136,6 +152,15 @@ class CheckpointWriter:
         self.show_progress = show_progress
 
     # -- adding content ------------------------------------------------------------------------
+    def _open_shard(self) -> None:
+        self._shard_path = self.tmp / f"shard-{len(self._shards):05d}.partial"
+        self._shard_reserve = self._reserve
+        try:
+            self._shard = open(self._shard_path, "w+b")
+            self._shard.seek(self._shard_reserve)
+        except OSError as exc:
+            raise IOFailure(f"cannot write shard: {exc.strerror}", file=str(self._shard_path)) from None
+
     def _queue(self, items: list[tuple[str, np.ndarray, str | None]]) -> None:
         for name, _a, _d in items:
             if name in self._names:
@@ -145,6 +170,8 @@ class CheckpointWriter:
         self.peak_layer_bytes = max(self.peak_layer_bytes, size)
         if self._pending and self._pending_bytes + size > self.max_shard:
             self._flush()
+        if self._shard is None:
+            self._open_shard()
         try:
             for name, arr, dname in items:
                 a = np.ascontiguousarray(arr)
@@ -152,11 +179,34 @@ class CheckpointWriter:
                     a = a.astype(a.dtype.newbyteorder("<"))
                 begin = self._pending_bytes
                 if a.size:
-                    self._spool.write(memoryview(a).cast("B"))
+                    self._shard.write(memoryview(a).cast("B"))
                 self._pending_bytes += a.nbytes
                 self._pending.append((name, dtype_to_st(a, dname), list(a.shape), begin, self._pending_bytes))
         except OSError as exc:
-            raise IOFailure(f"cannot write: {exc.strerror}", file=str(self._spool_path)) from None
+            raise IOFailure(f"cannot write: {exc.strerror}", file=str(self._shard_path)) from None
+
+    def add_tensor_span(self, name: str, path: str | os.PathLike[str], offset: int, nbytes: int, st_dtype: str,
+                        shape: list[int] | tuple[int, ...]) -> None:
+        """Pass through a tensor stored verbatim at ``offset`` of a file (a safetensors shard of the source):
+        its bytes are copied in the kernel, never through memory."""
+        if name in self._names:
+            raise BadInputError("tensor name written twice", tensor=name)
+        self._names.add(name)
+        if self._pending and self._pending_bytes + nbytes > self.max_shard:
+            self._flush()
+        if self._shard is None:
+            self._open_shard()
+        try:
+            self._shard.flush()
+            with open(path, "rb", buffering=0) as src:
+                _copy_fd(src.fileno(), offset, self._shard.fileno(), self._shard.tell(), nbytes)
+            self._shard.seek(nbytes, os.SEEK_CUR)
+        except OSError as exc:
+            raise IOFailure(f"cannot copy tensor data: {exc.strerror}", file=str(path), tensor=name) from None
+        begin = self._pending_bytes
+        self._pending_bytes += nbytes
+        self._pending.append((name, st_dtype, [int(d) for d in shape], begin, self._pending_bytes))
+        self.passthrough.append(name)
 
     def add_layer(self, name: str, layer: CanonicalLayer | PackedLayer,
                   source: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -210,30 +260,60 @@ class CheckpointWriter:
 
     # -- finishing -----------------------------------------------------------------------------
     def _flush(self) -> None:
-        """Turn the spool into a shard: header, then the spooled bytes (kernel-side copy), fsync, sha256."""
+        """Finish the shard being built: its header goes into the reserved area (padded with spaces) or, when
+        it outgrew it, in front of a kernel-side copy of the data; fsync and sha256 run in the background."""
         if not self._pending and self._shards:
             return
-        path = self.tmp / f"shard-{len(self._shards):05d}.partial"
+        if self._shard is None:
+            self._open_shard()
+        path = self._shard_path
+        assert path is not None
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         for name, dt, shape, begin, end in self._pending:
             header[name] = {"dtype": dt, "shape": shape, "data_offsets": [begin, end]}
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        raw += b" " * (-len(raw) % 8)
+        reserve = self._shard_reserve
         try:
-            self._spool.flush()
-            with open(path, "wb") as out:
-                out.write(struct.pack("<Q", len(raw)) + raw)
-                out.flush()
-                _copy_range(self._spool, out, self._pending_bytes)
-                out.flush()
-                os.fsync(out.fileno())
-            self._spool.seek(0)
-            self._spool.truncate(0)
+            self._shard.flush()
+            if 8 + len(raw) <= reserve:
+                raw += b" " * (reserve - 8 - len(raw))
+                os.pwrite(self._shard.fileno(), struct.pack("<Q", len(raw)) + raw, 0)
+                self._shard.close()
+            else:
+                raw += b" " * (-len(raw) % 8)
+                moved = path.with_suffix(".moved")
+                os.replace(path, moved)
+                with open(path, "wb") as out:
+                    out.write(struct.pack("<Q", len(raw)) + raw)
+                    out.flush()
+                    _copy_fd(self._shard.fileno(), reserve, out.fileno(), out.tell(), self._pending_bytes)
+                self._shard.close()
+                os.unlink(moved)
+                # later shards reserve room for a header like this one
+                self._reserve = max(self._reserve, (len(raw) * 3 // 2 + 8 + 4095) // 4096 * 4096)
         except OSError as exc:
             raise IOFailure(f"cannot write shard: {exc.strerror}", file=str(path)) from None
-        size, sha = _size_sha(path)
-        self._shards.append((path, size, sha, [p[0] for p in self._pending]))
+        self._shard = None
+        size = 8 + len(raw) + self._pending_bytes
+        if self._sealer is None:
+            self._sealer = ThreadPoolExecutor(1, thread_name_prefix="w4pack-seal")
+        self._shards.append((path, size, self._sealer.submit(_seal, path, size), [p[0] for p in self._pending]))
         self._pending, self._pending_bytes = [], 0
+
+    def _wait_sealed(self) -> None:
+        """Resolve every shard's background fsync + sha256 (raises IOFailure on the first that failed)."""
+        done = []
+        for path, size, sha, names in self._shards:
+            if isinstance(sha, Future):
+                try:
+                    sha = sha.result()
+                except OSError as exc:
+                    raise IOFailure(f"cannot write shard: {exc.strerror}", file=str(path)) from None
+            done.append((path, size, sha, names))
+        self._shards = done
+        if self._sealer is not None:
+            self._sealer.shutdown(wait=True)
+            self._sealer = None
 
     def quantization_config(self) -> dict[str, Any]:
         qc: dict[str, Any] = {"quant_method": "w4pack", "layout": LAYOUT_NAME, "layout_version": LAYOUT_VERSION,
@@ -273,8 +353,7 @@ class CheckpointWriter:
         if self._closed:
             return self.target
         self._flush()
-        self._spool.close()
-        os.unlink(self._spool_path)
+        self._wait_sealed()
         total = len(self._shards)
         names = [f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i in range(total)]
         weight_map: dict[str, str] = {}
@@ -313,7 +392,12 @@ class CheckpointWriter:
 
     def abort(self) -> None:
         if not self._closed:
-            self._spool.close()
+            if self._shard is not None:
+                self._shard.close()
+                self._shard = None
+            if self._sealer is not None:
+                self._sealer.shutdown(wait=True)  # let background fsyncs finish before the folder goes
+                self._sealer = None
             shutil.rmtree(self.tmp, ignore_errors=True)
             self._closed = True
 
@@ -327,35 +411,51 @@ class CheckpointWriter:
             self.abort()
 
 
-def _copy_range(src: Any, dst: Any, nbytes: int) -> None:
-    """Copy the first nbytes of src to dst's current position, in the kernel where possible."""
-    src.seek(0)
+def _copy_fd(src: int, src_off: int, dst: int, dst_off: int, nbytes: int) -> None:
+    """Copy nbytes from src at src_off to dst at dst_off (file positions untouched), in the kernel where
+    possible, else through an 8 MiB buffer."""
     done = 0
     try:
         while done < nbytes:
-            n = os.copy_file_range(src.fileno(), dst.fileno(), nbytes - done, done)
+            n = os.copy_file_range(src, dst, nbytes - done, src_off + done, dst_off + done)
             if n == 0:
                 break
             done += n
-    except (AttributeError, OSError):
-        src.seek(done)
-        dst.seek(0, os.SEEK_END)
+    except (AttributeError, OSError) as exc:
+        if isinstance(exc, OSError) and exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL,
+                                                          errno.EOPNOTSUPP, errno.EBADF):
+            raise
         while done < nbytes:
-            chunk = src.read(min(8 << 20, nbytes - done))
+            chunk = os.pread(src, min(8 << 20, nbytes - done), src_off + done)
             if not chunk:
                 break
-            dst.write(chunk)
-            done += len(chunk)
+            view = memoryview(chunk)
+            while view:
+                w = os.pwrite(dst, view, dst_off + done)
+                done += w
+                view = view[w:]
     if done != nbytes:
-        raise OSError(5, f"short copy ({done} of {nbytes} bytes)")
+        raise OSError(errno.EIO, f"short copy ({done} of {nbytes} bytes)")
 
 
-def _size_sha(path: Path) -> tuple[int, str]:
+def _seal(path: Path, size: int) -> str:
+    """fsync a finished shard and return its sha256 (runs in the writer's background thread; the data is
+    read back from the page cache, and hashing releases the GIL)."""
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return path.stat().st_size, h.hexdigest()
+    buf = bytearray(4 << 20)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as fh:
+        os.fsync(fh.fileno())
+        total = 0
+        while True:
+            n = fh.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+            total += n
+    if total != size:
+        raise OSError(errno.EIO, f"shard is {total} bytes, expected {size}")
+    return h.hexdigest()
 
 
 def _write_json(path: Path, doc: Any) -> None:

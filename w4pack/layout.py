@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,7 +123,8 @@ def _group_structure(layer: CanonicalLayer) -> tuple[np.ndarray | None, int]:
 
 def pack(layer: CanonicalLayer) -> PackedLayer:
     """Canonical layer → layout v1 tensors. Lossless: ``unpack(pack(x))`` equals ``x`` bit for bit."""
-    layer.validate()
+    native = _native_lib() is not None
+    layer.validate(check_codes=not native)  # the native packer finds the largest code in its own pass
     n, k = layer.codes.shape
     np_, kp = padded_shape(n, k)
     sbits = storage_bits_for(layer.bits)
@@ -130,8 +132,10 @@ def pack(layer: CanonicalLayer) -> PackedLayer:
     g = layer.num_groups
     gp = 1 if gs == -1 else -(-kp // gs)
 
-    qweight = _native_pack(layer.codes, perm, sbits)
+    qweight = _native_pack(layer.codes, perm, sbits, layer.bits, layer.name) if native else None
     if qweight is None:
+        if native:
+            layer.validate()
         codes = layer.codes if perm is None else np.take(layer.codes, perm, axis=1)
         padded = np.zeros((np_, kp), dtype=np.uint8)
         padded[:n, :k] = codes
@@ -260,9 +264,47 @@ def _native_lib() -> Any:
 _NATIVE: list[Any] = []
 
 
-def _native_pack(codes: np.ndarray, perm: np.ndarray | None, sbits: int) -> np.ndarray | None:
+class ScratchPool:
+    """Reusable output arrays for a conversion loop: one layer's arrays are recycled for a later layer once
+    nothing references them any more (CPython reference counts; every numpy view and buffer export keeps
+    its base alive, so a buffer still in use is never handed out). Fresh large arrays cost a page fault
+    and zeroing per page, which on small VMs is slower than the packing itself."""
+
+    def __init__(self, size: int = 4):
+        self.size = size
+        self._arrays: list[np.ndarray] = []
+
+    def take(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        dt = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        # references to a free buffer: the list, the loop variable and getrefcount's argument
+        free = [a for a in self._arrays if sys.getrefcount(a) <= 3]
+        fits = [a for a in free if a.nbytes >= nbytes]
+        if fits:
+            arr = min(fits, key=lambda a: a.nbytes)
+        else:
+            arr = np.empty(max(nbytes, 1), dtype=np.uint8)
+            if len(self._arrays) < self.size:
+                self._arrays.append(arr)
+            elif free:  # retire the smallest free buffer for this bigger one
+                small = min(free, key=lambda a: a.nbytes)
+                self._arrays = [arr if a is small else a for a in self._arrays]
+        del free, fits
+        return arr[:nbytes].view(dt).reshape(shape)
+
+    def clear(self) -> None:
+        self._arrays.clear()
+
+
+#: the pool pack() takes its qweight output from while a conversion loop has one active (write_packed)
+PACK_POOL: ContextVar[ScratchPool | None] = ContextVar("w4pack_pack_pool", default=None)
+
+
+def _native_pack(codes: np.ndarray, perm: np.ndarray | None, sbits: int, bits: int | None = None,
+                 name: str = "") -> np.ndarray | None:
     """Pad, permute and interleave in one native pass (bit-identical to the numpy path below), or None
-    when the extension is missing. Codes must already be validated (values < 2**sbits)."""
+    when the extension is missing or the array is not row-contiguous. Codes above 2**bits - 1 (bits
+    defaults to sbits) raise BadInputError like CanonicalLayer.validate."""
     lib = _native_lib()
     if lib is None or codes.ndim != 2 or codes.strides[1] != 1:
         return None
@@ -271,15 +313,22 @@ def _native_pack(codes: np.ndarray, perm: np.ndarray | None, sbits: int) -> np.n
 
     n, k = codes.shape
     np_, kp = padded_shape(n, k)
-    out = np.empty((np_ // TILE_N, kp // TILE_K * WARP * words_per_tile_lane(sbits)), dtype="<i4")
+    shape = (np_ // TILE_N, kp // TILE_K * WARP * words_per_tile_lane(sbits))
+    pool = PACK_POOL.get()
+    out = pool.take(shape, "<i4") if pool is not None else np.empty(shape, dtype="<i4")
     p = ffi.NULL
     if perm is not None:
         perm = np.ascontiguousarray(perm, dtype=np.int32)
         p = ffi.from_buffer("int32_t[]", perm)
     src = ffi.cast("const uint8_t *", codes.__array_interface__["data"][0])
+    seen = ffi.new("int32_t *")
     rc = lib.w4p_pack_layout_v1(src, codes.strides[0], n, k, p, sbits,
-                                ffi.from_buffer("int32_t[]", out), default_threads())
+                                ffi.from_buffer("int32_t[]", out), seen, default_threads())
     _check(rc, "pack")
+    qmax = (1 << (bits or sbits)) - 1
+    if seen[0] > qmax:
+        raise BadInputError(f"codes exceed {qmax}, the largest {bits or sbits}-bit value (max {seen[0]})",
+                            tensor=name or None)
     return out
 
 

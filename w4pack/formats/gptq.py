@@ -161,7 +161,16 @@ class _Store:
             return self._st[path].get(name)
         return self._get_pt(path, name)
 
-    def read_copy(self, name: str) -> np.ndarray:
+    def read_into(self, name: str, pool: Any) -> np.ndarray:
+        """Like read_copy, into an array from ``pool`` (a layout.ScratchPool)."""
+        path = self.where[name]
+        f = self._st.get(path)
+        if f is None:
+            return np.asarray(self._get_pt(path, name))
+        dt, shape, _b, _e = f.entries[name]
+        return self.read_copy(name, out=pool.take(shape, DTYPES[dt][0]))
+
+    def read_copy(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
         """A private copy of the array read with pread, not through the map: a big pass-through tensor
         then leaves no mapped pages behind, so resident memory does not add up over a checkpoint."""
         path = self.where[name]
@@ -170,7 +179,8 @@ class _Store:
             return np.array(self._get_pt(path, name))
         dt, shape, begin, end = f.entries[name]
         npdt = DTYPES[dt][0]
-        out = np.empty(shape, dtype=npdt)
+        if out is None:
+            out = np.empty(shape, dtype=npdt)
         if end > begin:
             buf = memoryview(out.reshape(-1).view(np.uint8))
             done = 0
@@ -181,6 +191,16 @@ class _Store:
                         raise IOFailure("short read (file changed while reading?)", file=path)
                     done += got
         return out
+
+    def span(self, name: str) -> tuple[str, int, int, str, tuple[int, ...]] | None:
+        """(file, byte offset, byte count, safetensors dtype, shape) of a tensor stored in a safetensors
+        file, or None (pickles): lets a writer copy its bytes file to file."""
+        path = self.where[name]
+        f = self._st.get(path)
+        if f is None:
+            return None
+        dt, shape, begin, end = f.entries[name]
+        return path, f.data_start + begin, end - begin, dt, shape
 
     def release(self, name: str) -> None:
         """Drop this tensor's mapped pages from our address space (the page cache keeps them): every
@@ -427,6 +447,8 @@ class GPTQSource(Source):
         self.notes = list(notes)
         self.quirks: list[str] = []
         self._plans: dict[str, _Plan] = {}
+        from ..layout import ScratchPool
+        self._scratch = ScratchPool(4)  # qweight read buffer + codes of the layers in flight
         try:
             self._plan_all()
         except BaseException:
@@ -627,6 +649,12 @@ class GPTQSource(Source):
         dt, _shape = self.store.info(name)
         return TensorData(self.store.read_copy(name), dt)
 
+    def tensor_span(self, name: str) -> tuple[str, int, int, str, tuple[int, ...]] | None:
+        """Where a pass-through tensor's bytes lie verbatim (see _Store.span), for a kernel-side copy."""
+        if name not in self.store:
+            raise BadInputError("no such tensor", file=str(self.path), tensor=name)
+        return self.store.span(name)
+
     def side_files(self) -> list[Path]:
         if not self.path.is_dir():
             return []
@@ -644,8 +672,11 @@ class GPTQSource(Source):
     def read_layer(self, name: str) -> CanonicalLayer:
         plan = self.plan(name)
         st, t, b = self.store, plan.tensors, plan.bits
-        codes = _unpack_qweight(np.asarray(st.get(t["qweight"])), b)  # [N, K]
-        st.release(t["qweight"])
+        # read with pread into a recycled buffer, not through the map: page faults on the map (and on fresh
+        # output pages) cost more than the copy
+        qbuf = st.read_into(t["qweight"], self._scratch)
+        codes = _unpack_qweight(qbuf, b, self._scratch)  # [N, K]
+        del qbuf
         fields = self._fields(plan)
         mask = (1 << b) - 1
         if plan.version == V2:
@@ -691,7 +722,7 @@ class GPTQSource(Source):
                                zeros=zeros_out, g_idx=g_idx, scale_dtype=sdt, bias=bias, bias_dtype=bias_dtype,
                                source=source, name=name)
         try:
-            return layer.validate()
+            return layer.validate(check_codes=False)  # split out of a b-bit stream: always < 2**b
         except BadInputError as exc:
             if exc.file is None:
                 msg = exc.message
@@ -703,12 +734,14 @@ class GPTQSource(Source):
             raise
 
     def close(self) -> None:
+        self._scratch.clear()
         self.store.close()
 
 
-def _unpack_qweight(words: np.ndarray, bits: int) -> np.ndarray:
+def _unpack_qweight(words: np.ndarray, bits: int, pool: Any = None) -> np.ndarray:
     """qweight [K*b/32, N] -> codes uint8 [N, K]: one native pass (transpose + split) for 4 and 8 bits,
-    the numpy bit stream (the spec, _bitpack.unpack_last) otherwise."""
+    the numpy bit stream (the spec, _bitpack.unpack_last) otherwise. ``pool``: a layout.ScratchPool
+    to take the output from."""
     from ..layout import _native_lib
 
     lib = _native_lib()
@@ -721,7 +754,7 @@ def _unpack_qweight(words: np.ndarray, bits: int) -> np.ndarray:
 
     rows, n = w.shape
     k = rows * 32 // bits
-    out = np.empty((n, k), dtype=np.uint8)
+    out = pool.take((n, k), np.uint8) if pool is not None else np.empty((n, k), dtype=np.uint8)
     src = ffi.cast("const int32_t *", w.__array_interface__["data"][0])
     _check(lib.w4p_gptq_unpack_codes(src, w.strides[0] // 4, rows, n, bits, ffi.from_buffer("uint8_t[]", out), k,
                                      default_threads()), "GPTQ qweight unpack")

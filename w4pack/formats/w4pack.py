@@ -1,11 +1,13 @@
 """A w4pack checkpoint as a conversion source (re-shard, export to other formats) and as a target."""
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from ..canonical import CanonicalLayer
-from ..checkpoint import MANIFEST_NAME, Checkpoint, CheckpointWriter
+from ..checkpoint import _HEADER_ENTRY, MANIFEST_NAME, Checkpoint, CheckpointWriter
+from ..layout import PACK_POOL, ScratchPool, pack
 from .base import Capabilities, Format, Source, TensorData
 
 __all__ = ["W4PackFormat", "W4PackSource", "write_packed"]
@@ -67,23 +69,46 @@ class W4PackFormat(Format):
 
 def write_packed(source: Source, out: Path, *, force: bool = False, max_shard_size: int | str = "2GB",
                  show_progress: bool | None = None, on_layer: Any = None) -> Path:
-    """Stream ``source`` into a w4pack checkpoint: one layer in memory at a time, one shard buffered."""
+    """Stream ``source`` into a w4pack checkpoint: a layer or two in memory at a time, no shard buffered."""
     from ..progress import Progress
 
     names = source.layer_names()
     passthrough = source.passthrough_names()
+    # room for every header entry of the checkpoint in each shard, so no shard is rewritten to fit its header
+    hint = sum(5 * (len(n) + 10 + _HEADER_ENTRY) for n in names) + sum(len(t) + _HEADER_ENTRY for t in passthrough)
+    # sources that know where a pass-through tensor's bytes lie let the writer copy them in the kernel
+    span_of = getattr(source, "tensor_span", None)
     with CheckpointWriter(out, force=force, max_shard_size=max_shard_size, config=source.config,
-                          source=source.info, show_progress=show_progress) as writer:
-        with Progress(len(names) + len(passthrough), "packing", enabled=show_progress) as bar:
-            for name in names:
-                layer = source.read_layer(name)
-                writer.add_layer(name, layer)
-                if on_layer is not None:
-                    on_layer(name, layer)
-                bar.update()
+                          source=source.info, show_progress=show_progress, header_hint=hint + 4096) as writer:
+        with Progress(len(names) + len(passthrough), "packing", enabled=show_progress) as bar, \
+                ThreadPoolExecutor(1, thread_name_prefix="w4pack-write") as io:
+            # two-stage pipeline: layer i+1 is read and packed here while the thread writes layer i
+            # (writes mostly wait for the disk); at most two packed layers are alive at once
+            pending: Future | None = None
+            pool = PACK_POOL.set(ScratchPool(4))  # packed layers i and i+1 recycle their buffers
+            try:
+                for name in names:
+                    layer = source.read_layer(name)
+                    packed = pack(layer.replace(name=name))
+                    if on_layer is not None:
+                        on_layer(name, layer)
+                    del layer
+                    if pending is not None:
+                        pending.result()
+                    pending = io.submit(writer.add_layer, name, packed)
+                    del packed
+                    bar.update()
+                if pending is not None:
+                    pending.result()
+            finally:
+                PACK_POOL.reset(pool)
             for tname in passthrough:
-                t = source.read_tensor(tname)
-                writer.add_tensor(tname, t.array, t.dtype)
+                span = span_of(tname) if span_of is not None else None
+                if span is not None:
+                    writer.add_tensor_span(tname, *span)
+                else:
+                    t = source.read_tensor(tname)
+                    writer.add_tensor(tname, t.array, t.dtype)
                 bar.update()
         if getattr(source, "fused", None):  # FusedSource (w4pack.fuse) records its row ranges as it reads
             writer.fused = dict(source.fused)
