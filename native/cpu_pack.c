@@ -30,6 +30,8 @@ typedef struct {
     int32_t *out;
     volatile int failed; /* a worker could not get its scratch buffer */
     _Atomic int max_seen; /* largest code of any stripe */
+    const uint32_t *qw;   /* fused GPTQ path: 4-bit qweight [k/8][ldq] instead of codes */
+    int64_t ldq;
 } pack_ctx;
 
 /* one growing scratch buffer per thread (pool workers live for the process) */
@@ -66,16 +68,53 @@ static void gather_stripe(const pack_ctx *c, int64_t nb, uint8_t *buf) {
     }
 }
 
+static inline uint64_t spread_nibbles(uint32_t w);
+#define GPTQ_PREFETCH 16
+
+/* The same stripe straight from a GPTQ 4-bit qweight: column n of qweight is row n of the codes, eight
+   codes per word along K (LSB first). Unpacked in original K order into tmp [16][k], then permuted. */
+static void gather_stripe_gptq(const pack_ctx *c, int64_t nb, uint8_t *buf, uint8_t *tmp) {
+    int32_t rows16 = c->n - (int32_t)nb * 16 < 16 ? c->n - (int32_t)nb * 16 : 16;
+    uint8_t *dst = c->perm ? tmp : buf;
+    size_t ld = c->perm ? (size_t)c->k : (size_t)c->kp;
+    int32_t words = c->k / 8;
+    for (int32_t r = 0; r < words; r++) {
+        const uint32_t *w = c->qw + r * c->ldq + nb * 16;
+        /* rows of qweight are pages apart: no hardware prefetcher follows this walk, so ask ahead */
+        if (r + GPTQ_PREFETCH < words) __builtin_prefetch(w + GPTQ_PREFETCH * c->ldq);
+        for (int i = 0; i < rows16; i++) {
+            uint64_t v = spread_nibbles(w[i]);
+            memcpy(dst + i * ld + (size_t)r * 8, &v, 8);
+        }
+    }
+    for (int i = 0; i < 16; i++) {
+        uint8_t *row = buf + (size_t)i * c->kp;
+        if (i >= rows16) {
+            memset(row, 0, c->kp);
+            continue;
+        }
+        if (c->perm) {
+            const uint8_t *src = tmp + (size_t)i * c->k;
+            for (int32_t j = 0; j < c->k; j++) row[j] = src[c->perm[j]];
+        }
+        memset(row + c->k, 0, c->kp - c->k);
+    }
+}
+
 static void pack_stripe(void *vctx, int64_t nb) {
     pack_ctx *c = vctx;
     const int32_t kp = c->kp;
-    uint8_t *buf = get_scratch((size_t)24 * kp);
+    uint8_t *buf = get_scratch((size_t)24 * kp + (c->qw && c->perm ? (size_t)16 * c->k : 0));
     if (!buf) {
         c->failed = 1;
         return;
     }
-    gather_stripe(c, nb, buf);
-    {
+    if (c->qw) {
+        gather_stripe_gptq(c, nb, buf, buf + (size_t)24 * kp); /* 4-bit fields: nothing to range-check */
+    } else {
+        gather_stripe(c, nb, buf);
+    }
+    if (!c->qw) {
         uint8_t m = 0;
         for (size_t i = 0; i < (size_t)16 * kp; i++) m = buf[i] > m ? buf[i] : m;
         int prev = atomic_load_explicit(&c->max_seen, memory_order_relaxed);
@@ -140,7 +179,7 @@ int w4p_pack_layout_v1(const uint8_t *codes, int64_t ldc, int32_t n, int32_t k, 
             }
         }
     }
-    pack_ctx c = {codes, ldc, n, k, (n + 15) / 16 * 16, (k + 63) / 64 * 64, perm, storage_bits, out, 0, 0};
+    pack_ctx c = {codes, ldc, n, k, (n + 15) / 16 * 16, (k + 63) / 64 * 64, perm, storage_bits, out, 0, 0, NULL, 0};
     w4p_parallel_for(c.np / 16, threads < 1 ? 1 : threads, pack_stripe, &c);
     if (max_seen) *max_seen = atomic_load(&c.max_seen);
     if (c.failed) {
@@ -234,5 +273,29 @@ int w4p_gptq_unpack_codes(const int32_t *qweight, int64_t ldq, int32_t rows, int
     }
     unpack_ctx c = {qweight, ldq, rows, n, bits, codes, ldc};
     w4p_parallel_for((n + UNPACK_COLS - 1) / UNPACK_COLS, threads < 1 ? 1 : threads, unpack_block, &c);
+    return W4P_OK;
+}
+
+int w4p_gptq_pack_layout_v1(const int32_t *qweight, int64_t ldq, int32_t n, int32_t k, const int32_t *perm,
+                            int32_t *out, int threads) {
+    if (!qweight || !out || n < 1 || k < 8 || k % 8 || ldq < n) {
+        w4p_set_error("w4p_gptq_pack_layout_v1: bad arguments (n=%d k=%d ldq=%lld)", n, k, (long long)ldq);
+        return W4P_EINVAL;
+    }
+    if (perm) {
+        for (int32_t i = 0; i < k; i++) {
+            if (perm[i] < 0 || perm[i] >= k) {
+                w4p_set_error("w4p_gptq_pack_layout_v1: perm[%d] = %d is outside 0..%d", i, perm[i], k - 1);
+                return W4P_EINVAL;
+            }
+        }
+    }
+    pack_ctx c = {NULL, 0, n, k, (n + 15) / 16 * 16, (k + 63) / 64 * 64, perm, 4, out, 0, 0,
+                  (const uint32_t *)qweight, ldq};
+    w4p_parallel_for(c.np / 16, threads < 1 ? 1 : threads, pack_stripe, &c);
+    if (c.failed) {
+        w4p_set_error("w4p_gptq_pack_layout_v1: out of memory for a %d-column stripe", c.kp);
+        return W4P_ENOMEM;
+    }
     return W4P_OK;
 }

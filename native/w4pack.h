@@ -99,6 +99,10 @@ int w4p_pack_layout_v1(const uint8_t *codes, int64_t ldc, int32_t n, int32_t k, 
    k = rows * 32 / bits columns written per row. */
 int w4p_gptq_unpack_codes(const int32_t *qweight, int64_t ldq, int32_t rows, int32_t n, int32_t bits,
                           uint8_t *codes, int64_t ldc, int threads);
+/* Both in one pass for 4-bit GPTQ: qweight [k/8][ldq] -> layout v1 words (as w4p_pack_layout_v1 of the
+   unpacked codes, storage_bits 4), without materializing the codes. */
+int w4p_gptq_pack_layout_v1(const int32_t *qweight, int64_t ldq, int32_t n, int32_t k, const int32_t *perm,
+                            int32_t *out, int threads);
 
 /* Read `bytes` of buf as fast as the CPU can (benchmark of the memory read bandwidth); returns a checksum. */
 uint64_t w4p_cpu_read_stream(const void *buf, size_t bytes);
@@ -109,9 +113,10 @@ uint64_t w4p_cpu_read_stream(const void *buf, size_t bytes);
 #define W4P_CUDA_KERNEL_AUTO 0
 #define W4P_CUDA_KERNEL_STREAM 1
 #define W4P_CUDA_KERNEL_TILED 2
-/* RING (M <= 16): stream-K over warps, a cp.async ring of 8 tiles per warp; RING2: slots of 2 tiles */
+/* RING (M <= 8): stream-K over warps, each warp with its own cp.async ring in shared memory */
 #define W4P_CUDA_KERNEL_RING 3
-#define W4P_CUDA_KERNEL_RING2 4
+#define W4P_CUDA_KERNEL_RING_T2 4
+#define W4P_CUDA_KERNEL_RING_T4 5
 #define W4P_CUDA_PROBE_LOAD 10
 #define W4P_CUDA_PROBE_DEQUANT 11
 int w4p_cuda_abi_version(void);

@@ -85,3 +85,83 @@ def test_pack_refuses_codes_out_of_range() -> None:
                            name="m.q_proj")
     with pytest.raises(BadInputError, match=r"codes exceed 7.*max 9"):
         layout.pack(layer)
+
+
+def _same_packed(a: layout.PackedLayer, b: layout.PackedLayer) -> None:
+    assert a.meta == b.meta
+    assert a.source == b.source
+    assert sorted(a.tensors) == sorted(b.tensors)
+    for key in a.tensors:
+        x, y = a.tensors[key], b.tensors[key]
+        assert x.dtype == y.dtype and x.shape == y.shape, key
+        np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8), err_msg=key)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("mode", ["none", "int"])
+def test_gptq_read_packed_equals_pack_of_read_layer(tmp_path, act_order: bool, mode: str) -> None:
+    """The fused GPTQ qweight -> layout v1 pass gives exactly pack(read_layer(...)), odd shapes included."""
+    from test_layout import random_layer
+    from w4pack.formats import open_source
+    from w4pack.formats.gptq import GPTQSource, write_gptq
+
+    rng = np.random.default_rng(11 + act_order + 2 * (mode == "int"))
+    layers = {f"model.layers.0.mlp.p{i}": random_layer(rng, n, k, 4, 128, mode, act_order)
+              for i, (n, k) in enumerate([(40, 384), (24, 136), (64, 200)])}
+    if mode == "int":  # GPTQ v1 stores zero points 1..15 only
+        for lay in layers.values():
+            lay.zeros = np.clip(lay.zeros, 1, 15).astype(np.int32)
+
+    class Src:
+        config: dict = {}
+        info = {"format": "test"}
+
+        def layer_names(self):
+            return list(layers)
+
+        def read_layer(self, name):
+            return layers[name].replace(name=name)
+
+        def passthrough_names(self):
+            return []
+
+        def side_files(self):
+            return []
+
+    write_gptq(Src(), tmp_path / "g")
+    src = open_source(tmp_path / "g")
+    assert isinstance(src, GPTQSource)
+    try:
+        for name in src.layer_names():
+            fused = src.read_packed(name)
+            assert fused is not None
+            _same_packed(fused, layout.pack(src.read_layer(name)))
+    finally:
+        src.close()
+
+
+def test_gptq_read_packed_on_peer_fixtures() -> None:
+    """Every 4-bit peer GPTQ fixture: the fused path equals pack(read_layer) (the latter is checked against
+    truth by tests/formats/test_gptq.py)."""
+    from conftest import fixture_cases, fixture_dir
+    from w4pack.formats import open_source
+
+    cases = fixture_cases("gptq")
+    if not cases:
+        pytest.skip("peer fixtures not found")
+    seen = 0
+    for case in cases:
+        try:
+            src = open_source(fixture_dir("gptq", case))
+        except Exception:  # cases that are meant to be refused are tested elsewhere
+            continue
+        try:
+            for name in src.layer_names():
+                fused = src.read_packed(name) if hasattr(src, "read_packed") else None
+                if fused is None:
+                    continue
+                _same_packed(fused, layout.pack(src.read_layer(name)))
+                seen += 1
+        finally:
+            src.close()
+    assert seen > 0

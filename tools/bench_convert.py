@@ -156,13 +156,13 @@ def plain_copy(src: Path, dst: Path) -> float:
     return dt
 
 
-def run_convert(src: Path, dst: Path, extra_env: dict[str, str] | None = None) -> tuple[float, float]:
-    """w4pack convert in a child; returns (seconds, peak RSS of that child in MB)."""
+def run_convert(src: Path, dst: Path, tree: Path = ROOT) -> tuple[float, float]:
+    """w4pack convert (of the package in ``tree``) in a child; returns (seconds, peak RSS of that child in MB)."""
     shutil.rmtree(dst, ignore_errors=True)
-    env = dict(os.environ, **(extra_env or {}))
+    env = dict(os.environ, PYTHONPATH=str(tree))
     t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-m", "w4pack", "convert", str(src), str(dst), "--force"],
-                         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    p = subprocess.Popen([sys.executable, "-m", "w4pack", "convert", str(src.absolute()), str(dst.absolute()),
+                          "--force"], cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _pid, status, ru = os.wait4(p.pid, 0)
     dt = time.perf_counter() - t0
     err = p.stderr.read().decode() if p.stderr else ""
@@ -182,7 +182,10 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="also time with the page cache dropped (root only)")
     ap.add_argument("--keep", action="store_true", help="keep the generated sources (default: delete at the end)")
     ap.add_argument("--no-copy", action="store_true", help="skip the plain-copy baseline")
+    ap.add_argument("--tree", type=Path, default=ROOT,
+                    help="run the w4pack package of this source tree (e.g. an older `git archive`), for before/after")
     args = ap.parse_args()
+    args.work = args.work.absolute()
     args.work.mkdir(parents=True, exist_ok=True)
     rows = []
     rss: dict[int, float] = {}
@@ -199,7 +202,7 @@ def main() -> None:
         conv = []
         for _ in range(args.runs):
             warm(src)
-            conv.append(run_convert(src, dst_conv))
+            conv.append(run_convert(src, dst_conv, args.tree))
         c_med = statistics.median(copy) if copy else float("nan")
         v_med = statistics.median(t for t, _ in conv)
         peak = max(r for _, r in conv)
@@ -211,7 +214,7 @@ def main() -> None:
             if drop_caches():
                 row["copy_cold_s"] = plain_copy(src, dst_copy)
                 drop_caches()
-                row["convert_cold_s"] = run_convert(src, dst_conv)[0]
+                row["convert_cold_s"] = run_convert(src, dst_conv, args.tree)[0]
             else:
                 row["cold"] = "drop_caches not writable"
         rows.append(row)

@@ -23,7 +23,9 @@ import json
 import os
 import shutil
 import struct
+import sys
 import tempfile
+import threading
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -439,23 +441,39 @@ def _copy_fd(src: int, src_off: int, dst: int, dst_off: int, nbytes: int) -> Non
 
 
 def _seal(path: Path, size: int) -> str:
-    """fsync a finished shard and return its sha256 (runs in the writer's background thread; the data is
-    read back from the page cache, and hashing releases the GIL)."""
+    """fsync a finished shard and return its sha256 (runs in the writer's background thread). The fsync
+    (waiting for the disk) runs in a helper thread while this one hashes (CPU; the data is read back from
+    the page cache, and hashing releases the GIL)."""
     h = hashlib.sha256()
     buf = bytearray(4 << 20)
     view = memoryview(buf)
+    failed: list[OSError] = []
     with open(path, "rb", buffering=0) as fh:
-        os.fsync(fh.fileno())
-        total = 0
-        while True:
-            n = fh.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
-            total += n
+        def sync() -> None:
+            try:
+                os.fsync(fh.fileno())
+            except OSError as exc:
+                failed.append(exc)
+
+        syncer = threading.Thread(target=sync, name="w4pack-fsync")
+        syncer.start()
+        try:
+            total = 0
+            while True:
+                n = fh.readinto(buf)
+                if not n:
+                    break
+                h.update(view[:n])
+                total += n
+        finally:
+            syncer.join()
+    if failed:
+        raise failed[0]
     if total != size:
         raise OSError(errno.EIO, f"shard is {total} bytes, expected {size}")
     return h.hexdigest()
+
+
 
 
 def _write_json(path: Path, doc: Any) -> None:

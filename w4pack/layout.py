@@ -123,8 +123,15 @@ def _group_structure(layer: CanonicalLayer) -> tuple[np.ndarray | None, int]:
 
 def pack(layer: CanonicalLayer) -> PackedLayer:
     """Canonical layer → layout v1 tensors. Lossless: ``unpack(pack(x))`` equals ``x`` bit for bit."""
+    return _pack(layer, None)
+
+
+def _pack(layer: CanonicalLayer, qweight_of: Any) -> PackedLayer:
+    """pack(), or with ``qweight_of(perm, storage_bits)`` producing the qweight words from the reader's own
+    storage (the fused GPTQ path, whose layer carries a zero-stride placeholder for codes)."""
     native = _native_lib() is not None
-    layer.validate(check_codes=not native)  # the native packer finds the largest code in its own pass
+    # the native packer finds the largest code in its own pass; a qweight_of reader guarantees the range
+    layer.validate(check_codes=not native and qweight_of is None)
     n, k = layer.codes.shape
     np_, kp = padded_shape(n, k)
     sbits = storage_bits_for(layer.bits)
@@ -132,7 +139,10 @@ def pack(layer: CanonicalLayer) -> PackedLayer:
     g = layer.num_groups
     gp = 1 if gs == -1 else -(-kp // gs)
 
-    qweight = _native_pack(layer.codes, perm, sbits, layer.bits, layer.name) if native else None
+    if qweight_of is not None:
+        qweight = qweight_of(perm, sbits)
+    else:
+        qweight = _native_pack(layer.codes, perm, sbits, layer.bits, layer.name) if native else None
     if qweight is None:
         if native:
             layer.validate()

@@ -24,6 +24,7 @@ import mmap
 import os
 import re
 import shutil
+import sys
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ import numpy as np
 from .. import __version__
 from ..atomic import AtomicFolder
 from ..canonical import CanonicalLayer
+from ..layout import PackedLayer
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES
 from ..errors import BadInputError, IOFailure, UnsupportedError, W4PackError
@@ -53,6 +55,7 @@ _CONFIG_FILES = ("quantize_config.json", "quant_config.json")
 _OWN_FILES = {"config.json", "quantize_config.json", "quant_config.json", "quantization_config.json",
               "model.safetensors.index.json", "pytorch_model.bin.index.json", "w4pack.json"}
 DEFAULT_MAX_SHARD = "4GB"
+_MADV_POPULATE_READ = 22  # linux/mman.h; Python's mmap module names it only from 3.13
 
 
 class GPTQWarning(UserWarning):
@@ -201,6 +204,20 @@ class _Store:
             return None
         dt, shape, begin, end = f.entries[name]
         return path, f.data_start + begin, end - begin, dt, shape
+
+    def populate(self, name: str) -> bool:
+        """Map this tensor's pages in one call (MADV_POPULATE_READ, Linux 5.14+); False where not possible."""
+        f = self._st.get(self.where[name])
+        mm = getattr(f, "_mm", None)
+        if mm is None or not hasattr(mm, "madvise") or sys.platform != "linux":
+            return False
+        _dt, _shape, begin, end = f.entries[name]
+        start = (f.data_start + begin) // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            mm.madvise(getattr(mmap, "MADV_POPULATE_READ", _MADV_POPULATE_READ), start, f.data_start + end - start)
+        except (OSError, ValueError):
+            return False
+        return True
 
     def release(self, name: str) -> None:
         """Drop this tensor's mapped pages from our address space (the page cache keeps them): every
@@ -670,13 +687,62 @@ class GPTQSource(Source):
         return self._fields(self.plan(name))
 
     def read_layer(self, name: str) -> CanonicalLayer:
+        return self._read(name, with_codes=True)
+
+    def read_packed(self, name: str) -> PackedLayer | None:
+        """The layer in layout v1 straight from qweight (one native pass, no codes array), exactly what
+        ``layout.pack(read_layer(name))`` gives; None where that fused path does not apply (not 4-bit,
+        no native module), and the caller then packs the canonical layer."""
+        from ..layout import PACK_POOL, _native_lib, _pack, padded_shape, TILE_N, TILE_K, WARP
+
+        plan = self.plan(name)
+        lib = _native_lib()
+        if lib is None or plan.bits != 4 or not hasattr(lib, "w4p_gptq_pack_layout_v1"):
+            return None
+        layer = self._read(name, with_codes=False)
+        st, qname = self.store, plan.tensors["qweight"]
+
+        def qweight_of(perm: np.ndarray | None, sbits: int) -> np.ndarray:
+            from .._w4p_cpu import ffi
+            from ..native.cpu import _check, default_threads
+
+            n, k = plan.out_features, plan.in_features
+            np_, kp = padded_shape(n, k)
+            shape = (np_ // TILE_N, kp // TILE_K * WARP * 4)
+            pool = PACK_POOL.get()
+            out = pool.take(shape, "<i4") if pool is not None else np.empty(shape, dtype="<i4")
+            qbuf = np.asarray(st.get(qname)) if st.populate(qname) else st.read_into(qname, self._scratch)
+            if qbuf.dtype.itemsize != 4 or not qbuf.dtype.isnative or qbuf.strides[1] != 4 or qbuf.strides[0] % 4:
+                qbuf = np.ascontiguousarray(qbuf, dtype=np.int32)
+            p = ffi.NULL
+            if perm is not None:
+                perm = np.ascontiguousarray(perm, dtype=np.int32)
+                p = ffi.from_buffer("int32_t[]", perm)
+            src = ffi.cast("const int32_t *", qbuf.__array_interface__["data"][0])
+            rc = lib.w4p_gptq_pack_layout_v1(src, qbuf.strides[0] // 4, n, k, p, ffi.from_buffer("int32_t[]", out),
+                                             default_threads())
+            del qbuf
+            st.release(qname)
+            _check(rc, f"pack {name}")
+            return out
+
+        return _pack(layer, qweight_of)
+
+    def _read(self, name: str, with_codes: bool) -> CanonicalLayer:
         plan = self.plan(name)
         st, t, b = self.store, plan.tensors, plan.bits
-        # read with pread into a recycled buffer, not through the map: page faults on the map (and on fresh
-        # output pages) cost more than the copy
-        qbuf = st.read_into(t["qweight"], self._scratch)
-        codes = _unpack_qweight(qbuf, b, self._scratch)  # [N, K]
-        del qbuf
+        # page faults one by one on the map cost more than the unpack: map the pages in one call where the
+        # kernel can (MADV_POPULATE_READ), else read with pread into a recycled buffer
+        if not with_codes:  # read_packed: a zero-stride placeholder of the right shape, packed from qweight
+            codes = np.broadcast_to(np.zeros((), dtype=np.uint8), (plan.out_features, plan.in_features))
+        elif st.populate(t["qweight"]):
+            qbuf = np.asarray(st.get(t["qweight"]))
+            codes = _unpack_qweight(qbuf, b, self._scratch)  # [N, K]
+            del qbuf
+        else:
+            qbuf = st.read_into(t["qweight"], self._scratch)
+            codes = _unpack_qweight(qbuf, b, self._scratch)
+            del qbuf
         fields = self._fields(plan)
         mask = (1 << b) - 1
         if plan.version == V2:
@@ -710,7 +776,8 @@ class GPTQSource(Source):
             bias_dtype, _ = st.info(t["bias"])
             bias = np.array(st.get(t["bias"]))
         for tname in t.values():  # everything above is copied out of the map (or refaults harmlessly)
-            st.release(tname)
+            if with_codes or tname != t["qweight"]:
+                st.release(tname)
         source: dict[str, Any] = {"format": "gptq", "version": plan.version}
         if plan.notes:
             source["notes"] = list(plan.notes)

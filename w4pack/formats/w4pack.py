@@ -87,12 +87,16 @@ def write_packed(source: Source, out: Path, *, force: bool = False, max_shard_si
             pending: Future | None = None
             pool = PACK_POOL.set(ScratchPool(4))  # packed layers i and i+1 recycle their buffers
             try:
+                # a reader that can pack from its own storage skips the canonical codes array (same bytes)
+                read_packed = getattr(source, "read_packed", None) if on_layer is None else None
                 for name in names:
-                    layer = source.read_layer(name)
-                    packed = pack(layer.replace(name=name))
-                    if on_layer is not None:
-                        on_layer(name, layer)
-                    del layer
+                    packed = read_packed(name) if read_packed is not None else None
+                    if packed is None:
+                        layer = source.read_layer(name)
+                        packed = pack(layer.replace(name=name))
+                        if on_layer is not None:
+                            on_layer(name, layer)
+                        del layer
                     if pending is not None:
                         pending.result()
                     pending = io.submit(writer.add_layer, name, packed)
