@@ -115,8 +115,6 @@ uint64_t w4p_cpu_read_stream(const void *buf, size_t bytes);
 #define W4P_CUDA_KERNEL_TILED 2
 /* RING (M <= 8): stream-K over warps, each warp with its own cp.async ring in shared memory */
 #define W4P_CUDA_KERNEL_RING 3
-#define W4P_CUDA_KERNEL_RING_T2 4
-#define W4P_CUDA_KERNEL_RING_T4 5
 #define W4P_CUDA_PROBE_LOAD 10
 #define W4P_CUDA_PROBE_DEQUANT 11
 int w4p_cuda_abi_version(void);

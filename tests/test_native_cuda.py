@@ -141,7 +141,7 @@ def test_every_option_matches_float64(dtype_name, bits, zero_mode, gs, act_order
                          scale_dtype=dtype_name, bias=True)
     lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
     for m, kernel in ((1, "stream"), (7, "auto"), (19, "stream"), (40, "stream"), (3, "tiled"), (67, "tiled"),
-                      (200, "auto")):
+                      (200, "auto"), (1, "ring"), (5, "ring"), (8, "ring")):
         err = run_case(torch, rng, layer, m, dtype_name, kernel=kernel, lin=lin)
         assert err <= tolerance(dtype_name), (m, kernel, err)
 
@@ -154,7 +154,7 @@ def test_odd_shapes_all_small_m():
     layer = random_layer(rng, 196, 576, gs=64, zero_mode="int", bias=True)
     lin = cuda.CudaPackedLinear(pack(layer), "cuda")
     for m in range(1, 68):
-        for kernel in ("stream", "tiled"):
+        for kernel in ("stream", "tiled") + (("ring",) if m <= 8 else ()):
             assert run_case(torch, rng, layer, m, "float16", kernel=kernel, lin=lin) <= 1e-3, (m, kernel)
 
 
@@ -170,7 +170,7 @@ def test_padded_and_unaligned_shapes(n, k, gs):
     # that can cancel, the error is measured against the scale of the sums, |x| . |W|^T
     w64 = layer.dequantize(np.float64)
     for m in (1, 9, 130):
-        for kernel in ("stream", "tiled", "auto"):
+        for kernel in ("stream", "tiled", "auto") + (("ring",) if m <= 8 else ()):
             x = torch.randn(m, k, device="cuda").half()
             out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
             lin.forward(x, out=out, kernel=kernel)
@@ -182,14 +182,16 @@ def test_padded_and_unaligned_shapes(n, k, gs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 64, 100])
 def test_forced_splits(splits):
     import torch
 
     rng = np.random.default_rng(splits)
     layer = random_layer(rng, 256, 4096, gs=128)
     lin = cuda.CudaPackedLinear(pack(layer), "cuda")
-    for m, kernel in ((1, "stream"), (24, "stream"), (96, "tiled")):
+    # for the ring kernel splits is the units (K tiles of 4 stripes) per warp, KT = 64 here: 1..7 share every
+    # quad among warps, 64 gives whole quads, 100 ranges with a whole quad between two shared ones
+    for m, kernel in ((1, "stream"), (24, "stream"), (96, "tiled"), (1, "ring"), (8, "ring"), (3, "ring")):
         assert run_case(torch, rng, layer, m, "float16", kernel=kernel, splits=splits, lin=lin) <= 1e-3
 
 
@@ -218,13 +220,16 @@ def test_strided_input_and_explicit_bias():
     y = lin.forward(x, bias=bias)
     ref = reference(layer, x.double().cpu().numpy(), bias.double().cpu().numpy())
     assert rel_err(y, ref) <= 1e-3
+    # M <= 8 on unaligned rows: the ring kernel gathers them first
+    assert rel_err(lin.forward(x[:7], bias=bias, kernel="ring"), ref[:7]) <= 1e-3
     y3 = lin.forward(x.reshape(4, 5, 512), bias=False)
     assert y3.shape == (4, 5, 96)
     assert rel_err(y3.reshape(20, 96), reference(layer, x.double().cpu().numpy(), None)) <= 1e-3
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,kernel", [(1, "stream"), (16, "stream"), (64, "tiled"), (1024, "tiled"), (256, "dense")])
+@pytest.mark.parametrize("m,kernel", [(1, "stream"), (16, "stream"), (64, "tiled"), (1024, "tiled"), (256, "dense"),
+                                      (1, "ring"), (8, "ring"), (4, "ring")])
 def test_repeated_calls_are_bit_identical(m, kernel):
     import torch
 
@@ -245,7 +250,8 @@ def test_cuda_graph_capture_and_replay():
     rng = np.random.default_rng(11)
     layer = random_layer(rng, 512, 2048, gs=64, zero_mode="float", act_order=True, bias=True)
     lin = cuda.CudaPackedLinear(pack(layer), "cuda")
-    for m, kernel in ((1, "auto"), (24, "auto"), (48, "tiled"), (48, "auto"), (256, "auto")):
+    for m, kernel in ((1, "auto"), (24, "auto"), (48, "tiled"), (48, "auto"), (256, "auto"), (7, "ring"),
+                      (2, "ring"), (1, "stream")):
         x = torch.randn(m, 2048, device="cuda", dtype=torch.float16)
         eager = lin.forward(x, kernel=kernel)
         s = torch.cuda.Stream()
@@ -271,6 +277,22 @@ def test_cuda_graph_capture_and_replay():
 
 
 @pytest.mark.gpu
+def test_auto_plan_per_shape():
+    # small M: the ring kernel on 70B-sized layers, the stream kernel on small ones, dense from DENSE_MIN_M
+    ffi, lib = cuda._load()
+    ko, so, wb = ffi.new("int *"), ffi.new("int *"), ffi.new("size_t *")
+
+    def auto(m, n, k):
+        assert lib.w4p_cuda_plan(0, m, n, k, 4, 128, 0, 1, 0, 0, ko, so, wb) == 0
+        return ko[0]
+
+    assert auto(1, 28672, 8192) == cuda.KERNELS["ring"]
+    assert auto(8, 8192, 28672) == cuda.KERNELS["ring"]
+    assert auto(1, 4096, 4096) == cuda.KERNELS["stream"]
+    assert auto(9, 28672, 8192) == cuda.KERNELS["stream"]
+
+
+@pytest.mark.gpu
 def test_gemm_entry_and_errors():
     import torch
 
@@ -287,3 +309,6 @@ def test_gemm_entry_and_errors():
         cuda.gemm_cuda(x.float(), packed)
     with pytest.raises(BadInputError):
         cuda.gemm_cuda(x[:, :128], packed)
+    with pytest.raises(cuda.CudaKernelError, match="ring kernel takes M <= 8"):
+        cuda.CudaPackedLinear(packed, "cuda").forward(torch.randn(9, 256, device="cuda", dtype=torch.float16),
+                                                      kernel="ring")

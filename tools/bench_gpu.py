@@ -7,7 +7,7 @@ Method (docs/CUDA.md): weights are L2-cold (each kernel rotates through enough w
 CUDA events; the reported time per call is the median over replays divided by the copies. Achieved
 GB/s counts the bytes a call must move (int4 weights + scales [+ zeros] + activations in + outputs out).
 
-Usage: python tools/bench_gpu.py [--quick] [--sweep] [--json OUT.jsonl]
+Usage: python tools/bench_gpu.py [--quick | --ms 1,4,16] [--sweep] [--shapes KxN,...] [--json OUT.jsonl]
 """
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ def read_bandwidth() -> dict[str, float]:
     y = torch.empty(1, 65536, device="cuda", dtype=torch.float16)
     qbytes = lin.qweight.numel() * 4
     res = {"copy_rw_gbs": copy_gbs}
-    for probe in ("probe_load", "probe_dequant", "auto"):
+    for probe in ("probe_load", "probe_dequant", "auto", "stream", "ring"):
         t = time_graph(lambda i: lin.forward(x, out=y, kernel=probe), 1, replays=10)
         res[f"{probe}_gbs"] = qbytes / (t * 1e-6) / 1e9
         res[f"{probe}_us"] = t
@@ -188,7 +188,8 @@ def smoke() -> int:
                                bias=rng.standard_normal(n).astype(np.float16)).validate()
         lin = w4cuda.CudaPackedLinear(pack(layer), "cuda")
         w64 = layer.dequantize(np.float64)
-        for m, kernel, splits in ((1, "stream", 0), (5, "stream", 3), (24, "stream", 0), (40, "tiled", 0),
+        for m, kernel, splits in ((1, "stream", 0), (5, "stream", 3), (24, "stream", 0), (1, "ring", 0), (7, "ring", 3),
+                                  (3, "ring", 1), (40, "tiled", 0),
                                   (130, "tiled", 2), (70, "dense", 0)):
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             y = lin.forward(x, kernel=kernel, splits=splits)
@@ -209,6 +210,7 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="also time forced kernels / split counts")
     ap.add_argument("--json", type=Path, default=None, help="append one JSON line per measurement")
     ap.add_argument("--shapes", default="", help="comma list of KxN (default: the six Llama shapes)")
+    ap.add_argument("--ms", default="", help="comma list of M (e.g. 1,4,16: the decode regime only)")
     ap.add_argument("--smoke", action="store_true", help="only run a few small checked calls of every kernel")
     args = ap.parse_args()
     if not w4cuda.available():
@@ -217,7 +219,7 @@ def main() -> int:
     if args.smoke:
         return smoke()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s] or SHAPES
-    ms = [1, 16, 64, 256] if args.quick else MS
+    ms = [int(v) for v in args.ms.split(",") if v] or ([1, 16, 64, 256] if args.quick else MS)
     props = torch.cuda.get_device_properties(0)
     head = (f"GPU {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, layout {LAYOUT_NAME} v{LAYOUT_VERSION}")
@@ -232,7 +234,8 @@ def main() -> int:
     bw = read_bandwidth()
     emit({"kind": "bandwidth", **bw})
     print("bandwidth: torch uint8 copy_ (read+write, not a ceiling) {copy_rw_gbs:.0f} GB/s; w4pack layout load-only {probe_load_gbs:.0f} GB/s, "
-          "load+dequant {probe_dequant_gbs:.0f} GB/s, full GEMV (M=1) {auto_gbs:.0f} GB/s of qweight".format(**bw),
+          "load+dequant {probe_dequant_gbs:.0f} GB/s, full GEMV (M=1) auto {auto_gbs:.0f} / stream {stream_gbs:.0f} / "
+          "ring {ring_gbs:.0f} GB/s of qweight".format(**bw),
           flush=True)
 
     try:
@@ -262,7 +265,13 @@ def main() -> int:
                    "cublas_linear_us": t_lin, "tinygemm_us": t_tg, "w4pack_gbs": gbs, "plan": plan}
             sweep = {}
             if args.sweep:
-                if m <= 64:
+                if m <= 16:  # the block-split stream kernel against the ring kernel and its units per warp
+                    sweep["stream"] = measure_w4(lins, k, n, m, "stream")
+                if m <= 8:
+                    sweep["ring"] = measure_w4(lins, k, n, m, "ring")
+                    for upw in (8, 16, 32):
+                        sweep[f"ring_L{upw}"] = measure_w4(lins, k, n, m, "ring", upw)
+                elif m <= 64:
                     for sp in (1, 2, 4, 8, 16, 32):
                         sweep[f"stream_s{sp}"] = measure_w4(lins, k, n, m, "stream", sp)
                 if m >= 16:

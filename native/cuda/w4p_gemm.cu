@@ -4,7 +4,11 @@
 // instruction's N. A 16x64 tile is 512 bytes (4-bit) or 1 KiB (8-bit); lane l's 16 bytes are its A
 // fragments for the tile's four k16 slices, so one 16-byte load feeds four MMAs after a few LOP3s.
 //
-// Two kernels:
+// Three kernels:
+//   ring:   M <= 8 (default there). Stream-K over warps: each warp streams one contiguous range of K tiles
+//           of four stripes through its own cp.async shared-memory ring (weights, group parameters and
+//           activation columns, 3 units of 2 KiB in flight), grid sized to the resident warps; quads
+//           shared by several warps are reduced deterministically by the last one to finish.
 //   stream: small M (<= 32 tokens per block). Each warp streams whole 16-row stripes along its share of
 //           K straight from global memory into registers (8 tiles in flight per lane), activations and
 //           group parameters staged in shared memory per K-chunk; split-K over the grid with a
@@ -19,9 +23,13 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <stdarg.h>
 #include <string.h>
+#include <algorithm>
 #include <mutex>
+#include <set>
+#include <utility>
 #include <type_traits>
 
 // the ABI functions keep default visibility; everything else in the library is hidden
@@ -223,6 +231,7 @@ struct Params {
   int xvec;              // stream: x rows 16-byte loadable; tiled: x readable with cp.async (else gathered)
   int kx;                // tiled: valid K extent of the (possibly gathered) activations
   unsigned sink;         // probe modes: a value the checksum never equals
+  int64_t W;             // ring kernel: workers (warps) sharing the weight stream
 };
 
 // Split-K epilogue shared by both kernels: every block stores its fp32 partial tile; the last block to
@@ -589,6 +598,281 @@ __global__ void __launch_bounds__(SW * 32, 3) stream_kernel(const Params p) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// Ring kernel (M <= 8, the decode regime): every warp is an independent worker with its own contiguous
+// range of work units; a unit is one 64-wide K tile of four consecutive 16-row stripes (2 KiB of 4-bit
+// weights), units in quad-major order, so a worker's range runs along K and may cross into the next quad
+// (stream-K). The grid is sized to the resident warps, so each worker pays its prologue once. Per warp
+// a shared-memory ring of RD slots, refilled with cp.async one slot per computed slot (a unit's weights,
+// its group parameters and its activation columns, shared by the four stripes), keeps RD - 1 units in
+// flight with no block barriers: only the warp's own lanes write and read its ring. A quad shared by
+// several workers is reduced deterministically: each stores its fp32 piece, the last to arrive
+// (per-quad counter) sums the pieces in worker order and writes y.
+constexpr int RW = 2;          // warps per ring block (warps are independent; small blocks pack SMs finely)
+constexpr int RING_MINB = 10;  // launch bound: registers for 10 blocks (20 warps) per SM
+constexpr int RD = 4;          // ring slots per warp
+constexpr int RQ = 4;          // stripes per unit
+constexpr int RING_XP = 144;   // bytes per staged activation row (128 + 16: conflict-free ldmatrix)
+
+// slot: RQ weight tiles | RQ x 128 B group parameters | M activation rows of 64 values
+__host__ __device__ __forceinline__ int ring_slot_bytes(int sb, int m) { return RQ * (512 * (sb / 4) + 128) + m * RING_XP; }
+__host__ __device__ __forceinline__ int ring_warp_bytes(int sb, int m) { return 16 + RD * ring_slot_bytes(sb, m); }
+
+// the worker whose range holds unit idx (ranges: [w * total / W, (w + 1) * total / W))
+__device__ __forceinline__ int64_t ring_owner(int64_t idx, int64_t total, int64_t W) {
+  return ((idx + 1) * W + total - 1) / total - 1;
+}
+
+template <typename T, int SB, bool FM>
+__global__ void __launch_bounds__(RW * 32, RING_MINB) ring_kernel(const Params p) {
+  using T2 = typename Tr<T, SB>::T2;
+  constexpr int V = SB / 4, WB = 512 * V, PB = RQ * WB, XB = RQ * (WB + 128);
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gid = lane >> 2, tid4 = lane & 3;
+  const int64_t gw = (int64_t)blockIdx.x * RW + warp;
+  if (gw >= p.W) return;
+  const int M = (int)p.M;
+  const int SS = ring_slot_bytes(SB, M);
+  unsigned char *wreg = smem + (size_t)warp * ring_warp_bytes(SB, M);
+  if (lane == 0) *reinterpret_cast<uint4 *>(wreg) = make_uint4(0, 0, 0, 0);  // zero row for tokens >= M
+  const uint32_t zero_addr = smem_u32(wreg);
+  unsigned char *ring = wreg + 16;
+  const uint32_t ring_addr = smem_u32(ring);
+  const int nstripes = p.Np >> 4;
+  const int nquads = (nstripes + RQ - 1) / RQ;
+  const int64_t total = (int64_t)nquads * p.KT;
+  const int64_t a = gw * total / p.W, b = (gw + 1) * total / p.W;
+  const int n = (int)(b - a);
+  const int first_quad = (int)(a / p.KT);
+
+  const uint4 *qw4 = reinterpret_cast<const uint4 *>(p.qw);
+  const T *x = (const T *)p.x;
+  const T *zsrc = (const T *)(p.zm == 1 ? p.zeros : p.mins);
+  const T *ssrc = (const T *)p.scales;
+  const int64_t sstride = (int64_t)p.KT * 32 * V;  // uint4 between stripes
+  // per-lane roles in the copies: group parameters (one 16-byte vector per lane: stripe pm, half ph,
+  // scales / zeros pw, 8-row part pp) and up to two activation vectors (row, 8-column chunk)
+  const int pm = lane >> 3, ph = (lane >> 2) & 1, pw = (lane >> 1) & 1, pp = lane & 1;
+  const bool p_on = pw == 0 || p.zm != 0;
+  const T *p_src = pw ? zsrc : ssrc;
+  const int nx = M * 8;
+  const bool x0 = lane < nx, x1 = lane + 32 < nx;
+  const int64_t xo0 = (int64_t)(lane >> 3) * p.ldx + (lane & 7) * 8, xo1 = (int64_t)((lane + 32) >> 3) * p.ldx + (lane & 7) * 8;
+  const uint32_t xd0 = XB + (lane >> 3) * RING_XP + (lane & 7) * 16, xd1 = XB + ((lane + 32) >> 3) * RING_XP + (lane & 7) * 16;
+
+  // the unit to issue next: quad is_q, tile is_t, weight pointer of its first stripe
+  int is_q = first_quad, is_t = (int)(a - (int64_t)first_quad * p.KT);
+  const uint4 *is_w = qw4 + (int64_t)first_quad * RQ * sstride + ((int64_t)is_t * 32 + lane) * V;
+  auto issue = [&](int i) {
+    if (i < n) {
+      unsigned char *slot = ring + (i % RD) * SS;
+      const int s0 = is_q * RQ;
+#pragma unroll
+      for (int mi = 0; mi < RQ; ++mi) {
+        const bool ok = s0 + mi < nstripes;
+#pragma unroll
+        for (int v = 0; v < V; ++v)
+          cp_async16(slot + mi * WB + (lane * V + v) * 16, ok ? is_w + mi * sstride + v : qw4, ok);
+      }
+      if (p_on) {
+        const bool ok = s0 + pm < nstripes;
+        const int g = group_of(is_t * 64 + 32 * ph, p.gs, p.gshift);
+        const T *src = ok ? p_src + (size_t)g * p.Np + (s0 + pm) * 16 + pp * 8 : p_src;
+        cp_async16(slot + PB + lane * 16, src, ok);
+      }
+      const int k = is_t * 64;
+      if (x0) {
+        const bool ok = k + (lane & 7) * 8 < p.kx;
+        cp_async16(slot + xd0, ok ? x + xo0 + k : x, ok);
+      }
+      if (x1) {
+        const bool ok = k + (lane & 7) * 8 < p.kx;
+        cp_async16(slot + xd1, ok ? x + xo1 + k : x, ok);
+      }
+      is_w += 32 * V;
+      if (++is_t == p.KT) {
+        is_t = 0;
+        ++is_q;
+        is_w = qw4 + (int64_t)is_q * RQ * sstride + lane * V;
+      }
+    }
+    cp_async_commit();
+  };
+
+#pragma unroll
+  for (int i = 0; i < RD - 1; ++i) issue(i);
+
+  // ldmatrix row addresses (relative to a slot; rows >= M read the zero row): matrix q = lane >> 3 is
+  // slice 2 * jj + (q >> 1), k half q & 1, token lane & 7
+  const bool xok = (lane & 7) < M;
+  const uint32_t xoff = XB + (lane & 7) * RING_XP + ((lane >> 3) >> 1) * 32 + ((lane >> 3) & 1) * 16;
+  const ZC<T, SB> zc_sym = zc_make<T, SB>((float)(1 << (SB == 4 ? 3 : 7)), (float)(1 << (SB == 4 ? 3 : 7)));
+
+  float acc[RQ][4];
+#pragma unroll
+  for (int mi = 0; mi < RQ; ++mi)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[mi][c] = 0.f;
+
+  int q = first_quad, t = (int)(a - (int64_t)first_quad * p.KT), tb = t;
+  const T *bias = (const T *)p.bias;
+  T *y = (T *)p.y;
+  for (int i = 0; i < n; ++i) {
+    __syncwarp();  // every lane is done with the slot about to be refilled
+    issue(i + RD - 1);
+    cp_async_wait<RD - 1>();
+    __syncwarp();  // the bytes copied by other lanes are visible
+    const unsigned char *slot = ring + (i % RD) * SS;
+    const uint32_t saddr = ring_addr + (i % RD) * SS;
+    uint32_t bf[4][2];
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+      const uint32_t ad = xok ? saddr + xoff + jj * 64 : zero_addr;
+      ldsm_x4(ad, bf[2 * jj][0], bf[2 * jj][1], bf[2 * jj + 1][0], bf[2 * jj + 1][1]);
+    }
+    const int gi0 = group_of(t * 64, p.gs, p.gshift), gi1 = group_of(t * 64 + 32, p.gs, p.gshift);
+#pragma unroll
+    for (int mi = 0; mi < RQ; ++mi) {
+      uint32_t wd[4 * V];
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        const uint4 w4 = *reinterpret_cast<const uint4 *>(slot + mi * WB + (lane * V + v) * 16);
+        wd[4 * v] = w4.x;
+        wd[4 * v + 1] = w4.y;
+        wd[4 * v + 2] = w4.z;
+        wd[4 * v + 3] = w4.w;
+      }
+      const T *prm = reinterpret_cast<const T *>(slot + PB + mi * 128);  // [half][scales 16 | zeros 16]
+      if (!FM) {
+        float tmp[4] = {0.f, 0.f, 0.f, 0.f};
+        float s_lo = 0.f, s_hi = 0.f;
+        ZC<T, SB> zc = zc_sym;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          if (hh == 0 || gi1 != gi0) {
+            if (hh == 1) {
+              acc[mi][0] = fmaf(s_lo, tmp[0], acc[mi][0]);
+              acc[mi][1] = fmaf(s_lo, tmp[1], acc[mi][1]);
+              acc[mi][2] = fmaf(s_hi, tmp[2], acc[mi][2]);
+              acc[mi][3] = fmaf(s_hi, tmp[3], acc[mi][3]);
+              tmp[0] = tmp[1] = tmp[2] = tmp[3] = 0.f;
+            }
+            const T *pr = prm + hh * 32;
+            s_lo = to_f(pr[gid]);
+            s_hi = to_f(pr[gid + 8]);
+            if (p.zm != 0) zc = zc_make<T, SB>(to_f(pr[16 + gid]), to_f(pr[16 + gid + 8]));
+          }
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            const int j = hh * 2 + jj;
+            uint32_t av[4];
+            dq_int<T, SB>(wd, j, zc, av);
+            mma<T>(tmp, av, bf[j][0], bf[j][1]);
+          }
+        }
+        acc[mi][0] = fmaf(s_lo, tmp[0], acc[mi][0]);
+        acc[mi][1] = fmaf(s_lo, tmp[1], acc[mi][1]);
+        acc[mi][2] = fmaf(s_hi, tmp[2], acc[mi][2]);
+        acc[mi][3] = fmaf(s_hi, tmp[3], acc[mi][3]);
+      } else {
+        T2 s2lo, s2hi, m2lo, m2hi;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          if (hh == 0 || gi1 != gi0) {
+            const T *pr = prm + hh * 32;
+            s2lo = bcast2(pr[gid]);
+            s2hi = bcast2(pr[gid + 8]);
+            m2lo = bcast2(pr[16 + gid]);
+            m2hi = bcast2(pr[16 + gid + 8]);
+          }
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            const int j = hh * 2 + jj;
+            uint32_t av[4];
+            dq_float<T, SB>(wd, j, s2lo, s2hi, m2lo, m2hi, av);
+            mma<T>(acc[mi], av, bf[j][0], bf[j][1]);
+          }
+        }
+      }
+    }
+    ++t;
+    if (t == p.KT || i == n - 1) {  // end of this worker's segment of quad q
+      const bool full = tb == 0 && t == p.KT;
+      const int row0 = q * RQ * 16;
+      if (full) {
+#pragma unroll
+        for (int mi = 0; mi < RQ; ++mi)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int row = row0 + mi * 16 + gid + (c >> 1) * 8;
+            const int tok = tid4 * 2 + (c & 1);
+            if (row < p.N && tok < M) {
+              float v = acc[mi][c];
+              if (bias) v += to_f(bias[row]);
+              y[(int64_t)tok * p.ldy + row] = from_f<T>(v);
+            }
+          }
+      } else {
+        const int sl = q == first_quad ? 0 : 1;
+        float *piece = p.part + (size_t)(gw * 2 + sl) * M * (RQ * 16);
+#pragma unroll
+        for (int mi = 0; mi < RQ; ++mi)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int r = mi * 16 + gid + (c >> 1) * 8;
+            const int tok = tid4 * 2 + (c & 1);
+            if (tok < M) __stcg(piece + tok * (RQ * 16) + r, acc[mi][c]);
+          }
+        __threadfence();
+        __syncwarp();
+        const int64_t w_lo = ring_owner((int64_t)q * p.KT, total, p.W);
+        const int64_t w_hi = ring_owner((int64_t)(q + 1) * p.KT - 1, total, p.W);
+        unsigned prev = 0;
+        if (lane == 0) prev = atomicAdd(&p.counters[q], 1u);
+        prev = __shfl_sync(0xffffffffu, prev, 0);
+        if (prev == (unsigned)(w_hi - w_lo)) {  // last piece of this quad: sum in worker order
+          __threadfence();
+          // worker w's piece of quad q is its slot 0 (its range starts in q) except for w_lo when its range
+          // starts in an earlier quad
+          const int sl_lo = w_lo * total / p.W < (int64_t)q * p.KT ? 1 : 0;
+          const int np = (int)(w_hi - w_lo) + 1, nv = M * RQ * 16;
+          const float *base = p.part + (size_t)(w_lo * 2) * nv;  // piece (w, slot) at base + ((w - w_lo) * 2 + slot) * nv
+          float v[16];  // this lane's outputs e = lane + 32 * u of the quad's M x 64
+#pragma unroll
+          for (int u = 0; u < 16; ++u) v[u] = (lane + 32 * u < nv) ? __ldcg(base + sl_lo * nv + lane + 32 * u) : 0.f;
+#pragma unroll 4
+          for (int j = 1; j < np; ++j) {
+            const float *pw2 = base + (size_t)(j * 2) * nv;
+#pragma unroll
+            for (int u = 0; u < 16; ++u)
+              if (lane + 32 * u < nv) v[u] += __ldcg(pw2 + lane + 32 * u);
+          }
+#pragma unroll
+          for (int u = 0; u < 16; ++u) {
+            const int e = lane + 32 * u, tok = e / (RQ * 16), r = e % (RQ * 16);
+            const int row = row0 + r;
+            if (e < M * RQ * 16 && row < p.N) {
+              float o = v[u];
+              if (bias) o += to_f(bias[row]);
+              y[(int64_t)tok * p.ldy + row] = from_f<T>(o);
+            }
+          }
+          if (lane == 0) p.counters[q] = 0u;  // ready for the next call / graph replay
+        }
+      }
+#pragma unroll
+      for (int mi = 0; mi < RQ; ++mi)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[mi][c] = 0.f;
+      ++q;
+      t = 0;
+      tb = 0;
+    }
+  }
+  cp_async_wait<0>();
+}
+
+// ------------------------------------------------------------------------------------------------
 // Tiled kernel: 128 rows x 128 tokens per block, 8 warps as 4 (rows, 32 each) x 2 (tokens, 64 each).
 constexpr int TBM = 128, TBN = 128, TST = 4, TXP = 72;  // TXP: smem pitch of a 64-wide activation row
 
@@ -860,9 +1144,13 @@ __global__ void gather_kernel(const T *x, int64_t ldx, T *xg, int64_t M, int K, 
 // Host side: planning and dispatch.
 constexpr size_t COUNTER_BYTES = 64 * 1024;  // 16384 tile counters at the start of the workspace
 constexpr int MAX_COUNTERS = (int)(COUNTER_BYTES / 4);
+constexpr int RING_MAX_M = 8;   // auto: the ring kernel up to this M (measured, docs/CUDA.md)
+constexpr int RING_LMIN = 4;    // ring: at least this many units per warp
+constexpr int RING_MIN_UNITS = 12;  // auto: the ring kernel only when each resident warp gets this many units
 
 struct DevInfo {
   int sms = 0;
+  int smem_sm = 0, smem_block = 0, smem_reserved = 0;  // shared memory per SM, per block (opt-in), reserved
   bool init = false;
 };
 DevInfo g_dev[64];
@@ -878,7 +1166,17 @@ int dev_info(int device, DevInfo *out) {
       cudaGetLastError();
       return fail(W4P_ECUDA, "cudaDeviceGetAttribute(device %d): %s", device, cudaGetErrorString(e));
     }
+    int a = 0, b = 0, c = 0;
+    if (cudaDeviceGetAttribute(&a, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&b, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&c, cudaDevAttrReservedSharedMemoryPerBlock, device) != cudaSuccess) {
+      cudaGetLastError();
+      return fail(W4P_ECUDA, "cudaDeviceGetAttribute(device %d): shared memory limits unavailable", device);
+    }
     g_dev[device].sms = sms;
+    g_dev[device].smem_sm = a;
+    g_dev[device].smem_block = b;
+    g_dev[device].smem_reserved = c;
     g_dev[device].init = true;
   }
   *out = g_dev[device];
@@ -894,7 +1192,8 @@ int gshift_of(int gs) {
 }
 
 struct Plan {
-  int kernel = 0;  // 1 stream, 2 tiled, 10/11 probes (stream kernel variants)
+  int kernel = 0;  // 1 stream, 2 tiled, 3 ring, 10/11 probes (stream kernel variants)
+  int64_t W = 0;   // ring: workers (warps)
   int S = 1, TB = 1, NI = 1, MI = 1, KC = 8;
   int tiles = 0;   // output tiles (counters)
   bool gather = false;
@@ -905,17 +1204,58 @@ struct Plan {
 int ceil_div(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 
 // kernel: 0 auto, 1 stream, 2 tiled, 10/11 probes. splits: 0 auto. ws_avail: bytes available (SIZE_MAX = plan only).
-int make_plan(int sms, int64_t m, int n, int k, int sbits, int gs, bool act_order, bool x_aligned, int kernel,
-              int splits, size_t ws_avail, Plan *pl) {
+int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, bool act_order, bool x_aligned,
+              int kernel, int splits, size_t ws_avail, Plan *pl) {
+  const int sms = di.sms;
   const int np = ceil_div(n, 16) * 16, kp = ceil_div(k, 64) * 64;
   const int KT = kp / 64;
   int kind = kernel;
   // the stream kernel takes group sizes that are multiples of 32 (one group per 32-wide half tile)
   const bool stream_ok = gs <= 0 || gs % 32 == 0;
-  if (kind == W4P_CUDA_KERNEL_AUTO) kind = (m <= 32 && stream_ok) ? 1 : 2;
+  const int nstripes = np / 16;
+  const bool ring_ok = stream_ok && m <= 8 && (nstripes + RQ - 1) / RQ <= MAX_COUNTERS;
+  // ring kernel capacity: resident warps (shared memory per block and the launch bound)
+  const size_t ring_blk = (size_t)RW * ring_warp_bytes(sbits, (int)std::min<int64_t>(m, 8));
+  const int ring_per_sm = std::max(1, std::min(RING_MINB, (int)(di.smem_sm / (ring_blk + di.smem_reserved))));
+  const int64_t ring_cap = (int64_t)sms * ring_per_sm * RW;
+  const int64_t ring_units = (int64_t)((nstripes + RQ - 1) / RQ) * KT;
+  if (kind == W4P_CUDA_KERNEL_AUTO) {
+    // Measured on an H200 (docs/CUDA.md): the ring kernel wins where every resident warp gets a long run of
+    // units (70B-sized layers); on smaller layers the block-split stream kernel's shorter ramp wins
+    const bool ring_wins = ring_ok && m <= RING_MAX_M && ring_units >= RING_MIN_UNITS * ring_cap;
+    kind = ring_wins ? 3 : (m <= 32 && stream_ok) ? 1 : 2;
+  }
   if (kind != 2 && !stream_ok)
     return fail(W4P_EUNSUPPORTED, "group size %d: the stream kernel needs a multiple of 32 (use auto or tiled)", gs);
+  if (kind == 3 && !ring_ok)
+    return fail(W4P_EUNSUPPORTED, "the ring kernel takes M <= 8 and at most %d row stripes (m=%lld, n=%d)",
+                MAX_COUNTERS * RQ, (long long)m, n);
   pl->kernel = kind;
+  if (kind == 3) {
+    // Stream-K over resident warps: grid = what fits on the GPU at once (shared memory and the launch
+    // bound), each warp at least RING_LMIN units (fewer partial sums on small layers); splits > 0 forces
+    // the units per warp (sweeps, tests).
+    const size_t blk = ring_blk;
+    if (blk > (size_t)di.smem_block)
+      return fail(W4P_EUNSUPPORTED, "ring kernel: %zu bytes of shared memory per block exceed the device's %d", blk,
+                  di.smem_block);
+    const int64_t total = ring_units, cap = ring_cap;
+    int64_t L = splits > 0 ? splits : std::max<int64_t>(RING_LMIN, (total + cap - 1) / cap);
+    int64_t W = (total + L - 1) / L;
+    if (W > total) W = total;
+    if (W < 1) W = 1;
+    pl->W = W;
+    pl->S = (int)std::min<int64_t>(W, 1 << 30);
+    pl->NI = 1;
+    pl->TB = 1;
+    pl->tiles = (nstripes + RQ - 1) / RQ;
+    pl->smem = blk;
+    pl->gather = act_order || !x_aligned || (k % 8) != 0;
+    pl->ws_gather = pl->gather ? (((size_t)m * kp * 2 + 255) / 256) * 256 : 0;
+    pl->ws_part = (size_t)W * 2 * m * RQ * 16 * 4;
+    pl->ws_total = COUNTER_BYTES + pl->ws_gather + pl->ws_part;
+    return W4P_OK;
+  }
   if (kind == 1 || kind == W4P_CUDA_PROBE_LOAD || kind == W4P_CUDA_PROBE_DEQUANT) {
     int NI = (int)(m > 16 ? 4 : ceil_div(m, 8));  // 1, 2 or 4 n8 tiles of tokens per block
     if (kind != 1) NI = 1;                        // probes: the M <= 8 kernel
@@ -979,6 +1319,27 @@ int make_plan(int sms, int64_t m, int n, int k, int sbits, int gs, bool act_orde
   return W4P_OK;
 }
 
+// W4P_CUDA_DEBUG=1: print each kernel configuration's resident blocks per SM once (stderr), for tuning
+template <typename F> void debug_occupancy(F fn, const char *what, int threads, size_t smem) {
+  const char *env = getenv("W4P_CUDA_DEBUG");
+  if (!env || env[0] != '1') return;
+  static std::mutex mu;
+  static std::set<std::pair<const void *, size_t>> seen;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    if (!seen.insert({(const void *)fn, smem}).second) return;
+  }
+  int nb = 0;
+  cudaFuncAttributes fa;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, fn, threads, smem) != cudaSuccess ||
+      cudaFuncGetAttributes(&fa, fn) != cudaSuccess) {
+    cudaGetLastError();
+    return;
+  }
+  fprintf(stderr, "w4p_cuda: %s: %d threads, %zu B dynamic smem, %d registers: %d blocks per SM\n", what, threads, smem,
+          fa.numRegs, nb);
+}
+
 template <typename T, int SB, int MI, int NI, int MODE>
 cudaError_t launch_stream_t(const Params &p, const Plan &pl, cudaStream_t st) {
   auto fn = stream_kernel<T, SB, MI, NI, MODE, false>;
@@ -991,6 +1352,9 @@ cudaError_t launch_stream_t(const Params &p, const Plan &pl, cudaStream_t st) {
     cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
     if (e != cudaSuccess) return e;
   }
+  cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
+  if (e != cudaSuccess) return e;
+  debug_occupancy(fn, "stream", SW * 32, pl.smem);
   const int64_t blocks = (int64_t)pl.tiles * pl.S;
   fn<<<(unsigned)blocks, SW * 32, pl.smem, st>>>(p);
   return cudaGetLastError();
@@ -1019,9 +1383,25 @@ cudaError_t launch_tiled_t(const Params &p, const Plan &pl, cudaStream_t st) {
   return cudaGetLastError();
 }
 
+template <typename T, int SB>
+cudaError_t launch_ring(const Params &p, const Plan &pl, cudaStream_t st) {
+  auto fn = p.zm == 2 ? ring_kernel<T, SB, true> : ring_kernel<T, SB, false>;
+  if (pl.smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
+    if (e != cudaSuccess) return e;
+  }
+  // the grid is sized for the whole shared memory of each SM (many small blocks): ask for the largest carveout
+  cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
+  if (e != cudaSuccess) return e;
+  debug_occupancy(fn, "ring", RW * 32, pl.smem);
+  const int64_t blocks = (pl.W + RW - 1) / RW;
+  fn<<<(unsigned)blocks, RW * 32, pl.smem, st>>>(p);
+  return cudaGetLastError();
+}
+
 template <typename T>
 cudaError_t launch_all(Params &p, const Plan &pl, int sbits, void *ws_gather, cudaStream_t st) {
-  if (pl.kernel == 2) {
+  if (pl.kernel == 2 || pl.kernel == 3) {
     if (pl.gather) {
       T *xg = (T *)ws_gather;
       const int64_t total = p.M * (int64_t)p.Kp;
@@ -1037,6 +1417,7 @@ cudaError_t launch_all(Params &p, const Plan &pl, int sbits, void *ws_gather, cu
     } else {
       p.kx = p.K;
     }
+    if (pl.kernel != 2) return sbits == 4 ? launch_ring<T, 4>(p, pl, st) : launch_ring<T, 8>(p, pl, st);
     return sbits == 4 ? launch_tiled_t<T, 4>(p, pl, st) : launch_tiled_t<T, 8>(p, pl, st);
   }
   const int mode = pl.kernel == W4P_CUDA_PROBE_LOAD ? 1 : pl.kernel == W4P_CUDA_PROBE_DEQUANT ? 2 : 0;
@@ -1081,7 +1462,7 @@ int w4p_cuda_plan(int device, int64_t m, int n, int k, int storage_bits, int gro
   int rc = dev_info(device, &di);
   if (rc) return rc;
   Plan pl;
-  rc = make_plan(di.sms, m, n, k, storage_bits, group_size, act_order != 0, x_aligned != 0, kernel, splits,
+  rc = make_plan(di, m, n, k, storage_bits, group_size, act_order != 0, x_aligned != 0, kernel, splits,
                  (size_t)-1, &pl);
   if (rc) return rc;
   if (kernel_out) *kernel_out = pl.kernel;
@@ -1129,13 +1510,13 @@ int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k, 
   if (rc) return rc;
   const bool x_aligned = (((uintptr_t)x & 15) == 0) && (ldx % 8 == 0);
   Plan pl;
-  rc = make_plan(di.sms, m, n, k, storage_bits, group_size, perm != nullptr, x_aligned, kernel, splits,
+  rc = make_plan(di, m, n, k, storage_bits, group_size, perm != nullptr, x_aligned, kernel, splits,
                  workspace_bytes, &pl);
   if (rc) return rc;
   if (pl.ws_total > workspace_bytes) {
     if (kernel == 0 && pl.kernel == 2 && pl.gather) {
       // not enough room to gather the activations: the stream kernel gathers on the fly
-      rc = make_plan(di.sms, m, n, k, storage_bits, group_size, perm != nullptr, x_aligned, 1, splits, workspace_bytes, &pl);
+      rc = make_plan(di, m, n, k, storage_bits, group_size, perm != nullptr, x_aligned, 1, splits, workspace_bytes, &pl);
       if (rc) return rc;
     }
     if (pl.ws_total > workspace_bytes)
@@ -1172,6 +1553,7 @@ int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k, 
   p.KC = pl.KC;
   p.xvec = x_aligned ? 1 : 0;
   p.kx = k;
+  p.W = pl.W;
   p.sink = 0x9E3779B9u;
 
   cudaStream_t st = (cudaStream_t)stream;

@@ -24,9 +24,12 @@ __all__ = ["CudaPackedLinear", "gemm", "gemm_cuda", "available", "unavailable_re
 
 _HERE = Path(__file__).resolve().parent
 _LIBDIR = _HERE.parent / "_lib"
-#: kernel choice names -> W4P_CUDA_KERNEL_* (probes are diagnostics for tools/bench_gpu.py); "dense" is the
+#: kernel choice names -> W4P_CUDA_KERNEL_* (probes are diagnostics for tools/bench_gpu.py); "ring" (M <= 8,
+#: the default there) streams the weights stream-K over warps through per-warp cp.async rings (``splits``
+#: forces its units of work per warp); "dense" is the
 #: large-M path: dequantize to a temporary fp16/bf16 matrix with w4p_cuda_dequantize, then torch's GEMM (cuBLAS)
-KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "dense": -1, "probe_load": 10, "probe_dequant": 11}
+KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "ring": 3, "dense": -1, "probe_load": 10,
+           "probe_dequant": 11}
 #: from this many rows on, "auto" takes the dense path (measured crossover on an H200, docs/CUDA.md): below it
 #: the stream kernel (weights read once, split-K), above it dequantize + cuBLAS beats the mma.sync tiled kernel
 DENSE_MIN_M = 33
