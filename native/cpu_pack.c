@@ -101,8 +101,46 @@ static void gather_stripe_gptq(const pack_ctx *c, int64_t nb, uint8_t *buf, uint
     }
 }
 
+/* Fused GPTQ path without act-order: no scratch at all. With R = 8kb + 2j, the lane word (g, tid, j) takes
+   byte tid of four qweight words A = qw[R][r0], B = qw[R][r1], C = qw[R+1][r0], D = qw[R+1][r1] (byte tid
+   of a word = codes 2tid, 2tid+1 of its eight): low nibbles a, b, c, d into nibbles 0..3, high into 4..7. */
+static void pack_stripe_gptq_direct(const pack_ctx *c, int64_t nb) {
+    const int64_t kt_n = c->kp / 64, words = c->k / 8;
+    uint32_t *out = (uint32_t *)c->out + nb * kt_n * 128;
+    int32_t rows16 = c->n - (int32_t)nb * 16 < 16 ? c->n - (int32_t)nb * 16 : 16;
+    uint32_t lo[16], hi[16];
+    for (int64_t kt = 0; kt < kt_n; kt++) {
+        uint32_t *o = out + kt * 128;
+        for (int j = 0; j < 4; j++) {
+            int64_t R = kt * 8 + j * 2;
+            const uint32_t *w0 = c->qw + R * c->ldq + nb * 16, *w1 = w0 + c->ldq;
+            if (R + GPTQ_PREFETCH < words) {
+                __builtin_prefetch(w0 + GPTQ_PREFETCH * c->ldq);
+                __builtin_prefetch(w1 + GPTQ_PREFETCH * c->ldq);
+            }
+            for (int i = 0; i < 16; i++) {
+                lo[i] = (i < rows16 && R < words) ? w0[i] : 0;
+                hi[i] = (i < rows16 && R + 1 < words) ? w1[i] : 0;
+            }
+            for (int g = 0; g < 8; g++) {
+                uint32_t A = lo[g], B = lo[g + 8], C = hi[g], D = hi[g + 8];
+                for (int tid = 0; tid < 4; tid++) {
+                    uint32_t a = (A >> (8 * tid)) & 0xFF, b = (B >> (8 * tid)) & 0xFF;
+                    uint32_t cc = (C >> (8 * tid)) & 0xFF, d = (D >> (8 * tid)) & 0xFF;
+                    o[(g * 4 + tid) * 4 + j] = (a & 15) | (b & 15) << 4 | (cc & 15) << 8 | (d & 15) << 12 |
+                                               (a >> 4) << 16 | (b >> 4) << 20 | (cc >> 4) << 24 | (d >> 4) << 28;
+                }
+            }
+        }
+    }
+}
+
 static void pack_stripe(void *vctx, int64_t nb) {
     pack_ctx *c = vctx;
+    if (c->qw && !c->perm) {
+        pack_stripe_gptq_direct(c, nb);
+        return;
+    }
     const int32_t kp = c->kp;
     uint8_t *buf = get_scratch((size_t)24 * kp + (c->qw && c->perm ? (size_t)16 * c->k : 0));
     if (!buf) {

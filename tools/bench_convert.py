@@ -9,6 +9,8 @@ through, sharded at 2 GB with an index like real ones. Then it times, several ru
 * ``w4pack convert`` GPTQ→w4pack in a child process: wall time, GB of source per second, ratio to the
   copy, and the child's peak RSS (``os.wait4`` rusage, i.e. RUSAGE_CHILDREN of that one child).
 
+Copy and convert runs alternate, so on a shared machine both see the same background load.
+
 Usage::
 
     python tools/bench_convert.py                       # 2 and 32 layers, act-order off, 3 runs
@@ -197,11 +199,11 @@ def main() -> None:
             print(f"generated {src} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         gb = folder_bytes(src) / 1e9
         dst_copy, dst_conv = args.work / "copy-out", args.work / "conv-out"
-        warm(src)
-        copy = [plain_copy(src, dst_copy) for _ in range(0 if args.no_copy else args.runs)]
-        conv = []
-        for _ in range(args.runs):
+        copy, conv = [], []
+        for _ in range(args.runs):  # alternate, so that both see the same load on a shared machine
             warm(src)
+            if not args.no_copy:
+                copy.append(plain_copy(src, dst_copy))
             conv.append(run_convert(src, dst_conv, args.tree))
         c_med = statistics.median(copy) if copy else float("nan")
         v_med = statistics.median(t for t, _ in conv)
