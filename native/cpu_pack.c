@@ -104,43 +104,88 @@ static void gather_stripe_gptq(const pack_ctx *c, int64_t nb, uint8_t *buf, uint
 /* Fused GPTQ path without act-order: no scratch at all. With R = 8kb + 2j, the lane word (g, tid, j) takes
    byte tid of four qweight words A = qw[R][r0], B = qw[R][r1], C = qw[R+1][r0], D = qw[R+1][r1] (byte tid
    of a word = codes 2tid, 2tid+1 of its eight): low nibbles a, b, c, d into nibbles 0..3, high into 4..7. */
-static void pack_stripe_gptq_direct(const pack_ctx *c, int64_t nb) {
+static void gptq_direct_tile(const pack_ctx *c, int64_t nb, int64_t kt) {
     const int64_t kt_n = c->kp / 64, words = c->k / 8;
     uint32_t *out = (uint32_t *)c->out + nb * kt_n * 128;
     int32_t rows16 = c->n - (int32_t)nb * 16 < 16 ? c->n - (int32_t)nb * 16 : 16;
-    uint32_t lo[16], hi[16];
-    for (int64_t kt = 0; kt < kt_n; kt++) {
-        uint32_t *o = out + kt * 128;
+    /* byte k = 4g + tid of the lane words' four bytes, per slice j (bytewise, so the compiler vectorizes):
+       P = lo(a) | lo(b) << 4, Q = lo(c) | lo(d) << 4, R = hi(a) | hi(b) << 4, S = hi(c) | hi(d) << 4 */
+    uint8_t P[4][32], Q[4][32], R[4][32], S[4][32];
+    uint8_t zero[128] = {0}, part[2][64];
+    {
         for (int j = 0; j < 4; j++) {
-            int64_t R = kt * 8 + j * 2;
-            const uint32_t *w0 = c->qw + R * c->ldq + nb * 16, *w1 = w0 + c->ldq;
-            if (R + GPTQ_PREFETCH < words) {
-                __builtin_prefetch(w0 + GPTQ_PREFETCH * c->ldq);
-                __builtin_prefetch(w1 + GPTQ_PREFETCH * c->ldq);
+            int64_t row = kt * 8 + j * 2;
+            const uint8_t *lo = zero, *hi = zero;
+            if (row < words) lo = (const uint8_t *)(c->qw + row * c->ldq + nb * 16);
+            if (row + 1 < words) hi = (const uint8_t *)(c->qw + (row + 1) * c->ldq + nb * 16);
+            if (row + GPTQ_PREFETCH + 1 < words) {
+                __builtin_prefetch(lo + GPTQ_PREFETCH * c->ldq * 4);
+                __builtin_prefetch(hi + GPTQ_PREFETCH * c->ldq * 4);
             }
-            for (int i = 0; i < 16; i++) {
-                lo[i] = (i < rows16 && R < words) ? w0[i] : 0;
-                hi[i] = (i < rows16 && R + 1 < words) ? w1[i] : 0;
+            if (rows16 < 16) { /* last stripe: rows past n are zero */
+                memset(part, 0, sizeof part);
+                memcpy(part[0], lo, (size_t)rows16 * 4);
+                memcpy(part[1], hi, (size_t)rows16 * 4);
+                lo = part[0];
+                hi = part[1];
             }
-            for (int g = 0; g < 8; g++) {
-                uint32_t A = lo[g], B = lo[g + 8], C = hi[g], D = hi[g + 8];
-                for (int tid = 0; tid < 4; tid++) {
-                    uint32_t a = (A >> (8 * tid)) & 0xFF, b = (B >> (8 * tid)) & 0xFF;
-                    uint32_t cc = (C >> (8 * tid)) & 0xFF, d = (D >> (8 * tid)) & 0xFF;
-                    o[(g * 4 + tid) * 4 + j] = (a & 15) | (b & 15) << 4 | (cc & 15) << 8 | (d & 15) << 12 |
-                                               (a >> 4) << 16 | (b >> 4) << 20 | (cc >> 4) << 24 | (d >> 4) << 28;
-                }
+            /* a = lo word g (row r0), b = lo word g+8 (row r1), c = hi word g, d = hi word g+8 */
+            for (int k = 0; k < 32; k++) {
+                uint8_t a = lo[k], b = lo[32 + k], cc = hi[k], d = hi[32 + k];
+                P[j][k] = (uint8_t)((a & 15) | (b << 4));
+                Q[j][k] = (uint8_t)((cc & 15) | (d << 4));
+                R[j][k] = (uint8_t)((a >> 4) | (b & 0xF0));
+                S[j][k] = (uint8_t)((cc >> 4) | (d & 0xF0));
             }
         }
+        uint32_t *o = out + kt * 128;
+#if defined(__x86_64__) || defined(__i386__)
+        /* word (k, j) = bytes P, Q, R, S: interleave bytes, then 16-bit pairs, then a 4x4 transpose over j */
+        __m128i W[4][8];
+        for (int j = 0; j < 4; j++) {
+            for (int h = 0; h < 2; h++) {
+                __m128i p = _mm_loadu_si128((const __m128i *)(P[j] + 16 * h));
+                __m128i q = _mm_loadu_si128((const __m128i *)(Q[j] + 16 * h));
+                __m128i r = _mm_loadu_si128((const __m128i *)(R[j] + 16 * h));
+                __m128i t = _mm_loadu_si128((const __m128i *)(S[j] + 16 * h));
+                __m128i pq_lo = _mm_unpacklo_epi8(p, q), pq_hi = _mm_unpackhi_epi8(p, q);
+                __m128i rs_lo = _mm_unpacklo_epi8(r, t), rs_hi = _mm_unpackhi_epi8(r, t);
+                W[j][4 * h + 0] = _mm_unpacklo_epi16(pq_lo, rs_lo);
+                W[j][4 * h + 1] = _mm_unpackhi_epi16(pq_lo, rs_lo);
+                W[j][4 * h + 2] = _mm_unpacklo_epi16(pq_hi, rs_hi);
+                W[j][4 * h + 3] = _mm_unpackhi_epi16(pq_hi, rs_hi);
+            }
+        }
+        for (int m = 0; m < 8; m++) {
+            __m128i t0 = _mm_unpacklo_epi32(W[0][m], W[1][m]), t1 = _mm_unpacklo_epi32(W[2][m], W[3][m]);
+            __m128i t2 = _mm_unpackhi_epi32(W[0][m], W[1][m]), t3 = _mm_unpackhi_epi32(W[2][m], W[3][m]);
+            _mm_storeu_si128((__m128i *)(o + m * 16 + 0), _mm_unpacklo_epi64(t0, t1));
+            _mm_storeu_si128((__m128i *)(o + m * 16 + 4), _mm_unpackhi_epi64(t0, t1));
+            _mm_storeu_si128((__m128i *)(o + m * 16 + 8), _mm_unpacklo_epi64(t2, t3));
+            _mm_storeu_si128((__m128i *)(o + m * 16 + 12), _mm_unpackhi_epi64(t2, t3));
+        }
+#else
+        for (int k = 0; k < 32; k++)
+            for (int j = 0; j < 4; j++)
+                o[k * 4 + j] = (uint32_t)P[j][k] | (uint32_t)Q[j][k] << 8 | (uint32_t)R[j][k] << 16 |
+                               (uint32_t)S[j][k] << 24;
+#endif
     }
+}
+
+/* Work item of the direct path: 16 stripes side by side, so each qweight row is read as 1 KiB contiguous
+   (16 cache lines of one page that the prefetchers see together) rather than 64 bytes per pass: 1.9x
+   faster than one stripe per item on the 7B shapes (16 beat 4 and 8). */
+#define DIRECT_STRIPES 16
+static void pack_group_gptq_direct(void *vctx, int64_t grp) {
+    const pack_ctx *c = vctx;
+    int64_t nb0 = grp * DIRECT_STRIPES, nbn = c->np / 16;
+    for (int64_t kt = 0; kt < c->kp / 64; kt++)
+        for (int64_t nb = nb0; nb < nb0 + DIRECT_STRIPES && nb < nbn; nb++) gptq_direct_tile(c, nb, kt);
 }
 
 static void pack_stripe(void *vctx, int64_t nb) {
     pack_ctx *c = vctx;
-    if (c->qw && !c->perm) {
-        pack_stripe_gptq_direct(c, nb);
-        return;
-    }
     const int32_t kp = c->kp;
     uint8_t *buf = get_scratch((size_t)24 * kp + (c->qw && c->perm ? (size_t)16 * c->k : 0));
     if (!buf) {
@@ -330,7 +375,11 @@ int w4p_gptq_pack_layout_v1(const int32_t *qweight, int64_t ldq, int32_t n, int3
     }
     pack_ctx c = {NULL, 0, n, k, (n + 15) / 16 * 16, (k + 63) / 64 * 64, perm, 4, out, 0, 0,
                   (const uint32_t *)qweight, ldq};
-    w4p_parallel_for(c.np / 16, threads < 1 ? 1 : threads, pack_stripe, &c);
+    if (perm)
+        w4p_parallel_for(c.np / 16, threads < 1 ? 1 : threads, pack_stripe, &c);
+    else
+        w4p_parallel_for((c.np / 16 + DIRECT_STRIPES - 1) / DIRECT_STRIPES, threads < 1 ? 1 : threads,
+                         pack_group_gptq_direct, &c);
     if (c.failed) {
         w4p_set_error("w4p_gptq_pack_layout_v1: out of memory for a %d-column stripe", c.kp);
         return W4P_ENOMEM;
