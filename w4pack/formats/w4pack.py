@@ -85,7 +85,7 @@ def write_packed(source: Source, out: Path, *, force: bool = False, max_shard_si
             # two-stage pipeline: layer i+1 is read and packed here while the thread writes layer i
             # (writes mostly wait for the disk); at most two packed layers are alive at once
             pending: Future | None = None
-            pool = PACK_POOL.set(ScratchPool(4))  # packed layers i and i+1 recycle their buffers
+            pool = PACK_POOL.set(ScratchPool(2))  # packed layers i (being written) and i+1 recycle buffers
             try:
                 # a reader that can pack from its own storage skips the canonical codes array (same bytes)
                 read_packed = getattr(source, "read_packed", None) if on_layer is None else None
