@@ -71,36 +71,6 @@ static void gather_stripe(const pack_ctx *c, int64_t nb, uint8_t *buf) {
 static inline uint64_t spread_nibbles(uint32_t w);
 #define GPTQ_PREFETCH 16
 
-/* The same stripe straight from a GPTQ 4-bit qweight: column n of qweight is row n of the codes, eight
-   codes per word along K (LSB first). Unpacked in original K order into tmp [16][k], then permuted. */
-static void gather_stripe_gptq(const pack_ctx *c, int64_t nb, uint8_t *buf, uint8_t *tmp) {
-    int32_t rows16 = c->n - (int32_t)nb * 16 < 16 ? c->n - (int32_t)nb * 16 : 16;
-    uint8_t *dst = c->perm ? tmp : buf;
-    size_t ld = c->perm ? (size_t)c->k : (size_t)c->kp;
-    int32_t words = c->k / 8;
-    for (int32_t r = 0; r < words; r++) {
-        const uint32_t *w = c->qw + r * c->ldq + nb * 16;
-        /* rows of qweight are pages apart: no hardware prefetcher follows this walk, so ask ahead */
-        if (r + GPTQ_PREFETCH < words) __builtin_prefetch(w + GPTQ_PREFETCH * c->ldq);
-        for (int i = 0; i < rows16; i++) {
-            uint64_t v = spread_nibbles(w[i]);
-            memcpy(dst + i * ld + (size_t)r * 8, &v, 8);
-        }
-    }
-    for (int i = 0; i < 16; i++) {
-        uint8_t *row = buf + (size_t)i * c->kp;
-        if (i >= rows16) {
-            memset(row, 0, c->kp);
-            continue;
-        }
-        if (c->perm) {
-            const uint8_t *src = tmp + (size_t)i * c->k;
-            for (int32_t j = 0; j < c->k; j++) row[j] = src[c->perm[j]];
-        }
-        memset(row + c->k, 0, c->kp - c->k);
-    }
-}
-
 /* Fused GPTQ path without act-order: no scratch at all. With R = 8kb + 2j, the lane word (g, tid, j) takes
    byte tid of four qweight words A = qw[R][r0], B = qw[R][r1], C = qw[R+1][r0], D = qw[R+1][r1] (byte tid
    of a word = codes 2tid, 2tid+1 of its eight): low nibbles a, b, c, d into nibbles 0..3, high into 4..7. */
@@ -184,20 +154,77 @@ static void pack_group_gptq_direct(void *vctx, int64_t grp) {
         for (int64_t nb = nb0; nb < nb0 + DIRECT_STRIPES && nb < nbn; nb++) gptq_direct_tile(c, nb, kt);
 }
 
+/* Fused GPTQ path with act-order, column-major so the permutation moves 8 bytes per K column, not 16:
+   pairT[kk][g] = q[r0][kk] | q[r1][kk] << 4 for original columns kk (r0 = 16nb + g, r1 = r0 + 8), then
+   pairC[j] = pairT[perm[j]] (zero past k), then each lane word takes 4 bytes of 4 columns of pairC. */
+static void pack_stripe_gptq_perm(const pack_ctx *c, int64_t nb, uint8_t *scratch) {
+    const int64_t kt_n = c->kp / 64, words = c->k / 8;
+    uint8_t *pairT = scratch, *pairC = scratch + (size_t)8 * c->k;
+    int32_t rows16 = c->n - (int32_t)nb * 16 < 16 ? c->n - (int32_t)nb * 16 : 16;
+    uint32_t part[16];
+    for (int64_t r = 0; r < words; r++) {
+        const uint32_t *w = c->qw + r * c->ldq + nb * 16;
+        if (r + GPTQ_PREFETCH < words) __builtin_prefetch(w + GPTQ_PREFETCH * c->ldq);
+        if (rows16 < 16) {
+            memset(part, 0, sizeof part);
+            memcpy(part, w, (size_t)rows16 * 4);
+            w = part;
+        }
+        uint8_t *dst = pairT + (size_t)r * 64; /* columns 8r .. 8r+7, 8 bytes each */
+#if defined(__x86_64__) || defined(__i386__)
+        __m128i w0 = _mm_loadu_si128((const __m128i *)w), w1 = _mm_loadu_si128((const __m128i *)(w + 4));
+        __m128i w2 = _mm_loadu_si128((const __m128i *)(w + 8)), w3 = _mm_loadu_si128((const __m128i *)(w + 12));
+        const __m128i m = _mm_set1_epi32(15);
+        for (int e = 0; e < 8; e++) {
+            __m128i sh = _mm_cvtsi32_si128(4 * e);
+            __m128i p0 = _mm_or_si128(_mm_and_si128(_mm_srl_epi32(w0, sh), m),
+                                      _mm_slli_epi32(_mm_and_si128(_mm_srl_epi32(w2, sh), m), 4));
+            __m128i p1 = _mm_or_si128(_mm_and_si128(_mm_srl_epi32(w1, sh), m),
+                                      _mm_slli_epi32(_mm_and_si128(_mm_srl_epi32(w3, sh), m), 4));
+            __m128i b = _mm_packus_epi16(_mm_packs_epi32(p0, p1), _mm_setzero_si128());
+            _mm_storel_epi64((__m128i *)(dst + e * 8), b);
+        }
+#else
+        for (int e = 0; e < 8; e++)
+            for (int g = 0; g < 8; g++)
+                dst[e * 8 + g] = (uint8_t)(((w[g] >> (4 * e)) & 15) | ((w[g + 8] >> (4 * e)) & 15) << 4);
+#endif
+    }
+    for (int32_t j = 0; j < c->k; j++) memcpy(pairC + (size_t)j * 8, pairT + (size_t)c->perm[j] * 8, 8);
+    memset(pairC + (size_t)c->k * 8, 0, (size_t)(c->kp - c->k) * 8);
+    uint32_t *out = (uint32_t *)c->out + nb * kt_n * 128;
+    for (int64_t t = 0; t < kt_n; t++) {
+        uint32_t *o = out + t * 128;
+        const uint8_t *base = pairC + (size_t)t * 64 * 8;
+        for (int g = 0; g < 8; g++)
+            for (int tid = 0; tid < 4; tid++)
+                for (int j = 0; j < 4; j++) {
+                    const uint8_t *q = base + (size_t)(j * 16 + tid * 2) * 8 + g;
+                    o[(g * 4 + tid) * 4 + j] = (uint32_t)q[0] | (uint32_t)q[64] << 8 | (uint32_t)q[8] << 16 |
+                                               (uint32_t)q[72] << 24;
+                }
+    }
+}
+
 static void pack_stripe(void *vctx, int64_t nb) {
     pack_ctx *c = vctx;
     const int32_t kp = c->kp;
-    uint8_t *buf = get_scratch((size_t)24 * kp + (c->qw && c->perm ? (size_t)16 * c->k : 0));
+    if (c->qw) { /* act-order (without it the direct path runs) */
+        uint8_t *scratch = get_scratch((size_t)8 * c->k + (size_t)8 * kp);
+        if (!scratch) {
+            c->failed = 1;
+            return;
+        }
+        pack_stripe_gptq_perm(c, nb, scratch);
+        return;
+    }
+    uint8_t *buf = get_scratch((size_t)24 * kp);
     if (!buf) {
         c->failed = 1;
         return;
     }
-    if (c->qw) {
-        gather_stripe_gptq(c, nb, buf, buf + (size_t)24 * kp); /* 4-bit fields: nothing to range-check */
-    } else {
-        gather_stripe(c, nb, buf);
-    }
-    if (!c->qw) {
+    gather_stripe(c, nb, buf);
+    {
         uint8_t m = 0;
         for (size_t i = 0; i < (size_t)16 * kp; i++) m = buf[i] > m ? buf[i] : m;
         int prev = atomic_load_explicit(&c->max_seen, memory_order_relaxed);
