@@ -165,3 +165,15 @@ def test_gptq_read_packed_on_peer_fixtures() -> None:
         finally:
             src.close()
     assert seen > 0
+
+
+def test_pack_of_odd_views_falls_back_to_numpy() -> None:
+    """Views the native packer cannot walk (reversed rows, strided columns) still pack exactly."""
+    rng = np.random.default_rng(5)
+    base = rng.integers(0, 16, size=(20, 140), dtype=np.uint8)
+    for view in (base[::-1], base[:, ::2]):
+        assert layout._native_pack(view, None, 4) is None
+        layer = CanonicalLayer(codes=view, scales=np.ones((view.shape[0], 1), dtype=np.float16), bits=4,
+                               group_size=-1)
+        np.testing.assert_array_equal(layout.pack(layer).tensors["qweight"],
+                                      _spec_pack(np.ascontiguousarray(view), None, 4))

@@ -316,8 +316,8 @@ def _native_pack(codes: np.ndarray, perm: np.ndarray | None, sbits: int, bits: i
     when the extension is missing or the array is not row-contiguous. Codes above 2**bits - 1 (bits
     defaults to sbits) raise BadInputError like CanonicalLayer.validate."""
     lib = _native_lib()
-    if lib is None or codes.ndim != 2 or codes.strides[1] != 1:
-        return None
+    if lib is None or codes.ndim != 2 or codes.strides[1] != 1 or codes.strides[0] < codes.shape[1]:
+        return None  # e.g. a column-strided or row-reversed view: the numpy path handles any layout
     from ._w4p_cpu import ffi
     from .native.cpu import _check, default_threads
 
