@@ -17,7 +17,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__x86_64__) || defined(__i386__)
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(W4P_PACK_SCALAR)
 #include <emmintrin.h>
 #endif
 
@@ -109,7 +109,7 @@ static void gptq_direct_tile(const pack_ctx *c, int64_t nb, int64_t kt) {
             }
         }
         uint32_t *o = out + kt * 128;
-#if defined(__x86_64__) || defined(__i386__)
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(W4P_PACK_SCALAR)
         /* word (k, j) = bytes P, Q, R, S: interleave bytes, then 16-bit pairs, then a 4x4 transpose over j */
         __m128i W[4][8];
         for (int j = 0; j < 4; j++) {
@@ -183,7 +183,7 @@ static void pack_group_gptq_perm(const pack_ctx *c, int64_t grp, uint8_t *scratc
             }
             /* pairT of stripe st: columns 8r .. 8r+7, 8 bytes each */
             uint8_t *dst = scratch + (size_t)st * 8 * c->k + (size_t)r * 64;
-#if defined(__x86_64__) || defined(__i386__)
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(W4P_PACK_SCALAR)
             __m128i w0 = _mm_loadu_si128((const __m128i *)w), w1 = _mm_loadu_si128((const __m128i *)(w + 4));
             __m128i w2 = _mm_loadu_si128((const __m128i *)(w + 8)), w3 = _mm_loadu_si128((const __m128i *)(w + 12));
             const __m128i m = _mm_set1_epi32(15);
@@ -343,7 +343,7 @@ static inline uint64_t spread_nibbles(uint32_t w) {
 }
 
 static inline void store_line(uint8_t *o, const uint64_t *line, int words) {
-#if defined(__x86_64__) || defined(__i386__)
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(W4P_PACK_SCALAR)
     if (words == 8 && ((uintptr_t)o & 15) == 0) {
         for (int j = 0; j < 8; j += 2)
             _mm_stream_si128((__m128i *)(o + j * 8), _mm_set_epi64x((long long)line[j + 1], (long long)line[j]));
@@ -386,7 +386,7 @@ static void unpack_block(void *vctx, int64_t blk) {
             }
         }
     }
-#if defined(__x86_64__) || defined(__i386__)
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(W4P_PACK_SCALAR)
     _mm_sfence(); /* streaming stores are visible before the item counts as done */
 #endif
 }

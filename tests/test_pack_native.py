@@ -177,3 +177,30 @@ def test_pack_of_odd_views_falls_back_to_numpy() -> None:
                                group_size=-1)
         np.testing.assert_array_equal(layout.pack(layer).tensors["qweight"],
                                       _spec_pack(np.ascontiguousarray(view), None, 4))
+
+
+def test_portable_pack_code_matches_sse2(tmp_path) -> None:
+    """native/cpu_pack.c built with -DW4P_PACK_SCALAR (what ARM and other hosts run) gives the same bytes
+    as the SSE2 build (which the tests above compare with numpy)."""
+    import os
+    import platform
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    if platform.machine() not in ("x86_64", "AMD64", "i686"):
+        pytest.skip("the SSE2 side of the comparison needs an x86 host")
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        pytest.skip("no C compiler")
+    repo = Path(__file__).resolve().parent.parent
+    outs = []
+    for flags in ([], ["-DW4P_PACK_SCALAR"]):
+        exe = tmp_path / f"pack_check{len(outs)}"
+        subprocess.run([cc, "-O2", "-std=gnu11", *flags, f"-I{repo / 'native'}", str(repo / "tests/native/pack_check.c"),
+                        str(repo / "native/cpu_pack.c"), str(repo / "native/cpu_threads.c"), "-lpthread", "-o",
+                        str(exe)], check=True, capture_output=True)
+        out = tmp_path / f"out{len(outs)}.bin"
+        subprocess.run([str(exe), str(out)], check=True, timeout=60)
+        outs.append(out.read_bytes())
+    assert len(outs[0]) > 1_000_000 and outs[0] == outs[1]
