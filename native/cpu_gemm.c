@@ -64,19 +64,6 @@ uint16_t w4p_float_to_bf16(float f) {
     return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
-static inline float load_elem(const void *base, int dtype, int64_t i) {
-    switch (dtype) {
-    case W4P_DT_F16: return w4p_half_to_float(((const uint16_t *)base)[i]);
-    case W4P_DT_BF16: {
-        uint32_t u = (uint32_t)((const uint16_t *)base)[i] << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        return f;
-    }
-    default: return ((const float *)base)[i];
-    }
-}
-
 static inline size_t dtype_size(int dtype) { return dtype == W4P_DT_F32 ? 4 : 2; }
 
 void w4p_block_params(const struct w4p_cpu_layer *L, int tile, int blk, float *s, float *o) {
@@ -121,7 +108,7 @@ void w4p_cvt_generic(const void *src, int dtype, float *dst, int n) {
         memcpy(dst, src, sizeof(float) * (size_t)n);
         return;
     }
-    for (int i = 0; i < n; i++) dst[i] = load_elem(src, dtype, i);
+    for (int i = 0; i < n; i++) dst[i] = w4p_load_float(src, dtype, i);
 }
 
 /* fp-contract off: the product x*inv is rounded to fp32 before rounding to an integer on every
@@ -175,7 +162,7 @@ static void prep_row(void *vctx, int64_t m) {
             for (int i = 0; i < k; i++) xf[i] = tmp[L->perm[i]];
             free(tmp);
         } else {
-            for (int i = 0; i < k; i++) xf[i] = load_elem(row, P->x_dtype, L->perm[i]);
+            for (int i = 0; i < k; i++) xf[i] = w4p_load_float(row, P->x_dtype, L->perm[i]);
         }
     } else {
         P->cvt(row, P->x_dtype, xf, k);
@@ -280,7 +267,7 @@ int w4p_cpu_gemm(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t m, 
     if (bias) {
         bias32 = calloc((size_t)L->nt * W4P_TILE, sizeof(float));
         if (!bias32) { w4p_set_error("out of memory"); return W4P_ENOMEM; }
-        for (int i = 0; i < L->n; i++) bias32[i] = load_elem(bias, bias_dtype, i);
+        for (int i = 0; i < L->n; i++) bias32[i] = w4p_load_float(bias, bias_dtype, i);
     }
     int rc = W4P_OK;
     for (int64_t m0 = 0; m0 < m && rc == W4P_OK; m0 += W4P_ROWS_PER_PASS) {

@@ -29,19 +29,6 @@ static void *alloc_big(size_t bytes, int *huge) {
     return p;
 }
 
-static float load_scalar(const void *base, int dtype, size_t i) {
-    switch (dtype) {
-    case W4P_DT_F16: return w4p_half_to_float(((const uint16_t *)base)[i]);
-    case W4P_DT_BF16: {
-        uint32_t u = (uint32_t)((const uint16_t *)base)[i] << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        return f;
-    }
-    default: return ((const float *)base)[i];
-    }
-}
-
 static int largest_block(int gs, int kp) {
     static const int cand[4] = {128, 64, 32, 16};
     for (int i = 0; i < 4; i++)
@@ -157,10 +144,10 @@ static void repack_params(const w4p_packed_desc *d, struct w4p_cpu_layer *L) {
                     ((uint16_t *)p)[i] = ((const uint16_t *)d->scales)[at];
                     p[128 + i] = (uint8_t)(d->zero_mode == W4P_ZERO_INT ? ((const uint8_t *)d->zeros)[at] : implicit_z);
                 } else {
-                    float s = load_scalar(d->scales, d->scale_dtype, at);
+                    float s = w4p_load_float(d->scales, d->scale_dtype, at);
                     float o;
                     if (d->zero_mode == W4P_ZERO_FLOAT) {
-                        o = load_scalar(d->mins, d->scale_dtype, at);
+                        o = w4p_load_float(d->mins, d->scale_dtype, at);
                     } else {
                         int z = implicit_z;
                         if (d->zero_mode == W4P_ZERO_INT)

@@ -94,6 +94,15 @@ void w4p_quant_avx2(const float *x, int n, int8_t *q, float *scale, int32_t *sum
 float w4p_half_to_float(uint16_t h);
 uint16_t w4p_float_to_half(float f);
 uint16_t w4p_float_to_bf16(float f);
+/* Element i of an fp16 / bf16 / fp32 array as fp32 (exact widening). */
+static inline float w4p_load_float(const void *base, int dtype, int64_t i) {
+    if (dtype == W4P_DT_F16) return w4p_half_to_float(((const uint16_t *)base)[i]);
+    if (dtype == W4P_DT_BF16) {
+        union { uint32_t u; float f; } v = {(uint32_t)((const uint16_t *)base)[i] << 16};
+        return v.f;
+    }
+    return ((const float *)base)[i];
+}
 /* Parameters of (tile, block) as fp32 scale/offset vectors of 64 (scalar code path). */
 void w4p_block_params(const struct w4p_cpu_layer *L, int tile, int blk, float *s, float *o);
 /* Add bias, convert and store one row of 64 fp32 results (only columns < n). */
