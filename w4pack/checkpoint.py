@@ -23,20 +23,20 @@ import json
 import os
 import shutil
 import struct
-import sys
 import tempfile
 import threading
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
 from . import __version__
 from .canonical import CanonicalLayer
 from .dtypes import dtype_name_of
-from .errors import BadInputError, IOFailure, UnsupportedError
+from .errors import BadInputError, IOFailure
+from .folder import member as _safe_member, read_json as _read_json
 from .layout import LAYOUT_NAME, LAYOUT_VERSION, TILE_K, TILE_N, PackedLayer, pack, tensor_suffixes, unpack
 from .progress import Progress
 from .safetensors_io import SafetensorsFile, dtype_to_st
@@ -502,28 +502,6 @@ def _clean_source(src: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # reading
 # ---------------------------------------------------------------------------------------------
-def _read_json(path: Path) -> Any:
-    if not path.is_file():
-        raise BadInputError("file is missing", file=str(path))
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadInputError(f"not valid JSON: {exc}", file=str(path)) from None
-
-
-def _safe_member(root: Path, name: Any, what: str, file: str) -> Path:
-    """Resolve a file name from an index/manifest, refusing anything that escapes the folder."""
-    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", "..") \
-            or name.startswith("/") or ".." in name:
-        raise BadInputError(f"{what} {name!r} is not a plain file name inside the folder", file=file)
-    p = root / name
-    if p.is_symlink():
-        target = p.resolve()
-        if not target.is_relative_to(root.resolve()):
-            raise BadInputError(f"{what} {name!r} is a symbolic link out of the folder", file=file)
-    return p
-
 
 class Checkpoint:
     """An opened w4pack checkpoint. Structure is checked on open; data is memory-mapped on demand."""
@@ -647,7 +625,7 @@ class Checkpoint:
             self.packed_shapes_ok(name)
 
     def packed_shapes_ok(self, name: str) -> None:
-        from .layout import _expect, words_per_tile_lane
+        from .layout import words_per_tile_lane
         from .dtypes import FLOAT_DTYPES
         meta = self.manifest["layers"][name]
         np_, kp = meta["padded_shape"]

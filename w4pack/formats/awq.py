@@ -38,6 +38,7 @@ from ..canonical import CanonicalLayer
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES, from_float32, to_float32
 from ..errors import BadInputError, IOFailure, UnsupportedError
+from ..folder import member as _check_member, read_json as _read_json
 from ..safetensors_io import DTYPES, SafetensorsFile, dtype_to_st
 from .base import Capabilities, Format, Source, TensorData
 
@@ -261,24 +262,6 @@ def open_store(path: Path) -> TensorStore:
                             file=str(path))
     raise BadInputError("holds no .safetensors or .pt weights", file=str(path))
 
-
-def _check_member(root: Path, name: Any, what: str, file: str) -> Path:
-    if not isinstance(name, str) or not name or "/" in name or "\\" in name or ".." in name or name.startswith("."):
-        raise BadInputError(f"{what} {name!r} is not a plain file name inside the folder", file=file)
-    p = root / name
-    if p.is_symlink() and not p.resolve().is_relative_to(root.resolve()):
-        raise BadInputError(f"{what} {name!r} is a symbolic link out of the folder", file=file)
-    return p
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadInputError(f"not valid JSON: {exc}", file=str(path)) from None
-    except OSError as exc:
-        raise BadInputError(f"cannot read: {exc.strerror}", file=str(path)) from None
 
 
 # ---------------------------------------------------------------------------------------------

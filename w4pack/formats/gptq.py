@@ -40,6 +40,7 @@ from ..layout import PackedLayer
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES
 from ..errors import BadInputError, IOFailure, UnsupportedError, W4PackError
+from ..folder import member, read_json as _read_json
 from ..progress import Progress
 from ..safetensors_io import DTYPES, SafetensorsFile, dtype_to_st
 from ._bitpack import STREAM_BITS, pack_last, unpack_last
@@ -263,25 +264,11 @@ class _Store:
         self._pt.clear()
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadInputError(f"not valid JSON: {exc}", file=str(path)) from None
-    except OSError as exc:
-        raise BadInputError(f"cannot read: {exc.strerror}", file=str(path)) from None
 
 
 def _member(root: Path, name: Any, index: Path) -> Path:
-    """A shard named by an index: a plain file name inside the folder, never a path out of it."""
-    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith(".") \
-            or ".." in name:
-        raise BadInputError(f"index names shard {name!r}, which is not a plain file name inside the folder",
-                            file=str(index))
-    p = root / name
-    if p.is_symlink() and not p.resolve().is_relative_to(root.resolve()):
-        raise BadInputError(f"shard {name!r} is a symbolic link out of the folder", file=str(index))
+    """A shard named by an index: inside the folder (w4pack.folder.member) and present."""
+    p = member(root, name, "shard", str(index))
     if not p.is_file():
         raise BadInputError(f"shard {name!r} named by the index is missing", file=str(p))
     return p
