@@ -39,6 +39,7 @@ from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES, from_float32, to_float32
 from ..errors import BadInputError, IOFailure, UnsupportedError
 from ..folder import member as _check_member, read_json as _read_json
+from ._torchfile import dtype_name as torch_dtype_name, load_state_dict, to_numpy as torch_to_numpy
 from ..safetensors_io import DTYPES, SafetensorsFile, dtype_to_st
 from .base import Capabilities, Format, Source, TensorData
 
@@ -165,57 +166,12 @@ class SafetensorsStore(TensorStore):
         self._fds = {}
 
 
-_TORCH_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float64",
-                 "int64": "int64", "int32": "int32", "int16": "int16", "int8": "int8", "uint8": "uint8",
-                 "bool": "bool"}
-
-
 class PtStore(TensorStore):
     """A ``torch.save`` state dict, loaded with ``weights_only=True`` (memory-mapped when the file allows)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        try:
-            import torch
-        except ImportError:
-            raise UnsupportedError("reading .pt files needs torch (pip install 'w4pack[torch]')",
-                                   file=str(self.path)) from None
-        self._torch = torch
-        label = str(self.path)
-        if not self.path.is_file():
-            raise BadInputError("file does not exist", file=label)
-        obj = None
-        try:
-            try:
-                obj = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError as exc:
-                if "mmap" not in str(exc) and "zip" not in str(exc):
-                    raise
-                obj = torch.load(self.path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - every failure of a hostile/truncated pickle is bad input
-            text = " ".join(str(exc).split())
-            if "weights_only" in text or "Weights only load failed" in text or "Unsupported global" in text:
-                hint = re.search(r"Unsupported global: ([^ ]+)", text)
-                what = f" (it references {hint.group(1)})" if hint else ""
-                raise BadInputError(f"not loadable with torch.load(weights_only=True){what}; refusing to unpickle "
-                                    "anything but tensors", file=label) from None
-            raise BadInputError(f"cannot read as a torch.save file (truncated or corrupt): {text[:160]}",
-                                file=label) from None
-        sd = obj
-        if isinstance(sd, dict) and not any(isinstance(v, torch.Tensor) for v in sd.values()):
-            for key in ("state_dict", "model", "module"):
-                if isinstance(sd.get(key), dict):
-                    sd = sd[key]
-                    break
-        if not isinstance(sd, dict):
-            raise BadInputError(f"holds a {type(sd).__name__}, not a state dict of tensors", file=label)
-        self._sd: dict[str, Any] = {}
-        for key, val in sd.items():
-            if not isinstance(key, str) or not isinstance(val, torch.Tensor):
-                raise BadInputError(f"entry is a {type(val).__name__}, not a tensor", file=label, tensor=str(key))
-            if str(val.dtype).replace("torch.", "") not in _TORCH_DTYPES:
-                raise UnsupportedError(f"dtype {val.dtype} is not supported", file=label, tensor=key)
-            self._sd[key] = val
+        self._sd: dict[str, Any] = load_state_dict(self.path)
 
     def names(self) -> list[str]:
         return list(self._sd)
@@ -225,15 +181,12 @@ class PtStore(TensorStore):
 
     def info(self, name: str) -> tuple[str, tuple[int, ...]]:
         t = self._sd[name]
-        return _TORCH_DTYPES[str(t.dtype).replace("torch.", "")], tuple(int(d) for d in t.shape)
+        return torch_dtype_name(t), tuple(int(d) for d in t.shape)
 
     def get(self, name: str) -> np.ndarray:
         if name not in self._sd:
             raise BadInputError("tensor is missing", file=str(self.path), tensor=name)
-        t = self._sd[name].detach().contiguous()
-        if t.dtype == self._torch.bfloat16:
-            return t.view(self._torch.int16).numpy().view(np.uint16)
-        return t.numpy()
+        return torch_to_numpy(self._sd[name])
 
     def close(self) -> None:
         self._sd = {}

@@ -29,7 +29,7 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -41,6 +41,7 @@ from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES
 from ..errors import BadInputError, IOFailure, UnsupportedError, W4PackError
 from ..folder import member, read_json as _read_json
+from ._torchfile import dtype_name as torch_dtype_name, load_state_dict, to_numpy as torch_to_numpy
 from ..progress import Progress
 from ..safetensors_io import DTYPES, SafetensorsFile, dtype_to_st
 from ._bitpack import STREAM_BITS, pack_last, unpack_last
@@ -75,43 +76,6 @@ def _ones_pattern(bits: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # tensor storage: safetensors shards (memory-mapped) or torch pickles loaded with weights_only
 # ---------------------------------------------------------------------------------------------
-_TORCH_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float64",
-                 "int64": "int64", "int32": "int32", "int16": "int16", "int8": "int8", "uint8": "uint8",
-                 "bool": "bool"}
-
-
-def _load_pt(path: Path) -> dict[str, Any]:
-    """A state dict from a .pt/.bin file, loaded only with torch.load(weights_only=True): a pickle that
-    would run code is refused by torch, and anything but a flat name -> tensor mapping is refused here."""
-    try:
-        import torch
-    except ImportError:
-        raise UnsupportedError("reading .pt/.bin checkpoints needs torch (pip install w4pack[torch])",
-                               file=str(path)) from None
-    obj = None
-    last: Exception | None = None
-    for mmap in (True, False):
-        try:
-            obj = torch.load(str(path), map_location="cpu", weights_only=True, mmap=mmap)
-            break
-        except FileNotFoundError:
-            raise BadInputError("file does not exist", file=str(path)) from None
-        except Exception as exc:  # noqa: BLE001 - torch raises many types; all mean "not a safe tensor file"
-            last = exc
-    if obj is None:
-        first = str(last).strip().splitlines()[0] if last is not None and str(last).strip() else type(last).__name__
-        raise BadInputError(f"not a tensor-only pickle (torch.load with weights_only=True refused it: {first[:200]})",
-                            file=str(path))
-    if not isinstance(obj, Mapping):
-        raise BadInputError(f"holds a {type(obj).__name__}, not a state dict of tensors", file=str(path))
-    for k, v in obj.items():
-        if not isinstance(k, str):
-            raise BadInputError(f"state dict key {k!r} is not a string", file=str(path))
-        if not isinstance(v, torch.Tensor):
-            raise BadInputError(f"holds a {type(v).__name__}, not a tensor", file=str(path), tensor=k)
-        if str(v.dtype).removeprefix("torch.") not in _TORCH_DTYPES:
-            raise UnsupportedError(f"dtype {v.dtype} is not supported", file=str(path), tensor=k)
-    return dict(obj)
 
 
 class _Store:
@@ -133,7 +97,7 @@ class _Store:
             self._claim(name, str(path))
 
     def add_pt(self, path: Path, only: set[str] | None = None) -> None:
-        sd = _load_pt(path)
+        sd = load_state_dict(path)
         self._pt[str(path)] = sd
         for name in sd:
             if only is not None and name not in only:
@@ -156,7 +120,7 @@ class _Store:
         if path in self._st:
             return self._st[path].info(name)
         t = self._pt[path][name]
-        return _TORCH_DTYPES[str(t.dtype).removeprefix("torch.")], tuple(int(d) for d in t.shape)
+        return torch_dtype_name(t), tuple(int(d) for d in t.shape)
 
     def get(self, name: str) -> np.ndarray:
         """The stored array (bf16 as uint16 bits); safetensors data is a zero-copy memory map."""
@@ -250,12 +214,7 @@ class _Store:
                     pass
 
     def _get_pt(self, path: str, name: str) -> np.ndarray:
-        import torch
-
-        t = self._pt[path][name].detach().contiguous()
-        if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy().view(np.uint16)
-        return t.numpy()
+        return torch_to_numpy(self._pt[path][name])
 
     def close(self) -> None:
         for f in self._st.values():

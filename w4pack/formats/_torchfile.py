@@ -1,0 +1,82 @@
+"""torch.save files (.pt / .bin): loaded only with ``torch.load(weights_only=True)``.
+
+A pickle that would run code is refused by torch; anything but a mapping of names to tensors of a dtype
+w4pack knows is refused here, with one line naming the file (and the tensor).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..errors import BadInputError, UnsupportedError
+
+__all__ = ["TORCH_DTYPES", "load_state_dict", "dtype_name", "to_numpy"]
+
+#: torch dtype name -> w4pack dtype name
+TORCH_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float64",
+                "int64": "int64", "int32": "int32", "int16": "int16", "int8": "int8", "uint8": "uint8",
+                "bool": "bool"}
+
+
+def dtype_name(t: Any) -> str:
+    return TORCH_DTYPES[str(t.dtype).removeprefix("torch.")]
+
+
+def to_numpy(t: Any) -> np.ndarray:
+    """A CPU tensor as numpy; bfloat16 as uint16 bits (see w4pack.dtypes)."""
+    import torch
+
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def load_state_dict(path: Path) -> dict[str, Any]:
+    """Name -> tensor from a torch.save file, memory-mapped when the file allows. A checkpoint that wraps
+    its tensors one level down (``state_dict`` / ``model`` / ``module``) is unwrapped."""
+    label = str(path)
+    try:
+        import torch
+    except ImportError:
+        raise UnsupportedError("reading .pt/.bin checkpoints needs torch (pip install 'w4pack[torch]')",
+                               file=label) from None
+    if not Path(path).is_file():
+        raise BadInputError("file does not exist", file=label)
+    try:
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc) and "zip" not in str(exc):
+                raise
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - every failure of a hostile/truncated pickle is bad input
+        text = " ".join(str(exc).split())
+        if "weights_only" in text or "Weights only load failed" in text or "Unsupported global" in text:
+            hint = re.search(r"Unsupported global: ([^ ]+)", text)
+            what = f" (it references {hint.group(1)})" if hint else ""
+            raise BadInputError(f"not loadable with torch.load(weights_only=True){what}; refusing to unpickle "
+                                "anything but tensors", file=label) from None
+        raise BadInputError(f"cannot read as a torch.save file (truncated or corrupt): {text[:160]}",
+                            file=label) from None
+    sd = obj
+    if isinstance(sd, Mapping) and not any(isinstance(v, torch.Tensor) for v in sd.values()):
+        for key in ("state_dict", "model", "module"):
+            if isinstance(sd.get(key), Mapping):
+                sd = sd[key]
+                break
+    if not isinstance(sd, Mapping):
+        raise BadInputError(f"holds a {type(sd).__name__}, not a state dict of tensors", file=label)
+    out: dict[str, Any] = {}
+    for key, val in sd.items():
+        if not isinstance(key, str):
+            raise BadInputError(f"state dict key {key!r} is not a string", file=label)
+        if not isinstance(val, torch.Tensor):
+            raise BadInputError(f"entry is a {type(val).__name__}, not a tensor", file=label, tensor=key)
+        if str(val.dtype).removeprefix("torch.") not in TORCH_DTYPES:
+            raise UnsupportedError(f"dtype {val.dtype} is not supported", file=label, tensor=key)
+        out[key] = val
+    return out
