@@ -11,7 +11,7 @@ from typing import Any
 
 from .errors import BadInputError
 
-__all__ = ["read_json", "member"]
+__all__ = ["read_json", "write_json", "member"]
 
 
 def read_json(path: Path) -> Any:
@@ -25,6 +25,13 @@ def read_json(path: Path) -> Any:
         raise BadInputError(f"not valid JSON: {exc}", file=str(path)) from None
     except OSError as exc:
         raise BadInputError(f"cannot read: {exc.strerror}", file=str(path)) from None
+
+
+def write_json(path: Path, doc: Any) -> None:
+    """A JSON document as the Hugging Face tools write them: indented, with a final newline."""
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, indent=2)
+        fh.write("\n")
 
 
 def member(root: Path, name: Any, what: str, file: str) -> Path:

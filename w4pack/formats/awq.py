@@ -23,11 +23,8 @@ mode "int"); float minima fit only GEMVFast. Anything else is refused before a b
 """
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
-import struct
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -38,9 +35,10 @@ from ..canonical import CanonicalLayer
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES, from_float32, to_float32
 from ..errors import BadInputError, IOFailure, UnsupportedError
-from ..folder import member as _check_member, read_json as _read_json
+from ..folder import member as _check_member, read_json as _read_json, write_json
+from ._shards import ShardWriter
 from ._torchfile import dtype_name as torch_dtype_name, load_state_dict, to_numpy as torch_to_numpy
-from ..safetensors_io import DTYPES, SafetensorsFile, dtype_to_st
+from ..safetensors_io import DTYPES, SafetensorsFile
 from .base import Capabilities, Format, Source, TensorData
 
 __all__ = [
@@ -730,86 +728,6 @@ def _fp16_exact(arr: np.ndarray) -> bool:
         return bool(np.array_equal(a.astype(np.float16).astype(np.float32), a))
 
 
-class _ShardWriter:
-    """Streams tensors into AutoAWQ-style shards (one file, or ``model-0000k-of-0000n`` + index).
-
-    Memory stays at one tensor: data goes to a spool file as it arrives; when a shard is full its header is
-    written and the spool copied behind it (the header needs every offset, so it cannot come first).
-    """
-
-    def __init__(self, folder: Path, max_bytes: int):
-        self.folder, self.max_bytes = folder, max_bytes
-        self.entries: list[tuple[str, str, list[int], int]] = []  # name, st dtype, shape, nbytes
-        self.spool_path = folder / ".spool.partial"
-        self.spool = open(self.spool_path, "wb")
-        self.spool_bytes = 0
-        self.shards: list[tuple[Path, list[str], int]] = []
-        self.seen: set[str] = set()
-
-    def add(self, name: str, arr: np.ndarray, dtype: str | None) -> None:
-        if name in self.seen:
-            raise BadInputError("tensor name written twice", tensor=name)
-        self.seen.add(name)
-        a = np.ascontiguousarray(arr)
-        if a.dtype.byteorder == ">":
-            a = a.astype(a.dtype.newbyteorder("<"))
-        if self.entries and self.spool_bytes + a.nbytes > self.max_bytes:
-            self.flush()
-        self.entries.append((name, dtype_to_st(a, dtype), list(a.shape), a.nbytes))
-        if a.nbytes:
-            self.spool.write(memoryview(a).cast("B"))
-        self.spool_bytes += a.nbytes
-
-    def flush(self) -> None:
-        if not self.entries and self.shards:
-            return
-        self.spool.close()
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for name, dt, shape, nbytes in self.entries:
-            header[name] = {"dtype": dt, "shape": shape, "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        raw += b" " * (-len(raw) % 8)
-        path = self.folder / f".shard-{len(self.shards):05d}.partial"
-        with open(path, "wb") as out, open(self.spool_path, "rb") as spool:
-            out.write(struct.pack("<Q", len(raw)))
-            out.write(raw)
-            shutil.copyfileobj(spool, out, 16 << 20)
-            size = out.tell()
-        self.shards.append((path, [e[0] for e in self.entries], size))
-        self.entries, self.spool_bytes = [], 0
-        self.spool = open(self.spool_path, "wb")
-
-    def finish(self) -> None:
-        self.flush()
-        self.spool.close()
-        os.unlink(self.spool_path)
-        total = len(self.shards)
-        if total == 1:
-            os.replace(self.shards[0][0], self.folder / "model.safetensors")
-            return
-        weight_map = {}
-        for i, (path, names, _size) in enumerate(self.shards):
-            fname = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
-            os.replace(path, self.folder / fname)
-            weight_map.update({n: fname for n in names})
-        index = {"metadata": {"total_size": sum(s for _p, _n, s in self.shards)}, "weight_map": weight_map}
-        _write_json(self.folder / INDEX_NAME, index)
-
-    def __enter__(self) -> "_ShardWriter":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.spool.close()  # on error the AtomicFolder removes the partial files
-
-
-def _write_json(path: Path, doc: Any) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, indent=2)
-        fh.write("\n")
-
-
 def awq_tensors(layer: CanonicalLayer, version: str = "gemm") -> dict[str, tuple[np.ndarray, str | None]]:
     """The peer's tensors (suffix -> (array, dtype name)) for one canonical layer; the layer must pass the check."""
     n, k = layer.codes.shape
@@ -978,7 +896,7 @@ class AWQFormat(Format):
         passthrough = source.passthrough_names()
         group_size = None
         max_bytes = parse_size(max_shard_size)
-        with AtomicFolder(out, force=force) as tmp, _ShardWriter(tmp, max_bytes) as shards:
+        with AtomicFolder(out, force=force) as tmp, ShardWriter(tmp, max_bytes) as shards:
             with Progress(len(names) + len(passthrough), "writing awq", enabled=show_progress) as bar:
                 for name in names:
                     layer = source.read_layer(name)
@@ -995,8 +913,8 @@ class AWQFormat(Format):
                   "bits": 4, "version": version, "modules_to_not_convert": _not_converted(source)}
             config = {k: v for k, v in (source.config or {}).items() if k != "quantization_config"}
             config["quantization_config"] = qc
-            _write_json(tmp / "config.json", config)
-            _write_json(tmp / "quant_config.json", {"zero_point": qc["zero_point"], "q_group_size": qc["group_size"],
+            write_json(tmp / "config.json", config)
+            write_json(tmp / "quant_config.json", {"zero_point": qc["zero_point"], "q_group_size": qc["group_size"],
                                                     "w_bit": 4,
                                                     "version": version.upper() if version != "gemv_fast" else "gemv_fast"})
             for p in source.side_files():

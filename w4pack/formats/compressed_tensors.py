@@ -16,7 +16,6 @@ Unsigned codes and zeros are exactly the canonical ones, so reading and writing 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -29,7 +28,9 @@ from ..canonical import CanonicalLayer
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES
 from ..errors import BadInputError, UnsupportedError
-from ..safetensors_io import SafetensorsFile, write_safetensors
+from ..folder import write_json
+from ._shards import ShardWriter
+from ..safetensors_io import SafetensorsFile
 from .base import Capabilities, Format, Source, TensorData
 
 __all__ = ["CompressedTensorsFormat", "CompressedTensorsSource", "pack_rows", "unpack_rows"]
@@ -519,56 +520,6 @@ def _layer_tensors(name: str, layer: CanonicalLayer) -> tuple[tuple[Any, ...], _
     return (b, sym, strategy, gs), items
 
 
-class _ShardWriter:
-    """Buffers tensors into shards of at most ``max_bytes`` in a folder; names them model-k-of-n at the end."""
-
-    def __init__(self, folder: Path, max_bytes: int):
-        self.folder, self.max = folder, max_bytes
-        self.pending: list[tuple[str, np.ndarray, str | None]] = []
-        self.size = 0
-        self.shards: list[tuple[Path, list[str]]] = []
-        self.names: set[str] = set()
-
-    def add(self, items: list[tuple[str, np.ndarray, str | None]]) -> None:
-        for t, _a, _d in items:
-            if t in self.names:
-                raise BadInputError("tensor name written twice", tensor=t)
-            self.names.add(t)
-        size = sum(a.nbytes for _t, a, _d in items)
-        if self.pending and self.size + size > self.max:
-            self.flush()
-        self.pending.extend(items)
-        self.size += size
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        p = self.folder / f"shard-{len(self.shards):05d}.partial"
-        write_safetensors(p, self.pending, metadata={"format": "pt"})
-        self.shards.append((p, [t for t, _a, _d in self.pending]))
-        self.pending, self.size = [], 0
-
-    def close(self) -> None:
-        self.flush()
-        if not self.shards:
-            p = self.folder / "shard-00000.partial"
-            write_safetensors(p, [], metadata={"format": "pt"})
-            self.shards.append((p, []))
-        if len(self.shards) == 1:
-            os.replace(self.shards[0][0], self.folder / "model.safetensors")
-            return
-        total = len(self.shards)
-        wm: dict[str, str] = {}
-        size = 0
-        for i, (p, names) in enumerate(self.shards):
-            fname = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
-            os.replace(p, self.folder / fname)
-            size += (self.folder / fname).stat().st_size
-            wm.update({t: fname for t in names})
-        with open(self.folder / "model.safetensors.index.json", "w", encoding="utf-8") as fh:
-            json.dump({"metadata": {"total_size": size}, "weight_map": dict(sorted(wm.items()))}, fh, indent=2)
-
-
 def build_quantization_config(schemes: dict[str, tuple[Any, ...]], ignore: list[str]) -> dict[str, Any]:
     """config.json quantization_config for layers {module: (bits, sym, strategy, group_size)}.
 
@@ -653,27 +604,25 @@ class CompressedTensorsFormat(Format):
         schemes: dict[str, tuple[Any, ...]] = {}
         ignore: set[str] = set()
         with AtomicFolder(out, force=force) as tmp:
-            shards = _ShardWriter(tmp, parse_size(max_shard_size))
-            with Progress(len(names) + len(passthrough), "writing", enabled=show_progress) as bar:
+            with ShardWriter(tmp, parse_size(max_shard_size)) as shards, \
+                    Progress(len(names) + len(passthrough), "writing", enabled=show_progress) as bar:
                 for name in names:
                     key, items = _layer_tensors(name, source.read_layer(name))
                     schemes[name] = key
-                    shards.add(items)
+                    shards.add_group(items)
                     bar.update()
                 for t in passthrough:
                     td = source.read_tensor(t)
                     if t.endswith(".weight") and td.array.ndim == 2 and t[: -len(".weight")] not in quantized:
                         ignore.add(t[: -len(".weight")])
-                    shards.add([(t, td.array, td.dtype)])
+                    shards.add(t, td.array, td.dtype)
                     bar.update()
+                shards.finish()
             if "lm_head" not in quantized:
                 ignore.add("lm_head")
-            shards.close()
             config = dict(source.config)
             config["quantization_config"] = build_quantization_config(schemes, sorted(ignore))
-            with open(tmp / "config.json", "w", encoding="utf-8") as fh:
-                json.dump(config, fh, indent=2)
-                fh.write("\n")
+            write_json(tmp / "config.json", config)
             for p in source.side_files():
                 if p.name in SIDE_FILES:
                     shutil.copyfile(p, tmp / p.name)

@@ -40,7 +40,7 @@ from ..layout import PackedLayer
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES
 from ..errors import BadInputError, IOFailure, UnsupportedError, W4PackError
-from ..folder import member, read_json as _read_json
+from ..folder import member, read_json as _read_json, write_json
 from ._torchfile import dtype_name as torch_dtype_name, load_state_dict, to_numpy as torch_to_numpy
 from ..progress import Progress
 from ..safetensors_io import DTYPES, SafetensorsFile, dtype_to_st
@@ -962,7 +962,7 @@ class _StreamingShards:
         if len(self.files) > 1:
             wmap = {e.name: self.files[si] for si, e in self._order}
             total = sum(e.nbytes for _si, e in self._order)
-            _write_json(self.folder / "model.safetensors.index.json",
+            write_json(self.folder / "model.safetensors.index.json",
                         {"metadata": {"total_size": total}, "weight_map": dict(sorted(wmap.items()))})
         return self.files
 
@@ -975,12 +975,6 @@ class _StreamingShards:
 def _st_name(dtype: str) -> str | None:
     """The dtype name to hand to the safetensors writer: only bfloat16 differs from numpy's own."""
     return "bfloat16" if dtype == "bfloat16" else None
-
-
-def _write_json(path: Path, doc: Any) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, indent=2)
-        fh.write("\n")
 
 
 def _block_prefixes(names: list[str]) -> set[str]:
@@ -1121,8 +1115,8 @@ def write_gptq(source: Source, out: str | os.PathLike[str], *, force: bool = Fal
         qc = gptq_quantization_config(metas, passthrough, pass_2d, checkpoint_format)
         config = {k: v for k, v in (source.config or {}).items() if k != "quantization_config"}
         config["quantization_config"] = qc
-        _write_json(tmp / "config.json", config)
-        _write_json(tmp / "quantize_config.json", qc)
+        write_json(tmp / "config.json", config)
+        write_json(tmp / "quantize_config.json", qc)
         for p in source.side_files():
             if p.name in _OWN_FILES or p.name.endswith((".safetensors", ".bin", ".pt")) or p.name.startswith("."):
                 continue

@@ -32,7 +32,9 @@ from ..canonical import CanonicalLayer, default_g_idx
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES, to_float32
 from ..errors import BadInputError, IOFailure, UnsupportedError
-from .awq import SafetensorsStore, _read_json, _ShardWriter, _write_json
+from ..folder import read_json as _read_json, write_json
+from ._shards import ShardWriter
+from .awq import SafetensorsStore
 from .base import Capabilities, Format, Source, TensorData
 
 if sys.version_info >= (3, 11):
@@ -444,7 +446,7 @@ class TomlTablesFormat(Format):
         tables: dict[str, dict[str, dict[str, Any]]] = {}
         max_bytes = parse_size(max_shard_size)
         with AtomicFolder(out, force=force) as tmp, \
-                (_ShardWriter(tmp, max_bytes) if weights else contextlib.nullcontext()) as shards:
+                (ShardWriter(tmp, max_bytes) if weights else contextlib.nullcontext()) as shards:
             with Progress(len(names) + len(passthrough), "writing tables", enabled=show_progress) as bar:
                 for name in names:
                     layer = source.read_layer(name).replace(name=name)
@@ -467,7 +469,7 @@ class TomlTablesFormat(Format):
                 shards.finish()
                 config = {k: v for k, v in (source.config or {}).items() if k != "quantization_config"}
                 if config:
-                    _write_json(tmp / "config.json", config)
+                    write_json(tmp / "config.json", config)
                 for p in source.side_files():
                     if p.name in _NOT_SIDE or p.name.endswith(".safetensors") or p.name.startswith("."):
                         continue
