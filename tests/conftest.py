@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from w4pack.canonical import CanonicalLayer
+from w4pack.formats.base import Source, TensorData
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,6 +40,29 @@ def fixture_cases(family: str) -> list[str]:
     if root is None or not (root / family).is_dir():
         return []
     return sorted(p.name for p in (root / family).iterdir() if p.is_dir() and (p / "case.json").exists())
+
+
+class MemSource(Source):
+    """Canonical layers and pass-through tensors held in memory: the Source a writer is handed in tests."""
+
+    def __init__(self, layers: dict[str, CanonicalLayer], tensors: dict[str, TensorData] | None = None,
+                 config: dict[str, Any] | None = None):
+        self._layers, self._tensors = layers, tensors or {}
+        self.config = config or {"model_type": "llama"}
+        self.info = {"format": "memory"}
+        self.path = Path("memory")
+
+    def layer_names(self) -> list[str]:
+        return list(self._layers)
+
+    def read_layer(self, name: str) -> CanonicalLayer:
+        return self._layers[name].replace(name=name)
+
+    def passthrough_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def read_tensor(self, name: str) -> TensorData:
+        return self._tensors[name]
 
 
 def has_cuda() -> bool:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from conftest import fixture_cases, fixture_dir
+from conftest import MemSource, fixture_cases, fixture_dir
 from w4pack.canonical import CanonicalLayer
 from w4pack.checkpoint import open_checkpoint
 from w4pack.cli import cli
@@ -25,7 +25,7 @@ from w4pack.dtypes import from_float32, to_float32
 from w4pack.errors import BadInputError, IOFailure, UnsupportedError
 from w4pack.formats import detect, get_format
 from w4pack.formats.awq import awq_tensors
-from w4pack.formats.base import Source, TensorData
+from w4pack.formats.base import TensorData
 from w4pack.safetensors_io import SafetensorsFile, write_safetensors
 
 AWQ = get_format("awq")
@@ -85,29 +85,6 @@ def decode_file_layer(path: Path, prefix: str, version: str, k: int, ng: int) ->
 
 
 # -- helpers --------------------------------------------------------------------------------
-class MemSource(Source):
-    """Canonical layers + tensors held in memory (what a writer sees)."""
-
-    def __init__(self, layers: dict[str, CanonicalLayer], tensors: dict[str, TensorData] | None = None,
-                 config: dict[str, Any] | None = None):
-        self._layers, self._tensors = layers, tensors or {}
-        self.config = config or {"model_type": "llama"}
-        self.info = {"format": "memory"}
-        self.path = Path("memory")
-
-    def layer_names(self) -> list[str]:
-        return list(self._layers)
-
-    def read_layer(self, name: str) -> CanonicalLayer:
-        return self._layers[name]
-
-    def passthrough_names(self) -> list[str]:
-        return list(self._tensors)
-
-    def read_tensor(self, name: str) -> TensorData:
-        return self._tensors[name]
-
-
 def truth_of(case: Path, name: str | None) -> dict[str, np.ndarray]:
     t = case / "truth" / name if name and (case / "truth" / name).is_dir() else case / "truth"
     out = {k: np.load(t / f"{k}.npy") for k in ("codes", "scales", "zeros")}

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import fixture_cases, fixture_dir
+from conftest import MemSource, fixture_cases, fixture_dir
 from w4pack.canonical import CanonicalLayer
 from w4pack.checkpoint import open_checkpoint
 from w4pack.cli import main
@@ -22,7 +22,7 @@ from w4pack.convert import convert
 from w4pack.dtypes import from_float32, to_float32
 from w4pack.errors import BadInputError, UnsupportedError
 from w4pack.formats import detect, get_format
-from w4pack.formats.base import Source, TensorData
+from w4pack.formats.base import TensorData
 from w4pack.formats.compressed_tensors import pack_rows, unpack_rows
 from w4pack.safetensors_io import SafetensorsFile, write_safetensors
 
@@ -31,29 +31,6 @@ FAMILY = "compressed-tensors"
 SINGLE = [c for c in fixture_cases(FAMILY) if not c.startswith("tiny_")]
 WHOLE = [c for c in fixture_cases(FAMILY) if c.startswith("tiny_")]
 PREFIX = "model.layers.0.mlp.down_proj"
-
-
-class MemSource(Source):
-    """Canonical layers and tensors in memory: what a writer is handed."""
-
-    def __init__(self, layers: dict[str, CanonicalLayer], tensors: dict[str, TensorData] | None = None,
-                 config: dict[str, Any] | None = None):
-        self._layers, self._tensors = layers, tensors or {}
-        self.config = config or {"model_type": "llama"}
-        self.info = {"format": "memory"}
-        self.path = Path("memory")
-
-    def layer_names(self) -> list[str]:
-        return list(self._layers)
-
-    def read_layer(self, name: str) -> CanonicalLayer:
-        return self._layers[name].replace(name=name)
-
-    def passthrough_names(self) -> list[str]:
-        return list(self._tensors)
-
-    def read_tensor(self, name: str) -> TensorData:
-        return self._tensors[name]
 
 
 def rand_layer(n: int, k: int, *, bits: int = 4, group: int = 64, asym: bool = False, scale_dtype: str = "bfloat16",

@@ -22,11 +22,11 @@ from w4pack.convert import convert, plan
 from w4pack.dtypes import from_float32, to_float32
 from w4pack.errors import BadInputError, UnsupportedError
 from w4pack.formats import detect, get_format
-from w4pack.formats.base import Source, TensorData
+from w4pack.formats.base import TensorData
 from w4pack.formats.gptq import GPTQFormat, GPTQWarning, write_gptq
 from w4pack.safetensors_io import SafetensorsFile, write_safetensors
 
-from conftest import fixture_cases, fixture_dir
+from conftest import MemSource, fixture_cases, fixture_dir
 
 CASES = fixture_cases("gptq")
 SINGLE = [c for c in CASES if "tiny_llama" not in c]
@@ -233,29 +233,6 @@ def test_zero_zero_refused_for_v1_and_kept_by_v2(tmp_path: Path, case: str) -> N
 # ---------------------------------------------------------------------------------------------
 # random layers: write -> read round trips
 # ---------------------------------------------------------------------------------------------
-class MemSource(Source):
-    """Canonical layers and tensors held in memory (a test double of a converted checkpoint)."""
-
-    def __init__(self, layers: dict[str, CanonicalLayer], tensors: dict[str, TensorData] | None = None,
-                 config: dict[str, Any] | None = None):
-        self.layers_, self.tensors = layers, tensors or {}
-        self.config = config or {"model_type": "llama"}
-        self.info = {"format": "test"}
-        self.path = Path("memory")
-
-    def layer_names(self) -> list[str]:
-        return list(self.layers_)
-
-    def read_layer(self, name: str) -> CanonicalLayer:
-        return self.layers_[name]
-
-    def passthrough_names(self) -> list[str]:
-        return list(self.tensors)
-
-    def read_tensor(self, name: str) -> TensorData:
-        return self.tensors[name]
-
-
 def random_layer(rng: np.random.Generator, n: int, k: int, bits: int, gs: int, sym: bool, act_order: bool,
                  version: str = "gptq", scale_dtype: str = "float16", bias: bool = True) -> CanonicalLayer:
     groups = 1 if gs == -1 else -(-k // gs)

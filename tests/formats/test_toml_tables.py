@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from conftest import fixture_cases, fixture_dir
+from conftest import MemSource, fixture_cases, fixture_dir
 from w4pack.canonical import CanonicalLayer
 from w4pack.checkpoint import open_checkpoint
 from w4pack.cli import cli
@@ -19,7 +19,7 @@ from w4pack.convert import convert
 from w4pack.dtypes import from_float32, to_float32
 from w4pack.errors import BadInputError, UnsupportedError
 from w4pack.formats import detect, get_format
-from w4pack.formats.base import Source, TensorData
+from w4pack.formats.base import TensorData
 from w4pack.formats.toml_tables import dump_toml
 from w4pack.safetensors_io import SafetensorsFile, write_safetensors
 
@@ -32,26 +32,6 @@ TOML = get_format("toml")
 CASES = fixture_cases("toml")
 BASES = [("base_weights_fp16.safetensors", "codes_rtn_from_base_weights"),
          ("gptq_fakequant_weights_fp16.safetensors", "codes")]
-
-
-class MemSource(Source):
-    def __init__(self, layers: dict[str, CanonicalLayer], tensors: dict[str, TensorData] | None = None):
-        self._layers, self._tensors = layers, tensors or {}
-        self.config = {"model_type": "llama"}
-        self.info = {"format": "memory"}
-        self.path = Path("memory")
-
-    def layer_names(self) -> list[str]:
-        return list(self._layers)
-
-    def read_layer(self, name: str) -> CanonicalLayer:
-        return self._layers[name]
-
-    def passthrough_names(self) -> list[str]:
-        return list(self._tensors)
-
-    def read_tensor(self, name: str) -> TensorData:
-        return self._tensors[name]
 
 
 def truth(case: Path, name: str, codes_key: str) -> dict[str, Any]:
