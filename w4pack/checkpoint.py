@@ -654,7 +654,7 @@ class Checkpoint:
             if shape != want_shape:
                 raise BadInputError(f"shape {list(shape)} contradicts the manifest (expected {list(want_shape)})",
                                     file=str(self.path / fname), tensor=tname)
-            stored = f.get(tname).dtype if 0 in shape else f.get(tname).dtype
+            stored = f.get(tname).dtype
             if stored != want_dt:
                 raise BadInputError(f"dtype {dt} contradicts the manifest", file=str(self.path / fname), tensor=tname)
 
