@@ -115,6 +115,8 @@ uint64_t w4p_cpu_read_stream(const void *buf, size_t bytes);
 #define W4P_CUDA_KERNEL_TILED 2
 /* RING (M <= 8): stream-K over warps, each warp with its own cp.async ring in shared memory */
 #define W4P_CUDA_KERNEL_RING 3
+/* BULK (M <= 16, sm_90+): stream-K over one block per SM, weights through the bulk copy engine */
+#define W4P_CUDA_KERNEL_BULK 4
 #define W4P_CUDA_PROBE_LOAD 10
 #define W4P_CUDA_PROBE_DEQUANT 11
 int w4p_cuda_abi_version(void);

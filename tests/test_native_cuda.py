@@ -120,6 +120,15 @@ def run_case(torch, rng, layer: CanonicalLayer, m: int, dtype_name: str, kernel:
 
 # -- GPU ---------------------------------------------------------------------------------------------------
 
+def bulk_ok() -> bool:
+    """The bulk kernel needs the bulk copy engine (compute capability 9.0+)."""
+    import torch
+
+    return torch.cuda.get_device_capability() >= (9, 0)
+
+
+BULK_CASES = ((1, "bulk"), (8, "bulk"), (13, "bulk"), (16, "bulk"))
+
 OPTIONS = [
     (bits, zm, gs, act)
     for bits in (4, 8)
@@ -141,7 +150,7 @@ def test_every_option_matches_float64(dtype_name, bits, zero_mode, gs, act_order
                          scale_dtype=dtype_name, bias=True)
     lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
     for m, kernel in ((1, "stream"), (7, "auto"), (19, "stream"), (40, "stream"), (3, "tiled"), (67, "tiled"),
-                      (200, "auto"), (1, "ring"), (5, "ring"), (8, "ring")):
+                      (200, "auto"), (1, "ring"), (5, "ring"), (8, "ring")) + (BULK_CASES if bulk_ok() else ()):
         err = run_case(torch, rng, layer, m, dtype_name, kernel=kernel, lin=lin)
         assert err <= tolerance(dtype_name), (m, kernel, err)
 
@@ -154,7 +163,7 @@ def test_odd_shapes_all_small_m():
     layer = random_layer(rng, 196, 576, gs=64, zero_mode="int", bias=True)
     lin = cuda.CudaPackedLinear(pack(layer), "cuda")
     for m in range(1, 68):
-        for kernel in ("stream", "tiled") + (("ring",) if m <= 8 else ()):
+        for kernel in ("stream", "tiled") + (("ring",) if m <= 8 else ()) + (("bulk",) if m <= 16 and bulk_ok() else ()):
             assert run_case(torch, rng, layer, m, "float16", kernel=kernel, lin=lin) <= 1e-3, (m, kernel)
 
 
@@ -170,7 +179,7 @@ def test_padded_and_unaligned_shapes(n, k, gs):
     # that can cancel, the error is measured against the scale of the sums, |x| . |W|^T
     w64 = layer.dequantize(np.float64)
     for m in (1, 9, 130):
-        for kernel in ("stream", "tiled", "auto") + (("ring",) if m <= 8 else ()):
+        for kernel in ("stream", "tiled", "auto") + (("ring",) if m <= 8 else ()) + (("bulk",) if m <= 16 and bulk_ok() else ()):
             x = torch.randn(m, k, device="cuda").half()
             out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
             lin.forward(x, out=out, kernel=kernel)
@@ -193,6 +202,24 @@ def test_forced_splits(splits):
     # quad among warps, 64 gives whole quads, 100 ranges with a whole quad between two shared ones
     for m, kernel in ((1, "stream"), (24, "stream"), (96, "tiled"), (1, "ring"), (8, "ring"), (3, "ring")):
         assert run_case(torch, rng, layer, m, "float16", kernel=kernel, splits=splits, lin=lin) <= 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(256, 4096), (4096, 4096), (1000, 9000), (2048, 512), (64, 28672)])
+@pytest.mark.parametrize("stages", [0, 2, 3, 5])
+def test_bulk_kernel_ranges_and_stages(n, k, stages):
+    # stream-K over one block per SM: these shapes give quads shared by up to 8 blocks, ranges that span
+    # several quads, a K that is not a multiple of the 512-column unit, and a grid smaller than the GPU
+    import torch
+
+    if not bulk_ok():
+        pytest.skip("the bulk kernel needs compute capability 9.0")
+    rng = np.random.default_rng(n + k + stages)
+    layer = random_layer(rng, n, k, gs=128, zero_mode="int", bias=True)
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda")
+    for m in (1, 6, 11, 16):
+        assert lin.plan(m, kernel="bulk", splits=stages)["kernel"] == cuda.KERNELS["bulk"]
+        assert run_case(torch, rng, layer, m, "float16", kernel="bulk", splits=stages, lin=lin) <= 1e-3, m
 
 
 @pytest.mark.gpu
@@ -222,6 +249,8 @@ def test_strided_input_and_explicit_bias():
     assert rel_err(y, ref) <= 1e-3
     # M <= 8 on unaligned rows: the ring kernel gathers them first
     assert rel_err(lin.forward(x[:7], bias=bias, kernel="ring"), ref[:7]) <= 1e-3
+    if bulk_ok():
+        assert rel_err(lin.forward(x[:13], bias=bias, kernel="bulk"), ref[:13]) <= 1e-3
     y3 = lin.forward(x.reshape(4, 5, 512), bias=False)
     assert y3.shape == (4, 5, 96)
     assert rel_err(y3.reshape(20, 96), reference(layer, x.double().cpu().numpy(), None)) <= 1e-3
@@ -229,15 +258,19 @@ def test_strided_input_and_explicit_bias():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,kernel", [(1, "stream"), (16, "stream"), (64, "tiled"), (1024, "tiled"), (256, "dense"),
-                                      (1, "ring"), (8, "ring"), (4, "ring")])
+                                      (1, "ring"), (8, "ring"), (4, "ring"), (1, "bulk"), (16, "bulk")])
 def test_repeated_calls_are_bit_identical(m, kernel):
     import torch
+
+    if kernel == "bulk" and not bulk_ok():
+        pytest.skip("the bulk kernel needs compute capability 9.0")
 
     rng = np.random.default_rng(m)
     layer = random_layer(rng, 1024, 4096, gs=128, zero_mode="int")
     lin = cuda.CudaPackedLinear(pack(layer), "cuda")
     x = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
-    assert lin.plan(m, kernel=kernel)["splits"] > 1 or m >= 256  # the split-K reduction is exercised
+    if kernel != "bulk":  # (for the bulk kernel, splits are its stages; 1024 rows always share quads)
+        assert lin.plan(m, kernel=kernel)["splits"] > 1 or m >= 256  # the split-K reduction is exercised
     first = lin.forward(x, kernel=kernel)
     for _ in range(20):
         assert torch.equal(lin.forward(x, kernel=kernel), first)
@@ -251,7 +284,7 @@ def test_cuda_graph_capture_and_replay():
     layer = random_layer(rng, 512, 2048, gs=64, zero_mode="float", act_order=True, bias=True)
     lin = cuda.CudaPackedLinear(pack(layer), "cuda")
     for m, kernel in ((1, "auto"), (24, "auto"), (48, "tiled"), (48, "auto"), (256, "auto"), (7, "ring"),
-                      (2, "ring"), (1, "stream")):
+                      (2, "ring"), (1, "stream")) + (((1, "bulk"), (13, "bulk")) if bulk_ok() else ()):
         x = torch.randn(m, 2048, device="cuda", dtype=torch.float16)
         eager = lin.forward(x, kernel=kernel)
         s = torch.cuda.Stream()
@@ -286,10 +319,15 @@ def test_auto_plan_per_shape():
         assert lib.w4p_cuda_plan(0, m, n, k, 4, 128, 0, 1, 0, 0, ko, so, wb) == 0
         return ko[0]
 
-    assert auto(1, 28672, 8192) == cuda.KERNELS["ring"]
-    assert auto(8, 8192, 28672) == cuda.KERNELS["ring"]
-    assert auto(1, 4096, 4096) == cuda.KERNELS["stream"]
-    assert auto(9, 28672, 8192) == cuda.KERNELS["stream"]
+    if bulk_ok():  # sm_90+: the bulk kernel up to M = 16
+        for m, n, k in ((1, 28672, 8192), (8, 8192, 28672), (1, 4096, 4096), (16, 11008, 4096)):
+            assert auto(m, n, k) == cuda.KERNELS["bulk"], (m, n, k)
+        assert auto(17, 28672, 8192) == cuda.KERNELS["stream"]
+    else:
+        assert auto(1, 28672, 8192) == cuda.KERNELS["ring"]
+        assert auto(8, 8192, 28672) == cuda.KERNELS["ring"]
+        assert auto(1, 4096, 4096) == cuda.KERNELS["stream"]
+        assert auto(9, 28672, 8192) == cuda.KERNELS["stream"]
 
 
 @pytest.mark.gpu
@@ -312,3 +350,6 @@ def test_gemm_entry_and_errors():
     with pytest.raises(cuda.CudaKernelError, match="ring kernel takes M <= 8"):
         cuda.CudaPackedLinear(packed, "cuda").forward(torch.randn(9, 256, device="cuda", dtype=torch.float16),
                                                       kernel="ring")
+    with pytest.raises(cuda.CudaKernelError, match="bulk kernel needs"):
+        cuda.CudaPackedLinear(packed, "cuda").forward(torch.randn(17, 256, device="cuda", dtype=torch.float16),
+                                                      kernel="bulk")

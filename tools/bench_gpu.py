@@ -140,6 +140,57 @@ def measure_tinygemm(k, n, m) -> float | None:
         return None
 
 
+_GEMLITE: dict = {}
+
+
+def measure_gemlite(k, n, m) -> float | None:
+    """gemlite (Triton) A16W4 with group 128 and asymmetric fp16 zeros, its h100 autotune table loaded; None if
+    gemlite is not importable or fails on this shape. Its first call per shape autotunes where the table has
+    no entry; a run stops trying gemlite once that takes over GEMLITE_BUDGET_S in total."""
+    if _GEMLITE.get("off"):
+        return None
+    try:
+        import gemlite
+        from gemlite.core import DType, GemLiteLinearTriton
+    except Exception as exc:  # noqa: BLE001 - absent peer: reported once
+        _GEMLITE["off"] = True
+        print(f"gemlite unavailable: {exc}", file=sys.stderr)
+        return None
+    try:
+        if "init" not in _GEMLITE:
+            cfg = Path(gemlite.__file__).parent / "configs" / "h100.json"
+            GemLiteLinearTriton.load_config(str(cfg))
+            _GEMLITE["init"] = True
+            _GEMLITE["spent"] = 0.0
+        copies = n_copies(k * n / 2)
+        lins = []
+        for _ in range(copies):
+            lin = GemLiteLinearTriton(4, group_size=GS, in_features=k, out_features=n, input_dtype=DType.FP16,
+                                      output_dtype=DType.FP16)
+            wq = torch.randint(0, 16, (n, k), dtype=torch.uint8, device="cuda")
+            sc = (torch.rand(n, k // GS, device="cuda", dtype=torch.float16) + 0.5) * 0.01
+            zr = torch.randint(0, 16, (n, k // GS), device="cuda").to(torch.float16)
+            lin.pack(wq, sc, zr, None)
+            lins.append(lin)
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        t0 = time.time()
+        lins[0](x)
+        torch.cuda.synchronize()
+        _GEMLITE["spent"] += time.time() - t0
+        t = time_graph(lambda i: lins[i](x), copies)
+        if _GEMLITE["spent"] > GEMLITE_BUDGET_S:
+            _GEMLITE["off"] = True
+            print(f"gemlite: autotuning took {_GEMLITE['spent']:.0f} s; not timed further in this run", file=sys.stderr)
+        del lins
+        return t
+    except Exception as exc:  # noqa: BLE001 - a peer failing on one shape is reported, not fatal
+        print(f"gemlite failed at {k}x{n} M={m}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+
+
+GEMLITE_BUDGET_S = 240.0
+
+
 def read_bandwidth() -> dict[str, float]:
     """Device-to-device copy (read + write counted) and the w4pack probes over a 0.5 GB layer."""
     a = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
@@ -157,7 +208,7 @@ def read_bandwidth() -> dict[str, float]:
     y = torch.empty(1, 65536, device="cuda", dtype=torch.float16)
     qbytes = lin.qweight.numel() * 4
     res = {"copy_rw_gbs": copy_gbs}
-    for probe in ("probe_load", "probe_dequant", "auto", "stream", "ring"):
+    for probe in ("probe_load", "probe_dequant", "auto", "stream", "ring", "bulk"):
         t = time_graph(lambda i: lin.forward(x, out=y, kernel=probe), 1, replays=10)
         res[f"{probe}_gbs"] = qbytes / (t * 1e-6) / 1e9
         res[f"{probe}_us"] = t
@@ -190,7 +241,9 @@ def smoke() -> int:
         w64 = layer.dequantize(np.float64)
         for m, kernel, splits in ((1, "stream", 0), (5, "stream", 3), (24, "stream", 0), (1, "ring", 0), (7, "ring", 3),
                                   (3, "ring", 1), (40, "tiled", 0),
-                                  (130, "tiled", 2), (70, "dense", 0)):
+                                  (130, "tiled", 2), (70, "dense", 0)) + (
+                                  ((1, "bulk", 0), (13, "bulk", 2), (6, "bulk", 3))
+                                  if torch.cuda.get_device_capability() >= (9, 0) else ()):
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             y = lin.forward(x, kernel=kernel, splits=splits)
             ref = x.double().cpu().numpy() @ w64.T + layer.bias.astype(np.float64)
@@ -235,17 +288,12 @@ def main() -> int:
     emit({"kind": "bandwidth", **bw})
     print("bandwidth: torch uint8 copy_ (read+write, not a ceiling) {copy_rw_gbs:.0f} GB/s; w4pack layout load-only {probe_load_gbs:.0f} GB/s, "
           "load+dequant {probe_dequant_gbs:.0f} GB/s, full GEMV (M=1) auto {auto_gbs:.0f} / stream {stream_gbs:.0f} / "
-          "ring {ring_gbs:.0f} GB/s of qweight".format(**bw),
+          "ring {ring_gbs:.0f} / bulk {bulk_gbs:.0f} GB/s of qweight".format(**bw),
           flush=True)
 
     try:
         import marlin  # noqa: F401
         print("marlin importable but not wired in this script", file=sys.stderr)
-    except ImportError:
-        pass
-    try:
-        import gemlite  # noqa: F401
-        print("gemlite importable but not wired in this script", file=sys.stderr)
     except ImportError:
         pass
 
@@ -259,14 +307,20 @@ def main() -> int:
             plan = lins[0].plan(m)
             t_mm, t_lin = measure_cublas(k, n, m)
             t_tg = measure_tinygemm(k, n, m)
+            t_gl = measure_gemlite(k, n, m)
             best = min(t_mm, t_lin)
             gbs = w4_bytes(k, n, m) / (t_w4 * 1e-6) / 1e9
             rec = {"kind": "gemm", "K": k, "N": n, "M": m, "w4pack_us": t_w4, "cublas_mm_us": t_mm,
-                   "cublas_linear_us": t_lin, "tinygemm_us": t_tg, "w4pack_gbs": gbs, "plan": plan}
+                   "cublas_linear_us": t_lin, "tinygemm_us": t_tg, "gemlite_us": t_gl, "w4pack_gbs": gbs, "plan": plan}
             sweep = {}
             if args.sweep:
-                if m <= 16:  # the block-split stream kernel against the ring kernel and its units per warp
+                if m <= 16:  # the block-split stream kernel against the ring and bulk kernels
                     sweep["stream"] = measure_w4(lins, k, n, m, "stream")
+                    for ns in (0, 3, 4, 6):
+                        try:
+                            sweep[f"bulk_ns{ns}"] = measure_w4(lins, k, n, m, "bulk", ns)
+                        except Exception as exc:  # noqa: BLE001 - a stage count that does not fit
+                            print(f"bulk ns={ns}: {exc}", file=sys.stderr)
                 if m <= 8:
                     sweep["ring"] = measure_w4(lins, k, n, m, "ring")
                     for upw in (8, 16, 32):
@@ -284,7 +338,7 @@ def main() -> int:
             rows.append(rec)
             extra = " ".join(f"{a}={b:.1f}" for a, b in sweep.items())
             print(f"  {k}x{n} M={m}: w4pack {t_w4:.1f} us ({plan['kernel']}/{plan['splits']}) cublas {best:.1f} "
-                  f"tinygemm {t_tg if t_tg is None else round(t_tg, 1)} {extra}", flush=True)
+                  f"tinygemm {t_tg if t_tg is None else round(t_tg, 1)} gemlite {t_gl if t_gl is None else round(t_gl, 1)} {extra}", flush=True)
         tables.append((k, n, rows))
         del lins
         torch.cuda.empty_cache()
@@ -296,15 +350,19 @@ def main() -> int:
     geo: dict[int, list[float]] = {}
     for k, n, rows in tables:
         print(f"\nK={k} N={n}")
-        print("| M | w4pack | cuBLAS fp16 | tinygemm bf16 | w4pack x | tinygemm x | w4pack GB/s | % read BW | plan |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("| M | w4pack | cuBLAS fp16 | tinygemm bf16 | gemlite fp16 | w4pack x | tinygemm x | gemlite x | "
+              "w4pack GB/s | % read BW | plan |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             best = min(r["cublas_mm_us"], r["cublas_linear_us"])
             tg = r["tinygemm_us"]
+            gl = r["gemlite_us"]
             sp = best / r["w4pack_us"]
             geo.setdefault(r["M"], []).append(sp)
             print(f"| {r['M']} | {r['w4pack_us']:.1f} | {best:.1f} | {'-' if tg is None else f'{tg:.1f}'} | "
-                  f"{sp:.2f}x | {'-' if tg is None else f'{best / tg:.2f}x'} | {r['w4pack_gbs']:.0f} | "
+                  f"{'-' if gl is None else f'{gl:.1f}'} | "
+                  f"{sp:.2f}x | {'-' if tg is None else f'{best / tg:.2f}x'} | {'-' if gl is None else f'{best / gl:.2f}x'} | "
+                  f"{r['w4pack_gbs']:.0f} | "
                   f"{100 * r['w4pack_gbs'] / READ_BW_REF:.0f}% | {r['plan']['kernel']}/{r['plan']['splits']} |")
     print("\nGeometric-mean speedup of w4pack over cuBLAS fp16 across shapes")
     for m, v in geo.items():

@@ -873,6 +873,345 @@ __global__ void __launch_bounds__(RW * 32, RING_MINB) ring_kernel(const Params p
 }
 
 // ------------------------------------------------------------------------------------------------
+// Bulk kernel (sm_90+, M <= 16): the weights of a unit (four stripes x up to BCT tiles, four contiguous
+// runs of up to 4 KiB each), its group parameters and its activation columns arrive through the bulk copy
+// engine (cp.async.bulk, completing on an mbarrier), NS stages deep per block, issued by one producer warp;
+// 8 consumer warps compute. One block per SM; stream-K over blocks: every block owns one contiguous range
+// of units numbered along K within each quad of stripes, so its weights are one contiguous run of memory
+// per stripe. Quads shared by several blocks are reduced as in the ring kernel (pieces summed in block
+// order by the last to arrive). Numerics are the stream kernel's.
+constexpr int BCT = 8;          // tiles per unit (512 columns of K)
+constexpr int BQ = 4;           // stripes per unit
+constexpr int BNC = 8;          // consumer warps
+constexpr int BMAXS = 8;        // most stages
+constexpr int BXP = BCT * 128 + 16;  // smem pitch of an activation row (+16: conflict-free ldmatrix)
+
+__host__ __device__ __forceinline__ int bulk_pgroups(int gs) { return gs > 0 ? (BCT * 64) / gs + 2 : 1; }
+// stage: weights | group parameters (per group: 64 scales, 64 zeros / minima) | activation rows
+__host__ __device__ __forceinline__ int bulk_stage_bytes(int sb, int m, int gs) {
+  return BQ * BCT * 512 * (sb / 4) + bulk_pgroups(gs) * 256 + m * BXP;
+}
+// fixed part: NS full + NS empty barriers, a zero row, two reduction buffers, a flag
+constexpr int BFIX = 2 * BMAXS * 8 + 16 + 2 * 4 * 32 * 2 * 4 * 4 + 16;
+__host__ __device__ __forceinline__ int bulk_smem_bytes(int sb, int m, int gs, int ns) {
+  return BFIX + ns * bulk_stage_bytes(sb, m, gs);
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, unsigned parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void *src, unsigned bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void bulk_copy_evict_first(uint32_t dst, const void *src, unsigned bytes, uint32_t bar,
+                                                      uint64_t pol) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(pol) : "memory");
+}
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// One 16x64 tile times NI n8 blocks of tokens, accumulated into acc (scales applied in fp32 per 32-wide
+// half, as in the stream kernel; float minima dequantized with one HFMA2).
+template <typename T, int SB, bool FM, int NI>
+__device__ __forceinline__ void bulk_tile(float (&acc)[NI][4], const uint32_t (&wd)[SB], const uint32_t (&bf)[NI][4][2],
+                                          const T *pr0, const T *pr1, bool split_groups, int gid, int zm,
+                                          const ZC<T, SB> &zc_sym) {
+  using T2 = typename Tr<T, SB>::T2;
+  if (!FM) {
+    float tmp[NI][4];
+#pragma unroll
+    for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) tmp[ni][c] = 0.f;
+    float s_lo = to_f(pr0[gid]), s_hi = to_f(pr0[gid + 8]);
+    ZC<T, SB> zc = zm != 0 ? zc_make<T, SB>(to_f(pr0[64 + gid]), to_f(pr0[64 + gid + 8])) : zc_sym;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      if (hh == 1 && split_groups) {
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) {
+          acc[ni][0] = fmaf(s_lo, tmp[ni][0], acc[ni][0]);
+          acc[ni][1] = fmaf(s_lo, tmp[ni][1], acc[ni][1]);
+          acc[ni][2] = fmaf(s_hi, tmp[ni][2], acc[ni][2]);
+          acc[ni][3] = fmaf(s_hi, tmp[ni][3], acc[ni][3]);
+          tmp[ni][0] = tmp[ni][1] = tmp[ni][2] = tmp[ni][3] = 0.f;
+        }
+        s_lo = to_f(pr1[gid]);
+        s_hi = to_f(pr1[gid + 8]);
+        if (zm != 0) zc = zc_make<T, SB>(to_f(pr1[64 + gid]), to_f(pr1[64 + gid + 8]));
+      }
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        const int j = hh * 2 + jj;
+        uint32_t av[4];
+        dq_int<T, SB>(wd, j, zc, av);
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) mma<T>(tmp[ni], av, bf[ni][j][0], bf[ni][j][1]);
+      }
+    }
+#pragma unroll
+    for (int ni = 0; ni < NI; ++ni) {
+      acc[ni][0] = fmaf(s_lo, tmp[ni][0], acc[ni][0]);
+      acc[ni][1] = fmaf(s_lo, tmp[ni][1], acc[ni][1]);
+      acc[ni][2] = fmaf(s_hi, tmp[ni][2], acc[ni][2]);
+      acc[ni][3] = fmaf(s_hi, tmp[ni][3], acc[ni][3]);
+    }
+  } else {
+    T2 s2lo = bcast2(pr0[gid]), s2hi = bcast2(pr0[gid + 8]);
+    T2 m2lo = bcast2(pr0[64 + gid]), m2hi = bcast2(pr0[64 + gid + 8]);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      if (hh == 1 && split_groups) {
+        s2lo = bcast2(pr1[gid]);
+        s2hi = bcast2(pr1[gid + 8]);
+        m2lo = bcast2(pr1[64 + gid]);
+        m2hi = bcast2(pr1[64 + gid + 8]);
+      }
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        const int j = hh * 2 + jj;
+        uint32_t av[4];
+        dq_float<T, SB>(wd, j, s2lo, s2hi, m2lo, m2hi, av);
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) mma<T>(acc[ni], av, bf[ni][j][0], bf[ni][j][1]);
+      }
+    }
+  }
+}
+
+template <typename T, int SB, bool FM, int NI>
+__global__ void __launch_bounds__((BNC + 1) * 32, 1) bulk_kernel(const Params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int V = SB / 4, WB = 512 * V;
+  constexpr int TPW = BCT * BQ / BNC;  // tiles per consumer warp per unit
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int NS = p.KC;  // stages
+  const int M = (int)p.M;
+  const int PG = bulk_pgroups(p.gs);
+  const int SSB = bulk_stage_bytes(SB, M, p.gs);
+  const int WOFF = 0, POFF = BQ * BCT * WB, XOFF = POFF + PG * 256;
+  const uint32_t sbase = smem_u32(smem);
+  const uint32_t full0 = sbase, empty0 = sbase + BMAXS * 8, zero_addr = sbase + 2 * BMAXS * 8;
+  float *red = reinterpret_cast<float *>(smem + 2 * BMAXS * 8 + 16);  // [2][4 warps][32 lanes][NI*4]
+  int *s_flag = reinterpret_cast<int *>(smem + BFIX - 16);
+  unsigned char *stages = smem + BFIX;
+  const uint32_t stages_addr = sbase + BFIX;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < NS; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, BNC);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  if (threadIdx.x < 4) reinterpret_cast<uint32_t *>(smem + 2 * BMAXS * 8)[threadIdx.x] = 0u;
+  __syncthreads();
+
+  const int nstripes = p.Np >> 4;
+  const int nquads = (nstripes + BQ - 1) / BQ;
+  const int NCH = (p.KT + BCT - 1) / BCT;  // units per quad
+  const int64_t total = (int64_t)nquads * NCH;
+  const int64_t blk = blockIdx.x;
+  const int64_t a = blk * total / p.W, b = (blk + 1) * total / p.W;
+  const int n = (int)(b - a);
+  const int first_quad = (int)(a / NCH);
+
+  if (warp == BNC) {
+    // producer: lane 0 arms the stage's barrier with the byte count, the lanes issue one copy each
+    uint64_t pol = 0;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+    const unsigned char *qwb = reinterpret_cast<const unsigned char *>(p.qw);
+    const T *xs = (const T *)p.x;
+    const T *zsrc = (const T *)(p.zm == 1 ? p.zeros : p.mins);
+    const T *ssrc = (const T *)p.scales;
+    const int np = p.zm != 0 ? 2 : 1;
+    int q = first_quad, c = (int)(a - (int64_t)first_quad * NCH);
+    for (int i = 0; i < n; ++i) {
+      const int s = i % NS;
+      if (i >= NS) mbar_wait(empty0 + 8 * s, ((i / NS) - 1) & 1);
+      const int t0 = c * BCT, nt = min(BCT, p.KT - t0);
+      const int nvs = min(BQ, nstripes - q * BQ);
+      const int g_lo = group_of(t0 * 64, p.gs, p.gshift), g_hi = group_of((t0 + nt) * 64 - 1, p.gs, p.gshift);
+      const int ng = g_hi - g_lo + 1;  // scales hold ceil(Kp / gs) groups: the padded tail has its own
+      const unsigned wbytes = (unsigned)(nt * WB), pbytes = (unsigned)(nvs * 32), xbytes = (unsigned)(nt * 128);
+      const int ncopies = nvs + ng * np + M;
+      const uint32_t st = stages_addr + s * SSB;
+      if (lane == 0) mbar_expect_tx(full0 + 8 * s, nvs * wbytes + ng * np * pbytes + M * xbytes);
+      __syncwarp();
+      for (int cc = lane; cc < ncopies; cc += 32) {
+        if (cc < nvs) {
+          const unsigned char *src = qwb + ((int64_t)(q * BQ + cc) * p.KT + t0) * WB;
+          bulk_copy_evict_first(st + WOFF + cc * BCT * WB, src, wbytes, full0 + 8 * s, pol);
+        } else if (cc < nvs + ng * np) {
+          const int r = cc - nvs, g = r / np, which = r % np;
+          const T *src = (which ? zsrc : ssrc) + (size_t)(g_lo + g) * p.Np + q * 64;
+          bulk_copy(st + POFF + g * 256 + which * 128, src, pbytes, full0 + 8 * s);
+        } else {
+          const int r = cc - nvs - ng * np;
+          bulk_copy(st + XOFF + r * BXP, xs + (int64_t)r * p.ldx + t0 * 64, xbytes, full0 + 8 * s);
+        }
+      }
+      if (++c == NCH) {
+        c = 0;
+        ++q;
+      }
+    }
+    return;
+  }
+
+  // consumers: warp w computes stripe w % BQ of the unit, tiles w / BQ + j * (BNC / BQ)
+  const int gid = lane >> 2, tid4 = lane & 3;
+  const int mi = warp % BQ, th = warp / BQ;
+  const ZC<T, SB> zc_sym = zc_make<T, SB>((float)(1 << (SB == 4 ? 3 : 7)), (float)(1 << (SB == 4 ? 3 : 7)));
+  // ldmatrix: matrix qm = lane >> 3 is slice 2 * jj + (qm >> 1), k half qm & 1, token (lane & 7) + 8 * ni
+  const uint32_t xl = ((lane >> 3) >> 1) * 32 + ((lane >> 3) & 1) * 16;
+  float acc[NI][4];
+#pragma unroll
+  for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+    for (int cc = 0; cc < 4; ++cc) acc[ni][cc] = 0.f;
+  const T *bias = (const T *)p.bias;
+  T *y = (T *)p.y;
+  int q = first_quad, c = (int)(a - (int64_t)first_quad * NCH), cb = c, seg = 0;
+  for (int i = 0; i < n; ++i) {
+    const int s = i % NS;
+    mbar_wait(full0 + 8 * s, (i / NS) & 1);
+    const unsigned char *st = stages + s * SSB;
+    const uint32_t sa = stages_addr + s * SSB;
+    const int t0 = c * BCT, nt = min(BCT, p.KT - t0);
+    const int g_lo = group_of(t0 * 64, p.gs, p.gshift);
+#pragma unroll
+    for (int j = 0; j < TPW; ++j) {
+      const int tt = th + j * (BNC / BQ);
+      if (tt < nt) {
+        uint32_t wd[SB];
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          const uint4 w4 = *reinterpret_cast<const uint4 *>(st + WOFF + (mi * BCT + tt) * WB + (lane * V + v) * 16);
+          wd[4 * v] = w4.x;
+          wd[4 * v + 1] = w4.y;
+          wd[4 * v + 2] = w4.z;
+          wd[4 * v + 3] = w4.w;
+        }
+        uint32_t bf[NI][4][2];
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) {
+          const int tok = (lane & 7) + 8 * ni;
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            const uint32_t ad = tok < M ? sa + XOFF + tok * BXP + tt * 128 + jj * 64 + xl : zero_addr;
+            ldsm_x4(ad, bf[ni][2 * jj][0], bf[ni][2 * jj][1], bf[ni][2 * jj + 1][0], bf[ni][2 * jj + 1][1]);
+          }
+        }
+        const int k0 = (t0 + tt) * 64;
+        const int gi0 = group_of(k0, p.gs, p.gshift) - g_lo, gi1 = group_of(k0 + 32, p.gs, p.gshift) - g_lo;
+        const T *pr0 = reinterpret_cast<const T *>(st + POFF + gi0 * 256) + mi * 16;
+        const T *pr1 = reinterpret_cast<const T *>(st + POFF + gi1 * 256) + mi * 16;
+        bulk_tile<T, SB, FM, NI>(acc, wd, bf, pr0, pr1, gi1 != gi0, gid, p.zm, zc_sym);
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty0 + 8 * s);
+    ++c;
+    if (c == NCH || i == n - 1) {  // end of this block's segment of quad q: combine the two tile halves
+      float *rb = red + (seg & 1) * (4 * 32 * NI * 4);
+      if (th == 1) {
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+          for (int cc = 0; cc < 4; ++cc) rb[(mi * 32 + lane) * NI * 4 + ni * 4 + cc] = acc[ni][cc];
+      }
+      named_sync(1, BNC * 32);
+      if (th == 0) {
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+          for (int cc = 0; cc < 4; ++cc) acc[ni][cc] += rb[(mi * 32 + lane) * NI * 4 + ni * 4 + cc];
+        const bool full = cb == 0 && c == NCH;
+        const int row0 = q * BQ * 16;
+        if (full) {
+#pragma unroll
+          for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+            for (int cc = 0; cc < 4; ++cc) {
+              const int row = row0 + mi * 16 + gid + (cc >> 1) * 8;
+              const int tok = ni * 8 + tid4 * 2 + (cc & 1);
+              if (row < p.N && tok < M) {
+                float v = acc[ni][cc];
+                if (bias) v += to_f(bias[row]);
+                y[(int64_t)tok * p.ldy + row] = from_f<T>(v);
+              }
+            }
+        } else {
+          const int sl = q == first_quad ? 0 : 1;
+          const int nv = M * BQ * 16;
+          float *piece = p.part + (size_t)(blk * 2 + sl) * nv;
+#pragma unroll
+          for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+            for (int cc = 0; cc < 4; ++cc) {
+              const int r = mi * 16 + gid + (cc >> 1) * 8;
+              const int tok = ni * 8 + tid4 * 2 + (cc & 1);
+              if (tok < M) __stcg(piece + tok * (BQ * 16) + r, acc[ni][cc]);
+            }
+          __threadfence();
+          named_sync(2, 4 * 32);
+          const int64_t w_lo = ring_owner((int64_t)q * NCH, total, p.W);
+          const int64_t w_hi = ring_owner((int64_t)(q + 1) * NCH - 1, total, p.W);
+          if (threadIdx.x == 0) *s_flag = atomicAdd(&p.counters[q], 1u) == (unsigned)(w_hi - w_lo);
+          named_sync(2, 4 * 32);
+          if (*s_flag) {  // last piece of this quad: sum the pieces in block order
+            __threadfence();
+            const int sl_lo = w_lo * total / p.W < (int64_t)q * NCH ? 1 : 0;
+            const int npc = (int)(w_hi - w_lo) + 1;
+            const float *base = p.part + (size_t)(w_lo * 2) * nv;
+            for (int e = threadIdx.x; e < nv; e += 4 * 32) {
+              float v = __ldcg(base + sl_lo * nv + e);
+              for (int jp = 1; jp < npc; ++jp) v += __ldcg(base + (size_t)(jp * 2) * nv + e);
+              const int tok = e / (BQ * 16), row = row0 + e % (BQ * 16);
+              if (row < p.N) {
+                if (bias) v += to_f(bias[row]);
+                y[(int64_t)tok * p.ldy + row] = from_f<T>(v);
+              }
+            }
+            if (threadIdx.x == 0) p.counters[q] = 0u;  // ready for the next call / graph replay
+          }
+          named_sync(2, 4 * 32);  // s_flag is read before the next segment may set it
+        }
+      }
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) acc[ni][cc] = 0.f;
+      ++seg;
+      c = 0;
+      cb = 0;
+      ++q;
+    }
+  }
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------
 // Tiled kernel: 128 rows x 128 tokens per block, 8 warps as 4 (rows, 32 each) x 2 (tokens, 64 each).
 constexpr int TBM = 128, TBN = 128, TST = 4, TXP = 72;  // TXP: smem pitch of a 64-wide activation row
 
@@ -1147,9 +1486,12 @@ constexpr int MAX_COUNTERS = (int)(COUNTER_BYTES / 4);
 constexpr int RING_MAX_M = 8;   // auto: the ring kernel up to this M (measured, docs/CUDA.md)
 constexpr int RING_LMIN = 4;    // ring: at least this many units per warp
 constexpr int RING_MIN_UNITS = 12;  // auto: the ring kernel only when each resident warp gets this many units
+constexpr int BULK_MAX_M = 16;      // the bulk kernel takes up to this M (two n8 blocks of tokens)
+constexpr int BULK_AUTO_M = 16;     // auto: the bulk kernel up to this M on sm_90+
 
 struct DevInfo {
   int sms = 0;
+  int cc = 0;  // compute capability, major * 10 + minor
   int smem_sm = 0, smem_block = 0, smem_reserved = 0;  // shared memory per SM, per block (opt-in), reserved
   bool init = false;
 };
@@ -1173,6 +1515,13 @@ int dev_info(int device, DevInfo *out) {
       cudaGetLastError();
       return fail(W4P_ECUDA, "cudaDeviceGetAttribute(device %d): shared memory limits unavailable", device);
     }
+    int ccmaj = 0, ccmin = 0;
+    if (cudaDeviceGetAttribute(&ccmaj, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&ccmin, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+      cudaGetLastError();
+      return fail(W4P_ECUDA, "cudaDeviceGetAttribute(device %d): compute capability unavailable", device);
+    }
+    g_dev[device].cc = ccmaj * 10 + ccmin;
     g_dev[device].sms = sms;
     g_dev[device].smem_sm = a;
     g_dev[device].smem_block = b;
@@ -1192,7 +1541,7 @@ int gshift_of(int gs) {
 }
 
 struct Plan {
-  int kernel = 0;  // 1 stream, 2 tiled, 3 ring, 10/11 probes (stream kernel variants)
+  int kernel = 0;  // 1 stream, 2 tiled, 3 ring, 4 bulk, 10/11 probes (stream kernel variants)
   int64_t W = 0;   // ring: workers (warps)
   int S = 1, TB = 1, NI = 1, MI = 1, KC = 8;
   int tiles = 0;   // output tiles (counters)
@@ -1219,6 +1568,9 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   const int ring_per_sm = std::max(1, std::min(RING_MINB, (int)(di.smem_sm / (ring_blk + di.smem_reserved))));
   const int64_t ring_cap = (int64_t)sms * ring_per_sm * RW;
   const int64_t ring_units = (int64_t)((nstripes + RQ - 1) / RQ) * KT;
+  // bulk kernel (sm_90+): one block of 9 warps per SM, as many stages as fit (at most BMAXS)
+  const bool bulk_ok = stream_ok && m <= BULK_MAX_M && di.cc >= 90 && (nstripes + BQ - 1) / BQ <= MAX_COUNTERS;
+  if (kind == W4P_CUDA_KERNEL_AUTO && bulk_ok && m <= BULK_AUTO_M) kind = W4P_CUDA_KERNEL_BULK;
   if (kind == W4P_CUDA_KERNEL_AUTO) {
     // Measured on an H200 (docs/CUDA.md): the ring kernel wins where every resident warp gets a long run of
     // units (70B-sized layers); on smaller layers the block-split stream kernel's shorter ramp wins
@@ -1230,7 +1582,34 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   if (kind == 3 && !ring_ok)
     return fail(W4P_EUNSUPPORTED, "the ring kernel takes M <= 8 and at most %d row stripes (m=%lld, n=%d)",
                 MAX_COUNTERS * RQ, (long long)m, n);
+  if (kind == W4P_CUDA_KERNEL_BULK && !bulk_ok)
+    return fail(W4P_EUNSUPPORTED, "the bulk kernel needs compute capability 9.0 or newer (this device: %d.%d), "
+                "M <= %d and a group size that is a multiple of 32", di.cc / 10, di.cc % 10, BULK_MAX_M);
   pl->kernel = kind;
+  if (kind == W4P_CUDA_KERNEL_BULK) {
+    // splits > 0 forces the number of stages (sweeps, tests); else as many as fit, at most BMAXS
+    const int mm = (int)m;
+    const int per_stage = bulk_stage_bytes(sbits, mm, gs);
+    int ns = splits > 0 ? splits : (di.smem_block - BFIX) / per_stage;
+    ns = std::min(ns, BMAXS);
+    if (ns < 2 || (size_t)bulk_smem_bytes(sbits, mm, gs, ns) > (size_t)di.smem_block)
+      return fail(W4P_EUNSUPPORTED, "bulk kernel: %d stages of %d bytes do not fit the device's %d bytes of shared "
+                  "memory per block", std::max(ns, 2), per_stage, di.smem_block);
+    const int nq = (nstripes + BQ - 1) / BQ;
+    const int64_t total = (int64_t)nq * ((KT + BCT - 1) / BCT);
+    pl->W = std::min<int64_t>(total, sms);
+    pl->S = ns;
+    pl->KC = ns;
+    pl->NI = m > 8 ? 2 : 1;
+    pl->TB = 1;
+    pl->tiles = nq;
+    pl->smem = bulk_smem_bytes(sbits, mm, gs, ns);
+    pl->gather = act_order || !x_aligned || (k % 64) != 0;
+    pl->ws_gather = pl->gather ? (((size_t)m * kp * 2 + 255) / 256) * 256 : 0;
+    pl->ws_part = (size_t)pl->W * 2 * m * BQ * 16 * 4;
+    pl->ws_total = COUNTER_BYTES + pl->ws_gather + pl->ws_part;
+    return W4P_OK;
+  }
   if (kind == 3) {
     // Stream-K over resident warps: grid = what fits on the GPU at once (shared memory and the launch
     // bound), each warp at least RING_LMIN units (fewer partial sums on small layers); splits > 0 forces
@@ -1399,9 +1778,24 @@ cudaError_t launch_ring(const Params &p, const Plan &pl, cudaStream_t st) {
   return cudaGetLastError();
 }
 
+template <typename T, int SB, int NI>
+cudaError_t launch_bulk_t(const Params &p, const Plan &pl, cudaStream_t st) {
+  auto fn = p.zm == 2 ? bulk_kernel<T, SB, true, NI> : bulk_kernel<T, SB, false, NI>;
+  cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
+  if (e != cudaSuccess) return e;
+  debug_occupancy(fn, "bulk", (BNC + 1) * 32, pl.smem);
+  fn<<<(unsigned)pl.W, (BNC + 1) * 32, pl.smem, st>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T, int SB>
+cudaError_t launch_bulk(const Params &p, const Plan &pl, cudaStream_t st) {
+  return pl.NI == 1 ? launch_bulk_t<T, SB, 1>(p, pl, st) : launch_bulk_t<T, SB, 2>(p, pl, st);
+}
+
 template <typename T>
 cudaError_t launch_all(Params &p, const Plan &pl, int sbits, void *ws_gather, cudaStream_t st) {
-  if (pl.kernel == 2 || pl.kernel == 3) {
+  if (pl.kernel == 2 || pl.kernel == 3 || pl.kernel == W4P_CUDA_KERNEL_BULK) {
     if (pl.gather) {
       T *xg = (T *)ws_gather;
       const int64_t total = p.M * (int64_t)p.Kp;
@@ -1417,6 +1811,7 @@ cudaError_t launch_all(Params &p, const Plan &pl, int sbits, void *ws_gather, cu
     } else {
       p.kx = p.K;
     }
+    if (pl.kernel == W4P_CUDA_KERNEL_BULK) return sbits == 4 ? launch_bulk<T, 4>(p, pl, st) : launch_bulk<T, 8>(p, pl, st);
     if (pl.kernel != 2) return sbits == 4 ? launch_ring<T, 4>(p, pl, st) : launch_ring<T, 8>(p, pl, st);
     return sbits == 4 ? launch_tiled_t<T, 4>(p, pl, st) : launch_tiled_t<T, 8>(p, pl, st);
   }
