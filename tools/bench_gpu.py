@@ -208,7 +208,7 @@ def read_bandwidth() -> dict[str, float]:
     y = torch.empty(1, 65536, device="cuda", dtype=torch.float16)
     qbytes = lin.qweight.numel() * 4
     res = {"copy_rw_gbs": copy_gbs}
-    for probe in ("probe_load", "probe_dequant", "auto", "stream", "ring", "bulk"):
+    for probe in ("probe_load", "probe_dequant", "probe_bulk", "auto", "stream", "ring", "bulk"):
         t = time_graph(lambda i: lin.forward(x, out=y, kernel=probe), 1, replays=10)
         res[f"{probe}_gbs"] = qbytes / (t * 1e-6) / 1e9
         res[f"{probe}_us"] = t
@@ -264,6 +264,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None, help="append one JSON line per measurement")
     ap.add_argument("--shapes", default="", help="comma list of KxN (default: the six Llama shapes)")
     ap.add_argument("--ms", default="", help="comma list of M (e.g. 1,4,16: the decode regime only)")
+    ap.add_argument("--no-gemlite", action="store_true", help="leave gemlite out (its autotuning takes minutes)")
     ap.add_argument("--smoke", action="store_true", help="only run a few small checked calls of every kernel")
     args = ap.parse_args()
     if not w4cuda.available():
@@ -271,6 +272,8 @@ def main() -> int:
         return 2
     if args.smoke:
         return smoke()
+    if args.no_gemlite:
+        _GEMLITE["off"] = True
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s] or SHAPES
     ms = [int(v) for v in args.ms.split(",") if v] or ([1, 16, 64, 256] if args.quick else MS)
     props = torch.cuda.get_device_properties(0)
@@ -287,7 +290,7 @@ def main() -> int:
     bw = read_bandwidth()
     emit({"kind": "bandwidth", **bw})
     print("bandwidth: torch uint8 copy_ (read+write, not a ceiling) {copy_rw_gbs:.0f} GB/s; w4pack layout load-only {probe_load_gbs:.0f} GB/s, "
-          "load+dequant {probe_dequant_gbs:.0f} GB/s, full GEMV (M=1) auto {auto_gbs:.0f} / stream {stream_gbs:.0f} / "
+          "load+dequant {probe_dequant_gbs:.0f} GB/s, bulk copies only {probe_bulk_gbs:.0f} GB/s, full GEMV (M=1) auto {auto_gbs:.0f} / stream {stream_gbs:.0f} / "
           "ring {ring_gbs:.0f} / bulk {bulk_gbs:.0f} GB/s of qweight".format(**bw),
           flush=True)
 
@@ -316,6 +319,7 @@ def main() -> int:
             if args.sweep:
                 if m <= 16:  # the block-split stream kernel against the ring and bulk kernels
                     sweep["stream"] = measure_w4(lins, k, n, m, "stream")
+                    sweep["probe_bulk"] = measure_w4(lins, k, n, m, "probe_bulk")
                     for ns in (0, 3, 4, 6):
                         try:
                             sweep[f"bulk_ns{ns}"] = measure_w4(lins, k, n, m, "bulk", ns)
@@ -323,8 +327,6 @@ def main() -> int:
                             print(f"bulk ns={ns}: {exc}", file=sys.stderr)
                 if m <= 8:
                     sweep["ring"] = measure_w4(lins, k, n, m, "ring")
-                    for upw in (8, 16, 32):
-                        sweep[f"ring_L{upw}"] = measure_w4(lins, k, n, m, "ring", upw)
                 elif m <= 64:
                     for sp in (1, 2, 4, 8, 16, 32):
                         sweep[f"stream_s{sp}"] = measure_w4(lins, k, n, m, "stream", sp)

@@ -232,6 +232,7 @@ struct Params {
   int kx;                // tiled: valid K extent of the (possibly gathered) activations
   unsigned sink;         // probe modes: a value the checksum never equals
   int64_t W;             // ring kernel: workers (warps) sharing the weight stream
+  int probe;             // bulk kernel: 1 = copies only, no arithmetic (diagnostics: the copy pipeline's rate)
 };
 
 // Split-K epilogue shared by both kernels: every block stores its fp32 partial tile; the last block to
@@ -928,72 +929,98 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// One 16x64 tile times NI n8 blocks of tokens, accumulated into acc (scales applied in fp32 per 32-wide
-// half, as in the stream kernel; float minima dequantized with one HFMA2).
-template <typename T, int SB, bool FM, int NI>
-__device__ __forceinline__ void bulk_tile(float (&acc)[NI][4], const uint32_t (&wd)[SB], const uint32_t (&bf)[NI][4][2],
-                                          const T *pr0, const T *pr1, bool split_groups, int gid, int zm,
-                                          const ZC<T, SB> &zc_sym) {
+// A consumer warp's share of one unit: TPW tiles of one stripe times NI n8 blocks of tokens. Every load is
+// issued first, then the MMAs run slice by slice across the tiles, so that consecutive MMAs never depend on
+// each other (one accumulator per tile and 32-wide half). Zero modes none/int: exact (q - z) through the
+// MMA and the half's scale applied in fp32; float minima: s * q + m in the activation dtype, scale 1.
+// Tiles past the unit's end (nt) compute exact zeros: zero codes, zero activations, zero scale.
+template <typename T, int SB, bool FM, int NI, int TPW>
+__device__ __forceinline__ void bulk_unit(float (&acc)[NI][4], const unsigned char *st, uint32_t sa, int woff,
+                                          int poff, int xoff, int mi, int th, int nt, int t0, int g_lo, int M,
+                                          uint32_t zero_addr, const Params &p, const ZC<T, SB> &zc_sym) {
   using T2 = typename Tr<T, SB>::T2;
-  if (!FM) {
-    float tmp[NI][4];
+  constexpr int V = SB / 4, WB = 512 * V, TSTEP = BNC / BQ;
+  const int lane = threadIdx.x & 31, gid = lane >> 2;
+  const uint32_t xl = ((lane >> 3) >> 1) * 32 + ((lane >> 3) & 1) * 16;
+  uint32_t wd[TPW][SB];
+  uint32_t bf[TPW][NI][4][2];
+  bool ok[TPW];
 #pragma unroll
-    for (int ni = 0; ni < NI; ++ni)
+  for (int j = 0; j < TPW; ++j) {
+    const int tt = th + j * TSTEP;
+    ok[j] = tt < nt;
 #pragma unroll
-      for (int c = 0; c < 4; ++c) tmp[ni][c] = 0.f;
-    float s_lo = to_f(pr0[gid]), s_hi = to_f(pr0[gid + 8]);
-    ZC<T, SB> zc = zm != 0 ? zc_make<T, SB>(to_f(pr0[64 + gid]), to_f(pr0[64 + gid + 8])) : zc_sym;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      if (hh == 1 && split_groups) {
-#pragma unroll
-        for (int ni = 0; ni < NI; ++ni) {
-          acc[ni][0] = fmaf(s_lo, tmp[ni][0], acc[ni][0]);
-          acc[ni][1] = fmaf(s_lo, tmp[ni][1], acc[ni][1]);
-          acc[ni][2] = fmaf(s_hi, tmp[ni][2], acc[ni][2]);
-          acc[ni][3] = fmaf(s_hi, tmp[ni][3], acc[ni][3]);
-          tmp[ni][0] = tmp[ni][1] = tmp[ni][2] = tmp[ni][3] = 0.f;
-        }
-        s_lo = to_f(pr1[gid]);
-        s_hi = to_f(pr1[gid + 8]);
-        if (zm != 0) zc = zc_make<T, SB>(to_f(pr1[64 + gid]), to_f(pr1[64 + gid + 8]));
-      }
-#pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {
-        const int j = hh * 2 + jj;
-        uint32_t av[4];
-        dq_int<T, SB>(wd, j, zc, av);
-#pragma unroll
-        for (int ni = 0; ni < NI; ++ni) mma<T>(tmp[ni], av, bf[ni][j][0], bf[ni][j][1]);
-      }
+    for (int v = 0; v < V; ++v) {
+      uint4 w4 = make_uint4(0, 0, 0, 0);
+      if (ok[j]) w4 = *reinterpret_cast<const uint4 *>(st + woff + (mi * BCT + tt) * WB + (lane * V + v) * 16);
+      wd[j][4 * v] = w4.x;
+      wd[j][4 * v + 1] = w4.y;
+      wd[j][4 * v + 2] = w4.z;
+      wd[j][4 * v + 3] = w4.w;
     }
 #pragma unroll
     for (int ni = 0; ni < NI; ++ni) {
-      acc[ni][0] = fmaf(s_lo, tmp[ni][0], acc[ni][0]);
-      acc[ni][1] = fmaf(s_lo, tmp[ni][1], acc[ni][1]);
-      acc[ni][2] = fmaf(s_hi, tmp[ni][2], acc[ni][2]);
-      acc[ni][3] = fmaf(s_hi, tmp[ni][3], acc[ni][3]);
-    }
-  } else {
-    T2 s2lo = bcast2(pr0[gid]), s2hi = bcast2(pr0[gid + 8]);
-    T2 m2lo = bcast2(pr0[64 + gid]), m2hi = bcast2(pr0[64 + gid + 8]);
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      if (hh == 1 && split_groups) {
-        s2lo = bcast2(pr1[gid]);
-        s2hi = bcast2(pr1[gid + 8]);
-        m2lo = bcast2(pr1[64 + gid]);
-        m2hi = bcast2(pr1[64 + gid + 8]);
-      }
+      const int tok = (lane & 7) + 8 * ni;
 #pragma unroll
       for (int jj = 0; jj < 2; ++jj) {
-        const int j = hh * 2 + jj;
-        uint32_t av[4];
-        dq_float<T, SB>(wd, j, s2lo, s2hi, m2lo, m2hi, av);
-#pragma unroll
-        for (int ni = 0; ni < NI; ++ni) mma<T>(acc[ni], av, bf[ni][j][0], bf[ni][j][1]);
+        const uint32_t ad = (tok < M && ok[j]) ? sa + xoff + tok * BXP + tt * 128 + jj * 64 + xl : zero_addr;
+        ldsm_x4(ad, bf[j][ni][2 * jj][0], bf[j][ni][2 * jj][1], bf[j][ni][2 * jj + 1][0], bf[j][ni][2 * jj + 1][1]);
       }
     }
+  }
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float tmp[TPW][NI][4];
+    float s_lo[TPW], s_hi[TPW];
+    ZC<T, SB> zc[TPW];
+    T2 s2lo[TPW], s2hi[TPW], m2lo[TPW], m2hi[TPW];
+#pragma unroll
+    for (int j = 0; j < TPW; ++j) {
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) tmp[j][ni][c] = 0.f;
+      const int k = (t0 + th + j * TSTEP) * 64 + 32 * hh;
+      const int gi = ok[j] ? group_of(k, p.gs, p.gshift) - g_lo : 0;
+      const T *pr = reinterpret_cast<const T *>(st + poff + gi * 256) + mi * 16;
+      if (!FM) {
+        s_lo[j] = ok[j] ? to_f(pr[gid]) : 0.f;
+        s_hi[j] = ok[j] ? to_f(pr[gid + 8]) : 0.f;
+        zc[j] = (p.zm != 0 && ok[j]) ? zc_make<T, SB>(to_f(pr[64 + gid]), to_f(pr[64 + gid + 8])) : zc_sym;
+      } else {
+        const T zero = from_f<T>(0.f);
+        s2lo[j] = bcast2(ok[j] ? pr[gid] : zero);
+        s2hi[j] = bcast2(ok[j] ? pr[gid + 8] : zero);
+        m2lo[j] = bcast2(ok[j] ? pr[64 + gid] : zero);
+        m2hi[j] = bcast2(ok[j] ? pr[64 + gid + 8] : zero);
+      }
+    }
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+      const int sl = hh * 2 + jj;
+#pragma unroll
+      for (int j = 0; j < TPW; ++j) {
+        uint32_t av[4];
+        if (!FM) dq_int<T, SB>(wd[j], sl, zc[j], av);
+        else dq_float<T, SB>(wd[j], sl, s2lo[j], s2hi[j], m2lo[j], m2hi[j], av);
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) mma<T>(tmp[j][ni], av, bf[j][ni][sl][0], bf[j][ni][sl][1]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < TPW; ++j)
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni) {
+        if (!FM) {
+          acc[ni][0] = fmaf(s_lo[j], tmp[j][ni][0], acc[ni][0]);
+          acc[ni][1] = fmaf(s_lo[j], tmp[j][ni][1], acc[ni][1]);
+          acc[ni][2] = fmaf(s_hi[j], tmp[j][ni][2], acc[ni][2]);
+          acc[ni][3] = fmaf(s_hi[j], tmp[j][ni][3], acc[ni][3]);
+        } else {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[ni][c] += tmp[j][ni][c];
+        }
+      }
   }
 }
 
@@ -1082,8 +1109,6 @@ __global__ void __launch_bounds__((BNC + 1) * 32, 1) bulk_kernel(const Params p)
   const int gid = lane >> 2, tid4 = lane & 3;
   const int mi = warp % BQ, th = warp / BQ;
   const ZC<T, SB> zc_sym = zc_make<T, SB>((float)(1 << (SB == 4 ? 3 : 7)), (float)(1 << (SB == 4 ? 3 : 7)));
-  // ldmatrix: matrix qm = lane >> 3 is slice 2 * jj + (qm >> 1), k half qm & 1, token (lane & 7) + 8 * ni
-  const uint32_t xl = ((lane >> 3) >> 1) * 32 + ((lane >> 3) & 1) * 16;
   float acc[NI][4];
 #pragma unroll
   for (int ni = 0; ni < NI; ++ni)
@@ -1099,36 +1124,8 @@ __global__ void __launch_bounds__((BNC + 1) * 32, 1) bulk_kernel(const Params p)
     const uint32_t sa = stages_addr + s * SSB;
     const int t0 = c * BCT, nt = min(BCT, p.KT - t0);
     const int g_lo = group_of(t0 * 64, p.gs, p.gshift);
-#pragma unroll
-    for (int j = 0; j < TPW; ++j) {
-      const int tt = th + j * (BNC / BQ);
-      if (tt < nt) {
-        uint32_t wd[SB];
-#pragma unroll
-        for (int v = 0; v < V; ++v) {
-          const uint4 w4 = *reinterpret_cast<const uint4 *>(st + WOFF + (mi * BCT + tt) * WB + (lane * V + v) * 16);
-          wd[4 * v] = w4.x;
-          wd[4 * v + 1] = w4.y;
-          wd[4 * v + 2] = w4.z;
-          wd[4 * v + 3] = w4.w;
-        }
-        uint32_t bf[NI][4][2];
-#pragma unroll
-        for (int ni = 0; ni < NI; ++ni) {
-          const int tok = (lane & 7) + 8 * ni;
-#pragma unroll
-          for (int jj = 0; jj < 2; ++jj) {
-            const uint32_t ad = tok < M ? sa + XOFF + tok * BXP + tt * 128 + jj * 64 + xl : zero_addr;
-            ldsm_x4(ad, bf[ni][2 * jj][0], bf[ni][2 * jj][1], bf[ni][2 * jj + 1][0], bf[ni][2 * jj + 1][1]);
-          }
-        }
-        const int k0 = (t0 + tt) * 64;
-        const int gi0 = group_of(k0, p.gs, p.gshift) - g_lo, gi1 = group_of(k0 + 32, p.gs, p.gshift) - g_lo;
-        const T *pr0 = reinterpret_cast<const T *>(st + POFF + gi0 * 256) + mi * 16;
-        const T *pr1 = reinterpret_cast<const T *>(st + POFF + gi1 * 256) + mi * 16;
-        bulk_tile<T, SB, FM, NI>(acc, wd, bf, pr0, pr1, gi1 != gi0, gid, p.zm, zc_sym);
-      }
-    }
+    if (!p.probe)
+      bulk_unit<T, SB, FM, NI, TPW>(acc, st, sa, WOFF, POFF, XOFF, mi, th, nt, t0, g_lo, M, zero_addr, p, zc_sym);
     __syncwarp();
     if (lane == 0) mbar_arrive(empty0 + 8 * s);
     ++c;
@@ -1582,6 +1579,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   if (kind == 3 && !ring_ok)
     return fail(W4P_EUNSUPPORTED, "the ring kernel takes M <= 8 and at most %d row stripes (m=%lld, n=%d)",
                 MAX_COUNTERS * RQ, (long long)m, n);
+  if (kind == W4P_CUDA_PROBE_BULK) kind = W4P_CUDA_KERNEL_BULK;
   if (kind == W4P_CUDA_KERNEL_BULK && !bulk_ok)
     return fail(W4P_EUNSUPPORTED, "the bulk kernel needs compute capability 9.0 or newer (this device: %d.%d), "
                 "M <= %d and a group size that is a multiple of 32", di.cc / 10, di.cc % 10, BULK_MAX_M);
@@ -1950,6 +1948,7 @@ int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k, 
   p.kx = k;
   p.W = pl.W;
   p.sink = 0x9E3779B9u;
+  p.probe = kernel == W4P_CUDA_PROBE_BULK ? 1 : 0;
 
   cudaStream_t st = (cudaStream_t)stream;
   e = dtype == W4P_DT_F16 ? launch_all<half>(p, pl, storage_bits, ws_gather, st)
