@@ -623,7 +623,7 @@ __device__ __forceinline__ int64_t ring_owner(int64_t idx, int64_t total, int64_
   return ((idx + 1) * W + total - 1) / total - 1;
 }
 
-template <typename T, int SB, bool FM>
+template <typename T, int SB, bool FM, bool IL>
 __global__ void __launch_bounds__(RW * 32, RING_MINB) ring_kernel(const Params p) {
   using T2 = typename Tr<T, SB>::T2;
   constexpr int V = SB / 4, WB = 512 * V, PB = RQ * WB, XB = RQ * (WB + 128);
@@ -732,6 +732,52 @@ __global__ void __launch_bounds__(RW * 32, RING_MINB) ring_kernel(const Params p
       ldsm_x4(ad, bf[2 * jj][0], bf[2 * jj][1], bf[2 * jj + 1][0], bf[2 * jj + 1][1]);
     }
     const int gi0 = group_of(t * 64, p.gs, p.gshift), gi1 = group_of(t * 64 + 32, p.gs, p.gshift);
+    if constexpr (IL && !FM) {
+      // all four stripes' weights first, then the MMAs slice by slice across the stripes (no dependent chains)
+      uint32_t wd[RQ][4 * V];
+#pragma unroll
+      for (int mi = 0; mi < RQ; ++mi)
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          const uint4 w4 = *reinterpret_cast<const uint4 *>(slot + mi * WB + (lane * V + v) * 16);
+          wd[mi][4 * v] = w4.x;
+          wd[mi][4 * v + 1] = w4.y;
+          wd[mi][4 * v + 2] = w4.z;
+          wd[mi][4 * v + 3] = w4.w;
+        }
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float tmp[RQ][4], s_lo[RQ], s_hi[RQ];
+        ZC<T, SB> zc[RQ];
+        const int ph2 = (hh == 1 && gi1 != gi0) ? 1 : 0;
+#pragma unroll
+        for (int mi = 0; mi < RQ; ++mi) {
+          const T *pr = reinterpret_cast<const T *>(slot + PB + mi * 128) + ph2 * 32;
+          s_lo[mi] = to_f(pr[gid]);
+          s_hi[mi] = to_f(pr[gid + 8]);
+          zc[mi] = p.zm != 0 ? zc_make<T, SB>(to_f(pr[16 + gid]), to_f(pr[16 + gid + 8])) : zc_sym;
+#pragma unroll
+          for (int c = 0; c < 4; ++c) tmp[mi][c] = 0.f;
+        }
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          const int j = hh * 2 + jj;
+#pragma unroll
+          for (int mi = 0; mi < RQ; ++mi) {
+            uint32_t av[4];
+            dq_int<T, SB>(wd[mi], j, zc[mi], av);
+            mma<T>(tmp[mi], av, bf[j][0], bf[j][1]);
+          }
+        }
+#pragma unroll
+        for (int mi = 0; mi < RQ; ++mi) {
+          acc[mi][0] = fmaf(s_lo[mi], tmp[mi][0], acc[mi][0]);
+          acc[mi][1] = fmaf(s_lo[mi], tmp[mi][1], acc[mi][1]);
+          acc[mi][2] = fmaf(s_hi[mi], tmp[mi][2], acc[mi][2]);
+          acc[mi][3] = fmaf(s_hi[mi], tmp[mi][3], acc[mi][3]);
+        }
+      }
+    } else
 #pragma unroll
     for (int mi = 0; mi < RQ; ++mi) {
       uint32_t wd[4 * V];
@@ -1065,7 +1111,8 @@ __global__ void __launch_bounds__((BNC + 1) * 32, 1) bulk_kernel(const Params p)
   if (warp == BNC) {
     // producer: lane 0 arms the stage's barrier with the byte count, the lanes issue one copy each
     uint64_t pol = 0;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+    if (p.probe & 4) asm volatile("createpolicy.fractional.L2::evict_unchanged.b64 %0, 1.0;\n" : "=l"(pol));
+    else asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
     const unsigned char *qwb = reinterpret_cast<const unsigned char *>(p.qw);
     const T *xs = (const T *)p.x;
     const T *zsrc = (const T *)(p.zm == 1 ? p.zeros : p.mins);
@@ -1080,9 +1127,36 @@ __global__ void __launch_bounds__((BNC + 1) * 32, 1) bulk_kernel(const Params p)
       const int g_lo = group_of(t0 * 64, p.gs, p.gshift), g_hi = group_of((t0 + nt) * 64 - 1, p.gs, p.gshift);
       const int ng = g_hi - g_lo + 1;  // scales hold ceil(Kp / gs) groups: the padded tail has its own
       const unsigned wbytes = (unsigned)(nt * WB), pbytes = (unsigned)(nvs * 32), xbytes = (unsigned)(nt * 128);
-      const int ncopies = nvs + ng * np + M;
+      int ncopies = nvs + ng * np + M;
       const uint32_t st = stages_addr + s * SSB;
-      if (lane == 0) mbar_expect_tx(full0 + 8 * s, nvs * wbytes + ng * np * pbytes + M * xbytes);
+      if (p.probe & 2) {  // diagnostics: the unit's weights as one contiguous run (wrong data, same bytes)
+        if (lane == 0) {
+          const int64_t u = (int64_t)q * NCH + c;
+          const int64_t lim = (int64_t)nstripes * p.KT * WB - (int64_t)nvs * wbytes;
+          int64_t off = u * (int64_t)BQ * BCT * WB;
+          if (off > lim) off = lim;
+          mbar_expect_tx(full0 + 8 * s, nvs * wbytes + ((p.probe & 8) ? 0 : ng * np * pbytes + M * xbytes));
+          bulk_copy_evict_first(st + WOFF, qwb + off, nvs * wbytes, full0 + 8 * s, pol);
+        }
+        __syncwarp();
+        if (!(p.probe & 8))
+          for (int cc = lane; cc < ng * np + M; cc += 32) {
+            if (cc < ng * np) {
+              const int g = cc / np, which = cc % np;
+              const T *src = (which ? zsrc : ssrc) + (size_t)(g_lo + g) * p.Np + q * 64;
+              bulk_copy(st + POFF + g * 256 + which * 128, src, pbytes, full0 + 8 * s);
+            } else {
+              const int r = cc - ng * np;
+              bulk_copy(st + XOFF + r * BXP, xs + (int64_t)r * p.ldx + t0 * 64, xbytes, full0 + 8 * s);
+            }
+          }
+        ncopies = 0;
+      } else if (p.probe & 8) {  // diagnostics: weights only
+        ncopies = nvs;
+        if (lane == 0) mbar_expect_tx(full0 + 8 * s, nvs * wbytes);
+      } else if (lane == 0) {
+        mbar_expect_tx(full0 + 8 * s, nvs * wbytes + ng * np * pbytes + M * xbytes);
+      }
       __syncwarp();
       for (int cc = lane; cc < ncopies; cc += 32) {
         if (cc < nvs) {
@@ -1486,6 +1560,13 @@ constexpr int RING_MIN_UNITS = 12;  // auto: the ring kernel only when each resi
 constexpr int BULK_MAX_M = 16;      // the bulk kernel takes up to this M (two n8 blocks of tokens)
 constexpr int BULK_AUTO_M = 16;     // auto: the bulk kernel up to this M on sm_90+
 
+// diagnostics for the bulk copy-only probe (tools/bench_gpu.py --sweep): bit 0 one contiguous weight copy
+// per unit, bit 1 no L2 evict-first hint, bit 2 weights only, bit 3 two blocks per SM
+int bulk_probe_env() {
+  const char *e = getenv("W4P_BULK_PROBE");
+  return e ? atoi(e) & 15 : 0;
+}
+
 struct DevInfo {
   int sms = 0;
   int cc = 0;  // compute capability, major * 10 + minor
@@ -1595,7 +1676,9 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
                   "memory per block", std::max(ns, 2), per_stage, di.smem_block);
     const int nq = (nstripes + BQ - 1) / BQ;
     const int64_t total = (int64_t)nq * ((KT + BCT - 1) / BCT);
-    pl->W = std::min<int64_t>(total, sms);
+    // (diagnostics: W4P_BULK_PROBE bit 3 with the copy-only probe launches two blocks per SM)
+    const int bps = (kernel == W4P_CUDA_PROBE_BULK && (bulk_probe_env() & 8)) ? 2 : 1;
+    pl->W = std::min<int64_t>(total, (int64_t)sms * bps);
     pl->S = ns;
     pl->KC = ns;
     pl->NI = m > 8 ? 2 : 1;
@@ -1762,7 +1845,9 @@ cudaError_t launch_tiled_t(const Params &p, const Plan &pl, cudaStream_t st) {
 
 template <typename T, int SB>
 cudaError_t launch_ring(const Params &p, const Plan &pl, cudaStream_t st) {
-  auto fn = p.zm == 2 ? ring_kernel<T, SB, true> : ring_kernel<T, SB, false>;
+  const char *ser = getenv("W4P_RING_SERIAL");  // diagnostics: the per-stripe (serial MMA chain) variant
+  const bool il = !(ser && ser[0] == '1');
+  auto fn = p.zm == 2 ? ring_kernel<T, SB, true, false> : il ? ring_kernel<T, SB, false, true> : ring_kernel<T, SB, false, false>;
   if (pl.smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
     if (e != cudaSuccess) return e;
@@ -1948,7 +2033,7 @@ int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k, 
   p.kx = k;
   p.W = pl.W;
   p.sink = 0x9E3779B9u;
-  p.probe = kernel == W4P_CUDA_PROBE_BULK ? 1 : 0;
+  p.probe = kernel == W4P_CUDA_PROBE_BULK ? 1 | (bulk_probe_env() << 1) : 0;
 
   cudaStream_t st = (cudaStream_t)stream;
   e = dtype == W4P_DT_F16 ? launch_all<half>(p, pl, storage_bits, ws_gather, st)
