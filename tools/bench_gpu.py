@@ -15,7 +15,6 @@ import argparse
 import copy
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -321,11 +320,6 @@ def main() -> int:
                 if m <= 16:  # the block-split stream kernel against the ring and bulk kernels
                     sweep["stream"] = measure_w4(lins, k, n, m, "stream")
                     sweep["probe_bulk"] = measure_w4(lins, k, n, m, "probe_bulk")
-                    if m == 1:  # copy-only variants (W4P_BULK_PROBE bits, native/cuda/w4p_gemm.cu)
-                        for bits_ in (1, 2, 4, 5, 7):
-                            os.environ["W4P_BULK_PROBE"] = str(bits_)
-                            sweep[f"probe_bulk{bits_}"] = measure_w4(lins, k, n, m, "probe_bulk")
-                        os.environ.pop("W4P_BULK_PROBE", None)
                     for ns in (0, 3, 4, 6):
                         try:
                             sweep[f"bulk_ns{ns}"] = measure_w4(lins, k, n, m, "bulk", ns)
@@ -333,9 +327,6 @@ def main() -> int:
                             print(f"bulk ns={ns}: {exc}", file=sys.stderr)
                 if m <= 8:
                     sweep["ring"] = measure_w4(lins, k, n, m, "ring")
-                    os.environ["W4P_RING_SERIAL"] = "1"
-                    sweep["ring_serial"] = measure_w4(lins, k, n, m, "ring")
-                    os.environ.pop("W4P_RING_SERIAL", None)
                 elif m <= 64:
                     for sp in (1, 2, 4, 8, 16, 32):
                         sweep[f"stream_s{sp}"] = measure_w4(lins, k, n, m, "stream", sp)

@@ -623,7 +623,7 @@ __device__ __forceinline__ int64_t ring_owner(int64_t idx, int64_t total, int64_
   return ((idx + 1) * W + total - 1) / total - 1;
 }
 
-template <typename T, int SB, bool FM, bool IL>
+template <typename T, int SB, bool FM>
 __global__ void __launch_bounds__(RW * 32, RING_MINB) ring_kernel(const Params p) {
   using T2 = typename Tr<T, SB>::T2;
   constexpr int V = SB / 4, WB = 512 * V, PB = RQ * WB, XB = RQ * (WB + 128);
@@ -732,52 +732,6 @@ __global__ void __launch_bounds__(RW * 32, RING_MINB) ring_kernel(const Params p
       ldsm_x4(ad, bf[2 * jj][0], bf[2 * jj][1], bf[2 * jj + 1][0], bf[2 * jj + 1][1]);
     }
     const int gi0 = group_of(t * 64, p.gs, p.gshift), gi1 = group_of(t * 64 + 32, p.gs, p.gshift);
-    if constexpr (IL && !FM) {
-      // all four stripes' weights first, then the MMAs slice by slice across the stripes (no dependent chains)
-      uint32_t wd[RQ][4 * V];
-#pragma unroll
-      for (int mi = 0; mi < RQ; ++mi)
-#pragma unroll
-        for (int v = 0; v < V; ++v) {
-          const uint4 w4 = *reinterpret_cast<const uint4 *>(slot + mi * WB + (lane * V + v) * 16);
-          wd[mi][4 * v] = w4.x;
-          wd[mi][4 * v + 1] = w4.y;
-          wd[mi][4 * v + 2] = w4.z;
-          wd[mi][4 * v + 3] = w4.w;
-        }
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        float tmp[RQ][4], s_lo[RQ], s_hi[RQ];
-        ZC<T, SB> zc[RQ];
-        const int ph2 = (hh == 1 && gi1 != gi0) ? 1 : 0;
-#pragma unroll
-        for (int mi = 0; mi < RQ; ++mi) {
-          const T *pr = reinterpret_cast<const T *>(slot + PB + mi * 128) + ph2 * 32;
-          s_lo[mi] = to_f(pr[gid]);
-          s_hi[mi] = to_f(pr[gid + 8]);
-          zc[mi] = p.zm != 0 ? zc_make<T, SB>(to_f(pr[16 + gid]), to_f(pr[16 + gid + 8])) : zc_sym;
-#pragma unroll
-          for (int c = 0; c < 4; ++c) tmp[mi][c] = 0.f;
-        }
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj) {
-          const int j = hh * 2 + jj;
-#pragma unroll
-          for (int mi = 0; mi < RQ; ++mi) {
-            uint32_t av[4];
-            dq_int<T, SB>(wd[mi], j, zc[mi], av);
-            mma<T>(tmp[mi], av, bf[j][0], bf[j][1]);
-          }
-        }
-#pragma unroll
-        for (int mi = 0; mi < RQ; ++mi) {
-          acc[mi][0] = fmaf(s_lo[mi], tmp[mi][0], acc[mi][0]);
-          acc[mi][1] = fmaf(s_lo[mi], tmp[mi][1], acc[mi][1]);
-          acc[mi][2] = fmaf(s_hi[mi], tmp[mi][2], acc[mi][2]);
-          acc[mi][3] = fmaf(s_hi[mi], tmp[mi][3], acc[mi][3]);
-        }
-      }
-    } else
 #pragma unroll
     for (int mi = 0; mi < RQ; ++mi) {
       uint32_t wd[4 * V];
@@ -920,17 +874,18 @@ __global__ void __launch_bounds__(RW * 32, RING_MINB) ring_kernel(const Params p
 }
 
 // ------------------------------------------------------------------------------------------------
-// Bulk kernel (sm_90+, M <= 16): the weights of a unit (four stripes x up to BCT tiles, four contiguous
-// runs of up to 4 KiB each), its group parameters and its activation columns arrive through the bulk copy
-// engine (cp.async.bulk, completing on an mbarrier), NS stages deep per block, issued by one producer warp;
-// 8 consumer warps compute. One block per SM; stream-K over blocks: every block owns one contiguous range
-// of units numbered along K within each quad of stripes, so its weights are one contiguous run of memory
-// per stripe. Quads shared by several blocks are reduced as in the ring kernel (pieces summed in block
-// order by the last to arrive). Numerics are the stream kernel's.
+// Bulk kernel (sm_90+, M <= 16). A unit is four stripes x up to BCT tiles: four contiguous runs of up to
+// 4 KiB of weights, copied by the bulk copy engine (completing on the stage's mbarrier), plus its group
+// parameters and activation columns, copied with cp.async by the 32 lanes of the producer warp (which arrive
+// on the same mbarrier when their copies land). NS stages per block, BBPS blocks of 1 producer + 8 consumer
+// warps per SM. Stream-K over blocks: each block owns one contiguous range of units numbered along K within
+// each quad of stripes. Quads shared by several blocks are reduced as in the ring kernel (pieces summed in
+// block order by the last to arrive). Numerics are the stream kernel's.
 constexpr int BCT = 8;          // tiles per unit (512 columns of K)
 constexpr int BQ = 4;           // stripes per unit
 constexpr int BNC = 8;          // consumer warps
 constexpr int BMAXS = 8;        // most stages
+constexpr int BBPS = 2;         // blocks per SM (two producers and 16 consumer warps per SM: measured)
 constexpr int BXP = BCT * 128 + 16;  // smem pitch of an activation row (+16: conflict-free ldmatrix)
 
 __host__ __device__ __forceinline__ int bulk_pgroups(int gs) { return gs > 0 ? (BCT * 64) / gs + 2 : 1; }
@@ -961,10 +916,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, unsigned parity) {
         : "=r"(done) : "r"(bar), "r"(parity) : "memory");
   } while (!done);
 }
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void *src, unsigned bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
 __device__ __forceinline__ void bulk_copy_evict_first(uint32_t dst, const void *src, unsigned bytes, uint32_t bar,
                                                       uint64_t pol) {
   asm volatile(
@@ -975,103 +926,77 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// A consumer warp's share of one unit: TPW tiles of one stripe times NI n8 blocks of tokens. Every load is
-// issued first, then the MMAs run slice by slice across the tiles, so that consecutive MMAs never depend on
-// each other (one accumulator per tile and 32-wide half). Zero modes none/int: exact (q - z) through the
-// MMA and the half's scale applied in fp32; float minima: s * q + m in the activation dtype, scale 1.
-// Tiles past the unit's end (nt) compute exact zeros: zero codes, zero activations, zero scale.
-template <typename T, int SB, bool FM, int NI, int TPW>
-__device__ __forceinline__ void bulk_unit(float (&acc)[NI][4], const unsigned char *st, uint32_t sa, int woff,
-                                          int poff, int xoff, int mi, int th, int nt, int t0, int g_lo, int M,
-                                          uint32_t zero_addr, const Params &p, const ZC<T, SB> &zc_sym) {
+// One 16x64 tile times NI n8 blocks of tokens, accumulated into acc (scales applied in fp32 per 32-wide
+// half, as in the stream kernel; float minima dequantized with one HFMA2).
+template <typename T, int SB, bool FM, int NI>
+__device__ __forceinline__ void bulk_tile(float (&acc)[NI][4], const uint32_t (&wd)[SB], const uint32_t (&bf)[NI][4][2],
+                                          const T *pr0, const T *pr1, bool split_groups, int gid, int zm,
+                                          const ZC<T, SB> &zc_sym) {
   using T2 = typename Tr<T, SB>::T2;
-  constexpr int V = SB / 4, WB = 512 * V, TSTEP = BNC / BQ;
-  const int lane = threadIdx.x & 31, gid = lane >> 2;
-  const uint32_t xl = ((lane >> 3) >> 1) * 32 + ((lane >> 3) & 1) * 16;
-  uint32_t wd[TPW][SB];
-  uint32_t bf[TPW][NI][4][2];
-  bool ok[TPW];
+  if (!FM) {
+    float tmp[NI][4];
 #pragma unroll
-  for (int j = 0; j < TPW; ++j) {
-    const int tt = th + j * TSTEP;
-    ok[j] = tt < nt;
+    for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
-    for (int v = 0; v < V; ++v) {
-      uint4 w4 = make_uint4(0, 0, 0, 0);
-      if (ok[j]) w4 = *reinterpret_cast<const uint4 *>(st + woff + (mi * BCT + tt) * WB + (lane * V + v) * 16);
-      wd[j][4 * v] = w4.x;
-      wd[j][4 * v + 1] = w4.y;
-      wd[j][4 * v + 2] = w4.z;
-      wd[j][4 * v + 3] = w4.w;
+      for (int c = 0; c < 4; ++c) tmp[ni][c] = 0.f;
+    float s_lo = to_f(pr0[gid]), s_hi = to_f(pr0[gid + 8]);
+    ZC<T, SB> zc = zm != 0 ? zc_make<T, SB>(to_f(pr0[64 + gid]), to_f(pr0[64 + gid + 8])) : zc_sym;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      if (hh == 1 && split_groups) {
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) {
+          acc[ni][0] = fmaf(s_lo, tmp[ni][0], acc[ni][0]);
+          acc[ni][1] = fmaf(s_lo, tmp[ni][1], acc[ni][1]);
+          acc[ni][2] = fmaf(s_hi, tmp[ni][2], acc[ni][2]);
+          acc[ni][3] = fmaf(s_hi, tmp[ni][3], acc[ni][3]);
+          tmp[ni][0] = tmp[ni][1] = tmp[ni][2] = tmp[ni][3] = 0.f;
+        }
+        s_lo = to_f(pr1[gid]);
+        s_hi = to_f(pr1[gid + 8]);
+        if (zm != 0) zc = zc_make<T, SB>(to_f(pr1[64 + gid]), to_f(pr1[64 + gid + 8]));
+      }
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        const int j = hh * 2 + jj;
+        uint32_t av[4];
+        dq_int<T, SB>(wd, j, zc, av);
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) mma<T>(tmp[ni], av, bf[ni][j][0], bf[ni][j][1]);
+      }
     }
 #pragma unroll
     for (int ni = 0; ni < NI; ++ni) {
-      const int tok = (lane & 7) + 8 * ni;
+      acc[ni][0] = fmaf(s_lo, tmp[ni][0], acc[ni][0]);
+      acc[ni][1] = fmaf(s_lo, tmp[ni][1], acc[ni][1]);
+      acc[ni][2] = fmaf(s_hi, tmp[ni][2], acc[ni][2]);
+      acc[ni][3] = fmaf(s_hi, tmp[ni][3], acc[ni][3]);
+    }
+  } else {
+    T2 s2lo = bcast2(pr0[gid]), s2hi = bcast2(pr0[gid + 8]);
+    T2 m2lo = bcast2(pr0[64 + gid]), m2hi = bcast2(pr0[64 + gid + 8]);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      if (hh == 1 && split_groups) {
+        s2lo = bcast2(pr1[gid]);
+        s2hi = bcast2(pr1[gid + 8]);
+        m2lo = bcast2(pr1[64 + gid]);
+        m2hi = bcast2(pr1[64 + gid + 8]);
+      }
 #pragma unroll
       for (int jj = 0; jj < 2; ++jj) {
-        const uint32_t ad = (tok < M && ok[j]) ? sa + xoff + tok * BXP + tt * 128 + jj * 64 + xl : zero_addr;
-        ldsm_x4(ad, bf[j][ni][2 * jj][0], bf[j][ni][2 * jj][1], bf[j][ni][2 * jj + 1][0], bf[j][ni][2 * jj + 1][1]);
-      }
-    }
-  }
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    float tmp[TPW][NI][4];
-    float s_lo[TPW], s_hi[TPW];
-    ZC<T, SB> zc[TPW];
-    T2 s2lo[TPW], s2hi[TPW], m2lo[TPW], m2hi[TPW];
-#pragma unroll
-    for (int j = 0; j < TPW; ++j) {
-#pragma unroll
-      for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) tmp[j][ni][c] = 0.f;
-      const int k = (t0 + th + j * TSTEP) * 64 + 32 * hh;
-      const int gi = ok[j] ? group_of(k, p.gs, p.gshift) - g_lo : 0;
-      const T *pr = reinterpret_cast<const T *>(st + poff + gi * 256) + mi * 16;
-      if (!FM) {
-        s_lo[j] = ok[j] ? to_f(pr[gid]) : 0.f;
-        s_hi[j] = ok[j] ? to_f(pr[gid + 8]) : 0.f;
-        zc[j] = (p.zm != 0 && ok[j]) ? zc_make<T, SB>(to_f(pr[64 + gid]), to_f(pr[64 + gid + 8])) : zc_sym;
-      } else {
-        const T zero = from_f<T>(0.f);
-        s2lo[j] = bcast2(ok[j] ? pr[gid] : zero);
-        s2hi[j] = bcast2(ok[j] ? pr[gid + 8] : zero);
-        m2lo[j] = bcast2(ok[j] ? pr[64 + gid] : zero);
-        m2hi[j] = bcast2(ok[j] ? pr[64 + gid + 8] : zero);
-      }
-    }
-#pragma unroll
-    for (int jj = 0; jj < 2; ++jj) {
-      const int sl = hh * 2 + jj;
-#pragma unroll
-      for (int j = 0; j < TPW; ++j) {
+        const int j = hh * 2 + jj;
         uint32_t av[4];
-        if (!FM) dq_int<T, SB>(wd[j], sl, zc[j], av);
-        else dq_float<T, SB>(wd[j], sl, s2lo[j], s2hi[j], m2lo[j], m2hi[j], av);
+        dq_float<T, SB>(wd, j, s2lo, s2hi, m2lo, m2hi, av);
 #pragma unroll
-        for (int ni = 0; ni < NI; ++ni) mma<T>(tmp[j][ni], av, bf[j][ni][sl][0], bf[j][ni][sl][1]);
+        for (int ni = 0; ni < NI; ++ni) mma<T>(acc[ni], av, bf[ni][j][0], bf[ni][j][1]);
       }
     }
-#pragma unroll
-    for (int j = 0; j < TPW; ++j)
-#pragma unroll
-      for (int ni = 0; ni < NI; ++ni) {
-        if (!FM) {
-          acc[ni][0] = fmaf(s_lo[j], tmp[j][ni][0], acc[ni][0]);
-          acc[ni][1] = fmaf(s_lo[j], tmp[j][ni][1], acc[ni][1]);
-          acc[ni][2] = fmaf(s_hi[j], tmp[j][ni][2], acc[ni][2]);
-          acc[ni][3] = fmaf(s_hi[j], tmp[j][ni][3], acc[ni][3]);
-        } else {
-#pragma unroll
-          for (int c = 0; c < 4; ++c) acc[ni][c] += tmp[j][ni][c];
-        }
-      }
   }
 }
 
 template <typename T, int SB, bool FM, int NI>
-__global__ void __launch_bounds__((BNC + 1) * 32, 1) bulk_kernel(const Params p) {
+__global__ void __launch_bounds__((BNC + 1) * 32, BBPS) bulk_kernel(const Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int V = SB / 4, WB = 512 * V;
   constexpr int TPW = BCT * BQ / BNC;  // tiles per consumer warp per unit
@@ -1091,7 +1016,7 @@ __global__ void __launch_bounds__((BNC + 1) * 32, 1) bulk_kernel(const Params p)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < NS; ++s) {
-      mbar_init(full0 + 8 * s, 1);
+      mbar_init(full0 + 8 * s, 1 + 32);  // the weight bytes' arrival + one cp.async arrival per producer lane
       mbar_init(empty0 + 8 * s, BNC);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -1109,10 +1034,12 @@ __global__ void __launch_bounds__((BNC + 1) * 32, 1) bulk_kernel(const Params p)
   const int first_quad = (int)(a / NCH);
 
   if (warp == BNC) {
-    // producer: lane 0 arms the stage's barrier with the byte count, the lanes issue one copy each
+    // producer: lane 0 arms the stage's barrier with the weight bytes and issues the weight copies (bulk copy
+    // engine, four contiguous runs, L2 evict-first); every lane copies its share of the activation rows and
+    // group parameters with cp.async (small pieces, which the bulk engine handles slowly: measured) and
+    // arrives on the same barrier once they have landed
     uint64_t pol = 0;
-    if (p.probe & 4) asm volatile("createpolicy.fractional.L2::evict_unchanged.b64 %0, 1.0;\n" : "=l"(pol));
-    else asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
     const unsigned char *qwb = reinterpret_cast<const unsigned char *>(p.qw);
     const T *xs = (const T *)p.x;
     const T *zsrc = (const T *)(p.zm == 1 ? p.zeros : p.mins);
@@ -1126,51 +1053,30 @@ __global__ void __launch_bounds__((BNC + 1) * 32, 1) bulk_kernel(const Params p)
       const int nvs = min(BQ, nstripes - q * BQ);
       const int g_lo = group_of(t0 * 64, p.gs, p.gshift), g_hi = group_of((t0 + nt) * 64 - 1, p.gs, p.gshift);
       const int ng = g_hi - g_lo + 1;  // scales hold ceil(Kp / gs) groups: the padded tail has its own
-      const unsigned wbytes = (unsigned)(nt * WB), pbytes = (unsigned)(nvs * 32), xbytes = (unsigned)(nt * 128);
-      int ncopies = nvs + ng * np + M;
-      const uint32_t st = stages_addr + s * SSB;
-      if (p.probe & 2) {  // diagnostics: the unit's weights as one contiguous run (wrong data, same bytes)
-        if (lane == 0) {
-          const int64_t u = (int64_t)q * NCH + c;
-          const int64_t lim = (int64_t)nstripes * p.KT * WB - (int64_t)nvs * wbytes;
-          int64_t off = u * (int64_t)BQ * BCT * WB;
-          if (off > lim) off = lim;
-          mbar_expect_tx(full0 + 8 * s, nvs * wbytes + ((p.probe & 8) ? 0 : ng * np * pbytes + M * xbytes));
-          bulk_copy_evict_first(st + WOFF, qwb + off, nvs * wbytes, full0 + 8 * s, pol);
-        }
-        __syncwarp();
-        if (!(p.probe & 8))
-          for (int cc = lane; cc < ng * np + M; cc += 32) {
-            if (cc < ng * np) {
-              const int g = cc / np, which = cc % np;
-              const T *src = (which ? zsrc : ssrc) + (size_t)(g_lo + g) * p.Np + q * 64;
-              bulk_copy(st + POFF + g * 256 + which * 128, src, pbytes, full0 + 8 * s);
-            } else {
-              const int r = cc - ng * np;
-              bulk_copy(st + XOFF + r * BXP, xs + (int64_t)r * p.ldx + t0 * 64, xbytes, full0 + 8 * s);
-            }
-          }
-        ncopies = 0;
-      } else if (p.probe & 8) {  // diagnostics: weights only
-        ncopies = nvs;
-        if (lane == 0) mbar_expect_tx(full0 + 8 * s, nvs * wbytes);
-      } else if (lane == 0) {
-        mbar_expect_tx(full0 + 8 * s, nvs * wbytes + ng * np * pbytes + M * xbytes);
+      const uint32_t st = stages_addr + s * SSB, full = full0 + 8 * s;
+      if (lane == 0) {
+        const unsigned wbytes = (unsigned)(nt * WB);
+        mbar_expect_tx(full, nvs * wbytes);
+        for (int cc = 0; cc < nvs; ++cc)
+          bulk_copy_evict_first(st + WOFF + cc * BCT * WB, qwb + ((int64_t)(q * BQ + cc) * p.KT + t0) * WB, wbytes,
+                                full, pol);
       }
-      __syncwarp();
-      for (int cc = lane; cc < ncopies; cc += 32) {
-        if (cc < nvs) {
-          const unsigned char *src = qwb + ((int64_t)(q * BQ + cc) * p.KT + t0) * WB;
-          bulk_copy_evict_first(st + WOFF + cc * BCT * WB, src, wbytes, full0 + 8 * s, pol);
-        } else if (cc < nvs + ng * np) {
-          const int r = cc - nvs, g = r / np, which = r % np;
-          const T *src = (which ? zsrc : ssrc) + (size_t)(g_lo + g) * p.Np + q * 64;
-          bulk_copy(st + POFF + g * 256 + which * 128, src, pbytes, full0 + 8 * s);
+      const int xch = nt * 8, nxc = M * xch, pch = nvs * 2, npc = ng * np * pch;
+      for (int cc = lane; cc < nxc + npc; cc += 32) {
+        uint32_t dst;
+        const T *src;
+        if (cc < nxc) {
+          const int r = cc / xch, ch = cc - r * xch;
+          dst = st + XOFF + r * BXP + ch * 16;
+          src = xs + (int64_t)r * p.ldx + t0 * 64 + ch * 8;
         } else {
-          const int r = cc - nvs - ng * np;
-          bulk_copy(st + XOFF + r * BXP, xs + (int64_t)r * p.ldx + t0 * 64, xbytes, full0 + 8 * s);
+          const int e = cc - nxc, pr = e / pch, ch = e - pr * pch, g = pr / np, which = pr - g * np;
+          dst = st + POFF + g * 256 + which * 128 + ch * 16;
+          src = (which ? zsrc : ssrc) + (size_t)(g_lo + g) * p.Np + q * 64 + ch * 8;
         }
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
       }
+      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full) : "memory");
       if (++c == NCH) {
         c = 0;
         ++q;
@@ -1183,6 +1089,8 @@ __global__ void __launch_bounds__((BNC + 1) * 32, 1) bulk_kernel(const Params p)
   const int gid = lane >> 2, tid4 = lane & 3;
   const int mi = warp % BQ, th = warp / BQ;
   const ZC<T, SB> zc_sym = zc_make<T, SB>((float)(1 << (SB == 4 ? 3 : 7)), (float)(1 << (SB == 4 ? 3 : 7)));
+  // ldmatrix: matrix qm = lane >> 3 is slice 2 * jj + (qm >> 1), k half qm & 1, token (lane & 7) + 8 * ni
+  const uint32_t xl = ((lane >> 3) >> 1) * 32 + ((lane >> 3) & 1) * 16;
   float acc[NI][4];
 #pragma unroll
   for (int ni = 0; ni < NI; ++ni)
@@ -1198,8 +1106,36 @@ __global__ void __launch_bounds__((BNC + 1) * 32, 1) bulk_kernel(const Params p)
     const uint32_t sa = stages_addr + s * SSB;
     const int t0 = c * BCT, nt = min(BCT, p.KT - t0);
     const int g_lo = group_of(t0 * 64, p.gs, p.gshift);
-    if (!p.probe)
-      bulk_unit<T, SB, FM, NI, TPW>(acc, st, sa, WOFF, POFF, XOFF, mi, th, nt, t0, g_lo, M, zero_addr, p, zc_sym);
+#pragma unroll
+    for (int j = 0; j < TPW; ++j) {
+      const int tt = th + j * (BNC / BQ);
+      if (tt < nt && !p.probe) {
+        uint32_t wd[SB];
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          const uint4 w4 = *reinterpret_cast<const uint4 *>(st + WOFF + (mi * BCT + tt) * WB + (lane * V + v) * 16);
+          wd[4 * v] = w4.x;
+          wd[4 * v + 1] = w4.y;
+          wd[4 * v + 2] = w4.z;
+          wd[4 * v + 3] = w4.w;
+        }
+        uint32_t bf[NI][4][2];
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) {
+          const int tok = (lane & 7) + 8 * ni;
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            const uint32_t ad = tok < M ? sa + XOFF + tok * BXP + tt * 128 + jj * 64 + xl : zero_addr;
+            ldsm_x4(ad, bf[ni][2 * jj][0], bf[ni][2 * jj][1], bf[ni][2 * jj + 1][0], bf[ni][2 * jj + 1][1]);
+          }
+        }
+        const int k0 = (t0 + tt) * 64;
+        const int gi0 = group_of(k0, p.gs, p.gshift) - g_lo, gi1 = group_of(k0 + 32, p.gs, p.gshift) - g_lo;
+        const T *pr0 = reinterpret_cast<const T *>(st + POFF + gi0 * 256) + mi * 16;
+        const T *pr1 = reinterpret_cast<const T *>(st + POFF + gi1 * 256) + mi * 16;
+        bulk_tile<T, SB, FM, NI>(acc, wd, bf, pr0, pr1, gi1 != gi0, gid, p.zm, zc_sym);
+      }
+    }
     __syncwarp();
     if (lane == 0) mbar_arrive(empty0 + 8 * s);
     ++c;
@@ -1560,13 +1496,6 @@ constexpr int RING_MIN_UNITS = 12;  // auto: the ring kernel only when each resi
 constexpr int BULK_MAX_M = 16;      // the bulk kernel takes up to this M (two n8 blocks of tokens)
 constexpr int BULK_AUTO_M = 16;     // auto: the bulk kernel up to this M on sm_90+
 
-// diagnostics for the bulk copy-only probe (tools/bench_gpu.py --sweep): bit 0 one contiguous weight copy
-// per unit, bit 1 no L2 evict-first hint, bit 2 weights only, bit 3 two blocks per SM
-int bulk_probe_env() {
-  const char *e = getenv("W4P_BULK_PROBE");
-  return e ? atoi(e) & 15 : 0;
-}
-
 struct DevInfo {
   int sms = 0;
   int cc = 0;  // compute capability, major * 10 + minor
@@ -1669,16 +1598,16 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     // splits > 0 forces the number of stages (sweeps, tests); else as many as fit, at most BMAXS
     const int mm = (int)m;
     const int per_stage = bulk_stage_bytes(sbits, mm, gs);
-    int ns = splits > 0 ? splits : (di.smem_block - BFIX) / per_stage;
+    // BBPS blocks per SM share its shared memory
+    const int budget = std::min(di.smem_block, di.smem_sm / BBPS - di.smem_reserved);
+    int ns = splits > 0 ? splits : (budget - BFIX) / per_stage;
     ns = std::min(ns, BMAXS);
     if (ns < 2 || (size_t)bulk_smem_bytes(sbits, mm, gs, ns) > (size_t)di.smem_block)
       return fail(W4P_EUNSUPPORTED, "bulk kernel: %d stages of %d bytes do not fit the device's %d bytes of shared "
                   "memory per block", std::max(ns, 2), per_stage, di.smem_block);
     const int nq = (nstripes + BQ - 1) / BQ;
     const int64_t total = (int64_t)nq * ((KT + BCT - 1) / BCT);
-    // (diagnostics: W4P_BULK_PROBE bit 3 with the copy-only probe launches two blocks per SM)
-    const int bps = (kernel == W4P_CUDA_PROBE_BULK && (bulk_probe_env() & 8)) ? 2 : 1;
-    pl->W = std::min<int64_t>(total, (int64_t)sms * bps);
+    pl->W = std::min<int64_t>(total, (int64_t)sms * BBPS);
     pl->S = ns;
     pl->KC = ns;
     pl->NI = m > 8 ? 2 : 1;
@@ -1845,9 +1774,7 @@ cudaError_t launch_tiled_t(const Params &p, const Plan &pl, cudaStream_t st) {
 
 template <typename T, int SB>
 cudaError_t launch_ring(const Params &p, const Plan &pl, cudaStream_t st) {
-  const char *ser = getenv("W4P_RING_SERIAL");  // diagnostics: the per-stripe (serial MMA chain) variant
-  const bool il = !(ser && ser[0] == '1');
-  auto fn = p.zm == 2 ? ring_kernel<T, SB, true, false> : il ? ring_kernel<T, SB, false, true> : ring_kernel<T, SB, false, false>;
+  auto fn = p.zm == 2 ? ring_kernel<T, SB, true> : ring_kernel<T, SB, false>;
   if (pl.smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
     if (e != cudaSuccess) return e;
@@ -2033,7 +1960,7 @@ int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k, 
   p.kx = k;
   p.W = pl.W;
   p.sink = 0x9E3779B9u;
-  p.probe = kernel == W4P_CUDA_PROBE_BULK ? 1 | (bulk_probe_env() << 1) : 0;
+  p.probe = kernel == W4P_CUDA_PROBE_BULK ? 1 : 0;
 
   cudaStream_t st = (cudaStream_t)stream;
   e = dtype == W4P_DT_F16 ? launch_all<half>(p, pl, storage_bits, ws_gather, st)
