@@ -83,6 +83,14 @@ __device__ __forceinline__ __nv_bfloat162 bcast2(__nv_bfloat16 v) { return __bfl
 template <typename T2> __device__ __forceinline__ T2 as_t2(uint32_t u) { return *reinterpret_cast<T2 *>(&u); }
 template <typename T2> __device__ __forceinline__ uint32_t as_u32(T2 v) { return *reinterpret_cast<uint32_t *>(&v); }
 
+// (a & mask) | bits in one LOP3: written out because the compiler otherwise splits it into two LOP3s (one
+// immediate each), which made the dequantization a third of a small-M kernel's instructions (SASS, H200)
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t mask, uint32_t bits) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(r) : "r"(a), "r"(mask), "r"(bits));
+  return r;
+}
+
 // The four register pairs (a0..a3 of the m16n8k16 A fragment) of k16 slice j, as raw "magic + q" values.
 // 4-bit: word j, pair i = nibbles (i, i+4). 8-bit: words 2j and 2j+1, bytes in fragment order.
 template <typename T, int SB> struct Codes;
@@ -91,7 +99,7 @@ template <> struct Codes<__nv_bfloat16, 4> {
   static __device__ __forceinline__ void get(const uint32_t *w, int j, uint32_t (&h)[4]) {
     uint32_t x = w[j];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = ((x >> (4 * i)) & 0x000f000fu) | 0x43004300u;
+    for (int i = 0; i < 4; ++i) h[i] = and_or(x >> (4 * i), 0x000f000fu, 0x43004300u);
   }
 };
 template <> struct Codes<half, 8> {
@@ -147,9 +155,9 @@ __device__ __forceinline__ void dq_int(const uint32_t *w, int j, const ZC<T, SB>
 template <>
 __device__ __forceinline__ void dq_int<half, 4>(const uint32_t *w, int j, const ZC<half, 4> &c, uint32_t (&a)[4]) {
   uint32_t x = w[j];
-  const uint32_t l0 = (x & 0x000f000fu) | 0x64006400u, h0 = (x & 0x00f000f0u) | 0x64006400u;
+  const uint32_t l0 = and_or(x, 0x000f000fu, 0x64006400u), h0 = and_or(x, 0x00f000f0u, 0x64006400u);
   x >>= 8;
-  const uint32_t l1 = (x & 0x000f000fu) | 0x64006400u, h1 = (x & 0x00f000f0u) | 0x64006400u;
+  const uint32_t l1 = and_or(x, 0x000f000fu, 0x64006400u), h1 = and_or(x, 0x00f000f0u, 0x64006400u);
   const half2 s16 = __float2half2_rn(0.0625f);
   a[0] = as_u32(__hsub2(as_t2<half2>(l0), c.lo));
   a[1] = as_u32(__hfma2(as_t2<half2>(h0), s16, c.hi));
@@ -1598,9 +1606,11 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     // splits > 0 forces the number of stages (sweeps, tests); else as many as fit, at most BMAXS
     const int mm = (int)m;
     const int per_stage = bulk_stage_bytes(sbits, mm, gs);
-    // BBPS blocks per SM share its shared memory
+    // BBPS blocks per SM share its shared memory; where two stages do not fit that share (8-bit, M > 8), one
+    // block per SM takes the whole of it
     const int budget = std::min(di.smem_block, di.smem_sm / BBPS - di.smem_reserved);
     int ns = splits > 0 ? splits : (budget - BFIX) / per_stage;
+    if (splits <= 0 && ns < 2) ns = (di.smem_block - BFIX) / per_stage;
     ns = std::min(ns, BMAXS);
     if (ns < 2 || (size_t)bulk_smem_bytes(sbits, mm, gs, ns) > (size_t)di.smem_block)
       return fail(W4P_EUNSUPPORTED, "bulk kernel: %d stages of %d bytes do not fit the device's %d bytes of shared "
