@@ -178,7 +178,7 @@ def measure_gemlite(k, n, m) -> float | None:
         torch.cuda.synchronize()
         _GEMLITE["spent"] += time.time() - t0
         t = time_graph(lambda i: lins[i](x), copies)
-        if _GEMLITE["spent"] > GEMLITE_BUDGET_S:
+        if _GEMLITE["spent"] > _GEMLITE.get("budget", GEMLITE_BUDGET_S):
             _GEMLITE["off"] = True
             print(f"gemlite: autotuning took {_GEMLITE['spent']:.0f} s; not timed further in this run", file=sys.stderr)
         del lins
@@ -265,6 +265,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="", help="comma list of KxN (default: the six Llama shapes)")
     ap.add_argument("--ms", default="", help="comma list of M (e.g. 1,4,16: the decode regime only)")
     ap.add_argument("--no-gemlite", action="store_true", help="leave gemlite out (its autotuning takes minutes)")
+    ap.add_argument("--gemlite-budget", type=float, default=GEMLITE_BUDGET_S,
+                    help="seconds of gemlite autotuning after which it is left out of the rest of the run")
     ap.add_argument("--smoke", action="store_true", help="only run a few small checked calls of every kernel")
     args = ap.parse_args()
     if not w4cuda.available():
@@ -274,6 +276,7 @@ def main() -> int:
         return smoke()
     if args.no_gemlite:
         _GEMLITE["off"] = True
+    _GEMLITE["budget"] = args.gemlite_budget
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s] or SHAPES
     ms = [int(v) for v in args.ms.split(",") if v] or ([1, 16, 64, 256] if args.quick else MS)
     props = torch.cuda.get_device_properties(0)
