@@ -1006,7 +1006,47 @@ __device__ __forceinline__ void bulk_tile(float (&acc)[NI][4], const uint32_t (&
   }
 }
 
-template <typename T, int SB, bool FM, int NI>
+// A consumer warp's tiles of one unit (th, th + 2, ... of stripe mi). FULL: all BCT tiles are present, so no
+// per-tile guard splits the unrolled loop (the compiler then schedules across tiles). G64: every group spans
+// whole 64-wide tiles (group size a multiple of 64, or per channel), one set of parameters per tile.
+template <typename T, int SB, bool FM, int NI, bool G64, bool FULL>
+__device__ __forceinline__ void bulk_warp_unit(float (&acc)[NI][4], const unsigned char *wb, const T *pb,
+                                               const uint32_t (&xb)[NI], uint32_t zero_addr, int nt, int t0, int th,
+                                               int g_lo, int gid, const Params &p, const ZC<T, SB> &zc_sym) {
+  constexpr int V = SB / 4, WB = 512 * V, TSTEP = BNC / BQ, TPW = BCT * BQ / BNC;
+#pragma unroll
+  for (int j = 0; j < TPW; ++j) {
+    if (!FULL && th + j * TSTEP >= nt) break;
+    uint32_t wd[SB];
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      const uint4 w4 = *reinterpret_cast<const uint4 *>(wb + j * TSTEP * WB + v * 16);
+      wd[4 * v] = w4.x;
+      wd[4 * v + 1] = w4.y;
+      wd[4 * v + 2] = w4.z;
+      wd[4 * v + 3] = w4.w;
+    }
+    uint32_t bf[NI][4][2];
+#pragma unroll
+    for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        const uint32_t ad = xb[ni] ? xb[ni] + j * TSTEP * 128 + jj * 64 : zero_addr;
+        ldsm_x4(ad, bf[ni][2 * jj][0], bf[ni][2 * jj][1], bf[ni][2 * jj + 1][0], bf[ni][2 * jj + 1][1]);
+      }
+    const int k0 = (t0 + th + j * TSTEP) * 64;
+    const int gi0 = group_of(k0, p.gs, p.gshift) - g_lo;
+    const T *pr0 = pb + gi0 * 128;
+    if (G64) {
+      bulk_tile<T, SB, FM, NI>(acc, wd, bf, pr0, pr0, false, gid, p.zm, zc_sym);
+    } else {
+      const int gi1 = group_of(k0 + 32, p.gs, p.gshift) - g_lo;
+      bulk_tile<T, SB, FM, NI>(acc, wd, bf, pr0, pb + gi1 * 128, gi1 != gi0, gid, p.zm, zc_sym);
+    }
+  }
+}
+
+template <typename T, int SB, bool FM, int NI, bool G64>
 __global__ void __launch_bounds__((BNC + 1) * 32, BBPS) bulk_kernel(const Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int V = SB / 4, WB = 512 * V;
@@ -1116,36 +1156,21 @@ __global__ void __launch_bounds__((BNC + 1) * 32, BBPS) bulk_kernel(const Params
     const unsigned char *st = stages + s * SSB;
     const uint32_t sa = stages_addr + s * SSB;
     const int t0 = c * BCT, nt = min(BCT, p.KT - t0);
-    const int g_lo = group_of(t0 * 64, p.gs, p.gshift);
+    if (!p.probe) {
+      // per unit: this lane's weight, parameter and ldmatrix row addresses; per tile only immediates change
+      const int g_lo = group_of(t0 * 64, p.gs, p.gshift);
+      uint32_t xb[NI];
 #pragma unroll
-    for (int j = 0; j < TPW; ++j) {
-      const int tt = th + j * (BNC / BQ);
-      if (tt < nt && !p.probe) {
-        uint32_t wd[SB];
-#pragma unroll
-        for (int v = 0; v < V; ++v) {
-          const uint4 w4 = *reinterpret_cast<const uint4 *>(st + WOFF + (mi * BCT + tt) * WB + (lane * V + v) * 16);
-          wd[4 * v] = w4.x;
-          wd[4 * v + 1] = w4.y;
-          wd[4 * v + 2] = w4.z;
-          wd[4 * v + 3] = w4.w;
-        }
-        uint32_t bf[NI][4][2];
-#pragma unroll
-        for (int ni = 0; ni < NI; ++ni) {
-          const int tok = (lane & 7) + 8 * ni;
-#pragma unroll
-          for (int jj = 0; jj < 2; ++jj) {
-            const uint32_t ad = tok < M ? sa + XOFF + tok * BXP + tt * 128 + jj * 64 + xl : zero_addr;
-            ldsm_x4(ad, bf[ni][2 * jj][0], bf[ni][2 * jj][1], bf[ni][2 * jj + 1][0], bf[ni][2 * jj + 1][1]);
-          }
-        }
-        const int k0 = (t0 + tt) * 64;
-        const int gi0 = group_of(k0, p.gs, p.gshift) - g_lo, gi1 = group_of(k0 + 32, p.gs, p.gshift) - g_lo;
-        const T *pr0 = reinterpret_cast<const T *>(st + POFF + gi0 * 256) + mi * 16;
-        const T *pr1 = reinterpret_cast<const T *>(st + POFF + gi1 * 256) + mi * 16;
-        bulk_tile<T, SB, FM, NI>(acc, wd, bf, pr0, pr1, gi1 != gi0, gid, p.zm, zc_sym);
+      for (int ni = 0; ni < NI; ++ni) {
+        const int tok = (lane & 7) + 8 * ni;
+        xb[ni] = tok < M ? sa + XOFF + tok * BXP + th * 128 + xl : 0u;  // 0: the zero row
       }
+      const unsigned char *wb = st + WOFF + (mi * BCT + th) * WB + lane * V * 16;
+      const T *pb = reinterpret_cast<const T *>(st + POFF) + mi * 16;
+      if (nt == BCT)
+        bulk_warp_unit<T, SB, FM, NI, G64, true>(acc, wb, pb, xb, zero_addr, nt, t0, th, g_lo, gid, p, zc_sym);
+      else
+        bulk_warp_unit<T, SB, FM, NI, G64, false>(acc, wb, pb, xb, zero_addr, nt, t0, th, g_lo, gid, p, zc_sym);
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(empty0 + 8 * s);
@@ -1588,6 +1613,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   // bulk kernel (sm_90+): one block of 9 warps per SM, as many stages as fit (at most BMAXS)
   const bool bulk_ok = stream_ok && m <= BULK_MAX_M && di.cc >= 90 && (nstripes + BQ - 1) / BQ <= MAX_COUNTERS;
   // (auto does not take it: measured no faster than the ring and stream kernels, docs/CUDA.md section 7)
+  if (kind == W4P_CUDA_KERNEL_AUTO && bulk_ok && getenv("W4P_CUDA_AUTO_BULK")) kind = W4P_CUDA_KERNEL_BULK;
   if (kind == W4P_CUDA_KERNEL_AUTO) {
     // Measured on an H200 (docs/CUDA.md): the ring kernel wins where every resident warp gets a long run of
     // units (70B-sized layers); on smaller layers the block-split stream kernel's shorter ramp wins
@@ -1802,7 +1828,9 @@ cudaError_t launch_ring(const Params &p, const Plan &pl, cudaStream_t st) {
 
 template <typename T, int SB, int NI>
 cudaError_t launch_bulk_t(const Params &p, const Plan &pl, cudaStream_t st) {
-  auto fn = p.zm == 2 ? bulk_kernel<T, SB, true, NI> : bulk_kernel<T, SB, false, NI>;
+  const bool g64 = p.gs < 0 || p.gs % 64 == 0;
+  auto fn = p.zm == 2 ? (g64 ? bulk_kernel<T, SB, true, NI, true> : bulk_kernel<T, SB, true, NI, false>)
+                      : (g64 ? bulk_kernel<T, SB, false, NI, true> : bulk_kernel<T, SB, false, NI, false>);
   cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
   if (e != cudaSuccess) return e;
   debug_occupancy(fn, "bulk", (BNC + 1) * 32, pl.smem);
