@@ -5,8 +5,7 @@
 // fragments for the tile's four k16 slices, so one 16-byte load feeds four MMAs after a few LOP3s.
 //
 // Kernels:
-//   bulk:   M <= 16, sm_90, selected explicitly (auto does not take it yet: docs/CUDA.md). Stream-K over
-//           two blocks per SM; the weights arrive through the bulk copy engine (the fastest weight stream
+//   bulk:   M <= 16, sm_90 (auto takes it at M = 1). Stream-K over two blocks per SM; the weights arrive through the bulk copy engine (the fastest weight stream
 //           measured here), activations and group parameters through cp.async, 8 consumer warps per block.
 //   ring:   M <= 8 (default there). Stream-K over warps: each warp streams one contiguous range of K tiles
 //           of four stripes through its own cp.async shared-memory ring (weights, group parameters and
@@ -1530,6 +1529,7 @@ constexpr int RING_MAX_M = 8;   // auto: the ring kernel up to this M (measured,
 constexpr int RING_LMIN = 4;    // ring: at least this many units per warp
 constexpr int RING_MIN_UNITS = 12;  // auto: the ring kernel only when each resident warp gets this many units
 constexpr int BULK_MAX_M = 16;      // the bulk kernel takes up to this M (two n8 blocks of tokens)
+constexpr int BULK_AUTO_M = 1;      // auto: the bulk kernel up to this M on sm_90+ (measured, docs/CUDA.md)
 
 struct DevInfo {
   int sms = 0;
@@ -1612,8 +1612,9 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   const int64_t ring_units = (int64_t)((nstripes + RQ - 1) / RQ) * KT;
   // bulk kernel (sm_90+): one block of 9 warps per SM, as many stages as fit (at most BMAXS)
   const bool bulk_ok = stream_ok && m <= BULK_MAX_M && di.cc >= 90 && (nstripes + BQ - 1) / BQ <= MAX_COUNTERS;
-  // (auto does not take it: measured no faster than the ring and stream kernels, docs/CUDA.md section 7)
-  if (kind == W4P_CUDA_KERNEL_AUTO && bulk_ok && getenv("W4P_CUDA_AUTO_BULK")) kind = W4P_CUDA_KERNEL_BULK;
+  // auto: at M = 1 (measured on an H200 ahead of or level with the ring and stream kernels on all six Llama
+  // shapes; from M = 4 behind them, its producer's activation copies grow with M: docs/CUDA.md)
+  if (kind == W4P_CUDA_KERNEL_AUTO && bulk_ok && m <= BULK_AUTO_M) kind = W4P_CUDA_KERNEL_BULK;
   if (kind == W4P_CUDA_KERNEL_AUTO) {
     // Measured on an H200 (docs/CUDA.md): the ring kernel wins where every resident warp gets a long run of
     // units (70B-sized layers); on smaller layers the block-split stream kernel's shorter ramp wins

@@ -25,7 +25,7 @@ __all__ = ["CudaPackedLinear", "gemm", "gemm_cuda", "available", "unavailable_re
 _HERE = Path(__file__).resolve().parent
 _LIBDIR = _HERE.parent / "_lib"
 #: kernel choice names -> W4P_CUDA_KERNEL_* (probes are diagnostics for tools/bench_gpu.py); "bulk" (sm_90, M <= 16,
-#: selectable, not chosen by auto: docs/CUDA.md; ``splits`` forces its stages); "ring" (M <= 8,
+#: auto's choice at M = 1 there: docs/CUDA.md; ``splits`` forces its stages); "ring" (M <= 8,
 #: the default there) streams the weights stream-K over warps through per-warp cp.async rings (``splits``
 #: forces its units of work per warp); "dense" is the
 #: large-M path: dequantize to a temporary fp16/bf16 matrix with w4p_cuda_dequantize, then torch's GEMM (cuBLAS)
