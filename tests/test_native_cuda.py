@@ -222,6 +222,51 @@ def test_bulk_kernel_ranges_and_stages(n, k, stages):
         assert run_case(torch, rng, layer, m, "float16", kernel="bulk", splits=stages, lin=lin) <= 1e-3, m
 
 
+def wgmma_ok() -> bool:
+    """The wgmma kernel is built for sm_90a: compute capability 9.0 exactly."""
+    import torch
+
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("zero_mode,gs,act_order", [("none", 128, False), ("int", 64, True), ("float", 32, False),
+                                                    ("int", -1, False), ("none", 128, True)])
+def test_wgmma_kernel(dtype_name, zero_mode, gs, act_order):
+    # weights scaled in the activation dtype before the MMA (one more rounding than the other kernels): the
+    # same tolerances hold for a K of a few hundred
+    import torch
+
+    if not wgmma_ok():
+        pytest.skip("the wgmma kernel needs compute capability 9.0")
+    rng = np.random.default_rng(zlib.crc32(repr((dtype_name, zero_mode, gs, act_order)).encode()))
+    layer = random_layer(rng, 196, 576, gs=gs, zero_mode=zero_mode, act_order=act_order, scale_dtype=dtype_name,
+                         bias=True)
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
+    for m in (1, 17, 64, 128, 129, 300):
+        assert lin.plan(m, kernel="wgmma")["kernel"] == cuda.KERNELS["wgmma"]
+        err = run_case(torch, rng, layer, m, dtype_name, kernel="wgmma", lin=lin)
+        assert err <= tolerance(dtype_name), (m, err)
+
+
+@pytest.mark.gpu
+def test_wgmma_kernel_large_and_repeatable():
+    import torch
+
+    if not wgmma_ok():
+        pytest.skip("the wgmma kernel needs compute capability 9.0")
+    rng = np.random.default_rng(17)
+    layer = random_layer(rng, 1000, 4096, gs=128, zero_mode="int")
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda")
+    for m in (64, 256, 1000):
+        assert run_case(torch, rng, layer, m, "float16", kernel="wgmma", lin=lin) <= 1e-3, m
+    x = torch.randn(200, 4096, device="cuda", dtype=torch.float16)
+    first = lin.forward(x, kernel="wgmma")
+    for _ in range(5):
+        assert torch.equal(lin.forward(x, kernel="wgmma"), first)
+
+
 @pytest.mark.gpu
 def test_large_shapes():
     import torch

@@ -8,7 +8,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
 NVCC="${NVCC:-nvcc}"
 OUT="$ROOT/w4pack/_lib/libw4p_cuda.so"
-ARCHS="${W4P_CUDA_ARCHS:-80 86 89 90}"
+ARCHS="${W4P_CUDA_ARCHS:-80 86 89 90a}"
 SRCS=("$HERE"/*.cu)
 INPUTS=("${SRCS[@]}" "$ROOT/native/w4pack.h" "$HERE/build.sh")
 
@@ -23,7 +23,8 @@ fi
 GENCODE=()
 last=""
 for a in $ARCHS; do GENCODE+=("-gencode=arch=compute_$a,code=sm_$a"); last="$a"; done
-GENCODE+=("-gencode=arch=compute_$last,code=compute_$last")
+ptx="${last%a}"  # portable PTX (sm_90a code runs only on compute capability 9.0 exactly)
+GENCODE+=("-gencode=arch=compute_$ptx,code=compute_$ptx")
 
 mkdir -p "$(dirname "$OUT")"
 tmp="$OUT.tmp.$$"

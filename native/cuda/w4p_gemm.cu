@@ -1253,6 +1253,161 @@ __global__ void __launch_bounds__((BNC + 1) * 32, BBPS) bulk_kernel(const Params
 #endif
 }
 
+
+// ------------------------------------------------------------------------------------------------
+// wgmma kernel (sm_90a, large M; NOT YET RUN ON A GPU: selectable only, never chosen by "auto").
+// A warpgroup computes 64 weight rows (one quad of stripes) x 128 tokens with wgmma.m64n128k16: the weights
+// are the A operand from registers (layout v1's per-lane fragment is exactly a warp's 16-row slice of A),
+// dequantized and scaled in the activation dtype (one rounding per weight, as Marlin does); the activations
+// are the B operand from shared memory, K-major, 128-byte swizzled, staged with cp.async in WS stages of
+// 64 columns of K. Two warpgroups per block (128 rows). fp32 accumulators, epilogue adds the bias.
+constexpr int WG_BN = 128, WG_BM = 128, WS = 4;
+constexpr int WG_XTILE = WG_BN * 128;  // one stage: 128 tokens x 64 halves, 128 B per token row
+constexpr int WG_SMEM = WS * WG_XTILE + 1024;  // + alignment slack (1024-byte swizzle atoms)
+
+__device__ __forceinline__ uint64_t wg_desc(uint32_t saddr) {
+  // K-major, 128-byte swizzle: start >> 4, LBO unused (1), SBO = 1024 B between 8-row groups, mode 1
+  return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+
+template <typename T> struct WgOp;
+template <> struct WgOp<half> {
+  static __device__ __forceinline__ void mma(float (&d)[64], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %68, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %69, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc));
+#endif
+  }
+};
+template <> struct WgOp<__nv_bfloat16> {
+  static __device__ __forceinline__ void mma(float (&d)[64], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %68, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %69, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc));
+#endif
+  }
+};
+
+template <typename T, int ZMODE>  // ZMODE: 0 none, 1 integer zeros, 2 float minima
+__global__ void __launch_bounds__(256, 1) wgmma_kernel(const Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T2 = typename Tr<T, 4>::T2;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const uint32_t sbase = (smem_u32(smem) + 1023u) & ~1023u;  // swizzle atoms are 1024-byte aligned
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wgi = warp >> 2, wq = warp & 3;
+  const int gid = lane >> 2, tid4 = lane & 3;
+  const int nstripes = p.Np >> 4;
+  const int stripe = (blockIdx.x * 2 + wgi) * 4 + wq;  // this warp's 16 rows
+  const bool has_rows = stripe < nstripes;
+  const int64_t tok0 = (int64_t)blockIdx.y * WG_BN;
+  const int KT = p.KT;
+  const T *x = (const T *)p.x;
+  const uint4 *wsrc = reinterpret_cast<const uint4 *>(p.qw) + (int64_t)(has_rows ? stripe : 0) * KT * 32 + lane;
+  const T *ssrc = (const T *)p.scales;
+  const T *zsrc = (const T *)(ZMODE == 1 ? p.zeros : p.mins);
+  const int r_lo = (has_rows ? stripe : 0) * 16 + gid, r_hi = r_lo + 8;
+
+  // activation stage: 128 token rows x 128 bytes, 16-byte chunk c of row r stored at chunk c ^ (r & 7)
+  auto load_stage = [&](int kt, int s) {
+    const uint32_t dst0 = sbase + s * WG_XTILE;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int idx = tid + 256 * i, r = idx >> 3, c = idx & 7;
+      const int64_t tok = tok0 + r;
+      const bool ok = tok < p.M;
+      const T *src = ok ? x + tok * p.ldx + kt * 64 + c * 8 : x;
+      const uint32_t dst = dst0 + r * 128 + ((c ^ (r & 7)) << 4);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+    }
+  };
+  // this lane's group parameters for the four k16 slices of tile kt (rows r_lo, r_hi)
+  struct Prm { T s[4][2], z[4][2]; };
+  auto load_prm = [&](int kt, Prm &q) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int g = group_of(kt * 64 + 16 * j, p.gs, p.gshift);
+      q.s[j][0] = has_rows ? ssrc[(size_t)g * p.Np + r_lo] : from_f<T>(0.f);
+      q.s[j][1] = has_rows ? ssrc[(size_t)g * p.Np + r_hi] : from_f<T>(0.f);
+      if (ZMODE != 0) {
+        q.z[j][0] = has_rows ? zsrc[(size_t)g * p.Np + r_lo] : from_f<T>(0.f);
+        q.z[j][1] = has_rows ? zsrc[(size_t)g * p.Np + r_hi] : from_f<T>(0.f);
+      }
+    }
+  };
+
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int s = 0; s < WS - 1; ++s) {
+    if (s < KT) load_stage(s, s);
+    cp_async_commit();
+  }
+  uint4 wcur = has_rows ? ld_stream(wsrc) : make_uint4(0, 0, 0, 0);
+  Prm pcur, pnext;
+  load_prm(0, pcur);
+  const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
+  for (int kt = 0; kt < KT; ++kt) {
+    const bool more = kt + 1 < KT;
+    const uint4 wnext = (has_rows && more) ? ld_stream(wsrc + (int64_t)(kt + 1) * 32) : make_uint4(0, 0, 0, 0);
+    if (more) load_prm(kt + 1, pnext);
+    // A fragments: (q - z) * s (or s * q + m) in the activation dtype
+    const uint32_t w[4] = {wcur.x, wcur.y, wcur.z, wcur.w};
+    uint32_t a[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const T2 s_lo = bcast2(pcur.s[j][0]), s_hi = bcast2(pcur.s[j][1]);
+      if (ZMODE == 2) {
+        dq_float<T, 4>(w, j, s_lo, s_hi, bcast2(pcur.z[j][0]), bcast2(pcur.z[j][1]), a[j]);
+      } else {
+        const ZC<T, 4> zc = ZMODE == 1 ? zc_make<T, 4>(to_f(pcur.z[j][0]), to_f(pcur.z[j][1])) : zc_sym;
+        uint32_t qz[4];
+        dq_int<T, 4>(w, j, zc, qz);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[j][i] = as_u32(__hmul2(as_t2<T2>(qz[i]), (i & 1) ? s_hi : s_lo));
+      }
+      if (!has_rows) a[j][0] = a[j][1] = a[j][2] = a[j][3] = 0u;
+    }
+    cp_async_wait<WS - 2>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async bytes -> the tensor cores' proxy
+    __syncthreads();  // stage kt is complete for every thread; stage kt - 1 is no longer read by any wgmma
+    {
+      const int nk = kt + WS - 1;
+      if (nk < KT) load_stage(nk, nk % WS);
+      cp_async_commit();
+    }
+    const uint32_t st = sbase + (kt % WS) * WG_XTILE;
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int j = 0; j < 4; ++j) WgOp<T>::mma(acc, a[j], wg_desc(st + j * 32), 1);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    wcur = wnext;
+    pcur = pnext;
+  }
+  cp_async_wait<0>();
+  // D fragment: acc[4 i + c] is row (c < 2 ? r_lo : r_hi), token tok0 + 8 i + 2 tid4 + (c & 1)
+  if (!has_rows) return;
+  const T *bias = (const T *)p.bias;
+  T *y = (T *)p.y;
+  const float b_lo = (bias && r_lo < p.N) ? to_f(bias[r_lo]) : 0.f, b_hi = (bias && r_hi < p.N) ? to_f(bias[r_hi]) : 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int row = c < 2 ? r_lo : r_hi;
+      const int64_t tok = tok0 + 8 * i + 2 * tid4 + (c & 1);
+      if (row < p.N && tok < p.M) y[tok * p.ldy + row] = from_f<T>(acc[4 * i + c] + (c < 2 ? b_lo : b_hi));
+    }
+#endif
+}
+
 // ------------------------------------------------------------------------------------------------
 // Tiled kernel: 128 rows x 128 tokens per block, 8 warps as 4 (rows, 32 each) x 2 (tokens, 64 each).
 constexpr int TBM = 128, TBN = 128, TST = 4, TXP = 72;  // TXP: smem pitch of a 64-wide activation row
@@ -1621,11 +1776,27 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     const bool ring_wins = ring_ok && m <= RING_MAX_M && ring_units >= RING_MIN_UNITS * ring_cap;
     kind = ring_wins ? 3 : (m <= 32 && stream_ok) ? 1 : 2;
   }
-  if (kind != 2 && !stream_ok)
+  if (kind != 2 && kind != W4P_CUDA_KERNEL_WGMMA && !stream_ok)
     return fail(W4P_EUNSUPPORTED, "group size %d: the stream kernel needs a multiple of 32 (use auto or tiled)", gs);
   if (kind == 3 && !ring_ok)
     return fail(W4P_EUNSUPPORTED, "the ring kernel takes M <= 8 and at most %d row stripes (m=%lld, n=%d)",
                 MAX_COUNTERS * RQ, (long long)m, n);
+  if (kind == W4P_CUDA_KERNEL_WGMMA) {
+    // (not yet run on a GPU: selectable only)
+    if (di.cc != 90 || sbits != 4)
+      return fail(W4P_EUNSUPPORTED, "the wgmma kernel needs compute capability 9.0 (this device: %d.%d) and 4-bit "
+                  "storage", di.cc / 10, di.cc % 10);
+    pl->kernel = kind;
+    pl->TB = ceil_div(m, WG_BN);
+    pl->tiles = ceil_div(np, WG_BM);
+    pl->S = 1;
+    pl->smem = WG_SMEM;
+    pl->gather = act_order || !x_aligned || (k % 64) != 0;
+    pl->ws_gather = pl->gather ? (((size_t)m * kp * 2 + 255) / 256) * 256 : 0;
+    pl->ws_part = 0;
+    pl->ws_total = COUNTER_BYTES + pl->ws_gather;
+    return W4P_OK;
+  }
   if (kind == W4P_CUDA_PROBE_BULK) kind = W4P_CUDA_KERNEL_BULK;
   if (kind == W4P_CUDA_KERNEL_BULK && !bulk_ok)
     return fail(W4P_EUNSUPPORTED, "the bulk kernel needs compute capability 9.0 or newer (this device: %d.%d), "
@@ -1845,8 +2016,17 @@ cudaError_t launch_bulk(const Params &p, const Plan &pl, cudaStream_t st) {
 }
 
 template <typename T>
+cudaError_t launch_wgmma(const Params &p, const Plan &pl, cudaStream_t st) {
+  auto fn = p.zm == 2 ? wgmma_kernel<T, 2> : p.zm == 1 ? wgmma_kernel<T, 1> : wgmma_kernel<T, 0>;
+  cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
+  if (e != cudaSuccess) return e;
+  fn<<<dim3((unsigned)pl.tiles, (unsigned)pl.TB), 256, pl.smem, st>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T>
 cudaError_t launch_all(Params &p, const Plan &pl, int sbits, void *ws_gather, cudaStream_t st) {
-  if (pl.kernel == 2 || pl.kernel == 3 || pl.kernel == W4P_CUDA_KERNEL_BULK) {
+  if (pl.kernel == 2 || pl.kernel == 3 || pl.kernel == W4P_CUDA_KERNEL_BULK || pl.kernel == W4P_CUDA_KERNEL_WGMMA) {
     if (pl.gather) {
       T *xg = (T *)ws_gather;
       const int64_t total = p.M * (int64_t)p.Kp;
@@ -1863,6 +2043,7 @@ cudaError_t launch_all(Params &p, const Plan &pl, int sbits, void *ws_gather, cu
       p.kx = p.K;
     }
     if (pl.kernel == W4P_CUDA_KERNEL_BULK) return sbits == 4 ? launch_bulk<T, 4>(p, pl, st) : launch_bulk<T, 8>(p, pl, st);
+    if (pl.kernel == W4P_CUDA_KERNEL_WGMMA) return launch_wgmma<T>(p, pl, st);
     if (pl.kernel != 2) return sbits == 4 ? launch_ring<T, 4>(p, pl, st) : launch_ring<T, 8>(p, pl, st);
     return sbits == 4 ? launch_tiled_t<T, 4>(p, pl, st) : launch_tiled_t<T, 8>(p, pl, st);
   }

@@ -29,7 +29,7 @@ _LIBDIR = _HERE.parent / "_lib"
 #: the default there) streams the weights stream-K over warps through per-warp cp.async rings (``splits``
 #: forces its units of work per warp); "dense" is the
 #: large-M path: dequantize to a temporary fp16/bf16 matrix with w4p_cuda_dequantize, then torch's GEMM (cuBLAS)
-KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "ring": 3, "bulk": 4, "dense": -1, "probe_load": 10,
+KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "ring": 3, "bulk": 4, "wgmma": 5, "dense": -1, "probe_load": 10,
            "probe_dequant": 11, "probe_bulk": 12}
 #: from this many rows on, "auto" takes the dense path (measured crossover on an H200, docs/CUDA.md): below it
 #: the stream kernel (weights read once, split-K), above it dequantize + cuBLAS beats the mma.sync tiled kernel
