@@ -1610,7 +1610,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   const int ring_per_sm = std::max(1, std::min(RING_MINB, (int)(di.smem_sm / (ring_blk + di.smem_reserved))));
   const int64_t ring_cap = (int64_t)sms * ring_per_sm * RW;
   const int64_t ring_units = (int64_t)((nstripes + RQ - 1) / RQ) * KT;
-  // bulk kernel (sm_90+): one block of 9 warps per SM, as many stages as fit (at most BMAXS)
+  // bulk kernel (sm_90+): BBPS blocks of 9 warps per SM, as many stages as fit (at most BMAXS)
   const bool bulk_ok = stream_ok && m <= BULK_MAX_M && di.cc >= 90 && (nstripes + BQ - 1) / BQ <= MAX_COUNTERS;
   // auto: at M = 1 (measured on an H200 ahead of or level with the ring and stream kernels on all six Llama
   // shapes; from M = 4 behind them, its producer's activation copies grow with M: docs/CUDA.md)
