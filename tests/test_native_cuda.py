@@ -28,7 +28,7 @@ def _lib_or_skip():
 def test_header_declares_the_cuda_entry_points():
     names = cuda.entry_points()
     assert names == ["w4p_cuda_abi_version", "w4p_cuda_last_error", "w4p_cuda_device_count", "w4p_cuda_plan",
-                     "w4p_cuda_gemm", "w4p_cuda_dequantize"]
+                     "w4p_cuda_plan_for", "w4p_cuda_gemm", "w4p_cuda_dequantize"]
 
 
 def test_library_loads_and_resolves_every_entry_point():
@@ -60,6 +60,75 @@ def test_bad_arguments_come_back_as_codes():
     rc = lib.w4p_cuda_gemm(0, ffi.NULL, 3, 1, 16, 64, ffi.NULL, 64, ffi.NULL, 16, ffi.NULL, 4, 128, 0,
                            ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, 0, 0, 0)
     assert rc == lib.W4P_EUNSUPPORTED
+
+
+# The planner for described devices runs without a GPU: the per-shape choice and every forced kernel's
+# feasibility are checked in CI. (multiprocessors, compute capability, shared memory per SM / per block / reserved)
+H200 = (132, 90, 233472, 232448, 1024)
+A100 = (108, 80, 167936, 166912, 1024)
+
+
+def _plan_for(lib, ffi, dev, m, n, k, bits=4, gs=128, act=0, aligned=1, kernel="auto", splits=0):
+    ko, so, wb = ffi.new("int *"), ffi.new("int *"), ffi.new("size_t *")
+    rc = lib.w4p_cuda_plan_for(*dev, m, n, k, bits, gs, act, aligned, cuda.KERNELS[kernel], splits, ko, so, wb)
+    return rc, ko[0], so[0], wb[0]
+
+
+def test_plan_for_described_devices_auto():
+    ffi, lib = _lib_or_skip()
+    k = cuda.KERNELS
+
+    def auto(dev, m, n, kk):
+        rc, kind, _, ws = _plan_for(lib, ffi, dev, m, n, kk)
+        assert rc == 0, ffi.string(lib.w4p_cuda_last_error()).decode()
+        assert ws >= 64 * 1024  # the tile counters at least
+        return kind
+
+    # H200 (sm_90): bulk at M = 1 everywhere, ring for M = 2..8 on 70B-sized layers, stream otherwise up to 32,
+    # tiled beyond (Python takes the dense path from DENSE_MIN_M on)
+    for n, kk in ((28672, 8192), (8192, 28672), (4096, 4096), (11008, 4096), (196, 576)):
+        assert auto(H200, 1, n, kk) == k["bulk"], (n, kk)
+    assert auto(H200, 4, 28672, 8192) == k["ring"]
+    assert auto(H200, 8, 8192, 28672) == k["ring"]
+    assert auto(H200, 4, 4096, 4096) == k["stream"]
+    assert auto(H200, 9, 28672, 8192) == k["stream"]
+    assert auto(H200, 32, 4096, 4096) == k["stream"]
+    assert auto(H200, 64, 4096, 4096) == k["tiled"]
+    # A100 (sm_80): no bulk kernel; ring on the 70B shapes at M = 1
+    assert auto(A100, 1, 28672, 8192) == k["ring"]
+    assert auto(A100, 1, 4096, 4096) == k["stream"]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("gs", [32, 64, 128, -1])
+def test_plan_for_every_forced_kernel(bits, gs):
+    ffi, lib = _lib_or_skip()
+    for act in (0, 1):
+        for m in (1, 5, 8, 13, 16):
+            rc, kind, stages, _ = _plan_for(lib, ffi, H200, m, 28672, 8192, bits, gs, act, kernel="bulk")
+            assert rc == 0 and kind == cuda.KERNELS["bulk"] and 2 <= stages <= 8, (m, act, rc, stages)
+            rc, *_ = _plan_for(lib, ffi, H200, m, 196, 576, bits, gs, act, kernel="stream")
+            assert rc == 0
+            if m <= 8:
+                rc, kind, *_ = _plan_for(lib, ffi, A100, m, 28672, 8192, bits, gs, act, kernel="ring")
+                assert rc == 0 and kind == cuda.KERNELS["ring"]
+        for m in (1, 100, 3000):
+            rc, kind, *_ = _plan_for(lib, ffi, A100, m, 4096, 4096, bits, gs, act, kernel="tiled")
+            assert rc == 0 and kind == cuda.KERNELS["tiled"]
+
+
+def test_plan_for_refusals():
+    ffi, lib = _lib_or_skip()
+    msg = lambda: ffi.string(lib.w4p_cuda_last_error()).decode()  # noqa: E731
+    assert _plan_for(lib, ffi, A100, 1, 4096, 4096, kernel="bulk")[0] == lib.W4P_EUNSUPPORTED
+    assert "9.0" in msg()
+    assert _plan_for(lib, ffi, H200, 17, 4096, 4096, kernel="bulk")[0] == lib.W4P_EUNSUPPORTED
+    assert _plan_for(lib, ffi, H200, 9, 4096, 4096, kernel="ring")[0] == lib.W4P_EUNSUPPORTED
+    assert _plan_for(lib, ffi, H200, 1, 4096, 4096, gs=48, kernel="stream")[0] == lib.W4P_EUNSUPPORTED
+    assert _plan_for(lib, ffi, H200, 1, 4096, 4096, gs=48)[1] == cuda.KERNELS["tiled"]  # auto: odd group size
+    assert _plan_for(lib, ffi, H200, 1, 4096, 4096, gs=40)[0] == lib.W4P_EINVAL
+    assert _plan_for(lib, ffi, (0, 90, 1, 1, 0), 1, 64, 64)[0] == lib.W4P_EINVAL
+    assert "bad device description" in msg()
 
 
 # -- helpers -----------------------------------------------------------------------------------------------

@@ -1612,7 +1612,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   const int ring_per_sm = std::max(1, std::min(RING_MINB, (int)(di.smem_sm / (ring_blk + di.smem_reserved))));
   const int64_t ring_cap = (int64_t)sms * ring_per_sm * RW;
   const int64_t ring_units = (int64_t)((nstripes + RQ - 1) / RQ) * KT;
-  // bulk kernel (sm_90+): one block of 9 warps per SM, as many stages as fit (at most BMAXS)
+  // bulk kernel (sm_90+): BBPS blocks of 9 warps per SM, as many stages as fit (at most BMAXS)
   const bool bulk_ok = stream_ok && m <= BULK_MAX_M && di.cc >= 90 && (nstripes + BQ - 1) / BQ <= MAX_COUNTERS;
   // auto: at M = 1 (measured on an H200 ahead of or level with the ring and stream kernels on all six Llama
   // shapes; from M = 4 behind them, its producer's activation copies grow with M: docs/CUDA.md)
@@ -1878,6 +1878,21 @@ cudaError_t launch_all(Params &p, const Plan &pl, int sbits, void *ws_gather, cu
   return launch_stream_m<T, 8, 0>(p, pl, st);
 }
 
+// the plan on a device (real or described); argument checks shared by both entry points
+int plan_on(const DevInfo &di, int64_t m, int n, int k, int storage_bits, int group_size, int act_order, int x_aligned,
+            int kernel, int splits, int *kernel_out, int *splits_out, size_t *workspace_bytes) {
+  if (m < 1 || n < 1 || k < 1) return fail(W4P_EINVAL, "bad shape m=%lld n=%d k=%d", (long long)m, n, k);
+  if (storage_bits != 4 && storage_bits != 8) return fail(W4P_EINVAL, "storage_bits must be 4 or 8");
+  if (group_size != -1 && (group_size < 16 || group_size % 16)) return fail(W4P_EINVAL, "group_size %d", group_size);
+  Plan pl;
+  int rc = make_plan(di, m, n, k, storage_bits, group_size, act_order != 0, x_aligned != 0, kernel, splits,
+                     (size_t)-1, &pl);
+  if (rc) return rc;
+  if (kernel_out) *kernel_out = pl.kernel;
+  if (splits_out) *splits_out = pl.S;
+  if (workspace_bytes) *workspace_bytes = pl.ws_total;
+  return W4P_OK;
+}
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------
@@ -1901,22 +1916,31 @@ int w4p_cuda_device_count(int *count) {
   return W4P_OK;
 }
 
+
 int w4p_cuda_plan(int device, int64_t m, int n, int k, int storage_bits, int group_size, int act_order,
                   int x_aligned, int kernel, int splits, int *kernel_out, int *splits_out, size_t *workspace_bytes) {
-  if (m < 1 || n < 1 || k < 1) return fail(W4P_EINVAL, "bad shape m=%lld n=%d k=%d", (long long)m, n, k);
-  if (storage_bits != 4 && storage_bits != 8) return fail(W4P_EINVAL, "storage_bits must be 4 or 8");
-  if (group_size != -1 && (group_size < 16 || group_size % 16)) return fail(W4P_EINVAL, "group_size %d", group_size);
   DevInfo di;
   int rc = dev_info(device, &di);
   if (rc) return rc;
-  Plan pl;
-  rc = make_plan(di, m, n, k, storage_bits, group_size, act_order != 0, x_aligned != 0, kernel, splits,
-                 (size_t)-1, &pl);
-  if (rc) return rc;
-  if (kernel_out) *kernel_out = pl.kernel;
-  if (splits_out) *splits_out = pl.S;
-  if (workspace_bytes) *workspace_bytes = pl.ws_total;
-  return W4P_OK;
+  return plan_on(di, m, n, k, storage_bits, group_size, act_order, x_aligned, kernel, splits, kernel_out, splits_out,
+                 workspace_bytes);
+}
+
+int w4p_cuda_plan_for(int sms, int cc, int smem_sm, int smem_block, int smem_reserved, int64_t m, int n, int k,
+                      int storage_bits, int group_size, int act_order, int x_aligned, int kernel, int splits,
+                      int *kernel_out, int *splits_out, size_t *workspace_bytes) {
+  if (sms < 1 || cc < 10 || smem_sm < 1 || smem_block < 1 || smem_reserved < 0)
+    return fail(W4P_EINVAL, "bad device description (sms %d, cc %d, shared memory %d / %d / %d)", sms, cc, smem_sm,
+                smem_block, smem_reserved);
+  DevInfo di;
+  di.sms = sms;
+  di.cc = cc;
+  di.smem_sm = smem_sm;
+  di.smem_block = smem_block;
+  di.smem_reserved = smem_reserved;
+  di.init = true;
+  return plan_on(di, m, n, k, storage_bits, group_size, act_order, x_aligned, kernel, splits, kernel_out, splits_out,
+                 workspace_bytes);
 }
 
 int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k, const void *x, int64_t ldx,
