@@ -894,6 +894,7 @@ __global__ void __launch_bounds__(RW * 32, RING_MINB) ring_kernel(const Params p
 constexpr int BCT = 8;          // tiles per unit (512 columns of K)
 constexpr int BQ = 4;           // stripes per unit
 constexpr int BNC = 8;          // consumer warps
+constexpr int BNP = 2;          // producer warps (NOT YET RUN ON A GPU with 2: measured with 1, too slow from M = 4)
 constexpr int BMAXS = 8;        // most stages
 constexpr int BBPS = 2;         // blocks per SM (two producers and 16 consumer warps per SM: measured)
 constexpr int BXP = BCT * 128 + 16;  // smem pitch of an activation row (+16: conflict-free ldmatrix)
@@ -1046,7 +1047,7 @@ __device__ __forceinline__ void bulk_warp_unit(float (&acc)[NI][4], const unsign
 }
 
 template <typename T, int SB, bool FM, int NI, bool G64>
-__global__ void __launch_bounds__((BNC + 1) * 32, BBPS) bulk_kernel(const Params p) {
+__global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int V = SB / 4, WB = 512 * V;
   constexpr int TPW = BCT * BQ / BNC;  // tiles per consumer warp per unit
@@ -1066,7 +1067,7 @@ __global__ void __launch_bounds__((BNC + 1) * 32, BBPS) bulk_kernel(const Params
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < NS; ++s) {
-      mbar_init(full0 + 8 * s, 1 + 32);  // the weight bytes' arrival + one cp.async arrival per producer lane
+      mbar_init(full0 + 8 * s, 1 + 32 * BNP);  // the weight bytes' arrival + one cp.async arrival per producer lane
       mbar_init(empty0 + 8 * s, BNC);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -1083,7 +1084,8 @@ __global__ void __launch_bounds__((BNC + 1) * 32, BBPS) bulk_kernel(const Params
   const int n = (int)(b - a);
   const int first_quad = (int)(a / NCH);
 
-  if (warp == BNC) {
+  if (warp >= BNC) {
+    const int pw = warp - BNC;  // producer warp: 0 also issues the weight copies
     // producer: lane 0 arms the stage's barrier with the weight bytes and issues the weight copies (bulk copy
     // engine, four contiguous runs, L2 evict-first); every lane copies its share of the activation rows and
     // group parameters with cp.async (small pieces, which the bulk engine handles slowly: measured) and
@@ -1104,7 +1106,7 @@ __global__ void __launch_bounds__((BNC + 1) * 32, BBPS) bulk_kernel(const Params
       const int g_lo = group_of(t0 * 64, p.gs, p.gshift), g_hi = group_of((t0 + nt) * 64 - 1, p.gs, p.gshift);
       const int ng = g_hi - g_lo + 1;  // scales hold ceil(Kp / gs) groups: the padded tail has its own
       const uint32_t st = stages_addr + s * SSB, full = full0 + 8 * s;
-      if (lane == 0) {
+      if (pw == 0 && lane == 0) {
         const unsigned wbytes = (unsigned)(nt * WB);
         mbar_expect_tx(full, nvs * wbytes);
         for (int cc = 0; cc < nvs; ++cc)
@@ -1112,7 +1114,7 @@ __global__ void __launch_bounds__((BNC + 1) * 32, BBPS) bulk_kernel(const Params
                                 full, pol);
       }
       const int xch = nt * 8, nxc = M * xch, pch = nvs * 2, npc = ng * np * pch;
-      for (int cc = lane; cc < nxc + npc; cc += 32) {
+      for (int cc = pw * 32 + lane; cc < nxc + npc; cc += 32 * BNP) {
         uint32_t dst;
         const T *src;
         if (cc < nxc) {
@@ -2005,8 +2007,8 @@ cudaError_t launch_bulk_t(const Params &p, const Plan &pl, cudaStream_t st) {
                       : (g64 ? bulk_kernel<T, SB, false, NI, true> : bulk_kernel<T, SB, false, NI, false>);
   cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
   if (e != cudaSuccess) return e;
-  debug_occupancy(fn, "bulk", (BNC + 1) * 32, pl.smem);
-  fn<<<(unsigned)pl.W, (BNC + 1) * 32, pl.smem, st>>>(p);
+  debug_occupancy(fn, "bulk", (BNC + BNP) * 32, pl.smem);
+  fn<<<(unsigned)pl.W, (BNC + BNP) * 32, pl.smem, st>>>(p);
   return cudaGetLastError();
 }
 
