@@ -115,6 +115,13 @@ def test_plan_for_every_forced_kernel(bits, gs):
         for m in (1, 100, 3000):
             rc, kind, *_ = _plan_for(lib, ffi, A100, m, 4096, 4096, bits, gs, act, kernel="tiled")
             assert rc == 0 and kind == cuda.KERNELS["tiled"]
+            for tile in (0, 64, 128):
+                rc, kind, got, _ = _plan_for(lib, ffi, H200, m, 28672, 8192, bits, gs, act, kernel="wgmma", splits=tile)
+                if bits == 8:  # 4-bit storage only
+                    assert rc == lib.W4P_EUNSUPPORTED
+                else:
+                    assert rc == 0 and kind == cuda.KERNELS["wgmma"], (m, tile, rc)
+                    assert got == (tile or (64 if m <= 64 else 128))
 
 
 def test_plan_for_refusals():
@@ -127,6 +134,9 @@ def test_plan_for_refusals():
     assert _plan_for(lib, ffi, H200, 1, 4096, 4096, gs=48, kernel="stream")[0] == lib.W4P_EUNSUPPORTED
     assert _plan_for(lib, ffi, H200, 1, 4096, 4096, gs=48)[1] == cuda.KERNELS["tiled"]  # auto: odd group size
     assert _plan_for(lib, ffi, H200, 1, 4096, 4096, gs=40)[0] == lib.W4P_EINVAL
+    assert _plan_for(lib, ffi, A100, 128, 4096, 4096, kernel="wgmma")[0] == lib.W4P_EUNSUPPORTED  # sm_90a only
+    assert _plan_for(lib, ffi, H200, 128, 4096, 4096, gs=48, kernel="wgmma")[1] == cuda.KERNELS["wgmma"]
+    assert _plan_for(lib, ffi, H200, 128, 4096, 4096, kernel="wgmma", splits=96)[0] == lib.W4P_EINVAL
     assert _plan_for(lib, ffi, (0, 90, 1, 1, 0), 1, 64, 64)[0] == lib.W4P_EINVAL
     assert "bad device description" in msg()
 
@@ -301,7 +311,9 @@ def wgmma_ok() -> bool:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 @pytest.mark.parametrize("zero_mode,gs,act_order", [("none", 128, False), ("int", 64, True), ("float", 32, False),
-                                                    ("int", -1, False), ("none", 128, True)])
+                                                    ("int", -1, False), ("none", 128, True), ("int", 96, False),
+                                                    ("float", 16, True), ("int", 192, False),
+                                                    ("none", 48, False)])
 def test_wgmma_kernel(dtype_name, zero_mode, gs, act_order):
     # weights scaled in the activation dtype before the MMA (one more rounding than the other kernels): the
     # same tolerances hold for a K of a few hundred
@@ -313,10 +325,12 @@ def test_wgmma_kernel(dtype_name, zero_mode, gs, act_order):
     layer = random_layer(rng, 196, 576, gs=gs, zero_mode=zero_mode, act_order=act_order, scale_dtype=dtype_name,
                          bias=True)
     lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
-    for m in (1, 17, 64, 128, 129, 300):
-        assert lin.plan(m, kernel="wgmma")["kernel"] == cuda.KERNELS["wgmma"]
-        err = run_case(torch, rng, layer, m, dtype_name, kernel="wgmma", lin=lin)
-        assert err <= tolerance(dtype_name), (m, err)
+    for m, tile in ((1, 0), (17, 0), (64, 0), (128, 0), (129, 0), (300, 0), (65, 64), (40, 128), (200, 64)):
+        plan = lin.plan(m, kernel="wgmma", splits=tile)
+        assert plan["kernel"] == cuda.KERNELS["wgmma"]
+        assert plan["splits"] == (tile or (64 if m <= 64 else 128))
+        err = run_case(torch, rng, layer, m, dtype_name, kernel="wgmma", splits=tile, lin=lin)
+        assert err <= tolerance(dtype_name), (m, tile, err)
 
 
 @pytest.mark.gpu

@@ -242,8 +242,8 @@ def smoke() -> int:
         for m, kernel, splits in ((1, "stream", 0), (5, "stream", 3), (24, "stream", 0), (1, "ring", 0), (7, "ring", 3),
                                   (3, "ring", 1), (40, "tiled", 0),
                                   (130, "tiled", 2), (70, "dense", 0)) + (
-                                  ((1, "wgmma", 0), (150, "wgmma", 0)) if torch.cuda.get_device_capability() == (9, 0)
-                                  else ()) + (
+                                  ((1, "wgmma", 0), (150, "wgmma", 0), (70, "wgmma", 64))
+                                  if torch.cuda.get_device_capability() == (9, 0) and bits == 4 else ()) + (
                                   ((1, "bulk", 0), (13, "bulk", 2), (6, "bulk", 3))
                                   if torch.cuda.get_device_capability() >= (9, 0) else ()):
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
@@ -337,7 +337,9 @@ def main() -> int:
                         sweep[f"stream_s{sp}"] = measure_w4(lins, k, n, m, "stream", sp)
                 if m >= 16:
                     if torch.cuda.get_device_capability() == (9, 0):
-                        sweep["wgmma"] = measure_w4(lins, k, n, m, "wgmma")
+                        sweep["wgmma64"] = measure_w4(lins, k, n, m, "wgmma", 64)
+                        if m > 32:
+                            sweep["wgmma128"] = measure_w4(lins, k, n, m, "wgmma", 128)
                     sweep["tiled"] = measure_w4(lins, k, n, m, "tiled")
                     sweep["dense"] = measure_w4(lins, k, n, m, "dense")
                     if m <= 128:

@@ -1257,23 +1257,53 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
 
 
 // ------------------------------------------------------------------------------------------------
-// wgmma kernel (sm_90a, large M; NOT YET RUN ON A GPU: selectable only, never chosen by "auto").
-// A warpgroup computes 64 weight rows (one quad of stripes) x 128 tokens with wgmma.m64n128k16: the weights
-// are the A operand from registers (layout v1's per-lane fragment is exactly a warp's 16-row slice of A),
-// dequantized and scaled in the activation dtype (one rounding per weight, as Marlin does); the activations
-// are the B operand from shared memory, K-major, 128-byte swizzled, staged with cp.async in WS stages of
-// 64 columns of K. Two warpgroups per block (128 rows). fp32 accumulators, epilogue adds the bias.
-constexpr int WG_BN = 128, WG_BM = 128, WS = 4;
-constexpr int WG_XTILE = WG_BN * 128;  // one stage: 128 tokens x 64 halves, 128 B per token row
-constexpr int WG_SMEM = WS * WG_XTILE + 1024;  // + alignment slack (1024-byte swizzle atoms)
+// wgmma kernel (sm_90a, 4-bit, large M). A block is two warpgroups; each computes 64 weight rows (one quad of
+// stripes) x BN tokens (64 or 128) with wgmma.m64nBNk16. The weights are wgmma's A operand from registers:
+// layout v1's per-lane fragment of a 16 x 64 tile is exactly a warp's 16-row slice of A, so a tile needs no
+// shuffle, only dequantization and scaling in the activation dtype (one rounding per weight, as Marlin does).
+// The activations are the B operand from shared memory, K-major with the 128-byte swizzle. Everything a K tile
+// needs (BN activation rows x 64 columns, the block's eight 512-byte weight tiles, the group parameters of
+// its rows) arrives through cp.async in stages issued (stages - 1) tiles ahead. A warpgroup waits for its own
+// wgmmas before it dequantizes the next tile (double-buffered A registers with wgmma.wait_group 1 made ptxas
+// serialize the wgmmas: C7513); the overlap of dequantization and tensor-core work comes from the four
+// warpgroups of the two blocks an SM holds. Grid: x = token tiles (blocks that share weights run together and
+// hit L2), y = row tiles.
+constexpr int WG_BM = 128;       // weight rows per block (two warpgroups)
+constexpr int WG_WB = 8 * 512;   // a stage's weight bytes
+constexpr int WG_PB = 4 * 2 * WG_BM * 2;  // a stage's parameter bytes: up to 4 groups x (scale, zero) x 128 rows
+__host__ __device__ constexpr int wg_stage_bytes(int bn) { return bn * 128 + WG_WB + WG_PB; }
+__host__ __device__ constexpr int wg_stages(int bn) { return bn == 64 ? 6 : 4; }  // two blocks per SM fit
+__host__ __device__ constexpr int wg_smem_bytes(int bn) { return wg_stages(bn) * wg_stage_bytes(bn) + 1024; }
 
 __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr) {
   // K-major, 128-byte swizzle: start >> 4, LBO unused (1), SBO = 1024 B between 8-row groups, mode 1
   return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
 }
 
-template <typename T> struct WgOp;
-template <> struct WgOp<half> {
+template <typename T, int BN> struct WgOp;
+template <> struct WgOp<half, 64> {
+  static __device__ __forceinline__ void mma(float (&d)[32], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %36, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %37, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc));
+#endif
+  }
+};
+template <> struct WgOp<__nv_bfloat16, 64> {
+  static __device__ __forceinline__ void mma(float (&d)[32], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %36, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %37, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc));
+#endif
+  }
+};
+template <> struct WgOp<half, 128> {
   static __device__ __forceinline__ void mma(float (&d)[64], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     asm volatile(
@@ -1284,7 +1314,7 @@ template <> struct WgOp<half> {
 #endif
   }
 };
-template <> struct WgOp<__nv_bfloat16> {
+template <> struct WgOp<__nv_bfloat16, 128> {
   static __device__ __forceinline__ void mma(float (&d)[64], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     asm volatile(
@@ -1296,115 +1326,127 @@ template <> struct WgOp<__nv_bfloat16> {
   }
 };
 
-template <typename T, int ZMODE>  // ZMODE: 0 none, 1 integer zeros, 2 float minima
-__global__ void __launch_bounds__(256, 1) wgmma_kernel(const Params p) {
+template <typename T, int ZMODE, int BN>  // ZMODE: 0 none, 1 integer zeros, 2 float minima
+__global__ void __launch_bounds__(256, 2) wgmma_kernel(const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T2 = typename Tr<T, 4>::T2;
+  constexpr int SB = wg_stage_bytes(BN), XB = BN * 128, NP = ZMODE != 0 ? 2 : 1, WGS = wg_stages(BN);
   extern __shared__ __align__(16) unsigned char smem[];
   const uint32_t sbase = (smem_u32(smem) + 1023u) & ~1023u;  // swizzle atoms are 1024-byte aligned
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wgi = warp >> 2, wq = warp & 3;
-  const int gid = lane >> 2, tid4 = lane & 3;
-  const int nstripes = p.Np >> 4;
-  const int stripe = (blockIdx.x * 2 + wgi) * 4 + wq;  // this warp's 16 rows
-  const bool has_rows = stripe < nstripes;
-  const int64_t tok0 = (int64_t)blockIdx.y * WG_BN;
-  const int KT = p.KT;
+  unsigned char *sgen = smem + (sbase - smem_u32(smem));
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gid = lane >> 2;
+  const int nstripes = p.Np >> 4, KT = p.KT;
+  const int row0 = blockIdx.y * WG_BM;              // first weight row of the block
+  const int64_t tok0 = (int64_t)blockIdx.x * BN;
   const T *x = (const T *)p.x;
-  const uint4 *wsrc = reinterpret_cast<const uint4 *>(p.qw) + (int64_t)(has_rows ? stripe : 0) * KT * 32 + lane;
+  const unsigned char *qwb = reinterpret_cast<const unsigned char *>(p.qw);
   const T *ssrc = (const T *)p.scales;
   const T *zsrc = (const T *)(ZMODE == 1 ? p.zeros : p.mins);
-  const int r_lo = (has_rows ? stripe : 0) * 16 + gid, r_hi = r_lo + 8;
+  // one group per 64-column tile (group sizes that are multiples of 64, per channel): parameters once per tile
+  const bool one_group = p.gs <= 0 || p.gs % 64 == 0;
 
-  // activation stage: 128 token rows x 128 bytes, 16-byte chunk c of row r stored at chunk c ^ (r & 7)
   auto load_stage = [&](int kt, int s) {
-    const uint32_t dst0 = sbase + s * WG_XTILE;
+    const uint32_t st = sbase + s * SB;
+    // activations: row r (token tok0 + r), 16-byte chunk c stored at chunk c ^ (r & 7); rows past M read as zeros
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < BN / 32; ++i) {
       const int idx = tid + 256 * i, r = idx >> 3, c = idx & 7;
-      const int64_t tok = tok0 + r;
-      const bool ok = tok < p.M;
-      const T *src = ok ? x + tok * p.ldx + kt * 64 + c * 8 : x;
-      const uint32_t dst = dst0 + r * 128 + ((c ^ (r & 7)) << 4);
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+      const bool ok = tok0 + r < p.M;
+      const T *src = ok ? x + (tok0 + r) * p.ldx + kt * 64 + c * 8 : x;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(st + r * 128 + ((c ^ (r & 7)) << 4)),
+                   "l"(src), "r"(ok ? 16 : 0) : "memory");
     }
-  };
-  // this lane's group parameters for the four k16 slices of tile kt (rows r_lo, r_hi)
-  struct Prm { T s[4][2], z[4][2]; };
-  auto load_prm = [&](int kt, Prm &q) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int g = group_of(kt * 64 + 16 * j, p.gs, p.gshift);
-      q.s[j][0] = has_rows ? ssrc[(size_t)g * p.Np + r_lo] : from_f<T>(0.f);
-      q.s[j][1] = has_rows ? ssrc[(size_t)g * p.Np + r_hi] : from_f<T>(0.f);
-      if (ZMODE != 0) {
-        q.z[j][0] = has_rows ? zsrc[(size_t)g * p.Np + r_lo] : from_f<T>(0.f);
-        q.z[j][1] = has_rows ? zsrc[(size_t)g * p.Np + r_hi] : from_f<T>(0.f);
-      }
+    {  // weights: stripe tid / 32 of the block, 16 bytes per thread
+      const int ls = tid >> 5, stripe = (row0 >> 4) + ls;
+      const bool ok = stripe < nstripes;
+      const unsigned char *src = ok ? qwb + ((int64_t)stripe * KT + kt) * 512 + lane * 16 : qwb;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(st + XB + tid * 16), "l"(src),
+                   "r"(ok ? 16 : 0) : "memory");
+    }
+    // group parameters: [group slot][scale, zero][128 rows], groups g_lo .. g_hi of this tile
+    const int g_lo = group_of(kt * 64, p.gs, p.gshift), ng = group_of(kt * 64 + 63, p.gs, p.gshift) - g_lo + 1;
+    if (tid < ng * NP * 16) {
+      const int g = tid / (NP * 16), which = (tid >> 4) % NP, ch = tid & 15;
+      const bool ok = row0 + ch * 8 < p.Np;
+      const T *src = ok ? (which ? zsrc : ssrc) + (size_t)(g_lo + g) * p.Np + row0 + ch * 8 : ssrc;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(st + XB + WG_WB + (g * 2 + which) * 256 + ch * 16),
+                   "l"(src), "r"(ok ? 16 : 0) : "memory");
     }
   };
 
-  float acc[64];
+  float acc[BN / 2];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
 #pragma unroll
-  for (int s = 0; s < WS - 1; ++s) {
+  for (int s = 0; s < WGS - 1; ++s) {
     if (s < KT) load_stage(s, s);
     cp_async_commit();
   }
-  uint4 wcur = has_rows ? ld_stream(wsrc) : make_uint4(0, 0, 0, 0);
-  Prm pcur, pnext;
-  load_prm(0, pcur);
   const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
+  const int rl = (warp & 7) * 16 + gid;  // this lane's low row within the block (high row: rl + 8)
+
+  // one K tile: wait for its stage, refill the stage of tile kt - 1, dequantize, issue 4 wgmmas and wait for them
+  uint32_t a[4][4];
   for (int kt = 0; kt < KT; ++kt) {
-    const bool more = kt + 1 < KT;
-    const uint4 wnext = (has_rows && more) ? ld_stream(wsrc + (int64_t)(kt + 1) * 32) : make_uint4(0, 0, 0, 0);
-    if (more) load_prm(kt + 1, pnext);
-    // A fragments: (q - z) * s (or s * q + m) in the activation dtype
-    const uint32_t w[4] = {wcur.x, wcur.y, wcur.z, wcur.w};
-    uint32_t a[4][4];
+    cp_async_wait<WGS - 2>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async bytes -> the tensor cores' proxy
+    __syncthreads();  // stage kt is complete; every warpgroup's wgmmas of tile kt - 1 are done
+    {
+      const int nk = kt + WGS - 1;
+      if (nk < KT) load_stage(nk, nk % WGS);
+      cp_async_commit();
+    }
+    const int s = kt % WGS;
+    const uint32_t st = sbase + s * SB;
+    const unsigned char *sg = sgen + s * SB;
+    const uint4 wv = *reinterpret_cast<const uint4 *>(sg + XB + (warp & 7) * 512 + lane * 16);
+    const uint32_t w[4] = {wv.x, wv.y, wv.z, wv.w};
+    const T *prm = reinterpret_cast<const T *>(sg + XB + WG_WB);
+    const int g_lo = group_of(kt * 64, p.gs, p.gshift);
+    T2 s_lo, s_hi, z_lo, z_hi;
+    ZC<T, 4> zc = zc_sym;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const T2 s_lo = bcast2(pcur.s[j][0]), s_hi = bcast2(pcur.s[j][1]);
+      if (j == 0 || !one_group) {
+        const int slot = one_group ? 0 : group_of(kt * 64 + 16 * j, p.gs, p.gshift) - g_lo;
+        const T *ps = prm + slot * 2 * WG_BM;
+        s_lo = bcast2(ps[rl]);
+        s_hi = bcast2(ps[rl + 8]);
+        if (ZMODE == 2) {
+          z_lo = bcast2(ps[WG_BM + rl]);
+          z_hi = bcast2(ps[WG_BM + rl + 8]);
+        } else if (ZMODE == 1) {
+          zc = zc_make<T, 4>(to_f(ps[WG_BM + rl]), to_f(ps[WG_BM + rl + 8]));
+        }
+      }
       if (ZMODE == 2) {
-        dq_float<T, 4>(w, j, s_lo, s_hi, bcast2(pcur.z[j][0]), bcast2(pcur.z[j][1]), a[j]);
+        dq_float<T, 4>(w, j, s_lo, s_hi, z_lo, z_hi, a[j]);
       } else {
-        const ZC<T, 4> zc = ZMODE == 1 ? zc_make<T, 4>(to_f(pcur.z[j][0]), to_f(pcur.z[j][1])) : zc_sym;
         uint32_t qz[4];
         dq_int<T, 4>(w, j, zc, qz);
 #pragma unroll
         for (int i = 0; i < 4; ++i) a[j][i] = as_u32(__hmul2(as_t2<T2>(qz[i]), (i & 1) ? s_hi : s_lo));
       }
-      if (!has_rows) a[j][0] = a[j][1] = a[j][2] = a[j][3] = 0u;
     }
-    cp_async_wait<WS - 2>();
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async bytes -> the tensor cores' proxy
-    __syncthreads();  // stage kt is complete for every thread; stage kt - 1 is no longer read by any wgmma
-    {
-      const int nk = kt + WS - 1;
-      if (nk < KT) load_stage(nk, nk % WS);
-      cp_async_commit();
-    }
-    const uint32_t st = sbase + (kt % WS) * WG_XTILE;
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-    for (int j = 0; j < 4; ++j) WgOp<T>::mma(acc, a[j], wg_desc(st + j * 32), 1);
+    for (int j = 0; j < 4; ++j) WgOp<T, BN>::mma(acc, a[j], wg_desc(st + j * 32), 1);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    wcur = wnext;
-    pcur = pnext;
   }
   cp_async_wait<0>();
-  // D fragment: acc[4 i + c] is row (c < 2 ? r_lo : r_hi), token tok0 + 8 i + 2 tid4 + (c & 1)
-  if (!has_rows) return;
+  // D fragment: acc[4 i + c] is row (c < 2 ? lo : hi), token tok0 + 8 i + 2 (lane & 3) + (c & 1)
+  const int r_lo = row0 + rl, r_hi = r_lo + 8;
   const T *bias = (const T *)p.bias;
   T *y = (T *)p.y;
   const float b_lo = (bias && r_lo < p.N) ? to_f(bias[r_lo]) : 0.f, b_hi = (bias && r_hi < p.N) ? to_f(bias[r_hi]) : 0.f;
 #pragma unroll
-  for (int i = 0; i < 16; ++i)
+  for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int row = c < 2 ? r_lo : r_hi;
-      const int64_t tok = tok0 + 8 * i + 2 * tid4 + (c & 1);
+      const int64_t tok = tok0 + 8 * i + 2 * (lane & 3) + (c & 1);
       if (row < p.N && tok < p.M) y[tok * p.ldy + row] = from_f<T>(acc[4 * i + c] + (c < 2 ? b_lo : b_hi));
     }
 #endif
@@ -1784,19 +1826,24 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     return fail(W4P_EUNSUPPORTED, "the ring kernel takes M <= 8 and at most %d row stripes (m=%lld, n=%d)",
                 MAX_COUNTERS * RQ, (long long)m, n);
   if (kind == W4P_CUDA_KERNEL_WGMMA) {
-    // (not yet run on a GPU: selectable only)
-    if (di.cc != 90 || sbits != 4)
-      return fail(W4P_EUNSUPPORTED, "the wgmma kernel needs compute capability 9.0 (this device: %d.%d) and 4-bit "
-                  "storage", di.cc / 10, di.cc % 10);
+    // splits picks the token tile: 64 or 128 (0: 64 up to M = 64, else 128)
+    if (di.cc != 90 || sbits != 4 || !(gs <= 0 || gs % 16 == 0))
+      return fail(W4P_EUNSUPPORTED, "the wgmma kernel needs compute capability 9.0 (this device: %d.%d), 4-bit "
+                  "storage and a group size that is a multiple of 16", di.cc / 10, di.cc % 10);
+    const int bn = splits == 0 ? (m <= 64 ? 64 : 128) : splits;
+    if (bn != 64 && bn != 128) return fail(W4P_EINVAL, "the wgmma kernel's token tile (splits) is 64 or 128, not %d", splits);
+    if ((size_t)wg_smem_bytes(bn) > (size_t)di.smem_block)
+      return fail(W4P_EUNSUPPORTED, "the wgmma kernel needs %d bytes of shared memory per block", wg_smem_bytes(bn));
     pl->kernel = kind;
-    pl->TB = ceil_div(m, WG_BN);
+    pl->TB = ceil_div(m, bn);
     pl->tiles = ceil_div(np, WG_BM);
-    pl->S = 1;
-    pl->smem = WG_SMEM;
+    pl->S = bn;
+    pl->smem = wg_smem_bytes(bn);
     pl->gather = act_order || !x_aligned || (k % 64) != 0;
     pl->ws_gather = pl->gather ? (((size_t)m * kp * 2 + 255) / 256) * 256 : 0;
     pl->ws_part = 0;
     pl->ws_total = COUNTER_BYTES + pl->ws_gather;
+    if (pl->tiles > 65535) return fail(W4P_EUNSUPPORTED, "the wgmma kernel takes at most %d rows", 65535 * WG_BM);
     return W4P_OK;
   }
   if (kind == W4P_CUDA_PROBE_BULK) kind = W4P_CUDA_KERNEL_BULK;
@@ -2017,13 +2064,18 @@ cudaError_t launch_bulk(const Params &p, const Plan &pl, cudaStream_t st) {
   return pl.NI == 1 ? launch_bulk_t<T, SB, 1>(p, pl, st) : launch_bulk_t<T, SB, 2>(p, pl, st);
 }
 
-template <typename T>
-cudaError_t launch_wgmma(const Params &p, const Plan &pl, cudaStream_t st) {
-  auto fn = p.zm == 2 ? wgmma_kernel<T, 2> : p.zm == 1 ? wgmma_kernel<T, 1> : wgmma_kernel<T, 0>;
+template <typename T, int BN>
+cudaError_t launch_wgmma_t(const Params &p, const Plan &pl, cudaStream_t st) {
+  auto fn = p.zm == 2 ? wgmma_kernel<T, 2, BN> : p.zm == 1 ? wgmma_kernel<T, 1, BN> : wgmma_kernel<T, 0, BN>;
   cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
   if (e != cudaSuccess) return e;
-  fn<<<dim3((unsigned)pl.tiles, (unsigned)pl.TB), 256, pl.smem, st>>>(p);
+  debug_occupancy(fn, "wgmma", 256, pl.smem);
+  fn<<<dim3((unsigned)pl.TB, (unsigned)pl.tiles), 256, pl.smem, st>>>(p);
   return cudaGetLastError();
+}
+template <typename T>
+cudaError_t launch_wgmma(const Params &p, const Plan &pl, cudaStream_t st) {
+  return pl.S == 64 ? launch_wgmma_t<T, 64>(p, pl, st) : launch_wgmma_t<T, 128>(p, pl, st);
 }
 
 template <typename T>
