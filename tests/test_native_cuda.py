@@ -115,13 +115,15 @@ def test_plan_for_every_forced_kernel(bits, gs):
         for m in (1, 100, 3000):
             rc, kind, *_ = _plan_for(lib, ffi, A100, m, 4096, 4096, bits, gs, act, kernel="tiled")
             assert rc == 0 and kind == cuda.KERNELS["tiled"]
-            for tile in (0, 64, 128):
-                rc, kind, got, _ = _plan_for(lib, ffi, H200, m, 28672, 8192, bits, gs, act, kernel="wgmma", splits=tile)
+            for splits in (0, 1, 3):
+                rc, kind, got, _ = _plan_for(lib, ffi, H200, m, 8192, 28672, bits, gs, act, kernel="wgmma",
+                                             splits=splits)
                 if bits == 8:  # 4-bit storage only
                     assert rc == lib.W4P_EUNSUPPORTED
                 else:
-                    assert rc == 0 and kind == cuda.KERNELS["wgmma"], (m, tile, rc)
-                    assert got == (tile or (64 if m <= 64 else 128))
+                    assert rc == 0 and kind == cuda.KERNELS["wgmma"], (m, splits, rc)
+                    # auto: 64 row tiles x ceil(m / 64 or 128) token tiles, split until two blocks per SM
+                    assert got == (splits or {1: 5, 100: 3, 3000: 1}[m]), (m, got)
 
 
 def test_plan_for_refusals():
@@ -136,7 +138,6 @@ def test_plan_for_refusals():
     assert _plan_for(lib, ffi, H200, 1, 4096, 4096, gs=40)[0] == lib.W4P_EINVAL
     assert _plan_for(lib, ffi, A100, 128, 4096, 4096, kernel="wgmma")[0] == lib.W4P_EUNSUPPORTED  # sm_90a only
     assert _plan_for(lib, ffi, H200, 128, 4096, 4096, gs=48, kernel="wgmma")[1] == cuda.KERNELS["wgmma"]
-    assert _plan_for(lib, ffi, H200, 128, 4096, 4096, kernel="wgmma", splits=96)[0] == lib.W4P_EINVAL
     assert _plan_for(lib, ffi, (0, 90, 1, 1, 0), 1, 64, 64)[0] == lib.W4P_EINVAL
     assert "bad device description" in msg()
 
@@ -325,12 +326,14 @@ def test_wgmma_kernel(dtype_name, zero_mode, gs, act_order):
     layer = random_layer(rng, 196, 576, gs=gs, zero_mode=zero_mode, act_order=act_order, scale_dtype=dtype_name,
                          bias=True)
     lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
-    for m, tile in ((1, 0), (17, 0), (64, 0), (128, 0), (129, 0), (300, 0), (65, 64), (40, 128), (200, 64)):
-        plan = lin.plan(m, kernel="wgmma", splits=tile)
+    # splits: split-K count (0: enough blocks for every SM; K = 576 is 9 tiles, so 1 here), tiles of 64 tokens up
+    # to M = 64, else 128
+    for m, splits in ((1, 0), (17, 0), (64, 0), (128, 0), (129, 0), (300, 0), (65, 2), (40, 3), (200, 9), (5, 4)):
+        plan = lin.plan(m, kernel="wgmma", splits=splits)
         assert plan["kernel"] == cuda.KERNELS["wgmma"]
-        assert plan["splits"] == (tile or (64 if m <= 64 else 128))
-        err = run_case(torch, rng, layer, m, dtype_name, kernel="wgmma", splits=tile, lin=lin)
-        assert err <= tolerance(dtype_name), (m, tile, err)
+        assert plan["splits"] == (splits or 1)
+        err = run_case(torch, rng, layer, m, dtype_name, kernel="wgmma", splits=splits, lin=lin)
+        assert err <= tolerance(dtype_name), (m, splits, err)
 
 
 @pytest.mark.gpu

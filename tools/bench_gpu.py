@@ -15,6 +15,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -242,7 +243,7 @@ def smoke() -> int:
         for m, kernel, splits in ((1, "stream", 0), (5, "stream", 3), (24, "stream", 0), (1, "ring", 0), (7, "ring", 3),
                                   (3, "ring", 1), (40, "tiled", 0),
                                   (130, "tiled", 2), (70, "dense", 0)) + (
-                                  ((1, "wgmma", 0), (150, "wgmma", 0), (70, "wgmma", 64))
+                                  ((1, "wgmma", 0), (150, "wgmma", 0), (70, "wgmma", 3), (20, "wgmma", 2))
                                   if torch.cuda.get_device_capability() == (9, 0) and bits == 4 else ()) + (
                                   ((1, "bulk", 0), (13, "bulk", 2), (6, "bulk", 3))
                                   if torch.cuda.get_device_capability() >= (9, 0) else ()):
@@ -337,9 +338,13 @@ def main() -> int:
                         sweep[f"stream_s{sp}"] = measure_w4(lins, k, n, m, "stream", sp)
                 if m >= 16:
                     if torch.cuda.get_device_capability() == (9, 0):
-                        sweep["wgmma64"] = measure_w4(lins, k, n, m, "wgmma", 64)
-                        if m > 32:
-                            sweep["wgmma128"] = measure_w4(lins, k, n, m, "wgmma", 128)
+                        sweep["wgmma"] = measure_w4(lins, k, n, m, "wgmma")
+                        if m > 64:  # the 128-token tile with one K tile per step (two blocks per SM)
+                            os.environ["W4P_CUDA_WGMMA_KP"] = "1"
+                            try:
+                                sweep["wgmma_kp1"] = measure_w4(lins, k, n, m, "wgmma")
+                            finally:
+                                del os.environ["W4P_CUDA_WGMMA_KP"]
                     sweep["tiled"] = measure_w4(lins, k, n, m, "tiled")
                     sweep["dense"] = measure_w4(lins, k, n, m, "dense")
                     if m <= 128:

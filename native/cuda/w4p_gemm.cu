@@ -1272,8 +1272,10 @@ constexpr int WG_BM = 128;       // weight rows per block (two warpgroups)
 constexpr int WG_WB = 8 * 512;   // a stage's weight bytes
 constexpr int WG_PB = 4 * 2 * WG_BM * 2;  // a stage's parameter bytes: up to 4 groups x (scale, zero) x 128 rows
 __host__ __device__ constexpr int wg_stage_bytes(int bn) { return bn * 128 + WG_WB + WG_PB; }
-__host__ __device__ constexpr int wg_stages(int bn) { return bn == 64 ? 6 : 4; }  // two blocks per SM fit
-__host__ __device__ constexpr int wg_smem_bytes(int bn) { return wg_stages(bn) * wg_stage_bytes(bn) + 1024; }
+// stages (one K tile each): BN 64 fits two blocks per SM; BN 128 holds 64 accumulators per thread and, with
+// two tiles' fragments live (KP 2), one block per SM
+__host__ __device__ constexpr int wg_stages(int bn, int kp) { return bn == 64 ? 6 : kp == 2 ? 8 : 4; }
+__host__ __device__ constexpr int wg_smem_bytes(int bn, int kp) { return wg_stages(bn, kp) * wg_stage_bytes(bn) + 1024; }
 
 __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr) {
   // K-major, 128-byte swizzle: start >> 4, LBO unused (1), SBO = 1024 B between 8-row groups, mode 1
@@ -1326,84 +1328,77 @@ template <> struct WgOp<__nv_bfloat16, 128> {
   }
 };
 
-template <typename T, int ZMODE, int BN>  // ZMODE: 0 none, 1 integer zeros, 2 float minima
-__global__ void __launch_bounds__(256, 2) wgmma_kernel(const Params p) {
+template <typename T, int ZMODE, int BN, int KP>  // ZMODE: 0 none, 1 integer zeros, 2 float minima
+__global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kernel(const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T2 = typename Tr<T, 4>::T2;
-  constexpr int SB = wg_stage_bytes(BN), XB = BN * 128, NP = ZMODE != 0 ? 2 : 1, WGS = wg_stages(BN);
+  constexpr int SB = wg_stage_bytes(BN), XB = BN * 128, NP = ZMODE != 0 ? 2 : 1, WGS = wg_stages(BN, KP);
+  static_assert(WGS % KP == 0, "stages come in groups of KP");
   extern __shared__ __align__(16) unsigned char smem[];
   const uint32_t sbase = (smem_u32(smem) + 1023u) & ~1023u;  // swizzle atoms are 1024-byte aligned
-  unsigned char *sgen = smem + (sbase - smem_u32(smem));
+  const unsigned char *sgen = smem + (sbase - smem_u32(smem));
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2;
   const int nstripes = p.Np >> 4, KT = p.KT;
   const int row0 = blockIdx.y * WG_BM;              // first weight row of the block
   const int64_t tok0 = (int64_t)blockIdx.x * BN;
-  const T *x = (const T *)p.x;
-  const unsigned char *qwb = reinterpret_cast<const unsigned char *>(p.qw);
-  const T *ssrc = (const T *)p.scales;
-  const T *zsrc = (const T *)(ZMODE == 1 ? p.zeros : p.mins);
+  const int kb = (int)((int64_t)blockIdx.z * KT / p.S), ke = (int)((int64_t)(blockIdx.z + 1) * KT / p.S);
   // one group per 64-column tile (group sizes that are multiples of 64, per channel): parameters once per tile
   const bool one_group = p.gs <= 0 || p.gs % 64 == 0;
 
-  auto load_stage = [&](int kt, int s) {
-    const uint32_t st = sbase + s * SB;
-    // activations: row r (token tok0 + r), 16-byte chunk c stored at chunk c ^ (r & 7); rows past M read as zeros
+  // this thread's copy sources, fixed but for the K offset: activation chunks (row r = token tok0 + r, 16-byte
+  // chunk c stored at chunk c ^ (r & 7); rows past M read as zeros), one 16-byte piece of the block's weights,
+  // and at most one 16-byte piece of the group parameters ([slot][scale, zero][128 rows])
+  const T *xs[BN / 32];
+  uint32_t xoff[BN / 32];
+#pragma unroll
+  for (int i = 0; i < BN / 32; ++i) {
+    const int idx = tid + 256 * i, r = idx >> 3, c = idx & 7;
+    xs[i] = tok0 + r < p.M ? (const T *)p.x + (tok0 + r) * p.ldx + c * 8 : nullptr;
+    xoff[i] = r * 128 + ((c ^ (r & 7)) << 4);
+  }
+  const bool w_ok = (row0 >> 4) + (tid >> 5) < nstripes;
+  const unsigned char *ws = reinterpret_cast<const unsigned char *>(p.qw) +
+                            ((int64_t)((row0 >> 4) + (tid >> 5)) * KT) * 512 + lane * 16;
+  const int pg = tid / (NP * 16), pwhich = (tid >> 4) % NP, pch = tid & 15;
+  const bool p_ok = row0 + pch * 8 < p.Np;
+  const T *ps_src = (const T *)(pwhich ? (ZMODE == 1 ? p.zeros : p.mins) : p.scales) + row0 + pch * 8;
+  const uint32_t poff = XB + WG_WB + (pg * 2 + pwhich) * 256 + pch * 16;
+
+  auto load_stage = [&](int kt, uint32_t st) {
 #pragma unroll
     for (int i = 0; i < BN / 32; ++i) {
-      const int idx = tid + 256 * i, r = idx >> 3, c = idx & 7;
-      const bool ok = tok0 + r < p.M;
-      const T *src = ok ? x + (tok0 + r) * p.ldx + kt * 64 + c * 8 : x;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(st + r * 128 + ((c ^ (r & 7)) << 4)),
-                   "l"(src), "r"(ok ? 16 : 0) : "memory");
+      const T *src = xs[i] ? xs[i] + kt * 64 : (const T *)p.x;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(st + xoff[i]), "l"(src),
+                   "r"(xs[i] ? 16 : 0) : "memory");
     }
-    {  // weights: stripe tid / 32 of the block, 16 bytes per thread
-      const int ls = tid >> 5, stripe = (row0 >> 4) + ls;
-      const bool ok = stripe < nstripes;
-      const unsigned char *src = ok ? qwb + ((int64_t)stripe * KT + kt) * 512 + lane * 16 : qwb;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(st + XB + tid * 16), "l"(src),
-                   "r"(ok ? 16 : 0) : "memory");
-    }
-    // group parameters: [group slot][scale, zero][128 rows], groups g_lo .. g_hi of this tile
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(st + XB + tid * 16),
+                 "l"(w_ok ? ws + (int64_t)kt * 512 : (const unsigned char *)p.qw), "r"(w_ok ? 16 : 0) : "memory");
     const int g_lo = group_of(kt * 64, p.gs, p.gshift), ng = group_of(kt * 64 + 63, p.gs, p.gshift) - g_lo + 1;
-    if (tid < ng * NP * 16) {
-      const int g = tid / (NP * 16), which = (tid >> 4) % NP, ch = tid & 15;
-      const bool ok = row0 + ch * 8 < p.Np;
-      const T *src = ok ? (which ? zsrc : ssrc) + (size_t)(g_lo + g) * p.Np + row0 + ch * 8 : ssrc;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(st + XB + WG_WB + (g * 2 + which) * 256 + ch * 16),
-                   "l"(src), "r"(ok ? 16 : 0) : "memory");
-    }
+    if (pg < ng)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(st + poff),
+                   "l"(p_ok ? ps_src + (size_t)(g_lo + pg) * p.Np : (const T *)p.scales), "r"(p_ok ? 16 : 0) : "memory");
   };
 
   float acc[BN / 2];
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-#pragma unroll
-  for (int s = 0; s < WGS - 1; ++s) {
-    if (s < KT) load_stage(s, s);
+  // prologue: stages kb .. kb + WGS - KP - 1, one commit group each
+#pragma unroll 1
+  for (int s = 0; s < WGS - KP; ++s) {
+    if (kb + s < ke) load_stage(kb + s, sbase + s * SB);
     cp_async_commit();
   }
   const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
   const int rl = (warp & 7) * 16 + gid;  // this lane's low row within the block (high row: rl + 8)
+  const uint32_t w_lds = XB + (warp & 7) * 512 + lane * 16;
 
-  // one K tile: wait for its stage, refill the stage of tile kt - 1, dequantize, issue 4 wgmmas and wait for them
-  uint32_t a[4][4];
-  for (int kt = 0; kt < KT; ++kt) {
-    cp_async_wait<WGS - 2>();
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async bytes -> the tensor cores' proxy
-    __syncthreads();  // stage kt is complete; every warpgroup's wgmmas of tile kt - 1 are done
-    {
-      const int nk = kt + WGS - 1;
-      if (nk < KT) load_stage(nk, nk % WGS);
-      cp_async_commit();
-    }
-    const int s = kt % WGS;
-    const uint32_t st = sbase + s * SB;
-    const unsigned char *sg = sgen + s * SB;
-    const uint4 wv = *reinterpret_cast<const uint4 *>(sg + XB + (warp & 7) * 512 + lane * 16);
+  // the A fragments of tile kt (stage at sg): (q - z) * s or s * q + m in the activation dtype
+  auto dequant = [&](int kt, const unsigned char *sg, uint32_t (&a)[4][4]) {
+    const uint4 wv = *reinterpret_cast<const uint4 *>(sg + w_lds);
     const uint32_t w[4] = {wv.x, wv.y, wv.z, wv.w};
     const T *prm = reinterpret_cast<const T *>(sg + XB + WG_WB);
-    const int g_lo = group_of(kt * 64, p.gs, p.gshift);
+    const int g_lo = one_group ? 0 : group_of(kt * 64, p.gs, p.gshift);
     T2 s_lo, s_hi, z_lo, z_hi;
     ZC<T, 4> zc = zc_sym;
 #pragma unroll
@@ -1429,26 +1424,69 @@ __global__ void __launch_bounds__(256, 2) wgmma_kernel(const Params p) {
         for (int i = 0; i < 4; ++i) a[j][i] = as_u32(__hmul2(as_t2<T2>(qz[i]), (i & 1) ? s_hi : s_lo));
       }
     }
+  };
+
+  // KP tiles per step: wait for their stages, refill the stages of the previous step (its wgmmas are done),
+  // dequantize every tile, then issue 4 wgmmas per tile and wait for them once
+  uint32_t a[KP][4][4];
+  int slot = 0;
+  for (int kt = kb; kt < ke; kt += KP) {
+    cp_async_wait<WGS - 2 * KP>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async bytes -> the tensor cores' proxy
+    __syncthreads();  // this step's stages are complete; every warpgroup's wgmmas of the previous step are done
+    {
+      int ns = slot - KP;
+      if (ns < 0) ns += WGS;
+#pragma unroll
+      for (int u = 0; u < KP; ++u) {
+        const int nk = kt + WGS - KP + u;
+        if (nk < ke) load_stage(nk, sbase + (ns + u) * SB);
+        cp_async_commit();
+      }
+    }
+    const bool two = KP == 2 && kt + 1 < ke;
+    dequant(kt, sgen + slot * SB, a[0]);
+    if (KP == 2 && two) dequant(kt + 1, sgen + (slot + 1) * SB, a[KP - 1]);
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-    for (int j = 0; j < 4; ++j) WgOp<T, BN>::mma(acc, a[j], wg_desc(st + j * 32), 1);
+    for (int j = 0; j < 4; ++j) WgOp<T, BN>::mma(acc, a[0][j], wg_desc(sbase + slot * SB + j * 32), 1);
+    if (KP == 2 && two) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) WgOp<T, BN>::mma(acc, a[KP - 1][j], wg_desc(sbase + (slot + 1) * SB + j * 32), 1);
+    }
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    slot += KP;
+    if (slot == WGS) slot = 0;
   }
   cp_async_wait<0>();
   // D fragment: acc[4 i + c] is row (c < 2 ? lo : hi), token tok0 + 8 i + 2 (lane & 3) + (c & 1)
   const int r_lo = row0 + rl, r_hi = r_lo + 8;
-  const T *bias = (const T *)p.bias;
-  T *y = (T *)p.y;
-  const float b_lo = (bias && r_lo < p.N) ? to_f(bias[r_lo]) : 0.f, b_hi = (bias && r_hi < p.N) ? to_f(bias[r_hi]) : 0.f;
+  if (p.S == 1) {
+    const T *bias = (const T *)p.bias;
+    T *y = (T *)p.y;
+    const float b_lo = (bias && r_lo < p.N) ? to_f(bias[r_lo]) : 0.f;
+    const float b_hi = (bias && r_hi < p.N) ? to_f(bias[r_hi]) : 0.f;
 #pragma unroll
-  for (int i = 0; i < BN / 8; ++i)
+    for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int row = c < 2 ? r_lo : r_hi;
-      const int64_t tok = tok0 + 8 * i + 2 * (lane & 3) + (c & 1);
-      if (row < p.N && tok < p.M) y[tok * p.ldy + row] = from_f<T>(acc[4 * i + c] + (c < 2 ? b_lo : b_hi));
-    }
+      for (int c = 0; c < 4; ++c) {
+        const int row = c < 2 ? r_lo : r_hi;
+        const int64_t tok = tok0 + 8 * i + 2 * (lane & 3) + (c & 1);
+        if (row < p.N && tok < p.M) y[tok * p.ldy + row] = from_f<T>(acc[4 * i + c] + (c < 2 ? b_lo : b_hi));
+      }
+  } else {
+    float *part = p.part + (size_t)blockIdx.z * p.M * p.Np;
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int row = c < 2 ? r_lo : r_hi;
+        const int64_t tok = tok0 + 8 * i + 2 * (lane & 3) + (c & 1);
+        if (tok < p.M && row < p.Np) __stcg(part + tok * p.Np + row, acc[4 * i + c]);
+      }
+    split_reduce<T, WG_BM, BN>(p, blockIdx.y, blockIdx.x, row0, (int)tok0);
+  }
 #endif
 }
 
@@ -1786,6 +1824,7 @@ struct Plan {
   int64_t W = 0;   // ring: workers (warps)
   int S = 1, TB = 1, NI = 1, MI = 1, KC = 8;
   int tiles = 0;   // output tiles (counters)
+  int bn = 0, kp = 1;  // wgmma kernel: token tile, K tiles per step
   bool gather = false;
   size_t smem = 0;
   size_t ws_part = 0, ws_gather = 0, ws_total = 0;
@@ -1826,24 +1865,46 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     return fail(W4P_EUNSUPPORTED, "the ring kernel takes M <= 8 and at most %d row stripes (m=%lld, n=%d)",
                 MAX_COUNTERS * RQ, (long long)m, n);
   if (kind == W4P_CUDA_KERNEL_WGMMA) {
-    // splits picks the token tile: 64 or 128 (0: 64 up to M = 64, else 128)
     if (di.cc != 90 || sbits != 4 || !(gs <= 0 || gs % 16 == 0))
       return fail(W4P_EUNSUPPORTED, "the wgmma kernel needs compute capability 9.0 (this device: %d.%d), 4-bit "
                   "storage and a group size that is a multiple of 16", di.cc / 10, di.cc % 10);
-    const int bn = splits == 0 ? (m <= 64 ? 64 : 128) : splits;
-    if (bn != 64 && bn != 128) return fail(W4P_EINVAL, "the wgmma kernel's token tile (splits) is 64 or 128, not %d", splits);
-    if ((size_t)wg_smem_bytes(bn) > (size_t)di.smem_block)
-      return fail(W4P_EUNSUPPORTED, "the wgmma kernel needs %d bytes of shared memory per block", wg_smem_bytes(bn));
+    // token tile 64 up to M = 64 (two blocks per SM), else 128; W4P_CUDA_WGMMA_KP=1|2 overrides the K tiles
+    // per step of the 128 tile (tuning)
+    const int bn = m <= 64 ? 64 : 128;
+    int kp = 2;
+    if (const char *e = getenv("W4P_CUDA_WGMMA_KP")) kp = e[0] == '1' ? 1 : 2;
+    if ((size_t)wg_smem_bytes(bn, kp) + di.smem_reserved > (size_t)di.smem_block)
+      return fail(W4P_EUNSUPPORTED, "the wgmma kernel needs %d bytes of shared memory per block", wg_smem_bytes(bn, kp));
+    const int nrb = ceil_div(np, WG_BM);
+    if (nrb > 65535) return fail(W4P_EUNSUPPORTED, "the wgmma kernel takes at most %d rows", 65535 * WG_BM);
     pl->kernel = kind;
+    pl->bn = bn;
+    pl->kp = kp;
     pl->TB = ceil_div(m, bn);
-    pl->tiles = ceil_div(np, WG_BM);
-    pl->S = bn;
-    pl->smem = wg_smem_bytes(bn);
+    pl->tiles = nrb * pl->TB;
+    // split K until the grid fills the resident blocks of every SM (each split keeps >= 8 K tiles)
+    const int per_sm = (bn == 64 || kp == 1) ? 2 : 1;
+    int S = splits;
+    if (S <= 0) {
+      S = 1;
+      const int64_t slots = (int64_t)sms * per_sm;
+      if (pl->tiles < slots) {
+        S = ceil_div(slots, pl->tiles);
+        const int smax = KT / 8 > 0 ? KT / 8 : 1;
+        if (S > smax) S = smax;
+      }
+    }
+    if (S > KT) S = KT;
+    if (S > 65535) S = 65535;
+    pl->S = S;
+    pl->smem = wg_smem_bytes(bn, kp);
     pl->gather = act_order || !x_aligned || (k % 64) != 0;
+    if (pl->S > 1 && pl->tiles > MAX_COUNTERS) pl->S = 1;
     pl->ws_gather = pl->gather ? (((size_t)m * kp * 2 + 255) / 256) * 256 : 0;
-    pl->ws_part = 0;
-    pl->ws_total = COUNTER_BYTES + pl->ws_gather;
-    if (pl->tiles > 65535) return fail(W4P_EUNSUPPORTED, "the wgmma kernel takes at most %d rows", 65535 * WG_BM);
+    auto part_bytes = [&](int s) { return s > 1 ? (size_t)s * m * np * 4 : 0; };
+    while (pl->S > 1 && COUNTER_BYTES + pl->ws_gather + part_bytes(pl->S) > ws_avail) pl->S = pl->S / 2 > 1 ? pl->S / 2 : 1;
+    pl->ws_part = part_bytes(pl->S);
+    pl->ws_total = COUNTER_BYTES + pl->ws_gather + pl->ws_part;
     return W4P_OK;
   }
   if (kind == W4P_CUDA_PROBE_BULK) kind = W4P_CUDA_KERNEL_BULK;
@@ -2064,18 +2125,19 @@ cudaError_t launch_bulk(const Params &p, const Plan &pl, cudaStream_t st) {
   return pl.NI == 1 ? launch_bulk_t<T, SB, 1>(p, pl, st) : launch_bulk_t<T, SB, 2>(p, pl, st);
 }
 
-template <typename T, int BN>
+template <typename T, int BN, int KP>
 cudaError_t launch_wgmma_t(const Params &p, const Plan &pl, cudaStream_t st) {
-  auto fn = p.zm == 2 ? wgmma_kernel<T, 2, BN> : p.zm == 1 ? wgmma_kernel<T, 1, BN> : wgmma_kernel<T, 0, BN>;
+  auto fn = p.zm == 2 ? wgmma_kernel<T, 2, BN, KP> : p.zm == 1 ? wgmma_kernel<T, 1, BN, KP> : wgmma_kernel<T, 0, BN, KP>;
   cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
   if (e != cudaSuccess) return e;
   debug_occupancy(fn, "wgmma", 256, pl.smem);
-  fn<<<dim3((unsigned)pl.TB, (unsigned)pl.tiles), 256, pl.smem, st>>>(p);
+  fn<<<dim3((unsigned)pl.TB, (unsigned)(pl.tiles / pl.TB), (unsigned)pl.S), 256, pl.smem, st>>>(p);
   return cudaGetLastError();
 }
 template <typename T>
 cudaError_t launch_wgmma(const Params &p, const Plan &pl, cudaStream_t st) {
-  return pl.S == 64 ? launch_wgmma_t<T, 64>(p, pl, st) : launch_wgmma_t<T, 128>(p, pl, st);
+  if (pl.bn == 64) return launch_wgmma_t<T, 64, 2>(p, pl, st);
+  return pl.kp == 1 ? launch_wgmma_t<T, 128, 1>(p, pl, st) : launch_wgmma_t<T, 128, 2>(p, pl, st);
 }
 
 template <typename T>
