@@ -123,7 +123,7 @@ def test_plan_for_every_forced_kernel(bits, gs):
                 else:
                     assert rc == 0 and kind == cuda.KERNELS["wgmma"], (m, splits, rc)
                     # auto: 64 row tiles x ceil(m / 64 or 128) token tiles, split until two blocks per SM
-                    assert got == (splits or {1: 5, 100: 3, 3000: 1}[m]), (m, got)
+                    assert got == (splits or {1: 4, 100: 2, 3000: 1}[m]), (m, got)
 
 
 def test_plan_for_refusals():

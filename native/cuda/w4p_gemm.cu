@@ -1869,7 +1869,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
       return fail(W4P_EUNSUPPORTED, "the wgmma kernel needs compute capability 9.0 (this device: %d.%d), 4-bit "
                   "storage and a group size that is a multiple of 16", di.cc / 10, di.cc % 10);
     // token tile 64 up to M = 64 (two blocks per SM), else 128; W4P_CUDA_WGMMA_KP=1|2 overrides the K tiles
-    // per step of the 128 tile (tuning)
+    // per step (tuning)
     const int bn = m <= 64 ? 64 : 128;
     int kp = 2;
     if (const char *e = getenv("W4P_CUDA_WGMMA_KP")) kp = e[0] == '1' ? 1 : 2;
@@ -1888,8 +1888,8 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     if (S <= 0) {
       S = 1;
       const int64_t slots = (int64_t)sms * per_sm;
-      if (pl->tiles < slots) {
-        S = ceil_div(slots, pl->tiles);
+      if (2 * pl->tiles < slots) {  // (splitting a grid that already fills half the slots measured slower)
+        S = (int)(slots / pl->tiles);
         const int smax = KT / 8 > 0 ? KT / 8 : 1;
         if (S > smax) S = smax;
       }
@@ -2136,7 +2136,7 @@ cudaError_t launch_wgmma_t(const Params &p, const Plan &pl, cudaStream_t st) {
 }
 template <typename T>
 cudaError_t launch_wgmma(const Params &p, const Plan &pl, cudaStream_t st) {
-  if (pl.bn == 64) return launch_wgmma_t<T, 64, 2>(p, pl, st);
+  if (pl.bn == 64) return pl.kp == 1 ? launch_wgmma_t<T, 64, 1>(p, pl, st) : launch_wgmma_t<T, 64, 2>(p, pl, st);
   return pl.kp == 1 ? launch_wgmma_t<T, 128, 1>(p, pl, st) : launch_wgmma_t<T, 128, 2>(p, pl, st);
 }
 
