@@ -84,16 +84,24 @@ def test_plan_for_described_devices_auto():
         assert ws >= 64 * 1024  # the tile counters at least
         return kind
 
-    # H200 (sm_90): bulk at M = 1 everywhere, ring for M = 2..8 on 70B-sized layers, stream otherwise up to 32,
-    # tiled beyond (Python takes the dense path from DENSE_MIN_M on)
+    # H200 (sm_90): bulk at M = 1 everywhere, ring for M = 2..8 on 70B-sized layers, stream otherwise up to 16,
+    # then wgmma; tiled beyond (Python takes the dense path from DENSE_MIN_M on)
     for n, kk in ((28672, 8192), (8192, 28672), (4096, 4096), (11008, 4096), (196, 576)):
         assert auto(H200, 1, n, kk) == k["bulk"], (n, kk)
     assert auto(H200, 4, 28672, 8192) == k["ring"]
     assert auto(H200, 8, 8192, 28672) == k["ring"]
     assert auto(H200, 4, 4096, 4096) == k["stream"]
     assert auto(H200, 9, 28672, 8192) == k["stream"]
-    assert auto(H200, 32, 4096, 4096) == k["stream"]
+    assert auto(H200, 16, 4096, 4096) == k["stream"]
+    # the wgmma kernel from M = 17: up to 32 on every layer, up to 256 on layers of 2^26 weights or more
+    assert auto(H200, 17, 4096, 4096) == k["wgmma"]
+    assert auto(H200, 32, 4096, 4096) == k["wgmma"]
     assert auto(H200, 64, 4096, 4096) == k["tiled"]
+    assert auto(H200, 64, 28672, 8192) == k["wgmma"]
+    assert auto(H200, 256, 8192, 28672) == k["wgmma"]
+    assert auto(H200, 257, 8192, 28672) == k["tiled"]
+    assert auto(A100, 32, 4096, 4096) == k["stream"]
+    assert auto(A100, 64, 28672, 8192) == k["tiled"]
     # A100 (sm_80): no bulk kernel; ring on the 70B shapes at M = 1
     assert auto(A100, 1, 28672, 8192) == k["ring"]
     assert auto(A100, 1, 4096, 4096) == k["stream"]
@@ -123,7 +131,7 @@ def test_plan_for_every_forced_kernel(bits, gs):
                 else:
                     assert rc == 0 and kind == cuda.KERNELS["wgmma"], (m, splits, rc)
                     # auto: 64 row tiles x ceil(m / 64 or 128) token tiles, split until two blocks per SM
-                    assert got == (splits or {1: 4, 100: 2, 3000: 1}[m]), (m, got)
+                    assert got == (splits or {1: 4, 100: 4, 3000: 1}[m]), (m, got)
 
 
 def test_plan_for_refusals():
@@ -459,6 +467,14 @@ def test_auto_plan_per_shape():
     assert auto(4, 4096, 4096) == cuda.KERNELS["stream"]
     assert auto(9, 28672, 8192) == cuda.KERNELS["stream"]
     assert auto(16, 11008, 4096) == cuda.KERNELS["stream"]
+    # sm_90: the wgmma kernel from M = 17 (to 32 on every layer, to 256 on large ones), else tiled (-> dense)
+    wg = cuda.KERNELS["wgmma"] if wgmma_ok() else None
+    assert auto(17, 4096, 4096) == (wg or cuda.KERNELS["stream"])
+    assert auto(200, 28672, 8192) == (wg or cuda.KERNELS["tiled"])
+    assert auto(257, 28672, 8192) == cuda.KERNELS["tiled"]
+    lin = cuda.CudaPackedLinear(pack(random_layer(np.random.default_rng(3), 4096, 4096, gs=128)), "cuda")
+    assert lin.plan(64)["kernel"] == -1  # small layer: dense from M = 64
+    assert lin.plan(32)["kernel"] == (wg or cuda.KERNELS["stream"])
 
 
 @pytest.mark.gpu

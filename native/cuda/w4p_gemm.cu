@@ -1764,6 +1764,7 @@ constexpr size_t COUNTER_BYTES = 64 * 1024;  // 16384 tile counters at the start
 constexpr int MAX_COUNTERS = (int)(COUNTER_BYTES / 4);
 constexpr int RING_MAX_M = 8;   // auto: the ring kernel up to this M (measured, docs/CUDA.md)
 constexpr int RING_LMIN = 4;    // ring: at least this many units per warp
+constexpr int WG_AUTO_MIN_M = 16, WG_AUTO_MAX_M = 256;  // auto: the wgmma kernel's M range (sm_90)
 constexpr int RING_MIN_UNITS = 12;  // auto: the ring kernel only when each resident warp gets this many units
 constexpr int BULK_MAX_M = 16;      // the bulk kernel takes up to this M (two n8 blocks of tokens)
 constexpr int BULK_AUTO_M = 1;      // auto: the bulk kernel up to this M on sm_90+ (measured, docs/CUDA.md)
@@ -1853,6 +1854,13 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   // auto: at M = 1 (measured on an H200 ahead of or level with the ring and stream kernels on all six Llama
   // shapes; from M = 4 behind them, its producer's activation copies grow with M: docs/CUDA.md)
   if (kind == W4P_CUDA_KERNEL_AUTO && bulk_ok && m <= BULK_AUTO_M) kind = W4P_CUDA_KERNEL_BULK;
+  // auto, sm_90: the wgmma kernel from M = 17 (measured on an H200 ahead of the stream kernel at M = 32 on every
+  // Llama shape measured) up to M = 32, and on large layers (>= 2^26 weights) up to M = 256, where it is ahead of
+  // dequantize + cuBLAS; smaller layers from M = 64 and every layer from M = 1024 take dequantize + cuBLAS
+  // (the Python side's dense path when this plan says "tiled")
+  if (kind == W4P_CUDA_KERNEL_AUTO && di.cc == 90 && sbits == 4 && (gs <= 0 || gs % 16 == 0) && m > WG_AUTO_MIN_M &&
+      (m <= 32 || ((int64_t)np * kp >= ((int64_t)1 << 26) && m <= WG_AUTO_MAX_M)))
+    kind = W4P_CUDA_KERNEL_WGMMA;
   if (kind == W4P_CUDA_KERNEL_AUTO) {
     // Measured on an H200 (docs/CUDA.md): the ring kernel wins where every resident warp gets a long run of
     // units (70B-sized layers); on smaller layers the block-split stream kernel's shorter ramp wins
@@ -1871,8 +1879,8 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     // token tile 64 up to M = 64 (two blocks per SM), else 128; W4P_CUDA_WGMMA_KP=1|2 overrides the K tiles
     // per step (tuning)
     const int bn = m <= 64 ? 64 : 128;
-    int kp = 2;
-    if (const char *e = getenv("W4P_CUDA_WGMMA_KP")) kp = e[0] == '1' ? 1 : 2;
+    int kp = 1;  // one K tile per step: measured ahead of two (which holds both tiles' fragments) at M = 16..256
+    if (const char *e = getenv("W4P_CUDA_WGMMA_KP")) kp = e[0] == '2' ? 2 : 1;
     if ((size_t)wg_smem_bytes(bn, kp) + di.smem_reserved > (size_t)di.smem_block)
       return fail(W4P_EUNSUPPORTED, "the wgmma kernel needs %d bytes of shared memory per block", wg_smem_bytes(bn, kp));
     const int nrb = ceil_div(np, WG_BM);

@@ -31,7 +31,8 @@ _LIBDIR = _HERE.parent / "_lib"
 #: large-M path: dequantize to a temporary fp16/bf16 matrix with w4p_cuda_dequantize, then torch's GEMM (cuBLAS)
 KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "ring": 3, "bulk": 4, "wgmma": 5, "dense": -1, "probe_load": 10,
            "probe_dequant": 11, "probe_bulk": 12}
-#: from this many rows on, "auto" takes the dense path (measured crossover on an H200, docs/CUDA.md): below it
+#: from this many rows on, "auto" takes the dense path unless the native plan picks the wgmma kernel (sm_90, large
+#: layers up to M = 256; measured on an H200, docs/CUDA.md): below it
 #: the stream kernel (weights read once, split-K), above it dequantize + cuBLAS beats the mma.sync tiled kernel
 DENSE_MIN_M = 33
 _DT = {"float16": 1, "bfloat16": 2}
@@ -254,7 +255,13 @@ class CudaPackedLinear:
         return {"kernel": k, "splits": s, "workspace_bytes": w}
 
     def _use_dense(self, m: int, kernel: str) -> bool:
-        return kernel == "dense" or (kernel == "auto" and m >= DENSE_MIN_M)
+        if kernel == "dense":
+            return True
+        if kernel != "auto" or m < DENSE_MIN_M:
+            return False
+        # the native plan's automatic choice: where it picks a one-pass kernel (wgmma, sm_90) that beats
+        # dequantize + cuBLAS, keep it; where it falls back on the tiled kernel, the dense path is faster
+        return self._plan(m, "float16", True, KERNELS["auto"], 0)[0] == KERNELS["tiled"]
 
     def dequantize(self, dtype: Any = None) -> Any:
         """The dense weight W [N, K] (original column order) in fp16/bf16 on the device, freshly computed."""
