@@ -345,6 +345,27 @@ def test_wgmma_kernel(dtype_name, zero_mode, gs, act_order):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("zero_mode,gs,act_order", [("int", 128, False), ("float", 32, True), ("none", -1, False),
+                                                    ("int", 48, False)])
+@pytest.mark.parametrize("variant", [("W4P_CUDA_WGMMA_AS", "1"), ("W4P_CUDA_WGMMA_KP", "2")])
+def test_wgmma_kernel_variants(dtype_name, zero_mode, gs, act_order, variant, monkeypatch):
+    # the tuning variants (A through shared memory; two K tiles per step), read by the planner at each call
+    import torch
+
+    if not wgmma_ok():
+        pytest.skip("the wgmma kernel needs compute capability 9.0")
+    monkeypatch.setenv(*variant)
+    rng = np.random.default_rng(zlib.crc32(repr((dtype_name, zero_mode, gs, act_order, variant)).encode()))
+    layer = random_layer(rng, 196, 576, gs=gs, zero_mode=zero_mode, act_order=act_order, scale_dtype=dtype_name,
+                         bias=True)
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
+    for m, splits in ((1, 0), (33, 0), (64, 2), (17, 5), (90, 0), (130, 3)):
+        err = run_case(torch, rng, layer, m, dtype_name, kernel="wgmma", splits=splits, lin=lin)
+        assert err <= tolerance(dtype_name), (m, splits, err)
+
+
+@pytest.mark.gpu
 def test_wgmma_kernel_large_and_repeatable():
     import torch
 

@@ -339,14 +339,16 @@ def main() -> int:
                 if m >= 16:
                     if torch.cuda.get_device_capability() == (9, 0):
                         sweep["wgmma"] = measure_w4(lins, k, n, m, "wgmma")
-                        sweep["wgmma_s1"] = measure_w4(lins, k, n, m, "wgmma", 1)
-                        # one K tile per step (the 128-token tile: two blocks per SM)
-                        os.environ["W4P_CUDA_WGMMA_KP"] = "1"
-                        try:
-                            sweep["wgmma_kp1"] = measure_w4(lins, k, n, m, "wgmma")
-                            sweep["wgmma_kp1_s1"] = measure_w4(lins, k, n, m, "wgmma", 1)
-                        finally:
-                            del os.environ["W4P_CUDA_WGMMA_KP"]
+                        # tuning switches read by the native planner at each call
+                        for name, var, value in (("wgmma_kp2", "W4P_CUDA_WGMMA_KP", "2"),
+                                                 ("wgmma_as", "W4P_CUDA_WGMMA_AS", "1")):
+                            if name == "wgmma_as" and m > 64:
+                                continue
+                            os.environ[var] = value
+                            try:
+                                sweep[name] = measure_w4(lins, k, n, m, "wgmma")
+                            finally:
+                                del os.environ[var]
                     sweep["tiled"] = measure_w4(lins, k, n, m, "tiled")
                     sweep["dense"] = measure_w4(lins, k, n, m, "dense")
                     if m <= 128:

@@ -1274,8 +1274,13 @@ constexpr int WG_PB = 4 * 2 * WG_BM * 2;  // a stage's parameter bytes: up to 4 
 __host__ __device__ constexpr int wg_stage_bytes(int bn) { return bn * 128 + WG_WB + WG_PB; }
 // stages (one K tile each): BN 64 fits two blocks per SM; BN 128 holds 64 accumulators per thread and, with
 // two tiles' fragments live (KP 2), one block per SM
-__host__ __device__ constexpr int wg_stages(int bn, int kp) { return bn == 64 ? 6 : kp == 2 ? 8 : 4; }
-__host__ __device__ constexpr int wg_smem_bytes(int bn, int kp) { return wg_stages(bn, kp) * wg_stage_bytes(bn) + 1024; }
+// AS: the dequantized weights go through shared memory (two buffers per warpgroup) so that a warpgroup's
+// wgmmas on tile kt run while it dequantizes tile kt + 1 (token tile 64, one K tile per step)
+__host__ __device__ constexpr int wg_stages(int bn, int kp, bool as = false) { return as ? 5 : bn == 64 ? 6 : kp == 2 ? 8 : 4; }
+constexpr int WG_AB = 2 * 2 * 64 * 128;  // AS: 2 warpgroups x 2 buffers x 64 rows x 128 bytes
+__host__ __device__ constexpr int wg_smem_bytes(int bn, int kp, bool as = false) {
+  return wg_stages(bn, kp, as) * wg_stage_bytes(bn) + (as ? WG_AB : 0) + 1024;
+}
 
 __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr) {
   // K-major, 128-byte swizzle: start >> 4, LBO unused (1), SBO = 1024 B between 8-row groups, mode 1
@@ -1328,12 +1333,39 @@ template <> struct WgOp<__nv_bfloat16, 128> {
   }
 };
 
-template <typename T, int ZMODE, int BN, int KP>  // ZMODE: 0 none, 1 integer zeros, 2 float minima
+// A from shared memory as well (both operands K-major, 128-byte swizzle)
+template <typename T, int BN> struct WgOpSS;
+template <> struct WgOpSS<half, 64> {
+  static __device__ __forceinline__ void mma(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(scale_d));
+#endif
+  }
+};
+template <> struct WgOpSS<__nv_bfloat16, 64> {
+  static __device__ __forceinline__ void mma(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(scale_d));
+#endif
+  }
+};
+
+template <typename T, int ZMODE, int BN, int KP, bool AS = false>  // ZMODE: 0 none, 1 integer zeros, 2 float minima
 __global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kernel(const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T2 = typename Tr<T, 4>::T2;
-  constexpr int SB = wg_stage_bytes(BN), XB = BN * 128, NP = ZMODE != 0 ? 2 : 1, WGS = wg_stages(BN, KP);
+  constexpr int SB = wg_stage_bytes(BN), XB = BN * 128, NP = ZMODE != 0 ? 2 : 1, WGS = wg_stages(BN, KP, AS);
   static_assert(WGS % KP == 0, "stages come in groups of KP");
+  static_assert(!AS || (BN == 64 && KP == 1), "AS: token tile 64, one K tile per step");
+  constexpr int PD = AS ? WGS - 2 : WGS - KP;  // prefetch distance (AS: the stage of tile kt - 1 is still read)
   extern __shared__ __align__(16) unsigned char smem[];
   const uint32_t sbase = (smem_u32(smem) + 1023u) & ~1023u;  // swizzle atoms are 1024-byte aligned
   const unsigned char *sgen = smem + (sbase - smem_u32(smem));
@@ -1383,9 +1415,9 @@ __global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kern
   float acc[BN / 2];
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-  // prologue: stages kb .. kb + WGS - KP - 1, one commit group each
+  // prologue: stages kb .. kb + PD - 1, one commit group each
 #pragma unroll 1
-  for (int s = 0; s < WGS - KP; ++s) {
+  for (int s = 0; s < PD; ++s) {
     if (kb + s < ke) load_stage(kb + s, sbase + s * SB);
     cp_async_commit();
   }
@@ -1430,8 +1462,44 @@ __global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kern
   // dequantize every tile, then issue 4 wgmmas per tile and wait for them once
   uint32_t a[KP][4][4];
   int slot = 0;
+  if constexpr (AS) {
+    const int wgi = warp >> 2, wq = warp & 3, tid4 = lane & 3;
+    const uint32_t abase = sbase + WGS * SB + wgi * 2 * 8192;
+    for (int kt = kb; kt < ke; ++kt) {
+      cp_async_wait<PD - 1>();
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      __syncthreads();  // stage kt is complete; the wgmmas of tile kt - 2 are done (each warpgroup waited)
+      {
+        const int nk = kt + PD;
+        int ns = slot + PD;
+        if (ns >= WGS) ns -= WGS;
+        if (nk < ke) load_stage(nk, sbase + ns * SB);
+        cp_async_commit();
+      }
+      dequant(kt, sgen + slot * SB, a[0]);
+      // A fragments -> this warpgroup's buffer (kt - kb) & 1, K-major rows of 128 bytes, 128-byte swizzle
+      const uint32_t ab = abase + ((kt - kb) & 1) * 8192;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int row = wq * 16 + gid + 8 * (i & 1), chunk = 2 * j + (i >> 1);
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ab + row * 128 + ((chunk ^ (row & 7)) << 4) + 4 * tid4),
+                       "r"(a[0][j][i]) : "memory");
+        }
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wgi) : "memory");  // the warpgroup's A tile is complete
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+      for (int j = 0; j < 4; ++j) WgOpSS<T, BN>::mma(acc, wg_desc(ab + j * 32), wg_desc(sbase + slot * SB + j * 32), 1);
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // tile kt - 1 done
+      if (++slot == WGS) slot = 0;
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  } else
   for (int kt = kb; kt < ke; kt += KP) {
-    cp_async_wait<WGS - 2 * KP>();
+    cp_async_wait<PD - KP>();
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async bytes -> the tensor cores' proxy
     __syncthreads();  // this step's stages are complete; every warpgroup's wgmmas of the previous step are done
     {
@@ -1826,6 +1894,7 @@ struct Plan {
   int S = 1, TB = 1, NI = 1, MI = 1, KC = 8;
   int tiles = 0;   // output tiles (counters)
   int bn = 0, kp = 1;  // wgmma kernel: token tile, K tiles per step
+  bool as = false;     // wgmma kernel: A through shared memory
   bool gather = false;
   size_t smem = 0;
   size_t ws_part = 0, ws_gather = 0, ws_total = 0;
@@ -1881,13 +1950,18 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     const int bn = m <= 64 ? 64 : 128;
     int kp = 1;  // one K tile per step: measured ahead of two (which holds both tiles' fragments) at M = 16..256
     if (const char *e = getenv("W4P_CUDA_WGMMA_KP")) kp = e[0] == '2' ? 2 : 1;
-    if ((size_t)wg_smem_bytes(bn, kp) + di.smem_reserved > (size_t)di.smem_block)
-      return fail(W4P_EUNSUPPORTED, "the wgmma kernel needs %d bytes of shared memory per block", wg_smem_bytes(bn, kp));
+    bool as = false;  // W4P_CUDA_WGMMA_AS=1: the A-through-shared-memory variant (token tile 64; tuning)
+    if (const char *e = getenv("W4P_CUDA_WGMMA_AS")) as = e[0] == '1' && bn == 64;
+    if (as) kp = 1;
+    if ((size_t)wg_smem_bytes(bn, kp, as) + di.smem_reserved > (size_t)di.smem_block)
+      return fail(W4P_EUNSUPPORTED, "the wgmma kernel needs %d bytes of shared memory per block",
+                  wg_smem_bytes(bn, kp, as));
     const int nrb = ceil_div(np, WG_BM);
     if (nrb > 65535) return fail(W4P_EUNSUPPORTED, "the wgmma kernel takes at most %d rows", 65535 * WG_BM);
     pl->kernel = kind;
     pl->bn = bn;
     pl->kp = kp;
+    pl->as = as;
     pl->TB = ceil_div(m, bn);
     pl->tiles = nrb * pl->TB;
     // split K until the grid fills the resident blocks of every SM (each split keeps >= 8 K tiles)
@@ -1905,7 +1979,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     if (S > KT) S = KT;
     if (S > 65535) S = 65535;
     pl->S = S;
-    pl->smem = wg_smem_bytes(bn, kp);
+    pl->smem = wg_smem_bytes(bn, kp, as);
     pl->gather = act_order || !x_aligned || (k % 64) != 0;
     if (pl->S > 1 && pl->tiles > MAX_COUNTERS) pl->S = 1;
     pl->ws_gather = pl->gather ? (((size_t)m * kp * 2 + 255) / 256) * 256 : 0;
@@ -2133,9 +2207,11 @@ cudaError_t launch_bulk(const Params &p, const Plan &pl, cudaStream_t st) {
   return pl.NI == 1 ? launch_bulk_t<T, SB, 1>(p, pl, st) : launch_bulk_t<T, SB, 2>(p, pl, st);
 }
 
-template <typename T, int BN, int KP>
+template <typename T, int BN, int KP, bool AS = false>
 cudaError_t launch_wgmma_t(const Params &p, const Plan &pl, cudaStream_t st) {
-  auto fn = p.zm == 2 ? wgmma_kernel<T, 2, BN, KP> : p.zm == 1 ? wgmma_kernel<T, 1, BN, KP> : wgmma_kernel<T, 0, BN, KP>;
+  auto fn = p.zm == 2   ? wgmma_kernel<T, 2, BN, KP, AS>
+            : p.zm == 1 ? wgmma_kernel<T, 1, BN, KP, AS>
+                        : wgmma_kernel<T, 0, BN, KP, AS>;
   cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
   if (e != cudaSuccess) return e;
   debug_occupancy(fn, "wgmma", 256, pl.smem);
@@ -2144,6 +2220,7 @@ cudaError_t launch_wgmma_t(const Params &p, const Plan &pl, cudaStream_t st) {
 }
 template <typename T>
 cudaError_t launch_wgmma(const Params &p, const Plan &pl, cudaStream_t st) {
+  if (pl.bn == 64 && pl.as) return launch_wgmma_t<T, 64, 1, true>(p, pl, st);
   if (pl.bn == 64) return pl.kp == 1 ? launch_wgmma_t<T, 64, 1>(p, pl, st) : launch_wgmma_t<T, 64, 2>(p, pl, st);
   return pl.kp == 1 ? launch_wgmma_t<T, 128, 1>(p, pl, st) : launch_wgmma_t<T, 128, 2>(p, pl, st);
 }
