@@ -100,8 +100,8 @@ def test_plan_for_described_devices_auto():
     assert auto(H200, 64, 28672, 8192) == k["wgmma"]
     assert auto(H200, 256, 8192, 28672) == k["wgmma"]
     assert auto(H200, 257, 8192, 28672) == k["tiled"]
-    assert auto(H200, 128, 11008, 4096) == k["wgmma"]  # 2^25 weights or more: up to M = 128
-    assert auto(H200, 129, 11008, 4096) == k["tiled"]
+    assert auto(H200, 64, 11008, 4096) == k["wgmma"]  # 2^25 weights or more: up to M = 64
+    assert auto(H200, 65, 11008, 4096) == k["tiled"]
     assert auto(A100, 32, 4096, 4096) == k["stream"]
     assert auto(A100, 64, 28672, 8192) == k["tiled"]
     # A100 (sm_80): no bulk kernel; ring on the 70B shapes at M = 1

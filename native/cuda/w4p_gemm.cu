@@ -1924,13 +1924,13 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   // shapes; from M = 4 behind them, its producer's activation copies grow with M: docs/CUDA.md)
   if (kind == W4P_CUDA_KERNEL_AUTO && bulk_ok && m <= BULK_AUTO_M) kind = W4P_CUDA_KERNEL_BULK;
   // auto, sm_90: the wgmma kernel from M = 17 (measured on an H200 ahead of the stream kernel at M = 32 on every
-  // Llama shape) up to M = 32 on every layer, up to M = 128 on layers of 2^25 weights or more (the 7B MLP
+  // Llama shape) up to M = 32 on every layer, up to M = 64 on layers of 2^25 weights or more (the 7B MLP
   // shapes) and up to M = 256 on layers of 2^26 or more (the 70B shapes): there it is ahead of dequantize +
   // cuBLAS. Smaller layers from M = 33 and every layer from M = 257 take dequantize + cuBLAS (the Python side's
   // dense path when this plan says "tiled")
   if (kind == W4P_CUDA_KERNEL_AUTO && di.cc == 90 && sbits == 4 && (gs <= 0 || gs % 16 == 0) && m > WG_AUTO_MIN_M) {
     const int64_t weights = (int64_t)np * kp;
-    if (m <= 32 || (m <= 128 && weights >= ((int64_t)1 << 25)) || (m <= WG_AUTO_MAX_M && weights >= ((int64_t)1 << 26)))
+    if (m <= 32 || (m <= 64 && weights >= ((int64_t)1 << 25)) || (m <= WG_AUTO_MAX_M && weights >= ((int64_t)1 << 26)))
       kind = W4P_CUDA_KERNEL_WGMMA;
   }
   if (kind == W4P_CUDA_KERNEL_AUTO) {
