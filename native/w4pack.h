@@ -117,7 +117,8 @@ uint64_t w4p_cpu_read_stream(const void *buf, size_t bytes);
 #define W4P_CUDA_KERNEL_RING 3
 /* BULK (M <= 16, sm_90+): stream-K over one block per SM, weights through the bulk copy engine */
 #define W4P_CUDA_KERNEL_BULK 4
-/* WGMMA (sm_90a, 4-bit; not yet run on a GPU): weights as wgmma's register operand, 64 x 128 per warpgroup */
+/* WGMMA (sm_90a, compute capability 9.0, 4-bit, M >= 17 by default): weights as wgmma's register operand,
+   64 rows x 64 or 128 tokens per warpgroup; splits forces the split-K count */
 #define W4P_CUDA_KERNEL_WGMMA 5
 #define W4P_CUDA_PROBE_LOAD 10
 #define W4P_CUDA_PROBE_DEQUANT 11

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build w4pack/_lib/libw4p_cuda.so with nvcc: SASS for sm_80, sm_86, sm_89, sm_90 plus compute_90 PTX,
+# Build w4pack/_lib/libw4p_cuda.so with nvcc: SASS for sm_80, sm_86, sm_89, sm_90a (the wgmma kernel) plus
+# compute_90 PTX,
 # the CUDA runtime linked statically (the library loads without libcudart and reports "no CUDA device"
 # cleanly where there is no driver). Skips the build when the library is newer than every input.
 # Environment: NVCC (default: nvcc on PATH), W4P_CUDA_ARCHS (e.g. "90" for a quick local build).
@@ -28,7 +29,7 @@ GENCODE+=("-gencode=arch=compute_$ptx,code=compute_$ptx")
 
 mkdir -p "$(dirname "$OUT")"
 tmp="$OUT.tmp.$$"
-echo "nvcc: building $(basename "$OUT") for sm_${ARCHS// /, sm_} + compute_$last PTX"
+echo "nvcc: building $(basename "$OUT") for sm_${ARCHS// /, sm_} + compute_$ptx PTX"
 "$NVCC" -O3 -std=c++17 -shared -Xcompiler -fPIC -Xcompiler -fvisibility=hidden -cudart static \
   --threads 0 -diag-suppress 177 "${GENCODE[@]}" -I"$ROOT/native" "${SRCS[@]}" -o "$tmp"
 mv -f "$tmp" "$OUT"

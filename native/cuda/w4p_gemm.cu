@@ -894,7 +894,7 @@ __global__ void __launch_bounds__(RW * 32, RING_MINB) ring_kernel(const Params p
 constexpr int BCT = 8;          // tiles per unit (512 columns of K)
 constexpr int BQ = 4;           // stripes per unit
 constexpr int BNC = 8;          // consumer warps
-constexpr int BNP = 2;          // producer warps (NOT YET RUN ON A GPU with 2: measured with 1, too slow from M = 4)
+constexpr int BNP = 2;          // producer warps (one measured too slow from M = 4: docs/CUDA.md)
 constexpr int BMAXS = 8;        // most stages
 constexpr int BBPS = 2;         // blocks per SM (two producers and 16 consumer warps per SM: measured)
 constexpr int BXP = BCT * 128 + 16;  // smem pitch of an activation row (+16: conflict-free ldmatrix)

@@ -27,7 +27,8 @@ _LIBDIR = _HERE.parent / "_lib"
 #: kernel choice names -> W4P_CUDA_KERNEL_* (probes are diagnostics for tools/bench_gpu.py); "bulk" (sm_90, M <= 16,
 #: auto's choice at M = 1 there: docs/CUDA.md; ``splits`` forces its stages); "ring" (M <= 8,
 #: the default there) streams the weights stream-K over warps through per-warp cp.async rings (``splits``
-#: forces its units of work per warp); "dense" is the
+#: forces its units of work per warp); "wgmma" (sm_90a, 4-bit, auto's choice from M = 17 on compute capability
+#: 9.0 where measured ahead: docs/CUDA.md; ``splits`` forces its split-K count); "dense" is the
 #: large-M path: dequantize to a temporary fp16/bf16 matrix with w4p_cuda_dequantize, then torch's GEMM (cuBLAS)
 KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "ring": 3, "bulk": 4, "wgmma": 5, "dense": -1, "probe_load": 10,
            "probe_dequant": 11, "probe_bulk": 12}
