@@ -368,6 +368,23 @@ def test_wgmma_kernel_variants(dtype_name, zero_mode, gs, act_order, variant, mo
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,k,gs", [(200, 600, 128), (64, 100, 32), (1000, 1000, -1), (136, 4160, 64)])
+def test_wgmma_kernel_ragged_shapes(n, k, gs):
+    # K not a multiple of 64 (the activations gathered and zero-padded to whole tiles, the padded tail's own
+    # group), N not a multiple of the 128-row block, and forced split counts over short K ranges
+    import torch
+
+    if not wgmma_ok():
+        pytest.skip("the wgmma kernel needs compute capability 9.0")
+    rng = np.random.default_rng(n * 7 + k)
+    layer = random_layer(rng, n, k, gs=gs, zero_mode="int", bias=True)
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda")
+    for m, splits in ((1, 0), (40, 0), (64, 2), (129, 0), (70, 3)):
+        err = run_case(torch, rng, layer, m, "float16", kernel="wgmma", splits=splits, lin=lin)
+        assert err <= 1e-3, (m, splits, err)
+
+
+@pytest.mark.gpu
 def test_wgmma_kernel_large_and_repeatable():
     import torch
 
