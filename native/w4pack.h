@@ -120,6 +120,8 @@ uint64_t w4p_cpu_read_stream(const void *buf, size_t bytes);
 /* WGMMA (sm_90a, compute capability 9.0, 4-bit, M >= 17 by default): weights as wgmma's register operand,
    64 rows x 64 or 128 tokens per warpgroup; splits forces the split-K count */
 #define W4P_CUDA_KERNEL_WGMMA 5
+/* WGMMA_WS (sm_90a, 4-bit; not yet run on a GPU): the wgmma kernel with a TMA producer warp and mbarriers */
+#define W4P_CUDA_KERNEL_WGMMA_WS 6
 #define W4P_CUDA_PROBE_LOAD 10
 #define W4P_CUDA_PROBE_DEQUANT 11
 #define W4P_CUDA_PROBE_BULK 12

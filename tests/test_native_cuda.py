@@ -125,6 +125,8 @@ def test_plan_for_every_forced_kernel(bits, gs):
         for m in (1, 100, 3000):
             rc, kind, *_ = _plan_for(lib, ffi, A100, m, 4096, 4096, bits, gs, act, kernel="tiled")
             assert rc == 0 and kind == cuda.KERNELS["tiled"]
+            rc, kind, *_ = _plan_for(lib, ffi, H200, m, 8192, 28672, bits, gs, act, kernel="wgmma_ws")
+            assert (rc == lib.W4P_EUNSUPPORTED) if bits == 8 else (rc == 0 and kind == cuda.KERNELS["wgmma_ws"])
             for splits in (0, 1, 3):
                 rc, kind, got, _ = _plan_for(lib, ffi, H200, m, 8192, 28672, bits, gs, act, kernel="wgmma",
                                              splits=splits)
@@ -325,7 +327,8 @@ def wgmma_ok() -> bool:
                                                     ("int", -1, False), ("none", 128, True), ("int", 96, False),
                                                     ("float", 16, True), ("int", 192, False),
                                                     ("none", 48, False)])
-def test_wgmma_kernel(dtype_name, zero_mode, gs, act_order):
+@pytest.mark.parametrize("kernel", ["wgmma", "wgmma_ws"])
+def test_wgmma_kernel(dtype_name, zero_mode, gs, act_order, kernel):
     # weights scaled in the activation dtype before the MMA (one more rounding than the other kernels): the
     # same tolerances hold for a K of a few hundred
     import torch
@@ -339,10 +342,10 @@ def test_wgmma_kernel(dtype_name, zero_mode, gs, act_order):
     # splits: split-K count (0: enough blocks for every SM; K = 576 is 9 tiles, so 1 here), tiles of 64 tokens up
     # to M = 64, else 128
     for m, splits in ((1, 0), (17, 0), (64, 0), (128, 0), (129, 0), (300, 0), (65, 2), (40, 3), (200, 9), (5, 4)):
-        plan = lin.plan(m, kernel="wgmma", splits=splits)
-        assert plan["kernel"] == cuda.KERNELS["wgmma"]
+        plan = lin.plan(m, kernel=kernel, splits=splits)
+        assert plan["kernel"] == cuda.KERNELS[kernel]
         assert plan["splits"] == (splits or 1)
-        err = run_case(torch, rng, layer, m, dtype_name, kernel="wgmma", splits=splits, lin=lin)
+        err = run_case(torch, rng, layer, m, dtype_name, kernel=kernel, splits=splits, lin=lin)
         assert err <= tolerance(dtype_name), (m, splits, err)
 
 
@@ -369,7 +372,8 @@ def test_wgmma_kernel_variants(dtype_name, zero_mode, gs, act_order, variant, mo
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k,gs", [(200, 600, 128), (64, 100, 32), (1000, 1000, -1), (136, 4160, 64)])
-def test_wgmma_kernel_ragged_shapes(n, k, gs):
+@pytest.mark.parametrize("kernel", ["wgmma", "wgmma_ws"])
+def test_wgmma_kernel_ragged_shapes(n, k, gs, kernel):
     # K not a multiple of 64 (the activations gathered and zero-padded to whole tiles, the padded tail's own
     # group), N not a multiple of the 128-row block, and forced split counts over short K ranges
     import torch
@@ -380,7 +384,7 @@ def test_wgmma_kernel_ragged_shapes(n, k, gs):
     layer = random_layer(rng, n, k, gs=gs, zero_mode="int", bias=True)
     lin = cuda.CudaPackedLinear(pack(layer), "cuda")
     for m, splits in ((1, 0), (40, 0), (64, 2), (129, 0), (70, 3)):
-        err = run_case(torch, rng, layer, m, "float16", kernel="wgmma", splits=splits, lin=lin)
+        err = run_case(torch, rng, layer, m, "float16", kernel=kernel, splits=splits, lin=lin)
         assert err <= 1e-3, (m, splits, err)
 
 
@@ -393,12 +397,13 @@ def test_wgmma_kernel_large_and_repeatable():
     rng = np.random.default_rng(17)
     layer = random_layer(rng, 1000, 4096, gs=128, zero_mode="int")
     lin = cuda.CudaPackedLinear(pack(layer), "cuda")
-    for m in (64, 256, 1000):
-        assert run_case(torch, rng, layer, m, "float16", kernel="wgmma", lin=lin) <= 1e-3, m
-    x = torch.randn(200, 4096, device="cuda", dtype=torch.float16)
-    first = lin.forward(x, kernel="wgmma")
-    for _ in range(5):
-        assert torch.equal(lin.forward(x, kernel="wgmma"), first)
+    for kernel in ("wgmma", "wgmma_ws"):
+        for m in (64, 256, 1000):
+            assert run_case(torch, rng, layer, m, "float16", kernel=kernel, lin=lin) <= 1e-3, (kernel, m)
+        x = torch.randn(200, 4096, device="cuda", dtype=torch.float16)
+        first = lin.forward(x, kernel=kernel)
+        for _ in range(5):
+            assert torch.equal(lin.forward(x, kernel=kernel), first)
 
 
 @pytest.mark.gpu

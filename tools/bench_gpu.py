@@ -243,7 +243,8 @@ def smoke() -> int:
         for m, kernel, splits in ((1, "stream", 0), (5, "stream", 3), (24, "stream", 0), (1, "ring", 0), (7, "ring", 3),
                                   (3, "ring", 1), (40, "tiled", 0),
                                   (130, "tiled", 2), (70, "dense", 0)) + (
-                                  ((1, "wgmma", 0), (150, "wgmma", 0), (70, "wgmma", 3), (20, "wgmma", 2))
+                                  ((1, "wgmma", 0), (150, "wgmma", 0), (70, "wgmma", 3), (20, "wgmma", 2), (1, "wgmma_ws", 0),
+                                   (150, "wgmma_ws", 0), (70, "wgmma_ws", 3))
                                   if torch.cuda.get_device_capability() == (9, 0) and bits == 4 else ()) + (
                                   ((1, "bulk", 0), (13, "bulk", 2), (6, "bulk", 3))
                                   if torch.cuda.get_device_capability() >= (9, 0) else ()):
@@ -339,6 +340,10 @@ def main() -> int:
                 if m >= 16:
                     if torch.cuda.get_device_capability() == (9, 0):
                         sweep["wgmma"] = measure_w4(lins, k, n, m, "wgmma")
+                        try:
+                            sweep["wgmma_ws"] = measure_w4(lins, k, n, m, "wgmma_ws")
+                        except Exception as exc:  # noqa: BLE001 - a driver without the TMA encoder
+                            print(f"wgmma_ws: {exc}", file=sys.stderr)
                         # tuning switches read by the native planner at each call
                         for name, var, value in (("wgmma_kp2", "W4P_CUDA_WGMMA_KP", "2"),
                                                  ("wgmma_as", "W4P_CUDA_WGMMA_AS", "1")):

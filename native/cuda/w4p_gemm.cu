@@ -20,6 +20,7 @@
 //           would not fill the GPU.
 // Dequantization stays in the activation dtype: (magic|q) - (magic + z) is exact, one multiply by the
 // scale rounds once (float minima: one FMA). fp32 accumulation.
+#include <cuda.h>  // CUtensorMap (the type only: the encoder is fetched from the driver at run time)
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -1559,6 +1560,183 @@ __global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kern
 }
 
 // ------------------------------------------------------------------------------------------------
+// Warp-specialized wgmma kernel (sm_90a, 4-bit; NOT YET RUN ON A GPU: selectable only). The wgmma kernel's
+// math, fed the Hopper way: one producer warp issues every copy of a stage with one thread (the activation
+// tile through TMA with the 128-byte swizzle done by the copy engine and rows past M / columns past K
+// zero-filled, the weights as one bulk copy per stripe, the group parameters as one bulk copy per group
+// row), all completing on the stage's mbarrier; the two consumer warpgroups wait on that barrier, compute
+// WS_KS K tiles (8 wgmmas per wait) and free the stage with one arrival per warp. No block-wide barrier in
+// the main loop: the warpgroups drift apart and overlap each other's dequantization and tensor-core work.
+constexpr int WS_KS = 2;                    // K tiles per stage
+constexpr int WS_PB = WS_KS * 4 * 2 * 256;  // parameter bytes per stage: up to 4 groups per tile x 2 x 128 rows
+__host__ __device__ constexpr int ws_stage_bytes(int bn) { return WS_KS * (bn * 128 + 8 * 512) + WS_PB; }
+__host__ __device__ constexpr int ws_stages(int bn) { return bn == 64 ? 3 : 4; }
+__host__ __device__ constexpr int ws_blocks_per_sm(int bn) { return bn == 64 ? 2 : 1; }
+__host__ __device__ constexpr int ws_smem_bytes(int bn) { return 2048 + ws_stages(bn) * ws_stage_bytes(bn); }
+
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void *src, unsigned bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+template <typename T, int ZMODE, int BN>
+__global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(const Params p,
+                                                                                 const __grid_constant__ CUtensorMap xmap) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T2 = typename Tr<T, 4>::T2;
+  constexpr int NS = ws_stages(BN), SB = ws_stage_bytes(BN), XT = BN * 128, XB = WS_KS * XT;
+  constexpr int WOFF = XB, POFF = XB + 8 * WS_KS * 512, NP = ZMODE != 0 ? 2 : 1;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const uint32_t sbase = (smem_u32(smem) + 1023u) & ~1023u;
+  const unsigned char *sgen = smem + (sbase - smem_u32(smem));
+  const uint32_t full0 = sbase, empty0 = sbase + 8 * NS, stages = sbase + 1024;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int nstripes = p.Np >> 4, KT = p.KT;
+  const int row0 = blockIdx.y * WG_BM;
+  const int64_t tok0 = (int64_t)blockIdx.x * BN;
+  const int kb = (int)((int64_t)blockIdx.z * KT / p.S), ke = (int)((int64_t)(blockIdx.z + 1) * KT / p.S);
+  const int nsteps = (ke - kb + WS_KS - 1) / WS_KS;
+  if (tid == 0) {
+    for (int s = 0; s < NS; ++s) {
+      mbar_init(full0 + 8 * s, 1);   // the producer's arrival with the stage's byte count
+      mbar_init(empty0 + 8 * s, 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  float acc[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+  const int gid = lane >> 2;
+  const int rl = (warp & 7) * 16 + gid;
+
+  if (warp == 8) {
+    if (lane == 0) {
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&xmap)) : "memory");
+      const unsigned char *qwb = reinterpret_cast<const unsigned char *>(p.qw);
+      const unsigned char *pbase[2] = {reinterpret_cast<const unsigned char *>(p.scales),
+                                       reinterpret_cast<const unsigned char *>(ZMODE == 1 ? p.zeros : p.mins)};
+      const int nvs = min(8, nstripes - (row0 >> 4));
+      const unsigned prow = (unsigned)min(WG_BM, p.Np - row0) * 2u;
+      for (int i = 0; i < nsteps; ++i) {
+        const int s = i % NS;
+        if (i >= NS) mbar_wait(empty0 + 8 * s, ((i / NS) - 1) & 1);
+        const int t0 = kb + i * WS_KS, nt = min(WS_KS, ke - t0);
+        const int g_lo = group_of(t0 * 64, p.gs, p.gshift);
+        const int ng = group_of((t0 + nt) * 64 - 1, p.gs, p.gshift) - g_lo + 1;
+        const uint32_t st = stages + s * SB, full = full0 + 8 * s;
+        // every activation tile of the stage, also past the K range (zero-filled: the consumers multiply it by
+        // zero weights rather than branch around their wgmmas)
+        mbar_expect_tx(full, (unsigned)(WS_KS * XT + nvs * nt * 512) + (unsigned)(ng * NP) * prow);
+        for (int u = 0; u < WS_KS; ++u) tma_load_2d(st + u * XT, &xmap, (t0 + u) * 64, (int)tok0, full);
+        for (int ls = 0; ls < nvs; ++ls)
+          bulk_copy(st + WOFF + ls * WS_KS * 512, qwb + ((int64_t)((row0 >> 4) + ls) * KT + t0) * 512,
+                    (unsigned)nt * 512u, full);
+        for (int g = 0; g < ng; ++g)
+          for (int w = 0; w < NP; ++w)
+            bulk_copy(st + POFF + (g * 2 + w) * 256, pbase[w] + ((size_t)(g_lo + g) * p.Np + row0) * 2, prow, full);
+      }
+    }
+  } else {
+    const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
+    const bool one_group = p.gs <= 0 || p.gs % 64 == 0;
+    uint32_t a[WS_KS][4][4];
+    for (int i = 0; i < nsteps; ++i) {
+      const int s = i % NS;
+      mbar_wait(full0 + 8 * s, (i / NS) & 1);
+      const int t0 = kb + i * WS_KS, nt = min(WS_KS, ke - t0);
+      const int g_st = group_of(t0 * 64, p.gs, p.gshift);
+      const unsigned char *sg = sgen + 1024 + s * SB;
+      const T *prm = reinterpret_cast<const T *>(sg + POFF);
+#pragma unroll
+      for (int u = 0; u < WS_KS; ++u) {
+        if (u >= nt) {  // past the K range: zero weights (the activation tile is zero-filled by TMA)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) a[u][j][0] = a[u][j][1] = a[u][j][2] = a[u][j][3] = 0u;
+        } else {
+          const int kt = t0 + u;
+          const uint4 wv = *reinterpret_cast<const uint4 *>(sg + WOFF + warp * WS_KS * 512 + u * 512 + lane * 16);
+          const uint32_t w[4] = {wv.x, wv.y, wv.z, wv.w};
+          T2 s_lo, s_hi, z_lo, z_hi;
+          ZC<T, 4> zc = zc_sym;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            if (j == 0 || !one_group) {
+              const int slot = group_of(kt * 64 + 16 * j, p.gs, p.gshift) - g_st;
+              const T *ps = prm + slot * 2 * WG_BM;
+              s_lo = bcast2(ps[rl]);
+              s_hi = bcast2(ps[rl + 8]);
+              if (ZMODE == 2) {
+                z_lo = bcast2(ps[WG_BM + rl]);
+                z_hi = bcast2(ps[WG_BM + rl + 8]);
+              } else if (ZMODE == 1) {
+                zc = zc_make<T, 4>(to_f(ps[WG_BM + rl]), to_f(ps[WG_BM + rl + 8]));
+              }
+            }
+            if (ZMODE == 2) {
+              dq_float<T, 4>(w, j, s_lo, s_hi, z_lo, z_hi, a[u][j]);
+            } else {
+              uint32_t qz[4];
+              dq_int<T, 4>(w, j, zc, qz);
+#pragma unroll
+              for (int q = 0; q < 4; ++q) a[u][j][q] = as_u32(__hmul2(as_t2<T2>(qz[q]), (q & 1) ? s_hi : s_lo));
+            }
+          }
+        }
+      }
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+      const uint32_t st = stages + s * SB;
+#pragma unroll
+      for (int u = 0; u < WS_KS; ++u)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) WgOp<T, BN>::mma(acc, a[u][j], wg_desc(st + u * XT + j * 32), 1);
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty0 + 8 * s);
+    }
+  }
+  // epilogue (the producer warp joins the split reduction's block barriers)
+  const int r_lo = row0 + rl, r_hi = r_lo + 8;
+  if (p.S == 1) {
+    if (warp < 8) {
+      const T *bias = (const T *)p.bias;
+      T *y = (T *)p.y;
+      const float b_lo = (bias && r_lo < p.N) ? to_f(bias[r_lo]) : 0.f;
+      const float b_hi = (bias && r_hi < p.N) ? to_f(bias[r_hi]) : 0.f;
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int row = c < 2 ? r_lo : r_hi;
+          const int64_t tok = tok0 + 8 * i + 2 * (lane & 3) + (c & 1);
+          if (row < p.N && tok < p.M) y[tok * p.ldy + row] = from_f<T>(acc[4 * i + c] + (c < 2 ? b_lo : b_hi));
+        }
+    }
+  } else {
+    if (warp < 8) {
+      float *part = p.part + (size_t)blockIdx.z * p.M * p.Np;
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int row = c < 2 ? r_lo : r_hi;
+          const int64_t tok = tok0 + 8 * i + 2 * (lane & 3) + (c & 1);
+          if (tok < p.M && row < p.Np) __stcg(part + tok * p.Np + row, acc[4 * i + c]);
+        }
+    }
+    split_reduce<T, WG_BM, BN>(p, blockIdx.y, blockIdx.x, row0, (int)tok0);
+  }
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------
 // Tiled kernel: 128 rows x 128 tokens per block, 8 warps as 4 (rows, 32 each) x 2 (tokens, 64 each).
 constexpr int TBM = 128, TBN = 128, TST = 4, TXP = 72;  // TXP: smem pitch of a 64-wide activation row
 
@@ -1939,11 +2117,48 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     const bool ring_wins = ring_ok && m <= RING_MAX_M && ring_units >= RING_MIN_UNITS * ring_cap;
     kind = ring_wins ? 3 : (m <= 32 && stream_ok) ? 1 : 2;
   }
-  if (kind != 2 && kind != W4P_CUDA_KERNEL_WGMMA && !stream_ok)
+  if (kind != 2 && kind != W4P_CUDA_KERNEL_WGMMA && kind != W4P_CUDA_KERNEL_WGMMA_WS && !stream_ok)
     return fail(W4P_EUNSUPPORTED, "group size %d: the stream kernel needs a multiple of 32 (use auto or tiled)", gs);
   if (kind == 3 && !ring_ok)
     return fail(W4P_EUNSUPPORTED, "the ring kernel takes M <= 8 and at most %d row stripes (m=%lld, n=%d)",
                 MAX_COUNTERS * RQ, (long long)m, n);
+  if (kind == W4P_CUDA_KERNEL_WGMMA_WS) {
+    // (not yet run on a GPU: selectable only) token tile 64 up to M = 64, else 128; split K as the wgmma kernel
+    if (di.cc != 90 || sbits != 4 || !(gs <= 0 || gs % 16 == 0))
+      return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel needs compute capability 9.0 (this device: %d.%d), 4-bit "
+                  "storage and a group size that is a multiple of 16", di.cc / 10, di.cc % 10);
+    const int bn = m <= 64 ? 64 : 128;
+    if ((size_t)ws_smem_bytes(bn) + di.smem_reserved > (size_t)di.smem_block)
+      return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel needs %d bytes of shared memory per block", ws_smem_bytes(bn));
+    const int nrb = ceil_div(np, WG_BM);
+    if (nrb > 65535) return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel takes at most %d rows", 65535 * WG_BM);
+    pl->kernel = kind;
+    pl->bn = bn;
+    pl->TB = ceil_div(m, bn);
+    pl->tiles = nrb * pl->TB;
+    int S = splits;
+    if (S <= 0) {
+      S = 1;
+      const int64_t slots = (int64_t)sms * ws_blocks_per_sm(bn);
+      if (2 * pl->tiles < slots) {
+        S = (int)(slots / pl->tiles);
+        const int smax = KT / 8 > 0 ? KT / 8 : 1;
+        if (S > smax) S = smax;
+      }
+    }
+    if (S > KT) S = KT;
+    if (S > 65535) S = 65535;
+    pl->S = S;
+    pl->smem = ws_smem_bytes(bn);
+    pl->gather = act_order || !x_aligned;  // TMA zero-fills columns past K: no gather for ragged K
+    if (pl->S > 1 && pl->tiles > MAX_COUNTERS) pl->S = 1;
+    pl->ws_gather = pl->gather ? (((size_t)m * kp * 2 + 255) / 256) * 256 : 0;
+    auto part_bytes = [&](int s) { return s > 1 ? (size_t)s * m * np * 4 : 0; };
+    while (pl->S > 1 && COUNTER_BYTES + pl->ws_gather + part_bytes(pl->S) > ws_avail) pl->S = pl->S / 2 > 1 ? pl->S / 2 : 1;
+    pl->ws_part = part_bytes(pl->S);
+    pl->ws_total = COUNTER_BYTES + pl->ws_gather + pl->ws_part;
+    return W4P_OK;
+  }
   if (kind == W4P_CUDA_KERNEL_WGMMA) {
     if (di.cc != 90 || sbits != 4 || !(gs <= 0 || gs % 16 == 0))
       return fail(W4P_EUNSUPPORTED, "the wgmma kernel needs compute capability 9.0 (this device: %d.%d), 4-bit "
@@ -2228,9 +2443,50 @@ cudaError_t launch_wgmma(const Params &p, const Plan &pl, cudaStream_t st) {
   return pl.kp == 1 ? launch_wgmma_t<T, 128, 1>(p, pl, st) : launch_wgmma_t<T, 128, 2>(p, pl, st);
 }
 
+// The activation tile's TMA descriptor: [M][kx] in T, row stride ldx, boxes of 64 columns x BN rows with the
+// 128-byte swizzle, out-of-bounds elements read as zeros. The encoder comes from the driver at run time.
+typedef CUresult (*EncodeTiledFn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                                  const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                                  CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+cudaError_t encode_x_map(CUtensorMap *map, const void *x, bool bf16, int64_t m, int64_t kx, int64_t ldx, int bn) {
+  static EncodeTiledFn fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void *f = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = (EncodeTiledFn)f;
+  });
+  if (!fn) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {(cuuint64_t)kx, (cuuint64_t)m};
+  const cuuint64_t strides[1] = {(cuuint64_t)ldx * 2};
+  const cuuint32_t box[2] = {64, (cuuint32_t)bn};
+  const cuuint32_t estr[2] = {1, 1};
+  const CUresult r = fn(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+                        const_cast<void *>(x), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <typename T, int BN>
+cudaError_t launch_wgmma_ws_t(const Params &p, const Plan &pl, cudaStream_t st) {
+  CUtensorMap map;
+  cudaError_t e = encode_x_map(&map, p.x, std::is_same<T, __nv_bfloat16>::value, p.M, p.kx, p.ldx, BN);
+  if (e != cudaSuccess) return e;
+  auto fn = p.zm == 2 ? wgmma_ws_kernel<T, 2, BN> : p.zm == 1 ? wgmma_ws_kernel<T, 1, BN> : wgmma_ws_kernel<T, 0, BN>;
+  e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
+  if (e != cudaSuccess) return e;
+  debug_occupancy(fn, "wgmma_ws", 9 * 32, pl.smem);
+  fn<<<dim3((unsigned)pl.TB, (unsigned)(pl.tiles / pl.TB), (unsigned)pl.S), 9 * 32, pl.smem, st>>>(p, map);
+  return cudaGetLastError();
+}
+
 template <typename T>
 cudaError_t launch_all(Params &p, const Plan &pl, int sbits, void *ws_gather, cudaStream_t st) {
-  if (pl.kernel == 2 || pl.kernel == 3 || pl.kernel == W4P_CUDA_KERNEL_BULK || pl.kernel == W4P_CUDA_KERNEL_WGMMA) {
+  if (pl.kernel == 2 || pl.kernel == 3 || pl.kernel == W4P_CUDA_KERNEL_BULK || pl.kernel == W4P_CUDA_KERNEL_WGMMA ||
+      pl.kernel == W4P_CUDA_KERNEL_WGMMA_WS) {
     if (pl.gather) {
       T *xg = (T *)ws_gather;
       const int64_t total = p.M * (int64_t)p.Kp;
@@ -2248,6 +2504,8 @@ cudaError_t launch_all(Params &p, const Plan &pl, int sbits, void *ws_gather, cu
     }
     if (pl.kernel == W4P_CUDA_KERNEL_BULK) return sbits == 4 ? launch_bulk<T, 4>(p, pl, st) : launch_bulk<T, 8>(p, pl, st);
     if (pl.kernel == W4P_CUDA_KERNEL_WGMMA) return launch_wgmma<T>(p, pl, st);
+    if (pl.kernel == W4P_CUDA_KERNEL_WGMMA_WS)
+      return pl.bn == 64 ? launch_wgmma_ws_t<T, 64>(p, pl, st) : launch_wgmma_ws_t<T, 128>(p, pl, st);
     if (pl.kernel != 2) return sbits == 4 ? launch_ring<T, 4>(p, pl, st) : launch_ring<T, 8>(p, pl, st);
     return sbits == 4 ? launch_tiled_t<T, 4>(p, pl, st) : launch_tiled_t<T, 8>(p, pl, st);
   }

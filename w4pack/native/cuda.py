@@ -30,7 +30,7 @@ _LIBDIR = _HERE.parent / "_lib"
 #: forces its units of work per warp); "wgmma" (sm_90a, 4-bit, auto's choice from M = 17 on compute capability
 #: 9.0 where measured ahead: docs/CUDA.md; ``splits`` forces its split-K count); "dense" is the
 #: large-M path: dequantize to a temporary fp16/bf16 matrix with w4p_cuda_dequantize, then torch's GEMM (cuBLAS)
-KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "ring": 3, "bulk": 4, "wgmma": 5, "dense": -1, "probe_load": 10,
+KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "ring": 3, "bulk": 4, "wgmma": 5, "wgmma_ws": 6, "dense": -1, "probe_load": 10,
            "probe_dequant": 11, "probe_bulk": 12}
 #: from this many rows on, "auto" takes the dense path unless the native plan picks the wgmma kernel (sm_90, large
 #: layers up to M = 256; measured on an H200, docs/CUDA.md): below it
