@@ -332,6 +332,11 @@ def main() -> int:
                             sweep[f"bulk_ns{ns}"] = measure_w4(lins, k, n, m, "bulk", ns)
                         except Exception as exc:  # noqa: BLE001 - a stage count that does not fit
                             print(f"bulk ns={ns}: {exc}", file=sys.stderr)
+                if torch.cuda.get_device_capability() == (9, 0):  # the warp-specialized wgmma kernel, every M
+                    try:
+                        sweep["wgmma_ws"] = measure_w4(lins, k, n, m, "wgmma_ws")
+                    except Exception as exc:  # noqa: BLE001 - a driver without the TMA encoder
+                        print(f"wgmma_ws: {exc}", file=sys.stderr)
                 if m <= 8:
                     sweep["ring"] = measure_w4(lins, k, n, m, "ring")
                 elif m <= 64:
@@ -340,10 +345,6 @@ def main() -> int:
                 if m >= 16:
                     if torch.cuda.get_device_capability() == (9, 0):
                         sweep["wgmma"] = measure_w4(lins, k, n, m, "wgmma")
-                        try:
-                            sweep["wgmma_ws"] = measure_w4(lins, k, n, m, "wgmma_ws")
-                        except Exception as exc:  # noqa: BLE001 - a driver without the TMA encoder
-                            print(f"wgmma_ws: {exc}", file=sys.stderr)
                         # tuning switches read by the native planner at each call
                         for name, var, value in (("wgmma_kp2", "W4P_CUDA_WGMMA_KP", "2"),
                                                  ("wgmma_as", "W4P_CUDA_WGMMA_AS", "1")):

@@ -1289,6 +1289,50 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr) {
 }
 
 template <typename T, int BN> struct WgOp;
+template <> struct WgOp<half, 16> {
+  static __device__ __forceinline__ void mma(float (&d)[8], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %12, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %13, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc));
+#endif
+  }
+};
+template <> struct WgOp<__nv_bfloat16, 16> {
+  static __device__ __forceinline__ void mma(float (&d)[8], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %12, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %13, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc));
+#endif
+  }
+};
+template <> struct WgOp<half, 32> {
+  static __device__ __forceinline__ void mma(float (&d)[16], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %20, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %21, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc));
+#endif
+  }
+};
+template <> struct WgOp<__nv_bfloat16, 32> {
+  static __device__ __forceinline__ void mma(float (&d)[16], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %20, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %21, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc));
+#endif
+  }
+};
 template <> struct WgOp<half, 64> {
   static __device__ __forceinline__ void mma(float (&d)[32], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1570,8 +1614,9 @@ __global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kern
 constexpr int WS_KS = 2;                    // K tiles per stage
 constexpr int WS_PB = WS_KS * 4 * 2 * 256;  // parameter bytes per stage: up to 4 groups per tile x 2 x 128 rows
 __host__ __device__ constexpr int ws_stage_bytes(int bn) { return WS_KS * (bn * 128 + 8 * 512) + WS_PB; }
-__host__ __device__ constexpr int ws_stages(int bn) { return bn == 64 ? 3 : 4; }
-__host__ __device__ constexpr int ws_blocks_per_sm(int bn) { return bn == 64 ? 2 : 1; }
+__host__ __device__ constexpr int ws_stages(int bn) { return bn == 16 ? 6 : bn == 32 ? 4 : bn == 64 ? 3 : 4; }
+__host__ __device__ constexpr int ws_blocks_per_sm(int bn) { return bn == 128 ? 1 : 2; }
+__host__ __device__ constexpr int ws_tile(int64_t m) { return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128; }
 __host__ __device__ constexpr int ws_smem_bytes(int bn) { return 2048 + ws_stages(bn) * ws_stage_bytes(bn); }
 
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1, uint32_t bar) {
@@ -2123,11 +2168,11 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     return fail(W4P_EUNSUPPORTED, "the ring kernel takes M <= 8 and at most %d row stripes (m=%lld, n=%d)",
                 MAX_COUNTERS * RQ, (long long)m, n);
   if (kind == W4P_CUDA_KERNEL_WGMMA_WS) {
-    // (not yet run on a GPU: selectable only) token tile 64 up to M = 64, else 128; split K as the wgmma kernel
+    // (not yet run on a GPU: selectable only) token tile 16 / 32 / 64 / 128 by M; split K as the wgmma kernel
     if (di.cc != 90 || sbits != 4 || !(gs <= 0 || gs % 16 == 0))
       return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel needs compute capability 9.0 (this device: %d.%d), 4-bit "
                   "storage and a group size that is a multiple of 16", di.cc / 10, di.cc % 10);
-    const int bn = m <= 64 ? 64 : 128;
+    const int bn = ws_tile(m);
     if ((size_t)ws_smem_bytes(bn) + di.smem_reserved > (size_t)di.smem_block)
       return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel needs %d bytes of shared memory per block", ws_smem_bytes(bn));
     const int nrb = ceil_div(np, WG_BM);
@@ -2505,7 +2550,10 @@ cudaError_t launch_all(Params &p, const Plan &pl, int sbits, void *ws_gather, cu
     if (pl.kernel == W4P_CUDA_KERNEL_BULK) return sbits == 4 ? launch_bulk<T, 4>(p, pl, st) : launch_bulk<T, 8>(p, pl, st);
     if (pl.kernel == W4P_CUDA_KERNEL_WGMMA) return launch_wgmma<T>(p, pl, st);
     if (pl.kernel == W4P_CUDA_KERNEL_WGMMA_WS)
-      return pl.bn == 64 ? launch_wgmma_ws_t<T, 64>(p, pl, st) : launch_wgmma_ws_t<T, 128>(p, pl, st);
+      return pl.bn == 16   ? launch_wgmma_ws_t<T, 16>(p, pl, st)
+             : pl.bn == 32 ? launch_wgmma_ws_t<T, 32>(p, pl, st)
+             : pl.bn == 64 ? launch_wgmma_ws_t<T, 64>(p, pl, st)
+                           : launch_wgmma_ws_t<T, 128>(p, pl, st);
     if (pl.kernel != 2) return sbits == 4 ? launch_ring<T, 4>(p, pl, st) : launch_ring<T, 8>(p, pl, st);
     return sbits == 4 ? launch_tiled_t<T, 4>(p, pl, st) : launch_tiled_t<T, 8>(p, pl, st);
   }
