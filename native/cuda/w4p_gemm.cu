@@ -1617,7 +1617,8 @@ __host__ __device__ constexpr int ws_stage_bytes(int bn) { return WS_KS * (bn * 
 __host__ __device__ constexpr int ws_stages(int bn) { return bn == 16 ? 6 : bn == 32 ? 4 : bn == 64 ? 3 : 4; }
 __host__ __device__ constexpr int ws_blocks_per_sm(int bn) { return bn == 128 ? 1 : 2; }
 __host__ __device__ constexpr int ws_tile(int64_t m) { return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128; }
-__host__ __device__ constexpr int ws_smem_bytes(int bn) { return 2048 + ws_stages(bn) * ws_stage_bytes(bn); }
+// + a zeroed activation tile: the B operand of the wgmmas past the K range in a stage's last tile
+__host__ __device__ constexpr int ws_smem_bytes(int bn) { return 2048 + ws_stages(bn) * ws_stage_bytes(bn) + bn * 128; }
 
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1, uint32_t bar) {
   asm volatile(
@@ -1646,6 +1647,10 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
   const int64_t tok0 = (int64_t)blockIdx.x * BN;
   const int kb = (int)((int64_t)blockIdx.z * KT / p.S), ke = (int)((int64_t)(blockIdx.z + 1) * KT / p.S);
   const int nsteps = (ke - kb + WS_KS - 1) / WS_KS;
+  const uint32_t zero_tile = stages + NS * SB;  // 1024-aligned, BN x 128 bytes of zeros
+  for (int i = tid; i < XT / 16; i += blockDim.x)
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(zero_tile + i * 16), "r"(0u) : "memory");
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the zeros -> the tensor cores' proxy
   if (tid == 0) {
     for (int s = 0; s < NS; ++s) {
       mbar_init(full0 + 8 * s, 1);   // the producer's arrival with the stage's byte count
@@ -1676,10 +1681,8 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
         const int g_lo = group_of(t0 * 64, p.gs, p.gshift);
         const int ng = group_of((t0 + nt) * 64 - 1, p.gs, p.gshift) - g_lo + 1;
         const uint32_t st = stages + s * SB, full = full0 + 8 * s;
-        // every activation tile of the stage, also past the K range (zero-filled: the consumers multiply it by
-        // zero weights rather than branch around their wgmmas)
-        mbar_expect_tx(full, (unsigned)(WS_KS * XT + nvs * nt * 512) + (unsigned)(ng * NP) * prow);
-        for (int u = 0; u < WS_KS; ++u) tma_load_2d(st + u * XT, &xmap, (t0 + u) * 64, (int)tok0, full);
+        mbar_expect_tx(full, (unsigned)(nt * XT + nvs * nt * 512) + (unsigned)(ng * NP) * prow);
+        for (int u = 0; u < nt; ++u) tma_load_2d(st + u * XT, &xmap, (t0 + u) * 64, (int)tok0, full);
         for (int ls = 0; ls < nvs; ++ls)
           bulk_copy(st + WOFF + ls * WS_KS * 512, qwb + ((int64_t)((row0 >> 4) + ls) * KT + t0) * 512,
                     (unsigned)nt * 512u, full);
@@ -1688,6 +1691,7 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
             bulk_copy(st + POFF + (g * 2 + w) * 256, pbase[w] + ((size_t)(g_lo + g) * p.Np + row0) * 2, prow, full);
       }
     }
+    __syncwarp();  // the producer warp reconverges before the epilogue's block barriers
   } else {
     const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
     const bool one_group = p.gs <= 0 || p.gs % 64 == 0;
@@ -1701,7 +1705,7 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
       const T *prm = reinterpret_cast<const T *>(sg + POFF);
 #pragma unroll
       for (int u = 0; u < WS_KS; ++u) {
-        if (u >= nt) {  // past the K range: zero weights (the activation tile is zero-filled by TMA)
+        if (u >= nt) {  // past the split's K range: zero weights times the zero tile (no branch around wgmmas)
 #pragma unroll
           for (int j = 0; j < 4; ++j) a[u][j][0] = a[u][j][1] = a[u][j][2] = a[u][j][3] = 0u;
         } else {
@@ -1738,9 +1742,11 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
       asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
       const uint32_t st = stages + s * SB;
 #pragma unroll
-      for (int u = 0; u < WS_KS; ++u)
+      for (int u = 0; u < WS_KS; ++u) {
+        const uint32_t xb = u < nt ? st + u * XT : zero_tile;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) WgOp<T, BN>::mma(acc, a[u][j], wg_desc(st + u * XT + j * 32), 1);
+        for (int j = 0; j < 4; ++j) WgOp<T, BN>::mma(acc, a[u][j], wg_desc(xb + j * 32), 1);
+      }
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
       __syncwarp();
