@@ -1944,54 +1944,6 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   if (kind == 3 && !ring_ok)
     return fail(W4P_EUNSUPPORTED, "the ring kernel takes M <= 8 and at most %d row stripes (m=%lld, n=%d)",
                 MAX_COUNTERS * RQ, (long long)m, n);
-  if (kind == W4P_CUDA_KERNEL_WGMMA) {
-    if (di.cc != 90 || sbits != 4 || !(gs <= 0 || gs % 16 == 0))
-      return fail(W4P_EUNSUPPORTED, "the wgmma kernel needs compute capability 9.0 (this device: %d.%d), 4-bit "
-                  "storage and a group size that is a multiple of 16", di.cc / 10, di.cc % 10);
-    // token tile 64 up to M = 64 (two blocks per SM), else 128; W4P_CUDA_WGMMA_KP=1|2 overrides the K tiles
-    // per step (tuning)
-    const int bn = m <= 64 ? 64 : 128;
-    int kp = 1;  // one K tile per step: measured ahead of two (which holds both tiles' fragments) at M = 16..256
-    if (const char *e = getenv("W4P_CUDA_WGMMA_KP")) kp = e[0] == '2' ? 2 : 1;
-    bool as = false;  // W4P_CUDA_WGMMA_AS=1: the A-through-shared-memory variant (token tile 64; tuning)
-    if (const char *e = getenv("W4P_CUDA_WGMMA_AS")) as = e[0] == '1' && bn == 64;
-    if (as) kp = 1;
-    if ((size_t)wg_smem_bytes(bn, kp, as) + di.smem_reserved > (size_t)di.smem_block)
-      return fail(W4P_EUNSUPPORTED, "the wgmma kernel needs %d bytes of shared memory per block",
-                  wg_smem_bytes(bn, kp, as));
-    const int nrb = ceil_div(np, WG_BM);
-    if (nrb > 65535) return fail(W4P_EUNSUPPORTED, "the wgmma kernel takes at most %d rows", 65535 * WG_BM);
-    pl->kernel = kind;
-    pl->bn = bn;
-    pl->kp = kp;
-    pl->as = as;
-    pl->TB = ceil_div(m, bn);
-    pl->tiles = nrb * pl->TB;
-    // split K until the grid fills the resident blocks of every SM (each split keeps >= 8 K tiles)
-    const int per_sm = (bn == 64 || kp == 1) ? 2 : 1;
-    int S = splits;
-    if (S <= 0) {
-      S = 1;
-      const int64_t slots = (int64_t)sms * per_sm;
-      if (2 * pl->tiles < slots) {  // (splitting a grid that already fills half the slots measured slower)
-        S = (int)(slots / pl->tiles);
-        const int smax = KT / 8 > 0 ? KT / 8 : 1;
-        if (S > smax) S = smax;
-      }
-    }
-    if (S > KT) S = KT;
-    if (S > 65535) S = 65535;
-    pl->S = S;
-    pl->smem = wg_smem_bytes(bn, kp, as);
-    pl->gather = act_order || !x_aligned || (k % 64) != 0;
-    if (pl->S > 1 && pl->tiles > MAX_COUNTERS) pl->S = 1;
-    pl->ws_gather = pl->gather ? (((size_t)m * kp * 2 + 255) / 256) * 256 : 0;
-    auto part_bytes = [&](int s) { return s > 1 ? (size_t)s * m * np * 4 : 0; };
-    while (pl->S > 1 && COUNTER_BYTES + pl->ws_gather + part_bytes(pl->S) > ws_avail) pl->S = pl->S / 2 > 1 ? pl->S / 2 : 1;
-    pl->ws_part = part_bytes(pl->S);
-    pl->ws_total = COUNTER_BYTES + pl->ws_gather + pl->ws_part;
-    return W4P_OK;
-  }
   if (kind == W4P_CUDA_PROBE_BULK) kind = W4P_CUDA_KERNEL_BULK;
   if (kind == W4P_CUDA_KERNEL_BULK && !bulk_ok)
     return fail(W4P_EUNSUPPORTED, "the bulk kernel needs compute capability 9.0 or newer (this device: %d.%d), "
@@ -2100,6 +2052,45 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     pl->S = S;
     pl->gather = act_order || !x_aligned || (k % 8) != 0;
     pl->smem = sbits == 4 ? TiledCfg<4>::SMEM : TiledCfg<8>::SMEM;
+  } else if (kind == W4P_CUDA_KERNEL_WGMMA) {
+    if (di.cc != 90 || sbits != 4 || !(gs <= 0 || gs % 16 == 0))
+      return fail(W4P_EUNSUPPORTED, "the wgmma kernel needs compute capability 9.0 (this device: %d.%d), 4-bit "
+                  "storage and a group size that is a multiple of 16", di.cc / 10, di.cc % 10);
+    // token tile 64 up to M = 64 (two blocks per SM), else 128; W4P_CUDA_WGMMA_KP=1|2 overrides the K tiles
+    // per step (tuning)
+    const int bn = m <= 64 ? 64 : 128;
+    int kpt = 1;  // one K tile per step: measured ahead of two (which holds both tiles' fragments) at M = 16..256
+    if (const char *e = getenv("W4P_CUDA_WGMMA_KP")) kpt = e[0] == '2' ? 2 : 1;
+    bool as = false;  // W4P_CUDA_WGMMA_AS=1: the A-through-shared-memory variant (token tile 64; tuning)
+    if (const char *e = getenv("W4P_CUDA_WGMMA_AS")) as = e[0] == '1' && bn == 64;
+    if (as) kpt = 1;
+    if ((size_t)wg_smem_bytes(bn, kpt, as) + di.smem_reserved > (size_t)di.smem_block)
+      return fail(W4P_EUNSUPPORTED, "the wgmma kernel needs %d bytes of shared memory per block",
+                  wg_smem_bytes(bn, kpt, as));
+    const int nrb = ceil_div(np, WG_BM);
+    if (nrb > 65535) return fail(W4P_EUNSUPPORTED, "the wgmma kernel takes at most %d rows", 65535 * WG_BM);
+    pl->bn = bn;
+    pl->kp = kpt;
+    pl->as = as;
+    pl->TB = ceil_div(m, bn);
+    pl->tiles = nrb * pl->TB;
+    // split K until the grid fills the resident blocks of every SM (each split keeps >= 8 K tiles)
+    const int per_sm = (bn == 64 || kpt == 1) ? 2 : 1;
+    int S = splits;
+    if (S <= 0) {
+      S = 1;
+      const int64_t slots = (int64_t)sms * per_sm;
+      if (2 * pl->tiles < slots) {  // (splitting a grid that already fills half the slots measured slower)
+        S = (int)(slots / pl->tiles);
+        const int smax = KT / 8 > 0 ? KT / 8 : 1;
+        if (S > smax) S = smax;
+      }
+    }
+    if (S > KT) S = KT;
+    if (S > 65535) S = 65535;
+    pl->S = S;
+    pl->smem = wg_smem_bytes(bn, kpt, as);
+    pl->gather = act_order || !x_aligned || (k % 64) != 0;
   } else {
     return fail(W4P_EINVAL, "unknown kernel %d", kernel);
   }
