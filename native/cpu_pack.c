@@ -292,6 +292,17 @@ static void pack_stripe(void *vctx, int64_t nb) {
     }
 }
 
+/* perm (NULL: none) holds column indices 0..k-1; otherwise the error names the caller and the entry */
+static int perm_ok(const char *fn, const int32_t *perm, int32_t k) {
+    for (int32_t i = 0; perm && i < k; i++) {
+        if (perm[i] < 0 || perm[i] >= k) {
+            w4p_set_error("%s: perm[%d] = %d is outside 0..%d", fn, i, perm[i], k - 1);
+            return 0;
+        }
+    }
+    return 1;
+}
+
 int w4p_pack_layout_v1(const uint8_t *codes, int64_t ldc, int32_t n, int32_t k, const int32_t *perm,
                        int32_t storage_bits, int32_t *out, int32_t *max_seen, int threads) {
     if (!codes || !out || n < 1 || k < 1 || ldc < k || (storage_bits != 4 && storage_bits != 8)) {
@@ -299,14 +310,7 @@ int w4p_pack_layout_v1(const uint8_t *codes, int64_t ldc, int32_t n, int32_t k, 
                       (long long)ldc, storage_bits);
         return W4P_EINVAL;
     }
-    if (perm) {
-        for (int32_t i = 0; i < k; i++) {
-            if (perm[i] < 0 || perm[i] >= k) {
-                w4p_set_error("w4p_pack_layout_v1: perm[%d] = %d is outside 0..%d", i, perm[i], k - 1);
-                return W4P_EINVAL;
-            }
-        }
-    }
+    if (!perm_ok("w4p_pack_layout_v1", perm, k)) return W4P_EINVAL;
     pack_ctx c = {codes, ldc, n, k, (n + 15) / 16 * 16, (k + 63) / 64 * 64, perm, storage_bits, out, 0, 0, NULL, 0};
     w4p_parallel_for(c.np / 16, threads < 1 ? 1 : threads, pack_stripe, &c);
     if (max_seen) *max_seen = atomic_load(&c.max_seen);
@@ -410,14 +414,7 @@ int w4p_gptq_pack_layout_v1(const int32_t *qweight, int64_t ldq, int32_t n, int3
         w4p_set_error("w4p_gptq_pack_layout_v1: bad arguments (n=%d k=%d ldq=%lld)", n, k, (long long)ldq);
         return W4P_EINVAL;
     }
-    if (perm) {
-        for (int32_t i = 0; i < k; i++) {
-            if (perm[i] < 0 || perm[i] >= k) {
-                w4p_set_error("w4p_gptq_pack_layout_v1: perm[%d] = %d is outside 0..%d", i, perm[i], k - 1);
-                return W4P_EINVAL;
-            }
-        }
-    }
+    if (!perm_ok("w4p_gptq_pack_layout_v1", perm, k)) return W4P_EINVAL;
     pack_ctx c = {NULL, 0, n, k, (n + 15) / 16 * 16, (k + 63) / 64 * 64, perm, 4, out, 0, 0,
                   (const uint32_t *)qweight, ldq};
     if (perm)

@@ -138,6 +138,23 @@ def test_plan_for_every_forced_kernel(bits, gs):
                     assert got == (splits or {1: 4, 100: 4, 3000: 1}[m]), (m, got)
 
 
+def test_plan_for_workspace_holds_gathered_activations():
+    # act-order or unaligned rows (every kernel but stream) and K % 64 (wgmma, bulk) gather x first: m * Kp
+    # halves of workspace after the tile counters (and the split partials after those)
+    ffi, lib = _lib_or_skip()
+    counters = 64 * 1024
+    for kernel in ("wgmma", "tiled", "ring", "bulk"):
+        for m, k, act, aligned, splits in ((65, 576, 1, 1, 2), (7, 8192, 1, 1, 0), (1, 600, 0, 1, 0),
+                                           (40, 4096, 0, 0, 3)):
+            if (kernel in ("ring", "bulk") and m > 8) or (kernel in ("tiled", "ring") and not act and aligned):
+                continue
+            rc, kind, s, ws = _plan_for(lib, ffi, H200, m, 28672 if m < 64 else 4096, k, 4, 64, act, aligned,
+                                        kernel=kernel, splits=splits)
+            assert rc == 0 and kind == cuda.KERNELS[kernel], (kernel, m, rc)
+            kp = -(-k // 64) * 64
+            assert ws >= counters + m * kp * 2, (kernel, m, k, ws)
+
+
 def test_plan_for_refusals():
     ffi, lib = _lib_or_skip()
     msg = lambda: ffi.string(lib.w4p_cuda_last_error()).decode()  # noqa: E731

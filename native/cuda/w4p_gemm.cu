@@ -1288,120 +1288,69 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr) {
   return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
 }
 
-template <typename T, int BN> struct WgOp;
-template <> struct WgOp<half, 16> {
-  static __device__ __forceinline__ void mma(float (&d)[8], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
+// wgmma.mma_async m64nNk16 with fp32 accumulators d[N / 2]; the fp16 and bf16 forms differ only in the
+// type's PTX name. The bodies are empty outside sm_90a (the planner launches these kernels on 9.0 only).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %12, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %13, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc));
+#define W4P_SM90A(...) __VA_ARGS__
+#else
+#define W4P_SM90A(...)
 #endif
-  }
-};
-template <> struct WgOp<__nv_bfloat16, 16> {
-  static __device__ __forceinline__ void mma(float (&d)[8], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %12, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %13, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc));
-#endif
-  }
-};
-template <> struct WgOp<half, 32> {
-  static __device__ __forceinline__ void mma(float (&d)[16], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %20, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %21, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc));
-#endif
-  }
-};
-template <> struct WgOp<__nv_bfloat16, 32> {
-  static __device__ __forceinline__ void mma(float (&d)[16], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %20, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %21, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc));
-#endif
-  }
-};
-template <> struct WgOp<half, 64> {
-  static __device__ __forceinline__ void mma(float (&d)[32], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %36, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %37, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc));
-#endif
-  }
-};
-template <> struct WgOp<__nv_bfloat16, 64> {
-  static __device__ __forceinline__ void mma(float (&d)[32], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %36, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %37, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc));
-#endif
-  }
-};
-template <> struct WgOp<half, 128> {
-  static __device__ __forceinline__ void mma(float (&d)[64], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %68, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %69, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc));
-#endif
-  }
-};
-template <> struct WgOp<__nv_bfloat16, 128> {
-  static __device__ __forceinline__ void mma(float (&d)[64], const uint32_t (&a)[4], uint64_t desc, int scale_d) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %68, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %69, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc));
-#endif
-  }
-};
-
+#define W4P_WG_ACC8 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+#define W4P_WG_ACC16 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+#define W4P_WG_D8 "{%0, %1, %2, %3, %4, %5, %6, %7}"
+#define W4P_WG_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define W4P_WG_ACC32 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), \
+  "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), \
+  "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
+  "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define W4P_WG_ACC64 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), \
+  "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), \
+  "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
+  "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), \
+  "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), \
+  "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), \
+  "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define W4P_WG_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define W4P_WG_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+// A from registers (%ia: the four A registers, scale-d and the B descriptor follow the accumulators)
+#define W4P_WGOP_RS(T, TY, N, DREGS, ACC, AREGS, SC, DESC)                                                       \
+  template <> struct WgOp<T, N> {                                                                                \
+    static __device__ __forceinline__ void mma(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc,         \
+                                               int scale_d) {                                                    \
+      W4P_SM90A(asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, " SC ", 0;\n"                                   \
+                             "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " DREGS ", " AREGS    \
+                             ", " DESC ", p, 1, 1, 0;\n}\n"                                                      \
+                             : ACC                                                                               \
+                             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(scale_d), "l"(desc));)            \
+    }                                                                                                            \
+  };
 // A from shared memory as well (both operands K-major, 128-byte swizzle)
+#define W4P_WGOP_SS(T, TY, N, DREGS, ACC, DA, DB, SC)                                                            \
+  template <> struct WgOpSS<T, N> {                                                                              \
+    static __device__ __forceinline__ void mma(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d) {       \
+      W4P_SM90A(asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, " SC ", 0;\n"                                   \
+                             "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " DREGS ", " DA ", " \
+                             DB ", p, 1, 1, 0, 0;\n}\n"                                                          \
+                             : ACC                                                                               \
+                             : "l"(da), "l"(db), "r"(scale_d));)                                                 \
+    }                                                                                                            \
+  };
+template <typename T, int BN> struct WgOp;
+W4P_WGOP_RS(half, "f16", 16, W4P_WG_D8, W4P_WG_ACC8, "{%8, %9, %10, %11}", "%12", "%13")
+W4P_WGOP_RS(__nv_bfloat16, "bf16", 16, W4P_WG_D8, W4P_WG_ACC8, "{%8, %9, %10, %11}", "%12", "%13")
+W4P_WGOP_RS(half, "f16", 32, W4P_WG_D16, W4P_WG_ACC16, "{%16, %17, %18, %19}", "%20", "%21")
+W4P_WGOP_RS(__nv_bfloat16, "bf16", 32, W4P_WG_D16, W4P_WG_ACC16, "{%16, %17, %18, %19}", "%20", "%21")
+W4P_WGOP_RS(half, "f16", 64, W4P_WG_D32, W4P_WG_ACC32, "{%32, %33, %34, %35}", "%36", "%37")
+W4P_WGOP_RS(__nv_bfloat16, "bf16", 64, W4P_WG_D32, W4P_WG_ACC32, "{%32, %33, %34, %35}", "%36", "%37")
+W4P_WGOP_RS(half, "f16", 128, W4P_WG_D64, W4P_WG_ACC64, "{%64, %65, %66, %67}", "%68", "%69")
+W4P_WGOP_RS(__nv_bfloat16, "bf16", 128, W4P_WG_D64, W4P_WG_ACC64, "{%64, %65, %66, %67}", "%68", "%69")
 template <typename T, int BN> struct WgOpSS;
-template <> struct WgOpSS<half, 64> {
-  static __device__ __forceinline__ void mma(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(da), "l"(db), "r"(scale_d));
-#endif
-  }
-};
-template <> struct WgOpSS<__nv_bfloat16, 64> {
-  static __device__ __forceinline__ void mma(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(da), "l"(db), "r"(scale_d));
-#endif
-  }
-};
+W4P_WGOP_SS(half, "f16", 64, W4P_WG_D32, W4P_WG_ACC32, "%32", "%33", "%34")
+W4P_WGOP_SS(__nv_bfloat16, "bf16", 64, W4P_WG_D32, W4P_WG_ACC32, "%32", "%33", "%34")
 
 template <typename T, int ZMODE, int BN, int KP, bool AS = false>  // ZMODE: 0 none, 1 integer zeros, 2 float minima
 __global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kernel(const Params p) {
@@ -2173,91 +2122,6 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   if (kind == 3 && !ring_ok)
     return fail(W4P_EUNSUPPORTED, "the ring kernel takes M <= 8 and at most %d row stripes (m=%lld, n=%d)",
                 MAX_COUNTERS * RQ, (long long)m, n);
-  if (kind == W4P_CUDA_KERNEL_WGMMA_WS) {
-    // (not yet run on a GPU: selectable only) token tile 16 / 32 / 64 / 128 by M; split K as the wgmma kernel
-    if (di.cc != 90 || sbits != 4 || !(gs <= 0 || gs % 16 == 0))
-      return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel needs compute capability 9.0 (this device: %d.%d), 4-bit "
-                  "storage and a group size that is a multiple of 16", di.cc / 10, di.cc % 10);
-    const int bn = ws_tile(m);
-    if ((size_t)ws_smem_bytes(bn) + di.smem_reserved > (size_t)di.smem_block)
-      return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel needs %d bytes of shared memory per block", ws_smem_bytes(bn));
-    const int nrb = ceil_div(np, WG_BM);
-    if (nrb > 65535) return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel takes at most %d rows", 65535 * WG_BM);
-    pl->kernel = kind;
-    pl->bn = bn;
-    pl->TB = ceil_div(m, bn);
-    pl->tiles = nrb * pl->TB;
-    int S = splits;
-    if (S <= 0) {
-      S = 1;
-      const int64_t slots = (int64_t)sms * ws_blocks_per_sm(bn);
-      if (2 * pl->tiles < slots) {
-        S = (int)(slots / pl->tiles);
-        const int smax = KT / 8 > 0 ? KT / 8 : 1;
-        if (S > smax) S = smax;
-      }
-    }
-    if (S > KT) S = KT;
-    if (S > 65535) S = 65535;
-    pl->S = S;
-    pl->smem = ws_smem_bytes(bn);
-    pl->gather = act_order || !x_aligned;  // TMA zero-fills columns past K: no gather for ragged K
-    if (pl->S > 1 && pl->tiles > MAX_COUNTERS) pl->S = 1;
-    pl->ws_gather = pl->gather ? (((size_t)m * kp * 2 + 255) / 256) * 256 : 0;
-    auto part_bytes = [&](int s) { return s > 1 ? (size_t)s * m * np * 4 : 0; };
-    while (pl->S > 1 && COUNTER_BYTES + pl->ws_gather + part_bytes(pl->S) > ws_avail) pl->S = pl->S / 2 > 1 ? pl->S / 2 : 1;
-    pl->ws_part = part_bytes(pl->S);
-    pl->ws_total = COUNTER_BYTES + pl->ws_gather + pl->ws_part;
-    return W4P_OK;
-  }
-  if (kind == W4P_CUDA_KERNEL_WGMMA) {
-    if (di.cc != 90 || sbits != 4 || !(gs <= 0 || gs % 16 == 0))
-      return fail(W4P_EUNSUPPORTED, "the wgmma kernel needs compute capability 9.0 (this device: %d.%d), 4-bit "
-                  "storage and a group size that is a multiple of 16", di.cc / 10, di.cc % 10);
-    // token tile 64 up to M = 64 (two blocks per SM), else 128; W4P_CUDA_WGMMA_KP=1|2 overrides the K tiles
-    // per step (tuning)
-    const int bn = m <= 64 ? 64 : 128;
-    int kp = 1;  // one K tile per step: measured ahead of two (which holds both tiles' fragments) at M = 16..256
-    if (const char *e = getenv("W4P_CUDA_WGMMA_KP")) kp = e[0] == '2' ? 2 : 1;
-    bool as = false;  // W4P_CUDA_WGMMA_AS=1: the A-through-shared-memory variant (token tile 64; tuning)
-    if (const char *e = getenv("W4P_CUDA_WGMMA_AS")) as = e[0] == '1' && bn == 64;
-    if (as) kp = 1;
-    if ((size_t)wg_smem_bytes(bn, kp, as) + di.smem_reserved > (size_t)di.smem_block)
-      return fail(W4P_EUNSUPPORTED, "the wgmma kernel needs %d bytes of shared memory per block",
-                  wg_smem_bytes(bn, kp, as));
-    const int nrb = ceil_div(np, WG_BM);
-    if (nrb > 65535) return fail(W4P_EUNSUPPORTED, "the wgmma kernel takes at most %d rows", 65535 * WG_BM);
-    pl->kernel = kind;
-    pl->bn = bn;
-    pl->kp = kp;
-    pl->as = as;
-    pl->TB = ceil_div(m, bn);
-    pl->tiles = nrb * pl->TB;
-    // split K until the grid fills the resident blocks of every SM (each split keeps >= 8 K tiles)
-    const int per_sm = (bn == 64 || kp == 1) ? 2 : 1;
-    int S = splits;
-    if (S <= 0) {
-      S = 1;
-      const int64_t slots = (int64_t)sms * per_sm;
-      if (2 * pl->tiles < slots) {  // (splitting a grid that already fills half the slots measured slower)
-        S = (int)(slots / pl->tiles);
-        const int smax = KT / 8 > 0 ? KT / 8 : 1;
-        if (S > smax) S = smax;
-      }
-    }
-    if (S > KT) S = KT;
-    if (S > 65535) S = 65535;
-    pl->S = S;
-    pl->smem = wg_smem_bytes(bn, kp, as);
-    pl->gather = act_order || !x_aligned || (k % 64) != 0;
-    if (pl->S > 1 && pl->tiles > MAX_COUNTERS) pl->S = 1;
-    pl->ws_gather = pl->gather ? (((size_t)m * kp * 2 + 255) / 256) * 256 : 0;
-    auto part_bytes = [&](int s) { return s > 1 ? (size_t)s * m * np * 4 : 0; };
-    while (pl->S > 1 && COUNTER_BYTES + pl->ws_gather + part_bytes(pl->S) > ws_avail) pl->S = pl->S / 2 > 1 ? pl->S / 2 : 1;
-    pl->ws_part = part_bytes(pl->S);
-    pl->ws_total = COUNTER_BYTES + pl->ws_gather + pl->ws_part;
-    return W4P_OK;
-  }
   if (kind == W4P_CUDA_PROBE_BULK) kind = W4P_CUDA_KERNEL_BULK;
   if (kind == W4P_CUDA_KERNEL_BULK && !bulk_ok)
     return fail(W4P_EUNSUPPORTED, "the bulk kernel needs compute capability 9.0 or newer (this device: %d.%d), "
@@ -2366,6 +2230,73 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     pl->S = S;
     pl->gather = act_order || !x_aligned || (k % 8) != 0;
     pl->smem = sbits == 4 ? TiledCfg<4>::SMEM : TiledCfg<8>::SMEM;
+  } else if (kind == W4P_CUDA_KERNEL_WGMMA) {
+    if (di.cc != 90 || sbits != 4 || !(gs <= 0 || gs % 16 == 0))
+      return fail(W4P_EUNSUPPORTED, "the wgmma kernel needs compute capability 9.0 (this device: %d.%d), 4-bit "
+                  "storage and a group size that is a multiple of 16", di.cc / 10, di.cc % 10);
+    // token tile 64 up to M = 64 (two blocks per SM), else 128; W4P_CUDA_WGMMA_KP=1|2 overrides the K tiles
+    // per step (tuning)
+    const int bn = m <= 64 ? 64 : 128;
+    int kpt = 1;  // one K tile per step: measured ahead of two (which holds both tiles' fragments) at M = 16..256
+    if (const char *e = getenv("W4P_CUDA_WGMMA_KP")) kpt = e[0] == '2' ? 2 : 1;
+    bool as = false;  // W4P_CUDA_WGMMA_AS=1: the A-through-shared-memory variant (token tile 64; tuning)
+    if (const char *e = getenv("W4P_CUDA_WGMMA_AS")) as = e[0] == '1' && bn == 64;
+    if (as) kpt = 1;
+    if ((size_t)wg_smem_bytes(bn, kpt, as) + di.smem_reserved > (size_t)di.smem_block)
+      return fail(W4P_EUNSUPPORTED, "the wgmma kernel needs %d bytes of shared memory per block",
+                  wg_smem_bytes(bn, kpt, as));
+    const int nrb = ceil_div(np, WG_BM);
+    if (nrb > 65535) return fail(W4P_EUNSUPPORTED, "the wgmma kernel takes at most %d rows", 65535 * WG_BM);
+    pl->bn = bn;
+    pl->kp = kpt;
+    pl->as = as;
+    pl->TB = ceil_div(m, bn);
+    pl->tiles = nrb * pl->TB;
+    // split K until the grid fills the resident blocks of every SM (each split keeps >= 8 K tiles)
+    const int per_sm = (bn == 64 || kpt == 1) ? 2 : 1;
+    int S = splits;
+    if (S <= 0) {
+      S = 1;
+      const int64_t slots = (int64_t)sms * per_sm;
+      if (2 * pl->tiles < slots) {  // (splitting a grid that already fills half the slots measured slower)
+        S = (int)(slots / pl->tiles);
+        const int smax = KT / 8 > 0 ? KT / 8 : 1;
+        if (S > smax) S = smax;
+      }
+    }
+    if (S > KT) S = KT;
+    if (S > 65535) S = 65535;
+    pl->S = S;
+    pl->smem = wg_smem_bytes(bn, kpt, as);
+    pl->gather = act_order || !x_aligned || (k % 64) != 0;
+  } else if (kind == W4P_CUDA_KERNEL_WGMMA_WS) {
+    // (not yet run on a GPU: selectable only) token tile 16 / 32 / 64 / 128 by M; split K as the wgmma kernel
+    if (di.cc != 90 || sbits != 4 || !(gs <= 0 || gs % 16 == 0))
+      return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel needs compute capability 9.0 (this device: %d.%d), 4-bit "
+                  "storage and a group size that is a multiple of 16", di.cc / 10, di.cc % 10);
+    const int bn = ws_tile(m);
+    if ((size_t)ws_smem_bytes(bn) + di.smem_reserved > (size_t)di.smem_block)
+      return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel needs %d bytes of shared memory per block", ws_smem_bytes(bn));
+    const int nrb = ceil_div(np, WG_BM);
+    if (nrb > 65535) return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel takes at most %d rows", 65535 * WG_BM);
+    pl->bn = bn;
+    pl->TB = ceil_div(m, bn);
+    pl->tiles = nrb * pl->TB;
+    int S = splits;
+    if (S <= 0) {
+      S = 1;
+      const int64_t slots = (int64_t)sms * ws_blocks_per_sm(bn);
+      if (2 * pl->tiles < slots) {
+        S = (int)(slots / pl->tiles);
+        const int smax = KT / 8 > 0 ? KT / 8 : 1;
+        if (S > smax) S = smax;
+      }
+    }
+    if (S > KT) S = KT;
+    if (S > 65535) S = 65535;
+    pl->S = S;
+    pl->smem = ws_smem_bytes(bn);
+    pl->gather = act_order || !x_aligned;  // TMA zero-fills columns past K: no gather for ragged K
   } else {
     return fail(W4P_EINVAL, "unknown kernel %d", kernel);
   }
