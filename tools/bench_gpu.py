@@ -265,6 +265,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="M in 1, 16, 64, 256 only")
     ap.add_argument("--sweep", action="store_true", help="also time forced kernels / split counts")
+    ap.add_argument("--variants", action="store_true",
+                    help="with --sweep: also the wgmma kernel's tuning variants (W4P_CUDA_WGMMA_KP / _AS)")
     ap.add_argument("--json", type=Path, default=None, help="append one JSON line per measurement")
     ap.add_argument("--shapes", default="", help="comma list of KxN (default: the six Llama shapes)")
     ap.add_argument("--ms", default="", help="comma list of M (e.g. 1,4,16: the decode regime only)")
@@ -335,6 +337,8 @@ def main() -> int:
                 if torch.cuda.get_device_capability() == (9, 0):  # the warp-specialized wgmma kernel, every M
                     try:
                         sweep["wgmma_ws"] = measure_w4(lins, k, n, m, "wgmma_ws")
+                        for sp in (1, 2, 4):  # forced split-K counts against the planner's choice
+                            sweep[f"ws_s{sp}"] = measure_w4(lins, k, n, m, "wgmma_ws", sp)
                     except Exception as exc:  # noqa: BLE001 - a driver without the TMA encoder
                         print(f"wgmma_ws: {exc}", file=sys.stderr)
                 if m <= 8:
@@ -345,10 +349,10 @@ def main() -> int:
                 if m >= 16:
                     if torch.cuda.get_device_capability() == (9, 0):
                         sweep["wgmma"] = measure_w4(lins, k, n, m, "wgmma")
-                        # tuning switches read by the native planner at each call
+                        # tuning switches read by the native planner at each call (--variants)
                         for name, var, value in (("wgmma_kp2", "W4P_CUDA_WGMMA_KP", "2"),
                                                  ("wgmma_as", "W4P_CUDA_WGMMA_AS", "1")):
-                            if name == "wgmma_as" and m > 64:
+                            if not args.variants or (name == "wgmma_as" and m > 64):
                                 continue
                             os.environ[var] = value
                             try:

@@ -146,6 +146,18 @@ template <> __device__ __forceinline__ ZC<half, 4> zc_make<half, 4>(float z_lo, 
   return c;
 }
 
+// The same constants from zeros stored in the activation type: for fp16 two half-precision operations
+// (1024 + z and -(64 + z) are exact for the codes of 4-bit layers) instead of a round trip through fp32.
+template <typename T> __device__ __forceinline__ ZC<T, 4> zc_load(T z_lo, T z_hi) {
+  return zc_make<T, 4>(to_f(z_lo), to_f(z_hi));
+}
+template <> __device__ __forceinline__ ZC<half, 4> zc_load<half>(half z_lo, half z_hi) {
+  ZC<half, 4> c;
+  c.lo = __hadd2(bcast2(z_lo), __float2half2_rn(1024.f));
+  c.hi = __hfma2(bcast2(z_hi), __float2half2_rn(-1.f), __float2half2_rn(-64.f));
+  return c;
+}
+
 // (q - z) as exact pairs for the four A registers of k16 slice j.
 template <typename T, int SB>
 __device__ __forceinline__ void dq_int(const uint32_t *w, int j, const ZC<T, SB> &c, uint32_t (&a)[4]) {
@@ -1553,7 +1565,7 @@ __global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kern
 }
 
 // ------------------------------------------------------------------------------------------------
-// Warp-specialized wgmma kernel (sm_90a, 4-bit; NOT YET RUN ON A GPU: selectable only). The wgmma kernel's
+// Warp-specialized wgmma kernel (sm_90a, 4-bit; auto's choice on sm_90 for M = 16-256). The wgmma kernel's
 // math, fed the Hopper way: one producer warp issues every copy of a stage with one thread (the activation
 // tile through TMA with the 128-byte swizzle done by the copy engine and rows past M / columns past K
 // zero-filled, the weights as one bulk copy per stripe, the group parameters as one bulk copy per group
@@ -1645,58 +1657,82 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
     const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
     const bool one_group = p.gs <= 0 || p.gs % 64 == 0;
     uint32_t a[WS_KS][4][4];
+    // A stage's weights are read from shared memory one stage ahead, while the previous stage's last
+    // wgmmas run (the full barrier of stage i + 1 is waited on before the wgmmas of stage i are)
+    const uint64_t dzero = wg_desc(zero_tile);
+    const int woff = WOFF + warp * WS_KS * 512 + lane * 16;
+    uint4 wv[WS_KS];
+    if (nsteps > 0) {
+      mbar_wait(full0, 0);
+#pragma unroll
+      for (int u = 0; u < WS_KS; ++u)
+        wv[u] = u < ke - kb ? *reinterpret_cast<const uint4 *>(sgen + 1024 + woff + u * 512) : make_uint4(0, 0, 0, 0);
+    }
     for (int i = 0; i < nsteps; ++i) {
       const int s = i % NS;
-      mbar_wait(full0 + 8 * s, (i / NS) & 1);
       const int t0 = kb + i * WS_KS, nt = min(WS_KS, ke - t0);
       const int g_st = group_of(t0 * 64, p.gs, p.gshift);
       const unsigned char *sg = sgen + 1024 + s * SB;
       const T *prm = reinterpret_cast<const T *>(sg + POFF);
+      const uint64_t dst = wg_desc(stages + s * SB);
+      T2 s_lo, s_hi, z_lo, z_hi;
+      ZC<T, 4> zc = zc_sym;
+      auto load_group = [&](int g) {
+        const T *ps = prm + (g - g_st) * 2 * WG_BM;
+        s_lo = bcast2(ps[rl]);
+        s_hi = bcast2(ps[rl + 8]);
+        if (ZMODE == 2) {
+          z_lo = bcast2(ps[WG_BM + rl]);
+          z_hi = bcast2(ps[WG_BM + rl + 8]);
+        } else if (ZMODE == 1) {
+          zc = zc_load<T>(ps[WG_BM + rl], ps[WG_BM + rl + 8]);
+        }
+      };
+      auto dequant = [&](const uint32_t (&w)[4], int j, uint32_t (&av)[4]) {
+        if (ZMODE == 2) {
+          dq_float<T, 4>(w, j, s_lo, s_hi, z_lo, z_hi, av);
+        } else {
+          uint32_t qz[4];
+          dq_int<T, 4>(w, j, zc, qz);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) av[q] = as_u32(__hmul2(as_t2<T2>(qz[q]), (q & 1) ? s_hi : s_lo));
+        }
+      };
+      // Each k16 slice goes to the tensor cores as soon as it is dequantized: the next slice is dequantized
+      // while that wgmma runs. The group's constants are loaded at the stage's start and again only where a
+      // slice starts a new group (never inside the usual stage, which lies in one group: a single test per
+      // slice). A tile past the split's K range has zeroed codes (finite products) against the zero tile.
+      // (Two copies of the wgmma sequence, one per path, made ptxas serialize the wgmmas: C7520.)
+      const bool one_stage_group = one_group && group_of((t0 + WS_KS) * 64 - 1, p.gs, p.gshift) == g_st;
+      load_group(g_st);
+      int gcur = g_st;
 #pragma unroll
       for (int u = 0; u < WS_KS; ++u) {
-        if (u >= nt) {  // past the split's K range: zero weights times the zero tile (no branch around wgmmas)
+        const uint32_t w[4] = {wv[u].x, wv[u].y, wv[u].z, wv[u].w};
+        const uint64_t du = u < nt ? dst + (uint64_t)(u * (XT >> 4)) : dzero;
 #pragma unroll
-          for (int j = 0; j < 4; ++j) a[u][j][0] = a[u][j][1] = a[u][j][2] = a[u][j][3] = 0u;
-        } else {
-          const int kt = t0 + u;
-          const uint4 wv = *reinterpret_cast<const uint4 *>(sg + WOFF + warp * WS_KS * 512 + u * 512 + lane * 16);
-          const uint32_t w[4] = {wv.x, wv.y, wv.z, wv.w};
-          T2 s_lo, s_hi, z_lo, z_hi;
-          ZC<T, 4> zc = zc_sym;
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            if (j == 0 || !one_group) {
-              const int slot = group_of(kt * 64 + 16 * j, p.gs, p.gshift) - g_st;
-              const T *ps = prm + slot * 2 * WG_BM;
-              s_lo = bcast2(ps[rl]);
-              s_hi = bcast2(ps[rl + 8]);
-              if (ZMODE == 2) {
-                z_lo = bcast2(ps[WG_BM + rl]);
-                z_hi = bcast2(ps[WG_BM + rl + 8]);
-              } else if (ZMODE == 1) {
-                zc = zc_make<T, 4>(to_f(ps[WG_BM + rl]), to_f(ps[WG_BM + rl + 8]));
-              }
-            }
-            if (ZMODE == 2) {
-              dq_float<T, 4>(w, j, s_lo, s_hi, z_lo, z_hi, a[u][j]);
-            } else {
-              uint32_t qz[4];
-              dq_int<T, 4>(w, j, zc, qz);
-#pragma unroll
-              for (int q = 0; q < 4; ++q) a[u][j][q] = as_u32(__hmul2(as_t2<T2>(qz[q]), (q & 1) ? s_hi : s_lo));
+        for (int j = 0; j < 4; ++j) {
+          if ((u > 0 || j > 0) && !one_stage_group && u < nt && (j == 0 || !one_group)) {
+            const int g = group_of((t0 + u) * 64 + 16 * j, p.gs, p.gshift);
+            if (g != gcur) {
+              gcur = g;
+              load_group(g);
             }
           }
+          dequant(w, j, a[u][j]);
+          asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+          WgOp<T, BN>::mma(acc, a[u][j], du + (uint64_t)(2 * j), 1);
         }
       }
-      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-      const uint32_t st = stages + s * SB;
-#pragma unroll
-      for (int u = 0; u < WS_KS; ++u) {
-        const uint32_t xb = u < nt ? st + u * XT : zero_tile;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) WgOp<T, BN>::mma(acc, a[u][j], wg_desc(xb + j * 32), 1);
-      }
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      if (i + 1 < nsteps) {
+        const int s1 = (i + 1) % NS, nt1 = min(WS_KS, ke - t0 - WS_KS);
+        mbar_wait(full0 + 8 * s1, ((i + 1) / NS) & 1);
+#pragma unroll
+        for (int u = 0; u < WS_KS; ++u)
+          wv[u] = u < nt1 ? *reinterpret_cast<const uint4 *>(sgen + 1024 + s1 * SB + woff + u * 512)
+                          : make_uint4(0, 0, 0, 0);
+      }
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
       __syncwarp();
       if (lane == 0) mbar_arrive(empty0 + 8 * s);
@@ -2010,7 +2046,7 @@ constexpr size_t COUNTER_BYTES = 64 * 1024;  // 16384 tile counters at the start
 constexpr int MAX_COUNTERS = (int)(COUNTER_BYTES / 4);
 constexpr int RING_MAX_M = 8;   // auto: the ring kernel up to this M (measured, docs/CUDA.md)
 constexpr int RING_LMIN = 4;    // ring: at least this many units per warp
-constexpr int WG_AUTO_MIN_M = 16, WG_AUTO_MAX_M = 256;  // auto: the wgmma kernel's M range (sm_90)
+constexpr int WS_AUTO_MIN_M = 16, WG_AUTO_MAX_M = 256;  // auto: the wgmma kernels' M range (sm_90)
 constexpr int RING_MIN_UNITS = 12;  // auto: the ring kernel only when each resident warp gets this many units
 constexpr int BULK_MAX_M = 16;      // the bulk kernel takes up to this M (two n8 blocks of tokens)
 constexpr int BULK_AUTO_M = 1;      // auto: the bulk kernel up to this M on sm_90+ (measured, docs/CUDA.md)
@@ -2019,8 +2055,10 @@ struct DevInfo {
   int sms = 0;
   int cc = 0;  // compute capability, major * 10 + minor
   int smem_sm = 0, smem_block = 0, smem_reserved = 0;  // shared memory per SM, per block (opt-in), reserved
+  bool tma = true;  // the driver gives the TMA descriptor encoder (the wgmma_ws kernel; described devices: yes)
   bool init = false;
 };
+bool tma_encoder_available();
 DevInfo g_dev[64];
 std::mutex g_mu;
 
@@ -2049,6 +2087,7 @@ int dev_info(int device, DevInfo *out) {
     }
     g_dev[device].cc = ccmaj * 10 + ccmin;
     g_dev[device].sms = sms;
+    g_dev[device].tma = tma_encoder_available();
     g_dev[device].smem_sm = a;
     g_dev[device].smem_block = b;
     g_dev[device].smem_reserved = c;
@@ -2101,15 +2140,16 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   // auto: at M = 1 (measured on an H200 ahead of or level with the ring and stream kernels on all six Llama
   // shapes; from M = 4 behind them, its producer's activation copies grow with M: docs/CUDA.md)
   if (kind == W4P_CUDA_KERNEL_AUTO && bulk_ok && m <= BULK_AUTO_M) kind = W4P_CUDA_KERNEL_BULK;
-  // auto, sm_90: the wgmma kernel from M = 17 (measured on an H200 ahead of the stream kernel at M = 32 on every
-  // Llama shape) up to M = 32 on every layer, up to M = 64 on layers of 2^25 weights or more (the 7B MLP
-  // shapes) and up to M = 256 on layers of 2^26 or more (the 70B shapes): there it is ahead of dequantize +
-  // cuBLAS. Smaller layers from M = 33 and every layer from M = 257 take dequantize + cuBLAS (the Python side's
-  // dense path when this plan says "tiled")
-  if (kind == W4P_CUDA_KERNEL_AUTO && di.cc == 90 && sbits == 4 && (gs <= 0 || gs % 16 == 0) && m > WG_AUTO_MIN_M) {
+  // auto, sm_90: the warp-specialized wgmma kernel from M = WS_AUTO_MIN_M (measured on an H200 ahead of the
+  // stream, ring and bulk kernels at M = 16 on every Llama shape) up to M = 32 on every layer, up to M = 128 on
+  // layers of 2^25 weights or more (the 7B MLP shapes) and up to M = 256 on layers of 2^26 or more (the 70B
+  // shapes): there it is ahead of the one-pass wgmma kernel and of dequantize + cuBLAS. Smaller layers from
+  // M = 33 and every layer from M = 257 take dequantize + cuBLAS (the Python side's dense path when this plan
+  // says "tiled"). Without the driver's TMA encoder the wgmma kernel takes the same range.
+  if (kind == W4P_CUDA_KERNEL_AUTO && di.cc == 90 && sbits == 4 && (gs <= 0 || gs % 16 == 0) && m >= WS_AUTO_MIN_M) {
     const int64_t weights = (int64_t)np * kp;
-    if (m <= 32 || (m <= 64 && weights >= ((int64_t)1 << 25)) || (m <= WG_AUTO_MAX_M && weights >= ((int64_t)1 << 26)))
-      kind = W4P_CUDA_KERNEL_WGMMA;
+    if (m <= 32 || (m <= 128 && weights >= ((int64_t)1 << 25)) || (m <= WG_AUTO_MAX_M && weights >= ((int64_t)1 << 26)))
+      kind = di.tma ? W4P_CUDA_KERNEL_WGMMA_WS : W4P_CUDA_KERNEL_WGMMA;
   }
   if (kind == W4P_CUDA_KERNEL_AUTO) {
     // Measured on an H200 (docs/CUDA.md): the ring kernel wins where every resident warp gets a long run of
@@ -2270,7 +2310,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     pl->smem = wg_smem_bytes(bn, kpt, as);
     pl->gather = act_order || !x_aligned || (k % 64) != 0;
   } else if (kind == W4P_CUDA_KERNEL_WGMMA_WS) {
-    // (not yet run on a GPU: selectable only) token tile 16 / 32 / 64 / 128 by M; split K as the wgmma kernel
+    // token tile 16 / 32 / 64 / 128 by M; split K as the wgmma kernel
     if (di.cc != 90 || sbits != 4 || !(gs <= 0 || gs % 16 == 0))
       return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel needs compute capability 9.0 (this device: %d.%d), 4-bit "
                   "storage and a group size that is a multiple of 16", di.cc / 10, di.cc % 10);
@@ -2430,7 +2470,7 @@ cudaError_t launch_wgmma(const Params &p, const Plan &pl, cudaStream_t st) {
 typedef CUresult (*EncodeTiledFn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
                                   const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-cudaError_t encode_x_map(CUtensorMap *map, const void *x, bool bf16, int64_t m, int64_t kx, int64_t ldx, int bn) {
+EncodeTiledFn tma_encoder() {
   static EncodeTiledFn fn = nullptr;
   static std::once_flag once;
   std::call_once(once, [] {
@@ -2439,7 +2479,14 @@ cudaError_t encode_x_map(CUtensorMap *map, const void *x, bool bf16, int64_t m, 
     if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) == cudaSuccess &&
         q == cudaDriverEntryPointSuccess)
       fn = (EncodeTiledFn)f;
+    else
+      cudaGetLastError();
   });
+  return fn;
+}
+bool tma_encoder_available() { return tma_encoder() != nullptr; }
+cudaError_t encode_x_map(CUtensorMap *map, const void *x, bool bf16, int64_t m, int64_t kx, int64_t ldx, int bn) {
+  const EncodeTiledFn fn = tma_encoder();
   if (!fn) return cudaErrorNotSupported;
   const cuuint64_t dims[2] = {(cuuint64_t)kx, (cuuint64_t)m};
   const cuuint64_t strides[1] = {(cuuint64_t)ldx * 2};
