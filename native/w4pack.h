@@ -117,14 +117,17 @@ uint64_t w4p_cpu_read_stream(const void *buf, size_t bytes);
 #define W4P_CUDA_KERNEL_RING 3
 /* BULK (M <= 16, sm_90+): stream-K over one block per SM, weights through the bulk copy engine */
 #define W4P_CUDA_KERNEL_BULK 4
-/* WGMMA (sm_90a, compute capability 9.0, 4-bit, M >= 17 by default): weights as wgmma's register operand,
-   64 rows x 64 or 128 tokens per warpgroup; splits forces the split-K count */
+/* WGMMA (sm_90a, compute capability 9.0, 4-bit): weights as wgmma's register operand, 64 rows x 64 or 128
+   tokens per warpgroup; splits forces the split-K count */
 #define W4P_CUDA_KERNEL_WGMMA 5
-/* WGMMA_WS (sm_90a, 4-bit; not yet run on a GPU): the wgmma kernel with a TMA producer warp and mbarriers */
+/* WGMMA_WS (sm_90a, 4-bit; auto's choice on compute capability 9.0 from M = 16): the wgmma kernel fed by a
+   TMA producer warp through mbarriers; splits forces the split-K count */
 #define W4P_CUDA_KERNEL_WGMMA_WS 6
+/* probes (diagnostics for tools/bench_gpu.py; the output is not computed): copies only */
 #define W4P_CUDA_PROBE_LOAD 10
 #define W4P_CUDA_PROBE_DEQUANT 11
 #define W4P_CUDA_PROBE_BULK 12
+#define W4P_CUDA_PROBE_WS 13
 int w4p_cuda_abi_version(void);
 const char *w4p_cuda_last_error(void);
 /* Number of CUDA devices; W4P_ENODEVICE ("no CUDA device: ...") when there is none or no driver. */

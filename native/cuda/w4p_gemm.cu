@@ -255,7 +255,7 @@ struct Params {
   int kx;                // tiled: valid K extent of the (possibly gathered) activations
   unsigned sink;         // probe modes: a value the checksum never equals
   int64_t W;             // ring kernel: workers (warps) sharing the weight stream
-  int probe;             // bulk kernel: 1 = copies only, no arithmetic (diagnostics: the copy pipeline's rate)
+  int probe;             // bulk, wgmma_ws kernels: 1 = copies only, no arithmetic (the copy pipeline's rate)
 };
 
 // Split-K epilogue shared by both kernels: every block stores its fp32 partial tile; the last block to
@@ -1570,12 +1570,21 @@ __global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kern
 // tile through TMA with the 128-byte swizzle done by the copy engine and rows past M / columns past K
 // zero-filled, the weights as one bulk copy per stripe, the group parameters as one bulk copy per group
 // row), all completing on the stage's mbarrier; the two consumer warpgroups wait on that barrier, compute
-// WS_KS K tiles (8 wgmmas per wait) and free the stage with one arrival per warp. No block-wide barrier in
+// ws_ks K tiles (4 wgmmas per tile, one wait per stage) and free the stage with one arrival per warp. No block-wide barrier in
 // the main loop: the warpgroups drift apart and overlap each other's dequantization and tensor-core work.
-constexpr int WS_KS = 2;                    // K tiles per stage
-constexpr int WS_PB = WS_KS * 4 * 2 * 256;  // parameter bytes per stage: up to 4 groups per tile x 2 x 128 rows
-__host__ __device__ constexpr int ws_stage_bytes(int bn) { return WS_KS * (bn * 128 + 8 * 512) + WS_PB; }
-__host__ __device__ constexpr int ws_stages(int bn) { return bn == 16 ? 6 : bn == 32 ? 4 : bn == 64 ? 3 : 4; }
+#ifndef W4P_WS_KS16
+#define W4P_WS_KS16 4  // K tiles per stage with the 16-token tile (measured: docs/CUDA.md)
+#endif
+#ifndef W4P_WS_IL_BN
+#define W4P_WS_IL_BN 32  // slices go to the tensor cores one by one up to this token tile (else all at once)
+#endif
+// K tiles per stage; parameter bytes per stage (up to 4 groups per tile x (scale, zero) x 128 rows)
+__host__ __device__ constexpr int ws_ks(int bn) { return bn == 16 ? W4P_WS_KS16 : 2; }
+__host__ __device__ constexpr int ws_pb(int bn) { return ws_ks(bn) * 4 * 2 * 256; }
+__host__ __device__ constexpr int ws_stage_bytes(int bn) { return ws_ks(bn) * (bn * 128 + 8 * 512) + ws_pb(bn); }
+__host__ __device__ constexpr int ws_stages(int bn) {
+  return bn == 16 ? (ws_ks(bn) == 4 ? 3 : 6) : bn == 32 ? 4 : bn == 64 ? 3 : 4;
+}
 __host__ __device__ constexpr int ws_blocks_per_sm(int bn) { return bn == 128 ? 1 : 2; }
 __host__ __device__ constexpr int ws_tile(int64_t m) { return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128; }
 // + a zeroed activation tile: the B operand of the wgmmas past the K range in a stage's last tile
@@ -1596,7 +1605,7 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
                                                                                  const __grid_constant__ CUtensorMap xmap) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T2 = typename Tr<T, 4>::T2;
-  constexpr int NS = ws_stages(BN), SB = ws_stage_bytes(BN), XT = BN * 128, XB = WS_KS * XT;
+  constexpr int WS_KS = ws_ks(BN), NS = ws_stages(BN), SB = ws_stage_bytes(BN), XT = BN * 128, XB = WS_KS * XT;
   constexpr int WOFF = XB, POFF = XB + 8 * WS_KS * 512, NP = ZMODE != 0 ? 2 : 1;
   extern __shared__ __align__(16) unsigned char smem[];
   const uint32_t sbase = (smem_u32(smem) + 1023u) & ~1023u;
@@ -1653,9 +1662,16 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
       }
     }
     __syncwarp();  // the producer warp reconverges before the epilogue's block barriers
+  } else if (p.probe) {  // copies only (diagnostics): each stage is freed as soon as it lands
+    for (int i = 0; i < nsteps; ++i) {
+      mbar_wait(full0 + 8 * (i % NS), (i / NS) & 1);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty0 + 8 * (i % NS));
+    }
   } else {
     const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
     const bool one_group = p.gs <= 0 || p.gs % 64 == 0;
+    constexpr bool IL = BN <= W4P_WS_IL_BN;
     uint32_t a[WS_KS][4][4];
     // A stage's weights are read from shared memory one stage ahead, while the previous stage's last
     // wgmmas run (the full barrier of stage i + 1 is waited on before the wgmmas of stage i are)
@@ -1720,8 +1736,19 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
             }
           }
           dequant(w, j, a[u][j]);
-          asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-          WgOp<T, BN>::mma(acc, a[u][j], du + (uint64_t)(2 * j), 1);
+          if (IL) {
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+            WgOp<T, BN>::mma(acc, a[u][j], du + (uint64_t)(2 * j), 1);
+          }
+        }
+      }
+      if (!IL) {  // large token tiles: every slice dequantized first, then the wgmmas back to back
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int u = 0; u < WS_KS; ++u) {
+          const uint64_t du = u < nt ? dst + (uint64_t)(u * (XT >> 4)) : dzero;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) WgOp<T, BN>::mma(acc, a[u][j], du + (uint64_t)(2 * j), 1);
         }
       }
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -2163,6 +2190,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     return fail(W4P_EUNSUPPORTED, "the ring kernel takes M <= 8 and at most %d row stripes (m=%lld, n=%d)",
                 MAX_COUNTERS * RQ, (long long)m, n);
   if (kind == W4P_CUDA_PROBE_BULK) kind = W4P_CUDA_KERNEL_BULK;
+  if (kind == W4P_CUDA_PROBE_WS) kind = W4P_CUDA_KERNEL_WGMMA_WS;
   if (kind == W4P_CUDA_KERNEL_BULK && !bulk_ok)
     return fail(W4P_EUNSUPPORTED, "the bulk kernel needs compute capability 9.0 or newer (this device: %d.%d), "
                 "M <= %d and a group size that is a multiple of 32", di.cc / 10, di.cc % 10, BULK_MAX_M);
@@ -2700,7 +2728,7 @@ int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k, 
   p.kx = k;
   p.W = pl.W;
   p.sink = 0x9E3779B9u;
-  p.probe = kernel == W4P_CUDA_PROBE_BULK ? 1 : 0;
+  p.probe = kernel == W4P_CUDA_PROBE_BULK || kernel == W4P_CUDA_PROBE_WS ? 1 : 0;
 
   cudaStream_t st = (cudaStream_t)stream;
   e = dtype == W4P_DT_F16 ? launch_all<half>(p, pl, storage_bits, ws_gather, st)
