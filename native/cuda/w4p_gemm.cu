@@ -1570,25 +1570,26 @@ __global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kern
 // tile through TMA with the 128-byte swizzle done by the copy engine and rows past M / columns past K
 // zero-filled, the weights as one bulk copy per stripe, the group parameters as one bulk copy per group
 // row), all completing on the stage's mbarrier; the two consumer warpgroups wait on that barrier, compute
-// ws_ks K tiles (4 wgmmas per tile, one wait per stage) and free the stage with one arrival per warp. No block-wide barrier in
+// KS K tiles (4 wgmmas per tile, one wait per two tiles) and free the stage with one arrival per warp. No block-wide barrier in
 // the main loop: the warpgroups drift apart and overlap each other's dequantization and tensor-core work.
-#ifndef W4P_WS_KS16
-#define W4P_WS_KS16 4  // K tiles per stage with the 16-token tile (measured: docs/CUDA.md)
-#endif
-#ifndef W4P_WS_IL_BN
-#define W4P_WS_IL_BN 32  // slices go to the tensor cores one by one up to this token tile (else all at once)
-#endif
-// K tiles per stage; parameter bytes per stage (up to 4 groups per tile x (scale, zero) x 128 rows)
-__host__ __device__ constexpr int ws_ks(int bn) { return bn == 16 ? W4P_WS_KS16 : 2; }
-__host__ __device__ constexpr int ws_pb(int bn) { return ws_ks(bn) * 4 * 2 * 256; }
-__host__ __device__ constexpr int ws_stage_bytes(int bn) { return ws_ks(bn) * (bn * 128 + 8 * 512) + ws_pb(bn); }
-__host__ __device__ constexpr int ws_stages(int bn) {
-  return bn == 16 ? (ws_ks(bn) == 4 ? 3 : 6) : bn == 32 ? 4 : bn == 64 ? 3 : 4;
+// K tiles per stage (KS): 4 for the 16- and 32-token tiles on layers whose groups hold whole K tiles (group
+// size a multiple of 64, or per channel: a stage then spans at most 4 groups), else 2. The longer stage halves
+// the per-stage waits and makes each weight copy a 2 KB run: 8192x28672 at M = 16 went from 80 to 65 us
+// (H200, docs/CUDA.md). Parameter bytes per stage: (scale, zero) x 128 rows per group, for 4 groups a tile
+// (group size 16) at KS = 2 and 4 groups at KS = 4.
+constexpr int WS_IL_BN = 32;  // up to this token tile each slice goes to the tensor cores as soon as it is ready
+__host__ __device__ constexpr int ws_pb(int ks) { return ks == 4 ? 4 * 512 : ks * 4 * 512; }
+__host__ __device__ constexpr int ws_stage_bytes(int bn, int ks) { return ks * (bn * 128 + 8 * 512) + ws_pb(ks); }
+__host__ __device__ constexpr int ws_stages(int bn, int ks) {
+  return ks == 4 ? (bn == 16 ? 4 : 3) : bn == 16 ? 6 : bn == 32 ? 4 : bn == 64 ? 3 : 4;
 }
 __host__ __device__ constexpr int ws_blocks_per_sm(int bn) { return bn == 128 ? 1 : 2; }
 __host__ __device__ constexpr int ws_tile(int64_t m) { return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128; }
+__host__ __device__ constexpr int ws_ks(int bn, int gs) { return bn <= 32 && (gs <= 0 || gs % 64 == 0) ? 4 : 2; }
 // + a zeroed activation tile: the B operand of the wgmmas past the K range in a stage's last tile
-__host__ __device__ constexpr int ws_smem_bytes(int bn) { return 2048 + ws_stages(bn) * ws_stage_bytes(bn) + bn * 128; }
+__host__ __device__ constexpr int ws_smem_bytes(int bn, int ks) {
+  return 2048 + ws_stages(bn, ks) * ws_stage_bytes(bn, ks) + bn * 128;
+}
 
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1, uint32_t bar) {
   asm volatile(
@@ -1600,12 +1601,12 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void *src, unsigne
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
-template <typename T, int ZMODE, int BN>
+template <typename T, int ZMODE, int BN, int KS>
 __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(const Params p,
                                                                                  const __grid_constant__ CUtensorMap xmap) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T2 = typename Tr<T, 4>::T2;
-  constexpr int WS_KS = ws_ks(BN), NS = ws_stages(BN), SB = ws_stage_bytes(BN), XT = BN * 128, XB = WS_KS * XT;
+  constexpr int WS_KS = KS, NS = ws_stages(BN, KS), SB = ws_stage_bytes(BN, KS), XT = BN * 128, XB = WS_KS * XT;
   constexpr int WOFF = XB, POFF = XB + 8 * WS_KS * 512, NP = ZMODE != 0 ? 2 : 1;
   extern __shared__ __align__(16) unsigned char smem[];
   const uint32_t sbase = (smem_u32(smem) + 1023u) & ~1023u;
@@ -1671,18 +1672,27 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
   } else {
     const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
     const bool one_group = p.gs <= 0 || p.gs % 64 == 0;
-    constexpr bool IL = BN <= W4P_WS_IL_BN;
-    uint32_t a[WS_KS][4][4];
+    constexpr bool IL = BN <= WS_IL_BN;
+    // A fragments of two tiles at most: a four-tile stage waits for its first half's wgmmas before reusing them
+    // (sixteen slices in flight made ptxas serialize the wgmmas: C7512)
+    uint32_t a[2][4][4];
+    // Four-tile stages accumulate each half in `part` and add it to acc after the half's wait. Where the half
+    // lies in one group (zero modes none and int), its scale is applied there, once per output in fp32, instead
+    // of once per weight pair (four HMUL2 of the thirteen instructions of a slice)
+    constexpr bool HALVES = WS_KS == 4, PART = HALVES && ZMODE != 2;  // (zero mode float: no folding)
+    float part[PART ? BN / 2 : 1];
     // A stage's weights are read from shared memory one stage ahead, while the previous stage's last
     // wgmmas run (the full barrier of stage i + 1 is waited on before the wgmmas of stage i are)
     const uint64_t dzero = wg_desc(zero_tile);
     const int woff = WOFF + warp * WS_KS * 512 + lane * 16;
-    uint4 wv[WS_KS];
-    if (nsteps > 0) {
+    constexpr bool PF = WS_KS == 2;  // (four tiles a stage: read as used, which keeps the wgmmas unserialized)
+    uint4 wv[PF ? WS_KS : 1];
+    if (PF && nsteps > 0) {
       mbar_wait(full0, 0);
 #pragma unroll
       for (int u = 0; u < WS_KS; ++u)
-        wv[u] = u < ke - kb ? *reinterpret_cast<const uint4 *>(sgen + 1024 + woff + u * 512) : make_uint4(0, 0, 0, 0);
+        wv[PF ? u : 0] = u < ke - kb ? *reinterpret_cast<const uint4 *>(sgen + 1024 + woff + u * 512)
+                                     : make_uint4(0, 0, 0, 0);
     }
     for (int i = 0; i < nsteps; ++i) {
       const int s = i % NS;
@@ -1691,12 +1701,18 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
       const unsigned char *sg = sgen + 1024 + s * SB;
       const T *prm = reinterpret_cast<const T *>(sg + POFF);
       const uint64_t dst = wg_desc(stages + s * SB);
+      if (!PF) mbar_wait(full0 + 8 * s, (i / NS) & 1);
       T2 s_lo, s_hi, z_lo, z_hi;
+      float f_lo = 1.f, f_hi = 1.f;  // the scales as fp32 (folded halves)
       ZC<T, 4> zc = zc_sym;
       auto load_group = [&](int g) {
         const T *ps = prm + (g - g_st) * 2 * WG_BM;
         s_lo = bcast2(ps[rl]);
         s_hi = bcast2(ps[rl + 8]);
+        if (HALVES && ZMODE != 2) {
+          f_lo = to_f(ps[rl]);
+          f_hi = to_f(ps[rl + 8]);
+        }
         if (ZMODE == 2) {
           z_lo = bcast2(ps[WG_BM + rl]);
           z_hi = bcast2(ps[WG_BM + rl + 8]);
@@ -1704,15 +1720,28 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
           zc = zc_load<T>(ps[WG_BM + rl], ps[WG_BM + rl + 8]);
         }
       };
-      auto dequant = [&](const uint32_t (&w)[4], int j, uint32_t (&av)[4]) {
+      auto dequant = [&](const uint32_t (&w)[4], int j, uint32_t (&av)[4], bool fold) {
         if (ZMODE == 2) {
           dq_float<T, 4>(w, j, s_lo, s_hi, z_lo, z_hi, av);
+        } else if (fold) {
+          dq_int<T, 4>(w, j, zc, av);  // q - z exactly; the scale comes after the half
         } else {
           uint32_t qz[4];
           dq_int<T, 4>(w, j, zc, qz);
 #pragma unroll
           for (int q = 0; q < 4; ++q) av[q] = as_u32(__hmul2(as_t2<T2>(qz[q]), (q & 1) ? s_hi : s_lo));
         }
+      };
+      // half h folds its scale when its two tiles lie in one group
+      auto folds = [&](int h) {
+        return HALVES && ZMODE != 2 && one_group &&
+               group_of((t0 + 2 * h) * 64, p.gs, p.gshift) == group_of((t0 + 2 * h + 2) * 64 - 1, p.gs, p.gshift);
+      };
+      const bool fold0 = folds(0), fold1 = folds(1);
+      auto add_part = [&](bool fold) {
+        const float a_lo = fold ? f_lo : 1.f, a_hi = fold ? f_hi : 1.f;
+#pragma unroll
+        for (int q = 0; q < (PART ? BN / 2 : 0); ++q) acc[q] = fmaf(part[q], (q & 2) ? a_hi : a_lo, acc[q]);
       };
       // Each k16 slice goes to the tensor cores as soon as it is dequantized: the next slice is dequantized
       // while that wgmma runs. The group's constants are loaded at the stage's start and again only where a
@@ -1724,10 +1753,18 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
       int gcur = g_st;
 #pragma unroll
       for (int u = 0; u < WS_KS; ++u) {
-        const uint32_t w[4] = {wv[u].x, wv[u].y, wv[u].z, wv[u].w};
+        const uint4 wu = PF ? wv[PF ? u : 0]
+                            : u < nt ? *reinterpret_cast<const uint4 *>(sg + woff + u * 512)
+                                     : make_uint4(0, 0, 0, 0);
+        const uint32_t w[4] = {wu.x, wu.y, wu.z, wu.w};
         const uint64_t du = u < nt ? dst + (uint64_t)(u * (XT >> 4)) : dzero;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
+          if (HALVES && u == 2 && j == 0) {  // (before the next group's constants replace this half's scale)
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+            if (PART) add_part(fold0);
+          }
           if ((u > 0 || j > 0) && !one_stage_group && u < nt && (j == 0 || !one_group)) {
             const int g = group_of((t0 + u) * 64 + 16 * j, p.gs, p.gshift);
             if (g != gcur) {
@@ -1735,10 +1772,13 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
               load_group(g);
             }
           }
-          dequant(w, j, a[u][j]);
-          if (IL) {
+          dequant(w, j, a[u & 1][j], u < 2 ? fold0 : fold1);
+          if constexpr (PART) {
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-            WgOp<T, BN>::mma(acc, a[u][j], du + (uint64_t)(2 * j), 1);
+            WgOp<T, BN>::mma(part, a[u & 1][j], du + (uint64_t)(2 * j), (u & 1) || j ? 1 : 0);
+          } else if constexpr (IL) {
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+            WgOp<T, BN>::mma(acc, a[u & 1][j], du + (uint64_t)(2 * j), 1);
           }
         }
       }
@@ -1748,19 +1788,20 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
         for (int u = 0; u < WS_KS; ++u) {
           const uint64_t du = u < nt ? dst + (uint64_t)(u * (XT >> 4)) : dzero;
 #pragma unroll
-          for (int j = 0; j < 4; ++j) WgOp<T, BN>::mma(acc, a[u][j], du + (uint64_t)(2 * j), 1);
+          for (int j = 0; j < 4; ++j) WgOp<T, BN>::mma(acc, a[u & 1][j], du + (uint64_t)(2 * j), 1);
         }
       }
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      if (i + 1 < nsteps) {
+      if (PF && i + 1 < nsteps) {
         const int s1 = (i + 1) % NS, nt1 = min(WS_KS, ke - t0 - WS_KS);
         mbar_wait(full0 + 8 * s1, ((i + 1) / NS) & 1);
 #pragma unroll
         for (int u = 0; u < WS_KS; ++u)
-          wv[u] = u < nt1 ? *reinterpret_cast<const uint4 *>(sgen + 1024 + s1 * SB + woff + u * 512)
+          wv[PF ? u : 0] = u < nt1 ? *reinterpret_cast<const uint4 *>(sgen + 1024 + s1 * SB + woff + u * 512)
                           : make_uint4(0, 0, 0, 0);
       }
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      if (PART) add_part(fold1);
       __syncwarp();
       if (lane == 0) mbar_arrive(empty0 + 8 * s);
     }
@@ -2343,8 +2384,10 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
       return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel needs compute capability 9.0 (this device: %d.%d), 4-bit "
                   "storage and a group size that is a multiple of 16", di.cc / 10, di.cc % 10);
     const int bn = ws_tile(m);
-    if ((size_t)ws_smem_bytes(bn) + di.smem_reserved > (size_t)di.smem_block)
-      return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel needs %d bytes of shared memory per block", ws_smem_bytes(bn));
+    const int ks = ws_ks(bn, gs);
+    if ((size_t)ws_smem_bytes(bn, ks) + di.smem_reserved > (size_t)di.smem_block)
+      return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel needs %d bytes of shared memory per block",
+                  ws_smem_bytes(bn, ks));
     const int nrb = ceil_div(np, WG_BM);
     if (nrb > 65535) return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel takes at most %d rows", 65535 * WG_BM);
     pl->bn = bn;
@@ -2363,7 +2406,8 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     if (S > KT) S = KT;
     if (S > 65535) S = 65535;
     pl->S = S;
-    pl->smem = ws_smem_bytes(bn);
+    pl->smem = ws_smem_bytes(bn, ks);
+    pl->kp = ks;
     pl->gather = act_order || !x_aligned;  // TMA zero-fills columns past K: no gather for ragged K
   } else {
     return fail(W4P_EINVAL, "unknown kernel %d", kernel);
@@ -2527,12 +2571,14 @@ cudaError_t encode_x_map(CUtensorMap *map, const void *x, bool bf16, int64_t m, 
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-template <typename T, int BN>
+template <typename T, int BN, int KS>
 cudaError_t launch_wgmma_ws_t(const Params &p, const Plan &pl, cudaStream_t st) {
   CUtensorMap map;
   cudaError_t e = encode_x_map(&map, p.x, std::is_same<T, __nv_bfloat16>::value, p.M, p.kx, p.ldx, BN);
   if (e != cudaSuccess) return e;
-  auto fn = p.zm == 2 ? wgmma_ws_kernel<T, 2, BN> : p.zm == 1 ? wgmma_ws_kernel<T, 1, BN> : wgmma_ws_kernel<T, 0, BN>;
+  auto fn = p.zm == 2   ? wgmma_ws_kernel<T, 2, BN, KS>
+            : p.zm == 1 ? wgmma_ws_kernel<T, 1, BN, KS>
+                        : wgmma_ws_kernel<T, 0, BN, KS>;
   e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
   if (e != cudaSuccess) return e;
   debug_occupancy(fn, "wgmma_ws", 9 * 32, pl.smem);
@@ -2562,10 +2608,9 @@ cudaError_t launch_all(Params &p, const Plan &pl, int sbits, void *ws_gather, cu
     if (pl.kernel == W4P_CUDA_KERNEL_BULK) return sbits == 4 ? launch_bulk<T, 4>(p, pl, st) : launch_bulk<T, 8>(p, pl, st);
     if (pl.kernel == W4P_CUDA_KERNEL_WGMMA) return launch_wgmma<T>(p, pl, st);
     if (pl.kernel == W4P_CUDA_KERNEL_WGMMA_WS)
-      return pl.bn == 16   ? launch_wgmma_ws_t<T, 16>(p, pl, st)
-             : pl.bn == 32 ? launch_wgmma_ws_t<T, 32>(p, pl, st)
-             : pl.bn == 64 ? launch_wgmma_ws_t<T, 64>(p, pl, st)
-                           : launch_wgmma_ws_t<T, 128>(p, pl, st);
+      if (pl.bn == 16) return pl.kp == 4 ? launch_wgmma_ws_t<T, 16, 4>(p, pl, st) : launch_wgmma_ws_t<T, 16, 2>(p, pl, st);
+      if (pl.bn == 32) return pl.kp == 4 ? launch_wgmma_ws_t<T, 32, 4>(p, pl, st) : launch_wgmma_ws_t<T, 32, 2>(p, pl, st);
+      return pl.bn == 64 ? launch_wgmma_ws_t<T, 64, 2>(p, pl, st) : launch_wgmma_ws_t<T, 128, 2>(p, pl, st);
     if (pl.kernel != 2) return sbits == 4 ? launch_ring<T, 4>(p, pl, st) : launch_ring<T, 8>(p, pl, st);
     return sbits == 4 ? launch_tiled_t<T, 4>(p, pl, st) : launch_tiled_t<T, 8>(p, pl, st);
   }
