@@ -84,17 +84,20 @@ def test_plan_for_described_devices_auto():
         assert ws >= 64 * 1024  # the tile counters at least
         return kind
 
-    # H200 (sm_90): bulk at M = 1 everywhere, ring for M = 2..8 on 70B-sized layers, stream otherwise up to 15,
+    # H200 (sm_90): bulk at M = 1 everywhere, ring for M = 2..8 on 70B-sized layers, stream otherwise up to 8,
     # then wgmma_ws; tiled beyond (Python takes the dense path from DENSE_MIN_M on)
     for n, kk in ((28672, 8192), (8192, 28672), (4096, 4096), (11008, 4096), (196, 576)):
         assert auto(H200, 1, n, kk) == k["bulk"], (n, kk)
     assert auto(H200, 4, 28672, 8192) == k["ring"]
-    assert auto(H200, 8, 8192, 28672) == k["ring"]
+    assert auto(H200, 7, 8192, 28672) == k["ring"]
     assert auto(H200, 4, 4096, 4096) == k["stream"]
-    assert auto(H200, 9, 28672, 8192) == k["stream"]
-    assert auto(H200, 15, 4096, 4096) == k["stream"]
-    # the warp-specialized wgmma kernel from M = 16: up to 32 on every layer, up to 128 on layers of 2^25
-    # weights or more, up to 256 on layers of 2^26 or more
+    assert auto(H200, 8, 4096, 4096) == k["stream"]
+    # the warp-specialized wgmma kernel from M = 9 (from 8 on layers of 2^25 weights or more): up to 32 on every
+    # layer, up to 128 on layers of 2^25 weights or more, up to 256 on layers of 2^26 or more
+    assert auto(H200, 8, 8192, 28672) == k["wgmma_ws"]
+    assert auto(H200, 8, 4096, 11008) == k["wgmma_ws"]
+    assert auto(H200, 9, 28672, 8192) == k["wgmma_ws"]
+    assert auto(H200, 9, 4096, 4096) == k["wgmma_ws"]
     assert auto(H200, 16, 4096, 4096) == k["wgmma_ws"]
     assert auto(H200, 32, 4096, 4096) == k["wgmma_ws"]
     assert auto(H200, 33, 4096, 4096) == k["tiled"]
@@ -105,6 +108,7 @@ def test_plan_for_described_devices_auto():
     assert auto(H200, 128, 11008, 4096) == k["wgmma_ws"]  # 2^25 weights or more: up to M = 128
     assert auto(H200, 129, 11008, 4096) == k["tiled"]
     assert auto(H200, 16, 4096, 4096, gs=-1) == k["wgmma_ws"]  # per-channel
+    assert auto(H200, 16, 4096, 4096, gs=32) == k["wgmma_ws"]
     assert auto(H200, 16, 4096, 4096, bits=8) == k["stream"]  # 4-bit only
     assert auto(A100, 32, 4096, 4096) == k["stream"]
     assert auto(A100, 64, 28672, 8192) == k["tiled"]
@@ -529,13 +533,14 @@ def test_auto_plan_per_shape():
     assert auto(1, 28672, 8192) == (m1 or cuda.KERNELS["ring"])
     assert auto(1, 4096, 4096) == (m1 or cuda.KERNELS["stream"])
     assert auto(4, 28672, 8192) == cuda.KERNELS["ring"]
-    assert auto(8, 8192, 28672) == cuda.KERNELS["ring"]
+    assert auto(7, 8192, 28672) == cuda.KERNELS["ring"]
     assert auto(4, 4096, 4096) == cuda.KERNELS["stream"]
-    assert auto(9, 28672, 8192) == cuda.KERNELS["stream"]
-    assert auto(15, 11008, 4096) == cuda.KERNELS["stream"]
-    # sm_90: the warp-specialized wgmma kernel from M = 16 (to 32 on every layer, to 256 on large ones), else
-    # tiled (-> dense)
+    # sm_90: the warp-specialized wgmma kernel from M = 9, from 8 on large layers (to 32 on every layer, to 256
+    # on large ones), else tiled (-> dense)
     wg = cuda.KERNELS["wgmma_ws"] if wgmma_ok() else None
+    assert auto(8, 8192, 28672) == (wg or cuda.KERNELS["ring"])
+    assert auto(9, 28672, 8192) == (wg or cuda.KERNELS["stream"])
+    assert auto(9, 4096, 4096) == (wg or cuda.KERNELS["stream"])
     assert auto(16, 11008, 4096) == (wg or cuda.KERNELS["stream"])
     assert auto(17, 4096, 4096) == (wg or cuda.KERNELS["stream"])
     assert auto(200, 28672, 8192) == (wg or cuda.KERNELS["tiled"])

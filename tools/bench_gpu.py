@@ -244,7 +244,8 @@ def smoke() -> int:
                                   (3, "ring", 1), (40, "tiled", 0),
                                   (130, "tiled", 2), (70, "dense", 0)) + (
                                   ((1, "wgmma", 0), (150, "wgmma", 0), (70, "wgmma", 3), (20, "wgmma", 2), (1, "wgmma_ws", 0),
-                                   (150, "wgmma_ws", 0), (70, "wgmma_ws", 3))
+                                   (150, "wgmma_ws", 0), (70, "wgmma_ws", 3), (12, "wgmma_ws", 0), (20, "wgmma_ws", 3),
+                                   (12, "auto", 0))
                                   if torch.cuda.get_device_capability() == (9, 0) and bits == 4 else ()) + (
                                   ((1, "bulk", 0), (13, "bulk", 2), (6, "bulk", 3))
                                   if torch.cuda.get_device_capability() >= (9, 0) else ()):

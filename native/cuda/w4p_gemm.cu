@@ -1676,11 +1676,7 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
     // A fragments of two tiles at most: a four-tile stage waits for its first half's wgmmas before reusing them
     // (sixteen slices in flight made ptxas serialize the wgmmas: C7512)
     uint32_t a[2][4][4];
-    // Four-tile stages accumulate each half in `part` and add it to acc after the half's wait. Where the half
-    // lies in one group (zero modes none and int), its scale is applied there, once per output in fp32, instead
-    // of once per weight pair (four HMUL2 of the thirteen instructions of a slice)
-    constexpr bool HALVES = WS_KS == 4, PART = HALVES && ZMODE != 2;  // (zero mode float: no folding)
-    float part[PART ? BN / 2 : 1];
+    constexpr bool HALVES = WS_KS == 4;
     // A stage's weights are read from shared memory one stage ahead, while the previous stage's last
     // wgmmas run (the full barrier of stage i + 1 is waited on before the wgmmas of stage i are)
     const uint64_t dzero = wg_desc(zero_tile);
@@ -1703,16 +1699,11 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
       const uint64_t dst = wg_desc(stages + s * SB);
       if (!PF) mbar_wait(full0 + 8 * s, (i / NS) & 1);
       T2 s_lo, s_hi, z_lo, z_hi;
-      float f_lo = 1.f, f_hi = 1.f;  // the scales as fp32 (folded halves)
       ZC<T, 4> zc = zc_sym;
       auto load_group = [&](int g) {
         const T *ps = prm + (g - g_st) * 2 * WG_BM;
         s_lo = bcast2(ps[rl]);
         s_hi = bcast2(ps[rl + 8]);
-        if (HALVES && ZMODE != 2) {
-          f_lo = to_f(ps[rl]);
-          f_hi = to_f(ps[rl + 8]);
-        }
         if (ZMODE == 2) {
           z_lo = bcast2(ps[WG_BM + rl]);
           z_hi = bcast2(ps[WG_BM + rl + 8]);
@@ -1720,28 +1711,15 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
           zc = zc_load<T>(ps[WG_BM + rl], ps[WG_BM + rl + 8]);
         }
       };
-      auto dequant = [&](const uint32_t (&w)[4], int j, uint32_t (&av)[4], bool fold) {
+      auto dequant = [&](const uint32_t (&w)[4], int j, uint32_t (&av)[4]) {
         if (ZMODE == 2) {
           dq_float<T, 4>(w, j, s_lo, s_hi, z_lo, z_hi, av);
-        } else if (fold) {
-          dq_int<T, 4>(w, j, zc, av);  // q - z exactly; the scale comes after the half
         } else {
           uint32_t qz[4];
           dq_int<T, 4>(w, j, zc, qz);
 #pragma unroll
           for (int q = 0; q < 4; ++q) av[q] = as_u32(__hmul2(as_t2<T2>(qz[q]), (q & 1) ? s_hi : s_lo));
         }
-      };
-      // half h folds its scale when its two tiles lie in one group
-      auto folds = [&](int h) {
-        return HALVES && ZMODE != 2 && one_group &&
-               group_of((t0 + 2 * h) * 64, p.gs, p.gshift) == group_of((t0 + 2 * h + 2) * 64 - 1, p.gs, p.gshift);
-      };
-      const bool fold0 = folds(0), fold1 = folds(1);
-      auto add_part = [&](bool fold) {
-        const float a_lo = fold ? f_lo : 1.f, a_hi = fold ? f_hi : 1.f;
-#pragma unroll
-        for (int q = 0; q < (PART ? BN / 2 : 0); ++q) acc[q] = fmaf(part[q], (q & 2) ? a_hi : a_lo, acc[q]);
       };
       // Each k16 slice goes to the tensor cores as soon as it is dequantized: the next slice is dequantized
       // while that wgmma runs. The group's constants are loaded at the stage's start and again only where a
@@ -1760,10 +1738,9 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
         const uint64_t du = u < nt ? dst + (uint64_t)(u * (XT >> 4)) : dzero;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          if (HALVES && u == 2 && j == 0) {  // (before the next group's constants replace this half's scale)
+          if (HALVES && u == 2 && j == 0) {  // the first half's A fragments are reused by the second
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-            if (PART) add_part(fold0);
           }
           if ((u > 0 || j > 0) && !one_stage_group && u < nt && (j == 0 || !one_group)) {
             const int g = group_of((t0 + u) * 64 + 16 * j, p.gs, p.gshift);
@@ -1772,11 +1749,8 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
               load_group(g);
             }
           }
-          dequant(w, j, a[u & 1][j], u < 2 ? fold0 : fold1);
-          if constexpr (PART) {
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-            WgOp<T, BN>::mma(part, a[u & 1][j], du + (uint64_t)(2 * j), (u & 1) || j ? 1 : 0);
-          } else if constexpr (IL) {
+          dequant(w, j, a[u & 1][j]);
+          if constexpr (IL) {
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
             WgOp<T, BN>::mma(acc, a[u & 1][j], du + (uint64_t)(2 * j), 1);
           }
@@ -1801,7 +1775,6 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
                           : make_uint4(0, 0, 0, 0);
       }
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-      if (PART) add_part(fold1);
       __syncwarp();
       if (lane == 0) mbar_arrive(empty0 + 8 * s);
     }
@@ -2114,7 +2087,7 @@ constexpr size_t COUNTER_BYTES = 64 * 1024;  // 16384 tile counters at the start
 constexpr int MAX_COUNTERS = (int)(COUNTER_BYTES / 4);
 constexpr int RING_MAX_M = 8;   // auto: the ring kernel up to this M (measured, docs/CUDA.md)
 constexpr int RING_LMIN = 4;    // ring: at least this many units per warp
-constexpr int WS_AUTO_MIN_M = 16, WG_AUTO_MAX_M = 256;  // auto: the wgmma kernels' M range (sm_90)
+constexpr int WS_AUTO_MIN_M = 8, WG_AUTO_MAX_M = 256;  // auto: the wgmma kernels' M range (sm_90)
 constexpr int RING_MIN_UNITS = 12;  // auto: the ring kernel only when each resident warp gets this many units
 constexpr int BULK_MAX_M = 16;      // the bulk kernel takes up to this M (two n8 blocks of tokens)
 constexpr int BULK_AUTO_M = 1;      // auto: the bulk kernel up to this M on sm_90+ (measured, docs/CUDA.md)
@@ -2208,15 +2181,18 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   // auto: at M = 1 (measured on an H200 ahead of or level with the ring and stream kernels on all six Llama
   // shapes; from M = 4 behind them, its producer's activation copies grow with M: docs/CUDA.md)
   if (kind == W4P_CUDA_KERNEL_AUTO && bulk_ok && m <= BULK_AUTO_M) kind = W4P_CUDA_KERNEL_BULK;
-  // auto, sm_90: the warp-specialized wgmma kernel from M = WS_AUTO_MIN_M (measured on an H200 ahead of the
-  // stream, ring and bulk kernels at M = 16 on every Llama shape) up to M = 32 on every layer, up to M = 128 on
-  // layers of 2^25 weights or more (the 7B MLP shapes) and up to M = 256 on layers of 2^26 or more (the 70B
-  // shapes): there it is ahead of the one-pass wgmma kernel and of dequantize + cuBLAS. Smaller layers from
-  // M = 33 and every layer from M = 257 take dequantize + cuBLAS (the Python side's dense path when this plan
-  // says "tiled"). Without the driver's TMA encoder the wgmma kernel takes the same range.
+  // auto, sm_90: the warp-specialized wgmma kernel from M = 9 (M = 8 on layers of 2^25 weights or more), up to
+  // M = 32 on every layer, up to M = 128 on layers of 2^25 weights or more (the 7B MLP shapes) and up to M = 256
+  // on layers of 2^26 or more (the 70B shapes). Measured on an H200 (docs/CUDA.md): from M = 9 it is ahead of
+  // the stream kernel on every Llama shape (its time hardly grows with M up to 16), at M = 8 ahead of the ring
+  // kernel on the large layers only, and in its M ranges ahead of the one-pass wgmma kernel and of dequantize +
+  // cuBLAS. Smaller layers from M = 33 and every layer from M = 257 take dequantize + cuBLAS (the Python side's
+  // dense path when this plan says "tiled"). Without the driver's TMA encoder the wgmma kernel takes its place.
   if (kind == W4P_CUDA_KERNEL_AUTO && di.cc == 90 && sbits == 4 && (gs <= 0 || gs % 16 == 0) && m >= WS_AUTO_MIN_M) {
     const int64_t weights = (int64_t)np * kp;
-    if (m <= 32 || (m <= 128 && weights >= ((int64_t)1 << 25)) || (m <= WG_AUTO_MAX_M && weights >= ((int64_t)1 << 26)))
+    const bool large = weights >= ((int64_t)1 << 25);
+    if ((m > WS_AUTO_MIN_M || large) &&
+        (m <= 32 || (m <= 128 && large) || (m <= WG_AUTO_MAX_M && weights >= ((int64_t)1 << 26))))
       kind = di.tma ? W4P_CUDA_KERNEL_WGMMA_WS : W4P_CUDA_KERNEL_WGMMA;
   }
   if (kind == W4P_CUDA_KERNEL_AUTO) {
@@ -2586,6 +2562,12 @@ cudaError_t launch_wgmma_ws_t(const Params &p, const Plan &pl, cudaStream_t st) 
   return cudaGetLastError();
 }
 
+template <typename T> cudaError_t launch_wgmma_ws(const Params &p, const Plan &pl, cudaStream_t st) {
+  if (pl.bn == 16) return pl.kp == 4 ? launch_wgmma_ws_t<T, 16, 4>(p, pl, st) : launch_wgmma_ws_t<T, 16, 2>(p, pl, st);
+  if (pl.bn == 32) return pl.kp == 4 ? launch_wgmma_ws_t<T, 32, 4>(p, pl, st) : launch_wgmma_ws_t<T, 32, 2>(p, pl, st);
+  return pl.bn == 64 ? launch_wgmma_ws_t<T, 64, 2>(p, pl, st) : launch_wgmma_ws_t<T, 128, 2>(p, pl, st);
+}
+
 template <typename T>
 cudaError_t launch_all(Params &p, const Plan &pl, int sbits, void *ws_gather, cudaStream_t st) {
   if (pl.kernel == 2 || pl.kernel == 3 || pl.kernel == W4P_CUDA_KERNEL_BULK || pl.kernel == W4P_CUDA_KERNEL_WGMMA ||
@@ -2607,10 +2589,7 @@ cudaError_t launch_all(Params &p, const Plan &pl, int sbits, void *ws_gather, cu
     }
     if (pl.kernel == W4P_CUDA_KERNEL_BULK) return sbits == 4 ? launch_bulk<T, 4>(p, pl, st) : launch_bulk<T, 8>(p, pl, st);
     if (pl.kernel == W4P_CUDA_KERNEL_WGMMA) return launch_wgmma<T>(p, pl, st);
-    if (pl.kernel == W4P_CUDA_KERNEL_WGMMA_WS)
-      if (pl.bn == 16) return pl.kp == 4 ? launch_wgmma_ws_t<T, 16, 4>(p, pl, st) : launch_wgmma_ws_t<T, 16, 2>(p, pl, st);
-      if (pl.bn == 32) return pl.kp == 4 ? launch_wgmma_ws_t<T, 32, 4>(p, pl, st) : launch_wgmma_ws_t<T, 32, 2>(p, pl, st);
-      return pl.bn == 64 ? launch_wgmma_ws_t<T, 64, 2>(p, pl, st) : launch_wgmma_ws_t<T, 128, 2>(p, pl, st);
+    if (pl.kernel == W4P_CUDA_KERNEL_WGMMA_WS) return launch_wgmma_ws<T>(p, pl, st);
     if (pl.kernel != 2) return sbits == 4 ? launch_ring<T, 4>(p, pl, st) : launch_ring<T, 8>(p, pl, st);
     return sbits == 4 ? launch_tiled_t<T, 4>(p, pl, st) : launch_tiled_t<T, 8>(p, pl, st);
   }

@@ -27,12 +27,14 @@ _LIBDIR = _HERE.parent / "_lib"
 #: kernel choice names -> W4P_CUDA_KERNEL_* (probes are diagnostics for tools/bench_gpu.py); "bulk" (sm_90, M <= 16,
 #: auto's choice at M = 1 there: docs/CUDA.md; ``splits`` forces its stages); "ring" (M <= 8,
 #: the default there) streams the weights stream-K over warps through per-warp cp.async rings (``splits``
-#: forces its units of work per warp); "wgmma" (sm_90a, 4-bit, auto's choice from M = 17 on compute capability
-#: 9.0 where measured ahead: docs/CUDA.md; ``splits`` forces its split-K count); "dense" is the
+#: forces its units of work per warp); "wgmma_ws" (sm_90a, 4-bit: wgmma fed by a TMA producer warp; auto's
+#: choice on compute capability 9.0 from M = 9 (8 on large layers) where measured ahead: docs/CUDA.md;
+#: ``splits`` forces its split-K count); "wgmma" (sm_90a, 4-bit, one-pass cp.async pipeline: auto's choice in
+#: the same range only where the driver lacks the TMA encoder); "dense" is the
 #: large-M path: dequantize to a temporary fp16/bf16 matrix with w4p_cuda_dequantize, then torch's GEMM (cuBLAS)
 KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "ring": 3, "bulk": 4, "wgmma": 5, "wgmma_ws": 6, "dense": -1, "probe_load": 10,
            "probe_dequant": 11, "probe_bulk": 12, "probe_ws": 13}
-#: from this many rows on, "auto" takes the dense path unless the native plan picks the wgmma kernel (sm_90, large
+#: from this many rows on, "auto" takes the dense path unless the native plan picks a wgmma kernel (sm_90, large
 #: layers up to M = 256; measured on an H200, docs/CUDA.md): below it
 #: the stream kernel (weights read once, split-K), above it dequantize + cuBLAS beats the mma.sync tiled kernel
 DENSE_MIN_M = 33
