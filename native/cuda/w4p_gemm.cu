@@ -1572,7 +1572,7 @@ __global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kern
 // row), all completing on the stage's mbarrier; the two consumer warpgroups wait on that barrier, compute
 // KS K tiles (4 wgmmas per tile, one wait per two tiles) and free the stage with one arrival per warp. No block-wide barrier in
 // the main loop: the warpgroups drift apart and overlap each other's dequantization and tensor-core work.
-// K tiles per stage (KS): 4 for the 16- and 32-token tiles on layers whose groups hold whole K tiles (group
+// K tiles per stage (KS): 4 for the 16-, 32- and 64-token tiles on layers whose groups hold whole K tiles (group
 // size a multiple of 64, or per channel: a stage then spans at most 4 groups), else 2. The longer stage halves
 // the per-stage waits and makes each weight copy a 2 KB run: 8192x28672 at M = 16 went from 80 to 65 us
 // (H200, docs/CUDA.md). Parameter bytes per stage: (scale, zero) x 128 rows per group, for 4 groups a tile
@@ -1581,11 +1581,16 @@ constexpr int WS_IL_BN = 32;  // up to this token tile each slice goes to the te
 __host__ __device__ constexpr int ws_pb(int ks) { return ks == 4 ? 4 * 512 : ks * 4 * 512; }
 __host__ __device__ constexpr int ws_stage_bytes(int bn, int ks) { return ks * (bn * 128 + 8 * 512) + ws_pb(ks); }
 __host__ __device__ constexpr int ws_stages(int bn, int ks) {
-  return ks == 4 ? (bn == 16 ? 4 : 3) : bn == 16 ? 6 : bn == 32 ? 4 : bn == 64 ? 3 : 4;
+  return ks == 4 ? (bn == 16 ? 4 : bn == 32 ? 3 : 2) : bn == 16 ? 6 : bn == 32 ? 4 : bn == 64 ? 3 : 4;
 }
 __host__ __device__ constexpr int ws_blocks_per_sm(int bn) { return bn == 128 ? 1 : 2; }
 __host__ __device__ constexpr int ws_tile(int64_t m) { return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128; }
-__host__ __device__ constexpr int ws_ks(int bn, int gs) { return bn <= 32 && (gs <= 0 || gs % 64 == 0) ? 4 : 2; }
+#ifndef W4P_WS_KS4_MAX_BN
+#define W4P_WS_KS4_MAX_BN 64  // (the 128-token tile measured slower with four-tile stages: two stages only)
+#endif
+__host__ __device__ constexpr int ws_ks(int bn, int gs) {
+  return bn <= W4P_WS_KS4_MAX_BN && (gs <= 0 || gs % 64 == 0) ? 4 : 2;
+}
 // + a zeroed activation tile: the B operand of the wgmmas past the K range in a stage's last tile
 __host__ __device__ constexpr int ws_smem_bytes(int bn, int ks) {
   return 2048 + ws_stages(bn, ks) * ws_stage_bytes(bn, ks) + bn * 128;
@@ -1753,16 +1758,15 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
           if constexpr (IL) {
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
             WgOp<T, BN>::mma(acc, a[u & 1][j], du + (uint64_t)(2 * j), 1);
+          } else if ((u & 1) == 1 && j == 3) {  // large token tiles: two tiles dequantized, then their wgmmas
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+            for (int v = u - 1; v <= u; ++v) {
+              const uint64_t dv = v < nt ? dst + (uint64_t)(v * (XT >> 4)) : dzero;
+#pragma unroll
+              for (int jj = 0; jj < 4; ++jj) WgOp<T, BN>::mma(acc, a[v & 1][jj], dv + (uint64_t)(2 * jj), 1);
+            }
           }
-        }
-      }
-      if (!IL) {  // large token tiles: every slice dequantized first, then the wgmmas back to back
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int u = 0; u < WS_KS; ++u) {
-          const uint64_t du = u < nt ? dst + (uint64_t)(u * (XT >> 4)) : dzero;
-#pragma unroll
-          for (int j = 0; j < 4; ++j) WgOp<T, BN>::mma(acc, a[u & 1][j], du + (uint64_t)(2 * j), 1);
         }
       }
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -2565,6 +2569,12 @@ cudaError_t launch_wgmma_ws_t(const Params &p, const Plan &pl, cudaStream_t st) 
 template <typename T> cudaError_t launch_wgmma_ws(const Params &p, const Plan &pl, cudaStream_t st) {
   if (pl.bn == 16) return pl.kp == 4 ? launch_wgmma_ws_t<T, 16, 4>(p, pl, st) : launch_wgmma_ws_t<T, 16, 2>(p, pl, st);
   if (pl.bn == 32) return pl.kp == 4 ? launch_wgmma_ws_t<T, 32, 4>(p, pl, st) : launch_wgmma_ws_t<T, 32, 2>(p, pl, st);
+#if W4P_WS_KS4_MAX_BN >= 64
+  if (pl.bn == 64) return pl.kp == 4 ? launch_wgmma_ws_t<T, 64, 4>(p, pl, st) : launch_wgmma_ws_t<T, 64, 2>(p, pl, st);
+#endif
+#if W4P_WS_KS4_MAX_BN >= 128
+  if (pl.bn == 128) return pl.kp == 4 ? launch_wgmma_ws_t<T, 128, 4>(p, pl, st) : launch_wgmma_ws_t<T, 128, 2>(p, pl, st);
+#endif
   return pl.bn == 64 ? launch_wgmma_ws_t<T, 64, 2>(p, pl, st) : launch_wgmma_ws_t<T, 128, 2>(p, pl, st);
 }
 
