@@ -1682,19 +1682,9 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
     // (sixteen slices in flight made ptxas serialize the wgmmas: C7512)
     uint32_t a[2][4][4];
     constexpr bool HALVES = WS_KS == 4;
-    // A stage's weights are read from shared memory one stage ahead, while the previous stage's last
-    // wgmmas run (the full barrier of stage i + 1 is waited on before the wgmmas of stage i are)
+    // (Reading a stage's weights one stage ahead, before the previous stage's wgmma wait, measured no faster)
     const uint64_t dzero = wg_desc(zero_tile);
     const int woff = WOFF + warp * WS_KS * 512 + lane * 16;
-    constexpr bool PF = WS_KS == 2;  // (four tiles a stage: read as used, which keeps the wgmmas unserialized)
-    uint4 wv[PF ? WS_KS : 1];
-    if (PF && nsteps > 0) {
-      mbar_wait(full0, 0);
-#pragma unroll
-      for (int u = 0; u < WS_KS; ++u)
-        wv[PF ? u : 0] = u < ke - kb ? *reinterpret_cast<const uint4 *>(sgen + 1024 + woff + u * 512)
-                                     : make_uint4(0, 0, 0, 0);
-    }
     for (int i = 0; i < nsteps; ++i) {
       const int s = i % NS;
       const int t0 = kb + i * WS_KS, nt = min(WS_KS, ke - t0);
@@ -1702,7 +1692,7 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
       const unsigned char *sg = sgen + 1024 + s * SB;
       const T *prm = reinterpret_cast<const T *>(sg + POFF);
       const uint64_t dst = wg_desc(stages + s * SB);
-      if (!PF) mbar_wait(full0 + 8 * s, (i / NS) & 1);
+      mbar_wait(full0 + 8 * s, (i / NS) & 1);
       T2 s_lo, s_hi, z_lo, z_hi;
       ZC<T, 4> zc = zc_sym;
       auto load_group = [&](int g) {
@@ -1736,9 +1726,7 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
       int gcur = g_st;
 #pragma unroll
       for (int u = 0; u < WS_KS; ++u) {
-        const uint4 wu = PF ? wv[PF ? u : 0]
-                            : u < nt ? *reinterpret_cast<const uint4 *>(sg + woff + u * 512)
-                                     : make_uint4(0, 0, 0, 0);
+        const uint4 wu = u < nt ? *reinterpret_cast<const uint4 *>(sg + woff + u * 512) : make_uint4(0, 0, 0, 0);
         const uint32_t w[4] = {wu.x, wu.y, wu.z, wu.w};
         const uint64_t du = u < nt ? dst + (uint64_t)(u * (XT >> 4)) : dzero;
 #pragma unroll
@@ -1770,14 +1758,6 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
         }
       }
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      if (PF && i + 1 < nsteps) {
-        const int s1 = (i + 1) % NS, nt1 = min(WS_KS, ke - t0 - WS_KS);
-        mbar_wait(full0 + 8 * s1, ((i + 1) / NS) & 1);
-#pragma unroll
-        for (int u = 0; u < WS_KS; ++u)
-          wv[PF ? u : 0] = u < nt1 ? *reinterpret_cast<const uint4 *>(sgen + 1024 + s1 * SB + woff + u * 512)
-                          : make_uint4(0, 0, 0, 0);
-      }
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
       __syncwarp();
       if (lane == 0) mbar_arrive(empty0 + 8 * s);
