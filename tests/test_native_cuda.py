@@ -110,11 +110,26 @@ def test_plan_for_described_devices_auto():
     assert auto(H200, 16, 4096, 4096, gs=-1) == k["wgmma_ws"]  # per-channel
     assert auto(H200, 16, 4096, 4096, gs=32) == k["wgmma_ws"]
     assert auto(H200, 16, 4096, 4096, bits=8) == k["stream"]  # 4-bit only
+
     assert auto(A100, 32, 4096, 4096) == k["stream"]
     assert auto(A100, 64, 28672, 8192) == k["tiled"]
     # A100 (sm_80): no bulk kernel; ring on the 70B shapes at M = 1
     assert auto(A100, 1, 28672, 8192) == k["ring"]
     assert auto(A100, 1, 4096, 4096) == k["stream"]
+
+
+def test_plan_for_without_tma_falls_back_to_wgmma(monkeypatch):
+    # a driver without the TMA encoder (simulated): auto takes the one-pass wgmma kernel in wgmma_ws's range
+    ffi, lib = _lib_or_skip()
+    k = cuda.KERNELS
+    monkeypatch.setenv("W4P_CUDA_NO_TMA", "1")
+    for m, n, kk in ((9, 4096, 4096), (16, 28672, 8192), (128, 11008, 4096), (256, 8192, 28672)):
+        rc, kind, _, _ = _plan_for(lib, ffi, H200, m, n, kk)
+        assert rc == 0 and kind == k["wgmma"], (m, n, kk, kind)
+    assert _plan_for(lib, ffi, H200, 4, 4096, 4096)[1] == k["stream"]  # below the range: unchanged
+    assert _plan_for(lib, ffi, H200, 16, 4096, 4096, kernel="wgmma_ws")[1] == k["wgmma_ws"]  # forced: as asked
+    monkeypatch.delenv("W4P_CUDA_NO_TMA")
+    assert _plan_for(lib, ffi, H200, 16, 28672, 8192)[1] == k["wgmma_ws"]
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -548,6 +563,25 @@ def test_auto_plan_per_shape():
     lin = cuda.CudaPackedLinear(pack(random_layer(np.random.default_rng(3), 4096, 4096, gs=128)), "cuda")
     assert lin.plan(64)["kernel"] == -1  # small layer: dense from M = 64
     assert lin.plan(32)["kernel"] == (wg or cuda.KERNELS["stream"])
+
+
+@pytest.mark.gpu
+def test_auto_without_tma_runs_the_wgmma_kernel(monkeypatch):
+    # the fallback a driver without the TMA encoder gets, simulated: same numbers through the one-pass kernel
+    import torch
+
+    if not wgmma_ok():
+        pytest.skip("the wgmma kernels need compute capability 9.0")
+    rng = np.random.default_rng(11)
+    layer = random_layer(rng, 196, 576, gs=64, bias=True)
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda")
+    x = torch.randn(16, 576, device="cuda", dtype=torch.float16)
+    ref = reference(layer, x.double().cpu().numpy(), to_float64(layer.bias, "float16"))
+    assert lin.plan(16)["kernel"] == cuda.KERNELS["wgmma_ws"]
+    assert rel_err(lin.forward(x), ref) <= 1e-3
+    monkeypatch.setenv("W4P_CUDA_NO_TMA", "1")
+    assert lin.plan(16)["kernel"] == cuda.KERNELS["wgmma"]
+    assert rel_err(lin.forward(x), ref) <= 1e-3
 
 
 @pytest.mark.gpu

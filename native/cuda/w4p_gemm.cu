@@ -2084,6 +2084,11 @@ struct DevInfo {
   bool init = false;
 };
 bool tma_encoder_available();
+// W4P_CUDA_NO_TMA=1: plan as on a driver without the TMA encoder (tests of auto's fallback; read at each call)
+bool no_tma_env() {
+  const char *e = getenv("W4P_CUDA_NO_TMA");
+  return e && e[0] == '1';
+}
 DevInfo g_dev[64];
 std::mutex g_mu;
 
@@ -2177,7 +2182,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     const bool large = weights >= ((int64_t)1 << 25);
     if ((m > WS_AUTO_MIN_M || large) &&
         (m <= 32 || (m <= 128 && large) || (m <= WG_AUTO_MAX_M && weights >= ((int64_t)1 << 26))))
-      kind = di.tma ? W4P_CUDA_KERNEL_WGMMA_WS : W4P_CUDA_KERNEL_WGMMA;
+      kind = di.tma && !no_tma_env() ? W4P_CUDA_KERNEL_WGMMA_WS : W4P_CUDA_KERNEL_WGMMA;
   }
   if (kind == W4P_CUDA_KERNEL_AUTO) {
     // Measured on an H200 (docs/CUDA.md): the ring kernel wins where every resident warp gets a long run of
