@@ -1565,18 +1565,19 @@ __global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kern
 }
 
 // ------------------------------------------------------------------------------------------------
-// Warp-specialized wgmma kernel (sm_90a, 4-bit; auto's choice on sm_90 for M = 16-256). The wgmma kernel's
-// math, fed the Hopper way: one producer warp issues every copy of a stage with one thread (the activation
-// tile through TMA with the 128-byte swizzle done by the copy engine and rows past M / columns past K
-// zero-filled, the weights as one bulk copy per stripe, the group parameters as one bulk copy per group
-// row), all completing on the stage's mbarrier; the two consumer warpgroups wait on that barrier, compute
-// KS K tiles (4 wgmmas per tile, one wait per two tiles) and free the stage with one arrival per warp. No block-wide barrier in
-// the main loop: the warpgroups drift apart and overlap each other's dequantization and tensor-core work.
-// K tiles per stage (KS): 4 for the 16-, 32- and 64-token tiles on layers whose groups hold whole K tiles (group
-// size a multiple of 64, or per channel: a stage then spans at most 4 groups), else 2. The longer stage halves
-// the per-stage waits and makes each weight copy a 2 KB run: 8192x28672 at M = 16 went from 80 to 65 us
-// (H200, docs/CUDA.md). Parameter bytes per stage: (scale, zero) x 128 rows per group, for 4 groups a tile
-// (group size 16) at KS = 2 and 4 groups at KS = 4.
+// Warp-specialized wgmma kernel (sm_90a, 4-bit; auto's choice on sm_90 for M = 9-256 where measured ahead).
+// The wgmma kernel's math, fed the Hopper way: one producer warp issues every copy of a stage with one thread
+// (the activation tile through TMA with the 128-byte swizzle done by the copy engine and rows past M /
+// columns past K zero-filled, the weights as one bulk copy per stripe, the group parameters as one bulk copy
+// per group row), all completing on the stage's mbarrier; the two consumer warpgroups wait on that barrier,
+// compute the stage's KS K tiles (4 wgmmas per tile, one wgmma wait per two tiles) and free the stage with one
+// arrival per warp. No block-wide barrier in the main loop: the warpgroups drift apart and overlap each
+// other's dequantization and tensor-core work.
+// K tiles per stage (KS): 4 for the 16-, 32- and 64-token tiles on layers whose groups hold whole K tiles
+// (group size a multiple of 64, or per channel: a stage then spans at most 4 groups), else 2. The longer stage
+// halves the per-stage waits and makes each weight copy a 2 KB run: 8192x28672 at M = 16 went from 80 to
+// 64 us (H200, docs/CUDA.md). Parameter bytes per stage: (scale, zero) x 128 rows per group, for 4 groups a
+// tile (group size 16) at KS = 2 and 4 groups at KS = 4.
 constexpr int WS_IL_BN = 32;  // up to this token tile each slice goes to the tensor cores as soon as it is ready
 __host__ __device__ constexpr int ws_pb(int ks) { return ks == 4 ? 4 * 512 : ks * 4 * 512; }
 __host__ __device__ constexpr int ws_stage_bytes(int bn, int ks) { return ks * (bn * 128 + 8 * 512) + ws_pb(ks); }
@@ -1716,11 +1717,13 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
           for (int q = 0; q < 4; ++q) av[q] = as_u32(__hmul2(as_t2<T2>(qz[q]), (q & 1) ? s_hi : s_lo));
         }
       };
-      // Each k16 slice goes to the tensor cores as soon as it is dequantized: the next slice is dequantized
-      // while that wgmma runs. The group's constants are loaded at the stage's start and again only where a
-      // slice starts a new group (never inside the usual stage, which lies in one group: a single test per
-      // slice). A tile past the split's K range has zeroed codes (finite products) against the zero tile.
-      // (Two copies of the wgmma sequence, one per path, made ptxas serialize the wgmmas: C7520.)
+      // Up to the 32-token tile (IL) each k16 slice goes to the tensor cores as soon as it is dequantized, so
+      // the next slice is dequantized while that wgmma runs; larger tiles dequantize two K tiles, then issue
+      // their 8 wgmmas back to back (slice by slice measured slower there). The group's constants are loaded
+      // at the stage's start and again only where a slice starts a new group (never inside the usual stage,
+      // which lies in one group: a single test per slice). A tile past the split's K range has zeroed codes
+      // (finite products) against the zero tile. (Two copies of the wgmma sequence, one per path, made ptxas
+      // serialize the wgmmas: C7520.)
       const bool one_stage_group = one_group && group_of((t0 + WS_KS) * 64 - 1, p.gs, p.gshift) == g_st;
       load_group(g_st);
       int gcur = g_st;
