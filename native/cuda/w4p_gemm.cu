@@ -1351,6 +1351,41 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr) {
                              : "l"(da), "l"(db), "r"(scale_d));)                                                 \
     }                                                                                                            \
   };
+// A warpgroup's wgmma D fragment out (both wgmma kernels): acc[4 i + c] is row (c < 2 ? r_lo : r_lo + 8),
+// token tok0 + 8 i + 2 (lane & 3) + (c & 1). One split: y (+ bias).
+template <typename T, int BN>
+__device__ __forceinline__ void wg_store_y(const Params &p, const float (&acc)[BN / 2], int r_lo, int64_t tok0,
+                                           int lane) {
+  const int r_hi = r_lo + 8;
+  const T *bias = (const T *)p.bias;
+  T *y = (T *)p.y;
+  const float b_lo = (bias && r_lo < p.N) ? to_f(bias[r_lo]) : 0.f;
+  const float b_hi = (bias && r_hi < p.N) ? to_f(bias[r_hi]) : 0.f;
+#pragma unroll
+  for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int row = c < 2 ? r_lo : r_hi;
+      const int64_t tok = tok0 + 8 * i + 2 * (lane & 3) + (c & 1);
+      if (row < p.N && tok < p.M) y[tok * p.ldy + row] = from_f<T>(acc[4 * i + c] + (c < 2 ? b_lo : b_hi));
+    }
+}
+// Several splits: this split's fp32 partials, which split_reduce then adds in split order.
+template <int BN>
+__device__ __forceinline__ void wg_store_part(const Params &p, const float (&acc)[BN / 2], int r_lo, int64_t tok0,
+                                              int lane) {
+  const int r_hi = r_lo + 8;
+  float *part = p.part + (size_t)blockIdx.z * p.M * p.Np;
+#pragma unroll
+  for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int row = c < 2 ? r_lo : r_hi;
+      const int64_t tok = tok0 + 8 * i + 2 * (lane & 3) + (c & 1);
+      if (tok < p.M && row < p.Np) __stcg(part + tok * p.Np + row, acc[4 * i + c]);
+    }
+}
+
 template <typename T, int BN> struct WgOp;
 W4P_WGOP_RS(half, "f16", 16, W4P_WG_D8, W4P_WG_ACC8, "{%8, %9, %10, %11}", "%12", "%13")
 W4P_WGOP_RS(__nv_bfloat16, "bf16", 16, W4P_WG_D8, W4P_WG_ACC8, "{%8, %9, %10, %11}", "%12", "%13")
@@ -1534,31 +1569,10 @@ __global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kern
     if (slot == WGS) slot = 0;
   }
   cp_async_wait<0>();
-  // D fragment: acc[4 i + c] is row (c < 2 ? lo : hi), token tok0 + 8 i + 2 (lane & 3) + (c & 1)
-  const int r_lo = row0 + rl, r_hi = r_lo + 8;
   if (p.S == 1) {
-    const T *bias = (const T *)p.bias;
-    T *y = (T *)p.y;
-    const float b_lo = (bias && r_lo < p.N) ? to_f(bias[r_lo]) : 0.f;
-    const float b_hi = (bias && r_hi < p.N) ? to_f(bias[r_hi]) : 0.f;
-#pragma unroll
-    for (int i = 0; i < BN / 8; ++i)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int row = c < 2 ? r_lo : r_hi;
-        const int64_t tok = tok0 + 8 * i + 2 * (lane & 3) + (c & 1);
-        if (row < p.N && tok < p.M) y[tok * p.ldy + row] = from_f<T>(acc[4 * i + c] + (c < 2 ? b_lo : b_hi));
-      }
+    wg_store_y<T, BN>(p, acc, row0 + rl, tok0, lane);
   } else {
-    float *part = p.part + (size_t)blockIdx.z * p.M * p.Np;
-#pragma unroll
-    for (int i = 0; i < BN / 8; ++i)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int row = c < 2 ? r_lo : r_hi;
-        const int64_t tok = tok0 + 8 * i + 2 * (lane & 3) + (c & 1);
-        if (tok < p.M && row < p.Np) __stcg(part + tok * p.Np + row, acc[4 * i + c]);
-      }
+    wg_store_part<BN>(p, acc, row0 + rl, tok0, lane);
     split_reduce<T, WG_BM, BN>(p, blockIdx.y, blockIdx.x, row0, (int)tok0);
   }
 #endif
@@ -1767,34 +1781,11 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
     }
   }
   // epilogue (the producer warp joins the split reduction's block barriers)
-  const int r_lo = row0 + rl, r_hi = r_lo + 8;
+  const int r_lo = row0 + rl;
   if (p.S == 1) {
-    if (warp < 8) {
-      const T *bias = (const T *)p.bias;
-      T *y = (T *)p.y;
-      const float b_lo = (bias && r_lo < p.N) ? to_f(bias[r_lo]) : 0.f;
-      const float b_hi = (bias && r_hi < p.N) ? to_f(bias[r_hi]) : 0.f;
-#pragma unroll
-      for (int i = 0; i < BN / 8; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int row = c < 2 ? r_lo : r_hi;
-          const int64_t tok = tok0 + 8 * i + 2 * (lane & 3) + (c & 1);
-          if (row < p.N && tok < p.M) y[tok * p.ldy + row] = from_f<T>(acc[4 * i + c] + (c < 2 ? b_lo : b_hi));
-        }
-    }
+    if (warp < 8) wg_store_y<T, BN>(p, acc, r_lo, tok0, lane);
   } else {
-    if (warp < 8) {
-      float *part = p.part + (size_t)blockIdx.z * p.M * p.Np;
-#pragma unroll
-      for (int i = 0; i < BN / 8; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int row = c < 2 ? r_lo : r_hi;
-          const int64_t tok = tok0 + 8 * i + 2 * (lane & 3) + (c & 1);
-          if (tok < p.M && row < p.Np) __stcg(part + tok * p.Np + row, acc[4 * i + c]);
-        }
-    }
+    if (warp < 8) wg_store_part<BN>(p, acc, r_lo, tok0, lane);
     split_reduce<T, WG_BM, BN>(p, blockIdx.y, blockIdx.x, row0, (int)tok0);
   }
 #endif
@@ -2152,6 +2143,24 @@ struct Plan {
 
 int ceil_div(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 
+// Split-K count of both wgmma kernels: `splits` when forced, else enough to fill the resident slots when the
+// tiles fill less than half of them (splitting a grid that already fills half measured slower), each split
+// keeping at least 8 K tiles
+int wg_splits(int splits, int64_t tiles, int64_t slots, int KT) {
+  int S = splits;
+  if (S <= 0) {
+    S = 1;
+    if (2 * tiles < slots) {
+      S = (int)(slots / tiles);
+      const int smax = KT / 8 > 0 ? KT / 8 : 1;
+      if (S > smax) S = smax;
+    }
+  }
+  if (S > KT) S = KT;
+  if (S > 65535) S = 65535;
+  return S;
+}
+
 // kernel: 0 auto, 1 stream, 2 tiled, 10/11 probes. splits: 0 auto. ws_avail: bytes available (SIZE_MAX = plan only).
 int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, bool act_order, bool x_aligned,
               int kernel, int splits, size_t ws_avail, Plan *pl) {
@@ -2329,21 +2338,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     pl->as = as;
     pl->TB = ceil_div(m, bn);
     pl->tiles = nrb * pl->TB;
-    // split K until the grid fills the resident blocks of every SM (each split keeps >= 8 K tiles)
-    const int per_sm = (bn == 64 || kpt == 1) ? 2 : 1;
-    int S = splits;
-    if (S <= 0) {
-      S = 1;
-      const int64_t slots = (int64_t)sms * per_sm;
-      if (2 * pl->tiles < slots) {  // (splitting a grid that already fills half the slots measured slower)
-        S = (int)(slots / pl->tiles);
-        const int smax = KT / 8 > 0 ? KT / 8 : 1;
-        if (S > smax) S = smax;
-      }
-    }
-    if (S > KT) S = KT;
-    if (S > 65535) S = 65535;
-    pl->S = S;
+    pl->S = wg_splits(splits, pl->tiles, (int64_t)sms * ((bn == 64 || kpt == 1) ? 2 : 1), KT);
     pl->smem = wg_smem_bytes(bn, kpt, as);
     pl->gather = act_order || !x_aligned || (k % 64) != 0;
   } else if (kind == W4P_CUDA_KERNEL_WGMMA_WS) {
@@ -2361,19 +2356,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     pl->bn = bn;
     pl->TB = ceil_div(m, bn);
     pl->tiles = nrb * pl->TB;
-    int S = splits;
-    if (S <= 0) {
-      S = 1;
-      const int64_t slots = (int64_t)sms * ws_blocks_per_sm(bn);
-      if (2 * pl->tiles < slots) {
-        S = (int)(slots / pl->tiles);
-        const int smax = KT / 8 > 0 ? KT / 8 : 1;
-        if (S > smax) S = smax;
-      }
-    }
-    if (S > KT) S = KT;
-    if (S > 65535) S = 65535;
-    pl->S = S;
+    pl->S = wg_splits(splits, pl->tiles, (int64_t)sms * ws_blocks_per_sm(bn), KT);
     pl->smem = ws_smem_bytes(bn, ks);
     pl->kp = ks;
     pl->gather = act_order || !x_aligned;  // TMA zero-fills columns past K: no gather for ragged K
