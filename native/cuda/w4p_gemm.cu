@@ -1645,7 +1645,7 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
   if (tid == 0) {
     for (int s = 0; s < NS; ++s) {
       mbar_init(full0 + 8 * s, 1);   // the producer's arrival with the stage's byte count
-      mbar_init(empty0 + 8 * s, 8);  // one arrival per consumer warp
+      mbar_init(empty0 + 8 * s, 8 * 32);  // one arrival per consumer lane (each orders its own reads)
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -1686,8 +1686,7 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
   } else if (p.probe) {  // copies only (diagnostics): each stage is freed as soon as it lands
     for (int i = 0; i < nsteps; ++i) {
       mbar_wait(full0 + 8 * (i % NS), (i / NS) & 1);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty0 + 8 * (i % NS));
+      mbar_arrive(empty0 + 8 * (i % NS));
     }
   } else {
     const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
@@ -1776,8 +1775,10 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
       }
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty0 + 8 * s);
+      // every lane frees the stage itself: with lane 0 arriving for its warp after __syncwarp, racecheck
+      // (which does not follow __syncwarp) reported write-after-read hazards on refills; this costs nothing
+      // measurable (docs/CUDA.md section 8)
+      mbar_arrive(empty0 + 8 * s);
     }
   }
   // epilogue (the producer warp joins the split reduction's block barriers)
