@@ -232,10 +232,10 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // ------------------------------------------------------------------------------------------------
-// group of column k: shift for power-of-two group sizes (the common 32/64/128), division otherwise
-__device__ __forceinline__ int group_of(int k, int gs, int gshift) {
-  return gshift >= 0 ? (k >> gshift) : k / gs;  // per channel: gshift 30, every k < 2^30 is group 0
-}
+// group of column k: one multiply-high by gmul = ceil(2^32 / gs) (0 per channel), exact while k * gs < 2^32
+// (gmul_of checks it for the layer; for powers of two it is exact for every k). No branch, so the compiler
+// can schedule the tiles of an unrolled loop together.
+__device__ __forceinline__ int group_of(int k, unsigned gmul) { return (int)__umulhi((unsigned)k, gmul); }
 
 struct Params {
   const void *x;      // [M][ldx]
@@ -248,7 +248,7 @@ struct Params {
   int64_t ldx, ldy, M;
   int N, K, Np, Kp, KT;  // KT = Kp / 64
   int gs, zm;            // group size (-1: per channel), zero mode
-  int gshift;            // log2(gs) when gs is a power of two, else -1
+  unsigned gmul;         // group_of's multiplier: ceil(2^32 / gs), 0 per channel
   int S, TB;             // splits, token blocks
   int KC;                // stream kernel: tiles per staged chunk
   int xvec;              // stream: x rows 16-byte loadable; tiled: x readable with cp.async (else gathered)
@@ -388,8 +388,8 @@ __global__ void __launch_bounds__(SW * 32, 3) stream_kernel(const Params p) {
         }
       }
     }
-    const int g_lo = group_of(kbeg, p.gs, p.gshift);
-    const int ng = group_of(ce * 64 - 1, p.gs, p.gshift) - g_lo + 1;
+    const int g_lo = group_of(kbeg, p.gmul);
+    const int ng = group_of(ce * 64 - 1, p.gmul) - g_lo + 1;
     const int vec = RB / 8;  // 16-byte vectors per group row block
     const int nsrc = p.zm == 0 ? 1 : 2;
     const T *zsrc = (const T *)(p.zm == 1 ? p.zeros : p.mins);
@@ -441,7 +441,7 @@ __global__ void __launch_bounds__(SW * 32, 3) stream_kernel(const Params p) {
       sx = reinterpret_cast<const T *>(smem + (ch & 1) * buf_bytes);
       sS = sx + TOK * XP;
       sZ = sS + ngmax * RB;
-      g_lo = group_of(cb * 64, p.gs, p.gshift);
+      g_lo = group_of(cb * 64, p.gmul);
     }
     // burst: take the U tiles that arrived, request the next U (in flight while these are computed)
     uint4 cur[U][MI][V];
@@ -496,8 +496,8 @@ __global__ void __launch_bounds__(SW * 32, 3) stream_kernel(const Params p) {
         float s_lo[MI], s_hi[MI];
         ZC<T, SB> zc[MI];
         T2 s2lo[MI], s2hi[MI], m2lo[MI], m2hi[MI];
-        const int gi0 = group_of(t * 64, p.gs, p.gshift) - g_lo;
-        const int gi1 = group_of(t * 64 + 32, p.gs, p.gshift) - g_lo;
+        const int gi0 = group_of(t * 64, p.gmul) - g_lo;
+        const int gi1 = group_of(t * 64 + 32, p.gmul) - g_lo;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int gi = hh == 0 ? gi0 : gi1;
@@ -700,7 +700,7 @@ __global__ void __launch_bounds__(RW * 32, RING_MINB) ring_kernel(const Params p
       }
       if (p_on) {
         const bool ok = s0 + pm < nstripes;
-        const int g = group_of(is_t * 64 + 32 * ph, p.gs, p.gshift);
+        const int g = group_of(is_t * 64 + 32 * ph, p.gmul);
         const T *src = ok ? p_src + (size_t)g * p.Np + (s0 + pm) * 16 + pp * 8 : p_src;
         cp_async16(slot + PB + lane * 16, src, ok);
       }
@@ -754,7 +754,7 @@ __global__ void __launch_bounds__(RW * 32, RING_MINB) ring_kernel(const Params p
       const uint32_t ad = xok ? saddr + xoff + jj * 64 : zero_addr;
       ldsm_x4(ad, bf[2 * jj][0], bf[2 * jj][1], bf[2 * jj + 1][0], bf[2 * jj + 1][1]);
     }
-    const int gi0 = group_of(t * 64, p.gs, p.gshift), gi1 = group_of(t * 64 + 32, p.gs, p.gshift);
+    const int gi0 = group_of(t * 64, p.gmul), gi1 = group_of(t * 64 + 32, p.gmul);
 #pragma unroll
     for (int mi = 0; mi < RQ; ++mi) {
       uint32_t wd[4 * V];
@@ -1048,12 +1048,12 @@ __device__ __forceinline__ void bulk_warp_unit(float (&acc)[NI][4], const unsign
         ldsm_x4(ad, bf[ni][2 * jj][0], bf[ni][2 * jj][1], bf[ni][2 * jj + 1][0], bf[ni][2 * jj + 1][1]);
       }
     const int k0 = (t0 + th + j * TSTEP) * 64;
-    const int gi0 = group_of(k0, p.gs, p.gshift) - g_lo;
+    const int gi0 = group_of(k0, p.gmul) - g_lo;
     const T *pr0 = pb + gi0 * 128;
     if (G64) {
       bulk_tile<T, SB, FM, NI>(acc, wd, bf, pr0, pr0, false, gid, p.zm, zc_sym);
     } else {
-      const int gi1 = group_of(k0 + 32, p.gs, p.gshift) - g_lo;
+      const int gi1 = group_of(k0 + 32, p.gmul) - g_lo;
       bulk_tile<T, SB, FM, NI>(acc, wd, bf, pr0, pb + gi1 * 128, gi1 != gi0, gid, p.zm, zc_sym);
     }
   }
@@ -1116,7 +1116,7 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
       if (i >= NS) mbar_wait(empty0 + 8 * s, ((i / NS) - 1) & 1);
       const int t0 = c * BCT, nt = min(BCT, p.KT - t0);
       const int nvs = min(BQ, nstripes - q * BQ);
-      const int g_lo = group_of(t0 * 64, p.gs, p.gshift), g_hi = group_of((t0 + nt) * 64 - 1, p.gs, p.gshift);
+      const int g_lo = group_of(t0 * 64, p.gmul), g_hi = group_of((t0 + nt) * 64 - 1, p.gmul);
       const int ng = g_hi - g_lo + 1;  // scales hold ceil(Kp / gs) groups: the padded tail has its own
       const uint32_t st = stages_addr + s * SSB, full = full0 + 8 * s;
       if (pw == 0 && lane == 0) {
@@ -1172,7 +1172,7 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
     const int t0 = c * BCT, nt = min(BCT, p.KT - t0);
     if (!p.probe) {
       // per unit: this lane's weight, parameter and ldmatrix row addresses; per tile only immediates change
-      const int g_lo = group_of(t0 * 64, p.gs, p.gshift);
+      const int g_lo = group_of(t0 * 64, p.gmul);
       uint32_t xb[NI];
 #pragma unroll
       for (int ni = 0; ni < NI; ++ni) {
@@ -1447,7 +1447,7 @@ __global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kern
     }
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(st + XB + tid * 16),
                  "l"(w_ok ? ws + (int64_t)kt * 512 : (const unsigned char *)p.qw), "r"(w_ok ? 16 : 0) : "memory");
-    const int g_lo = group_of(kt * 64, p.gs, p.gshift), ng = group_of(kt * 64 + 63, p.gs, p.gshift) - g_lo + 1;
+    const int g_lo = group_of(kt * 64, p.gmul), ng = group_of(kt * 64 + 63, p.gmul) - g_lo + 1;
     if (pg < ng)
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(st + poff),
                    "l"(p_ok ? ps_src + (size_t)(g_lo + pg) * p.Np : (const T *)p.scales), "r"(p_ok ? 16 : 0) : "memory");
@@ -1471,13 +1471,13 @@ __global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kern
     const uint4 wv = *reinterpret_cast<const uint4 *>(sg + w_lds);
     const uint32_t w[4] = {wv.x, wv.y, wv.z, wv.w};
     const T *prm = reinterpret_cast<const T *>(sg + XB + WG_WB);
-    const int g_lo = one_group ? 0 : group_of(kt * 64, p.gs, p.gshift);
+    const int g_lo = one_group ? 0 : group_of(kt * 64, p.gmul);
     T2 s_lo, s_hi, z_lo, z_hi;
     ZC<T, 4> zc = zc_sym;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       if (j == 0 || !one_group) {
-        const int slot = one_group ? 0 : group_of(kt * 64 + 16 * j, p.gs, p.gshift) - g_lo;
+        const int slot = one_group ? 0 : group_of(kt * 64 + 16 * j, p.gmul) - g_lo;
         const T *ps = prm + slot * 2 * WG_BM;
         s_lo = bcast2(ps[rl]);
         s_hi = bcast2(ps[rl + 8]);
@@ -1669,8 +1669,8 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
         const int s = i % NS;
         if (i >= NS) mbar_wait(empty0 + 8 * s, ((i / NS) - 1) & 1);
         const int t0 = kb + i * WS_KS, nt = min(WS_KS, ke - t0);
-        const int g_lo = group_of(t0 * 64, p.gs, p.gshift);
-        const int ng = group_of((t0 + nt) * 64 - 1, p.gs, p.gshift) - g_lo + 1;
+        const int g_lo = group_of(t0 * 64, p.gmul);
+        const int ng = group_of((t0 + nt) * 64 - 1, p.gmul) - g_lo + 1;
         const uint32_t st = stages + s * SB, full = full0 + 8 * s;
         mbar_expect_tx(full, (unsigned)(nt * XT + nvs * nt * 512) + (unsigned)(ng * NP) * prow);
         for (int u = 0; u < nt; ++u) tma_load_2d(st + u * XT, &xmap, (t0 + u) * 64, (int)tok0, full);
@@ -1702,7 +1702,7 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
     for (int i = 0; i < nsteps; ++i) {
       const int s = i % NS;
       const int t0 = kb + i * WS_KS, nt = min(WS_KS, ke - t0);
-      const int g_st = group_of(t0 * 64, p.gs, p.gshift);
+      const int g_st = group_of(t0 * 64, p.gmul);
       const unsigned char *sg = sgen + 1024 + s * SB;
       const T *prm = reinterpret_cast<const T *>(sg + POFF);
       const uint64_t dst = wg_desc(stages + s * SB);
@@ -1737,7 +1737,7 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
       // which lies in one group: a single test per slice). A tile past the split's K range has zeroed codes
       // (finite products) against the zero tile. (Two copies of the wgmma sequence, one per path, made ptxas
       // serialize the wgmmas: C7520.)
-      const bool one_stage_group = one_group && group_of((t0 + WS_KS) * 64 - 1, p.gs, p.gshift) == g_st;
+      const bool one_stage_group = one_group && group_of((t0 + WS_KS) * 64 - 1, p.gmul) == g_st;
       load_group(g_st);
       int gcur = g_st;
 #pragma unroll
@@ -1752,7 +1752,7 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
           }
           if ((u > 0 || j > 0) && !one_stage_group && u < nt && (j == 0 || !one_group)) {
-            const int g = group_of((t0 + u) * 64 + 16 * j, p.gs, p.gshift);
+            const int g = group_of((t0 + u) * 64 + 16 * j, p.gmul);
             if (g != gcur) {
               gcur = g;
               load_group(g);
@@ -1853,8 +1853,8 @@ __global__ void __launch_bounds__(256) tiled_kernel(const Params p) {
       cp_async16(sX + r * TXP + c * 8, src, ok);
     }
     {  // group parameters: up to 4 groups x 128 rows, 16 vectors per group
-      const int g0 = group_of(kt * 64, p.gs, p.gshift);
-      const int g1 = group_of(kt * 64 + 63, p.gs, p.gshift);
+      const int g0 = group_of(kt * 64, p.gmul);
+      const int g1 = group_of(kt * 64 + 63, p.gmul);
       const int which = threadIdx.x >> 7, rem = threadIdx.x & 127;
       const int gi = rem >> 4, c = rem & 15;
       if (gi <= g1 - g0 && (which == 0 || p.zm != 0)) {
@@ -1901,10 +1901,10 @@ __global__ void __launch_bounds__(256) tiled_kernel(const Params p) {
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
       for (int v = 0; v < V; ++v) wv[mi][v] = sW[((wm * 2 + mi) * 32 + lane) * V + v];
-    const int g0 = group_of(kt * 64, p.gs, p.gshift);
+    const int g0 = group_of(kt * 64, p.gmul);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int gi = group_of(kt * 64 + j * 16, p.gs, p.gshift) - g0;
+      const int gi = group_of(kt * 64 + j * 16, p.gmul) - g0;
       uint32_t a[2][4];
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi) {
@@ -2000,7 +2000,7 @@ __global__ void __launch_bounds__(256) dequant_kernel(const Params p, T *w, int6
   const float zdef = (float)(1 << (SB == 4 ? 3 : 7));
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const int g = group_of(kt * 64 + j * 16, p.gs, p.gshift);
+    const int g = group_of(kt * 64 + j * 16, p.gmul);
 #pragma unroll
     for (int rh = 0; rh < 2; ++rh) {
       const int row = stripe * 16 + gid + rh * 8;
@@ -2122,12 +2122,16 @@ int dev_info(int device, DevInfo *out) {
   return W4P_OK;
 }
 
-int gshift_of(int gs) {
-  if (gs <= 0) return 30;
-  if ((gs & (gs - 1)) != 0) return -1;
-  int sh = 0;
-  while ((1 << sh) < gs) ++sh;
-  return sh;
+// group_of's multiplier for group size gs on K columns; false where one multiply-high would not be exact
+// (group sizes that are not powers of two, with K * gs >= 2^32: far beyond any real layer)
+bool gmul_of(int gs, int kp, unsigned *gmul) {
+  if (gs <= 0 || gs >= kp) {
+    *gmul = 0;  // one group
+    return true;
+  }
+  const uint64_t two32 = (uint64_t)1 << 32;
+  *gmul = (unsigned)((two32 + (uint64_t)gs - 1) / (uint64_t)gs);
+  return (gs & (gs - 1)) == 0 || (uint64_t)kp * (uint64_t)gs < two32;
 }
 
 struct Plan {
@@ -2357,7 +2361,11 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     pl->bn = bn;
     pl->TB = ceil_div(m, bn);
     pl->tiles = nrb * pl->TB;
-    pl->S = wg_splits(splits, pl->tiles, (int64_t)sms * ws_blocks_per_sm(bn), KT);
+    // from the 32-token tile, split only grids that leave more than half the SMs idle. Measured on an H200:
+    // 4096x11008 and 4096x12288 (86 and 96 row tiles) ran M = 32-64 in 22.5-28.3 us unsplit against 25.8-40.4 us
+    // with 2-3 splits; with the 16-token tile the splits were level or ahead (4096x11008 M = 8: 19.8 against 21.7)
+    const bool may_split = splits > 0 || bn == 16 || 2 * pl->tiles < sms;
+    pl->S = may_split ? wg_splits(splits, pl->tiles, (int64_t)sms * ws_blocks_per_sm(bn), KT) : 1;
     pl->smem = ws_smem_bytes(bn, ks);
     pl->kp = ks;
     pl->gather = act_order || !x_aligned;  // TMA zero-fills columns past K: no gather for ragged K
@@ -2726,7 +2734,8 @@ int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k, 
   p.KT = p.Kp / 64;
   p.gs = group_size;
   p.zm = zero_mode;
-  p.gshift = gshift_of(group_size);
+  if (!gmul_of(group_size, p.Kp, &p.gmul))
+    return fail(W4P_EUNSUPPORTED, "group size %d with K = %d: K * group size must stay below 2^32", group_size, k);
   p.S = pl.S;
   p.TB = pl.TB;
   p.KC = pl.KC;
@@ -2779,7 +2788,8 @@ int w4p_cuda_dequantize(int device, void *stream, int dtype, int n, int k, const
   p.KT = p.Kp / 64;
   p.gs = group_size;
   p.zm = zero_mode;
-  p.gshift = gshift_of(group_size);
+  if (!gmul_of(group_size, p.Kp, &p.gmul))
+    return fail(W4P_EUNSUPPORTED, "group size %d with K = %d: K * group size must stay below 2^32", group_size, k);
   p.xvec = (((uintptr_t)w & 15) == 0 && ldw % 8 == 0) ? 1 : 0;
   const int64_t tiles = (int64_t)(p.Np / 16) * p.KT;
   const unsigned blocks = (unsigned)((tiles + 7) / 8);
