@@ -84,10 +84,13 @@ def test_plan_for_described_devices_auto():
         assert ws >= 64 * 1024  # the tile counters at least
         return kind
 
-    # H200 (sm_90): bulk at M = 1 everywhere, ring for M = 2..8 on 70B-sized layers, stream otherwise up to 8,
-    # then wgmma_ws; tiled beyond (Python takes the dense path from DENSE_MIN_M on)
+    # H200 (sm_90): bulk at M = 1 and 2 everywhere, ring for M = 3..8 on 70B-sized layers, stream otherwise up
+    # to 8, then wgmma_ws; tiled beyond (Python takes the dense path from DENSE_MIN_M on)
     for n, kk in ((28672, 8192), (8192, 28672), (4096, 4096), (11008, 4096), (196, 576)):
         assert auto(H200, 1, n, kk) == k["bulk"], (n, kk)
+        assert auto(H200, 2, n, kk) == k["bulk"], (n, kk)
+    assert auto(H200, 3, 28672, 8192) == k["ring"]
+    assert auto(H200, 3, 4096, 4096) == k["stream"]
     assert auto(H200, 4, 28672, 8192) == k["ring"]
     assert auto(H200, 7, 8192, 28672) == k["ring"]
     assert auto(H200, 4, 4096, 4096) == k["stream"]
@@ -557,10 +560,11 @@ def test_auto_plan_per_shape():
         assert lib.w4p_cuda_plan(0, m, n, k, 4, 128, 0, 1, 0, 0, ko, so, wb) == 0
         return ko[0]
 
-    # sm_90+: the bulk kernel at M = 1 on every shape; otherwise (and before sm_90) ring / stream as measured
+    # sm_90+: the bulk kernel at M = 1 and 2 on every shape; otherwise (and before sm_90) ring / stream as measured
     m1 = cuda.KERNELS["bulk"] if bulk_ok() else None
     assert auto(1, 28672, 8192) == (m1 or cuda.KERNELS["ring"])
     assert auto(1, 4096, 4096) == (m1 or cuda.KERNELS["stream"])
+    assert auto(2, 4096, 4096) == (m1 or cuda.KERNELS["stream"])
     assert auto(4, 28672, 8192) == cuda.KERNELS["ring"]
     assert auto(7, 8192, 28672) == cuda.KERNELS["ring"]
     assert auto(4, 4096, 4096) == cuda.KERNELS["stream"]

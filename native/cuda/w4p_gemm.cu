@@ -2069,7 +2069,7 @@ constexpr int RING_LMIN = 4;    // ring: at least this many units per warp
 constexpr int WS_AUTO_MIN_M = 8, WG_AUTO_MAX_M = 256;  // auto: the wgmma kernels' M range (sm_90)
 constexpr int RING_MIN_UNITS = 12;  // auto: the ring kernel only when each resident warp gets this many units
 constexpr int BULK_MAX_M = 16;      // the bulk kernel takes up to this M (two n8 blocks of tokens)
-constexpr int BULK_AUTO_M = 1;      // auto: the bulk kernel up to this M on sm_90+ (measured, docs/CUDA.md)
+constexpr int BULK_AUTO_M = 2;      // auto: the bulk kernel up to this M on sm_90+ (measured, docs/CUDA.md)
 
 struct DevInfo {
   int sms = 0;
@@ -2184,8 +2184,8 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   const int64_t ring_units = (int64_t)((nstripes + RQ - 1) / RQ) * KT;
   // bulk kernel (sm_90+): BBPS blocks of 9 warps per SM, as many stages as fit (at most BMAXS)
   const bool bulk_ok = stream_ok && m <= BULK_MAX_M && di.cc >= 90 && (nstripes + BQ - 1) / BQ <= MAX_COUNTERS;
-  // auto: at M = 1 (measured on an H200 ahead of or level with the ring and stream kernels on all six Llama
-  // shapes; from M = 4 behind them, its producer's activation copies grow with M: docs/CUDA.md)
+  // auto: at M = 1 and 2 (measured on an H200 ahead of the ring and stream kernels on all six Llama shapes, at
+  // M = 2 by 3-10%; at M = 3 level, from M = 4 behind them: its producer's activation copies grow with M)
   if (kind == W4P_CUDA_KERNEL_AUTO && bulk_ok && m <= BULK_AUTO_M) kind = W4P_CUDA_KERNEL_BULK;
   // auto, sm_90: the warp-specialized wgmma kernel from M = 9 (M = 8 on layers of 2^25 weights or more), up to
   // M = 32 on every layer, up to M = 128 on layers of 2^25 weights or more (the 7B MLP shapes) and up to M = 256
