@@ -84,16 +84,14 @@ def test_plan_for_described_devices_auto():
         assert ws >= 64 * 1024  # the tile counters at least
         return kind
 
-    # H200 (sm_90): bulk at M = 1 and 2 everywhere, ring for M = 3..8 on 70B-sized layers, stream otherwise up
+    # H200 (sm_90): bulk up to M = 4 everywhere, ring for M = 5..7 on 70B-sized layers, stream otherwise up
     # to 8, then wgmma_ws; tiled beyond (Python takes the dense path from DENSE_MIN_M on)
     for n, kk in ((28672, 8192), (8192, 28672), (4096, 4096), (11008, 4096), (196, 576)):
-        assert auto(H200, 1, n, kk) == k["bulk"], (n, kk)
-        assert auto(H200, 2, n, kk) == k["bulk"], (n, kk)
-    assert auto(H200, 3, 28672, 8192) == k["ring"]
-    assert auto(H200, 3, 4096, 4096) == k["stream"]
-    assert auto(H200, 4, 28672, 8192) == k["ring"]
+        for m in (1, 2, 4):
+            assert auto(H200, m, n, kk) == k["bulk"], (m, n, kk)
+    assert auto(H200, 5, 28672, 8192) == k["ring"]
     assert auto(H200, 7, 8192, 28672) == k["ring"]
-    assert auto(H200, 4, 4096, 4096) == k["stream"]
+    assert auto(H200, 5, 4096, 4096) == k["stream"]
     assert auto(H200, 8, 4096, 4096) == k["stream"]
     # the warp-specialized wgmma kernel from M = 9 (from 8 on layers of 2^25 weights or more): up to 32 on every
     # layer, up to 128 on layers of 2^25 weights or more, up to 256 on layers of 2^26 or more
@@ -129,7 +127,7 @@ def test_plan_for_without_tma_falls_back_to_wgmma(monkeypatch):
     for m, n, kk in ((9, 4096, 4096), (16, 28672, 8192), (128, 11008, 4096), (256, 8192, 28672)):
         rc, kind, _, _ = _plan_for(lib, ffi, H200, m, n, kk)
         assert rc == 0 and kind == k["wgmma"], (m, n, kk, kind)
-    assert _plan_for(lib, ffi, H200, 4, 4096, 4096)[1] == k["stream"]  # below the range: unchanged
+    assert _plan_for(lib, ffi, H200, 5, 4096, 4096)[1] == k["stream"]  # below the range: unchanged
     assert _plan_for(lib, ffi, H200, 16, 4096, 4096, kernel="wgmma_ws")[1] == k["wgmma_ws"]  # forced: as asked
     monkeypatch.delenv("W4P_CUDA_NO_TMA")
     assert _plan_for(lib, ffi, H200, 16, 28672, 8192)[1] == k["wgmma_ws"]
@@ -560,14 +558,15 @@ def test_auto_plan_per_shape():
         assert lib.w4p_cuda_plan(0, m, n, k, 4, 128, 0, 1, 0, 0, ko, so, wb) == 0
         return ko[0]
 
-    # sm_90+: the bulk kernel at M = 1 and 2 on every shape; otherwise (and before sm_90) ring / stream as measured
+    # sm_90+: the bulk kernel up to M = 4 on every shape; otherwise (and before sm_90) ring / stream as measured
     m1 = cuda.KERNELS["bulk"] if bulk_ok() else None
     assert auto(1, 28672, 8192) == (m1 or cuda.KERNELS["ring"])
     assert auto(1, 4096, 4096) == (m1 or cuda.KERNELS["stream"])
     assert auto(2, 4096, 4096) == (m1 or cuda.KERNELS["stream"])
-    assert auto(4, 28672, 8192) == cuda.KERNELS["ring"]
+    assert auto(4, 28672, 8192) == (m1 or cuda.KERNELS["ring"])
+    assert auto(4, 4096, 4096) == (m1 or cuda.KERNELS["stream"])
     assert auto(7, 8192, 28672) == cuda.KERNELS["ring"]
-    assert auto(4, 4096, 4096) == cuda.KERNELS["stream"]
+    assert auto(5, 4096, 4096) == cuda.KERNELS["stream"]
     # sm_90: the warp-specialized wgmma kernel from M = 9, from 8 on large layers (to 32 on every layer, to 256
     # on large ones), else tiled (-> dense)
     wg = cuda.KERNELS["wgmma_ws"] if wgmma_ok() else None

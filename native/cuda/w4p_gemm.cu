@@ -898,9 +898,9 @@ __global__ void __launch_bounds__(RW * 32, RING_MINB) ring_kernel(const Params p
 
 // ------------------------------------------------------------------------------------------------
 // Bulk kernel (sm_90+, M <= 16). A unit is four stripes x up to BCT tiles: four contiguous runs of up to
-// 4 KiB of weights, copied by the bulk copy engine (completing on the stage's mbarrier), plus its group
-// parameters and activation columns, copied with cp.async by the 32 lanes of the producer warp (which arrive
-// on the same mbarrier when their copies land). NS stages per block, BBPS blocks of 1 producer + 8 consumer
+// 4 KiB of weights and one run per activation row, copied by the bulk copy engine (completing on the stage's
+// mbarrier), plus its group parameters, copied with cp.async by the lanes of the producer warps (which arrive
+// on the same mbarrier when their copies land). NS stages per block, BBPS blocks of BNP producer + 8 consumer
 // warps per SM. Stream-K over blocks: each block owns one contiguous range of units numbered along K within
 // each quad of stripes. Quads shared by several blocks are reduced as in the ring kernel (pieces summed in
 // block order by the last to arrive). Numerics are the stream kernel's.
@@ -1099,12 +1099,14 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
 
   if (warp >= BNC) {
     const int pw = warp - BNC;  // producer warp: 0 also issues the weight copies
-    // producer: lane 0 arms the stage's barrier with the weight bytes and issues the weight copies (bulk copy
-    // engine, four contiguous runs, L2 evict-first); every lane copies its share of the activation rows and
-    // group parameters with cp.async (small pieces, which the bulk engine handles slowly: measured) and
-    // arrives on the same barrier once they have landed
+    // producer: lane 0 arms the stage's barrier with the weight and activation bytes and issues their copies
+    // (bulk copy engine: four contiguous weight runs, L2 evict-first, and one run per activation row, L2
+    // evict-last); every lane copies its share of the group parameters with cp.async (128-byte pieces, which
+    // the bulk engine handles slowly: measured) and arrives on the same barrier once they have landed
     uint64_t pol = 0;
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+    uint64_t pol_x = 0;  // activations: read by every block, kept in L2
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(pol_x));
     const unsigned char *qwb = reinterpret_cast<const unsigned char *>(p.qw);
     const T *xs = (const T *)p.x;
     const T *zsrc = (const T *)(p.zm == 1 ? p.zeros : p.mins);
@@ -1121,24 +1123,20 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
       const uint32_t st = stages_addr + s * SSB, full = full0 + 8 * s;
       if (pw == 0 && lane == 0) {
         const unsigned wbytes = (unsigned)(nt * WB);
-        mbar_expect_tx(full, nvs * wbytes);
+        mbar_expect_tx(full, nvs * wbytes + M * nt * 128);
+        // each activation row's 64 * nt columns are one contiguous run: one bulk copy per token (as 16-byte
+        // cp.async pieces they made the producer the bottleneck from M = 4: 62 against 52 us on 8192x28672)
+        for (int r = 0; r < M; ++r)
+          bulk_copy_evict_first(st + XOFF + r * BXP, xs + (int64_t)r * p.ldx + t0 * 64, nt * 128, full, pol_x);
         for (int cc = 0; cc < nvs; ++cc)
           bulk_copy_evict_first(st + WOFF + cc * BCT * WB, qwb + ((int64_t)(q * BQ + cc) * p.KT + t0) * WB, wbytes,
                                 full, pol);
       }
-      const int xch = nt * 8, nxc = M * xch, pch = nvs * 2, npc = ng * np * pch;
-      for (int cc = pw * 32 + lane; cc < nxc + npc; cc += 32 * BNP) {
-        uint32_t dst;
-        const T *src;
-        if (cc < nxc) {
-          const int r = cc / xch, ch = cc - r * xch;
-          dst = st + XOFF + r * BXP + ch * 16;
-          src = xs + (int64_t)r * p.ldx + t0 * 64 + ch * 8;
-        } else {
-          const int e = cc - nxc, pr = e / pch, ch = e - pr * pch, g = pr / np, which = pr - g * np;
-          dst = st + POFF + g * 256 + which * 128 + ch * 16;
-          src = (which ? zsrc : ssrc) + (size_t)(g_lo + g) * p.Np + q * 64 + ch * 8;
-        }
+      const int pch = nvs * 2, npc = ng * np * pch;
+      for (int e = pw * 32 + lane; e < npc; e += 32 * BNP) {
+        const int pr = e / pch, ch = e - pr * pch, g = pr / np, which = pr - g * np;
+        const uint32_t dst = st + POFF + g * 256 + which * 128 + ch * 16;
+        const T *src = (which ? zsrc : ssrc) + (size_t)(g_lo + g) * p.Np + q * 64 + ch * 8;
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
       }
       asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full) : "memory");
@@ -2069,7 +2067,7 @@ constexpr int RING_LMIN = 4;    // ring: at least this many units per warp
 constexpr int WS_AUTO_MIN_M = 8, WG_AUTO_MAX_M = 256;  // auto: the wgmma kernels' M range (sm_90)
 constexpr int RING_MIN_UNITS = 12;  // auto: the ring kernel only when each resident warp gets this many units
 constexpr int BULK_MAX_M = 16;      // the bulk kernel takes up to this M (two n8 blocks of tokens)
-constexpr int BULK_AUTO_M = 2;      // auto: the bulk kernel up to this M on sm_90+ (measured, docs/CUDA.md)
+constexpr int BULK_AUTO_M = 4;      // auto: the bulk kernel up to this M on sm_90+ (measured, docs/CUDA.md)
 
 struct DevInfo {
   int sms = 0;
@@ -2184,8 +2182,8 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   const int64_t ring_units = (int64_t)((nstripes + RQ - 1) / RQ) * KT;
   // bulk kernel (sm_90+): BBPS blocks of 9 warps per SM, as many stages as fit (at most BMAXS)
   const bool bulk_ok = stream_ok && m <= BULK_MAX_M && di.cc >= 90 && (nstripes + BQ - 1) / BQ <= MAX_COUNTERS;
-  // auto: at M = 1 and 2 (measured on an H200 ahead of the ring and stream kernels on all six Llama shapes, at
-  // M = 2 by 3-10%; at M = 3 level, from M = 4 behind them: its producer's activation copies grow with M)
+  // auto: up to M = 4 (measured on an H200: ahead of the ring and stream kernels at M = 1-2 on all six Llama
+  // shapes; with the activation rows as bulk copies, level or ahead at M = 4 and behind at M = 8)
   if (kind == W4P_CUDA_KERNEL_AUTO && bulk_ok && m <= BULK_AUTO_M) kind = W4P_CUDA_KERNEL_BULK;
   // auto, sm_90: the warp-specialized wgmma kernel from M = 9 (M = 8 on layers of 2^25 weights or more), up to
   // M = 32 on every layer, up to M = 128 on layers of 2^25 weights or more (the 7B MLP shapes) and up to M = 256

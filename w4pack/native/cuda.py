@@ -25,7 +25,7 @@ __all__ = ["CudaPackedLinear", "gemm", "gemm_cuda", "available", "unavailable_re
 _HERE = Path(__file__).resolve().parent
 _LIBDIR = _HERE.parent / "_lib"
 #: kernel choice names -> W4P_CUDA_KERNEL_* (probes are diagnostics for tools/bench_gpu.py); "bulk" (sm_90, M <= 16,
-#: auto's choice at M = 1 and 2 there: docs/CUDA.md; ``splits`` forces its stages); "ring" (M <= 8,
+#: auto's choice up to M = 4 there: docs/CUDA.md; ``splits`` forces its stages); "ring" (M <= 8,
 #: the default there) streams the weights stream-K over warps through per-warp cp.async rings (``splits``
 #: forces its units of work per warp); "wgmma_ws" (sm_90a, 4-bit: wgmma fed by a TMA producer warp; auto's
 #: choice on compute capability 9.0 from M = 9 (8 on large layers) where measured ahead: docs/CUDA.md;
