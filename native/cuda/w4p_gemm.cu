@@ -5,9 +5,10 @@
 // fragments for the tile's four k16 slices, so one 16-byte load feeds four MMAs after a few LOP3s.
 //
 // Kernels:
-//   bulk:   M <= 16, sm_90 (auto takes it at M = 1). Stream-K over two blocks per SM; the weights arrive through the bulk copy engine (the fastest weight stream
-//           measured here), activations and group parameters through cp.async, 8 consumer warps per block.
-//   ring:   M <= 8 (default there). Stream-K over warps: each warp streams one contiguous range of K tiles
+//   bulk:   M <= 16, sm_90 (auto takes it at M = 1-4). Stream-K over two blocks per SM; the weights and the
+//           activation rows arrive through the bulk copy engine (the fastest weight stream measured here),
+//           group parameters through cp.async, 8 consumer warps per block.
+//   ring:   M <= 8 (default there before sm_90; M = 5-7 on large layers on sm_90). Stream-K over warps: each warp streams one contiguous range of K tiles
 //           of four stripes through its own cp.async shared-memory ring (weights, group parameters and
 //           activation columns, 3 units of 2 KiB in flight), grid sized to the resident warps; quads
 //           shared by several warps are reduced deterministically by the last one to finish.
