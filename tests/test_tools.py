@@ -25,3 +25,16 @@ def test_profile_gpu_without_a_device_says_so():
     # "no CUDA device: ..." here; "CUDA library unavailable: ..." where nvcc did not build the library
     assert len(lines) == 1 and lines[0].startswith("profile_gpu: "), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_bench_gpu_floors_need_no_device():
+    # the two floors per shape (bytes at the measured read stream, FLOPs at cuBLAS's rate), as in
+    # ../shared/reference/gpu-anchors.md: 27.0 us of bytes for a 70B layer at M = 1, 91.0 us of FLOPs at M = 128
+    pytest.importorskip("torch")
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_gpu.py"), "--floors", "--shapes",
+                        "8192x28672,4096x4096", "--ms", "1,128"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = {line.split("|")[1].strip(): line for line in r.stdout.splitlines() if line.startswith("| 8192") or
+            line.startswith("| 4096")}
+    assert "**27.0** / 0.7" in rows["8192×28672"] and "29.0 / **91.0**" in rows["8192×28672"], r.stdout
+    assert "**1.9** / 0.1" in rows["4096×4096"] and "2.4 / **6.5**" in rows["4096×4096"], r.stdout

@@ -8,6 +8,7 @@ CUDA events; the reported time per call is the median over replays divided by th
 GB/s counts the bytes a call must move (int4 weights + scales [+ zeros] + activations in + outputs out).
 
 Usage: python tools/bench_gpu.py [--quick | --ms 1,4,16] [--sweep] [--shapes KxN,...] [--json OUT.jsonl]
+       python tools/bench_gpu.py --floors [--shapes ...] [--ms ...]   (the bytes and FLOPs floors; no GPU)
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ MS = [1, 4, 8, 16, 32, 64, 128, 256, 1024]
 GS = 128
 L2_PASS_BYTES = 240e6
 READ_BW_REF = 4494.0  # GB/s, best read stream measured on this H200 (gpu-baseline.md)
+FLOPS_REF = 661e12    # FLOP/s, cuBLAS fp16 dense GEMM measured on this H200 (gpu-baseline.md; datasheet ~990)
 
 
 _STREAM: list = []
@@ -103,6 +105,25 @@ def w4_copies(packed: PackedLayer, copies: int) -> list[w4cuda.CudaPackedLinear]
 
 def w4_bytes(k: int, n: int, m: int) -> float:
     return k * n / 2 + 2 * n * math.ceil(k / GS) + 2 * m * k + 2 * m * n
+
+
+def floors_us(k: int, n: int, m: int) -> tuple[float, float]:
+    """The two floors of one call (us): its bytes at the measured read stream, its FLOPs at cuBLAS's rate."""
+    return w4_bytes(k, n, m) / (READ_BW_REF * 1e9) * 1e6, 2.0 * m * k * n / FLOPS_REF * 1e6
+
+
+def print_floors(shapes, ms) -> None:
+    """Markdown table of both floors per shape and M (no GPU needed): the larger one bounds any kernel."""
+    print(f"Floors (us): bytes (int4 weights + fp16 scales per {GS} + x in + y out) at {READ_BW_REF:.0f} GB/s / "
+          f"FLOPs at {FLOPS_REF / 1e12:.0f} TFLOP/s; the larger one in bold")
+    print("| K×N | " + " | ".join(f"M = {m}" for m in ms) + " |")
+    print("|---|" + "---|" * len(ms))
+    for k, n in shapes:
+        cells = []
+        for m in ms:
+            b, f = floors_us(k, n, m)
+            cells.append(f"**{b:.1f}** / {f:.1f}" if b >= f else f"{b:.1f} / **{f:.1f}**")
+        print(f"| {k}×{n} | " + " | ".join(cells) + " |")
 
 
 def measure_w4(lins, k, n, m, kernel="auto", splits=0) -> float:
@@ -283,7 +304,13 @@ def main() -> int:
     ap.add_argument("--gemlite-budget", type=float, default=GEMLITE_BUDGET_S,
                     help="seconds of gemlite autotuning after which it is left out of the rest of the run")
     ap.add_argument("--smoke", action="store_true", help="only run a few small checked calls of every kernel")
+    ap.add_argument("--floors", action="store_true", help="only print the bytes and FLOPs floors per shape (no GPU)")
     args = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s] or SHAPES
+    ms = [int(v) for v in args.ms.split(",") if v] or ([1, 16, 64, 256] if args.quick else MS)
+    if args.floors:
+        print_floors(shapes, ms)
+        return 0
     if not w4cuda.available():
         print(f"w4pack CUDA unavailable: {w4cuda.unavailable_reason()}", file=sys.stderr)
         return 2
@@ -292,8 +319,6 @@ def main() -> int:
     if args.no_gemlite:
         _GEMLITE["off"] = True
     _GEMLITE["budget"] = args.gemlite_budget
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s] or SHAPES
-    ms = [int(v) for v in args.ms.split(",") if v] or ([1, 16, 64, 256] if args.quick else MS)
     props = torch.cuda.get_device_properties(0)
     head = (f"GPU {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, layout {LAYOUT_NAME} v{LAYOUT_VERSION}")
@@ -385,13 +410,14 @@ def main() -> int:
     print()
     print(head)
     print(f"Time per call (us, L2-cold, graph replay median); speedup over the faster cuBLAS fp16 layout; "
-          f"w4pack GB/s and % of the {READ_BW_REF:.0f} GB/s read stream")
+          f"w4pack GB/s and % of the {READ_BW_REF:.0f} GB/s read stream; floor: the larger of the bytes at that "
+          f"stream and the FLOPs at {FLOPS_REF / 1e12:.0f} TFLOP/s (`--floors`)")
     geo: dict[int, list[float]] = {}
     for k, n, rows in tables:
         print(f"\nK={k} N={n}")
         print("| M | w4pack | cuBLAS fp16 | tinygemm bf16 | gemlite fp16 | w4pack x | tinygemm x | gemlite x | "
-              "w4pack GB/s | % read BW | plan |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+              "w4pack GB/s | % read BW | floor us | plan |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             best = min(r["cublas_mm_us"], r["cublas_linear_us"])
             tg = r["tinygemm_us"]
@@ -402,7 +428,8 @@ def main() -> int:
                   f"{'-' if gl is None else f'{gl:.1f}'} | "
                   f"{sp:.2f}x | {'-' if tg is None else f'{best / tg:.2f}x'} | {'-' if gl is None else f'{best / gl:.2f}x'} | "
                   f"{r['w4pack_gbs']:.0f} | "
-                  f"{100 * r['w4pack_gbs'] / READ_BW_REF:.0f}% | {r['plan']['kernel']}/{r['plan']['splits']} |")
+                  f"{100 * r['w4pack_gbs'] / READ_BW_REF:.0f}% | {max(floors_us(k, n, r['M'])):.1f} | "
+                  f"{r['plan']['kernel']}/{r['plan']['splits']} |")
     print("\nGeometric-mean speedup of w4pack over cuBLAS fp16 across shapes")
     for m, v in geo.items():
         print(f"  M={m}: {math.exp(sum(map(math.log, v)) / len(v)):.2f}x")
