@@ -38,3 +38,21 @@ def test_bench_gpu_floors_need_no_device():
             line.startswith("| 4096")}
     assert "**27.0** / 0.7" in rows["8192×28672"] and "29.0 / **91.0**" in rows["8192×28672"], r.stdout
     assert "**1.9** / 0.1" in rows["4096×4096"] and "2.4 / **6.5**" in rows["4096×4096"], r.stdout
+
+
+def test_bench_gpu_tables_print_the_binding_floor(capsys):
+    # the end-of-run tables from recorded rows (their GPU measurement is not testable here)
+    pytest.importorskip("torch")
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.pop(0)
+    rows = [{"M": m, "w4pack_us": us, "cublas_mm_us": 117.0, "cublas_linear_us": 111.0, "tinygemm_us": 63.0,
+             "gemlite_us": None, "w4pack_gbs": 2400.0, "plan": {"kernel": 4, "splits": 5}} for m, us in ((1, 50.0),
+                                                                                                      (128, 130.0))]
+    bench_gpu.print_tables("head", [(8192, 28672, rows)])
+    out = capsys.readouterr().out.splitlines()
+    assert "| 1 | 50.0 | 111.0 | 63.0 | - | 2.22x | 1.76x | - | 2400 | 53% | 27.0 | 4/5 |" in out
+    assert any(line.startswith("| 128 | 130.0 |") and "| 91.0 |" in line for line in out)
+    assert "  M=1: 2.22x" in out

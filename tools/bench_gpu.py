@@ -291,6 +291,36 @@ def smoke() -> int:
     return 0
 
 
+def print_tables(head: str, tables) -> None:
+    """The run's markdown tables (one per shape) and the geometric means; tables: [(K, N, rows)]."""
+    print()
+    print(head)
+    print(f"Time per call (us, L2-cold, graph replay median); speedup over the faster cuBLAS fp16 layout; "
+          f"w4pack GB/s and % of the {READ_BW_REF:.0f} GB/s read stream; floor: the larger of the bytes at that "
+          f"stream and the FLOPs at {FLOPS_REF / 1e12:.0f} TFLOP/s (`--floors`)")
+    geo: dict[int, list[float]] = {}
+    for k, n, rows in tables:
+        print(f"\nK={k} N={n}")
+        print("| M | w4pack | cuBLAS fp16 | tinygemm bf16 | gemlite fp16 | w4pack x | tinygemm x | gemlite x | "
+              "w4pack GB/s | % read BW | floor us | plan |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            best = min(r["cublas_mm_us"], r["cublas_linear_us"])
+            tg = r["tinygemm_us"]
+            gl = r["gemlite_us"]
+            sp = best / r["w4pack_us"]
+            geo.setdefault(r["M"], []).append(sp)
+            print(f"| {r['M']} | {r['w4pack_us']:.1f} | {best:.1f} | {'-' if tg is None else f'{tg:.1f}'} | "
+                  f"{'-' if gl is None else f'{gl:.1f}'} | "
+                  f"{sp:.2f}x | {'-' if tg is None else f'{best / tg:.2f}x'} | {'-' if gl is None else f'{best / gl:.2f}x'} | "
+                  f"{r['w4pack_gbs']:.0f} | "
+                  f"{100 * r['w4pack_gbs'] / READ_BW_REF:.0f}% | {max(floors_us(k, n, r['M'])):.1f} | "
+                  f"{r['plan']['kernel']}/{r['plan']['splits']} |")
+    print("\nGeometric-mean speedup of w4pack over cuBLAS fp16 across shapes")
+    for m, v in geo.items():
+        print(f"  M={m}: {math.exp(sum(map(math.log, v)) / len(v)):.2f}x")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="M in 1, 16, 64, 256 only")
@@ -407,32 +437,7 @@ def main() -> int:
         del lins
         torch.cuda.empty_cache()
 
-    print()
-    print(head)
-    print(f"Time per call (us, L2-cold, graph replay median); speedup over the faster cuBLAS fp16 layout; "
-          f"w4pack GB/s and % of the {READ_BW_REF:.0f} GB/s read stream; floor: the larger of the bytes at that "
-          f"stream and the FLOPs at {FLOPS_REF / 1e12:.0f} TFLOP/s (`--floors`)")
-    geo: dict[int, list[float]] = {}
-    for k, n, rows in tables:
-        print(f"\nK={k} N={n}")
-        print("| M | w4pack | cuBLAS fp16 | tinygemm bf16 | gemlite fp16 | w4pack x | tinygemm x | gemlite x | "
-              "w4pack GB/s | % read BW | floor us | plan |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            best = min(r["cublas_mm_us"], r["cublas_linear_us"])
-            tg = r["tinygemm_us"]
-            gl = r["gemlite_us"]
-            sp = best / r["w4pack_us"]
-            geo.setdefault(r["M"], []).append(sp)
-            print(f"| {r['M']} | {r['w4pack_us']:.1f} | {best:.1f} | {'-' if tg is None else f'{tg:.1f}'} | "
-                  f"{'-' if gl is None else f'{gl:.1f}'} | "
-                  f"{sp:.2f}x | {'-' if tg is None else f'{best / tg:.2f}x'} | {'-' if gl is None else f'{best / gl:.2f}x'} | "
-                  f"{r['w4pack_gbs']:.0f} | "
-                  f"{100 * r['w4pack_gbs'] / READ_BW_REF:.0f}% | {max(floors_us(k, n, r['M'])):.1f} | "
-                  f"{r['plan']['kernel']}/{r['plan']['splits']} |")
-    print("\nGeometric-mean speedup of w4pack over cuBLAS fp16 across shapes")
-    for m, v in geo.items():
-        print(f"  M={m}: {math.exp(sum(map(math.log, v)) / len(v)):.2f}x")
+    print_tables(head, tables)
     return 0
 
 
