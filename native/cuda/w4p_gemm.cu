@@ -941,8 +941,9 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, unsigned parity) {
         : "=r"(done) : "r"(bar), "r"(parity) : "memory");
   } while (!done);
 }
-__device__ __forceinline__ void bulk_copy_evict_first(uint32_t dst, const void *src, unsigned bytes, uint32_t bar,
-                                                      uint64_t pol) {
+// (pol: an L2 policy from createpolicy, e.g. evict-first for the weights, evict-last for the activations)
+__device__ __forceinline__ void bulk_copy_hinted(uint32_t dst, const void *src, unsigned bytes, uint32_t bar,
+                                                 uint64_t pol) {
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n"
       ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(pol) : "memory");
@@ -1128,9 +1129,9 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
         // each activation row's 64 * nt columns are one contiguous run: one bulk copy per token (as 16-byte
         // cp.async pieces they made the producer the bottleneck from M = 4: 62 against 52 us on 8192x28672)
         for (int r = 0; r < M; ++r)
-          bulk_copy_evict_first(st + XOFF + r * BXP, xs + (int64_t)r * p.ldx + t0 * 64, nt * 128, full, pol_x);
+          bulk_copy_hinted(st + XOFF + r * BXP, xs + (int64_t)r * p.ldx + t0 * 64, nt * 128, full, pol_x);
         for (int cc = 0; cc < nvs; ++cc)
-          bulk_copy_evict_first(st + WOFF + cc * BCT * WB, qwb + ((int64_t)(q * BQ + cc) * p.KT + t0) * WB, wbytes,
+          bulk_copy_hinted(st + WOFF + cc * BCT * WB, qwb + ((int64_t)(q * BQ + cc) * p.KT + t0) * WB, wbytes,
                                 full, pol);
       }
       const int pch = nvs * 2, npc = ng * np * pch;
@@ -2132,6 +2133,11 @@ bool gmul_of(int gs, int kp, unsigned *gmul) {
   *gmul = (unsigned)((two32 + (uint64_t)gs - 1) / (uint64_t)gs);
   return (gs & (gs - 1)) == 0 || (uint64_t)kp * (uint64_t)gs < two32;
 }
+int set_gmul(Params *p, int gs, int k) {
+  if (!gmul_of(gs, p->Kp, &p->gmul))
+    return fail(W4P_EUNSUPPORTED, "group size %d with K = %d: K * group size must stay below 2^32", gs, k);
+  return W4P_OK;
+}
 
 struct Plan {
   int kernel = 0;  // 1 stream, 2 tiled, 3 ring, 4 bulk, 10/11 probes (stream kernel variants)
@@ -2733,8 +2739,7 @@ int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k, 
   p.KT = p.Kp / 64;
   p.gs = group_size;
   p.zm = zero_mode;
-  if (!gmul_of(group_size, p.Kp, &p.gmul))
-    return fail(W4P_EUNSUPPORTED, "group size %d with K = %d: K * group size must stay below 2^32", group_size, k);
+  if ((rc = set_gmul(&p, group_size, k)) != W4P_OK) return rc;
   p.S = pl.S;
   p.TB = pl.TB;
   p.KC = pl.KC;
@@ -2787,8 +2792,7 @@ int w4p_cuda_dequantize(int device, void *stream, int dtype, int n, int k, const
   p.KT = p.Kp / 64;
   p.gs = group_size;
   p.zm = zero_mode;
-  if (!gmul_of(group_size, p.Kp, &p.gmul))
-    return fail(W4P_EUNSUPPORTED, "group size %d with K = %d: K * group size must stay below 2^32", group_size, k);
+  if (const int rc = set_gmul(&p, group_size, k)) return rc;
   p.xvec = (((uintptr_t)w & 15) == 0 && ldw % 8 == 0) ? 1 : 0;
   const int64_t tiles = (int64_t)(p.Np / 16) * p.KT;
   const unsigned blocks = (unsigned)((tiles + 7) / 8);
