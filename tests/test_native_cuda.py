@@ -176,6 +176,33 @@ def test_plan_for_every_forced_kernel(bits, gs):
                     assert got == (splits or {1: 4, 100: 4, 3000: 1}[m]), (m, got)
 
 
+def test_plan_for_bulk_unit_size_sets_the_stages(monkeypatch):
+    # the bulk kernel's unit (tiles per copy run) is not reported; its stage size is, through the stages that
+    # fit two blocks per SM (H200: 113 KiB each). Group 128, 4-bit: a unit of 16 tiles is 36880 bytes at M = 1
+    # (3 stages), 8 tiles 18448 (6 stages), 12 tiles 27664 (4 stages)
+    ffi, lib = _lib_or_skip()
+
+    def stages(m, n, kk, bits=4, gs=128):
+        rc, kind, s, _ = _plan_for(lib, ffi, H200, m, n, kk, bits, gs, kernel="bulk")
+        assert rc == 0 and kind == cuda.KERNELS["bulk"], (m, n, kk, rc)
+        return s
+
+    monkeypatch.delenv("W4P_CUDA_BULK_CT", raising=False)
+    assert stages(1, 4096, 4096) == 3  # M = 1: 16 tiles on every layer
+    assert stages(1, 28672, 8192) == 3
+    assert stages(4, 28672, 8192) == 2  # 2^26 weights or more: 16 tiles up to M = 8 (43 KiB stages at M = 4)
+    assert stages(4, 4096, 11008) == 5  # smaller layers from M = 2: 8 tiles
+    assert stages(12, 28672, 8192) == 3  # M > 8: 8 tiles, two n8 token blocks (bigger reduction buffers)
+    assert stages(1, 4096, 4096, bits=8) == 3  # 8-bit: 8 tiles (32 KiB of weights per stage)
+    for ct, want in (("8", 6), ("12", 4), ("16", 3)):
+        monkeypatch.setenv("W4P_CUDA_BULK_CT", ct)
+        assert stages(1, 4096, 11008) == want, ct
+        assert stages(1, 4096, 4096, bits=8) == 3, ct  # 8-bit layers keep 8 tiles
+        assert stages(12, 4096, 4096) == stages(12, 28672, 8192)  # M > 8 keeps 8 tiles
+    monkeypatch.setenv("W4P_CUDA_BULK_CT", "9")  # not a unit size: ignored
+    assert stages(1, 4096, 11008) == 3
+
+
 def test_plan_for_workspace_holds_gathered_activations():
     # act-order or unaligned rows (every kernel but stream) and K % 64 (wgmma, bulk) gather x first: m * Kp
     # halves of workspace after the tile counters (and the split partials after those)
@@ -367,6 +394,31 @@ def test_bulk_kernel_ranges_and_stages(n, k, stages):
     for m in (1, 6, 11, 16):
         assert lin.plan(m, kernel="bulk", splits=stages)["kernel"] == cuda.KERNELS["bulk"]
         assert run_case(torch, rng, layer, m, "float16", kernel="bulk", splits=stages, lin=lin) <= 1e-3, m
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ct", ["8", "12", "16"])
+@pytest.mark.parametrize("dtype_name,zero_mode,gs,act_order", [("float16", "int", 128, False),
+                                                               ("bfloat16", "float", 32, True),
+                                                               ("float16", "none", 64, False),
+                                                               ("bfloat16", "int", 96, True),
+                                                               ("float16", "float", -1, False)])
+def test_bulk_kernel_unit_sizes(ct, dtype_name, zero_mode, gs, act_order, monkeypatch):
+    # every unit size on every option: K not a multiple of the unit (units of 12 tiles straddle groups of 128
+    # and 96), quads shared by several blocks, forced stage counts
+    import torch
+
+    if not bulk_ok():
+        pytest.skip("the bulk kernel needs compute capability 9.0")
+    monkeypatch.setenv("W4P_CUDA_BULK_CT", ct)
+    rng = np.random.default_rng(zlib.crc32(repr((ct, dtype_name, zero_mode, gs, act_order)).encode()))
+    for n, k in ((1000, 9000), (196, 576), (4096, 2880)):
+        layer = random_layer(rng, n, k, gs=gs, zero_mode=zero_mode, act_order=act_order, scale_dtype=dtype_name,
+                             bias=True)
+        lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
+        for m, stages in ((1, 0), (2, 0), (3, 2), (5, 0), (8, 0), (1, 2)):
+            err = run_case(torch, rng, layer, m, dtype_name, kernel="bulk", splits=stages, lin=lin)
+            assert err <= tolerance(dtype_name), (n, k, m, stages, err)
 
 
 def wgmma_ok() -> bool:

@@ -245,7 +245,7 @@ def smoke() -> int:
     rng = np.random.default_rng(0)
     worst = 0.0
     sm90a = torch.cuda.get_device_capability() == (9, 0)
-    # the last layer only for the wgmma_ws kernel: K = 2048 makes every token tile refill its stages (K = 576
+    # the last layer for the wgmma_ws and bulk kernels: K = 2048 makes every token tile refill its stages (K = 576
     # refills only the 128-token tile's), which is what racecheck has to see
     for bits, zm, gs, k in ((4, "int", 64, 576), (8, "float", 32, 576), (4, "none", -1, 576), (4, "int", 128, 2048)):
         if k != 576 and not sm90a:
@@ -267,7 +267,8 @@ def smoke() -> int:
         lin = w4cuda.CudaPackedLinear(pack(layer), "cuda")
         w64 = layer.dequantize(np.float64)
         if k != 576:
-            calls = ((12, "wgmma_ws", 1), (20, "wgmma_ws", 1), (40, "wgmma_ws", 1), (150, "wgmma_ws", 1))
+            calls = ((12, "wgmma_ws", 1), (20, "wgmma_ws", 1), (40, "wgmma_ws", 1), (150, "wgmma_ws", 1),
+                     (1, "bulk", 0), (4, "bulk", 0))  # bulk: whole units of 16 (M = 1) and 8 tiles, shared quads
         else:
             calls = ((1, "stream", 0), (5, "stream", 3), (24, "stream", 0), (1, "ring", 0), (7, "ring", 3),
                      (3, "ring", 1), (40, "tiled", 0), (130, "tiled", 2), (70, "dense", 0))

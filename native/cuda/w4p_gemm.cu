@@ -898,30 +898,34 @@ __global__ void __launch_bounds__(RW * 32, RING_MINB) ring_kernel(const Params p
 }
 
 // ------------------------------------------------------------------------------------------------
-// Bulk kernel (sm_90+, M <= 16). A unit is four stripes x up to BCT tiles: four contiguous runs of up to
-// 4 KiB of weights and one run per activation row, copied by the bulk copy engine (completing on the stage's
+// Bulk kernel (sm_90+, M <= 16). A unit is four stripes x up to CT tiles: four contiguous runs of up to
+// CT * 512 bytes of weights and one run per activation row, copied by the bulk copy engine (completing on the stage's
 // mbarrier), plus its group parameters, copied with cp.async by the lanes of the producer warps (which arrive
 // on the same mbarrier when their copies land). NS stages per block, BBPS blocks of BNP producer + 8 consumer
 // warps per SM. Stream-K over blocks: each block owns one contiguous range of units numbered along K within
 // each quad of stripes. Quads shared by several blocks are reduced as in the ring kernel (pieces summed in
 // block order by the last to arrive). Numerics are the stream kernel's.
-constexpr int BCT = 8;          // tiles per unit (512 columns of K)
+// CT, tiles per unit: 8 (512 columns of K), 12 or 16 for 4-bit layers (longer runs per copy, less work per
+// unit; measured faster on large layers and at M = 1: docs/CUDA.md)
 constexpr int BQ = 4;           // stripes per unit
 constexpr int BNC = 8;          // consumer warps
 constexpr int BNP = 2;          // producer warps (one measured too slow from M = 4: docs/CUDA.md)
 constexpr int BMAXS = 8;        // most stages
 constexpr int BBPS = 2;         // blocks per SM (two producers and 16 consumer warps per SM: measured)
-constexpr int BXP = BCT * 128 + 16;  // smem pitch of an activation row (+16: conflict-free ldmatrix)
-
-__host__ __device__ __forceinline__ int bulk_pgroups(int gs) { return gs > 0 ? (BCT * 64) / gs + 2 : 1; }
-// stage: weights | group parameters (per group: 64 scales, 64 zeros / minima) | activation rows
-__host__ __device__ __forceinline__ int bulk_stage_bytes(int sb, int m, int gs) {
-  return BQ * BCT * 512 * (sb / 4) + bulk_pgroups(gs) * 256 + m * BXP;
+// smem pitch of an activation row (+16: conflict-free ldmatrix)
+__host__ __device__ constexpr int bulk_xp(int ct) { return ct * 128 + 16; }
+// groups a unit's parameters span: exactly CT * 64 / gs where units start on group boundaries, else two more
+__host__ __device__ __forceinline__ int bulk_pgroups(int gs, int ct) {
+  return gs > 0 ? (ct * 64) / gs + ((ct * 64) % gs == 0 ? 0 : 2) : 1;
 }
-// fixed part: NS full + NS empty barriers, a zero row, two reduction buffers, a flag
-constexpr int BFIX = 2 * BMAXS * 8 + 16 + 2 * 4 * 32 * 2 * 4 * 4 + 16;
-__host__ __device__ __forceinline__ int bulk_smem_bytes(int sb, int m, int gs, int ns) {
-  return BFIX + ns * bulk_stage_bytes(sb, m, gs);
+// stage: weights | group parameters (per group: 64 scales, 64 zeros / minima) | activation rows
+__host__ __device__ __forceinline__ int bulk_stage_bytes(int sb, int m, int gs, int ct) {
+  return BQ * ct * 512 * (sb / 4) + bulk_pgroups(gs, ct) * 256 + m * bulk_xp(ct);
+}
+// fixed part: NS full + NS empty barriers, a zero row, two reduction buffers (NI n8 blocks each), a flag
+__host__ __device__ constexpr int bulk_fix(int ni) { return 2 * BMAXS * 8 + 16 + 2 * 4 * 32 * ni * 4 * 4 + 16; }
+__host__ __device__ __forceinline__ int bulk_smem_bytes(int sb, int m, int gs, int ns, int ct) {
+  return bulk_fix(m > 8 ? 2 : 1) + ns * bulk_stage_bytes(sb, m, gs, ct);
 }
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, unsigned count) {
@@ -1021,14 +1025,14 @@ __device__ __forceinline__ void bulk_tile(float (&acc)[NI][4], const uint32_t (&
   }
 }
 
-// A consumer warp's tiles of one unit (th, th + 2, ... of stripe mi). FULL: all BCT tiles are present, so no
+// A consumer warp's tiles of one unit (th, th + 2, ... of stripe mi). FULL: all CT tiles are present, so no
 // per-tile guard splits the unrolled loop (the compiler then schedules across tiles). G64: every group spans
 // whole 64-wide tiles (group size a multiple of 64, or per channel), one set of parameters per tile.
-template <typename T, int SB, bool FM, int NI, bool G64, bool FULL>
+template <typename T, int SB, bool FM, int NI, bool G64, bool FULL, int CT>
 __device__ __forceinline__ void bulk_warp_unit(float (&acc)[NI][4], const unsigned char *wb, const T *pb,
                                                const uint32_t (&xb)[NI], uint32_t zero_addr, int nt, int t0, int th,
                                                int g_lo, int gid, const Params &p, const ZC<T, SB> &zc_sym) {
-  constexpr int V = SB / 4, WB = 512 * V, TSTEP = BNC / BQ, TPW = BCT * BQ / BNC;
+  constexpr int V = SB / 4, WB = 512 * V, TSTEP = BNC / BQ, TPW = CT * BQ / BNC;
 #pragma unroll
   for (int j = 0; j < TPW; ++j) {
     if (!FULL && th + j * TSTEP >= nt) break;
@@ -1061,17 +1065,18 @@ __device__ __forceinline__ void bulk_warp_unit(float (&acc)[NI][4], const unsign
   }
 }
 
-template <typename T, int SB, bool FM, int NI, bool G64>
+template <typename T, int SB, bool FM, int NI, bool G64, int CT>
 __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static_assert(CT * BQ % BNC == 0, "a unit's tiles split evenly over the consumer warps");
   constexpr int V = SB / 4, WB = 512 * V;
-  constexpr int TPW = BCT * BQ / BNC;  // tiles per consumer warp per unit
+  constexpr int BXP = bulk_xp(CT), BFIX = bulk_fix(NI);
   extern __shared__ __align__(16) unsigned char smem[];
   const int NS = p.KC;  // stages
   const int M = (int)p.M;
-  const int PG = bulk_pgroups(p.gs);
-  const int SSB = bulk_stage_bytes(SB, M, p.gs);
-  const int WOFF = 0, POFF = BQ * BCT * WB, XOFF = POFF + PG * 256;
+  const int PG = bulk_pgroups(p.gs, CT);
+  const int SSB = bulk_stage_bytes(SB, M, p.gs, CT);
+  const int WOFF = 0, POFF = BQ * CT * WB, XOFF = POFF + PG * 256;
   const uint32_t sbase = smem_u32(smem);
   const uint32_t full0 = sbase, empty0 = sbase + BMAXS * 8, zero_addr = sbase + 2 * BMAXS * 8;
   float *red = reinterpret_cast<float *>(smem + 2 * BMAXS * 8 + 16);  // [2][4 warps][32 lanes][NI*4]
@@ -1092,7 +1097,7 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
 
   const int nstripes = p.Np >> 4;
   const int nquads = (nstripes + BQ - 1) / BQ;
-  const int NCH = (p.KT + BCT - 1) / BCT;  // units per quad
+  const int NCH = (p.KT + CT - 1) / CT;  // units per quad
   const int64_t total = (int64_t)nquads * NCH;
   const int64_t blk = blockIdx.x;
   const int64_t a = blk * total / p.W, b = (blk + 1) * total / p.W;
@@ -1118,7 +1123,7 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
     for (int i = 0; i < n; ++i) {
       const int s = i % NS;
       if (i >= NS) mbar_wait(empty0 + 8 * s, ((i / NS) - 1) & 1);
-      const int t0 = c * BCT, nt = min(BCT, p.KT - t0);
+      const int t0 = c * CT, nt = min(CT, p.KT - t0);
       const int nvs = min(BQ, nstripes - q * BQ);
       const int g_lo = group_of(t0 * 64, p.gmul), g_hi = group_of((t0 + nt) * 64 - 1, p.gmul);
       const int ng = g_hi - g_lo + 1;  // scales hold ceil(Kp / gs) groups: the padded tail has its own
@@ -1131,7 +1136,7 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
         for (int r = 0; r < M; ++r)
           bulk_copy_hinted(st + XOFF + r * BXP, xs + (int64_t)r * p.ldx + t0 * 64, nt * 128, full, pol_x);
         for (int cc = 0; cc < nvs; ++cc)
-          bulk_copy_hinted(st + WOFF + cc * BCT * WB, qwb + ((int64_t)(q * BQ + cc) * p.KT + t0) * WB, wbytes,
+          bulk_copy_hinted(st + WOFF + cc * CT * WB, qwb + ((int64_t)(q * BQ + cc) * p.KT + t0) * WB, wbytes,
                                 full, pol);
       }
       const int pch = nvs * 2, npc = ng * np * pch;
@@ -1169,7 +1174,7 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
     mbar_wait(full0 + 8 * s, (i / NS) & 1);
     const unsigned char *st = stages + s * SSB;
     const uint32_t sa = stages_addr + s * SSB;
-    const int t0 = c * BCT, nt = min(BCT, p.KT - t0);
+    const int t0 = c * CT, nt = min(CT, p.KT - t0);
     if (!p.probe) {
       // per unit: this lane's weight, parameter and ldmatrix row addresses; per tile only immediates change
       const int g_lo = group_of(t0 * 64, p.gmul);
@@ -1179,12 +1184,12 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
         const int tok = (lane & 7) + 8 * ni;
         xb[ni] = tok < M ? sa + XOFF + tok * BXP + th * 128 + xl : 0u;  // 0: the zero row
       }
-      const unsigned char *wb = st + WOFF + (mi * BCT + th) * WB + lane * V * 16;
+      const unsigned char *wb = st + WOFF + (mi * CT + th) * WB + lane * V * 16;
       const T *pb = reinterpret_cast<const T *>(st + POFF) + mi * 16;
-      if (nt == BCT)
-        bulk_warp_unit<T, SB, FM, NI, G64, true>(acc, wb, pb, xb, zero_addr, nt, t0, th, g_lo, gid, p, zc_sym);
+      if (nt == CT)
+        bulk_warp_unit<T, SB, FM, NI, G64, true, CT>(acc, wb, pb, xb, zero_addr, nt, t0, th, g_lo, gid, p, zc_sym);
       else
-        bulk_warp_unit<T, SB, FM, NI, G64, false>(acc, wb, pb, xb, zero_addr, nt, t0, th, g_lo, gid, p, zc_sym);
+        bulk_warp_unit<T, SB, FM, NI, G64, false, CT>(acc, wb, pb, xb, zero_addr, nt, t0, th, g_lo, gid, p, zc_sym);
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(empty0 + 8 * s);
@@ -2084,6 +2089,13 @@ bool no_tma_env() {
   const char *e = getenv("W4P_CUDA_NO_TMA");
   return e && e[0] == '1';
 }
+// W4P_CUDA_BULK_CT=8|12|16: the bulk kernel's tiles per unit on 4-bit layers instead of the planner's choice
+// (sweeps and tests; read at each call)
+int bulk_ct_env() {
+  const char *e = getenv("W4P_CUDA_BULK_CT");
+  const int v = e ? atoi(e) : 0;
+  return v == 8 || v == 12 || v == 16 ? v : 0;
+}
 DevInfo g_dev[64];
 std::mutex g_mu;
 
@@ -2142,6 +2154,7 @@ int set_gmul(Params *p, int gs, int k) {
 struct Plan {
   int kernel = 0;  // 1 stream, 2 tiled, 3 ring, 4 bulk, 10/11 probes (stream kernel variants)
   int64_t W = 0;   // ring: workers (warps)
+  int ct = 8;      // bulk kernel: tiles per unit
   int S = 1, TB = 1, NI = 1, MI = 1, KC = 8;
   int tiles = 0;   // output tiles (counters)
   int bn = 0, kp = 1;  // wgmma kernel: token tile, K tiles per step
@@ -2152,6 +2165,17 @@ struct Plan {
 };
 
 int ceil_div(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
+
+// The bulk kernel's tiles per unit. 8-bit layers and M > 8 keep 8 (a 16-tile stage would not fit twice per
+// block; two n8 token blocks with 16 tiles spill registers). 4-bit: 16 at M = 1 and on layers of 2^26 weights or more (the 70B shapes), else 8. Measured on an H200
+// (docs/CUDA.md): 16 took 43.7 against 49.2 us at M = 1 on 8192x28672 and was level or ahead at M = 1 on the
+// 7B shapes; at M = 4 it lost 2-7% on the 7B MLP shapes.
+int bulk_ct(int sbits, int m, int np, int kp) {
+  if (sbits != 4 || m > 8) return 8;
+  if (const int forced = bulk_ct_env()) return forced;
+  const bool large = (int64_t)np * kp >= ((int64_t)1 << 26);
+  return m == 1 || large ? 16 : 8;
+}
 
 // Split-K count of both wgmma kernels: `splits` when forced, else enough to fill the resident slots when the
 // tiles fill less than half of them (splitting a grid that already fills half measured slower), each split
@@ -2226,25 +2250,28 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   if (kind == W4P_CUDA_KERNEL_BULK) {
     // splits > 0 forces the number of stages (sweeps, tests); else as many as fit, at most BMAXS
     const int mm = (int)m;
-    const int per_stage = bulk_stage_bytes(sbits, mm, gs);
+    const int ct = bulk_ct(sbits, mm, np, kp);
+    const int per_stage = bulk_stage_bytes(sbits, mm, gs, ct);
+    const int fix = bulk_fix(m > 8 ? 2 : 1);
     // BBPS blocks per SM share its shared memory; where two stages do not fit that share (8-bit, M > 8), one
     // block per SM takes the whole of it
     const int budget = std::min(di.smem_block, di.smem_sm / BBPS - di.smem_reserved);
-    int ns = splits > 0 ? splits : (budget - BFIX) / per_stage;
-    if (splits <= 0 && ns < 2) ns = (di.smem_block - BFIX) / per_stage;
+    int ns = splits > 0 ? splits : (budget - fix) / per_stage;
+    if (splits <= 0 && ns < 2) ns = (di.smem_block - fix) / per_stage;
     ns = std::min(ns, BMAXS);
-    if (ns < 2 || (size_t)bulk_smem_bytes(sbits, mm, gs, ns) > (size_t)di.smem_block)
+    if (ns < 2 || (size_t)bulk_smem_bytes(sbits, mm, gs, ns, ct) > (size_t)di.smem_block)
       return fail(W4P_EUNSUPPORTED, "bulk kernel: %d stages of %d bytes do not fit the device's %d bytes of shared "
                   "memory per block", std::max(ns, 2), per_stage, di.smem_block);
     const int nq = (nstripes + BQ - 1) / BQ;
-    const int64_t total = (int64_t)nq * ((KT + BCT - 1) / BCT);
+    const int64_t total = (int64_t)nq * ((KT + ct - 1) / ct);
+    pl->ct = ct;
     pl->W = std::min<int64_t>(total, (int64_t)sms * BBPS);
     pl->S = ns;
     pl->KC = ns;
     pl->NI = m > 8 ? 2 : 1;
     pl->TB = 1;
     pl->tiles = nq;
-    pl->smem = bulk_smem_bytes(sbits, mm, gs, ns);
+    pl->smem = bulk_smem_bytes(sbits, mm, gs, ns, ct);
     pl->gather = act_order || !x_aligned || (k % 64) != 0;
     pl->ws_gather = pl->gather ? (((size_t)m * kp * 2 + 255) / 256) * 256 : 0;
     pl->ws_part = (size_t)pl->W * 2 * m * BQ * 16 * 4;
@@ -2467,11 +2494,11 @@ cudaError_t launch_ring(const Params &p, const Plan &pl, cudaStream_t st) {
   return cudaGetLastError();
 }
 
-template <typename T, int SB, int NI>
+template <typename T, int SB, int NI, int CT>
 cudaError_t launch_bulk_t(const Params &p, const Plan &pl, cudaStream_t st) {
   const bool g64 = p.gs < 0 || p.gs % 64 == 0;
-  auto fn = p.zm == 2 ? (g64 ? bulk_kernel<T, SB, true, NI, true> : bulk_kernel<T, SB, true, NI, false>)
-                      : (g64 ? bulk_kernel<T, SB, false, NI, true> : bulk_kernel<T, SB, false, NI, false>);
+  auto fn = p.zm == 2 ? (g64 ? bulk_kernel<T, SB, true, NI, true, CT> : bulk_kernel<T, SB, true, NI, false, CT>)
+                      : (g64 ? bulk_kernel<T, SB, false, NI, true, CT> : bulk_kernel<T, SB, false, NI, false, CT>);
   cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
   if (e != cudaSuccess) return e;
   debug_occupancy(fn, "bulk", (BNC + BNP) * 32, pl.smem);
@@ -2479,9 +2506,17 @@ cudaError_t launch_bulk_t(const Params &p, const Plan &pl, cudaStream_t st) {
   return cudaGetLastError();
 }
 
+template <typename T, int SB, int CT>
+cudaError_t launch_bulk_ct(const Params &p, const Plan &pl, cudaStream_t st) {
+  return pl.NI == 1 ? launch_bulk_t<T, SB, 1, CT>(p, pl, st) : launch_bulk_t<T, SB, 2, CT>(p, pl, st);
+}
 template <typename T, int SB>
 cudaError_t launch_bulk(const Params &p, const Plan &pl, cudaStream_t st) {
-  return pl.NI == 1 ? launch_bulk_t<T, SB, 1>(p, pl, st) : launch_bulk_t<T, SB, 2>(p, pl, st);
+  if constexpr (SB == 4) {  // (units of 12 or 16 tiles: M <= 8 only, one n8 block of tokens)
+    if (pl.ct == 16 && pl.NI == 1) return launch_bulk_t<T, SB, 1, 16>(p, pl, st);
+    if (pl.ct == 12 && pl.NI == 1) return launch_bulk_t<T, SB, 1, 12>(p, pl, st);
+  }
+  return launch_bulk_ct<T, SB, 8>(p, pl, st);
 }
 
 template <typename T, int BN, int KP, bool AS = false>
