@@ -142,6 +142,13 @@ int w4p_cuda_plan(int device, int64_t m, int n, int k, int storage_bits, int gro
 int w4p_cuda_plan_for(int sms, int cc, int smem_sm, int smem_block, int smem_reserved, int64_t m, int n, int k,
                       int storage_bits, int group_size, int act_order, int x_aligned, int kernel, int splits,
                       int *kernel_out, int *splits_out, size_t *workspace_bytes);
+/* The same plans as one line of text for logs and tests (kernel name, then its choices: for the bulk kernel
+   "bulk unit=16 granule=1 stages=2 blocks=264 ..."; fields may be added), NUL-terminated, cut to len bytes. */
+int w4p_cuda_plan_describe(int device, int64_t m, int n, int k, int storage_bits, int group_size, int act_order,
+                           int x_aligned, int kernel, int splits, char *buf, size_t len);
+int w4p_cuda_plan_describe_for(int sms, int cc, int smem_sm, int smem_block, int smem_reserved, int64_t m, int n,
+                               int k, int storage_bits, int group_size, int act_order, int x_aligned, int kernel,
+                               int splits, char *buf, size_t len);
 /* y[m, :n] = x[m, :k] . W^T (+ bias) for m < M, W in layout w4pack-tiles v1 (padded shape from n, k).
    dtype W4P_DT_F16 or W4P_DT_BF16 for x, y, scales, zeros, mins and bias alike. zeros: [Gp][np] in
    dtype holding the integer zero points (zero_mode int); mins: [Gp][np] (zero_mode float); perm: [k]

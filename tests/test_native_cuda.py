@@ -28,7 +28,8 @@ def _lib_or_skip():
 def test_header_declares_the_cuda_entry_points():
     names = cuda.entry_points()
     assert names == ["w4p_cuda_abi_version", "w4p_cuda_last_error", "w4p_cuda_device_count", "w4p_cuda_plan",
-                     "w4p_cuda_plan_for", "w4p_cuda_gemm", "w4p_cuda_dequantize"]
+                     "w4p_cuda_plan_for", "w4p_cuda_plan_describe", "w4p_cuda_plan_describe_for", "w4p_cuda_gemm",
+                     "w4p_cuda_dequantize"]
 
 
 def test_library_loads_and_resolves_every_entry_point():
@@ -84,19 +85,20 @@ def test_plan_for_described_devices_auto():
         assert ws >= 64 * 1024  # the tile counters at least
         return kind
 
-    # H200 (sm_90): bulk up to M = 4 everywhere, ring for M = 5..7 on 70B-sized layers, stream otherwise up
-    # to 8, then wgmma_ws; tiled beyond (Python takes the dense path from DENSE_MIN_M on)
+    # H200 (sm_90): bulk up to M = 4 everywhere (up to 8 on large layers), stream otherwise up to 8, then
+    # wgmma_ws; tiled beyond (Python takes the dense path from DENSE_MIN_M on)
     for n, kk in ((28672, 8192), (8192, 28672), (4096, 4096), (11008, 4096), (196, 576)):
         for m in (1, 2, 4):
             assert auto(H200, m, n, kk) == k["bulk"], (m, n, kk)
-    assert auto(H200, 5, 28672, 8192) == k["ring"]
-    assert auto(H200, 7, 8192, 28672) == k["ring"]
+    # bulk up to M = 8 on layers of 2^25 weights or more, the stream kernel from M = 5 on smaller ones
+    for n, kk in ((28672, 8192), (8192, 28672), (11008, 4096), (4096, 11008), (12288, 4096)):
+        for m in (5, 7, 8):
+            assert auto(H200, m, n, kk) == k["bulk"], (m, n, kk)
     assert auto(H200, 5, 4096, 4096) == k["stream"]
     assert auto(H200, 8, 4096, 4096) == k["stream"]
-    # the warp-specialized wgmma kernel from M = 9 (from 8 on layers of 2^25 weights or more): up to 32 on every
-    # layer, up to 128 on layers of 2^25 weights or more, up to 256 on layers of 2^26 or more
-    assert auto(H200, 8, 8192, 28672) == k["wgmma_ws"]
-    assert auto(H200, 8, 4096, 11008) == k["wgmma_ws"]
+    # the warp-specialized wgmma kernel from M = 9: up to 32 on every layer, up to 128 on layers of 2^25
+    # weights or more, up to 256 on layers of 2^26 or more
+    assert auto(H200, 8, 8192, 28672, gs=48) == k["wgmma_ws"]  # a group size the bulk kernel does not take
     assert auto(H200, 9, 28672, 8192) == k["wgmma_ws"]
     assert auto(H200, 9, 4096, 4096) == k["wgmma_ws"]
     assert auto(H200, 16, 4096, 4096) == k["wgmma_ws"]
@@ -176,31 +178,57 @@ def test_plan_for_every_forced_kernel(bits, gs):
                     assert got == (splits or {1: 4, 100: 4, 3000: 1}[m]), (m, got)
 
 
-def test_plan_for_bulk_unit_size_sets_the_stages(monkeypatch):
-    # the bulk kernel's unit (tiles per copy run) is not reported; its stage size is, through the stages that
-    # fit two blocks per SM (H200: 113 KiB each). Group 128, 4-bit: a unit of 16 tiles is 36880 bytes at M = 1
-    # (3 stages), 8 tiles 18448 (6 stages), 12 tiles 27664 (4 stages)
+def _describe_for(lib, ffi, dev, m, n, k, bits=4, gs=128, kernel="auto", splits=0) -> dict[str, str]:
+    buf = ffi.new("char[256]")
+    rc = lib.w4p_cuda_plan_describe_for(*dev, m, n, k, bits, gs, 0, 1, cuda.KERNELS[kernel], splits, buf, 256)
+    assert rc == 0, ffi.string(lib.w4p_cuda_last_error()).decode()
+    name, *fields = ffi.string(buf).decode().split()
+    return {"kernel": name, **dict(f.split("=", 1) for f in fields)}
+
+
+def test_plan_for_bulk_unit_granule_and_stages(monkeypatch):
+    # the bulk kernel's unit (tiles per copy run), stream-K granule and stages, as measured best on an H200
     ffi, lib = _lib_or_skip()
-
-    def stages(m, n, kk, bits=4, gs=128):
-        rc, kind, s, _ = _plan_for(lib, ffi, H200, m, n, kk, bits, gs, kernel="bulk")
-        assert rc == 0 and kind == cuda.KERNELS["bulk"], (m, n, kk, rc)
-        return s
-
     monkeypatch.delenv("W4P_CUDA_BULK_CT", raising=False)
-    assert stages(1, 4096, 4096) == 3  # M = 1: 16 tiles on every layer
-    assert stages(1, 28672, 8192) == 3
-    assert stages(4, 28672, 8192) == 2  # 2^26 weights or more: 16 tiles up to M = 8 (43 KiB stages at M = 4)
-    assert stages(4, 4096, 11008) == 5  # smaller layers from M = 2: 8 tiles
-    assert stages(12, 28672, 8192) == 3  # M > 8: 8 tiles, two n8 token blocks (bigger reduction buffers)
-    assert stages(1, 4096, 4096, bits=8) == 3  # 8-bit: 8 tiles (32 KiB of weights per stage)
-    for ct, want in (("8", 6), ("12", 4), ("16", 3)):
+    monkeypatch.delenv("W4P_CUDA_BULK_GRANULE", raising=False)
+
+    def bulk(m, n, kk, **kw):
+        d = _describe_for(lib, ffi, H200, m, n, kk, kernel="bulk", **kw)
+        assert d["kernel"] == "bulk", d
+        return int(d["unit"]), int(d["granule"]), int(d["stages"])
+
+    # 2^26 weights or more: units of 16 tiles, two stages, stream-K over single tiles, up to M = 8
+    for m in (1, 4, 8):
+        assert bulk(m, 28672, 8192) == (16, 1, 2)
+        assert bulk(m, 8192, 28672) == (16, 1, 2)
+    # smaller layers: the unit that gives the busiest of 264 blocks the fewest tiles (12 before 16 before 8),
+    # whole units per block
+    assert bulk(1, 4096, 4096) == (16, 16, 2)  # 8: 16 tiles, 12: 24, 16: 16
+    assert bulk(3, 11008, 4096) == (12, 12, 2)  # a tie at 48 tiles
+    assert bulk(3, 4096, 11008) == (12, 12, 2)
+    assert bulk(2, 12288, 4096) == (16, 16, 2)  # 12: 52 tiles, 8 and 16: 48
+    # M > 8 and 8-bit layers: units of 8 tiles and as many stages as fit two blocks per SM (113 KiB each)
+    assert bulk(12, 28672, 8192) == (8, 1, 3)  # 29888-byte stages at M = 12
+    assert bulk(1, 4096, 4096, bits=8) == (8, 8, 3)  # 34832-byte stages
+    assert bulk(1, 4096, 4096, splits=5) == (16, 16, 5)  # forced stages
+    # the switches for sweeps and tests
+    for ct in ("8", "12", "16"):
         monkeypatch.setenv("W4P_CUDA_BULK_CT", ct)
-        assert stages(1, 4096, 11008) == want, ct
-        assert stages(1, 4096, 4096, bits=8) == 3, ct  # 8-bit layers keep 8 tiles
-        assert stages(12, 4096, 4096) == stages(12, 28672, 8192)  # M > 8 keeps 8 tiles
+        assert bulk(1, 11008, 4096)[0] == int(ct)
+        assert bulk(1, 4096, 4096, bits=8)[0] == 8  # 8-bit layers keep 8 tiles
+        assert bulk(12, 4096, 4096)[0] == 8  # so does M > 8
+    assert bulk(1, 11008, 4096)[2] == 2
+    monkeypatch.setenv("W4P_CUDA_BULK_CT", "8")
+    assert bulk(1, 11008, 4096)[2] == 6  # units of 8: as many 18448-byte stages as fit
     monkeypatch.setenv("W4P_CUDA_BULK_CT", "9")  # not a unit size: ignored
-    assert stages(1, 4096, 11008) == 3
+    assert bulk(1, 11008, 4096)[0] == 12
+    monkeypatch.setenv("W4P_CUDA_BULK_GRANULE", "tile")
+    assert bulk(1, 11008, 4096)[1] == 1
+    monkeypatch.setenv("W4P_CUDA_BULK_GRANULE", "unit")
+    assert bulk(1, 28672, 8192)[1] == 16
+    # other kernels describe themselves too
+    assert _describe_for(lib, ffi, H200, 16, 4096, 4096)["kernel"] == "wgmma_ws"
+    assert _describe_for(lib, ffi, A100, 1, 28672, 8192)["kernel"] == "ring"
 
 
 def test_plan_for_workspace_holds_gathered_activations():
@@ -381,13 +409,15 @@ def test_forced_splits(splits):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(256, 4096), (4096, 4096), (1000, 9000), (2048, 512), (64, 28672)])
 @pytest.mark.parametrize("stages", [0, 2, 3, 5])
-def test_bulk_kernel_ranges_and_stages(n, k, stages):
+def test_bulk_kernel_ranges_and_stages(n, k, stages, monkeypatch):
     # stream-K over one block per SM: these shapes give quads shared by up to 8 blocks, ranges that span
-    # several quads, a K that is not a multiple of the 512-column unit, and a grid smaller than the GPU
+    # several quads, a K that is not a multiple of the unit, and a grid smaller than the GPU
     import torch
 
     if not bulk_ok():
         pytest.skip("the bulk kernel needs compute capability 9.0")
+    if stages == 5:  # five stages fit one block's shared memory with units of 8 tiles only (up to M = 16)
+        monkeypatch.setenv("W4P_CUDA_BULK_CT", "8")
     rng = np.random.default_rng(n + k + stages)
     layer = random_layer(rng, n, k, gs=128, zero_mode="int", bias=True)
     lin = cuda.CudaPackedLinear(pack(layer), "cuda")
@@ -403,9 +433,10 @@ def test_bulk_kernel_ranges_and_stages(n, k, stages):
                                                                ("float16", "none", 64, False),
                                                                ("bfloat16", "int", 96, True),
                                                                ("float16", "float", -1, False)])
-def test_bulk_kernel_unit_sizes(ct, dtype_name, zero_mode, gs, act_order, monkeypatch):
-    # every unit size on every option: K not a multiple of the unit (units of 12 tiles straddle groups of 128
-    # and 96), quads shared by several blocks, forced stage counts
+def test_bulk_kernel_unit_sizes_and_granules(ct, dtype_name, zero_mode, gs, act_order, monkeypatch):
+    # every unit size on every option, stream-K over single tiles and over whole units: K not a multiple of the
+    # unit (units of 12 tiles straddle groups of 128 and 96), quads shared by several blocks, ranges that start
+    # and end inside units, forced stage counts
     import torch
 
     if not bulk_ok():
@@ -415,10 +446,14 @@ def test_bulk_kernel_unit_sizes(ct, dtype_name, zero_mode, gs, act_order, monkey
     for n, k in ((1000, 9000), (196, 576), (4096, 2880)):
         layer = random_layer(rng, n, k, gs=gs, zero_mode=zero_mode, act_order=act_order, scale_dtype=dtype_name,
                              bias=True)
-        lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
-        for m, stages in ((1, 0), (2, 0), (3, 2), (5, 0), (8, 0), (1, 2)):
-            err = run_case(torch, rng, layer, m, dtype_name, kernel="bulk", splits=stages, lin=lin)
-            assert err <= tolerance(dtype_name), (n, k, m, stages, err)
+        for granule in ("tile", "unit"):
+            monkeypatch.setenv("W4P_CUDA_BULK_GRANULE", granule)
+            lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))  # (a layer caches its plans)
+            for m, stages in ((1, 0), (2, 0), (3, 3), (5, 0), (8, 0), (1, 2)):
+                detail = lin.plan(m, kernel="bulk", splits=stages)["detail"]
+                assert f"unit={ct} " in detail and (" granule=1 " in detail) == (granule == "tile"), detail
+                err = run_case(torch, rng, layer, m, dtype_name, kernel="bulk", splits=stages, lin=lin)
+                assert err <= tolerance(dtype_name), (n, k, granule, m, stages, err)
 
 
 def wgmma_ok() -> bool:
@@ -610,19 +645,20 @@ def test_auto_plan_per_shape():
         assert lib.w4p_cuda_plan(0, m, n, k, 4, 128, 0, 1, 0, 0, ko, so, wb) == 0
         return ko[0]
 
-    # sm_90+: the bulk kernel up to M = 4 on every shape; otherwise (and before sm_90) ring / stream as measured
+    # sm_90+: the bulk kernel up to M = 4 on every shape, to 8 on layers of 2^25 weights or more; otherwise (and
+    # before sm_90) ring / stream as measured
     m1 = cuda.KERNELS["bulk"] if bulk_ok() else None
     assert auto(1, 28672, 8192) == (m1 or cuda.KERNELS["ring"])
     assert auto(1, 4096, 4096) == (m1 or cuda.KERNELS["stream"])
     assert auto(2, 4096, 4096) == (m1 or cuda.KERNELS["stream"])
     assert auto(4, 28672, 8192) == (m1 or cuda.KERNELS["ring"])
     assert auto(4, 4096, 4096) == (m1 or cuda.KERNELS["stream"])
-    assert auto(7, 8192, 28672) == cuda.KERNELS["ring"]
+    assert auto(7, 8192, 28672) == (m1 or cuda.KERNELS["ring"])
+    assert auto(8, 8192, 28672) == (m1 or cuda.KERNELS["ring"])
     assert auto(5, 4096, 4096) == cuda.KERNELS["stream"]
-    # sm_90: the warp-specialized wgmma kernel from M = 9, from 8 on large layers (to 32 on every layer, to 256
-    # on large ones), else tiled (-> dense)
+    # sm_90: the warp-specialized wgmma kernel from M = 9 (to 32 on every layer, to 256 on large ones), else
+    # tiled (-> dense)
     wg = cuda.KERNELS["wgmma_ws"] if wgmma_ok() else None
-    assert auto(8, 8192, 28672) == (wg or cuda.KERNELS["ring"])
     assert auto(9, 28672, 8192) == (wg or cuda.KERNELS["stream"])
     assert auto(9, 4096, 4096) == (wg or cuda.KERNELS["stream"])
     assert auto(16, 11008, 4096) == (wg or cuda.KERNELS["stream"])

@@ -268,7 +268,8 @@ def smoke() -> int:
         w64 = layer.dequantize(np.float64)
         if k != 576:
             calls = ((12, "wgmma_ws", 1), (20, "wgmma_ws", 1), (40, "wgmma_ws", 1), (150, "wgmma_ws", 1),
-                     (1, "bulk", 0), (4, "bulk", 0))  # bulk: whole units of 16 (M = 1) and 8 tiles, shared quads
+                     (1, "bulk", 0), (4, "bulk", 0), (1, "bulk:tile", 0), (6, "bulk:tile", 2))
+            # bulk: whole units of 16 tiles, shared quads; ":tile": stream-K over single tiles (W4P_CUDA_BULK_GRANULE)
         else:
             calls = ((1, "stream", 0), (5, "stream", 3), (24, "stream", 0), (1, "ring", 0), (7, "ring", 3),
                      (3, "ring", 1), (40, "tiled", 0), (130, "tiled", 2), (70, "dense", 0))
@@ -280,7 +281,14 @@ def smoke() -> int:
                 calls += ((1, "bulk", 0), (13, "bulk", 2), (6, "bulk", 3))
         for m, kernel, splits in calls:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-            y = lin.forward(x, kernel=kernel, splits=splits)
+            if kernel.endswith(":tile"):
+                os.environ["W4P_CUDA_BULK_GRANULE"] = "tile"
+                try:  # a fresh layer: a layer caches its plans
+                    y = w4cuda.CudaPackedLinear(pack(layer), "cuda").forward(x, kernel="bulk", splits=splits)
+                finally:
+                    del os.environ["W4P_CUDA_BULK_GRANULE"]
+            else:
+                y = lin.forward(x, kernel=kernel, splits=splits)
             ref = x.double().cpu().numpy() @ w64.T + layer.bias.astype(np.float64)
             err = float(np.linalg.norm(y.double().cpu().numpy() - ref) / np.linalg.norm(ref))
             worst = max(worst, err)

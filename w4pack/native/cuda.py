@@ -25,10 +25,11 @@ __all__ = ["CudaPackedLinear", "gemm", "gemm_cuda", "available", "unavailable_re
 _HERE = Path(__file__).resolve().parent
 _LIBDIR = _HERE.parent / "_lib"
 #: kernel choice names -> W4P_CUDA_KERNEL_* (probes are diagnostics for tools/bench_gpu.py); "bulk" (sm_90, M <= 16,
-#: auto's choice up to M = 4 there: docs/CUDA.md; ``splits`` forces its stages); "ring" (M <= 8,
+#: auto's choice up to M = 4 there, up to 8 on layers of 2^25 weights or more: docs/CUDA.md; ``splits`` forces
+#: its stages); "ring" (M <= 8,
 #: the default there) streams the weights stream-K over warps through per-warp cp.async rings (``splits``
 #: forces its units of work per warp); "wgmma_ws" (sm_90a, 4-bit: wgmma fed by a TMA producer warp; auto's
-#: choice on compute capability 9.0 from M = 9 (8 on large layers) where measured ahead: docs/CUDA.md;
+#: choice on compute capability 9.0 from M = 9 where measured ahead: docs/CUDA.md;
 #: ``splits`` forces its split-K count); "wgmma" (sm_90a, 4-bit, one-pass cp.async pipeline: auto's choice in
 #: the same range only where the driver lacks the TMA encoder); "dense" is the
 #: large-M path: dequantize to a temporary fp16/bf16 matrix with w4p_cuda_dequantize, then torch's GEMM (cuBLAS)
@@ -250,12 +251,17 @@ class CudaPackedLinear:
             self._plans[key] = got
         return got
 
-    def plan(self, m: int, dtype: str = "float16", kernel: str = "auto", splits: int = 0) -> dict[str, int]:
-        """The kernel, split count and workspace bytes a call with ``m`` rows would use (kernel -1: dense)."""
+    def plan(self, m: int, dtype: str = "float16", kernel: str = "auto", splits: int = 0) -> dict[str, Any]:
+        """The kernel, split count and workspace bytes a call with ``m`` rows would use (kernel -1: dense), and
+        the native planner's one-line description of its choices ("detail", for logs and benchmarks)."""
         if self._use_dense(m, kernel):
-            return {"kernel": -1, "splits": 1, "workspace_bytes": 0}
+            return {"kernel": -1, "splits": 1, "workspace_bytes": 0, "detail": "dense (dequantize + torch GEMM)"}
         k, s, w = self._plan(m, dtype, True, KERNELS[kernel], splits)
-        return {"kernel": k, "splits": s, "workspace_bytes": w}
+        ffi, lib = _load()
+        buf = ffi.new("char[256]")
+        _check(lib.w4p_cuda_plan_describe(self.device.index, m, self.n, self.k, self.storage_bits, self.group_size,
+                                          int(self.perm is not None), 1, KERNELS[kernel], splits, buf, 256), "plan")
+        return {"kernel": k, "splits": s, "workspace_bytes": w, "detail": ffi.string(buf).decode()}
 
     def _use_dense(self, m: int, kernel: str) -> bool:
         if kernel == "dense":
