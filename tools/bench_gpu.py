@@ -112,6 +112,60 @@ def floors_us(k: int, n: int, m: int) -> tuple[float, float]:
     return w4_bytes(k, n, m) / (READ_BW_REF * 1e9) * 1e6, 2.0 * m * k * n / FLOPS_REF * 1e6
 
 
+_READ_KERNEL: list = []
+
+
+def read_floor_us(nbytes: float) -> tuple[float, str]:
+    """The fastest graph-replayed, L2-cold read of `nbytes` that a plain Triton streaming kernel reaches here
+    (int32 words summed per program; best over block size, blocks per program and warps), with its
+    configuration. On a layer-sized buffer this, not the large-buffer read stream, is what an M = 1 kernel
+    can at best take, launch gaps and ramp included."""
+    import triton
+    import triton.language as tl
+
+    if not _READ_KERNEL:
+        @triton.jit
+        def _read(x_ptr, out_ptr, n, BLOCK: tl.constexpr, PER: tl.constexpr):
+            pid = tl.program_id(0)
+            acc = tl.zeros([BLOCK], dtype=tl.int32)
+            base = pid.to(tl.int64) * BLOCK * PER
+            for i in tl.range(0, PER, num_stages=3):
+                offs = base + i * BLOCK + tl.arange(0, BLOCK)
+                acc += tl.load(x_ptr + offs, mask=offs < n, other=0, cache_modifier=".cg")
+            tl.store(out_ptr + pid, tl.sum(acc, 0))
+
+        _READ_KERNEL.append(_read)
+    read = _READ_KERNEL[0]
+    n = int(nbytes // 4)
+    copies = n_copies(nbytes)
+    xs = [torch.randint(-1000, 1000, (n,), device="cuda", dtype=torch.int32) for _ in range(copies)]
+    best = (float("inf"), "")
+    for block in (1024, 2048, 4096):
+        for per in (1, 2, 4, 8):
+            for warps in (4, 8):
+                grid = triton.cdiv(n, block * per)
+                out = torch.empty(grid, device="cuda", dtype=torch.int32)
+                t = time_graph(lambda i: read[(grid,)](xs[i], out, n, BLOCK=block, PER=per, num_warps=warps), copies)
+                if t < best[0]:
+                    best = (t, f"block {block} x {per}, {warps} warps")
+    del xs
+    return best
+
+
+def print_read_floors(shapes) -> None:
+    """Per shape: the M = 1 bytes, the plain read kernel's best time for them and w4pack's M = 1 time."""
+    print("| K×N | M = 1 bytes (MB) | plain read (us) | read GB/s | w4pack M = 1 (us) | w4pack / read | read config |")
+    print("|---|---|---|---|---|---|---|")
+    for k, n in shapes:
+        nb = w4_bytes(k, n, 1)
+        t, cfg = read_floor_us(nb)
+        lins = w4_copies(random_packed(k, n), n_copies(k * n / 2 * 1.03))
+        t_w4 = measure_w4(lins, k, n, 1)
+        del lins
+        print(f"| {k}×{n} | {nb / 1e6:.1f} | {t:.2f} | {nb / t / 1e3:.0f} | {t_w4:.1f} | {t_w4 / t:.2f} | {cfg} |",
+              flush=True)
+
+
 def print_floors(shapes, ms) -> None:
     """Markdown table of both floors per shape and M (no GPU needed): the larger one bounds any kernel."""
     print(f"Floors (us): bytes (int4 weights + fp16 scales per {GS} + x in + y out) at {READ_BW_REF:.0f} GB/s / "
@@ -344,6 +398,8 @@ def main() -> int:
                     help="seconds of gemlite autotuning after which it is left out of the rest of the run")
     ap.add_argument("--smoke", action="store_true", help="only run a few small checked calls of every kernel")
     ap.add_argument("--floors", action="store_true", help="only print the bytes and FLOPs floors per shape (no GPU)")
+    ap.add_argument("--read-floor", action="store_true",
+                    help="only time a plain Triton read of each shape's M = 1 bytes against w4pack at M = 1")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s] or SHAPES
     ms = [int(v) for v in args.ms.split(",") if v] or ([1, 16, 64, 256] if args.quick else MS)
@@ -355,6 +411,9 @@ def main() -> int:
         return 2
     if args.smoke:
         return smoke()
+    if args.read_floor:
+        print_read_floors(shapes)
+        return 0
     if args.no_gemlite:
         _GEMLITE["off"] = True
     _GEMLITE["budget"] = args.gemlite_budget
