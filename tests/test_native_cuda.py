@@ -201,12 +201,12 @@ def test_plan_for_bulk_unit_granule_and_stages(monkeypatch):
     for m in (1, 4, 8):
         assert bulk(m, 28672, 8192) == (16, 1, 2)
         assert bulk(m, 8192, 28672) == (16, 1, 2)
-    # smaller layers: the unit that gives the busiest of 264 blocks the fewest tiles (12 before 16 before 8),
-    # whole units per block
+    # smaller layers: the unit that gives the busiest of 264 blocks the fewest tiles (ceil(units / 264) whole
+    # units; 12 before 16 before 8), whole units per block
     assert bulk(1, 4096, 4096) == (16, 16, 2)  # 8: 16 tiles, 12: 24, 16: 16
     assert bulk(3, 11008, 4096) == (12, 12, 2)  # a tie at 48 tiles
     assert bulk(3, 4096, 11008) == (12, 12, 2)
-    assert bulk(2, 12288, 4096) == (16, 16, 2)  # 12: 52 tiles, 8 and 16: 48
+    assert bulk(2, 12288, 4096) == (16, 16, 2)  # 12: 60 tiles, 8 and 16: 48
     # M > 8 and 8-bit layers: units of 8 tiles and as many stages as fit two blocks per SM (113 KiB each)
     assert bulk(12, 28672, 8192) == (8, 1, 3)  # 29888-byte stages at M = 12
     assert bulk(1, 4096, 4096, bits=8) == (8, 8, 3)  # 34832-byte stages

@@ -2190,16 +2190,13 @@ struct Plan {
 
 int ceil_div(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 
-// The largest number of tiles one of W blocks gets when the bulk kernel's stream-K granule is a whole unit
-// of ct tiles (nq quads of KT tiles; a quad's last unit may be shorter)
+// The tiles the busiest of W blocks gets when the bulk kernel's stream-K granule is a whole unit of ct tiles
+// (nq quads of KT tiles): ceil(units / W) whole units. (A quad's last unit may be shorter; this bound ignores
+// that, which keeps it O(1): the planner runs on every call. On the Llama shapes it ranks the unit sizes as
+// the exact per-block count does.)
 int64_t bulk_max_tiles(int nq, int KT, int ct, int64_t W) {
-  const int NG = (KT + ct - 1) / ct;
-  const int64_t total = (int64_t)nq * NG;
-  if (W > total) W = total;
-  auto tile_of = [&](int64_t u) { return (u / NG) * KT + std::min<int64_t>((u % NG) * ct, KT); };
-  int64_t mx = 0;
-  for (int64_t w = 0; w < W; ++w) mx = std::max(mx, tile_of((w + 1) * total / W) - tile_of(w * total / W));
-  return mx;
+  const int64_t total = (int64_t)nq * ((KT + ct - 1) / ct);
+  return (total + W - 1) / W * ct;
 }
 
 // The bulk kernel's tiles per unit. 8-bit layers and M > 8 keep 8 (a 16-tile stage would not fit twice per
