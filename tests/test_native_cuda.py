@@ -207,6 +207,9 @@ def test_plan_for_bulk_unit_granule_and_stages(monkeypatch):
     assert bulk(3, 11008, 4096) == (12, 12, 2)  # a tie at 48 tiles
     assert bulk(3, 4096, 11008) == (12, 12, 2)
     assert bulk(2, 12288, 4096) == (16, 16, 2)  # 12: 60 tiles, 8 and 16: 48
+    # group 32 at M = 8: two 16-tile stages (57472 bytes each) would not fit a block's share; 12 tiles do
+    assert bulk(7, 28672, 8192, gs=32) == (16, 1, 2)
+    assert bulk(8, 28672, 8192, gs=32) == (12, 1, 2)
     # M > 8 and 8-bit layers: units of 8 tiles and as many stages as fit two blocks per SM (113 KiB each)
     assert bulk(12, 28672, 8192) == (8, 1, 3)  # 29888-byte stages at M = 12
     assert bulk(1, 4096, 4096, bits=8) == (8, 8, 3)  # 34832-byte stages

@@ -2310,12 +2310,16 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     // faster than three or four on every Llama shape: fewer bytes in flight per SM did better), as many as fit
     // for units of 8 (at most BMAXS)
     const int mm = (int)m;
-    const int ct = bulk_ct(sbits, mm, np, kp, sms);
-    const int per_stage = bulk_stage_bytes(sbits, mm, gs, ct);
     const int fix = bulk_fix(m > 8 ? 2 : 1);
     // BBPS blocks per SM share its shared memory; where two stages do not fit that share (8-bit, M > 8), one
     // block per SM takes the whole of it
     const int budget = std::min(di.smem_block, di.smem_sm / BBPS - di.smem_reserved);
+    // longer units only where two of their stages fit a block's share (group 32 at M = 8 takes 12, not 16),
+    // unless W4P_CUDA_BULK_CT forces the size
+    int ct = bulk_ct(sbits, mm, np, kp, sms);
+    while (ct > 8 && splits <= 0 && !bulk_ct_env() && fix + 2 * bulk_stage_bytes(sbits, mm, gs, ct) > budget)
+      ct = ct == 16 ? 12 : 8;
+    const int per_stage = bulk_stage_bytes(sbits, mm, gs, ct);
     int ns = splits > 0 ? splits : ct > 8 ? 2 : (budget - fix) / per_stage;
     if (splits <= 0 && ns < 2) ns = (di.smem_block - fix) / per_stage;
     ns = std::min(ns, BMAXS);
