@@ -2205,10 +2205,9 @@ int64_t bulk_max_tiles(int nq, int KT, int ct, int64_t W) {
 // before 8 where they tie. Measured on an H200 (docs/CUDA.md, M = 1-8): 16 took 43.6 against 48.6 us at
 // M = 1 on 8192x28672 and 47 against 57-60 at M = 6-8; on the 7B shapes the unit that balances the blocks
 // best was fastest or within 3%, except 4096x12288 at M = 2-4 (16 there, 4-7% behind 8).
-int bulk_ct(int sbits, int m, int np, int kp, int sms) {
+int bulk_ct(int sbits, int m, int np, int kp, int sms, bool large) {
   if (sbits != 4 || m > 8) return 8;
-  if (const int forced = bulk_ct_env()) return forced;
-  if ((int64_t)np * kp >= ((int64_t)1 << 26)) return 16;
+  if (large) return 16;
   const int nq = (np / 16 + BQ - 1) / BQ, KT = kp / 64;
   int best = 12;
   int64_t best_t = bulk_max_tiles(nq, KT, 12, (int64_t)sms * BBPS);
@@ -2225,11 +2224,11 @@ int bulk_ct(int sbits, int m, int np, int kp, int sms) {
 // The bulk kernel's stream-K granule: single tiles on layers of 2^26 weights or more (every block the same
 // work to within a tile: 3% faster at M = 4-8 on the 70B shapes), else whole units (fewer chunks and shared
 // quads per block: 5-10% faster on the 7B shapes). W4P_CUDA_BULK_GRANULE=tile|unit forces it (tests, sweeps).
-int bulk_granule(int ct, int np, int kp) {
+int bulk_granule(int ct, bool large) {
   const char *e = getenv("W4P_CUDA_BULK_GRANULE");
   if (e && strcmp(e, "tile") == 0) return 1;
   if (e && strcmp(e, "unit") == 0) return ct;
-  return (int64_t)np * kp >= ((int64_t)1 << 26) ? 1 : ct;
+  return large ? 1 : ct;
 }
 
 // Split-K count of both wgmma kernels: `splits` when forced, else enough to fill the resident slots when the
@@ -2316,8 +2315,10 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     const int budget = std::min(di.smem_block, di.smem_sm / BBPS - di.smem_reserved);
     // longer units only where two of their stages fit a block's share (group 32 at M = 8 takes 12, not 16),
     // unless W4P_CUDA_BULK_CT forces the size
-    int ct = bulk_ct(sbits, mm, np, kp, sms);
-    while (ct > 8 && splits <= 0 && !bulk_ct_env() && fix + 2 * bulk_stage_bytes(sbits, mm, gs, ct) > budget)
+    const bool large = (int64_t)np * kp >= ((int64_t)1 << 26);
+    const int forced = sbits == 4 && m <= 8 ? bulk_ct_env() : 0;
+    int ct = forced ? forced : bulk_ct(sbits, mm, np, kp, sms, large);
+    while (!forced && ct > 8 && splits <= 0 && fix + 2 * bulk_stage_bytes(sbits, mm, gs, ct) > budget)
       ct = ct == 16 ? 12 : 8;
     const int per_stage = bulk_stage_bytes(sbits, mm, gs, ct);
     int ns = splits > 0 ? splits : ct > 8 ? 2 : (budget - fix) / per_stage;
@@ -2330,7 +2331,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     // stream-K over single tiles on large layers (every block the same work to within a tile: measured 3%
     // faster at M = 4-8 on the 70B shapes), else over whole units (fewer chunks and shared quads per block:
     // measured 5-10% faster on the 7B shapes)
-    const int kg = bulk_granule(ct, np, kp);
+    const int kg = bulk_granule(ct, large);
     const int64_t total = (int64_t)nq * ((KT + kg - 1) / kg);
     pl->ct = ct;
     pl->kg = kg;
@@ -2703,14 +2704,20 @@ cudaError_t launch_all(Params &p, const Plan &pl, int sbits, void *ws_gather, cu
 }
 
 // the plan on a device (real or described); argument checks shared by both entry points
-int plan_on(const DevInfo &di, int64_t m, int n, int k, int storage_bits, int group_size, int act_order, int x_aligned,
-            int kernel, int splits, int *kernel_out, int *splits_out, size_t *workspace_bytes) {
+// The plan for checked arguments (plan_on, describe_on)
+int checked_plan(const DevInfo &di, int64_t m, int n, int k, int storage_bits, int group_size, int act_order,
+                 int x_aligned, int kernel, int splits, Plan *pl) {
   if (m < 1 || n < 1 || k < 1) return fail(W4P_EINVAL, "bad shape m=%lld n=%d k=%d", (long long)m, n, k);
   if (storage_bits != 4 && storage_bits != 8) return fail(W4P_EINVAL, "storage_bits must be 4 or 8");
   if (group_size != -1 && (group_size < 16 || group_size % 16)) return fail(W4P_EINVAL, "group_size %d", group_size);
+  return make_plan(di, m, n, k, storage_bits, group_size, act_order != 0, x_aligned != 0, kernel, splits,
+                   (size_t)-1, pl);
+}
+
+int plan_on(const DevInfo &di, int64_t m, int n, int k, int storage_bits, int group_size, int act_order, int x_aligned,
+            int kernel, int splits, int *kernel_out, int *splits_out, size_t *workspace_bytes) {
   Plan pl;
-  int rc = make_plan(di, m, n, k, storage_bits, group_size, act_order != 0, x_aligned != 0, kernel, splits,
-                     (size_t)-1, &pl);
+  int rc = checked_plan(di, m, n, k, storage_bits, group_size, act_order, x_aligned, kernel, splits, &pl);
   if (rc) return rc;
   if (kernel_out) *kernel_out = pl.kernel;
   if (splits_out) *splits_out = pl.S;
@@ -2721,12 +2728,9 @@ int describe_on(const DevInfo &di, int64_t m, int n, int k, int storage_bits, in
                 int x_aligned, int kernel, int splits, char *buf, size_t len) {
   if (!buf || len == 0) return fail(W4P_EINVAL, "describe: no buffer");
   buf[0] = 0;
-  int ko = 0, so = 0;
-  size_t ws = 0;
-  int rc = plan_on(di, m, n, k, storage_bits, group_size, act_order, x_aligned, kernel, splits, &ko, &so, &ws);
-  if (rc) return rc;
   Plan pl;
-  make_plan(di, m, n, k, storage_bits, group_size, act_order != 0, x_aligned != 0, kernel, splits, (size_t)-1, &pl);
+  int rc = checked_plan(di, m, n, k, storage_bits, group_size, act_order, x_aligned, kernel, splits, &pl);
+  if (rc) return rc;
   static const char *names[] = {"auto", "stream", "tiled", "ring", "bulk", "wgmma", "wgmma_ws"};
   const char *name = pl.kernel >= 0 && pl.kernel <= 6 ? names[pl.kernel] : "probe";
   if (pl.kernel == W4P_CUDA_KERNEL_BULK)
