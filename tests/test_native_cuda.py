@@ -189,12 +189,12 @@ def _describe_for(lib, ffi, dev, m, n, k, bits=4, gs=128, kernel="auto", splits=
 def test_plan_for_bulk_unit_granule_and_stages(monkeypatch):
     # the bulk kernel's unit (tiles per copy run), stream-K granule and stages, as measured best on an H200
     ffi, lib = _lib_or_skip()
-    monkeypatch.delenv("W4P_CUDA_BULK_CT", raising=False)
-    monkeypatch.delenv("W4P_CUDA_BULK_GRANULE", raising=False)
+    for var in ("W4P_CUDA_BULK_CT", "W4P_CUDA_BULK_GRANULE", "W4P_CUDA_BULK_QS"):
+        monkeypatch.delenv(var, raising=False)
 
-    def bulk(m, n, kk, **kw):
+    def bulk(m, n, kk, stripes=4, **kw):
         d = _describe_for(lib, ffi, H200, m, n, kk, kernel="bulk", **kw)
-        assert d["kernel"] == "bulk", d
+        assert d["kernel"] == "bulk" and d["stripes"] == str(stripes), d
         return int(d["unit"]), int(d["granule"]), int(d["stages"])
 
     # 2^26 weights or more: units of 16 tiles, two stages, stream-K over single tiles, up to M = 8
@@ -203,7 +203,7 @@ def test_plan_for_bulk_unit_granule_and_stages(monkeypatch):
         assert bulk(m, 8192, 28672) == (16, 1, 2)
     # smaller layers: the unit that gives the busiest of 264 blocks the fewest tiles (ceil(units / 264) whole
     # units; 12 before 16 before 8), whole units per block
-    assert bulk(1, 4096, 4096) == (16, 16, 2)  # 8: 16 tiles, 12: 24, 16: 16
+    assert bulk(5, 4096, 4096) == (16, 16, 2)  # 8: 16 tiles, 12: 24, 16: 16
     assert bulk(3, 11008, 4096) == (12, 12, 2)  # a tie at 48 tiles
     assert bulk(3, 4096, 11008) == (12, 12, 2)
     assert bulk(2, 12288, 4096) == (16, 16, 2)  # 12: 60 tiles, 8 and 16: 48
@@ -213,7 +213,17 @@ def test_plan_for_bulk_unit_granule_and_stages(monkeypatch):
     # M > 8 and 8-bit layers: units of 8 tiles and as many stages as fit two blocks per SM (113 KiB each)
     assert bulk(12, 28672, 8192) == (8, 1, 3)  # 29888-byte stages at M = 12
     assert bulk(1, 4096, 4096, bits=8) == (8, 8, 3)  # 34832-byte stages
-    assert bulk(1, 4096, 4096, splits=5) == (16, 16, 5)  # forced stages
+    assert bulk(5, 4096, 4096, splits=5) == (16, 16, 5)  # forced stages
+    # at most one stripe per block (256 stripes, 264 blocks), under 2^25 weights, M <= 4: units of one stripe
+    # and 32 tiles, each block owning a whole stripe (granule = its 64 tiles), two stages
+    for m in (1, 2, 4):
+        assert bulk(m, 4096, 4096, stripes=1) == (32, 64, 2)
+    assert bulk(1, 4224, 4096, stripes=1) == (32, 64, 2)  # 264 stripes
+    assert bulk(1, 4240, 4096)[0] == 12  # 265 stripes: four-stripe units (12 balances them best)
+    assert bulk(1, 4096, 11008)[0] == 12  # 2^25 weights or more: four-stripe units
+    assert bulk(1, 196, 576, stripes=1) == (32, 9, 2)  # K shorter than a unit: one 9-tile chunk per stripe
+    assert bulk(1, 4096, 4096, stripes=1, splits=3) == (32, 64, 3)
+    assert bulk(1, 4096, 4096, bits=8)[0] == 8  # 8-bit layers: four-stripe units
     # the switches for sweeps and tests
     for ct in ("8", "12", "16"):
         monkeypatch.setenv("W4P_CUDA_BULK_CT", ct)
@@ -229,6 +239,18 @@ def test_plan_for_bulk_unit_granule_and_stages(monkeypatch):
     assert bulk(1, 11008, 4096)[1] == 1
     monkeypatch.setenv("W4P_CUDA_BULK_GRANULE", "unit")
     assert bulk(1, 28672, 8192)[1] == 16
+    monkeypatch.setenv("W4P_CUDA_BULK_GRANULE", "quad")
+    assert bulk(1, 28672, 8192)[1] == 128
+    monkeypatch.setenv("W4P_CUDA_BULK_CT", "12")  # a forced four-stripe unit size takes four-stripe units
+    assert bulk(1, 4096, 4096) == (12, 64, 2)
+    monkeypatch.delenv("W4P_CUDA_BULK_CT")
+    monkeypatch.delenv("W4P_CUDA_BULK_GRANULE")
+    monkeypatch.setenv("W4P_CUDA_BULK_QS", "1")  # one-stripe units forced: any 4-bit layer up to M = 8
+    assert bulk(8, 28672, 8192, stripes=1) == (32, 128, 2)
+    assert bulk(12, 28672, 8192)[0] == 8  # M > 8: four stripes
+    assert bulk(1, 4096, 4096, bits=8)[0] == 8
+    monkeypatch.setenv("W4P_CUDA_BULK_QS", "4")
+    assert bulk(1, 4096, 4096) == (16, 16, 2)
     # other kernels describe themselves too
     assert _describe_for(lib, ffi, H200, 16, 4096, 4096)["kernel"] == "wgmma_ws"
     assert _describe_for(lib, ffi, A100, 1, 28672, 8192)["kernel"] == "ring"
@@ -457,6 +479,49 @@ def test_bulk_kernel_unit_sizes_and_granules(ct, dtype_name, zero_mode, gs, act_
                 assert f"unit={ct} " in detail and (" granule=1 " in detail) == (granule == "tile"), detail
                 err = run_case(torch, rng, layer, m, dtype_name, kernel="bulk", splits=stages, lin=lin)
                 assert err <= tolerance(dtype_name), (n, k, granule, m, stages, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name,zero_mode,gs,act_order", [("float16", "int", 128, False),
+                                                               ("bfloat16", "float", 32, True),
+                                                               ("float16", "none", -1, False),
+                                                               ("bfloat16", "int", 96, False),
+                                                               ("float16", "int", 64, True)])
+def test_bulk_kernel_single_stripes(dtype_name, zero_mode, gs, act_order, monkeypatch):
+    # units of one stripe (eight warps share its K range and sum in warp order): the planner's choice on small
+    # layers and forced (W4P_CUDA_BULK_QS=1) on larger ones, granules of single tiles, whole units and whole
+    # stripes (stripes then shared by two blocks, or not at all), M up to 8, repeated calls bit-identical
+    import torch
+
+    if not bulk_ok():
+        pytest.skip("the bulk kernel needs compute capability 9.0")
+    for var in ("W4P_CUDA_BULK_CT", "W4P_CUDA_BULK_GRANULE"):
+        monkeypatch.delenv(var, raising=False)
+    rng = np.random.default_rng(zlib.crc32(repr((dtype_name, zero_mode, gs, act_order)).encode()))
+    for n, k, forced in ((196, 4160, False), (4096, 2880, False), (1000, 9000, True), (6000, 2048, True)):
+        layer = random_layer(rng, n, k, gs=gs, zero_mode=zero_mode, act_order=act_order, scale_dtype=dtype_name,
+                             bias=True)
+        if forced:
+            monkeypatch.setenv("W4P_CUDA_BULK_QS", "1")
+        else:
+            monkeypatch.delenv("W4P_CUDA_BULK_QS", raising=False)
+        for granule in ("tile", "unit", "quad", None):
+            if granule:
+                monkeypatch.setenv("W4P_CUDA_BULK_GRANULE", granule)
+            else:
+                monkeypatch.delenv("W4P_CUDA_BULK_GRANULE", raising=False)
+            lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
+            for m, stages in ((1, 0), (2, 3), (4, 2), (3, 0)) + (((8, 0), (6, 4)) if forced else ()):
+                detail = lin.plan(m, kernel="bulk", splits=stages)["detail"]
+                assert " stripes=1 " in detail and "unit=32 " in detail, detail
+                err = run_case(torch, rng, layer, m, dtype_name, kernel="bulk", splits=stages, lin=lin)
+                assert err <= tolerance(dtype_name), (n, k, granule, m, stages, err)
+            tdt = torch.float16 if dtype_name == "float16" else torch.bfloat16
+            x = torch.randn(3, k, device="cuda").to(tdt)
+            first = lin.forward(x, kernel="bulk")
+            for _ in range(5):
+                assert torch.equal(lin.forward(x, kernel="bulk"), first)
+            assert " stripes=1 " in lin.plan(3, kernel="auto")["detail"] or forced
 
 
 def wgmma_ok() -> bool:

@@ -899,17 +899,19 @@ __global__ void __launch_bounds__(RW * 32, RING_MINB) ring_kernel(const Params p
 }
 
 // ------------------------------------------------------------------------------------------------
-// Bulk kernel (sm_90+, M <= 16). A stage holds one chunk: four stripes x up to CT tiles (four contiguous runs
-// of up to CT * 512 bytes of weights) and one run per activation row, copied by the bulk copy engine
+// Bulk kernel (sm_90+, M <= 16). A stage holds one chunk: QS stripes (four, or one on small layers) x up to CT
+// tiles (QS contiguous runs of up to CT * 512 bytes of weights) and one run per activation row, copied by the bulk copy engine
 // (completing on the stage's mbarrier), plus the chunk's group parameters, copied with cp.async by the lanes
 // of the producer warps (which arrive on the same mbarrier when their copies land). NS stages per block,
 // BBPS blocks of BNP producer + 8 consumer warps per SM. Stream-K over blocks: each block owns one contiguous
 // range of tiles numbered along K within each quad of stripes, cut into chunks at CT-aligned unit boundaries.
 // Quads shared by several blocks are reduced as in the ring kernel (pieces summed in block order by the last
-// to arrive). Numerics are the stream kernel's.
+// to arrive); within a block, the BNC / QS warps that share a stripe sum in warp order. ("Quad" below means a
+// unit's group of QS stripes.) Numerics are the stream kernel's.
 // CT, tiles per unit: 8 (512 columns of K), 12 or 16 for 4-bit layers (longer runs per copy, less work per
 // chunk; measured faster on large layers and at M = 1: docs/CUDA.md)
-constexpr int BQ = 4;           // stripes per unit
+constexpr int BQ = 4;           // stripes per unit (QS), or one on small layers at M <= 4
+constexpr int BCT1 = 32;        // tiles per unit of one stripe
 constexpr int BNC = 8;          // consumer warps
 constexpr int BNP = 2;          // producer warps (one measured too slow from M = 4: docs/CUDA.md)
 constexpr int BMAXS = 8;        // most stages
@@ -921,13 +923,17 @@ __host__ __device__ __forceinline__ int bulk_pgroups(int gs, int ct) {
   return gs > 0 ? (ct * 64) / gs + ((ct * 64) % gs == 0 ? 0 : 2) : 1;
 }
 // stage: weights | group parameters (per group: 64 scales, 64 zeros / minima) | activation rows
-__host__ __device__ __forceinline__ int bulk_stage_bytes(int sb, int m, int gs, int ct) {
-  return BQ * ct * 512 * (sb / 4) + bulk_pgroups(gs, ct) * 256 + m * bulk_xp(ct);
+__host__ __device__ __forceinline__ int bulk_stage_bytes(int sb, int m, int gs, int ct, int qs = BQ) {
+  return qs * ct * 512 * (sb / 4) + bulk_pgroups(gs, ct) * qs * 64 + m * bulk_xp(ct);
 }
 // fixed part: NS full + NS empty barriers, a zero row, two reduction buffers (NI n8 blocks each), a flag
-__host__ __device__ constexpr int bulk_fix(int ni) { return 2 * BMAXS * 8 + 16 + 2 * 4 * 32 * ni * 4 * 4 + 16; }
-__host__ __device__ __forceinline__ int bulk_smem_bytes(int sb, int m, int gs, int ns, int ct) {
-  return bulk_fix(m > 8 ? 2 : 1) + ns * bulk_stage_bytes(sb, m, gs, ct);
+// (warps that hand their sums to a stripe's first warp: BNC - QS)
+__host__ __device__ constexpr int bulk_red_warps(int qs) { return qs >= BNC ? 0 : BNC - qs; }
+__host__ __device__ constexpr int bulk_fix(int ni, int qs = BQ) {
+  return 2 * BMAXS * 8 + 16 + 2 * bulk_red_warps(qs) * 32 * ni * 4 * 4 + 16;
+}
+__host__ __device__ __forceinline__ int bulk_smem_bytes(int sb, int m, int gs, int ns, int ct, int qs = BQ) {
+  return bulk_fix(m > 8 ? 2 : 1, qs) + ns * bulk_stage_bytes(sb, m, gs, ct, qs);
 }
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, unsigned count) {
@@ -960,7 +966,7 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 
 // One 16x64 tile times NI n8 blocks of tokens, accumulated into acc (scales applied in fp32 per 32-wide
 // half, as in the stream kernel; float minima dequantized with one HFMA2).
-template <typename T, int SB, bool FM, int NI>
+template <typename T, int SB, bool FM, int NI, int ZO = 64>
 __device__ __forceinline__ void bulk_tile(float (&acc)[NI][4], const uint32_t (&wd)[SB], const uint32_t (&bf)[NI][4][2],
                                           const T *pr0, const T *pr1, bool split_groups, int gid, int zm,
                                           const ZC<T, SB> &zc_sym) {
@@ -972,7 +978,7 @@ __device__ __forceinline__ void bulk_tile(float (&acc)[NI][4], const uint32_t (&
 #pragma unroll
       for (int c = 0; c < 4; ++c) tmp[ni][c] = 0.f;
     float s_lo = to_f(pr0[gid]), s_hi = to_f(pr0[gid + 8]);
-    ZC<T, SB> zc = zm != 0 ? zc_make<T, SB>(to_f(pr0[64 + gid]), to_f(pr0[64 + gid + 8])) : zc_sym;
+    ZC<T, SB> zc = zm != 0 ? zc_make<T, SB>(to_f(pr0[ZO + gid]), to_f(pr0[ZO + gid + 8])) : zc_sym;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       if (hh == 1 && split_groups) {
@@ -986,7 +992,7 @@ __device__ __forceinline__ void bulk_tile(float (&acc)[NI][4], const uint32_t (&
         }
         s_lo = to_f(pr1[gid]);
         s_hi = to_f(pr1[gid + 8]);
-        if (zm != 0) zc = zc_make<T, SB>(to_f(pr1[64 + gid]), to_f(pr1[64 + gid + 8]));
+        if (zm != 0) zc = zc_make<T, SB>(to_f(pr1[ZO + gid]), to_f(pr1[ZO + gid + 8]));
       }
 #pragma unroll
       for (int jj = 0; jj < 2; ++jj) {
@@ -1006,14 +1012,14 @@ __device__ __forceinline__ void bulk_tile(float (&acc)[NI][4], const uint32_t (&
     }
   } else {
     T2 s2lo = bcast2(pr0[gid]), s2hi = bcast2(pr0[gid + 8]);
-    T2 m2lo = bcast2(pr0[64 + gid]), m2hi = bcast2(pr0[64 + gid + 8]);
+    T2 m2lo = bcast2(pr0[ZO + gid]), m2hi = bcast2(pr0[ZO + gid + 8]);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       if (hh == 1 && split_groups) {
         s2lo = bcast2(pr1[gid]);
         s2hi = bcast2(pr1[gid + 8]);
-        m2lo = bcast2(pr1[64 + gid]);
-        m2hi = bcast2(pr1[64 + gid + 8]);
+        m2lo = bcast2(pr1[ZO + gid]);
+        m2hi = bcast2(pr1[ZO + gid + 8]);
       }
 #pragma unroll
       for (int jj = 0; jj < 2; ++jj) {
@@ -1030,11 +1036,11 @@ __device__ __forceinline__ void bulk_tile(float (&acc)[NI][4], const uint32_t (&
 // A consumer warp's tiles of one unit (th, th + 2, ... of stripe mi). FULL: all CT tiles are present, so no
 // per-tile guard splits the unrolled loop (the compiler then schedules across tiles). G64: every group spans
 // whole 64-wide tiles (group size a multiple of 64, or per channel), one set of parameters per tile.
-template <typename T, int SB, bool FM, int NI, bool G64, bool FULL, int CT>
+template <typename T, int SB, bool FM, int NI, bool G64, bool FULL, int CT, int QS>
 __device__ __forceinline__ void bulk_warp_unit(float (&acc)[NI][4], const unsigned char *wb, const T *pb,
                                                const uint32_t (&xb)[NI], uint32_t zero_addr, int nt, int t0, int th,
                                                int g_lo, int gid, const Params &p, const ZC<T, SB> &zc_sym) {
-  constexpr int V = SB / 4, WB = 512 * V, TSTEP = BNC / BQ, TPW = CT * BQ / BNC;
+  constexpr int V = SB / 4, WB = 512 * V, TSTEP = BNC / QS, TPW = CT * QS / BNC;
 #pragma unroll
   for (int j = 0; j < TPW; ++j) {
     if (!FULL && th + j * TSTEP >= nt) break;
@@ -1057,12 +1063,12 @@ __device__ __forceinline__ void bulk_warp_unit(float (&acc)[NI][4], const unsign
       }
     const int k0 = (t0 + th + j * TSTEP) * 64;
     const int gi0 = group_of(k0, p.gmul) - g_lo;
-    const T *pr0 = pb + gi0 * 128;
+    const T *pr0 = pb + gi0 * (QS * 32);
     if (G64) {
-      bulk_tile<T, SB, FM, NI>(acc, wd, bf, pr0, pr0, false, gid, p.zm, zc_sym);
+      bulk_tile<T, SB, FM, NI, QS * 16>(acc, wd, bf, pr0, pr0, false, gid, p.zm, zc_sym);
     } else {
       const int gi1 = group_of(k0 + 32, p.gmul) - g_lo;
-      bulk_tile<T, SB, FM, NI>(acc, wd, bf, pr0, pb + gi1 * 128, gi1 != gi0, gid, p.zm, zc_sym);
+      bulk_tile<T, SB, FM, NI, QS * 16>(acc, wd, bf, pr0, pb + gi1 * (QS * 32), gi1 != gi0, gid, p.zm, zc_sym);
     }
   }
 }
@@ -1079,18 +1085,18 @@ __device__ __forceinline__ int bulk_chunk(int t0, int KT, int64_t left) {
   return left < n ? (int)left : n;
 }
 
-template <typename T, int SB, bool FM, int NI, bool G64, int CT>
+template <typename T, int SB, bool FM, int NI, bool G64, int CT, int QS = BQ>
 __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  static_assert(CT * BQ % BNC == 0, "a unit's tiles split evenly over the consumer warps");
+  static_assert(CT * QS % BNC == 0 && BNC % QS == 0, "a unit's tiles split evenly over the consumer warps");
   constexpr int V = SB / 4, WB = 512 * V;
-  constexpr int BXP = bulk_xp(CT), BFIX = bulk_fix(NI);
+  constexpr int BXP = bulk_xp(CT), BFIX = bulk_fix(NI, QS), TSTEP = BNC / QS;
   extern __shared__ __align__(16) unsigned char smem[];
   const int NS = p.KC;  // stages
   const int M = (int)p.M;
   const int PG = bulk_pgroups(p.gs, CT);
-  const int SSB = bulk_stage_bytes(SB, M, p.gs, CT);
-  const int WOFF = 0, POFF = BQ * CT * WB, XOFF = POFF + PG * 256;
+  const int SSB = bulk_stage_bytes(SB, M, p.gs, CT, QS);
+  const int WOFF = 0, POFF = QS * CT * WB, XOFF = POFF + PG * QS * 64;
   const uint32_t sbase = smem_u32(smem);
   const uint32_t full0 = sbase, empty0 = sbase + BMAXS * 8, zero_addr = sbase + 2 * BMAXS * 8;
   float *red = reinterpret_cast<float *>(smem + 2 * BMAXS * 8 + 16);  // [2][4 warps][32 lanes][NI*4]
@@ -1110,7 +1116,7 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
   __syncthreads();
 
   const int nstripes = p.Np >> 4;
-  const int nquads = (nstripes + BQ - 1) / BQ;
+  const int nquads = (nstripes + QS - 1) / QS;
   // stream-K over granules of p.kg tiles (1, or CT: whole units), NG per quad: block blk owns granules
   // [blk * total / W, (blk + 1) * total / W), the tiles [a, b) of the quads laid end to end (K tiles within a
   // quad). It takes them in chunks that never cross a CT-aligned unit (a chunk's group parameters then fit
@@ -1143,7 +1149,7 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
       const int s = i % NS;
       if (i >= NS) mbar_wait(empty0 + 8 * s, ((i / NS) - 1) & 1);
       const int nt = bulk_chunk<CT>(t0, p.KT, left);
-      const int nvs = min(BQ, nstripes - q * BQ);
+      const int nvs = min(QS, nstripes - q * QS);
       const int g_lo = group_of(t0 * 64, p.gmul), g_hi = group_of((t0 + nt) * 64 - 1, p.gmul);
       const int ng = g_hi - g_lo + 1;  // scales hold ceil(Kp / gs) groups: the padded tail has its own
       const uint32_t st = stages_addr + s * SSB, full = full0 + 8 * s;
@@ -1155,14 +1161,14 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
         for (int r = 0; r < M; ++r)
           bulk_copy_hinted(st + XOFF + r * BXP, xs + (int64_t)r * p.ldx + t0 * 64, nt * 128, full, pol_x);
         for (int cc = 0; cc < nvs; ++cc)
-          bulk_copy_hinted(st + WOFF + cc * CT * WB, qwb + ((int64_t)(q * BQ + cc) * p.KT + t0) * WB, wbytes,
+          bulk_copy_hinted(st + WOFF + cc * CT * WB, qwb + ((int64_t)(q * QS + cc) * p.KT + t0) * WB, wbytes,
                                 full, pol);
       }
       const int pch = nvs * 2, npc = ng * np * pch;
       for (int e = pw * 32 + lane; e < npc; e += 32 * BNP) {
         const int pr = e / pch, ch = e - pr * pch, g = pr / np, which = pr - g * np;
-        const uint32_t dst = st + POFF + g * 256 + which * 128 + ch * 16;
-        const T *src = (which ? zsrc : ssrc) + (size_t)(g_lo + g) * p.Np + q * 64 + ch * 8;
+        const uint32_t dst = st + POFF + g * (QS * 64) + which * (QS * 32) + ch * 16;
+        const T *src = (which ? zsrc : ssrc) + (size_t)(g_lo + g) * p.Np + q * (QS * 16) + ch * 8;
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
       }
       asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full) : "memory");
@@ -1176,9 +1182,9 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
     return;
   }
 
-  // consumers: warp w computes stripe w % BQ of the unit, tiles w / BQ + j * (BNC / BQ)
+  // consumers: warp w computes stripe w % QS of the unit, tiles w / QS + j * (BNC / QS)
   const int gid = lane >> 2, tid4 = lane & 3;
-  const int mi = warp % BQ, th = warp / BQ;
+  const int mi = warp % QS, th = warp / QS;
   const ZC<T, SB> zc_sym = zc_make<T, SB>((float)(1 << (SB == 4 ? 3 : 7)), (float)(1 << (SB == 4 ? 3 : 7)));
   // ldmatrix: matrix qm = lane >> 3 is slice 2 * jj + (qm >> 1), k half qm & 1, token (lane & 7) + 8 * ni
   const uint32_t xl = ((lane >> 3) >> 1) * 32 + ((lane >> 3) & 1) * 16;
@@ -1209,30 +1215,36 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
       const unsigned char *wb = st + WOFF + (mi * CT + th) * WB + lane * V * 16;
       const T *pb = reinterpret_cast<const T *>(st + POFF) + mi * 16;
       if (nt == CT)
-        bulk_warp_unit<T, SB, FM, NI, G64, true, CT>(acc, wb, pb, xb, zero_addr, nt, t0, th, g_lo, gid, p, zc_sym);
+        bulk_warp_unit<T, SB, FM, NI, G64, true, CT, QS>(acc, wb, pb, xb, zero_addr, nt, t0, th, g_lo, gid, p, zc_sym);
       else
-        bulk_warp_unit<T, SB, FM, NI, G64, false, CT>(acc, wb, pb, xb, zero_addr, nt, t0, th, g_lo, gid, p, zc_sym);
+        bulk_warp_unit<T, SB, FM, NI, G64, false, CT, QS>(acc, wb, pb, xb, zero_addr, nt, t0, th, g_lo, gid, p, zc_sym);
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(empty0 + 8 * s);
     left -= nt;
     t0 += nt;
     if (t0 == p.KT || left == 0) {  // end of this block's segment of quad q: combine the two tile halves
-      float *rb = red + (seg & 1) * (4 * 32 * NI * 4);
-      if (th == 1) {
+      float *rb = red + (seg & 1) * (bulk_red_warps(QS) * 32 * NI * 4);
+      if (TSTEP > 1 && th > 0) {
 #pragma unroll
         for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
-          for (int cc = 0; cc < 4; ++cc) rb[(mi * 32 + lane) * NI * 4 + ni * 4 + cc] = acc[ni][cc];
+          for (int cc = 0; cc < 4; ++cc)
+            rb[(((th - 1) * QS + mi) * 32 + lane) * NI * 4 + ni * 4 + cc] = acc[ni][cc];
       }
-      named_sync(1, BNC * 32);
+      if (TSTEP > 1) named_sync(1, BNC * 32);
       if (th == 0) {
+        if (TSTEP > 1) {  // in warp order: deterministic
 #pragma unroll
-        for (int ni = 0; ni < NI; ++ni)
+          for (int h = 1; h < TSTEP; ++h)
 #pragma unroll
-          for (int cc = 0; cc < 4; ++cc) acc[ni][cc] += rb[(mi * 32 + lane) * NI * 4 + ni * 4 + cc];
+            for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+              for (int cc = 0; cc < 4; ++cc)
+                acc[ni][cc] += rb[(((h - 1) * QS + mi) * 32 + lane) * NI * 4 + ni * 4 + cc];
+        }
         const bool full = tb == 0 && t0 == p.KT;
-        const int row0 = q * BQ * 16;
+        const int row0 = q * QS * 16;
         if (full) {
 #pragma unroll
           for (int ni = 0; ni < NI; ++ni)
@@ -1248,7 +1260,7 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
             }
         } else {
           const int sl = q == first_quad ? 0 : 1;
-          const int nv = M * BQ * 16;
+          const int nv = M * QS * 16;
           float *piece = p.part + (size_t)(blk * 2 + sl) * nv;
 #pragma unroll
           for (int ni = 0; ni < NI; ++ni)
@@ -1256,23 +1268,23 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
             for (int cc = 0; cc < 4; ++cc) {
               const int r = mi * 16 + gid + (cc >> 1) * 8;
               const int tok = ni * 8 + tid4 * 2 + (cc & 1);
-              if (tok < M) __stcg(piece + tok * (BQ * 16) + r, acc[ni][cc]);
+              if (tok < M) __stcg(piece + tok * (QS * 16) + r, acc[ni][cc]);
             }
           __threadfence();
-          named_sync(2, 4 * 32);
+          named_sync(2, QS * 32);
           const int64_t w_lo = ring_owner((int64_t)q * NG, total, p.W);
           const int64_t w_hi = ring_owner((int64_t)(q + 1) * NG - 1, total, p.W);
           if (threadIdx.x == 0) *s_flag = atomicAdd(&p.counters[q], 1u) == (unsigned)(w_hi - w_lo);
-          named_sync(2, 4 * 32);
+          named_sync(2, QS * 32);
           if (*s_flag) {  // last piece of this quad: sum the pieces in block order
             __threadfence();
             const int sl_lo = w_lo * total / p.W < (int64_t)q * NG ? 1 : 0;
             const int npc = (int)(w_hi - w_lo) + 1;
             const float *base = p.part + (size_t)(w_lo * 2) * nv;
-            for (int e = threadIdx.x; e < nv; e += 4 * 32) {
+            for (int e = threadIdx.x; e < nv; e += QS * 32) {
               float v = __ldcg(base + sl_lo * nv + e);
               for (int jp = 1; jp < npc; ++jp) v += __ldcg(base + (size_t)(jp * 2) * nv + e);
-              const int tok = e / (BQ * 16), row = row0 + e % (BQ * 16);
+              const int tok = e / (QS * 16), row = row0 + e % (QS * 16);
               if (row < p.N) {
                 if (bias) v += to_f(bias[row]);
                 y[(int64_t)tok * p.ldy + row] = from_f<T>(v);
@@ -1280,7 +1292,7 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
             }
             if (threadIdx.x == 0) p.counters[q] = 0u;  // ready for the next call / graph replay
           }
-          named_sync(2, 4 * 32);  // s_flag is read before the next segment may set it
+          named_sync(2, QS * 32);  // s_flag is read before the next segment may set it
         }
       }
 #pragma unroll
@@ -2119,6 +2131,13 @@ int bulk_ct_env() {
   const int v = e ? atoi(e) : 0;
   return v == 8 || v == 12 || v == 16 ? v : 0;
 }
+// W4P_CUDA_BULK_QS=1|4: the bulk kernel's stripes per unit instead of the planner's choice (sweeps and tests;
+// read at each call; 1 only on 4-bit layers at M <= 8)
+int bulk_qs_env() {
+  const char *e = getenv("W4P_CUDA_BULK_QS");
+  const int v = e ? atoi(e) : 0;
+  return v == 1 || v == 4 ? v : 0;
+}
 DevInfo g_dev[64];
 std::mutex g_mu;
 
@@ -2178,6 +2197,7 @@ struct Plan {
   int kernel = 0;  // 1 stream, 2 tiled, 3 ring, 4 bulk, 10/11 probes (stream kernel variants)
   int64_t W = 0;   // ring: workers (warps)
   int ct = 8;      // bulk kernel: tiles per unit
+  int qs = 4;      // bulk kernel: stripes per unit
   int kg = 8;      // bulk kernel: tiles per stream-K granule
   int S = 1, TB = 1, NI = 1, MI = 1, KC = 8;
   int tiles = 0;   // output tiles (counters)
@@ -2221,14 +2241,16 @@ int bulk_ct(int sbits, int m, int np, int kp, int sms, bool large) {
   return best;
 }
 
-// The bulk kernel's stream-K granule: single tiles on layers of 2^26 weights or more (every block the same
-// work to within a tile: 3% faster at M = 4-8 on the 70B shapes), else whole units (fewer chunks and shared
-// quads per block: 5-10% faster on the 7B shapes). W4P_CUDA_BULK_GRANULE=tile|unit forces it (tests, sweeps).
-int bulk_granule(int ct, bool large) {
+// The bulk kernel's stream-K granule: whole stripes for units of one stripe (each block owns at most one), single
+// tiles on layers of 2^26 weights or more (every block the same work to within a tile: 3% faster at M = 4-8 on
+// the 70B shapes), else whole units (fewer chunks and shared quads per block: 5-10% faster on the 7B shapes).
+// W4P_CUDA_BULK_GRANULE=tile|unit|quad forces it (tests, sweeps; quad: a whole stripe group's K range).
+int bulk_granule(int ct, bool large, bool single, int KT) {
   const char *e = getenv("W4P_CUDA_BULK_GRANULE");
   if (e && strcmp(e, "tile") == 0) return 1;
   if (e && strcmp(e, "unit") == 0) return ct;
-  return large ? 1 : ct;
+  if (e && strcmp(e, "quad") == 0) return KT;
+  return single ? KT : large ? 1 : ct;
 }
 
 // Split-K count of both wgmma kernels: `splits` when forced, else enough to fill the resident slots when the
@@ -2309,29 +2331,41 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     // faster than three or four on every Llama shape: fewer bytes in flight per SM did better), as many as fit
     // for units of 8 (at most BMAXS)
     const int mm = (int)m;
-    const int fix = bulk_fix(m > 8 ? 2 : 1);
+    // stripes per unit: one (the eight consumer warps share each stripe's K range) where every block can own
+    // whole stripes, i.e. at most one stripe per block, on 4-bit layers under 2^25 weights at M <= 4: no block
+    // then shares its rows with another, so the split reduction through global memory disappears (measured on
+    // an H200: 4096x4096 at M = 1 8.2-8.3 against 9.3 us, M = 4 9.6-9.7 against 10.7; level or slower on the
+    // larger layers, docs/CUDA.md). Else four. W4P_CUDA_BULK_QS=1|4 forces it (1: M <= 8), and so does
+    // W4P_CUDA_BULK_CT (a unit size of four-stripe units).
+    const bool large = (int64_t)np * kp >= ((int64_t)1 << 26);
+    const int forced = sbits == 4 && m <= 8 ? bulk_ct_env() : 0;
+    const int qs_env = bulk_qs_env();
+    const bool single = sbits == 4 && m <= 8 &&
+                        (qs_env == 1 || (qs_env == 0 && !forced && m <= 4 && nstripes <= sms * BBPS &&
+                                         (int64_t)np * kp < ((int64_t)1 << 25)));
+    const int qs = single ? 1 : BQ;
+    if ((nstripes + qs - 1) / qs > MAX_COUNTERS)
+      return fail(W4P_EUNSUPPORTED, "bulk kernel: %d stripes exceed its %d counters", nstripes, MAX_COUNTERS * qs);
+    const int fix = bulk_fix(m > 8 ? 2 : 1, qs);
     // BBPS blocks per SM share its shared memory; where two stages do not fit that share (8-bit, M > 8), one
     // block per SM takes the whole of it
     const int budget = std::min(di.smem_block, di.smem_sm / BBPS - di.smem_reserved);
-    // longer units only where two of their stages fit a block's share (group 32 at M = 8 takes 12, not 16),
-    // unless W4P_CUDA_BULK_CT forces the size
-    const bool large = (int64_t)np * kp >= ((int64_t)1 << 26);
-    const int forced = sbits == 4 && m <= 8 ? bulk_ct_env() : 0;
-    int ct = forced ? forced : bulk_ct(sbits, mm, np, kp, sms, large);
-    while (!forced && ct > 8 && splits <= 0 && fix + 2 * bulk_stage_bytes(sbits, mm, gs, ct) > budget)
+    // units of one stripe are 32 tiles long (16 and 64 measured no faster); of four stripes, longer units only
+    // where two of their stages fit a block's share (group 32 at M = 8 takes 12, not 16), unless
+    // W4P_CUDA_BULK_CT forces the size
+    int ct = single ? BCT1 : forced ? forced : bulk_ct(sbits, mm, np, kp, sms, large);
+    while (!single && !forced && ct > 8 && splits <= 0 && fix + 2 * bulk_stage_bytes(sbits, mm, gs, ct) > budget)
       ct = ct == 16 ? 12 : 8;
-    const int per_stage = bulk_stage_bytes(sbits, mm, gs, ct);
+    const int per_stage = bulk_stage_bytes(sbits, mm, gs, ct, qs);
     int ns = splits > 0 ? splits : ct > 8 ? 2 : (budget - fix) / per_stage;
     if (splits <= 0 && ns < 2) ns = (di.smem_block - fix) / per_stage;
     ns = std::min(ns, BMAXS);
-    if (ns < 2 || (size_t)bulk_smem_bytes(sbits, mm, gs, ns, ct) > (size_t)di.smem_block)
+    if (ns < 2 || (size_t)bulk_smem_bytes(sbits, mm, gs, ns, ct, qs) > (size_t)di.smem_block)
       return fail(W4P_EUNSUPPORTED, "bulk kernel: %d stages of %d bytes do not fit the device's %d bytes of shared "
                   "memory per block", std::max(ns, 2), per_stage, di.smem_block);
-    const int nq = (nstripes + BQ - 1) / BQ;
-    // stream-K over single tiles on large layers (every block the same work to within a tile: measured 3%
-    // faster at M = 4-8 on the 70B shapes), else over whole units (fewer chunks and shared quads per block:
-    // measured 5-10% faster on the 7B shapes)
-    const int kg = bulk_granule(ct, large);
+    const int nq = (nstripes + qs - 1) / qs;
+    pl->qs = qs;
+    const int kg = bulk_granule(ct, large, single, KT);
     const int64_t total = (int64_t)nq * ((KT + kg - 1) / kg);
     pl->ct = ct;
     pl->kg = kg;
@@ -2341,10 +2375,10 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     pl->NI = m > 8 ? 2 : 1;
     pl->TB = 1;
     pl->tiles = nq;
-    pl->smem = bulk_smem_bytes(sbits, mm, gs, ns, ct);
+    pl->smem = bulk_smem_bytes(sbits, mm, gs, ns, ct, qs);
     pl->gather = act_order || !x_aligned || (k % 64) != 0;
     pl->ws_gather = pl->gather ? (((size_t)m * kp * 2 + 255) / 256) * 256 : 0;
-    pl->ws_part = (size_t)pl->W * 2 * m * BQ * 16 * 4;
+    pl->ws_part = (size_t)pl->W * 2 * m * qs * 16 * 4;
     pl->ws_total = COUNTER_BYTES + pl->ws_gather + pl->ws_part;
     return W4P_OK;
   }
@@ -2564,11 +2598,11 @@ cudaError_t launch_ring(const Params &p, const Plan &pl, cudaStream_t st) {
   return cudaGetLastError();
 }
 
-template <typename T, int SB, int NI, int CT>
+template <typename T, int SB, int NI, int CT, int QS = BQ>
 cudaError_t launch_bulk_t(const Params &p, const Plan &pl, cudaStream_t st) {
   const bool g64 = p.gs < 0 || p.gs % 64 == 0;
-  auto fn = p.zm == 2 ? (g64 ? bulk_kernel<T, SB, true, NI, true, CT> : bulk_kernel<T, SB, true, NI, false, CT>)
-                      : (g64 ? bulk_kernel<T, SB, false, NI, true, CT> : bulk_kernel<T, SB, false, NI, false, CT>);
+  auto fn = p.zm == 2 ? (g64 ? bulk_kernel<T, SB, true, NI, true, CT, QS> : bulk_kernel<T, SB, true, NI, false, CT, QS>)
+                      : (g64 ? bulk_kernel<T, SB, false, NI, true, CT, QS> : bulk_kernel<T, SB, false, NI, false, CT, QS>);
   cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
   if (e != cudaSuccess) return e;
   debug_occupancy(fn, "bulk", (BNC + BNP) * 32, pl.smem);
@@ -2583,6 +2617,7 @@ cudaError_t launch_bulk_ct(const Params &p, const Plan &pl, cudaStream_t st) {
 template <typename T, int SB>
 cudaError_t launch_bulk(const Params &p, const Plan &pl, cudaStream_t st) {
   if constexpr (SB == 4) {  // (units of 12 or 16 tiles: M <= 8 only, one n8 block of tokens)
+    if (pl.qs == 1) return launch_bulk_t<T, SB, 1, BCT1, 1>(p, pl, st);
     if (pl.ct == 16 && pl.NI == 1) return launch_bulk_t<T, SB, 1, 16>(p, pl, st);
     if (pl.ct == 12 && pl.NI == 1) return launch_bulk_t<T, SB, 1, 12>(p, pl, st);
   }
@@ -2734,8 +2769,8 @@ int describe_on(const DevInfo &di, int64_t m, int n, int k, int storage_bits, in
   static const char *names[] = {"auto", "stream", "tiled", "ring", "bulk", "wgmma", "wgmma_ws"};
   const char *name = pl.kernel >= 0 && pl.kernel <= 6 ? names[pl.kernel] : "probe";
   if (pl.kernel == W4P_CUDA_KERNEL_BULK)
-    snprintf(buf, len, "bulk unit=%d granule=%d stages=%d blocks=%lld smem=%zu workspace=%zu", pl.ct, pl.kg, pl.S,
-             (long long)pl.W, pl.smem, pl.ws_total);
+    snprintf(buf, len, "bulk unit=%d granule=%d stages=%d stripes=%d blocks=%lld smem=%zu workspace=%zu", pl.ct,
+             pl.kg, pl.S, pl.qs, (long long)pl.W, pl.smem, pl.ws_total);
   else if (pl.kernel == 3)
     snprintf(buf, len, "ring workers=%lld smem=%zu workspace=%zu", (long long)pl.W, pl.smem, pl.ws_total);
   else
