@@ -291,6 +291,10 @@ def read_bandwidth() -> dict[str, float]:
     return res
 
 
+SMOKE_SWITCHES = {"tile": ("W4P_CUDA_BULK_GRANULE", "tile"), "quads": ("W4P_CUDA_BULK_QS", "4"),
+                  "single": ("W4P_CUDA_BULK_QS", "1")}
+
+
 def smoke() -> int:
     """A few small calls of every kernel path against the float64 reference (for compute-sanitizer runs)."""
     from w4pack.canonical import CanonicalLayer, default_g_idx
@@ -322,8 +326,11 @@ def smoke() -> int:
         w64 = layer.dequantize(np.float64)
         if k != 576:
             calls = ((12, "wgmma_ws", 1), (20, "wgmma_ws", 1), (40, "wgmma_ws", 1), (150, "wgmma_ws", 1),
-                     (1, "bulk", 0), (4, "bulk", 0), (1, "bulk:tile", 0), (6, "bulk:tile", 2))
-            # bulk: whole units of 16 tiles, shared quads; ":tile": stream-K over single tiles (W4P_CUDA_BULK_GRANULE)
+                     (1, "bulk", 0), (4, "bulk", 0), (1, "bulk:tile", 0), (6, "bulk:tile", 2), (1, "bulk:quads", 0),
+                     (4, "bulk:quads", 0), (8, "bulk:single", 3))
+            # bulk: units of one stripe, each block owning whole stripes; ":tile": stream-K over single tiles
+            # (W4P_CUDA_BULK_GRANULE; at M = 1 stripes shared by two blocks); ":quads": four-stripe units of 16
+            # tiles, shared quads; ":single": one-stripe units forced (W4P_CUDA_BULK_QS)
         else:
             calls = ((1, "stream", 0), (5, "stream", 3), (24, "stream", 0), (1, "ring", 0), (7, "ring", 3),
                      (3, "ring", 1), (40, "tiled", 0), (130, "tiled", 2), (70, "dense", 0))
@@ -335,12 +342,13 @@ def smoke() -> int:
                 calls += ((1, "bulk", 0), (13, "bulk", 2), (6, "bulk", 3))
         for m, kernel, splits in calls:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-            if kernel.endswith(":tile"):
-                os.environ["W4P_CUDA_BULK_GRANULE"] = "tile"
+            if ":" in kernel:
+                var, val = SMOKE_SWITCHES[kernel.split(":")[1]]
+                os.environ[var] = val
                 try:  # a fresh layer: a layer caches its plans
                     y = w4cuda.CudaPackedLinear(pack(layer), "cuda").forward(x, kernel="bulk", splits=splits)
                 finally:
-                    del os.environ["W4P_CUDA_BULK_GRANULE"]
+                    del os.environ[var]
             else:
                 y = lin.forward(x, kernel=kernel, splits=splits)
             ref = x.double().cpu().numpy() @ w64.T + layer.bias.astype(np.float64)
