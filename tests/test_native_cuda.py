@@ -90,12 +90,15 @@ def test_plan_for_described_devices_auto():
     for n, kk in ((28672, 8192), (8192, 28672), (4096, 4096), (11008, 4096), (196, 576)):
         for m in (1, 2, 4):
             assert auto(H200, m, n, kk) == k["bulk"], (m, n, kk)
-    # bulk up to M = 8 on layers of 2^25 weights or more, the stream kernel from M = 5 on smaller ones
-    for n, kk in ((28672, 8192), (8192, 28672), (11008, 4096), (4096, 11008), (12288, 4096)):
+    # bulk up to M = 8 on layers of 2^25 weights or more and on those of one-stripe units (at most 264 stripes),
+    # the stream kernel from M = 5 on the other ones
+    for n, kk in ((28672, 8192), (8192, 28672), (11008, 4096), (4096, 11008), (12288, 4096), (4096, 4096),
+                  (4224, 2048), (196, 576)):
         for m in (5, 7, 8):
             assert auto(H200, m, n, kk) == k["bulk"], (m, n, kk)
-    assert auto(H200, 5, 4096, 4096) == k["stream"]
-    assert auto(H200, 8, 4096, 4096) == k["stream"]
+    assert auto(H200, 5, 4240, 4096) == k["stream"]  # 265 stripes
+    assert auto(H200, 8, 6144, 4096) == k["stream"]
+    assert auto(H200, 8, 4096, 4096, bits=8) == k["stream"]
     # the warp-specialized wgmma kernel from M = 9: up to 32 on every layer, up to 128 on layers of 2^25
     # weights or more, up to 256 on layers of 2^26 or more
     assert auto(H200, 8, 8192, 28672, gs=48) == k["wgmma_ws"]  # a group size the bulk kernel does not take
@@ -129,7 +132,7 @@ def test_plan_for_without_tma_falls_back_to_wgmma(monkeypatch):
     for m, n, kk in ((9, 4096, 4096), (16, 28672, 8192), (128, 11008, 4096), (256, 8192, 28672)):
         rc, kind, _, _ = _plan_for(lib, ffi, H200, m, n, kk)
         assert rc == 0 and kind == k["wgmma"], (m, n, kk, kind)
-    assert _plan_for(lib, ffi, H200, 5, 4096, 4096)[1] == k["stream"]  # below the range: unchanged
+    assert _plan_for(lib, ffi, H200, 5, 6144, 4096)[1] == k["stream"]  # below the range: unchanged
     assert _plan_for(lib, ffi, H200, 16, 4096, 4096, kernel="wgmma_ws")[1] == k["wgmma_ws"]  # forced: as asked
     monkeypatch.delenv("W4P_CUDA_NO_TMA")
     assert _plan_for(lib, ffi, H200, 16, 28672, 8192)[1] == k["wgmma_ws"]
@@ -203,7 +206,7 @@ def test_plan_for_bulk_unit_granule_and_stages(monkeypatch):
         assert bulk(m, 8192, 28672) == (16, 1, 2)
     # smaller layers: the unit that gives the busiest of 264 blocks the fewest tiles (ceil(units / 264) whole
     # units; 12 before 16 before 8), whole units per block
-    assert bulk(5, 4096, 4096) == (16, 16, 2)  # 8: 16 tiles, 12: 24, 16: 16
+    assert bulk(5, 8192, 2048) == (16, 16, 2)  # 8: 16 tiles, 12: 24, 16: 16
     assert bulk(3, 11008, 4096) == (12, 12, 2)  # a tie at 48 tiles
     assert bulk(3, 4096, 11008) == (12, 12, 2)
     assert bulk(2, 12288, 4096) == (16, 16, 2)  # 12: 60 tiles, 8 and 16: 48
@@ -213,11 +216,13 @@ def test_plan_for_bulk_unit_granule_and_stages(monkeypatch):
     # M > 8 and 8-bit layers: units of 8 tiles and as many stages as fit two blocks per SM (113 KiB each)
     assert bulk(12, 28672, 8192) == (8, 1, 3)  # 29888-byte stages at M = 12
     assert bulk(1, 4096, 4096, bits=8) == (8, 8, 3)  # 34832-byte stages
-    assert bulk(5, 4096, 4096, splits=5) == (16, 16, 5)  # forced stages
-    # at most one stripe per block (256 stripes, 264 blocks), under 2^25 weights, M <= 4: units of one stripe
+    assert bulk(5, 8192, 2048, splits=5) == (16, 16, 5)  # forced stages
+    # at most one stripe per block (256 stripes, 264 blocks), under 2^25 weights, M <= 8: units of one stripe
     # and 32 tiles, each block owning a whole stripe (granule = its 64 tiles), two stages
-    for m in (1, 2, 4):
+    for m in (1, 2, 4, 8):
         assert bulk(m, 4096, 4096, stripes=1) == (32, 64, 2)
+    assert bulk(8, 4096, 4096, gs=32, stripes=1)[2] == 2
+    assert bulk(12, 4096, 4096)[0] == 8  # M > 8: four-stripe units
     assert bulk(1, 4224, 4096, stripes=1) == (32, 64, 2)  # 264 stripes
     assert bulk(1, 4240, 4096)[0] == 12  # 265 stripes: four-stripe units (12 balances them best)
     assert bulk(1, 4096, 11008)[0] == 12  # 2^25 weights or more: four-stripe units
@@ -243,6 +248,7 @@ def test_plan_for_bulk_unit_granule_and_stages(monkeypatch):
     assert bulk(1, 28672, 8192)[1] == 128
     monkeypatch.setenv("W4P_CUDA_BULK_CT", "12")  # a forced four-stripe unit size takes four-stripe units
     assert bulk(1, 4096, 4096) == (12, 64, 2)
+    assert bulk(7, 4096, 4096) == (12, 64, 2)
     monkeypatch.delenv("W4P_CUDA_BULK_CT")
     monkeypatch.delenv("W4P_CUDA_BULK_GRANULE")
     monkeypatch.setenv("W4P_CUDA_BULK_QS", "1")  # one-stripe units forced: any 4-bit layer up to M = 8
@@ -251,6 +257,7 @@ def test_plan_for_bulk_unit_granule_and_stages(monkeypatch):
     assert bulk(1, 4096, 4096, bits=8)[0] == 8
     monkeypatch.setenv("W4P_CUDA_BULK_QS", "4")
     assert bulk(1, 4096, 4096) == (16, 16, 2)
+    assert bulk(6, 4096, 4096) == (16, 16, 2)
     # other kernels describe themselves too
     assert _describe_for(lib, ffi, H200, 16, 4096, 4096)["kernel"] == "wgmma_ws"
     assert _describe_for(lib, ffi, A100, 1, 28672, 8192)["kernel"] == "ring"
@@ -706,6 +713,8 @@ def test_cuda_graph_capture_and_replay():
 @pytest.mark.gpu
 def test_auto_plan_per_shape():
     # small M: the ring kernel on 70B-sized layers, the stream kernel on small ones, dense from DENSE_MIN_M
+    import torch
+
     ffi, lib = cuda._load()
     ko, so, wb = ffi.new("int *"), ffi.new("int *"), ffi.new("size_t *")
 
@@ -713,8 +722,8 @@ def test_auto_plan_per_shape():
         assert lib.w4p_cuda_plan(0, m, n, k, 4, 128, 0, 1, 0, 0, ko, so, wb) == 0
         return ko[0]
 
-    # sm_90+: the bulk kernel up to M = 4 on every shape, to 8 on layers of 2^25 weights or more; otherwise (and
-    # before sm_90) ring / stream as measured
+    # sm_90+: the bulk kernel up to M = 4 on every shape, to 8 on layers of 2^25 weights or more and on those
+    # of one-stripe units (at most two stripes per SM); otherwise (and before sm_90) ring / stream as measured
     m1 = cuda.KERNELS["bulk"] if bulk_ok() else None
     assert auto(1, 28672, 8192) == (m1 or cuda.KERNELS["ring"])
     assert auto(1, 4096, 4096) == (m1 or cuda.KERNELS["stream"])
@@ -723,7 +732,9 @@ def test_auto_plan_per_shape():
     assert auto(4, 4096, 4096) == (m1 or cuda.KERNELS["stream"])
     assert auto(7, 8192, 28672) == (m1 or cuda.KERNELS["ring"])
     assert auto(8, 8192, 28672) == (m1 or cuda.KERNELS["ring"])
-    assert auto(5, 4096, 4096) == cuda.KERNELS["stream"]
+    one_stripe = bulk_ok() and torch.cuda.get_device_properties(0).multi_processor_count * 2 >= 256
+    assert auto(5, 4096, 4096) == (m1 if one_stripe else cuda.KERNELS["stream"])
+    assert auto(5, 6144, 4096) == cuda.KERNELS["stream"]
     # sm_90: the warp-specialized wgmma kernel from M = 9 (to 32 on every layer, to 256 on large ones), else
     # tiled (-> dense)
     wg = cuda.KERNELS["wgmma_ws"] if wgmma_ok() else None

@@ -910,7 +910,7 @@ __global__ void __launch_bounds__(RW * 32, RING_MINB) ring_kernel(const Params p
 // unit's group of QS stripes.) Numerics are the stream kernel's.
 // CT, tiles per unit: 8 (512 columns of K), 12 or 16 for 4-bit layers (longer runs per copy, less work per
 // chunk; measured faster on large layers and at M = 1: docs/CUDA.md)
-constexpr int BQ = 4;           // stripes per unit (QS), or one on small layers at M <= 4
+constexpr int BQ = 4;           // stripes per unit (QS), or one on small layers
 constexpr int BCT1 = 32;        // tiles per unit of one stripe
 constexpr int BNC = 8;          // consumer warps
 constexpr int BNP = 2;          // producer warps (one measured too slow from M = 4: docs/CUDA.md)
@@ -2289,11 +2289,18 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   const int64_t ring_units = (int64_t)((nstripes + RQ - 1) / RQ) * KT;
   // bulk kernel (sm_90+): BBPS blocks of 9 warps per SM, as many stages as fit (at most BMAXS)
   const bool bulk_ok = stream_ok && m <= BULK_MAX_M && di.cc >= 90 && (nstripes + BQ - 1) / BQ <= MAX_COUNTERS;
+  // one-stripe units (4-bit, M <= 8): where every block can own a whole stripe (at most one stripe per block)
+  // on layers under 2^25 weights. No block then shares its rows with another and the split reduction through
+  // global memory disappears. Measured on an H200 (docs/CUDA.md): 4096x4096 M = 1 8.0 against 9.2 us with
+  // four-stripe units, M = 4 9.1 against 10.2; 4096 rows x K 2048 M = 1 5.7 against 7.6; level or slower on
+  // the larger layers, where blocks share stripes anyway
+  const bool bulk_big = (int64_t)np * kp >= ((int64_t)1 << 25);
+  const bool bulk_one = sbits == 4 && !bulk_big && nstripes <= sms * BBPS;
   // auto: up to M = 4, up to M = 8 on layers of 2^25 weights or more (measured on an H200 with units of 12 or
   // 16 tiles: 45-47 against 57-60 us for the ring and wgmma_ws kernels at M = 6-8 on the 70B shapes, 16-19
-  // against 18-22 us on the 7B MLP shapes; on 4096x4096 the stream kernel stays ahead from M = 6)
-  const bool bulk_big = (int64_t)np * kp >= ((int64_t)1 << 25);
-  if (kind == W4P_CUDA_KERNEL_AUTO && bulk_ok && (m <= BULK_AUTO_M || (bulk_big && m <= 8)))
+  // against 18-22 us on the 7B MLP shapes) and on the layers of one-stripe units (4096x4096 at M = 5-8:
+  // 9.5-9.9 against 10.4-10.9 us for the stream kernel)
+  if (kind == W4P_CUDA_KERNEL_AUTO && bulk_ok && (m <= BULK_AUTO_M || ((bulk_big || bulk_one) && m <= 8)))
     kind = W4P_CUDA_KERNEL_BULK;
   // auto, sm_90: the warp-specialized wgmma kernel from M = 9 (the bulk kernel takes M = 8 where it led), up to
   // M = 32 on every layer, up to M = 128 on layers of 2^25 weights or more (the 7B MLP shapes) and up to M = 256
@@ -2331,18 +2338,13 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     // faster than three or four on every Llama shape: fewer bytes in flight per SM did better), as many as fit
     // for units of 8 (at most BMAXS)
     const int mm = (int)m;
-    // stripes per unit: one (the eight consumer warps share each stripe's K range) where every block can own
-    // whole stripes, i.e. at most one stripe per block, on 4-bit layers under 2^25 weights at M <= 4: no block
-    // then shares its rows with another, so the split reduction through global memory disappears (measured on
-    // an H200: 4096x4096 at M = 1 8.2-8.3 against 9.3 us, M = 4 9.6-9.7 against 10.7; level or slower on the
-    // larger layers, docs/CUDA.md). Else four. W4P_CUDA_BULK_QS=1|4 forces it (1: M <= 8), and so does
-    // W4P_CUDA_BULK_CT (a unit size of four-stripe units).
+    // stripes per unit: one on the layers of bulk_one (above), else four. W4P_CUDA_BULK_QS=1|4 forces it (1: any
+    // 4-bit layer at M <= 8), and so does W4P_CUDA_BULK_CT (a unit size of four-stripe units).
     const bool large = (int64_t)np * kp >= ((int64_t)1 << 26);
     const int forced = sbits == 4 && m <= 8 ? bulk_ct_env() : 0;
     const int qs_env = bulk_qs_env();
     const bool single = sbits == 4 && m <= 8 &&
-                        (qs_env == 1 || (qs_env == 0 && !forced && m <= 4 && nstripes <= sms * BBPS &&
-                                         (int64_t)np * kp < ((int64_t)1 << 25)));
+                        (qs_env == 1 || (qs_env == 0 && !forced && bulk_one));
     const int qs = single ? 1 : BQ;
     if ((nstripes + qs - 1) / qs > MAX_COUNTERS)
       return fail(W4P_EUNSUPPORTED, "bulk kernel: %d stripes exceed its %d counters", nstripes, MAX_COUNTERS * qs);
