@@ -143,7 +143,7 @@ int w4p_cuda_plan_for(int sms, int cc, int smem_sm, int smem_block, int smem_res
                       int storage_bits, int group_size, int act_order, int x_aligned, int kernel, int splits,
                       int *kernel_out, int *splits_out, size_t *workspace_bytes);
 /* The same plans as one line of text for logs and tests (kernel name, then its choices: for the bulk kernel
-   "bulk unit=16 granule=1 stages=2 blocks=264 ..."; fields may be added), NUL-terminated, cut to len bytes. */
+   "bulk unit=16 granule=1 stages=2 stripes=4 blocks=264 ..."; fields may be added), NUL-terminated, cut to len bytes. */
 int w4p_cuda_plan_describe(int device, int64_t m, int n, int k, int storage_bits, int group_size, int act_order,
                            int x_aligned, int kernel, int splits, char *buf, size_t len);
 int w4p_cuda_plan_describe_for(int sms, int cc, int smem_sm, int smem_block, int smem_reserved, int64_t m, int n,
