@@ -909,7 +909,7 @@ __global__ void __launch_bounds__(RW * 32, RING_MINB) ring_kernel(const Params p
 // to arrive); within a block, the BNC / QS warps that share a stripe sum in warp order. ("Quad" below means a
 // unit's group of QS stripes.) Numerics are the stream kernel's.
 // CT, tiles per unit: 8 (512 columns of K), 12 or 16 for 4-bit layers (longer runs per copy, less work per
-// chunk; measured faster on large layers and at M = 1: docs/CUDA.md)
+// chunk; measured faster on large layers and at M = 1: docs/CUDA.md); 32 for units of one stripe
 constexpr int BQ = 4;           // stripes per unit (QS), or one on small layers
 constexpr int BCT1 = 32;        // tiles per unit of one stripe
 constexpr int BNC = 8;          // consumer warps
