@@ -229,6 +229,19 @@ def test_plan_for_bulk_unit_granule_and_stages(monkeypatch):
     assert bulk(1, 196, 576, stripes=1) == (32, 9, 2)  # K shorter than a unit: one 9-tile chunk per stripe
     assert bulk(1, 4096, 4096, stripes=1, splits=3) == (32, 64, 3)
     assert bulk(1, 4096, 4096, bits=8)[0] == 8  # 8-bit layers: four-stripe units
+    # one-stripe units only where two of their stages fit a block's half of the SM: on a device with 164 KiB per
+    # SM up to M = 4 at group 128 (M = 8 would need 107936 bytes); with 100 KiB (compute capability 12.0) never
+    # (50368 bytes at M = 1). Elsewhere four-stripe units, and auto keeps the stream kernel at M = 5-8 on
+    # 4096x4096 instead of failing
+    mid, small = (132, 90, 167936, 166912, 1024), (170, 120, 102400, 101376, 1024)
+    for dev, m, gs, stripes in ((mid, 1, 128, "1"), (mid, 4, 128, "1"), (mid, 8, 128, "4"), (mid, 8, 32, "4"),
+                                (small, 1, 128, "4"), (small, 1, 32, "4"), (small, 4, -1, "4"), (small, 8, 128, "4")):
+        d = _describe_for(lib, ffi, dev, m, 4096, 4096, kernel="bulk", gs=gs)
+        assert d["stripes"] == stripes, (dev, m, gs, d)
+        if stripes == "1":
+            assert int(d["smem"]) <= dev[2] // 2 - dev[4], (dev, m, gs, d)
+        want = "bulk" if m <= 4 or stripes == "1" else "stream"
+        assert _describe_for(lib, ffi, dev, m, 4096, 4096, gs=gs)["kernel"] == want, (dev, m, gs)
     # the switches for sweeps and tests
     for ct in ("8", "12", "16"):
         monkeypatch.setenv("W4P_CUDA_BULK_CT", ct)
@@ -496,8 +509,9 @@ def test_bulk_kernel_unit_sizes_and_granules(ct, dtype_name, zero_mode, gs, act_
                                                                ("float16", "int", 64, True)])
 def test_bulk_kernel_single_stripes(dtype_name, zero_mode, gs, act_order, monkeypatch):
     # units of one stripe (eight warps share its K range and sum in warp order): the planner's choice on small
-    # layers and forced (W4P_CUDA_BULK_QS=1) on larger ones, granules of single tiles, whole units and whole
-    # stripes (stripes then shared by two blocks, or not at all), M up to 8, repeated calls bit-identical
+    # layers, forced (W4P_CUDA_BULK_QS=1) on 6000 x 2048 (375 stripes: four-stripe units otherwise) and on
+    # 1000 x 9000; granules of single tiles, whole units and whole stripes (stripes then shared by several
+    # blocks, or not at all), M up to 8, repeated calls bit-identical
     import torch
 
     if not bulk_ok():

@@ -329,8 +329,8 @@ def smoke() -> int:
                      (1, "bulk", 0), (4, "bulk", 0), (1, "bulk:tile", 0), (6, "bulk:tile", 2), (1, "bulk:quads", 0),
                      (4, "bulk:quads", 0), (8, "bulk:single", 3))
             # bulk: units of one stripe, each block owning whole stripes; ":tile": stream-K over single tiles
-            # (W4P_CUDA_BULK_GRANULE; at M = 1 stripes shared by two blocks); ":quads": four-stripe units of 16
-            # tiles, shared quads; ":single": one-stripe units forced (W4P_CUDA_BULK_QS)
+            # (W4P_CUDA_BULK_GRANULE; stripes shared by several blocks); ":quads": four-stripe units (the planner's
+            # unit size), shared quads; ":single": one-stripe units forced (W4P_CUDA_BULK_QS)
         else:
             calls = ((1, "stream", 0), (5, "stream", 3), (24, "stream", 0), (1, "ring", 0), (7, "ring", 3),
                      (3, "ring", 1), (40, "tiled", 0), (130, "tiled", 2), (70, "dense", 0))

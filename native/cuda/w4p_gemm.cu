@@ -922,7 +922,7 @@ __host__ __device__ constexpr int bulk_xp(int ct) { return ct * 128 + 16; }
 __host__ __device__ __forceinline__ int bulk_pgroups(int gs, int ct) {
   return gs > 0 ? (ct * 64) / gs + ((ct * 64) % gs == 0 ? 0 : 2) : 1;
 }
-// stage: weights | group parameters (per group: 64 scales, 64 zeros / minima) | activation rows
+// stage: weights | group parameters (per group: QS * 16 scales, QS * 16 zeros / minima) | activation rows
 __host__ __device__ __forceinline__ int bulk_stage_bytes(int sb, int m, int gs, int ct, int qs = BQ) {
   return qs * ct * 512 * (sb / 4) + bulk_pgroups(gs, ct) * qs * 64 + m * bulk_xp(ct);
 }
@@ -1033,7 +1033,7 @@ __device__ __forceinline__ void bulk_tile(float (&acc)[NI][4], const uint32_t (&
   }
 }
 
-// A consumer warp's tiles of one unit (th, th + 2, ... of stripe mi). FULL: all CT tiles are present, so no
+// A consumer warp's tiles of one unit (th, th + BNC / QS, ... of stripe mi). FULL: all CT tiles are present, so no
 // per-tile guard splits the unrolled loop (the compiler then schedules across tiles). G64: every group spans
 // whole 64-wide tiles (group size a multiple of 64, or per channel), one set of parameters per tile.
 template <typename T, int SB, bool FM, int NI, bool G64, bool FULL, int CT, int QS>
@@ -1099,7 +1099,7 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
   const int WOFF = 0, POFF = QS * CT * WB, XOFF = POFF + PG * QS * 64;
   const uint32_t sbase = smem_u32(smem);
   const uint32_t full0 = sbase, empty0 = sbase + BMAXS * 8, zero_addr = sbase + 2 * BMAXS * 8;
-  float *red = reinterpret_cast<float *>(smem + 2 * BMAXS * 8 + 16);  // [2][4 warps][32 lanes][NI*4]
+  float *red = reinterpret_cast<float *>(smem + 2 * BMAXS * 8 + 16);  // [2][BNC - QS warps][32 lanes][NI*4]
   int *s_flag = reinterpret_cast<int *>(smem + BFIX - 16);
   unsigned char *stages = smem + BFIX;
   const uint32_t stages_addr = sbase + BFIX;
@@ -1117,9 +1117,9 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
 
   const int nstripes = p.Np >> 4;
   const int nquads = (nstripes + QS - 1) / QS;
-  // stream-K over granules of p.kg tiles (1, or CT: whole units), NG per quad: block blk owns granules
-  // [blk * total / W, (blk + 1) * total / W), the tiles [a, b) of the quads laid end to end (K tiles within a
-  // quad). It takes them in chunks that never cross a CT-aligned unit (a chunk's group parameters then fit
+  // stream-K over granules of p.kg tiles (1, CT: whole units, or KT: whole quads), NG per quad: block blk owns
+  // granules [blk * total / W, (blk + 1) * total / W), the tiles [a, b) of the quads laid end to end (K tiles
+  // within a quad). It takes them in chunks that never cross a CT-aligned unit (a chunk's group parameters then fit
   // the stage) nor a quad.
   const int NG = (p.KT + p.kg - 1) / p.kg;
   const int64_t total = (int64_t)nquads * NG;
@@ -1223,7 +1223,7 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
     if (lane == 0) mbar_arrive(empty0 + 8 * s);
     left -= nt;
     t0 += nt;
-    if (t0 == p.KT || left == 0) {  // end of this block's segment of quad q: combine the two tile halves
+    if (t0 == p.KT || left == 0) {  // end of this block's segment of quad q: sum the warps sharing each stripe
       float *rb = red + (seg & 1) * (bulk_red_warps(QS) * 32 * NI * 4);
       if (TSTEP > 1 && th > 0) {
 #pragma unroll
@@ -2290,12 +2290,15 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   // bulk kernel (sm_90+): BBPS blocks of 9 warps per SM, as many stages as fit (at most BMAXS)
   const bool bulk_ok = stream_ok && m <= BULK_MAX_M && di.cc >= 90 && (nstripes + BQ - 1) / BQ <= MAX_COUNTERS;
   // one-stripe units (4-bit, M <= 8): where every block can own a whole stripe (at most one stripe per block)
-  // on layers under 2^25 weights. No block then shares its rows with another and the split reduction through
-  // global memory disappears. Measured on an H200 (docs/CUDA.md): 4096x4096 M = 1 8.0 against 9.2 us with
-  // four-stripe units, M = 4 9.1 against 10.2; 4096 rows x K 2048 M = 1 5.7 against 7.6; level or slower on
-  // the larger layers, where blocks share stripes anyway
+  // on layers under 2^25 weights, and two of their stages fit a block's share of the SM (BBPS blocks per SM;
+  // on an H200 they fit up to M = 8 with every group size). No block then shares its rows with another and
+  // the split reduction through global memory disappears. Measured on an H200 (docs/CUDA.md): 4096x4096
+  // M = 1 8.0 against 9.2 us with four-stripe units, M = 4 9.1-9.2 against 10.2; 4096 rows x K 2048 M = 1 5.7
+  // against 7.6; level or slower on the larger layers, where blocks share stripes anyway
   const bool bulk_big = (int64_t)np * kp >= ((int64_t)1 << 25);
-  const bool bulk_one = sbits == 4 && !bulk_big && nstripes <= sms * BBPS;
+  const int bulk_budget = std::min(di.smem_block, di.smem_sm / BBPS - di.smem_reserved);
+  const bool bulk_one = sbits == 4 && !bulk_big && nstripes <= sms * BBPS && m <= 8 &&
+                        bulk_fix(1, 1) + 2 * bulk_stage_bytes(4, (int)m, gs, BCT1, 1) <= bulk_budget;
   // auto: up to M = 4, up to M = 8 on layers of 2^25 weights or more (measured on an H200 with units of 12 or
   // 16 tiles: 45-47 against 57-60 us for the ring and wgmma_ws kernels at M = 6-8 on the 70B shapes, 16-19
   // against 18-22 us on the 7B MLP shapes) and on the layers of one-stripe units (4096x4096 at M = 5-8:
@@ -2339,7 +2342,8 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     // for units of 8 (at most BMAXS)
     const int mm = (int)m;
     // stripes per unit: one on the layers of bulk_one (above), else four. W4P_CUDA_BULK_QS=1|4 forces it (1: any
-    // 4-bit layer at M <= 8), and so does W4P_CUDA_BULK_CT (a unit size of four-stripe units).
+    // 4-bit layer at M <= 8, whatever W4P_CUDA_BULK_CT says); without it a forced W4P_CUDA_BULK_CT (a unit size
+    // of four-stripe units) implies four.
     const bool large = (int64_t)np * kp >= ((int64_t)1 << 26);
     const int forced = sbits == 4 && m <= 8 ? bulk_ct_env() : 0;
     const int qs_env = bulk_qs_env();
@@ -2351,7 +2355,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     const int fix = bulk_fix(m > 8 ? 2 : 1, qs);
     // BBPS blocks per SM share its shared memory; where two stages do not fit that share (8-bit, M > 8), one
     // block per SM takes the whole of it
-    const int budget = std::min(di.smem_block, di.smem_sm / BBPS - di.smem_reserved);
+    const int budget = bulk_budget;
     // units of one stripe are 32 tiles long (16 and 64 measured no faster); of four stripes, longer units only
     // where two of their stages fit a block's share (group 32 at M = 8 takes 12, not 16), unless
     // W4P_CUDA_BULK_CT forces the size
