@@ -900,8 +900,8 @@ __global__ void __launch_bounds__(RW * 32, RING_MINB) ring_kernel(const Params p
 
 // ------------------------------------------------------------------------------------------------
 // Bulk kernel (sm_90+, M <= 16). A stage holds one chunk: QS stripes (four, or one on small layers) x up to CT
-// tiles (QS contiguous runs of up to CT * 512 bytes of weights) and one run per activation row, copied by the bulk copy engine
-// (completing on the stage's mbarrier), plus the chunk's group parameters, copied with cp.async by the lanes
+// tiles (QS contiguous runs of up to CT * 512 bytes of weights) and one run per activation row, copied by the
+// bulk copy engine (completing on the stage's mbarrier), plus the chunk's group parameters, copied with cp.async by the lanes
 // of the producer warps (which arrive on the same mbarrier when their copies land). NS stages per block,
 // BBPS blocks of BNP producer + 8 consumer warps per SM. Stream-K over blocks: each block owns one contiguous
 // range of tiles numbered along K within each quad of stripes, cut into chunks at CT-aligned unit boundaries.
@@ -2253,6 +2253,11 @@ int bulk_granule(int ct, bool large, bool single, int KT) {
   return single ? KT : large ? 1 : ct;
 }
 
+// Two stages of a bulk unit (ct tiles of qs stripes) fit `budget` bytes of shared memory: a block's share
+bool bulk_two_stages_fit(int sbits, int m, int gs, int ct, int qs, int budget) {
+  return bulk_fix(m > 8 ? 2 : 1, qs) + 2 * bulk_stage_bytes(sbits, m, gs, ct, qs) <= budget;
+}
+
 // Split-K count of both wgmma kernels: `splits` when forced, else enough to fill the resident slots when the
 // tiles fill less than half of them (splitting a grid that already fills half measured slower), each split
 // keeping at least 8 K tiles
@@ -2296,9 +2301,11 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   // M = 1 8.0 against 9.2 us with four-stripe units, M = 4 9.1-9.2 against 10.2; 4096 rows x K 2048 M = 1 5.7
   // against 7.6; level or slower on the larger layers, where blocks share stripes anyway
   const bool bulk_big = (int64_t)np * kp >= ((int64_t)1 << 25);
+  // BBPS blocks per SM share its shared memory; where two stages do not fit that share (8-bit, M > 8), one
+  // block per SM takes the whole of it
   const int bulk_budget = std::min(di.smem_block, di.smem_sm / BBPS - di.smem_reserved);
   const bool bulk_one = sbits == 4 && !bulk_big && nstripes <= sms * BBPS && m <= 8 &&
-                        bulk_fix(1, 1) + 2 * bulk_stage_bytes(4, (int)m, gs, BCT1, 1) <= bulk_budget;
+                        bulk_two_stages_fit(sbits, (int)m, gs, BCT1, 1, bulk_budget);
   // auto: up to M = 4, up to M = 8 on layers of 2^25 weights or more (measured on an H200 with units of 12 or
   // 16 tiles: 45-47 against 57-60 us for the ring and wgmma_ws kernels at M = 6-8 on the 70B shapes, 16-19
   // against 18-22 us on the 7B MLP shapes) and on the layers of one-stripe units (4096x4096 at M = 5-8:
@@ -2353,17 +2360,14 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     if ((nstripes + qs - 1) / qs > MAX_COUNTERS)
       return fail(W4P_EUNSUPPORTED, "bulk kernel: %d stripes exceed its %d counters", nstripes, MAX_COUNTERS * qs);
     const int fix = bulk_fix(m > 8 ? 2 : 1, qs);
-    // BBPS blocks per SM share its shared memory; where two stages do not fit that share (8-bit, M > 8), one
-    // block per SM takes the whole of it
-    const int budget = bulk_budget;
     // units of one stripe are 32 tiles long (16 and 64 measured no faster); of four stripes, longer units only
     // where two of their stages fit a block's share (group 32 at M = 8 takes 12, not 16), unless
     // W4P_CUDA_BULK_CT forces the size
     int ct = single ? BCT1 : forced ? forced : bulk_ct(sbits, mm, np, kp, sms, large);
-    while (!single && !forced && ct > 8 && splits <= 0 && fix + 2 * bulk_stage_bytes(sbits, mm, gs, ct) > budget)
+    while (!single && !forced && ct > 8 && splits <= 0 && !bulk_two_stages_fit(sbits, mm, gs, ct, qs, bulk_budget))
       ct = ct == 16 ? 12 : 8;
     const int per_stage = bulk_stage_bytes(sbits, mm, gs, ct, qs);
-    int ns = splits > 0 ? splits : ct > 8 ? 2 : (budget - fix) / per_stage;
+    int ns = splits > 0 ? splits : ct > 8 ? 2 : (bulk_budget - fix) / per_stage;
     if (splits <= 0 && ns < 2) ns = (di.smem_block - fix) / per_stage;
     ns = std::min(ns, BMAXS);
     if (ns < 2 || (size_t)bulk_smem_bytes(sbits, mm, gs, ns, ct, qs) > (size_t)di.smem_block)
