@@ -123,6 +123,10 @@ uint64_t w4p_cpu_read_stream(const void *buf, size_t bytes);
 /* WGMMA_WS (sm_90a, 4-bit; auto's choice on compute capability 9.0 from M = 16): the wgmma kernel fed by a
    TMA producer warp through mbarriers; splits forces the split-K count */
 #define W4P_CUDA_KERNEL_WGMMA_WS 6
+/* WGMMA_SS (sm_90a, compute capability 9.0, 4-bit, group sizes that are multiples of 64 or per channel): the
+   tokens as wgmma's A operand and the weights, dequantized into shared memory, as its B operand (256 rows per
+   block); splits forces the split-K count */
+#define W4P_CUDA_KERNEL_WGMMA_SS 7
 /* probes (diagnostics for tools/bench_gpu.py; the output is not computed): copies only */
 #define W4P_CUDA_PROBE_LOAD 10
 #define W4P_CUDA_PROBE_DEQUANT 11

@@ -620,6 +620,70 @@ def test_wgmma_kernel_ragged_shapes(n, k, gs, kernel):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("zero_mode,gs,act_order", [("none", 128, False), ("int", 64, True), ("float", 128, False),
+                                                    ("int", -1, False), ("float", 192, True), ("int", 256, False)])
+def test_wgmma_ss_kernel(dtype_name, zero_mode, gs, act_order):
+    # the tokens as A, the weights dequantized into shared memory as B (group sizes of whole K tiles): 64-token
+    # blocks up to M = 64, else 128; N = 196 leaves most of the 256-row block empty; K = 576 and 9 tiles make the
+    # 64-token blocks' two-tile stages end on a single tile; forced splits over short K ranges
+    import torch
+
+    if not wgmma_ok():
+        pytest.skip("the wgmma_ss kernel needs compute capability 9.0")
+    rng = np.random.default_rng(zlib.crc32(repr(("ss", dtype_name, zero_mode, gs, act_order)).encode()))
+    layer = random_layer(rng, 196, 576, gs=gs, zero_mode=zero_mode, act_order=act_order, scale_dtype=dtype_name,
+                         bias=True)
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
+    for m, splits in ((1, 0), (17, 0), (64, 0), (65, 0), (128, 0), (129, 0), (300, 0), (65, 2), (40, 3), (200, 9),
+                      (5, 4)):
+        plan = lin.plan(m, kernel="wgmma_ss", splits=splits)
+        assert plan["kernel"] == cuda.KERNELS["wgmma_ss"]
+        assert plan["splits"] == (splits or 1)
+        err = run_case(torch, rng, layer, m, dtype_name, kernel="wgmma_ss", splits=splits, lin=lin)
+        assert err <= tolerance(dtype_name), (m, splits, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,gs", [(200, 600, 128), (64, 100, 64), (1000, 1000, -1), (272, 4160, 64),
+                                    (4096, 2048, 128)])
+def test_wgmma_ss_kernel_ragged_and_large(n, k, gs):
+    # K not a multiple of 64 (zero-filled by TMA), N not a multiple of the 256-row block, a row tile of one
+    # stripe (272 = 256 + 16), whole blocks (4096 rows); both token tiles forced on either side of M = 64
+    import torch
+
+    if not wgmma_ok():
+        pytest.skip("the wgmma_ss kernel needs compute capability 9.0")
+    rng = np.random.default_rng(n * 11 + k)
+    layer = random_layer(rng, n, k, gs=gs, zero_mode="int", bias=True)
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda")
+    for m, splits in ((1, 0), (40, 0), (64, 2), (129, 0), (70, 3), (256, 0), (513, 0)):
+        err = run_case(torch, rng, layer, m, "float16", kernel="wgmma_ss", splits=splits, lin=lin)
+        assert err <= 1e-3, (m, splits, err)
+    x = torch.randn(200, k, device="cuda", dtype=torch.float16)
+    first = lin.forward(x, kernel="wgmma_ss")
+    for _ in range(20):
+        assert torch.equal(lin.forward(x, kernel="wgmma_ss"), first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tok", ["64", "128"])
+def test_wgmma_ss_token_tiles_forced(tok, monkeypatch):
+    # W4P_CUDA_SS_TOK forces the token tile: 128 at small M (one warpgroup's tokens all past M), 64 at large M
+    import torch
+
+    if not wgmma_ok():
+        pytest.skip("the wgmma_ss kernel needs compute capability 9.0")
+    monkeypatch.setenv("W4P_CUDA_SS_TOK", tok)
+    rng = np.random.default_rng(int(tok))
+    layer = random_layer(rng, 600, 1280, gs=128, zero_mode="float", bias=True)
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=("bfloat16",))
+    for m, splits in ((3, 0), (64, 0), (100, 2), (257, 0)):
+        err = run_case(torch, rng, layer, m, "bfloat16", kernel="wgmma_ss", splits=splits, lin=lin)
+        assert err <= tolerance("bfloat16"), (m, splits, err)
+
+
+@pytest.mark.gpu
 def test_wgmma_kernel_large_and_repeatable():
     import torch
 

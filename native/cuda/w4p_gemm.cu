@@ -1356,18 +1356,28 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr) {
   "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), \
   "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
   "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-#define W4P_WG_ACC64 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), \
-  "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), \
-  "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
-  "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), \
-  "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), \
-  "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), \
-  "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define W4P_WG_ACC64_OF(v) "+f"(v[0]), "+f"(v[1]), "+f"(v[2]), "+f"(v[3]), "+f"(v[4]), "+f"(v[5]), "+f"(v[6]), "+f"(v[7]), "+f"(v[8]), \
+  "+f"(v[9]), "+f"(v[10]), "+f"(v[11]), "+f"(v[12]), "+f"(v[13]), "+f"(v[14]), "+f"(v[15]), "+f"(v[16]), \
+  "+f"(v[17]), "+f"(v[18]), "+f"(v[19]), "+f"(v[20]), "+f"(v[21]), "+f"(v[22]), "+f"(v[23]), "+f"(v[24]), \
+  "+f"(v[25]), "+f"(v[26]), "+f"(v[27]), "+f"(v[28]), "+f"(v[29]), "+f"(v[30]), "+f"(v[31]), "+f"(v[32]), \
+  "+f"(v[33]), "+f"(v[34]), "+f"(v[35]), "+f"(v[36]), "+f"(v[37]), "+f"(v[38]), "+f"(v[39]), "+f"(v[40]), \
+  "+f"(v[41]), "+f"(v[42]), "+f"(v[43]), "+f"(v[44]), "+f"(v[45]), "+f"(v[46]), "+f"(v[47]), "+f"(v[48]), \
+  "+f"(v[49]), "+f"(v[50]), "+f"(v[51]), "+f"(v[52]), "+f"(v[53]), "+f"(v[54]), "+f"(v[55]), "+f"(v[56]), \
+  "+f"(v[57]), "+f"(v[58]), "+f"(v[59]), "+f"(v[60]), "+f"(v[61]), "+f"(v[62]), "+f"(v[63])
+#define W4P_WG_ACC64 W4P_WG_ACC64_OF(d)
+// m64n256: the second half through e = d + 64
+#define W4P_WG_ACC128 W4P_WG_ACC64_OF(d), W4P_WG_ACC64_OF(e)
 #define W4P_WG_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
   "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define W4P_WG_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
   "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
   "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define W4P_WG_D128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, " \
+  "%66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, " \
+  "%88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, " \
+  "%110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
 // A from registers (%ia: the four A registers, scale-d and the B descriptor follow the accumulators)
 #define W4P_WGOP_RS(T, TY, N, DREGS, ACC, AREGS, SC, DESC)                                                       \
   template <> struct WgOp<T, N> {                                                                                \
@@ -1384,6 +1394,8 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr) {
 #define W4P_WGOP_SS(T, TY, N, DREGS, ACC, DA, DB, SC)                                                            \
   template <> struct WgOpSS<T, N> {                                                                              \
     static __device__ __forceinline__ void mma(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d) {       \
+      float *const e = d + (N > 128 ? 64 : 0); /* the second 64 accumulators of m64n256 */                       \
+      (void)e;                                                                                                   \
       W4P_SM90A(asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, " SC ", 0;\n"                                   \
                              "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " DREGS ", " DA ", " \
                              DB ", p, 1, 1, 0, 0;\n}\n"                                                          \
@@ -1438,6 +1450,10 @@ W4P_WGOP_RS(__nv_bfloat16, "bf16", 128, W4P_WG_D64, W4P_WG_ACC64, "{%64, %65, %6
 template <typename T, int BN> struct WgOpSS;
 W4P_WGOP_SS(half, "f16", 64, W4P_WG_D32, W4P_WG_ACC32, "%32", "%33", "%34")
 W4P_WGOP_SS(__nv_bfloat16, "bf16", 64, W4P_WG_D32, W4P_WG_ACC32, "%32", "%33", "%34")
+W4P_WGOP_SS(half, "f16", 128, W4P_WG_D64, W4P_WG_ACC64, "%64", "%65", "%66")
+W4P_WGOP_SS(__nv_bfloat16, "bf16", 128, W4P_WG_D64, W4P_WG_ACC64, "%64", "%65", "%66")
+W4P_WGOP_SS(half, "f16", 256, W4P_WG_D128, W4P_WG_ACC128, "%128", "%129", "%130")
+W4P_WGOP_SS(__nv_bfloat16, "bf16", 256, W4P_WG_D128, W4P_WG_ACC128, "%128", "%129", "%130")
 
 template <typename T, int ZMODE, int BN, int KP, bool AS = false>  // ZMODE: 0 none, 1 integer zeros, 2 float minima
 __global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kernel(const Params p) {
@@ -1829,6 +1845,208 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
     if (warp < 8) wg_store_part<BN>(p, acc, r_lo, tok0, lane);
     split_reduce<T, WG_BM, BN>(p, blockIdx.y, blockIdx.x, row0, (int)tok0);
   }
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------
+// wgmma_ss kernel (sm_90a, 4-bit, group sizes that hold whole K tiles: multiples of 64, or per channel). The
+// other wgmma kernels' orientation turned around: the tokens are wgmma's A operand (M = 64 tokens per
+// warpgroup) and the dequantized weights its B operand (N = 128 or 256 weight rows), both from shared memory.
+// Why: a register-A wgmma (wgmma_ws) pays a fixed cost per instruction that dominates up to N = 128 tokens
+// (docs/CUDA.md section 8); here one m64n256k16 covers 64 tokens x 256 rows, and with no operand in registers
+// the dequantization of tile kt + 1 overlaps the wgmmas of tile kt (wait_group 1).
+// A block holds 256 weight rows (16 stripes) and TOK tokens (64 or 128). One producer warp brings each stage's
+// activations (TMA, 128-byte swizzle, rows past M and columns past K zero-filled), codes (one bulk copy per
+// stripe) and group parameters (one bulk copy per K tile for the scales, one for the zeros) onto the stage's
+// mbarrier. The two consumer warpgroups dequantize each K tile into a B buffer (a warpgroup 128 rows, each
+// warp two stripes: the fragment of layout v1 is stmatrix's, so four stmatrix.x4 per stripe write the K-major
+// 128-byte-swizzled rows wgmma reads), then issue 4 wgmmas on it.
+// TOK 128: warpgroup w computes tokens 64w..64w+63 x all 256 rows (m64n256, 128 accumulators), so each B
+//   buffer needs both warpgroups' halves: a 256-thread named barrier per K tile, and three buffers (a buffer
+//   is rewritten only after both warpgroups' wgmmas of three tiles before are done).
+// TOK 64: warpgroup w computes the 64 tokens x rows 128w..128w+127 (m64n128) from its own dequantization: a
+//   128-thread barrier and two buffers.
+constexpr int SS_BR = 256;  // weight rows per block
+__host__ __device__ constexpr int ss_ks(int tok) { return tok == 128 ? 1 : 2; }  // K tiles per stage
+__host__ __device__ constexpr int ss_nb(int tok) { return tok == 128 ? 3 : 2; }  // B buffers
+__host__ __device__ constexpr int ss_stage_bytes(int tok) { return ss_ks(tok) * (tok * 128 + 16 * 512 + 2 * SS_BR * 2); }
+__host__ __device__ constexpr int ss_stages(int tok) { return tok == 128 ? 4 : 3; }
+__host__ __device__ constexpr int ss_smem_bytes(int tok) {
+  return 1024 + 1024 + ss_nb(tok) * SS_BR * 128 + ss_stages(tok) * ss_stage_bytes(tok);  // align slack, barriers
+}
+
+__device__ __forceinline__ void stsm_x4(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+
+// A consumer warpgroup's D fragment out: acc[4 i + c] is token tb + 8 (c >> 1), weight row rb + 8 i + (c & 1)
+// (tb = the lane's first token, rb = its first row, even). One split: y (+ bias), pairs of rows as one store
+// where y allows it; several: fp32 partials.
+template <typename T, int NN>
+__device__ __forceinline__ void ss_store(const Params &p, const float (&acc)[NN / 2], int rb, int64_t tb) {
+  using T2 = typename Tr<T, 4>::T2;
+  const T *bias = (const T *)p.bias;
+  T *y = (T *)p.y;
+  const bool pairs = (p.ldy & 1) == 0 && (reinterpret_cast<uintptr_t>(p.y) & 3) == 0;
+  float *part = p.part + (size_t)blockIdx.z * p.M * p.Np;
+#pragma unroll
+  for (int i = 0; i < NN / 8; ++i) {
+    const int row = rb + 8 * i;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t tok = tb + 8 * h;
+      if (tok >= p.M) continue;
+      const float v0 = acc[4 * i + 2 * h], v1 = acc[4 * i + 2 * h + 1];
+      if (p.S > 1) {
+        if (row < p.Np) __stcg(reinterpret_cast<float2 *>(part + tok * p.Np + row), make_float2(v0, v1));
+        continue;
+      }
+      const float b0 = (bias && row < p.N) ? to_f(bias[row]) : 0.f;
+      const float b1 = (bias && row + 1 < p.N) ? to_f(bias[row + 1]) : 0.f;
+      T *dst = y + tok * p.ldy + row;
+      if (pairs && row + 1 < p.N) {
+        T2 v;
+        v.x = from_f<T>(v0 + b0);
+        v.y = from_f<T>(v1 + b1);
+        *reinterpret_cast<T2 *>(dst) = v;
+      } else {
+        if (row < p.N) dst[0] = from_f<T>(v0 + b0);
+        if (row + 1 < p.N) dst[1] = from_f<T>(v1 + b1);
+      }
+    }
+  }
+}
+
+template <typename T, int ZMODE, int TOK>
+__global__ void __launch_bounds__(9 * 32, 1) wgmma_ss_kernel(const Params p, const __grid_constant__ CUtensorMap xmap) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T2 = typename Tr<T, 4>::T2;
+  constexpr int KS = ss_ks(TOK), NB = ss_nb(TOK), NS = ss_stages(TOK), SB = ss_stage_bytes(TOK);
+  constexpr int XT = TOK * 128, WOFF = KS * XT, POFF = WOFF + 16 * KS * 512, NP = ZMODE != 0 ? 2 : 1;
+  constexpr int NN = TOK == 128 ? 256 : 128;  // the wgmma's N: weight rows per warpgroup
+  extern __shared__ __align__(16) unsigned char smem[];
+  const uint32_t sbase = (smem_u32(smem) + 1023u) & ~1023u;
+  const unsigned char *sgen = smem + (sbase - smem_u32(smem));
+  const uint32_t full0 = sbase, empty0 = sbase + 8 * NS, bbase = sbase + 1024, stages = bbase + NB * SS_BR * 128;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int nstripes = p.Np >> 4, KT = p.KT;
+  const int row0 = blockIdx.y * SS_BR;
+  const int64_t tok0 = (int64_t)blockIdx.x * TOK;
+  const int kb = (int)((int64_t)blockIdx.z * KT / p.S), ke = (int)((int64_t)(blockIdx.z + 1) * KT / p.S);
+  const int nsteps = (ke - kb + KS - 1) / KS;
+  const int nvs = min(16, nstripes - (row0 >> 4));  // stripes of this block
+  if (tid == 0) {
+    for (int s = 0; s < NS; ++s) {
+      mbar_init(full0 + 8 * s, 1);        // the producer's arrival with the stage's byte count
+      mbar_init(empty0 + 8 * s, 8 * 32);  // one arrival per consumer lane
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  constexpr int NACC = NN / 2;
+  float acc[NACC];
+#pragma unroll
+  for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+  const int wg = warp >> 2, wq = warp & 3, gid = lane >> 2;
+  const int tokoff = TOK == 128 ? 64 * wg : 0, rowoff = TOK == 128 ? 0 : 128 * wg;
+
+  if (warp == 8) {
+    if (lane == 0) {
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&xmap)) : "memory");
+      const unsigned char *qwb = reinterpret_cast<const unsigned char *>(p.qw);
+      const unsigned char *pbase[2] = {reinterpret_cast<const unsigned char *>(p.scales),
+                                       reinterpret_cast<const unsigned char *>(ZMODE == 1 ? p.zeros : p.mins)};
+      const unsigned prow = (unsigned)min(SS_BR, p.Np - row0) * 2u;
+      for (int i = 0; i < nsteps; ++i) {
+        const int s = i % NS;
+        if (i >= NS) mbar_wait(empty0 + 8 * s, ((i / NS) - 1) & 1);
+        const int t0 = kb + i * KS, nt = min(KS, ke - t0);
+        const uint32_t st = stages + s * SB, full = full0 + 8 * s;
+        mbar_expect_tx(full, (unsigned)(nt * XT + nvs * nt * 512) + (unsigned)(nt * NP) * prow);
+        for (int u = 0; u < nt; ++u) tma_load_2d(st + u * XT, &xmap, (t0 + u) * 64, (int)tok0, full);
+        for (int ls = 0; ls < nvs; ++ls)
+          bulk_copy(st + WOFF + ls * KS * 512, qwb + ((int64_t)((row0 >> 4) + ls) * KT + t0) * 512,
+                    (unsigned)nt * 512u, full);
+        for (int u = 0; u < nt; ++u) {
+          const int g = group_of((t0 + u) * 64, p.gmul);
+          for (int w = 0; w < NP; ++w)
+            bulk_copy(st + POFF + u * 1024 + w * 512, pbase[w] + ((size_t)g * p.Np + row0) * 2, prow, full);
+        }
+      }
+    }
+    __syncwarp();
+  } else {
+    const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
+    // this lane's stmatrix row: matrix mi = lane / 8 (rows +8 for odd mi, columns +8 for mi >= 2), row lane % 8
+    const int mi = lane >> 3, mr = lane & 7;
+    const uint32_t st_row = (uint32_t)(((mi & 1) * 8 + mr) * 128);
+    const int st_chunk = mi >> 1;
+    int c = 0;  // K tiles done
+    for (int i = 0; i < nsteps; ++i) {
+      const int s = i % NS;
+      const int t0 = kb + i * KS, nt = min(KS, ke - t0);
+      const unsigned char *sg = sgen + (stages - sbase) + s * SB;
+      const uint32_t sx = stages + s * SB;
+      mbar_wait(full0 + 8 * s, (i / NS) & 1);
+#pragma unroll
+      for (int u = 0; u < KS; ++u) {
+        if (u >= nt) break;
+        const uint32_t bb = bbase + (uint32_t)((c % NB) * SS_BR * 128);
+        const T *prm = reinterpret_cast<const T *>(sg + POFF + u * 1024);
+#pragma unroll
+        for (int sp = 0; sp < 2; ++sp) {
+          const int stp = 8 * wg + 2 * wq + sp;  // stripe within the block
+          if (stp < nvs) {
+            const uint4 wv = *reinterpret_cast<const uint4 *>(sg + WOFF + stp * KS * 512 + u * 512 + lane * 16);
+            const uint32_t w[4] = {wv.x, wv.y, wv.z, wv.w};
+            const int rl = stp * 16 + gid;
+            const T2 s_lo = bcast2(prm[rl]), s_hi = bcast2(prm[rl + 8]);
+            T2 z_lo, z_hi;
+            ZC<T, 4> zc = zc_sym;
+            if (ZMODE == 2) {
+              z_lo = bcast2(prm[SS_BR + rl]);
+              z_hi = bcast2(prm[SS_BR + rl + 8]);
+            } else if (ZMODE == 1) {
+              zc = zc_load<T>(prm[SS_BR + rl], prm[SS_BR + rl + 8]);
+            }
+            const uint32_t rowa = bb + (uint32_t)(stp * 16 * 128) + st_row;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              uint32_t av[4];
+              if (ZMODE == 2) {
+                dq_float<T, 4>(w, j, s_lo, s_hi, z_lo, z_hi, av);
+              } else {
+                uint32_t qz[4];
+                dq_int<T, 4>(w, j, zc, qz);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) av[q] = as_u32(__hmul2(as_t2<T2>(qz[q]), (q & 1) ? s_hi : s_lo));
+              }
+              stsm_x4(rowa + (uint32_t)((((2 * j + st_chunk) ^ mr)) << 4), av);
+            }
+          }
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the B tile -> the tensor cores' proxy
+        if (TOK == 128)
+          asm volatile("bar.sync 1, 256;\n" ::: "memory");
+        else
+          asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj)
+          WgOpSS<T, NN>::mma(acc, wg_desc(sx + u * XT + tokoff * 128 + jj * 32), wg_desc(bb + rowoff * 128 + jj * 32), 1);
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // tile c - 1 done
+        if (u == 0 && i > 0) mbar_arrive(empty0 + 8 * ((i - 1) % NS));  // the previous stage's last tile is done
+        ++c;
+      }
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  }
+  // epilogue (the producer warp joins the split reduction's block barriers)
+  if (warp < 8) ss_store<T, NN>(p, acc, row0 + rowoff + 2 * (lane & 3), tok0 + tokoff + 16 * wq + gid);
+  if (p.S > 1) split_reduce<T, SS_BR, TOK>(p, blockIdx.y, blockIdx.x, row0, (int)tok0);
 #endif
 }
 
@@ -2332,7 +2550,8 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     const bool ring_wins = ring_ok && m <= RING_MAX_M && ring_units >= RING_MIN_UNITS * ring_cap;
     kind = ring_wins ? 3 : (m <= 32 && stream_ok) ? 1 : 2;
   }
-  if (kind != 2 && kind != W4P_CUDA_KERNEL_WGMMA && kind != W4P_CUDA_KERNEL_WGMMA_WS && !stream_ok)
+  if (kind != 2 && kind != W4P_CUDA_KERNEL_WGMMA && kind != W4P_CUDA_KERNEL_WGMMA_WS &&
+      kind != W4P_CUDA_KERNEL_WGMMA_SS && !stream_ok)
     return fail(W4P_EUNSUPPORTED, "group size %d: the stream kernel needs a multiple of 32 (use auto or tiled)", gs);
   if (kind == 3 && !ring_ok)
     return fail(W4P_EUNSUPPORTED, "the ring kernel takes M <= 8 and at most %d row stripes (m=%lld, n=%d)",
@@ -2515,6 +2734,25 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     pl->smem = ws_smem_bytes(bn, ks);
     pl->kp = ks;
     pl->gather = act_order || !x_aligned;  // TMA zero-fills columns past K: no gather for ragged K
+  } else if (kind == W4P_CUDA_KERNEL_WGMMA_SS) {
+    // 256 weight rows x 64 tokens per block up to M = 64, else x 128 (W4P_CUDA_SS_TOK=64|128 forces it); one
+    // block per SM; split K as the other wgmma kernels
+    if (di.cc != 90 || sbits != 4 || !(gs <= 0 || gs % 64 == 0))
+      return fail(W4P_EUNSUPPORTED, "the wgmma_ss kernel needs compute capability 9.0 (this device: %d.%d), 4-bit "
+                  "storage and a group size that is a multiple of 64 (or per channel)", di.cc / 10, di.cc % 10);
+    int tok = m <= 64 ? 64 : 128;
+    if (const char *e = getenv("W4P_CUDA_SS_TOK")) tok = strcmp(e, "64") == 0 ? 64 : strcmp(e, "128") == 0 ? 128 : tok;
+    if ((size_t)ss_smem_bytes(tok) + di.smem_reserved > (size_t)di.smem_block)
+      return fail(W4P_EUNSUPPORTED, "the wgmma_ss kernel needs %d bytes of shared memory per block", ss_smem_bytes(tok));
+    const int nrb = ceil_div(np, SS_BR);
+    if (nrb > 65535) return fail(W4P_EUNSUPPORTED, "the wgmma_ss kernel takes at most %d rows", 65535 * SS_BR);
+    pl->bn = tok;
+    pl->kp = ss_ks(tok);
+    pl->TB = ceil_div(m, tok);
+    pl->tiles = nrb * pl->TB;
+    pl->S = wg_splits(splits, pl->tiles, (int64_t)sms, KT);
+    pl->smem = ss_smem_bytes(tok);
+    pl->gather = act_order || !x_aligned;  // TMA zero-fills columns past K
   } else {
     return fail(W4P_EINVAL, "unknown kernel %d", kernel);
   }
@@ -2713,10 +2951,25 @@ template <typename T> cudaError_t launch_wgmma_ws(const Params &p, const Plan &p
   return pl.bn == 64 ? launch_wgmma_ws_t<T, 64, 2>(p, pl, st) : launch_wgmma_ws_t<T, 128, 2>(p, pl, st);
 }
 
+template <typename T, int TOK>
+cudaError_t launch_wgmma_ss_t(const Params &p, const Plan &pl, cudaStream_t st) {
+  CUtensorMap map;
+  cudaError_t e = encode_x_map(&map, p.x, std::is_same<T, __nv_bfloat16>::value, p.M, p.kx, p.ldx, TOK);
+  if (e != cudaSuccess) return e;
+  auto fn = p.zm == 2   ? wgmma_ss_kernel<T, 2, TOK>
+            : p.zm == 1 ? wgmma_ss_kernel<T, 1, TOK>
+                        : wgmma_ss_kernel<T, 0, TOK>;
+  e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
+  if (e != cudaSuccess) return e;
+  debug_occupancy(fn, "wgmma_ss", 9 * 32, pl.smem);
+  fn<<<dim3((unsigned)pl.TB, (unsigned)(pl.tiles / pl.TB), (unsigned)pl.S), 9 * 32, pl.smem, st>>>(p, map);
+  return cudaGetLastError();
+}
+
 template <typename T>
 cudaError_t launch_all(Params &p, const Plan &pl, int sbits, void *ws_gather, cudaStream_t st) {
   if (pl.kernel == 2 || pl.kernel == 3 || pl.kernel == W4P_CUDA_KERNEL_BULK || pl.kernel == W4P_CUDA_KERNEL_WGMMA ||
-      pl.kernel == W4P_CUDA_KERNEL_WGMMA_WS) {
+      pl.kernel == W4P_CUDA_KERNEL_WGMMA_WS || pl.kernel == W4P_CUDA_KERNEL_WGMMA_SS) {
     if (pl.gather) {
       T *xg = (T *)ws_gather;
       const int64_t total = p.M * (int64_t)p.Kp;
@@ -2735,6 +2988,8 @@ cudaError_t launch_all(Params &p, const Plan &pl, int sbits, void *ws_gather, cu
     if (pl.kernel == W4P_CUDA_KERNEL_BULK) return sbits == 4 ? launch_bulk<T, 4>(p, pl, st) : launch_bulk<T, 8>(p, pl, st);
     if (pl.kernel == W4P_CUDA_KERNEL_WGMMA) return launch_wgmma<T>(p, pl, st);
     if (pl.kernel == W4P_CUDA_KERNEL_WGMMA_WS) return launch_wgmma_ws<T>(p, pl, st);
+    if (pl.kernel == W4P_CUDA_KERNEL_WGMMA_SS)
+      return pl.bn == 64 ? launch_wgmma_ss_t<T, 64>(p, pl, st) : launch_wgmma_ss_t<T, 128>(p, pl, st);
     if (pl.kernel != 2) return sbits == 4 ? launch_ring<T, 4>(p, pl, st) : launch_ring<T, 8>(p, pl, st);
     return sbits == 4 ? launch_tiled_t<T, 4>(p, pl, st) : launch_tiled_t<T, 8>(p, pl, st);
   }
@@ -2776,8 +3031,8 @@ int describe_on(const DevInfo &di, int64_t m, int n, int k, int storage_bits, in
   Plan pl;
   int rc = checked_plan(di, m, n, k, storage_bits, group_size, act_order, x_aligned, kernel, splits, &pl);
   if (rc) return rc;
-  static const char *names[] = {"auto", "stream", "tiled", "ring", "bulk", "wgmma", "wgmma_ws"};
-  const char *name = pl.kernel >= 0 && pl.kernel <= 6 ? names[pl.kernel] : "probe";
+  static const char *names[] = {"auto", "stream", "tiled", "ring", "bulk", "wgmma", "wgmma_ws", "wgmma_ss"};
+  const char *name = pl.kernel >= 0 && pl.kernel <= 7 ? names[pl.kernel] : "probe";
   if (pl.kernel == W4P_CUDA_KERNEL_BULK)
     snprintf(buf, len, "bulk unit=%d granule=%d stages=%d stripes=%d blocks=%lld smem=%zu workspace=%zu", pl.ct,
              pl.kg, pl.S, pl.qs, (long long)pl.W, pl.smem, pl.ws_total);

@@ -31,9 +31,11 @@ _LIBDIR = _HERE.parent / "_lib"
 #: forces its units of work per warp); "wgmma_ws" (sm_90a, 4-bit: wgmma fed by a TMA producer warp; auto's
 #: choice on compute capability 9.0 from M = 9 where measured ahead: docs/CUDA.md;
 #: ``splits`` forces its split-K count); "wgmma" (sm_90a, 4-bit, one-pass cp.async pipeline: auto's choice in
-#: the same range only where the driver lacks the TMA encoder); "dense" is the
+#: the same range only where the driver lacks the TMA encoder); "wgmma_ss" (sm_90a, 4-bit, group sizes that are
+#: multiples of 64 or per channel: the tokens as wgmma's A operand, the weights dequantized into shared memory as
+#: its B operand, 256 rows per block); "dense" is the
 #: large-M path: dequantize to a temporary fp16/bf16 matrix with w4p_cuda_dequantize, then torch's GEMM (cuBLAS)
-KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "ring": 3, "bulk": 4, "wgmma": 5, "wgmma_ws": 6, "dense": -1, "probe_load": 10,
+KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "ring": 3, "bulk": 4, "wgmma": 5, "wgmma_ws": 6, "wgmma_ss": 7, "dense": -1, "probe_load": 10,
            "probe_dequant": 11, "probe_bulk": 12, "probe_ws": 13}
 #: from this many rows on, "auto" takes the dense path unless the native plan picks a wgmma kernel (sm_90, large
 #: layers up to M = 256; measured on an H200, docs/CUDA.md): below it
