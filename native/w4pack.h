@@ -132,6 +132,7 @@ uint64_t w4p_cpu_read_stream(const void *buf, size_t bytes);
 #define W4P_CUDA_PROBE_DEQUANT 11
 #define W4P_CUDA_PROBE_BULK 12
 #define W4P_CUDA_PROBE_WS 13
+#define W4P_CUDA_PROBE_SS 14
 int w4p_cuda_abi_version(void);
 const char *w4p_cuda_last_error(void);
 /* Number of CUDA devices; W4P_ENODEVICE ("no CUDA device: ...") when there is none or no driver. */

@@ -1672,6 +1672,11 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap *map, int c0, int c1, int c2, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
+}
 __device__ __forceinline__ void bulk_copy(uint32_t dst, const void *src, unsigned bytes, uint32_t bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
@@ -1918,8 +1923,12 @@ __device__ __forceinline__ void ss_store(const Params &p, const float (&acc)[NN 
   }
 }
 
+#ifndef W4P_SS_TMAW
+#define W4P_SS_TMAW 1  // the codes as one 3-D TMA copy per stage (0: one bulk copy per stripe)
+#endif
 template <typename T, int ZMODE, int TOK>
-__global__ void __launch_bounds__(9 * 32, 1) wgmma_ss_kernel(const Params p, const __grid_constant__ CUtensorMap xmap) {
+__global__ void __launch_bounds__(9 * 32, 1) wgmma_ss_kernel(const Params p, const __grid_constant__ CUtensorMap xmap,
+                                                             const __grid_constant__ CUtensorMap wmap) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T2 = typename Tr<T, 4>::T2;
   constexpr int KS = ss_ks(TOK), NB = ss_nb(TOK), NS = ss_stages(TOK), SB = ss_stage_bytes(TOK);
@@ -1955,20 +1964,29 @@ __global__ void __launch_bounds__(9 * 32, 1) wgmma_ss_kernel(const Params p, con
   if (warp == 8) {
     if (lane == 0) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&xmap)) : "memory");
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&wmap)) : "memory");
       const unsigned char *qwb = reinterpret_cast<const unsigned char *>(p.qw);
       const unsigned char *pbase[2] = {reinterpret_cast<const unsigned char *>(p.scales),
                                        reinterpret_cast<const unsigned char *>(ZMODE == 1 ? p.zeros : p.mins)};
       const unsigned prow = (unsigned)min(SS_BR, p.Np - row0) * 2u;
+      (void)qwb;
       for (int i = 0; i < nsteps; ++i) {
         const int s = i % NS;
         if (i >= NS) mbar_wait(empty0 + 8 * s, ((i / NS) - 1) & 1);
         const int t0 = kb + i * KS, nt = min(KS, ke - t0);
         const uint32_t st = stages + s * SB, full = full0 + 8 * s;
+#if W4P_SS_TMAW
+        // the codes of 16 stripes x KS tiles in one copy (the box's full size: stripes past the layer and tiles
+        // past K arrive as zeros)
+        mbar_expect_tx(full, (unsigned)(nt * XT + 16 * KS * 512) + (unsigned)(nt * NP) * prow);
+        tma_load_3d(st + WOFF, &wmap, 0, t0, row0 >> 4, full);
+#else
         mbar_expect_tx(full, (unsigned)(nt * XT + nvs * nt * 512) + (unsigned)(nt * NP) * prow);
-        for (int u = 0; u < nt; ++u) tma_load_2d(st + u * XT, &xmap, (t0 + u) * 64, (int)tok0, full);
         for (int ls = 0; ls < nvs; ++ls)
           bulk_copy(st + WOFF + ls * KS * 512, qwb + ((int64_t)((row0 >> 4) + ls) * KT + t0) * 512,
                     (unsigned)nt * 512u, full);
+#endif
+        for (int u = 0; u < nt; ++u) tma_load_2d(st + u * XT, &xmap, (t0 + u) * 64, (int)tok0, full);
         for (int u = 0; u < nt; ++u) {
           const int g = group_of((t0 + u) * 64, p.gmul);
           for (int w = 0; w < NP; ++w)
@@ -1977,6 +1995,11 @@ __global__ void __launch_bounds__(9 * 32, 1) wgmma_ss_kernel(const Params p, con
       }
     }
     __syncwarp();
+  } else if (p.probe) {  // copies only (diagnostics): each stage is freed as soon as it lands
+    for (int i = 0; i < nsteps; ++i) {
+      mbar_wait(full0 + 8 * (i % NS), (i / NS) & 1);
+      mbar_arrive(empty0 + 8 * (i % NS));
+    }
   } else {
     const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
     // this lane's stmatrix row: matrix mi = lane / 8 (rows +8 for odd mi, columns +8 for mi >= 2), row lane % 8
@@ -2558,6 +2581,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
                 MAX_COUNTERS * RQ, (long long)m, n);
   if (kind == W4P_CUDA_PROBE_BULK) kind = W4P_CUDA_KERNEL_BULK;
   if (kind == W4P_CUDA_PROBE_WS) kind = W4P_CUDA_KERNEL_WGMMA_WS;
+  if (kind == W4P_CUDA_PROBE_SS) kind = W4P_CUDA_KERNEL_WGMMA_SS;
   if (kind == W4P_CUDA_KERNEL_BULK && !bulk_ok)
     return fail(W4P_EUNSUPPORTED, "the bulk kernel needs compute capability 9.0 or newer (this device: %d.%d), "
                 "M <= %d and a group size that is a multiple of 32", di.cc / 10, di.cc % 10, BULK_MAX_M);
@@ -2924,6 +2948,21 @@ cudaError_t encode_x_map(CUtensorMap *map, const void *x, bool bf16, int64_t m, 
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// The codes of layout v1 as a 3-D tensor of 32-bit words [stripes][K tiles][128] for the wgmma_ss kernel: boxes of
+// ks tiles x 16 stripes, no swizzle (the smem copy keeps the global order), out-of-range boxes read as zeros.
+cudaError_t encode_w_map(CUtensorMap *map, const void *qw, int KT, int nstripes, int ks) {
+  const EncodeTiledFn fn = tma_encoder();
+  if (!fn) return cudaErrorNotSupported;
+  const cuuint64_t dims[3] = {128, (cuuint64_t)KT, (cuuint64_t)nstripes};
+  const cuuint64_t strides[2] = {512, (cuuint64_t)KT * 512};
+  const cuuint32_t box[3] = {128, (cuuint32_t)ks, 16};
+  const cuuint32_t estr[3] = {1, 1, 1};
+  const CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT32, 3, const_cast<void *>(qw), dims, strides, box, estr,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 template <typename T, int BN, int KS>
 cudaError_t launch_wgmma_ws_t(const Params &p, const Plan &pl, cudaStream_t st) {
   CUtensorMap map;
@@ -2953,8 +2992,10 @@ template <typename T> cudaError_t launch_wgmma_ws(const Params &p, const Plan &p
 
 template <typename T, int TOK>
 cudaError_t launch_wgmma_ss_t(const Params &p, const Plan &pl, cudaStream_t st) {
-  CUtensorMap map;
+  CUtensorMap map, wmap;
   cudaError_t e = encode_x_map(&map, p.x, std::is_same<T, __nv_bfloat16>::value, p.M, p.kx, p.ldx, TOK);
+  if (e != cudaSuccess) return e;
+  e = encode_w_map(&wmap, p.qw, p.KT, p.Np / 16, ss_ks(TOK));
   if (e != cudaSuccess) return e;
   auto fn = p.zm == 2   ? wgmma_ss_kernel<T, 2, TOK>
             : p.zm == 1 ? wgmma_ss_kernel<T, 1, TOK>
@@ -2962,7 +3003,7 @@ cudaError_t launch_wgmma_ss_t(const Params &p, const Plan &pl, cudaStream_t st) 
   e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
   if (e != cudaSuccess) return e;
   debug_occupancy(fn, "wgmma_ss", 9 * 32, pl.smem);
-  fn<<<dim3((unsigned)pl.TB, (unsigned)(pl.tiles / pl.TB), (unsigned)pl.S), 9 * 32, pl.smem, st>>>(p, map);
+  fn<<<dim3((unsigned)pl.TB, (unsigned)(pl.tiles / pl.TB), (unsigned)pl.S), 9 * 32, pl.smem, st>>>(p, map, wmap);
   return cudaGetLastError();
 }
 
@@ -3201,7 +3242,7 @@ int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k, 
   p.kx = k;
   p.W = pl.W;
   p.sink = 0x9E3779B9u;
-  p.probe = kernel == W4P_CUDA_PROBE_BULK || kernel == W4P_CUDA_PROBE_WS ? 1 : 0;
+  p.probe = kernel == W4P_CUDA_PROBE_BULK || kernel == W4P_CUDA_PROBE_WS || kernel == W4P_CUDA_PROBE_SS ? 1 : 0;
   p.kg = pl.kg;
 
   cudaStream_t st = (cudaStream_t)stream;
