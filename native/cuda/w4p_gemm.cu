@@ -2002,52 +2002,65 @@ __global__ void __launch_bounds__(9 * 32, 1) wgmma_ss_kernel(const Params p, con
     }
   } else {
     const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
-    // this lane's stmatrix row: matrix mi = lane / 8 (rows +8 for odd mi, columns +8 for mi >= 2), row lane % 8
+    // Everything but the stage, the K tile and the B buffer is fixed per lane, so the addresses are formed once.
+    // Stripes past the layer are dequantized too (their codes arrive as zeros, their parameters are stale): they
+    // only feed output columns that are never stored, and the loop stays free of branches.
+    // stmatrix: matrix mi = lane / 8 (rows +8 for odd mi, columns +8 for mi >= 2), row lane % 8 of it
     const int mi = lane >> 3, mr = lane & 7;
-    const uint32_t st_row = (uint32_t)(((mi & 1) * 8 + mr) * 128);
-    const int st_chunk = mi >> 1;
+    const int stp0 = 8 * wg + 2 * wq;  // this warp's two stripes: stp0, stp0 + 1
+    const int woff = WOFF + stp0 * KS * 512 + lane * 16;  // + sp * KS * 512 + u * 512
+    const int poff = POFF + (stp0 * 16 + gid) * 2;        // + sp * 32 (bytes) + u * 1024
+    uint32_t stoff[4];  // per slice j: the lane's row address within a B buffer, stripe stp0
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      stoff[j] = (uint32_t)((stp0 * 16 + (mi & 1) * 8 + mr) * 128 + (((2 * j + (mi >> 1)) ^ mr) << 4));
+    const uint64_t da0 = wg_desc(stages + tokoff * 128), db0 = wg_desc(bbase + rowoff * 128);
     int c = 0;  // K tiles done
     for (int i = 0; i < nsteps; ++i) {
       const int s = i % NS;
       const int t0 = kb + i * KS, nt = min(KS, ke - t0);
       const unsigned char *sg = sgen + (stages - sbase) + s * SB;
-      const uint32_t sx = stages + s * SB;
       mbar_wait(full0 + 8 * s, (i / NS) & 1);
 #pragma unroll
       for (int u = 0; u < KS; ++u) {
         if (u >= nt) break;
-        const uint32_t bb = bbase + (uint32_t)((c % NB) * SS_BR * 128);
-        const T *prm = reinterpret_cast<const T *>(sg + POFF + u * 1024);
+        const int b = c % NB;
+        const uint32_t bb = bbase + (uint32_t)(b * SS_BR * 128);
+        uint4 wv[2];
+        T prv[2][4];
 #pragma unroll
         for (int sp = 0; sp < 2; ++sp) {
-          const int stp = 8 * wg + 2 * wq + sp;  // stripe within the block
-          if (stp < nvs) {
-            const uint4 wv = *reinterpret_cast<const uint4 *>(sg + WOFF + stp * KS * 512 + u * 512 + lane * 16);
-            const uint32_t w[4] = {wv.x, wv.y, wv.z, wv.w};
-            const int rl = stp * 16 + gid;
-            const T2 s_lo = bcast2(prm[rl]), s_hi = bcast2(prm[rl + 8]);
-            T2 z_lo, z_hi;
-            ZC<T, 4> zc = zc_sym;
+          wv[sp] = *reinterpret_cast<const uint4 *>(sg + woff + sp * KS * 512 + u * 512);
+          const T *prm = reinterpret_cast<const T *>(sg + poff + sp * 32 + u * 1024);
+          prv[sp][0] = prm[0];
+          prv[sp][1] = prm[8];
+          prv[sp][2] = prm[SS_BR];
+          prv[sp][3] = prm[SS_BR + 8];
+        }
+#pragma unroll
+        for (int sp = 0; sp < 2; ++sp) {
+          const uint32_t w[4] = {wv[sp].x, wv[sp].y, wv[sp].z, wv[sp].w};
+          const T2 s_lo = bcast2(prv[sp][0]), s_hi = bcast2(prv[sp][1]);
+          T2 z_lo, z_hi;
+          ZC<T, 4> zc = zc_sym;
+          if (ZMODE == 2) {
+            z_lo = bcast2(prv[sp][2]);
+            z_hi = bcast2(prv[sp][3]);
+          } else if (ZMODE == 1) {
+            zc = zc_load<T>(prv[sp][2], prv[sp][3]);
+          }
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            uint32_t av[4];
             if (ZMODE == 2) {
-              z_lo = bcast2(prm[SS_BR + rl]);
-              z_hi = bcast2(prm[SS_BR + rl + 8]);
-            } else if (ZMODE == 1) {
-              zc = zc_load<T>(prm[SS_BR + rl], prm[SS_BR + rl + 8]);
-            }
-            const uint32_t rowa = bb + (uint32_t)(stp * 16 * 128) + st_row;
+              dq_float<T, 4>(w, j, s_lo, s_hi, z_lo, z_hi, av);
+            } else {
+              uint32_t qz[4];
+              dq_int<T, 4>(w, j, zc, qz);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              uint32_t av[4];
-              if (ZMODE == 2) {
-                dq_float<T, 4>(w, j, s_lo, s_hi, z_lo, z_hi, av);
-              } else {
-                uint32_t qz[4];
-                dq_int<T, 4>(w, j, zc, qz);
-#pragma unroll
-                for (int q = 0; q < 4; ++q) av[q] = as_u32(__hmul2(as_t2<T2>(qz[q]), (q & 1) ? s_hi : s_lo));
-              }
-              stsm_x4(rowa + (uint32_t)((((2 * j + st_chunk) ^ mr)) << 4), av);
+              for (int q = 0; q < 4; ++q) av[q] = as_u32(__hmul2(as_t2<T2>(qz[q]), (q & 1) ? s_hi : s_lo));
             }
+            stsm_x4(bb + stoff[j] + (uint32_t)(sp * 16 * 128), av);
           }
         }
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the B tile -> the tensor cores' proxy
@@ -2056,9 +2069,10 @@ __global__ void __launch_bounds__(9 * 32, 1) wgmma_ss_kernel(const Params p, con
         else
           asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        // descriptors advance in 16-byte units: the stage's activation tile u, B buffer b, k16 slice jj
+        const uint64_t da = da0 + (uint64_t)((s * SB + u * XT) >> 4), db = db0 + (uint64_t)((b * SS_BR * 128) >> 4);
 #pragma unroll
-        for (int jj = 0; jj < 4; ++jj)
-          WgOpSS<T, NN>::mma(acc, wg_desc(sx + u * XT + tokoff * 128 + jj * 32), wg_desc(bb + rowoff * 128 + jj * 32), 1);
+        for (int jj = 0; jj < 4; ++jj) WgOpSS<T, NN>::mma(acc, da + 2 * jj, db + 2 * jj, 1);
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // tile c - 1 done
         if (u == 0 && i > 0) mbar_arrive(empty0 + 8 * ((i - 1) % NS));  // the previous stage's last tile is done
