@@ -116,6 +116,20 @@ def test_plan_for_described_devices_auto():
     assert auto(H200, 16, 4096, 4096, gs=-1) == k["wgmma_ws"]  # per-channel
     assert auto(H200, 16, 4096, 4096, gs=32) == k["wgmma_ws"]
     assert auto(H200, 16, 4096, 4096, bits=8) == k["stream"]  # 4-bit only
+    # in wgmma_ws's range from M = 65, the wgmma_ss kernel where its 256-row x 128-token blocks fill half the SMs
+    # unsplit (group sizes of whole K tiles)
+    for m in (65, 100, 128, 200, 256):
+        assert auto(H200, m, 28672, 8192) == k["wgmma_ss"], m  # 112 row blocks
+        assert auto(H200, m, 28672, 8192, gs=-1) == k["wgmma_ss"], m
+        assert auto(H200, m, 28672, 8192, gs=32) == k["wgmma_ws"], m  # two groups per K tile
+        assert auto(H200, m, 28672, 8192, bits=8) != k["wgmma_ss"], m
+    assert auto(H200, 64, 28672, 8192) == k["wgmma_ws"]
+    assert auto(H200, 257, 28672, 8192) == k["tiled"]
+    assert auto(H200, 256, 11008, 4096) == k["tiled"]  # outside wgmma_ws's range: the dense path
+    assert auto(H200, 128, 11008, 4096) == k["wgmma_ws"]  # 43 blocks: would need a split
+    assert auto(H200, 256, 8192, 28672) == k["wgmma_ws"]  # 32 row blocks x 2
+    assert auto(H200, 256, 4096, 4096) == k["tiled"]
+    assert auto(A100, 128, 28672, 8192) == k["tiled"]
 
     assert auto(A100, 32, 4096, 4096) == k["stream"]
     assert auto(A100, 64, 28672, 8192) == k["tiled"]
@@ -129,7 +143,7 @@ def test_plan_for_without_tma_falls_back_to_wgmma(monkeypatch):
     ffi, lib = _lib_or_skip()
     k = cuda.KERNELS
     monkeypatch.setenv("W4P_CUDA_NO_TMA", "1")
-    for m, n, kk in ((9, 4096, 4096), (16, 28672, 8192), (128, 11008, 4096), (256, 8192, 28672)):
+    for m, n, kk in ((9, 4096, 4096), (16, 28672, 8192), (128, 11008, 4096), (256, 8192, 28672), (128, 28672, 8192)):
         rc, kind, _, _ = _plan_for(lib, ffi, H200, m, n, kk)
         assert rc == 0 and kind == k["wgmma"], (m, n, kk, kind)
     assert _plan_for(lib, ffi, H200, 5, 6144, 4096)[1] == k["stream"]  # below the range: unchanged
@@ -170,6 +184,14 @@ def test_plan_for_every_forced_kernel(bits, gs):
             assert rc == 0 and kind == cuda.KERNELS["tiled"]
             rc, kind, *_ = _plan_for(lib, ffi, H200, m, 8192, 28672, bits, gs, act, kernel="wgmma_ws")
             assert (rc == lib.W4P_EUNSUPPORTED) if bits == 8 else (rc == 0 and kind == cuda.KERNELS["wgmma_ws"])
+            # wgmma_ss: 4-bit, group sizes of whole K tiles; 32 row blocks x ceil(m / 64 or 128) token blocks, split
+            # to about one block per SM
+            rc, kind, got, _ = _plan_for(lib, ffi, H200, m, 8192, 28672, bits, gs, act, kernel="wgmma_ss")
+            if bits == 8 or gs == 32:
+                assert rc == lib.W4P_EUNSUPPORTED
+            else:
+                assert rc == 0 and kind == cuda.KERNELS["wgmma_ss"] and got == {1: 4, 100: 4, 3000: 1}[m], (m, got)
+            assert _plan_for(lib, ffi, A100, m, 8192, 28672, bits, gs, act, kernel="wgmma_ss")[0] == lib.W4P_EUNSUPPORTED
             for splits in (0, 1, 3):
                 rc, kind, got, _ = _plan_for(lib, ffi, H200, m, 8192, 28672, bits, gs, act, kernel="wgmma",
                                              splits=splits)

@@ -303,7 +303,7 @@ def smoke() -> int:
     rng = np.random.default_rng(0)
     worst = 0.0
     sm90a = torch.cuda.get_device_capability() == (9, 0)
-    # the last layer for the wgmma_ws and bulk kernels: K = 2048 makes every token tile refill its stages (K = 576
+    # the last layer for the wgmma_ws, wgmma_ss and bulk kernels: K = 2048 makes every token tile refill its stages (K = 576
     # refills only the 128-token tile's), which is what racecheck has to see
     for bits, zm, gs, k in ((4, "int", 64, 576), (8, "float", 32, 576), (4, "none", -1, 576), (4, "int", 128, 2048)):
         if k != 576 and not sm90a:
@@ -327,7 +327,8 @@ def smoke() -> int:
         if k != 576:
             calls = ((12, "wgmma_ws", 1), (20, "wgmma_ws", 1), (40, "wgmma_ws", 1), (150, "wgmma_ws", 1),
                      (1, "bulk", 0), (4, "bulk", 0), (1, "bulk:tile", 0), (6, "bulk:tile", 2), (1, "bulk:quads", 0),
-                     (4, "bulk:quads", 0), (8, "bulk:single", 3))
+                     (4, "bulk:quads", 0), (8, "bulk:single", 3), (12, "wgmma_ss", 1), (100, "wgmma_ss", 1),
+                     (150, "wgmma_ss", 2), (300, "wgmma_ss", 1))
             # bulk: units of one stripe, each block owning whole stripes; ":tile": stream-K over single tiles
             # (W4P_CUDA_BULK_GRANULE; stripes shared by several blocks); ":quads": four-stripe units (the planner's
             # unit size), shared quads; ":single": one-stripe units forced (W4P_CUDA_BULK_QS)
@@ -338,6 +339,8 @@ def smoke() -> int:
                 calls += ((1, "wgmma", 0), (150, "wgmma", 0), (70, "wgmma", 3), (20, "wgmma", 2), (1, "wgmma_ws", 0),
                           (150, "wgmma_ws", 0), (70, "wgmma_ws", 3), (12, "wgmma_ws", 0), (20, "wgmma_ws", 3),
                           (12, "auto", 0))
+                if gs % 64 == 0 or gs == -1:
+                    calls += ((1, "wgmma_ss", 0), (150, "wgmma_ss", 0), (70, "wgmma_ss", 3))
             if torch.cuda.get_device_capability() >= (9, 0):
                 calls += ((1, "bulk", 0), (13, "bulk", 2), (6, "bulk", 3))
         for m, kernel, splits in calls:

@@ -1872,7 +1872,10 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
 // TOK 64: warpgroup w computes the 64 tokens x rows 128w..128w+127 (m64n128) from its own dequantization: a
 //   128-thread barrier and two buffers.
 constexpr int SS_BR = 256;  // weight rows per block
-__host__ __device__ constexpr int ss_ks(int tok) { return tok == 128 ? 1 : 2; }  // K tiles per stage
+// K tiles per stage: 2 for the 64-token tile (the second tile's codes load while the first is dequantized);
+// 1 for the 128-token tile, whose 128 accumulators leave no registers for a second tile's codes (ptxas caps a
+// block of 9 warps at 168 registers per thread: it spilled)
+__host__ __device__ constexpr int ss_ks(int tok) { return tok == 128 ? 1 : 2; }
 __host__ __device__ constexpr int ss_nb(int tok) { return tok == 128 ? 3 : 2; }  // B buffers
 __host__ __device__ constexpr int ss_stage_bytes(int tok) { return ss_ks(tok) * (tok * 128 + 16 * 512 + 2 * SS_BR * 2); }
 __host__ __device__ constexpr int ss_stages(int tok) { return tok == 128 ? 4 : 3; }
@@ -2021,33 +2024,37 @@ __global__ void __launch_bounds__(9 * 32, 1) wgmma_ss_kernel(const Params p, con
       const int t0 = kb + i * KS, nt = min(KS, ke - t0);
       const unsigned char *sg = sgen + (stages - sbase) + s * SB;
       mbar_wait(full0 + 8 * s, (i / NS) & 1);
+      // the whole stage's codes and parameters into registers at once: the later tiles' loads are in flight
+      // while the first is dequantized (the tiles past nt read stale bytes that are never used)
+      uint4 wv[KS][2];
+      T prv[KS][2][4];
+#pragma unroll
+      for (int u = 0; u < KS; ++u)
+#pragma unroll
+        for (int sp = 0; sp < 2; ++sp) {
+          wv[u][sp] = *reinterpret_cast<const uint4 *>(sg + woff + sp * KS * 512 + u * 512);
+          const T *prm = reinterpret_cast<const T *>(sg + poff + sp * 32 + u * 1024);
+          prv[u][sp][0] = prm[0];
+          prv[u][sp][1] = prm[8];
+          prv[u][sp][2] = prm[SS_BR];
+          prv[u][sp][3] = prm[SS_BR + 8];
+        }
 #pragma unroll
       for (int u = 0; u < KS; ++u) {
         if (u >= nt) break;
         const int b = c % NB;
         const uint32_t bb = bbase + (uint32_t)(b * SS_BR * 128);
-        uint4 wv[2];
-        T prv[2][4];
 #pragma unroll
         for (int sp = 0; sp < 2; ++sp) {
-          wv[sp] = *reinterpret_cast<const uint4 *>(sg + woff + sp * KS * 512 + u * 512);
-          const T *prm = reinterpret_cast<const T *>(sg + poff + sp * 32 + u * 1024);
-          prv[sp][0] = prm[0];
-          prv[sp][1] = prm[8];
-          prv[sp][2] = prm[SS_BR];
-          prv[sp][3] = prm[SS_BR + 8];
-        }
-#pragma unroll
-        for (int sp = 0; sp < 2; ++sp) {
-          const uint32_t w[4] = {wv[sp].x, wv[sp].y, wv[sp].z, wv[sp].w};
-          const T2 s_lo = bcast2(prv[sp][0]), s_hi = bcast2(prv[sp][1]);
+          const uint32_t w[4] = {wv[u][sp].x, wv[u][sp].y, wv[u][sp].z, wv[u][sp].w};
+          const T2 s_lo = bcast2(prv[u][sp][0]), s_hi = bcast2(prv[u][sp][1]);
           T2 z_lo, z_hi;
           ZC<T, 4> zc = zc_sym;
           if (ZMODE == 2) {
-            z_lo = bcast2(prv[sp][2]);
-            z_hi = bcast2(prv[sp][3]);
+            z_lo = bcast2(prv[u][sp][2]);
+            z_hi = bcast2(prv[u][sp][3]);
           } else if (ZMODE == 1) {
-            zc = zc_load<T>(prv[sp][2], prv[sp][3]);
+            zc = zc_load<T>(prv[u][sp][2], prv[u][sp][3]);
           }
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
@@ -2362,6 +2369,7 @@ constexpr int MAX_COUNTERS = (int)(COUNTER_BYTES / 4);
 constexpr int RING_MAX_M = 8;   // auto: the ring kernel up to this M (measured, docs/CUDA.md)
 constexpr int RING_LMIN = 4;    // ring: at least this many units per warp
 constexpr int WS_AUTO_MIN_M = 8, WG_AUTO_MAX_M = 256;  // auto: the wgmma kernels' M range (sm_90)
+constexpr int SS_AUTO_MIN_M = 65;                         // auto: the wgmma_ss kernel from this M (sm_90)
 constexpr int RING_MIN_UNITS = 12;  // auto: the ring kernel only when each resident warp gets this many units
 constexpr int BULK_MAX_M = 16;      // the bulk kernel takes up to this M (two n8 blocks of tokens)
 constexpr int BULK_AUTO_M = 4;      // auto: the bulk kernel up to this M on sm_90+ (measured, docs/CUDA.md)
@@ -2581,6 +2589,15 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
         (m <= 32 || (m <= 128 && large) || (m <= WG_AUTO_MAX_M && weights >= ((int64_t)1 << 26))))
       kind = di.tma && !no_tma_env() ? W4P_CUDA_KERNEL_WGMMA_WS : W4P_CUDA_KERNEL_WGMMA;
   }
+  // auto, sm_90: in wgmma_ws's range from M = SS_AUTO_MIN_M, the wgmma_ss kernel where its blocks (256 rows x 128
+  // tokens) fill at least half the SMs without splitting K (group sizes of whole K tiles). Measured on an H200
+  // (docs/CUDA.md): 8192x28672 (112 row blocks) M = 128 121.5 against 130.3 us for wgmma_ws, M = 256 235.5
+  // against 256.2. Grids that need a split (28672x8192; the 7B shapes at M = 128) were slower than wgmma_ws.
+  if (kernel == W4P_CUDA_KERNEL_AUTO && kind == W4P_CUDA_KERNEL_WGMMA_WS && (gs <= 0 || gs % 64 == 0) &&
+      m >= SS_AUTO_MIN_M && m <= WG_AUTO_MAX_M &&
+      (size_t)ss_smem_bytes(m <= 64 ? 64 : 128) + di.smem_reserved <= (size_t)di.smem_block &&
+      2 * (int64_t)ceil_div(np, SS_BR) * ceil_div(m, m <= 64 ? 64 : 128) >= sms)
+    kind = W4P_CUDA_KERNEL_WGMMA_SS;
   if (kind == W4P_CUDA_KERNEL_AUTO) {
     // Measured on an H200 (docs/CUDA.md): the ring kernel wins where every resident warp gets a long run of
     // units (70B-sized layers); on smaller layers the block-split stream kernel's shorter ramp wins
