@@ -125,7 +125,12 @@ def test_plan_for_described_devices_auto():
         assert auto(H200, m, 28672, 8192, bits=8) != k["wgmma_ss"], m
     assert auto(H200, 64, 28672, 8192) == k["wgmma_ws"]
     assert auto(H200, 257, 28672, 8192) == k["tiled"]
-    assert auto(H200, 256, 11008, 4096) == k["tiled"]  # outside wgmma_ws's range: the dense path
+    # in the dense path's range from M = 192 (86 and 96 blocks)
+    for m in (192, 256):
+        assert auto(H200, m, 11008, 4096) == k["wgmma_ss"], m
+        assert auto(H200, m, 12288, 4096) == k["wgmma_ss"], m
+        assert auto(H200, m, 4096, 11008) == k["tiled"], m  # 16 row blocks x 2
+    assert auto(H200, 191, 11008, 4096) == k["tiled"]
     assert auto(H200, 128, 11008, 4096) == k["wgmma_ws"]  # 43 blocks: would need a split
     assert auto(H200, 256, 8192, 28672) == k["wgmma_ws"]  # 32 row blocks x 2
     assert auto(H200, 256, 4096, 4096) == k["tiled"]
@@ -842,7 +847,11 @@ def test_auto_plan_per_shape():
     assert auto(9, 4096, 4096) == (wg or cuda.KERNELS["stream"])
     assert auto(16, 11008, 4096) == (wg or cuda.KERNELS["stream"])
     assert auto(17, 4096, 4096) == (wg or cuda.KERNELS["stream"])
-    assert auto(200, 28672, 8192) == (wg or cuda.KERNELS["tiled"])
+    # sm_90: wgmma_ss from M = 65 where its 256-row blocks fill half the SMs unsplit (112 row blocks here)
+    ss = cuda.KERNELS["wgmma_ss"] if wgmma_ok() else None
+    assert auto(200, 28672, 8192) == (ss or cuda.KERNELS["tiled"])
+    assert auto(100, 28672, 8192) == (ss or cuda.KERNELS["tiled"])
+    assert auto(200, 8192, 28672) == (wg or cuda.KERNELS["tiled"])
     assert auto(257, 28672, 8192) == cuda.KERNELS["tiled"]
     lin = cuda.CudaPackedLinear(pack(random_layer(np.random.default_rng(3), 4096, 4096, gs=128)), "cuda")
     assert lin.plan(64)["kernel"] == -1  # small layer: dense from M = 64
