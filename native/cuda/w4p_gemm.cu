@@ -1861,9 +1861,9 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
 // (docs/CUDA.md section 8); here one m64n256k16 covers 64 tokens x 256 rows, and with no operand in registers
 // the dequantization of tile kt + 1 overlaps the wgmmas of tile kt (wait_group 1).
 // A block holds 256 weight rows (16 stripes) and TOK tokens (64 or 128). One producer warp brings each stage's
-// activations (TMA, 128-byte swizzle, rows past M and columns past K zero-filled), codes (one bulk copy per
-// stripe) and group parameters (one bulk copy per K tile for the scales, one for the zeros) onto the stage's
-// mbarrier. The two consumer warpgroups dequantize each K tile into a B buffer (a warpgroup 128 rows, each
+// activations (TMA, 128-byte swizzle, rows past M and columns past K zero-filled), codes (one 3-D TMA copy of
+// the block's 16 stripes) and group parameters (one bulk copy per K tile for the scales, one for the zeros)
+// onto the stage's mbarrier. The two consumer warpgroups dequantize each K tile into a B buffer (a warpgroup 128 rows, each
 // warp two stripes: the fragment of layout v1 is stmatrix's, so four stmatrix.x4 per stripe write the K-major
 // 128-byte-swizzled rows wgmma reads), then issue 4 wgmmas on it.
 // TOK 128: warpgroup w computes tokens 64w..64w+63 x all 256 rows (m64n256, 128 accumulators), so each B
@@ -1926,9 +1926,6 @@ __device__ __forceinline__ void ss_store(const Params &p, const float (&acc)[NN 
   }
 }
 
-#ifndef W4P_SS_TMAW
-#define W4P_SS_TMAW 1  // the codes as one 3-D TMA copy per stage (0: one bulk copy per stripe)
-#endif
 template <typename T, int ZMODE, int TOK>
 __global__ void __launch_bounds__(9 * 32, 1) wgmma_ss_kernel(const Params p, const __grid_constant__ CUtensorMap xmap,
                                                              const __grid_constant__ CUtensorMap wmap) {
@@ -1942,12 +1939,11 @@ __global__ void __launch_bounds__(9 * 32, 1) wgmma_ss_kernel(const Params p, con
   const unsigned char *sgen = smem + (sbase - smem_u32(smem));
   const uint32_t full0 = sbase, empty0 = sbase + 8 * NS, bbase = sbase + 1024, stages = bbase + NB * SS_BR * 128;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int nstripes = p.Np >> 4, KT = p.KT;
+  const int KT = p.KT;
   const int row0 = blockIdx.y * SS_BR;
   const int64_t tok0 = (int64_t)blockIdx.x * TOK;
   const int kb = (int)((int64_t)blockIdx.z * KT / p.S), ke = (int)((int64_t)(blockIdx.z + 1) * KT / p.S);
   const int nsteps = (ke - kb + KS - 1) / KS;
-  const int nvs = min(16, nstripes - (row0 >> 4));  // stripes of this block
   if (tid == 0) {
     for (int s = 0; s < NS; ++s) {
       mbar_init(full0 + 8 * s, 1);        // the producer's arrival with the stage's byte count
@@ -1968,27 +1964,19 @@ __global__ void __launch_bounds__(9 * 32, 1) wgmma_ss_kernel(const Params p, con
     if (lane == 0) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&xmap)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&wmap)) : "memory");
-      const unsigned char *qwb = reinterpret_cast<const unsigned char *>(p.qw);
       const unsigned char *pbase[2] = {reinterpret_cast<const unsigned char *>(p.scales),
                                        reinterpret_cast<const unsigned char *>(ZMODE == 1 ? p.zeros : p.mins)};
       const unsigned prow = (unsigned)min(SS_BR, p.Np - row0) * 2u;
-      (void)qwb;
       for (int i = 0; i < nsteps; ++i) {
         const int s = i % NS;
         if (i >= NS) mbar_wait(empty0 + 8 * s, ((i / NS) - 1) & 1);
         const int t0 = kb + i * KS, nt = min(KS, ke - t0);
         const uint32_t st = stages + s * SB, full = full0 + 8 * s;
-#if W4P_SS_TMAW
         // the codes of 16 stripes x KS tiles in one copy (the box's full size: stripes past the layer and tiles
-        // past K arrive as zeros)
+        // past K arrive as zeros). One bulk copy per stripe measured slower: a copies-only run of 8192x28672 at
+        // M = 64 took 65.7 against 39.4 us, the producer thread's issue rate was the limit
         mbar_expect_tx(full, (unsigned)(nt * XT + 16 * KS * 512) + (unsigned)(nt * NP) * prow);
         tma_load_3d(st + WOFF, &wmap, 0, t0, row0 >> 4, full);
-#else
-        mbar_expect_tx(full, (unsigned)(nt * XT + nvs * nt * 512) + (unsigned)(nt * NP) * prow);
-        for (int ls = 0; ls < nvs; ++ls)
-          bulk_copy(st + WOFF + ls * KS * 512, qwb + ((int64_t)((row0 >> 4) + ls) * KT + t0) * 512,
-                    (unsigned)nt * 512u, full);
-#endif
         for (int u = 0; u < nt; ++u) tma_load_2d(st + u * XT, &xmap, (t0 + u) * 64, (int)tok0, full);
         for (int u = 0; u < nt; ++u) {
           const int g = group_of((t0 + u) * 64, p.gmul);
