@@ -151,6 +151,7 @@ def test_plan_for_without_tma_falls_back_to_wgmma(monkeypatch):
     for m, n, kk in ((9, 4096, 4096), (16, 28672, 8192), (128, 11008, 4096), (256, 8192, 28672), (128, 28672, 8192)):
         rc, kind, _, _ = _plan_for(lib, ffi, H200, m, n, kk)
         assert rc == 0 and kind == k["wgmma"], (m, n, kk, kind)
+    assert _plan_for(lib, ffi, H200, 192, 11008, 4096)[1] == k["tiled"]  # wgmma_ss's dense-path range: unchanged
     assert _plan_for(lib, ffi, H200, 5, 6144, 4096)[1] == k["stream"]  # below the range: unchanged
     assert _plan_for(lib, ffi, H200, 16, 4096, 4096, kernel="wgmma_ws")[1] == k["wgmma_ws"]  # forced: as asked
     monkeypatch.delenv("W4P_CUDA_NO_TMA")
@@ -206,6 +207,18 @@ def test_plan_for_every_forced_kernel(bits, gs):
                     assert rc == 0 and kind == cuda.KERNELS["wgmma"], (m, splits, rc)
                     # auto: 64 row tiles x ceil(m / 64 or 128) token tiles, split until two blocks per SM
                     assert got == (splits or {1: 4, 100: 4, 3000: 1}[m]), (m, got)
+
+
+def test_plan_for_probes_plan_as_their_kernels():
+    # the copies-only probes take their kernel's plan, and its errors (not the stream kernel's)
+    ffi, lib = _lib_or_skip()
+    k = cuda.KERNELS
+    for probe, kind in (("probe_bulk", "bulk"), ("probe_ws", "wgmma_ws"), ("probe_ss", "wgmma_ss")):
+        rc, got, splits, _ = _plan_for(lib, ffi, H200, 4 if probe == "probe_bulk" else 128, 28672, 8192, kernel=probe)
+        assert rc == 0 and got == k[kind], (probe, rc, got)
+    assert _plan_for(lib, ffi, H200, 128, 28672, 8192, gs=48, kernel="probe_ws")[1] == k["wgmma_ws"]
+    rc, *_ = _plan_for(lib, ffi, H200, 128, 28672, 8192, gs=48, kernel="probe_ss")
+    assert rc == lib.W4P_EUNSUPPORTED and "wgmma_ss" in ffi.string(lib.w4p_cuda_last_error()).decode()
 
 
 def _describe_for(lib, ffi, dev, m, n, k, bits=4, gs=128, kernel="auto", splits=0) -> dict[str, str]:
@@ -672,17 +685,20 @@ def test_wgmma_ss_kernel(dtype_name, zero_mode, gs, act_order):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k,gs", [(200, 600, 128), (64, 100, 64), (1000, 1000, -1), (272, 4160, 64),
-                                    (4096, 2048, 128)])
-def test_wgmma_ss_kernel_ragged_and_large(n, k, gs):
+@pytest.mark.parametrize("n,k,gs,bias", [(200, 600, 128, True), (64, 100, 64, True), (1000, 1000, -1, True),
+                                         (272, 4160, 64, True), (4096, 2048, 128, True), (199, 640, 128, False),
+                                         (130, 40, -1, True)])
+def test_wgmma_ss_kernel_ragged_and_large(n, k, gs, bias):
     # K not a multiple of 64 (zero-filled by TMA), N not a multiple of the 256-row block, a row tile of one
-    # stripe (272 = 256 + 16), whole blocks (4096 rows); both token tiles forced on either side of M = 64
+    # stripe (272 = 256 + 16), whole blocks (4096 rows), an odd N without bias (the last row's unpaired store),
+    # a single K tile (K = 40: the 64-token tile's two-tile code box reaches past K); an output with an odd row
+    # stride (unpaired stores throughout) must hold the same values
     import torch
 
     if not wgmma_ok():
         pytest.skip("the wgmma_ss kernel needs compute capability 9.0")
     rng = np.random.default_rng(n * 11 + k)
-    layer = random_layer(rng, n, k, gs=gs, zero_mode="int", bias=True)
+    layer = random_layer(rng, n, k, gs=gs, zero_mode="int", bias=bias)
     lin = cuda.CudaPackedLinear(pack(layer), "cuda")
     for m, splits in ((1, 0), (40, 0), (64, 2), (129, 0), (70, 3), (256, 0), (513, 0)):
         err = run_case(torch, rng, layer, m, "float16", kernel="wgmma_ss", splits=splits, lin=lin)
@@ -691,6 +707,9 @@ def test_wgmma_ss_kernel_ragged_and_large(n, k, gs):
     first = lin.forward(x, kernel="wgmma_ss")
     for _ in range(20):
         assert torch.equal(lin.forward(x, kernel="wgmma_ss"), first)
+    wide = torch.full((200, n + 1), float("nan"), dtype=torch.float16, device="cuda")
+    lin.forward(x, kernel="wgmma_ss", out=wide[:, :n])
+    assert torch.equal(wide[:, :n], first) and torch.isnan(wide[:, n]).all()
 
 
 @pytest.mark.gpu
@@ -705,6 +724,8 @@ def test_wgmma_ss_token_tiles_forced(tok, monkeypatch):
     rng = np.random.default_rng(int(tok))
     layer = random_layer(rng, 600, 1280, gs=128, zero_mode="float", bias=True)
     lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=("bfloat16",))
+    # 3 row blocks x 2 token blocks of 64 at M = 100, or x 1 of 128
+    assert " tiles=%d " % (6 if tok == "64" else 3) in lin.plan(100, kernel="wgmma_ss")["detail"]
     for m, splits in ((3, 0), (64, 0), (100, 2), (257, 0)):
         err = run_case(torch, rng, layer, m, "bfloat16", kernel="wgmma_ss", splits=splits, lin=lin)
         assert err <= tolerance("bfloat16"), (m, splits, err)

@@ -2595,15 +2595,16 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     const bool ring_wins = ring_ok && m <= RING_MAX_M && ring_units >= RING_MIN_UNITS * ring_cap;
     kind = ring_wins ? 3 : (m <= 32 && stream_ok) ? 1 : 2;
   }
+  // probes run their kernel's plan (and get its errors)
+  if (kind == W4P_CUDA_PROBE_BULK) kind = W4P_CUDA_KERNEL_BULK;
+  if (kind == W4P_CUDA_PROBE_WS) kind = W4P_CUDA_KERNEL_WGMMA_WS;
+  if (kind == W4P_CUDA_PROBE_SS) kind = W4P_CUDA_KERNEL_WGMMA_SS;
   if (kind != 2 && kind != W4P_CUDA_KERNEL_WGMMA && kind != W4P_CUDA_KERNEL_WGMMA_WS &&
       kind != W4P_CUDA_KERNEL_WGMMA_SS && !stream_ok)
     return fail(W4P_EUNSUPPORTED, "group size %d: the stream kernel needs a multiple of 32 (use auto or tiled)", gs);
   if (kind == 3 && !ring_ok)
     return fail(W4P_EUNSUPPORTED, "the ring kernel takes M <= 8 and at most %d row stripes (m=%lld, n=%d)",
                 MAX_COUNTERS * RQ, (long long)m, n);
-  if (kind == W4P_CUDA_PROBE_BULK) kind = W4P_CUDA_KERNEL_BULK;
-  if (kind == W4P_CUDA_PROBE_WS) kind = W4P_CUDA_KERNEL_WGMMA_WS;
-  if (kind == W4P_CUDA_PROBE_SS) kind = W4P_CUDA_KERNEL_WGMMA_SS;
   if (kind == W4P_CUDA_KERNEL_BULK && !bulk_ok)
     return fail(W4P_EUNSUPPORTED, "the bulk kernel needs compute capability 9.0 or newer (this device: %d.%d), "
                 "M <= %d and a group size that is a multiple of 32", di.cc / 10, di.cc % 10, BULK_MAX_M);
@@ -2786,6 +2787,8 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     if (di.cc != 90 || sbits != 4 || !(gs <= 0 || gs % 64 == 0))
       return fail(W4P_EUNSUPPORTED, "the wgmma_ss kernel needs compute capability 9.0 (this device: %d.%d), 4-bit "
                   "storage and a group size that is a multiple of 64 (or per channel)", di.cc / 10, di.cc % 10);
+    if (!di.tma)
+      return fail(W4P_EUNSUPPORTED, "the wgmma_ss kernel needs the driver's TMA descriptor encoder (this driver has none)");
     int tok = m <= 64 ? 64 : 128;
     if (const char *e = getenv("W4P_CUDA_SS_TOK")) tok = strcmp(e, "64") == 0 ? 64 : strcmp(e, "128") == 0 ? 128 : tok;
     if ((size_t)ss_smem_bytes(tok) + di.smem_reserved > (size_t)di.smem_block)
@@ -3066,6 +3069,10 @@ cudaError_t launch_all(Params &p, const Plan &pl, int sbits, void *ws_gather, cu
   return launch_stream_m<T, 8, 0>(p, pl, st);
 }
 
+// the stream kernel takes the group size (a multiple of 32, or per channel): the fallback of an "auto" call whose
+// plan gathers the activations into a workspace too small for them
+bool stream_gathers(int gs) { return gs <= 0 || gs % 32 == 0; }
+
 // the plan on a device (real or described); argument checks shared by both entry points
 // The plan for checked arguments (plan_on, describe_on)
 int checked_plan(const DevInfo &di, int64_t m, int n, int k, int storage_bits, int group_size, int act_order,
@@ -3223,7 +3230,7 @@ int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k, 
                  workspace_bytes, &pl);
   if (rc) return rc;
   if (pl.ws_total > workspace_bytes) {
-    if (kernel == 0 && pl.kernel == 2 && pl.gather) {
+    if (kernel == 0 && pl.gather && stream_gathers(group_size)) {
       // not enough room to gather the activations: the stream kernel gathers on the fly
       rc = make_plan(di, m, n, k, storage_bits, group_size, perm != nullptr, x_aligned, 1, splits, workspace_bytes, &pl);
       if (rc) return rc;
