@@ -125,12 +125,12 @@ def test_plan_for_described_devices_auto():
         assert auto(H200, m, 28672, 8192, bits=8) != k["wgmma_ss"], m
     assert auto(H200, 64, 28672, 8192) == k["wgmma_ws"]
     assert auto(H200, 257, 28672, 8192) == k["tiled"]
-    # in the dense path's range from M = 192 (86 and 96 blocks)
-    for m in (192, 256):
+    # in the dense path's range from M = 160 (86 and 96 blocks)
+    for m in (160, 192, 256):
         assert auto(H200, m, 11008, 4096) == k["wgmma_ss"], m
         assert auto(H200, m, 12288, 4096) == k["wgmma_ss"], m
         assert auto(H200, m, 4096, 11008) == k["tiled"], m  # 16 row blocks x 2
-    assert auto(H200, 191, 11008, 4096) == k["tiled"]
+    assert auto(H200, 159, 11008, 4096) == k["tiled"]
     assert auto(H200, 128, 11008, 4096) == k["wgmma_ws"]  # 43 blocks: would need a split
     assert auto(H200, 256, 8192, 28672) == k["wgmma_ws"]  # 32 row blocks x 2
     assert auto(H200, 256, 4096, 4096) == k["tiled"]

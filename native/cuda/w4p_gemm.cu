@@ -2357,7 +2357,7 @@ constexpr int MAX_COUNTERS = (int)(COUNTER_BYTES / 4);
 constexpr int RING_MAX_M = 8;   // auto: the ring kernel up to this M (measured, docs/CUDA.md)
 constexpr int RING_LMIN = 4;    // ring: at least this many units per warp
 constexpr int WS_AUTO_MIN_M = 8, WG_AUTO_MAX_M = 256;  // auto: the wgmma kernels' M range (sm_90)
-constexpr int SS_AUTO_MIN_M = 65, SS_AUTO_DENSE_M = 192;   // auto: the wgmma_ss kernel's M ranges (sm_90)
+constexpr int SS_AUTO_MIN_M = 65, SS_AUTO_DENSE_M = 160;   // auto: the wgmma_ss kernel's M ranges (sm_90)
 constexpr int RING_MIN_UNITS = 12;  // auto: the ring kernel only when each resident warp gets this many units
 constexpr int BULK_MAX_M = 16;      // the bulk kernel takes up to this M (two n8 blocks of tokens)
 constexpr int BULK_AUTO_M = 4;      // auto: the bulk kernel up to this M on sm_90+ (measured, docs/CUDA.md)
@@ -2580,9 +2580,11 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   // auto, sm_90: the wgmma_ss kernel where its blocks (256 rows x 128 tokens) fill at least half the SMs without
   // splitting K (group sizes of whole K tiles): in wgmma_ws's range from M = SS_AUTO_MIN_M, and in the dense
   // path's from M = SS_AUTO_DENSE_M. Measured on an H200 (docs/CUDA.md): 8192x28672 (112 row blocks) M = 65-256
-  // 116.6-234.2 against 126.8-257.2 us for wgmma_ws (M = 64: 87.2 against 79.9); at M = 192-256 4096x11008 62.3
-  // against 65.0-65.6 and 4096x12288 62.4-62.5 against 70.4-75.9 for dequantize + cuBLAS. Grids that need a
-  // split (28672x8192; the 7B shapes at M = 128) were slower than wgmma_ws.
+  // 116.6-234.2 against 126.8-257.2 us for wgmma_ws (M = 64: 87.2 against 79.9); at M = 160-256 4096x11008
+  // 61.9-62.3 against 64.3-65.6 and 4096x12288 62.3-62.6 against 68.2-75.9 for dequantize + cuBLAS (M = 129:
+  // 62.6 against 60.9 on 4096x11008). Grids that need a split (28672x8192; the 7B shapes at M = 128) were slower
+  // than wgmma_ws; past M = 256 on 8192x28672 it was level or slower than the dense path (M = 384: 441.9
+  // against 396.5).
   if (kernel == W4P_CUDA_KERNEL_AUTO && (gs <= 0 || gs % 64 == 0) && m >= SS_AUTO_MIN_M && m <= WG_AUTO_MAX_M &&
       (kind == W4P_CUDA_KERNEL_WGMMA_WS || (kind == W4P_CUDA_KERNEL_AUTO && m >= SS_AUTO_DENSE_M && di.cc == 90 &&
                                              sbits == 4 && di.tma && !no_tma_env())) &&
