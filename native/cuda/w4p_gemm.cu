@@ -194,6 +194,23 @@ __device__ __forceinline__ void dq_float(const uint32_t *w, int j, typename Tr<T
   for (int i = 0; i < 4; ++i) a[i] = as_u32(__hfma2(as_t2<T2>(q[i]), (i & 1) ? s_hi : s_lo, (i & 1) ? m_hi : m_lo));
 }
 
+// The wgmma kernels' operand pairs of k16 slice j in the activation dtype, one rounding per weight: (q - z) * s
+// (zero modes none and int: zc from zc_make / zc_load) or s * q + m (ZMODE 2, float minima m).
+template <typename T, int ZMODE>
+__device__ __forceinline__ void dq_scaled(const uint32_t *w, int j, const ZC<T, 4> &zc, typename Tr<T, 4>::T2 s_lo,
+                                          typename Tr<T, 4>::T2 s_hi, typename Tr<T, 4>::T2 m_lo,
+                                          typename Tr<T, 4>::T2 m_hi, uint32_t (&a)[4]) {
+  using T2 = typename Tr<T, 4>::T2;
+  if (ZMODE == 2) {
+    dq_float<T, 4>(w, j, s_lo, s_hi, m_lo, m_hi, a);
+  } else {
+    uint32_t qz[4];
+    dq_int<T, 4>(w, j, zc, qz);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = as_u32(__hmul2(as_t2<T2>(qz[i]), (i & 1) ? s_hi : s_lo));
+  }
+}
+
 template <typename T> __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
 template <> __device__ __forceinline__ void mma<half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -953,6 +970,14 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, unsigned parity) {
         : "=r"(done) : "r"(bar), "r"(parity) : "memory");
   } while (!done);
 }
+// The copies-only probes' consumers: each of nsteps stages (NS barriers full0 / empty0, 8 bytes apart) freed as
+// soon as it lands
+__device__ __forceinline__ void probe_drain(uint32_t full0, uint32_t empty0, int NS, int nsteps) {
+  for (int i = 0; i < nsteps; ++i) {
+    mbar_wait(full0 + 8 * (i % NS), (i / NS) & 1);
+    mbar_arrive(empty0 + 8 * (i % NS));
+  }
+}
 // (pol: an L2 policy from createpolicy, e.g. evict-first for the weights, evict-last for the activations)
 __device__ __forceinline__ void bulk_copy_hinted(uint32_t dst, const void *src, unsigned bytes, uint32_t bar,
                                                  uint64_t pol) {
@@ -1544,14 +1569,7 @@ __global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kern
           zc = zc_make<T, 4>(to_f(ps[WG_BM + rl]), to_f(ps[WG_BM + rl + 8]));
         }
       }
-      if (ZMODE == 2) {
-        dq_float<T, 4>(w, j, s_lo, s_hi, z_lo, z_hi, a[j]);
-      } else {
-        uint32_t qz[4];
-        dq_int<T, 4>(w, j, zc, qz);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) a[j][i] = as_u32(__hmul2(as_t2<T2>(qz[i]), (i & 1) ? s_hi : s_lo));
-      }
+      dq_scaled<T, ZMODE>(w, j, zc, s_lo, s_hi, z_lo, z_hi, a[j]);
     }
   };
 
@@ -1744,11 +1762,8 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
       }
     }
     __syncwarp();  // the producer warp reconverges before the epilogue's block barriers
-  } else if (p.probe) {  // copies only (diagnostics): each stage is freed as soon as it lands
-    for (int i = 0; i < nsteps; ++i) {
-      mbar_wait(full0 + 8 * (i % NS), (i / NS) & 1);
-      mbar_arrive(empty0 + 8 * (i % NS));
-    }
+  } else if (p.probe) {  // copies only (diagnostics)
+    probe_drain(full0, empty0, NS, nsteps);
   } else {
     const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
     const bool one_group = p.gs <= 0 || p.gs % 64 == 0;
@@ -1782,14 +1797,7 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
         }
       };
       auto dequant = [&](const uint32_t (&w)[4], int j, uint32_t (&av)[4]) {
-        if (ZMODE == 2) {
-          dq_float<T, 4>(w, j, s_lo, s_hi, z_lo, z_hi, av);
-        } else {
-          uint32_t qz[4];
-          dq_int<T, 4>(w, j, zc, qz);
-#pragma unroll
-          for (int q = 0; q < 4; ++q) av[q] = as_u32(__hmul2(as_t2<T2>(qz[q]), (q & 1) ? s_hi : s_lo));
-        }
+        dq_scaled<T, ZMODE>(w, j, zc, s_lo, s_hi, z_lo, z_hi, av);
       };
       // Up to the 32-token tile (IL) each k16 slice goes to the tensor cores as soon as it is dequantized, so
       // the next slice is dequantized while that wgmma runs; larger tiles dequantize two K tiles, then issue
@@ -1986,11 +1994,8 @@ __global__ void __launch_bounds__(9 * 32, 1) wgmma_ss_kernel(const Params p, con
       }
     }
     __syncwarp();
-  } else if (p.probe) {  // copies only (diagnostics): each stage is freed as soon as it lands
-    for (int i = 0; i < nsteps; ++i) {
-      mbar_wait(full0 + 8 * (i % NS), (i / NS) & 1);
-      mbar_arrive(empty0 + 8 * (i % NS));
-    }
+  } else if (p.probe) {  // copies only (diagnostics)
+    probe_drain(full0, empty0, NS, nsteps);
   } else {
     const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
     // Everything but the stage, the K tile and the B buffer is fixed per lane, so the addresses are formed once.
@@ -2047,14 +2052,7 @@ __global__ void __launch_bounds__(9 * 32, 1) wgmma_ss_kernel(const Params p, con
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             uint32_t av[4];
-            if (ZMODE == 2) {
-              dq_float<T, 4>(w, j, s_lo, s_hi, z_lo, z_hi, av);
-            } else {
-              uint32_t qz[4];
-              dq_int<T, 4>(w, j, zc, qz);
-#pragma unroll
-              for (int q = 0; q < 4; ++q) av[q] = as_u32(__hmul2(as_t2<T2>(qz[q]), (q & 1) ? s_hi : s_lo));
-            }
+            dq_scaled<T, ZMODE>(w, j, zc, s_lo, s_hi, z_lo, z_hi, av);
             stsm_x4(bb + stoff[j] + (uint32_t)(sp * 16 * 128), av);
           }
         }
