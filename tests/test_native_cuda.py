@@ -100,17 +100,23 @@ def test_plan_for_described_devices_auto():
     assert auto(H200, 8, 6144, 4096) == k["stream"]
     assert auto(H200, 8, 4096, 4096, bits=8) == k["stream"]
     # the warp-specialized wgmma kernel from M = 9: up to 32 on every layer, up to 128 on layers of 2^25
-    # weights or more, up to 256 on layers of 2^26 or more
+    # weights or more, up to 256 on layers of 2^26 or more, and up to 512 on layers of 2^24 or more where its
+    # blocks fit in one wave (past 256 only with the last 128-token tile more than half full)
     assert auto(H200, 8, 8192, 28672, gs=48) == k["wgmma_ws"]  # a group size the bulk kernel does not take
     assert auto(H200, 9, 28672, 8192) == k["wgmma_ws"]
     assert auto(H200, 9, 4096, 4096) == k["wgmma_ws"]
     assert auto(H200, 16, 4096, 4096) == k["wgmma_ws"]
     assert auto(H200, 32, 4096, 4096) == k["wgmma_ws"]
-    assert auto(H200, 33, 4096, 4096) == k["tiled"]
-    assert auto(H200, 64, 4096, 4096) == k["tiled"]
+    for m in (33, 64, 128, 129, 256, 321, 384, 449, 512):
+        assert auto(H200, m, 4096, 4096) == k["wgmma_ws"], m  # 32 row tiles x ceil(m / 128)
+    for m in (257, 320, 385, 448, 513):
+        assert auto(H200, m, 4096, 4096) == k["tiled"], m
+    assert auto(H200, 33, 2048, 4096) == k["tiled"]  # 2^23 weights
+    assert auto(H200, 512, 4096, 11008) == k["wgmma_ws"]  # 128 tiles
+    assert auto(H200, 384, 12288, 4096) == k["tiled"]  # 288 tiles; wgmma_ss's 144 blocks fill 55%
     assert auto(H200, 64, 28672, 8192) == k["wgmma_ws"]
     assert auto(H200, 256, 8192, 28672) == k["wgmma_ws"]
-    assert auto(H200, 257, 8192, 28672) == k["tiled"]
+    assert auto(H200, 257, 8192, 28672) == k["wgmma_ss"]  # 96 blocks x 4 splits fill 97%
     assert auto(H200, 128, 11008, 4096) == k["wgmma_ws"]  # 2^25 weights or more: up to M = 128
     assert auto(H200, 129, 11008, 4096) == k["tiled"]
     assert auto(H200, 16, 4096, 4096, gs=-1) == k["wgmma_ws"]  # per-channel
@@ -124,16 +130,21 @@ def test_plan_for_described_devices_auto():
         assert auto(H200, m, 28672, 8192, gs=32) == k["wgmma_ws"], m  # two groups per K tile
         assert auto(H200, m, 28672, 8192, bits=8) != k["wgmma_ss"], m
     assert auto(H200, 64, 28672, 8192) == k["wgmma_ws"]
-    assert auto(H200, 257, 28672, 8192) == k["tiled"]
+    # M = 257-512: wgmma_ss where its blocks fill the waves (80% unsplit, or 90% with 4 splits of 64+ K tiles)
+    for m, n, kk, splits in ((257, 28672, 8192, 1), (512, 28672, 8192, 1), (384, 11008, 4096, 1),
+                             (300, 8192, 28672, 4), (512, 8192, 28672, 1)):
+        rc, kind, got, _ = _plan_for(lib, ffi, H200, m, n, kk)
+        assert rc == 0 and kind == k["wgmma_ss"] and got == splits, (m, n, kk, kind, got)
+    assert auto(H200, 512, 11008, 4096) == k["tiled"]  # 172 blocks: 65%; 4 splits would be 16 K tiles each
+    assert auto(H200, 513, 28672, 8192) == k["tiled"]
     # in the dense path's range from M = 160 (86 and 96 blocks)
     for m in (160, 192, 256):
         assert auto(H200, m, 11008, 4096) == k["wgmma_ss"], m
         assert auto(H200, m, 12288, 4096) == k["wgmma_ss"], m
-        assert auto(H200, m, 4096, 11008) == k["tiled"], m  # 16 row blocks x 2
+        assert auto(H200, m, 4096, 11008) == k["wgmma_ws"], m  # 16 wgmma_ss blocks x 2; 64 wgmma_ws tiles
     assert auto(H200, 159, 11008, 4096) == k["tiled"]
     assert auto(H200, 128, 11008, 4096) == k["wgmma_ws"]  # 43 blocks: would need a split
     assert auto(H200, 256, 8192, 28672) == k["wgmma_ws"]  # 32 row blocks x 2
-    assert auto(H200, 256, 4096, 4096) == k["tiled"]
     assert auto(A100, 128, 28672, 8192) == k["tiled"]
 
     assert auto(A100, 32, 4096, 4096) == k["stream"]
@@ -158,18 +169,40 @@ def test_plan_for_without_tma_falls_back_to_wgmma(monkeypatch):
     assert _plan_for(lib, ffi, H200, 16, 28672, 8192)[1] == k["wgmma_ws"]
 
 
-def test_plan_for_wgmma_ws_splits_only_grids_that_idle_half_the_sms():
-    # split-K for the warp-specialized kernel, from its 32-token tile, only where the grid leaves more than half
-    # of the SMs idle (an H200 has 132): measured, 86 or 96 row tiles ran faster unsplit there
+def test_plan_for_wgmma_ws_splits():
+    # split-K for the warp-specialized kernel (an H200 has 132 SMs, 2 blocks each up to the 64-token tile):
+    # enough splits for every block slot where the grid leaves more than half of them idle, at least 16 K tiles
+    # per split; two splits (summed in a cluster) where the unsplit grid fills half the slots and two still fit
     ffi, lib = _lib_or_skip()
     k = cuda.KERNELS
-    for m, n, kk, want in ((32, 12288, 4096, 1), (64, 11008, 4096, 1), (20, 28672, 4096, 1),  # 96, 86, 224 tiles
-                           (32, 4096, 4096, 8), (64, 4096, 11008, 8), (48, 8192, 28672, 4),   # 32, 32, 64 tiles
+    for m, n, kk, want in ((32, 12288, 4096, 2), (64, 11008, 4096, 2),                        # 96, 86 tiles
+                           (20, 28672, 4096, 1),                                              # 224 tiles
+                           (32, 4096, 4096, 4), (64, 4096, 11008, 8), (48, 8192, 28672, 4),   # 32, 32, 64 tiles
                            (128, 4096, 11008, 4),                                             # one block per SM
+                           (100, 11008, 4096, 1),                                             # 86 of 132
                            (16, 12288, 4096, 2), (9, 11008, 4096, 3)):                        # 16-token tile
         rc, kind, splits, _ = _plan_for(lib, ffi, H200, m, n, kk)
         assert rc == 0 and kind == k["wgmma_ws"] and splits == want, (m, n, kk, kind, splits)
     assert _plan_for(lib, ffi, H200, 32, 12288, 4096, kernel="wgmma_ws", splits=3)[2] == 3  # forced: as asked
+    assert _plan_for(lib, ffi, A100, 32, 12288, 4096, kernel="wgmma_ws")[0] == lib.W4P_EUNSUPPORTED
+
+
+def test_plan_describes_cluster_sums(monkeypatch):
+    # wgmma_ws / wgmma_ss with 2-8 splits sum them in a cluster (the workspace still holds the partials: the
+    # launch falls back on it where the device holds fewer clusters than blocks); W4P_CUDA_CLUSTER=0 turns it off
+    ffi, lib = _lib_or_skip()
+    def sums(*args, **kw):
+        got = _describe_for(lib, ffi, H200, *args, **kw)
+        return got["splits"], got.get("sum")
+
+    assert sums(64, 11008, 4096) == ("2", "cluster")
+    assert sums(128, 4096, 4096, kernel="wgmma_ss", splits=8) == ("8", "cluster")
+    assert sums(128, 4096, 4096, kernel="wgmma_ss", splits=9) == ("9", "workspace")
+    assert sums(128, 4096, 4096, kernel="wgmma", splits=4) == ("4", "workspace")
+    assert sums(128, 4096, 4096, kernel="wgmma_ss", splits=1) == ("1", None)
+    monkeypatch.setenv("W4P_CUDA_CLUSTER", "0")
+    assert sums(128, 4096, 4096, kernel="wgmma_ss", splits=8) == ("8", "workspace")
+    assert _plan_for(lib, ffi, H200, 64, 11008, 4096)[2] == 1  # no cluster: unsplit
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -732,6 +765,39 @@ def test_wgmma_ss_token_tiles_forced(tok, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["wgmma_ws", "wgmma_ss"])
+def test_split_sums_in_a_cluster_match_the_workspace(kernel, monkeypatch):
+    # up to 8 splits of a tile are launched as one cluster and summed in shared memory; W4P_CUDA_CLUSTER=0 (or
+    # more than 8 splits) sums them through the workspace. Both add the same fp32 partials in split order, so the
+    # outputs must be bit-identical; odd N (row quads past N), tokens past M, bias
+    import torch
+
+    if not wgmma_ok():
+        pytest.skip("the wgmma kernels need compute capability 9.0")
+    rng = np.random.default_rng(7 if kernel == "wgmma_ws" else 8)
+    layer = random_layer(rng, 1002, 2560, gs=128, zero_mode="int", bias=True)
+    packed = pack(layer)
+    in_cluster = cuda.CudaPackedLinear(packed, "cuda")
+    monkeypatch.setenv("W4P_CUDA_CLUSTER", "0")
+    via_workspace = cuda.CudaPackedLinear(packed, "cuda")
+    for m in (1, 70, 200):
+        x = torch.randn(m, 2560, device="cuda", dtype=torch.float16)
+        for splits in (2, 3, 5, 8):
+            monkeypatch.setenv("W4P_CUDA_CLUSTER", "0")
+            assert "sum=workspace" in via_workspace.plan(m, kernel=kernel, splits=splits)["detail"]
+            want = via_workspace.forward(x, kernel=kernel, splits=splits)
+            monkeypatch.delenv("W4P_CUDA_CLUSTER")
+            plan = in_cluster.plan(m, kernel=kernel, splits=splits)
+            assert "sum=cluster" in plan["detail"] and plan["splits"] == splits, plan
+            got = in_cluster.forward(x, kernel=kernel, splits=splits)
+            assert torch.equal(got, want), (m, splits)
+            for _ in range(3):
+                assert torch.equal(in_cluster.forward(x, kernel=kernel, splits=splits), got)
+        assert "sum=workspace" in in_cluster.plan(m, kernel=kernel, splits=9)["detail"]
+        assert run_case(torch, rng, layer, m, "float16", kernel=kernel, splits=5, lin=in_cluster) <= 1e-3
+
+
+@pytest.mark.gpu
 def test_wgmma_kernel_large_and_repeatable():
     import torch
 
@@ -873,10 +939,14 @@ def test_auto_plan_per_shape():
     assert auto(200, 28672, 8192) == (ss or cuda.KERNELS["tiled"])
     assert auto(100, 28672, 8192) == (ss or cuda.KERNELS["tiled"])
     assert auto(200, 8192, 28672) == (wg or cuda.KERNELS["tiled"])
-    assert auto(257, 28672, 8192) == cuda.KERNELS["tiled"]
+    assert auto(257, 28672, 8192) == (ss or cuda.KERNELS["tiled"])  # 336 blocks fill 85% of 3 waves (H200)
+    assert auto(513, 28672, 8192) == cuda.KERNELS["tiled"]
     lin = cuda.CudaPackedLinear(pack(random_layer(np.random.default_rng(3), 4096, 4096, gs=128)), "cuda")
-    assert lin.plan(64)["kernel"] == -1  # small layer: dense from M = 64
+    assert lin.plan(64)["kernel"] == (wg or -1)  # 2^24 weights: wgmma_ws while its blocks fit in one wave
+    assert lin.plan(300)["kernel"] == -1  # the last token tile less than half full: dense
     assert lin.plan(32)["kernel"] == (wg or cuda.KERNELS["stream"])
+    small = cuda.CudaPackedLinear(pack(random_layer(np.random.default_rng(4), 2048, 4096, gs=128)), "cuda")
+    assert small.plan(64)["kernel"] == -1  # 2^23 weights: dense from M = 33
 
 
 @pytest.mark.gpu

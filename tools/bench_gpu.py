@@ -338,9 +338,10 @@ def smoke() -> int:
             if sm90a and bits == 4:
                 calls += ((1, "wgmma", 0), (150, "wgmma", 0), (70, "wgmma", 3), (20, "wgmma", 2), (1, "wgmma_ws", 0),
                           (150, "wgmma_ws", 0), (70, "wgmma_ws", 3), (12, "wgmma_ws", 0), (20, "wgmma_ws", 3),
-                          (12, "auto", 0))
+                          (20, "wgmma_ws", 9), (12, "auto", 0))
+                # splits summed in a cluster (2-8) and through the workspace (9)
                 if gs % 64 == 0 or gs == -1:
-                    calls += ((1, "wgmma_ss", 0), (150, "wgmma_ss", 0), (70, "wgmma_ss", 3))
+                    calls += ((1, "wgmma_ss", 0), (150, "wgmma_ss", 0), (70, "wgmma_ss", 3), (70, "wgmma_ss", 9))
             if torch.cuda.get_device_capability() >= (9, 0):
                 calls += ((1, "bulk", 0), (13, "bulk", 2), (6, "bulk", 3))
         for m, kernel, splits in calls:

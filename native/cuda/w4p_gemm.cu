@@ -31,8 +31,11 @@
 #include <stdarg.h>
 #include <string.h>
 #include <algorithm>
+#include <utility>
+#include <map>
 #include <mutex>
 #include <set>
+#include <tuple>
 #include <utility>
 #include <type_traits>
 
@@ -275,11 +278,43 @@ struct Params {
   int64_t W;             // ring kernel: workers (warps) sharing the weight stream
   int probe;             // bulk, wgmma_ws kernels: 1 = copies only, no arithmetic (the copy pipeline's rate)
   int kg;                // bulk kernel: tiles per stream-K granule (1, or the unit size: whole units per block)
+  int cl;                // wgmma_ws, wgmma_ss with splits: launched as clusters of the S splits (cluster_reduce)
 };
 
-// Split-K epilogue shared by both kernels: every block stores its fp32 partial tile; the last block to
-// arrive sums the S partials in split order (bit-identical whoever arrives last) and writes y.
-template <typename T, int RB, int TBK>
+// y for the rows row..row+3 of token tok (rows from N on dropped): the split sums v plus the bias
+template <typename T>
+__device__ __forceinline__ void store_quad(const Params &p, int64_t tok, int row, const float (&v)[4], bool pairs) {
+  using T2 = typename Tr<T, 4>::T2;
+  const T *bias = (const T *)p.bias;
+  T *dst = (T *)p.y + tok * p.ldy + row;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = row + 2 * h;
+    const float v0 = v[2 * h] + ((bias && r < p.N) ? to_f(bias[r]) : 0.f);
+    const float v1 = v[2 * h + 1] + ((bias && r + 1 < p.N) ? to_f(bias[r + 1]) : 0.f);
+    if (pairs && r + 1 < p.N) {
+      T2 o;
+      o.x = from_f<T>(v0);
+      o.y = from_f<T>(v1);
+      *reinterpret_cast<T2 *>(dst + 2 * h) = o;
+    } else {
+      if (r < p.N) dst[2 * h] = from_f<T>(v0);
+      if (r + 1 < p.N) dst[2 * h + 1] = from_f<T>(v1);
+    }
+  }
+}
+__device__ __forceinline__ bool y_pairs(const Params &p) {
+  return (p.ldy & 1) == 0 && (reinterpret_cast<uintptr_t>(p.y) & 3) == 0;
+}
+
+// Split-K epilogue through the workspace: every block stores its fp32 partial tile; the last block to arrive
+// sums the S partials in split order (bit-identical whoever arrives last) and writes y.
+// The sum runs on quads of rows (16-byte loads; Np and row0 are multiples of 16, the workspace 256-byte
+// aligned) with U quads per thread in flight and the split loop unrolled, so the last block waits for a few
+// L2 round trips rather than one per output element (a 256 x 128 tile summed one element per thread and
+// iteration is 114 dependent round trips for 288 threads). U = 4 gave the wgmma_ws kernels a 4-byte spill
+// (their 2 blocks per SM cap them at 112 registers): 2 there, 4 where registers allow.
+template <typename T, int RB, int TBK, int SR_U = 2>
 __device__ __forceinline__ void split_reduce(const Params &p, int rb, int tb, int row0, int tok0) {
   __shared__ int s_last;
   __threadfence();
@@ -292,21 +327,98 @@ __device__ __forceinline__ void split_reduce(const Params &p, int rb, int tb, in
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  const T *bias = (const T *)p.bias;
-  T *y = (T *)p.y;
+  const bool pairs = y_pairs(p);
   const size_t plane = (size_t)p.M * p.Np;
-  for (int idx = threadIdx.x; idx < RB * TBK; idx += blockDim.x) {
-    int r = idx % RB, t = idx / RB;
-    int row = row0 + r;
-    int64_t tok = tok0 + t;
-    if (row >= p.N || tok >= p.M) continue;
-    const float *src = p.part + (size_t)tok * p.Np + row;
-    float acc = 0.f;
-    for (int s = 0; s < p.S; ++s) acc += __ldcg(src + s * plane);
-    if (bias) acc += to_f(bias[row]);
-    y[tok * p.ldy + row] = from_f<T>(acc);
+  const int nq = min(RB, p.Np - row0) / 4;                        // row quads of the tile inside Np
+  const int ntok = (int)(p.M - tok0 < TBK ? p.M - tok0 : TBK);
+  const int total = nq * ntok, step = (int)blockDim.x;
+  for (int base = (int)threadIdx.x; base < total; base += SR_U * step) {
+    const float *src[SR_U];
+    float4 a[SR_U];
+#pragma unroll
+    for (int u = 0; u < SR_U; ++u) {
+      const int idx = min(base + u * step, total - 1);  // past the end: a repeated load, never stored
+      const int t = idx / nq, q = idx - t * nq;
+      src[u] = p.part + (size_t)(tok0 + t) * p.Np + row0 + 4 * q;
+      a[u] = __ldcg(reinterpret_cast<const float4 *>(src[u]));
+    }
+#pragma unroll 4
+    for (int s = 1; s < p.S; ++s) {
+#pragma unroll
+      for (int u = 0; u < SR_U; ++u) {
+        const float4 b = __ldcg(reinterpret_cast<const float4 *>(src[u] + s * plane));
+        a[u].x += b.x;
+        a[u].y += b.y;
+        a[u].z += b.z;
+        a[u].w += b.w;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < SR_U; ++u) {
+      const int idx = base + u * step;
+      if (idx >= total) break;
+      const int t = idx / nq;
+      const float v[4] = {a[u].x, a[u].y, a[u].z, a[u].w};
+      store_quad<T>(p, tok0 + t, row0 + 4 * (idx - t * nq), v, pairs);
+    }
   }
   if (threadIdx.x == 0) p.counters[tile] = 0u;  // ready for the next call / graph replay
+}
+
+// Split-K epilogue inside a thread block cluster (sm_90; the S <= 8 blocks of one output tile launched as one
+// cluster, dims 1 x 1 x S): each block has put its fp32 partial tile at shared address `tile`, as [TBK tokens]
+// [RB + 8] floats (8 floats of padding per token put a warp's 8 tokens in different banks). After a cluster
+// barrier, block z sums its 1/S share of the tile over the S blocks' shared memory, in split order
+// (bit-identical every call), and writes y; a second barrier keeps every block's tile until the others have
+// read it. The partials never leave the SMs: no workspace, no counters. Measured on an H200 (docs/CUDA.md):
+// the workspace epilogue's partial stores and last-block sums cost wgmma_ss 27 of 37 us on 4096x4096 at M = 128
+// with 8 splits.
+constexpr int CLUSTER_MAX = 8;  // the portable cluster size
+__device__ __forceinline__ void cluster_barrier() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ float4 ld_cluster_f4(uint32_t addr, uint32_t rank) {
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#if __CUDA_ARCH__ >= 900
+  uint32_t ra;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(ra) : "r"(addr), "r"(rank));
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(ra) : "memory");
+#endif
+  return v;
+}
+template <typename T, int RB, int TBK>
+__device__ __forceinline__ void cluster_reduce(const Params &p, uint32_t tile, int row0, int64_t tok0) {
+  constexpr int PITCH = RB + 8, QR = RB / 4, Q = TBK * QR;
+  cluster_barrier();
+  const int S = p.S, z = (int)blockIdx.z;
+  const bool pairs = y_pairs(p);
+  const int q1 = (z + 1) * Q / S;
+  for (int idx = z * Q / S + (int)threadIdx.x; idx < q1; idx += (int)blockDim.x) {
+    const int t = idx / QR, q = idx - t * QR;
+    const int64_t tok = tok0 + t;
+    const int row = row0 + 4 * q;
+    if (tok >= p.M || row >= p.N) continue;
+    const uint32_t la = tile + (uint32_t)(t * PITCH + 4 * q) * 4u;
+    float4 v[CLUSTER_MAX];
+#pragma unroll
+    for (int s = 0; s < CLUSTER_MAX; ++s)
+      if (s < S) v[s] = ld_cluster_f4(la, (uint32_t)s);
+    float a[4] = {v[0].x, v[0].y, v[0].z, v[0].w};
+#pragma unroll
+    for (int s = 1; s < CLUSTER_MAX; ++s)
+      if (s < S) {
+        a[0] += v[s].x;
+        a[1] += v[s].y;
+        a[2] += v[s].z;
+        a[3] += v[s].w;
+      }
+    store_quad<T>(p, tok, row, a, pairs);
+  }
+  cluster_barrier();
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1854,6 +1966,19 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
   const int r_lo = row0 + rl;
   if (p.S == 1) {
     if (warp < 8) wg_store_y<T, BN>(p, acc, r_lo, tok0, lane);
+  } else if (p.cl) {
+    // the stages become the exchange tile [BN][WG_BM + 8] once every warp is past its last wgmma
+    static_assert(NS * SB >= BN * (WG_BM + 8) * 4, "the cluster exchange tile fits in the stages");
+    __syncthreads();
+    if (warp < 8) {
+      float *tg = (float *)(sgen + (stages - sbase));
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          tg[(8 * i + 2 * (lane & 3) + (c & 1)) * (WG_BM + 8) + rl + (c < 2 ? 0 : 8)] = acc[4 * i + c];
+    }
+    cluster_reduce<T, WG_BM, BN>(p, stages, row0, tok0);
   } else {
     if (warp < 8) wg_store_part<BN>(p, acc, r_lo, tok0, lane);
     split_reduce<T, WG_BM, BN>(p, blockIdx.y, blockIdx.x, row0, (int)tok0);
@@ -2075,8 +2200,25 @@ __global__ void __launch_bounds__(9 * 32, 1) wgmma_ss_kernel(const Params p, con
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
   }
   // epilogue (the producer warp joins the split reduction's block barriers)
-  if (warp < 8) ss_store<T, NN>(p, acc, row0 + rowoff + 2 * (lane & 3), tok0 + tokoff + 16 * wq + gid);
-  if (p.S > 1) split_reduce<T, SS_BR, TOK>(p, blockIdx.y, blockIdx.x, row0, (int)tok0);
+  if (p.S > 1 && p.cl) {
+    // the B buffers and stages become the exchange tile [TOK][SS_BR + 8] once every warp is past its wgmmas
+    static_assert(NB * SS_BR * 128 + NS * SB >= TOK * (SS_BR + 8) * 4, "the cluster exchange tile fits");
+    __syncthreads();
+    if (warp < 8) {
+      float *tg = (float *)(sgen + (bbase - sbase));
+      const int rb = rowoff + 2 * (lane & 3), tb = tokoff + 16 * wq + gid;
+#pragma unroll
+      for (int i = 0; i < NN / 8; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          *reinterpret_cast<float2 *>(tg + (tb + 8 * h) * (SS_BR + 8) + rb + 8 * i) =
+              make_float2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]);
+    }
+    cluster_reduce<T, SS_BR, TOK>(p, bbase, row0, tok0);
+  } else {
+    if (warp < 8) ss_store<T, NN>(p, acc, row0 + rowoff + 2 * (lane & 3), tok0 + tokoff + 16 * wq + gid);
+    if (p.S > 1) split_reduce<T, SS_BR, TOK, 4>(p, blockIdx.y, blockIdx.x, row0, (int)tok0);
+  }
 #endif
 }
 
@@ -2355,6 +2497,7 @@ constexpr int MAX_COUNTERS = (int)(COUNTER_BYTES / 4);
 constexpr int RING_MAX_M = 8;   // auto: the ring kernel up to this M (measured, docs/CUDA.md)
 constexpr int RING_LMIN = 4;    // ring: at least this many units per warp
 constexpr int WS_AUTO_MIN_M = 8, WG_AUTO_MAX_M = 256;  // auto: the wgmma kernels' M range (sm_90)
+constexpr int WIDE_AUTO_MAX_M = 512;  // auto: up to this M where one wave of blocks fills the SMs (sm_90)
 constexpr int SS_AUTO_MIN_M = 65, SS_AUTO_DENSE_M = 160;   // auto: the wgmma_ss kernel's M ranges (sm_90)
 constexpr int RING_MIN_UNITS = 12;  // auto: the ring kernel only when each resident warp gets this many units
 constexpr int BULK_MAX_M = 16;      // the bulk kernel takes up to this M (two n8 blocks of tokens)
@@ -2372,6 +2515,11 @@ bool tma_encoder_available();
 bool no_tma_env() {
   const char *e = getenv("W4P_CUDA_NO_TMA");
   return e && e[0] == '1';
+}
+// W4P_CUDA_CLUSTER=0: the wgmma_ws / wgmma_ss splits sum through the workspace, not within a cluster (A/B runs)
+bool no_cluster_env() {
+  const char *e = getenv("W4P_CUDA_CLUSTER");
+  return e && e[0] == '0';
 }
 // W4P_CUDA_BULK_CT=8|12|16: the bulk kernel's tiles per unit on 4-bit layers instead of the planner's choice
 // (sweeps and tests; read at each call)
@@ -2452,6 +2600,7 @@ struct Plan {
   int tiles = 0;   // output tiles (counters)
   int bn = 0, kp = 1;  // wgmma kernel: token tile, K tiles per step
   bool as = false;     // wgmma kernel: A through shared memory
+  bool cl = false;     // wgmma_ws, wgmma_ss: the splits of a tile launched as one cluster (cluster_reduce)
   bool gather = false;
   size_t smem = 0;
   size_t ws_part = 0, ws_gather = 0, ws_total = 0;
@@ -2510,13 +2659,14 @@ bool bulk_two_stages_fit(int sbits, int m, int gs, int ct, int qs, int budget) {
 // Split-K count of both wgmma kernels: `splits` when forced, else enough to fill the resident slots when the
 // tiles fill less than half of them (splitting a grid that already fills half measured slower), each split
 // keeping at least 8 K tiles
-int wg_splits(int splits, int64_t tiles, int64_t slots, int KT) {
+// kmin: the fewest K tiles a split may get
+int wg_splits(int splits, int64_t tiles, int64_t slots, int KT, int kmin = 8) {
   int S = splits;
   if (S <= 0) {
     S = 1;
     if (2 * tiles < slots) {
       S = (int)(slots / tiles);
-      const int smax = KT / 8 > 0 ? KT / 8 : 1;
+      const int smax = KT / kmin > 0 ? KT / kmin : 1;
       if (S > smax) S = smax;
     }
   }
@@ -2568,12 +2718,21 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   // kernel on the large layers only, and in its M ranges ahead of the one-pass wgmma kernel and of dequantize +
   // cuBLAS. Smaller layers from M = 33 and every layer from M = 257 take dequantize + cuBLAS (the Python side's
   // dense path when this plan says "tiled"). Without the driver's TMA encoder the wgmma kernel takes its place.
+  // With TMA it also takes M = 33-512 on layers of 2^24 weights or more where its blocks fit in one wave:
+  // 4096x4096 M = 48-512 in 15.7-34.7 against 21.7-37.5 us, 11008x4096 M = 129-512 in 52.2-88.9 against
+  // 65.4-93.9 us for dequantize + cuBLAS; 4096x12288 M = 384 (288 blocks) took 106.9 against 87.9.
+  const bool wg_tma = di.tma && !no_tma_env();
   if (kind == W4P_CUDA_KERNEL_AUTO && di.cc == 90 && sbits == 4 && (gs <= 0 || gs % 16 == 0) && m >= WS_AUTO_MIN_M) {
     const int64_t weights = (int64_t)np * kp;
     const bool large = weights >= ((int64_t)1 << 25);
+    // (past M = 256 only where the last token tile is more than half full: 4096x4096 and 11008x4096 at
+    // M = 257-320 took 33.4 and 82.3 us against 29.2-32.5 and 74.2-75.4 for dequantize + cuBLAS)
+    const bool one_wave = wg_tma && weights >= ((int64_t)1 << 24) && m <= WIDE_AUTO_MAX_M &&
+                          (m <= WG_AUTO_MAX_M || m % 128 == 0 || m % 128 > 64) &&
+                          (int64_t)ceil_div(np, WG_BM) * ceil_div(m, ws_tile(m)) <= (int64_t)sms * (m > 64 ? 1 : 2);
     if ((m > WS_AUTO_MIN_M || large) &&
-        (m <= 32 || (m <= 128 && large) || (m <= WG_AUTO_MAX_M && weights >= ((int64_t)1 << 26))))
-      kind = di.tma && !no_tma_env() ? W4P_CUDA_KERNEL_WGMMA_WS : W4P_CUDA_KERNEL_WGMMA;
+        (m <= 32 || (m <= 128 && large) || (m <= WG_AUTO_MAX_M && weights >= ((int64_t)1 << 26)) || one_wave))
+      kind = wg_tma ? W4P_CUDA_KERNEL_WGMMA_WS : W4P_CUDA_KERNEL_WGMMA;
   }
   // auto, sm_90: the wgmma_ss kernel where its blocks (256 rows x 128 tokens) fill at least half the SMs without
   // splitting K (group sizes of whole K tiles): in wgmma_ws's range from M = SS_AUTO_MIN_M, and in the dense
@@ -2589,6 +2748,26 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
       (size_t)ss_smem_bytes(m <= 64 ? 64 : 128) + di.smem_reserved <= (size_t)di.smem_block &&
       2 * (int64_t)ceil_div(np, SS_BR) * ceil_div(m, m <= 64 ? 64 : 128) >= sms)
     kind = W4P_CUDA_KERNEL_WGMMA_SS;
+  // M = 257-512: wgmma_ss where its blocks fill the waves they take: at least 80% unsplit, else at least 90%
+  // with 4 splits of 64 K tiles or more. Its time is its waves' count times one block's time, so the fill
+  // decides. Measured on an H200 against the previous choice: 8192x28672 M = 384 (336 blocks, 85%) 351.0
+  // against 408.2 us for dequantize + cuBLAS, M = 512 467.9 against 474.5; 28672x8192 M = 384 (4 splits, 97%)
+  // 339.4 against 400.4, M = 512 (unsplit, 97%) 394.9 against 484.1; 4096x11008 M = 384 (129 blocks) 65.1
+  // against 77.6 (M = 512, 172 blocks: 127.2 against 99.5; 4096x12288 M = 384, 144 blocks: 127.4 against 86.4).
+  int ss_auto_splits = 0;
+  if (kernel == W4P_CUDA_KERNEL_AUTO && (gs <= 0 || gs % 64 == 0) && m > WG_AUTO_MAX_M && m <= WIDE_AUTO_MAX_M &&
+      di.cc == 90 && sbits == 4 && wg_tma && (kind == W4P_CUDA_KERNEL_AUTO || kind == W4P_CUDA_KERNEL_WGMMA_WS) &&
+      (size_t)ss_smem_bytes(128) + di.smem_reserved <= (size_t)di.smem_block) {
+    const int64_t blocks = (int64_t)ceil_div(np, SS_BR) * ceil_div(m, 128);
+    auto fill = [&](int64_t b) { return (double)b / (double)(ceil_div(b, (int64_t)sms) * sms); };
+    if (fill(blocks) >= 0.8) {
+      kind = W4P_CUDA_KERNEL_WGMMA_SS;
+      ss_auto_splits = 1;
+    } else if (KT / 4 >= 64 && fill(4 * blocks) >= 0.9) {
+      kind = W4P_CUDA_KERNEL_WGMMA_SS;
+      ss_auto_splits = 4;
+    }
+  }
   if (kind == W4P_CUDA_KERNEL_AUTO) {
     // Measured on an H200 (docs/CUDA.md): the ring kernel wins where every resident warp gets a long run of
     // units (70B-sized layers); on smaller layers the block-split stream kernel's shorter ramp wins
@@ -2773,11 +2952,18 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     pl->bn = bn;
     pl->TB = ceil_div(m, bn);
     pl->tiles = nrb * pl->TB;
-    // from the 32-token tile, split only grids that leave more than half the SMs idle. Measured on an H200:
-    // 4096x11008 and 4096x12288 (86 and 96 row tiles) ran M = 32-64 in 22.5-28.3 us unsplit against 25.8-40.4 us
-    // with 2-3 splits; with the 16-token tile the splits were level or ahead (4096x11008 M = 8: 19.8 against 21.7)
+    // from the 32-token tile, split grids that leave more than half the SMs idle (with the workspace's sums,
+    // 4096x11008 and 4096x12288, 86 and 96 row tiles, ran M = 32-64 in 22.5-28.3 us unsplit against 25.8-40.4
+    // us with 2-3 splits: H200); with the 16-token tile the splits were level or ahead
     const bool may_split = splits > 0 || bn == 16 || 2 * pl->tiles < sms;
-    pl->S = may_split ? wg_splits(splits, pl->tiles, (int64_t)sms * ws_blocks_per_sm(bn), KT) : 1;
+    // at least 16 K tiles per split: 4096x4096 at M = 16-64 took 10.5-17.1 us with 4 splits against 11.2-19.9
+    // with 8 (H200)
+    pl->S = may_split ? wg_splits(splits, pl->tiles, (int64_t)sms * ws_blocks_per_sm(bn), KT, 16) : 1;
+    // where the unsplit grid fills half the SMs and two splits still fit in one wave, two splits summed in a
+    // cluster (sm_90): 4096x11008 and 4096x12288 at M = 32-64 took 21.0-25.8 against 22.9-28.5 us unsplit
+    if (splits <= 0 && pl->S == 1 && di.cc == 90 && !no_cluster_env() && KT >= 32 &&
+        2 * pl->tiles <= (int64_t)sms * ws_blocks_per_sm(bn))
+      pl->S = 2;
     pl->smem = ws_smem_bytes(bn, ks);
     pl->kp = ks;
     pl->gather = act_order || !x_aligned;  // TMA zero-fills columns past K: no gather for ragged K
@@ -2799,7 +2985,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     pl->kp = ss_ks(tok);
     pl->TB = ceil_div(m, tok);
     pl->tiles = nrb * pl->TB;
-    pl->S = wg_splits(splits, pl->tiles, (int64_t)sms, KT);
+    pl->S = wg_splits(splits > 0 ? splits : ss_auto_splits, pl->tiles, (int64_t)sms, KT);
     pl->smem = ss_smem_bytes(tok);
     pl->gather = act_order || !x_aligned;  // TMA zero-fills columns past K
   } else {
@@ -2812,6 +2998,10 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   while (pl->S > 1 && COUNTER_BYTES + pl->ws_gather + part_bytes(pl->S) > ws_avail) pl->S = pl->S / 2 > 1 ? pl->S / 2 : 1;
   pl->ws_part = part_bytes(pl->S);
   pl->ws_total = COUNTER_BYTES + pl->ws_gather + pl->ws_part;
+  // the wgmma_ws / wgmma_ss splits of one tile as a cluster that sums them in shared memory (launch_splits
+  // falls back on the workspace where the device holds fewer clusters than plain blocks)
+  pl->cl = (pl->kernel == W4P_CUDA_KERNEL_WGMMA_WS || pl->kernel == W4P_CUDA_KERNEL_WGMMA_SS) && pl->S > 1 &&
+           pl->S <= CLUSTER_MAX && !no_cluster_env();
   return W4P_OK;
 }
 
@@ -2988,6 +3178,79 @@ cudaError_t encode_w_map(CUtensorMap *map, const void *qw, int KT, int nstripes,
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+cudaLaunchConfig_t cluster_config(cudaLaunchAttribute *at, dim3 grid, int threads, size_t smem, cudaStream_t st,
+                                  int cz) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3((unsigned)threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  at[0].id = cudaLaunchAttributeClusterDimension;
+  at[0].val.clusterDim.x = 1;
+  at[0].val.clusterDim.y = 1;
+  at[0].val.clusterDim.z = (unsigned)cz;
+  cfg.attrs = at;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+// Whether clusters of cz blocks take no more waves than the plain launch. A cluster's blocks must share one GPC,
+// so fewer of them may be resident than plain blocks (cudaOccupancyMaxActiveClusters); measured on an H200,
+// such a launch ran up to 2x slower (docs/CUDA.md). Cached per kernel, shared memory, cluster size and device.
+template <typename... Args>
+bool cluster_fits(void (*fn)(Args...), dim3 grid, int threads, size_t smem, int cz) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return cudaGetLastError(), false;
+  static std::mutex mu;
+  static std::map<std::tuple<const void *, size_t, int, int>, std::pair<int, int>> cache;
+  const auto key = std::make_tuple((const void *)fn, smem, cz, dev);
+  std::pair<int, int> got{0, 0};  // (clusters resident, plain blocks resident)
+  bool hit;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    auto it = cache.find(key);
+    hit = it != cache.end();
+    if (hit) got = it->second;
+  }
+  if (!hit) {
+    int nb = 0, sms = 0, nc = 0;
+    cudaLaunchAttribute at[1];
+    const cudaLaunchConfig_t cfg = cluster_config(at, grid, threads, smem, nullptr, cz);
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, fn, threads, smem) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaOccupancyMaxActiveClusters(&nc, fn, &cfg) != cudaSuccess) {
+      cudaGetLastError();
+      nc = 0;
+    }
+    got = {nc, nb * sms};
+    const char *env = getenv("W4P_CUDA_DEBUG");
+    if (env && env[0] == '1')
+      fprintf(stderr, "w4p_cuda: clusters of %d, %zu B dynamic smem: %d clusters resident (plain: %d blocks)\n", cz,
+              smem, nc, nb * sms);
+    std::lock_guard<std::mutex> lk(mu);
+    cache[key] = got;
+  }
+  if (got.first <= 0 || got.second <= 0) return false;
+  const int64_t blocks = (int64_t)grid.x * grid.y * grid.z;
+  return ceil_div(blocks / cz, got.first) <= ceil_div(blocks, got.second);
+}
+
+// The wgmma_ws / wgmma_ss launch: with a cluster plan (pl.cl), the splits of each tile (blocks along z) as one
+// cluster where the device holds the clusters in as few waves as the plain blocks; else plain blocks that sum
+// through the workspace (which the plan always sizes for the splits)
+template <typename... Args, typename... Rest>
+cudaError_t launch_splits(void (*fn)(Args...), const Plan &pl, cudaStream_t st, Params p, Rest &&...rest) {
+  const dim3 grid((unsigned)pl.TB, (unsigned)(pl.tiles / pl.TB), (unsigned)pl.S);
+  p.cl = pl.cl && cluster_fits(fn, grid, 9 * 32, pl.smem, pl.S) ? 1 : 0;
+  if (!p.cl) {
+    fn<<<grid, 9 * 32, pl.smem, st>>>(p, std::forward<Rest>(rest)...);
+    return cudaGetLastError();
+  }
+  cudaLaunchAttribute at[1];
+  const cudaLaunchConfig_t cfg = cluster_config(at, grid, 9 * 32, pl.smem, st, pl.S);
+  return cudaLaunchKernelEx(&cfg, fn, p, std::forward<Rest>(rest)...);
+}
+
 template <typename T, int BN, int KS>
 cudaError_t launch_wgmma_ws_t(const Params &p, const Plan &pl, cudaStream_t st) {
   CUtensorMap map;
@@ -2999,8 +3262,7 @@ cudaError_t launch_wgmma_ws_t(const Params &p, const Plan &pl, cudaStream_t st) 
   e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
   if (e != cudaSuccess) return e;
   debug_occupancy(fn, "wgmma_ws", 9 * 32, pl.smem);
-  fn<<<dim3((unsigned)pl.TB, (unsigned)(pl.tiles / pl.TB), (unsigned)pl.S), 9 * 32, pl.smem, st>>>(p, map);
-  return cudaGetLastError();
+  return launch_splits(fn, pl, st, p, map);
 }
 
 template <typename T> cudaError_t launch_wgmma_ws(const Params &p, const Plan &pl, cudaStream_t st) {
@@ -3028,8 +3290,7 @@ cudaError_t launch_wgmma_ss_t(const Params &p, const Plan &pl, cudaStream_t st) 
   e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
   if (e != cudaSuccess) return e;
   debug_occupancy(fn, "wgmma_ss", 9 * 32, pl.smem);
-  fn<<<dim3((unsigned)pl.TB, (unsigned)(pl.tiles / pl.TB), (unsigned)pl.S), 9 * 32, pl.smem, st>>>(p, map, wmap);
-  return cudaGetLastError();
+  return launch_splits(fn, pl, st, p, map, wmap);
 }
 
 template <typename T>
@@ -3109,7 +3370,8 @@ int describe_on(const DevInfo &di, int64_t m, int n, int k, int storage_bits, in
   else if (pl.kernel == 3)
     snprintf(buf, len, "ring workers=%lld smem=%zu workspace=%zu", (long long)pl.W, pl.smem, pl.ws_total);
   else
-    snprintf(buf, len, "%s splits=%d tiles=%d smem=%zu workspace=%zu", name, pl.S, pl.tiles, pl.smem, pl.ws_total);
+    snprintf(buf, len, "%s splits=%d%s tiles=%d smem=%zu workspace=%zu", name, pl.S,
+             pl.S == 1 ? "" : pl.cl ? " sum=cluster" : " sum=workspace", pl.tiles, pl.smem, pl.ws_total);
   return W4P_OK;
 }
 DevInfo described(int sms, int cc, int smem_sm, int smem_block, int smem_reserved) {
