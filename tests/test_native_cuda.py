@@ -172,13 +172,16 @@ def test_plan_for_without_tma_falls_back_to_wgmma(monkeypatch):
 def test_plan_for_wgmma_ws_splits():
     # split-K for the warp-specialized kernel (an H200 has 132 SMs, 2 blocks each up to the 64-token tile):
     # enough splits for every block slot where the grid leaves more than half of them idle, at least 16 K tiles
-    # per split; two splits (summed in a cluster) where the unsplit grid fills half the slots and two still fit
+    # per split; two splits (summed in a cluster) where the unsplit grid fills half the slots and two still fit;
+    # from the 64-token tile, fewer splits whose clusters fit in one wave where the shorter K range is worth less
+    # than the workspace sums it saves
     ffi, lib = _lib_or_skip()
     k = cuda.KERNELS
     for m, n, kk, want in ((32, 12288, 4096, 2), (64, 11008, 4096, 2),                        # 96, 86 tiles
                            (20, 28672, 4096, 1),                                              # 224 tiles
-                           (32, 4096, 4096, 4), (64, 4096, 11008, 8), (48, 8192, 28672, 4),   # 32, 32, 64 tiles
-                           (128, 4096, 11008, 4),                                             # one block per SM
+                           (32, 4096, 4096, 4), (64, 4096, 11008, 7), (48, 8192, 28672, 4),   # 32, 32, 64 tiles
+                           (128, 4096, 11008, 3),               # one block per SM: 3 cluster splits fit
+                           (128, 4096, 4096, 3), (64, 8192, 28672, 4),  # 4096-K; 448 K tiles: 4 via workspace
                            (100, 11008, 4096, 1),                                             # 86 of 132
                            (16, 12288, 4096, 2), (9, 11008, 4096, 3)):                        # 16-token tile
         rc, kind, splits, _ = _plan_for(lib, ffi, H200, m, n, kk)

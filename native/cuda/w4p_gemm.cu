@@ -2659,6 +2659,11 @@ bool bulk_two_stages_fit(int sbits, int m, int gs, int ct, int qs, int budget) {
 // Split-K count of both wgmma kernels: `splits` when forced, else enough to fill the resident slots when the
 // tiles fill less than half of them (splitting a grid that already fills half measured slower), each split
 // keeping at least 8 K tiles
+// Clusters of s blocks (s >= 3) an sm_90 device holds for `slots` plain blocks, estimated for planning: a
+// cluster's blocks share one GPC, and an H200 holds 39 / 30 / 15 clusters of 3 / 4 / 8 one-per-SM blocks
+// (132 SMs) and 79 / 62 / 30 of two-per-SM ones, at least 88% of slots / s. The launch checks the real count.
+int64_t cluster_fill_estimate(int64_t slots, int s) { return (int64_t)(0.88 * (double)slots / s); }
+
 // kmin: the fewest K tiles a split may get
 int wg_splits(int splits, int64_t tiles, int64_t slots, int KT, int kmin = 8) {
   int S = splits;
@@ -2964,6 +2969,22 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     if (splits <= 0 && pl->S == 1 && di.cc == 90 && !no_cluster_env() && KT >= 32 &&
         2 * pl->tiles <= (int64_t)sms * ws_blocks_per_sm(bn))
       pl->S = 2;
+    // from the 64-token tile, where the auto split count's clusters would not fit in one wave (their sums
+    // then go through the workspace, whose partial tiles grow with the token tile), fewer splits whose
+    // clusters fit, unless the longer K range per block costs more: per block about 0.5 us per K tile against
+    // about 0.0186 us per split and token for the workspace sums (H200: 4096x4096 and 11008x4096 at M = 96-128
+    // took 16.9-17.4 and 35.0-35.2 us with 3 cluster splits against 21.1-24.3 and 35.7-39.0 with 4 through the
+    // workspace; 28672x8192 at M = 64 82.2 with 4 against 96.8 with 3)
+    if (splits <= 0 && pl->S >= 3 && bn >= 64 && di.cc == 90 && !no_cluster_env()) {
+      const int64_t slots = (int64_t)sms * ws_blocks_per_sm(bn);
+      auto fits = [&](int s) { return pl->tiles <= (s == 2 ? slots / 2 : cluster_fill_estimate(slots, s)); };
+      if (!fits(pl->S))
+        for (int s = pl->S - 1; s >= 2; --s)
+          if (fits(s)) {
+            if (KT * (1.0 / s - 1.0 / pl->S) < 0.037 * pl->S * bn) pl->S = s;
+            break;
+          }
+    }
     pl->smem = ws_smem_bytes(bn, ks);
     pl->kp = ks;
     pl->gather = act_order || !x_aligned;  // TMA zero-fills columns past K: no gather for ragged K
