@@ -31,7 +31,6 @@
 #include <stdarg.h>
 #include <string.h>
 #include <algorithm>
-#include <utility>
 #include <map>
 #include <mutex>
 #include <set>
@@ -2029,7 +2028,7 @@ __device__ __forceinline__ void ss_store(const Params &p, const float (&acc)[NN 
   using T2 = typename Tr<T, 4>::T2;
   const T *bias = (const T *)p.bias;
   T *y = (T *)p.y;
-  const bool pairs = (p.ldy & 1) == 0 && (reinterpret_cast<uintptr_t>(p.y) & 3) == 0;
+  const bool pairs = y_pairs(p);
   float *part = p.part + (size_t)blockIdx.z * p.M * p.Np;
 #pragma unroll
   for (int i = 0; i < NN / 8; ++i) {
@@ -2656,15 +2655,14 @@ bool bulk_two_stages_fit(int sbits, int m, int gs, int ct, int qs, int budget) {
   return bulk_fix(m > 8 ? 2 : 1, qs) + 2 * bulk_stage_bytes(sbits, m, gs, ct, qs) <= budget;
 }
 
-// Split-K count of both wgmma kernels: `splits` when forced, else enough to fill the resident slots when the
-// tiles fill less than half of them (splitting a grid that already fills half measured slower), each split
-// keeping at least 8 K tiles
 // Clusters of s blocks (s >= 3) an sm_90 device holds for `slots` plain blocks, estimated for planning: a
 // cluster's blocks share one GPC, and an H200 holds 39 / 30 / 15 clusters of 3 / 4 / 8 one-per-SM blocks
 // (132 SMs) and 79 / 62 / 30 of two-per-SM ones, at least 88% of slots / s. The launch checks the real count.
 int64_t cluster_fill_estimate(int64_t slots, int s) { return (int64_t)(0.88 * (double)slots / s); }
 
-// kmin: the fewest K tiles a split may get
+// Split-K count of the wgmma kernels: `splits` when forced, else enough to fill the resident slots when the
+// tiles fill less than half of them (splitting a grid that already fills half measured slower), each split
+// keeping at least kmin K tiles
 int wg_splits(int splits, int64_t tiles, int64_t slots, int KT, int kmin = 8) {
   int S = splits;
   if (S <= 0) {
@@ -2734,7 +2732,8 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     // M = 257-320 took 33.4 and 82.3 us against 29.2-32.5 and 74.2-75.4 for dequantize + cuBLAS)
     const bool one_wave = wg_tma && weights >= ((int64_t)1 << 24) && m <= WIDE_AUTO_MAX_M &&
                           (m <= WG_AUTO_MAX_M || m % 128 == 0 || m % 128 > 64) &&
-                          (int64_t)ceil_div(np, WG_BM) * ceil_div(m, ws_tile(m)) <= (int64_t)sms * (m > 64 ? 1 : 2);
+                          (int64_t)ceil_div(np, WG_BM) * ceil_div(m, ws_tile(m)) <=
+                              (int64_t)sms * ws_blocks_per_sm(ws_tile(m));
     if ((m > WS_AUTO_MIN_M || large) &&
         (m <= 32 || (m <= 128 && large) || (m <= WG_AUTO_MAX_M && weights >= ((int64_t)1 << 26)) || one_wave))
       kind = wg_tma ? W4P_CUDA_KERNEL_WGMMA_WS : W4P_CUDA_KERNEL_WGMMA;
@@ -2961,13 +2960,13 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     // 4096x11008 and 4096x12288, 86 and 96 row tiles, ran M = 32-64 in 22.5-28.3 us unsplit against 25.8-40.4
     // us with 2-3 splits: H200); with the 16-token tile the splits were level or ahead
     const bool may_split = splits > 0 || bn == 16 || 2 * pl->tiles < sms;
+    const int64_t slots = (int64_t)sms * ws_blocks_per_sm(bn);
     // at least 16 K tiles per split: 4096x4096 at M = 16-64 took 10.5-17.1 us with 4 splits against 11.2-19.9
     // with 8 (H200)
-    pl->S = may_split ? wg_splits(splits, pl->tiles, (int64_t)sms * ws_blocks_per_sm(bn), KT, 16) : 1;
+    pl->S = may_split ? wg_splits(splits, pl->tiles, slots, KT, 16) : 1;
     // where the unsplit grid fills half the SMs and two splits still fit in one wave, two splits summed in a
     // cluster (sm_90): 4096x11008 and 4096x12288 at M = 32-64 took 21.0-25.8 against 22.9-28.5 us unsplit
-    if (splits <= 0 && pl->S == 1 && di.cc == 90 && !no_cluster_env() && KT >= 32 &&
-        2 * pl->tiles <= (int64_t)sms * ws_blocks_per_sm(bn))
+    if (splits <= 0 && pl->S == 1 && di.cc == 90 && !no_cluster_env() && KT >= 32 && 2 * pl->tiles <= slots)
       pl->S = 2;
     // from the 64-token tile, where the auto split count's clusters would not fit in one wave (their sums
     // then go through the workspace, whose partial tiles grow with the token tile), fewer splits whose
@@ -2976,7 +2975,6 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     // took 16.9-17.4 and 35.0-35.2 us with 3 cluster splits against 21.1-24.3 and 35.7-39.0 with 4 through the
     // workspace; 28672x8192 at M = 64 82.2 with 4 against 96.8 with 3)
     if (splits <= 0 && pl->S >= 3 && bn >= 64 && di.cc == 90 && !no_cluster_env()) {
-      const int64_t slots = (int64_t)sms * ws_blocks_per_sm(bn);
       auto fits = [&](int s) { return pl->tiles <= (s == 2 ? slots / 2 : cluster_fill_estimate(slots, s)); };
       if (!fits(pl->S))
         for (int s = pl->S - 1; s >= 2; --s)
