@@ -116,35 +116,25 @@ def test_plan_for_described_devices_auto():
     assert auto(H200, 384, 12288, 4096) == k["tiled"]  # 288 tiles; wgmma_ss's 144 blocks fill 55%
     assert auto(H200, 64, 28672, 8192) == k["wgmma_ws"]
     assert auto(H200, 256, 8192, 28672) == k["wgmma_ws"]
-    assert auto(H200, 257, 8192, 28672) == k["wgmma_ss"]  # 96 blocks x 4 splits fill 97%
+    assert auto(H200, 300, 8192, 28672) == k["wgmma_ss"]  # 96 blocks x 4 splits fill 97%
     assert auto(H200, 128, 11008, 4096) == k["wgmma_ws"]  # 2^25 weights or more: up to M = 128
     assert auto(H200, 129, 11008, 4096) == k["tiled"]
     assert auto(H200, 16, 4096, 4096, gs=-1) == k["wgmma_ws"]  # per-channel
     assert auto(H200, 16, 4096, 4096, gs=32) == k["wgmma_ws"]
     assert auto(H200, 16, 4096, 4096, bits=8) == k["stream"]  # 4-bit only
-    # in wgmma_ws's range from M = 65, the wgmma_ss kernel where its 256-row x 128-token blocks fill half the SMs
-    # unsplit (group sizes of whole K tiles)
-    for m in (65, 100, 128, 200, 256):
-        assert auto(H200, m, 28672, 8192) == k["wgmma_ss"], m  # 112 row blocks
-        assert auto(H200, m, 28672, 8192, gs=-1) == k["wgmma_ss"], m
-        assert auto(H200, m, 28672, 8192, gs=32) == k["wgmma_ws"], m  # two groups per K tile
-        assert auto(H200, m, 28672, 8192, bits=8) != k["wgmma_ss"], m
+    # wgmma_ws in 256-row blocks where that grid fills the waves (test_plan_for_wgmma_ws_256_row_blocks), over
+    # wgmma_ss and the dense path: 112 row blocks from M = 65 to 1024
+    for m in (65, 100, 128, 200, 256, 257, 512, 769, 896, 1024):
+        assert auto(H200, m, 28672, 8192) == k["wgmma_ws"], m
+        assert auto(H200, m, 28672, 8192, gs=-1) == k["wgmma_ws"], m
+        assert auto(H200, m, 28672, 8192, gs=32) == k["wgmma_ws"], m
+        assert auto(H200, m, 28672, 8192, bits=8) not in (k["wgmma_ss"], k["wgmma_ws"]), m
+    for m in (513, 640, 768, 1025):
+        assert auto(H200, m, 28672, 8192) == k["tiled"], m
     assert auto(H200, 64, 28672, 8192) == k["wgmma_ws"]
-    # M = 257-512: wgmma_ss where its blocks fill the waves (80% unsplit, or 90% with 4 splits of 64+ K tiles)
-    for m, n, kk, splits in ((257, 28672, 8192, 1), (512, 28672, 8192, 1), (384, 11008, 4096, 1),
-                             (300, 8192, 28672, 4), (512, 8192, 28672, 1)):
-        rc, kind, got, _ = _plan_for(lib, ffi, H200, m, n, kk)
-        assert rc == 0 and kind == k["wgmma_ss"] and got == splits, (m, n, kk, kind, got)
+    for m, n, kk in ((384, 11008, 4096), (512, 8192, 28672), (256, 8192, 28672)):
+        assert auto(H200, m, n, kk) == k["wgmma_ws"], (m, n, kk)
     assert auto(H200, 512, 11008, 4096) == k["tiled"]  # 172 blocks: 65%; 4 splits would be 16 K tiles each
-    assert auto(H200, 513, 28672, 8192) == k["tiled"]
-    # in the dense path's range from M = 160 (86 and 96 blocks)
-    for m in (160, 192, 256):
-        assert auto(H200, m, 11008, 4096) == k["wgmma_ss"], m
-        assert auto(H200, m, 12288, 4096) == k["wgmma_ss"], m
-        assert auto(H200, m, 4096, 11008) == k["wgmma_ws"], m  # 16 wgmma_ss blocks x 2; 64 wgmma_ws tiles
-    assert auto(H200, 159, 11008, 4096) == k["tiled"]
-    assert auto(H200, 128, 11008, 4096) == k["wgmma_ws"]  # 43 blocks: would need a split
-    assert auto(H200, 256, 8192, 28672) == k["wgmma_ws"]  # 32 row blocks x 2
     assert auto(A100, 128, 28672, 8192) == k["tiled"]
 
     assert auto(A100, 32, 4096, 4096) == k["stream"]
@@ -152,6 +142,41 @@ def test_plan_for_described_devices_auto():
     # A100 (sm_80): no bulk kernel; ring on the 70B shapes at M = 1
     assert auto(A100, 1, 28672, 8192) == k["ring"]
     assert auto(A100, 1, 4096, 4096) == k["stream"]
+
+
+def test_plan_for_wgmma_ss_ranges(monkeypatch):
+    ffi, lib = _lib_or_skip()
+    k = cuda.KERNELS
+
+    def auto(dev, m, n, kk, **kw):
+        rc, kind, _, _ = _plan_for(lib, ffi, dev, m, n, kk, **kw)
+        assert rc == 0, ffi.string(lib.w4p_cuda_last_error()).decode()
+        return kind
+
+    # in wgmma_ws's range from M = 65, the wgmma_ss kernel where its 256-row x 128-token blocks fill half the SMs
+    # unsplit (group sizes of whole K tiles), unless wgmma_ws's 256-row blocks fill the waves (here turned off)
+    monkeypatch.setenv("W4P_CUDA_WS_RS", "1")
+    for m in (65, 100, 128, 200, 256):
+        assert auto(H200, m, 28672, 8192) == k["wgmma_ss"], m  # 112 row blocks
+        assert auto(H200, m, 28672, 8192, gs=-1) == k["wgmma_ss"], m
+        assert auto(H200, m, 28672, 8192, gs=32) == k["wgmma_ws"], m  # two groups per K tile
+        assert auto(H200, m, 28672, 8192, bits=8) != k["wgmma_ss"], m
+    # M = 257-512: wgmma_ss where its blocks fill the waves (80% unsplit, or 90% with 4 splits of 64+ K tiles)
+    for m, n, kk, splits in ((257, 28672, 8192, 1), (512, 28672, 8192, 1), (384, 11008, 4096, 1),
+                             (300, 8192, 28672, 4), (512, 8192, 28672, 1)):
+        rc, kind, got, _ = _plan_for(lib, ffi, H200, m, n, kk)
+        assert rc == 0 and kind == k["wgmma_ss"] and got == splits, (m, n, kk, kind, got)
+    assert auto(H200, 513, 28672, 8192) == k["tiled"]
+    monkeypatch.delenv("W4P_CUDA_WS_RS")
+    assert auto(H200, 300, 8192, 28672) == k["wgmma_ss"]  # 96 blocks of 256 rows: 73%
+    # in the dense path's range from M = 160 (86 and 96 blocks; as many of wgmma_ws's 256-row blocks fill 65-73%)
+    for m in (160, 192, 256):
+        assert auto(H200, m, 11008, 4096) == k["wgmma_ss"], m
+        assert auto(H200, m, 12288, 4096) == k["wgmma_ss"], m
+        assert auto(H200, m, 4096, 11008) == k["wgmma_ws"], m  # 16 wgmma_ss blocks x 2; 64 wgmma_ws tiles
+    assert auto(H200, 159, 11008, 4096) == k["tiled"]
+    assert auto(H200, 128, 11008, 4096) == k["wgmma_ws"]  # 43 blocks: would need a split
+    assert auto(H200, 256, 8192, 28672) == k["wgmma_ws"]  # 32 row blocks x 2
 
 
 def test_plan_for_without_tma_falls_back_to_wgmma(monkeypatch):
@@ -206,6 +231,41 @@ def test_plan_describes_cluster_sums(monkeypatch):
     monkeypatch.setenv("W4P_CUDA_CLUSTER", "0")
     assert sums(128, 4096, 4096, kernel="wgmma_ss", splits=8) == ("8", "workspace")
     assert _plan_for(lib, ffi, H200, 64, 11008, 4096)[2] == 1  # no cluster: unsplit
+
+
+def test_plan_for_wgmma_ws_256_row_blocks(monkeypatch):
+    # the 128-token tile in 256-row blocks where that grid, split in two at most, fills 84% of the waves it
+    # takes: layers of 2^25 weights or more up to M = 768, 2^26 or more up to M = 1024; W4P_CUDA_WS_RS=1|2 forces
+    ffi, lib = _lib_or_skip()
+    monkeypatch.delenv("W4P_CUDA_WS_RS", raising=False)
+
+    def ws(m, n, kk, **kw):
+        got = _describe_for(lib, ffi, H200, m, n, kk, **kw)
+        return got["kernel"], got.get("rows"), got["splits"], got["tiles"]
+
+    for m in (65, 128, 256, 512, 896, 1024):  # 112 row blocks: 85% of 132 SMs (99% at M = 896, 97% at 1024)
+        assert ws(m, 28672, 8192) == ("wgmma_ws", "256", "1", str(112 * -(-m // 128))), m
+    for m in (640, 768):  # 85%: past M = 512 only from 90%
+        assert ws(m, 28672, 8192)[1] is None, m
+    assert ws(1024, 8192, 28672) == ("wgmma_ws", "256", "1", "256")  # 97%
+    assert ws(256, 8192, 28672) == ("wgmma_ws", "256", "2", "64")  # 32 row blocks x 2 token tiles, 2 splits
+    assert ws(512, 8192, 28672) == ("wgmma_ws", "256", "1", "128")
+    assert ws(128, 8192, 28672)[1] is None  # 4 splits
+    assert ws(384, 8192, 28672)[1] is None  # 96 blocks: 73%
+    assert ws(384, 11008, 4096) == ("wgmma_ws", "256", "1", "129")  # 43 row blocks x 3: 98%
+    assert ws(512, 11008, 4096)[1] is None  # 172 blocks: 65%
+    assert ws(1024, 11008, 4096)[1] is None  # 2^25.4 weights: up to M = 768
+    assert ws(512, 4096, 11008) == ("wgmma_ws", "256", "2", "64")
+    assert ws(512, 4096, 4096)[1] is None  # 2^24 weights
+    assert ws(2048, 28672, 8192)[1] is None  # past M = 1024: the dense path
+    assert ws(64, 28672, 8192)[1] is None  # the 64-token tile keeps 128-row blocks
+    assert ws(128, 28672, 8192, kernel="wgmma_ws") == ("wgmma_ws", "256", "1", "112")  # forced kernel: same rule
+    assert ws(128, 28672, 8192, gs=32) == ("wgmma_ws", "256", "1", "112")
+    monkeypatch.setenv("W4P_CUDA_WS_RS", "1")
+    assert ws(128, 28672, 8192)[1] is None
+    monkeypatch.setenv("W4P_CUDA_WS_RS", "2")
+    assert ws(100, 4096, 4096, kernel="wgmma_ws")[1] == "256"
+    assert ws(64, 4096, 4096, kernel="wgmma_ws")[1] is None  # only the 128-token tile has them
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -801,6 +861,36 @@ def test_split_sums_in_a_cluster_match_the_workspace(kernel, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("zero_mode,gs,act_order", [("none", 128, False), ("int", 64, True), ("float", 32, False),
+                                                    ("int", -1, False), ("float", 16, True), ("int", 192, False),
+                                                    ("none", 48, False)])
+def test_wgmma_ws_256_row_blocks(dtype_name, zero_mode, gs, act_order, monkeypatch):
+    # W4P_CUDA_WS_RS=2: the 128-token tile in 256-row blocks (a warp's two stripes 128 rows apart, the producer
+    # warpgroup's registers handed to the consumers); N past the last block's rows, K not a multiple of 64, unsplit
+    # and with splits summed in a cluster (2-8) and through the workspace (9); repeated calls bit-identical
+    import torch
+
+    if not wgmma_ok():
+        pytest.skip("the wgmma kernels need compute capability 9.0")
+    monkeypatch.setenv("W4P_CUDA_WS_RS", "2")
+    rng = np.random.default_rng(zlib.crc32(repr(("rows256", dtype_name, zero_mode, gs, act_order)).encode()))
+    layer = random_layer(rng, 600, 1000, gs=gs, zero_mode=zero_mode, act_order=act_order, scale_dtype=dtype_name,
+                         bias=True)
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
+    for m, splits in ((65, 0), (128, 0), (200, 2), (300, 3), (129, 9), (97, 5)):
+        plan = lin.plan(m, dtype_name, kernel="wgmma_ws", splits=splits)
+        assert "rows=256" in plan["detail"] and plan["splits"] == (splits or plan["splits"]), plan
+        err = run_case(torch, rng, layer, m, dtype_name, kernel="wgmma_ws", splits=splits, lin=lin)
+        assert err <= tolerance(dtype_name), (m, splits, err)
+    dt = getattr(torch, dtype_name)
+    x = torch.randn(150, 1000, device="cuda", dtype=dt)
+    first = lin.forward(x, kernel="wgmma_ws", splits=3)
+    for _ in range(5):
+        assert torch.equal(lin.forward(x, kernel="wgmma_ws", splits=3), first)
+
+
+@pytest.mark.gpu
 def test_wgmma_kernel_large_and_repeatable():
     import torch
 
@@ -937,13 +1027,15 @@ def test_auto_plan_per_shape():
     assert auto(9, 4096, 4096) == (wg or cuda.KERNELS["stream"])
     assert auto(16, 11008, 4096) == (wg or cuda.KERNELS["stream"])
     assert auto(17, 4096, 4096) == (wg or cuda.KERNELS["stream"])
-    # sm_90: wgmma_ss from M = 65 where its 256-row blocks fill half the SMs unsplit (112 row blocks here)
+    # sm_90: wgmma_ws in 256-row blocks from M = 65 where they fill the waves (112 row blocks here; H200: 85%),
+    # wgmma_ss where its blocks fill half the SMs unsplit and those do not (96 row blocks: 73%)
     ss = cuda.KERNELS["wgmma_ss"] if wgmma_ok() else None
-    assert auto(200, 28672, 8192) == (ss or cuda.KERNELS["tiled"])
-    assert auto(100, 28672, 8192) == (ss or cuda.KERNELS["tiled"])
+    assert auto(200, 28672, 8192) == (wg or cuda.KERNELS["tiled"])
+    assert auto(100, 28672, 8192) == (wg or cuda.KERNELS["tiled"])
     assert auto(200, 8192, 28672) == (wg or cuda.KERNELS["tiled"])
-    assert auto(257, 28672, 8192) == (ss or cuda.KERNELS["tiled"])  # 336 blocks fill 85% of 3 waves (H200)
-    assert auto(513, 28672, 8192) == cuda.KERNELS["tiled"]
+    assert auto(257, 28672, 8192) == (wg or cuda.KERNELS["tiled"])
+    assert auto(200, 12288, 4096) == (ss or cuda.KERNELS["tiled"])
+    assert auto(1025, 28672, 8192) == cuda.KERNELS["tiled"]
     lin = cuda.CudaPackedLinear(pack(random_layer(np.random.default_rng(3), 4096, 4096, gs=128)), "cuda")
     assert lin.plan(64)["kernel"] == (wg or -1)  # 2^24 weights: wgmma_ws while its blocks fit in one wave
     assert lin.plan(300)["kernel"] == -1  # the last token tile less than half full: dense

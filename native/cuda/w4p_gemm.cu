@@ -313,24 +313,31 @@ __device__ __forceinline__ bool y_pairs(const Params &p) {
 // L2 round trips rather than one per output element (a 256 x 128 tile summed one element per thread and
 // iteration is 114 dependent round trips for 288 threads). U = 4 gave the wgmma_ws kernels a 4-byte spill
 // (their 2 blocks per SM cap them at 112 registers): 2 there, 4 where registers allow.
-template <typename T, int RB, int TBK, int SR_U = 2>
+// NT: 0, the whole block takes part; else only threads 0..NT-1 (named barrier 1), the others having left.
+__device__ __forceinline__ void block_or_named_sync(int nt) {
+  if (nt == 0)
+    __syncthreads();
+  else
+    asm volatile("bar.sync 1, %0;\n" ::"r"(nt) : "memory");
+}
+template <typename T, int RB, int TBK, int SR_U = 2, int NT = 0>
 __device__ __forceinline__ void split_reduce(const Params &p, int rb, int tb, int row0, int tok0) {
   __shared__ int s_last;
   __threadfence();
-  __syncthreads();
+  block_or_named_sync(NT);
   const int tile = tb + p.TB * rb;
   if (threadIdx.x == 0) {
     unsigned prev = atomicAdd(&p.counters[tile], 1u);
     s_last = (prev == (unsigned)(p.S - 1));
   }
-  __syncthreads();
+  block_or_named_sync(NT);
   if (!s_last) return;
   __threadfence();
   const bool pairs = y_pairs(p);
   const size_t plane = (size_t)p.M * p.Np;
   const int nq = min(RB, p.Np - row0) / 4;                        // row quads of the tile inside Np
   const int ntok = (int)(p.M - tok0 < TBK ? p.M - tok0 : TBK);
-  const int total = nq * ntok, step = (int)blockDim.x;
+  const int total = nq * ntok, step = NT ? NT : (int)blockDim.x;
   for (int base = (int)threadIdx.x; base < total; base += SR_U * step) {
     const float *src[SR_U];
     float4 a[SR_U];
@@ -389,14 +396,14 @@ __device__ __forceinline__ float4 ld_cluster_f4(uint32_t addr, uint32_t rank) {
 #endif
   return v;
 }
-template <typename T, int RB, int TBK>
+template <typename T, int RB, int TBK, int NT = 0>  // NT: as split_reduce's (the others arrive on the barriers)
 __device__ __forceinline__ void cluster_reduce(const Params &p, uint32_t tile, int row0, int64_t tok0) {
   constexpr int PITCH = RB + 8, QR = RB / 4, Q = TBK * QR;
   cluster_barrier();
   const int S = p.S, z = (int)blockIdx.z;
   const bool pairs = y_pairs(p);
   const int q1 = (z + 1) * Q / S;
-  for (int idx = z * Q / S + (int)threadIdx.x; idx < q1; idx += (int)blockDim.x) {
+  for (int idx = z * Q / S + (int)threadIdx.x; idx < q1; idx += NT ? NT : (int)blockDim.x) {
     const int t = idx / QR, q = idx - t * QR;
     const int64_t tok = tok0 + t;
     const int row = row0 + 4 * q;
@@ -1778,12 +1785,20 @@ __global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kern
 // 64 us (H200, docs/CUDA.md). Parameter bytes per stage: (scale, zero) x 128 rows per group, for 4 groups a
 // tile (group size 16) at KS = 2 and 4 groups at KS = 4.
 constexpr int WS_IL_BN = 32;  // up to this token tile each slice goes to the tensor cores as soon as it is ready
-__host__ __device__ constexpr int ws_pb(int ks) { return ks == 4 ? 4 * 512 : ks * 4 * 512; }
-__host__ __device__ constexpr int ws_stage_bytes(int bn, int ks) { return ks * (bn * 128 + 8 * 512) + ws_pb(ks); }
-__host__ __device__ constexpr int ws_stages(int bn, int ks) {
-  return ks == 4 ? (bn == 16 ? 4 : bn == 32 ? 3 : 2) : bn == 16 ? 6 : bn == 32 ? 4 : bn == 64 ? 3 : 4;
+// RS: 16-row stripes per consumer warp, 1 (128-row blocks) or 2 (256-row blocks: each warpgroup runs two m64
+// row tiles against the same activation tile, which halves the activations' L2 traffic per weight row)
+__host__ __device__ constexpr int ws_pb(int ks, int rs = 1) { return rs * (ks == 4 ? 4 * 512 : ks * 4 * 512); }
+__host__ __device__ constexpr int ws_stage_bytes(int bn, int ks, int rs = 1) {
+  return ks * (bn * 128 + 8 * rs * 512) + ws_pb(ks, rs);
 }
-__host__ __device__ constexpr int ws_blocks_per_sm(int bn) { return bn == 128 ? 1 : 2; }
+__host__ __device__ constexpr int ws_stages(int bn, int ks, int rs = 1) {
+  return rs == 2 ? 3 : ks == 4 ? (bn == 16 ? 4 : bn == 32 ? 3 : 2) : bn == 16 ? 6 : bn == 32 ? 4 : bn == 64 ? 3 : 4;
+}
+__host__ __device__ constexpr int ws_blocks_per_sm(int bn, int rs = 1) { return bn == 128 || rs == 2 ? 1 : 2; }
+// RS = 2 needs about 200 registers per consumer thread, past the 168 that 9 warps allow (three warps on a
+// scheduler's 16K registers): a whole producer warpgroup (one active warp) gives its registers to the
+// consumers (setmaxnreg 40 / 232)
+__host__ __device__ constexpr int ws_threads(int rs) { return rs == 2 ? 12 * 32 : 9 * 32; }
 __host__ __device__ constexpr int ws_tile(int64_t m) { return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128; }
 #ifndef W4P_WS_KS4_MAX_BN
 #define W4P_WS_KS4_MAX_BN 64  // (the 128-token tile measured slower with four-tile stages: two stages only)
@@ -1792,8 +1807,8 @@ __host__ __device__ constexpr int ws_ks(int bn, int gs) {
   return bn <= W4P_WS_KS4_MAX_BN && (gs <= 0 || gs % 64 == 0) ? 4 : 2;
 }
 // + a zeroed activation tile: the B operand of the wgmmas past the K range in a stage's last tile
-__host__ __device__ constexpr int ws_smem_bytes(int bn, int ks) {
-  return 2048 + ws_stages(bn, ks) * ws_stage_bytes(bn, ks) + bn * 128;
+__host__ __device__ constexpr int ws_smem_bytes(int bn, int ks, int rs = 1) {
+  return 2048 + ws_stages(bn, ks, rs) * ws_stage_bytes(bn, ks, rs) + bn * 128;
 }
 
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1, uint32_t bar) {
@@ -1811,20 +1826,21 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void *src, unsigne
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
-template <typename T, int ZMODE, int BN, int KS>
-__global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(const Params p,
-                                                                                 const __grid_constant__ CUtensorMap xmap) {
+template <typename T, int ZMODE, int BN, int KS, int RS>
+__global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS)) wgmma_ws_kernel(const Params p,
+                                                                                     const __grid_constant__ CUtensorMap xmap) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T2 = typename Tr<T, 4>::T2;
-  constexpr int WS_KS = KS, NS = ws_stages(BN, KS), SB = ws_stage_bytes(BN, KS), XT = BN * 128, XB = WS_KS * XT;
-  constexpr int WOFF = XB, POFF = XB + 8 * WS_KS * 512, NP = ZMODE != 0 ? 2 : 1;
+  constexpr int RB = WG_BM * RS;  // weight rows per block
+  constexpr int WS_KS = KS, NS = ws_stages(BN, KS, RS), SB = ws_stage_bytes(BN, KS, RS), XT = BN * 128, XB = WS_KS * XT;
+  constexpr int WOFF = XB, POFF = XB + 8 * RS * WS_KS * 512, NP = ZMODE != 0 ? 2 : 1;
   extern __shared__ __align__(16) unsigned char smem[];
   const uint32_t sbase = (smem_u32(smem) + 1023u) & ~1023u;
   const unsigned char *sgen = smem + (sbase - smem_u32(smem));
   const uint32_t full0 = sbase, empty0 = sbase + 8 * NS, stages = sbase + 1024;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int nstripes = p.Np >> 4, KT = p.KT;
-  const int row0 = blockIdx.y * WG_BM;
+  const int row0 = blockIdx.y * RB;
   const int64_t tok0 = (int64_t)blockIdx.x * BN;
   const int kb = (int)((int64_t)blockIdx.z * KT / p.S), ke = (int)((int64_t)(blockIdx.z + 1) * KT / p.S);
   const int nsteps = (ke - kb + WS_KS - 1) / WS_KS;
@@ -1841,20 +1857,25 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
   }
   __syncthreads();
 
-  float acc[BN / 2];
+  float acc[RS][BN / 2];  // stripe r of the warp: rows rl + 128 r
 #pragma unroll
-  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+  for (int r = 0; r < RS; ++r)
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[r][i] = 0.f;
   const int gid = lane >> 2;
   const int rl = (warp & 7) * 16 + gid;
 
-  if (warp == 8) {
-    if (lane == 0) {
+  // RS = 2: the producer warpgroup's registers go to the consumers (ptxas honours setmaxnreg where the code
+  // after it is reached from one side only: the producer leaves before the epilogue)
+  if (warp >= 8) {
+    if constexpr (RS == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (warp == 8 && lane == 0) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&xmap)) : "memory");
       const unsigned char *qwb = reinterpret_cast<const unsigned char *>(p.qw);
       const unsigned char *pbase[2] = {reinterpret_cast<const unsigned char *>(p.scales),
                                        reinterpret_cast<const unsigned char *>(ZMODE == 1 ? p.zeros : p.mins)};
-      const int nvs = min(8, nstripes - (row0 >> 4));
-      const unsigned prow = (unsigned)min(WG_BM, p.Np - row0) * 2u;
+      const int nvs = min(8 * RS, nstripes - (row0 >> 4));
+      const unsigned prow = (unsigned)min(RB, p.Np - row0) * 2u;
       for (int i = 0; i < nsteps; ++i) {
         const int s = i % NS;
         if (i >= NS) mbar_wait(empty0 + 8 * s, ((i / NS) - 1) & 1);
@@ -1869,13 +1890,23 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
                     (unsigned)nt * 512u, full);
         for (int g = 0; g < ng; ++g)
           for (int w = 0; w < NP; ++w)
-            bulk_copy(st + POFF + (g * 2 + w) * 256, pbase[w] + ((size_t)(g_lo + g) * p.Np + row0) * 2, prow, full);
+            bulk_copy(st + POFF + (g * 2 + w) * (RB * 2), pbase[w] + ((size_t)(g_lo + g) * p.Np + row0) * 2, prow,
+                      full);
       }
     }
     __syncwarp();  // the producer warp reconverges before the epilogue's block barriers
+    if constexpr (RS == 2) {  // the producer warpgroup leaves (its 40 registers hold no epilogue code)
+      if (p.S > 1 && p.cl) {  // ... after its arrivals on cluster_reduce's two cluster barriers
+        cluster_barrier();
+        cluster_barrier();
+      }
+      return;
+    }
   } else if (p.probe) {  // copies only (diagnostics)
+    if constexpr (RS == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     probe_drain(full0, empty0, NS, nsteps);
   } else {
+    if constexpr (RS == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
     const bool one_group = p.gs <= 0 || p.gs % 64 == 0;
     constexpr bool IL = BN <= WS_IL_BN;
@@ -1894,21 +1925,27 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
       const T *prm = reinterpret_cast<const T *>(sg + POFF);
       const uint64_t dst = wg_desc(stages + s * SB);
       mbar_wait(full0 + 8 * s, (i / NS) & 1);
-      T2 s_lo, s_hi, z_lo, z_hi;
-      ZC<T, 4> zc = zc_sym;
+      T2 s_lo[RS], s_hi[RS], z_lo[RS], z_hi[RS];
+      ZC<T, 4> zc[RS];
+#pragma unroll
+      for (int r = 0; r < RS; ++r) zc[r] = zc_sym;
       auto load_group = [&](int g) {
-        const T *ps = prm + (g - g_st) * 2 * WG_BM;
-        s_lo = bcast2(ps[rl]);
-        s_hi = bcast2(ps[rl + 8]);
-        if (ZMODE == 2) {
-          z_lo = bcast2(ps[WG_BM + rl]);
-          z_hi = bcast2(ps[WG_BM + rl + 8]);
-        } else if (ZMODE == 1) {
-          zc = zc_load<T>(ps[WG_BM + rl], ps[WG_BM + rl + 8]);
+        const T *ps = prm + (g - g_st) * 2 * RB;
+#pragma unroll
+        for (int r = 0; r < RS; ++r) {
+          const int rr = rl + 128 * r;
+          s_lo[r] = bcast2(ps[rr]);
+          s_hi[r] = bcast2(ps[rr + 8]);
+          if (ZMODE == 2) {
+            z_lo[r] = bcast2(ps[RB + rr]);
+            z_hi[r] = bcast2(ps[RB + rr + 8]);
+          } else if (ZMODE == 1) {
+            zc[r] = zc_load<T>(ps[RB + rr], ps[RB + rr + 8]);
+          }
         }
       };
-      auto dequant = [&](const uint32_t (&w)[4], int j, uint32_t (&av)[4]) {
-        dq_scaled<T, ZMODE>(w, j, zc, s_lo, s_hi, z_lo, z_hi, av);
+      auto dequant = [&](const uint32_t (&w)[4], int j, uint32_t (&av)[4], int r) {
+        dq_scaled<T, ZMODE>(w, j, zc[r], s_lo[r], s_hi[r], z_lo[r], z_hi[r], av);
       };
       // Up to the 32-token tile (IL) each k16 slice goes to the tensor cores as soon as it is dequantized, so
       // the next slice is dequantized while that wgmma runs; larger tiles dequantize two K tiles, then issue
@@ -1922,12 +1959,21 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
       int gcur = g_st;
 #pragma unroll
       for (int u = 0; u < WS_KS; ++u) {
-        const uint4 wu = u < nt ? *reinterpret_cast<const uint4 *>(sg + woff + u * 512) : make_uint4(0, 0, 0, 0);
-        const uint32_t w[4] = {wu.x, wu.y, wu.z, wu.w};
+        uint32_t w[RS][4];
+#pragma unroll
+        for (int r = 0; r < RS; ++r) {
+          const uint4 wu = u < nt ? *reinterpret_cast<const uint4 *>(sg + woff + r * 8 * WS_KS * 512 + u * 512)
+                                  : make_uint4(0, 0, 0, 0);
+          w[r][0] = wu.x;
+          w[r][1] = wu.y;
+          w[r][2] = wu.z;
+          w[r][3] = wu.w;
+        }
         const uint64_t du = u < nt ? dst + (uint64_t)(u * (XT >> 4)) : dzero;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          if (HALVES && u == 2 && j == 0) {  // the first half's A fragments are reused by the second
+          // the first half's A fragments are reused by the second (RS = 2: each tile's by the next)
+          if ((HALVES && u == 2 && j == 0) || (RS == 2 && u > 0 && j == 0)) {
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
           }
@@ -1938,17 +1984,29 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
               load_group(g);
             }
           }
-          dequant(w, j, a[u & 1][j]);
-          if constexpr (IL) {
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-            WgOp<T, BN>::mma(acc, a[u & 1][j], du + (uint64_t)(2 * j), 1);
-          } else if ((u & 1) == 1 && j == 3) {  // large token tiles: two tiles dequantized, then their wgmmas
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+          if constexpr (RS == 2) {  // a tile of both stripes dequantized, then its 8 wgmmas
+            dequant(w[0], j, a[0][j], 0);
+            dequant(w[1], j, a[1][j], 1);
+            if (j == 3) {
+              asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-            for (int v = u - 1; v <= u; ++v) {
-              const uint64_t dv = v < nt ? dst + (uint64_t)(v * (XT >> 4)) : dzero;
+              for (int jj = 0; jj < 4; ++jj)
 #pragma unroll
-              for (int jj = 0; jj < 4; ++jj) WgOp<T, BN>::mma(acc, a[v & 1][jj], dv + (uint64_t)(2 * jj), 1);
+                for (int r = 0; r < 2; ++r) WgOp<T, BN>::mma(acc[r], a[r][jj], du + (uint64_t)(2 * jj), 1);
+            }
+          } else {
+            dequant(w[0], j, a[u & 1][j], 0);
+            if constexpr (IL) {
+              asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+              WgOp<T, BN>::mma(acc[0], a[u & 1][j], du + (uint64_t)(2 * j), 1);
+            } else if ((u & 1) == 1 && j == 3) {  // large token tiles: two tiles dequantized, then their wgmmas
+              asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+              for (int v = u - 1; v <= u; ++v) {
+                const uint64_t dv = v < nt ? dst + (uint64_t)(v * (XT >> 4)) : dzero;
+#pragma unroll
+                for (int jj = 0; jj < 4; ++jj) WgOp<T, BN>::mma(acc[0], a[v & 1][jj], dv + (uint64_t)(2 * jj), 1);
+              }
             }
           }
         }
@@ -1964,23 +2022,29 @@ __global__ void __launch_bounds__(9 * 32, ws_blocks_per_sm(BN)) wgmma_ws_kernel(
   // epilogue (the producer warp joins the split reduction's block barriers)
   const int r_lo = row0 + rl;
   if (p.S == 1) {
-    if (warp < 8) wg_store_y<T, BN>(p, acc, r_lo, tok0, lane);
+    if (warp < 8)
+#pragma unroll
+      for (int r = 0; r < RS; ++r) wg_store_y<T, BN>(p, acc[r], r_lo + 128 * r, tok0, lane);
   } else if (p.cl) {
-    // the stages become the exchange tile [BN][WG_BM + 8] once every warp is past its last wgmma
-    static_assert(NS * SB >= BN * (WG_BM + 8) * 4, "the cluster exchange tile fits in the stages");
-    __syncthreads();
+    // the stages become the exchange tile [BN][RB + 8] once every warp is past its last wgmma
+    static_assert(NS * SB >= BN * (RB + 8) * 4, "the cluster exchange tile fits in the stages");
+    block_or_named_sync(RS == 2 ? 256 : 0);
     if (warp < 8) {
       float *tg = (float *)(sgen + (stages - sbase));
 #pragma unroll
-      for (int i = 0; i < BN / 8; ++i)
+      for (int r = 0; r < RS; ++r)
 #pragma unroll
-        for (int c = 0; c < 4; ++c)
-          tg[(8 * i + 2 * (lane & 3) + (c & 1)) * (WG_BM + 8) + rl + (c < 2 ? 0 : 8)] = acc[4 * i + c];
+        for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            tg[(8 * i + 2 * (lane & 3) + (c & 1)) * (RB + 8) + rl + 128 * r + (c < 2 ? 0 : 8)] = acc[r][4 * i + c];
     }
-    cluster_reduce<T, WG_BM, BN>(p, stages, row0, tok0);
+    cluster_reduce<T, RB, BN, RS == 2 ? 256 : 0>(p, stages, row0, tok0);
   } else {
-    if (warp < 8) wg_store_part<BN>(p, acc, r_lo, tok0, lane);
-    split_reduce<T, WG_BM, BN>(p, blockIdx.y, blockIdx.x, row0, (int)tok0);
+    if (warp < 8)
+#pragma unroll
+      for (int r = 0; r < RS; ++r) wg_store_part<BN>(p, acc[r], r_lo + 128 * r, tok0, lane);
+    split_reduce<T, RB, BN, 2, RS == 2 ? 256 : 0>(p, blockIdx.y, blockIdx.x, row0, (int)tok0);
   }
 #endif
 }
@@ -2520,6 +2584,13 @@ bool no_cluster_env() {
   const char *e = getenv("W4P_CUDA_CLUSTER");
   return e && e[0] == '0';
 }
+// W4P_CUDA_WS_RS=1|2: the wgmma_ws 128-token tile's stripes per consumer warp (128- or 256-row blocks) instead
+// of the planner's choice (A/B runs; read at each call)
+int ws_rs_env() {
+  const char *e = getenv("W4P_CUDA_WS_RS");
+  const int v = e ? atoi(e) : 0;
+  return v == 1 || v == 2 ? v : 0;
+}
 // W4P_CUDA_BULK_CT=8|12|16: the bulk kernel's tiles per unit on 4-bit layers instead of the planner's choice
 // (sweeps and tests; read at each call)
 int bulk_ct_env() {
@@ -2598,6 +2669,7 @@ struct Plan {
   int S = 1, TB = 1, NI = 1, MI = 1, KC = 8;
   int tiles = 0;   // output tiles (counters)
   int bn = 0, kp = 1;  // wgmma kernel: token tile, K tiles per step
+  int rs = 1;          // wgmma_ws: 16-row stripes per consumer warp (2: 256-row blocks)
   bool as = false;     // wgmma kernel: A through shared memory
   bool cl = false;     // wgmma_ws, wgmma_ss: the splits of a tile launched as one cluster (cluster_reduce)
   bool gather = false;
@@ -2676,6 +2748,61 @@ int wg_splits(int splits, int64_t tiles, int64_t slots, int KT, int kmin = 8) {
   if (S > KT) S = KT;
   if (S > 65535) S = 65535;
   return S;
+}
+
+// The wgmma_ws kernel's split count for `tiles` output tiles on `slots` resident blocks (splits > 0: forced)
+int ws_split_count(const DevInfo &di, int64_t tiles, int64_t slots, int KT, int bn, int splits) {
+  // from the 32-token tile, split grids that leave more than half the SMs idle (with the workspace's sums,
+  // 4096x11008 and 4096x12288, 86 and 96 row tiles, ran M = 32-64 in 22.5-28.3 us unsplit against 25.8-40.4
+  // us with 2-3 splits: H200); with the 16-token tile the splits were level or ahead
+  const bool may_split = splits > 0 || bn == 16 || 2 * tiles < di.sms;
+  // at least 16 K tiles per split: 4096x4096 at M = 16-64 took 10.5-17.1 us with 4 splits against 11.2-19.9
+  // with 8 (H200)
+  int S = may_split ? wg_splits(splits, tiles, slots, KT, 16) : 1;
+  // where the unsplit grid fills half the SMs and two splits still fit in one wave, two splits summed in a
+  // cluster (sm_90): 4096x11008 and 4096x12288 at M = 32-64 took 21.0-25.8 against 22.9-28.5 us unsplit
+  if (splits <= 0 && S == 1 && di.cc == 90 && !no_cluster_env() && KT >= 32 && 2 * tiles <= slots)
+    S = 2;
+  // from the 64-token tile, where the auto split count's clusters would not fit in one wave (their sums
+  // then go through the workspace, whose partial tiles grow with the token tile), fewer splits whose
+  // clusters fit, unless the longer K range per block costs more: per block about 0.5 us per K tile against
+  // about 0.0186 us per split and token for the workspace sums (H200: 4096x4096 and 11008x4096 at M = 96-128
+  // took 16.9-17.4 and 35.0-35.2 us with 3 cluster splits against 21.1-24.3 and 35.7-39.0 with 4 through the
+  // workspace; 28672x8192 at M = 64 82.2 with 4 against 96.8 with 3)
+  if (splits <= 0 && S >= 3 && bn >= 64 && di.cc == 90 && !no_cluster_env()) {
+    auto fits = [&](int s) { return tiles <= (s == 2 ? slots / 2 : cluster_fill_estimate(slots, s)); };
+    if (!fits(S))
+      for (int s = S - 1; s >= 2; --s)
+        if (fits(s)) {
+          if (KT * (1.0 / s - 1.0 / S) < 0.037 * S * bn) S = s;
+          break;
+        }
+  }
+  return S;
+}
+
+// The wgmma_ws 128-token tile in 256-row blocks (RS = 2) fits a block's shared memory
+bool ws_rows256_fit(const DevInfo &di, int bn, int ks) {
+  return bn == 128 && ks == 2 && (size_t)ws_smem_bytes(bn, ks, 2) + di.smem_reserved <= (size_t)di.smem_block;
+}
+// wgmma_ws takes 256-row blocks where their grid, split in two at most, fills the waves it takes to 84% or
+// more (90% past M = 512, where the dense path is level), on layers of 2^25 weights or more up to M = 768
+// and of 2^26 or more up to M = 1024. Each block then reads its activation tile once for twice the rows: the
+// copies of 128-row blocks were bound by L2 (H200, 8192x28672 at M = 128: 90 us for the copies alone,
+// 6.6 TB/s; with 256-row blocks 69 us). Measured against the previous choice (docs/CUDA.md): 8192x28672
+// M = 65-512 (112 row blocks, 85%) 109-436 against 118-468 us, M = 896 (99%) 666 against 719; 28672x8192
+// M = 160-256 (2 splits) 189-193 against 215-219, M = 512 and 1024. 85% past M = 512 lost to the dense path
+// (8192x28672 M = 640-768: 556-666 against 539-630); so did split 7B layers, 4096x4096 and the 7B layers at
+// M = 1024.
+bool ws_rows256(const DevInfo &di, int64_t m, int np, int KT, int gs, int64_t weights) {
+  const int bn = ws_tile(m);
+  if (di.cc != 90 || !ws_rows256_fit(di, bn, ws_ks(bn, gs)) || weights < ((int64_t)1 << 25) ||
+      m > (weights >= ((int64_t)1 << 26) ? 1024 : 768))
+    return false;
+  const int64_t tiles = (int64_t)ceil_div(np, 2 * WG_BM) * ceil_div(m, bn);
+  const int S = ws_split_count(di, tiles, di.sms, KT, bn, 0);
+  const int64_t blocks = tiles * S;
+  return S <= 2 && (double)blocks >= (m > 512 ? 0.9 : 0.84) * (double)((blocks + di.sms - 1) / di.sms * di.sms);
 }
 
 // kernel: 0 auto, 1 stream, 2 tiled, 10/11 probes. splits: 0 auto. ws_avail: bytes available (SIZE_MAX = plan only).
@@ -2772,6 +2899,10 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
       ss_auto_splits = 4;
     }
   }
+  // auto, sm_90: wgmma_ws in 256-row blocks over the choices above, where ws_rows256 takes them
+  if (kernel == W4P_CUDA_KERNEL_AUTO && di.cc == 90 && sbits == 4 && wg_tma && (gs <= 0 || gs % 16 == 0) &&
+      m > 64 && ws_rs_env() != 1 && ws_rows256(di, m, np, KT, gs, (int64_t)np * kp))
+    kind = W4P_CUDA_KERNEL_WGMMA_WS;
   if (kind == W4P_CUDA_KERNEL_AUTO) {
     // Measured on an H200 (docs/CUDA.md): the ring kernel wins where every resident warp gets a long run of
     // units (70B-sized layers); on smaller layers the block-split stream kernel's shorter ramp wins
@@ -2951,39 +3082,17 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     if ((size_t)ws_smem_bytes(bn, ks) + di.smem_reserved > (size_t)di.smem_block)
       return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel needs %d bytes of shared memory per block",
                   ws_smem_bytes(bn, ks));
-    const int nrb = ceil_div(np, WG_BM);
+    const int rs_env = ws_rs_env();
+    const int rs = rs_env == 2 && ws_rows256_fit(di, bn, ks) ? 2
+                   : rs_env == 0 && ws_rows256(di, m, np, KT, gs, (int64_t)np * kp) ? 2 : 1;
+    pl->rs = rs;
+    const int nrb = ceil_div(np, WG_BM * rs);
     if (nrb > 65535) return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel takes at most %d rows", 65535 * WG_BM);
     pl->bn = bn;
     pl->TB = ceil_div(m, bn);
     pl->tiles = nrb * pl->TB;
-    // from the 32-token tile, split grids that leave more than half the SMs idle (with the workspace's sums,
-    // 4096x11008 and 4096x12288, 86 and 96 row tiles, ran M = 32-64 in 22.5-28.3 us unsplit against 25.8-40.4
-    // us with 2-3 splits: H200); with the 16-token tile the splits were level or ahead
-    const bool may_split = splits > 0 || bn == 16 || 2 * pl->tiles < sms;
-    const int64_t slots = (int64_t)sms * ws_blocks_per_sm(bn);
-    // at least 16 K tiles per split: 4096x4096 at M = 16-64 took 10.5-17.1 us with 4 splits against 11.2-19.9
-    // with 8 (H200)
-    pl->S = may_split ? wg_splits(splits, pl->tiles, slots, KT, 16) : 1;
-    // where the unsplit grid fills half the SMs and two splits still fit in one wave, two splits summed in a
-    // cluster (sm_90): 4096x11008 and 4096x12288 at M = 32-64 took 21.0-25.8 against 22.9-28.5 us unsplit
-    if (splits <= 0 && pl->S == 1 && di.cc == 90 && !no_cluster_env() && KT >= 32 && 2 * pl->tiles <= slots)
-      pl->S = 2;
-    // from the 64-token tile, where the auto split count's clusters would not fit in one wave (their sums
-    // then go through the workspace, whose partial tiles grow with the token tile), fewer splits whose
-    // clusters fit, unless the longer K range per block costs more: per block about 0.5 us per K tile against
-    // about 0.0186 us per split and token for the workspace sums (H200: 4096x4096 and 11008x4096 at M = 96-128
-    // took 16.9-17.4 and 35.0-35.2 us with 3 cluster splits against 21.1-24.3 and 35.7-39.0 with 4 through the
-    // workspace; 28672x8192 at M = 64 82.2 with 4 against 96.8 with 3)
-    if (splits <= 0 && pl->S >= 3 && bn >= 64 && di.cc == 90 && !no_cluster_env()) {
-      auto fits = [&](int s) { return pl->tiles <= (s == 2 ? slots / 2 : cluster_fill_estimate(slots, s)); };
-      if (!fits(pl->S))
-        for (int s = pl->S - 1; s >= 2; --s)
-          if (fits(s)) {
-            if (KT * (1.0 / s - 1.0 / pl->S) < 0.037 * pl->S * bn) pl->S = s;
-            break;
-          }
-    }
-    pl->smem = ws_smem_bytes(bn, ks);
+    pl->S = ws_split_count(di, pl->tiles, (int64_t)sms * ws_blocks_per_sm(bn, rs), KT, bn, splits);
+    pl->smem = ws_smem_bytes(bn, ks, rs);
     pl->kp = ks;
     pl->gather = act_order || !x_aligned;  // TMA zero-fills columns past K: no gather for ragged K
   } else if (kind == W4P_CUDA_KERNEL_WGMMA_SS) {
@@ -3260,31 +3369,33 @@ bool cluster_fits(void (*fn)(Args...), dim3 grid, int threads, size_t smem, int 
 template <typename... Args, typename... Rest>
 cudaError_t launch_splits(void (*fn)(Args...), const Plan &pl, cudaStream_t st, Params p, Rest &&...rest) {
   const dim3 grid((unsigned)pl.TB, (unsigned)(pl.tiles / pl.TB), (unsigned)pl.S);
-  p.cl = pl.cl && cluster_fits(fn, grid, 9 * 32, pl.smem, pl.S) ? 1 : 0;
+  const int threads = pl.kernel == W4P_CUDA_KERNEL_WGMMA_WS ? ws_threads(pl.rs) : 9 * 32;
+  p.cl = pl.cl && cluster_fits(fn, grid, threads, pl.smem, pl.S) ? 1 : 0;
   if (!p.cl) {
-    fn<<<grid, 9 * 32, pl.smem, st>>>(p, std::forward<Rest>(rest)...);
+    fn<<<grid, threads, pl.smem, st>>>(p, std::forward<Rest>(rest)...);
     return cudaGetLastError();
   }
   cudaLaunchAttribute at[1];
-  const cudaLaunchConfig_t cfg = cluster_config(at, grid, 9 * 32, pl.smem, st, pl.S);
+  const cudaLaunchConfig_t cfg = cluster_config(at, grid, threads, pl.smem, st, pl.S);
   return cudaLaunchKernelEx(&cfg, fn, p, std::forward<Rest>(rest)...);
 }
 
-template <typename T, int BN, int KS>
+template <typename T, int BN, int KS, int RS = 1>
 cudaError_t launch_wgmma_ws_t(const Params &p, const Plan &pl, cudaStream_t st) {
   CUtensorMap map;
   cudaError_t e = encode_x_map(&map, p.x, std::is_same<T, __nv_bfloat16>::value, p.M, p.kx, p.ldx, BN);
   if (e != cudaSuccess) return e;
-  auto fn = p.zm == 2   ? wgmma_ws_kernel<T, 2, BN, KS>
-            : p.zm == 1 ? wgmma_ws_kernel<T, 1, BN, KS>
-                        : wgmma_ws_kernel<T, 0, BN, KS>;
+  auto fn = p.zm == 2   ? wgmma_ws_kernel<T, 2, BN, KS, RS>
+            : p.zm == 1 ? wgmma_ws_kernel<T, 1, BN, KS, RS>
+                        : wgmma_ws_kernel<T, 0, BN, KS, RS>;
   e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
   if (e != cudaSuccess) return e;
-  debug_occupancy(fn, "wgmma_ws", 9 * 32, pl.smem);
+  debug_occupancy(fn, "wgmma_ws", ws_threads(RS), pl.smem);
   return launch_splits(fn, pl, st, p, map);
 }
 
 template <typename T> cudaError_t launch_wgmma_ws(const Params &p, const Plan &pl, cudaStream_t st) {
+  if (pl.rs == 2) return launch_wgmma_ws_t<T, 128, 2, 2>(p, pl, st);
   if (pl.bn == 16) return pl.kp == 4 ? launch_wgmma_ws_t<T, 16, 4>(p, pl, st) : launch_wgmma_ws_t<T, 16, 2>(p, pl, st);
   if (pl.bn == 32) return pl.kp == 4 ? launch_wgmma_ws_t<T, 32, 4>(p, pl, st) : launch_wgmma_ws_t<T, 32, 2>(p, pl, st);
 #if W4P_WS_KS4_MAX_BN >= 64
@@ -3389,8 +3500,9 @@ int describe_on(const DevInfo &di, int64_t m, int n, int k, int storage_bits, in
   else if (pl.kernel == 3)
     snprintf(buf, len, "ring workers=%lld smem=%zu workspace=%zu", (long long)pl.W, pl.smem, pl.ws_total);
   else
-    snprintf(buf, len, "%s splits=%d%s tiles=%d smem=%zu workspace=%zu", name, pl.S,
-             pl.S == 1 ? "" : pl.cl ? " sum=cluster" : " sum=workspace", pl.tiles, pl.smem, pl.ws_total);
+    snprintf(buf, len, "%s splits=%d%s%s tiles=%d smem=%zu workspace=%zu", name, pl.S,
+             pl.S == 1 ? "" : pl.cl ? " sum=cluster" : " sum=workspace", pl.rs == 2 ? " rows=256" : "", pl.tiles,
+             pl.smem, pl.ws_total);
   return W4P_OK;
 }
 DevInfo described(int sms, int cc, int smem_sm, int smem_block, int smem_reserved) {
