@@ -167,12 +167,17 @@ def test_plan_for_wgmma_ss_ranges(monkeypatch):
         rc, kind, got, _ = _plan_for(lib, ffi, H200, m, n, kk)
         assert rc == 0 and kind == k["wgmma_ss"] and got == splits, (m, n, kk, kind, got)
     assert auto(H200, 513, 28672, 8192) == k["tiled"]
-    monkeypatch.delenv("W4P_CUDA_WS_RS")
-    assert auto(H200, 300, 8192, 28672) == k["wgmma_ss"]  # 96 blocks of 256 rows: 73%
-    # in the dense path's range from M = 160 (86 and 96 blocks; as many of wgmma_ws's 256-row blocks fill 65-73%)
+    # in the dense path's range from M = 160 (86 and 96 blocks)
     for m in (160, 192, 256):
         assert auto(H200, m, 11008, 4096) == k["wgmma_ss"], m
         assert auto(H200, m, 12288, 4096) == k["wgmma_ss"], m
+    monkeypatch.delenv("W4P_CUDA_WS_RS")
+    assert auto(H200, 300, 8192, 28672) == k["wgmma_ss"]  # 96 blocks of 256 rows: 73%
+    # where wgmma_ss would run unsplit, wgmma_ws's 256-row blocks (the same tiles) where they run unsplit too
+    for m in (160, 192, 256):
+        for n in (11008, 12288):
+            got = _describe_for(lib, ffi, H200, m, n, 4096)
+            assert (got["kernel"], got.get("rows"), got["splits"]) == ("wgmma_ws", "256", "1"), (m, n, got)
         assert auto(H200, m, 4096, 11008) == k["wgmma_ws"], m  # 16 wgmma_ss blocks x 2; 64 wgmma_ws tiles
     assert auto(H200, 159, 11008, 4096) == k["tiled"]
     assert auto(H200, 128, 11008, 4096) == k["wgmma_ws"]  # 43 blocks: would need a split
@@ -1027,14 +1032,14 @@ def test_auto_plan_per_shape():
     assert auto(9, 4096, 4096) == (wg or cuda.KERNELS["stream"])
     assert auto(16, 11008, 4096) == (wg or cuda.KERNELS["stream"])
     assert auto(17, 4096, 4096) == (wg or cuda.KERNELS["stream"])
-    # sm_90: wgmma_ws in 256-row blocks from M = 65 where they fill the waves (112 row blocks here; H200: 85%),
-    # wgmma_ss where its blocks fill half the SMs unsplit and those do not (96 row blocks: 73%)
+    # sm_90: wgmma_ws in 256-row blocks from M = 65 where they fill the waves (112 row blocks here; H200: 85%)
+    # or run unsplit where wgmma_ss would; wgmma_ss where it splits
     ss = cuda.KERNELS["wgmma_ss"] if wgmma_ok() else None
     assert auto(200, 28672, 8192) == (wg or cuda.KERNELS["tiled"])
     assert auto(100, 28672, 8192) == (wg or cuda.KERNELS["tiled"])
     assert auto(200, 8192, 28672) == (wg or cuda.KERNELS["tiled"])
     assert auto(257, 28672, 8192) == (wg or cuda.KERNELS["tiled"])
-    assert auto(200, 12288, 4096) == (ss or cuda.KERNELS["tiled"])
+    assert auto(300, 8192, 28672) == (ss or cuda.KERNELS["tiled"])  # 4 splits of 96 blocks
     assert auto(1025, 28672, 8192) == cuda.KERNELS["tiled"]
     lin = cuda.CudaPackedLinear(pack(random_layer(np.random.default_rng(3), 4096, 4096, gs=128)), "cuda")
     assert lin.plan(64)["kernel"] == (wg or -1)  # 2^24 weights: wgmma_ws while its blocks fit in one wave

@@ -2879,6 +2879,16 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
       (size_t)ss_smem_bytes(m <= 64 ? 64 : 128) + di.smem_reserved <= (size_t)di.smem_block &&
       2 * (int64_t)ceil_div(np, SS_BR) * ceil_div(m, m <= 64 ? 64 : 128) >= sms)
     kind = W4P_CUDA_KERNEL_WGMMA_SS;
+  // ... and there wgmma_ws in 256-row blocks where those run unsplit too (the same 256 x 128 tiles, on layers
+  // of 2^25 weights or more): 4096x11008 and 4096x12288 at M = 192-256 took 57.9-60.3 against 61.4-63.8 us
+  // (H200, same runs)
+  bool rows256_auto = false;
+  if (kernel == W4P_CUDA_KERNEL_AUTO && kind == W4P_CUDA_KERNEL_WGMMA_SS && m > 64 && ws_rs_env() != 1 &&
+      ws_rows256_fit(di, 128, ws_ks(128, gs)) && (int64_t)np * kp >= ((int64_t)1 << 25) &&
+      ws_split_count(di, (int64_t)ceil_div(np, 2 * WG_BM) * ceil_div(m, 128), sms, KT, 128, 0) == 1) {
+    kind = W4P_CUDA_KERNEL_WGMMA_WS;
+    rows256_auto = true;
+  }
   // M = 257-512: wgmma_ss where its blocks fill the waves they take: at least 80% unsplit, else at least 90%
   // with 4 splits of 64 K tiles or more. Its time is its waves' count times one block's time, so the fill
   // decides. Measured on an H200 against the previous choice: 8192x28672 M = 384 (336 blocks, 85%) 351.0
@@ -3084,7 +3094,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
                   ws_smem_bytes(bn, ks));
     const int rs_env = ws_rs_env();
     const int rs = rs_env == 2 && ws_rows256_fit(di, bn, ks) ? 2
-                   : rs_env == 0 && ws_rows256(di, m, np, KT, gs, (int64_t)np * kp) ? 2 : 1;
+                   : rs_env == 0 && (rows256_auto || ws_rows256(di, m, np, KT, gs, (int64_t)np * kp)) ? 2 : 1;
     pl->rs = rs;
     const int nrb = ceil_div(np, WG_BM * rs);
     if (nrb > 65535) return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel takes at most %d rows", 65535 * WG_BM);
