@@ -1771,7 +1771,8 @@ __global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kern
 }
 
 // ------------------------------------------------------------------------------------------------
-// Warp-specialized wgmma kernel (sm_90a, 4-bit; auto's choice on sm_90 for M = 9-256 where measured ahead).
+// Warp-specialized wgmma kernel (sm_90a, 4-bit; auto's choice on sm_90 from M = 9 where measured ahead, up to
+// M = 1024 in 256-row blocks).
 // The wgmma kernel's math, fed the Hopper way: one producer warp issues every copy of a stage with one thread
 // (the activation tile through TMA with the 128-byte swizzle done by the copy engine and rows past M /
 // columns past K zero-filled, the weights as one bulk copy per stripe, the group parameters as one bulk copy
@@ -1782,8 +1783,8 @@ __global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kern
 // K tiles per stage (KS): 4 for the 16-, 32- and 64-token tiles on layers whose groups hold whole K tiles
 // (group size a multiple of 64, or per channel: a stage then spans at most 4 groups), else 2. The longer stage
 // halves the per-stage waits and makes each weight copy a 2 KB run: 8192x28672 at M = 16 went from 80 to
-// 64 us (H200, docs/CUDA.md). Parameter bytes per stage: (scale, zero) x 128 rows per group, for 4 groups a
-// tile (group size 16) at KS = 2 and 4 groups at KS = 4.
+// 64 us (H200, docs/CUDA.md). Parameter bytes per stage: (scale, zero) x the block's rows per group, for 4
+// groups a tile (group size 16) at KS = 2 and 4 groups at KS = 4.
 constexpr int WS_IL_BN = 32;  // up to this token tile each slice goes to the tensor cores as soon as it is ready
 // RS: 16-row stripes per consumer warp, 1 (128-row blocks) or 2 (256-row blocks: each warpgroup runs two m64
 // row tiles against the same activation tile, which halves the activations' L2 traffic per weight row)
