@@ -306,20 +306,22 @@ __device__ __forceinline__ bool y_pairs(const Params &p) {
   return (p.ldy & 1) == 0 && (reinterpret_cast<uintptr_t>(p.y) & 3) == 0;
 }
 
-// Split-K epilogue through the workspace: every block stores its fp32 partial tile; the last block to arrive
-// sums the S partials in split order (bit-identical whoever arrives last) and writes y.
-// The sum runs on quads of rows (16-byte loads; Np and row0 are multiples of 16, the workspace 256-byte
-// aligned) with U quads per thread in flight and the split loop unrolled, so the last block waits for a few
-// L2 round trips rather than one per output element (a 256 x 128 tile summed one element per thread and
-// iteration is 114 dependent round trips for 288 threads). U = 4 gave the wgmma_ws kernels a 4-byte spill
-// (their 2 blocks per SM cap them at 112 registers): 2 there, 4 where registers allow.
-// NT: 0, the whole block takes part; else only threads 0..NT-1 (named barrier 1), the others having left.
+// A block barrier, or (nt > 0) named barrier 1 over threads 0..nt-1 where the others have left (wgmma_ws's
+// 256-row blocks, whose producer warpgroup leaves before the epilogue)
 __device__ __forceinline__ void block_or_named_sync(int nt) {
   if (nt == 0)
     __syncthreads();
   else
     asm volatile("bar.sync 1, %0;\n" ::"r"(nt) : "memory");
 }
+
+// Split-K epilogue through the workspace: every block stores its fp32 partial tile; the last block to arrive
+// sums the S partials in split order (bit-identical whoever arrives last) and writes y.
+// The sum runs on quads of rows (16-byte loads; Np and row0 are multiples of 16, the workspace 256-byte
+// aligned) with U quads per thread in flight and the split loop unrolled, so the last block waits for a few
+// L2 round trips rather than one per output element (a 256 x 128 tile summed one element per thread and
+// iteration is 114 dependent round trips for 288 threads). U = 4 gave the wgmma_ws kernels a 4-byte spill
+// (their 2 blocks per SM cap them at 112 registers): 2 there, 4 where registers allow. NT: block_or_named_sync's.
 template <typename T, int RB, int TBK, int SR_U = 2, int NT = 0>
 __device__ __forceinline__ void split_reduce(const Params &p, int rb, int tb, int row0, int tok0) {
   __shared__ int s_last;
@@ -3098,7 +3100,8 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
                    : rs_env == 0 && (rows256_auto || ws_rows256(di, m, np, KT, gs, (int64_t)np * kp)) ? 2 : 1;
     pl->rs = rs;
     const int nrb = ceil_div(np, WG_BM * rs);
-    if (nrb > 65535) return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel takes at most %d rows", 65535 * WG_BM);
+    if (nrb > 65535)
+      return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel takes at most %d rows", 65535 * WG_BM * rs);
     pl->bn = bn;
     pl->TB = ceil_div(m, bn);
     pl->tiles = nrb * pl->TB;
@@ -3378,9 +3381,9 @@ bool cluster_fits(void (*fn)(Args...), dim3 grid, int threads, size_t smem, int 
 // cluster where the device holds the clusters in as few waves as the plain blocks; else plain blocks that sum
 // through the workspace (which the plan always sizes for the splits)
 template <typename... Args, typename... Rest>
-cudaError_t launch_splits(void (*fn)(Args...), const Plan &pl, cudaStream_t st, Params p, Rest &&...rest) {
+cudaError_t launch_splits(void (*fn)(Args...), int threads, const Plan &pl, cudaStream_t st, Params p,
+                          Rest &&...rest) {
   const dim3 grid((unsigned)pl.TB, (unsigned)(pl.tiles / pl.TB), (unsigned)pl.S);
-  const int threads = pl.kernel == W4P_CUDA_KERNEL_WGMMA_WS ? ws_threads(pl.rs) : 9 * 32;
   p.cl = pl.cl && cluster_fits(fn, grid, threads, pl.smem, pl.S) ? 1 : 0;
   if (!p.cl) {
     fn<<<grid, threads, pl.smem, st>>>(p, std::forward<Rest>(rest)...);
@@ -3402,7 +3405,7 @@ cudaError_t launch_wgmma_ws_t(const Params &p, const Plan &pl, cudaStream_t st) 
   e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
   if (e != cudaSuccess) return e;
   debug_occupancy(fn, "wgmma_ws", ws_threads(RS), pl.smem);
-  return launch_splits(fn, pl, st, p, map);
+  return launch_splits(fn, ws_threads(RS), pl, st, p, map);
 }
 
 template <typename T> cudaError_t launch_wgmma_ws(const Params &p, const Plan &pl, cudaStream_t st) {
@@ -3431,7 +3434,7 @@ cudaError_t launch_wgmma_ss_t(const Params &p, const Plan &pl, cudaStream_t st) 
   e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
   if (e != cudaSuccess) return e;
   debug_occupancy(fn, "wgmma_ss", 9 * 32, pl.smem);
-  return launch_splits(fn, pl, st, p, map, wmap);
+  return launch_splits(fn, 9 * 32, pl, st, p, map, wmap);
 }
 
 template <typename T>

@@ -38,7 +38,7 @@ _LIBDIR = _HERE.parent / "_lib"
 KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "ring": 3, "bulk": 4, "wgmma": 5, "wgmma_ws": 6, "wgmma_ss": 7, "dense": -1, "probe_load": 10,
            "probe_dequant": 11, "probe_bulk": 12, "probe_ws": 13, "probe_ss": 14}
 #: from this many rows on, "auto" takes the dense path unless the native plan picks a wgmma kernel (sm_90, up to
-#: M = 512 where measured ahead on an H200, docs/CUDA.md): below it
+#: M = 1024 where measured ahead on an H200, docs/CUDA.md): below it
 #: the stream kernel (weights read once, split-K), above it dequantize + cuBLAS beats the mma.sync tiled kernel
 DENSE_MIN_M = 33
 _DT = {"float16": 1, "bfloat16": 2}
