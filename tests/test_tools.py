@@ -1,6 +1,7 @@
 """The GPU tools' behaviour on a machine without a CUDA device (their GPU runs are measured, not tested)."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,33 @@ def test_bench_gpu_tables_print_the_binding_floor(capsys):
     assert "| 1 | 50.0 | 111.0 | 63.0 | - | 2.22x | 1.76x | - | 2400 | 53% | 27.0 | 4/5 |" in out
     assert any(line.startswith("| 128 | 130.0 |") and "| 91.0 |" in line for line in out)
     assert "  M=1: 2.22x" in out
+
+
+def _ncu_stalls(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "ncu_stalls.py"), *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_ncu_stalls_ranks_the_instructions_of_a_recorded_source_page():
+    # tests/data/ncu_source_page.csv: eight rows of an H200 source page (wgmma_ws, 256-row blocks, M = 1024)
+    r = _ncu_stalls(str(ROOT / "tests" / "data" / "ncu_source_page.csv"), "--json", "--top", "3")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert "wgmma_ws_kernel" in s["kernel"]
+    assert s["samples"] == 14230 + 14152 + 5047 + 577 + 428 + 273 + 173 + 0
+    top = s["top"]
+    assert abs(top[0]["share"] - 14230 / 34880) < 1e-12 and top[0]["executed"] == 458752
+    assert [t["sass"].split()[0] for t in top] == ["WARPGROUP.DEPBAR.LE", "WARPGROUP.DEPBAR.LE", "@!P0"]
+    assert list(top[0]["reasons"])[0] == "barrier" and list(top[2]["reasons"])[0] == "long_sb"
+    assert top[0]["share"] > top[1]["share"] > top[2]["share"] > 0.1
+    ops = {o["opcode"]: o["share"] for o in s["opcodes"]}
+    assert abs(sum(ops.values()) - 1.0) < 1e-9 and ops["WARPGROUP"] > 0.8 and "BRA" in ops and "LDC" not in ops
+
+
+def test_ncu_stalls_refuses_other_files_in_one_line(tmp_path):
+    bad = tmp_path / "summary.csv"
+    bad.write_text('"ID","Kernel Name","Metric Name"\n"0","k","Duration"\n')
+    for path in (bad, tmp_path / "missing.csv"):
+        r = _ncu_stalls(str(path))
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.startswith(f"ncu_stalls: {path}: ") and len(r.stderr.strip().splitlines()) == 1

@@ -6,7 +6,8 @@ The ncu figures in docs/CUDA.md come from runs such as
     ncu --clock-control none -k regex:wgmma_ws -s 2 -c 1 --section SpeedOfLight --section WarpStateStats \\
         --section SchedulerStats python tools/profile_gpu.py --shape 8192x28672 --m 16 --kernel wgmma_ws
 
-(`-s 2 -c 1` skips the two warm-up calls and profiles the third). The layer is random, with int zero
+(`-s 2 -c 1` skips the two warm-up calls and profiles the third). With `--section SourceCounters` the report
+also holds warp samples per SASS instruction: tools/ncu_stalls.py ranks them. The layer is random, with int zero
 points, group size 128 and fp16 activations, like the benchmark's. Exit status 2 without a CUDA device.
 """
 from __future__ import annotations
