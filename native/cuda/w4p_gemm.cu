@@ -1957,8 +1957,8 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS)) wgmm
       // their 8 wgmmas back to back (slice by slice measured slower there). The group's constants are loaded
       // at the stage's start and again only where a slice starts a new group (never inside the usual stage,
       // which lies in one group: a single test per slice). A tile past the split's K range has zeroed or
-      // (128-token tile) stale codes, finite either way, against the zero tile. (Two copies of the wgmma sequence, one per path, made ptxas
-      // serialize the wgmmas: C7520.)
+      // (128-token tile) stale codes, finite either way, against the zero tile. (Two copies of the wgmma
+      // sequence, one per path, made ptxas serialize the wgmmas: C7520.)
       const bool one_stage_group = one_group && group_of((t0 + WS_KS) * 64 - 1, p.gmul) == g_st;
       load_group(g_st);
       int gcur = g_st;
@@ -2862,6 +2862,10 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   // 4096x4096 M = 48-512 in 15.7-34.7 against 21.7-37.5 us, 11008x4096 M = 129-512 in 52.2-88.9 against
   // 65.4-93.9 us for dequantize + cuBLAS; 4096x12288 M = 384 (288 blocks) took 106.9 against 87.9.
   const bool wg_tma = di.tma && !no_tma_env();
+  // wgmma_ws in 256-row blocks by their rule (W4P_CUDA_WS_RS=1 turns it off), for auto's choices below and for
+  // the wgmma_ws plan itself
+  const int rs_env = ws_rs_env();
+  const bool rows256 = rs_env != 1 && ws_rows256(di, m, np, KT, gs, (int64_t)np * kp);
   if (kind == W4P_CUDA_KERNEL_AUTO && di.cc == 90 && sbits == 4 && (gs <= 0 || gs % 16 == 0) && m >= WS_AUTO_MIN_M) {
     const int64_t weights = (int64_t)np * kp;
     const bool large = weights >= ((int64_t)1 << 25);
@@ -2893,7 +2897,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   // of 2^25 weights or more): 4096x11008 and 4096x12288 at M = 192-256 took 57.9-60.3 against 61.4-63.8 us
   // (H200, same runs)
   bool rows256_auto = false;
-  if (kernel == W4P_CUDA_KERNEL_AUTO && kind == W4P_CUDA_KERNEL_WGMMA_SS && m > 64 && ws_rs_env() != 1 &&
+  if (kernel == W4P_CUDA_KERNEL_AUTO && kind == W4P_CUDA_KERNEL_WGMMA_SS && m > 64 && rs_env != 1 &&
       ws_rows256_fit(di, 128, ws_ks(128, gs)) && (int64_t)np * kp >= ((int64_t)1 << 25) &&
       ws_split_count(di, (int64_t)ceil_div(np, 2 * WG_BM) * ceil_div(m, 128), sms, KT, 128, 0) == 1) {
     kind = W4P_CUDA_KERNEL_WGMMA_WS;
@@ -2921,7 +2925,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   }
   // auto, sm_90: wgmma_ws in 256-row blocks over the choices above, where ws_rows256 takes them
   if (kernel == W4P_CUDA_KERNEL_AUTO && di.cc == 90 && sbits == 4 && wg_tma && (gs <= 0 || gs % 16 == 0) &&
-      m > 64 && ws_rs_env() != 1 && ws_rows256(di, m, np, KT, gs, (int64_t)np * kp))
+      m > 64 && rows256)
     kind = W4P_CUDA_KERNEL_WGMMA_WS;
   if (kind == W4P_CUDA_KERNEL_AUTO) {
     // Measured on an H200 (docs/CUDA.md): the ring kernel wins where every resident warp gets a long run of
@@ -3102,9 +3106,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     if ((size_t)ws_smem_bytes(bn, ks) + di.smem_reserved > (size_t)di.smem_block)
       return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel needs %d bytes of shared memory per block",
                   ws_smem_bytes(bn, ks));
-    const int rs_env = ws_rs_env();
-    const int rs = rs_env == 2 && ws_rows256_fit(di, bn, ks) ? 2
-                   : rs_env == 0 && (rows256_auto || ws_rows256(di, m, np, KT, gs, (int64_t)np * kp)) ? 2 : 1;
+    const int rs = rs_env == 2 && ws_rows256_fit(di, bn, ks) ? 2 : rs_env == 0 && (rows256_auto || rows256) ? 2 : 1;
     pl->rs = rs;
     const int nrb = ceil_div(np, WG_BM * rs);
     if (nrb > 65535)
