@@ -1830,8 +1830,8 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void *src, unsigne
 }
 
 template <typename T, int ZMODE, int BN, int KS, int RS>
-__global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS)) wgmma_ws_kernel(const Params p,
-                                                                                     const __grid_constant__ CUtensorMap xmap) {
+__global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
+    wgmma_ws_kernel(const Params p, const __grid_constant__ CUtensorMap xmap, const __grid_constant__ CUtensorMap wmap) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T2 = typename Tr<T, 4>::T2;
   constexpr int RB = WG_BM * RS;  // weight rows per block
@@ -1874,10 +1874,9 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS)) wgmm
     if constexpr (RS == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (warp == 8 && lane == 0) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&xmap)) : "memory");
-      const unsigned char *qwb = reinterpret_cast<const unsigned char *>(p.qw);
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&wmap)) : "memory");
       const unsigned char *pbase[2] = {reinterpret_cast<const unsigned char *>(p.scales),
                                        reinterpret_cast<const unsigned char *>(ZMODE == 1 ? p.zeros : p.mins)};
-      const int nvs = min(8 * RS, nstripes - (row0 >> 4));
       const unsigned prow = (unsigned)min(RB, p.Np - row0) * 2u;
       for (int i = 0; i < nsteps; ++i) {
         const int s = i % NS;
@@ -1886,11 +1885,11 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS)) wgmm
         const int g_lo = group_of(t0 * 64, p.gmul);
         const int ng = group_of((t0 + nt) * 64 - 1, p.gmul) - g_lo + 1;
         const uint32_t st = stages + s * SB, full = full0 + 8 * s;
-        mbar_expect_tx(full, (unsigned)(nt * XT + nvs * nt * 512) + (unsigned)(ng * NP) * prow);
+        // the codes: one box of the stage's WS_KS tiles x the block's 8 RS stripes (tiles and stripes past the
+        // layer's read as zeros, and count in full)
+        mbar_expect_tx(full, (unsigned)(nt * XT + 8 * RS * WS_KS * 512) + (unsigned)(ng * NP) * prow);
         for (int u = 0; u < nt; ++u) tma_load_2d(st + u * XT, &xmap, (t0 + u) * 64, (int)tok0, full);
-        for (int ls = 0; ls < nvs; ++ls)
-          bulk_copy(st + WOFF + ls * WS_KS * 512, qwb + ((int64_t)((row0 >> 4) + ls) * KT + t0) * 512,
-                    (unsigned)nt * 512u, full);
+        tma_load_3d(st + WOFF, &wmap, 0, t0, row0 >> 4, full);
         for (int g = 0; g < ng; ++g)
           for (int w = 0; w < NP; ++w)
             bulk_copy(st + POFF + (g * 2 + w) * (RB * 2), pbase[w] + ((size_t)(g_lo + g) * p.Np + row0) * 2, prow,
@@ -3314,14 +3313,14 @@ cudaError_t encode_x_map(CUtensorMap *map, const void *x, bool bf16, int64_t m, 
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// The codes of layout v1 as a 3-D tensor of 32-bit words [stripes][K tiles][128] for the wgmma_ss kernel: boxes of
-// ks tiles x 16 stripes, no swizzle (the smem copy keeps the global order), out-of-range boxes read as zeros.
-cudaError_t encode_w_map(CUtensorMap *map, const void *qw, int KT, int nstripes, int ks) {
+// The codes of layout v1 as a 3-D tensor of 32-bit words [stripes][K tiles][128] for the wgmma_ws and wgmma_ss
+// kernels: boxes of ks tiles x bs stripes, no swizzle (the smem copy keeps the global order), out-of-range boxes read as zeros.
+cudaError_t encode_w_map(CUtensorMap *map, const void *qw, int KT, int nstripes, int ks, int bs = 16) {
   const EncodeTiledFn fn = tma_encoder();
   if (!fn) return cudaErrorNotSupported;
   const cuuint64_t dims[3] = {128, (cuuint64_t)KT, (cuuint64_t)nstripes};
   const cuuint64_t strides[2] = {512, (cuuint64_t)KT * 512};
-  const cuuint32_t box[3] = {128, (cuuint32_t)ks, 16};
+  const cuuint32_t box[3] = {128, (cuuint32_t)ks, (cuuint32_t)bs};
   const cuuint32_t estr[3] = {1, 1, 1};
   const CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT32, 3, const_cast<void *>(qw), dims, strides, box, estr,
                         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -3405,8 +3404,10 @@ cudaError_t launch_splits(void (*fn)(Args...), int threads, const Plan &pl, cuda
 
 template <typename T, int BN, int KS, int RS = 1>
 cudaError_t launch_wgmma_ws_t(const Params &p, const Plan &pl, cudaStream_t st) {
-  CUtensorMap map;
+  CUtensorMap map, wmap;
   cudaError_t e = encode_x_map(&map, p.x, std::is_same<T, __nv_bfloat16>::value, p.M, p.kx, p.ldx, BN);
+  if (e != cudaSuccess) return e;
+  e = encode_w_map(&wmap, p.qw, p.KT, p.Np / 16, KS, 8 * RS);
   if (e != cudaSuccess) return e;
   auto fn = p.zm == 2   ? wgmma_ws_kernel<T, 2, BN, KS, RS>
             : p.zm == 1 ? wgmma_ws_kernel<T, 1, BN, KS, RS>
@@ -3414,7 +3415,7 @@ cudaError_t launch_wgmma_ws_t(const Params &p, const Plan &pl, cudaStream_t st) 
   e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
   if (e != cudaSuccess) return e;
   debug_occupancy(fn, "wgmma_ws", ws_threads(RS), pl.smem);
-  return launch_splits(fn, ws_threads(RS), pl, st, p, map);
+  return launch_splits(fn, ws_threads(RS), pl, st, p, map, wmap);
 }
 
 template <typename T> cudaError_t launch_wgmma_ws(const Params &p, const Plan &pl, cudaStream_t st) {
