@@ -1777,11 +1777,11 @@ __global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kern
 // M = 1024 in 256-row blocks).
 // The wgmma kernel's math, fed the Hopper way: one producer warp issues every copy of a stage with one thread
 // (the activation tile through TMA with the 128-byte swizzle done by the copy engine and rows past M /
-// columns past K zero-filled, the weights as one bulk copy per stripe, the group parameters as one bulk copy
-// per group row), all completing on the stage's mbarrier; the two consumer warpgroups wait on that barrier,
-// compute the stage's KS K tiles (4 wgmmas per tile, one wgmma wait per two tiles) and free the stage with one
-// arrival per warp. No block-wide barrier in the main loop: the warpgroups drift apart and overlap each
-// other's dequantization and tensor-core work.
+// columns past K zero-filled, the codes as one 3-D TMA box of the block's stripes x the stage's K tiles, the
+// group parameters as one bulk copy per group row), all completing on the stage's mbarrier; the two consumer
+// warpgroups wait on that barrier, compute the stage's KS K tiles (4 wgmmas per tile, one wgmma wait per two
+// tiles) and free the stage with one arrival per warp. No block-wide barrier in the main loop: the warpgroups
+// drift apart and overlap each other's dequantization and tensor-core work.
 // K tiles per stage (KS): 4 for the 16-, 32- and 64-token tiles on layers whose groups hold whole K tiles
 // (group size a multiple of 64, or per channel: a stage then spans at most 4 groups), else 2. The longer stage
 // halves the per-stage waits and makes each weight copy a 2 KB run: 8192x28672 at M = 16 went from 80 to
@@ -1831,7 +1831,8 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void *src, unsigne
 
 template <typename T, int ZMODE, int BN, int KS, int RS>
 __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
-    wgmma_ws_kernel(const Params p, const __grid_constant__ CUtensorMap xmap, const __grid_constant__ CUtensorMap wmap) {
+    wgmma_ws_kernel(const Params p, const __grid_constant__ CUtensorMap xmap,
+                    const __grid_constant__ CUtensorMap wmap) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T2 = typename Tr<T, 4>::T2;
   constexpr int RB = WG_BM * RS;  // weight rows per block
@@ -3314,7 +3315,8 @@ cudaError_t encode_x_map(CUtensorMap *map, const void *x, bool bf16, int64_t m, 
 }
 
 // The codes of layout v1 as a 3-D tensor of 32-bit words [stripes][K tiles][128] for the wgmma_ws and wgmma_ss
-// kernels: boxes of ks tiles x bs stripes, no swizzle (the smem copy keeps the global order), out-of-range boxes read as zeros.
+// kernels: boxes of ks tiles x bs stripes, no swizzle (the smem copy keeps the global order), out-of-range parts
+// of a box read as zeros.
 cudaError_t encode_w_map(CUtensorMap *map, const void *qw, int KT, int nstripes, int ks, int bs = 16) {
   const EncodeTiledFn fn = tma_encoder();
   if (!fn) return cudaErrorNotSupported;
