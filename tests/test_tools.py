@@ -87,3 +87,14 @@ def test_ncu_stalls_refuses_other_files_in_one_line(tmp_path):
         r = _ncu_stalls(str(path))
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert r.stderr.startswith(f"ncu_stalls: {path}: ") and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_ncu_stalls_stops_quietly_when_its_reader_leaves():
+    # `ncu_stalls.py page.csv | head -1`: a reader that has left ends it with status 0 and nothing on stderr (here
+    # the pipe closes before the interpreter has started, so the first print meets it closed)
+    cmd = [sys.executable, str(ROOT / "tools" / "ncu_stalls.py"), str(ROOT / "tests" / "data" / "ncu_source_page.csv")]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 0, err
+    assert err == "", err
