@@ -1843,7 +1843,7 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
   const unsigned char *sgen = smem + (sbase - smem_u32(smem));
   const uint32_t full0 = sbase, empty0 = sbase + 8 * NS, stages = sbase + 1024;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int nstripes = p.Np >> 4, KT = p.KT;
+  const int KT = p.KT;
   const int row0 = blockIdx.y * RB;
   const int64_t tok0 = (int64_t)blockIdx.x * BN;
   const int kb = (int)((int64_t)blockIdx.z * KT / p.S), ke = (int)((int64_t)(blockIdx.z + 1) * KT / p.S);
