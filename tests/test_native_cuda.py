@@ -243,6 +243,7 @@ def test_plan_for_wgmma_ws_256_row_blocks(monkeypatch):
     # takes: layers of 2^25 weights or more up to M = 768, 2^26 or more up to M = 1024; W4P_CUDA_WS_RS=1|2 forces
     ffi, lib = _lib_or_skip()
     monkeypatch.delenv("W4P_CUDA_WS_RS", raising=False)
+    monkeypatch.setenv("W4P_CUDA_WS_SK", "0")  # the plain grid (stream-K's rule: test_plan_for_wgmma_ws_stream_k)
 
     def ws(m, n, kk, **kw):
         got = _describe_for(lib, ffi, H200, m, n, kk, **kw)
@@ -271,6 +272,42 @@ def test_plan_for_wgmma_ws_256_row_blocks(monkeypatch):
     monkeypatch.setenv("W4P_CUDA_WS_RS", "2")
     assert ws(100, 4096, 4096, kernel="wgmma_ws")[1] == "256"
     assert ws(64, 4096, 4096, kernel="wgmma_ws")[1] is None  # only the 128-token tile has them
+
+
+def test_plan_for_wgmma_ws_stream_k(monkeypatch):
+    # the 256-row blocks as stream-K: one block per SM (never more than the tiles' stages), each taking an equal run
+    # of stages; partial tiles sum through two workspace tiles per block. W4P_CUDA_WS_SK=0|1 forces it; forced
+    # splits and the copies-only probe keep the plain grid
+    ffi, lib = _lib_or_skip()
+    monkeypatch.delenv("W4P_CUDA_WS_RS", raising=False)
+    monkeypatch.setenv("W4P_CUDA_WS_SK", "1")
+    got = _describe_for(lib, ffi, H200, 256, 28672, 8192)
+    assert (got["kernel"], got["stream-k"], got["rows"], got["tiles"]) == ("wgmma_ws", "132", "256", "224"), got
+    assert int(got["workspace"]) == 64 * 1024 + 2 * 132 * 128 * 256 * 4
+    rc, kind, splits, ws = _plan_for(lib, ffi, H200, 256, 28672, 8192)
+    assert (rc, kind, splits, ws) == (0, cuda.KERNELS["wgmma_ws"], 1, 64 * 1024 + 2 * 132 * 128 * 256 * 4)
+    # fewer stages than SMs: one block per stage (every block's run holds at least one)
+    monkeypatch.setenv("W4P_CUDA_WS_RS", "2")
+    got = _describe_for(lib, ffi, H200, 100, 600, 1000, kernel="wgmma_ws")
+    assert (got["stream-k"], got["tiles"]) == ("24", "3"), got  # 3 row blocks x 8 stages of two K tiles
+    assert "stream-k" not in _describe_for(lib, ffi, H200, 100, 600, 1000, kernel="wgmma_ws", splits=2)
+    assert "stream-k" not in _describe_for(lib, ffi, H200, 100, 600, 1000, kernel="probe_ws")
+    monkeypatch.setenv("W4P_CUDA_WS_RS", "1")
+    assert "stream-k" not in _describe_for(lib, ffi, H200, 256, 28672, 8192, kernel="wgmma_ws")  # 128-row blocks
+    monkeypatch.setenv("W4P_CUDA_WS_SK", "0")
+    monkeypatch.delenv("W4P_CUDA_WS_RS")
+    got = _describe_for(lib, ffi, H200, 256, 28672, 8192)
+    assert "stream-k" not in got and got["rows"] == "256", got
+    # auto's rule: where the plain 256-row grid fills less than 90% of its waves and holds at least a tile per SM
+    monkeypatch.delenv("W4P_CUDA_WS_SK")
+    for m in (256, 384, 512):  # 224 / 336 / 448 tiles on 132 SMs: 85% of 2 / 3 / 4 waves
+        got = _describe_for(lib, ffi, H200, m, 28672, 8192)
+        assert (got["kernel"], got.get("stream-k"), got["rows"]) == ("wgmma_ws", "132", "256"), (m, got)
+    assert "stream-k" not in _describe_for(lib, ffi, H200, 128, 28672, 8192)  # 112 tiles: runs under a tile
+    assert "stream-k" not in _describe_for(lib, ffi, H200, 1024, 28672, 8192)  # 896 tiles: 97%
+    assert "stream-k" not in _describe_for(lib, ffi, H200, 256, 11008, 4096)  # 86 tiles
+    assert "stream-k" not in _describe_for(lib, ffi, H200, 256, 8192, 28672)  # 64 tiles x 2 splits
+    assert "stream-k" not in _describe_for(lib, ffi, H200, 256, 28672, 8192, kernel="wgmma_ws", splits=2)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -893,6 +930,85 @@ def test_wgmma_ws_256_row_blocks(dtype_name, zero_mode, gs, act_order, monkeypat
     first = lin.forward(x, kernel="wgmma_ws", splits=3)
     for _ in range(5):
         assert torch.equal(lin.forward(x, kernel="wgmma_ws", splits=3), first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name,zero_mode,gs,act_order,n,k,ms", [
+    ("float16", "none", 128, False, 600, 1000, (65, 128, 300)),      # 8 stages a tile, 1-8 blocks a tile
+    ("bfloat16", "int", 64, True, 1000, 1000, (97, 256)),
+    ("float16", "float", 32, False, 16384, 512, (600,)),            # runs of whole tiles between partial ends
+    ("float16", "int", -1, False, 4000, 3000, (129, 1000)),         # stages ending mid-tile (47 K tiles)
+    ("bfloat16", "none", 48, False, 2000, 2000, (200,)),
+])
+def test_wgmma_ws_stream_k(dtype_name, zero_mode, gs, act_order, n, k, ms, monkeypatch):
+    # W4P_CUDA_WS_SK=1: the 256-row blocks as stream-K (runs of stages across tiles, the partial tiles summed in
+    # block order); poisoned outputs fully written, tokens and rows past the ends, bias; repeated calls and graph
+    # replays bit-identical
+    import torch
+
+    if not wgmma_ok():
+        pytest.skip("the wgmma kernels need compute capability 9.0")
+    monkeypatch.setenv("W4P_CUDA_WS_RS", "2")
+    monkeypatch.setenv("W4P_CUDA_WS_SK", "1")
+    rng = np.random.default_rng(zlib.crc32(repr(("sk", dtype_name, zero_mode, gs, n, k)).encode()))
+    layer = random_layer(rng, n, k, gs=gs, zero_mode=zero_mode, act_order=act_order, scale_dtype=dtype_name,
+                         bias=True)
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
+    for m in ms:
+        plan = lin.plan(m, dtype_name, kernel="wgmma_ws")
+        assert "stream-k=" in plan["detail"] and "rows=256" in plan["detail"], plan
+        err = run_case(torch, rng, layer, m, dtype_name, kernel="wgmma_ws", lin=lin)
+        assert err <= tolerance(dtype_name), (m, err)
+    dt = getattr(torch, dtype_name)
+    x = torch.randn(ms[-1], k, device="cuda", dtype=dt)
+    first = lin.forward(x, kernel="wgmma_ws")
+    for _ in range(20):
+        assert torch.equal(lin.forward(x, kernel="wgmma_ws"), first)
+    out = torch.empty_like(first)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        lin.forward(x, out=out, kernel="wgmma_ws")
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        lin.forward(x, out=out, kernel="wgmma_ws")
+    for _ in range(3):
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first)
+
+
+@pytest.mark.gpu
+def test_wgmma_ws_stream_k_by_auto_and_its_workspace_fallback(monkeypatch):
+    # auto takes stream-K on a layer whose 256-row grid leaves SMs idle (28672 rows: 224 tiles at M = 256 on an
+    # H200's 132 SMs); a caller's workspace too small for its slots gets the plain grid instead, bit for bit
+    import torch
+
+    if not wgmma_ok():
+        pytest.skip("the wgmma kernels need compute capability 9.0")
+    for var in ("W4P_CUDA_WS_RS", "W4P_CUDA_WS_SK"):
+        monkeypatch.delenv(var, raising=False)
+    rng = np.random.default_rng(29)
+    layer = random_layer(rng, 28672, 1216, gs=64, zero_mode="int", bias=True)  # 2^25.06 weights
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda")
+    x = torch.randn(256, 1216, device="cuda", dtype=torch.float16)
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        assert "stream-k=132" in lin.plan(256)["detail"], lin.plan(256)
+    got = lin.forward(x)
+    monkeypatch.setenv("W4P_CUDA_WS_SK", "0")
+    lin._plans.clear()
+    plain_plan = lin.plan(256)
+    assert "stream-k" not in plain_plan["detail"], plain_plan
+    want = lin.forward(x)
+    err = float((got.double() - want.double()).norm() / want.double().norm())
+    assert err <= 1e-3, err
+    monkeypatch.delenv("W4P_CUDA_WS_SK")
+    lin._plans.clear()
+    small = torch.zeros(plain_plan["workspace_bytes"], dtype=torch.uint8, device="cuda")
+    monkeypatch.setattr(cuda, "_workspace", lambda *args: small)
+    assert torch.equal(lin.forward(x), want)
 
 
 @pytest.mark.gpu

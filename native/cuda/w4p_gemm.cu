@@ -278,6 +278,7 @@ struct Params {
   int probe;             // bulk, wgmma_ws kernels: 1 = copies only, no arithmetic (the copy pipeline's rate)
   int kg;                // bulk kernel: tiles per stream-K granule (1, or the unit size: whole units per block)
   int cl;                // wgmma_ws, wgmma_ss with splits: launched as clusters of the S splits (cluster_reduce)
+  int sk;                // wgmma_ws stream-K: its output tiles (over a grid of resident blocks); 0 otherwise
 };
 
 // y for the rows row..row+3 of token tok (rows from N on dropped): the split sums v plus the bias
@@ -1583,6 +1584,107 @@ __device__ __forceinline__ void wg_store_part(const Params &p, const float (&acc
     }
 }
 
+__device__ __forceinline__ unsigned sk_block() { return blockIdx.x; }
+__device__ __forceinline__ unsigned sk_grid() { return gridDim.x; }
+// Stream-K (wgmma_ws with p.sk tiles over a grid of resident blocks): the block whose share of the units
+// (stages of tiles, tile by tile) holds unit u, for shares split as floor(b * U / G)
+__device__ __forceinline__ int sk_owner(int64_t u, int64_t U, int G) { return (int)(((u + 1) * G - 1) / U); }
+// Stream-K epilogue of one segment, run by the 256 consumer threads (the producer has left). A whole tile goes to
+// y. For a partial one the tile's blocks first take an arrival number (counters[tile]). All but the last store
+// their accumulators in their workspace slot (0 for the block's first segment, 1 for its last; fragment order:
+// for each 4-float group of a thread's accumulators, the 256 threads' groups side by side, 512 contiguous bytes
+// per warp instruction) and count themselves stored (counters[SK_READY + tile]). The last waits for those, adds
+// the slots to its own registers in block order, its own term in its place (bit-identical whoever arrives
+// last), and writes y: its own partial never goes through memory. Every block's run holds at least one unit (the
+// plan keeps G <= U), so the blocks of a tile are exactly those from the owner of its first unit to the owner of
+// its last.
+constexpr int SK_READY = 8192;  // the second half of the counters (MAX_COUNTERS): slots stored per tile
+template <typename T, int RB, int BN, int RS>
+__device__ __forceinline__ void sk_epilogue(const Params &p, float (&acc)[RS][BN / 2], int tile, int kb, int ke,
+                                            int row0, int64_t tok0, int rl, int lane, int64_t u_beg, int SPT) {
+  if (kb == 0 && ke == p.KT) {
+#pragma unroll
+    for (int r = 0; r < RS; ++r) wg_store_y<T, BN>(p, acc[r], row0 + rl + 128 * r, tok0, lane);
+    return;
+  }
+  constexpr int TILE = BN * RB, NG = RS * BN / 8;  // floats per slot; 4-float groups per thread
+  static_assert(NG * 4 * 256 == TILE, "a slot holds the 256 consumer threads' accumulators");
+  const int G = (int)sk_grid(), me = (int)sk_block();
+  const int64_t U = (int64_t)p.sk * SPT;
+  const int c_lo = sk_owner((int64_t)tile * SPT, U, G), c_hi = sk_owner((int64_t)(tile + 1) * SPT - 1, U, G);
+  auto slot = [&](int cb) {
+    return reinterpret_cast<float4 *>(p.part + ((size_t)cb * 2 + ((int64_t)cb * U / G / SPT == tile ? 0 : 1)) * TILE) +
+           threadIdx.x;
+  };
+  __shared__ int s_last;
+  named_sync(1, 256);  // (every thread has read s_last of the previous segment)
+  if (threadIdx.x == 0) s_last = atomicAdd(&p.counters[tile], 1u) == (unsigned)(c_hi - c_lo);
+  named_sync(1, 256);
+  if (!s_last) {
+    float4 *mine = slot(me);
+#pragma unroll
+    for (int r = 0; r < RS; ++r)
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i)
+        __stcg(mine + (r * (BN / 8) + i) * 256,
+               make_float4(acc[r][4 * i], acc[r][4 * i + 1], acc[r][4 * i + 2], acc[r][4 * i + 3]));
+    __threadfence();
+    named_sync(1, 256);
+    if (threadIdx.x == 0) atomicAdd(&p.counters[SK_READY + tile], 1u);
+    return;
+  }
+  if (threadIdx.x == 0)  // the others have arrived: they are storing or have stored
+    while (atomicOr(&p.counters[SK_READY + tile], 0u) < (unsigned)(c_hi - c_lo)) __nanosleep(64);
+  named_sync(1, 256);
+  __threadfence();
+  constexpr int CH = 4;  // groups per chunk: loads of 16 bytes in flight per thread and slot
+#pragma unroll
+  for (int r = 0; r < RS; ++r)
+#pragma unroll
+    for (int i0 = 0; i0 < BN / 8; i0 += CH) {
+      float4 pre[CH];  // the sum of the slots before this block's, in block order
+      for (int cb = c_lo; cb < me; ++cb) {
+        const float4 *src = slot(cb) + (r * (BN / 8) + i0) * 256;
+        float4 v[CH];
+#pragma unroll
+        for (int i = 0; i < CH; ++i) v[i] = __ldcg(src + i * 256);
+#pragma unroll
+        for (int i = 0; i < CH; ++i)
+          pre[i] = cb == c_lo ? v[i] : make_float4(pre[i].x + v[i].x, pre[i].y + v[i].y, pre[i].z + v[i].z,
+                                                   pre[i].w + v[i].w);
+      }
+      if (me > c_lo)
+#pragma unroll
+        for (int i = 0; i < CH; ++i) {
+          float *a = &acc[r][4 * (i0 + i)];
+          a[0] = pre[i].x + a[0];
+          a[1] = pre[i].y + a[1];
+          a[2] = pre[i].z + a[2];
+          a[3] = pre[i].w + a[3];
+        }
+      for (int cb = me + 1; cb <= c_hi; ++cb) {
+        const float4 *src = slot(cb) + (r * (BN / 8) + i0) * 256;
+        float4 v[CH];
+#pragma unroll
+        for (int i = 0; i < CH; ++i) v[i] = __ldcg(src + i * 256);
+#pragma unroll
+        for (int i = 0; i < CH; ++i) {
+          float *a = &acc[r][4 * (i0 + i)];
+          a[0] += v[i].x;
+          a[1] += v[i].y;
+          a[2] += v[i].z;
+          a[3] += v[i].w;
+        }
+      }
+    }
+#pragma unroll
+  for (int r = 0; r < RS; ++r) wg_store_y<T, BN>(p, acc[r], row0 + rl + 128 * r, tok0, lane);
+  if (threadIdx.x == 0) {  // ready for the next call / graph replay
+    p.counters[tile] = 0u;
+    p.counters[SK_READY + tile] = 0u;
+  }
+}
+
 template <typename T, int BN> struct WgOp;
 W4P_WGOP_RS(half, "f16", 16, W4P_WG_D8, W4P_WG_ACC8, "{%8, %9, %10, %11}", "%12", "%13")
 W4P_WGOP_RS(__nv_bfloat16, "bf16", 16, W4P_WG_D8, W4P_WG_ACC8, "{%8, %9, %10, %11}", "%12", "%13")
@@ -1829,7 +1931,11 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void *src, unsigne
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
-template <typename T, int ZMODE, int BN, int KS, int RS>
+// RS = 2 register split between the producer warpgroup and the consumers (setmaxnreg): stream-K's producer
+// loop needs 56 (it spilled at 40)
+__host__ __device__ constexpr int ws_preg(bool sk) { return sk ? 56 : 40; }
+__host__ __device__ constexpr int ws_creg(bool sk) { return sk ? 224 : 232; }
+template <typename T, int ZMODE, int BN, int KS, int RS, bool SK = false>
 __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
     wgmma_ws_kernel(const Params p, const __grid_constant__ CUtensorMap xmap,
                     const __grid_constant__ CUtensorMap wmap) {
@@ -1848,6 +1954,31 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
   const int64_t tok0 = (int64_t)blockIdx.x * BN;
   const int kb = (int)((int64_t)blockIdx.z * KT / p.S), ke = (int)((int64_t)(blockIdx.z + 1) * KT / p.S);
   const int nsteps = (ke - kb + WS_KS - 1) / WS_KS;
+  // Stream-K (SK, a grid of resident blocks instead of tiles x splits): units of one stage of one tile, tile by
+  // tile, in equal contiguous runs per block. A run is a list of segments, each a K range of one tile: the end of
+  // one tile, whole tiles, the start of another; sk_epilogue sums the partial ones.
+  const int SPT = (KT + WS_KS - 1) / WS_KS;  // SK: stages per tile
+  const int64_t U = SK ? (int64_t)p.sk * SPT : 1;
+  const int64_t u_beg = SK ? (int64_t)sk_block() * U / sk_grid() : 0;
+  const int64_t u_end = SK ? (int64_t)(sk_block() + 1) * U / sk_grid() : 1;
+  struct Seg {
+    int tile, kb, ke, row0;
+    int64_t tok0, next;  // next: the unit after the segment
+  };
+  auto seg_at = [&](int64_t u) {
+    Seg g;
+    g.tile = (int)(u / SPT);
+    g.next = min(u_end, (int64_t)(g.tile + 1) * SPT);
+    g.kb = (int)(u - (int64_t)g.tile * SPT) * WS_KS;
+    g.ke = min(KT, (int)(g.next - (int64_t)g.tile * SPT) * WS_KS);
+    // token tile major: at a time the blocks take different row blocks of one token tile, and where the grid
+    // holds the token tiles' runs in step (G a multiple of TB) blocks G / TB apart take one row block's same K
+    // range together, so its weights are read once from DRAM as in the plain grid
+    const int nrb = p.sk / p.TB;
+    g.row0 = g.tile % nrb * RB;
+    g.tok0 = (int64_t)(g.tile / nrb) * BN;
+    return g;
+  };
   const uint32_t zero_tile = stages + NS * SB;  // 1024-aligned, BN x 128 bytes of zeros
   for (int i = tid; i < XT / 16; i += blockDim.x)
     asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(zero_tile + i * 16), "r"(0u) : "memory");
@@ -1872,17 +2003,20 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
   // RS = 2: the producer warpgroup's registers go to the consumers (ptxas honours setmaxnreg where the code
   // after it is reached from one side only: the producer leaves before the epilogue)
   if (warp >= 8) {
-    if constexpr (RS == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if constexpr (RS == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(ws_preg(SK)) : "memory");
     if (warp == 8 && lane == 0) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&xmap)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&wmap)) : "memory");
       const unsigned char *pbase[2] = {reinterpret_cast<const unsigned char *>(p.scales),
                                        reinterpret_cast<const unsigned char *>(ZMODE == 1 ? p.zeros : p.mins)};
+      // one segment's stages, from the ring's stage gi on; returns their count
+      auto produce = [&](int kb, int ke, int row0, int64_t tok0, int gi) {
+      const int nsteps = (ke - kb + WS_KS - 1) / WS_KS;
       const unsigned prow = (unsigned)min(RB, p.Np - row0) * 2u;
-      for (int i = 0; i < nsteps; ++i) {
-        const int s = i % NS;
+      for (int ii = 0; ii < nsteps; ++ii) {
+        const int i = gi + ii, s = i % NS;
         if (i >= NS) mbar_wait(empty0 + 8 * s, ((i / NS) - 1) & 1);
-        const int t0 = kb + i * WS_KS, nt = min(WS_KS, ke - t0);
+        const int t0 = kb + ii * WS_KS, nt = min(WS_KS, ke - t0);
         const int g_lo = group_of(t0 * 64, p.gmul);
         const int ng = group_of((t0 + nt) * 64 - 1, p.gmul) - g_lo + 1;
         const uint32_t st = stages + s * SB, full = full0 + 8 * s;
@@ -1896,8 +2030,21 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
             bulk_copy(st + POFF + (g * 2 + w) * (RB * 2), pbase[w] + ((size_t)(g_lo + g) * p.Np + row0) * 2, prow,
                       full);
       }
+      return nsteps;
+      };
+      if constexpr (SK) {
+        int gi = 0;
+        for (int64_t u = u_beg; u < u_end;) {
+          const Seg sg = seg_at(u);
+          u = sg.next;
+          gi += produce(sg.kb, sg.ke, sg.row0, sg.tok0, gi);
+        }
+      } else {
+        produce(kb, ke, row0, tok0, 0);
+      }
     }
     __syncwarp();  // the producer warp reconverges before the epilogue's block barriers
+    if constexpr (SK) return;  // (no cluster: the consumers sum each segment themselves)
     if constexpr (RS == 2) {  // the producer warpgroup leaves (its 40 registers hold no epilogue code)
       if (p.S > 1 && p.cl) {  // ... after its arrivals on cluster_reduce's two cluster barriers
         cluster_barrier();
@@ -1906,10 +2053,19 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
       return;
     }
   } else if (p.probe) {  // copies only (diagnostics)
-    if constexpr (RS == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-    probe_drain(full0, empty0, NS, nsteps);
+    if constexpr (RS == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(ws_creg(SK)) : "memory");
+    int total = nsteps;
+    if constexpr (SK) {
+      total = 0;
+      for (int64_t u = u_beg; u < u_end;) {
+        const Seg sg = seg_at(u);
+        u = sg.next;
+        total += (sg.ke - sg.kb + WS_KS - 1) / WS_KS;
+      }
+    }
+    probe_drain(full0, empty0, NS, total);
   } else {
-    if constexpr (RS == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    if constexpr (RS == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(ws_creg(SK)) : "memory");
     const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
     // Four-tile stages are planned only for group sizes that hold whole K tiles, so the 16- and 32-token tiles
     // need no per-slice group test there (the 64-token tile keeps the test: without it, it spilled 12 bytes)
@@ -1922,9 +2078,12 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
     // (Reading a stage's weights one stage ahead, before the previous stage's wgmma wait, measured no faster)
     const uint64_t dzero = wg_desc(zero_tile);
     const int woff = WOFF + warp * WS_KS * 512 + lane * 16;
-    for (int i = 0; i < nsteps; ++i) {
-      const int s = i % NS;
-      const int t0 = kb + i * WS_KS, nt = min(WS_KS, ke - t0);
+    // one segment's stages, from the ring's stage gi on
+    auto consume = [&](int kb, int ke, int gi) {
+    const int nsteps = (ke - kb + WS_KS - 1) / WS_KS;
+    for (int ii = 0; ii < nsteps; ++ii) {
+      const int i = gi + ii, s = i % NS;
+      const int t0 = kb + ii * WS_KS, nt = min(WS_KS, ke - t0);
       const int g_st = group_of(t0 * 64, p.gmul);
       const unsigned char *sg = sgen + 1024 + s * SB;
       const T *prm = reinterpret_cast<const T *>(sg + POFF);
@@ -2028,7 +2187,25 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
       // measurable (docs/CUDA.md section 8)
       mbar_arrive(empty0 + 8 * s);
     }
+    return nsteps;
+    };
+    if constexpr (SK) {
+      int gi = 0;
+      for (int64_t u = u_beg; u < u_end;) {
+        const Seg sg = seg_at(u);
+        u = sg.next;
+#pragma unroll
+        for (int r = 0; r < RS; ++r)
+#pragma unroll
+          for (int i = 0; i < BN / 2; ++i) acc[r][i] = 0.f;
+        gi += consume(sg.kb, sg.ke, gi);
+        sk_epilogue<T, RB, BN, RS>(p, acc, sg.tile, sg.kb, sg.ke, sg.row0, sg.tok0, rl, lane, u_beg, SPT);
+      }
+    } else {
+      consume(kb, ke, 0);
+    }
   }
+  if constexpr (SK) return;
   // epilogue (the producer warp joins the split reduction's block barriers)
   const int r_lo = row0 + rl;
   if (p.S == 1) {
@@ -2567,6 +2744,7 @@ __global__ void gather_kernel(const T *x, int64_t ldx, T *xg, int64_t M, int K, 
 // Host side: planning and dispatch.
 constexpr size_t COUNTER_BYTES = 64 * 1024;  // 16384 tile counters at the start of the workspace
 constexpr int MAX_COUNTERS = (int)(COUNTER_BYTES / 4);
+static_assert(2 * SK_READY == MAX_COUNTERS, "stream-K's two counters per tile");
 constexpr int RING_MAX_M = 8;   // auto: the ring kernel up to this M (measured, docs/CUDA.md)
 constexpr int RING_LMIN = 4;    // ring: at least this many units per warp
 constexpr int WS_AUTO_MIN_M = 8, WG_AUTO_MAX_M = 256;  // auto: the wgmma kernels' M range (sm_90)
@@ -2600,6 +2778,11 @@ int ws_rs_env() {
   const char *e = getenv("W4P_CUDA_WS_RS");
   const int v = e ? atoi(e) : 0;
   return v == 1 || v == 2 ? v : 0;
+}
+// W4P_CUDA_WS_SK=0|1: wgmma_ws's 256-row blocks stream-K or not, instead of the planner's choice (A/B runs, tests)
+int ws_sk_env() {
+  const char *e = getenv("W4P_CUDA_WS_SK");
+  return e && (e[0] == '0' || e[0] == '1') && e[1] == 0 ? e[0] - '0' : -1;
 }
 // W4P_CUDA_BULK_CT=8|12|16: the bulk kernel's tiles per unit on 4-bit layers instead of the planner's choice
 // (sweeps and tests; read at each call)
@@ -2682,6 +2865,8 @@ struct Plan {
   int rs = 1;          // wgmma_ws: 16-row stripes per consumer warp (2: 256-row blocks)
   bool as = false;     // wgmma kernel: A through shared memory
   bool cl = false;     // wgmma_ws, wgmma_ss: the splits of a tile launched as one cluster (cluster_reduce)
+  int sk = 0;          // wgmma_ws stream-K: its grid of resident blocks (0: a grid of tiles x splits)
+  int sk_plain_S = 1;  // ... and the plain grid's split count, where the workspace cannot hold stream-K's slots
   bool gather = false;
   size_t smem = 0;
   size_t ws_part = 0, ws_gather = 0, ws_total = 0;
@@ -2813,6 +2998,15 @@ bool ws_rows256(const DevInfo &di, int64_t m, int np, int KT, int gs, int64_t we
   const int S = ws_split_count(di, tiles, di.sms, KT, bn, 0);
   const int64_t blocks = tiles * S;
   return S <= 2 && (double)blocks >= (m > 512 ? 0.9 : 0.84) * (double)((blocks + di.sms - 1) / di.sms * di.sms);
+}
+
+// Stream-K for wgmma_ws's 256-row blocks where the plain grid (`blocks`: tiles x splits) fills less than 90% of
+// the waves of `slots` resident blocks it takes, and the tiles are at least as many as the slots (each block's
+// run at least a tile). Measured on an H200 (docs/CUDA.md section 7), same-run A/B against the plain grid:
+// 8192x28672 M = 256 190.5-190.9 against 200.0-200.1 us, M = 512 372.7-373.3 against 397.6-420.5; slower where
+// the runs are shorter than a tile (M = 128 108-114 against 102, 4096x11008 M = 256 55.6-56.7 against 53.3-53.8)
+bool ws_sk_auto(int64_t tiles, int64_t blocks, int64_t slots) {
+  return tiles >= slots && (double)blocks < 0.9 * (double)((blocks + slots - 1) / slots * slots);
 }
 
 // kernel: 0 auto, 1 stream, 2 tiled, 10/11 probes. splits: 0 auto. ws_avail: bytes available (SIZE_MAX = plan only).
@@ -3114,9 +3308,21 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     pl->bn = bn;
     pl->TB = ceil_div(m, bn);
     pl->tiles = nrb * pl->TB;
-    pl->S = ws_split_count(di, pl->tiles, (int64_t)sms * ws_blocks_per_sm(bn, rs), KT, bn, splits);
+    const int64_t slots = (int64_t)sms * ws_blocks_per_sm(bn, rs);
+    pl->S = ws_split_count(di, pl->tiles, slots, KT, bn, splits);
     pl->smem = ws_smem_bytes(bn, ks, rs);
     pl->kp = ks;
+    // stream-K for the 256-row blocks: one block per SM, each taking an equal run of the tiles' stages (the
+    // partial tiles at the runs' ends summed through the workspace), where the plain grid's waves would leave
+    // SMs idle
+    const int sk_env = ws_sk_env();
+    const int64_t units = (int64_t)pl->tiles * ceil_div(KT, ks);
+    if (rs == 2 && kernel != W4P_CUDA_PROBE_WS && splits <= 0 && pl->tiles <= MAX_COUNTERS / 2 &&
+        (sk_env == 1 || (sk_env < 0 && ws_sk_auto(pl->tiles, pl->tiles * pl->S, slots)))) {
+      pl->sk = (int)std::min<int64_t>(slots, units);
+      pl->sk_plain_S = pl->S;
+      pl->S = 1;
+    }
     pl->gather = act_order || !x_aligned;  // TMA zero-fills columns past K: no gather for ragged K
   } else if (kind == W4P_CUDA_KERNEL_WGMMA_SS) {
     // 256 weight rows x 64 tokens per block up to M = 64, else x 128 (W4P_CUDA_SS_TOK=64|128 forces it); one
@@ -3145,9 +3351,15 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   if (pl->S > 1 && pl->tiles > MAX_COUNTERS) pl->S = 1;
   pl->ws_gather = pl->gather ? (((size_t)m * kp * 2 + 255) / 256) * 256 : 0;
   auto part_bytes = [&](int S) { return S > 1 ? (size_t)S * m * np * 4 : 0; };
+  // stream-K's two slots per block, or the plain grid where a caller's workspace cannot hold them
+  const size_t sk_bytes = (size_t)2 * pl->sk * pl->bn * WG_BM * pl->rs * 4;
+  if (pl->sk && COUNTER_BYTES + pl->ws_gather + sk_bytes > ws_avail) {
+    pl->sk = 0;
+    pl->S = pl->sk_plain_S;
+  }
   // shrink splits until the workspace holds them
   while (pl->S > 1 && COUNTER_BYTES + pl->ws_gather + part_bytes(pl->S) > ws_avail) pl->S = pl->S / 2 > 1 ? pl->S / 2 : 1;
-  pl->ws_part = part_bytes(pl->S);
+  pl->ws_part = pl->sk ? sk_bytes : part_bytes(pl->S);
   pl->ws_total = COUNTER_BYTES + pl->ws_gather + pl->ws_part;
   // the wgmma_ws / wgmma_ss splits of one tile as a cluster that sums them in shared memory (launch_splits
   // falls back on the workspace where the device holds fewer clusters than plain blocks)
@@ -3404,24 +3616,31 @@ cudaError_t launch_splits(void (*fn)(Args...), int threads, const Plan &pl, cuda
   return cudaLaunchKernelEx(&cfg, fn, p, std::forward<Rest>(rest)...);
 }
 
-template <typename T, int BN, int KS, int RS = 1>
+template <typename T, int BN, int KS, int RS = 1, bool SK = false>
 cudaError_t launch_wgmma_ws_t(const Params &p, const Plan &pl, cudaStream_t st) {
   CUtensorMap map, wmap;
   cudaError_t e = encode_x_map(&map, p.x, std::is_same<T, __nv_bfloat16>::value, p.M, p.kx, p.ldx, BN);
   if (e != cudaSuccess) return e;
   e = encode_w_map(&wmap, p.qw, p.KT, p.Np / 16, KS, 8 * RS);
   if (e != cudaSuccess) return e;
-  auto fn = p.zm == 2   ? wgmma_ws_kernel<T, 2, BN, KS, RS>
-            : p.zm == 1 ? wgmma_ws_kernel<T, 1, BN, KS, RS>
-                        : wgmma_ws_kernel<T, 0, BN, KS, RS>;
+  auto fn = p.zm == 2   ? wgmma_ws_kernel<T, 2, BN, KS, RS, SK>
+            : p.zm == 1 ? wgmma_ws_kernel<T, 1, BN, KS, RS, SK>
+                        : wgmma_ws_kernel<T, 0, BN, KS, RS, SK>;
   e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
   if (e != cudaSuccess) return e;
   debug_occupancy(fn, "wgmma_ws", ws_threads(RS), pl.smem);
-  return launch_splits(fn, ws_threads(RS), pl, st, p, map, wmap);
+  if constexpr (SK) {  // one block per resident slot, each its run of the tiles' stages
+    Params q = p;
+    q.sk = pl.tiles;
+    fn<<<(unsigned)pl.sk, ws_threads(RS), pl.smem, st>>>(q, map, wmap);
+    return cudaGetLastError();
+  } else {
+    return launch_splits(fn, ws_threads(RS), pl, st, p, map, wmap);
+  }
 }
 
 template <typename T> cudaError_t launch_wgmma_ws(const Params &p, const Plan &pl, cudaStream_t st) {
-  if (pl.rs == 2) return launch_wgmma_ws_t<T, 128, 2, 2>(p, pl, st);
+  if (pl.rs == 2) return pl.sk ? launch_wgmma_ws_t<T, 128, 2, 2, true>(p, pl, st) : launch_wgmma_ws_t<T, 128, 2, 2>(p, pl, st);
   if (pl.bn == 16) return pl.kp == 4 ? launch_wgmma_ws_t<T, 16, 4>(p, pl, st) : launch_wgmma_ws_t<T, 16, 2>(p, pl, st);
   if (pl.bn == 32) return pl.kp == 4 ? launch_wgmma_ws_t<T, 32, 4>(p, pl, st) : launch_wgmma_ws_t<T, 32, 2>(p, pl, st);
 #if W4P_WS_KS4_MAX_BN >= 64
@@ -3525,6 +3744,9 @@ int describe_on(const DevInfo &di, int64_t m, int n, int k, int storage_bits, in
              pl.kg, pl.S, pl.qs, (long long)pl.W, pl.smem, pl.ws_total);
   else if (pl.kernel == 3)
     snprintf(buf, len, "ring workers=%lld smem=%zu workspace=%zu", (long long)pl.W, pl.smem, pl.ws_total);
+  else if (pl.sk)
+    snprintf(buf, len, "%s stream-k=%d%s tiles=%d smem=%zu workspace=%zu", name, pl.sk, pl.rs == 2 ? " rows=256" : "",
+             pl.tiles, pl.smem, pl.ws_total);
   else
     snprintf(buf, len, "%s splits=%d%s%s tiles=%d smem=%zu workspace=%zu", name, pl.S,
              pl.S == 1 ? "" : pl.cl ? " sum=cluster" : " sum=workspace", pl.rs == 2 ? " rows=256" : "", pl.tiles,
@@ -3658,7 +3880,7 @@ int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k, 
       return fail(W4P_EINVAL, "workspace too small: %zu bytes, this call needs %zu", workspace_bytes, pl.ws_total);
   }
 
-  Params p;
+  Params p{};
   memset(&p, 0, sizeof p);
   p.x = x;
   p.y = y;
@@ -3722,7 +3944,7 @@ int w4p_cuda_dequantize(int device, void *stream, int dtype, int n, int k, const
     cudaGetLastError();
     return fail(W4P_ENODEVICE, "cudaSetDevice(%d): %s", device, cudaGetErrorString(e));
   }
-  Params p;
+  Params p{};
   memset(&p, 0, sizeof p);
   p.qw = reinterpret_cast<const uint32_t *>(qweight);
   p.scales = scales;
