@@ -2011,26 +2011,26 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
                                        reinterpret_cast<const unsigned char *>(ZMODE == 1 ? p.zeros : p.mins)};
       // one segment's stages, from the ring's stage gi on; returns their count
       auto produce = [&](int kb, int ke, int row0, int64_t tok0, int gi) {
-      const int nsteps = (ke - kb + WS_KS - 1) / WS_KS;
-      const unsigned prow = (unsigned)min(RB, p.Np - row0) * 2u;
-      for (int ii = 0; ii < nsteps; ++ii) {
-        const int i = gi + ii, s = i % NS;
-        if (i >= NS) mbar_wait(empty0 + 8 * s, ((i / NS) - 1) & 1);
-        const int t0 = kb + ii * WS_KS, nt = min(WS_KS, ke - t0);
-        const int g_lo = group_of(t0 * 64, p.gmul);
-        const int ng = group_of((t0 + nt) * 64 - 1, p.gmul) - g_lo + 1;
-        const uint32_t st = stages + s * SB, full = full0 + 8 * s;
-        // the codes: one box of the stage's WS_KS tiles x the block's 8 RS stripes (tiles and stripes past the
-        // layer's read as zeros, and count in full)
-        mbar_expect_tx(full, (unsigned)(nt * XT + 8 * RS * WS_KS * 512) + (unsigned)(ng * NP) * prow);
-        for (int u = 0; u < nt; ++u) tma_load_2d(st + u * XT, &xmap, (t0 + u) * 64, (int)tok0, full);
-        tma_load_3d(st + WOFF, &wmap, 0, t0, row0 >> 4, full);
-        for (int g = 0; g < ng; ++g)
-          for (int w = 0; w < NP; ++w)
-            bulk_copy(st + POFF + (g * 2 + w) * (RB * 2), pbase[w] + ((size_t)(g_lo + g) * p.Np + row0) * 2, prow,
-                      full);
-      }
-      return nsteps;
+        const int nsteps = (ke - kb + WS_KS - 1) / WS_KS;
+        const unsigned prow = (unsigned)min(RB, p.Np - row0) * 2u;
+        for (int ii = 0; ii < nsteps; ++ii) {
+          const int i = gi + ii, s = i % NS;
+          if (i >= NS) mbar_wait(empty0 + 8 * s, ((i / NS) - 1) & 1);
+          const int t0 = kb + ii * WS_KS, nt = min(WS_KS, ke - t0);
+          const int g_lo = group_of(t0 * 64, p.gmul);
+          const int ng = group_of((t0 + nt) * 64 - 1, p.gmul) - g_lo + 1;
+          const uint32_t st = stages + s * SB, full = full0 + 8 * s;
+          // the codes: one box of the stage's WS_KS tiles x the block's 8 RS stripes (tiles and stripes past the
+          // layer's read as zeros, and count in full)
+          mbar_expect_tx(full, (unsigned)(nt * XT + 8 * RS * WS_KS * 512) + (unsigned)(ng * NP) * prow);
+          for (int u = 0; u < nt; ++u) tma_load_2d(st + u * XT, &xmap, (t0 + u) * 64, (int)tok0, full);
+          tma_load_3d(st + WOFF, &wmap, 0, t0, row0 >> 4, full);
+          for (int g = 0; g < ng; ++g)
+            for (int w = 0; w < NP; ++w)
+              bulk_copy(st + POFF + (g * 2 + w) * (RB * 2), pbase[w] + ((size_t)(g_lo + g) * p.Np + row0) * 2, prow,
+                        full);
+        }
+        return nsteps;
       };
       if constexpr (SK) {
         int gi = 0;
@@ -2080,114 +2080,114 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
     const int woff = WOFF + warp * WS_KS * 512 + lane * 16;
     // one segment's stages, from the ring's stage gi on
     auto consume = [&](int kb, int ke, int gi) {
-    const int nsteps = (ke - kb + WS_KS - 1) / WS_KS;
-    for (int ii = 0; ii < nsteps; ++ii) {
-      const int i = gi + ii, s = i % NS;
-      const int t0 = kb + ii * WS_KS, nt = min(WS_KS, ke - t0);
-      const int g_st = group_of(t0 * 64, p.gmul);
-      const unsigned char *sg = sgen + 1024 + s * SB;
-      const T *prm = reinterpret_cast<const T *>(sg + POFF);
-      const uint64_t dst = wg_desc(stages + s * SB);
-      mbar_wait(full0 + 8 * s, (i / NS) & 1);
-      T2 s_lo[RS], s_hi[RS], z_lo[RS], z_hi[RS];
-      ZC<T, 4> zc[RS];
+      const int nsteps = (ke - kb + WS_KS - 1) / WS_KS;
+      for (int ii = 0; ii < nsteps; ++ii) {
+        const int i = gi + ii, s = i % NS;
+        const int t0 = kb + ii * WS_KS, nt = min(WS_KS, ke - t0);
+        const int g_st = group_of(t0 * 64, p.gmul);
+        const unsigned char *sg = sgen + 1024 + s * SB;
+        const T *prm = reinterpret_cast<const T *>(sg + POFF);
+        const uint64_t dst = wg_desc(stages + s * SB);
+        mbar_wait(full0 + 8 * s, (i / NS) & 1);
+        T2 s_lo[RS], s_hi[RS], z_lo[RS], z_hi[RS];
+        ZC<T, 4> zc[RS];
 #pragma unroll
-      for (int r = 0; r < RS; ++r) zc[r] = zc_sym;
-      auto load_group = [&](int g) {
-        const T *ps = prm + (g - g_st) * 2 * RB;
+        for (int r = 0; r < RS; ++r) zc[r] = zc_sym;
+        auto load_group = [&](int g) {
+          const T *ps = prm + (g - g_st) * 2 * RB;
 #pragma unroll
-        for (int r = 0; r < RS; ++r) {
-          const int rr = rl + 128 * r;
-          s_lo[r] = bcast2(ps[rr]);
-          s_hi[r] = bcast2(ps[rr + 8]);
-          if (ZMODE == 2) {
-            z_lo[r] = bcast2(ps[RB + rr]);
-            z_hi[r] = bcast2(ps[RB + rr + 8]);
-          } else if (ZMODE == 1) {
-            zc[r] = zc_load<T>(ps[RB + rr], ps[RB + rr + 8]);
-          }
-        }
-      };
-      auto dequant = [&](const uint32_t (&w)[4], int j, uint32_t (&av)[4], int r) {
-        dq_scaled<T, ZMODE>(w, j, zc[r], s_lo[r], s_hi[r], z_lo[r], z_hi[r], av);
-      };
-      // Up to the 32-token tile (IL) each k16 slice goes to the tensor cores as soon as it is dequantized, so
-      // the next slice is dequantized while that wgmma runs; larger tiles dequantize two K tiles, then issue
-      // their 8 wgmmas back to back (slice by slice measured slower there). The group's constants are loaded
-      // at the stage's start and again only where a slice starts a new group (never inside the usual stage,
-      // which lies in one group: a single test per slice). A tile past the split's K range has zeroed or
-      // (128-token tile) stale codes, finite either way, against the zero tile. (Two copies of the wgmma
-      // sequence, one per path, made ptxas serialize the wgmmas: C7520.)
-      const bool one_stage_group = one_group && group_of((t0 + WS_KS) * 64 - 1, p.gmul) == g_st;
-      load_group(g_st);
-      int gcur = g_st;
-#pragma unroll
-      for (int u = 0; u < WS_KS; ++u) {
-        uint32_t w[RS][4];
-#pragma unroll
-        for (int r = 0; r < RS; ++r) {
-          // 128-token tile: past the split's K range (u >= nt) a slot holds an earlier stage's codes, or whatever
-          // the shared memory held; any bits are nibbles that dequantize to finite values, which meet the zero
-          // tile. So the load needs no branch, and ptxas no longer recomputes its address behind one (2-5% faster,
-          // docs/CUDA.md section 7). The smaller tiles keep the branch: without it, three of them spilled 4-8
-          // bytes at their 96-register cap (two blocks per SM).
-          const uint4 *wp = reinterpret_cast<const uint4 *>(sg + woff + r * 8 * WS_KS * 512 + u * 512);
-          const uint4 wu = BN == 128 || u < nt ? *wp : make_uint4(0, 0, 0, 0);
-          w[r][0] = wu.x;
-          w[r][1] = wu.y;
-          w[r][2] = wu.z;
-          w[r][3] = wu.w;
-        }
-        const uint64_t du = u < nt ? dst + (uint64_t)(u * (XT >> 4)) : dzero;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          // the first half's A fragments are reused by the second (RS = 2: each tile's by the next)
-          if ((HALVES && u == 2 && j == 0) || (RS == 2 && u > 0 && j == 0)) {
-            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-          }
-          if ((u > 0 || j > 0) && !one_stage_group && u < nt && (j == 0 || !one_group)) {
-            const int g = group_of((t0 + u) * 64 + 16 * j, p.gmul);
-            if (g != gcur) {
-              gcur = g;
-              load_group(g);
+          for (int r = 0; r < RS; ++r) {
+            const int rr = rl + 128 * r;
+            s_lo[r] = bcast2(ps[rr]);
+            s_hi[r] = bcast2(ps[rr + 8]);
+            if (ZMODE == 2) {
+              z_lo[r] = bcast2(ps[RB + rr]);
+              z_hi[r] = bcast2(ps[RB + rr + 8]);
+            } else if (ZMODE == 1) {
+              zc[r] = zc_load<T>(ps[RB + rr], ps[RB + rr + 8]);
             }
           }
-          if constexpr (RS == 2) {  // a tile of both stripes dequantized, then its 8 wgmmas
-            dequant(w[0], j, a[0][j], 0);
-            dequant(w[1], j, a[1][j], 1);
-            if (j == 3) {
-              asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        };
+        auto dequant = [&](const uint32_t (&w)[4], int j, uint32_t (&av)[4], int r) {
+          dq_scaled<T, ZMODE>(w, j, zc[r], s_lo[r], s_hi[r], z_lo[r], z_hi[r], av);
+        };
+        // Up to the 32-token tile (IL) each k16 slice goes to the tensor cores as soon as it is dequantized, so
+        // the next slice is dequantized while that wgmma runs; larger tiles dequantize two K tiles, then issue
+        // their 8 wgmmas back to back (slice by slice measured slower there). The group's constants are loaded
+        // at the stage's start and again only where a slice starts a new group (never inside the usual stage,
+        // which lies in one group: a single test per slice). A tile past the split's K range has zeroed or
+        // (128-token tile) stale codes, finite either way, against the zero tile. (Two copies of the wgmma
+        // sequence, one per path, made ptxas serialize the wgmmas: C7520.)
+        const bool one_stage_group = one_group && group_of((t0 + WS_KS) * 64 - 1, p.gmul) == g_st;
+        load_group(g_st);
+        int gcur = g_st;
 #pragma unroll
-              for (int jj = 0; jj < 4; ++jj)
+        for (int u = 0; u < WS_KS; ++u) {
+          uint32_t w[RS][4];
 #pragma unroll
-                for (int r = 0; r < 2; ++r) WgOp<T, BN>::mma(acc[r], a[r][jj], du + (uint64_t)(2 * jj), 1);
+          for (int r = 0; r < RS; ++r) {
+            // 128-token tile: past the split's K range (u >= nt) a slot holds an earlier stage's codes, or whatever
+            // the shared memory held; any bits are nibbles that dequantize to finite values, which meet the zero
+            // tile. So the load needs no branch, and ptxas no longer recomputes its address behind one (2-5% faster,
+            // docs/CUDA.md section 7). The smaller tiles keep the branch: without it, three of them spilled 4-8
+            // bytes at their 96-register cap (two blocks per SM).
+            const uint4 *wp = reinterpret_cast<const uint4 *>(sg + woff + r * 8 * WS_KS * 512 + u * 512);
+            const uint4 wu = BN == 128 || u < nt ? *wp : make_uint4(0, 0, 0, 0);
+            w[r][0] = wu.x;
+            w[r][1] = wu.y;
+            w[r][2] = wu.z;
+            w[r][3] = wu.w;
+          }
+          const uint64_t du = u < nt ? dst + (uint64_t)(u * (XT >> 4)) : dzero;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            // the first half's A fragments are reused by the second (RS = 2: each tile's by the next)
+            if ((HALVES && u == 2 && j == 0) || (RS == 2 && u > 0 && j == 0)) {
+              asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+              asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
             }
-          } else {
-            dequant(w[0], j, a[u & 1][j], 0);
-            if constexpr (IL) {
-              asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-              WgOp<T, BN>::mma(acc[0], a[u & 1][j], du + (uint64_t)(2 * j), 1);
-            } else if ((u & 1) == 1 && j == 3) {  // large token tiles: two tiles dequantized, then their wgmmas
-              asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+            if ((u > 0 || j > 0) && !one_stage_group && u < nt && (j == 0 || !one_group)) {
+              const int g = group_of((t0 + u) * 64 + 16 * j, p.gmul);
+              if (g != gcur) {
+                gcur = g;
+                load_group(g);
+              }
+            }
+            if constexpr (RS == 2) {  // a tile of both stripes dequantized, then its 8 wgmmas
+              dequant(w[0], j, a[0][j], 0);
+              dequant(w[1], j, a[1][j], 1);
+              if (j == 3) {
+                asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-              for (int v = u - 1; v <= u; ++v) {
-                const uint64_t dv = v < nt ? dst + (uint64_t)(v * (XT >> 4)) : dzero;
+                for (int jj = 0; jj < 4; ++jj)
 #pragma unroll
-                for (int jj = 0; jj < 4; ++jj) WgOp<T, BN>::mma(acc[0], a[v & 1][jj], dv + (uint64_t)(2 * jj), 1);
+                  for (int r = 0; r < 2; ++r) WgOp<T, BN>::mma(acc[r], a[r][jj], du + (uint64_t)(2 * jj), 1);
+              }
+            } else {
+              dequant(w[0], j, a[u & 1][j], 0);
+              if constexpr (IL) {
+                asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+                WgOp<T, BN>::mma(acc[0], a[u & 1][j], du + (uint64_t)(2 * j), 1);
+              } else if ((u & 1) == 1 && j == 3) {  // large token tiles: two tiles dequantized, then their wgmmas
+                asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+                for (int v = u - 1; v <= u; ++v) {
+                  const uint64_t dv = v < nt ? dst + (uint64_t)(v * (XT >> 4)) : dzero;
+#pragma unroll
+                  for (int jj = 0; jj < 4; ++jj) WgOp<T, BN>::mma(acc[0], a[v & 1][jj], dv + (uint64_t)(2 * jj), 1);
+                }
               }
             }
           }
         }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        // every lane frees the stage itself: with lane 0 arriving for its warp after __syncwarp, racecheck
+        // (which does not follow __syncwarp) reported write-after-read hazards on refills; this costs nothing
+        // measurable (docs/CUDA.md section 8)
+        mbar_arrive(empty0 + 8 * s);
       }
-      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-      // every lane frees the stage itself: with lane 0 arriving for its warp after __syncwarp, racecheck
-      // (which does not follow __syncwarp) reported write-after-read hazards on refills; this costs nothing
-      // measurable (docs/CUDA.md section 8)
-      mbar_arrive(empty0 + 8 * s);
-    }
-    return nsteps;
+      return nsteps;
     };
     if constexpr (SK) {
       int gi = 0;
