@@ -1012,6 +1012,40 @@ def test_wgmma_ws_stream_k_by_auto_and_its_workspace_fallback(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rs,sk,ms", [("1", "0", (16, 40, 64, 200)), ("2", "0", (100, 256)), ("2", "1", (100, 300))])
+def test_wgmma_ws_output_staging(rs, sk, ms, monkeypatch):
+    # wgmma_ws stages its output tile in shared memory and writes y in 16-byte runs where y allows (a row stride that
+    # is a multiple of 8 elements, a 16-byte aligned start), else element by element: the same bits either way, all
+    # of y written (a ragged last run of rows, tokens past M) and nothing outside it
+    import torch
+
+    if not wgmma_ok():
+        pytest.skip("the wgmma kernels need compute capability 9.0")
+    monkeypatch.setenv("W4P_CUDA_WS_RS", rs)
+    monkeypatch.setenv("W4P_CUDA_WS_SK", sk)
+    rng = np.random.default_rng(zlib.crc32(repr(("staging", rs, sk)).encode()))
+    n, k = 1003, 1000
+    layer = random_layer(rng, n, k, gs=128, zero_mode="int", bias=True)
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda")
+    splits = 0 if sk == "1" else 1
+    for m in ms:
+        plan = lin.plan(m, kernel="wgmma_ws", splits=splits)
+        assert ("rows=256" in plan["detail"]) == (rs == "2") and ("stream-k" in plan["detail"]) == (sk == "1"), plan
+        assert plan["splits"] == 1, plan
+        err = run_case(torch, rng, layer, m, "float16", kernel="wgmma_ws", splits=splits, lin=lin)
+        assert err <= 1e-3, (m, err)
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        runs = torch.full((m, 1008), float("nan"), dtype=torch.float16, device="cuda")  # 16-byte runs
+        lin.forward(x, out=runs[:, :n], kernel="wgmma_ws", splits=splits)
+        odd = torch.full((m, n + 2), float("nan"), dtype=torch.float16, device="cuda")  # misaligned, odd stride
+        lin.forward(x, out=odd[:, 1:n + 1], kernel="wgmma_ws", splits=splits)
+        torch.cuda.synchronize()
+        assert not torch.isnan(runs[:, :n]).any() and torch.isnan(runs[:, n:]).all()
+        assert torch.isnan(odd[:, 0]).all() and torch.isnan(odd[:, n + 1]).all()
+        assert torch.equal(odd[:, 1:n + 1], runs[:, :n]), m
+
+
+@pytest.mark.gpu
 def test_wgmma_kernel_large_and_repeatable():
     import torch
 

@@ -1584,31 +1584,121 @@ __device__ __forceinline__ void wg_store_part(const Params &p, const float (&acc
     }
 }
 
+// The epilogue's staging tile (ws_store_y): one token row of R weight rows in the activation dtype, padded by 16
+// bytes so that the 8 token rows of an stmatrix land in 8 different bank groups
+__host__ __device__ constexpr int ws_ypitch(int r) { return (r + 8) * 2; }
+__device__ __forceinline__ void stsm_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+template <typename T> __device__ __forceinline__ uint32_t pack_t2(float a, float b) {
+  typename Tr<T, 4>::T2 v;
+  v.x = from_f<T>(a);
+  v.y = from_f<T>(b);
+  return *reinterpret_cast<uint32_t *>(&v);
+}
+// One part of a wgmma_ws output tile into y through shared memory: the NW warps of the part (index wl within it)
+// each hold 16 weight rows, rbase + 16 wl + {gid, gid + 8}, x BN tokens from tok0 (the m64nN D fragment). Each
+// 8 x 8 block of the fragment (+ bias, rounded once to T) is stored transposed (stmatrix .trans), so that a
+// token's 8 rows become one 16-byte run of the staging tile [BN][16 NW (+ 8)]; then the part's threads write it
+// out token row by token row, 16 bytes a thread. Before, the fragment went to y in 2-byte stores (four 16-byte
+// runs per warp instruction): 5 us of a 256 x 128 block's 50 (H200 trace of 4096x11008 at M = 256).
+// The part's threads (32 NW from tid0) synchronize on named barrier `bar` before and after staging, so the
+// staging tile may be reused by the next part.
+template <typename T, int BN, int NW>
+__device__ __forceinline__ void ws_store_y(const Params &p, const float (&acc)[BN / 2], int rbase, int64_t tok0,
+                                           uint32_t stg, const unsigned char *stg_g, int wl, int lane, int bar) {
+  constexpr int R = 16 * NW, PITCH = ws_ypitch(R), CPR = R / 8;  // 16-byte chunks per token row
+  const int r_lo = rbase + 16 * wl + (lane >> 2), r_hi = r_lo + 8;
+  const T *bias = (const T *)p.bias;
+  const float b_lo = (bias && r_lo < p.N) ? to_f(bias[r_lo]) : 0.f;
+  const float b_hi = (bias && r_hi < p.N) ? to_f(bias[r_hi]) : 0.f;
+  named_sync(bar, 32 * NW);  // the part's previous readers of the staging tile are done
+  {
+    const int q = lane >> 3;  // the lane's address: row (lane & 7) of matrix q: (i + q / 2, half q & 1)
+    const uint32_t a0 = stg + (uint32_t)((8 * (q >> 1) + (lane & 7)) * PITCH + (16 * wl + 8 * (q & 1)) * 2);
+#pragma unroll
+    for (int i = 0; i < BN / 8; i += 2)
+      stsm_x4_trans(a0 + (uint32_t)(8 * i * PITCH), pack_t2<T>(acc[4 * i] + b_lo, acc[4 * i + 1] + b_lo),
+                    pack_t2<T>(acc[4 * i + 2] + b_hi, acc[4 * i + 3] + b_hi),
+                    pack_t2<T>(acc[4 * i + 4] + b_lo, acc[4 * i + 5] + b_lo),
+                    pack_t2<T>(acc[4 * i + 6] + b_hi, acc[4 * i + 7] + b_hi));
+  }
+  named_sync(bar, 32 * NW);
+  T *y = (T *)p.y;
+  const bool vec = (p.ldy & 7) == 0 && (reinterpret_cast<uintptr_t>(p.y) & 15) == 0;
+  // a fixed trip count, the same for every lane: inside stream-K's segment loop a loop whose exit depends on the
+  // lane made ptxas move the main loop's uniform arithmetic (wgmma descriptors) to per-thread registers
+  static_assert(BN * CPR % (32 * NW) == 0, "whole rounds of the part's threads");
+#pragma unroll
+  for (int it = 0; it < BN * CPR / (32 * NW); ++it) {
+    const int idx = it * 32 * NW + 32 * wl + lane;
+    const int t = idx / CPR, c = idx - t * CPR;
+    const int64_t tok = tok0 + t;
+    const int row = rbase + 8 * c;
+    if (tok < p.M && row < p.N) {
+      const unsigned char *src = stg_g + t * PITCH + c * 16;
+      T *dst = y + tok * p.ldy + row;
+      if (vec && row + 8 <= p.N) {
+        *reinterpret_cast<uint4 *>(dst) = *reinterpret_cast<const uint4 *>(src);
+      } else {
+        const T *s = reinterpret_cast<const T *>(src);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          if (row + e < p.N) dst[e] = s[e];
+      }
+    }
+  }
+}
+
+// A wgmma_ws block's whole output tile through ws_store_y. RS = 2: each consumer warpgroup stages its own 64-row
+// parts in its own tile after the zero tile (`stg`), on its own barrier, so neither waits for the other. RS = 1:
+// the 8 consumer warps share the stages (`stg`), free once all of them are past the main loop (the first barrier)
+template <typename T, int BN, int RS>
+__device__ __forceinline__ void ws_store_tile(const Params &p, const float (&acc)[RS][BN / 2], int row0, int64_t tok0,
+                                              uint32_t stg, const unsigned char *stg_g, int warp, int lane) {
+  if constexpr (RS == 2) {
+    const int w = warp >> 2;
+    const int off = w * BN * ws_ypitch(64);
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      ws_store_y<T, BN, 4>(p, acc[r], row0 + 128 * r + 64 * w, tok0, stg + (uint32_t)off, stg_g + off, warp & 3, lane,
+                           2 + w);
+  } else {
+    ws_store_y<T, BN, 8>(p, acc[0], row0, tok0, stg, stg_g, warp, lane, 1);
+  }
+}
+
 __device__ __forceinline__ unsigned sk_block() { return blockIdx.x; }
 __device__ __forceinline__ unsigned sk_grid() { return gridDim.x; }
 // Stream-K (wgmma_ws with p.sk tiles over a grid of resident blocks): the block whose share of the units
 // (stages of tiles, tile by tile) holds unit u, for shares split as floor(b * U / G)
 __device__ __forceinline__ int sk_owner(int64_t u, int64_t U, int G) { return (int)(((u + 1) * G - 1) / U); }
-// Stream-K epilogue of one segment, run by the 256 consumer threads (the producer has left). A whole tile goes to
-// y. For a partial one the tile's blocks first take an arrival number (counters[tile]). All but the last store
-// their accumulators in their workspace slot (0 for the block's first segment, 1 for its last; fragment order:
+// Stream-K epilogue of one segment, run by each consumer warpgroup on its own (the producer has left): a
+// warpgroup's rows of a tile (64 of each 128-row half) are summed apart from the other warpgroup's, so the two
+// never wait for each other (they drift by up to a few stages). A whole tile goes to y. For a partial one the
+// warpgroups holding its part w first take an arrival number (counters[2 tile + w]). All but the last store their
+// accumulators in their block's workspace slot (0 for the block's first segment, 1 for its last; fragment order:
 // for each 4-float group of a thread's accumulators, the 256 threads' groups side by side, 512 contiguous bytes
-// per warp instruction) and count themselves stored (counters[SK_READY + tile]). The last waits for those, adds
-// the slots to its own registers in block order, its own term in its place (bit-identical whoever arrives
-// last), and writes y: its own partial never goes through memory. Every block's run holds at least one unit (the
-// plan keeps G <= U), so the blocks of a tile are exactly those from the owner of its first unit to the owner of
-// its last.
-constexpr int SK_READY = 8192;  // the second half of the counters (MAX_COUNTERS): slots stored per tile
+// per warp instruction; a warpgroup writes its own threads' groups) and count themselves stored
+// (counters[SK_READY + 2 tile + w]). The last waits for those, adds the slots to its own registers in block order,
+// its own term in its place (bit-identical whoever arrives last), and writes y: its own partial never goes
+// through memory. Every block's run holds at least one unit (the plan keeps G <= U), so the blocks of a tile are
+// exactly those from the owner of its first unit to the owner of its last.
+constexpr int SK_READY = 8192;  // the second half of the counters (MAX_COUNTERS): slots stored per tile part
 template <typename T, int RB, int BN, int RS>
 __device__ __forceinline__ void sk_epilogue(const Params &p, float (&acc)[RS][BN / 2], int tile, int kb, int ke,
-                                            int row0, int64_t tok0, int rl, int lane, int64_t u_beg, int SPT) {
+                                            int row0, int64_t tok0, int warp, int lane, int64_t u_beg, int SPT,
+                                            uint32_t stg, const unsigned char *stg_g) {
+  static_assert(RS == 2, "stream-K runs the 256-row blocks");
   if (kb == 0 && ke == p.KT) {
-#pragma unroll
-    for (int r = 0; r < RS; ++r) wg_store_y<T, BN>(p, acc[r], row0 + rl + 128 * r, tok0, lane);
+    ws_store_tile<T, BN, RS>(p, acc, row0, tok0, stg, stg_g, warp, lane);
     return;
   }
   constexpr int TILE = BN * RB, NG = RS * BN / 8;  // floats per slot; 4-float groups per thread
   static_assert(NG * 4 * 256 == TILE, "a slot holds the 256 consumer threads' accumulators");
+  const int w = warp >> 2, bar = 2 + w, part = 2 * tile + w;
+  const bool lead = (threadIdx.x & 127) == 0;
   const int G = (int)sk_grid(), me = (int)sk_block();
   const int64_t U = (int64_t)p.sk * SPT;
   const int c_lo = sk_owner((int64_t)tile * SPT, U, G), c_hi = sk_owner((int64_t)(tile + 1) * SPT - 1, U, G);
@@ -1616,11 +1706,13 @@ __device__ __forceinline__ void sk_epilogue(const Params &p, float (&acc)[RS][BN
     return reinterpret_cast<float4 *>(p.part + ((size_t)cb * 2 + ((int64_t)cb * U / G / SPT == tile ? 0 : 1)) * TILE) +
            threadIdx.x;
   };
-  __shared__ int s_last;
-  named_sync(1, 256);  // (every thread has read s_last of the previous segment)
-  if (threadIdx.x == 0) s_last = atomicAdd(&p.counters[tile], 1u) == (unsigned)(c_hi - c_lo);
-  named_sync(1, 256);
-  if (!s_last) {
+  __shared__ int s_last[2];
+  named_sync(bar, 128);  // (every thread of the warpgroup has read s_last of its previous segment)
+  if (lead) s_last[w] = atomicAdd(&p.counters[part], 1u) == (unsigned)(c_hi - c_lo);
+  named_sync(bar, 128);
+  // (a vote: its result is known to be the same in every lane, so the branch keeps the segment loop's control
+  // flow uniform for ptxas; branching on s_last[w] itself, an address that depends on the thread, did not)
+  if (!__any_sync(0xffffffffu, s_last[w] != 0)) {
     float4 *mine = slot(me);
 #pragma unroll
     for (int r = 0; r < RS; ++r)
@@ -1629,59 +1721,78 @@ __device__ __forceinline__ void sk_epilogue(const Params &p, float (&acc)[RS][BN
         __stcg(mine + (r * (BN / 8) + i) * 256,
                make_float4(acc[r][4 * i], acc[r][4 * i + 1], acc[r][4 * i + 2], acc[r][4 * i + 3]));
     __threadfence();
-    named_sync(1, 256);
-    if (threadIdx.x == 0) atomicAdd(&p.counters[SK_READY + tile], 1u);
+    named_sync(bar, 128);
+    if (lead) atomicAdd(&p.counters[SK_READY + part], 1u);
     return;
   }
-  if (threadIdx.x == 0)  // the others have arrived: they are storing or have stored
-    while (atomicOr(&p.counters[SK_READY + tile], 0u) < (unsigned)(c_hi - c_lo)) __nanosleep(64);
-  named_sync(1, 256);
+  if (lead)  // the others have arrived: they are storing or have stored
+    while (atomicOr(&p.counters[SK_READY + part], 0u) < (unsigned)(c_hi - c_lo)) __nanosleep(64);
+  named_sync(bar, 128);
   __threadfence();
-  constexpr int CH = 4;  // groups per chunk: loads of 16 bytes in flight per thread and slot
+  if (c_hi - c_lo == 1) {
+    // two blocks (the usual case): the other's slot, 8 groups in flight at once (four L2 round trips; 4 in flight
+    // before took eight). One addition: its order does not change the result
+    const float4 *other = slot(me == c_lo ? c_hi : c_lo);
 #pragma unroll
-  for (int r = 0; r < RS; ++r)
+    for (int i0 = 0; i0 < NG; i0 += 8) {
+      float4 v[8];
 #pragma unroll
-    for (int i0 = 0; i0 < BN / 8; i0 += CH) {
-      float4 pre[CH];  // the sum of the slots before this block's, in block order
-      for (int cb = c_lo; cb < me; ++cb) {
-        const float4 *src = slot(cb) + (r * (BN / 8) + i0) * 256;
-        float4 v[CH];
+      for (int i = 0; i < 8; ++i) v[i] = __ldcg(other + (i0 + i) * 256);
 #pragma unroll
-        for (int i = 0; i < CH; ++i) v[i] = __ldcg(src + i * 256);
-#pragma unroll
-        for (int i = 0; i < CH; ++i)
-          pre[i] = cb == c_lo ? v[i] : make_float4(pre[i].x + v[i].x, pre[i].y + v[i].y, pre[i].z + v[i].z,
-                                                   pre[i].w + v[i].w);
-      }
-      if (me > c_lo)
-#pragma unroll
-        for (int i = 0; i < CH; ++i) {
-          float *a = &acc[r][4 * (i0 + i)];
-          a[0] = pre[i].x + a[0];
-          a[1] = pre[i].y + a[1];
-          a[2] = pre[i].z + a[2];
-          a[3] = pre[i].w + a[3];
-        }
-      for (int cb = me + 1; cb <= c_hi; ++cb) {
-        const float4 *src = slot(cb) + (r * (BN / 8) + i0) * 256;
-        float4 v[CH];
-#pragma unroll
-        for (int i = 0; i < CH; ++i) v[i] = __ldcg(src + i * 256);
-#pragma unroll
-        for (int i = 0; i < CH; ++i) {
-          float *a = &acc[r][4 * (i0 + i)];
-          a[0] += v[i].x;
-          a[1] += v[i].y;
-          a[2] += v[i].z;
-          a[3] += v[i].w;
-        }
+      for (int i = 0; i < 8; ++i) {
+        float *a = &acc[(i0 + i) / (BN / 8)][4 * ((i0 + i) % (BN / 8))];
+        a[0] += v[i].x;
+        a[1] += v[i].y;
+        a[2] += v[i].z;
+        a[3] += v[i].w;
       }
     }
+  } else {
+    constexpr int CH = 4;  // groups per chunk: loads of 16 bytes in flight per thread and slot
 #pragma unroll
-  for (int r = 0; r < RS; ++r) wg_store_y<T, BN>(p, acc[r], row0 + rl + 128 * r, tok0, lane);
-  if (threadIdx.x == 0) {  // ready for the next call / graph replay
-    p.counters[tile] = 0u;
-    p.counters[SK_READY + tile] = 0u;
+    for (int r = 0; r < RS; ++r)
+#pragma unroll
+      for (int i0 = 0; i0 < BN / 8; i0 += CH) {
+        float4 pre[CH];  // the sum of the slots before this block's, in block order
+        for (int cb = c_lo; cb < me; ++cb) {
+          const float4 *src = slot(cb) + (r * (BN / 8) + i0) * 256;
+          float4 v[CH];
+#pragma unroll
+          for (int i = 0; i < CH; ++i) v[i] = __ldcg(src + i * 256);
+#pragma unroll
+          for (int i = 0; i < CH; ++i)
+            pre[i] = cb == c_lo ? v[i] : make_float4(pre[i].x + v[i].x, pre[i].y + v[i].y, pre[i].z + v[i].z,
+                                                     pre[i].w + v[i].w);
+        }
+        if (me > c_lo)
+#pragma unroll
+          for (int i = 0; i < CH; ++i) {
+            float *a = &acc[r][4 * (i0 + i)];
+            a[0] = pre[i].x + a[0];
+            a[1] = pre[i].y + a[1];
+            a[2] = pre[i].z + a[2];
+            a[3] = pre[i].w + a[3];
+          }
+        for (int cb = me + 1; cb <= c_hi; ++cb) {
+          const float4 *src = slot(cb) + (r * (BN / 8) + i0) * 256;
+          float4 v[CH];
+#pragma unroll
+          for (int i = 0; i < CH; ++i) v[i] = __ldcg(src + i * 256);
+#pragma unroll
+          for (int i = 0; i < CH; ++i) {
+            float *a = &acc[r][4 * (i0 + i)];
+            a[0] += v[i].x;
+            a[1] += v[i].y;
+            a[2] += v[i].z;
+            a[3] += v[i].w;
+          }
+        }
+      }
+  }
+  ws_store_tile<T, BN, RS>(p, acc, row0, tok0, stg, stg_g, warp, lane);
+  if (lead) {  // ready for the next call / graph replay
+    p.counters[part] = 0u;
+    p.counters[SK_READY + part] = 0u;
   }
 }
 
@@ -1911,9 +2022,11 @@ __host__ __device__ constexpr int ws_tile(int64_t m) { return m <= 16 ? 16 : m <
 __host__ __device__ constexpr int ws_ks(int bn, int gs) {
   return bn <= W4P_WS_KS4_MAX_BN && (gs <= 0 || gs % 64 == 0) ? 4 : 2;
 }
-// + a zeroed activation tile: the B operand of the wgmmas past the K range in a stage's last tile
+// + a zeroed activation tile: the B operand of the wgmmas past the K range in a stage's last tile; RS = 2: + a
+// staging tile of 64 rows x bn tokens per consumer warpgroup (the stages stay busy there: stream-K's producer
+// runs on into the next segment)
 __host__ __device__ constexpr int ws_smem_bytes(int bn, int ks, int rs = 1) {
-  return 2048 + ws_stages(bn, ks, rs) * ws_stage_bytes(bn, ks, rs) + bn * 128;
+  return 2048 + ws_stages(bn, ks, rs) * ws_stage_bytes(bn, ks, rs) + bn * 128 + (rs == 2 ? 2 * bn * ws_ypitch(64) : 0);
 }
 
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1, uint32_t bar) {
@@ -1980,6 +2093,8 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
     return g;
   };
   const uint32_t zero_tile = stages + NS * SB;  // 1024-aligned, BN x 128 bytes of zeros
+  const uint32_t ystage = RS == 2 ? zero_tile + XT : stages;  // the epilogue's staging (ws_store_tile)
+  static_assert(RS == 2 || NS * SB >= BN * ws_ypitch(128), "RS = 1 stages the output tile in the stages");
   for (int i = tid; i < XT / 16; i += blockDim.x)
     asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(zero_tile + i * 16), "r"(0u) : "memory");
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the zeros -> the tensor cores' proxy
@@ -2199,7 +2314,8 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
 #pragma unroll
           for (int i = 0; i < BN / 2; ++i) acc[r][i] = 0.f;
         gi += consume(sg.kb, sg.ke, gi);
-        sk_epilogue<T, RB, BN, RS>(p, acc, sg.tile, sg.kb, sg.ke, sg.row0, sg.tok0, rl, lane, u_beg, SPT);
+        sk_epilogue<T, RB, BN, RS>(p, acc, sg.tile, sg.kb, sg.ke, sg.row0, sg.tok0, warp, lane, u_beg, SPT, ystage,
+                                   sgen + (ystage - sbase));
       }
     } else {
       consume(kb, ke, 0);
@@ -2209,9 +2325,7 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
   // epilogue (the producer warp joins the split reduction's block barriers)
   const int r_lo = row0 + rl;
   if (p.S == 1) {
-    if (warp < 8)
-#pragma unroll
-      for (int r = 0; r < RS; ++r) wg_store_y<T, BN>(p, acc[r], r_lo + 128 * r, tok0, lane);
+    if (warp < 8) ws_store_tile<T, BN, RS>(p, acc, row0, tok0, ystage, sgen + (ystage - sbase), warp, lane);
   } else if (p.cl) {
     // the stages become the exchange tile [BN][RB + 8] once every warp is past its last wgmma
     static_assert(NS * SB >= BN * (RB + 8) * 4, "the cluster exchange tile fits in the stages");
@@ -3317,7 +3431,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     // SMs idle
     const int sk_env = ws_sk_env();
     const int64_t units = (int64_t)pl->tiles * ceil_div(KT, ks);
-    if (rs == 2 && kernel != W4P_CUDA_PROBE_WS && splits <= 0 && pl->tiles <= MAX_COUNTERS / 2 &&
+    if (rs == 2 && kernel != W4P_CUDA_PROBE_WS && splits <= 0 && pl->tiles <= MAX_COUNTERS / 4 &&
         (sk_env == 1 || (sk_env < 0 && ws_sk_auto(pl->tiles, pl->tiles * pl->S, slots)))) {
       pl->sk = (int)std::min<int64_t>(slots, units);
       pl->sk_plain_S = pl->S;
