@@ -135,6 +135,11 @@ def test_plan_for_described_devices_auto():
     for m, n, kk in ((384, 11008, 4096), (512, 8192, 28672), (256, 8192, 28672)):
         assert auto(H200, m, n, kk) == k["wgmma_ws"], (m, n, kk)
     assert auto(H200, 512, 11008, 4096) == k["tiled"]  # 172 blocks: 65%; 4 splits would be 16 K tiles each
+    # M = 1024 on the 7B shapes whose 256-row grid fills 97% of its waves (ahead of the dense path since the
+    # output tile is staged through shared memory); 4096x11008's 344 blocks fill 87%
+    for n, kk in ((4096, 4096), (4096, 11008), (12288, 4096)):
+        assert auto(H200, 1024, n, kk) == k["wgmma_ws"], (n, kk)
+    assert auto(H200, 1024, 11008, 4096) == k["tiled"]
     assert auto(A100, 128, 28672, 8192) == k["tiled"]
 
     assert auto(A100, 32, 4096, 4096) == k["stream"]
@@ -240,7 +245,8 @@ def test_plan_describes_cluster_sums(monkeypatch):
 
 def test_plan_for_wgmma_ws_256_row_blocks(monkeypatch):
     # the 128-token tile in 256-row blocks where that grid, split in two at most, fills 84% of the waves it
-    # takes: layers of 2^25 weights or more up to M = 768, 2^26 or more up to M = 1024; W4P_CUDA_WS_RS=1|2 forces
+    # takes (90% past M = 512): layers of 2^25 weights or more up to M = 1024, of 2^24 or more from M = 769;
+    # W4P_CUDA_WS_RS=1|2 forces
     ffi, lib = _lib_or_skip()
     monkeypatch.delenv("W4P_CUDA_WS_RS", raising=False)
     monkeypatch.setenv("W4P_CUDA_WS_SK", "0")  # the plain grid (stream-K's rule: test_plan_for_wgmma_ws_stream_k)
@@ -260,7 +266,13 @@ def test_plan_for_wgmma_ws_256_row_blocks(monkeypatch):
     assert ws(384, 8192, 28672)[1] is None  # 96 blocks: 73%
     assert ws(384, 11008, 4096) == ("wgmma_ws", "256", "1", "129")  # 43 row blocks x 3: 98%
     assert ws(512, 11008, 4096)[1] is None  # 172 blocks: 65%
-    assert ws(1024, 11008, 4096)[1] is None  # 2^25.4 weights: up to M = 768
+    assert ws(1024, 11008, 4096)[1] is None  # 344 blocks: 87%
+    assert ws(1024, 12288, 4096) == ("wgmma_ws", "256", "1", "384")  # 97%
+    assert ws(1024, 4096, 11008) == ("wgmma_ws", "256", "1", "128")  # 97%
+    assert ws(896, 4096, 11008)[1] is None  # 112 blocks: 85%
+    assert ws(1024, 4096, 4096) == ("wgmma_ws", "256", "1", "128")  # 2^24 weights, from M = 769
+    assert ws(768, 4096, 4096)[1] is None
+    assert ws(1024, 2048, 4096)[1] is None  # 2^23 weights
     assert ws(512, 4096, 11008) == ("wgmma_ws", "256", "2", "64")
     assert ws(512, 4096, 4096)[1] is None  # 2^24 weights
     assert ws(2048, 28672, 8192)[1] is None  # past M = 1024: the dense path

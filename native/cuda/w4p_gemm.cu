@@ -3095,18 +3095,20 @@ bool ws_rows256_fit(const DevInfo &di, int bn, int ks) {
   return bn == 128 && ks == 2 && (size_t)ws_smem_bytes(bn, ks, 2) + di.smem_reserved <= (size_t)di.smem_block;
 }
 // wgmma_ws takes 256-row blocks where their grid, split in two at most, fills the waves it takes to 84% or
-// more (90% past M = 512, where the dense path is level), on layers of 2^25 weights or more up to M = 768
-// and of 2^26 or more up to M = 1024. Each block then reads its activation tile once for twice the rows: the
+// more (90% past M = 512, where the dense path is level), up to M = 1024 on layers of 2^25 weights or more, and
+// from M = 769 on layers of 2^24 or more. Each block then reads its activation tile once for twice the rows: the
 // copies of 128-row blocks were bound by L2 (H200, 8192x28672 at M = 128: 90 us for the copies alone,
 // 6.6 TB/s; with 256-row blocks 69 us). Measured against the previous choice (docs/CUDA.md): 8192x28672
 // M = 65-512 (112 row blocks, 85%) 109-436 against 118-468 us, M = 896 (99%) 666 against 719; 28672x8192
 // M = 160-256 (2 splits) 189-193 against 215-219, M = 512 and 1024. 85% past M = 512 lost to the dense path
-// (8192x28672 M = 640-768: 556-666 against 539-630); so did split 7B layers, 4096x4096 and the 7B layers at
-// M = 1024.
+// (8192x28672 M = 640-768: 556-666 against 539-630), and so did split 7B layers. With the staged epilogue
+// (thirteenth session) the 7B layers whose grid fills 97% at M = 1024 run ahead of the dense path: 4096x4096
+// 51.1-57.5 against 58.1-60.2 us, 11008x4096 145.4-152.4 against 149.5-158.6, 4096x12288 157.6-177.2 against
+// 174.3-181.5 (five alternating rounds; 4096x11008, 87%, stays behind: 164-189 against 156-161)
 bool ws_rows256(const DevInfo &di, int64_t m, int np, int KT, int gs, int64_t weights) {
   const int bn = ws_tile(m);
-  if (di.cc != 90 || !ws_rows256_fit(di, bn, ws_ks(bn, gs)) || weights < ((int64_t)1 << 25) ||
-      m > (weights >= ((int64_t)1 << 26) ? 1024 : 768))
+  if (di.cc != 90 || !ws_rows256_fit(di, bn, ws_ks(bn, gs)) || weights < ((int64_t)1 << 24) ||
+      (weights < ((int64_t)1 << 25) && m <= 768) || m > 1024)
     return false;
   const int64_t tiles = (int64_t)ceil_div(np, 2 * WG_BM) * ceil_div(m, bn);
   const int S = ws_split_count(di, tiles, di.sms, KT, bn, 0);
