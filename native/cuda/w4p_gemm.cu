@@ -1602,7 +1602,8 @@ template <typename T> __device__ __forceinline__ uint32_t pack_t2(float a, float
 // 8 x 8 block of the fragment (+ bias, rounded once to T) is stored transposed (stmatrix .trans), so that a
 // token's 8 rows become one 16-byte run of the staging tile [BN][16 NW (+ 8)]; then the part's threads write it
 // out token row by token row, 16 bytes a thread. Before, the fragment went to y in 2-byte stores (four 16-byte
-// runs per warp instruction): 5 us of a 256 x 128 block's 50 (H200 trace of 4096x11008 at M = 256).
+// runs per warp instruction): 3.8-5.5 us of a 256 x 128 block's 50, 1.9-2.2 staged (H200 trace of 4096x11008 at
+// M = 256, docs/CUDA.md section 7).
 // The part's threads (32 NW from tid0) synchronize on named barrier `bar` before and after staging, so the
 // staging tile may be reused by the next part.
 template <typename T, int BN, int NW>
