@@ -1604,8 +1604,8 @@ template <typename T> __device__ __forceinline__ uint32_t pack_t2(float a, float
 // out token row by token row, 16 bytes a thread. Before, the fragment went to y in 2-byte stores (four 16-byte
 // runs per warp instruction): 3.8-5.5 us of a 256 x 128 block's 50, 1.9-2.2 staged (H200 trace of 4096x11008 at
 // M = 256, docs/CUDA.md section 7).
-// The part's threads (32 NW from tid0) synchronize on named barrier `bar` before and after staging, so the
-// staging tile may be reused by the next part.
+// The part's 32 NW threads synchronize on named barrier `bar` before and after staging, so the staging tile may be
+// reused by the next part.
 template <typename T, int BN, int NW>
 __device__ __forceinline__ void ws_store_y(const Params &p, const float (&acc)[BN / 2], int rbase, int64_t tok0,
                                            uint32_t stg, const unsigned char *stg_g, int wl, int lane, int bar) {
