@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,3 +99,64 @@ def test_ncu_stalls_stops_quietly_when_its_reader_leaves():
     err = p.stderr.read().decode()
     assert p.wait(timeout=60) == 0, err
     assert err == "", err
+
+
+def _ws_trace():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import ws_trace
+    finally:
+        sys.path.pop(0)
+    return ws_trace
+
+
+def test_ws_trace_reads_its_configurations():
+    ws = _ws_trace()
+    assert ws.parse_config("4096x11008:256") == (4096, 11008, 256, {})
+    assert ws.parse_config("8192X28672:128:W4P_CUDA_WS_SK=0,W4P_CUDA_WS_RS=2") == (
+        8192, 28672, 128, {"W4P_CUDA_WS_SK": "0", "W4P_CUDA_WS_RS": "2"})
+    for bad in ("4096:256", "4096x11008", "4096x11008:0", "axb:1", "64x64:1:PATH=/x", "64x64:1:W4P_X", "1x1:1:a:b"):
+        with pytest.raises(ws.ConfigError):
+            ws.parse_config(bad)
+
+
+def _record() -> np.ndarray:
+    # three blocks (ns, cycles at 1.5 GHz): two plain ones (main loop, epilogue) and a stream-K one with two
+    # segments; a fourth row that never ran
+    rec = np.zeros((4, 32), dtype=np.uint64)
+    rows = [(1_000, [11_000, 13_000]), (1_100, [12_000, 14_500]), (1_200, [5_200, 8_200, 20_200, 26_200])]
+    for b, (start, events) in enumerate(rows):
+        rec[b, 0], rec[b, 1] = start, 0
+        for ev, t in enumerate(events, 1):
+            rec[b, 2 * ev], rec[b, 2 * ev + 1] = t, (t - start) * 3 // 2
+        rec[b, 31] = (1 << 32) | (7 + b)
+    return rec
+
+
+def test_ws_trace_summarizes_a_record():
+    s = _ws_trace().summarize(_record())
+    assert s["blocks"] == 3 and s["sms"] == 3
+    assert s["start_us"] == {"min": 0.0, "median": 0.1, "max": 0.2}
+    assert s["events"][1] == {"min": 4.2, "median": 10.0, "max": 11.0}
+    assert s["epilogue_us"][1] == {"min": 2.0, "median": 2.5, "max": 3.0}  # 13-11, 14.5-12, 8.2-5.2
+    assert s["epilogue_us"][2] == {"min": 6.0, "median": 6.0, "max": 6.0}
+    assert s["end_us"] == {"min": 12.0, "median": 13.5, "max": 25.2}
+    assert s["clock_mhz"] == pytest.approx(1500.0)
+    with pytest.raises(ValueError, match="no block"):
+        _ws_trace().summarize(np.zeros((2, 32), dtype=np.uint64))
+
+
+def test_ws_trace_summarizes_a_saved_record_without_a_device(tmp_path):
+    np.save(tmp_path / "t.npy", _record())
+    tool = str(ROOT / "tools" / "ws_trace.py")
+    r = subprocess.run([sys.executable, tool, "--summarize", str(tmp_path / "t.npy"), "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["blocks"] == 3
+    (tmp_path / "bad.npy").write_bytes(b"not a record")
+    r = subprocess.run([sys.executable, tool, "--summarize", str(tmp_path / "bad.npy")], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith(f"ws_trace: {tmp_path / 'bad.npy'}: ")
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, tool, "--configs", "64x64"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("ws_trace: '64x64'")

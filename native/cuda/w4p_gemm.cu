@@ -2049,6 +2049,36 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void *src, unsigne
 // loop needs 56 (it spilled at 40)
 __host__ __device__ constexpr int ws_preg(bool sk) { return sk ? 56 : 40; }
 __host__ __device__ constexpr int ws_creg(bool sk) { return sk ? 224 : 232; }
+// Per-block timeline (diagnostics builds only: nvcc -DW4P_WS_TRACE, as tools/ws_trace.py builds it). Thread 0 of
+// each wgmma_ws block records %globaltimer and clock64 at its start (event 0), at the end of each main loop or
+// stream-K segment (odd events) and at the end of each epilogue (even events), and its SM in word 31. Ordinary
+// builds compile W4P_WS_TR to nothing.
+#ifdef W4P_WS_TRACE
+constexpr int WS_TRACE_BLOCKS = 8192, WS_TRACE_EVENTS = 15;
+__device__ unsigned long long g_ws_trace[WS_TRACE_BLOCKS][32];
+__device__ __forceinline__ void ws_trace(int ev) {
+  const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  unsigned long long g;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+  const unsigned long long c = clock64();
+  if (b >= WS_TRACE_BLOCKS || ev >= WS_TRACE_EVENTS) return;
+  g_ws_trace[b][2 * ev] = g;
+  g_ws_trace[b][2 * ev + 1] = c;
+  if (ev == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    g_ws_trace[b][31] = sm | (1ull << 32);
+  }
+}
+#define W4P_WS_TR(ev) \
+  do {                \
+    if (threadIdx.x == 0) ws_trace(ev); \
+  } while (0)
+#else
+#define W4P_WS_TR(ev) \
+  do {                \
+  } while (0)
+#endif
 template <typename T, int ZMODE, int BN, int KS, int RS, bool SK = false>
 __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
     wgmma_ws_kernel(const Params p, const __grid_constant__ CUtensorMap xmap,
@@ -2107,6 +2137,7 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
+  W4P_WS_TR(0);
 
   float acc[RS][BN / 2];  // stripe r of the warp: rows rl + 128 r
 #pragma unroll
@@ -2306,7 +2337,7 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
       return nsteps;
     };
     if constexpr (SK) {
-      int gi = 0;
+      int gi = 0, ev = 1;
       for (int64_t u = u_beg; u < u_end;) {
         const Seg sg = seg_at(u);
         u = sg.next;
@@ -2315,11 +2346,15 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
 #pragma unroll
           for (int i = 0; i < BN / 2; ++i) acc[r][i] = 0.f;
         gi += consume(sg.kb, sg.ke, gi);
+        W4P_WS_TR(ev);
         sk_epilogue<T, RB, BN, RS>(p, acc, sg.tile, sg.kb, sg.ke, sg.row0, sg.tok0, warp, lane, u_beg, SPT, ystage,
                                    sgen + (ystage - sbase));
+        W4P_WS_TR(ev + 1);
+        ev += 2;
       }
     } else {
       consume(kb, ke, 0);
+      W4P_WS_TR(1);
     }
   }
   if constexpr (SK) return;
@@ -2348,6 +2383,7 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
       for (int r = 0; r < RS; ++r) wg_store_part<BN>(p, acc[r], r_lo + 128 * r, tok0, lane);
     split_reduce<T, RB, BN, 2, RS == 2 ? 256 : 0>(p, blockIdx.y, blockIdx.x, row0, (int)tok0);
   }
+  W4P_WS_TR(2);
 #endif
 }
 
@@ -3894,6 +3930,18 @@ bool bad_description(int sms, int cc, int smem_sm, int smem_block, int smem_rese
 extern "C" {
 
 int w4p_cuda_abi_version(void) { return W4P_CUDA_ABI; }
+
+#ifdef W4P_WS_TRACE
+// Diagnostics builds only (not part of the ABI in w4pack.h): clear the wgmma_ws block timeline (clear != 0), or
+// copy up to `bytes` of it ([8192][32] uint64, see ws_trace) to `host`. Returns a cudaError_t.
+__attribute__((visibility("default"))) int w4p_cuda_ws_trace(void *host, size_t bytes, int clear) {
+  if (clear) {
+    static unsigned long long zeros[WS_TRACE_BLOCKS][32];
+    return (int)cudaMemcpyToSymbol(g_ws_trace, zeros, sizeof zeros);
+  }
+  return (int)cudaMemcpyFromSymbol(host, g_ws_trace, bytes < sizeof(g_ws_trace) ? bytes : sizeof(g_ws_trace));
+}
+#endif
 
 const char *w4p_cuda_last_error(void) { return g_err; }
 
