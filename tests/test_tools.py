@@ -110,6 +110,16 @@ def _ws_trace():
     return ws_trace
 
 
+@pytest.mark.skipif(_cuda_present(), reason="a CUDA device is present")
+def test_ws_trace_without_a_device_says_so():
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "ws_trace.py"), "--configs", "256x128:4"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ws_trace: "), r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_ws_trace_reads_its_configurations():
     ws = _ws_trace()
     assert ws.parse_config("4096x11008:256") == (4096, 11008, 256, {})

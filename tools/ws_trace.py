@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -107,24 +106,17 @@ def format_summary(s: dict) -> str:
 
 
 def build_traced_library(out_dir: Path) -> Path:
-    """The CUDA library built with -DW4P_WS_TRACE for sm_90a (once; rebuilt when the source is newer)."""
-    nvcc = os.environ.get("NVCC") or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    src = sorted((ROOT / "native" / "cuda").glob("*.cu"))
+    """The CUDA library built with -DW4P_WS_TRACE for sm_90a by native/cuda/build.sh (its flags; rebuilt only
+    when a source is newer)."""
     lib = out_dir / "libw4p_cuda_trace.so"
-    if lib.exists() and all(lib.stat().st_mtime > p.stat().st_mtime for p in [*src, ROOT / "native" / "w4pack.h"]):
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
-           "-cudart", "static", "--threads", "0", "-diag-suppress", "177", "-DW4P_WS_TRACE",
-           "-gencode=arch=compute_90a,code=sm_90a", f"-I{ROOT / 'native'}", *map(str, src), "-o", str(lib)]
-    print("building the traced library (sm_90a, a few minutes) ...", file=sys.stderr, flush=True)
-    subprocess.run(cmd, check=True)
+    env = {**os.environ, "W4P_CUDA_ARCHS": "90a", "W4P_CUDA_OUT": str(lib), "W4P_CUDA_DEFINES": "-DW4P_WS_TRACE"}
+    print("building the traced library if needed (sm_90a, a few minutes) ...", file=sys.stderr, flush=True)
+    subprocess.run(["bash", str(ROOT / "native" / "cuda" / "build.sh")], check=True, env=env)
     return lib
 
 
 def run(configs: list[tuple[int, int, int, dict[str, str]]], save: Path | None, as_json: bool,
         library: Path | None = None) -> int:
-    sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "tools"))
     import bench_gpu as bench  # noqa: E402  (torch, the device, the benchmark's weight copies and timing)
     import torch
@@ -200,14 +192,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"ws_trace: {e}", file=sys.stderr)
         return 2
-    try:
-        import torch
+    sys.path.insert(0, str(ROOT))
+    from w4pack.native import cuda as w4cuda
 
-        if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-            print("ws_trace: needs a CUDA device of compute capability 9.0 (wgmma_ws) and nvcc", file=sys.stderr)
-            return 2
-    except ImportError:
-        print("ws_trace: needs torch with CUDA", file=sys.stderr)
+    reason = w4cuda.unavailable_reason()
+    if reason:
+        print(f"ws_trace: {reason}", file=sys.stderr)
+        return 2
+    import torch
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        print("ws_trace: wgmma_ws needs a device of compute capability 9.0", file=sys.stderr)
         return 2
     return run(configs, args.save, args.json, args.library)
 

@@ -3,13 +3,17 @@
 # compute_90 PTX,
 # the CUDA runtime linked statically (the library loads without libcudart and reports "no CUDA device"
 # cleanly where there is no driver). Skips the build when the library is newer than every input.
-# Environment: NVCC (default: nvcc on PATH), W4P_CUDA_ARCHS (e.g. "90" for a quick local build).
+# Environment: NVCC (default: nvcc on PATH), W4P_CUDA_ARCHS (e.g. "90" for a quick local build), W4P_CUDA_OUT
+# (another output path) and W4P_CUDA_DEFINES (extra -D flags: tools/ws_trace.py builds its diagnostics library
+# with -DW4P_WS_TRACE this way).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
 NVCC="${NVCC:-nvcc}"
-OUT="$ROOT/w4pack/_lib/libw4p_cuda.so"
+OUT="${W4P_CUDA_OUT:-$ROOT/w4pack/_lib/libw4p_cuda.so}"
 ARCHS="${W4P_CUDA_ARCHS:-80 86 89 90a}"
+DEFINES="${W4P_CUDA_DEFINES:-}"
+STAMP="$ARCHS${DEFINES:+ $DEFINES}"  # what the library was built for
 SRCS=("$HERE"/*.cu)
 INPUTS=("${SRCS[@]}" "$ROOT/native/w4pack.h" "$HERE/build.sh")
 
@@ -17,8 +21,8 @@ if [ -f "$OUT" ] && [ -z "${W4P_CUDA_FORCE:-}" ]; then
   stale=0
   for f in "${INPUTS[@]}"; do [ "$f" -nt "$OUT" ] && stale=1; done
   stamp="$OUT.archs"
-  [ "$(cat "$stamp" 2>/dev/null)" = "$ARCHS" ] || stale=1
-  if [ "$stale" = 0 ]; then echo "libw4p_cuda.so is up to date"; exit 0; fi
+  [ "$(cat "$stamp" 2>/dev/null)" = "$STAMP" ] || stale=1
+  if [ "$stale" = 0 ]; then echo "$(basename "$OUT") is up to date"; exit 0; fi
 fi
 
 GENCODE=()
@@ -31,8 +35,8 @@ mkdir -p "$(dirname "$OUT")"
 tmp="$OUT.tmp.$$"
 echo "nvcc: building $(basename "$OUT") for sm_${ARCHS// /, sm_} + compute_$ptx PTX"
 "$NVCC" -O3 -std=c++17 -shared -Xcompiler -fPIC -Xcompiler -fvisibility=hidden -cudart static \
-  --threads 0 -diag-suppress 177 "${GENCODE[@]}" -I"$ROOT/native" "${SRCS[@]}" -o "$tmp"
+  --threads 0 -diag-suppress 177 $DEFINES "${GENCODE[@]}" -I"$ROOT/native" "${SRCS[@]}" -o "$tmp"
 mv -f "$tmp" "$OUT"
 cp -f "$ROOT/native/w4pack.h" "$(dirname "$OUT")/w4pack.h"
-echo "$ARCHS" > "$OUT.archs"
+echo "$STAMP" > "$OUT.archs"
 echo "built $OUT"
