@@ -1057,6 +1057,77 @@ def test_wgmma_ws_output_staging(rs, sk, ms, monkeypatch):
         assert torch.equal(odd[:, 1:n + 1], runs[:, :n]), m
 
 
+PDL_CHAIN = (  # (M, kernel, env): each sm_90 kernel launched with programmatic dependent launch
+    (1, "bulk", {}), (8, "bulk", {"W4P_CUDA_BULK_QS": "1"}), (16, "wgmma_ws", {}), (64, "wgmma_ws", {}),
+    (128, "wgmma_ss", {}), (200, "wgmma_ws", {"W4P_CUDA_WS_RS": "2", "W4P_CUDA_WS_SK": "1"}),
+    (300, "wgmma_ws", {"W4P_CUDA_WS_RS": "1"}))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", ["1", "2"])
+def test_dependent_launches_wait_for_the_previous_kernel(pdl, monkeypatch):
+    # With programmatic dependent launch a kernel starts while the one before it on the stream still runs. Calls
+    # that read the previous call's output (a chain of layers) or overwrite its input must see exactly what they
+    # see with plain launches, eagerly and replayed from a graph, with every call queued before any completes
+    import torch
+
+    if not wgmma_ok():
+        pytest.skip("programmatic dependent launch is used by the sm_90 kernels")
+    rng = np.random.default_rng(zlib.crc32(repr(("pdl", pdl)).encode()))
+    n = k = 1536
+    lins = [cuda.CudaPackedLinear(pack(random_layer(rng, n, k, gs=128, zero_mode="int", bias=True)), "cuda")
+            for _ in range(2)]
+    for m, kernel, env in PDL_CHAIN:
+        for key, val in env.items():
+            monkeypatch.setenv(key, val)
+        x = (torch.randn(m, k, device="cuda") * 0.3).half()
+
+        def chain(bufs):
+            # four layers: each reads the last output, then overwrites the buffer the first call read (x)
+            for i in range(4):
+                lins[i % 2].forward(bufs[i], out=bufs[i + 1], kernel=kernel)
+            lins[0].forward(bufs[3], out=bufs[0], kernel=kernel)
+
+        monkeypatch.setenv("W4P_CUDA_PDL", "0")
+        ref = [x.clone()] + [torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda") for _ in range(4)]
+        for i in range(4):  # one call at a time
+            lins[i % 2].forward(ref[i], out=ref[i + 1], kernel=kernel)
+            torch.cuda.synchronize()
+        last = lins[0].forward(ref[3], kernel=kernel)
+        torch.cuda.synchronize()
+        assert all(torch.isfinite(r).all() for r in ref), (m, kernel)
+
+        monkeypatch.setenv("W4P_CUDA_PDL", pdl)
+        assert lins[0].plan(m, kernel=kernel)["kernel"] == cuda.KERNELS[kernel]
+        bufs = [x.clone()] + [torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda") for _ in range(4)]
+        chain(bufs)
+        torch.cuda.synchronize()
+        for i in range(1, 5):
+            assert torch.equal(bufs[i], ref[i]), (m, kernel, i)
+        assert torch.equal(bufs[0], last), (m, kernel)
+
+        bufs = [x.clone()] + [torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda") for _ in range(4)]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            chain([b.clone() for b in bufs])  # warm-up outside the capture (workspaces)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            chain(bufs)
+        for _ in range(2):
+            for i in range(1, 5):
+                bufs[i].fill_(float("nan"))
+            bufs[0].copy_(x)
+            g.replay()
+            torch.cuda.synchronize()
+            for i in range(1, 5):
+                assert torch.equal(bufs[i], ref[i]), ("graph", m, kernel, i)
+            assert torch.equal(bufs[0], last), ("graph", m, kernel)
+        for key in env:
+            monkeypatch.delenv(key)
+
+
 @pytest.mark.gpu
 def test_wgmma_kernel_large_and_repeatable():
     import torch

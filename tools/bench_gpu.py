@@ -376,6 +376,10 @@ def print_tables(head: str, tables) -> None:
     print(f"Time per call (us, L2-cold, graph replay median); speedup over the faster cuBLAS fp16 layout; "
           f"w4pack GB/s and % of the {READ_BW_REF:.0f} GB/s read stream; floor: the larger of the bytes at that "
           f"stream and the FLOPs at {FLOPS_REF / 1e12:.0f} TFLOP/s (`--floors`)")
+    pdl = os.environ.get("W4P_CUDA_PDL", "1")
+    print("w4pack's sm_90 kernels " + ("run with programmatic dependent launch: a call's set-up overlaps the "
+          "previous call's tail in these back-to-back graphs (W4P_CUDA_PDL=0 turns it off)" if pdl != "0" else
+          "launched plainly (W4P_CUDA_PDL=0)"))
     geo: dict[int, list[float]] = {}
     for k, n, rows in tables:
         print(f"\nK={k} N={n}")

@@ -279,6 +279,7 @@ struct Params {
   int kg;                // bulk kernel: tiles per stream-K granule (1, or the unit size: whole units per block)
   int cl;                // wgmma_ws, wgmma_ss with splits: launched as clusters of the S splits (cluster_reduce)
   int sk;                // wgmma_ws stream-K: its output tiles (over a grid of resident blocks); 0 otherwise
+  int pdl;               // bulk, wgmma_ws, wgmma_ss: launched with programmatic dependent launch (pdl_start)
 };
 
 // y for the rows row..row+3 of token tok (rows from N on dropped): the split sums v plus the bias
@@ -1074,6 +1075,20 @@ __host__ __device__ __forceinline__ int bulk_smem_bytes(int sb, int m, int gs, i
   return bulk_fix(m > 8 ? 2 : 1, qs) + ns * bulk_stage_bytes(sb, m, gs, ct, qs);
 }
 
+// Programmatic dependent launch (sm_90; p.pdl != 0, launch_ex): a kernel launched with it may start while the kernel
+// before it on the stream still runs, so each thread reads or writes global memory only after pdl_start's
+// griddepcontrol.wait, which returns once that kernel has completed and its writes are visible (at once where the
+// launch had no such dependency). What comes before it (the barriers' set-up, the block's share of the work, L2
+// prefetches) overlaps the previous kernel's tail. p.pdl == 1 also lets the next such launch begin now: its blocks
+// take an SM's slots only as this kernel's blocks leave them, and wait there in turn. Measured on an H200 in graphs
+// of back-to-back calls: 0.5-1.5 us less per call, on every Llama shape (docs/CUDA.md).
+__device__ __forceinline__ void pdl_start(const Params &p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  if (p.pdl != 2) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void mbar_init(uint32_t bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
 }
@@ -1100,6 +1115,11 @@ __device__ __forceinline__ void probe_drain(uint32_t full0, uint32_t empty0, int
   }
 }
 // (pol: an L2 policy from createpolicy, e.g. evict-first for the weights, evict-last for the activations)
+// L2 prefetches: hints only (L2 is where the GPU's writes land, so a line prefetched before another kernel writes
+// it is never read stale), hence allowed before pdl_start
+__device__ __forceinline__ void prefetch_l2(const void *src, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+}
 __device__ __forceinline__ void bulk_copy_hinted(uint32_t dst, const void *src, unsigned bytes, uint32_t bar,
                                                  uint64_t pol) {
   asm volatile(
@@ -1291,6 +1311,23 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
     const int np = p.zm != 0 ? 2 : 1;
     int q = first_quad, t0 = (int)(a - (int64_t)first_quad * p.KT);
     int64_t left = b - a;
+    if (p.pdl && pw == 0 && lane == 0) {  // the first stages' weights into L2 while the last kernel ends
+      int pq = q, pt = t0;
+      int64_t pleft = left;
+      for (int i = 0; i < NS && pleft > 0; ++i) {
+        const int nt = bulk_chunk<CT>(pt, p.KT, pleft);
+        const int nvs = min(QS, nstripes - pq * QS);
+        for (int cc = 0; cc < nvs; ++cc)
+          prefetch_l2(qwb + ((int64_t)(pq * QS + cc) * p.KT + pt) * WB, (unsigned)(nt * WB));
+        pleft -= nt;
+        pt += nt;
+        if (pt == p.KT) {
+          pt = 0;
+          ++pq;
+        }
+      }
+    }
+    pdl_start(p);
     for (int i = 0; left > 0; ++i) {
       const int s = i % NS;
       if (i >= NS) mbar_wait(empty0 + 8 * s, ((i / NS) - 1) & 1);
@@ -1329,6 +1366,7 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
   }
 
   // consumers: warp w computes stripe w % QS of the unit, tiles w / QS + j * (BNC / QS)
+  pdl_start(p);
   const int gid = lane >> 2, tid4 = lane & 3;
   const int mi = warp % QS, th = warp / QS;
   const ZC<T, SB> zc_sym = zc_make<T, SB>((float)(1 << (SB == 4 ? 3 : 7)), (float)(1 << (SB == 4 ? 3 : 7)));
@@ -2154,6 +2192,9 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
     if (warp == 8 && lane == 0) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&xmap)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&wmap)) : "memory");
+    }
+    pdl_start(p);
+    if (warp == 8 && lane == 0) {
       const unsigned char *pbase[2] = {reinterpret_cast<const unsigned char *>(p.scales),
                                        reinterpret_cast<const unsigned char *>(ZMODE == 1 ? p.zeros : p.mins)};
       // one segment's stages, from the ring's stage gi on; returns their count
@@ -2201,6 +2242,7 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
     }
   } else if (p.probe) {  // copies only (diagnostics)
     if constexpr (RS == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(ws_creg(SK)) : "memory");
+    pdl_start(p);
     int total = nsteps;
     if constexpr (SK) {
       total = 0;
@@ -2213,6 +2255,7 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
     probe_drain(full0, empty0, NS, total);
   } else {
     if constexpr (RS == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(ws_creg(SK)) : "memory");
+    pdl_start(p);
     const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
     // Four-tile stages are planned only for group sizes that hold whole K tiles, so the 16- and 32-token tiles
     // need no per-slice group test there (the 64-token tile keeps the test: without it, it spilled 12 bytes)
@@ -2498,6 +2541,9 @@ __global__ void __launch_bounds__(9 * 32, 1) wgmma_ss_kernel(const Params p, con
     if (lane == 0) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&xmap)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&wmap)) : "memory");
+    }
+    pdl_start(p);
+    if (lane == 0) {
       const unsigned char *pbase[2] = {reinterpret_cast<const unsigned char *>(p.scales),
                                        reinterpret_cast<const unsigned char *>(ZMODE == 1 ? p.zeros : p.mins)};
       const unsigned prow = (unsigned)min(SS_BR, p.Np - row0) * 2u;
@@ -2521,8 +2567,10 @@ __global__ void __launch_bounds__(9 * 32, 1) wgmma_ss_kernel(const Params p, con
     }
     __syncwarp();
   } else if (p.probe) {  // copies only (diagnostics)
+    pdl_start(p);
     probe_drain(full0, empty0, NS, nsteps);
   } else {
+    pdl_start(p);
     const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
     // Everything but the stage, the K tile and the B buffer is fixed per lane, so the addresses are formed once.
     // Stripes past the layer are dequantized too (their codes arrive as zeros, their parameters are stale): they
@@ -2934,6 +2982,12 @@ int ws_rs_env() {
 int ws_sk_env() {
   const char *e = getenv("W4P_CUDA_WS_SK");
   return e && (e[0] == '0' || e[0] == '1') && e[1] == 0 ? e[0] - '0' : -1;
+}
+// W4P_CUDA_PDL=0|1|2: the sm_90 kernels' programmatic dependent launch (pdl_start): 0 off, 1 (the default) with
+// the early trigger of the next launch, 2 without it (A/B runs and tests; read at each call)
+int pdl_env() {
+  const char *e = getenv("W4P_CUDA_PDL");
+  return e && e[0] >= '0' && e[0] <= '2' && e[1] == 0 ? e[0] - '0' : 1;
 }
 // W4P_CUDA_BULK_CT=8|12|16: the bulk kernel's tiles per unit on 4-bit layers instead of the planner's choice
 // (sweeps and tests; read at each call)
@@ -3609,8 +3663,7 @@ cudaError_t launch_bulk_t(const Params &p, const Plan &pl, cudaStream_t st) {
   cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
   if (e != cudaSuccess) return e;
   debug_occupancy(fn, "bulk", (BNC + BNP) * 32, pl.smem);
-  fn<<<(unsigned)pl.W, (BNC + BNP) * 32, pl.smem, st>>>(p);
-  return cudaGetLastError();
+  return launch_ex(fn, dim3((unsigned)pl.W), (BNC + BNP) * 32, pl.smem, st, 1, p);
 }
 
 template <typename T, int SB, int CT>
@@ -3695,20 +3748,44 @@ cudaError_t encode_w_map(CUtensorMap *map, const void *qw, int KT, int nstripes,
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-cudaLaunchConfig_t cluster_config(cudaLaunchAttribute *at, dim3 grid, int threads, size_t smem, cudaStream_t st,
-                                  int cz) {
+// A launch's configuration: clusters of cz blocks along z where cz > 1, programmatic dependent launch where pdl
+// (the kernel then calls pdl_start before it touches global memory). at holds two attributes.
+cudaLaunchConfig_t launch_config(cudaLaunchAttribute *at, dim3 grid, int threads, size_t smem, cudaStream_t st,
+                                 int cz, bool pdl) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3((unsigned)threads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = st;
-  at[0].id = cudaLaunchAttributeClusterDimension;
-  at[0].val.clusterDim.x = 1;
-  at[0].val.clusterDim.y = 1;
-  at[0].val.clusterDim.z = (unsigned)cz;
-  cfg.attrs = at;
-  cfg.numAttrs = 1;
+  unsigned n = 0;
+  if (cz > 1) {
+    at[n].id = cudaLaunchAttributeClusterDimension;
+    at[n].val.clusterDim.x = 1;
+    at[n].val.clusterDim.y = 1;
+    at[n].val.clusterDim.z = (unsigned)cz;
+    ++n;
+  }
+  if (pdl) {
+    at[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  cfg.attrs = n ? at : nullptr;
+  cfg.numAttrs = n;
   return cfg;
+}
+
+// fn<<<grid, threads, smem, st>>>(p, rest...) with the attributes of launch_config
+template <typename... Args, typename... Rest>
+cudaError_t launch_ex(void (*fn)(Args...), dim3 grid, int threads, size_t smem, cudaStream_t st, int cz,
+                      const Params &p, Rest &&...rest) {
+  if (cz <= 1 && !p.pdl) {
+    fn<<<grid, threads, smem, st>>>(p, std::forward<Rest>(rest)...);
+    return cudaGetLastError();
+  }
+  cudaLaunchAttribute at[2];
+  const cudaLaunchConfig_t cfg = launch_config(at, grid, threads, smem, st, cz, p.pdl != 0);
+  return cudaLaunchKernelEx(&cfg, fn, p, std::forward<Rest>(rest)...);
 }
 
 // Whether clusters of cz blocks take no more waves than the plain launch. A cluster's blocks must share one GPC,
@@ -3731,8 +3808,8 @@ bool cluster_fits(void (*fn)(Args...), dim3 grid, int threads, size_t smem, int 
   }
   if (!hit) {
     int nb = 0, sms = 0, nc = 0;
-    cudaLaunchAttribute at[1];
-    const cudaLaunchConfig_t cfg = cluster_config(at, grid, threads, smem, nullptr, cz);
+    cudaLaunchAttribute at[2];
+    const cudaLaunchConfig_t cfg = launch_config(at, grid, threads, smem, nullptr, cz, false);
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, fn, threads, smem) != cudaSuccess ||
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
         cudaOccupancyMaxActiveClusters(&nc, fn, &cfg) != cudaSuccess) {
@@ -3760,13 +3837,7 @@ cudaError_t launch_splits(void (*fn)(Args...), int threads, const Plan &pl, cuda
                           Rest &&...rest) {
   const dim3 grid((unsigned)pl.TB, (unsigned)(pl.tiles / pl.TB), (unsigned)pl.S);
   p.cl = pl.cl && cluster_fits(fn, grid, threads, pl.smem, pl.S) ? 1 : 0;
-  if (!p.cl) {
-    fn<<<grid, threads, pl.smem, st>>>(p, std::forward<Rest>(rest)...);
-    return cudaGetLastError();
-  }
-  cudaLaunchAttribute at[1];
-  const cudaLaunchConfig_t cfg = cluster_config(at, grid, threads, pl.smem, st, pl.S);
-  return cudaLaunchKernelEx(&cfg, fn, p, std::forward<Rest>(rest)...);
+  return launch_ex(fn, grid, threads, pl.smem, st, p.cl ? pl.S : 1, p, std::forward<Rest>(rest)...);
 }
 
 template <typename T, int BN, int KS, int RS = 1, bool SK = false>
@@ -3785,8 +3856,7 @@ cudaError_t launch_wgmma_ws_t(const Params &p, const Plan &pl, cudaStream_t st) 
   if constexpr (SK) {  // one block per resident slot, each its run of the tiles' stages
     Params q = p;
     q.sk = pl.tiles;
-    fn<<<(unsigned)pl.sk, ws_threads(RS), pl.smem, st>>>(q, map, wmap);
-    return cudaGetLastError();
+    return launch_ex(fn, dim3((unsigned)pl.sk), ws_threads(RS), pl.smem, st, 1, q, map, wmap);
   } else {
     return launch_splits(fn, ws_threads(RS), pl, st, p, map, wmap);
   }
@@ -3840,6 +3910,9 @@ cudaError_t launch_all(Params &p, const Plan &pl, int sbits, void *ws_gather, cu
     } else {
       p.kx = p.K;
     }
+    if (pl.kernel == W4P_CUDA_KERNEL_BULK || pl.kernel == W4P_CUDA_KERNEL_WGMMA_WS ||
+        pl.kernel == W4P_CUDA_KERNEL_WGMMA_SS)
+      p.pdl = pdl_env();
     if (pl.kernel == W4P_CUDA_KERNEL_BULK) return sbits == 4 ? launch_bulk<T, 4>(p, pl, st) : launch_bulk<T, 8>(p, pl, st);
     if (pl.kernel == W4P_CUDA_KERNEL_WGMMA) return launch_wgmma<T>(p, pl, st);
     if (pl.kernel == W4P_CUDA_KERNEL_WGMMA_WS) return launch_wgmma_ws<T>(p, pl, st);
