@@ -1082,18 +1082,23 @@ def test_dependent_launches_wait_for_the_previous_kernel(pdl, monkeypatch):
             monkeypatch.setenv(key, val)
         x = (torch.randn(m, k, device="cuda") * 0.3).half()
 
-        def chain(bufs):
-            # four layers: each reads the last output, then overwrites the buffer the first call read (x)
+        def chain(bufs, sync=False):
+            # four layers: each reads the last output (after two of them a plain torch kernel rescales it first),
+            # then a call overwrites the buffer the first one read (x)
             for i in range(4):
                 lins[i % 2].forward(bufs[i], out=bufs[i + 1], kernel=kernel)
+                if i % 2 == 1:
+                    bufs[i + 1].mul_(0.25)
+                if sync:
+                    torch.cuda.synchronize()
             lins[0].forward(bufs[3], out=bufs[0], kernel=kernel)
 
         monkeypatch.setenv("W4P_CUDA_PDL", "0")
         ref = [x.clone()] + [torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda") for _ in range(4)]
-        for i in range(4):  # one call at a time
-            lins[i % 2].forward(ref[i], out=ref[i + 1], kernel=kernel)
-            torch.cuda.synchronize()
-        last = lins[0].forward(ref[3], kernel=kernel)
+        chain(ref, sync=True)  # one call at a time; its last call overwrites ref[0] (x: restored below)
+        torch.cuda.synchronize()
+        last = ref[0].clone()
+        ref[0].copy_(x)
         torch.cuda.synchronize()
         assert all(torch.isfinite(r).all() for r in ref), (m, kernel)
 
