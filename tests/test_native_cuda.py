@@ -1057,18 +1057,23 @@ def test_wgmma_ws_output_staging(rs, sk, ms, monkeypatch):
         assert torch.equal(odd[:, 1:n + 1], runs[:, :n]), m
 
 
-PDL_CHAIN = (  # (M, kernel, env): each sm_90 kernel launched with programmatic dependent launch
-    (1, "bulk", {}), (8, "bulk", {"W4P_CUDA_BULK_QS": "1"}), (16, "wgmma_ws", {}), (64, "wgmma_ws", {}),
-    (128, "wgmma_ss", {}), (200, "wgmma_ws", {"W4P_CUDA_WS_RS": "2", "W4P_CUDA_WS_SK": "1"}),
-    (300, "wgmma_ws", {"W4P_CUDA_WS_RS": "1"}))
+PDL_CHAIN = (  # (M, kernel, splits, env, a word of its plan): every sm_90 kernel path, launched with programmatic
+    # dependent launch: the bulk kernel's split sums through the workspace and its one-stripe units, wgmma_ws's
+    # cluster and workspace split sums, wgmma_ss, stream-K, the plain grid
+    (1, "bulk", 0, {"W4P_CUDA_BULK_QS": "4"}, "stripes=4"), (8, "bulk", 0, {"W4P_CUDA_BULK_QS": "1"}, "stripes=1"),
+    (16, "wgmma_ws", 3, {}, "sum=cluster"), (64, "wgmma_ws", 2, {"W4P_CUDA_CLUSTER": "0"}, "sum=workspace"),
+    (128, "wgmma_ss", 0, {}, "wgmma_ss"), (200, "wgmma_ws", 0, {"W4P_CUDA_WS_RS": "2", "W4P_CUDA_WS_SK": "1"},
+                                           "stream-k="),
+    (300, "wgmma_ws", 0, {"W4P_CUDA_WS_RS": "1"}, "splits=1"))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pdl", ["1", "2"])
 def test_dependent_launches_wait_for_the_previous_kernel(pdl, monkeypatch):
     # With programmatic dependent launch a kernel starts while the one before it on the stream still runs. Calls
-    # that read the previous call's output (a chain of layers) or overwrite its input must see exactly what they
-    # see with plain launches, eagerly and replayed from a graph, with every call queued before any completes
+    # that read the previous call's output, or overwrite the buffer the previous call read, must see exactly what
+    # they see with plain launches. The graph replays queue every call before any completes (eager calls may not:
+    # Python's launch overhead can outlast a kernel)
     import torch
 
     if not wgmma_ok():
@@ -1077,48 +1082,48 @@ def test_dependent_launches_wait_for_the_previous_kernel(pdl, monkeypatch):
     n = k = 1536
     lins = [cuda.CudaPackedLinear(pack(random_layer(rng, n, k, gs=128, zero_mode="int", bias=True)), "cuda")
             for _ in range(2)]
-    for m, kernel, env in PDL_CHAIN:
+    for m, kernel, splits, env, word in PDL_CHAIN:
         for key, val in env.items():
             monkeypatch.setenv(key, val)
-        x = (torch.randn(m, k, device="cuda") * 0.3).half()
+        x = (torch.randn(m, k, device="cuda") * 0.1).half()
 
-        def chain(bufs, sync=False):
-            # four layers: each reads the last output (after two of them a plain torch kernel rescales it first),
-            # then a call overwrites the buffer the first one read (x)
-            for i in range(4):
-                lins[i % 2].forward(bufs[i], out=bufs[i + 1], kernel=kernel)
-                if i % 2 == 1:
-                    bufs[i + 1].mul_(0.25)
+        def chain(b, sync=False):
+            # (input, output) per call: each reads the last call's output; after the second a plain torch kernel
+            # (which does not trigger the next launch) rescales its output; the fifth overwrites the buffer the
+            # fourth read, the sixth the first call's input
+            for i, (src, dst) in enumerate(((0, 1), (1, 2), (2, 3), (3, 4), (4, 3), (3, 0))):
+                lins[i % 2].forward(b[src], out=b[dst], kernel=kernel, splits=splits)
+                if i == 1:
+                    b[dst].mul_(0.1)
                 if sync:
                     torch.cuda.synchronize()
-            lins[0].forward(bufs[3], out=bufs[0], kernel=kernel)
+
+        def fresh():
+            return [x.clone()] + [torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+                                  for _ in range(4)]
 
         monkeypatch.setenv("W4P_CUDA_PDL", "0")
-        ref = [x.clone()] + [torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda") for _ in range(4)]
-        chain(ref, sync=True)  # one call at a time; its last call overwrites ref[0] (x: restored below)
-        torch.cuda.synchronize()
-        last = ref[0].clone()
-        ref[0].copy_(x)
-        torch.cuda.synchronize()
+        ref = fresh()
+        chain(ref, sync=True)  # one call at a time, plain launches
         assert all(torch.isfinite(r).all() for r in ref), (m, kernel)
 
         monkeypatch.setenv("W4P_CUDA_PDL", pdl)
-        assert lins[0].plan(m, kernel=kernel)["kernel"] == cuda.KERNELS[kernel]
-        bufs = [x.clone()] + [torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda") for _ in range(4)]
+        plan = lins[0].plan(m, kernel=kernel, splits=splits)
+        assert plan["kernel"] == cuda.KERNELS[kernel] and word in plan["detail"], (m, plan)
+        bufs = fresh()
         chain(bufs)
         torch.cuda.synchronize()
-        for i in range(1, 5):
+        for i in range(5):
             assert torch.equal(bufs[i], ref[i]), (m, kernel, i)
-        assert torch.equal(bufs[0], last), (m, kernel)
 
-        bufs = [x.clone()] + [torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda") for _ in range(4)]
+        bufs = fresh()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            chain([b.clone() for b in bufs])  # warm-up outside the capture (workspaces)
+            chain(fresh())  # warm-up on the capture stream: its workspace is allocated outside the capture
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with torch.cuda.graph(g, stream=s):
             chain(bufs)
         for _ in range(2):
             for i in range(1, 5):
@@ -1126,9 +1131,8 @@ def test_dependent_launches_wait_for_the_previous_kernel(pdl, monkeypatch):
             bufs[0].copy_(x)
             g.replay()
             torch.cuda.synchronize()
-            for i in range(1, 5):
+            for i in range(5):
                 assert torch.equal(bufs[i], ref[i]), ("graph", m, kernel, i)
-            assert torch.equal(bufs[0], last), ("graph", m, kernel)
         for key in env:
             monkeypatch.delenv(key)
 

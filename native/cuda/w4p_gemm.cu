@@ -1080,8 +1080,9 @@ __host__ __device__ __forceinline__ int bulk_smem_bytes(int sb, int m, int gs, i
 // griddepcontrol.wait, which returns once that kernel has completed and its writes are visible (at once where the
 // launch had no such dependency). What comes before it (the barriers' set-up, the block's share of the work, L2
 // prefetches) overlaps the previous kernel's tail. p.pdl == 1 also lets the next such launch begin now: its blocks
-// take an SM's slots only as this kernel's blocks leave them, and wait there in turn. Measured on an H200 in graphs
-// of back-to-back calls: 0.5-1.5 us less per call, on every Llama shape (docs/CUDA.md).
+// start wherever an SM has room (on a full GPU, as this kernel's blocks leave) and wait there in turn. Measured on
+// an H200 in graphs of back-to-back calls: 0.5-1.5 us less per call on the 7B Llama shapes, 0-1 us on the 70B
+// ones (docs/CUDA.md).
 __device__ __forceinline__ void pdl_start(const Params &p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -1720,16 +1721,26 @@ __device__ __forceinline__ int sk_owner(int64_t u, int64_t U, int G) { return (i
 // accumulators in their block's workspace slot (0 for the block's first segment, 1 for its last; fragment order:
 // for each 4-float group of a thread's accumulators, the 256 threads' groups side by side, 512 contiguous bytes
 // per warp instruction; a warpgroup writes its own threads' groups) and count themselves stored
-// (counters[SK_READY + 2 tile + w]). The last waits for those, adds the slots to its own registers in block order,
-// its own term in its place (bit-identical whoever arrives last), and writes y: its own partial never goes
-// through memory. Every block's run holds at least one unit (the plan keeps G <= U), so the blocks of a tile are
+// (counters[SK_READY + 2 tile + w], at their next epilogue: sk_count_stored). The last waits for those, adds the
+// slots to its own registers in block order, its own term in its place (bit-identical whoever arrives last), and
+// writes y: its own partial never goes through memory. Every block's run holds at least one unit (the plan keeps G <= U), so the blocks of a tile are
 // exactly those from the owner of its first unit to the owner of its last.
 constexpr int SK_READY = 8192;  // the second half of the counters (MAX_COUNTERS): slots stored per tile part
+// A warpgroup counts its last partial store stored (pend: its part, or -1) only at its next segment's epilogue or
+// at the run's end: the stores drain while it runs the next segment, and the block that sums that tile arrives
+// much later (at the end of its own run). The fence orders each thread's stores before the count.
+__device__ __forceinline__ void sk_count_stored(const Params &p, int &pend, int warp) {
+  __threadfence();
+  named_sync(2 + (warp >> 2), 128);  // (also: every thread of the warpgroup is past its previous epilogue)
+  if ((threadIdx.x & 127) == 0 && pend >= 0) atomicAdd(&p.counters[SK_READY + pend], 1u);
+  pend = -1;
+}
 template <typename T, int RB, int BN, int RS>
 __device__ __forceinline__ void sk_epilogue(const Params &p, float (&acc)[RS][BN / 2], int tile, int kb, int ke,
                                             int row0, int64_t tok0, int warp, int lane, int64_t u_beg, int SPT,
-                                            uint32_t stg, const unsigned char *stg_g) {
+                                            uint32_t stg, const unsigned char *stg_g, int &pend) {
   static_assert(RS == 2, "stream-K runs the 256-row blocks");
+  sk_count_stored(p, pend, warp);
   if (kb == 0 && ke == p.KT) {
     ws_store_tile<T, BN, RS>(p, acc, row0, tok0, stg, stg_g, warp, lane);
     return;
@@ -1746,7 +1757,7 @@ __device__ __forceinline__ void sk_epilogue(const Params &p, float (&acc)[RS][BN
            threadIdx.x;
   };
   __shared__ int s_last[2];
-  named_sync(bar, 128);  // (every thread of the warpgroup has read s_last of its previous segment)
+  // (sk_count_stored's barrier: every thread of the warpgroup has read s_last of its previous segment)
   if (lead) s_last[w] = atomicAdd(&p.counters[part], 1u) == (unsigned)(c_hi - c_lo);
   named_sync(bar, 128);
   // (a vote: its result is known to be the same in every lane, so the branch keeps the segment loop's control
@@ -1759,9 +1770,7 @@ __device__ __forceinline__ void sk_epilogue(const Params &p, float (&acc)[RS][BN
       for (int i = 0; i < BN / 8; ++i)
         __stcg(mine + (r * (BN / 8) + i) * 256,
                make_float4(acc[r][4 * i], acc[r][4 * i + 1], acc[r][4 * i + 2], acc[r][4 * i + 3]));
-    __threadfence();
-    named_sync(bar, 128);
-    if (lead) atomicAdd(&p.counters[SK_READY + part], 1u);
+    pend = part;  // counted stored at the next segment's epilogue or the run's end
     return;
   }
   if (lead)  // the others have arrived: they are storing or have stored
@@ -2088,7 +2097,8 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void *src, unsigne
 __host__ __device__ constexpr int ws_preg(bool sk) { return sk ? 56 : 40; }
 __host__ __device__ constexpr int ws_creg(bool sk) { return sk ? 224 : 232; }
 // Per-block timeline (diagnostics builds only: nvcc -DW4P_WS_TRACE, as tools/ws_trace.py builds it). Thread 0 of
-// each wgmma_ws block records %globaltimer and clock64 at its start (event 0), at the end of each main loop or
+// each wgmma_ws block records %globaltimer and clock64 at its start (event 0: once the previous kernel on the stream
+// has completed, pdl_start), at the end of each main loop or
 // stream-K segment (odd events) and at the end of each epilogue (even events), and its SM in word 31. Ordinary
 // builds compile W4P_WS_TR to nothing.
 #ifdef W4P_WS_TRACE
@@ -2175,7 +2185,6 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  W4P_WS_TR(0);
 
   float acc[RS][BN / 2];  // stripe r of the warp: rows rl + 128 r
 #pragma unroll
@@ -2243,6 +2252,7 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
   } else if (p.probe) {  // copies only (diagnostics)
     if constexpr (RS == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(ws_creg(SK)) : "memory");
     pdl_start(p);
+    W4P_WS_TR(0);
     int total = nsteps;
     if constexpr (SK) {
       total = 0;
@@ -2256,6 +2266,7 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
   } else {
     if constexpr (RS == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(ws_creg(SK)) : "memory");
     pdl_start(p);
+    W4P_WS_TR(0);
     const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
     // Four-tile stages are planned only for group sizes that hold whole K tiles, so the 16- and 32-token tiles
     // need no per-slice group test there (the 64-token tile keeps the test: without it, it spilled 12 bytes)
@@ -2380,7 +2391,7 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
       return nsteps;
     };
     if constexpr (SK) {
-      int gi = 0, ev = 1;
+      int gi = 0, ev = 1, pend = -1;
       for (int64_t u = u_beg; u < u_end;) {
         const Seg sg = seg_at(u);
         u = sg.next;
@@ -2391,10 +2402,11 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
         gi += consume(sg.kb, sg.ke, gi);
         W4P_WS_TR(ev);
         sk_epilogue<T, RB, BN, RS>(p, acc, sg.tile, sg.kb, sg.ke, sg.row0, sg.tok0, warp, lane, u_beg, SPT, ystage,
-                                   sgen + (ystage - sbase));
+                                   sgen + (ystage - sbase), pend);
         W4P_WS_TR(ev + 1);
         ev += 2;
       }
+      sk_count_stored(p, pend, warp);
     } else {
       consume(kb, ke, 0);
       W4P_WS_TR(1);
