@@ -1094,7 +1094,7 @@ def test_dependent_launches_wait_for_the_previous_kernel(pdl, monkeypatch):
             for i, (src, dst) in enumerate(((0, 1), (1, 2), (2, 3), (3, 4), (4, 3), (3, 0))):
                 lins[i % 2].forward(b[src], out=b[dst], kernel=kernel, splits=splits)
                 if i == 1:
-                    b[dst].mul_(0.1)
+                    b[dst].mul_(0.01)
                 if sync:
                     torch.cuda.synchronize()
 
