@@ -19,13 +19,15 @@ def _cuda_present() -> bool:
 
 
 @pytest.mark.skipif(_cuda_present(), reason="a CUDA device is present")
-def test_profile_gpu_without_a_device_says_so():
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "profile_gpu.py"), "--shape", "256x128", "--m", "4"],
+@pytest.mark.parametrize("tool,args", [("profile_gpu", ["--shape", "256x128", "--m", "4"]),
+                                       ("ws_trace", ["--configs", "256x128:4"])])
+def test_gpu_tools_without_a_device_say_so(tool, args):
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / f"{tool}.py"), *args],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     # "no CUDA device: ..." here; "CUDA library unavailable: ..." where nvcc did not build the library
-    assert len(lines) == 1 and lines[0].startswith("profile_gpu: "), r.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"{tool}: "), r.stderr
     assert "Traceback" not in r.stderr
 
 
@@ -108,16 +110,6 @@ def _ws_trace():
     finally:
         sys.path.pop(0)
     return ws_trace
-
-
-@pytest.mark.skipif(_cuda_present(), reason="a CUDA device is present")
-def test_ws_trace_without_a_device_says_so():
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "ws_trace.py"), "--configs", "256x128:4"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ws_trace: "), r.stderr
-    assert "Traceback" not in r.stderr
 
 
 def test_ws_trace_reads_its_configurations():

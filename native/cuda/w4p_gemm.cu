@@ -1310,6 +1310,17 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
     const T *zsrc = (const T *)(p.zm == 1 ? p.zeros : p.mins);
     const T *ssrc = (const T *)p.scales;
     const int np = p.zm != 0 ? 2 : 1;
+    // the weight run of stripe cc of quad q from tile t0, and the step past a chunk of nt tiles (the chunk walk
+    // of the prefetch and of the copies)
+    auto wrun = [&](int q, int cc, int t0) { return qwb + ((int64_t)(q * QS + cc) * p.KT + t0) * WB; };
+    auto advance = [&](int &q, int &t0, int64_t &left, int nt) {
+      left -= nt;
+      t0 += nt;
+      if (t0 == p.KT) {
+        t0 = 0;
+        ++q;
+      }
+    };
     int q = first_quad, t0 = (int)(a - (int64_t)first_quad * p.KT);
     int64_t left = b - a;
     if (p.pdl && pw == 0 && lane == 0) {  // the first stages' weights into L2 while the last kernel ends
@@ -1318,14 +1329,8 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
       for (int i = 0; i < NS && pleft > 0; ++i) {
         const int nt = bulk_chunk<CT>(pt, p.KT, pleft);
         const int nvs = min(QS, nstripes - pq * QS);
-        for (int cc = 0; cc < nvs; ++cc)
-          prefetch_l2(qwb + ((int64_t)(pq * QS + cc) * p.KT + pt) * WB, (unsigned)(nt * WB));
-        pleft -= nt;
-        pt += nt;
-        if (pt == p.KT) {
-          pt = 0;
-          ++pq;
-        }
+        for (int cc = 0; cc < nvs; ++cc) prefetch_l2(wrun(pq, cc, pt), (unsigned)(nt * WB));
+        advance(pq, pt, pleft, nt);
       }
     }
     pdl_start(p);
@@ -1345,8 +1350,7 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
         for (int r = 0; r < M; ++r)
           bulk_copy_hinted(st + XOFF + r * BXP, xs + (int64_t)r * p.ldx + t0 * 64, nt * 128, full, pol_x);
         for (int cc = 0; cc < nvs; ++cc)
-          bulk_copy_hinted(st + WOFF + cc * CT * WB, qwb + ((int64_t)(q * QS + cc) * p.KT + t0) * WB, wbytes,
-                                full, pol);
+          bulk_copy_hinted(st + WOFF + cc * CT * WB, wrun(q, cc, t0), wbytes, full, pol);
       }
       const int pch = nvs * 2, npc = ng * np * pch;
       for (int e = pw * 32 + lane; e < npc; e += 32 * BNP) {
@@ -1356,12 +1360,7 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
       }
       asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full) : "memory");
-      left -= nt;
-      t0 += nt;
-      if (t0 == p.KT) {
-        t0 = 0;
-        ++q;
-      }
+      advance(q, t0, left, nt);
     }
     return;
   }
