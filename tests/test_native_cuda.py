@@ -113,12 +113,12 @@ def test_plan_for_described_devices_auto():
         assert auto(H200, m, 4096, 4096) == k["tiled"], m
     assert auto(H200, 33, 2048, 4096) == k["tiled"]  # 2^23 weights
     assert auto(H200, 512, 4096, 11008) == k["wgmma_ws"]  # 128 tiles
-    assert auto(H200, 384, 12288, 4096) == k["tiled"]  # 288 tiles; wgmma_ss's 144 blocks fill 55%
+    assert auto(H200, 384, 12288, 4096) == k["wgmma_ws"]  # 192 blocks of 192 rows (wgmma_ss's 144 fill 55%)
     assert auto(H200, 64, 28672, 8192) == k["wgmma_ws"]
     assert auto(H200, 256, 8192, 28672) == k["wgmma_ws"]
-    assert auto(H200, 300, 8192, 28672) == k["wgmma_ss"]  # 96 blocks x 4 splits fill 97%
+    assert auto(H200, 300, 8192, 28672) == k["wgmma_ws"]  # 129 blocks of 192 rows (wgmma_ss: 96 x 4 splits)
     assert auto(H200, 128, 11008, 4096) == k["wgmma_ws"]  # 2^25 weights or more: up to M = 128
-    assert auto(H200, 129, 11008, 4096) == k["tiled"]
+    assert auto(H200, 129, 11008, 4096) == k["wgmma_ws"]  # 116 blocks of 192 rows
     assert auto(H200, 16, 4096, 4096, gs=-1) == k["wgmma_ws"]  # per-channel
     assert auto(H200, 16, 4096, 4096, gs=32) == k["wgmma_ws"]
     assert auto(H200, 16, 4096, 4096, bits=8) == k["stream"]  # 4-bit only
@@ -134,7 +134,7 @@ def test_plan_for_described_devices_auto():
     assert auto(H200, 64, 28672, 8192) == k["wgmma_ws"]
     for m, n, kk in ((384, 11008, 4096), (512, 8192, 28672), (256, 8192, 28672)):
         assert auto(H200, m, n, kk) == k["wgmma_ws"], (m, n, kk)
-    assert auto(H200, 512, 11008, 4096) == k["tiled"]  # 172 blocks: 65%; 4 splits would be 16 K tiles each
+    assert auto(H200, 512, 11008, 4096) == k["wgmma_ws"]  # 232 blocks of 192 rows (wgmma_ss: 172, 65%)
     # M = 1024 on the 7B shapes whose 256-row grid fills 97% of its waves (ahead of the dense path since the
     # output tile is staged through shared memory); 4096x11008's 344 blocks fill 87%
     for n, kk in ((4096, 4096), (4096, 11008), (12288, 4096)):
@@ -177,8 +177,10 @@ def test_plan_for_wgmma_ss_ranges(monkeypatch):
         assert auto(H200, m, 11008, 4096) == k["wgmma_ss"], m
         assert auto(H200, m, 12288, 4096) == k["wgmma_ss"], m
     monkeypatch.delenv("W4P_CUDA_WS_RS")
-    assert auto(H200, 300, 8192, 28672) == k["wgmma_ss"]  # 96 blocks of 256 rows: 73%
+    assert auto(H200, 300, 8192, 28672) == k["wgmma_ws"]  # 96 blocks of 256 rows: 73%; 129 of 192 rows: 98%
     # where wgmma_ss would run unsplit, wgmma_ws's 256-row blocks (the same tiles) where they run unsplit too
+    # (192-row blocks turned off: they take these layers at these M, test_plan_for_wgmma_ws_192_row_blocks)
+    monkeypatch.setenv("W4P_CUDA_WS_ROWS", "256")
     for m in (160, 192, 256):
         for n in (11008, 12288):
             got = _describe_for(lib, ffi, H200, m, n, 4096)
@@ -187,6 +189,8 @@ def test_plan_for_wgmma_ss_ranges(monkeypatch):
     assert auto(H200, 159, 11008, 4096) == k["tiled"]
     assert auto(H200, 128, 11008, 4096) == k["wgmma_ws"]  # 43 blocks: would need a split
     assert auto(H200, 256, 8192, 28672) == k["wgmma_ws"]  # 32 row blocks x 2
+    monkeypatch.delenv("W4P_CUDA_WS_ROWS")
+    assert _describe_for(lib, ffi, H200, 159, 11008, 4096).get("rows") == "192"
 
 
 def test_plan_for_without_tma_falls_back_to_wgmma(monkeypatch):
@@ -249,6 +253,7 @@ def test_plan_for_wgmma_ws_256_row_blocks(monkeypatch):
     # W4P_CUDA_WS_RS=1|2 forces
     ffi, lib = _lib_or_skip()
     monkeypatch.delenv("W4P_CUDA_WS_RS", raising=False)
+    monkeypatch.delenv("W4P_CUDA_WS_ROWS", raising=False)
     monkeypatch.setenv("W4P_CUDA_WS_SK", "0")  # the plain grid (stream-K's rule: test_plan_for_wgmma_ws_stream_k)
 
     def ws(m, n, kk, **kw):
@@ -263,9 +268,9 @@ def test_plan_for_wgmma_ws_256_row_blocks(monkeypatch):
     assert ws(256, 8192, 28672) == ("wgmma_ws", "256", "2", "64")  # 32 row blocks x 2 token tiles, 2 splits
     assert ws(512, 8192, 28672) == ("wgmma_ws", "256", "1", "128")
     assert ws(128, 8192, 28672)[1] is None  # 4 splits
-    assert ws(384, 8192, 28672)[1] is None  # 96 blocks: 73%
+    assert ws(384, 8192, 28672)[1] == "192"  # 96 blocks: 73%; 129 of 192 rows: 98%
     assert ws(384, 11008, 4096) == ("wgmma_ws", "256", "1", "129")  # 43 row blocks x 3: 98%
-    assert ws(512, 11008, 4096)[1] is None  # 172 blocks: 65%
+    assert ws(512, 11008, 4096)[1] == "192"  # 172 blocks: 65%; 232 of 192 rows: 88% of two waves
     assert ws(1024, 11008, 4096)[1] is None  # 344 blocks: 87%
     assert ws(1024, 12288, 4096) == ("wgmma_ws", "256", "1", "384")  # 97%
     assert ws(1024, 4096, 11008) == ("wgmma_ws", "256", "1", "128")  # 97%
@@ -284,6 +289,46 @@ def test_plan_for_wgmma_ws_256_row_blocks(monkeypatch):
     monkeypatch.setenv("W4P_CUDA_WS_RS", "2")
     assert ws(100, 4096, 4096, kernel="wgmma_ws")[1] == "256"
     assert ws(64, 4096, 4096, kernel="wgmma_ws")[1] is None  # only the 128-token tile has them
+
+
+def test_plan_for_wgmma_ws_192_row_blocks(monkeypatch):
+    # the 128-token tile in 192-row blocks (three consumer warpgroups) up to M = 512 on layers of 2^24 weights or
+    # more, where a wave model ranks their grid at least 8% ahead of the 128- and 256-row grids (split in two within
+    # one wave, or stream-K); W4P_CUDA_WS_ROWS=128|192|256 forces the rows
+    ffi, lib = _lib_or_skip()
+    for var in ("W4P_CUDA_WS_RS", "W4P_CUDA_WS_ROWS", "W4P_CUDA_WS_SK"):
+        monkeypatch.delenv(var, raising=False)
+
+    def ws(m, n, kk, **kw):
+        got = _describe_for(lib, ffi, H200, m, n, kk, **kw)
+        return got["kernel"], got.get("rows"), got.get("splits"), got["tiles"], "stream-k" in got
+
+    for m in (129, 192, 256):  # one wave of 116 / 128 blocks against 86 / 96 of 256 rows, 172 / 192 of 128
+        assert ws(m, 11008, 4096) == ("wgmma_ws", "192", "1", "116", False), m
+        assert ws(m, 12288, 4096) == ("wgmma_ws", "192", "1", "128", False), m
+    assert ws(512, 11008, 4096) == ("wgmma_ws", "192", "1", "232", False)  # 2 waves against 3 and 2 of 256 rows
+    assert ws(384, 12288, 4096) == ("wgmma_ws", "192", "1", "192", False)
+    assert ws(512, 12288, 4096) == ("wgmma_ws", "192", "1", "256", False)
+    assert ws(384, 8192, 28672) == ("wgmma_ws", "192", "1", "129", False)
+    assert ws(384, 11008, 4096)[1] == "256"  # 129 blocks of 256 rows: one wave
+    for m in (129, 256, 512):  # stream-K ahead
+        assert ws(m, 28672, 8192)[1:] == ("256", None, "224" if m <= 256 else "448", True), m
+    assert ws(256, 8192, 28672)[1:3] == ("256", "2")  # 64 blocks of 256 rows, two splits in one wave
+    assert ws(256, 4096, 11008)[1:3] == (None, "2")  # 64 of 128 rows, two splits in one wave
+    assert ws(256, 4096, 4096)[1] is None
+    assert ws(1024, 12288, 4096)[1] == "256"  # past M = 512: not taken
+    assert ws(64, 12288, 4096)[1] is None  # the 64-token tile
+    assert ws(256, 6144, 2048)[1] is None  # 2^23.6 weights
+    assert ws(256, 11008, 4096, kernel="wgmma_ws")[1] == "192"  # forced kernel: same rule
+    monkeypatch.setenv("W4P_CUDA_WS_ROWS", "128")
+    assert ws(256, 11008, 4096)[1] is None
+    monkeypatch.setenv("W4P_CUDA_WS_ROWS", "256")
+    assert ws(256, 11008, 4096)[1] == "256"
+    monkeypatch.setenv("W4P_CUDA_WS_ROWS", "192")
+    assert ws(100, 600, 1000, kernel="wgmma_ws")[1:4] == ("192", "1", "4")  # 600 rows: 4 blocks
+    assert ws(64, 600, 1000, kernel="wgmma_ws")[1] is None  # only the 128-token tile has them
+    got = _describe_for(lib, ffi, H200, 256, 11008, 4096, kernel="wgmma_ws")
+    assert int(got["smem"]) + 1024 <= 232448, got  # four stages of 51200 bytes fit an H200 block
 
 
 def test_plan_for_wgmma_ws_stream_k(monkeypatch):
@@ -945,6 +990,48 @@ def test_wgmma_ws_256_row_blocks(dtype_name, zero_mode, gs, act_order, monkeypat
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("zero_mode,gs,act_order", [("none", 128, False), ("int", 64, True), ("float", 32, False),
+                                                    ("int", -1, False), ("float", 16, True), ("none", 48, False)])
+def test_wgmma_ws_192_row_blocks(dtype_name, zero_mode, gs, act_order, monkeypatch):
+    # W4P_CUDA_WS_ROWS=192: the 128-token tile in 192-row blocks (three consumer warpgroups, 13 warps); 600 rows
+    # end 24 rows into the fourth block, K = 1000 is not a multiple of 64; unsplit and with splits summed in a
+    # cluster (2-8) and through the workspace (9); repeated calls and a graph replay bit-identical
+    import torch
+
+    if not wgmma_ok():
+        pytest.skip("the wgmma kernels need compute capability 9.0")
+    monkeypatch.setenv("W4P_CUDA_WS_ROWS", "192")
+    rng = np.random.default_rng(zlib.crc32(repr(("rows192", dtype_name, zero_mode, gs, act_order)).encode()))
+    layer = random_layer(rng, 600, 1000, gs=gs, zero_mode=zero_mode, act_order=act_order, scale_dtype=dtype_name,
+                         bias=True)
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
+    for m, splits in ((65, 0), (128, 0), (256, 1), (200, 2), (300, 3), (129, 9), (97, 5)):
+        plan = lin.plan(m, dtype_name, kernel="wgmma_ws", splits=splits)
+        assert "rows=192" in plan["detail"] and plan["splits"] == (splits or plan["splits"]), plan
+        err = run_case(torch, rng, layer, m, dtype_name, kernel="wgmma_ws", splits=splits, lin=lin)
+        assert err <= tolerance(dtype_name), (m, splits, err)
+    dt = getattr(torch, dtype_name)
+    x = torch.randn(150, 1000, device="cuda", dtype=dt)
+    first = lin.forward(x, kernel="wgmma_ws", splits=3)
+    for _ in range(5):
+        assert torch.equal(lin.forward(x, kernel="wgmma_ws", splits=3), first)
+    out = torch.empty_like(first)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        lin.forward(x, out=out, kernel="wgmma_ws", splits=3)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        lin.forward(x, out=out, kernel="wgmma_ws", splits=3)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, first)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype_name,zero_mode,gs,act_order,n,k,ms", [
     ("float16", "none", 128, False, 600, 1000, (65, 128, 300)),      # 8 stages a tile, 1-8 blocks a tile
     ("bfloat16", "int", 64, True, 1000, 1000, (97, 256)),
@@ -1000,7 +1087,7 @@ def test_wgmma_ws_stream_k_by_auto_and_its_workspace_fallback(monkeypatch):
 
     if not wgmma_ok():
         pytest.skip("the wgmma kernels need compute capability 9.0")
-    for var in ("W4P_CUDA_WS_RS", "W4P_CUDA_WS_SK"):
+    for var in ("W4P_CUDA_WS_RS", "W4P_CUDA_WS_ROWS", "W4P_CUDA_WS_SK"):
         monkeypatch.delenv(var, raising=False)
     rng = np.random.default_rng(29)
     layer = random_layer(rng, 28672, 1216, gs=64, zero_mode="int", bias=True)  # 2^25.06 weights
@@ -1024,8 +1111,9 @@ def test_wgmma_ws_stream_k_by_auto_and_its_workspace_fallback(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rs,sk,ms", [("1", "0", (16, 40, 64, 200)), ("2", "0", (100, 256)), ("2", "1", (100, 300))])
-def test_wgmma_ws_output_staging(rs, sk, ms, monkeypatch):
+@pytest.mark.parametrize("rows,sk,ms", [("128", "0", (16, 40, 64, 200)), ("256", "0", (100, 256)),
+                                        ("256", "1", (100, 300)), ("192", "0", (100, 256))])
+def test_wgmma_ws_output_staging(rows, sk, ms, monkeypatch):
     # wgmma_ws stages its output tile in shared memory and writes y in 16-byte runs where y allows (a row stride that
     # is a multiple of 8 elements, a 16-byte aligned start), else element by element: the same bits either way, all
     # of y written (a ragged last run of rows, tokens past M) and nothing outside it
@@ -1033,16 +1121,17 @@ def test_wgmma_ws_output_staging(rs, sk, ms, monkeypatch):
 
     if not wgmma_ok():
         pytest.skip("the wgmma kernels need compute capability 9.0")
-    monkeypatch.setenv("W4P_CUDA_WS_RS", rs)
+    monkeypatch.setenv("W4P_CUDA_WS_ROWS", rows)
     monkeypatch.setenv("W4P_CUDA_WS_SK", sk)
-    rng = np.random.default_rng(zlib.crc32(repr(("staging", rs, sk)).encode()))
+    rng = np.random.default_rng(zlib.crc32(repr(("staging", rows, sk)).encode()))
     n, k = 1003, 1000
     layer = random_layer(rng, n, k, gs=128, zero_mode="int", bias=True)
     lin = cuda.CudaPackedLinear(pack(layer), "cuda")
     splits = 0 if sk == "1" else 1
     for m in ms:
         plan = lin.plan(m, kernel="wgmma_ws", splits=splits)
-        assert ("rows=256" in plan["detail"]) == (rs == "2") and ("stream-k" in plan["detail"]) == (sk == "1"), plan
+        tiled = m > 64 and rows != "128"  # (the smaller token tiles keep 128-row blocks)
+        assert (f"rows={rows}" in plan["detail"]) == tiled and ("stream-k" in plan["detail"]) == (sk == "1"), plan
         assert plan["splits"] == 1, plan
         err = run_case(torch, rng, layer, m, "float16", kernel="wgmma_ws", splits=splits, lin=lin)
         assert err <= 1e-3, (m, err)
@@ -1064,7 +1153,8 @@ PDL_CHAIN = (  # (M, kernel, splits, env, a word of its plan): every sm_90 kerne
     (16, "wgmma_ws", 3, {}, "sum=cluster"), (64, "wgmma_ws", 2, {"W4P_CUDA_CLUSTER": "0"}, "sum=workspace"),
     (128, "wgmma_ss", 0, {}, "wgmma_ss"), (200, "wgmma_ws", 0, {"W4P_CUDA_WS_RS": "2", "W4P_CUDA_WS_SK": "1"},
                                            "stream-k="),
-    (300, "wgmma_ws", 0, {"W4P_CUDA_WS_RS": "1"}, "splits=1"))
+    (300, "wgmma_ws", 0, {"W4P_CUDA_WS_RS": "1"}, "splits=1"), (150, "wgmma_ws", 0, {"W4P_CUDA_WS_ROWS": "192"},
+                                                                "rows=192"))
 
 
 @pytest.mark.gpu
@@ -1281,7 +1371,9 @@ def test_auto_plan_per_shape():
     assert auto(100, 28672, 8192) == (wg or cuda.KERNELS["tiled"])
     assert auto(200, 8192, 28672) == (wg or cuda.KERNELS["tiled"])
     assert auto(257, 28672, 8192) == (wg or cuda.KERNELS["tiled"])
-    assert auto(300, 8192, 28672) == (ss or cuda.KERNELS["tiled"])  # 4 splits of 96 blocks
+    # 300 tokens on 8192 rows: 129 blocks of 192 rows (one wave on 132 SMs), else wgmma_ss's 4 splits of 96 blocks
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert auto(300, 8192, 28672) == ((wg if sms == 132 else ss) or cuda.KERNELS["tiled"])
     assert auto(1025, 28672, 8192) == cuda.KERNELS["tiled"]
     lin = cuda.CudaPackedLinear(pack(random_layer(np.random.default_rng(3), 4096, 4096, gs=128)), "cuda")
     assert lin.plan(64)["kernel"] == (wg or -1)  # 2^24 weights: wgmma_ws while its blocks fit in one wave

@@ -292,7 +292,8 @@ def read_bandwidth() -> dict[str, float]:
 
 
 SMOKE_SWITCHES = {"tile": ("W4P_CUDA_BULK_GRANULE", "tile"), "quads": ("W4P_CUDA_BULK_QS", "4"),
-                  "single": ("W4P_CUDA_BULK_QS", "1"), "rows256": ("W4P_CUDA_WS_RS", "2")}
+                  "single": ("W4P_CUDA_BULK_QS", "1"), "rows256": ("W4P_CUDA_WS_RS", "2"),
+                  "rows192": ("W4P_CUDA_WS_ROWS", "192")}
 
 
 def smoke() -> int:
@@ -339,9 +340,10 @@ def smoke() -> int:
                 calls += ((1, "wgmma", 0), (150, "wgmma", 0), (70, "wgmma", 3), (20, "wgmma", 2), (1, "wgmma_ws", 0),
                           (150, "wgmma_ws", 0), (70, "wgmma_ws", 3), (12, "wgmma_ws", 0), (20, "wgmma_ws", 3),
                           (20, "wgmma_ws", 9), (12, "auto", 0), (150, "wgmma_ws:rows256", 0),
-                          (70, "wgmma_ws:rows256", 3), (130, "wgmma_ws:rows256", 9))
-                # splits summed in a cluster (2-8) and through the workspace (9); ":rows256": wgmma_ws in 256-row
-                # blocks (W4P_CUDA_WS_RS)
+                          (70, "wgmma_ws:rows256", 3), (130, "wgmma_ws:rows256", 9), (150, "wgmma_ws:rows192", 0),
+                          (70, "wgmma_ws:rows192", 3), (130, "wgmma_ws:rows192", 9))
+                # splits summed in a cluster (2-8) and through the workspace (9); ":rows256" / ":rows192": wgmma_ws
+                # in 256-row blocks (W4P_CUDA_WS_RS) or 192-row blocks (W4P_CUDA_WS_ROWS)
                 if gs % 64 == 0 or gs == -1:
                     calls += ((1, "wgmma_ss", 0), (150, "wgmma_ss", 0), (70, "wgmma_ss", 3), (70, "wgmma_ss", 9))
             if torch.cuda.get_device_capability() >= (9, 0):

@@ -1693,7 +1693,7 @@ __device__ __forceinline__ void ws_store_y(const Params &p, const float (&acc)[B
 // A wgmma_ws block's whole output tile through ws_store_y. RS = 2: each consumer warpgroup stages its own 64-row
 // parts in its own tile after the zero tile (`stg`), on its own barrier, so neither waits for the other. RS = 1:
 // the 8 consumer warps share the stages (`stg`), free once all of them are past the main loop (the first barrier)
-template <typename T, int BN, int RS>
+template <typename T, int BN, int RS, int CW = 2>
 __device__ __forceinline__ void ws_store_tile(const Params &p, const float (&acc)[RS][BN / 2], int row0, int64_t tok0,
                                               uint32_t stg, const unsigned char *stg_g, int warp, int lane) {
   if constexpr (RS == 2) {
@@ -1704,7 +1704,7 @@ __device__ __forceinline__ void ws_store_tile(const Params &p, const float (&acc
       ws_store_y<T, BN, 4>(p, acc[r], row0 + 128 * r + 64 * w, tok0, stg + (uint32_t)off, stg_g + off, warp & 3, lane,
                            2 + w);
   } else {
-    ws_store_y<T, BN, 8>(p, acc[0], row0, tok0, stg, stg_g, warp, lane, 1);
+    ws_store_y<T, BN, 4 * CW>(p, acc[0], row0, tok0, stg, stg_g, warp, lane, 1);
   }
 }
 
@@ -2050,9 +2050,11 @@ __global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kern
 constexpr int WS_IL_BN = 32;  // up to this token tile each slice goes to the tensor cores as soon as it is ready
 // RS: 16-row stripes per consumer warp, 1 (128-row blocks) or 2 (256-row blocks: each warpgroup runs two m64
 // row tiles against the same activation tile, which halves the activations' L2 traffic per weight row)
-__host__ __device__ constexpr int ws_pb(int ks, int rs = 1) { return rs * (ks == 4 ? 4 * 512 : ks * 4 * 512); }
-__host__ __device__ constexpr int ws_stage_bytes(int bn, int ks, int rs = 1) {
-  return ks * (bn * 128 + 8 * rs * 512) + ws_pb(ks, rs);
+// CW: consumer warpgroups, 2 or 3 (192-row blocks: RS = 1, the 128-token tile; more rows per block than 128 where
+// 256-row blocks would leave a wave's SMs idle)
+__host__ __device__ constexpr int ws_pb(int ks, int rs = 1, int cw = 2) { return rs * cw * (ks == 4 ? 1024 : ks * 1024); }
+__host__ __device__ constexpr int ws_stage_bytes(int bn, int ks, int rs = 1, int cw = 2) {
+  return ks * (bn * 128 + 4 * cw * rs * 512) + ws_pb(ks, rs, cw);
 }
 __host__ __device__ constexpr int ws_stages(int bn, int ks, int rs = 1) {
   return rs == 2 ? 3 : ks == 4 ? (bn == 16 ? 4 : bn == 32 ? 3 : 2) : bn == 16 ? 6 : bn == 32 ? 4 : bn == 64 ? 3 : 4;
@@ -2061,7 +2063,7 @@ __host__ __device__ constexpr int ws_blocks_per_sm(int bn, int rs = 1) { return 
 // RS = 2 needs about 200 registers per consumer thread, past the 168 that 9 warps allow (three warps on a
 // scheduler's 16K registers): a whole producer warpgroup (one active warp) gives its registers to the
 // consumers (setmaxnreg 40 / 232)
-__host__ __device__ constexpr int ws_threads(int rs) { return rs == 2 ? 12 * 32 : 9 * 32; }
+__host__ __device__ constexpr int ws_threads(int rs, int cw = 2) { return rs == 2 ? 12 * 32 : (4 * cw + 1) * 32; }
 __host__ __device__ constexpr int ws_tile(int64_t m) { return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128; }
 #ifndef W4P_WS_KS4_MAX_BN
 #define W4P_WS_KS4_MAX_BN 64  // (the 128-token tile measured slower with four-tile stages: two stages only)
@@ -2072,8 +2074,8 @@ __host__ __device__ constexpr int ws_ks(int bn, int gs) {
 // + a zeroed activation tile: the B operand of the wgmmas past the K range in a stage's last tile; RS = 2: + a
 // staging tile of 64 rows x bn tokens per consumer warpgroup (the stages stay busy there: stream-K's producer
 // runs on into the next segment)
-__host__ __device__ constexpr int ws_smem_bytes(int bn, int ks, int rs = 1) {
-  return 2048 + ws_stages(bn, ks, rs) * ws_stage_bytes(bn, ks, rs) + bn * 128 + (rs == 2 ? 2 * bn * ws_ypitch(64) : 0);
+__host__ __device__ constexpr int ws_smem_bytes(int bn, int ks, int rs = 1, int cw = 2) {
+  return 2048 + ws_stages(bn, ks, rs) * ws_stage_bytes(bn, ks, rs, cw) + bn * 128 + (rs == 2 ? 2 * bn * ws_ypitch(64) : 0);
 }
 
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1, uint32_t bar) {
@@ -2126,15 +2128,17 @@ __device__ __forceinline__ void ws_trace(int ev) {
   do {                \
   } while (0)
 #endif
-template <typename T, int ZMODE, int BN, int KS, int RS, bool SK = false>
-__global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
+template <typename T, int ZMODE, int BN, int KS, int RS, bool SK = false, int CW = 2>
+__global__ void __launch_bounds__(ws_threads(RS, CW), ws_blocks_per_sm(BN, RS))
     wgmma_ws_kernel(const Params p, const __grid_constant__ CUtensorMap xmap,
                     const __grid_constant__ CUtensorMap wmap) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T2 = typename Tr<T, 4>::T2;
-  constexpr int RB = WG_BM * RS;  // weight rows per block
-  constexpr int WS_KS = KS, NS = ws_stages(BN, KS, RS), SB = ws_stage_bytes(BN, KS, RS), XT = BN * 128, XB = WS_KS * XT;
-  constexpr int WOFF = XB, POFF = XB + 8 * RS * WS_KS * 512, NP = ZMODE != 0 ? 2 : 1;
+  static_assert(CW == 2 || (CW == 3 && RS == 1 && BN == 128 && !SK), "192-row blocks: the 128-token tile, plain grid");
+  constexpr int NCW = 4 * CW, RB = 64 * CW * RS;  // consumer warps; weight rows per block
+  constexpr int WS_KS = KS, NS = ws_stages(BN, KS, RS), SB = ws_stage_bytes(BN, KS, RS, CW), XT = BN * 128,
+                XB = WS_KS * XT;
+  constexpr int WOFF = XB, POFF = XB + (RB / 16) * WS_KS * 512, NP = ZMODE != 0 ? 2 : 1;
   extern __shared__ __align__(16) unsigned char smem[];
   const uint32_t sbase = (smem_u32(smem) + 1023u) & ~1023u;
   const unsigned char *sgen = smem + (sbase - smem_u32(smem));
@@ -2172,14 +2176,14 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
   };
   const uint32_t zero_tile = stages + NS * SB;  // 1024-aligned, BN x 128 bytes of zeros
   const uint32_t ystage = RS == 2 ? zero_tile + XT : stages;  // the epilogue's staging (ws_store_tile)
-  static_assert(RS == 2 || NS * SB >= BN * ws_ypitch(128), "RS = 1 stages the output tile in the stages");
+  static_assert(RS == 2 || NS * SB >= BN * ws_ypitch(RB), "RS = 1 stages the output tile in the stages");
   for (int i = tid; i < XT / 16; i += blockDim.x)
     asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(zero_tile + i * 16), "r"(0u) : "memory");
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the zeros -> the tensor cores' proxy
   if (tid == 0) {
     for (int s = 0; s < NS; ++s) {
       mbar_init(full0 + 8 * s, 1);   // the producer's arrival with the stage's byte count
-      mbar_init(empty0 + 8 * s, 8 * 32);  // one arrival per consumer lane (each orders its own reads)
+      mbar_init(empty0 + 8 * s, NCW * 32);  // one arrival per consumer lane (each orders its own reads)
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -2191,18 +2195,18 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[r][i] = 0.f;
   const int gid = lane >> 2;
-  const int rl = (warp & 7) * 16 + gid;
+  const int rl = (warp % NCW) * 16 + gid;
 
   // RS = 2: the producer warpgroup's registers go to the consumers (ptxas honours setmaxnreg where the code
   // after it is reached from one side only: the producer leaves before the epilogue)
-  if (warp >= 8) {
+  if (warp >= NCW) {
     if constexpr (RS == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(ws_preg(SK)) : "memory");
-    if (warp == 8 && lane == 0) {
+    if (warp == NCW && lane == 0) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&xmap)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&wmap)) : "memory");
     }
     pdl_start(p);
-    if (warp == 8 && lane == 0) {
+    if (warp == NCW && lane == 0) {
       const unsigned char *pbase[2] = {reinterpret_cast<const unsigned char *>(p.scales),
                                        reinterpret_cast<const unsigned char *>(ZMODE == 1 ? p.zeros : p.mins)};
       // one segment's stages, from the ring's stage gi on; returns their count
@@ -2216,9 +2220,9 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
           const int g_lo = group_of(t0 * 64, p.gmul);
           const int ng = group_of((t0 + nt) * 64 - 1, p.gmul) - g_lo + 1;
           const uint32_t st = stages + s * SB, full = full0 + 8 * s;
-          // the codes: one box of the stage's WS_KS tiles x the block's 8 RS stripes (tiles and stripes past the
-          // layer's read as zeros, and count in full)
-          mbar_expect_tx(full, (unsigned)(nt * XT + 8 * RS * WS_KS * 512) + (unsigned)(ng * NP) * prow);
+          // the codes: one box of the stage's WS_KS tiles x the block's RB / 16 stripes (tiles and stripes past
+          // the layer's read as zeros, and count in full)
+          mbar_expect_tx(full, (unsigned)(nt * XT + (RB / 16) * WS_KS * 512) + (unsigned)(ng * NP) * prow);
           for (int u = 0; u < nt; ++u) tma_load_2d(st + u * XT, &xmap, (t0 + u) * 64, (int)tok0, full);
           tma_load_3d(st + WOFF, &wmap, 0, t0, row0 >> 4, full);
           for (int g = 0; g < ng; ++g)
@@ -2415,12 +2419,12 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
   // epilogue (the producer warp joins the split reduction's block barriers)
   const int r_lo = row0 + rl;
   if (p.S == 1) {
-    if (warp < 8) ws_store_tile<T, BN, RS>(p, acc, row0, tok0, ystage, sgen + (ystage - sbase), warp, lane);
+    if (warp < NCW) ws_store_tile<T, BN, RS, CW>(p, acc, row0, tok0, ystage, sgen + (ystage - sbase), warp, lane);
   } else if (p.cl) {
     // the stages become the exchange tile [BN][RB + 8] once every warp is past its last wgmma
     static_assert(NS * SB >= BN * (RB + 8) * 4, "the cluster exchange tile fits in the stages");
     block_or_named_sync(RS == 2 ? 256 : 0);
-    if (warp < 8) {
+    if (warp < NCW) {
       float *tg = (float *)(sgen + (stages - sbase));
 #pragma unroll
       for (int r = 0; r < RS; ++r)
@@ -2432,7 +2436,7 @@ __global__ void __launch_bounds__(ws_threads(RS), ws_blocks_per_sm(BN, RS))
     }
     cluster_reduce<T, RB, BN, RS == 2 ? 256 : 0>(p, stages, row0, tok0);
   } else {
-    if (warp < 8)
+    if (warp < NCW)
 #pragma unroll
       for (int r = 0; r < RS; ++r) wg_store_part<BN>(p, acc[r], r_lo + 128 * r, tok0, lane);
     split_reduce<T, RB, BN, 2, RS == 2 ? 256 : 0>(p, blockIdx.y, blockIdx.x, row0, (int)tok0);
@@ -2982,9 +2986,13 @@ bool no_cluster_env() {
   const char *e = getenv("W4P_CUDA_CLUSTER");
   return e && e[0] == '0';
 }
-// W4P_CUDA_WS_RS=1|2: the wgmma_ws 128-token tile's stripes per consumer warp (128- or 256-row blocks) instead
-// of the planner's choice (A/B runs; read at each call)
+// W4P_CUDA_WS_ROWS=128|192|256 (or W4P_CUDA_WS_RS=1|2: 128 or 256): the wgmma_ws 128-token tile's rows per block
+// instead of the planner's choice (A/B runs, tests; read at each call). Returns 1 (128), 2 (256), 3 (192) or 0.
 int ws_rs_env() {
+  if (const char *e = getenv("W4P_CUDA_WS_ROWS")) {
+    const int v = atoi(e);
+    if (v == 128 || v == 192 || v == 256) return v == 128 ? 1 : v == 256 ? 2 : 3;
+  }
   const char *e = getenv("W4P_CUDA_WS_RS");
   const int v = e ? atoi(e) : 0;
   return v == 1 || v == 2 ? v : 0;
@@ -3079,6 +3087,7 @@ struct Plan {
   int tiles = 0;   // output tiles (counters)
   int bn = 0, kp = 1;  // wgmma kernel: token tile, K tiles per step
   int rs = 1;          // wgmma_ws: 16-row stripes per consumer warp (2: 256-row blocks)
+  int cw = 2;          // wgmma_ws: consumer warpgroups (3: 192-row blocks)
   bool as = false;     // wgmma kernel: A through shared memory
   bool cl = false;     // wgmma_ws, wgmma_ss: the splits of a tile launched as one cluster (cluster_reduce)
   int sk = 0;          // wgmma_ws stream-K: its grid of resident blocks (0: a grid of tiles x splits)
@@ -3196,6 +3205,10 @@ int ws_split_count(const DevInfo &di, int64_t tiles, int64_t slots, int KT, int 
 bool ws_rows256_fit(const DevInfo &di, int bn, int ks) {
   return bn == 128 && ks == 2 && (size_t)ws_smem_bytes(bn, ks, 2) + di.smem_reserved <= (size_t)di.smem_block;
 }
+// ... and in 192-row blocks (three consumer warpgroups)
+bool ws_rows192_fit(const DevInfo &di, int bn, int ks) {
+  return bn == 128 && ks == 2 && (size_t)ws_smem_bytes(bn, ks, 1, 3) + di.smem_reserved <= (size_t)di.smem_block;
+}
 // wgmma_ws takes 256-row blocks where their grid, split in two at most, fills the waves it takes to 84% or
 // more (90% past M = 512, where the dense path is level), up to M = 1024 on layers of 2^25 weights or more, and
 // from M = 769 on layers of 2^24 or more. Each block then reads its activation tile once for twice the rows: the
@@ -3225,6 +3238,34 @@ bool ws_rows256(const DevInfo &di, int64_t m, int np, int KT, int gs, int64_t we
 // the runs are shorter than a tile (M = 128 108-114 against 102, 4096x11008 M = 256 55.6-56.7 against 53.3-53.8)
 bool ws_sk_auto(int64_t tiles, int64_t blocks, int64_t slots) {
   return tiles >= slots && (double)blocks < 0.9 * (double)((blocks + slots - 1) / slots * slots);
+}
+
+// wgmma_ws takes 192-row blocks (three consumer warpgroups) for the 128-token tile up to M = 512 on layers of 2^24
+// weights or more, where its grid costs at least 5% less than every other wgmma_ws grid by a wave model: T blocks
+// of R rows on `slots` SMs (one per SM) take ceil(T / slots) waves, a wave of R-row blocks 0.57 / 0.79 / 1 of a
+// 256-row block's time for R = 128 / 192 / 256 (H200, 1.14 / 0.79 / 1.0 on 4096x11008 at M = 256: 54.2 / 37.7 /
+// 47.5 us, the ratios held on 11008x4096 and 28672x8192); two splits summed in one wave half a wave of their rows
+// (+ 0.05); stream-K, where the 256-row grid is the planner's (rows256) and takes it, T / slots + 0.25 waves of
+// 256-row blocks. Measured on an H200 (docs/CUDA.md) against the
+// previous choice: 4096x11008 at M = 129-256 36.5-41.5 against 47.3-61.5 us, M = 512 79.0-80.9 against 93.6-95.1;
+// 4096x12288 at M = 129-256 39.2-42.8 against 48.1-66.1, M = 384-512 74.2-82.5 against 86.2-108.2; 28672x8192 at
+// M = 384 254.1-258.7 against 347.0-361.9. Where it loses (8192x28672, stream-K: 218-231 against 178-193 at
+// M = 129-256) the model ranks the other grid first.
+bool ws_rows192(const DevInfo &di, int64_t m, int np, int gs, int64_t weights, bool rows256) {
+  const int bn = ws_tile(m), ks = ws_ks(bn, gs);
+  if (di.cc != 90 || bn != 128 || m > WIDE_AUTO_MAX_M || weights < ((int64_t)1 << 24) || !ws_rows192_fit(di, bn, ks))
+    return false;
+  const int64_t slots = di.sms, tb = ceil_div(m, bn);
+  auto waves = [&](int64_t t) { return (double)((t + slots - 1) / slots); };
+  const int64_t t128 = ceil_div(np, 128) * tb, t192 = ceil_div(np, 192) * tb, t256 = ceil_div(np, 256) * tb;
+  double best = waves(t128) * 0.57;
+  if (2 * t128 <= slots) best = std::min(best, 0.57 / 2 + 0.05);
+  if (ws_rows256_fit(di, bn, ks)) {
+    best = std::min(best, waves(t256));
+    if (2 * t256 <= slots) best = std::min(best, 0.5 + 0.05);
+    if (rows256 && ws_sk_auto(t256, t256, slots)) best = std::min(best, (double)t256 / (double)slots + 0.25);
+  }
+  return waves(t192) * 0.79 < 0.95 * best;
 }
 
 // kernel: 0 auto, 1 stream, 2 tiled, 10/11 probes. splits: 0 auto. ws_avail: bytes available (SIZE_MAX = plan only).
@@ -3277,7 +3318,9 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   // wgmma_ws in 256-row blocks by their rule (W4P_CUDA_WS_RS=1 turns it off), for auto's choices below and for
   // the wgmma_ws plan itself
   const int rs_env = ws_rs_env();
-  const bool rows256 = rs_env != 1 && ws_rows256(di, m, np, KT, gs, (int64_t)np * kp);
+  const bool rows256 = rs_env != 1 && rs_env != 3 && ws_rows256(di, m, np, KT, gs, (int64_t)np * kp);
+  // ... and in 192-row blocks by theirs (ahead of the 256-row rule where both hold; W4P_CUDA_WS_ROWS forces)
+  const bool rows192 = rs_env == 0 && ws_rows192(di, m, np, gs, (int64_t)np * kp, rows256);
   if (kind == W4P_CUDA_KERNEL_AUTO && di.cc == 90 && sbits == 4 && (gs <= 0 || gs % 16 == 0) && m >= WS_AUTO_MIN_M) {
     const int64_t weights = (int64_t)np * kp;
     const bool large = weights >= ((int64_t)1 << 25);
@@ -3335,9 +3378,10 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
       ss_auto_splits = 4;
     }
   }
-  // auto, sm_90: wgmma_ws in 256-row blocks over the choices above, where ws_rows256 takes them
+  // auto, sm_90: wgmma_ws in 256-row or 192-row blocks over the choices above, where ws_rows256 / ws_rows192 take
+  // them
   if (kernel == W4P_CUDA_KERNEL_AUTO && di.cc == 90 && sbits == 4 && wg_tma && (gs <= 0 || gs % 16 == 0) &&
-      m > 64 && rows256)
+      m > 64 && (rows256 || rows192))
     kind = W4P_CUDA_KERNEL_WGMMA_WS;
   if (kind == W4P_CUDA_KERNEL_AUTO) {
     // Measured on an H200 (docs/CUDA.md): the ring kernel wins where every resident warp gets a long run of
@@ -3518,17 +3562,22 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     if ((size_t)ws_smem_bytes(bn, ks) + di.smem_reserved > (size_t)di.smem_block)
       return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel needs %d bytes of shared memory per block",
                   ws_smem_bytes(bn, ks));
-    const int rs = rs_env == 2 && ws_rows256_fit(di, bn, ks) ? 2 : rs_env == 0 && (rows256_auto || rows256) ? 2 : 1;
+    const int rs = rs_env == 2 && ws_rows256_fit(di, bn, ks)                     ? 2
+                   : rs_env == 0 && !rows192 && (rows256_auto || rows256) ? 2
+                                                                          : 1;
+    const int cw = rs == 1 && (rs_env == 3 || rows192) && ws_rows192_fit(di, bn, ks) ? 3 : 2;
     pl->rs = rs;
-    const int nrb = ceil_div(np, WG_BM * rs);
+    pl->cw = cw;
+    const int rb = 64 * cw * rs;  // rows per block
+    const int nrb = ceil_div(np, rb);
     if (nrb > 65535)
-      return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel takes at most %d rows", 65535 * WG_BM * rs);
+      return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel takes at most %d rows", 65535 * rb);
     pl->bn = bn;
     pl->TB = ceil_div(m, bn);
     pl->tiles = nrb * pl->TB;
     const int64_t slots = (int64_t)sms * ws_blocks_per_sm(bn, rs);
     pl->S = ws_split_count(di, pl->tiles, slots, KT, bn, splits);
-    pl->smem = ws_smem_bytes(bn, ks, rs);
+    pl->smem = ws_smem_bytes(bn, ks, rs, cw);
     pl->kp = ks;
     // stream-K for the 256-row blocks: one block per SM, each taking an equal run of the tiles' stages (the
     // partial tiles at the runs' ends summed through the workspace), where the plain grid's waves would leave
@@ -3851,30 +3900,32 @@ cudaError_t launch_splits(void (*fn)(Args...), int threads, const Plan &pl, cuda
   return launch_ex(fn, grid, threads, pl.smem, st, p.cl ? pl.S : 1, p, std::forward<Rest>(rest)...);
 }
 
-template <typename T, int BN, int KS, int RS = 1, bool SK = false>
+template <typename T, int BN, int KS, int RS = 1, bool SK = false, int CW = 2>
 cudaError_t launch_wgmma_ws_t(const Params &p, const Plan &pl, cudaStream_t st) {
   CUtensorMap map, wmap;
   cudaError_t e = encode_x_map(&map, p.x, std::is_same<T, __nv_bfloat16>::value, p.M, p.kx, p.ldx, BN);
   if (e != cudaSuccess) return e;
-  e = encode_w_map(&wmap, p.qw, p.KT, p.Np / 16, KS, 8 * RS);
+  e = encode_w_map(&wmap, p.qw, p.KT, p.Np / 16, KS, 4 * CW * RS);
   if (e != cudaSuccess) return e;
-  auto fn = p.zm == 2   ? wgmma_ws_kernel<T, 2, BN, KS, RS, SK>
-            : p.zm == 1 ? wgmma_ws_kernel<T, 1, BN, KS, RS, SK>
-                        : wgmma_ws_kernel<T, 0, BN, KS, RS, SK>;
+  auto fn = p.zm == 2   ? wgmma_ws_kernel<T, 2, BN, KS, RS, SK, CW>
+            : p.zm == 1 ? wgmma_ws_kernel<T, 1, BN, KS, RS, SK, CW>
+                        : wgmma_ws_kernel<T, 0, BN, KS, RS, SK, CW>;
   e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
   if (e != cudaSuccess) return e;
-  debug_occupancy(fn, "wgmma_ws", ws_threads(RS), pl.smem);
+  constexpr int NTH = ws_threads(RS, CW);
+  debug_occupancy(fn, "wgmma_ws", NTH, pl.smem);
   if constexpr (SK) {  // one block per resident slot, each its run of the tiles' stages
     Params q = p;
     q.sk = pl.tiles;
-    return launch_ex(fn, dim3((unsigned)pl.sk), ws_threads(RS), pl.smem, st, 1, q, map, wmap);
+    return launch_ex(fn, dim3((unsigned)pl.sk), NTH, pl.smem, st, 1, q, map, wmap);
   } else {
-    return launch_splits(fn, ws_threads(RS), pl, st, p, map, wmap);
+    return launch_splits(fn, NTH, pl, st, p, map, wmap);
   }
 }
 
 template <typename T> cudaError_t launch_wgmma_ws(const Params &p, const Plan &pl, cudaStream_t st) {
   if (pl.rs == 2) return pl.sk ? launch_wgmma_ws_t<T, 128, 2, 2, true>(p, pl, st) : launch_wgmma_ws_t<T, 128, 2, 2>(p, pl, st);
+  if (pl.cw == 3) return launch_wgmma_ws_t<T, 128, 2, 1, false, 3>(p, pl, st);
   if (pl.bn == 16) return pl.kp == 4 ? launch_wgmma_ws_t<T, 16, 4>(p, pl, st) : launch_wgmma_ws_t<T, 16, 2>(p, pl, st);
   if (pl.bn == 32) return pl.kp == 4 ? launch_wgmma_ws_t<T, 32, 4>(p, pl, st) : launch_wgmma_ws_t<T, 32, 2>(p, pl, st);
 #if W4P_WS_KS4_MAX_BN >= 64
@@ -3986,7 +4037,8 @@ int describe_on(const DevInfo &di, int64_t m, int n, int k, int storage_bits, in
              pl.tiles, pl.smem, pl.ws_total);
   else
     snprintf(buf, len, "%s splits=%d%s%s tiles=%d smem=%zu workspace=%zu", name, pl.S,
-             pl.S == 1 ? "" : pl.cl ? " sum=cluster" : " sum=workspace", pl.rs == 2 ? " rows=256" : "", pl.tiles,
+             pl.S == 1 ? "" : pl.cl ? " sum=cluster" : " sum=workspace",
+             pl.rs == 2 ? " rows=256" : pl.cw == 3 ? " rows=192" : "", pl.tiles,
              pl.smem, pl.ws_total);
   return W4P_OK;
 }
