@@ -109,8 +109,9 @@ def test_plan_for_described_devices_auto():
     assert auto(H200, 32, 4096, 4096) == k["wgmma_ws"]
     for m in (33, 64, 128, 129, 256, 321, 384, 449, 512):
         assert auto(H200, m, 4096, 4096) == k["wgmma_ws"], m  # 32 row tiles x ceil(m / 128)
-    for m in (257, 320, 385, 448, 513):
+    for m in (257, 320, 385, 448):
         assert auto(H200, m, 4096, 4096) == k["tiled"], m
+    assert auto(H200, 513, 4096, 4096) == k["wgmma_ws"]  # 110 blocks of 192 rows: one wave
     assert auto(H200, 33, 2048, 4096) == k["tiled"]  # 2^23 weights
     assert auto(H200, 512, 4096, 11008) == k["wgmma_ws"]  # 128 tiles
     assert auto(H200, 384, 12288, 4096) == k["wgmma_ws"]  # 192 blocks of 192 rows (wgmma_ss's 144 fill 55%)
@@ -124,13 +125,12 @@ def test_plan_for_described_devices_auto():
     assert auto(H200, 16, 4096, 4096, bits=8) == k["stream"]  # 4-bit only
     # wgmma_ws in 256-row blocks where that grid fills the waves (test_plan_for_wgmma_ws_256_row_blocks), over
     # wgmma_ss and the dense path: 112 row blocks from M = 65 to 1024
-    for m in (65, 100, 128, 200, 256, 257, 512, 769, 896, 1024):
+    for m in (65, 100, 128, 200, 256, 257, 512, 513, 640, 768, 769, 896, 1024):  # (M = 513-768: 192 rows)
         assert auto(H200, m, 28672, 8192) == k["wgmma_ws"], m
         assert auto(H200, m, 28672, 8192, gs=-1) == k["wgmma_ws"], m
         assert auto(H200, m, 28672, 8192, gs=32) == k["wgmma_ws"], m
         assert auto(H200, m, 28672, 8192, bits=8) not in (k["wgmma_ss"], k["wgmma_ws"]), m
-    for m in (513, 640, 768, 1025):
-        assert auto(H200, m, 28672, 8192) == k["tiled"], m
+    assert auto(H200, 1025, 28672, 8192) == k["tiled"]
     assert auto(H200, 64, 28672, 8192) == k["wgmma_ws"]
     for m, n, kk in ((384, 11008, 4096), (512, 8192, 28672), (256, 8192, 28672)):
         assert auto(H200, m, n, kk) == k["wgmma_ws"], (m, n, kk)
@@ -262,8 +262,8 @@ def test_plan_for_wgmma_ws_256_row_blocks(monkeypatch):
 
     for m in (65, 128, 256, 512, 896, 1024):  # 112 row blocks: 85% of 132 SMs (99% at M = 896, 97% at 1024)
         assert ws(m, 28672, 8192) == ("wgmma_ws", "256", "1", str(112 * -(-m // 128))), m
-    for m in (640, 768):  # 85%: past M = 512 only from 90%
-        assert ws(m, 28672, 8192)[1] is None, m
+    for m in (640, 768):  # 85%: past M = 512 only from 90% (192-row blocks there: 750 and 900, 95% and 97%)
+        assert ws(m, 28672, 8192)[1] == "192", m
     assert ws(1024, 8192, 28672) == ("wgmma_ws", "256", "1", "256")  # 97%
     assert ws(256, 8192, 28672) == ("wgmma_ws", "256", "2", "64")  # 32 row blocks x 2 token tiles, 2 splits
     assert ws(512, 8192, 28672) == ("wgmma_ws", "256", "1", "128")
@@ -276,7 +276,7 @@ def test_plan_for_wgmma_ws_256_row_blocks(monkeypatch):
     assert ws(1024, 4096, 11008) == ("wgmma_ws", "256", "1", "128")  # 97%
     assert ws(896, 4096, 11008)[1] is None  # 112 blocks: 85%
     assert ws(1024, 4096, 4096) == ("wgmma_ws", "256", "1", "128")  # 2^24 weights, from M = 769
-    assert ws(768, 4096, 4096)[1] is None
+    assert ws(768, 4096, 4096)[1] == "192"  # 132 blocks of 192 rows
     assert ws(1024, 2048, 4096)[1] is None  # 2^23 weights
     assert ws(512, 4096, 11008) == ("wgmma_ws", "256", "2", "64")
     assert ws(512, 4096, 4096)[1] is None  # 2^24 weights
@@ -316,7 +316,11 @@ def test_plan_for_wgmma_ws_192_row_blocks(monkeypatch):
     assert ws(256, 8192, 28672)[1:3] == ("256", "2")  # 64 blocks of 256 rows, two splits in one wave
     assert ws(256, 4096, 11008)[1:3] == (None, "2")  # 64 of 128 rows, two splits in one wave
     assert ws(256, 4096, 4096)[1] is None
-    assert ws(1024, 12288, 4096)[1] == "256"  # past M = 512: not taken
+    assert ws(1024, 12288, 4096)[1] == "256"  # 512 blocks of 192 rows: four waves against three of 256 rows
+    for m in (513, 640, 704, 768):  # one or two waves where 256 rows take two or more, 128 rows more
+        assert ws(m, 4096, 4096)[1] == ws(m, 4096, 11008)[1] == ws(m, 28672, 8192)[1] == "192", m
+    assert ws(704, 12288, 4096)[1] == "192" and ws(640, 12288, 4096)[1] == "256"
+    assert ws(896, 11008, 4096)[1] != "192" and ws(1025, 4096, 4096)[0] != "wgmma_ws"
     assert ws(64, 12288, 4096)[1] is None  # the 64-token tile
     assert ws(256, 6144, 2048)[1] is None  # 2^23.6 weights
     assert ws(256, 11008, 4096, kernel="wgmma_ws")[1] == "192"  # forced kernel: same rule

@@ -3240,7 +3240,7 @@ bool ws_sk_auto(int64_t tiles, int64_t blocks, int64_t slots) {
   return tiles >= slots && (double)blocks < 0.9 * (double)((blocks + slots - 1) / slots * slots);
 }
 
-// wgmma_ws takes 192-row blocks (three consumer warpgroups) for the 128-token tile up to M = 512 on layers of 2^24
+// wgmma_ws takes 192-row blocks (three consumer warpgroups) for the 128-token tile up to M = 1024 on layers of 2^24
 // weights or more, where its grid costs at least 5% less than every other wgmma_ws grid by a wave model: T blocks
 // of R rows on `slots` SMs (one per SM) take ceil(T / slots) waves, a wave of R-row blocks 0.57 / 0.79 / 1 of a
 // 256-row block's time for R = 128 / 192 / 256 (H200, 1.14 / 0.79 / 1.0 on 4096x11008 at M = 256: 54.2 / 37.7 /
@@ -3249,11 +3249,14 @@ bool ws_sk_auto(int64_t tiles, int64_t blocks, int64_t slots) {
 // 256-row blocks. Measured on an H200 (docs/CUDA.md) against the
 // previous choice: 4096x11008 at M = 129-256 36.5-41.5 against 47.3-61.5 us, M = 512 79.0-80.9 against 93.6-95.1;
 // 4096x12288 at M = 129-256 39.2-42.8 against 48.1-66.1, M = 384-512 74.2-82.5 against 86.2-108.2; 28672x8192 at
-// M = 384 254.1-258.7 against 347.0-361.9. Where it loses (8192x28672, stream-K: 218-231 against 178-193 at
-// M = 129-256) the model ranks the other grid first.
+// M = 384 254.1-258.7 against 347.0-361.9; at M = 576-768, against dequantize + cuBLAS, 8192x28672 440-581 against
+// 542-686, 4096x4096 36.5-40.8 against 42.2-53.2, 11008x4096 94-114 against 109-138, 28672x8192 489-578 against
+// 507-676 (level at M = 576), 4096x12288 123-131 against 137-146 (M = 704-768). Where it loses (8192x28672 with
+// stream-K at M = 129-256, 218-231 against 178-193; 4096x12288 at M = 576-640, 4096x11008 at M = 640-1024, the
+// 256-row grids at M = 1024) the model ranks the other grid first.
 bool ws_rows192(const DevInfo &di, int64_t m, int np, int gs, int64_t weights, bool rows256) {
   const int bn = ws_tile(m), ks = ws_ks(bn, gs);
-  if (di.cc != 90 || bn != 128 || m > WIDE_AUTO_MAX_M || weights < ((int64_t)1 << 24) || !ws_rows192_fit(di, bn, ks))
+  if (di.cc != 90 || bn != 128 || m > 1024 || weights < ((int64_t)1 << 24) || !ws_rows192_fit(di, bn, ks))
     return false;
   const int64_t slots = di.sms, tb = ceil_div(m, bn);
   auto waves = [&](int64_t t) { return (double)((t + slots - 1) / slots); };
