@@ -1692,7 +1692,8 @@ __device__ __forceinline__ void ws_store_y(const Params &p, const float (&acc)[B
 
 // A wgmma_ws block's whole output tile through ws_store_y. RS = 2: each consumer warpgroup stages its own 64-row
 // parts in its own tile after the zero tile (`stg`), on its own barrier, so neither waits for the other. RS = 1:
-// the 8 consumer warps share the stages (`stg`), free once all of them are past the main loop (the first barrier)
+// the 4 CW consumer warps (8, or 12 in 192-row blocks) share the stages (`stg`), free once all of them are past the
+// main loop (the first barrier)
 template <typename T, int BN, int RS, int CW = 2>
 __device__ __forceinline__ void ws_store_tile(const Params &p, const float (&acc)[RS][BN / 2], int row0, int64_t tok0,
                                               uint32_t stg, const unsigned char *stg_g, int warp, int lane) {
@@ -3246,14 +3247,14 @@ bool ws_sk_auto(int64_t tiles, int64_t blocks, int64_t slots) {
 // 256-row block's time for R = 128 / 192 / 256 (H200, 1.14 / 0.79 / 1.0 on 4096x11008 at M = 256: 54.2 / 37.7 /
 // 47.5 us, the ratios held on 11008x4096 and 28672x8192); two splits summed in one wave half a wave of their rows
 // (+ 0.05); stream-K, where the 256-row grid is the planner's (rows256) and takes it, T / slots + 0.25 waves of
-// 256-row blocks. Measured on an H200 (docs/CUDA.md) against the
-// previous choice: 4096x11008 at M = 129-256 36.5-41.5 against 47.3-61.5 us, M = 512 79.0-80.9 against 93.6-95.1;
-// 4096x12288 at M = 129-256 39.2-42.8 against 48.1-66.1, M = 384-512 74.2-82.5 against 86.2-108.2; 28672x8192 at
-// M = 384 254.1-258.7 against 347.0-361.9; at M = 576-768, against dequantize + cuBLAS, 8192x28672 440-581 against
-// 542-686, 4096x4096 36.5-40.8 against 42.2-53.2, 11008x4096 94-114 against 109-138, 28672x8192 489-578 against
-// 507-676 (level at M = 576), 4096x12288 123-131 against 137-146 (M = 704-768). Where it loses (8192x28672 with
-// stream-K at M = 129-256, 218-231 against 178-193; 4096x12288 at M = 576-640, 4096x11008 at M = 640-1024, the
-// 256-row grids at M = 1024) the model ranks the other grid first.
+// 256-row blocks. Measured on an H200 (docs/CUDA.md) against the previous choice: 4096x11008 at M = 129-256
+// 36.5-41.5 against 47.3-61.5 us, M = 512 79.0-80.9 against 93.6-95.1; 4096x12288 at M = 129-256 39.2-42.8
+// against 48.1-66.1, M = 384-512 74.2-82.5 against 86.2-108.2; 28672x8192 at M = 384 254.1-258.7 against
+// 347.0-361.9; at M = 576-768, against dequantize + cuBLAS, 8192x28672 440-581 against 542-686, 4096x4096
+// 36.5-40.8 against 42.2-53.2, 11008x4096 94-114 against 109-138, 28672x8192 489-578 against 507-676 (level at
+// M = 576), 4096x12288 123-131 against 137-146 (M = 704-768). Where it loses (8192x28672 with stream-K at
+// M = 129-256, 218-231 against 178-193; 4096x12288 at M = 576-640, 4096x11008 at M = 640-1024, the 256-row grids
+// at M = 1024) the model ranks the other grid first.
 bool ws_rows192(const DevInfo &di, int64_t m, int np, int gs, int64_t weights, bool rows256) {
   const int bn = ws_tile(m), ks = ws_ks(bn, gs);
   if (di.cc != 90 || bn != 128 || m > 1024 || weights < ((int64_t)1 << 24) || !ws_rows192_fit(di, bn, ks))
