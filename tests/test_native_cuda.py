@@ -221,7 +221,7 @@ def test_plan_for_wgmma_ws_splits():
                            (32, 4096, 4096, 4), (64, 4096, 11008, 7), (48, 8192, 28672, 4),   # 32, 32, 64 tiles
                            (128, 4096, 11008, 3),               # one block per SM: 3 cluster splits fit
                            (128, 4096, 4096, 3), (64, 8192, 28672, 4),  # 4096-K; 448 K tiles: 4 via workspace
-                           (100, 11008, 4096, 1),                                             # 86 of 132
+                           (100, 11008, 4096, 2),   # 58 tiles of 192 rows (86 of 128 rows unsplit)
                            (16, 12288, 4096, 2), (9, 11008, 4096, 3)):                        # 16-token tile
         rc, kind, splits, _ = _plan_for(lib, ffi, H200, m, n, kk)
         assert rc == 0 and kind == k["wgmma_ws"] and splits == want, (m, n, kk, kind, splits)
@@ -311,6 +311,10 @@ def test_plan_for_wgmma_ws_192_row_blocks(monkeypatch):
     assert ws(512, 12288, 4096) == ("wgmma_ws", "192", "1", "256", False)
     assert ws(384, 8192, 28672) == ("wgmma_ws", "192", "1", "129", False)
     assert ws(384, 11008, 4096)[1] == "256"  # 129 blocks of 256 rows: one wave
+    for m in (65, 100, 128):  # two splits of 58 / 64 tiles in one wave against 86 / 96 blocks of 128 rows
+        assert ws(m, 11008, 4096)[1:4] == ("192", "2", "58"), m
+        assert ws(m, 12288, 4096)[1:4] == ("192", "2", "64"), m
+    assert ws(128, 4096, 4096)[1] is None and ws(128, 4096, 11008)[1] is None  # 128 rows split fit better
     for m in (129, 256, 512):  # stream-K ahead
         assert ws(m, 28672, 8192)[1:] == ("256", None, "224" if m <= 256 else "448", True), m
     assert ws(256, 8192, 28672)[1:3] == ("256", "2")  # 64 blocks of 256 rows, two splits in one wave

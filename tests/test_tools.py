@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +61,39 @@ def test_bench_gpu_tables_print_the_binding_floor(capsys):
     assert "| 1 | 50.0 | 111.0 | 63.0 | - | 2.22x | 1.76x | - | 2400 | 53% | 27.0 | 4/5 |" in out
     assert any(line.startswith("| 128 | 130.0 |") and "| 91.0 |" in line for line in out)
     assert "  M=1: 2.22x" in out
+
+
+def test_bench_gpu_switched_measurements_drop_the_cached_plans(monkeypatch):
+    # a planner switch (W4P_CUDA_*) is read by the native planner at each plan, but layers cache their plans: the
+    # switched measurement must plan afresh, and the next one must not inherit the switched plan or the variable
+    pytest.importorskip("torch")
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.pop(0)
+
+    class Layer:
+        def __init__(self):
+            self._plans = {(150, "wgmma_ws"): "stale"}
+
+    lins = [Layer(), Layer()]
+    seen = []
+
+    def fake_measure(lins_, k, n, m, kernel="auto", splits=0):
+        seen.append((os.environ.get("W4P_CUDA_WS_ROWS"), [dict(lin._plans) for lin in lins_], kernel, splits))
+        for lin in lins_:
+            lin._plans[(m, kernel)] = "planned"
+        return 1.5
+
+    monkeypatch.setattr(bench_gpu, "measure_w4", fake_measure)
+    monkeypatch.setenv("W4P_CUDA_WS_ROWS", "256")
+    assert bench_gpu.measure_w4_env(lins, 4096, 11008, 150, "wgmma_ws", 1, {"W4P_CUDA_WS_ROWS": "192"}) == 1.5
+    assert seen == [("192", [{}, {}], "wgmma_ws", 1)]
+    assert os.environ["W4P_CUDA_WS_ROWS"] == "256" and all(lin._plans == {} for lin in lins)
+    monkeypatch.delenv("W4P_CUDA_WS_ROWS")
+    bench_gpu.measure_w4_env(lins, 4096, 11008, 150, "wgmma", 0, {"W4P_CUDA_WGMMA_KP": "2"})
+    assert "W4P_CUDA_WGMMA_KP" not in os.environ and "W4P_CUDA_WS_ROWS" not in os.environ
 
 
 def _ncu_stalls(*args: str) -> subprocess.CompletedProcess:

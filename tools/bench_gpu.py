@@ -186,6 +186,25 @@ def measure_w4(lins, k, n, m, kernel="auto", splits=0) -> float:
     return time_graph(lambda i: lins[i].forward(x, out=ys[i & 1], kernel=kernel, splits=splits), len(lins))
 
 
+def measure_w4_env(lins, k, n, m, kernel: str, splits: int, env: dict[str, str]) -> float:
+    """measure_w4 under planner switches the native side reads at each call (W4P_CUDA_*): the layers' cached plans
+    are dropped before and after, so neither the switched call nor the next one runs a stale plan."""
+    saved = {var: os.environ.get(var) for var in env}
+    os.environ.update(env)
+    for lin in lins:
+        lin._plans.clear()
+    try:
+        return measure_w4(lins, k, n, m, kernel, splits)
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+        for lin in lins:
+            lin._plans.clear()
+
+
 def measure_cublas(k, n, m) -> tuple[float, float]:
     copies = n_copies(2 * k * n)
     ws = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(copies)]
@@ -492,6 +511,10 @@ def main() -> int:
                         sweep["wgmma_ws"] = measure_w4(lins, k, n, m, "wgmma_ws")
                         for sp in (1, 2, 4):  # forced split-K counts against the planner's choice
                             sweep[f"ws_s{sp}"] = measure_w4(lins, k, n, m, "wgmma_ws", sp)
+                        if m > 64:  # the 128-token tile's block heights, unsplit (W4P_CUDA_WS_ROWS)
+                            for rows in ("128", "192", "256"):
+                                sweep[f"ws_rows{rows}"] = measure_w4_env(lins, k, n, m, "wgmma_ws", 1,
+                                                                         {"W4P_CUDA_WS_ROWS": rows})
                     except Exception as exc:  # noqa: BLE001 - a driver without the TMA encoder
                         print(f"wgmma_ws: {exc}", file=sys.stderr)
                 if m <= 8:
@@ -507,11 +530,7 @@ def main() -> int:
                                                  ("wgmma_as", "W4P_CUDA_WGMMA_AS", "1")):
                             if not args.variants or (name == "wgmma_as" and m > 64):
                                 continue
-                            os.environ[var] = value
-                            try:
-                                sweep[name] = measure_w4(lins, k, n, m, "wgmma")
-                            finally:
-                                del os.environ[var]
+                            sweep[name] = measure_w4_env(lins, k, n, m, "wgmma", 0, {var: value})
                     sweep["tiled"] = measure_w4(lins, k, n, m, "tiled")
                     sweep["dense"] = measure_w4(lins, k, n, m, "dense")
                     if m <= 128:

@@ -3245,8 +3245,9 @@ bool ws_sk_auto(int64_t tiles, int64_t blocks, int64_t slots) {
 // weights or more, where its grid costs at least 5% less than every other wgmma_ws grid by a wave model: T blocks
 // of R rows on `slots` SMs (one per SM) take ceil(T / slots) waves, a wave of R-row blocks 0.57 / 0.79 / 1 of a
 // 256-row block's time for R = 128 / 192 / 256 (H200, 1.14 / 0.79 / 1.0 on 4096x11008 at M = 256: 54.2 / 37.7 /
-// 47.5 us, the ratios held on 11008x4096 and 28672x8192); two splits summed in one wave half a wave of their rows
-// (+ 0.05); stream-K, where the 256-row grid is the planner's (rows256) and takes it, T / slots + 0.25 waves of
+// 47.5 us, the ratios held on 11008x4096 and 28672x8192); two splits summed in a cluster within one wave half a
+// wave of their rows (+ 0.05; for 192 rows up to M = 128, as measured, where ws_split_count gives exactly two);
+// stream-K, where the 256-row grid is the planner's (rows256) and takes it, T / slots + 0.25 waves of
 // 256-row blocks. Measured on an H200 (docs/CUDA.md) against the previous choice: 4096x11008 at M = 129-256
 // 36.5-41.5 against 47.3-61.5 us, M = 512 79.0-80.9 against 93.6-95.1; 4096x12288 at M = 129-256 39.2-42.8
 // against 48.1-66.1, M = 384-512 74.2-82.5 against 86.2-108.2; 28672x8192 at M = 384 254.1-258.7 against
@@ -3254,8 +3255,9 @@ bool ws_sk_auto(int64_t tiles, int64_t blocks, int64_t slots) {
 // 36.5-40.8 against 42.2-53.2, 11008x4096 94-114 against 109-138, 28672x8192 489-578 against 507-676 (level at
 // M = 576), 4096x12288 123-131 against 137-146 (M = 704-768). Where it loses (8192x28672 with stream-K at
 // M = 129-256, 218-231 against 178-193; 4096x12288 at M = 576-640, 4096x11008 at M = 640-1024, the 256-row grids
-// at M = 1024) the model ranks the other grid first.
-bool ws_rows192(const DevInfo &di, int64_t m, int np, int gs, int64_t weights, bool rows256) {
+// at M = 1024) the model ranks the other grid first. With two splits (M = 65-128 on 4096x11008 and 4096x12288: 116
+// and 128 blocks in one wave) 25.2-26.3 against 28.0-28.6 for 128-row blocks unsplit (86 and 96 blocks).
+bool ws_rows192(const DevInfo &di, int64_t m, int np, int KT, int gs, int64_t weights, bool rows256) {
   const int bn = ws_tile(m), ks = ws_ks(bn, gs);
   if (di.cc != 90 || bn != 128 || m > 1024 || weights < ((int64_t)1 << 24) || !ws_rows192_fit(di, bn, ks))
     return false;
@@ -3264,12 +3266,15 @@ bool ws_rows192(const DevInfo &di, int64_t m, int np, int gs, int64_t weights, b
   const int64_t t128 = ceil_div(np, 128) * tb, t192 = ceil_div(np, 192) * tb, t256 = ceil_div(np, 256) * tb;
   double best = waves(t128) * 0.57;
   if (2 * t128 <= slots) best = std::min(best, 0.57 / 2 + 0.05);
+  double mine = waves(t192) * 0.79;
+  if (m <= 128 && 2 * t192 <= slots && ws_split_count(di, t192, slots, KT, bn, 0) == 2)
+    mine = std::min(mine, 0.79 / 2 + 0.05);
   if (ws_rows256_fit(di, bn, ks)) {
     best = std::min(best, waves(t256));
     if (2 * t256 <= slots) best = std::min(best, 0.5 + 0.05);
     if (rows256 && ws_sk_auto(t256, t256, slots)) best = std::min(best, (double)t256 / (double)slots + 0.25);
   }
-  return waves(t192) * 0.79 < 0.95 * best;
+  return mine < 0.95 * best;
 }
 
 // kernel: 0 auto, 1 stream, 2 tiled, 10/11 probes. splits: 0 auto. ws_avail: bytes available (SIZE_MAX = plan only).
@@ -3324,7 +3329,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   const int rs_env = ws_rs_env();
   const bool rows256 = rs_env != 1 && rs_env != 3 && ws_rows256(di, m, np, KT, gs, (int64_t)np * kp);
   // ... and in 192-row blocks by theirs (ahead of the 256-row rule where both hold; W4P_CUDA_WS_ROWS forces)
-  const bool rows192 = rs_env == 0 && ws_rows192(di, m, np, gs, (int64_t)np * kp, rows256);
+  const bool rows192 = rs_env == 0 && ws_rows192(di, m, np, KT, gs, (int64_t)np * kp, rows256);
   if (kind == W4P_CUDA_KERNEL_AUTO && di.cc == 90 && sbits == 4 && (gs <= 0 || gs % 16 == 0) && m >= WS_AUTO_MIN_M) {
     const int64_t weights = (int64_t)np * kp;
     const bool large = weights >= ((int64_t)1 << 25);
