@@ -292,9 +292,10 @@ def test_plan_for_wgmma_ws_256_row_blocks(monkeypatch):
 
 
 def test_plan_for_wgmma_ws_192_row_blocks(monkeypatch):
-    # the 128-token tile in 192-row blocks (three consumer warpgroups) up to M = 512 on layers of 2^24 weights or
-    # more, where a wave model ranks their grid at least 8% ahead of the 128- and 256-row grids (split in two within
-    # one wave, or stream-K); W4P_CUDA_WS_ROWS=128|192|256 forces the rows
+    # the 128-token tile in 192-row blocks (three consumer warpgroups) up to M = 1024 on layers of 2^24 weights or
+    # more, where a wave model ranks their grid at least 5% ahead of the 128- and 256-row grids (unsplit, split in
+    # two within one wave, or stream-K), in two splits themselves up to M = 128 where exactly two fill one wave;
+    # W4P_CUDA_WS_ROWS=128|192|256 forces the rows
     ffi, lib = _lib_or_skip()
     for var in ("W4P_CUDA_WS_RS", "W4P_CUDA_WS_ROWS", "W4P_CUDA_WS_SK"):
         monkeypatch.delenv(var, raising=False)
