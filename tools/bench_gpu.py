@@ -190,10 +190,10 @@ def measure_w4_env(lins, k, n, m, kernel: str, splits: int, env: dict[str, str])
     """measure_w4 under planner switches the native side reads at each call (W4P_CUDA_*): the layers' cached plans
     are dropped before and after, so neither the switched call nor the next one runs a stale plan."""
     saved = {var: os.environ.get(var) for var in env}
-    os.environ.update(env)
-    for lin in lins:
-        lin._plans.clear()
     try:
+        os.environ.update(env)
+        for lin in lins:
+            lin._plans.clear()
         return measure_w4(lins, k, n, m, kernel, splits)
     finally:
         for var, value in saved.items():

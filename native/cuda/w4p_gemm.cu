@@ -3247,13 +3247,13 @@ bool ws_sk_auto(int64_t tiles, int64_t blocks, int64_t slots) {
 // 256-row block's time for R = 128 / 192 / 256 (H200, 1.14 / 0.79 / 1.0 on 4096x11008 at M = 256: 54.2 / 37.7 /
 // 47.5 us, the ratios held on 11008x4096 and 28672x8192); two splits summed in a cluster within one wave half a
 // wave of their rows (+ 0.05; for 192 rows up to M = 128, as measured, where ws_split_count gives exactly two);
-// stream-K, where the 256-row grid is the planner's (rows256) and takes it, T / slots + 0.25 waves of
-// 256-row blocks. Measured on an H200 (docs/CUDA.md) against the previous choice: 4096x11008 at M = 129-256
-// 36.5-41.5 against 47.3-61.5 us, M = 512 79.0-80.9 against 93.6-95.1; 4096x12288 at M = 129-256 39.2-42.8
-// against 48.1-66.1, M = 384-512 74.2-82.5 against 86.2-108.2; 28672x8192 at M = 384 254.1-258.7 against
-// 347.0-361.9; at M = 576-768, against dequantize + cuBLAS, 8192x28672 440-581 against 542-686, 4096x4096
-// 36.5-40.8 against 42.2-53.2, 11008x4096 94-114 against 109-138, 28672x8192 489-578 against 507-676 (level at
-// M = 576), 4096x12288 123-131 against 137-146 (M = 704-768). Where it loses (8192x28672 with stream-K at
+// stream-K, where the 256-row grid is the planner's (rows256) and the plan would run it (W4P_CUDA_WS_SK as there),
+// T / slots + 0.25 waves of 256-row blocks. Measured on an H200 (docs/CUDA.md) against the previous choice:
+// 4096x11008 at M = 129-256 36.5-41.5 against 47.3-61.5 us, M = 512 79.0-80.9 against 93.6-95.1; 4096x12288 at
+// M = 129-256 39.2-42.8 against 48.1-66.1, M = 384-512 74.2-82.5 against 86.2-108.2; 28672x8192 at M = 384
+// 254.1-258.7 against 347.0-361.9; at M = 576-768, against dequantize + cuBLAS, 8192x28672 440-581 against 542-686,
+// 4096x4096 36.5-40.8 against 42.2-53.2, 11008x4096 94-114 against 109-138, 28672x8192 489-578 against 507-676
+// (level at M = 576), 4096x12288 123-131 against 137-146 (M = 704-768). Where it loses (8192x28672 with stream-K at
 // M = 129-256, 218-231 against 178-193; 4096x12288 at M = 576-640, 4096x11008 at M = 640-1024, the 256-row grids
 // at M = 1024) the model ranks the other grid first. With two splits (M = 65-128 on 4096x11008 and 4096x12288: 116
 // and 128 blocks in one wave) 25.2-26.3 against 28.0-28.6 for 128-row blocks unsplit (86 and 96 blocks).
@@ -3272,7 +3272,9 @@ bool ws_rows192(const DevInfo &di, int64_t m, int np, int KT, int gs, int64_t we
   if (ws_rows256_fit(di, bn, ks)) {
     best = std::min(best, waves(t256));
     if (2 * t256 <= slots) best = std::min(best, 0.5 + 0.05);
-    if (rows256 && ws_sk_auto(t256, t256, slots)) best = std::min(best, (double)t256 / (double)slots + 0.25);
+    const int sk_env = ws_sk_env();  // (as the plan's stream-K condition)
+    if (rows256 && sk_env != 0 && t256 <= MAX_COUNTERS / 4 && (sk_env == 1 || ws_sk_auto(t256, t256, slots)))
+      best = std::min(best, (double)t256 / (double)slots + 0.25);
   }
   return mine < 0.95 * best;
 }
@@ -3324,12 +3326,14 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   // 4096x4096 M = 48-512 in 15.7-34.7 against 21.7-37.5 us, 11008x4096 M = 129-512 in 52.2-88.9 against
   // 65.4-93.9 us for dequantize + cuBLAS; 4096x12288 M = 384 (288 blocks) took 106.9 against 87.9.
   const bool wg_tma = di.tma && !no_tma_env();
-  // wgmma_ws in 256-row blocks by their rule (W4P_CUDA_WS_RS=1 turns it off), for auto's choices below and for
-  // the wgmma_ws plan itself
+  // wgmma_ws in 256-row blocks by their rule, for auto's choices below and for the wgmma_ws plan itself, and in
+  // 192-row blocks by theirs (ahead of the 256-row rule where both hold). A forced height (W4P_CUDA_WS_ROWS, or
+  // W4P_CUDA_WS_RS) keeps its own rule for auto's kernel choice and turns the others off: 128 rows both, 256 the
+  // 192-row rule, 192 the 256-row rules
   const int rs_env = ws_rs_env();
-  const bool rows256 = rs_env != 1 && rs_env != 3 && ws_rows256(di, m, np, KT, gs, (int64_t)np * kp);
-  // ... and in 192-row blocks by theirs (ahead of the 256-row rule where both hold; W4P_CUDA_WS_ROWS forces)
-  const bool rows192 = rs_env == 0 && ws_rows192(di, m, np, KT, gs, (int64_t)np * kp, rows256);
+  const bool rule256 = ws_rows256(di, m, np, KT, gs, (int64_t)np * kp);
+  const bool rows256 = (rs_env == 0 || rs_env == 2) && rule256;
+  const bool rows192 = (rs_env == 0 || rs_env == 3) && ws_rows192(di, m, np, KT, gs, (int64_t)np * kp, rule256);
   if (kind == W4P_CUDA_KERNEL_AUTO && di.cc == 90 && sbits == 4 && (gs <= 0 || gs % 16 == 0) && m >= WS_AUTO_MIN_M) {
     const int64_t weights = (int64_t)np * kp;
     const bool large = weights >= ((int64_t)1 << 25);
@@ -3361,7 +3365,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   // of 2^25 weights or more): 4096x11008 and 4096x12288 at M = 192-256 took 57.9-60.3 against 61.4-63.8 us
   // (H200, same runs)
   bool rows256_auto = false;
-  if (kernel == W4P_CUDA_KERNEL_AUTO && kind == W4P_CUDA_KERNEL_WGMMA_SS && m > 64 && rs_env != 1 &&
+  if (kernel == W4P_CUDA_KERNEL_AUTO && kind == W4P_CUDA_KERNEL_WGMMA_SS && m > 64 && (rs_env == 0 || rs_env == 2) &&
       ws_rows256_fit(di, 128, ws_ks(128, gs)) && (int64_t)np * kp >= ((int64_t)1 << 25) &&
       ws_split_count(di, (int64_t)ceil_div(np, 2 * WG_BM) * ceil_div(m, 128), sms, KT, 128, 0) == 1) {
     kind = W4P_CUDA_KERNEL_WGMMA_WS;
