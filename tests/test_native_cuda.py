@@ -265,8 +265,6 @@ def test_plan_for_wgmma_ws_256_row_blocks(monkeypatch):
     # takes (90% past M = 512): layers of 2^25 weights or more up to M = 1024, of 2^24 or more from M = 769;
     # W4P_CUDA_WS_RS=1|2 forces
     ffi, lib = _lib_or_skip()
-    monkeypatch.delenv("W4P_CUDA_WS_RS", raising=False)
-    monkeypatch.delenv("W4P_CUDA_WS_ROWS", raising=False)
     monkeypatch.setenv("W4P_CUDA_WS_SK", "0")  # the plain grid (stream-K's rule: test_plan_for_wgmma_ws_stream_k)
 
     def ws(m, n, kk, **kw):
@@ -310,8 +308,6 @@ def test_plan_for_wgmma_ws_192_row_blocks(monkeypatch):
     # two within one wave, or stream-K), in two splits themselves up to M = 128 where exactly two fill one wave;
     # W4P_CUDA_WS_ROWS=128|192|256 forces the rows
     ffi, lib = _lib_or_skip()
-    for var in ("W4P_CUDA_WS_RS", "W4P_CUDA_WS_ROWS", "W4P_CUDA_WS_SK"):
-        monkeypatch.delenv(var, raising=False)
 
     def ws(m, n, kk, **kw):
         got = _describe_for(lib, ffi, H200, m, n, kk, **kw)
@@ -362,7 +358,6 @@ def test_plan_for_wgmma_ws_stream_k(monkeypatch):
     # of stages; partial tiles sum through two workspace tiles per block. W4P_CUDA_WS_SK=0|1 forces it; forced
     # splits and the copies-only probe keep the plain grid
     ffi, lib = _lib_or_skip()
-    monkeypatch.delenv("W4P_CUDA_WS_RS", raising=False)
     monkeypatch.setenv("W4P_CUDA_WS_SK", "1")
     got = _describe_for(lib, ffi, H200, 256, 28672, 8192)
     assert (got["kernel"], got["stream-k"], got["rows"], got["tiles"]) == ("wgmma_ws", "132", "256", "224"), got
@@ -985,6 +980,51 @@ def test_split_sums_in_a_cluster_match_the_workspace(kernel, monkeypatch):
         assert run_case(torch, rng, layer, m, "float16", kernel=kernel, splits=5, lin=in_cluster) <= 1e-3
 
 
+def _repeats_and_replays(torch, lin, x, repeats: int, replays: int, **kw):
+    """The call on x, then `repeats` more and `replays` replays of it captured in a CUDA graph (output poisoned before
+    each), all bit-identical to the first."""
+    first = lin.forward(x, **kw)
+    for _ in range(repeats):
+        assert torch.equal(lin.forward(x, **kw), first)
+    if not replays:
+        return
+    out = torch.empty_like(first)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        lin.forward(x, out=out, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        lin.forward(x, out=out, **kw)
+    for _ in range(replays):
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first)
+
+
+def _row_blocks(monkeypatch, var, value, rows, dtype_name, zero_mode, gs, act_order, cases, replays):
+    """wgmma_ws forced to `rows`-row blocks (var=value) on 600 rows past the last block's end and K = 1000 (not a
+    multiple of 64), against the float64 reference for each (M, splits) case; then repeats and graph replays."""
+    import torch
+
+    if not wgmma_ok():
+        pytest.skip("the wgmma kernels need compute capability 9.0")
+    monkeypatch.setenv(var, value)
+    rng = np.random.default_rng(zlib.crc32(repr((f"rows{rows}", dtype_name, zero_mode, gs, act_order)).encode()))
+    layer = random_layer(rng, 600, 1000, gs=gs, zero_mode=zero_mode, act_order=act_order, scale_dtype=dtype_name,
+                         bias=True)
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
+    for m, splits in cases:
+        plan = lin.plan(m, dtype_name, kernel="wgmma_ws", splits=splits)
+        assert f"rows={rows}" in plan["detail"] and plan["splits"] == (splits or plan["splits"]), plan
+        err = run_case(torch, rng, layer, m, dtype_name, kernel="wgmma_ws", splits=splits, lin=lin)
+        assert err <= tolerance(dtype_name), (m, splits, err)
+    x = torch.randn(150, 1000, device="cuda", dtype=getattr(torch, dtype_name))
+    _repeats_and_replays(torch, lin, x, 5, replays, kernel="wgmma_ws", splits=3)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 @pytest.mark.parametrize("zero_mode,gs,act_order", [("none", 128, False), ("int", 64, True), ("float", 32, False),
@@ -994,25 +1034,8 @@ def test_wgmma_ws_256_row_blocks(dtype_name, zero_mode, gs, act_order, monkeypat
     # W4P_CUDA_WS_RS=2: the 128-token tile in 256-row blocks (a warp's two stripes 128 rows apart, the producer
     # warpgroup's registers handed to the consumers); N past the last block's rows, K not a multiple of 64, unsplit
     # and with splits summed in a cluster (2-8) and through the workspace (9); repeated calls bit-identical
-    import torch
-
-    if not wgmma_ok():
-        pytest.skip("the wgmma kernels need compute capability 9.0")
-    monkeypatch.setenv("W4P_CUDA_WS_RS", "2")
-    rng = np.random.default_rng(zlib.crc32(repr(("rows256", dtype_name, zero_mode, gs, act_order)).encode()))
-    layer = random_layer(rng, 600, 1000, gs=gs, zero_mode=zero_mode, act_order=act_order, scale_dtype=dtype_name,
-                         bias=True)
-    lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
-    for m, splits in ((65, 0), (128, 0), (200, 2), (300, 3), (129, 9), (97, 5)):
-        plan = lin.plan(m, dtype_name, kernel="wgmma_ws", splits=splits)
-        assert "rows=256" in plan["detail"] and plan["splits"] == (splits or plan["splits"]), plan
-        err = run_case(torch, rng, layer, m, dtype_name, kernel="wgmma_ws", splits=splits, lin=lin)
-        assert err <= tolerance(dtype_name), (m, splits, err)
-    dt = getattr(torch, dtype_name)
-    x = torch.randn(150, 1000, device="cuda", dtype=dt)
-    first = lin.forward(x, kernel="wgmma_ws", splits=3)
-    for _ in range(5):
-        assert torch.equal(lin.forward(x, kernel="wgmma_ws", splits=3), first)
+    _row_blocks(monkeypatch, "W4P_CUDA_WS_RS", "2", 256, dtype_name, zero_mode, gs, act_order,
+                ((65, 0), (128, 0), (200, 2), (300, 3), (129, 9), (97, 5)), replays=0)
 
 
 @pytest.mark.gpu
@@ -1023,38 +1046,8 @@ def test_wgmma_ws_192_row_blocks(dtype_name, zero_mode, gs, act_order, monkeypat
     # W4P_CUDA_WS_ROWS=192: the 128-token tile in 192-row blocks (three consumer warpgroups, 13 warps); 600 rows
     # end 24 rows into the fourth block, K = 1000 is not a multiple of 64; unsplit and with splits summed in a
     # cluster (2-8) and through the workspace (9); repeated calls and a graph replay bit-identical
-    import torch
-
-    if not wgmma_ok():
-        pytest.skip("the wgmma kernels need compute capability 9.0")
-    monkeypatch.setenv("W4P_CUDA_WS_ROWS", "192")
-    rng = np.random.default_rng(zlib.crc32(repr(("rows192", dtype_name, zero_mode, gs, act_order)).encode()))
-    layer = random_layer(rng, 600, 1000, gs=gs, zero_mode=zero_mode, act_order=act_order, scale_dtype=dtype_name,
-                         bias=True)
-    lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
-    for m, splits in ((65, 0), (128, 0), (256, 1), (200, 2), (300, 3), (129, 9), (97, 5)):
-        plan = lin.plan(m, dtype_name, kernel="wgmma_ws", splits=splits)
-        assert "rows=192" in plan["detail"] and plan["splits"] == (splits or plan["splits"]), plan
-        err = run_case(torch, rng, layer, m, dtype_name, kernel="wgmma_ws", splits=splits, lin=lin)
-        assert err <= tolerance(dtype_name), (m, splits, err)
-    dt = getattr(torch, dtype_name)
-    x = torch.randn(150, 1000, device="cuda", dtype=dt)
-    first = lin.forward(x, kernel="wgmma_ws", splits=3)
-    for _ in range(5):
-        assert torch.equal(lin.forward(x, kernel="wgmma_ws", splits=3), first)
-    out = torch.empty_like(first)
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        lin.forward(x, out=out, kernel="wgmma_ws", splits=3)
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        lin.forward(x, out=out, kernel="wgmma_ws", splits=3)
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, first)
+    _row_blocks(monkeypatch, "W4P_CUDA_WS_ROWS", "192", 192, dtype_name, zero_mode, gs, act_order,
+                ((65, 0), (128, 0), (256, 1), (200, 2), (300, 3), (129, 9), (97, 5)), replays=1)
 
 
 @pytest.mark.gpu
@@ -1084,25 +1077,8 @@ def test_wgmma_ws_stream_k(dtype_name, zero_mode, gs, act_order, n, k, ms, monke
         assert "stream-k=" in plan["detail"] and "rows=256" in plan["detail"], plan
         err = run_case(torch, rng, layer, m, dtype_name, kernel="wgmma_ws", lin=lin)
         assert err <= tolerance(dtype_name), (m, err)
-    dt = getattr(torch, dtype_name)
-    x = torch.randn(ms[-1], k, device="cuda", dtype=dt)
-    first = lin.forward(x, kernel="wgmma_ws")
-    for _ in range(20):
-        assert torch.equal(lin.forward(x, kernel="wgmma_ws"), first)
-    out = torch.empty_like(first)
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        lin.forward(x, out=out, kernel="wgmma_ws")
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        lin.forward(x, out=out, kernel="wgmma_ws")
-    for _ in range(3):
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, first)
+    x = torch.randn(ms[-1], k, device="cuda", dtype=getattr(torch, dtype_name))
+    _repeats_and_replays(torch, lin, x, 20, 3, kernel="wgmma_ws")
 
 
 @pytest.mark.gpu
@@ -1113,8 +1089,6 @@ def test_wgmma_ws_stream_k_by_auto_and_its_workspace_fallback(monkeypatch):
 
     if not wgmma_ok():
         pytest.skip("the wgmma kernels need compute capability 9.0")
-    for var in ("W4P_CUDA_WS_RS", "W4P_CUDA_WS_ROWS", "W4P_CUDA_WS_SK"):
-        monkeypatch.delenv(var, raising=False)
     rng = np.random.default_rng(29)
     layer = random_layer(rng, 28672, 1216, gs=64, zero_mode="int", bias=True)  # 2^25.06 weights
     lin = cuda.CudaPackedLinear(pack(layer), "cuda")

@@ -45,14 +45,19 @@ def test_bench_gpu_floors_need_no_device():
     assert "**1.9** / 0.1" in rows["4096×4096"] and "2.4 / **6.5**" in rows["4096×4096"], r.stdout
 
 
-def test_bench_gpu_tables_print_the_binding_floor(capsys):
-    # the end-of-run tables from recorded rows (their GPU measurement is not testable here)
-    pytest.importorskip("torch")
+def _bench_gpu():
     sys.path.insert(0, str(ROOT / "tools"))
     try:
         import bench_gpu
     finally:
         sys.path.pop(0)
+    return bench_gpu
+
+
+def test_bench_gpu_tables_print_the_binding_floor(capsys):
+    # the end-of-run tables from recorded rows (their GPU measurement is not testable here)
+    pytest.importorskip("torch")
+    bench_gpu = _bench_gpu()
     rows = [{"M": m, "w4pack_us": us, "cublas_mm_us": 117.0, "cublas_linear_us": 111.0, "tinygemm_us": 63.0,
              "gemlite_us": None, "w4pack_gbs": 2400.0, "plan": {"kernel": 4, "splits": 5}} for m, us in ((1, 50.0),
                                                                                                       (128, 130.0))]
@@ -67,11 +72,7 @@ def test_bench_gpu_switched_measurements_drop_the_cached_plans(monkeypatch):
     # a planner switch (W4P_CUDA_*) is read by the native planner at each plan, but layers cache their plans: the
     # switched measurement must plan afresh, and the next one must not inherit the switched plan or the variable
     pytest.importorskip("torch")
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import bench_gpu
-    finally:
-        sys.path.pop(0)
+    bench_gpu = _bench_gpu()
 
     class Layer:
         def __init__(self):
