@@ -88,7 +88,7 @@ def _plan_for(lib, ffi, dev, m, n, k, bits=4, gs=128, act=0, aligned=1, kernel="
     return rc, ko[0], so[0], wb[0]
 
 
-def test_plan_for_described_devices_auto():
+def test_plan_for_described_devices_auto(monkeypatch):
     ffi, lib = _lib_or_skip()
     k = cuda.KERNELS
 
@@ -148,11 +148,16 @@ def test_plan_for_described_devices_auto():
     for m, n, kk in ((384, 11008, 4096), (512, 8192, 28672), (256, 8192, 28672)):
         assert auto(H200, m, n, kk) == k["wgmma_ws"], (m, n, kk)
     assert auto(H200, 512, 11008, 4096) == k["wgmma_ws"]  # 232 blocks of 192 rows (wgmma_ss: 172, 65%)
-    # M = 1024 on the 7B shapes whose 256-row grid fills 97% of its waves (ahead of the dense path since the
-    # output tile is staged through shared memory); 4096x11008's 344 blocks fill 87%
+    # M = 1024 on the 7B shapes: the 256-token tile (test_plan_for_wgmma_ws_256_token_tile), ahead of the dense path
+    # on 4096x11008 too (344 blocks: three waves against the 128-token tile's 344 of 256 rows); without it the
+    # 256-row grids that fill 97% of their waves, and the dense path for 4096x11008 (87%)
+    for n, kk in ((4096, 4096), (4096, 11008), (12288, 4096), (11008, 4096)):
+        assert auto(H200, 1024, n, kk) == k["wgmma_ws"], (n, kk)
+    monkeypatch.setenv("W4P_CUDA_WS_TOK", "128")
     for n, kk in ((4096, 4096), (4096, 11008), (12288, 4096)):
         assert auto(H200, 1024, n, kk) == k["wgmma_ws"], (n, kk)
     assert auto(H200, 1024, 11008, 4096) == k["tiled"]
+    monkeypatch.delenv("W4P_CUDA_WS_TOK")
     assert auto(A100, 128, 28672, 8192) == k["tiled"]
 
     assert auto(A100, 32, 4096, 4096) == k["stream"]
@@ -266,6 +271,7 @@ def test_plan_for_wgmma_ws_256_row_blocks(monkeypatch):
     # W4P_CUDA_WS_RS=1|2 forces
     ffi, lib = _lib_or_skip()
     monkeypatch.setenv("W4P_CUDA_WS_SK", "0")  # the plain grid (stream-K's rule: test_plan_for_wgmma_ws_stream_k)
+    monkeypatch.setenv("W4P_CUDA_WS_TOK", "128")  # the 128-token tile's rules (the 256-token tile's below)
 
     def ws(m, n, kk, **kw):
         got = _describe_for(lib, ffi, H200, m, n, kk, **kw)
@@ -308,6 +314,7 @@ def test_plan_for_wgmma_ws_192_row_blocks(monkeypatch):
     # two within one wave, or stream-K), in two splits themselves up to M = 128 where exactly two fill one wave;
     # W4P_CUDA_WS_ROWS=128|192|256 forces the rows
     ffi, lib = _lib_or_skip()
+    monkeypatch.setenv("W4P_CUDA_WS_TOK", "128")  # the 128-token tile's rules (the 256-token tile's below)
 
     def ws(m, n, kk, **kw):
         got = _describe_for(lib, ffi, H200, m, n, kk, **kw)
@@ -353,11 +360,54 @@ def test_plan_for_wgmma_ws_192_row_blocks(monkeypatch):
         assert _describe_for(lib, ffi, H200, 150, 11008, 4096)["kernel"] in (want, "tiled"), rows
 
 
+def test_plan_for_wgmma_ws_256_token_tile(monkeypatch):
+    # the 256-token tile (128-row blocks) at M = 192-1024 on layers of 2^24 weights or more, where its last token tile
+    # is at least three quarters full and the wave model ranks its grid 5% ahead of the 128-token tile's (0.89 of a
+    # 256-row wave; two splits in one wave 0.89 x (1/2 + 8 / K tiles)); W4P_CUDA_WS_TOK=256 forces it from M = 129,
+    # =128 turns it off, and so does a forced block height
+    ffi, lib = _lib_or_skip()
+
+    def ws(m, n, kk, **kw):
+        got = _describe_for(lib, ffi, H200, m, n, kk, **kw)
+        return got["kernel"], got.get("tokens"), got.get("splits"), got["tiles"]
+
+    # M = 1024 on the six Llama shapes: one wave where 256-row blocks take one, three where they take three, ...
+    for n, kk, tiles in ((4096, 4096, 128), (11008, 4096, 344), (4096, 11008, 128), (12288, 4096, 384),
+                         (28672, 8192, 896), (8192, 28672, 256)):
+        assert ws(1024, n, kk) == ("wgmma_ws", "256", "1", str(tiles)), (n, kk)
+        assert ws(960, n, kk)[1] == "256" and ws(959, n, kk)[1] is None, (n, kk)  # 3/4 of the last tile
+    for m in (192, 224, 256):  # 224 blocks in two waves against stream-K's 1.95
+        assert ws(m, 28672, 8192) == ("wgmma_ws", "256", "1", "224"), m
+        assert ws(m, 8192, 28672) == ("wgmma_ws", "256", "2", "64"), m  # two splits of K = 28672 in one wave
+    assert ws(191, 28672, 8192)[1] is None and ws(129, 8192, 28672)[1] is None
+    for m in (448, 512):
+        assert ws(m, 8192, 28672) == ("wgmma_ws", "256", "1", "128"), m  # one wave against 256 rows' one
+        assert ws(m, 4096, 11008) == ("wgmma_ws", "256", "2", "64"), m  # K = 11008: the split's sum pays
+        assert ws(m, 4096, 4096)[1] is None, m  # K = 4096: it does not
+    assert ws(512, 28672, 8192)[1] is None  # 4 waves against stream-K's 3.64: under 5%
+    for m in (704, 768):  # 258 blocks: two waves against 256 rows' two of 1.0
+        assert ws(m, 11008, 4096)[1] == "256", m
+    assert ws(768, 4096, 4096)[1] is None and ws(768, 12288, 4096)[1] is None  # 192-row blocks fit better
+    assert ws(256, 11008, 4096)[1] is None  # 192-row blocks: one wave of 0.79
+    assert ws(1024, 6144, 2048)[1] is None  # 2^23.6 weights
+    assert ws(1025, 4096, 4096)[0] != "wgmma_ws"
+    assert ws(1024, 4096, 4096, kernel="wgmma_ws")[1] == "256"  # forced kernel: same rule
+    assert ws(1024, 4096, 4096, kernel="wgmma_ws", splits=3)[1:3] == ("256", "3")
+    monkeypatch.setenv("W4P_CUDA_WS_TOK", "128")
+    assert ws(1024, 4096, 4096)[1] is None
+    monkeypatch.setenv("W4P_CUDA_WS_TOK", "256")
+    assert ws(129, 4096, 4096, kernel="wgmma_ws")[1] == "256"
+    assert ws(128, 4096, 4096, kernel="wgmma_ws")[1] is None
+    monkeypatch.setenv("W4P_CUDA_WS_ROWS", "256")
+    assert ws(1024, 4096, 4096) == ("wgmma_ws", None, "1", "128")
+
+
 def test_plan_for_wgmma_ws_stream_k(monkeypatch):
     # the 256-row blocks as stream-K: one block per SM (never more than the tiles' stages), each taking an equal run
     # of stages; partial tiles sum through two workspace tiles per block. W4P_CUDA_WS_SK=0|1 forces it; forced
     # splits and the copies-only probe keep the plain grid
     ffi, lib = _lib_or_skip()
+    monkeypatch.setenv("W4P_CUDA_WS_TOK", "128")  # the 128-token tile's rules (the 256-token tile's below)
     monkeypatch.setenv("W4P_CUDA_WS_SK", "1")
     got = _describe_for(lib, ffi, H200, 256, 28672, 8192)
     assert (got["kernel"], got["stream-k"], got["rows"], got["tiles"]) == ("wgmma_ws", "132", "256", "224"), got
@@ -1004,21 +1054,23 @@ def _repeats_and_replays(torch, lin, x, repeats: int, replays: int, **kw):
         assert torch.equal(out, first)
 
 
-def _row_blocks(monkeypatch, var, value, rows, dtype_name, zero_mode, gs, act_order, cases, replays):
-    """wgmma_ws forced to `rows`-row blocks (var=value) on 600 rows past the last block's end and K = 1000 (not a
-    multiple of 64), against the float64 reference for each (M, splits) case; then repeats and graph replays."""
+def _row_blocks(monkeypatch, env, marker, dtype_name, zero_mode, gs, act_order, cases, replays):
+    """wgmma_ws forced by the switches `env` to the blocks whose plan says `marker`, on 600 rows past the last block's
+    end and K = 1000 (not a multiple of 64), against the float64 reference for each (M, splits) case; then repeats and
+    graph replays."""
     import torch
 
     if not wgmma_ok():
         pytest.skip("the wgmma kernels need compute capability 9.0")
-    monkeypatch.setenv(var, value)
-    rng = np.random.default_rng(zlib.crc32(repr((f"rows{rows}", dtype_name, zero_mode, gs, act_order)).encode()))
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    rng = np.random.default_rng(zlib.crc32(repr((marker, env, dtype_name, zero_mode, gs, act_order)).encode()))
     layer = random_layer(rng, 600, 1000, gs=gs, zero_mode=zero_mode, act_order=act_order, scale_dtype=dtype_name,
                          bias=True)
     lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
     for m, splits in cases:
         plan = lin.plan(m, dtype_name, kernel="wgmma_ws", splits=splits)
-        assert f"rows={rows}" in plan["detail"] and plan["splits"] == (splits or plan["splits"]), plan
+        assert marker in plan["detail"] and plan["splits"] == (splits or plan["splits"]), plan
         err = run_case(torch, rng, layer, m, dtype_name, kernel="wgmma_ws", splits=splits, lin=lin)
         assert err <= tolerance(dtype_name), (m, splits, err)
     x = torch.randn(150, 1000, device="cuda", dtype=getattr(torch, dtype_name))
@@ -1034,7 +1086,7 @@ def test_wgmma_ws_256_row_blocks(dtype_name, zero_mode, gs, act_order, monkeypat
     # W4P_CUDA_WS_RS=2: the 128-token tile in 256-row blocks (a warp's two stripes 128 rows apart, the producer
     # warpgroup's registers handed to the consumers); N past the last block's rows, K not a multiple of 64, unsplit
     # and with splits summed in a cluster (2-8) and through the workspace (9); repeated calls bit-identical
-    _row_blocks(monkeypatch, "W4P_CUDA_WS_RS", "2", 256, dtype_name, zero_mode, gs, act_order,
+    _row_blocks(monkeypatch, {"W4P_CUDA_WS_RS": "2"}, "rows=256", dtype_name, zero_mode, gs, act_order,
                 ((65, 0), (128, 0), (200, 2), (300, 3), (129, 9), (97, 5)), replays=0)
 
 
@@ -1046,8 +1098,23 @@ def test_wgmma_ws_192_row_blocks(dtype_name, zero_mode, gs, act_order, monkeypat
     # W4P_CUDA_WS_ROWS=192: the 128-token tile in 192-row blocks (three consumer warpgroups, 13 warps); 600 rows
     # end 24 rows into the fourth block, K = 1000 is not a multiple of 64; unsplit and with splits summed in a
     # cluster (2-8) and through the workspace (9); repeated calls and a graph replay bit-identical
-    _row_blocks(monkeypatch, "W4P_CUDA_WS_ROWS", "192", 192, dtype_name, zero_mode, gs, act_order,
+    _row_blocks(monkeypatch, {"W4P_CUDA_WS_ROWS": "192"}, "rows=192", dtype_name, zero_mode, gs, act_order,
                 ((65, 0), (128, 0), (256, 1), (200, 2), (300, 3), (129, 9), (97, 5)), replays=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ks", ["1", "2"])
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("zero_mode,gs,act_order", [("none", 128, False), ("int", 64, True), ("float", 32, False),
+                                                    ("int", -1, False), ("float", 16, True), ("none", 48, False)])
+def test_wgmma_ws_256_token_tile(ks, dtype_name, zero_mode, gs, act_order, monkeypatch):
+    # W4P_CUDA_WS_TOK=256: 128-row blocks of 256 tokens (one m64n256 wgmma per slice, the producer warpgroup's
+    # registers handed to the consumers), one or two K tiles a stage; tokens past M in the last tile, 600 rows end
+    # 88 rows into the fifth block, K = 1000 not a multiple of 64; unsplit and with splits summed in a cluster (2-8)
+    # and through the workspace (9); repeated calls and a graph replay bit-identical
+    _row_blocks(monkeypatch, {"W4P_CUDA_WS_TOK": "256", "W4P_CUDA_WS_TOK_KS": ks}, "tokens=256", dtype_name,
+                zero_mode, gs, act_order, ((129, 0), (256, 0), (300, 1), (513, 0), (257, 2), (400, 3), (200, 9),
+                                           (600, 5)), replays=1)
 
 
 @pytest.mark.gpu

@@ -1567,6 +1567,8 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t saddr) {
   template <> struct WgOp<T, N> {                                                                                \
     static __device__ __forceinline__ void mma(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc,         \
                                                int scale_d) {                                                    \
+      float *const e = d + (N > 128 ? 64 : 0); /* the second 64 accumulators of m64n256 */                       \
+      (void)e;                                                                                                   \
       W4P_SM90A(asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, " SC ", 0;\n"                                   \
                              "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " DREGS ", " AREGS    \
                              ", " DESC ", p, 1, 1, 0;\n}\n"                                                      \
@@ -1853,6 +1855,8 @@ W4P_WGOP_RS(half, "f16", 64, W4P_WG_D32, W4P_WG_ACC32, "{%32, %33, %34, %35}", "
 W4P_WGOP_RS(__nv_bfloat16, "bf16", 64, W4P_WG_D32, W4P_WG_ACC32, "{%32, %33, %34, %35}", "%36", "%37")
 W4P_WGOP_RS(half, "f16", 128, W4P_WG_D64, W4P_WG_ACC64, "{%64, %65, %66, %67}", "%68", "%69")
 W4P_WGOP_RS(__nv_bfloat16, "bf16", 128, W4P_WG_D64, W4P_WG_ACC64, "{%64, %65, %66, %67}", "%68", "%69")
+W4P_WGOP_RS(half, "f16", 256, W4P_WG_D128, W4P_WG_ACC128, "{%128, %129, %130, %131}", "%132", "%133")
+W4P_WGOP_RS(__nv_bfloat16, "bf16", 256, W4P_WG_D128, W4P_WG_ACC128, "{%128, %129, %130, %131}", "%132", "%133")
 template <typename T, int BN> struct WgOpSS;
 W4P_WGOP_SS(half, "f16", 64, W4P_WG_D32, W4P_WG_ACC32, "%32", "%33", "%34")
 W4P_WGOP_SS(__nv_bfloat16, "bf16", 64, W4P_WG_D32, W4P_WG_ACC32, "%32", "%33", "%34")
@@ -2058,13 +2062,17 @@ __host__ __device__ constexpr int ws_stage_bytes(int bn, int ks, int rs = 1, int
   return ks * (bn * 128 + 4 * cw * rs * 512) + ws_pb(ks, rs, cw);
 }
 __host__ __device__ constexpr int ws_stages(int bn, int ks, int rs = 1) {
-  return rs == 2 ? 3 : ks == 4 ? (bn == 16 ? 4 : bn == 32 ? 3 : 2) : bn == 16 ? 6 : bn == 32 ? 4 : bn == 64 ? 3 : 4;
+  return rs == 2 ? 3 : bn == 256 ? (ks == 1 ? 5 : 2) : ks == 4 ? (bn == 16 ? 4 : bn == 32 ? 3 : 2) : bn == 16 ? 6 : bn == 32 ? 4 : bn == 64 ? 3 : 4;
 }
-__host__ __device__ constexpr int ws_blocks_per_sm(int bn, int rs = 1) { return bn == 128 || rs == 2 ? 1 : 2; }
+__host__ __device__ constexpr int ws_blocks_per_sm(int bn, int rs = 1) { return bn >= 128 || rs == 2 ? 1 : 2; }
 // RS = 2 needs about 200 registers per consumer thread, past the 168 that 9 warps allow (three warps on a
 // scheduler's 16K registers): a whole producer warpgroup (one active warp) gives its registers to the
 // consumers (setmaxnreg 40 / 232)
-__host__ __device__ constexpr int ws_threads(int rs, int cw = 2) { return rs == 2 ? 12 * 32 : (4 * cw + 1) * 32; }
+// The 256-token tile (128 accumulators a thread, like RS = 2) does the same
+__host__ __device__ constexpr bool ws_pwg(int bn, int rs) { return rs == 2 || bn == 256; }
+__host__ __device__ constexpr int ws_threads(int rs, int cw = 2, int bn = 128) {
+  return ws_pwg(bn, rs) ? 12 * 32 : (4 * cw + 1) * 32;
+}
 __host__ __device__ constexpr int ws_tile(int64_t m) { return m <= 16 ? 16 : m <= 32 ? 32 : m <= 64 ? 64 : 128; }
 #ifndef W4P_WS_KS4_MAX_BN
 #define W4P_WS_KS4_MAX_BN 64  // (the 128-token tile measured slower with four-tile stages: two stages only)
@@ -2130,13 +2138,15 @@ __device__ __forceinline__ void ws_trace(int ev) {
   } while (0)
 #endif
 template <typename T, int ZMODE, int BN, int KS, int RS, bool SK = false, int CW = 2>
-__global__ void __launch_bounds__(ws_threads(RS, CW), ws_blocks_per_sm(BN, RS))
+__global__ void __launch_bounds__(ws_threads(RS, CW, BN), ws_blocks_per_sm(BN, RS))
     wgmma_ws_kernel(const Params p, const __grid_constant__ CUtensorMap xmap,
                     const __grid_constant__ CUtensorMap wmap) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T2 = typename Tr<T, 4>::T2;
   static_assert(CW == 2 || (CW == 3 && RS == 1 && BN == 128 && !SK), "192-row blocks: the 128-token tile, plain grid");
+  static_assert(BN < 256 || (RS == 1 && CW == 2 && !SK && KS <= 2), "the 256-token tile: 128-row blocks, plain grid");
   constexpr int NCW = 4 * CW, RB = 64 * CW * RS;  // consumer warps; weight rows per block
+  constexpr bool PWG = ws_pwg(BN, RS);  // a producer warpgroup whose registers go to the consumers
   constexpr int WS_KS = KS, NS = ws_stages(BN, KS, RS), SB = ws_stage_bytes(BN, KS, RS, CW), XT = BN * 128,
                 XB = WS_KS * XT;
   constexpr int WOFF = XB, POFF = XB + (RB / 16) * WS_KS * 512, NP = ZMODE != 0 ? 2 : 1;
@@ -2201,7 +2211,7 @@ __global__ void __launch_bounds__(ws_threads(RS, CW), ws_blocks_per_sm(BN, RS))
   // RS = 2: the producer warpgroup's registers go to the consumers (ptxas honours setmaxnreg where the code
   // after it is reached from one side only: the producer leaves before the epilogue)
   if (warp >= NCW) {
-    if constexpr (RS == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(ws_preg(SK)) : "memory");
+    if constexpr (PWG) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(ws_preg(SK)) : "memory");
     if (warp == NCW && lane == 0) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&xmap)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&wmap)) : "memory");
@@ -2246,7 +2256,7 @@ __global__ void __launch_bounds__(ws_threads(RS, CW), ws_blocks_per_sm(BN, RS))
     }
     __syncwarp();  // the producer warp reconverges before the epilogue's block barriers
     if constexpr (SK) return;  // (no cluster: the consumers sum each segment themselves)
-    if constexpr (RS == 2) {  // the producer warpgroup leaves (its 40 registers hold no epilogue code)
+    if constexpr (PWG) {  // the producer warpgroup leaves (its 40 registers hold no epilogue code)
       if (p.S > 1 && p.cl) {  // ... after its arrivals on cluster_reduce's two cluster barriers
         cluster_barrier();
         cluster_barrier();
@@ -2254,7 +2264,7 @@ __global__ void __launch_bounds__(ws_threads(RS, CW), ws_blocks_per_sm(BN, RS))
       return;
     }
   } else if (p.probe) {  // copies only (diagnostics)
-    if constexpr (RS == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(ws_creg(SK)) : "memory");
+    if constexpr (PWG) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(ws_creg(SK)) : "memory");
     pdl_start(p);
     W4P_WS_TR(0);
     int total = nsteps;
@@ -2268,7 +2278,7 @@ __global__ void __launch_bounds__(ws_threads(RS, CW), ws_blocks_per_sm(BN, RS))
     }
     probe_drain(full0, empty0, NS, total);
   } else {
-    if constexpr (RS == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(ws_creg(SK)) : "memory");
+    if constexpr (PWG) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(ws_creg(SK)) : "memory");
     pdl_start(p);
     W4P_WS_TR(0);
     const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
@@ -2337,7 +2347,7 @@ __global__ void __launch_bounds__(ws_threads(RS, CW), ws_blocks_per_sm(BN, RS))
             // docs/CUDA.md section 7). The smaller tiles keep the branch: without it, three of them spilled 4-8
             // bytes at their 96-register cap (two blocks per SM).
             const uint4 *wp = reinterpret_cast<const uint4 *>(sg + woff + r * 8 * WS_KS * 512 + u * 512);
-            const uint4 wu = BN == 128 || u < nt ? *wp : make_uint4(0, 0, 0, 0);
+            const uint4 wu = BN >= 128 || u < nt ? *wp : make_uint4(0, 0, 0, 0);
             w[r][0] = wu.x;
             w[r][1] = wu.y;
             w[r][2] = wu.z;
@@ -2373,10 +2383,11 @@ __global__ void __launch_bounds__(ws_threads(RS, CW), ws_blocks_per_sm(BN, RS))
               if constexpr (IL) {
                 asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
                 WgOp<T, BN>::mma(acc[0], a[u & 1][j], du + (uint64_t)(2 * j), 1);
-              } else if ((u & 1) == 1 && j == 3) {  // large token tiles: two tiles dequantized, then their wgmmas
+              } else if (((u & 1) == 1 || WS_KS == 1) && j == 3) {  // large token tiles: two tiles dequantized
+                // (one in one-tile stages), then their wgmmas
                 asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-                for (int v = u - 1; v <= u; ++v) {
+                for (int v = u & ~1; v <= u; ++v) {
                   const uint64_t dv = v < nt ? dst + (uint64_t)(v * (XT >> 4)) : dzero;
 #pragma unroll
                   for (int jj = 0; jj < 4; ++jj) WgOp<T, BN>::mma(acc[0], a[v & 1][jj], dv + (uint64_t)(2 * jj), 1);
@@ -2424,7 +2435,7 @@ __global__ void __launch_bounds__(ws_threads(RS, CW), ws_blocks_per_sm(BN, RS))
   } else if (p.cl) {
     // the stages become the exchange tile [BN][RB + 8] once every warp is past its last wgmma
     static_assert(NS * SB >= BN * (RB + 8) * 4, "the cluster exchange tile fits in the stages");
-    block_or_named_sync(RS == 2 ? 256 : 0);
+    block_or_named_sync(PWG ? 256 : 0);
     if (warp < NCW) {
       float *tg = (float *)(sgen + (stages - sbase));
 #pragma unroll
@@ -2435,12 +2446,12 @@ __global__ void __launch_bounds__(ws_threads(RS, CW), ws_blocks_per_sm(BN, RS))
           for (int c = 0; c < 4; ++c)
             tg[(8 * i + 2 * (lane & 3) + (c & 1)) * (RB + 8) + rl + 128 * r + (c < 2 ? 0 : 8)] = acc[r][4 * i + c];
     }
-    cluster_reduce<T, RB, BN, RS == 2 ? 256 : 0>(p, stages, row0, tok0);
+    cluster_reduce<T, RB, BN, PWG ? 256 : 0>(p, stages, row0, tok0);
   } else {
     if (warp < NCW)
 #pragma unroll
       for (int r = 0; r < RS; ++r) wg_store_part<BN>(p, acc[r], r_lo + 128 * r, tok0, lane);
-    split_reduce<T, RB, BN, 2, RS == 2 ? 256 : 0>(p, blockIdx.y, blockIdx.x, row0, (int)tok0);
+    split_reduce<T, RB, BN, 2, PWG ? 256 : 0>(p, blockIdx.y, blockIdx.x, row0, (int)tok0);
   }
   W4P_WS_TR(2);
 #endif
@@ -2998,6 +3009,18 @@ int ws_rs_env() {
   const int v = e ? atoi(e) : 0;
   return v == 1 || v == 2 ? v : 0;
 }
+// W4P_CUDA_WS_TOK=256: wgmma_ws's 256-token tile (128-row blocks) from M = 129 instead of the planner's choice;
+// W4P_CUDA_WS_TOK=128: never (A/B runs, tests). Returns 256, 128 or 0. W4P_CUDA_WS_TOK_KS=1|2: its K tiles per
+// stage.
+int ws_tok_env() {
+  const char *e = getenv("W4P_CUDA_WS_TOK");
+  const int v = e ? atoi(e) : 0;
+  return v == 256 || v == 128 ? v : 0;
+}
+int ws_tok256_ks() {
+  const char *e = getenv("W4P_CUDA_WS_TOK_KS");
+  return e && e[0] == '2' ? 2 : 1;
+}
 // W4P_CUDA_WS_SK=0|1: wgmma_ws's 256-row blocks stream-K or not, instead of the planner's choice (A/B runs, tests)
 int ws_sk_env() {
   const char *e = getenv("W4P_CUDA_WS_SK");
@@ -3206,6 +3229,11 @@ int ws_split_count(const DevInfo &di, int64_t tiles, int64_t slots, int KT, int 
 bool ws_rows256_fit(const DevInfo &di, int bn, int ks) {
   return bn == 128 && ks == 2 && (size_t)ws_smem_bytes(bn, ks, 2) + di.smem_reserved <= (size_t)di.smem_block;
 }
+// The 256-token tile (128-row blocks, one or two K tiles per stage) fits a block's shared memory
+bool ws_tok256_fit(const DevInfo &di) {
+  return (size_t)ws_smem_bytes(256, 1) + di.smem_reserved <= (size_t)di.smem_block &&
+         (size_t)ws_smem_bytes(256, 2) + di.smem_reserved <= (size_t)di.smem_block;
+}
 // ... and in 192-row blocks (three consumer warpgroups)
 bool ws_rows192_fit(const DevInfo &di, int bn, int ks) {
   return bn == 128 && ks == 2 && (size_t)ws_smem_bytes(bn, ks, 1, 3) + di.smem_reserved <= (size_t)di.smem_block;
@@ -3257,26 +3285,67 @@ bool ws_sk_auto(int64_t tiles, int64_t blocks, int64_t slots) {
 // M = 129-256, 218-231 against 178-193; 4096x12288 at M = 576-640, 4096x11008 at M = 640-1024, the 256-row grids
 // at M = 1024) the model ranks the other grid first. With two splits (M = 65-128 on 4096x11008 and 4096x12288: 116
 // and 128 blocks in one wave) 25.2-26.3 against 28.0-28.6 for 128-row blocks unsplit (86 and 96 blocks).
-bool ws_rows192(const DevInfo &di, int64_t m, int np, int KT, int gs, int64_t weights, bool rows256) {
+// The wave model's costs of wgmma_ws's grids at M (in waves of 256-row blocks of the 128-token tile): `others`
+// the cheapest of the 128- and 256-row grids, `r192` the 192-row grid's (where it fits). rows256 as ws_rows192's.
+struct WsCosts {
+  double others, r192;
+};
+WsCosts ws_costs(const DevInfo &di, int64_t m, int np, int KT, int gs, bool rows256) {
   const int bn = ws_tile(m), ks = ws_ks(bn, gs);
-  if (di.cc != 90 || bn != 128 || m > 1024 || weights < ((int64_t)1 << 24) || !ws_rows192_fit(di, bn, ks))
-    return false;
   const int64_t slots = di.sms, tb = ceil_div(m, bn);
   auto waves = [&](int64_t t) { return (double)((t + slots - 1) / slots); };
   const int64_t t128 = ceil_div(np, 128) * tb, t192 = ceil_div(np, 192) * tb, t256 = ceil_div(np, 256) * tb;
-  double best = waves(t128) * 0.57;
-  if (2 * t128 <= slots) best = std::min(best, 0.57 / 2 + 0.05);
-  double mine = waves(t192) * 0.79;
-  if (m <= 128 && 2 * t192 <= slots && ws_split_count(di, t192, slots, KT, bn, 0) == 2)
-    mine = std::min(mine, 0.79 / 2 + 0.05);
+  WsCosts c;
+  c.others = waves(t128) * 0.57;
+  if (2 * t128 <= slots) c.others = std::min(c.others, 0.57 / 2 + 0.05);
+  c.r192 = 1e30;
+  if (bn == 128 && ws_rows192_fit(di, bn, ks)) {
+    c.r192 = waves(t192) * 0.79;
+    if (m <= 128 && 2 * t192 <= slots && ws_split_count(di, t192, slots, KT, bn, 0) == 2)
+      c.r192 = std::min(c.r192, 0.79 / 2 + 0.05);
+  }
   if (ws_rows256_fit(di, bn, ks)) {
-    best = std::min(best, waves(t256));
-    if (2 * t256 <= slots) best = std::min(best, 0.5 + 0.05);
+    c.others = std::min(c.others, waves(t256));
+    if (2 * t256 <= slots) c.others = std::min(c.others, 0.5 + 0.05);
     const int sk_env = ws_sk_env();  // (as the plan's stream-K condition)
     if (rows256 && sk_env != 0 && t256 <= MAX_COUNTERS / 4 && (sk_env == 1 || ws_sk_auto(t256, t256, slots)))
-      best = std::min(best, (double)t256 / (double)slots + 0.25);
+      c.others = std::min(c.others, (double)t256 / (double)slots + 0.25);
   }
-  return mine < 0.95 * best;
+  return c;
+}
+bool ws_rows192(const DevInfo &di, int64_t m, int np, int KT, int gs, int64_t weights, bool rows256) {
+  const int bn = ws_tile(m);
+  if (di.cc != 90 || bn != 128 || m > 1024 || weights < ((int64_t)1 << 24) || !ws_rows192_fit(di, bn, ws_ks(bn, gs)))
+    return false;
+  const WsCosts c = ws_costs(di, m, np, KT, gs, rows256);
+  return c.r192 < 0.95 * c.others;
+}
+
+// wgmma_ws takes the 256-token tile (128-row blocks, one K tile a stage) at M = 192-1024 on layers of 2^24 weights or
+// more, where its last token tile is at least three quarters full and the wave model above ranks its grid 5% ahead
+// of the 128-token tile's: T blocks take ceil(T / slots) waves of 0.89 (H200: 128 blocks in one wave 47.7-49.1
+// against 51.1-57.5 us for 256-row blocks on 4096x4096 at M = 1024, 126.0-132.0 against 141.6-148.5 on 11008x4096);
+// two splits summed in a cluster, where they fill one wave, 0.89 x (1/2 + 8 / KT): the sum of a 128 x 256 tile costs
+// about 6 us whatever K (4096x4096 at M = 512: 30.8 against 27.7 for 128-row blocks; 11008x4096: 68.7 against 73.7;
+// 28672x8192 at M = 256: 164.4 against 177.3). A grid whose last token tile is partly empty ran slower than a full
+// one (8192x28672: 217 us at M = 129, 200 at 160, 178 at 176, 170 at 192, 178 at 256; 28672x8192: 178 at 129, 155
+// at 192), and the other grids shrink with M, so past a multiple of 256 it lost up to three quarters (M = 129-176 on
+// 8192x28672 and 8192x8192, 257-384 on 11008x4096, 513-576 on 4096x11008, 769 on 4096x12288 and 28672x8192).
+// Returns its splits (1 or 2), or 0 where it is not taken. Measured rules and A/B runs: docs/CUDA.md section 7.
+int ws_tok256(const DevInfo &di, int64_t m, int np, int KT, int gs, int64_t weights, bool rows256) {
+  if (di.cc != 90 || m <= 128 || m > 1024 || (m % 256 != 0 && m % 256 < 192) || weights < ((int64_t)1 << 24) ||
+      !ws_tok256_fit(di))
+    return 0;
+  const int64_t slots = di.sms, t = (int64_t)ceil_div(np, 128) * ceil_div(m, 256);
+  double mine = (double)((t + slots - 1) / slots) * 0.89;
+  int S = 1;
+  const double split2 = 0.89 * (0.5 + 8.0 / KT);
+  if (2 * t <= slots && split2 < mine) {
+    mine = split2;
+    S = 2;
+  }
+  const WsCosts c = ws_costs(di, m, np, KT, gs, rows256);
+  return mine < 0.95 * std::min(c.others, c.r192) ? S : 0;
 }
 
 // kernel: 0 auto, 1 stream, 2 tiled, 10/11 probes. splits: 0 auto. ws_avail: bytes available (SIZE_MAX = plan only).
@@ -3329,9 +3398,12 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   // wgmma_ws in 256-row blocks by their rule, for auto's choices below and for the wgmma_ws plan itself, and in
   // 192-row blocks by theirs (ahead of the 256-row rule where both hold). A forced height (W4P_CUDA_WS_ROWS, or
   // W4P_CUDA_WS_RS) keeps its own rule for auto's kernel choice and turns the others off: 128 rows both, 256 the
-  // 192-row rule, 192 the 256-row rules
-  const int rs_env = ws_rs_env();
+  // 192-row rule, 192 the 256-row rules. The 256-token tile by its rule (ws_tok256: its split count), ahead of both;
+  // off where a height is forced or W4P_CUDA_WS_TOK=128, and for every M past 128 with W4P_CUDA_WS_TOK=256 (its
+  // rule still decides auto's kernel choice)
+  const int rs_env = ws_rs_env(), tok_env = ws_tok_env();
   const bool rule256 = ws_rows256(di, m, np, KT, gs, (int64_t)np * kp);
+  const int tok256_S = rs_env == 0 && tok_env != 128 ? ws_tok256(di, m, np, KT, gs, (int64_t)np * kp, rule256) : 0;
   const bool rows256 = (rs_env == 0 || rs_env == 2) && rule256;
   const bool rows192 = (rs_env == 0 || rs_env == 3) && ws_rows192(di, m, np, KT, gs, (int64_t)np * kp, rule256);
   if (kind == W4P_CUDA_KERNEL_AUTO && di.cc == 90 && sbits == 4 && (gs <= 0 || gs % 16 == 0) && m >= WS_AUTO_MIN_M) {
@@ -3391,10 +3463,10 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
       ss_auto_splits = 4;
     }
   }
-  // auto, sm_90: wgmma_ws in 256-row or 192-row blocks over the choices above, where ws_rows256 / ws_rows192 take
-  // them
+  // auto, sm_90: wgmma_ws in 256-row or 192-row blocks or the 256-token tile over the choices above, where
+  // ws_rows256 / ws_rows192 / ws_tok256 take them
   if (kernel == W4P_CUDA_KERNEL_AUTO && di.cc == 90 && sbits == 4 && wg_tma && (gs <= 0 || gs % 16 == 0) &&
-      m > 64 && (rows256 || rows192))
+      m > 64 && (rows256 || rows192 || tok256_S))
     kind = W4P_CUDA_KERNEL_WGMMA_WS;
   if (kind == W4P_CUDA_KERNEL_AUTO) {
     // Measured on an H200 (docs/CUDA.md): the ring kernel wins where every resident warp gets a long run of
@@ -3570,15 +3642,17 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     if (di.cc != 90 || sbits != 4 || !(gs <= 0 || gs % 16 == 0))
       return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel needs compute capability 9.0 (this device: %d.%d), 4-bit "
                   "storage and a group size that is a multiple of 16", di.cc / 10, di.cc % 10);
-    const int bn = ws_tile(m);
-    const int ks = ws_ks(bn, gs);
+    const bool tok256 = (m > 128 && tok_env == 256 && rs_env == 0 && ws_tok256_fit(di)) || tok256_S > 0;
+    const int bn = tok256 ? 256 : ws_tile(m);
+    const int ks = tok256 ? ws_tok256_ks() : ws_ks(bn, gs);
     if ((size_t)ws_smem_bytes(bn, ks) + di.smem_reserved > (size_t)di.smem_block)
       return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel needs %d bytes of shared memory per block",
                   ws_smem_bytes(bn, ks));
-    const int rs = rs_env == 2 && ws_rows256_fit(di, bn, ks)                     ? 2
+    const int rs = tok256                                                         ? 1
+                   : rs_env == 2 && ws_rows256_fit(di, bn, ks)                     ? 2
                    : rs_env == 0 && !rows192 && (rows256_auto || rows256) ? 2
                                                                           : 1;
-    const int cw = rs == 1 && (rs_env == 3 || rows192) && ws_rows192_fit(di, bn, ks) ? 3 : 2;
+    const int cw = !tok256 && rs == 1 && (rs_env == 3 || rows192) && ws_rows192_fit(di, bn, ks) ? 3 : 2;
     pl->rs = rs;
     pl->cw = cw;
     const int rb = 64 * cw * rs;  // rows per block
@@ -3589,7 +3663,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     pl->TB = ceil_div(m, bn);
     pl->tiles = nrb * pl->TB;
     const int64_t slots = (int64_t)sms * ws_blocks_per_sm(bn, rs);
-    pl->S = ws_split_count(di, pl->tiles, slots, KT, bn, splits);
+    pl->S = tok256_S && splits <= 0 && tok_env != 256 ? tok256_S : ws_split_count(di, pl->tiles, slots, KT, bn, splits);
     pl->smem = ws_smem_bytes(bn, ks, rs, cw);
     pl->kp = ks;
     // stream-K for the 256-row blocks: one block per SM, each taking an equal run of the tiles' stages (the
@@ -3925,7 +3999,7 @@ cudaError_t launch_wgmma_ws_t(const Params &p, const Plan &pl, cudaStream_t st) 
                         : wgmma_ws_kernel<T, 0, BN, KS, RS, SK, CW>;
   e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
   if (e != cudaSuccess) return e;
-  constexpr int NTH = ws_threads(RS, CW);
+  constexpr int NTH = ws_threads(RS, CW, BN);
   debug_occupancy(fn, "wgmma_ws", NTH, pl.smem);
   if constexpr (SK) {  // one block per resident slot, each its run of the tiles' stages
     Params q = p;
@@ -3938,6 +4012,7 @@ cudaError_t launch_wgmma_ws_t(const Params &p, const Plan &pl, cudaStream_t st) 
 
 template <typename T> cudaError_t launch_wgmma_ws(const Params &p, const Plan &pl, cudaStream_t st) {
   if (pl.rs == 2) return pl.sk ? launch_wgmma_ws_t<T, 128, 2, 2, true>(p, pl, st) : launch_wgmma_ws_t<T, 128, 2, 2>(p, pl, st);
+  if (pl.bn == 256) return pl.kp == 1 ? launch_wgmma_ws_t<T, 256, 1>(p, pl, st) : launch_wgmma_ws_t<T, 256, 2>(p, pl, st);
   if (pl.cw == 3) return launch_wgmma_ws_t<T, 128, 2, 1, false, 3>(p, pl, st);
   if (pl.bn == 16) return pl.kp == 4 ? launch_wgmma_ws_t<T, 16, 4>(p, pl, st) : launch_wgmma_ws_t<T, 16, 2>(p, pl, st);
   if (pl.bn == 32) return pl.kp == 4 ? launch_wgmma_ws_t<T, 32, 4>(p, pl, st) : launch_wgmma_ws_t<T, 32, 2>(p, pl, st);
@@ -4051,7 +4126,7 @@ int describe_on(const DevInfo &di, int64_t m, int n, int k, int storage_bits, in
   else
     snprintf(buf, len, "%s splits=%d%s%s tiles=%d smem=%zu workspace=%zu", name, pl.S,
              pl.S == 1 ? "" : pl.cl ? " sum=cluster" : " sum=workspace",
-             pl.rs == 2 ? " rows=256" : pl.cw == 3 ? " rows=192" : "", pl.tiles,
+             pl.rs == 2 ? " rows=256" : pl.cw == 3 ? " rows=192" : pl.bn == 256 ? " tokens=256" : "", pl.tiles,
              pl.smem, pl.ws_total);
   return W4P_OK;
 }
