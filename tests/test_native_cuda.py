@@ -271,7 +271,7 @@ def test_plan_for_wgmma_ws_256_row_blocks(monkeypatch):
     # W4P_CUDA_WS_RS=1|2 forces
     ffi, lib = _lib_or_skip()
     monkeypatch.setenv("W4P_CUDA_WS_SK", "0")  # the plain grid (stream-K's rule: test_plan_for_wgmma_ws_stream_k)
-    monkeypatch.setenv("W4P_CUDA_WS_TOK", "128")  # the 128-token tile's rules (the 256-token tile's below)
+    monkeypatch.setenv("W4P_CUDA_WS_TOK", "128")  # the 128-token tile's rules (the 256-token tile's: its own test)
 
     def ws(m, n, kk, **kw):
         got = _describe_for(lib, ffi, H200, m, n, kk, **kw)
@@ -314,7 +314,7 @@ def test_plan_for_wgmma_ws_192_row_blocks(monkeypatch):
     # two within one wave, or stream-K), in two splits themselves up to M = 128 where exactly two fill one wave;
     # W4P_CUDA_WS_ROWS=128|192|256 forces the rows
     ffi, lib = _lib_or_skip()
-    monkeypatch.setenv("W4P_CUDA_WS_TOK", "128")  # the 128-token tile's rules (the 256-token tile's below)
+    monkeypatch.setenv("W4P_CUDA_WS_TOK", "128")  # the 128-token tile's rules (the 256-token tile's: its own test)
 
     def ws(m, n, kk, **kw):
         got = _describe_for(lib, ffi, H200, m, n, kk, **kw)
@@ -407,7 +407,7 @@ def test_plan_for_wgmma_ws_stream_k(monkeypatch):
     # of stages; partial tiles sum through two workspace tiles per block. W4P_CUDA_WS_SK=0|1 forces it; forced
     # splits and the copies-only probe keep the plain grid
     ffi, lib = _lib_or_skip()
-    monkeypatch.setenv("W4P_CUDA_WS_TOK", "128")  # the 128-token tile's rules (the 256-token tile's below)
+    monkeypatch.setenv("W4P_CUDA_WS_TOK", "128")  # the 128-token tile's rules (the 256-token tile's: its own test)
     monkeypatch.setenv("W4P_CUDA_WS_SK", "1")
     got = _describe_for(lib, ffi, H200, 256, 28672, 8192)
     assert (got["kernel"], got["stream-k"], got["rows"], got["tiles"]) == ("wgmma_ws", "132", "256", "224"), got
@@ -1118,6 +1118,31 @@ def test_wgmma_ws_256_token_tile(ks, dtype_name, zero_mode, gs, act_order, monke
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("env,m,splits", [({}, 129, 0), ({}, 300, 3), ({"W4P_CUDA_WS_TOK": "256"}, 257, 0),
+                                          ({"W4P_CUDA_WS_TOK": "256"}, 600, 2), ({"W4P_CUDA_WS_ROWS": "192"}, 300, 0),
+                                          ({"W4P_CUDA_WS_ROWS": "256"}, 129, 9)])
+def test_wgmma_ws_last_token_tile_box(env, m, splits, monkeypatch):
+    # a last token tile that ends past M is copied as one box of its rows (8 to 128, a power of two), and the tile's
+    # other rows keep what the stage held before: here the infinities and NaNs of the call before, which must reach
+    # no stored output (1, 44, 1, 88, 44 and 1 rows of 128, 256, 256, 256, 128 and 128 tokens)
+    import torch
+
+    if not wgmma_ok():
+        pytest.skip("the wgmma kernels need compute capability 9.0")
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    rng = np.random.default_rng(zlib.crc32(repr(("tail", env, m)).encode()))
+    layer = random_layer(rng, 600, 1000, gs=64, zero_mode="int", scale_dtype="float16", bias=True)
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=("float16",))
+    bad = torch.full((768, 1000), float("nan"), device="cuda", dtype=torch.float16)
+    bad[::3] = float("inf")
+    for _ in range(3):  # non-finite rows in every SM's stages
+        lin.forward(bad, kernel="wgmma_ws")
+    err = run_case(torch, rng, layer, m, "float16", kernel="wgmma_ws", splits=splits, lin=lin)
+    assert err <= tolerance("float16"), err
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype_name,zero_mode,gs,act_order,n,k,ms", [
     ("float16", "none", 128, False, 600, 1000, (65, 128, 300)),      # 8 stages a tile, 1-8 blocks a tile
     ("bfloat16", "int", 64, True, 1000, 1000, (97, 256)),
@@ -1156,6 +1181,7 @@ def test_wgmma_ws_stream_k_by_auto_and_its_workspace_fallback(monkeypatch):
 
     if not wgmma_ok():
         pytest.skip("the wgmma kernels need compute capability 9.0")
+    monkeypatch.setenv("W4P_CUDA_WS_TOK", "128")  # (the 256-token tile's rule takes this layer at M = 256)
     rng = np.random.default_rng(29)
     layer = random_layer(rng, 28672, 1216, gs=64, zero_mode="int", bias=True)  # 2^25.06 weights
     lin = cuda.CudaPackedLinear(pack(layer), "cuda")

@@ -312,7 +312,7 @@ def read_bandwidth() -> dict[str, float]:
 
 SMOKE_SWITCHES = {"tile": ("W4P_CUDA_BULK_GRANULE", "tile"), "quads": ("W4P_CUDA_BULK_QS", "4"),
                   "single": ("W4P_CUDA_BULK_QS", "1"), "rows256": ("W4P_CUDA_WS_RS", "2"),
-                  "rows192": ("W4P_CUDA_WS_ROWS", "192")}
+                  "rows192": ("W4P_CUDA_WS_ROWS", "192"), "tok256": ("W4P_CUDA_WS_TOK", "256")}
 
 
 def smoke() -> int:
@@ -346,6 +346,7 @@ def smoke() -> int:
         w64 = layer.dequantize(np.float64)
         if k != 576:
             calls = ((12, "wgmma_ws", 1), (20, "wgmma_ws", 1), (40, "wgmma_ws", 1), (150, "wgmma_ws", 1),
+                     (300, "wgmma_ws:tok256", 1), (129, "wgmma_ws", 1),
                      (1, "bulk", 0), (4, "bulk", 0), (1, "bulk:tile", 0), (6, "bulk:tile", 2), (1, "bulk:quads", 0),
                      (4, "bulk:quads", 0), (8, "bulk:single", 3), (12, "wgmma_ss", 1), (100, "wgmma_ss", 1),
                      (150, "wgmma_ss", 2), (300, "wgmma_ss", 1))
@@ -360,9 +361,11 @@ def smoke() -> int:
                           (150, "wgmma_ws", 0), (70, "wgmma_ws", 3), (12, "wgmma_ws", 0), (20, "wgmma_ws", 3),
                           (20, "wgmma_ws", 9), (12, "auto", 0), (150, "wgmma_ws:rows256", 0),
                           (70, "wgmma_ws:rows256", 3), (130, "wgmma_ws:rows256", 9), (150, "wgmma_ws:rows192", 0),
-                          (70, "wgmma_ws:rows192", 3), (130, "wgmma_ws:rows192", 9))
+                          (70, "wgmma_ws:rows192", 3), (130, "wgmma_ws:rows192", 9), (300, "wgmma_ws:tok256", 0),
+                          (257, "wgmma_ws:tok256", 3), (200, "wgmma_ws:tok256", 9))
                 # splits summed in a cluster (2-8) and through the workspace (9); ":rows256" / ":rows192": wgmma_ws
-                # in 256-row blocks (W4P_CUDA_WS_RS) or 192-row blocks (W4P_CUDA_WS_ROWS)
+                # in 256-row blocks (W4P_CUDA_WS_RS) or 192-row blocks (W4P_CUDA_WS_ROWS); ":tok256": the 256-token
+                # tile (W4P_CUDA_WS_TOK). M = 129, 150 and 300: a last token tile copied as a smaller box
                 if gs % 64 == 0 or gs == -1:
                     calls += ((1, "wgmma_ss", 0), (150, "wgmma_ss", 0), (70, "wgmma_ss", 3), (70, "wgmma_ss", 9))
             if torch.cuda.get_device_capability() >= (9, 0):

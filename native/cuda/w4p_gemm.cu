@@ -2087,6 +2087,18 @@ __host__ __device__ constexpr int ws_smem_bytes(int bn, int ks, int rs = 1, int 
   return 2048 + ws_stages(bn, ks, rs) * ws_stage_bytes(bn, ks, rs, cw) + bn * 128 + (rs == 2 ? 2 * bn * ws_ypitch(64) : 0);
 }
 
+// The activation tensor maps of a last token tile that ends past M: 8 << b token rows for b = 0..4 (wgmma_ws's
+// producer; only the one its tile uses is encoded). xtail_box: the map for a tile of `rows` token rows out of bn,
+// -1 for the whole tile's.
+constexpr int XTAIL_MAPS = 5;
+struct XTails {
+  CUtensorMap m[XTAIL_MAPS];
+};
+__host__ __device__ constexpr int xtail_box(int bn, int rows) {
+  int b = 0;
+  while (b < XTAIL_MAPS && (8 << b) < rows) ++b;
+  return (8 << b) >= bn ? -1 : b;
+}
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1, uint32_t bar) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
@@ -2140,7 +2152,7 @@ __device__ __forceinline__ void ws_trace(int ev) {
 template <typename T, int ZMODE, int BN, int KS, int RS, bool SK = false, int CW = 2>
 __global__ void __launch_bounds__(ws_threads(RS, CW, BN), ws_blocks_per_sm(BN, RS))
     wgmma_ws_kernel(const Params p, const __grid_constant__ CUtensorMap xmap,
-                    const __grid_constant__ CUtensorMap wmap) {
+                    const __grid_constant__ CUtensorMap wmap, const __grid_constant__ XTails xtail) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T2 = typename Tr<T, 4>::T2;
   static_assert(CW == 2 || (CW == 3 && RS == 1 && BN == 128 && !SK), "192-row blocks: the 128-token tile, plain grid");
@@ -2224,6 +2236,14 @@ __global__ void __launch_bounds__(ws_threads(RS, CW, BN), ws_blocks_per_sm(BN, R
       auto produce = [&](int kb, int ke, int row0, int64_t tok0, int gi) {
         const int nsteps = (ke - kb + WS_KS - 1) / WS_KS;
         const unsigned prow = (unsigned)min(RB, p.Np - row0) * 2u;
+        // a token tile that ends past M comes as one box of the fewest token rows, a power of two from 8, that
+        // holds its rows (xtail), not the whole tile: TMA fills a box's rows past the tensor's end with zeros at
+        // a cost (H200, copies only, 8192x28672 with 256-row blocks at M = 129: 131 against 67 us at M = 256).
+        // (Its rows as several boxes cost more, each box about as much as the rows it saves; stream-K ran 2-5%
+        // slower with the smaller box, and keeps the tile's.) The rows left unwritten hold whatever the stage held;
+        // they meet only output columns of tokens past M, which are never stored.
+        const int xb = SK ? -1 : xtail_box(BN, (int)min((int64_t)BN, p.M - tok0));  // the box's map, or -1
+        const unsigned xbytes = xb < 0 ? (unsigned)XT : (8u << xb) * 128u;
         for (int ii = 0; ii < nsteps; ++ii) {
           const int i = gi + ii, s = i % NS;
           if (i >= NS) mbar_wait(empty0 + 8 * s, ((i / NS) - 1) & 1);
@@ -2233,8 +2253,10 @@ __global__ void __launch_bounds__(ws_threads(RS, CW, BN), ws_blocks_per_sm(BN, R
           const uint32_t st = stages + s * SB, full = full0 + 8 * s;
           // the codes: one box of the stage's WS_KS tiles x the block's RB / 16 stripes (tiles and stripes past
           // the layer's read as zeros, and count in full)
-          mbar_expect_tx(full, (unsigned)(nt * XT + (RB / 16) * WS_KS * 512) + (unsigned)(ng * NP) * prow);
-          for (int u = 0; u < nt; ++u) tma_load_2d(st + u * XT, &xmap, (t0 + u) * 64, (int)tok0, full);
+          mbar_expect_tx(full, (unsigned)nt * xbytes + (unsigned)((RB / 16) * WS_KS * 512) + (unsigned)(ng * NP) * prow);
+          for (int u = 0; u < nt; ++u) {
+            tma_load_2d(st + u * XT, xb < 0 ? &xmap : &xtail.m[xb], (t0 + u) * 64, (int)tok0, full);
+          }
           tma_load_3d(st + WOFF, &wmap, 0, t0, row0 >> 4, full);
           for (int g = 0; g < ng; ++g)
             for (int w = 0; w < NP; ++w)
@@ -3994,6 +4016,15 @@ cudaError_t launch_wgmma_ws_t(const Params &p, const Plan &pl, cudaStream_t st) 
   if (e != cudaSuccess) return e;
   e = encode_w_map(&wmap, p.qw, p.KT, p.Np / 16, KS, 4 * CW * RS);
   if (e != cudaSuccess) return e;
+  XTails tail;  // the box of a last token tile that ends past M
+  memset(&tail, 0, sizeof(tail));
+  if constexpr (!SK) {  // (stream-K keeps the whole tile's box)
+    const int xb = xtail_box(BN, (int)(p.M - (p.M - 1) / BN * BN));
+    if (xb >= 0) {
+      e = encode_x_map(&tail.m[xb], p.x, std::is_same<T, __nv_bfloat16>::value, p.M, p.kx, p.ldx, 8 << xb);
+      if (e != cudaSuccess) return e;
+    }
+  }
   auto fn = p.zm == 2   ? wgmma_ws_kernel<T, 2, BN, KS, RS, SK, CW>
             : p.zm == 1 ? wgmma_ws_kernel<T, 1, BN, KS, RS, SK, CW>
                         : wgmma_ws_kernel<T, 0, BN, KS, RS, SK, CW>;
@@ -4004,9 +4035,9 @@ cudaError_t launch_wgmma_ws_t(const Params &p, const Plan &pl, cudaStream_t st) 
   if constexpr (SK) {  // one block per resident slot, each its run of the tiles' stages
     Params q = p;
     q.sk = pl.tiles;
-    return launch_ex(fn, dim3((unsigned)pl.sk), NTH, pl.smem, st, 1, q, map, wmap);
+    return launch_ex(fn, dim3((unsigned)pl.sk), NTH, pl.smem, st, 1, q, map, wmap, tail);
   } else {
-    return launch_splits(fn, NTH, pl, st, p, map, wmap);
+    return launch_splits(fn, NTH, pl, st, p, map, wmap, tail);
   }
 }
 
