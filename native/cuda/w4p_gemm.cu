@@ -2041,9 +2041,8 @@ __global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kern
 // Warp-specialized wgmma kernel (sm_90a, 4-bit; auto's choice on sm_90 from M = 9 where measured ahead, up to
 // M = 1024 in 256-row blocks).
 // The wgmma kernel's math, fed the Hopper way: one producer warp issues every copy of a stage with one thread
-// (the activation tile through TMA with the 128-byte swizzle done by the copy engine and columns past K
-// zero-filled, rows past M too, or left stale where a last token tile comes as a smaller box; the codes as one 3-D
-// TMA box of the block's stripes x the stage's K tiles, the
+// (the activation tile through TMA with the 128-byte swizzle done by the copy engine and rows past M /
+// columns past K zero-filled, the codes as one 3-D TMA box of the block's stripes x the stage's K tiles, the
 // group parameters as one bulk copy per group row), all completing on the stage's mbarrier; the two consumer
 // warpgroups wait on that barrier, compute the stage's KS K tiles (4 wgmmas per tile, one wgmma wait per two
 // tiles) and free the stage with one arrival per warp. No block-wide barrier in the main loop: the warpgroups
