@@ -365,7 +365,8 @@ def smoke() -> int:
                           (257, "wgmma_ws:tok256", 3), (200, "wgmma_ws:tok256", 9))
                 # splits summed in a cluster (2-8) and through the workspace (9); ":rows256" / ":rows192": wgmma_ws
                 # in 256-row blocks (W4P_CUDA_WS_RS) or 192-row blocks (W4P_CUDA_WS_ROWS); ":tok256": the 256-token
-                # tile (W4P_CUDA_WS_TOK). M = 129, 150 and 300: a last token tile copied as a smaller box
+                # tile (W4P_CUDA_WS_TOK). M = 150 and 300 (and 129 and 300 with K = 2048): a last token tile copied
+                # as a smaller box
                 if gs % 64 == 0 or gs == -1:
                     calls += ((1, "wgmma_ss", 0), (150, "wgmma_ss", 0), (70, "wgmma_ss", 3), (70, "wgmma_ss", 9))
             if torch.cuda.get_device_capability() >= (9, 0):

@@ -309,7 +309,7 @@ __device__ __forceinline__ bool y_pairs(const Params &p) {
 }
 
 // A block barrier, or (nt > 0) named barrier 1 over threads 0..nt-1 where the others have left (wgmma_ws's
-// 256-row blocks, whose producer warpgroup leaves before the epilogue)
+// 256-row blocks and 256-token tile, whose producer warpgroup leaves before the epilogue)
 __device__ __forceinline__ void block_or_named_sync(int nt) {
   if (nt == 0)
     __syncthreads();
@@ -2041,17 +2041,19 @@ __global__ void __launch_bounds__(256, (BN == 64 || KP == 1) ? 2 : 1) wgmma_kern
 // Warp-specialized wgmma kernel (sm_90a, 4-bit; auto's choice on sm_90 from M = 9 where measured ahead, up to
 // M = 1024 in 256-row blocks).
 // The wgmma kernel's math, fed the Hopper way: one producer warp issues every copy of a stage with one thread
-// (the activation tile through TMA with the 128-byte swizzle done by the copy engine and rows past M /
-// columns past K zero-filled, the codes as one 3-D TMA box of the block's stripes x the stage's K tiles, the
-// group parameters as one bulk copy per group row), all completing on the stage's mbarrier; the two consumer
-// warpgroups wait on that barrier, compute the stage's KS K tiles (4 wgmmas per tile, one wgmma wait per two
-// tiles) and free the stage with one arrival per warp. No block-wide barrier in the main loop: the warpgroups
+// (the activation tile through TMA with the 128-byte swizzle done by the copy engine and columns past K
+// zero-filled, rows past M too, or left stale where a last token tile comes as a smaller box; the codes as one 3-D
+// TMA box of the block's stripes x the stage's K tiles, the group parameters as one bulk copy per group row), all
+// completing on the stage's mbarrier; the two consumer warpgroups wait on that barrier, compute the stage's KS K
+// tiles (4 wgmmas per tile, one wgmma wait per two tiles, per stage in one-tile stages) and free the stage with one
+// arrival per warp. No block-wide barrier in the main loop: the warpgroups
 // drift apart and overlap each other's dequantization and tensor-core work.
 // K tiles per stage (KS): 4 for the 16-, 32- and 64-token tiles on layers whose groups hold whole K tiles
 // (group size a multiple of 64, or per channel: a stage then spans at most 4 groups), else 2. The longer stage
 // halves the per-stage waits and makes each weight copy a 2 KB run: 8192x28672 at M = 16 went from 80 to
-// 64 us (H200, docs/CUDA.md). Parameter bytes per stage: (scale, zero) x the block's rows per group, for 4
-// groups a tile (group size 16) at KS = 2 and 4 groups at KS = 4.
+// 64 us (H200, docs/CUDA.md); 1 for the 256-token tile (ws_tok256_ks: its two-tile stages measured slower).
+// Parameter bytes per stage: (scale, zero) x the block's rows per group, for 4 groups a tile (group size 16) at
+// KS = 1 and 2 and 4 groups at KS = 4.
 constexpr int WS_IL_BN = 32;  // up to this token tile each slice goes to the tensor cores as soon as it is ready
 // RS: 16-row stripes per consumer warp, 1 (128-row blocks) or 2 (256-row blocks: each warpgroup runs two m64
 // row tiles against the same activation tile, which halves the activations' L2 traffic per weight row)
@@ -2114,8 +2116,8 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void *src, unsigne
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
-// RS = 2 register split between the producer warpgroup and the consumers (setmaxnreg): stream-K's producer
-// loop needs 56 (it spilled at 40)
+// The register split between the producer warpgroup and the consumers (setmaxnreg) of the blocks that have one
+// (ws_pwg: RS = 2 and the 256-token tile): stream-K's producer loop needs 56 (it spilled at 40)
 __host__ __device__ constexpr int ws_preg(bool sk) { return sk ? 56 : 40; }
 __host__ __device__ constexpr int ws_creg(bool sk) { return sk ? 224 : 232; }
 // Per-block timeline (diagnostics builds only: nvcc -DW4P_WS_TRACE, as tools/ws_trace.py builds it). Thread 0 of
@@ -2220,8 +2222,8 @@ __global__ void __launch_bounds__(ws_threads(RS, CW, BN), ws_blocks_per_sm(BN, R
   const int gid = lane >> 2;
   const int rl = (warp % NCW) * 16 + gid;
 
-  // RS = 2: the producer warpgroup's registers go to the consumers (ptxas honours setmaxnreg where the code
-  // after it is reached from one side only: the producer leaves before the epilogue)
+  // PWG: the producer warpgroup's registers go to the consumers (ptxas honours setmaxnreg where the code after it
+  // is reached from one side only: the producer leaves before the epilogue)
   if (warp >= NCW) {
     if constexpr (PWG) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(ws_preg(SK)) : "memory");
     if (warp == NCW && lane == 0) {
@@ -2353,7 +2355,7 @@ __global__ void __launch_bounds__(ws_threads(RS, CW, BN), ws_blocks_per_sm(BN, R
         // their 8 wgmmas back to back (slice by slice measured slower there). The group's constants are loaded
         // at the stage's start and again only where a slice starts a new group (never inside the usual stage,
         // which lies in one group: a single test per slice). A tile past the split's K range has zeroed or
-        // (128-token tile) stale codes, finite either way, against the zero tile. (Two copies of the wgmma
+        // (128- and 256-token tiles) stale codes, finite either way, against the zero tile. (Two copies of the wgmma
         // sequence, one per path, made ptxas serialize the wgmmas: C7520.)
         const bool one_stage_group = one_group && group_of((t0 + WS_KS) * 64 - 1, p.gmul) == g_st;
         load_group(g_st);
@@ -2363,11 +2365,11 @@ __global__ void __launch_bounds__(ws_threads(RS, CW, BN), ws_blocks_per_sm(BN, R
           uint32_t w[RS][4];
 #pragma unroll
           for (int r = 0; r < RS; ++r) {
-            // 128-token tile: past the split's K range (u >= nt) a slot holds an earlier stage's codes, or whatever
-            // the shared memory held; any bits are nibbles that dequantize to finite values, which meet the zero
-            // tile. So the load needs no branch, and ptxas no longer recomputes its address behind one (2-5% faster,
-            // docs/CUDA.md section 7). The smaller tiles keep the branch: without it, three of them spilled 4-8
-            // bytes at their 96-register cap (two blocks per SM).
+            // 128- and 256-token tiles: past the split's K range (u >= nt) a slot holds an earlier stage's codes,
+            // or whatever the shared memory held; any bits are nibbles that dequantize to finite values, which meet
+            // the zero tile. So the load needs no branch, and ptxas no longer recomputes its address behind one
+            // (2-5% faster, docs/CUDA.md section 7). The smaller tiles keep the branch: without it, three of them
+            // spilled 4-8 bytes at their 96-register cap (two blocks per SM).
             const uint4 *wp = reinterpret_cast<const uint4 *>(sg + woff + r * 8 * WS_KS * 512 + u * 512);
             const uint4 wu = BN >= 128 || u < nt ? *wp : make_uint4(0, 0, 0, 0);
             w[r][0] = wu.x;
@@ -3041,9 +3043,10 @@ int ws_tok_env() {
 }
 int ws_tok256_ks() {
   const char *e = getenv("W4P_CUDA_WS_TOK_KS");
-  return e && e[0] == '2' ? 2 : 1;
+  return e && strcmp(e, "2") == 0 ? 2 : 1;
 }
-// W4P_CUDA_WS_SK=0|1: wgmma_ws's 256-row blocks stream-K or not, instead of the planner's choice (A/B runs, tests)
+// W4P_CUDA_WS_SK=0|1: wgmma_ws's 256-row blocks stream-K or not, instead of the planner's choice (A/B runs, tests;
+// where the 256-token tile's rule takes a plan, it holds: the wave model ranks forced stream-K among the others)
 int ws_sk_env() {
   const char *e = getenv("W4P_CUDA_WS_SK");
   return e && (e[0] == '0' || e[0] == '1') && e[1] == 0 ? e[0] - '0' : -1;
@@ -3361,8 +3364,8 @@ int ws_tok256(const DevInfo &di, int64_t m, int np, int KT, int gs, int64_t weig
   const int64_t slots = di.sms, t = (int64_t)ceil_div(np, 128) * ceil_div(m, 256);
   double mine = (double)((t + slots - 1) / slots) * 0.89;
   int S = 1;
-  const double split2 = 0.89 * (0.5 + 8.0 / KT);
-  if (2 * t <= slots && split2 < mine) {
+  const double split2 = 0.89 * (0.5 + 8.0 / KT);  // (summed in a cluster: not with W4P_CUDA_CLUSTER=0)
+  if (2 * t <= slots && split2 < mine && !no_cluster_env()) {
     mine = split2;
     S = 2;
   }
@@ -3660,7 +3663,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     pl->smem = wg_smem_bytes(bn, kpt, as);
     pl->gather = act_order || !x_aligned || (k % 64) != 0;
   } else if (kind == W4P_CUDA_KERNEL_WGMMA_WS) {
-    // token tile 16 / 32 / 64 / 128 by M; split K as the wgmma kernel
+    // token tile 16 / 32 / 64 / 128 by M, or 256 (ws_tok256, W4P_CUDA_WS_TOK); split K as the wgmma kernel
     if (di.cc != 90 || sbits != 4 || !(gs <= 0 || gs % 16 == 0))
       return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel needs compute capability 9.0 (this device: %d.%d), 4-bit "
                   "storage and a group size that is a multiple of 16", di.cc / 10, di.cc % 10);
