@@ -13,6 +13,7 @@ Usage: python tools/bench_gpu.py [--quick | --ms 1,4,16] [--sweep] [--shapes KxN
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -186,21 +187,30 @@ def measure_w4(lins, k, n, m, kernel="auto", splits=0) -> float:
     return time_graph(lambda i: lins[i].forward(x, out=ys[i & 1], kernel=kernel, splits=splits), len(lins))
 
 
-def measure_w4_env(lins, k, n, m, kernel: str, splits: int, env: dict[str, str]) -> float:
-    """measure_w4 under planner switches the native side reads at each call (W4P_CUDA_*): the layers' cached plans
-    are dropped before and after, so neither the switched call nor the next one runs a stale plan."""
+@contextlib.contextmanager
+def planner_switches(env: dict[str, str]):
+    """Planner switches the native side reads at each plan (W4P_CUDA_*), set for the block and restored after."""
     saved = {var: os.environ.get(var) for var in env}
     try:
         os.environ.update(env)
-        for lin in lins:
-            lin._plans.clear()
-        return measure_w4(lins, k, n, m, kernel, splits)
+        yield
     finally:
         for var, value in saved.items():
             if value is None:
                 os.environ.pop(var, None)
             else:
                 os.environ[var] = value
+
+
+def measure_w4_env(lins, k, n, m, kernel: str, splits: int, env: dict[str, str]) -> float:
+    """measure_w4 under planner switches: the layers' cached plans are dropped before and after, so neither the
+    switched call nor the next one runs a stale plan."""
+    try:
+        with planner_switches(env):
+            for lin in lins:
+                lin._plans.clear()
+            return measure_w4(lins, k, n, m, kernel, splits)
+    finally:
         for lin in lins:
             lin._plans.clear()
 
@@ -375,12 +385,9 @@ def smoke() -> int:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             if ":" in kernel:
                 var, val = SMOKE_SWITCHES[kernel.split(":")[1]]
-                os.environ[var] = val
-                try:  # a fresh layer: a layer caches its plans
+                with planner_switches({var: val}):  # a fresh layer: a layer caches its plans
                     y = w4cuda.CudaPackedLinear(pack(layer), "cuda").forward(x, kernel=kernel.split(":")[0],
                                                                              splits=splits)
-                finally:
-                    del os.environ[var]
             else:
                 y = lin.forward(x, kernel=kernel, splits=splits)
             ref = x.double().cpu().numpy() @ w64.T + layer.bias.astype(np.float64)

@@ -2059,12 +2059,17 @@ constexpr int WS_IL_BN = 32;  // up to this token tile each slice goes to the te
 // row tiles against the same activation tile, which halves the activations' L2 traffic per weight row)
 // CW: consumer warpgroups, 2 or 3 (192-row blocks: RS = 1, the 128-token tile; more rows per block than 128 where
 // 256-row blocks would leave a wave's SMs idle)
-__host__ __device__ constexpr int ws_pb(int ks, int rs = 1, int cw = 2) { return rs * cw * (ks == 4 ? 1024 : ks * 1024); }
+__host__ __device__ constexpr int ws_pb(int ks, int rs = 1, int cw = 2) {
+  return rs * cw * (ks == 4 ? 1024 : ks * 1024);
+}
 __host__ __device__ constexpr int ws_stage_bytes(int bn, int ks, int rs = 1, int cw = 2) {
   return ks * (bn * 128 + 4 * cw * rs * 512) + ws_pb(ks, rs, cw);
 }
 __host__ __device__ constexpr int ws_stages(int bn, int ks, int rs = 1) {
-  return rs == 2 ? 3 : bn == 256 ? (ks == 1 ? 5 : 2) : ks == 4 ? (bn == 16 ? 4 : bn == 32 ? 3 : 2) : bn == 16 ? 6 : bn == 32 ? 4 : bn == 64 ? 3 : 4;
+  return rs == 2      ? 3
+         : bn == 256 ? (ks == 1 ? 5 : 2)
+         : ks == 4   ? (bn == 16 ? 4 : bn == 32 ? 3 : 2)
+                     : (bn == 16 ? 6 : bn == 32 ? 4 : bn == 64 ? 3 : 4);
 }
 __host__ __device__ constexpr int ws_blocks_per_sm(int bn, int rs = 1) { return bn >= 128 || rs == 2 ? 1 : 2; }
 // RS = 2 needs about 200 registers per consumer thread, past the 168 that 9 warps allow (three warps on a
@@ -3010,6 +3015,8 @@ struct DevInfo {
   int smem_sm = 0, smem_block = 0, smem_reserved = 0;  // shared memory per SM, per block (opt-in), reserved
   bool tma = true;  // the driver gives the TMA descriptor encoder (the wgmma_ws kernel; described devices: yes)
   bool init = false;
+  // a block of `bytes` dynamic shared memory fits (the system's reserved share counts against the opt-in limit)
+  bool fits(size_t bytes) const { return bytes + (size_t)smem_reserved <= (size_t)smem_block; }
 };
 bool tma_encoder_available();
 // W4P_CUDA_NO_TMA=1: plan as on a driver without the TMA encoder (tests of auto's fallback; read at each call)
@@ -3252,16 +3259,15 @@ int ws_split_count(const DevInfo &di, int64_t tiles, int64_t slots, int KT, int 
 
 // The wgmma_ws 128-token tile in 256-row blocks (RS = 2) fits a block's shared memory
 bool ws_rows256_fit(const DevInfo &di, int bn, int ks) {
-  return bn == 128 && ks == 2 && (size_t)ws_smem_bytes(bn, ks, 2) + di.smem_reserved <= (size_t)di.smem_block;
+  return bn == 128 && ks == 2 && di.fits(ws_smem_bytes(bn, ks, 2));
 }
 // The 256-token tile (128-row blocks, one or two K tiles per stage) fits a block's shared memory
 bool ws_tok256_fit(const DevInfo &di) {
-  return (size_t)ws_smem_bytes(256, 1) + di.smem_reserved <= (size_t)di.smem_block &&
-         (size_t)ws_smem_bytes(256, 2) + di.smem_reserved <= (size_t)di.smem_block;
+  return di.fits(ws_smem_bytes(256, 1)) && di.fits(ws_smem_bytes(256, 2));
 }
 // ... and in 192-row blocks (three consumer warpgroups)
 bool ws_rows192_fit(const DevInfo &di, int bn, int ks) {
-  return bn == 128 && ks == 2 && (size_t)ws_smem_bytes(bn, ks, 1, 3) + di.smem_reserved <= (size_t)di.smem_block;
+  return bn == 128 && ks == 2 && di.fits(ws_smem_bytes(bn, ks, 1, 3));
 }
 // wgmma_ws takes 256-row blocks where their grid, split in two at most, fills the waves it takes to 84% or
 // more (90% past M = 512, where the dense path is level), up to M = 1024 on layers of 2^25 weights or more, and
@@ -3315,10 +3321,12 @@ bool ws_sk_auto(int64_t tiles, int64_t blocks, int64_t slots) {
 struct WsCosts {
   double others, r192;
 };
+// The waves that t blocks take on `slots` resident blocks (the wave model's unit)
+double ws_waves(int64_t t, int64_t slots) { return (double)((t + slots - 1) / slots); }
 WsCosts ws_costs(const DevInfo &di, int64_t m, int np, int KT, int gs, bool rows256) {
   const int bn = ws_tile(m), ks = ws_ks(bn, gs);
   const int64_t slots = di.sms, tb = ceil_div(m, bn);
-  auto waves = [&](int64_t t) { return (double)((t + slots - 1) / slots); };
+  auto waves = [&](int64_t t) { return ws_waves(t, slots); };
   const int64_t t128 = ceil_div(np, 128) * tb, t192 = ceil_div(np, 192) * tb, t256 = ceil_div(np, 256) * tb;
   WsCosts c;
   c.others = waves(t128) * 0.57;
@@ -3362,7 +3370,7 @@ int ws_tok256(const DevInfo &di, int64_t m, int np, int KT, int gs, int64_t weig
       !ws_tok256_fit(di))
     return 0;
   const int64_t slots = di.sms, t = (int64_t)ceil_div(np, 128) * ceil_div(m, 256);
-  double mine = (double)((t + slots - 1) / slots) * 0.89;
+  double mine = ws_waves(t, slots) * 0.89;
   int S = 1;
   const double split2 = 0.89 * (0.5 + 8.0 / KT);  // (summed in a cluster: not with W4P_CUDA_CLUSTER=0)
   if (2 * t <= slots && split2 < mine && !no_cluster_env()) {
@@ -3455,7 +3463,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   if (kernel == W4P_CUDA_KERNEL_AUTO && (gs <= 0 || gs % 64 == 0) && m >= SS_AUTO_MIN_M && m <= WG_AUTO_MAX_M &&
       (kind == W4P_CUDA_KERNEL_WGMMA_WS || (kind == W4P_CUDA_KERNEL_AUTO && m >= SS_AUTO_DENSE_M && di.cc == 90 &&
                                              sbits == 4 && di.tma && !no_tma_env())) &&
-      (size_t)ss_smem_bytes(m <= 64 ? 64 : 128) + di.smem_reserved <= (size_t)di.smem_block &&
+      di.fits(ss_smem_bytes(m <= 64 ? 64 : 128)) &&
       2 * (int64_t)ceil_div(np, SS_BR) * ceil_div(m, m <= 64 ? 64 : 128) >= sms)
     kind = W4P_CUDA_KERNEL_WGMMA_SS;
   // ... and there wgmma_ws in 256-row blocks where those run unsplit too (the same 256 x 128 tiles, on layers
@@ -3477,7 +3485,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   int ss_auto_splits = 0;
   if (kernel == W4P_CUDA_KERNEL_AUTO && (gs <= 0 || gs % 64 == 0) && m > WG_AUTO_MAX_M && m <= WIDE_AUTO_MAX_M &&
       di.cc == 90 && sbits == 4 && wg_tma && (kind == W4P_CUDA_KERNEL_AUTO || kind == W4P_CUDA_KERNEL_WGMMA_WS) &&
-      (size_t)ss_smem_bytes(128) + di.smem_reserved <= (size_t)di.smem_block) {
+      di.fits(ss_smem_bytes(128))) {
     const int64_t blocks = (int64_t)ceil_div(np, SS_BR) * ceil_div(m, 128);
     auto fill = [&](int64_t b) { return (double)b / (double)(ceil_div(b, (int64_t)sms) * sms); };
     if (fill(blocks) >= 0.8) {
@@ -3649,7 +3657,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     bool as = false;  // W4P_CUDA_WGMMA_AS=1: the A-through-shared-memory variant (token tile 64; tuning)
     if (const char *e = getenv("W4P_CUDA_WGMMA_AS")) as = e[0] == '1' && bn == 64;
     if (as) kpt = 1;
-    if ((size_t)wg_smem_bytes(bn, kpt, as) + di.smem_reserved > (size_t)di.smem_block)
+    if (!di.fits(wg_smem_bytes(bn, kpt, as)))
       return fail(W4P_EUNSUPPORTED, "the wgmma kernel needs %d bytes of shared memory per block",
                   wg_smem_bytes(bn, kpt, as));
     const int nrb = ceil_div(np, WG_BM);
@@ -3670,7 +3678,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     const bool tok256 = (m > 128 && tok_env == 256 && rs_env == 0 && ws_tok256_fit(di)) || tok256_S > 0;
     const int bn = tok256 ? 256 : ws_tile(m);
     const int ks = tok256 ? ws_tok256_ks() : ws_ks(bn, gs);
-    if ((size_t)ws_smem_bytes(bn, ks) + di.smem_reserved > (size_t)di.smem_block)
+    if (!di.fits(ws_smem_bytes(bn, ks)))
       return fail(W4P_EUNSUPPORTED, "the wgmma_ws kernel needs %d bytes of shared memory per block",
                   ws_smem_bytes(bn, ks));
     const int rs = tok256                                                         ? 1
@@ -3713,7 +3721,7 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
       return fail(W4P_EUNSUPPORTED, "the wgmma_ss kernel needs the driver's TMA descriptor encoder (this driver has none)");
     int tok = m <= 64 ? 64 : 128;
     if (const char *e = getenv("W4P_CUDA_SS_TOK")) tok = strcmp(e, "64") == 0 ? 64 : strcmp(e, "128") == 0 ? 128 : tok;
-    if ((size_t)ss_smem_bytes(tok) + di.smem_reserved > (size_t)di.smem_block)
+    if (!di.fits(ss_smem_bytes(tok)))
       return fail(W4P_EUNSUPPORTED, "the wgmma_ss kernel needs %d bytes of shared memory per block", ss_smem_bytes(tok));
     const int nrb = ceil_div(np, SS_BR);
     if (nrb > 65535) return fail(W4P_EUNSUPPORTED, "the wgmma_ss kernel takes at most %d rows", 65535 * SS_BR);
