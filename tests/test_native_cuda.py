@@ -98,11 +98,12 @@ def test_plan_for_described_devices_auto(monkeypatch):
         assert ws >= 64 * 1024  # the tile counters at least
         return kind
 
-    # H200 (sm_90): bulk up to M = 4 everywhere (up to 8 on large layers), stream otherwise up to 8, then
-    # wgmma_ws; tiled beyond (Python takes the dense path from DENSE_MIN_M on)
+    # H200 (sm_90): gemv at M = 1 where its whole-stripe blocks fill their rounds (test_plan_for_gemv), bulk up to
+    # M = 4 everywhere else (up to 8 on large layers), stream otherwise up to 8, then wgmma_ws; tiled beyond
+    # (Python takes the dense path from DENSE_MIN_M on)
     for n, kk in ((28672, 8192), (8192, 28672), (4096, 4096), (11008, 4096), (196, 576)):
         for m in (1, 2, 4):
-            assert auto(H200, m, n, kk) == k["bulk"], (m, n, kk)
+            assert auto(H200, m, n, kk) == (k["gemv"] if (m, n) == (1, 11008) else k["bulk"]), (m, n, kk)
     # bulk up to M = 8 on layers of 2^25 weights or more and on those of one-stripe units (at most 264 stripes),
     # the stream kernel from M = 5 on the other ones
     for n, kk in ((28672, 8192), (8192, 28672), (11008, 4096), (4096, 11008), (12288, 4096), (4096, 4096),
@@ -495,6 +496,46 @@ def _describe_for(lib, ffi, dev, m, n, k, bits=4, gs=128, kernel="auto", splits=
     return {"kernel": name, **dict(f.split("=", 1) for f in fields)}
 
 
+def test_plan_for_gemv(monkeypatch):
+    # the gemv kernel: M = 1, 4-bit, group sizes that are multiples of 32 or per channel, compute capability 8.0+;
+    # "auto" takes it on compute capability 9.0 where its blocks of whole stripes (396 on an H200: three per SM)
+    # fill their rounds: 1.5 rounds or more, the last 85% full, stripes of at most 96 tiles (as measured)
+    ffi, lib = _lib_or_skip()
+
+    def auto(m, n, kk, dev=H200, **kw):
+        return _describe_for(lib, ffi, dev, m, n, kk, **kw)
+
+    for n, kk in ((11008, 4096), (12288, 4096)):  # 688 and 768 stripes of 64 tiles
+        d = auto(1, n, kk)
+        assert d["kernel"] == "gemv" and d["blocks"] == "396" and d["stripes"] == str(n // 16), d
+        assert d["smem"] == str(1024 + 64 * 128), d  # two 8 x 16 float sums, the activations in fragment order
+        assert auto(2, n, kk)["kernel"] == "bulk"
+        assert auto(1, n, kk, gs=32)["kernel"] == "gemv" and auto(1, n, kk, gs=-1)["kernel"] == "gemv"
+        assert auto(1, n, kk, gs=48)["kernel"] != "gemv"
+        assert auto(1, n, kk, bits=8)["kernel"] != "gemv"
+        assert auto(1, n, kk, dev=A100)["kernel"] != "gemv"  # measured on sm_90 only
+        monkeypatch.setenv("W4P_CUDA_GEMV", "0")
+        assert auto(1, n, kk)["kernel"] == "bulk"
+        monkeypatch.delenv("W4P_CUDA_GEMV")
+    # 256 or 512 stripes for 396 blocks (a second round 30% full), or stripes of 128 tiles: the bulk kernel
+    for n, kk in ((4096, 4096), (8192, 28672), (4096, 11008), (28672, 8192), (6336, 4096)):
+        assert auto(1, n, kk)["kernel"] == "bulk", (n, kk)
+    # the edges: the last round 85% full (673 and 674 stripes), stripes of 96 and 97 tiles
+    assert auto(1, 673 * 16, 4096)["kernel"] == "bulk" and auto(1, 674 * 16, 4096)["kernel"] == "gemv"
+    assert auto(1, 11008, 6144)["kernel"] == "gemv" and auto(1, 11008, 6208)["kernel"] == "bulk"
+    # forced: any 4-bit layer at M = 1 that fits, on compute capability 8.0 and newer; one block per stripe at most
+    d = _describe_for(lib, ffi, A100, 1, 196, 576, kernel="gemv")
+    assert d["kernel"] == "gemv" and d["blocks"] == "13" and d["smem"] == str(1024 + 9 * 128), d
+    assert _describe_for(lib, ffi, H200, 1, 28672, 8192, kernel="gemv")["blocks"] == "396"
+    for m, n, kk, kw, dev in ((2, 4096, 4096, {}, H200), (1, 4096, 4096, {"bits": 8}, H200),
+                              (1, 4096, 4096, {"gs": 16}, H200), (1, 4096, 4096, {}, (80, 75, 65536, 65536, 0)),
+                              (1, 4096, 2 ** 17, {}, H200)):
+        buf = ffi.new("char[256]")
+        rc = lib.w4p_cuda_plan_describe_for(*dev, m, n, kk, kw.get("bits", 4), kw.get("gs", 128), 0, 1,
+                                            cuda.KERNELS["gemv"], 0, buf, 256)
+        assert rc != 0 and "gemv kernel takes M = 1" in ffi.string(lib.w4p_cuda_last_error()).decode(), (m, kk, kw)
+
+
 def test_plan_for_bulk_unit_granule_and_stages(monkeypatch):
     # the bulk kernel's unit (tiles per copy run), stream-K granule and stages, as measured best on an H200
     ffi, lib = _lib_or_skip()
@@ -702,8 +743,9 @@ def test_every_option_matches_float64(dtype_name, bits, zero_mode, gs, act_order
     layer = random_layer(rng, 196, 576, bits=bits, gs=gs, zero_mode=zero_mode, act_order=act_order,
                          scale_dtype=dtype_name, bias=True)
     lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
-    for m, kernel in ((1, "stream"), (7, "auto"), (19, "stream"), (40, "stream"), (3, "tiled"), (67, "tiled"),
-                      (200, "auto"), (1, "ring"), (5, "ring"), (8, "ring")) + (BULK_CASES if bulk_ok() else ()):
+    cases = ((1, "stream"), (7, "auto"), (19, "stream"), (40, "stream"), (3, "tiled"), (67, "tiled"), (200, "auto"),
+             (1, "ring"), (5, "ring"), (8, "ring")) + (BULK_CASES if bulk_ok() else ())
+    for m, kernel in cases + (((1, "gemv"), (1, "auto")) if bits == 4 and gemv_ok() else ()):
         err = run_case(torch, rng, layer, m, dtype_name, kernel=kernel, lin=lin)
         assert err <= tolerance(dtype_name), (m, kernel, err)
 
@@ -805,6 +847,47 @@ def test_bulk_kernel_unit_sizes_and_granules(ct, dtype_name, zero_mode, gs, act_
                 assert f"unit={ct} " in detail and (" granule=1 " in detail) == (granule == "tile"), detail
                 err = run_case(torch, rng, layer, m, dtype_name, kernel="bulk", splits=stages, lin=lin)
                 assert err <= tolerance(dtype_name), (n, k, granule, m, stages, err)
+
+
+def gemv_ok() -> bool:
+    """The gemv kernel runs mma.sync: compute capability 8.0 and newer."""
+    import torch
+
+    return torch.cuda.get_device_capability() >= (8, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("zero_mode,gs,act_order", [("none", 128, False), ("int", 32, True), ("float", 64, False),
+                                                    ("none", -1, False), ("int", 96, False), ("float", 32, True),
+                                                    ("int", 128, True), ("none", 32, False)])
+def test_gemv_kernel(dtype_name, zero_mode, gs, act_order):
+    # whole stripes per block, summed in warp order: odd shapes (rows past N, K past the last full tile, fewer tiles
+    # than a step, a stripe count under and over the grid), bias, an unaligned activation row (staged element by
+    # element), the float64 reference, repeats and graph replays bit-identical, auto's choice at M = 1 on sm_90
+    import torch
+
+    if not gemv_ok():
+        pytest.skip("the gemv kernel needs compute capability 8.0")
+    rng = np.random.default_rng(zlib.crc32(repr(("gemv", dtype_name, zero_mode, gs, act_order)).encode()))
+    tdt = torch.float16 if dtype_name == "float16" else torch.bfloat16
+    for n, k in ((196, 576), (600, 1000), (17, 64), (4100, 2880), (9000, 4160), (40, 12000)):
+        layer = random_layer(rng, n, k, gs=gs, zero_mode=zero_mode, act_order=act_order, scale_dtype=dtype_name,
+                             bias=True)
+        lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
+        detail = lin.plan(1, kernel="gemv")["detail"]
+        assert detail.startswith("gemv ") and f" stripes={-(-n // 16)} " in detail, detail
+        if torch.cuda.get_device_capability() == (9, 0):
+            assert lin.plan(1)["detail"].startswith("gemv "), lin.plan(1)
+        err = run_case(torch, rng, layer, 1, dtype_name, kernel="gemv", lin=lin)
+        assert err <= tolerance(dtype_name), (n, k, err)
+        wide = torch.randn(1, k + 3, device="cuda").to(tdt)
+        x = wide[:, 3:]  # 6 bytes past a 16-byte boundary
+        ref = reference(layer, x.double().cpu().numpy(), to_float64(layer.bias, layer.bias_dtype))
+        out = torch.full((1, n), float("nan"), dtype=tdt, device="cuda")
+        lin.forward(x, out=out, kernel="gemv")
+        assert rel_err(out, ref) <= tolerance(dtype_name), (n, k)
+        _repeats_and_replays(torch, lin, torch.randn(1, k, device="cuda").to(tdt), 3, 2, kernel="gemv")
 
 
 @pytest.mark.gpu
@@ -1521,6 +1604,9 @@ def test_gemm_entry_and_errors():
     with pytest.raises(cuda.CudaKernelError, match="ring kernel takes M <= 8"):
         cuda.CudaPackedLinear(packed, "cuda").forward(torch.randn(9, 256, device="cuda", dtype=torch.float16),
                                                       kernel="ring")
+    with pytest.raises(cuda.CudaKernelError, match="gemv kernel takes M = 1"):
+        cuda.CudaPackedLinear(packed, "cuda").forward(torch.randn(2, 256, device="cuda", dtype=torch.float16),
+                                                      kernel="gemv")
     with pytest.raises(cuda.CudaKernelError, match="bulk kernel needs"):
         cuda.CudaPackedLinear(packed, "cuda").forward(torch.randn(17, 256, device="cuda", dtype=torch.float16),
                                                       kernel="bulk")

@@ -359,7 +359,7 @@ def smoke() -> int:
                      (300, "wgmma_ws:tok256", 1), (129, "wgmma_ws", 1),
                      (1, "bulk", 0), (4, "bulk", 0), (1, "bulk:tile", 0), (6, "bulk:tile", 2), (1, "bulk:quads", 0),
                      (4, "bulk:quads", 0), (8, "bulk:single", 3), (12, "wgmma_ss", 1), (100, "wgmma_ss", 1),
-                     (150, "wgmma_ss", 2), (300, "wgmma_ss", 1))
+                     (150, "wgmma_ss", 2), (300, "wgmma_ss", 1), (1, "gemv", 0))
             # bulk: units of one stripe, each block owning whole stripes; ":tile": stream-K over single tiles
             # (W4P_CUDA_BULK_GRANULE; stripes shared by several blocks); ":quads": four-stripe units (the planner's
             # unit size), shared quads; ":single": one-stripe units forced (W4P_CUDA_BULK_QS)
@@ -381,6 +381,8 @@ def smoke() -> int:
                     calls += ((1, "wgmma_ss", 0), (150, "wgmma_ss", 0), (70, "wgmma_ss", 3), (70, "wgmma_ss", 9))
             if torch.cuda.get_device_capability() >= (9, 0):
                 calls += ((1, "bulk", 0), (13, "bulk", 2), (6, "bulk", 3))
+            if bits == 4 and torch.cuda.get_device_capability() >= (8, 0):
+                calls += ((1, "gemv", 0),)  # (13 stripes, 13 blocks: one step of 9 tiles each)
         for m, kernel, splits in calls:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             if ":" in kernel:

@@ -5,6 +5,9 @@
 // fragments for the tile's four k16 slices, so one 16-byte load feeds four MMAs after a few LOP3s.
 //
 // Kernels:
+//   gemv:   M = 1, 4-bit, sm_80+ (auto takes it on sm_90 where its blocks fill their rounds). Blocks own whole
+//           16-row stripes and sum them in warp order; weights through plain 16-byte loads one step ahead in
+//           registers, activations staged once per block in fragment order.
 //   bulk:   M <= 16, sm_90 (auto takes it at M = 1-4). Stream-K over two blocks per SM; the weights and the
 //           activation rows arrive through the bulk copy engine (the fastest weight stream measured here),
 //           group parameters through cp.async, 8 consumer warps per block.
@@ -316,6 +319,20 @@ __device__ __forceinline__ void block_or_named_sync(int nt) {
   else
     asm volatile("bar.sync 1, %0;\n" ::"r"(nt) : "memory");
 }
+// Named barrier `id` over n threads that also returns whether any of them passed true: a flag handed to the
+// others without shared memory (racecheck reported a shared flag's store and loads as a hazard in a few runs
+// although a barrier ordered them)
+__device__ __forceinline__ bool named_any(int id, int n, bool v) {
+  unsigned r;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(r) : "r"((unsigned)v), "r"(id), "r"(n) : "memory");
+  return r != 0;
+}
+// block_or_named_sync's barrier with named_any's flag
+__device__ __forceinline__ bool block_or_named_any(int nt, bool v) {
+  return nt == 0 ? __syncthreads_or(v) != 0 : named_any(1, nt, v);
+}
 
 // Split-K epilogue through the workspace: every block stores its fp32 partial tile; the last block to arrive
 // sums the S partials in split order (bit-identical whoever arrives last) and writes y.
@@ -326,16 +343,12 @@ __device__ __forceinline__ void block_or_named_sync(int nt) {
 // (their 2 blocks per SM cap them at 112 registers): 2 there, 4 where registers allow. NT: block_or_named_sync's.
 template <typename T, int RB, int TBK, int SR_U = 2, int NT = 0>
 __device__ __forceinline__ void split_reduce(const Params &p, int rb, int tb, int row0, int tok0) {
-  __shared__ int s_last;
   __threadfence();
   block_or_named_sync(NT);
   const int tile = tb + p.TB * rb;
-  if (threadIdx.x == 0) {
-    unsigned prev = atomicAdd(&p.counters[tile], 1u);
-    s_last = (prev == (unsigned)(p.S - 1));
-  }
-  block_or_named_sync(NT);
-  if (!s_last) return;
+  bool last = false;
+  if (threadIdx.x == 0) last = atomicAdd(&p.counters[tile], 1u) == (unsigned)(p.S - 1);
+  if (!block_or_named_any(NT, last)) return;
   __threadfence();
   const bool pairs = y_pairs(p);
   const size_t plane = (size_t)p.M * p.Np;
@@ -1068,6 +1081,7 @@ __host__ __device__ __forceinline__ int bulk_stage_bytes(int sb, int m, int gs, 
 // fixed part: NS full + NS empty barriers, a zero row, two reduction buffers (NI n8 blocks each), a flag
 // (warps that hand their sums to a stripe's first warp: BNC - QS)
 __host__ __device__ constexpr int bulk_red_warps(int qs) { return qs >= BNC ? 0 : BNC - qs; }
+// (the last 16 bytes held the split sums' "last block" flag, now a barrier reduction; kept, so plans stay as measured)
 __host__ __device__ constexpr int bulk_fix(int ni, int qs = BQ) {
   return 2 * BMAXS * 8 + 16 + 2 * bulk_red_warps(qs) * 32 * ni * 4 * 4 + 16;
 }
@@ -1267,7 +1281,6 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
   const uint32_t sbase = smem_u32(smem);
   const uint32_t full0 = sbase, empty0 = sbase + BMAXS * 8, zero_addr = sbase + 2 * BMAXS * 8;
   float *red = reinterpret_cast<float *>(smem + 2 * BMAXS * 8 + 16);  // [2][BNC - QS warps][32 lanes][NI*4]
-  int *s_flag = reinterpret_cast<int *>(smem + BFIX - 16);
   unsigned char *stages = smem + BFIX;
   const uint32_t stages_addr = sbase + BFIX;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1458,9 +1471,7 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
           named_sync(2, QS * 32);
           const int64_t w_lo = ring_owner((int64_t)q * NG, total, p.W);
           const int64_t w_hi = ring_owner((int64_t)(q + 1) * NG - 1, total, p.W);
-          if (threadIdx.x == 0) *s_flag = atomicAdd(&p.counters[q], 1u) == (unsigned)(w_hi - w_lo);
-          named_sync(2, QS * 32);
-          if (*s_flag) {  // last piece of this quad: sum the pieces in block order
+          if (named_any(2, QS * 32, threadIdx.x == 0 && atomicAdd(&p.counters[q], 1u) == (unsigned)(w_hi - w_lo))) {  // last piece of this quad: sum the pieces in block order
             __threadfence();
             const int sl_lo = w_lo * total / p.W < (int64_t)q * NG ? 1 : 0;
             const int npc = (int)(w_hi - w_lo) + 1;
@@ -1476,7 +1487,6 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
             }
             if (threadIdx.x == 0) p.counters[q] = 0u;  // ready for the next call / graph replay
           }
-          named_sync(2, QS * 32);  // s_flag is read before the next segment may set it
         }
       }
 #pragma unroll
@@ -1492,6 +1502,185 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
 #endif
 }
 
+
+// ------------------------------------------------------------------------------------------------
+// gemv kernel (M = 1, 4-bit, group sizes that are multiples of 32 or per channel; sm_80 and newer). Blocks of
+// GV_W warps own whole 16-row stripes (block b: stripes b, b + grid, ...), so each stripe is summed inside its
+// block in warp order: no workspace, no counters, deterministic. A stripe is walked in steps of GV_W * GV_U
+// tiles, warp w taking GV_U consecutive tiles of each step, and every warp loads the next step's weights and
+// group parameters into registers (plain 16-byte loads) before it computes this one. Measured on an H200
+// (docs/CUDA.md): the order in which the GPU as a whole requests the weights sets the read rate at this size:
+// whole stripes per block read a 117 MB layer in 29.9 us against 37.4 for the bulk kernel's copy engine and 39.7
+// for one contiguous range per warp (the stream-K order of the ring and bulk kernels). And the arithmetic per
+// tile must stay small: with the activations as 8 L1 loads per tile the kernel issued 137 instructions a tile
+// and ran at 57 us; here a lane's B fragments of a tile are two 16-byte shared-memory loads of the activations,
+// staged once per block in fragment order (gathered by act-order's permutation, zeros past K). Whole stripes
+// leave a partial last round of blocks where the stripes are few for the grid: "auto" takes the kernel only
+// where they fill the rounds (gemv_auto).
+constexpr int GV_W = 8;  // warps per block
+constexpr int GV_U = 4;  // tiles per warp and step
+constexpr int GV_RED = 2 * GV_W * 16 * 4;  // the stripe sums' two buffers [2][GV_W][16] floats
+__host__ __device__ constexpr int gv_minb(int zm, bool g64) { return zm == 0 && g64 ? 3 : 2; }  // blocks per SM
+__host__ __device__ constexpr int gv_smem(int kt) { return GV_RED + kt * 128; }
+
+// one tile's group parameters as raw 16-bit values: scale, zero point or minimum (rows gid, gid + 8), for the
+// tile's two 32-wide halves where a group may end inside it (!G64)
+template <int ZM, bool G64> struct GvPar {
+  static constexpr int NH = G64 ? 1 : 2, NV = (ZM == 0 ? 2 : 4) * NH;
+  uint32_t v[NV];
+};
+__device__ __forceinline__ uint32_t ld_u16(const void *p) {
+  unsigned short v;
+  asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
+  return v;
+}
+template <typename T> __device__ __forceinline__ T t_of(uint32_t raw) {
+  const unsigned short b = (unsigned short)raw;
+  return *reinterpret_cast<const T *>(&b);
+}
+
+template <typename T, int ZM, bool G64>
+__device__ __forceinline__ void gv_load(const Params &p, int s, int kb, bool ok, uint4 &w, GvPar<ZM, G64> &par,
+                                        int lane, int gid) {
+  w = ok ? ld_stream(reinterpret_cast<const uint4 *>(p.qw) + ((int64_t)s * p.KT + kb) * 32 + lane)
+         : make_uint4(0u, 0u, 0u, 0u);
+  const T *zp = (const T *)(ZM == 1 ? p.zeros : p.mins);
+#pragma unroll
+  for (int h = 0; h < GvPar<ZM, G64>::NH; ++h) {
+    const int64_t off = (int64_t)group_of(64 * kb + 32 * h, p.gmul) * p.Np + 16 * s + gid;
+    par.v[h * 2] = ok ? ld_u16((const T *)p.scales + off) : 0u;
+    par.v[h * 2 + 1] = ok ? ld_u16((const T *)p.scales + off + 8) : 0u;
+    if (ZM != 0) {
+      par.v[2 * GvPar<ZM, G64>::NH + h * 2] = ok ? ld_u16(zp + off) : 0u;
+      par.v[2 * GvPar<ZM, G64>::NH + h * 2 + 1] = ok ? ld_u16(zp + off + 8) : 0u;
+    }
+  }
+}
+
+// one tile: acc0 / acc2 (rows gid / gid + 8) += its products with the activations (b: this lane's 8 B pairs)
+template <typename T, int ZM, bool G64>
+__device__ __forceinline__ void gv_tile(float &acc0, float &acc2, const uint4 &w, const GvPar<ZM, G64> &par,
+                                        const uint4 &b01, const uint4 &b23, const ZC<T, 4> &zc_sym) {
+  using T2 = typename Tr<T, 4>::T2;
+  constexpr int NH = GvPar<ZM, G64>::NH;
+  const uint32_t wd[4] = {w.x, w.y, w.z, w.w};
+  const uint32_t b[4][2] = {{b01.x, b01.y}, {b01.z, b01.w}, {b23.x, b23.y}, {b23.z, b23.w}};
+  float d[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // the tile's two 32-wide halves
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int ph = G64 ? 0 : h;
+    uint32_t a[4];
+    if (ZM == 2) {
+      const T2 slo = bcast2(t_of<T>(par.v[2 * ph])), shi = bcast2(t_of<T>(par.v[2 * ph + 1]));
+      const T2 mlo = bcast2(t_of<T>(par.v[2 * NH + 2 * ph])), mhi = bcast2(t_of<T>(par.v[2 * NH + 2 * ph + 1]));
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        dq_float<T, 4>(wd, 2 * h + jj, slo, shi, mlo, mhi, a);
+        mma<T>(d[h], a, b[2 * h + jj][0], b[2 * h + jj][1]);
+      }
+    } else {
+      const ZC<T, 4> zc = ZM == 1 ? zc_load<T>(t_of<T>(par.v[2 * NH + 2 * ph]), t_of<T>(par.v[2 * NH + 2 * ph + 1]))
+                                  : zc_sym;
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        dq_int<T, 4>(wd, 2 * h + jj, zc, a);
+        mma<T>(d[h], a, b[2 * h + jj][0], b[2 * h + jj][1]);
+      }
+    }
+  }
+  if constexpr (ZM == 2) {  // (scaled per weight)
+    acc0 += d[0][0] + d[1][0];
+    acc2 += d[0][2] + d[1][2];
+  } else if constexpr (G64) {
+    acc0 = fmaf(to_f(t_of<T>(par.v[0])), d[0][0] + d[1][0], acc0);
+    acc2 = fmaf(to_f(t_of<T>(par.v[1])), d[0][2] + d[1][2], acc2);
+  } else {
+    acc0 = fmaf(to_f(t_of<T>(par.v[0])), d[0][0], fmaf(to_f(t_of<T>(par.v[2])), d[1][0], acc0));
+    acc2 = fmaf(to_f(t_of<T>(par.v[1])), d[0][2], fmaf(to_f(t_of<T>(par.v[3])), d[1][2], acc2));
+  }
+}
+
+template <typename T, int ZM, bool G64>
+__global__ void __launch_bounds__(GV_W * 32, gv_minb(ZM, G64)) gemv_kernel(const Params p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  float *red = reinterpret_cast<float *>(smem);                // [2][GV_W][16]
+  uint32_t *xs = reinterpret_cast<uint32_t *>(smem + GV_RED);  // [KT][4 tid][4 slices][2]: B pairs in fragment order
+  const int lane = threadIdx.x & 31, gid = lane >> 2, tid = lane & 3, wi = threadIdx.x >> 5;
+  const int G = (int)gridDim.x, NS = p.Np / 16, KT = p.KT;
+  const int spp = (KT + GV_W * GV_U - 1) / (GV_W * GV_U);  // steps per stripe
+  const int nsteps = (int)blockIdx.x < NS ? (NS - (int)blockIdx.x + G - 1) / G * spp : 0;
+#if __CUDA_ARCH__ >= 900
+  // the first step's weights into L2 while the kernel before this one ends (pdl_start)
+  if (lane == 0 && nsteps > 0 && wi * GV_U < KT)
+    prefetch_l2(p.qw + ((int64_t)blockIdx.x * KT + wi * GV_U) * 128, 512u * (unsigned)min(GV_U, KT - wi * GV_U));
+#endif
+  pdl_start(p);
+  // the activations in fragment order: pair (k, k + 1) of tile kb goes to slot ((kb * 4 + tid) * 4 + j) * 2 + hi
+  {
+    const T *x = (const T *)p.x;
+    for (int c = (int)threadIdx.x; c < KT * 32; c += GV_W * 32) {
+      const int k = 2 * c, kb = k >> 6, r = k & 63, j = r >> 4, hi = (r >> 3) & 1, t = (r & 7) >> 1;
+      typename Tr<T, 4>::T2 pr;
+      pr.x = k < p.K ? x[p.perm ? p.perm[k] : k] : from_f<T>(0.f);
+      pr.y = k + 1 < p.K ? x[p.perm ? p.perm[k + 1] : k + 1] : from_f<T>(0.f);
+      xs[((kb * 4 + t) * 4 + j) * 2 + hi] = as_u32(pr);
+    }
+  }
+  __syncthreads();
+  const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
+  uint4 w_cur[GV_U], w_nxt[GV_U];
+  GvPar<ZM, G64> p_cur[GV_U], p_nxt[GV_U];
+  int s = (int)blockIdx.x, st = 0;  // the computed step's stripe and step within it
+  int s_n = s, st_n = 0, i_n = 0;   // the loaded step's
+  auto load = [&](uint4 (&w)[GV_U], GvPar<ZM, G64> (&par)[GV_U]) {
+    const int t0 = st_n * GV_W * GV_U + wi * GV_U;
+#pragma unroll
+    for (int u = 0; u < GV_U; ++u)
+      gv_load<T, ZM, G64>(p, s_n, t0 + u, i_n < nsteps && t0 + u < KT, w[u], par[u], lane, gid);
+    ++i_n;
+    if (++st_n == spp) {
+      st_n = 0;
+      s_n += G;
+    }
+  };
+  load(w_cur, p_cur);
+  float acc0 = 0.f, acc2 = 0.f;
+  int buf = 0;
+  for (int i = 0; i < nsteps; ++i) {
+    load(w_nxt, p_nxt);
+    const int t0 = st * GV_W * GV_U + wi * GV_U;
+#pragma unroll
+    for (int u = 0; u < GV_U; ++u) {
+      if (t0 + u < KT) {
+        const uint4 *xb = reinterpret_cast<const uint4 *>(xs + ((t0 + u) * 4 + tid) * 8);
+        gv_tile<T, ZM, G64>(acc0, acc2, w_cur[u], p_cur[u], xb[0], xb[1], zc_sym);
+      }
+    }
+    if (++st == spp) {  // the stripe is done: its 16 sums over the warps, in warp order
+      if (tid == 0) {
+        red[(buf * GV_W + wi) * 16 + gid] = acc0;
+        red[(buf * GV_W + wi) * 16 + gid + 8] = acc2;
+      }
+      __syncthreads();  // (also: every thread has read the other buffer, written two stripes ago)
+      const int row = 16 * s + (int)threadIdx.x;
+      if (threadIdx.x < 16 && row < p.N) {
+        float v = 0.f;
+#pragma unroll
+        for (int ww = 0; ww < GV_W; ++ww) v += red[(buf * GV_W + ww) * 16 + threadIdx.x];
+        ((T *)p.y)[row] = from_f<T>(p.bias ? v + to_f(((const T *)p.bias)[row]) : v);
+      }
+      buf ^= 1;
+      acc0 = acc2 = 0.f;
+      st = 0;
+      s += G;
+    }
+#pragma unroll
+    for (int u = 0; u < GV_U; ++u) {
+      w_cur[u] = w_nxt[u];
+      p_cur[u] = p_nxt[u];
+    }
+  }
+}
 
 // ------------------------------------------------------------------------------------------------
 // wgmma kernel (sm_90a, 4-bit, large M). A block is two warpgroups; each computes 64 weight rows (one quad of
@@ -1758,13 +1947,10 @@ __device__ __forceinline__ void sk_epilogue(const Params &p, float (&acc)[RS][BN
     return reinterpret_cast<float4 *>(p.part + ((size_t)cb * 2 + ((int64_t)cb * U / G / SPT == tile ? 0 : 1)) * TILE) +
            threadIdx.x;
   };
-  __shared__ int s_last[2];
-  // (sk_count_stored's barrier: every thread of the warpgroup has read s_last of its previous segment)
-  if (lead) s_last[w] = atomicAdd(&p.counters[part], 1u) == (unsigned)(c_hi - c_lo);
-  named_sync(bar, 128);
+  const bool last = named_any(bar, 128, lead && atomicAdd(&p.counters[part], 1u) == (unsigned)(c_hi - c_lo));
   // (a vote: its result is known to be the same in every lane, so the branch keeps the segment loop's control
-  // flow uniform for ptxas; branching on s_last[w] itself, an address that depends on the thread, did not)
-  if (!__any_sync(0xffffffffu, s_last[w] != 0)) {
+  // flow uniform for ptxas)
+  if (!__any_sync(0xffffffffu, last)) {
     float4 *mine = slot(me);
 #pragma unroll
     for (int r = 0; r < RS; ++r)
@@ -3064,6 +3250,27 @@ int pdl_env() {
   const char *e = getenv("W4P_CUDA_PDL");
   return e && e[0] >= '0' && e[0] <= '2' && e[1] == 0 ? e[0] - '0' : 1;
 }
+// The gemv kernel's resident blocks (zero mode none's launch bound, and shared memory)
+int64_t gv_grid(const DevInfo &di, int KT, int gs) {
+  const size_t smem = (size_t)gv_smem(KT);
+  return (int64_t)di.sms * std::max(1, std::min(gv_minb(0, gs <= 0 || gs % 64 == 0),
+                                                (int)(di.smem_sm / (smem + di.smem_reserved))));
+}
+// "auto" takes the gemv kernel where its whole-stripe blocks fill their rounds: at least one and a half rounds of
+// stripes, the last round 85% full or more, and short stripes (K up to 6144). Measured on an H200 at M = 1
+// (docs/CUDA.md, 396 blocks): 4096x11008 (688 stripes of 64 tiles) 12.1 against 13.6 us for the bulk kernel and
+// 4096x12288 (768) 12.3 against 15.1; level on 8192x28672 (1792 stripes of 128 tiles, 45.2 against 44.5);
+// behind where the stripes take 0.65 of a second round: 28672x8192 (512 stripes) 59.4 against 45.2, 11008x4096
+// (256) 17.5 against 13.5, 4096x4096 (256) 7.6 against 6.8.
+bool gemv_auto(const DevInfo &di, int ns, int KT, int gs) {
+  const int64_t g = gv_grid(di, KT, gs), rounds = (ns + g - 1) / g;
+  return KT <= 96 && 2 * (int64_t)ns >= 3 * g && (double)ns >= 0.85 * (double)(rounds * g);
+}
+// W4P_CUDA_GEMV=0: "auto" does not take the gemv kernel (A/B runs and tests; read at each call)
+int gemv_env() {
+  const char *e = getenv("W4P_CUDA_GEMV");
+  return e && e[0] == '0' && e[1] == 0 ? 0 : 1;
+}
 // W4P_CUDA_BULK_CT=8|12|16: the bulk kernel's tiles per unit on 4-bit layers instead of the planner's choice
 // (sweeps and tests; read at each call)
 int bulk_ct_env() {
@@ -3149,6 +3356,7 @@ struct Plan {
   int sk = 0;          // wgmma_ws stream-K: its grid of resident blocks (0: a grid of tiles x splits)
   int sk_plain_S = 1;  // ... and the plain grid's split count, where the workspace cannot hold stream-K's slots
   bool gather = false;
+  bool pdl = false;    // gemv: programmatic dependent launch (sm_90)
   size_t smem = 0;
   size_t ws_part = 0, ws_gather = 0, ws_total = 0;
 };
@@ -3415,6 +3623,11 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   // 16 tiles: 45-47 against 57-60 us for the ring and wgmma_ws kernels at M = 6-8 on the 70B shapes, 16-19
   // against 18-22 us on the 7B MLP shapes) and on the layers of one-stripe units (4096x4096 at M = 5-8:
   // 9.5-9.9 against 10.4-10.9 us for the stream kernel)
+  // gemv kernel (M = 1, 4-bit, sm_80+): its activations staged in shared memory must fit a block
+  const bool gemv_ok = sbits == 4 && m == 1 && di.cc >= 80 && stream_ok && di.fits((size_t)gv_smem(KT));
+  // auto, sm_90: the gemv kernel at M = 1 (measured on an H200, docs/CUDA.md)
+  if (kind == W4P_CUDA_KERNEL_AUTO && gemv_ok && di.cc == 90 && gemv_env() != 0 && gemv_auto(di, nstripes, KT, gs))
+    kind = W4P_CUDA_KERNEL_GEMV;
   if (kind == W4P_CUDA_KERNEL_AUTO && bulk_ok && (m <= BULK_AUTO_M || ((bulk_big || bulk_one) && m <= 8)))
     kind = W4P_CUDA_KERNEL_BULK;
   // auto, sm_90: the warp-specialized wgmma kernel from M = 9 (the bulk kernel takes M = 8 where it led), up to
@@ -3512,11 +3725,28 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   if (kind == W4P_CUDA_PROBE_WS) kind = W4P_CUDA_KERNEL_WGMMA_WS;
   if (kind == W4P_CUDA_PROBE_SS) kind = W4P_CUDA_KERNEL_WGMMA_SS;
   if (kind != 2 && kind != W4P_CUDA_KERNEL_WGMMA && kind != W4P_CUDA_KERNEL_WGMMA_WS &&
-      kind != W4P_CUDA_KERNEL_WGMMA_SS && !stream_ok)
+      kind != W4P_CUDA_KERNEL_WGMMA_SS && kind != W4P_CUDA_KERNEL_GEMV && !stream_ok)
     return fail(W4P_EUNSUPPORTED, "group size %d: the stream kernel needs a multiple of 32 (use auto or tiled)", gs);
   if (kind == 3 && !ring_ok)
     return fail(W4P_EUNSUPPORTED, "the ring kernel takes M <= 8 and at most %d row stripes (m=%lld, n=%d)",
                 MAX_COUNTERS * RQ, (long long)m, n);
+  if (kind == W4P_CUDA_KERNEL_GEMV && !gemv_ok)
+    return fail(W4P_EUNSUPPORTED, "the gemv kernel takes M = 1, 4-bit layers, compute capability 8.0 or newer, a "
+                "group size that is a multiple of 32 and K up to what a block's shared memory holds (m=%lld, k=%d)",
+                (long long)m, k);
+  pl->kernel = kind;
+  if (kind == W4P_CUDA_KERNEL_GEMV) {
+    // whole stripes per block: as many blocks as the SMs hold (launch bound and shared memory), at most one per
+    // stripe
+    // stripe (the launch takes the blocks per SM from the occupancy of the kernel it runs: the launch bound
+    // differs by zero mode, which the plan does not know; this is zero mode none's)
+    pl->W = std::min<int64_t>(nstripes, gv_grid(di, KT, gs));
+    pl->smem = (size_t)gv_smem(KT);
+    pl->tiles = nstripes;
+    pl->pdl = di.cc >= 90;
+    pl->ws_total = COUNTER_BYTES;
+    return W4P_OK;
+  }
   if (kind == W4P_CUDA_KERNEL_BULK && !bulk_ok)
     return fail(W4P_EUNSUPPORTED, "the bulk kernel needs compute capability 9.0 or newer (this device: %d.%d), "
                 "M <= %d and a group size that is a multiple of 32", di.cc / 10, di.cc % 10, BULK_MAX_M);
@@ -4083,8 +4313,33 @@ cudaError_t launch_wgmma_ss_t(const Params &p, const Plan &pl, cudaStream_t st) 
   return launch_splits(fn, 9 * 32, pl, st, p, map, wmap);
 }
 
+template <typename T, int ZM, bool G64>
+cudaError_t launch_gemv_t(const Params &p, const Plan &pl, cudaStream_t st) {
+  auto fn = gemv_kernel<T, ZM, G64>;
+  cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
+  if (e != cudaSuccess) return e;
+  int dev = 0, sms = 0, per_sm = 0;
+  if ((e = cudaGetDevice(&dev)) != cudaSuccess) return e;
+  if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return e;
+  if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, GV_W * 32, pl.smem)) != cudaSuccess) return e;
+  const int64_t grid = std::min<int64_t>(pl.tiles, (int64_t)sms * std::max(1, per_sm));
+  debug_occupancy(fn, "gemv", GV_W * 32, pl.smem);
+  return launch_ex(fn, dim3((unsigned)grid), GV_W * 32, pl.smem, st, 1, p);
+}
+template <typename T>
+cudaError_t launch_gemv(const Params &p, const Plan &pl, cudaStream_t st) {
+  const bool g64 = p.gs <= 0 || p.gs % 64 == 0;
+  if (p.zm == 1) return g64 ? launch_gemv_t<T, 1, true>(p, pl, st) : launch_gemv_t<T, 1, false>(p, pl, st);
+  if (p.zm == 2) return g64 ? launch_gemv_t<T, 2, true>(p, pl, st) : launch_gemv_t<T, 2, false>(p, pl, st);
+  return g64 ? launch_gemv_t<T, 0, true>(p, pl, st) : launch_gemv_t<T, 0, false>(p, pl, st);
+}
+
 template <typename T>
 cudaError_t launch_all(Params &p, const Plan &pl, int sbits, void *ws_gather, cudaStream_t st) {
+  if (pl.kernel == W4P_CUDA_KERNEL_GEMV) {  // (gathers the activations itself)
+    p.pdl = pl.pdl ? pdl_env() : 0;
+    return launch_gemv<T>(p, pl, st);
+  }
   if (pl.kernel == 2 || pl.kernel == 3 || pl.kernel == W4P_CUDA_KERNEL_BULK || pl.kernel == W4P_CUDA_KERNEL_WGMMA ||
       pl.kernel == W4P_CUDA_KERNEL_WGMMA_WS || pl.kernel == W4P_CUDA_KERNEL_WGMMA_SS) {
     if (pl.gather) {
@@ -4155,9 +4410,12 @@ int describe_on(const DevInfo &di, int64_t m, int n, int k, int storage_bits, in
   Plan pl;
   int rc = checked_plan(di, m, n, k, storage_bits, group_size, act_order, x_aligned, kernel, splits, &pl);
   if (rc) return rc;
-  static const char *names[] = {"auto", "stream", "tiled", "ring", "bulk", "wgmma", "wgmma_ws", "wgmma_ss"};
-  const char *name = pl.kernel >= 0 && pl.kernel <= 7 ? names[pl.kernel] : "probe";
-  if (pl.kernel == W4P_CUDA_KERNEL_BULK)
+  static const char *names[] = {"auto", "stream", "tiled", "ring", "bulk", "wgmma", "wgmma_ws", "wgmma_ss", "gemv"};
+  const char *name = pl.kernel >= 0 && pl.kernel <= 8 ? names[pl.kernel] : "probe";
+  if (pl.kernel == W4P_CUDA_KERNEL_GEMV)
+    snprintf(buf, len, "gemv blocks=%lld stripes=%d smem=%zu workspace=%zu", (long long)pl.W, pl.tiles, pl.smem,
+             pl.ws_total);
+  else if (pl.kernel == W4P_CUDA_KERNEL_BULK)
     snprintf(buf, len, "bulk unit=%d granule=%d stages=%d stripes=%d blocks=%lld smem=%zu workspace=%zu", pl.ct,
              pl.kg, pl.S, pl.qs, (long long)pl.W, pl.smem, pl.ws_total);
   else if (pl.kernel == 3)
