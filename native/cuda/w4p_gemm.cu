@@ -1471,7 +1471,8 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
           named_sync(2, QS * 32);
           const int64_t w_lo = ring_owner((int64_t)q * NG, total, p.W);
           const int64_t w_hi = ring_owner((int64_t)(q + 1) * NG - 1, total, p.W);
-          if (named_any(2, QS * 32, threadIdx.x == 0 && atomicAdd(&p.counters[q], 1u) == (unsigned)(w_hi - w_lo))) {  // last piece of this quad: sum the pieces in block order
+          // the last piece of this quad: sum the pieces in block order
+          if (named_any(2, QS * 32, threadIdx.x == 0 && atomicAdd(&p.counters[q], 1u) == (unsigned)(w_hi - w_lo))) {
             __threadfence();
             const int sl_lo = w_lo * total / p.W < (int64_t)q * NG ? 1 : 0;
             const int npc = (int)(w_hi - w_lo) + 1;
@@ -3737,7 +3738,6 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   pl->kernel = kind;
   if (kind == W4P_CUDA_KERNEL_GEMV) {
     // whole stripes per block: as many blocks as the SMs hold (launch bound and shared memory), at most one per
-    // stripe
     // stripe (the launch takes the blocks per SM from the occupancy of the kernel it runs: the launch bound
     // differs by zero mode, which the plan does not know; this is zero mode none's)
     pl->W = std::min<int64_t>(nstripes, gv_grid(di, KT, gs));
