@@ -499,7 +499,8 @@ def _describe_for(lib, ffi, dev, m, n, k, bits=4, gs=128, kernel="auto", splits=
 def test_plan_for_gemv(monkeypatch):
     # the gemv kernel: M = 1, 4-bit, group sizes that are multiples of 32 or per channel, compute capability 8.0+;
     # "auto" takes it on compute capability 9.0 where its blocks of whole stripes (396 on an H200: three per SM)
-    # fill their rounds: 1.5 rounds or more, the last 85% full, stripes of at most 96 tiles (as measured)
+    # fill their rounds: 1.5 rounds or more, 85% full on average (stripes >= 0.85 x rounds x blocks), stripes of
+    # at most 96 tiles (as measured)
     ffi, lib = _lib_or_skip()
 
     def auto(m, n, kk, dev=H200, **kw):
@@ -520,7 +521,7 @@ def test_plan_for_gemv(monkeypatch):
     # 256 or 512 stripes for 396 blocks (a second round 30% full), or stripes of 128 tiles: the bulk kernel
     for n, kk in ((4096, 4096), (8192, 28672), (4096, 11008), (28672, 8192), (6336, 4096)):
         assert auto(1, n, kk)["kernel"] == "bulk", (n, kk)
-    # the edges: the last round 85% full (673 and 674 stripes), stripes of 96 and 97 tiles
+    # the edges: two rounds 85% full (673 and 674 stripes), stripes of 96 and 97 tiles
     assert auto(1, 673 * 16, 4096)["kernel"] == "bulk" and auto(1, 674 * 16, 4096)["kernel"] == "gemv"
     assert auto(1, 11008, 6144)["kernel"] == "gemv" and auto(1, 11008, 6208)["kernel"] == "bulk"
     # forced: any 4-bit layer at M = 1 that fits, on compute capability 8.0 and newer; one block per stripe at most
@@ -1324,7 +1325,9 @@ def test_wgmma_ws_output_staging(rows, sk, ms, monkeypatch):
 
 PDL_CHAIN = (  # (M, kernel, splits, env, a word of its plan): every sm_90 kernel path, launched with programmatic
     # dependent launch: the bulk kernel's split sums through the workspace and its one-stripe units, wgmma_ws's
-    # cluster and workspace split sums, wgmma_ss, stream-K, the plain grid
+    # cluster and workspace split sums, wgmma_ss, stream-K, the plain grid, the gemv kernel (its activations staged
+    # after the wait)
+    (1, "gemv", 0, {}, "gemv"),
     (1, "bulk", 0, {"W4P_CUDA_BULK_QS": "4"}, "stripes=4"), (8, "bulk", 0, {"W4P_CUDA_BULK_QS": "1"}, "stripes=1"),
     (16, "wgmma_ws", 3, {}, "sum=cluster"), (64, "wgmma_ws", 2, {"W4P_CUDA_CLUSTER": "0"}, "sum=workspace"),
     (128, "wgmma_ss", 0, {}, "wgmma_ss"), (200, "wgmma_ws", 0, {"W4P_CUDA_WS_RS": "2", "W4P_CUDA_WS_SK": "1"},

@@ -3258,7 +3258,9 @@ int64_t gv_grid(const DevInfo &di, int KT, int gs) {
                                                 (int)(di.smem_sm / (smem + di.smem_reserved))));
 }
 // "auto" takes the gemv kernel where its whole-stripe blocks fill their rounds: at least one and a half rounds of
-// stripes, the last round 85% full or more, and short stripes (K up to 6144). Measured on an H200 at M = 1
+// stripes, the rounds 85% full or more on average (stripes >= 0.85 x rounds x blocks), and short stripes (K up to
+// 6144). The grid is zero mode none's (three blocks per SM; int and float layers run two, so their rule is
+// evaluated for a grid they do not launch: measured with zero mode none only). Measured on an H200 at M = 1
 // (docs/CUDA.md, 396 blocks): 4096x11008 (688 stripes of 64 tiles) 12.1 against 13.6 us for the bulk kernel and
 // 4096x12288 (768) 12.3 against 15.1; level on 8192x28672 (1792 stripes of 128 tiles, 45.2 against 44.5);
 // behind where the stripes take 0.65 of a second round: 28672x8192 (512 stripes) 59.4 against 45.2, 11008x4096
@@ -3732,9 +3734,9 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
     return fail(W4P_EUNSUPPORTED, "the ring kernel takes M <= 8 and at most %d row stripes (m=%lld, n=%d)",
                 MAX_COUNTERS * RQ, (long long)m, n);
   if (kind == W4P_CUDA_KERNEL_GEMV && !gemv_ok)
-    return fail(W4P_EUNSUPPORTED, "the gemv kernel takes M = 1, 4-bit layers, compute capability 8.0 or newer, a "
-                "group size that is a multiple of 32 and K up to what a block's shared memory holds (m=%lld, k=%d)",
-                (long long)m, k);
+    return fail(W4P_EUNSUPPORTED, "the gemv kernel takes M = 1, 4-bit layers, compute capability 8.0 or newer (this "
+                "device: %d.%d), a group size that is a multiple of 32 or per channel, and K up to %d (m=%lld, k=%d)",
+                di.cc / 10, di.cc % 10, (di.smem_block - di.smem_reserved - GV_RED) / 128 * 64, (long long)m, k);
   pl->kernel = kind;
   if (kind == W4P_CUDA_KERNEL_GEMV) {
     // whole stripes per block: as many blocks as the SMs hold (launch bound and shared memory), at most one per
@@ -3750,7 +3752,6 @@ int make_plan(const DevInfo &di, int64_t m, int n, int k, int sbits, int gs, boo
   if (kind == W4P_CUDA_KERNEL_BULK && !bulk_ok)
     return fail(W4P_EUNSUPPORTED, "the bulk kernel needs compute capability 9.0 or newer (this device: %d.%d), "
                 "M <= %d and a group size that is a multiple of 32", di.cc / 10, di.cc % 10, BULK_MAX_M);
-  pl->kernel = kind;
   if (kind == W4P_CUDA_KERNEL_BULK) {
     // splits > 0 forces the number of stages (sweeps, tests); else two for units of 12 or 16 tiles (measured
     // faster than three or four on every Llama shape: fewer bytes in flight per SM did better), as many as fit
