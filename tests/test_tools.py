@@ -21,7 +21,8 @@ def _cuda_present() -> bool:
 
 @pytest.mark.skipif(_cuda_present(), reason="a CUDA device is present")
 @pytest.mark.parametrize("tool,args", [("profile_gpu", ["--shape", "256x128", "--m", "4"]),
-                                       ("ws_trace", ["--configs", "256x128:4"])])
+                                       ("ws_trace", ["--configs", "256x128:4"]),
+                                       ("read_order", ["--shapes", "256x128"])])
 def test_gpu_tools_without_a_device_say_so(tool, args):
     r = subprocess.run([sys.executable, str(ROOT / "tools" / f"{tool}.py"), *args],
                        capture_output=True, text=True, timeout=120)
