@@ -531,9 +531,7 @@ def test_plan_for_gemv(monkeypatch):
     for m, n, kk, kw, dev in ((2, 4096, 4096, {}, H200), (1, 4096, 4096, {"bits": 8}, H200),
                               (1, 4096, 4096, {"gs": 16}, H200), (1, 4096, 4096, {}, (80, 75, 65536, 65536, 0)),
                               (1, 4096, 2 ** 17, {}, H200)):
-        buf = ffi.new("char[256]")
-        rc = lib.w4p_cuda_plan_describe_for(*dev, m, n, kk, kw.get("bits", 4), kw.get("gs", 128), 0, 1,
-                                            cuda.KERNELS["gemv"], 0, buf, 256)
+        rc = _plan_for(lib, ffi, dev, m, n, kk, kernel="gemv", **kw)[0]
         assert rc != 0 and "gemv kernel takes M = 1" in ffi.string(lib.w4p_cuda_last_error()).decode(), (m, kk, kw)
 
 
