@@ -123,3 +123,35 @@ def test_unpack_rejects_inconsistent_tensors():
     meta = dict(packed.meta, padded_shape=[32, 100])
     with pytest.raises(BadInputError, match="padded shape"):
         unpack(type(packed)(meta=meta, tensors=packed.tensors), name="x")
+
+
+def test_unpack_rejects_out_of_range_parameters():
+    rng = np.random.default_rng(11)
+    packed = pack(random_layer(rng, 20, 100, 4, 64, "int", act_order=False))
+    bad = dict(packed.tensors)
+    bad["zeros"] = bad["zeros"].copy()
+    bad["zeros"][1, 3] = 200  # a 4-bit zero point past 2^bits
+    with pytest.raises(BadInputError, match=r"zeros must lie in 0\.\.16, got .*200"):
+        unpack(type(packed)(meta=packed.meta, tensors=bad), name="x")
+    bad = dict(packed.tensors)
+    bad["scales"] = bad["scales"].copy()
+    bad["scales"][0, 0] = np.inf
+    with pytest.raises(BadInputError, match="NaN or infinity"):
+        unpack(type(packed)(meta=packed.meta, tensors=bad), name="x")
+
+
+@pytest.mark.parametrize("field", ["qweight", "scales", "zeros"])
+def test_unpack_rejects_nonzero_padding(field):
+    # a manifest shape shrunk from K = 100 to 90 (same padded shape) must not drop real columns silently
+    rng = np.random.default_rng(12)
+    packed = pack(random_layer(rng, 20, 100, 4, 32, "int", act_order=False))
+    if field == "qweight":
+        meta = dict(packed.meta, shape=[20, 90], num_groups=3)
+        with pytest.raises(BadInputError, match="x.qweight.*padding past the recorded shape"):
+            unpack(type(packed)(meta=meta, tensors=packed.tensors), name="x")
+        return
+    bad = dict(packed.tensors)
+    bad[field] = bad[field].copy()
+    bad[field][0, 21] = 1  # padded row n >= N
+    with pytest.raises(BadInputError, match=f"x.{field}.*padding past the recorded shape"):
+        unpack(type(packed)(meta=packed.meta, tensors=bad), name="x")

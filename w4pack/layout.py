@@ -201,14 +201,19 @@ def unpack(packed: PackedLayer, name: str = "") -> CanonicalLayer:
     _expect(t, "qweight", (np_ // TILE_N, kp // TILE_K * WARP * wpl), np.dtype(np.int32), name)
     sdt = FLOAT_DTYPES[m["scale_dtype"]]
     _expect(t, "scales", (gp, np_), sdt, name)
-    codes = _deinterleave(t["qweight"], np_, kp, sbits)[:n, :k]
+    full = _deinterleave(t["qweight"], np_, kp, sbits)
+    _check_pad(full, n, k, f"{name}.qweight" if name else "qweight")
+    codes = full[:n, :k]
+    _check_pad(t["scales"], g, n, f"{name}.scales" if name else "scales")
     scales = np.ascontiguousarray(t["scales"][:g, :n].T)
     zeros = None
     if m["zero_mode"] == "int":
         _expect(t, "zeros", (gp, np_), np.dtype(np.uint8 if sbits == 4 else np.uint16), name)
+        _check_pad(t["zeros"], g, n, f"{name}.zeros" if name else "zeros")
         zeros = np.ascontiguousarray(t["zeros"][:g, :n].T).astype(np.int32)
     elif m["zero_mode"] == "float":
         _expect(t, "mins", (gp, np_), sdt, name)
+        _check_pad(t["mins"], g, n, f"{name}.mins" if name else "mins")
         zeros = np.ascontiguousarray(t["mins"][:g, :n].T)
     g_idx = default_g_idx(k, gs)
     if m["act_order"]:
@@ -233,7 +238,19 @@ def unpack(packed: PackedLayer, name: str = "") -> CanonicalLayer:
     )
     if int(codes.max(initial=0)) > (1 << m["bits"]) - 1:
         raise BadInputError(f"packed codes exceed the {m['bits']}-bit range", tensor=f"{name}.qweight")
-    return layer
+    # the rest of the invariants (zero points in range, finite scales and minima, the bias); the codes were
+    # checked just above
+    return layer.validate(check_codes=False)
+
+
+def _check_pad(arr: np.ndarray, rows: int, cols: int, label: str) -> None:
+    """Padding must be zero (section 3.2): a non-zero pad most often means a recorded shape that is too small,
+    which would otherwise drop real rows or columns without a word."""
+    a = np.asarray(arr)
+    a = a.view(np.uint16) if a.dtype.itemsize == 2 and a.dtype.kind == "f" else a
+    if a[rows:].any() or a[:rows, cols:].any():
+        raise BadInputError(f"padding past the recorded shape holds non-zero values (rows from {rows} or "
+                            f"columns from {cols}); the manifest's shape may be wrong", tensor=label)
 
 
 def _expect(t: dict[str, np.ndarray], key: str, shape: tuple[int, ...], dtype: np.dtype, name: str) -> None:
