@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
 import struct
@@ -52,6 +53,32 @@ def dtype_to_st(arr: np.ndarray, dtype_name: str | None = None) -> str:
     return _NAME_TO_ST[name]
 
 
+_MAX_ARRAY_BYTES = 2**63 - 1  # numpy's limit on the product of an array's non-zero dimensions times its item size
+
+
+def _short(v: Any, limit: int = 80) -> str:
+    """repr cut to ``limit`` characters: a hostile header must not turn the one-line error into megabytes."""
+    text = repr(list(v) if isinstance(v, tuple) else v)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _is_count(v: Any) -> bool:
+    """A JSON non-negative integer: not a bool, float (4.7, Infinity) or string, which int() would accept."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _entry_problem(info: dict[str, Any]) -> str | None:
+    """What is wrong with one tensor's header entry (types only), or None; int() would coerce too much."""
+    dt, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dt, str):
+        return f"dtype must be a string, got {_short(dt)}"
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        return f"shape must be a list of non-negative integers, got {_short(shape)}"
+    if not isinstance(offs, list) or len(offs) != 2 or not all(_is_count(x) for x in offs):
+        return f"data_offsets must be two non-negative integers, got {_short(offs)}"
+    return None
+
+
 class SafetensorsFile:
     """A validated, memory-mapped safetensors file. ``get(name)`` returns a read-only numpy view."""
 
@@ -76,9 +103,12 @@ class SafetensorsFile:
         raw = self._fh.read(hlen)
         try:
             header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, or an integer too long to convert
             self.close()
             raise BadInputError(f"header is not valid JSON ({exc})", file=label) from None
+        except RecursionError:
+            self.close()
+            raise BadInputError("header is not valid JSON (nested too deeply)", file=label) from None
         if not isinstance(header, dict):
             self.close()
             raise BadInputError("header is not a JSON object", file=label)
@@ -92,24 +122,29 @@ class SafetensorsFile:
         spans = []
         self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         for name, info in header.items():
-            try:
-                dt = info["dtype"]
-                shape = tuple(int(d) for d in info["shape"])
-                begin, end = (int(x) for x in info["data_offsets"])
-            except (KeyError, TypeError, ValueError):
+            if not isinstance(info, dict) or not all(k in info for k in ("dtype", "shape", "data_offsets")):
                 self.close()
-                raise BadInputError("header entry lacks dtype/shape/data_offsets", file=label, tensor=name) from None
+                raise BadInputError("header entry lacks dtype/shape/data_offsets", file=label, tensor=name)
+            problem = _entry_problem(info)
+            if problem:
+                self.close()
+                raise BadInputError(f"header entry: {problem}", file=label, tensor=name)
+            dt = info["dtype"]
+            shape = tuple(info["shape"])
+            begin, end = info["data_offsets"]
             if dt not in DTYPES:
                 self.close()
-                raise UnsupportedError(f"dtype {dt!r} is not supported", file=label, tensor=name)
-            if any(d < 0 for d in shape):
+                raise UnsupportedError(f"dtype {_short(dt)} is not supported", file=label, tensor=name)
+            # Python ints: numpy's int64 product wraps for a hostile shape ([2**32, 2**32] -> 0 bytes)
+            itemsize = DTYPES[dt][0].itemsize
+            nbytes = math.prod(shape) * itemsize
+            if math.prod(d for d in shape if d) * itemsize > _MAX_ARRAY_BYTES:  # numpy refuses even an empty one
                 self.close()
-                raise BadInputError(f"negative dimension in shape {list(shape)}", file=label, tensor=name)
-            nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dt][0].itemsize
-            if begin < 0 or end < begin or end - begin != nbytes:
+                raise BadInputError(f"shape {_short(shape)} is too large for any array", file=label, tensor=name)
+            if end < begin or end - begin != nbytes:
                 self.close()
                 raise BadInputError(f"data_offsets [{begin}, {end}] do not hold {nbytes} bytes for shape "
-                                    f"{list(shape)} {dt}", file=label, tensor=name)
+                                    f"{_short(shape)} {dt}", file=label, tensor=name)
             if end > data_len:
                 self.close()
                 raise BadInputError(f"data runs past the end of the file ({end} > {data_len} bytes of data): "

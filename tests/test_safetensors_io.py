@@ -1,0 +1,104 @@
+"""The safetensors reader: hostile header entries become one-line BadInputErrors naming the file and tensor."""
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from w4pack.cli import main
+from w4pack.errors import BadInputError, UnsupportedError
+from w4pack.safetensors_io import SafetensorsFile, write_safetensors
+
+
+def _raw_file(path: Path, header: bytes, data: bytes = b"\0" * 16) -> Path:
+    """A safetensors file with exactly this header text (json.dumps cannot write every hostile header)."""
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    return path
+
+
+def _refused(path: Path, *needles: str) -> str:
+    with pytest.raises(BadInputError) as exc:
+        SafetensorsFile(path)
+    text = str(exc.value)
+    assert "\n" not in text and str(path) in text
+    for needle in needles:
+        assert needle in text, text
+    return text
+
+
+@pytest.mark.parametrize("entry,needle", [
+    (b'{"dtype": ["F16"], "shape": [2], "data_offsets": [0, 4]}', "dtype must be a string"),
+    (b'{"dtype": {"a": 1}, "shape": [2], "data_offsets": [0, 4]}', "dtype must be a string"),
+    (b'{"dtype": "F16", "shape": [Infinity, 256], "data_offsets": [0, 4]}', "shape must be a list"),
+    (b'{"dtype": "F16", "shape": [NaN], "data_offsets": [0, 4]}', "shape must be a list"),
+    (b'{"dtype": "F16", "shape": [4.7, 256], "data_offsets": [0, 4]}', "shape must be a list"),
+    (b'{"dtype": "F16", "shape": [2.0], "data_offsets": [0, 4]}', "shape must be a list"),
+    (b'{"dtype": "F16", "shape": ["4", "256"], "data_offsets": [0, 4]}', "shape must be a list"),
+    (b'{"dtype": "F16", "shape": [true, 2], "data_offsets": [0, 4]}', "shape must be a list"),
+    (b'{"dtype": "F16", "shape": [-2], "data_offsets": [0, 4]}', "shape must be a list"),
+    (b'{"dtype": "F16", "shape": "2", "data_offsets": [0, 4]}', "shape must be a list"),
+    (b'{"dtype": "F16", "shape": [2], "data_offsets": [0.0, 4.0]}', "data_offsets must be two"),
+    (b'{"dtype": "F16", "shape": [2], "data_offsets": [0, 4, 8]}', "data_offsets must be two"),
+    (b'{"dtype": "F16", "shape": [2], "data_offsets": ["0", "4"]}', "data_offsets must be two"),
+    (b'{"dtype": "F16", "shape": [2], "data_offsets": [-4, 0]}', "data_offsets must be two"),
+    (b'{"dtype": "F16", "shape": [2]}', "lacks dtype/shape/data_offsets"),
+    (b'[1, 2]', "lacks dtype/shape/data_offsets"),
+])
+def test_malformed_header_entry(tmp_path: Path, entry: bytes, needle: str) -> None:
+    p = _raw_file(tmp_path / "bad.safetensors", b'{"t.weight": ' + entry + b"}")
+    _refused(p, "tensor t.weight", needle)
+
+
+@pytest.mark.parametrize("shape,offsets", [
+    ("[4294967296, 4294967296]", "[0, 0]"),  # int64 product wraps to 0 bytes
+    ("[4294967296, 4294967297]", "[0, 0]"),
+    ("[0, 4611686018427387904]", "[0, 0]"),  # empty, yet numpy cannot make the array
+    ("[3074457345618258603, 3]", "[0, 2]"),  # 2**63 + 1 elements: the int64 product wraps
+])
+def test_huge_shape_is_refused_not_wrapped(tmp_path: Path, shape: str, offsets: str) -> None:
+    p = _raw_file(tmp_path / "huge.safetensors",
+                  f'{{"t": {{"dtype": "F16", "shape": {shape}, "data_offsets": {offsets}}}}}'.encode())
+    _refused(p, "tensor t", "too large")
+
+
+def test_size_mismatch_still_named(tmp_path: Path) -> None:
+    p = _raw_file(tmp_path / "short.safetensors", b'{"t": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 8]}}')
+    _refused(p, "tensor t", "do not hold 24 bytes")
+
+
+def test_deeply_nested_or_huge_int_header(tmp_path: Path) -> None:
+    _refused(_raw_file(tmp_path / "deep.safetensors", b"[" * 100000), "not valid JSON")
+    _refused(_raw_file(tmp_path / "deep2.safetensors", b'{"t": ' + b"[" * 100000), "not valid JSON")
+    big = b'{"t": {"dtype": "F16", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 0]}}'
+    _refused(_raw_file(tmp_path / "bigint.safetensors", big), "not valid JSON")
+
+
+def test_long_values_do_not_flood_the_line(tmp_path: Path) -> None:
+    shape = "[" + ", ".join(["1.5"] * 10000) + "]"
+    p = _raw_file(tmp_path / "long.safetensors",
+                  f'{{"t": {{"dtype": "F16", "shape": {shape}, "data_offsets": [0, 0]}}}}'.encode())
+    assert len(_refused(p, "shape must be a list")) < 400
+    p = _raw_file(tmp_path / "longdt.safetensors",
+                  b'{"t": {"dtype": "' + b"X" * 10000 + b'", "shape": [], "data_offsets": [0, 0]}}')
+    with pytest.raises(UnsupportedError) as exc:
+        SafetensorsFile(p)
+    assert len(str(exc.value)) < 400
+
+
+def test_valid_file_still_reads(tmp_path: Path) -> None:
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    write_safetensors(tmp_path / "ok.safetensors", [("a", a, None), ("e", np.zeros((0, 5), np.int8), None)])
+    with SafetensorsFile(tmp_path / "ok.safetensors") as f:
+        assert np.array_equal(f.get("a"), a) and f.get("e").shape == (0, 5)
+
+
+def test_cli_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = _raw_file(tmp_path / "model.safetensors",
+                  b'{"t": {"dtype": "F16", "shape": [Infinity, 256], "data_offsets": [0, 4]}}')
+    rc = main(["convert", str(p), str(tmp_path / "out"), "--from", "gptq"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err and "unexpected" not in err
+    assert "model.safetensors" in err and "tensor t" in err
