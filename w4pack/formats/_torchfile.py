@@ -6,6 +6,7 @@ w4pack knows is refused here, with one line naming the file (and the tensor).
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -47,12 +48,16 @@ def load_state_dict(path: Path) -> dict[str, Any]:
     if not Path(path).is_file():
         raise BadInputError("file does not exist", file=label)
     try:
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as exc:
-            if "mmap" not in str(exc) and "zip" not in str(exc):
-                raise
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+        # torch warns on stderr about a pickle protocol it did not write or a beta tensor layout before it refuses
+        # or loads such a file; the one line below (or the layout check) already says what matters
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as exc:
+                if "mmap" not in str(exc) and "zip" not in str(exc):
+                    raise
+                obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - every failure of a hostile/truncated pickle is bad input
         text = " ".join(str(exc).split())
         if "weights_only" in text or "Weights only load failed" in text or "Unsupported global" in text:
@@ -76,6 +81,13 @@ def load_state_dict(path: Path) -> dict[str, Any]:
             raise BadInputError(f"state dict key {key!r} is not a string", file=label)
         if not isinstance(val, torch.Tensor):
             raise BadInputError(f"entry is a {type(val).__name__}, not a tensor", file=label, tensor=key)
+        if val.is_meta or val.device.type != "cpu":
+            raise BadInputError(f"tensor on the {val.device.type} device holds no data; save the real weights "
+                                "(not a meta / empty-weights model)", file=label, tensor=key)
+        if val.layout != torch.strided or val.is_nested:
+            raise BadInputError(f"tensor has layout {str(val.layout).removeprefix('torch.')}"
+                                f"{' (nested)' if val.is_nested else ''}; only dense tensors are read "
+                                "(save it with .to_dense())", file=label, tensor=key)
         if str(val.dtype).removeprefix("torch.") not in TORCH_DTYPES:
             raise UnsupportedError(f"dtype {val.dtype} is not supported", file=label, tensor=key)
         out[key] = val

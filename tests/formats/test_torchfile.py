@@ -1,0 +1,70 @@
+"""torch.save files (.pt/.bin): tensors that hold no dense CPU data are refused when the file is read, and a pickle
+torch will not load gets w4pack's one line on stderr, without torch's warning before it."""
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from w4pack.errors import BadInputError
+from w4pack.formats._torchfile import load_state_dict
+
+torch = pytest.importorskip("torch")
+
+PREFIX = "model.layers.0.mlp.down_proj"
+
+
+def _awq_dump(scales: Any) -> dict[str, Any]:
+    """An llm-awq style state dict whose scales are the given tensor."""
+    return {f"{PREFIX}.qweight": torch.zeros(64, 512, dtype=torch.int16), f"{PREFIX}.scales": scales,
+            f"{PREFIX}.scaled_zeros": torch.zeros(8, 256, dtype=torch.float16)}
+
+
+def _cli(*args: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "w4pack", *map(str, args)], capture_output=True, text=True)
+
+
+BAD_TENSORS: dict[str, tuple[Callable[[], Any], str]] = {
+    "meta": (lambda: torch.empty(8, 256, dtype=torch.float16, device="meta"), "meta device"),
+    "sparse_coo": (lambda: torch.ones(8, 256, dtype=torch.float16).to_sparse(), "layout sparse_coo"),
+    "sparse_csr": (lambda: torch.ones(8, 256, dtype=torch.float32).to_sparse_csr(), "layout sparse_csr"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_TENSORS))
+def test_meta_and_sparse_tensors_refused_at_load(kind: str, tmp_path: Path) -> None:
+    make, what = BAD_TENSORS[kind]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's beta warning for sparse CSR when building the test input
+        torch.save(_awq_dump(make()), tmp_path / "dump.pt")
+    with pytest.raises(BadInputError) as exc:
+        load_state_dict(tmp_path / "dump.pt")
+    text = exc.value.one_line()
+    assert "dump.pt" in text and f"tensor {PREFIX}.scales" in text and what in text
+    # inspect used to pass (exit 0) and convert to crash with "unexpected TypeError/RuntimeError"
+    for args in (("inspect", tmp_path / "dump.pt"), ("convert", tmp_path / "dump.pt", tmp_path / "out")):
+        proc = _cli(*args)
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "dump.pt" in lines[0] and f"{PREFIX}.scales" in lines[0] and what in lines[0]
+        assert "unexpected" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_raw_protocol_4_pickle_is_one_line_without_torch_warning(tmp_path: Path) -> None:
+    with open(tmp_path / "raw.pt", "wb") as fh:
+        pickle.dump({f"{PREFIX}.qweight": [1, 2, 3]}, fh, protocol=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(BadInputError, match="weights_only"):
+            load_state_dict(tmp_path / "raw.pt")
+    assert not [w for w in caught if "pickle protocol" in str(w.message)]
+    proc = _cli("inspect", tmp_path / "raw.pt")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "raw.pt" in lines[0] and "weights_only" in lines[0], proc.stderr
