@@ -11,20 +11,28 @@ from typing import Any
 
 from .errors import BadInputError
 
-__all__ = ["read_json", "write_json", "member"]
+__all__ = ["read_json", "write_json", "member", "brief"]
 
 
 def read_json(path: Path) -> Any:
-    """Parse a JSON file; a missing, unreadable or malformed file is bad input naming the file."""
+    """Parse a JSON file; a missing, unreadable, malformed or hostile file is bad input naming the file."""
     try:
         with open(path, encoding="utf-8") as fh:
             return json.load(fh)
     except FileNotFoundError:
         raise BadInputError("file is missing", file=str(path)) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, or an integer too long to convert
         raise BadInputError(f"not valid JSON: {exc}", file=str(path)) from None
+    except RecursionError:  # hostile nesting ("[" * 100000) exhausts the parser's stack
+        raise BadInputError("not valid JSON: nested too deeply", file=str(path)) from None
     except OSError as exc:
         raise BadInputError(f"cannot read: {exc.strerror}", file=str(path)) from None
+
+
+def brief(value: Any, limit: int = 80) -> str:
+    """``repr`` cut to ``limit`` characters: a hostile value must not turn a one-line error into megabytes."""
+    text = repr(list(value) if isinstance(value, tuple) else value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def write_json(path: Path, doc: Any) -> None:

@@ -18,6 +18,7 @@ from typing import Any, BinaryIO, Iterable
 import numpy as np
 
 from .errors import BadInputError, UnsupportedError
+from .folder import brief
 
 __all__ = ["SafetensorsFile", "write_safetensors", "DTYPES", "dtype_to_st", "MAX_HEADER"]
 
@@ -56,12 +57,6 @@ def dtype_to_st(arr: np.ndarray, dtype_name: str | None = None) -> str:
 _MAX_ARRAY_BYTES = 2**63 - 1  # numpy's limit on the product of an array's non-zero dimensions times its item size
 
 
-def _short(v: Any, limit: int = 80) -> str:
-    """repr cut to ``limit`` characters: a hostile header must not turn the one-line error into megabytes."""
-    text = repr(list(v) if isinstance(v, tuple) else v)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _is_count(v: Any) -> bool:
     """A JSON non-negative integer: not a bool, float (4.7, Infinity) or string, which int() would accept."""
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
@@ -71,11 +66,11 @@ def _entry_problem(info: dict[str, Any]) -> str | None:
     """What is wrong with one tensor's header entry (types only), or None; int() would coerce too much."""
     dt, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
     if not isinstance(dt, str):
-        return f"dtype must be a string, got {_short(dt)}"
+        return f"dtype must be a string, got {brief(dt)}"
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        return f"shape must be a list of non-negative integers, got {_short(shape)}"
+        return f"shape must be a list of non-negative integers, got {brief(shape)}"
     if not isinstance(offs, list) or len(offs) != 2 or not all(_is_count(x) for x in offs):
-        return f"data_offsets must be two non-negative integers, got {_short(offs)}"
+        return f"data_offsets must be two non-negative integers, got {brief(offs)}"
     return None
 
 
@@ -134,17 +129,17 @@ class SafetensorsFile:
             begin, end = info["data_offsets"]
             if dt not in DTYPES:
                 self.close()
-                raise UnsupportedError(f"dtype {_short(dt)} is not supported", file=label, tensor=name)
+                raise UnsupportedError(f"dtype {brief(dt)} is not supported", file=label, tensor=name)
             # Python ints: numpy's int64 product wraps for a hostile shape ([2**32, 2**32] -> 0 bytes)
             itemsize = DTYPES[dt][0].itemsize
             nbytes = math.prod(shape) * itemsize
             if math.prod(d for d in shape if d) * itemsize > _MAX_ARRAY_BYTES:  # numpy refuses even an empty one
                 self.close()
-                raise BadInputError(f"shape {_short(shape)} is too large for any array", file=label, tensor=name)
+                raise BadInputError(f"shape {brief(shape)} is too large for any array", file=label, tensor=name)
             if end < begin or end - begin != nbytes:
                 self.close()
                 raise BadInputError(f"data_offsets [{begin}, {end}] do not hold {nbytes} bytes for shape "
-                                    f"{_short(shape)} {dt}", file=label, tensor=name)
+                                    f"{brief(shape)} {dt}", file=label, tensor=name)
             if end > data_len:
                 self.close()
                 raise BadInputError(f"data runs past the end of the file ({end} > {data_len} bytes of data): "

@@ -419,3 +419,106 @@ def test_weight_g_idx_of_older_files_is_read(tmp_path: Path) -> None:
     with pytest.raises(BadInputError, match="weight_g_idx values outside"):
         with CT.open(tmp_path) as s:
             s.read_layer(PREFIX)
+
+
+# -- hostile config.json and index ------------------------------------------------------------------------------
+def _model_copy(tmp_path: Path) -> Path:
+    work = tmp_path / "m"
+    shutil.copytree(fixture_dir(FAMILY, "tiny_llama_w4a16_sym_g128"), work, ignore=shutil.ignore_patterns("truth"))
+    return work
+
+
+def _open_all(folder: Path) -> None:
+    with CT.open(folder) as s:
+        for name in s.layer_names():
+            s.read_layer(name)
+
+
+def _refused_one_line(folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], *needles: str) -> None:
+    with pytest.raises(BadInputError) as exc:
+        _open_all(folder)
+    assert "\n" not in str(exc.value)
+    for needle in needles:
+        assert needle in str(exc.value), str(exc.value)
+    capsys.readouterr()
+    rc = main(["convert", str(folder), str(tmp_path / "out"), "--from", "compressed-tensors"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "unexpected" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("group_size", "x", "weights.group_size"), ("group_size", 128.5, "weights.group_size"),
+    ("group_size", [128], "weights.group_size"), ("group_size", 0, "weights.group_size"),
+    ("group_size", True, "weights.group_size"), ("num_bits", "four", "weights.num_bits"),
+    ("num_bits", 4.0, "weights.num_bits"), ("symmetric", "false", "weights.symmetric"),
+    ("symmetric", 0, "weights.symmetric"), ("strategy", ["group"], "weights.strategy"),
+])
+def test_bad_weight_arguments(key: str, value: Any, needle: str, tmp_path: Path,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    work = _model_copy(tmp_path)
+    cfg = json.loads((work / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"][key] = value
+    (work / "config.json").write_text(json.dumps(cfg))
+    _refused_one_line(work, tmp_path, capsys, "config.json", "config_groups.group_0." + needle)
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda q: q["config_groups"]["group_0"].__setitem__("targets", ["re:model.("]), "not a valid regular expression"),
+    (lambda q: q.__setitem__("ignore", ["lm_head", "re:lm_head("]), "ignore: 're:lm_head('"),
+    (lambda q: q["config_groups"]["group_0"].__setitem__("targets", 5), "targets must be a list of strings"),
+    (lambda q: q["config_groups"]["group_0"].__setitem__("targets", ["Linear", 3]), "targets must be a list"),
+])
+def test_bad_targets(edit: Any, needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    work = _model_copy(tmp_path)
+    cfg = json.loads((work / "config.json").read_text())
+    edit(cfg["quantization_config"])
+    (work / "config.json").write_text(json.dumps(cfg))
+    _refused_one_line(work, tmp_path, capsys, "config.json", needle)
+
+
+def test_quantization_config_not_an_object(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    work = _model_copy(tmp_path)
+    cfg = json.loads((work / "config.json").read_text())
+    cfg["quantization_config"] = [1]
+    (work / "config.json").write_text(json.dumps(cfg))
+    _refused_one_line(work, tmp_path, capsys, "config.json", "quantization_config is a list")
+
+
+@pytest.mark.parametrize("text,needle", [("[" * 100000, "nested too deeply"),
+                                         ('{"a": ' + "9" * 5000 + "}", "not valid JSON")])
+def test_hostile_json_documents(text: str, needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    work = _model_copy(tmp_path)
+    (work / "config.json").write_text(text)
+    _refused_one_line(work, tmp_path, capsys, "config.json", needle)
+    work2 = _model_copy(tmp_path / "2")
+    (work2 / "model.safetensors.index.json").write_text(text)
+    _refused_one_line(work2, tmp_path / "2", capsys, "model.safetensors.index.json", needle)
+
+
+def _sharded(tmp_path: Path) -> tuple[Path, list[str]]:
+    work = _model_copy(tmp_path)
+    with SafetensorsFile(work / "model.safetensors") as f:
+        names = f.keys()
+    (work / "model.safetensors").rename(work / "model-00001-of-00001.safetensors")
+    index = {"metadata": {}, "weight_map": {n: "model-00001-of-00001.safetensors" for n in names}}
+    (work / "model.safetensors.index.json").write_text(json.dumps(index))
+    return work, names
+
+
+def test_index_weight_map_and_shard_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    work, names = _sharded(tmp_path)
+    _open_all(work)  # the well-formed index reads
+    idx = work / "model.safetensors.index.json"
+    for wm, needle in ([[1], "no weight_map object"], [{names[0]: 5}, "not a plain file name"],
+                       [{names[0]: "../model-00001-of-00001.safetensors"}, "not a plain file name"],
+                       [{names[0]: ".hidden.safetensors"}, "not a plain file name"]):
+        idx.write_text(json.dumps({"weight_map": wm}))
+        _refused_one_line(work, tmp_path, capsys, "model.safetensors.index.json", needle)
+
+
+def test_shard_symlinked_out_of_the_folder_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    work, _names = _sharded(tmp_path / "a")
+    outside = tmp_path / "outside.safetensors"
+    (work / "model-00001-of-00001.safetensors").rename(outside)
+    (work / "model-00001-of-00001.safetensors").symlink_to(outside)
+    _refused_one_line(work, tmp_path, capsys, "model.safetensors.index.json", "symbolic link out of the folder")

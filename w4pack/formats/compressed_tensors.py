@@ -15,7 +15,6 @@ Unsigned codes and zeros are exactly the canonical ones, so reading and writing 
 """
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from pathlib import Path
@@ -28,7 +27,7 @@ from ..canonical import CanonicalLayer
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES
 from ..errors import BadInputError, UnsupportedError
-from ..folder import write_json
+from ..folder import brief, member, read_json, write_json
 from ._shards import ShardWriter
 from ..safetensors_io import SafetensorsFile
 from .base import Capabilities, Format, Source, TensorData
@@ -103,6 +102,37 @@ def _matches(name: str, target: str) -> bool:
     return "." not in target and target[:1].isupper() and target.endswith("Linear")
 
 
+def _check_patterns(targets: list[str], key: str, label: str) -> None:
+    """Every ``re:`` target must compile: a broken pattern is the config's fault, not a crash at match time."""
+    for t in targets:
+        if t.startswith("re:"):
+            try:
+                re.compile(t[3:])
+            except re.error as exc:
+                raise BadInputError(f"{key}: {brief(t)} is not a valid regular expression ({exc})",
+                                    file=label) from None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_weights(w: dict[str, Any], key: str, label: str) -> None:
+    """Types of the weight arguments read_layer relies on; int()/bool() would turn "x" into a crash, 128.5 into 128
+    and "false" into True."""
+    if "num_bits" in w and not _is_int(w["num_bits"]):
+        raise BadInputError(f"{key}.num_bits must be an integer, got {brief(w['num_bits'])}", file=label)
+    if "symmetric" in w and not isinstance(w["symmetric"], bool):
+        raise BadInputError(f"{key}.symmetric must be true or false, got {brief(w['symmetric'])}", file=label)
+    gs = w.get("group_size")
+    if gs is not None and (not _is_int(gs) or gs == 0 or gs < -1):
+        raise BadInputError(f"{key}.group_size must be a positive integer, -1 or null, got {brief(gs)}", file=label)
+    if w.get("strategy") is not None and not isinstance(w["strategy"], str):
+        raise BadInputError(f"{key}.strategy must be a string, got {brief(w['strategy'])}", file=label)
+    if w.get("type") is not None and not isinstance(w["type"], str):
+        raise BadInputError(f"{key}.type must be a string, got {brief(w['type'])}", file=label)
+
+
 class CompressedTensorsSource(Source):
     """A compressed-tensors model folder (config.json + safetensors shards) or a bare .safetensors file."""
 
@@ -115,13 +145,13 @@ class CompressedTensorsSource(Source):
         qcfg: dict[str, Any] | None = None
         cfg_path = self.folder / "config.json"
         if self.path.is_dir() and cfg_path.is_file():
-            try:
-                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise BadInputError(f"not valid JSON: {exc}", file=str(cfg_path)) from None
+            cfg = read_json(cfg_path)
             if not isinstance(cfg, dict):
                 raise BadInputError("config.json is not a JSON object", file=str(cfg_path))
             qcfg = cfg.get("quantization_config") or cfg.get("compression_config")
+            if qcfg is not None and not isinstance(qcfg, dict):
+                raise BadInputError(f"quantization_config is a {type(qcfg).__name__}, not an object",
+                                    file=str(cfg_path))
             self.config = {k: v for k, v in cfg.items() if k not in ("quantization_config", "compression_config")}
         self.qcfg = qcfg if isinstance(qcfg, dict) else None
         self._cfg_label = str(cfg_path)
@@ -158,15 +188,14 @@ class CompressedTensorsSource(Source):
         else:
             idx = self.path / "model.safetensors.index.json"
             if idx.is_file():
-                try:
-                    wm = json.loads(idx.read_text(encoding="utf-8"))["weight_map"]
-                except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
-                    raise BadInputError("index has no weight_map", file=str(idx)) from None
+                doc = read_json(idx)
+                wm = doc.get("weight_map") if isinstance(doc, dict) else None
+                if not isinstance(wm, dict):
+                    raise BadInputError("index has no weight_map object", file=str(idx))
                 out: dict[str, Path] = {}
                 for t, fname in wm.items():
-                    if not isinstance(fname, str) or "/" in fname or "\\" in fname or fname.startswith("."):
-                        raise BadInputError(f"shard name {fname!r} is not a plain file name", file=str(idx), tensor=t)
-                    p = self.path / fname
+                    # the shared check: plain names only, and no symbolic link out of the folder
+                    p = member(self.path, fname, f"shard of tensor {t}", str(idx))
                     if not p.is_file():
                         raise BadInputError("shard named in the index is missing", file=str(p), tensor=t)
                     out[t] = p
@@ -224,12 +253,18 @@ class CompressedTensorsSource(Source):
             targets = g.get("targets") or []
             if isinstance(targets, str):
                 targets = [targets]
+            if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+                raise BadInputError(f"config_groups.{gname}.targets must be a list of strings, got {brief(targets)}",
+                                    file=label)
+            _check_patterns(targets, f"config_groups.{gname}.targets", label)
             weights = g.get("weights")
             if not isinstance(weights, dict):
                 continue  # activation-only scheme: nothing stored for weights
-            self.groups.append((gname, [str(t) for t in targets], weights, str(g.get("format") or fmt)))
+            _check_weights(weights, f"config_groups.{gname}.weights", label)
+            self.groups.append((gname, list(targets), weights, str(g.get("format") or fmt)))
         ign = q.get("ignore") or []
         self.ignore = [str(x) for x in (ign if isinstance(ign, list) else [ign])]
+        _check_patterns(self.ignore, "ignore", label)
         if q.get("sparsity_config"):
             sc = q["sparsity_config"]
             if isinstance(sc, dict) and sc.get("format") not in (None, "dense"):
@@ -559,8 +594,8 @@ class CompressedTensorsFormat(Format):
             cfg = p / "config.json"
             if cfg.is_file():
                 try:
-                    doc = json.loads(cfg.read_text(encoding="utf-8"))
-                except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+                    doc = read_json(cfg)
+                except BadInputError:
                     return False
                 q = (doc.get("quantization_config") or doc.get("compression_config")) if isinstance(doc, dict) else None
                 if isinstance(q, dict):
