@@ -156,6 +156,60 @@ def test_bad_input_and_unavailable_device(tmp_path: Path, good: Path, capsys: py
         assert rc == 3 and "CUDA verification is not available" in err
 
 
+def _shard_of(ck: Path) -> Path:
+    return ck / json.loads((ck / "w4pack.json").read_text())["shards"][0]["file"]
+
+
+def _point_index_outside(ck: Path) -> None:
+    index = ck / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    name = next(iter(doc["weight_map"]))
+    doc["weight_map"][name] = "../" + doc["weight_map"][name]
+    index.write_text(json.dumps(doc))
+
+
+def _symlink_shard_out(ck: Path) -> None:
+    shard = _shard_of(ck)
+    outside = ck.parent / "elsewhere.safetensors"
+    shard.rename(outside)
+    shard.symlink_to(outside)
+
+
+def _truncate_shard(ck: Path) -> None:
+    shard = _shard_of(ck)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+
+
+BAD_FOLDERS = {
+    "garbage-config": (lambda ck: (ck / "config.json").write_text("garbage{"), "config.json"),
+    "missing-config": (lambda ck: (ck / "config.json").unlink(), "config.json"),
+    "garbage-manifest": (lambda ck: (ck / "w4pack.json").write_text("garbage{"), "w4pack.json"),
+    "missing-index": (lambda ck: (ck / "model.safetensors.index.json").unlink(), "model.safetensors.index.json"),
+    "truncated-shard": (_truncate_shard, ".safetensors"),
+    "index-outside-folder": (_point_index_outside, "model.safetensors.index.json"),
+    "symlinked-shard": (_symlink_shard_out, ".safetensors"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FOLDERS))
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_unreadable_checkpoint_is_bad_input_exit_2(case: str, as_json: bool, good: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Malformed input exits 2 with one line on stderr, as validate does; exit 1 is kept for failed checks."""
+    copy = tmp_path / "ck"
+    shutil.copytree(good, copy)
+    spoil, names = BAD_FOLDERS[case]
+    spoil(copy)
+    with pytest.raises(BadInputError):
+        verify(copy, threads=1, seed=5)
+    rc, out, err = run_cli(str(copy), "--threads", "1", *(["--json"] if as_json else []), capsys=capsys)
+    assert rc == 2 and out == ""  # nothing on stdout: no summary, no half JSON document
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("w4pack: error: ") and names in lines[0], err
+    rc, _, err = main(["validate", str(copy)]), *capsys.readouterr()
+    assert rc == 2
+
+
 # ---- every converted fixture verifies bit-exact against its source ----------------------------------
 FIXTURES = [(fam, case) for fam in ("gptq", "awq", "compressed-tensors", "gguf", "toml") for case in fixture_cases(fam)]
 

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .canonical import CanonicalLayer
-from .checkpoint import MANIFEST_NAME, Checkpoint
+from .checkpoint import Checkpoint
 from .dtypes import to_float64
 from .errors import BadInputError, UnsupportedError, W4PackError
 from .progress import Progress
@@ -302,7 +302,7 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
            threads: int | None = None, ms: tuple[int, ...] = DEFAULT_MS, seed: int | None = None,
            src_format: str | None = None, show_progress: bool | None = None) -> VerifyReport:
     """Run the checks on the packed checkpoint at ``path``; never raises for a failed check (see
-    ``report.ok``), only for unusable input (not a w4pack folder, unreadable source: W4PackError).
+    ``report.ok``), only for unusable input (not a readable w4pack folder, unreadable source: W4PackError).
 
     Example::
 
@@ -321,26 +321,18 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
     report = VerifyReport(path=str(root), against=None if against is None else str(against),
                           base=None if base is None else str(base), device=device, precision=precision,
                           ms=[int(m) for m in ms], seed=seed)
-    try:
-        ck = Checkpoint(root)
-    except BadInputError as exc:
-        if not (root / MANIFEST_NAME).is_file():
-            raise  # not a w4pack checkpoint at all: bad input, not a failed verification
-        report.structure_ok, report.structure_error = False, exc.one_line()
-        report.seconds = time.perf_counter() - t0
-        return report
+    # a folder that cannot be read as a checkpoint (malformed or missing manifest, config or index, an index that
+    # points outside the folder, a truncated shard) is bad input, as in validate: the W4PackError propagates
+    # (exit 2, one line on stderr). Only checks that ran and found a difference make a failed report (exit 1).
+    ck = Checkpoint(root)
     source = None
     base_w = None
     try:
         report.checks.append("structure")
-        try:
-            ck.check_structure()
-        except BadInputError as exc:
-            report.structure_ok, report.structure_error = False, exc.one_line()
-            return report
+        ck.check_structure()
         try:
             ck.verify_checksums(show_progress=show_progress)
-        except BadInputError as exc:  # keep going: the layer checks name what changed
+        except BadInputError as exc:  # readable but not the recorded bytes: keep going, the layer checks name it
             report.structure_ok, report.structure_error = False, exc.one_line()
         src_names: frozenset[str] = frozenset()
         if against is not None:

@@ -30,7 +30,8 @@ def verify(packed: Path, against: Path | None, src_format: str | None, base: Pat
     random activations against a float64 reference, and with --base the quantization error.
 
     Prints a per-layer table (worst first) and a summary line. Exit 0 when every check passes, 1 when
-    any fails, 2 for bad input, 3 when --device cuda is not available.
+    any fails (a layer differs, numerics out of tolerance, a shard's checksum), 2 for bad input (a folder
+    that cannot be read as a checkpoint: one line on stderr, as validate), 3 when --device cuda is not available.
     """
     from ..verify import verify as run_verify
 
