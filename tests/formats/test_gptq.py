@@ -562,3 +562,72 @@ def test_cli_refusal_and_bad_input_exit_codes(tmp_path: Path, capsys: pytest.Cap
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"{PREFIX}.qweight" in err and str(f) in err
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# mistyped configs and indexes: one line naming the file and the key, never int()/bool() coercion
+# ---------------------------------------------------------------------------------------------
+def _refused_config(d: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path, *needles: str) -> None:
+    with pytest.raises(BadInputError) as exc:
+        with GPTQFormat.open(d) as src:
+            for name in src.layer_names():
+                src.read_layer(name)
+    msg = str(exc.value)
+    assert "\n" not in msg
+    for needle in needles:
+        assert needle in msg, msg
+    capsys.readouterr()
+    assert cli_main(["convert", str(d), str(tmp_path / "out"), "--from", "gptq"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unexpected" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("bits", "four", "bits must be an integer"), ("bits", True, "bits must be an integer"),
+    ("bits", 4.0, "bits must be an integer"), ("group_size", "x", "group_size must be an integer"),
+    ("group_size", [128], "group_size must be an integer"), ("group_size", float("nan"), "group_size must be"),
+    ("group_size", 128.5, "group_size must be an integer"), ("group_size", 0, "group_size must be a positive"),
+    ("group_size", -2, "group_size must be a positive"), ("sym", "false", "sym must be true or false"),
+    ("sym", 0, "sym must be true or false"), ("desc_act", "yes", "desc_act must be true or false"),
+    ("static_groups", 1, "static_groups must be"), ("is_marlin_format", "false", "is_marlin_format must be"),
+    ("checkpoint_format", 2, "checkpoint_format must be a string"), ("wbits", "4", "wbits must be an integer"),
+    ("dynamic", [1], "dynamic must be an object"), ("dynamic", {"+:.*": {"bits": "x"}}, "dynamic['+:.*'].bits"),
+    ("dynamic", {"+:.*": {"sym": "false"}}, "dynamic['+:.*'].sym"), ("dynamic", {"+:.*": 3}, "dynamic['+:.*']"),
+    ("dynamic", {"-:model.(": {}}, "not a valid regular expression"),
+])
+def test_mistyped_quantize_config(tmp_path: Path, capsys: pytest.CaptureFixture[str], key: str, value: Any,
+                                  needle: str) -> None:
+    d = _relabel("ag_b4_asym_g64", tmp_path, **{key: value})
+    _refused_config(d, capsys, tmp_path, str(d / "quantize_config.json"), needle)
+
+
+def test_mistyped_config_json_quantization_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "m"
+    shutil.copytree(fixture_dir("gptq", "ag_tiny_llama_b4_g64_descact_sym"), d, ignore=shutil.ignore_patterns("truth"))
+    for p in d.iterdir():
+        p.chmod(0o644)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"]["sym"] = "false"
+    (d / "config.json").write_text(json.dumps(cfg))
+    _refused_config(d, capsys, tmp_path, str(d / "config.json"), "quantization_config.sym must be true or false")
+
+
+def test_hostile_quantize_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = _relabel("ag_b4_asym_g64", tmp_path)
+    (d / "quantize_config.json").write_text("[" * 100000)
+    _refused_config(d, capsys, tmp_path, "quantize_config.json", "nested too deeply")
+    (d / "quantize_config.json").write_text('{"bits": ' + "4" * 5000 + "}")
+    _refused_config(d, capsys, tmp_path, "quantize_config.json", "not valid JSON")
+
+
+@pytest.mark.parametrize("shard", [5, None, ["model-00001-of-00005.safetensors"]])
+def test_index_shard_that_is_not_a_string(tmp_path: Path, capsys: pytest.CaptureFixture[str], shard: Any) -> None:
+    d = tmp_path / "m"
+    shutil.copytree(fixture_dir("gptq", "gm_tiny_llama_b4_g64_descact_sym_v1_sharded"), d,
+                    ignore=shutil.ignore_patterns("truth"))
+    for p in d.iterdir():
+        p.chmod(0o644)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    index["weight_map"]["lm_head.weight"] = shard
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    _refused_config(d, capsys, tmp_path, "model.safetensors.index.json", "tensor lm_head.weight", "not a file name")

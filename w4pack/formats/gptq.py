@@ -40,7 +40,7 @@ from ..layout import PackedLayer
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES
 from ..errors import BadInputError, IOFailure, UnsupportedError, W4PackError
-from ..folder import member, read_json as _read_json, write_json
+from ..folder import brief, member, read_json as _read_json, write_json
 from ._torchfile import dtype_name as torch_dtype_name, load_state_dict, to_numpy as torch_to_numpy
 from ..progress import Progress
 from ..safetensors_io import DTYPES, SafetensorsFile, dtype_to_st
@@ -251,6 +251,9 @@ def _open_store(path: Path, base_name: str | None) -> tuple[_Store, Path]:
                 raise BadInputError("index has no weight_map", file=str(ipath))
             by_file: dict[str, set[str]] = {}
             for tname, fname in wmap.items():
+                if not isinstance(fname, str):  # 5 or null would only fail later, inside sorted()
+                    raise BadInputError(f"weight_map names shard {brief(fname)}, not a file name", file=str(ipath),
+                                        tensor=tname)
                 by_file.setdefault(fname, set()).add(tname)
             for fname, names in sorted(by_file.items()):
                 shard = _member(path, fname, ipath)
@@ -282,6 +285,47 @@ def _open_store(path: Path, base_name: str | None) -> tuple[_Store, Path]:
 _SYNONYMS = {"w_bit": "bits", "wbits": "bits", "q_group_size": "group_size", "groupsize": "group_size"}
 
 
+#: config keys w4pack reads (synonyms included) and the JSON type each must have; null means "not stated"
+_INT_KEYS = ("bits", "w_bit", "wbits", "group_size", "q_group_size", "groupsize")
+_BOOL_KEYS = ("sym", "desc_act", "static_groups", "true_sequential", "is_marlin_format", "lm_head")
+_STR_KEYS = ("quant_method", "checkpoint_format", "format", "pack_dtype")
+
+
+def _check_settings(doc: dict[str, Any], file: str, where: str) -> None:
+    """Refuse mistyped settings: int() read "x" as a crash and 128.5 as 128, bool() read "false" as True."""
+    for key, value in doc.items():
+        if value is None:
+            continue
+        if key in _INT_KEYS:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise BadInputError(f"{where}{key} must be an integer, got {brief(value)}", file=file)
+            if key in ("group_size", "q_group_size", "groupsize") and (value == 0 or value < -1):
+                raise BadInputError(f"{where}{key} must be a positive integer or -1, got {value}", file=file)
+        elif key in _BOOL_KEYS and not isinstance(value, bool):
+            raise BadInputError(f"{where}{key} must be true or false, got {brief(value)}", file=file)
+        elif key in _STR_KEYS and not isinstance(value, str):
+            raise BadInputError(f"{where}{key} must be a string, got {brief(value)}", file=file)
+
+
+def _check_config(doc: dict[str, Any], file: str, where: str = "") -> None:
+    """Types of one quantization config (``where`` prefixes the key names) and of its ``dynamic`` rules."""
+    _check_settings(doc, file, where)
+    dynamic = doc.get("dynamic")
+    if dynamic is None:
+        return
+    if not isinstance(dynamic, dict):
+        raise BadInputError(f"{where}dynamic must be an object of pattern: overrides, got {brief(dynamic)}", file=file)
+    for pattern, overrides in dynamic.items():
+        key = f"{where}dynamic[{brief(pattern)}]"
+        try:
+            re.compile(pattern[2:] if pattern.startswith(("-:", "+:")) else pattern)
+        except re.error as exc:
+            raise BadInputError(f"{key}: not a valid regular expression ({exc})", file=file) from None
+        if not isinstance(overrides, dict):
+            raise BadInputError(f"{key} must be an object of overrides, got {brief(overrides)}", file=file)
+        _check_settings(overrides, file, f"{key}.")
+
+
 def _normalise_qc(qc: dict[str, Any]) -> dict[str, Any]:
     out = dict(qc)
     for old, new in _SYNONYMS.items():
@@ -303,6 +347,7 @@ def _quant_config(root: Path) -> tuple[dict[str, Any], dict[str, Any], list[str]
     qc: dict[str, Any] = {}
     from_hf = hf.get("quantization_config")
     if isinstance(from_hf, dict):
+        _check_config(from_hf, str(cpath), "quantization_config.")
         qc = _normalise_qc(from_hf)
     for name in _CONFIG_FILES:
         p = root / name
@@ -310,6 +355,7 @@ def _quant_config(root: Path) -> tuple[dict[str, Any], dict[str, Any], list[str]
             doc = _read_json(p)
             if not isinstance(doc, dict):
                 raise BadInputError("not a JSON object", file=str(p))
+            _check_config(doc, str(p))
             doc = _normalise_qc(doc)
             for key in ("bits", "group_size", "sym", "desc_act", "checkpoint_format"):
                 if key in qc and key in doc and qc[key] != doc[key]:
