@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from conftest import MemSource, fixture_cases, fixture_dir
 from w4pack.canonical import CanonicalLayer
 from w4pack.checkpoint import open_checkpoint
-from w4pack.cli import cli
+from w4pack.cli import cli, main
 from w4pack.convert import convert
 from w4pack.dtypes import from_float32, to_float32
 from w4pack.errors import BadInputError, UnsupportedError
@@ -296,3 +296,62 @@ def test_inline_scales_as_short_decimals_round_to_float32(tmp_path: Path) -> Non
         for name in src.layer_names():
             assert_truth(src.read_layer(name), truth(d, name, BASES[0][1]))
         assert any("rounded to the nearest float32" in n for n in src.info["notes"])
+
+
+# -- arrays of the wrong rank, mistyped flags -----------------------------------------------------------
+@pytest.mark.parametrize("key,arr,needle", [
+    ("scale", np.float32(0.01), "scale must be a 1-D or 2-D array, got shape []"),
+    ("zero", np.float32(8), "zero must be a 1-D or 2-D array, got shape []"),
+    ("group_ids", np.int32(0), "group_ids must be a 1-D array, got shape []"),
+    ("scale", np.full((128, 2, 1), 0.01, np.float32), "scale must be a 1-D or 2-D array"),
+    ("zero", np.full((1, 2, 3), 8, np.float32), "zero must be a 1-D or 2-D array"),
+    ("group_ids", np.zeros((128, 1), np.int32), "group_ids must be a 1-D array"),
+])
+def test_npy_of_the_wrong_rank(table_copy: tuple[Path, Path], key: str, arr: np.ndarray, needle: str) -> None:
+    q, base = table_copy
+    np.save(q / f"{LAYER}.{key}.npy", arr)
+    _bad(lambda: TOML.open(q, base=base).read_layer(LAYER), f"{LAYER}.{key}.npy", f"tensor {LAYER}", needle)
+
+
+@pytest.mark.parametrize("fill", [np.inf, -np.inf, np.nan])
+def test_group_ids_not_finite(table_copy: tuple[Path, Path], fill: float) -> None:
+    q, base = table_copy
+    np.save(q / f"{LAYER}.group_ids.npy", np.full(128, fill))
+    _bad(lambda: TOML.open(q, base=base).read_layer(LAYER), "quant.toml", f"tensor {LAYER}", "not integers")
+
+
+@pytest.mark.parametrize("old,new,needle", [
+    ("sym = false", 'sym = "false"', "sym must be true or false"),
+    ("perchannel = true", "perchannel = 1", "perchannel must be true or false"),
+])
+def test_flags_must_be_booleans(table_copy: tuple[Path, Path], old: str, new: str, needle: str) -> None:
+    q, base = table_copy
+    _edit_toml(q, old, new)
+    _bad(lambda: TOML.open(q, base=base).read_layer(LAYER), "quant.toml", f"tensor {LAYER}", needle)
+
+
+@pytest.mark.parametrize("shape,needle", [([], "must be 1-D or 2-D"), ([1, 1, 128, 2], "must be 1-D or 2-D"),
+                                          ([128.0, 2], "scale_shape must be a list of non-negative integers"),
+                                          ("128x2", "scale_shape must be a list")])
+def test_inline_shape_of_the_wrong_rank(tmp_path: Path, shape: Any, needle: str) -> None:
+    d = fixture_dir("toml", "decoder_toml_inline_asym_g64")
+    shutil.copytree(d / "quant_dir", tmp_path / "q")
+    p = tmp_path / "q" / "decoder-0.toml"
+    doc = tomllib.loads(p.read_text())
+    name = next(iter(doc))
+    if shape == []:
+        doc[name]["scale"] = doc[name]["scale"][:1]
+    doc[name]["scale_shape"] = shape
+    p.write_text(dump_toml(doc))
+    _bad(lambda: TOML.open(tmp_path / "q", base=d / BASES[0][0]).read_layer(name), "decoder-0.toml",
+         f"tensor {name}", needle)
+
+
+def test_cli_zero_d_scale_is_one_line_exit_2(table_copy: tuple[Path, Path], tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    q, base = table_copy
+    np.save(q / f"{LAYER}.scale.npy", np.float32(0.01))
+    rc = main(["convert", str(q), str(tmp_path / "out"), "--base", str(base)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "scale must be a 1-D or 2-D array" in err, err
+    assert not (tmp_path / "out").exists()

@@ -32,7 +32,7 @@ from ..canonical import CanonicalLayer, default_g_idx
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES, to_float32
 from ..errors import BadInputError, IOFailure, UnsupportedError
-from ..folder import read_json as _read_json, write_json
+from ..folder import brief, read_json as _read_json, write_json
 from ._shards import ShardWriter
 from .awq import SafetensorsStore
 from .base import Capabilities, Format, Source, TensorData
@@ -217,12 +217,16 @@ class TomlTablesSource(Source):
         self.base.close()
 
     # -- one layer ---------------------------------------------------------------------------
-    def _array(self, name: str, table: dict[str, Any], key: str) -> np.ndarray | None:
-        """The table's ``key`` array: a .npy file inside the folder, or an inline list with ``<key>_shape``."""
+    def _array(self, name: str, table: dict[str, Any], key: str,
+               ndims: tuple[int, ...]) -> tuple[np.ndarray, str] | None:
+        """The table's ``key`` array and where it came from (`` in <file>.npy`` or ``""``): a .npy file inside the
+        folder, or an inline list with ``<key>_shape``. Its dimension count must be one of ``ndims``: shapes are
+        indexed before they are compared, and a 0-d array has no first dimension."""
         tfile = str(self.table_file[name])
         val = table.get(key)
         if val is None:
             return None
+        want = " or ".join(f"{d}-D" for d in ndims)
         if isinstance(val, str):
             rel = Path(val)
             p = (self.folder / rel)
@@ -238,15 +242,22 @@ class TomlTablesSource(Source):
             if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "fiu":
                 raise BadInputError(f"{key} must be a numeric array, got {getattr(arr, 'dtype', type(arr))}",
                                     file=str(p), tensor=name)
-            return arr
+            if arr.ndim not in ndims:
+                raise BadInputError(f"{key} must be a {want} array, got shape {list(arr.shape)}", file=str(p),
+                                    tensor=name)
+            return arr, f" in {p.name}"
         if isinstance(val, list):
             shape = table.get(f"{key}_shape")
+            if shape is not None and not (isinstance(shape, list) and all(
+                    isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+                raise BadInputError(f"{key}_shape must be a list of non-negative integers, got {brief(shape)}",
+                                    file=tfile, tensor=name)
             try:
                 arr = np.asarray(val)
                 if arr.dtype.kind not in "fiu" or arr.ndim != 1:
                     raise ValueError("not a flat list of numbers")
                 if shape is not None:
-                    arr = arr.reshape([int(d) for d in shape])
+                    arr = arr.reshape(shape)
                 if key == "scale" and arr.dtype.kind == "f":
                     # decimal text of float32 scales: the nearest float32 is the value meant
                     a32 = arr.astype(np.float32)
@@ -256,9 +267,12 @@ class TomlTablesSource(Source):
                                                   "nearest float32")
                     arr = a32
             except (ValueError, TypeError) as exc:
-                raise BadInputError(f"inline {key} list does not fit {key}_shape {shape}: {exc}", file=tfile,
+                raise BadInputError(f"inline {key} list does not fit {key}_shape {brief(shape)}: {exc}", file=tfile,
                                     tensor=name) from None
-            return arr
+            if arr.ndim not in ndims:
+                raise BadInputError(f"inline {key} must be {want}, got {key}_shape {list(arr.shape)}", file=tfile,
+                                    tensor=name)
+            return arr, ""
         raise BadInputError(f"{key} must be a .npy file name or an inline list, got {type(val).__name__}", file=tfile,
                             tensor=name)
 
@@ -273,7 +287,10 @@ class TomlTablesSource(Source):
 
         bits, gsz = t.get("wbits"), t.get("groupsize", -1)
         if not isinstance(bits, int) or isinstance(bits, bool) or not isinstance(gsz, int) or isinstance(gsz, bool):
-            raise bad(f"wbits and groupsize must be integers, got {bits!r}, {gsz!r}")
+            raise bad(f"wbits and groupsize must be integers, got {brief(bits)}, {brief(gsz)}")
+        for flag in ("sym", "perchannel"):  # bool("false") would be True
+            if flag in t and not isinstance(t[flag], bool):
+                raise bad(f"{flag} must be true or false, got {brief(t[flag])}")
         if bits not in (2, 3, 4, 8):
             raise UnsupportedError(f"{bits}-bit tables are not supported (2, 3, 4 or 8)", file=tfile, tensor=name)
         wname = f"{name}.weight"
@@ -283,21 +300,24 @@ class TomlTablesSource(Source):
                                 file=self.base.file_of(wname), tensor=wname)
         n, k = wshape
         ng = 1 if gsz <= 0 else -(-k // gsz)
-        scale = self._array(name, t, "scale")
-        if scale is None:
+        got = self._array(name, t, "scale", (1, 2))
+        if got is None:
             raise bad("table has no scale")
+        scale, s_in = got
         if scale.ndim == 1:
             scale = scale.reshape(-1, 1)
         if scale.shape[0] == 1 and n > 1 and t.get("perchannel") is False:
             scale = np.repeat(scale, n, axis=0)
         if scale.shape != (n, ng):
-            raise bad(f"scale shape {list(scale.shape)} != [{n}, {ng}] for base weight [{n}, {k}], groupsize {gsz}")
+            raise bad(f"scale shape {list(scale.shape)}{s_in} != [{n}, {ng}] for base weight [{n}, {k}], "
+                      f"groupsize {gsz}")
         scale, sdt = self._scale_array(scale, t, bad)
         s32 = to_float32(scale, sdt)
         if not np.all(np.isfinite(s32)) or np.any(s32 == 0):
             raise bad("scale holds zero, NaN or infinity")
-        zero = self._array(name, t, "zero")
-        sym = bool(t.get("sym", False))
+        got = self._array(name, t, "zero", (1, 2))
+        zero, z_in = got if got is not None else (None, "")
+        sym = t.get("sym", False)
         if zero is None:
             if not sym:
                 raise bad("asymmetric table (sym = false) has no zero")
@@ -308,7 +328,7 @@ class TomlTablesSource(Source):
             if zero.shape[0] == 1 and n > 1 and t.get("perchannel") is False:
                 zero = np.repeat(zero, n, axis=0)
             if zero.shape != (n, ng):
-                raise bad(f"zero shape {list(zero.shape)} != scale shape [{n}, {ng}]")
+                raise bad(f"zero shape {list(zero.shape)}{z_in} != scale shape [{n}, {ng}]")
             zf = zero.astype(np.float64)
             if not np.all(np.isfinite(zf)) or np.any(zf != np.rint(zf)):
                 raise bad("zero holds values that are not integers")
@@ -318,14 +338,15 @@ class TomlTablesSource(Source):
             zero_mode = "int"
             if sym and np.all(zeros == (1 << (bits - 1))):
                 zero_mode, zeros = "none", None
-        gids = self._array(name, t, "group_ids")
-        if gids is None:
+        got = self._array(name, t, "group_ids", (1,))
+        if got is None:
             g_idx = default_g_idx(k, gsz if gsz > 0 else -1)
         else:
-            if gids.dtype.kind not in "iu" and not np.all(gids == np.rint(gids)):
+            gids, g_in = got
+            if gids.dtype.kind not in "iu" and not (np.all(np.isfinite(gids)) and np.all(gids == np.rint(gids))):
                 raise bad("group_ids are not integers")
             if gids.shape != (k,):
-                raise bad(f"group_ids shape {list(gids.shape)} != [{k}] (in_features of the base weight)")
+                raise bad(f"group_ids shape {list(gids.shape)}{g_in} != [{k}] (in_features of the base weight)")
             if k and (int(gids.min()) < 0 or int(gids.max()) >= ng):
                 raise bad(f"group_ids must lie in 0..{ng - 1}, got {int(gids.min())}..{int(gids.max())}")
             g_idx = gids.astype(np.int32)
