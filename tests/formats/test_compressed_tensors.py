@@ -392,32 +392,34 @@ def test_unsupported_formats_and_types(tmp_path: Path) -> None:
 def test_weight_g_idx_of_older_files_is_read(tmp_path: Path) -> None:
     """Files from compressed-tensors < 0.20 with actorder "group" carry weight_g_idx: a group per input column."""
     n, k, gs = 48, 128, 32
+    src = tmp_path / "src"  # the w4pack output goes beside the source folder, not inside it
+    src.mkdir()
     rng = np.random.default_rng(7)
     codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
     g_idx = rng.permutation(np.arange(k) // gs).astype(np.int32)
     scales = from_float32(rng.uniform(0.01, 0.05, (n, k // gs)).astype(np.float32), "bfloat16")
     items = [(f"{PREFIX}.weight_packed", pack_rows(codes, 4), None), (f"{PREFIX}.weight_scale", scales, "bfloat16"),
              (f"{PREFIX}.weight_shape", np.array([n, k], np.int64), None), (f"{PREFIX}.weight_g_idx", g_idx, None)]
-    write_safetensors(tmp_path / "model.safetensors", items)
+    write_safetensors(src / "model.safetensors", items)
     cfg = {"model_type": "llama", "quantization_config": {
         "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
         "version": "0.9.2", "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
             "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": gs,
             "actorder": "group"}}}, "ignore": ["lm_head"]}}
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with CT.open(tmp_path) as s:
+    (src / "config.json").write_text(json.dumps(cfg))
+    with CT.open(src) as s:
         layer = s.read_layer(PREFIX)
     assert layer.act_order and np.array_equal(layer.g_idx, g_idx)
     s_f = to_float32(scales, "bfloat16")
     assert np.array_equal(layer.dequantize(), (codes.astype(np.float32) - 8) * s_f[:, g_idx])
-    convert(tmp_path, tmp_path / "w4", show_progress=False)
+    convert(src, tmp_path / "w4", show_progress=False)
     assert open_checkpoint(tmp_path / "w4").layer(PREFIX).equals(layer)
     g_bad = g_idx.copy()
     g_bad[0] = k // gs
     items[3] = (f"{PREFIX}.weight_g_idx", g_bad, None)
-    write_safetensors(tmp_path / "model.safetensors", items)
+    write_safetensors(src / "model.safetensors", items)
     with pytest.raises(BadInputError, match="weight_g_idx values outside"):
-        with CT.open(tmp_path) as s:
+        with CT.open(src) as s:
             s.read_layer(PREFIX)
 
 
