@@ -13,9 +13,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from conftest import fixture_dir  # noqa: E402
 from rtn_helper import MemorySource, quantize_model  # noqa: E402
 
 import w4pack  # noqa: E402
+from w4pack.cli import main  # noqa: E402
 from w4pack.convert import convert  # noqa: E402
 from w4pack.dtypes import to_float32  # noqa: E402
 from w4pack.errors import BadInputError, UnsupportedError  # noqa: E402
@@ -326,3 +328,92 @@ def test_import_w4pack_loads_neither_torch_nor_transformers() -> None:
     code = "import sys, w4pack; print('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+# ---- a real AutoGPTQ checkpoint: all-zero bias tensors on a bias-free Llama ----------------------------------------
+AG_TINY = ("gptq", "ag_tiny_llama_b4_g64_descact_sym")
+
+
+def _ag_tiny_reference(case: Path):
+    """transformers' float Llama from the fixture's config, its unquantized tensors and the quantizer's truth
+    (W = scales[n, g_idx[k]] * (codes - zeros[n, g_idx[k]]); AutoGPTQ's zero biases are not part of the model)."""
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = json.loads((case / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    stored = load_file(str(next(case.glob("*.safetensors"))))
+    sd = {k: torch.from_numpy(v.astype(np.float32)) for k, v in stored.items()
+          if not k.endswith((".qweight", ".qzeros", ".scales", ".g_idx", ".bias"))}
+    for d in sorted(p for p in (case / "truth").iterdir() if p.is_dir()):
+        t = {n: np.load(d / f"{n}.npy") for n in ("codes", "scales", "zeros", "g_idx")}
+        g = t["g_idx"]
+        w = t["scales"][:, g].astype(np.float64) * (t["codes"].astype(np.float64) - t["zeros"][:, g])
+        sd[f"{d.name}.weight"] = torch.from_numpy(w.astype(np.float32))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return model.eval()
+
+
+@pytest.mark.parametrize("fuse", [None, "qkv,gate-up"], ids=["plain", "fused"])
+def test_autogptq_zero_bias_on_bias_free_linear_loads(tmp_path: Path, fuse: str | None) -> None:
+    """AutoGPTQ writes an all-zero bias for every bias-free Linear: harmless, so the loader drops it and runs."""
+    case = fixture_dir(*AG_TINY)
+    convert(case, tmp_path / "w4", **({"fuse": fuse} if fuse else {}))
+    manifest = json.loads((tmp_path / "w4" / "w4pack.json").read_text())
+    assert all("bias" in m["tensors"] for m in manifest["layers"].values())  # the converter keeps them
+    model = load_model(tmp_path / "w4")
+    packed = [m for m in model.modules() if isinstance(m, W4Linear)]
+    assert packed and all(m.bias_tensor() is None for m in packed)
+    _compare(model, _ag_tiny_reference(case))
+
+
+def test_autogptq_cli_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    case = fixture_dir(*AG_TINY)
+    tok_src = fixture_dir("gptq", "gm_tiny_llama_b4_g64_descact_sym_v1_sharded")  # same vocab (1000)
+    assert main(["convert", str(case), str(tmp_path / "w4")]) == 0
+    capsys.readouterr()
+    rc = main(["run", str(tmp_path / "w4"), "--prompt", "hello"])  # AutoGPTQ saved no tokenizer
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "copy the original model's tokenizer files" in err, err
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "w4" / f).write_bytes((tok_src / f).read_bytes())
+    capsys.readouterr()
+    rc = main(["run", str(tmp_path / "w4"), "--prompt", "hello", "--max-new-tokens", "5", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    doc = json.loads(out)
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(tmp_path / "w4"))("hello", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        want = _ag_tiny_reference(case).generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert doc["new_tokens"] == 5 and doc["token_ids"] == want[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("fuse", [None, "qkv"], ids=["plain", "fused"])
+def test_nonzero_bias_on_bias_free_linear_is_refused(tmp_path: Path, fuse: str | None,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A bias the architecture has no place for would change the output: refused, naming the layer."""
+    from safetensors.numpy import load_file, save_file
+
+    case = fixture_dir(*AG_TINY)
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in case.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            (src / f.name).write_bytes(f.read_bytes())
+    shard = next(case.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    tensors["model.layers.1.self_attn.k_proj.bias"][7] = np.float16(0.25)
+    save_file(tensors, str(src / shard.name), metadata={"format": "pt"})
+    convert(src, tmp_path / "w4", **({"fuse": fuse} if fuse else {}))
+    with pytest.raises(BadInputError, match="non-zero bias for model.layers.1.self_attn.k_proj") as exc:
+        load_model(tmp_path / "w4")
+    assert ".safetensors" in exc.value.one_line()
+    capsys.readouterr()
+    rc = main(["run", str(tmp_path / "w4"), "--prompt", "hello"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "model.layers.1.self_attn.k_proj" in err and "bias" in err

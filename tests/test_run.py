@@ -20,7 +20,8 @@ from w4pack.cli import main  # noqa: E402
 from w4pack.convert import convert  # noqa: E402
 from w4pack.dtypes import to_float32  # noqa: E402
 from w4pack.formats import get_format  # noqa: E402
-from w4pack.loading import load_model, load_tokenizer  # noqa: E402
+from w4pack.errors import BadInputError  # noqa: E402
+from w4pack.loading import check_device, load_model, load_tokenizer  # noqa: E402
 from w4pack.run import dequantized_model, generate, perplexity  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -180,6 +181,23 @@ def test_usage_errors_exit_2_with_one_line(tiny: Path, tmp_path: Path, capsys: p
         rc, _out, err = _cli(capsys, *argv)
         assert rc == 2, (argv, err)
         assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:abc", "cuda:-1", "meta", "CPU", " cpu", "cuda:"])
+def test_bad_device_is_a_usage_error(device: str, tiny: Path, tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """--device is checked before anything is loaded: one line, exit 2 (torch's RuntimeError was "unexpected")."""
+    for path in (tiny, tmp_path / "nothing"):
+        rc, _out, err = _cli(capsys, "run", str(path), "--prompt", "x", "--device", device)
+        assert rc == 2 and err.count("\n") == 1, err
+        assert "device must be cpu, cuda or cuda:N" in err and repr(device) in err and "unexpected" not in err
+    with pytest.raises(BadInputError, match="device must be"):
+        load_model(tiny, device=device)
+
+
+def test_good_device_names_are_accepted() -> None:
+    assert [check_device(d) for d in ("cpu", "cuda", "cuda:0", "cuda:12")] == ["cpu", "cuda", "cuda:0", "cuda:12"]
+    assert check_device(torch.device("cpu")) == "cpu" and check_device(torch.device("cuda", 1)) == "cuda:1"
 
 
 # -------------------------------------------------------------------------------------------------

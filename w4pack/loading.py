@@ -13,6 +13,7 @@ registering the quantization method "w4pack" with transformers (where the instal
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,19 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .errors import BadInputError, UnsupportedError
 
 __all__ = ["load_model", "register_transformers", "install_transformers_hook", "resolve_dtype",
-           "swap_in_packed_layers", "load_tokenizer"]
+           "swap_in_packed_layers", "load_tokenizer", "check_device"]
+
+_DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
+
+
+def check_device(device: Any) -> str:
+    """``device`` as "cpu", "cuda" or "cuda:N", the devices w4pack's kernels run on; anything else is a usage error
+    (exit 2) here, before torch turns it into a RuntimeError."""
+    if type(device).__name__ == "device" and type(device).__module__ == "torch":  # a torch.device, torch unimported
+        device = "cpu" if device.type == "cpu" else str(device)
+    if not isinstance(device, str) or not _DEVICE.fullmatch(device):
+        raise BadInputError(f"device must be cpu, cuda or cuda:N (N a GPU index), got {device!r}")
+    return device
 
 
 def resolve_dtype(dtype: Any, device: str, config: dict[str, Any] | None = None) -> Any:
@@ -90,6 +103,42 @@ def _linear_at(model: Any, name: str, ckpt_path: Path) -> Any:
     return old
 
 
+def _match_bias(packed: Any, parts: list[tuple[str, bool, int, int]], ckpt: Checkpoint, name: str) -> Any:
+    """``packed`` fitted to the model's bias-or-not, given per part (Linear name, has a bias, rows lo, hi).
+
+    AutoGPTQ saves an all-zero ``bias`` for every bias-free Linear (Llama has none): a zero bias where the model has
+    none changes nothing and is dropped. A non-zero one, or a bias the model needs and the checkpoint lacks, would
+    change the model's output and is refused naming the layer.
+    """
+    from .dtypes import dtype_name_of, to_float64
+    from .layout import PackedLayer
+
+    has = "bias" in packed.tensors
+    tname = packed.meta.get("tensors", {}).get("bias", f"{name}.bias")
+    where = str(ckpt.path / ckpt.weight_map[tname]) if tname in ckpt.weight_map else str(ckpt.path)
+    if not has:
+        for part, wants, _lo, _hi in parts:
+            if wants:
+                raise BadInputError("the model's Linear has a bias but the packed layer has none (a checkpoint "
+                                    "for another architecture or config?)", file=str(ckpt.path), tensor=part)
+        return packed
+    if all(wants for _p, wants, _lo, _hi in parts):
+        return packed
+    arr = np.asarray(packed.tensors["bias"])
+    bias = to_float64(arr, packed.meta.get("bias_dtype") or dtype_name_of(arr))
+    for part, wants, lo, hi in parts:
+        if not wants and np.any(bias[lo:hi] != 0):
+            raise BadInputError(f"the packed layer has a non-zero bias for {part}, whose Linear in this model has no "
+                                "bias (check config.json, e.g. attention_bias / mlp_bias)", file=where, tensor=tname)
+    if any(wants for _p, wants, _lo, _hi in parts):
+        return packed  # a fused layer whose other parts need the bias: the zero rows are harmless
+    meta = dict(packed.meta)
+    meta.pop("bias_dtype", None)
+    meta["tensors"] = {k: v for k, v in meta.get("tensors", {}).items() if k != "bias"}
+    return PackedLayer(meta=meta, tensors={k: v for k, v in packed.tensors.items() if k != "bias"},
+                       source=dict(packed.source))
+
+
 def swap_in_packed_layers(model: Any, ckpt: Checkpoint, *, device: Any, precision: str = "exact",
                           threads: int | None = None) -> dict[str, Any]:
     """Replace the model's nn.Linear modules named in the manifest by W4Linear filled from ``ckpt``.
@@ -113,6 +162,8 @@ def swap_in_packed_layers(model: Any, ckpt: Checkpoint, *, device: Any, precisio
                     raise BadInputError(f"fused part rows {lo}:{hi} x {k} do not match the model's "
                                         f"[{old.out_features}, {old.in_features}]", file=str(ckpt.path),
                                         tensor=p["name"])
+            packed = _match_bias(packed, [(p["name"], _linear_at(model, p["name"], ckpt.path).bias is not None,
+                                           *p["rows"]) for p in parts], ckpt, name)
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             if attr in parent._modules or hasattr(parent, attr):
@@ -130,9 +181,7 @@ def swap_in_packed_layers(model: Any, ckpt: Checkpoint, *, device: Any, precisio
         if (old.out_features, old.in_features) != (n, k):
             raise BadInputError(f"packed shape [{n}, {k}] does not match the model's Linear "
                                 f"[{old.out_features}, {old.in_features}]", file=str(ckpt.path), tensor=name)
-        if (old.bias is not None) != ("bias" in packed.tensors):
-            raise BadInputError("the model's Linear and the packed layer disagree on having a bias",
-                                file=str(ckpt.path), tensor=name)
+        packed = _match_bias(packed, [(name, old.bias is not None, 0, n)], ckpt, name)
         mod = W4Linear.from_packed(packed, device=device, precision=precision, threads=threads)
         _set_module(model, name, mod)
         out[name] = mod
@@ -238,9 +287,12 @@ def load_model(path: str | os.PathLike[str], device: Any = "cpu", dtype: Any = N
 
     if precision not in PRECISIONS:
         raise BadInputError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    dev = torch.device(device)
+    dev = torch.device(check_device(device))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UnsupportedError("device cuda was asked for but torch sees no CUDA device")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UnsupportedError(f"device {dev} was asked for but torch sees {torch.cuda.device_count()} CUDA "
+                               "device(s); use cuda or cuda:N with N below that")
     with open_checkpoint(path) as ckpt:
         torch_dtype = resolve_dtype(dtype, str(dev), ckpt.config)
         config = _build_config(ckpt)
@@ -296,7 +348,9 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, TypeError) as exc:
-        raise BadInputError(f"no usable tokenizer in the folder ({exc})", file=str(path)) from None
+        why = " ".join(str(exc).split())  # transformers' messages span lines; the CLI prints one
+        raise BadInputError(f"no usable tokenizer in the folder; copy the original model's tokenizer files "
+                            f"(tokenizer.json, tokenizer_config.json) into it ({why})", file=str(path)) from None
 
 
 # -------------------------------------------------------------------------------------------------

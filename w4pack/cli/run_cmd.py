@@ -41,10 +41,12 @@ def run(path: Path, prompt: str | None, ppl_file: Path | None, device: str, max_
     The tokenizer comes from PATH; quantized layers run w4pack's kernels (CPU or CUDA). Reports tokens/s.
     """
     from ..errors import BadInputError
+    from ..loading import check_device
     from ..run import generate, perplexity
 
     if (prompt is None) == (ppl_file is None):
         raise BadInputError("give exactly one of --prompt TEXT or --perplexity FILE")
+    device = check_device(device)  # a usage error now, not torch's RuntimeError after the model is read
     if ppl_file is not None:
         doc = perplexity(path, ppl_file, device=device, precision=precision, dtype=dtype, window=window,
                          threads=threads)
