@@ -10,14 +10,16 @@ import importlib
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import click
 
 from .. import __version__
-from ..errors import EXIT_BAD_INPUT, EXIT_IO, W4PackError
+from ..errors import EXIT_BAD_INPUT, EXIT_IO, BadInputError, UnsupportedError, W4PackError
 
-__all__ = ["cli", "main", "emit_json"]
+__all__ = ["cli", "main", "emit_json", "check_format_name", "detect_source", "check_endpoint"]
 
 #: command name -> "module:function"
 COMMANDS: dict[str, str] = {
@@ -65,6 +67,65 @@ def cli() -> None:
 def emit_json(doc: Any) -> None:
     """One JSON document on stdout (logs go to stderr)."""
     click.echo(json.dumps(doc, indent=2, default=str))
+
+
+def check_format_name(name: str | None, option: str) -> str | None:
+    """An unknown ``--from``/``--to`` is a usage error (exit 2) naming the option, not unsupported input (3)."""
+    if name is None:
+        return None
+    from ..formats import get_format
+
+    try:
+        get_format(name)
+    except UnsupportedError as exc:
+        raise BadInputError(f"{option}: {exc.message}") from None
+    return name
+
+
+#: JSON files whose content decides which format a folder is: when one is malformed, detection fails because of it
+_DETECT_JSON = ("config.json", "quantize_config.json", "quant_config.json")
+
+
+def detect_source(path: str | os.PathLike[str]) -> str | None:
+    """The format of a local source, as ``formats.detect``; None for a Hub source (``hf://``, detected after download).
+
+    When nothing matches because a file is broken (a malformed config.json, a .gguf without the GGUF magic), the
+    error names that file as bad input (exit 2) instead of "cannot tell which format" (3), which would send the user
+    to --from for a file that no format can read.
+    """
+    from ..folder import read_json
+    from ..formats import detect
+
+    if str(path).startswith("hf:/"):
+        return None
+    try:
+        return detect(path)
+    except UnsupportedError:
+        p = Path(path)
+        if p.is_dir():
+            for name in _DETECT_JSON:
+                if (p / name).is_file() and not isinstance(read_json(p / name), dict):  # read_json: malformed
+                    raise BadInputError("not a JSON object", file=str(p / name)) from None
+        elif p.is_file() and p.suffix.lower() == ".gguf":
+            with open(p, "rb") as fh:
+                magic = fh.read(4)
+            if magic != b"GGUF":
+                raise BadInputError(f"not a GGUF file: it starts with {magic!r}, not b'GGUF' (truncated, or saved in "
+                                    "another format)", file=str(p)) from None
+        raise
+
+
+def check_endpoint(endpoint: str | None) -> None:
+    """``--endpoint`` (or $HF_ENDPOINT) must be an http(s) URL: a usage error (exit 2) before any request, not a
+    network failure (4)."""
+    env = None if endpoint else os.environ.get("HF_ENDPOINT")
+    for value, what in ((endpoint, "--endpoint"), (env, "$HF_ENDPOINT")):
+        if not value:
+            continue
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise BadInputError(f"{what} must be an http:// or https:// URL such as https://huggingface.co, "
+                                f"got {value!r}")
 
 
 def main(argv: list[str] | None = None) -> int:

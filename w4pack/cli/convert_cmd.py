@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from . import emit_json
+from . import check_format_name, detect_source, emit_json
 
 
 @click.command()
@@ -30,6 +30,9 @@ def convert(src: Path, dst: Path, src_format: str | None, to: str, base: Path | 
     """
     from ..convert import convert as do_convert, plan
 
+    check_format_name(src_format, "--from")
+    check_format_name(to, "--to")
+    src_format = src_format or detect_source(src)
     opts = {"base": base} if base is not None else {}
     if dry_run:
         doc = plan(src, src_format=src_format, to=to, **opts)

@@ -1,7 +1,7 @@
 """w4pack push / pull: publish a packed checkpoint to the Hugging Face Hub and fetch one back.
 
 Thin wrappers over ``w4pack.hub.push`` / ``pull``. Errors are one line with exit 4 (network, 401, 403, 404)
-or 2 (an invalid folder, refused before any request); the token never appears in any output.
+or 2 (an invalid folder or --endpoint, refused before any request); the token never appears in any output.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from . import emit_json
+from . import check_endpoint, emit_json
 
 _ENDPOINT_HELP = "Hub URL (default: $HF_ENDPOINT or https://huggingface.co)."
 _TOKEN_HELP = "Hugging Face token (default: $HF_TOKEN or the saved login). Never printed."
@@ -38,6 +38,7 @@ def push(path: Path, repo_id: str, private: bool, revision: str | None, commit_m
     """
     from ..hub import push as do_push
 
+    check_endpoint(endpoint)
     result = do_push(path, repo_id, private=private, revision=revision, commit_message=commit_message,
                      create_pr=create_pr, endpoint=endpoint, token=token, dry_run=dry_run,
                      validate=not no_validate)
@@ -77,6 +78,7 @@ def pull(repo_id: str, dest: Path, revision: str | None, endpoint: str | None, t
     from ..checkpoint import validate_checkpoint
     from ..hub import pull as do_pull
 
+    check_endpoint(endpoint)
     out = do_pull(repo_id, dest, revision=revision, endpoint=endpoint, token=token, force=force)
     report = validate_checkpoint(out, checksums=False)
     doc = {"repo_id": repo_id, "revision": revision or "main", "path": str(out), "layers": report["num_layers"],

@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from ..checkpoint import open_checkpoint
-from . import emit_json
+from . import detect_source, emit_json
 
 
 def _human(n: int) -> str:
@@ -26,9 +26,7 @@ def inspect(path: Path, as_json: bool, show_layers: bool) -> None:
 
     PATH is a w4pack checkpoint folder, or a source in any supported format (shown as convert would read it).
     """
-    from ..formats import detect
-
-    fmt = detect(path)
+    fmt = detect_source(path)
     if fmt != "w4pack":
         from ..convert import plan
 
@@ -36,7 +34,8 @@ def inspect(path: Path, as_json: bool, show_layers: bool) -> None:
         if as_json:
             emit_json(doc)
             return
-        click.echo(f"{path}: {fmt} checkpoint ({doc['source_info'].get('version') or 'version unknown'})")
+        version = doc["source_info"].get("version") or "version unknown"
+        click.echo(f"{path}: {fmt or doc['source_format']} checkpoint ({version})")
         click.echo(f"  quantized layers: {len(doc['layers'])}   pass-through tensors: {len(doc['passthrough'])}")
         for layer in doc["layers"] if show_layers else doc["layers"][:10]:
             click.echo(f"  {layer['name']}: {layer['shape'][0]}x{layer['shape'][1]} {layer['bits']}-bit "

@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from ..errors import EXIT_OK, EXIT_VERIFY
-from . import emit_json
+from . import check_format_name, detect_source, emit_json
 
 
 @click.command()
@@ -35,6 +35,9 @@ def verify(packed: Path, against: Path | None, src_format: str | None, base: Pat
     """
     from ..verify import verify as run_verify
 
+    check_format_name(src_format, "--from")
+    if against is not None and src_format is None:
+        src_format = detect_source(against)
     report = run_verify(packed, against=against, base=base, device=device, precision=precision,
                         threads=threads, seed=seed, src_format=src_format)
     if as_json:

@@ -1,0 +1,70 @@
+"""Bad input and usage exit 2 with one line naming the file or option (README's exit-code table): unknown --from/--to,
+a malformed config.json or a .gguf without the GGUF magic (not "cannot tell which format", 3), an --endpoint that is
+not a URL (not a network failure, 4)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from w4pack.cli import main
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    return rc, err
+
+
+def test_unknown_format_names_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "src").mkdir()
+    for argv, option in ((["convert", tmp_path / "src", tmp_path / "out", "--to", "bogus"], "--to"),
+                         (["convert", tmp_path / "src", tmp_path / "out", "--from", "bogus"], "--from"),
+                         (["convert", tmp_path / "src", tmp_path / "out", "--dry-run", "--to", "bogus"], "--to"),
+                         (["verify", tmp_path / "src", "--against", tmp_path / "src", "--from", "bogus"], "--from")):
+        rc, err = _cli(capsys, *argv)
+        assert rc == 2 and f"{option}: unknown format 'bogus'" in err and "known: " in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("content,what", [("garbage{", "not valid JSON"), ("[1, 2]", "not a JSON object")])
+def test_malformed_config_json_names_the_file(content: str, what: str, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(content)
+    (src / "model.safetensors").write_bytes(b"")
+    for argv in (["inspect", src], ["convert", src, tmp_path / "out"], ["convert", src, tmp_path / "o", "--dry-run"],
+                 ["verify", src, "--against", src]):
+        rc, err = _cli(capsys, *argv)
+        assert rc == 2 and f"{src / 'config.json'}: {what}" in err and "cannot tell" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_gguf_with_bad_magic_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGML" + bytes(60))
+    for argv in (["inspect", bad], ["convert", bad, tmp_path / "out"]):
+        rc, err = _cli(capsys, *argv)
+        assert rc == 2 and f"{bad}: not a GGUF file" in err and "b'GGML'" in err
+    # a folder nothing can be made of stays "cannot tell which format" (3): no file in it is broken
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "notes.txt").write_text("hello")
+    rc, err = _cli(capsys, "inspect", tmp_path / "junk")
+    assert rc == 3 and "cannot tell which format" in err
+
+
+def test_endpoint_that_is_not_a_url_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    for argv in (["pull", "owner/name", tmp_path / "d", "--endpoint", "notaurl"],
+                 ["push", tmp_path, "owner/name", "--endpoint", "notaurl", "--dry-run"],
+                 ["push", tmp_path, "owner/name", "--endpoint", "ftp://host/x"]):
+        rc, err = _cli(capsys, *argv)
+        assert rc == 2 and "--endpoint must be an http:// or https:// URL" in err
+    monkeypatch.setenv("HF_ENDPOINT", "localhost:8080")
+    rc, err = _cli(capsys, "pull", "owner/name", tmp_path / "d")
+    assert rc == 2 and "$HF_ENDPOINT must be an http:// or https:// URL" in err and "'localhost:8080'" in err
+    assert not (tmp_path / "d").exists()
