@@ -267,3 +267,167 @@ def test_memory_is_bounded_by_shard_not_model(tmp_path):
     # 38 more layers (~40 MB of packed data in one shard) must not add more than a few layers' worth
     assert rss[40] - rss[2] < 6 * layer_bytes, rss
     assert len(open_checkpoint(tmp_path / "ck40").manifest["shards"]) == 1
+
+
+# -- output safety: side files, layer names, failures at close, the output path, sizes, modes -------------------
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if ".w4pack-" in p.name)
+
+
+def test_side_file_linked_out_of_the_folder_is_refused(tmp_path):
+    """A tokenizer.json that is a symbolic link to /etc/passwd (or any file outside) is not copied into the output."""
+    src = tmp_path / "src"
+    src.mkdir()
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for the output")
+    (src / "tokenizer.json").symlink_to(secret)
+    (src / "sub").mkdir()
+    (src / "sub" / "gen.json").write_text("{}")
+    (src / "generation_config.json").symlink_to(Path("sub") / "gen.json")  # a link inside the folder is fine
+    out = tmp_path / "ck"
+    with pytest.raises(BadInputError, match="symbolic link out of the source folder") as ei:
+        with CheckpointWriter(out) as w:
+            w.add_tensor("x", np.ones(4, np.float32))
+            w.copy_side_files_from(src)
+    assert str(src / "tokenizer.json") in str(ei.value) and "\n" not in str(ei.value)
+    assert not out.exists() and _leftovers(tmp_path) == []
+    (src / "tokenizer.json").unlink()
+    with CheckpointWriter(out) as w:
+        w.add_tensor("x", np.ones(4, np.float32))
+        w.copy_side_files_from(src)
+    assert (out / "generation_config.json").read_text() == "{}" and not (out / "tokenizer.json").exists()
+    assert open_checkpoint(out).manifest["side_files"] == ["generation_config.json"]
+
+
+@pytest.mark.parametrize("bad", ["model.layers.0.mlp.dówn_proj", "model.layers.0 mlp", "model/layers.0",
+                                 ".hidden", "-dash", "x" * 1025, "ok\n"])
+def test_layer_name_the_manifest_cannot_hold_is_refused_when_added(tmp_path, bad):
+    """Refused at add_layer, naming the layer, not after the whole model was written (at close, naming a
+    w4pack.json that was never written); nothing is left behind."""
+    rng = np.random.default_rng(0)
+    layer = random_layer(rng, 40, 100, 4, 32, "none", act_order=False)
+    added = []
+    with pytest.raises(BadInputError, match="layer name cannot be stored") as ei:
+        with CheckpointWriter(tmp_path / "ck") as w:
+            w.add_layer("model.layers.1.mlp.up_proj", layer)
+            w.add_layer(bad, layer)
+            added.append(bad)
+    assert added == [] and MANIFEST_NAME not in str(ei.value) and "\n" not in str(ei.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failure_or_interrupt_at_close_removes_the_temporary_folder(tmp_path, monkeypatch):
+    """close() raising (here: Ctrl-C while the manifest is written, a failed rename) aborts: no temporary folder
+    is left, and an output being replaced with force is still there, unchanged."""
+    import w4pack.checkpoint as cp
+
+    out = tmp_path / "ck"
+    write_model(out, seed=1)
+    before = (out / MANIFEST_NAME).read_bytes()
+    real_write = cp._write_json
+
+    def interrupted(path, doc):
+        if path.name == MANIFEST_NAME:
+            raise KeyboardInterrupt
+        real_write(path, doc)
+
+    monkeypatch.setattr(cp, "_write_json", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_model(out, seed=2, force=True)
+    monkeypatch.undo()
+    assert _leftovers(tmp_path) == [] and (out / MANIFEST_NAME).read_bytes() == before
+
+    real_replace = os.replace
+
+    def failing_replace(a, b, *args, **kw):
+        if ".w4pack-tmp-" in str(a) and Path(b) == out:
+            raise OSError(5, "Input/output error")
+        return real_replace(a, b, *args, **kw)
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(IOFailure, match="Input/output error") as ei:
+        write_model(out, seed=2, force=True)
+    monkeypatch.undo()
+    assert str(out) in str(ei.value)
+    assert _leftovers(tmp_path) == [] and (out / MANIFEST_NAME).read_bytes() == before  # put back
+    validate_checkpoint(out)
+
+
+def test_output_that_is_a_dangling_symlink_is_refused_up_front(tmp_path):
+    """Before: the whole model was written, then the rename failed with "Not a directory" (exit 4) and the complete
+    checkpoint stayed in the temporary folder."""
+    dst = tmp_path / "dst"
+    dst.symlink_to(tmp_path / "nonexistent")
+    with pytest.raises(IOFailure, match="symbolic link .* which does not exist; remove the link") as ei:
+        write_model(dst)
+    assert str(dst) in str(ei.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]  # nothing written
+    write_model(dst, force=True)  # force replaces the link itself, not what it pointed at
+    assert not dst.is_symlink() and not (tmp_path / "nonexistent").exists()
+    validate_checkpoint(dst)
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("text", ["infGB", "1e400GB", "nanMB", "-5MB", "99999999999999999999GB", "GB", "", "2XB"])
+def test_bad_max_shard_size_is_a_usage_error(tmp_path, text):
+    from w4pack.checkpoint import parse_size
+
+    with pytest.raises(BadInputError, match="size") as ei:
+        parse_size(text)
+    assert repr(text) in str(ei.value)
+    with pytest.raises(BadInputError):
+        CheckpointWriter(tmp_path / "ck", max_shard_size=text)
+    assert list(tmp_path.iterdir()) == []
+    assert parse_size("1.5GB") == 1_500_000_000 and parse_size("64MiB") == 64 << 20 and parse_size(7) == 7
+
+
+def test_disk_full_names_the_output_and_says_so(tmp_path, monkeypatch):
+    """ENOSPC while a shard is written: one line naming the output and the tensor, and no temporary folder."""
+    import errno
+    import w4pack.checkpoint as cp
+
+    class Full:
+        def __init__(self, fh):
+            self.fh = fh
+
+        def write(self, _data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.fh, name)
+
+    def full_open(path, mode="r", *args, **kw):
+        fh = open(path, mode, *args, **kw)
+        return Full(fh) if mode == "w+b" else fh
+
+    monkeypatch.setattr(cp, "open", full_open, raising=False)
+    out = tmp_path / "ck"
+    with pytest.raises(IOFailure, match="the disk is full") as ei:
+        write_model(out)
+    assert str(ei.value).startswith(f"{out}: tensor model.layers.0.mlp.down_proj.qweight: cannot write shard 1")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
+def test_output_folder_mode_follows_the_umask(tmp_path, umask):
+    """Not mkdtemp's 0700: the finished folder gets what mkdir would give."""
+    from w4pack.atomic import make_temp_dir
+
+    old = os.umask(umask)
+    try:
+        write_model(tmp_path / "ck")
+        made = make_temp_dir(tmp_path / "other")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "ck").stat().st_mode & 0o777 == 0o777 & ~umask
+    assert made.stat().st_mode & 0o777 == 0o777 & ~umask and made.name.startswith(".other.w4pack-tmp-")
+
+
+def test_index_total_size_is_tensor_bytes(tmp_path):
+    """Hugging Face's convention: the sum of the tensors' data, not of the shard files (headers included)."""
+    out = tmp_path / "ck"
+    write_model(out)
+    ck = open_checkpoint(out)
+    index = json.loads((out / INDEX_NAME).read_text())
+    data = sum(ck.raw(t).nbytes for t in ck.weight_map)
+    assert index["metadata"]["total_size"] == data < sum(s["size"] for s in ck.manifest["shards"])

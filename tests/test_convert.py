@@ -1,15 +1,23 @@
 """convert: the driver and its CLI on a w4pack source (formats have their own tests)."""
 from __future__ import annotations
 
+import errno
 import json
+import os
+import shutil
+import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 import w4pack
 from w4pack.convert import convert, plan
+from w4pack.errors import BadInputError, IOFailure
 
+from conftest import fixture_dir
 from test_checkpoint import write_model
 
 
@@ -62,3 +70,140 @@ def test_cli_unknown_source(tmp_path):
     assert proc.returncode == 3 and "cannot tell which format" in proc.stderr
     proc = run_cli("convert", tmp_path / "missing", tmp_path / "dst")
     assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+# -- output safety ------------------------------------------------------------------------------------------------
+def _one_line_error(proc, rc: int, *needles: str) -> None:
+    assert proc.returncode == rc, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and "unexpected" not in proc.stderr
+    for n in needles:
+        assert n in proc.stderr, proc.stderr
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    for p in [dst, *dst.rglob("*")]:
+        p.chmod(p.stat().st_mode | 0o200)  # the shared fixtures are read-only
+    return dst
+
+
+@pytest.mark.parametrize("case", ["same", "same_via_link", "parent", "grandparent", "inside_existing"])
+def test_output_that_is_or_holds_the_source_is_refused(tmp_path, case):
+    """Before: `convert par/src par --force` deleted the input, `convert SRC SRC --force` replaced it, and
+    `convert SRC SRC/x --force` replaced a file of the source."""
+    src = tmp_path / "par" / "src"
+    write_model(src)
+    if case == "inside_existing":
+        (src / "x").mkdir()
+        (src / "x" / "keep.txt").write_text("mine")
+    before = sorted((str(p), p.read_bytes() if p.is_file() else b"") for p in src.rglob("*"))
+    if case == "same_via_link":
+        (tmp_path / "link").symlink_to(src)
+    dst = {"same": src, "same_via_link": tmp_path / "link", "parent": tmp_path / "par", "grandparent": tmp_path,
+           "inside_existing": src / "x"}[case]
+    with pytest.raises(BadInputError, match="the output (is|contains|lies inside) the source") as ei:
+        convert(src, dst, force=True)
+    assert str(dst) in str(ei.value)
+    proc = run_cli("convert", src, dst, "--force")
+    _one_line_error(proc, 2, "choose")
+    assert sorted((str(p), p.read_bytes() if p.is_file() else b"") for p in src.rglob("*")) == before
+    assert not list(tmp_path.rglob(".*w4pack-*"))
+
+
+def test_new_output_folder_inside_the_source_is_allowed(tmp_path):
+    src = tmp_path / "src"
+    write_model(src)
+    convert(src, src / "w4")
+    w4pack.validate_checkpoint(src / "w4")
+    w4pack.validate_checkpoint(src)
+
+
+def test_cli_side_file_linked_out_of_the_source_is_refused(tmp_path):
+    """`ln -sf /etc/passwd SRC/tokenizer.json; convert SRC OUT` copied /etc/passwd into OUT/tokenizer.json."""
+    src = _copy(fixture_dir("gptq", "ag_b4_sym_g128"), tmp_path / "src")
+    (src / "tokenizer.json").symlink_to("/etc/passwd")
+    proc = run_cli("convert", src, tmp_path / "out")
+    _one_line_error(proc, 2, str(src / "tokenizer.json"), "symbolic link out of the source folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def _rename_tensors(st: Path, old: str, new: str) -> None:
+    """Rewrite a safetensors header with ``old`` replaced by ``new`` in every tensor name (data untouched)."""
+    raw = st.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    header = {k.replace(old, new): v for k, v in header.items()}
+    text = json.dumps(header, ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    st.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+
+def test_cli_layer_name_the_manifest_cannot_hold_fails_before_writing(tmp_path):
+    """A GPTQ module named with a non-ASCII letter: refused before any layer is written, naming it and the source
+    (before: after the whole model was written, naming a w4pack.json that did not exist, leaving the temp folder)."""
+    src = _copy(fixture_dir("gptq", "ag_b4_sym_g128"), tmp_path / "src")
+    (shard,) = src.glob("*.safetensors")
+    _rename_tensors(shard, "mlp.down_proj", "mlp.dówn_proj")
+    proc = run_cli("convert", src, tmp_path / "out")
+    _one_line_error(proc, 2, "model.layers.0.mlp.dówn_proj", "layer name cannot be stored", str(src))
+    assert "w4pack.json" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("size", ["infGB", "1e400GB", "nanMB", "-5MB"])
+def test_cli_bad_max_shard_size_is_a_usage_error(tmp_path, size):
+    src = tmp_path / "src"
+    write_model(src)
+    proc = run_cli("convert", src, tmp_path / "dst", "--max-shard-size", size)
+    _one_line_error(proc, 2, "--max-shard-size", repr(size))
+    assert not (tmp_path / "dst").exists()
+
+
+def test_disk_full_in_a_peer_format_writer_names_the_output(tmp_path, monkeypatch):
+    """--to awq / compressed-tensors spool their tensors (formats/_shards.py): a full disk said only "No space left
+    on device", naming no file."""
+    import w4pack.formats._shards as shards
+
+    class Full:
+        def __init__(self, fh):
+            self.fh = fh
+
+        def write(self, _data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.fh, name)
+
+    def full_open(path, mode="r", *args, **kw):
+        fh = open(path, mode, *args, **kw)
+        return Full(fh) if Path(path).name == ".spool.partial" else fh
+
+    monkeypatch.setattr(shards, "open", full_open, raising=False)
+    src = fixture_dir("awq", "tiny_llama_gemm_g128")
+    for to in ("awq", "compressed-tensors"):
+        out = tmp_path / f"out-{to}"
+        with pytest.raises(IOFailure, match="the disk is full") as ei:
+            convert(src, out, to=to, show_progress=False)
+        assert str(ei.value).startswith(f"{out}: tensor ") and "\n" not in str(ei.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_peer_format_output_mode_and_total_size(tmp_path):
+    """AtomicFolder's output gets the umask's mode (not mkdtemp's 0700); the index's total_size is tensor bytes."""
+    from w4pack.safetensors_io import SafetensorsFile
+
+    old = os.umask(0o027)
+    try:
+        convert(fixture_dir("awq", "tiny_llama_gemm_g128"), tmp_path / "awq", to="awq", max_shard_size="1MB",
+                show_progress=False)
+    finally:
+        os.umask(old)
+    out = tmp_path / "awq"
+    assert out.stat().st_mode & 0o777 == 0o750
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    data = 0
+    for fname in sorted(set(index["weight_map"].values())):
+        f = SafetensorsFile(out / fname)
+        data += sum(f.get(t).nbytes for t, owner in index["weight_map"].items() if owner == fname)
+        f.close()
+    assert index["metadata"]["total_size"] == data

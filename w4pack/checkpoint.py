@@ -20,10 +20,11 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
 import struct
-import tempfile
 import threading
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from . import __version__
+from .atomic import check_output, make_temp_dir, move_into_place, write_failure
 from .canonical import CanonicalLayer
 from .dtypes import dtype_name_of
 from .errors import BadInputError, IOFailure
@@ -40,7 +42,7 @@ from .folder import member as _safe_member, read_json as _read_json
 from .layout import LAYOUT_NAME, LAYOUT_VERSION, TILE_K, TILE_N, PackedLayer, pack, tensor_suffixes, unpack
 from .progress import Progress
 from .safetensors_io import SafetensorsFile, dtype_to_st
-from .schema import validate_manifest, validate_quantization_config
+from .schema import load_schema, validate_manifest, validate_quantization_config
 
 __all__ = [
     "MANIFEST_NAME",
@@ -51,6 +53,8 @@ __all__ = [
     "open_checkpoint",
     "validate_checkpoint",
     "parse_size",
+    "check_layer_name",
+    "check_side_file",
 ]
 
 MANIFEST_NAME = "w4pack.json"
@@ -71,22 +75,57 @@ SIDE_FILES = (
 _RESERVED = {CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, INCOMPLETE_MARKER}
 
 
-def parse_size(text: str | int) -> int:
-    """'2GB', '500MB', '10MiB' or an integer number of bytes."""
-    if isinstance(text, int):
-        return text
-    s = text.strip().upper().replace(" ", "")
-    units = {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "B": 1}
-    for suffix, mult in units.items():
-        if s.endswith(suffix):
-            try:
-                return int(float(s[: -len(suffix)]) * mult)
-            except ValueError:
-                break
+#: the largest size parse_size accepts: safetensors offsets are unsigned 64-bit
+_MAX_SIZE = 2**63 - 1
+_UNITS = {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "B": 1}
+
+
+def parse_size(text: str | int, what: str = "size") -> int:
+    """'2GB', '500MB', '1.5GiB', '10MiB' or an integer number of bytes. Anything else (inf, nan, a negative size,
+    more than 63 bits) is a usage error naming the text, never an OverflowError out of int(float(...))."""
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
+        raise BadInputError(f"cannot read {what} {text!r} (use e.g. 2GB, 500MB, 64MiB)")
+    value: int | float = text if isinstance(text, int) else -1
+    if isinstance(text, str):
+        s = text.strip().upper().replace(" ", "")
+        suffix = next((u for u in _UNITS if s.endswith(u)), "")
+        number, mult = s[: len(s) - len(suffix)], _UNITS.get(suffix, 1)
+        try:
+            value = int(number) * mult if number.isdigit() else float(number) * mult
+        except ValueError:
+            raise BadInputError(f"cannot read {what} {text!r} (use e.g. 2GB, 500MB, 64MiB)") from None
+    if (isinstance(value, float) and not math.isfinite(value)) or not 0 <= value <= _MAX_SIZE:
+        raise BadInputError(f"{what} {text!r} is not a byte count from 0 to 2**63-1 (use e.g. 2GB, 500MB, 64MiB)")
+    return int(value)
+
+
+def check_layer_name(name: str, file: str | None = None) -> None:
+    """Refuse a layer name the manifest schema would reject, when the layer is added: otherwise the whole model is
+    written first and the conversion fails at the very end, naming a manifest that was never written."""
+    rule = load_schema("manifest")["$defs"]["module_name"]  # cached; the schema stays the one definition
+    if not isinstance(name, str) or len(name) > rule["maxLength"] or not re.fullmatch(rule["pattern"], name):
+        raise BadInputError("layer name cannot be stored in a w4pack manifest: it must be ASCII letters, digits, "
+                            "'_', '.' and '-', not start with '.' or '-', and be at most "
+                            f"{rule['maxLength']} characters", file=file,
+                            tensor=repr(name) if isinstance(name, str) and not name.isprintable() else str(name))
+
+
+def check_side_file(path: str | os.PathLike[str]) -> Path:
+    """The real path of a side file (tokenizer.json, ...) if it is a regular file inside its folder. A symbolic link
+    out of the folder is refused: copying it would put whatever it points at (/etc/passwd, another model's files)
+    into the output. Same rule as for shards (folder.member)."""
+    p = Path(path)
+    folder = p.parent.resolve()
     try:
-        return int(s)
-    except ValueError:
-        raise BadInputError(f"cannot read size {text!r} (use e.g. 2GB, 500MB, 64MiB)") from None
+        real = p.resolve(strict=True)
+    except (OSError, RuntimeError):  # dangling or looping link
+        raise BadInputError("side file is a broken symbolic link", file=str(p)) from None
+    if not real.is_relative_to(folder):
+        raise BadInputError(f"side file is a symbolic link out of the source folder (to {real}); refusing to copy "
+                            "it", file=str(p))
+    if not real.is_file():
+        raise BadInputError("side file is not a regular file", file=str(p))
+    return real
 
 
 def _fsync_dir(path: Path) -> None:
@@ -120,20 +159,25 @@ class CheckpointWriter:
         that shards need no rewrite; without it the reservation starts small and grows."""
         self.target = Path(out_dir).absolute()
         self.force = force
-        self.max_shard = parse_size(max_shard_size)
+        self.max_shard = parse_size(max_shard_size, "max shard size")
         if self.max_shard < 1024:
             raise BadInputError(f"max shard size {self.max_shard} bytes is too small")
         self.config = dict(config or {})
         self.source = dict(source or {})
-        if self.target.exists() and not force:
-            raise IOFailure("output already exists; pass --force (force=True) to replace it", file=str(self.target))
+        check_output(self.target, force)
         parent = self.target.parent
+        tmp = None
         try:
             parent.mkdir(parents=True, exist_ok=True)
-            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.w4pack-tmp-", dir=parent))
-            (self.tmp / INCOMPLETE_MARKER).write_text("w4pack is writing this folder; it is not complete\n")
-        except OSError as exc:
-            raise IOFailure(f"cannot create a folder next to the output: {exc.strerror}", file=str(parent)) from None
+            tmp = make_temp_dir(self.target)
+            (tmp / INCOMPLETE_MARKER).write_text("w4pack is writing this folder; it is not complete\n")
+        except BaseException as exc:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, OSError):
+                raise write_failure(exc, parent, "cannot create a folder next to the output") from None
+            raise
+        self.tmp: Path = tmp
         # tensors of the shard being built go straight into its file, after a reserved header area
         self._reserve = max(_HEADER_RESERVE, int(header_hint or 0))
         self._shard: Any = None  # open file of the shard being built
@@ -141,6 +185,7 @@ class CheckpointWriter:
         self._shard_reserve = 0
         self._pending: list[tuple[str, str, list[int], int, int]] = []  # name, st dtype, shape, begin, end
         self._pending_bytes = 0
+        self._data_bytes = 0  # tensor bytes of the finished shards: the index's total_size
         self.peak_layer_bytes = 0
         # tmp path, size, sha256 (a Future while the background thread computes it), names
         self._shards: list[tuple[Path, int, Any, list[str]]] = []
@@ -161,39 +206,48 @@ class CheckpointWriter:
             self._shard = open(self._shard_path, "w+b")
             self._shard.seek(self._shard_reserve)
         except OSError as exc:
-            raise IOFailure(f"cannot write shard: {exc.strerror}", file=str(self._shard_path)) from None
+            raise self._shard_failure(exc) from None
+
+    def _shard_failure(self, exc: OSError, tensor: str | None = None) -> IOFailure:
+        """Errors name the output and the shard's number: the .partial file in the temporary folder is gone by the
+        time the user reads the message."""
+        return write_failure(exc, self.target, f"cannot write shard {len(self._shards) + 1}", tensor=tensor)
+
+    def _claim(self, name: str) -> None:
+        """A tensor name must be new and one the index and manifest can hold (a non-empty string)."""
+        if not isinstance(name, str) or not name:
+            raise BadInputError(f"tensor name {name!r} cannot be stored (it must be a non-empty string)")
+        if name in self._names:
+            raise BadInputError("tensor name written twice", tensor=name)
+        self._names.add(name)
 
     def _queue(self, items: list[tuple[str, np.ndarray, str | None]]) -> None:
         for name, _a, _d in items:
-            if name in self._names:
-                raise BadInputError("tensor name written twice", tensor=name)
-            self._names.add(name)
+            self._claim(name)
         size = sum(a.nbytes for _n, a, _d in items)
         self.peak_layer_bytes = max(self.peak_layer_bytes, size)
         if self._pending and self._pending_bytes + size > self.max_shard:
             self._flush()
         if self._shard is None:
             self._open_shard()
-        try:
-            for name, arr, dname in items:
-                a = np.ascontiguousarray(arr)
-                if a.dtype.byteorder == ">":
-                    a = a.astype(a.dtype.newbyteorder("<"))
-                begin = self._pending_bytes
+        for name, arr, dname in items:
+            a = np.ascontiguousarray(arr)
+            if a.dtype.byteorder == ">":
+                a = a.astype(a.dtype.newbyteorder("<"))
+            begin = self._pending_bytes
+            try:
                 if a.size:
                     self._shard.write(memoryview(a).cast("B"))
-                self._pending_bytes += a.nbytes
-                self._pending.append((name, dtype_to_st(a, dname), list(a.shape), begin, self._pending_bytes))
-        except OSError as exc:
-            raise IOFailure(f"cannot write: {exc.strerror}", file=str(self._shard_path)) from None
+            except OSError as exc:
+                raise self._shard_failure(exc, name) from None
+            self._pending_bytes += a.nbytes
+            self._pending.append((name, dtype_to_st(a, dname), list(a.shape), begin, self._pending_bytes))
 
     def add_tensor_span(self, name: str, path: str | os.PathLike[str], offset: int, nbytes: int, st_dtype: str,
                         shape: list[int] | tuple[int, ...]) -> None:
         """Pass through a tensor stored verbatim at ``offset`` of a file (a safetensors shard of the source):
         its bytes are copied in the kernel, never through memory."""
-        if name in self._names:
-            raise BadInputError("tensor name written twice", tensor=name)
-        self._names.add(name)
+        self._claim(name)
         if self._pending and self._pending_bytes + nbytes > self.max_shard:
             self._flush()
         if self._shard is None:
@@ -204,7 +258,9 @@ class CheckpointWriter:
                 _copy_fd(src.fileno(), offset, self._shard.fileno(), self._shard.tell(), nbytes)
             self._shard.seek(nbytes, os.SEEK_CUR)
         except OSError as exc:
-            raise IOFailure(f"cannot copy tensor data: {exc.strerror}", file=str(path), tensor=name) from None
+            if isinstance(exc, IOFailure) or exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise IOFailure(f"cannot copy tensor data: {exc.strerror}", file=str(path), tensor=name) from None
+            raise self._shard_failure(exc, name) from None
         begin = self._pending_bytes
         self._pending_bytes += nbytes
         self._pending.append((name, st_dtype, [int(d) for d in shape], begin, self._pending_bytes))
@@ -213,6 +269,7 @@ class CheckpointWriter:
     def add_layer(self, name: str, layer: CanonicalLayer | PackedLayer,
                   source: dict[str, Any] | None = None) -> dict[str, Any]:
         """Pack (if canonical) and queue one quantized layer; returns its manifest entry."""
+        check_layer_name(name)
         packed = pack(layer.replace(name=name)) if isinstance(layer, CanonicalLayer) else layer
         meta = dict(packed.meta)
         tensors = {}
@@ -242,19 +299,24 @@ class CheckpointWriter:
         self.passthrough.append(name)
 
     def add_side_file(self, src: str | os.PathLike[str], name: str | None = None) -> None:
-        """Copy a file (tokenizer, generation config, ...) into the folder."""
+        """Copy a file (tokenizer, generation config, ...) into the folder: a regular file inside its folder only
+        (see check_side_file), under a plain name that cannot overwrite the checkpoint's own files."""
         src = Path(src)
         name = name or src.name
         if name in _RESERVED or "/" in name or name.startswith(".") or name.endswith(".safetensors"):
             raise BadInputError(f"refusing side file name {name!r}", file=str(src))
+        real = check_side_file(src)
         try:
-            shutil.copyfile(src, self.tmp / name)
+            shutil.copyfile(real, self.tmp / name)
         except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise write_failure(exc, self.target / name) from None
             raise IOFailure(f"cannot copy side file: {exc.strerror}", file=str(src)) from None
         if name not in self.side_files:
             self.side_files.append(name)
 
     def copy_side_files_from(self, folder: str | os.PathLike[str]) -> None:
+        """The SIDE_FILES present in ``folder`` (links are followed only inside it: see check_side_file)."""
         for name in SIDE_FILES:
             p = Path(folder) / name
             if p.is_file():
@@ -294,8 +356,9 @@ class CheckpointWriter:
                 # later shards reserve room for a header like this one
                 self._reserve = max(self._reserve, (len(raw) * 3 // 2 + 8 + 4095) // 4096 * 4096)
         except OSError as exc:
-            raise IOFailure(f"cannot write shard: {exc.strerror}", file=str(path)) from None
+            raise self._shard_failure(exc) from None
         self._shard = None
+        self._data_bytes += self._pending_bytes
         size = 8 + len(raw) + self._pending_bytes
         if self._sealer is None:
             self._sealer = ThreadPoolExecutor(1, thread_name_prefix="w4pack-seal")
@@ -305,12 +368,12 @@ class CheckpointWriter:
     def _wait_sealed(self) -> None:
         """Resolve every shard's background fsync + sha256 (raises IOFailure on the first that failed)."""
         done = []
-        for path, size, sha, names in self._shards:
+        for i, (path, size, sha, names) in enumerate(self._shards):
             if isinstance(sha, Future):
                 try:
                     sha = sha.result()
                 except OSError as exc:
-                    raise IOFailure(f"cannot write shard: {exc.strerror}", file=str(path)) from None
+                    raise write_failure(exc, self.target, f"cannot write shard {i + 1}") from None
             done.append((path, size, sha, names))
         self._shards = done
         if self._sealer is not None:
@@ -351,64 +414,74 @@ class CheckpointWriter:
         return doc
 
     def close(self) -> Path:
-        """Finish: shards, config.json, index, manifest (last), then rename into place."""
+        """Finish: shards, config.json, index, manifest (last), then rename into place. On any failure, an interrupt
+        included, the temporary folder is removed (abort) before the error goes on."""
         if self._closed:
             return self.target
+        try:
+            self._finish()
+        except BaseException:
+            self.abort()
+            raise
+        return self.target
+
+    def _finish(self) -> None:
         self._flush()
         self._wait_sealed()
         total = len(self._shards)
         names = [f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i in range(total)]
         weight_map: dict[str, str] = {}
-        for (path, _size, _sha, tnames), fname in zip(self._shards, names):
-            os.replace(path, self.tmp / fname)
-            for t in tnames:
-                weight_map[t] = fname
         config = dict(self.config)
         config["quantization_config"] = self.quantization_config()
-        validate_quantization_config(config["quantization_config"], file=CONFIG_NAME)
+        # checked before anything is written (add_layer checks names): a failure here is a bug, and names the output
+        validate_quantization_config(config["quantization_config"], file=str(self.target / CONFIG_NAME))
         manifest = self.manifest(names, [(s, h) for _p, s, h, _t in self._shards])
-        validate_manifest(manifest, file=MANIFEST_NAME)
-        total_size = sum(s for _p, s, _h, _t in self._shards)
-        index = {"metadata": {"total_size": total_size, "format": "w4pack"}, "weight_map": dict(sorted(weight_map.items()))}
+        validate_manifest(manifest, file=str(self.target))
         try:
-            _write_json(self.tmp / CONFIG_NAME, config)
-            _write_json(self.tmp / INDEX_NAME, index)
-            _write_json(self.tmp / MANIFEST_NAME, manifest)
+            for (path, _size, _sha, tnames), fname in zip(self._shards, names):
+                os.replace(path, self.tmp / fname)
+                for t in tnames:
+                    weight_map[t] = fname
+            # total_size is the tensor data, as in Hugging Face's indexes (not the shard files with their headers)
+            index = {"metadata": {"total_size": self._data_bytes, "format": "w4pack"},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            for fname, doc in ((CONFIG_NAME, config), (INDEX_NAME, index), (MANIFEST_NAME, manifest)):
+                try:
+                    _write_json(self.tmp / fname, doc)
+                except OSError as exc:
+                    raise write_failure(exc, self.target / fname) from None
             os.unlink(self.tmp / INCOMPLETE_MARKER)
             _fsync_dir(self.tmp)
-            old = None
-            if self.target.exists():
-                if not self.force:
-                    raise IOFailure("output appeared while writing; not replacing it without force",
-                                    file=str(self.target))
-                old = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.w4pack-old-", dir=self.target.parent))
-                os.replace(self.target, old / "x")
-            os.replace(self.tmp, self.target)
+            move_into_place(self.tmp, self.target, self.force)
+            self._closed = True
             _fsync_dir(self.target.parent)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+        except IOFailure:
+            raise
         except OSError as exc:
-            raise IOFailure(f"cannot finish the checkpoint: {exc.strerror}", file=str(self.target)) from None
-        self._closed = True
-        return self.target
+            raise write_failure(exc, self.target, "cannot finish the checkpoint") from None
 
     def abort(self) -> None:
-        if not self._closed:
-            if self._shard is not None:
+        """Remove the temporary folder (whatever was written); safe to call more than once, and never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._shard is not None:
+            try:
                 self._shard.close()
-                self._shard = None
-            if self._sealer is not None:
-                self._sealer.shutdown(wait=True)  # let background fsyncs finish before the folder goes
-                self._sealer = None
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            self._closed = True
+            except OSError:
+                pass
+            self._shard = None
+        if self._sealer is not None:
+            self._sealer.shutdown(wait=True)  # let background fsyncs finish before the folder goes
+            self._sealer = None
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self) -> "CheckpointWriter":
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
-            self.close()
+            self.close()  # aborts on failure
         else:
             self.abort()
 

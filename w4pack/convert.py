@@ -1,11 +1,12 @@
 """convert: any supported source → w4pack (or another format), streaming, atomic, with a plan for --dry-run."""
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
 
-from .errors import UnsupportedError
+from .errors import BadInputError, UnsupportedError
 from .formats import get_format, open_source
 
 __all__ = ["convert", "plan"]
@@ -37,6 +38,22 @@ def plan(src: str | Path, *, src_format: str | None = None, to: str = "w4pack", 
         }
 
 
+def _refuse_overlap(src: str | Path, dst: str | Path, force: bool, what: str = "source") -> None:
+    """Refuse an output that is the source or holds it: with --force the source would be deleted when the output is
+    moved into place. A new output folder inside the source folder is fine (nothing of the source is touched); an
+    existing path inside it is refused with --force, which would replace part of the source."""
+    if str(src).startswith("hf:/") or not os.path.lexists(src):
+        return  # a Hub source is downloaded to a cache; a missing source is reported by open_source
+    s, d = Path(src).resolve(), Path(dst).resolve()
+    same = d == s or (d.exists() and os.path.samefile(d, s))
+    if same or s.is_relative_to(d):
+        raise BadInputError(f"the output {'is' if same else 'contains'} the {what} {str(src)!r}: converting would "
+                            f"replace it; choose another output", file=str(dst))
+    if force and d.is_relative_to(s) and os.path.lexists(dst):
+        raise BadInputError(f"the output lies inside the {what} folder {str(src)!r} and exists: --force would replace "
+                            "part of the source; choose another output", file=str(dst))
+
+
 def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, to: str = "w4pack",
             force: bool = False, show_progress: bool | None = None, max_shard_size: int | str = "2GB",
             **options: Any) -> dict[str, Any]:
@@ -47,8 +64,13 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
         w4pack.convert("llama-gptq/", "llama-w4/")
     """
     t0 = time.perf_counter()
+    from .checkpoint import check_layer_name, parse_size
     from .fuse import FusedSource, parse_fuse
 
+    _refuse_overlap(src, dst, force)
+    if options.get("base") is not None:
+        _refuse_overlap(options["base"], dst, force, "base model")
+    parse_size(max_shard_size, "--max-shard-size")  # a bad size is a usage error before anything is read
     fuse = parse_fuse(options.pop("fuse", None))
     if fuse and to != "w4pack":
         raise UnsupportedError(f"--fuse applies to w4pack output only, not {to}")
@@ -61,6 +83,8 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
         if not source.layer_names() and to == "w4pack":
             raise UnsupportedError("the source holds no quantized layers", file=str(src))
         if to == "w4pack":
+            for name in source.layer_names():  # before anything is written, not at the end (the writer checks too)
+                check_layer_name(name, str(src))
             out = target.write(source, Path(dst), force=force, max_shard_size=max_shard_size,
                                show_progress=show_progress)
         else:

@@ -605,7 +605,9 @@ def pull(repo_id: str, dest: str | os.PathLike[str], *, revision: str | None = N
     ep = _endpoint(endpoint)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.w4pack-pull-", dir=target.parent))
+        from .atomic import make_temp_dir  # the mode mkdir would give (umask), not mkdtemp's 0700
+
+        tmp = make_temp_dir(target, "pull")
     except OSError as exc:
         raise IOFailure(f"cannot create a folder next to the destination: {exc.strerror}",
                         file=str(target.parent)) from None

@@ -22,7 +22,7 @@ from w4pack.checkpoint import open_checkpoint
 from w4pack.cli import cli, main
 from w4pack.convert import convert
 from w4pack.dtypes import to_float32
-from w4pack.errors import BadInputError, UnsupportedError
+from w4pack.errors import BadInputError, IOFailure, UnsupportedError
 from w4pack.formats import detect, get_format
 from w4pack.formats.base import Source, TensorData
 
@@ -30,7 +30,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from w4pack.formats.gguf import (  # noqa: E402
-    decode_q4_0, decode_q4_1, decode_q8_0, encode_layer, tokenizer_metadata)
+    METADATA_NAME, decode_q4_0, decode_q4_1, decode_q8_0, encode_layer, tokenizer_metadata)
 
 GGUF = get_format("gguf")
 FAMILY = "gguf"
@@ -514,3 +514,38 @@ def test_k_quants_pass_through_and_come_back_as_f32(tmp_path: Path) -> None:
     back = tensors_by_name(tmp_path / "back.gguf")
     assert back["output.weight"].tensor_type == Q.F32 and back["blk.0.ffn_down.weight"].tensor_type == Q.Q4_0
     assert np.array_equal(np.asarray(back["output.weight"].data), gguf.quants.dequantize(raw, Q.Q4_K))
+
+
+# -- output safety --------------------------------------------------------------------------------------------------
+def test_disk_full_names_the_gguf_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """numpy's tofile on a full disk says only "73728 requested and 40608 written": the error names the output
+    and says the disk is full, and the temporary file is gone."""
+    src = fixture_dir(FAMILY, "q4_0_exact_in512_out256") / "tensors.gguf"
+
+    def full(self: Any, tensor: Any) -> None:
+        raise OSError("73728 requested and 40608 written")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", full)
+    out = tmp_path / "x.gguf"
+    with pytest.raises(IOFailure, match="the disk is full") as exc:
+        convert(src, out, to="gguf", show_progress=False)
+    assert str(exc.value).startswith(f"{out}: ")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_side_file_linked_out_of_the_source_is_not_embedded(tmp_path: Path) -> None:
+    """The writer reads side files (saved GGUF metadata, tokenizer.json) into the GGUF header: one that is a link
+    out of the source folder is refused, naming it, as when side files are copied."""
+    src = fixture_dir(FAMILY, "q4_0_exact_in512_out256") / "tensors.gguf"
+    w4 = tmp_path / "w4"
+    convert(src, w4, show_progress=False)
+    meta = w4 / METADATA_NAME
+    assert meta.is_file()
+    outside = tmp_path / "elsewhere.json"
+    outside.write_bytes(meta.read_bytes())
+    meta.unlink()
+    meta.symlink_to(outside)
+    with pytest.raises(BadInputError, match="symbolic link out of the source folder") as exc:
+        convert(w4, tmp_path / "x.gguf", to="gguf", show_progress=False)
+    assert str(meta) in str(exc.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere.json", "w4"]

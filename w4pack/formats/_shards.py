@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ..atomic import output_of, write_failure
 from ..errors import BadInputError
 from ..folder import write_json
 from ..safetensors_io import dtype_to_st
@@ -32,9 +33,14 @@ class ShardWriter:
 
     def __init__(self, folder: Path, max_bytes: int):
         self.folder, self.max_bytes = folder, max_bytes
+        #: what errors name: the output folder the temporary one becomes, not the spool that is gone by then
+        self.output = output_of(Path(folder))
         self.entries: list[tuple[str, str, list[int], int]] = []  # name, st dtype, shape, nbytes
         self.spool_path = folder / ".spool.partial"
-        self.spool = open(self.spool_path, "wb")
+        try:
+            self.spool = open(self.spool_path, "wb")
+        except OSError as exc:
+            raise write_failure(exc, self.output) from None
         self.spool_bytes = 0
         self.shards: list[tuple[Path, list[str], int]] = []
         self.seen: set[str] = set()
@@ -55,11 +61,20 @@ class ShardWriter:
             if a.dtype.byteorder == ">":
                 a = a.astype(a.dtype.newbyteorder("<"))
             self.entries.append((name, dtype_to_st(a, dtype), list(a.shape), a.nbytes))
-            if a.nbytes:
-                self.spool.write(memoryview(a).cast("B"))
+            try:
+                if a.nbytes:
+                    self.spool.write(memoryview(a).cast("B"))
+            except OSError as exc:
+                raise write_failure(exc, self.output, tensor=name) from None
             self.spool_bytes += a.nbytes
 
     def flush(self) -> None:
+        try:
+            self._flush()
+        except OSError as exc:
+            raise write_failure(exc, self.output, f"cannot write shard {len(self.shards) + 1}") from None
+
+    def _flush(self) -> None:
         if not self.entries and self.shards:
             return
         self.spool.close()
@@ -75,15 +90,18 @@ class ShardWriter:
             out.write(struct.pack("<Q", len(raw)))
             out.write(raw)
             shutil.copyfileobj(spool, out, 16 << 20)
-            size = out.tell()
-        self.shards.append((path, [e[0] for e in self.entries], size))
+        # the index's total_size is the tensor data (the Hugging Face convention), not the files with headers
+        self.shards.append((path, [e[0] for e in self.entries], offset))
         self.entries, self.spool_bytes = [], 0
         self.spool = open(self.spool_path, "wb")
 
     def finish(self) -> None:
         self.flush()
-        self.spool.close()
-        os.unlink(self.spool_path)
+        try:
+            self.spool.close()
+            os.unlink(self.spool_path)
+        except OSError as exc:
+            raise write_failure(exc, self.output) from None
         total = len(self.shards)
         if total == 1:
             os.replace(self.shards[0][0], self.folder / "model.safetensors")
@@ -94,10 +112,17 @@ class ShardWriter:
             os.replace(path, self.folder / fname)
             weight_map.update({n: fname for n in names})
         index = {"metadata": {"total_size": sum(s for _p, _n, s in self.shards)}, "weight_map": weight_map}
-        write_json(self.folder / INDEX_NAME, index)
+        try:
+            write_json(self.folder / INDEX_NAME, index)
+        except OSError as exc:
+            raise write_failure(exc, self.output / INDEX_NAME) from None
 
     def __enter__(self) -> "ShardWriter":
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.spool.close()  # on error the AtomicFolder removes the partial files
+        try:
+            self.spool.close()  # on error the AtomicFolder removes the partial files
+        except OSError:
+            if exc[0] is None:
+                raise

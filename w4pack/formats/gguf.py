@@ -556,9 +556,11 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
     gguf = _gguf()
     from ..progress import Progress
 
+    from ..atomic import check_output, umask_mode, write_failure
+    from ..checkpoint import check_side_file
+
     out = Path(out)
-    if out.exists() and not force:
-        raise IOFailure("output already exists; pass --force (force=True) to replace it", file=str(out))
+    check_output(out, force)
     if out.is_dir():
         raise BadInputError("GGUF output is a single file; give a path ending in .gguf", file=str(out))
     cfg = dict(source.config or {})
@@ -584,6 +586,8 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
     saved: dict[str, Any] = {}
     notes: list[str] = []
     side = source.side_files()
+    for p in side:
+        check_side_file(p)  # a tokenizer.json linked from outside the source folder is not embedded
     for p in side:
         if p.name == METADATA_NAME:
             import json
@@ -740,12 +744,13 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
         w.close()
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, umask_mode(0o666))
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and not isinstance(exc, IOFailure):
+            # e.g. a full disk: numpy says only "73728 requested and 40608 written"
+            raise write_failure(exc, out) from None
         raise
     for note in notes:
         warnings.warn(f"{out}: {note}", GGUFWarning, stacklevel=3)
