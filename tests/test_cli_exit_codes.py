@@ -68,3 +68,21 @@ def test_endpoint_that_is_not_a_url_is_a_usage_error(tmp_path: Path, capsys: pyt
     rc, err = _cli(capsys, "pull", "owner/name", tmp_path / "d")
     assert rc == 2 and "$HF_ENDPOINT must be an http:// or https:// URL" in err and "'localhost:8080'" in err
     assert not (tmp_path / "d").exists()
+
+
+def test_ctrl_c_inside_a_command_says_interrupted(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # click turns a KeyboardInterrupt inside a command into Abort; the user still gets "interrupted" and 130
+    import w4pack.cli.inspect_cmd as inspect_cmd
+
+    def interrupted(path: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(inspect_cmd, "open_checkpoint", interrupted)
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "w4pack.json").write_text("{}")
+    capsys.readouterr()
+    rc = main(["inspect", str(tmp_path / "ck")])
+    err = capsys.readouterr().err
+    # (click ends the terminal's "^C" line first: one line of text after it)
+    assert rc == 130 and err.strip().splitlines() == ["w4pack: interrupted; no output was left half-written"], err

@@ -139,7 +139,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         click.echo(f"w4pack: error: {exc.one_line()}", err=True)
         return exc.exit_code
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as exc:
+        # click turns Ctrl-C inside a command into Abort (raised from the KeyboardInterrupt)
+        if isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):
+            click.echo("w4pack: interrupted; no output was left half-written", err=True)
+            return 130
         click.echo("w4pack: aborted", err=True)
         return EXIT_BAD_INPUT
     except click.ClickException as exc:
