@@ -38,7 +38,7 @@ from .atomic import check_output, make_temp_dir, move_into_place, write_failure
 from .canonical import CanonicalLayer
 from .dtypes import dtype_name_of
 from .errors import BadInputError, IOFailure
-from .folder import member as _safe_member, read_json as _read_json
+from .folder import member as _safe_member, read_json as _read_json, side_file
 from .layout import LAYOUT_NAME, LAYOUT_VERSION, TILE_K, TILE_N, PackedLayer, pack, tensor_suffixes, unpack
 from .progress import Progress
 from .safetensors_io import SafetensorsFile, dtype_to_st
@@ -111,21 +111,9 @@ def check_layer_name(name: str, file: str | None = None) -> None:
 
 
 def check_side_file(path: str | os.PathLike[str]) -> Path:
-    """The real path of a side file (tokenizer.json, ...) if it is a regular file inside its folder. A symbolic link
-    out of the folder is refused: copying it would put whatever it points at (/etc/passwd, another model's files)
-    into the output. Same rule as for shards (folder.member)."""
-    p = Path(path)
-    folder = p.parent.resolve()
-    try:
-        real = p.resolve(strict=True)
-    except (OSError, RuntimeError):  # dangling or looping link
-        raise BadInputError("side file is a broken symbolic link", file=str(p)) from None
-    if not real.is_relative_to(folder):
-        raise BadInputError(f"side file is a symbolic link out of the source folder (to {real}); refusing to copy "
-                            "it", file=str(p))
-    if not real.is_file():
-        raise BadInputError("side file is not a regular file", file=str(p))
-    return real
+    """The real path of a side file if it is a regular file of its folder (folder.side_file: a symbolic link out
+    of the folder is refused)."""
+    return side_file(path)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from .errors import BadInputError
 
-__all__ = ["read_json", "write_json", "member", "brief"]
+__all__ = ["read_json", "write_json", "member", "brief", "link_target_allowed", "side_file", "side_files"]
 
 
 def read_json(path: Path) -> Any:
@@ -42,12 +42,63 @@ def write_json(path: Path, doc: Any) -> None:
         fh.write("\n")
 
 
+def _plain(name: Any) -> bool:
+    """A plain file name: no separators, no ``..``, not hidden, not absolute."""
+    return isinstance(name, str) and bool(name) and "/" not in name and "\\" not in name and ".." not in name \
+        and not name.startswith(".")
+
+
+def link_target_allowed(root: Path, real: Path) -> bool:
+    """Whether a file of the folder ``root`` whose real path is ``real`` stays within what the folder may name:
+    the folder itself or, for a Hugging Face hub cache snapshot (``models--org--name/snapshots/<revision>``, whose
+    files are links into ``../../blobs``), that repository's ``blobs`` folder. Anything else is a link out."""
+    base = root.resolve()
+    if real.is_relative_to(base):
+        return True
+    snapshots = base.parent
+    if snapshots.name == "snapshots" and snapshots.parent.name.startswith(("models--", "datasets--")):
+        blobs = snapshots.parent / "blobs"
+        return blobs.is_dir() and real.is_relative_to(blobs.resolve())
+    return False
+
+
+def side_file(path: str | Path) -> Path:
+    """The real path of a side file (tokenizer.json, ...) if it is a regular file of its folder. A symbolic link
+    out of the folder is refused: copying it would put whatever it points at (/etc/passwd, another model's files)
+    into the output. Same rule as for shards (member)."""
+    p = Path(path)
+    try:
+        real = p.resolve(strict=True)
+    except (OSError, RuntimeError):  # dangling or looping link
+        raise BadInputError("side file is a broken symbolic link", file=str(p)) from None
+    if not link_target_allowed(p.parent, real):
+        raise BadInputError(f"side file is a symbolic link out of the source folder (to {real}); refusing to copy "
+                            "it", file=str(p))
+    if not real.is_file():
+        raise BadInputError("side file is not a regular file", file=str(p))
+    return real
+
+
+def side_files(root: Path, names: Any) -> list[Path]:
+    """The side files among ``names`` that exist in ``root``, each checked by side_file (links included: a
+    broken one is refused rather than skipped, so the user learns why a tokenizer did not come along)."""
+    out = []
+    for n in names:
+        if not _plain(n):
+            raise BadInputError(f"side file {n!r} is not a plain file name inside the folder", file=str(root))
+        p = root / n
+        if p.is_symlink() or p.exists():
+            side_file(p)
+            out.append(p)
+    return out
+
+
 def member(root: Path, name: Any, what: str, file: str) -> Path:
     """``root / name`` for a file named inside an index or manifest, refusing anything that could leave
     the folder: separators, ``..``, hidden or absolute names, and symbolic links that resolve outside."""
-    if not isinstance(name, str) or not name or "/" in name or "\\" in name or ".." in name or name.startswith("."):
+    if not _plain(name):
         raise BadInputError(f"{what} {name!r} is not a plain file name inside the folder", file=file)
     p = root / name
-    if p.is_symlink() and not p.resolve().is_relative_to(root.resolve()):
+    if p.is_symlink() and not link_target_allowed(root, p.resolve()):
         raise BadInputError(f"{what} {name!r} is a symbolic link out of the folder", file=file)
     return p

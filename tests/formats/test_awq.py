@@ -523,6 +523,21 @@ def test_autoawq_01_quant_config_json(tmp_path: Path) -> None:
         assert any("contradicts" in n for n in src.info["notes"])
 
 
+@pytest.mark.parametrize("key,value", [("w_bit", "4"), ("w_bit", 4.0), ("q_group_size", 64.5), ("w_bit", True),
+                                       ("q_group_size", float("inf")), ("q_group_size", 0), ("zero_point", "false"),
+                                       ("version", 2), ("modules_to_not_convert", "lm_head")])
+def test_mistyped_quant_config_is_refused(tmp_path: Path, key: str, value: object) -> None:
+    """Settings are typed as AutoAWQ writes them: strings, floats, Infinity or "false" are a damaged config named
+    with its key (int() used to coerce 64.5 to 64, read "false" as true and crash on Infinity)."""
+    d = fixture_dir("awq", "gemv_g64_in576_out128")
+    shutil.copytree(d, tmp_path / "m", ignore=shutil.ignore_patterns("truth", "case.json"))
+    doc = {"zero_point": True, "q_group_size": 64, "w_bit": 4, "version": "GEMV", key: value}
+    (tmp_path / "m" / "quant_config.json").write_text(json.dumps(doc))
+    with pytest.raises(BadInputError, match=r"quant_config\.json.*" + key.replace("w_bit", "bits").replace(
+            "q_group_size", "group_size")):
+        AWQ.open(tmp_path / "m")
+
+
 def test_llm_awq_gemv_era_and_bf16_tinychat_dumps(tmp_path: Path) -> None:
     """llm-awq late-2023 dumps use the GEMV layout; 2025 TinyChat dumps may carry bf16 scales and scaled_zeros."""
     torch = pytest.importorskip("torch")

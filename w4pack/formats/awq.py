@@ -35,7 +35,7 @@ from ..canonical import CanonicalLayer
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES, from_float32, to_float32
 from ..errors import BadInputError, IOFailure, UnsupportedError
-from ..folder import member as _check_member, read_json as _read_json, write_json
+from ..folder import brief, member as _check_member, read_json as _read_json, side_files, write_json
 from ._shards import ShardWriter
 from ._torchfile import dtype_name as torch_dtype_name, load_state_dict, to_numpy as torch_to_numpy
 from ..safetensors_io import DTYPES, SafetensorsFile
@@ -381,14 +381,26 @@ def _normalize_settings(qc: dict[str, Any], file: str) -> dict[str, Any]:
     bits = qc.get("bits", qc.get("w_bit"))
     gs = qc.get("group_size", qc.get("q_group_size"))
     version = qc.get("version", qc.get("format"))
-    try:
-        out["bits"] = None if bits is None else int(bits)
-        out["group_size"] = None if gs is None else int(gs)
-    except (TypeError, ValueError):
-        raise BadInputError(f"bits/group_size are not integers ({bits!r}, {gs!r})", file=file) from None
-    out["version"] = None if version is None else str(version).lower().replace("-", "_")
-    out["zero_point"] = qc.get("zero_point", True)
-    out["modules_to_not_convert"] = qc.get("modules_to_not_convert")
+    # (JSON writers emit real integers and booleans: "4", 128.5, Infinity or "false" is a damaged config, not a
+    # value to coerce)
+    for key, value in (("bits", bits), ("group_size", gs)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise BadInputError(f"{key} must be an integer, got {brief(value)}", file=file)
+    if gs is not None and gs != -1 and gs < 1:
+        raise BadInputError(f"group_size must be positive or -1, got {gs}", file=file)
+    if version is not None and not isinstance(version, str):
+        raise BadInputError(f"version must be a string, got {brief(version)}", file=file)
+    zero_point = qc.get("zero_point", True)
+    if not isinstance(zero_point, bool):
+        raise BadInputError(f"zero_point must be true or false, got {brief(zero_point)}", file=file)
+    not_converted = qc.get("modules_to_not_convert")
+    if not_converted is not None and (not isinstance(not_converted, list)
+                                      or not all(isinstance(m, str) for m in not_converted)):
+        raise BadInputError(f"modules_to_not_convert must be a list of names, got {brief(not_converted)}", file=file)
+    out["bits"], out["group_size"] = bits, gs
+    out["version"] = None if version is None else version.lower().replace("-", "_")
+    out["zero_point"] = zero_point
+    out["modules_to_not_convert"] = not_converted
     return out
 
 
@@ -493,7 +505,7 @@ class AWQSource(Source):
         return TensorData(self.store.get(name), dt)
 
     def side_files(self) -> list[Path]:
-        return [self.folder / n for n in SIDE_FILES if (self.folder / n).is_file() and n not in _NOT_SIDE]
+        return side_files(self.folder, [n for n in SIDE_FILES if n not in _NOT_SIDE])
 
     def close(self) -> None:
         self.store.close()

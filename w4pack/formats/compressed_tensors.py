@@ -27,7 +27,7 @@ from ..canonical import CanonicalLayer
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES
 from ..errors import BadInputError, UnsupportedError
-from ..folder import brief, member, read_json, write_json
+from ..folder import brief, member, read_json, side_files, write_json
 from ._shards import ShardWriter
 from ..safetensors_io import SafetensorsFile
 from .base import Capabilities, Format, Source, TensorData
@@ -302,7 +302,7 @@ class CompressedTensorsSource(Source):
     def side_files(self) -> list[Path]:
         if not self.path.is_dir():
             return []
-        return [self.path / n for n in SIDE_FILES if (self.path / n).is_file()]
+        return side_files(self.path, SIDE_FILES)
 
     def close(self) -> None:
         for f in self._files.values():

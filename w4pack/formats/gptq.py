@@ -40,7 +40,7 @@ from ..layout import PackedLayer
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES
 from ..errors import BadInputError, IOFailure, UnsupportedError, W4PackError
-from ..folder import brief, member, read_json as _read_json, write_json
+from ..folder import brief, member, read_json as _read_json, side_files, write_json
 from ._torchfile import dtype_name as torch_dtype_name, load_state_dict, to_numpy as torch_to_numpy
 from ..progress import Progress
 from ..safetensors_io import DTYPES, SafetensorsFile, dtype_to_st
@@ -680,7 +680,7 @@ class GPTQSource(Source):
     def side_files(self) -> list[Path]:
         if not self.path.is_dir():
             return []
-        return [self.path / n for n in SIDE_FILES if (self.path / n).is_file()]
+        return side_files(self.path, SIDE_FILES)
 
     def plan(self, name: str) -> _Plan:
         if name not in self._plans:

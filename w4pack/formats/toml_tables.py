@@ -32,7 +32,7 @@ from ..canonical import CanonicalLayer, default_g_idx
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES, to_float32
 from ..errors import BadInputError, IOFailure, UnsupportedError
-from ..folder import brief, read_json as _read_json, write_json
+from ..folder import brief, read_json as _read_json, side_files, write_json
 from ._shards import ShardWriter
 from .awq import SafetensorsStore
 from .base import Capabilities, Format, Source, TensorData
@@ -184,8 +184,7 @@ class TomlTablesSource(Source):
             doc = _read_json(bfolder / "config.json")
             if isinstance(doc, dict):
                 self.config = {k: v for k, v in doc.items() if k != "quantization_config"}
-        self._side = [bfolder / n for n in SIDE_FILES if bfolder is not None and (bfolder / n).is_file()
-                      and n not in _NOT_SIDE]
+        self._side = [] if bfolder is None else side_files(bfolder, [n for n in SIDE_FILES if n not in _NOT_SIDE])
         owned = {f"{n}.{s}" for n in self.tables for s in ("weight", "bias")}
         self._passthrough = [t for t in self.base.names() if t not in owned]
         bits = sorted({int(t.get("wbits", 0)) for t in self.tables.values() if isinstance(t.get("wbits"), int)})

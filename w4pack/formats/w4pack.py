@@ -7,6 +7,7 @@ from typing import Any
 
 from ..canonical import CanonicalLayer
 from ..checkpoint import _HEADER_ENTRY, MANIFEST_NAME, Checkpoint, CheckpointWriter
+from ..folder import side_files
 from ..layout import PACK_POOL, ScratchPool, pack
 from .base import Capabilities, Format, Source, TensorData
 
@@ -43,7 +44,7 @@ class W4PackSource(Source):
 
     def side_files(self) -> list[Path]:
         names = self.ckpt.manifest.get("side_files") or []
-        return [self.path / n for n in names if (self.path / n).is_file()]
+        return side_files(self.path, [n for n in names if isinstance(n, str)])
 
     def close(self) -> None:
         self.ckpt.close()

@@ -1,0 +1,84 @@
+"""Which files a model folder may name (folder.py): plain names, and symbolic links only within the folder or,
+for a Hugging Face hub cache snapshot, into that repository's blobs."""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+from conftest import fixture_dir
+
+from w4pack.checkpoint import open_checkpoint
+from w4pack.convert import convert
+from w4pack.errors import BadInputError
+from w4pack.folder import link_target_allowed, member, side_files
+
+
+def _hub_snapshot(src: Path, cache: Path) -> Path:
+    """``src`` laid out as huggingface_hub caches a download: every file a link from snapshots/<rev>/ into
+    ../../blobs/<sha256>."""
+    repo = cache / "models--org--tiny-gptq"
+    blobs, snap = repo / "blobs", repo / "snapshots" / ("a" * 40)
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    for f in src.iterdir():
+        if f.is_file():
+            digest = hashlib.sha256(f.read_bytes()).hexdigest()
+            (blobs / digest).write_bytes(f.read_bytes())
+            os.symlink(Path("..") / ".." / "blobs" / digest, snap / f.name)
+    return snap
+
+
+def test_hub_cache_snapshot_converts(tmp_path: Path) -> None:
+    # snapshot_download's folder: shards, configs and tokenizer files are all links into the repository's blobs
+    src = fixture_dir("gptq", "gm_tiny_llama_b4_g64_descact_sym_v1_sharded")
+    snap = _hub_snapshot(src, tmp_path / "hub")
+    (tmp_path / "tok.json").write_text("{}")
+    out = tmp_path / "out"
+    convert(snap, out, show_progress=False)
+    with open_checkpoint(out) as ck:
+        assert ck.layers
+    direct = tmp_path / "direct"
+    convert(src, direct, show_progress=False)
+    for f in direct.iterdir():  # the same checkpoint as from the plain folder
+        if f.suffix == ".safetensors":
+            assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_links_out_of_a_snapshot_or_folder_refused(tmp_path: Path) -> None:
+    snap = _hub_snapshot(fixture_dir("gptq", "gm_tiny_llama_b4_g64_descact_sym_v1_sharded"), tmp_path / "hub")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not a tokenizer")
+    assert not link_target_allowed(snap, secret.resolve())
+    (snap / "tokenizer.json").unlink(missing_ok=True)
+    os.symlink(secret, snap / "tokenizer.json")
+    with pytest.raises(BadInputError, match="symbolic link out of the source folder") as exc:
+        side_files(snap, ["tokenizer.json"])
+    assert "tokenizer.json" in str(exc.value)
+    # a snapshot-like folder outside a models--* repository gets no exception
+    plain = tmp_path / "x" / "snapshots" / "rev"
+    plain.mkdir(parents=True)
+    (tmp_path / "x" / "blobs").mkdir()
+    (tmp_path / "x" / "blobs" / "b").write_text("{}")
+    os.symlink(tmp_path / "x" / "blobs" / "b", plain / "model.safetensors")
+    with pytest.raises(BadInputError, match="symbolic link out of the folder"):
+        member(plain, "model.safetensors", "shard", "index")
+
+
+@pytest.mark.parametrize("to", ["gptq", "awq", "compressed-tensors", "w4pack"])
+def test_side_file_linked_out_is_refused_for_every_output(tmp_path: Path, to: str) -> None:
+    # every writer copies the source's side files; none may copy a link's target from outside the source
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in fixture_dir("gptq", "ag_b4_asym_g64").iterdir():  # (no act-order: every target can write it)
+        if f.is_file():
+            (src / f.name).write_bytes(f.read_bytes())
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not a tokenizer")
+    os.symlink(secret, src / "tokenizer.json")
+    with pytest.raises(BadInputError, match="symbolic link out of the source folder"):
+        convert(src, tmp_path / "out", to=to, show_progress=False)
+    assert not (tmp_path / "out").exists()
