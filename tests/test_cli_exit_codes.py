@@ -1,6 +1,6 @@
 """Bad input and usage exit 2 with one line naming the file or option (README's exit-code table): unknown --from/--to,
 a malformed config.json or a .gguf without the GGUF magic (not "cannot tell which format", 3), an --endpoint that is
-not a URL (not a network failure, 4)."""
+not a URL (not a network failure, 4). inspect takes --from and --base as convert does (its errors point there)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -86,3 +86,91 @@ def test_ctrl_c_inside_a_command_says_interrupted(tmp_path: Path, capsys: pytest
     err = capsys.readouterr().err
     # (click ends the terminal's "^C" line first: one line of text after it)
     assert rc == 130 and err.strip().splitlines() == ["w4pack: interrupted; no output was left half-written"], err
+
+
+def _demo_checkpoint(out: Path) -> Path:
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, str(repo / "tools" / "make_demo_checkpoint.py"), str(out)], check=True,
+                   capture_output=True)
+    return out
+
+
+def test_inspect_from_reads_a_source_detection_cannot_tell(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from w4pack.convert import convert
+
+    src = _demo_checkpoint(tmp_path / "packed")
+    odd = tmp_path / "odd"
+    convert(src, odd, to="awq", show_progress=False)
+    cfg = json.loads((odd / "config.json").read_text())
+    cfg["quantization_config"]["quant_method"] = "autoawq"  # a name no reader claims: detection cannot tell
+    (odd / "config.json").write_text(json.dumps(cfg))
+    rc, err = _cli(capsys, "inspect", odd)
+    assert rc == 3 and "cannot tell which format" in err and "--from" in err
+    capsys.readouterr()
+    assert main(["inspect", str(odd), "--from", "awq", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["source_format"] == "awq" and len(doc["layers"]) == 14
+    rc, err = _cli(capsys, "inspect", odd, "--from", "bogus")
+    assert rc == 2 and "--from: unknown format 'bogus'" in err
+
+
+def test_inspect_base_reads_toml_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from w4pack.convert import convert
+
+    src = _demo_checkpoint(tmp_path / "packed")
+    full = tmp_path / "full"  # tables + the weights that rebuild their codes: a base for the bare tables
+    convert(src, full, to="toml", show_progress=False)
+    tables = tmp_path / "tables"
+    convert(src, tables, to="toml", weights=False, show_progress=False)
+    rc, err = _cli(capsys, "inspect", tables)
+    assert rc == 2 and "--base" in err
+    capsys.readouterr()
+    assert main(["inspect", str(tables), "--base", str(full / "model.safetensors"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["source_format"] == "toml" and len(doc["layers"]) == 14
+    assert main(["inspect", str(tables), "--from", "toml", "--base", str(full / "model.safetensors")]) == 0
+    assert "toml checkpoint" in capsys.readouterr().out
+    # a w4pack checkpoint holds its codes: --base there is a usage error, not silently ignored
+    rc, err = _cli(capsys, "inspect", src, "--base", full / "model.safetensors")
+    assert rc == 2 and "--base is only for TOML" in err
+
+
+def test_fuse_and_base_misuse_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Were exit 3 (unsupported input): the input is fine, the options are not; the line says what to drop."""
+    from conftest import fixture_dir
+
+    src = fixture_dir("gptq", "ag_b4_sym_g128")
+    for dry in ([], ["--dry-run"]):
+        rc, err = _cli(capsys, "convert", src, tmp_path / "o.gguf", "--to", "gguf", "--fuse", "qkv", *dry)
+        assert rc == 2 and "--fuse applies to w4pack output only, not gguf: drop --fuse" in err
+        rc, err = _cli(capsys, "convert", src, tmp_path / "o", "--base", src, *dry)
+        assert rc == 2 and f"{src}: --base is only for TOML quant-table sources" in err and "drop --base" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("var,value,allowed", [("W4PACK_ISA", "sse9", "auto, scalar"),
+                                               ("W4PACK_THREADS", "many", "whole number >= 1"),
+                                               ("W4PACK_THREADS", "0", "whole number >= 1")])
+def test_bad_kernel_environment_is_a_usage_error_in_verify(var: str, value: str, allowed: str, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was every layer failing ("N failed", exit 1): the environment is checked once, up front."""
+    from conftest import fixture_dir
+    from w4pack.convert import convert
+
+    pytest.importorskip("w4pack.native.cpu")
+    convert(fixture_dir("gptq", "ag_b4_sym_g128"), tmp_path / "ck", show_progress=False)
+    monkeypatch.setenv(var, value)
+    rc, err = _cli(capsys, "verify", tmp_path / "ck")
+    assert rc == 2 and f"{var}={value!r}" in err and allowed in err and "unset it" in err
+    if var == "W4PACK_THREADS":  # not read when --threads gives the count
+        capsys.readouterr()
+        assert main(["verify", str(tmp_path / "ck"), "--threads", "1"]) == 0

@@ -6,7 +6,8 @@ from pathlib import Path
 import click
 
 from ..checkpoint import open_checkpoint
-from . import detect_source, emit_json
+from ..errors import BadInputError
+from . import check_format_name, detect_source, emit_json
 
 
 def _human(n: int) -> str:
@@ -21,16 +22,27 @@ def _human(n: int) -> str:
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @click.option("--layers", "show_layers", is_flag=True, help="List every quantized layer.")
-def inspect(path: Path, as_json: bool, show_layers: bool) -> None:
+@click.option("--from", "src_format", default=None,
+              help="Source format when detection cannot tell (as convert --from; default: detected).")
+@click.option("--base", type=click.Path(path_type=Path), default=None,
+              help="fp16/bf16/fp32 base model folder or file (needed by TOML+NumPy quant tables, as convert --base).")
+def inspect(path: Path, as_json: bool, show_layers: bool, src_format: str | None, base: Path | None) -> None:
     """Show what the checkpoint PATH holds: layout, layers by kind, shards, source.
 
-    PATH is a w4pack checkpoint folder, or a source in any supported format (shown as convert would read it).
+    PATH is a w4pack checkpoint folder, or a source in any supported format (shown as convert would read it,
+    with the same --from and --base).
+
+    Exit 0 ok, 2 bad input or usage (one line naming the file and tensor), 3 unsupported input, 4 I/O or network
+    failure.
     """
-    fmt = detect_source(path)
+    check_format_name(src_format, "--from")
+    fmt = src_format or detect_source(path)
+    if fmt == "w4pack" and base is not None:
+        raise BadInputError("--base is only for TOML+NumPy quant tables; a w4pack checkpoint holds its codes")
     if fmt != "w4pack":
         from ..convert import plan
 
-        doc = plan(path, src_format=fmt)
+        doc = plan(path, src_format=fmt, **({"base": base} if base is not None else {}))
         if as_json:
             emit_json(doc)
             return
