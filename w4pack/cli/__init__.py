@@ -2,7 +2,8 @@
 
 Commands live one per module and are imported only when used, so ``w4pack --help`` is fast and a
 command with heavy dependencies (torch, transformers) costs nothing to the others.
-Exit codes: 0 ok, 1 verification failed, 2 bad input or usage, 3 unsupported input, 4 I/O or network.
+Exit codes: 0 ok, 1 verification failed, 2 bad input or usage, 3 unsupported input, 4 I/O, network or CUDA
+kernel failure (an existing output without --force included), 130 interrupted.
 """
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ COMMANDS: dict[str, str] = {
     "pull": "w4pack.cli.hub_cmd:pull",
 }
 
-EPILOG = ("Exit codes: 0 ok, 1 verification failed, 2 bad input or usage, 3 unsupported input, "
-          "4 I/O or network. Set W4PACK_DEBUG=1 for tracebacks.")
+EPILOG = ("Exit codes: 0 ok, 1 verification failed (verify only), 2 bad input or usage, 3 unsupported input, "
+          "4 I/O, network or CUDA kernel failure (an existing output without --force included), 130 interrupted. "
+          "Set W4PACK_DEBUG=1 for tracebacks.")
 
 
 class LazyGroup(click.Group):

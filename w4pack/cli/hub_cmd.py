@@ -32,9 +32,14 @@ def push(path: Path, repo_id: str, private: bool, revision: str | None, commit_m
          as_json: bool) -> None:
     """Upload the checkpoint folder PATH to the Hub repository REPO_ID (owner/name).
 
-    PATH is validated first (schema, index, checksums); README.md is written or updated with a model card
-    (base model, license, quantization details). Re-running after a failure sends only what is missing.
-    A Hub-compatible server without Xet storage needs HF_HUB_DISABLE_XET=1 in the environment.
+    PATH is validated first (schema, index, checksums); README.md is written or updated in PATH with a model
+    card (base model and license when the source supplied them, quantization details). Every non-hidden file of
+    PATH is uploaded, sub-folders included; top-level *.safetensors, *.safetensors.index.json and w4pack.json
+    on the branch that PATH lacks are deleted in the same commit. Re-running after a failure sends only what is
+    missing. A Hub-compatible server without Xet storage needs HF_HUB_DISABLE_XET=1 in the environment.
+
+    Exit 0 ok, 2 bad input or usage (an invalid folder, REPO_ID or --endpoint: nothing is sent), 4 I/O or
+    network failure (401, 403, 404 each named).
     """
     from ..hub import push as do_push
 
@@ -74,7 +79,11 @@ def push(path: Path, repo_id: str, private: bool, revision: str | None, commit_m
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 def pull(repo_id: str, dest: Path, revision: str | None, endpoint: str | None, token: str | None, force: bool,
          as_json: bool) -> None:
-    """Download the packed checkpoint REPO_ID into DEST, validated; DEST appears only when complete."""
+    """Download the packed checkpoint REPO_ID into DEST, validated; DEST appears only when complete.
+
+    Exit 0 ok, 2 bad input or usage (REPO_ID, --endpoint, or a download that is not a valid w4pack checkpoint),
+    4 I/O or network failure (DEST exists without --force; 401, 403, 404 each named).
+    """
     from ..checkpoint import validate_checkpoint
     from ..hub import pull as do_pull
 

@@ -20,16 +20,20 @@ from . import emit_json
 @click.option("--perplexity", "ppl_file", type=click.Path(path_type=Path), default=None,
               help="Measure perplexity over this UTF-8 text file instead of generating.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
-@click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(1, 1 << 16))
+@click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(1, 1 << 16),
+              help="Most tokens to generate (fewer when the model ends the text).")
 @click.option("--precision", type=click.Choice(["exact", "fast"]), default="exact", show_default=True,
-              help="CPU kernel path: exact (fp32 dequantize) or fast (int8 activations, ~0.4% RMS error).")
+              help="CPU kernel path: exact (fp32 dequantize) or fast (int8 activations: ~0.6% relative error per "
+                   "layer, more with outlier channels; docs/CPU.md).")
 @click.option("--dtype", default=None, help="Activation dtype: float32, float16, bfloat16 (default: float32 on "
-                                            "CPU, float16 on CUDA).")
+                                            "CPU; on CUDA bfloat16 when config.json's dtype or torch_dtype is "
+                                            "bfloat16, else float16).")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0, None),
               help="0 is greedy; above 0 samples.")
 @click.option("--seed", default=None, type=int, help="Seed for sampling (repeatable output).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
-@click.option("--threads", default=None, type=click.IntRange(1, 1024), help="CPU kernel threads.")
+@click.option("--threads", default=None, type=click.IntRange(1, 1024),
+              help="CPU kernel threads (default: $W4PACK_THREADS, else every core the process may use).")
 @click.option("--window", default=None, type=click.IntRange(2, 1 << 20),
               help="Perplexity window in tokens (default: model context, at most 1024).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
@@ -39,6 +43,10 @@ def run(path: Path, prompt: str | None, ppl_file: Path | None, device: str, max_
     """Load the packed checkpoint PATH and generate from --prompt, or score --perplexity FILE.
 
     The tokenizer comes from PATH; quantized layers run w4pack's kernels (CPU or CUDA). Reports tokens/s.
+    Needs torch and transformers (pip install 'w4pack[hf]'). Sets OMP_WAIT_POLICY=PASSIVE unless already set.
+
+    Exit 0 ok, 2 bad input or usage (one line naming the file), 3 unsupported (a model w4pack cannot build, no
+    CUDA device, torch or transformers missing), 4 I/O or CUDA kernel failure, 130 interrupted.
     """
     from ..errors import BadInputError
     from ..loading import check_device
