@@ -431,3 +431,55 @@ def test_index_total_size_is_tensor_bytes(tmp_path):
     index = json.loads((out / INDEX_NAME).read_text())
     data = sum(ck.raw(t).nbytes for t in ck.weight_map)
     assert index["metadata"]["total_size"] == data < sum(s["size"] for s in ck.manifest["shards"])
+
+
+@pytest.mark.parametrize("fmt", ["w4pack", "compressed-tensors", "gguf"])
+def test_reading_a_whole_checkpoint_keeps_resident_memory_flat(tmp_path, fmt):
+    """Every page read through a memory map stays resident until the map closes: the readers drop them before
+    each layer, so reading every layer of a checkpoint (conversion, verify, validate --deep) does not grow
+    resident memory with the model."""
+    if fmt == "gguf":
+        pytest.importorskip("gguf")
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux's /proc/self/clear_refs to measure the peak of the reading alone")
+    script = textwrap.dedent("""
+        import sys, numpy as np
+        sys.path.insert(0, {tests!r})
+        from w4pack.checkpoint import CheckpointWriter
+        from w4pack.convert import convert
+        from w4pack.formats import open_source
+        from test_layout import random_layer
+        out, n_layers, fmt = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+        rng = np.random.default_rng(4)
+        layer = random_layer(rng, 1024, 4096, 4, 32, {{"gguf": "float", "compressed-tensors": "none"}}.get(fmt, "int"),
+                             act_order=False)
+        with CheckpointWriter(out + ".w4", max_shard_size="1GB") as w:
+            for i in range(n_layers):
+                w.add_layer(f"model.layers.{{i}}.mlp.down_proj", layer.replace(name=f"model.layers.{{i}}.mlp.down_proj"))
+        src = out + ".w4"
+        if fmt != "w4pack":
+            src = out + (".gguf" if fmt == "gguf" else ".ct")
+            convert(out + ".w4", src, to=fmt, show_progress=False)
+        def status(key):
+            for line in open("/proc/self/status"):
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+        with open("/proc/self/clear_refs", "w") as fh:  # the peak (VmHWM) restarts from here
+            fh.write("5")
+        base = status("VmRSS")
+        with open_source(src) as s:
+            for name in s.layer_names():
+                s.read_layer(name)
+        print(base, status("VmHWM"))
+    """).format(tests=str(Path(__file__).parent))
+    (tmp_path / "m.py").write_text(script)
+    grew = {}
+    for n in (2, 48):
+        proc = subprocess.run([sys.executable, str(tmp_path / "m.py"), str(tmp_path / f"ck{n}"), str(n), fmt],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        base, peak = (int(v) * 1024 for v in proc.stdout.split()[-2:])
+        grew[n] = peak - base
+    layer_bytes = 1024 * 4096 // 2
+    # 46 more layers (~100 MB of weights read) must not add more than a few layers' worth
+    assert grew[48] - grew[2] < 8 * layer_bytes, grew

@@ -638,11 +638,20 @@ class Checkpoint:
 
     def tensor(self, tname: str) -> np.ndarray:
         """A pass-through tensor (or any stored tensor) as stored."""
+        self.release_pages()
         return self.raw(tname)
+
+    def release_pages(self) -> None:
+        """Drop the shards' mapped pages from our address space (safetensors_io.release_mapped). Called before
+        each layer or pass-through tensor is read, so reading a whole checkpoint keeps resident memory at about
+        one layer rather than the model; arrays returned earlier stay valid (their pages fault back in)."""
+        for f in list(self._files.values()):
+            f.release()
 
     def packed(self, name: str) -> PackedLayer:
         if name not in self.manifest["layers"]:
             raise BadInputError("no such quantized layer", file=str(self.path), tensor=name)
+        self.release_pages()
         meta = dict(self.manifest["layers"][name])
         tensors = {}
         for suffix, tname in meta["tensors"].items():

@@ -12,6 +12,7 @@ import math
 import mmap
 import os
 import struct
+import sys
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable
 
@@ -72,6 +73,19 @@ def _entry_problem(info: dict[str, Any]) -> str | None:
     if not isinstance(offs, list) or len(offs) != 2 or not all(_is_count(x) for x in offs):
         return f"data_offsets must be two non-negative integers, got {brief(offs)}"
     return None
+
+
+def release_mapped(mm: Any) -> None:
+    """Drop every page of a read-only file map from our address space (MADV_DONTNEED; the page cache keeps
+    them, and views stay valid: a later access faults the page back in). Readers call this once per layer:
+    every page read through a map stays resident until the map closes, so without it resident memory grows
+    with the model even though the heap does not."""
+    if mm is None or not hasattr(mm, "madvise") or sys.platform != "linux":
+        return
+    try:
+        mm.madvise(mmap.MADV_DONTNEED)
+    except (OSError, ValueError):
+        pass
 
 
 class SafetensorsFile:
@@ -179,6 +193,10 @@ class SafetensorsFile:
 
     def dtype_name(self, name: str) -> str:
         return DTYPES[self.entries[name][0]][1]
+
+    def release(self) -> None:
+        """Drop this file's mapped pages from our address space (release_mapped)."""
+        release_mapped(getattr(self, "_mm", None))
 
     def close(self) -> None:
         mm = getattr(self, "_mm", None)

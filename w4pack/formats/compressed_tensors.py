@@ -293,9 +293,15 @@ class CompressedTensorsSource(Source):
     def passthrough_names(self) -> list[str]:
         return list(self._passthrough)
 
+    def _release_pages(self) -> None:
+        """Before each layer or tensor: the shards' pages read so far leave our resident memory."""
+        for f in list(self._files.values()):
+            f.release()
+
     def read_tensor(self, name: str) -> TensorData:
         if name not in self.tensor_file:
             raise BadInputError("no such tensor", file=str(self.path), tensor=name)
+        self._release_pages()
         f = self._file(self.tensor_file[name])
         return TensorData(f.get(name), f.dtype_name(name))
 
@@ -337,6 +343,7 @@ class CompressedTensorsSource(Source):
     def read_layer(self, name: str) -> CanonicalLayer:
         if name not in self._layers:
             raise BadInputError("no such quantized layer", file=str(self.path), tensor=name)
+        self._release_pages()
         tp, ts, tsh = f"{name}.weight_packed", f"{name}.weight_scale", f"{name}.weight_shape"
         if ts not in self.tensor_file:
             raise BadInputError("tensor is missing", file=self._label(tp), tensor=ts)

@@ -30,6 +30,7 @@ from ..dtypes import to_float32
 from ..errors import BadInputError, IOFailure, UnsupportedError
 from . import _hf_names as names
 from .base import Capabilities, Format, Source, TensorData
+from ..safetensors_io import release_mapped
 
 __all__ = ["GGUFFormat", "GGUFSource", "GGUFWarning", "tokenizer_metadata", "decode_q4_0", "decode_q4_1",
            "decode_q8_0", "encode_layer", "rotary_row_permutation", "write_gguf"]
@@ -333,10 +334,16 @@ class GGUFSource(Source):
     def passthrough_names(self) -> list[str]:
         return list(self._pass)
 
+    def _release_pages(self) -> None:
+        """Before each layer or tensor: the pages of the file read so far leave our resident memory (the
+        reader's np.memmap keeps every page it touched mapped until it is dropped)."""
+        release_mapped(getattr(getattr(self.reader, "data", None), "_mmap", None))
+
     def read_layer(self, name: str) -> CanonicalLayer:
         gname = self.gguf_of.get(f"{name}.weight")
         if gname is None or name not in self._layers:
             raise BadInputError("no such quantized layer", file=str(self.path), tensor=name)
+        self._release_pages()
         t = self.tensors[gname]
         qt = self.types[gname]
         n, k = self._numpy_shape(t)
@@ -366,6 +373,7 @@ class GGUFSource(Source):
         gname = self.gguf_of.get(name)
         if gname is None:
             raise BadInputError("no such tensor", file=str(self.path), tensor=name)
+        self._release_pages()
         t = self.tensors[gname]
         qt = self.types[gname]
         shape = self._numpy_shape(t)
