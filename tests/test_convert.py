@@ -207,3 +207,66 @@ def test_peer_format_output_mode_and_total_size(tmp_path):
         data += sum(f.get(t).nbytes for t, owner in index["weight_map"].items() if owner == fname)
         f.close()
     assert index["metadata"]["total_size"] == data
+
+
+# -- --dry-run reflects the real run -------------------------------------------------------------------------------
+TINY = ("gptq", "gm_tiny_llama_b4_g64_descact_sym_v1_sharded")
+
+
+def _main(capsys, *argv):
+    from w4pack.cli import main
+
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_dry_run_counts_the_layers_after_fuse(tmp_path, capsys):
+    """Before: --dry-run ignored --fuse and reported 14 layers where the real run made 8."""
+    src = fixture_dir(*TINY)
+    rc, out, err = _main(capsys, "convert", src, tmp_path / "f", "--fuse", "qkv,gate-up", "--dry-run", "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["exit_code"] == 0 and doc["problems"] == [], err
+    assert len(doc["layers"]) == 8 and doc["source_layers"] == 14 and len(doc["fused"]) == 4
+    assert all(name.endswith(("qkv_proj", "gate_up_proj")) for name in doc["fused"])
+    rc, out, _ = _main(capsys, "convert", src, tmp_path / "f", "--fuse", "qkv,gate-up", "--dry-run")
+    assert rc == 0 and "8 quantized layers (14 in the source, 10 of them fused into 4)" in out
+    assert not (tmp_path / "f").exists()
+    assert convert(src, tmp_path / "f", fuse="qkv,gate-up", show_progress=False)["layers"] == 8
+
+
+@pytest.mark.parametrize("size", ["100", "junk", "1KB"])
+def test_dry_run_checks_max_shard_size_as_the_real_run(tmp_path, capsys, size):
+    src = fixture_dir(*TINY)
+    for dry in (["--dry-run"], []):
+        rc, out, err = _main(capsys, "convert", src, tmp_path / "f", "--max-shard-size", size, *dry)
+        assert rc == 2 and out == "" and "--max-shard-size" in err and repr(size) in err, (dry, err)
+    assert not (tmp_path / "f").exists()
+    rc, _, err = _main(capsys, "convert", src, tmp_path / "f", "--max-shard-size", "1KiB", "--dry-run")
+    assert rc == 0, err
+
+
+def test_dry_run_exits_with_the_code_the_real_run_gives(tmp_path, capsys):
+    """Before: 0 after listing "cannot convert" problems, and no word that DST exists."""
+    src = fixture_dir(*TINY)
+    rc, out, _ = _main(capsys, "convert", src, tmp_path / "a", "--to", "awq", "--dry-run")
+    assert rc == 3 and "cannot convert: model.layers.0.mlp.down_proj: awq (gemm) cannot express act-order" in out
+    assert out.splitlines()[-1] == "dry run: the conversion would fail (exit 3); nothing was written"
+    rc, out, _ = _main(capsys, "convert", src, tmp_path / "a", "--to", "awq", "--dry-run", "--json")
+    assert rc == 3 and json.loads(out)["exit_code"] == 3 and json.loads(out)["output_problems"] == []
+    assert _main(capsys, "convert", src, tmp_path / "a", "--to", "awq")[0] == 3
+    dst = tmp_path / "d"
+    dst.mkdir()
+    rc, out, _ = _main(capsys, "convert", src, dst, "--dry-run")
+    assert rc == 4 and f"cannot write: {dst}: output already exists; pass --force" in out
+    assert _main(capsys, "convert", src, dst)[0] == 4
+    rc, out, _ = _main(capsys, "convert", src, dst, "--dry-run", "--force")
+    assert rc == 0 and f"note: {dst} exists; --force replaces it" in out and list(dst.iterdir()) == []
+
+
+def test_convert_help_states_sizes_and_gguf(capsys):
+    rc, out, _ = _main(capsys, "convert", "--help")
+    out = " ".join(out.split())
+    assert rc == 0 and "plain bytes" in out and "KB/MB/GB" in out and "KiB/MiB/GiB" in out
+    assert "at least 1024 bytes" in out and "Ignored for --to gguf" in out and "DST is one file" in out

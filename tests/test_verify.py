@@ -236,3 +236,136 @@ def test_converted_fixture_verifies(family: str, case: str, tmp_path: Path) -> N
     assert rep.layers and all(c.exact for c in rep.layers)
     if base is not None:
         assert all(c.quant_error is not None and c.quant_error < 0.5 for c in rep.layers)
+
+
+# ---- fused checkpoints: each part against its rows ---------------------------------------------------
+ATTN = "model.layers.0.self_attn"
+
+
+def _qkv_parts() -> dict[str, CanonicalLayer]:
+    """q/k/v that can be fused: same kind, one act-order permutation (the parts share g_idx), biases."""
+    perm = (np.arange(128) // 32).astype(np.int32)
+    np.random.default_rng(7).shuffle(perm)
+    return {f"{ATTN}.{leaf}": make_layer(n, 128, 4, 32, "int", seed=10 + i).replace(g_idx=perm.copy())
+            for i, (leaf, n) in enumerate((("q_proj", 64), ("k_proj", 32), ("v_proj", 32)))}
+
+
+def _write_fused(path: Path, parts: dict[str, CanonicalLayer], flip_row: int | None = None) -> Path:
+    """A checkpoint holding q/k/v as one qkv_proj (fuse.fuse_layers), optionally with one code changed."""
+    from w4pack.fuse import fuse_layers
+
+    fused, rows = fuse_layers(f"{ATTN}.qkv_proj", [lay.replace(name=n) for n, lay in parts.items()])
+    if flip_row is not None:
+        codes = fused.codes.copy()
+        codes[flip_row, 3] ^= 0x1
+        fused = fused.replace(codes=codes)
+    with CheckpointWriter(path, force=True, config={"model_type": "llama"}, source={"format": "test"}) as w:
+        w.add_layer(f"{ATTN}.qkv_proj", fused)
+        w.fused = {f"{ATTN}.qkv_proj": rows}
+        w.add_tensor("model.norm.weight", np.linspace(0.5, 1.5, 96).astype(np.float16))
+    return path
+
+
+@pytest.mark.parametrize("family,case", [("gptq", "gm_tiny_llama_b4_g64_descact_sym_v1_sharded"),
+                                         ("awq", "tiny_llama_gemm_g128")])
+def test_fused_conversion_verifies_against_its_source(family: str, case: str, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: every fused layer was "not in the source checkpoint" and every q/k/v/gate/up "missing" (exit 1)."""
+    from w4pack.convert import convert
+
+    src = fixture_dir(family, case)
+    convert(src, tmp_path / "f", fuse="qkv,gate-up", show_progress=False)
+    rep = verify(tmp_path / "f", against=src, threads=1, seed=8)
+    assert rep.ok, rep.summary() + "\n" + rep.table()
+    fused = [c for c in rep.layers if c.parts]
+    assert fused and {c.name.rsplit(".", 1)[1] for c in fused} == {"qkv_proj", "gate_up_proj"}
+    assert all(c.exact and all(p["exact"] for p in c.parts) for c in rep.layers if c.parts)
+    n_parts = sum(len(c.parts) for c in fused)
+    rc, out, _ = run_cli(str(tmp_path / "f"), "--against", str(src), "--threads", "1", capsys=capsys)
+    assert rc == 0 and f"({n_parts}/{n_parts} fused parts)" in out and "missing" not in out
+
+
+def test_fused_part_that_differs_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parts = _qkv_parts()
+    plain = write(tmp_path / "plain", parts)
+    good_fused = _write_fused(tmp_path / "fused", parts)
+    assert verify(good_fused, against=plain, threads=1, seed=1).ok
+    bad = _write_fused(tmp_path / "bad", parts, flip_row=64 + 5)  # a row of k_proj
+    rep = verify(bad, against=plain, threads=1, seed=1)
+    (check,) = rep.layers
+    assert not rep.ok and check.exact is False and not rep.problems
+    assert [(p["name"].rsplit(".", 1)[1], p["rows"], p["exact"]) for p in check.parts] == [
+        ("q_proj", [0, 64], True), ("k_proj", [64, 96], False), ("v_proj", [96, 128], True)]
+    assert check.problems == [f"part {ATTN}.k_proj (rows 64:96) differs from the source: codes: 1 mismatches"]
+    rc, out, _ = run_cli(str(bad), "--against", str(plain), "--json", "--threads", "1", capsys=capsys)
+    assert rc == 1 and json.loads(out)["layers"][0]["parts"][1]["differences"] == ["codes: 1 mismatches"]
+    # the other way round: an unfused checkpoint against a fused source compares with the source's rows
+    rep = verify(plain, against=bad, threads=1, seed=1)
+    assert [c.name for c in rep.failed_layers] == [f"{ATTN}.k_proj"] and not rep.problems
+
+
+def test_fused_quantization_error_uses_the_parts_base_weights(tmp_path: Path) -> None:
+    parts = _qkv_parts()
+    rng = np.random.default_rng(3)
+    base = tmp_path / "base.safetensors"
+    orig = {n: (lay.dequantize(np.float64) + rng.standard_normal((lay.out_features, 128)) * 1e-3) for n, lay in
+            parts.items()}
+    write_safetensors(base, [(f"{n}.weight", w.astype(np.float16), None) for n, w in orig.items()],
+                      metadata={"format": "pt"})
+    rep = verify(_write_fused(tmp_path / "fused", parts), base=base, threads=1, seed=1)
+    (check,) = rep.layers
+    w = np.concatenate([lay.dequantize(np.float64) for lay in parts.values()])
+    w0 = np.concatenate([o.astype(np.float16).astype(np.float64) for o in orig.values()])
+    assert rep.ok, rep.table()
+    assert check.quant_error == pytest.approx(np.linalg.norm(w - w0) / np.linalg.norm(w0), rel=1e-6)
+
+
+def test_fused_rows_that_do_not_tile_the_layer_fail(tmp_path: Path) -> None:
+    ck = _write_fused(tmp_path / "fused", _qkv_parts())
+    mpath = ck / "w4pack.json"
+    doc = json.loads(mpath.read_text())
+    doc["fused"][f"{ATTN}.qkv_proj"][2]["rows"] = [96, 120]
+    mpath.write_text(json.dumps(doc))
+    rep = verify(ck, threads=1, seed=1)
+    assert not rep.ok and rep.failed_layers[0].problems == ["fused parts cover rows [0, 120) of the layer's 128"]
+
+
+# ---- --against hf://, the seed, the help ---------------------------------------------------------------
+from hub_fixtures import hub  # noqa: E402,F401
+
+
+def test_against_hf_source(hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001,F811
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: "does not exist" (verify ran detect() on the spec); convert and inspect took hf:// already."""
+    from w4pack.convert import convert
+
+    src = fixture_dir("gptq", "gm_tiny_llama_b4_g64_descact_sym_v1_sharded")
+    hub.add_repo("w4org/tiny-gptq", {p.relative_to(src).as_posix(): p.read_bytes()
+                                     for p in src.rglob("*") if p.is_file()})
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    convert(src, tmp_path / "f", fuse="qkv", show_progress=False)
+    rc, out, err = run_cli(str(tmp_path / "f"), "--against", "hf://w4org/tiny-gptq", "--threads", "1",
+                           capsys=capsys)
+    assert rc == 0, err
+    assert "10/10 bit-identical (6/6 fused parts) to hf://w4org/tiny-gptq" in out.splitlines()[-1]
+
+
+def test_summary_prints_the_seed_that_reproduces_it(good: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run_cli(str(good), "--threads", "1", capsys=capsys)
+    seed = int(re.search(r"; seed (\d+);", out.splitlines()[-1]).group(1))
+    rc2, out2, _ = run_cli(str(good), "--threads", "1", "--seed", str(seed), capsys=capsys)
+    assert rc == rc2 == 0 and f"; seed {seed};" in out2
+    errors = [line.split()[-1] for line in out.splitlines()[1:4]]
+    assert errors == [line.split()[-1] for line in out2.splitlines()[1:4]]  # the same activations
+
+
+def test_help_states_the_checks_as_the_code_makes_them(capsys: pytest.CaptureFixture[str]) -> None:
+    from w4pack.verify import CUDA_TOLERANCE, FAST_FLOAT_BOUND
+
+    rc = main(["verify", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc == 0 and "(2e-2)" not in out
+    assert f"<= {TOLERANCE['fast']:.0e} against a float64 reference on the same rounded activations" in out
+    assert f"<= {FAST_FLOAT_BOUND:.0e} against the unrounded float64 reference" in out
+    assert f"--device cuda: {CUDA_TOLERANCE:.0e}" in out
+    assert "TOML quant-table --against source needs" in out and "hf://" in out and "reruns with --seed" in out

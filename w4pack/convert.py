@@ -6,35 +6,134 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import BadInputError, UnsupportedError
+from .checkpoint import parse_size
+from .errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNSUPPORTED, BadInputError, UnsupportedError, W4PackError
 from .formats import get_format, open_source
+from .formats.base import Format
 
 __all__ = ["convert", "plan"]
 
 
-def plan(src: str | Path, *, src_format: str | None = None, to: str = "w4pack", **options: Any) -> dict[str, Any]:
-    """What convert would do, without writing: layers, their kinds, pass-through tensors, side files."""
-    with open_source(src, src_format, **options) as source:
+#: the smallest --max-shard-size: a shard holds at least its header and one tensor (CheckpointWriter, GPTQ)
+MIN_SHARD_SIZE = 1024
+
+
+def _source_format(src: str | Path, src_format: str | None) -> str:
+    """The source's format as open_source will take it: --from, else detected (an hf:// source on its download)."""
+    from .formats import detect
+
+    if src_format:
+        return src_format
+    if str(src).startswith("hf:/"):
+        from .hub import resolve_source
+
+        return detect(resolve_source(str(src)))
+    return detect(src)
+
+
+def _check_request(src: str | Path, dst: str | Path | None, *, src_format: str | None, to: str, force: bool,
+                   max_shard_size: int | str, options: dict[str, Any]) -> list[str]:
+    """The checks a conversion makes before it reads a layer, shared by convert and plan (--dry-run) so that a dry
+    run refuses what the real run refuses. Pops ``fuse`` from ``options``; returns the fusion kinds."""
+    from .fuse import parse_fuse
+
+    base = options.get("base")
+    if dst is not None:
+        _refuse_overlap(src, dst, force)
+        if base is not None:
+            _refuse_overlap(base, dst, force, "base model")
+    size = parse_size(max_shard_size, "--max-shard-size")  # a bad size is a usage error before anything is read
+    if to != "gguf" and size < MIN_SHARD_SIZE:  # GGUF output is one file: the size does not apply
+        raise BadInputError(f"--max-shard-size {max_shard_size!r} is below the minimum, {MIN_SHARD_SIZE} bytes "
+                            "(1KiB)")
+    fuse = parse_fuse(options.pop("fuse", None))
+    if fuse and to != "w4pack":
+        raise BadInputError(f"--fuse applies to w4pack output only, not {to}: drop --fuse, or convert with "
+                            "--to w4pack")
+    if base is not None:
+        fmt = _source_format(src, src_format)
+        if fmt != "toml":
+            raise BadInputError(f"--base is only for TOML quant-table sources (their codes are rebuilt from the base "
+                                f"weights), and this is a {fmt} checkpoint: drop --base", file=str(src))
+    return fuse
+
+
+def _checks_own_layers(target: type[Format]) -> bool:
+    """True when the target format overrides check_writable (AWQ's one group size, GGUF's block encodings...)."""
+    return getattr(target.check_writable, "__func__", None) is not getattr(Format.check_writable, "__func__", None)
+
+
+def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | None = None, to: str = "w4pack",
+         force: bool = False, max_shard_size: int | str = "2GB", **options: Any) -> dict[str, Any]:
+    """What convert would do, without writing: layers (after --fuse), their kinds, pass-through tensors, side files,
+    and the problems the real run would stop at with the exit code it would give (``exit_code``: that of the first
+    problem, 0 when none). Usage mistakes raise exactly as convert raises them; with ``dst``, an existing DST
+    without ``force`` is an ``output_problems`` entry (the real run refuses it)."""
+    from .atomic import check_output
+    from .checkpoint import check_layer_name
+    from .fuse import FusedSource
+
+    fuse = _check_request(src, dst, src_format=src_format, to=to, force=force, max_shard_size=max_shard_size,
+                          options=options)
+    read_opts = {k: v for k, v in options.items() if k in ("base",)}
+    target = get_format(to)
+    before: list[tuple[str, int]] = []  # convert's own checks, then the output, then the layers (the run's order)
+    output: list[tuple[str, int]] = []
+    after: list[tuple[str, int]] = []
+    exists = dst is not None and os.path.lexists(dst)
+    if dst is not None:
+        try:
+            check_output(Path(dst), force)
+        except W4PackError as exc:
+            output.append((f"{exc.one_line()} (the real run refuses it)", exc.exit_code))
+        if to == "gguf" and force and Path(dst).is_dir():
+            output.append((f"{dst}: GGUF output is a single file; give a path ending in .gguf", EXIT_BAD_INPUT))
+    with open_source(src, src_format, **read_opts) as source:
+        n_source = len(source.layer_names())
+        if fuse:
+            source = FusedSource(source, fuse)
+        names = source.layer_names()
+        if not names and to == "w4pack":
+            before.append((f"{src}: the source holds no quantized layers", EXIT_UNSUPPORTED))
+        own_check = _checks_own_layers(target)
         layers = []
-        target = get_format(to)
-        problems = []
-        for name in source.layer_names():
-            layer = source.read_layer(name)
+        for name in names:
+            if to == "w4pack":
+                try:
+                    check_layer_name(name, str(src))
+                except W4PackError as exc:
+                    before.append((exc.one_line(), exc.exit_code))
+            try:
+                layer = source.read_layer(name)
+            except W4PackError as exc:  # e.g. parts that cannot be fused: the real run stops at this layer
+                after.append((f"{name}: {exc.message}", exc.exit_code))
+                continue
             layers.append({"name": name, "shape": [layer.out_features, layer.in_features], "bits": layer.bits,
                            "group_size": layer.group_size, "zero_mode": layer.zero_mode,
                            "act_order": bool(layer.act_order), "scale_dtype": layer.scale_dtype})
-            reason = target.capabilities.check(layer)
+            reason = None if own_check else target.capabilities.check(layer)
             if reason:
-                problems.append(f"{name}: {to} cannot express {reason}")
+                after.append((f"{name}: {to} cannot express {reason}", EXIT_UNSUPPORTED))
+        if own_check:
+            after.extend((p, EXIT_UNSUPPORTED) for p in target.check_writable(source))
+        problems = before + output + after
         return {
             "source": str(src),
             "source_format": source.info.get("format"),
             "source_info": source.info,
             "target_format": to,
+            "destination": None if dst is None else str(dst),
+            "destination_exists": exists,
+            "force": force,
+            "max_shard_size": None if to == "gguf" else parse_size(max_shard_size, "--max-shard-size"),
             "layers": layers,
+            "source_layers": n_source,
+            "fused": dict(source.plan) if isinstance(source, FusedSource) else {},
             "passthrough": source.passthrough_names(),
             "side_files": [p.name for p in source.side_files()],
-            "problems": problems,
+            "problems": [text for text, _ in before + after],  # what stops the conversion itself
+            "output_problems": [text for text, _ in output],  # what stops writing DST (it exists, no --force)
+            "exit_code": problems[0][1] if problems else EXIT_OK,
         }
 
 
@@ -64,16 +163,12 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
         w4pack.convert("llama-gptq/", "llama-w4/")
     """
     t0 = time.perf_counter()
-    from .checkpoint import check_layer_name, parse_size
-    from .fuse import FusedSource, parse_fuse
+    from .checkpoint import check_layer_name
+    from .fuse import FusedSource
 
-    _refuse_overlap(src, dst, force)
-    if options.get("base") is not None:
-        _refuse_overlap(options["base"], dst, force, "base model")
-    parse_size(max_shard_size, "--max-shard-size")  # a bad size is a usage error before anything is read
-    fuse = parse_fuse(options.pop("fuse", None))
-    if fuse and to != "w4pack":
-        raise UnsupportedError(f"--fuse applies to w4pack output only, not {to}")
+    options = dict(options)
+    fuse = _check_request(src, dst, src_format=src_format, to=to, force=force, max_shard_size=max_shard_size,
+                          options=options)
     read_opts = {k: v for k, v in options.items() if k in ("base",)}
     write_opts = {k: v for k, v in options.items() if k not in ("base",)}
     with open_source(src, src_format, **read_opts) as source:

@@ -5,6 +5,7 @@ Four checks, each optional beyond the first:
 (a) structure  — manifest schema, config, index, shard headers and shapes, sha256 of every shard;
 (b) exactness  — with ``against``: every layer unpacked equals the source's canonical layer bit for
                  bit (codes, scales, zeros, g_idx, bias), and the pass-through tensors are the same bytes;
+                 a fused layer (manifest ``fused``) is compared part by part, each part against its rows;
 (c) numerics   — every layer's native GEMM on fresh random activations (several M) against a float64
                  reference built from the canonical float64 dequantization; tolerance per precision;
 (d) quantization error — with ``base`` (the original fp16 model): ‖W_deq − W‖ / ‖W‖ per layer.
@@ -19,7 +20,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -61,6 +62,8 @@ class LayerCheck:
     float_error: float | None = None    # fast precision: error against the unrounded float64 reference
     quant_error: float | None = None    # ‖W_deq − W‖/‖W‖ against --base
     quant_max_abs: float | None = None
+    #: a fused layer with --against: one entry per part (name, rows, exact, differences)
+    parts: list[dict[str, Any]] | None = None
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -113,11 +116,15 @@ class VerifyReport:
         bad = len(self.failed_layers)
         parts = [f"{'OK' if self.ok else 'FAILED'}: {n} layers, {bad} failed"]
         parts.append("structure " + ("ok" if self.structure_ok else f"FAILED ({self.structure_error})"))
+        parts.append(f"seed {self.seed}")  # printed so that a failure can be rerun with --seed
         if self.against:
             same = sum(1 for c in self.layers if c.exact)
-            parts.append(f"{same}/{n} bit-identical to {self.against}")
+            fused = [p for c in self.layers for p in (c.parts or [])]
+            of_parts = (f" ({sum(1 for p in fused if p['exact'])}/{len(fused)} fused parts)" if fused else "")
+            parts.append(f"{same}/{n} bit-identical{of_parts} to {self.against}")
             if self.passthrough:
-                parts.append(f"pass-through {self.passthrough.get('identical', 0)}/{self.passthrough.get('total', 0)} identical")
+                pt = self.passthrough
+                parts.append(f"pass-through {pt.get('identical', 0)}/{pt.get('total', 0)} identical")
         errs = [c for c in self.layers if c.gemm_error is not None]
         if errs:
             worst = max(errs, key=lambda c: c.gemm_error)
@@ -212,7 +219,8 @@ class _BaseWeights:
             try:
                 wm = json.loads((p / "model.safetensors.index.json").read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise BadInputError(f"index is not readable: {exc}", file=str(p / "model.safetensors.index.json")) from None
+                raise BadInputError(f"index is not readable: {exc}",
+                                    file=str(p / "model.safetensors.index.json")) from None
             files = [p / f for f in sorted(set(wm.values()))]
         else:
             files = sorted(p.glob("*.safetensors"))
@@ -227,28 +235,117 @@ class _BaseWeights:
             return None
         return f.get(f"{layer}.weight"), f.dtype_name(f"{layer}.weight")
 
+    def rows(self, name: str, parts: list[tuple[str, int, int]] | None, n: int, k: int
+             ) -> tuple[Callable[[int, int], np.ndarray] | None, str | None]:
+        """(rows(n0, n1) -> float64 original weight rows, problem). A fused layer's rows come from its parts'
+        weights: the base model has q_proj, k_proj and v_proj, not qkv_proj."""
+        own = self.weight(name)
+        pieces: list[tuple[int, int, np.ndarray, str]] = []
+        if own is not None or not parts:
+            if own is None:
+                return None, "no weight for this layer in the base model"
+            if tuple(own[0].shape) != (n, k):
+                return None, f"base weight has shape {list(own[0].shape)}, expected {[n, k]}"
+            pieces.append((0, n, *own))
+        else:
+            for part, lo, hi in parts:
+                w = self.weight(part)
+                if w is None:
+                    return None, f"no weight for part {part} in the base model"
+                if tuple(w[0].shape) != (hi - lo, k):
+                    return None, f"base weight of part {part} has shape {list(w[0].shape)}, expected {[hi - lo, k]}"
+                pieces.append((lo, hi, *w))
+
+        def rows(n0: int, n1: int) -> np.ndarray:
+            out = [to_float64(np.asarray(a[max(n0, lo) - lo:min(n1, hi) - lo]), dt)
+                   for lo, hi, a, dt in pieces if lo < n1 and hi > n0]
+            return out[0] if len(out) == 1 else np.concatenate(out, axis=0)
+
+        return rows, None
+
     def close(self) -> None:
         for f in self.files:
             f.close()
 
 
 def _open_against(against: str | os.PathLike[str], base: str | os.PathLike[str] | None, src_format: str | None) -> Any:
+    """Open the --against source as convert opens SRC: a local path or an ``hf://owner/name[@rev][/file]`` spec
+    (downloaded first, so its format is detected on the local copy, not on a path that does not exist)."""
     from .formats import detect, open_source
 
-    fmt = src_format or detect(against)
+    fmt = src_format
+    if fmt is None and str(against).startswith("hf:/"):
+        if base is not None:  # the format decides whether base goes along (TOML tables need it)
+            from .hub import resolve_source
+
+            fmt = detect(resolve_source(str(against)))
+    elif fmt is None:
+        fmt = detect(against)
     opts: dict[str, Any] = {}
     if base is not None and fmt == "toml":
         opts["base"] = base  # quant tables hold no codes: they are rebuilt from the base weights
     return open_source(against, fmt, **opts)
 
 
+def _slice_rows(layer: CanonicalLayer, lo: int, hi: int, name: str) -> CanonicalLayer:
+    """Rows [lo, hi) of a layer: one part of a fused layer (g_idx, hence act-order, is shared by the parts)."""
+    return layer.replace(codes=layer.codes[lo:hi], scales=layer.scales[lo:hi],
+                         zeros=None if layer.zeros is None else layer.zeros[lo:hi],
+                         bias=None if layer.bias is None else layer.bias[lo:hi], name=name)
+
+
+def _fused_map(fused: Any) -> dict[str, list[tuple[str, int, int]]]:
+    """A manifest's ``fused`` as {fused layer: [(part, lo, hi), ...]} (the schema has checked the types)."""
+    return {name: [(p["name"], int(p["rows"][0]), int(p["rows"][1])) for p in parts]
+            for name, parts in (fused or {}).items()}
+
+
+def _tiling_problem(parts: list[tuple[str, int, int]], n: int) -> str | None:
+    """Why the parts' rows do not cover [0, n) in order, one after the other (None when they do)."""
+    at = 0
+    for part, lo, hi in parts:
+        if lo != at or hi <= lo:
+            return f"fused part {part} has rows [{lo}, {hi}), expected to start at {at} and be non-empty"
+        at = hi
+    return None if at == n else f"fused parts cover rows [0, {at}) of the layer's {n}"
+
+
+class _SourceLayers:
+    """The --against source's layers by unfused module name: a layer of its own, or rows of one of its fused
+    layers (a fused w4pack source), so that either side of the comparison may be fused."""
+
+    def __init__(self, source: Any):
+        self.source = source
+        self.names = frozenset(source.layer_names())
+        self.fused = {f: parts for f, parts in _fused_map(getattr(source, "fused", None)).items() if f in self.names}
+        self.part_of = {part: (f, lo, hi) for f, parts in self.fused.items() for part, lo, hi in parts}
+        self._last: tuple[str, CanonicalLayer] | None = None  # parts of one fused layer are read one after another
+
+    def has(self, name: str) -> bool:
+        return name in self.names or name in self.part_of
+
+    def read(self, name: str) -> CanonicalLayer:
+        if name in self.names:
+            return self.source.read_layer(name)
+        f, lo, hi = self.part_of[name]
+        if self._last is None or self._last[0] != f:
+            self._last = (f, self.source.read_layer(f))
+        return _slice_rows(self._last[1], lo, hi, name)
+
+    def units(self) -> dict[str, list[str]]:
+        """{source layer: the unfused modules it holds}."""
+        return {s: [p for p, _, _ in self.fused[s]] if s in self.fused else [s] for s in self.names}
+
+
 def _gemm_runner(device: str, threads: int | None) -> Any:
     """prepare(packed, name) -> run(x float32 [M, K], precision) -> float32 numpy [M, N] on the device."""
     if device == "cpu":
-        from .native.cpu import CpuPackedLinear, available
+        from .native.cpu import CpuPackedLinear, available, check_environment
 
         if not available():
             raise UnsupportedError("the native CPU module is not built (run `make native`)")
+        # a bad $W4PACK_ISA / $W4PACK_THREADS is a usage error (exit 2), not every layer's GEMM failing (exit 1)
+        check_environment(threads_from_env=threads is None)
 
         def prepare_cpu(packed: Any, name: str) -> Any:
             lin = CpuPackedLinear(packed, threads=threads, name=name)  # repacked once per layer
@@ -334,13 +431,22 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
             ck.verify_checksums(show_progress=show_progress)
         except BadInputError as exc:  # readable but not the recorded bytes: keep going, the layer checks name it
             report.structure_ok, report.structure_error = False, exc.one_line()
-        src_names: frozenset[str] = frozenset()
+        fused = _fused_map(ck.manifest.get("fused"))
+        for name in sorted(set(fused) - set(ck.layers)):
+            report.problems.append(f"fused layer {name} of the manifest is not one of its layers")
+        src_layers = None
         if against is not None:
             report.checks.append("exact")
             source = _open_against(against, base, src_format)
-            src_names = frozenset(source.layer_names())
-            for missing in sorted(src_names - set(ck.layers)):
-                report.problems.append(f"layer {missing} of the source is missing from the packed checkpoint")
+            src_layers = _SourceLayers(source)
+            # what the packed checkpoint holds, by unfused module: its layers and the parts of its fused layers
+            held = set(ck.layers) | {part for f in ck.layers for part, _, _ in fused.get(f, [])}
+            for sname, modules in sorted(src_layers.units().items()):
+                if sname in held:
+                    continue
+                for missing in modules:
+                    if missing not in held:
+                        report.problems.append(f"layer {missing} of the source is missing from the packed checkpoint")
         report.checks.append(f"gemm-{precision}-{device}")
         if base is not None:
             report.checks.append("quant-error")
@@ -349,8 +455,8 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
         tol = TOLERANCE[precision] if device == "cpu" else max(TOLERANCE[precision], CUDA_TOLERANCE)
         with Progress(len(ck.layers), "verify", enabled=show_progress) as bar:
             for name in ck.layers:
-                report.layers.append(_check_layer(ck, name, source, base_w, runner, precision, tol, ms, rng,
-                                                  fp16_inputs=device == "cuda", src_names=src_names))
+                report.layers.append(_check_layer(ck, name, src_layers, base_w, runner, precision, tol, ms, rng,
+                                                  fp16_inputs=device == "cuda", parts=fused.get(name)))
                 bar.update()
         if source is not None:
             report.passthrough = _compare_passthrough(ck, source, report.problems)
@@ -364,9 +470,44 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
     return report
 
 
-def _check_layer(ck: Checkpoint, name: str, source: Any, base_w: _BaseWeights | None, runner: Any,
-                 precision: str, tol: float, ms: tuple[int, ...], rng: np.random.Generator,
-                 fp16_inputs: bool = False, src_names: frozenset[str] = frozenset()) -> LayerCheck:
+def _differences(layer: CanonicalLayer, source: _SourceLayers, name: str) -> list[str]:
+    try:
+        return layer.differences(source.read(name))
+    except W4PackError as exc:
+        return [f"source layer unreadable: {exc.one_line()}"]
+
+
+def _check_exact(check: LayerCheck, layer: CanonicalLayer, source: _SourceLayers,
+                 parts: list[tuple[str, int, int]] | None) -> None:
+    """Bit-exactness against the source: the layer itself, or (fused, the source unfused) each part against the
+    rows the manifest gives it, reported per part."""
+    name = check.name
+    if source.has(name) or not parts:
+        if not source.has(name):
+            check.exact = False
+            check.problems.append("not in the source checkpoint")
+            return
+        diffs = _differences(layer, source, name)
+        check.exact = not diffs
+        if diffs:
+            check.problems.append("differs from the source: " + "; ".join(diffs[:4]))
+        return
+    check.parts = []
+    for part, lo, hi in parts:
+        if not source.has(part):
+            diffs = ["not in the source checkpoint"]
+            check.problems.append(f"part {part} (rows {lo}:{hi}) is not in the source checkpoint")
+        else:
+            diffs = _differences(_slice_rows(layer, lo, hi, part), source, part)
+            if diffs:
+                check.problems.append(f"part {part} (rows {lo}:{hi}) differs from the source: " + "; ".join(diffs[:4]))
+        check.parts.append({"name": part, "rows": [lo, hi], "exact": not diffs, "differences": diffs})
+    check.exact = all(p["exact"] for p in check.parts)
+
+
+def _check_layer(ck: Checkpoint, name: str, source: _SourceLayers | None, base_w: _BaseWeights | None,
+                 runner: Any, precision: str, tol: float, ms: tuple[int, ...], rng: np.random.Generator,
+                 fp16_inputs: bool = False, parts: list[tuple[str, int, int]] | None = None) -> LayerCheck:
     meta = ck.manifest["layers"][name]
     check = LayerCheck(name=name, shape=list(meta["shape"]), kind=_kind(meta))
     try:
@@ -375,18 +516,12 @@ def _check_layer(ck: Checkpoint, name: str, source: Any, base_w: _BaseWeights | 
     except W4PackError as exc:
         check.problems.append(f"cannot unpack: {exc.one_line()}")
         return check
+    tiling = _tiling_problem(parts, layer.out_features) if parts else None
+    if tiling:  # the manifest's part rows must cover the layer, or the loader would build wrong slices
+        check.problems.append(tiling)
+        parts = None
     if source is not None:
-        if name not in src_names:
-            check.exact = False
-            check.problems.append("not in the source checkpoint")
-        else:
-            try:
-                diffs = layer.differences(source.read_layer(name))
-            except W4PackError as exc:
-                diffs = [f"source layer unreadable: {exc.one_line()}"]
-            check.exact = not diffs
-            if diffs:
-                check.problems.append("differs from the source: " + "; ".join(diffs[:4]))
+        _check_exact(check, layer, source, parts)
     # numerics: native GEMM vs float64 reference, fresh non-zero activations for every M
     n, k = layer.out_features, layer.in_features
     x_all = rng.standard_normal((sum(ms), k)).astype(np.float32)
@@ -406,18 +541,17 @@ def _check_layer(ck: Checkpoint, name: str, source: Any, base_w: _BaseWeights | 
         wsq = 0.0
         dsq = 0.0
         dmax = 0.0
-        orig = base_w.weight(name) if base_w is not None else None
-        if base_w is not None and orig is None:
-            check.problems.append("no weight for this layer in the base model")
-        elif orig is not None and tuple(orig[0].shape) != (n, k):
-            check.problems.append(f"base weight has shape {list(orig[0].shape)}, expected {[n, k]}")
-            orig = None
+        orig = None
+        if base_w is not None:
+            orig, why = base_w.rows(name, parts, n, k)
+            if why:
+                check.problems.append(why)
         for n0, n1, w in _row_chunks(layer):
             ref[:, n0:n1] = x64 @ w.T
             if layer.bias is not None:
                 ref[:, n0:n1] += to_float64(layer.bias[n0:n1], layer.bias_dtype or "float16")
             if orig is not None:
-                w0 = to_float64(np.asarray(orig[0][n0:n1]), orig[1])
+                w0 = orig(n0, n1)
                 d = w - w0
                 wsq += float(np.sum(w0 * w0))
                 dsq += float(np.sum(d * d))

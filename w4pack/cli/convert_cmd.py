@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
+from ..convert import MIN_SHARD_SIZE
 from . import check_format_name, detect_source, emit_json
 
 
@@ -13,17 +15,23 @@ from . import check_format_name, detect_source, emit_json
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option("--from", "src_format", default=None, help="Source format (default: detected).")
 @click.option("--to", "to", default="w4pack", show_default=True,
-              help="Target format: w4pack, gptq, gptq-v2, awq, toml, compressed-tensors, gguf.")
+              help="Target format: w4pack, gptq, gptq-v2, awq, toml, compressed-tensors, gguf. With gguf, DST is "
+                   "one file (e.g. model.gguf), not a folder.")
 @click.option("--base", type=click.Path(path_type=Path), default=None,
-              help="fp16/bf16/fp32 base model folder (needed by TOML+NumPy quant tables).")
-@click.option("--max-shard-size", default="2GB", show_default=True, help="Largest shard, e.g. 2GB, 500MB.")
+              help="fp16/bf16/fp32 base model (folder or .safetensors): only for TOML+NumPy quant-table "
+                   "sources, whose codes are rebuilt from it.")
+@click.option("--max-shard-size", default="2GB", show_default=True,
+              help=f"Largest shard: plain bytes or a size in KB/MB/GB (powers of 1000) or KiB/MiB/GiB (powers of "
+                   f"1024), e.g. 500MB, 1.5GiB; at least {MIN_SHARD_SIZE} bytes. Ignored for --to gguf (one file).")
 @click.option("--fuse", "fuse", default=None, metavar="KINDS",
-              help="Fuse projections into one packed layer: qkv, gate-up or qkv,gate-up (w4pack output).")
+              help="Fuse projections into one packed layer: qkv, gate-up or qkv,gate-up (w4pack output only).")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
-@click.option("--dry-run", is_flag=True, help="Print what would be converted; write nothing.")
+@click.option("--dry-run", is_flag=True,
+              help="Print what would be converted (layers after --fuse) and every problem the real run would stop "
+                   "at; write nothing. Exits with the code the real run would give.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 def convert(src: Path, dst: Path, src_format: str | None, to: str, base: Path | None, max_shard_size: str,
-            fuse: str | None, force: bool, dry_run: bool, as_json: bool) -> None:
+            fuse: str | None, force: bool, dry_run: bool, as_json: bool) -> int:
     """Convert the checkpoint SRC into DST, losslessly.
 
     Streams layer by layer; DST appears only when complete and is never replaced without --force.
@@ -33,22 +41,16 @@ def convert(src: Path, dst: Path, src_format: str | None, to: str, base: Path | 
     check_format_name(src_format, "--from")
     check_format_name(to, "--to")
     src_format = src_format or detect_source(src)
-    opts = {"base": base} if base is not None else {}
+    opts: dict[str, Any] = {"base": base} if base is not None else {}
+    if fuse:
+        opts["fuse"] = fuse
     if dry_run:
-        doc = plan(src, src_format=src_format, to=to, **opts)
+        doc = plan(src, dst, src_format=src_format, to=to, force=force, max_shard_size=max_shard_size, **opts)
         if as_json:
             emit_json(doc)
         else:
-            click.echo(f"{src} ({doc['source_format']}) -> {dst} ({to}): {len(doc['layers'])} quantized layers, "
-                       f"{len(doc['passthrough'])} pass-through tensors, side files: "
-                       f"{', '.join(doc['side_files']) or 'none'}")
-            for p in doc["problems"]:
-                click.echo(f"  cannot convert: {p}")
-            for note in doc["source_info"].get("notes", []):
-                click.echo(f"  note: {note}")
-        return
-    if fuse:
-        opts["fuse"] = fuse
+            _print_plan(src, dst, to, doc)
+        return int(doc["exit_code"])
     result = do_convert(src, dst, src_format=src_format, to=to, force=force, max_shard_size=max_shard_size, **opts)
     if as_json:
         emit_json(result)
@@ -56,3 +58,23 @@ def convert(src: Path, dst: Path, src_format: str | None, to: str, base: Path | 
         click.echo(f"converted {result['layers']} layers ({result['source_format']} -> {to}), "
                    f"{result['passthrough']} pass-through tensors, {result['bytes'] / 1e6:.1f} MB in "
                    f"{result['seconds']:.2f}s -> {result['output']}")
+    return 0
+
+
+def _print_plan(src: Path, dst: Path, to: str, doc: dict[str, Any]) -> None:
+    """The dry run as text: what the real run would write, then what would stop it."""
+    fused = doc["fused"]
+    of_source = (f" ({doc['source_layers']} in the source, {sum(len(p) for p in fused.values())} of them fused "
+                 f"into {len(fused)})" if fused else "")
+    click.echo(f"{src} ({doc['source_format']}) -> {dst} ({to}): {len(doc['layers'])} quantized layers{of_source}, "
+               f"{len(doc['passthrough'])} pass-through tensors, side files: {', '.join(doc['side_files']) or 'none'}")
+    for note in doc["source_info"].get("notes", []):
+        click.echo(f"  note: {note}")
+    if doc["destination_exists"] and doc["force"]:
+        click.echo(f"  note: {dst} exists; --force replaces it")
+    for p in doc["problems"]:
+        click.echo(f"  cannot convert: {p}")
+    for p in doc["output_problems"]:
+        click.echo(f"  cannot write: {p}")
+    if doc["exit_code"]:
+        click.echo(f"dry run: the conversion would fail (exit {doc['exit_code']}); nothing was written")

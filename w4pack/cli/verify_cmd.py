@@ -6,32 +6,42 @@ from pathlib import Path
 import click
 
 from ..errors import EXIT_OK, EXIT_VERIFY
+from ..verify import CUDA_TOLERANCE, FAST_FLOAT_BOUND, TOLERANCE
 from . import check_format_name, detect_source, emit_json
 
 
 @click.command()
 @click.argument("packed", type=click.Path(path_type=Path))
-@click.option("--against", "against", type=click.Path(path_type=Path), default=None,
-              help="Source checkpoint (any supported format): every layer must unpack to the same bits.")
+@click.option("--against", "against", default=None, metavar="SRC",
+              help="Source checkpoint (any supported format; a path or hf://owner/name[@rev][/file], as convert "
+                   "takes): every layer must unpack to the same bits, a fused layer part by part.")
 @click.option("--from", "src_format", default=None, help="Format of --against when detection cannot tell.")
 @click.option("--base", type=click.Path(path_type=Path), default=None,
-              help="Original fp16 model (folder or .safetensors): report each layer's quantization error.")
+              help="Original fp16 model (folder or .safetensors): report each layer's quantization error. Also the "
+                   "base model that a TOML quant-table --against source needs (as convert --base).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where the GEMM check runs.")
 @click.option("--precision", type=click.Choice(["exact", "fast"]), default="exact", show_default=True,
-              help="exact: fp32 dequantize + fp32 accumulate (tolerance 1e-5); fast: int8 activations (2e-2).")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: all cores).")
-@click.option("--seed", type=int, default=None, help="Seed of the random activations (default: fresh).")
+              help=f"exact: fp32 dequantize + fp32 accumulate, relative error <= {TOLERANCE['exact']:.0e} against "
+                   f"float64. fast: activations rounded to int8 per block; <= {TOLERANCE['fast']:.0e} against a "
+                   f"float64 reference on the same rounded activations, and <= {FAST_FLOAT_BOUND:.0e} against the "
+                   f"unrounded float64 reference. --device cuda: {CUDA_TOLERANCE:.0e} (fp16 activations).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads (default: $W4PACK_THREADS, else all cores).")
+@click.option("--seed", type=int, default=None,
+              help="Seed of the random activations (default: a fresh one; the summary line prints it, so a failure "
+                   "reruns with --seed).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Show only the N worst layers.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
-def verify(packed: Path, against: Path | None, src_format: str | None, base: Path | None, device: str,
+def verify(packed: Path, against: str | None, src_format: str | None, base: Path | None, device: str,
            precision: str, threads: int | None, seed: int | None, limit: int | None, as_json: bool) -> int:
     """Verify PACKED: checksums and structure, bit-exactness against --against, the native GEMM on
     random activations against a float64 reference, and with --base the quantization error.
 
     Prints a per-layer table (worst first) and a summary line. Exit 0 when every check passes, 1 when
-    any fails (a layer differs, numerics out of tolerance, a shard's checksum), 2 for bad input (a folder
-    that cannot be read as a checkpoint: one line on stderr, as validate), 3 when --device cuda is not available.
+    any fails (a layer differs, numerics out of tolerance, a shard's checksum), 2 for bad input or usage (a folder
+    that cannot be read as a checkpoint, a bad $W4PACK_ISA or $W4PACK_THREADS: one line on stderr, as validate),
+    3 when --device cuda is not available.
     """
     from ..verify import verify as run_verify
 

@@ -22,7 +22,8 @@ except ImportError as _exc:  # pragma: no cover - only without a build
 else:
     _IMPORT_ERROR = None
 
-__all__ = ["CpuPackedLinear", "isa_info", "available", "ISA_CODES", "PRECISIONS", "default_threads"]
+__all__ = ["CpuPackedLinear", "isa_info", "available", "ISA_CODES", "PRECISIONS", "default_threads",
+           "check_environment"]
 
 #: instruction-set path name -> W4P_ISA_* code ("avx512" means "with VNNI where present")
 ISA_CODES = {"scalar": 1, "avx2": 2, "avx512novnni": 4, "avx512vnni": 8, "neon": 16}
@@ -100,13 +101,48 @@ def default_threads() -> int:
     return _DEFAULT_THREADS[0]
 
 
-def _default_threads() -> int:
+def _threads_from_env() -> int | None:
+    """$W4PACK_THREADS as a thread count (None when unset or empty); anything but a whole number >= 1 is refused
+    (0 or a negative count used to mean one thread silently)."""
     env = os.environ.get("W4PACK_THREADS")
-    if env:
-        try:
-            return max(1, int(env))
-        except ValueError:
-            raise BadInputError(f"W4PACK_THREADS={env!r} is not an integer") from None
+    if not env:
+        return None
+    try:
+        value = int(env)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise BadInputError(f"W4PACK_THREADS={env!r} is not a thread count: set a whole number >= 1, or unset it "
+                            "to use every core")
+    return value
+
+
+def _allowed_isa_names() -> list[str]:
+    """The $W4PACK_ISA values the C dispatcher accepts on this CPU (cpu_dispatch.c, w4p_cpu_isa_selected)."""
+    names = ["auto", *_available_names()]
+    if "avx512novnni" in names:
+        names.insert(names.index("avx512novnni"), "avx512")
+    return names
+
+
+def check_environment(*, threads_from_env: bool = True) -> None:
+    """Refuse a $W4PACK_ISA or $W4PACK_THREADS the kernels cannot use, once and up front (a usage error, exit 2):
+    read on every GEMM call, a bad value otherwise fails each layer with the same message. $W4PACK_THREADS is
+    checked only when it is used (``threads_from_env``: no explicit thread count)."""
+    force = os.environ.get("W4PACK_ISA")
+    if force:
+        allowed = _allowed_isa_names()
+        if force not in allowed:
+            raise BadInputError(f"W4PACK_ISA={force!r} is not an instruction-set path this CPU can run: set one of "
+                                f"{', '.join(allowed)}, or unset it")
+    if threads_from_env:
+        _threads_from_env()
+
+
+def _default_threads() -> int:
+    env = _threads_from_env()
+    if env is not None:
+        return env
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
