@@ -463,7 +463,7 @@ class TomlTablesFormat(Format):
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise UnsupportedError(f"cannot write TOML tables: {problems[0]}{more}", file=str(source.path))
         passthrough = source.passthrough_names()
-        tables: dict[str, dict[str, dict[str, Any]]] = {}
+        started: set[str] = set()  # the TOML documents begun (each layer's table is appended as it is made)
         max_bytes = parse_size(max_shard_size)
         with AtomicFolder(out, force=force) as tmp, \
                 (ShardWriter(tmp, max_bytes) if weights else contextlib.nullcontext()) as shards:
@@ -473,7 +473,12 @@ class TomlTablesFormat(Format):
                     doc_name = QUANT_TOML
                     if variant == "decoder":
                         doc_name = f"decoder-{int(_INDEX_RE.search(name).group(1))}.toml"
-                    tables.setdefault(doc_name, {})[name] = _layer_table(layer, tmp, inline=variant == "decoder")
+                    # appended at once: the decoder variant's inline lists are tens of MB per layer as text,
+                    # so keeping the documents until the end grew memory with the model
+                    text = dump_toml({name: _layer_table(layer, tmp, inline=variant == "decoder")})
+                    with open(tmp / doc_name, "a", encoding="utf-8") as fh:
+                        fh.write(("\n" if doc_name in started else "") + text)
+                    started.add(doc_name)
                     if shards is not None:
                         w, wdt = _table_weight(layer)
                         shards.add(f"{name}.weight", w, wdt)
@@ -497,8 +502,6 @@ class TomlTablesFormat(Format):
                         (tmp / p.name).write_bytes(Path(p).read_bytes())
                     except OSError as exc:
                         raise IOFailure(f"cannot copy side file: {exc.strerror}", file=str(p)) from None
-            for doc_name, doc in tables.items():
-                (tmp / doc_name).write_text(dump_toml(doc), encoding="utf-8")
         return Path(out)
 
 
