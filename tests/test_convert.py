@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import w4pack
+from w4pack.checkpoint import open_checkpoint
 from w4pack.convert import convert, plan
 from w4pack.errors import BadInputError, IOFailure
 
@@ -270,3 +271,20 @@ def test_convert_help_states_sizes_and_gguf(capsys):
     out = " ".join(out.split())
     assert rc == 0 and "plain bytes" in out and "KB/MB/GB" in out and "KiB/MiB/GiB" in out
     assert "at least 1024 bytes" in out and "Ignored for --to gguf" in out and "DST is one file" in out
+
+
+def test_reader_options_reach_the_reader_and_unknown_options_are_refused(tmp_path):
+    """source_options go to the reader (v1_zeros="carry" changes the zero points of GPTQ v1 zero-0 layers);
+    an option the w4pack writer does not take is refused, not dropped as it was."""
+    src = fixture_dir("gptq", "ag_b4_asym_g128_zero0")
+    convert(src, tmp_path / "masking", show_progress=False)
+    convert(src, tmp_path / "carry", show_progress=False, source_options={"v1_zeros": "carry"})
+    with open_checkpoint(tmp_path / "masking") as a, open_checkpoint(tmp_path / "carry") as b:
+        za = [a.layer(n).zeros for n in a.layers]
+        zb = [b.layer(n).zeros for n in b.layers]
+    # masking reads what AutoGPTQ's own kernels read; carry reads the fields differently
+    assert np.array_equal(za[0], np.load(src / "truth" / "zeros_as_read_by_v1_readers.npy"))
+    assert not np.array_equal(za[0], zb[0])
+    with pytest.raises(BadInputError, match="w4pack writer takes no option v1_zeros"):
+        convert(src, tmp_path / "x", show_progress=False, v1_zeros="carry")
+    assert not (tmp_path / "x").exists()

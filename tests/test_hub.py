@@ -107,6 +107,20 @@ def test_card_inherits_license_and_omits_unknown_base(tmp_path: Path) -> None:
     assert meta["base_model"] == "someone/original" and meta["base_model_relation"] == "quantized"
 
 
+def test_card_does_not_publish_a_local_base_path(tmp_path: Path) -> None:
+    # a TOML source records its --base folder as base_model: not a Hub id, so not in the card's front matter
+    from huggingface_hub import ModelCard
+
+    from w4pack.hub import model_card
+
+    base = tmp_path / "llama-base"
+    base.mkdir()
+    for recorded in (str(base), "/srv/models/llama", "~/llama", "./llama"):
+        folder = make_checkpoint(tmp_path / f"m{abs(hash(recorded))}", source={"format": "toml", "base_model": recorded})
+        card = model_card(folder)
+        assert "base_model" not in ModelCard(card).data.to_dict() and recorded not in card, recorded
+
+
 # -- re-runs send only what is missing ------------------------------------------------------------------
 def test_repeated_push_sends_nothing_new(hub, ckpt: Path) -> None:  # noqa: ANN001
     from w4pack.hub import push

@@ -195,6 +195,16 @@ def test_bad_device_is_a_usage_error(device: str, tiny: Path, tmp_path: Path,
         load_model(tiny, device=device)
 
 
+@pytest.mark.parametrize("var,value", [("W4PACK_ISA", "sse9"), ("W4PACK_THREADS", "0"), ("W4PACK_THREADS", "x")])
+def test_bad_kernel_environment_is_a_usage_error(var: str, value: str, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A $W4PACK_ISA or $W4PACK_THREADS the CPU kernels cannot use is refused before the model is read."""
+    monkeypatch.setenv(var, value)
+    rc, _out, err = _cli(capsys, "run", str(tmp_path / "nothing"), "--prompt", "x")
+    assert rc == 2 and err.count("\n") == 1 and var in err, err
+
+
 def test_good_device_names_are_accepted() -> None:
     assert [check_device(d) for d in ("cpu", "cuda", "cuda:0", "cuda:12")] == ["cpu", "cuda", "cuda:0", "cuda:12"]
     assert check_device(torch.device("cpu")) == "cpu" and check_device(torch.device("cuda", 1)) == "cuda:1"

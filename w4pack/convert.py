@@ -155,12 +155,18 @@ def _refuse_overlap(src: str | Path, dst: str | Path, force: bool, what: str = "
 
 def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, to: str = "w4pack",
             force: bool = False, show_progress: bool | None = None, max_shard_size: int | str = "2GB",
-            **options: Any) -> dict[str, Any]:
+            source_options: dict[str, Any] | None = None, **options: Any) -> dict[str, Any]:
     """Convert ``src`` into ``dst`` in format ``to``; returns a summary (layers, bytes, seconds).
+
+    ``options`` go to the writer of ``to`` (``version`` for AWQ, ``variant`` for TOML, ...), except ``base``
+    and ``fuse``; ``source_options`` go to the reader (``v1_zeros="carry"`` for GPTQ v1, ...). An option the
+    w4pack writer does not take is refused rather than dropped.
 
     Example::
 
-        w4pack.convert("llama-gptq/", "llama-w4/")
+        from w4pack.convert import convert
+        convert("llama-gptq/", "llama-w4/")
+        convert("llama-gptq-v1/", "llama-w4/", source_options={"v1_zeros": "carry"})
     """
     t0 = time.perf_counter()
     from .checkpoint import check_layer_name
@@ -170,7 +176,11 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
     fuse = _check_request(src, dst, src_format=src_format, to=to, force=force, max_shard_size=max_shard_size,
                           options=options)
     read_opts = {k: v for k, v in options.items() if k in ("base",)}
+    read_opts.update(source_options or {})
     write_opts = {k: v for k, v in options.items() if k not in ("base",)}
+    if to == "w4pack" and write_opts:
+        raise BadInputError(f"the w4pack writer takes no option {', '.join(sorted(write_opts))}; options for the reader "
+                         "go in source_options=")
     with open_source(src, src_format, **read_opts) as source:
         if fuse:
             source = FusedSource(source, fuse)

@@ -284,7 +284,7 @@ def _verify_section(verify: Any) -> list[str]:
     """Render the manifest's last verify summary generically (scalars as a table, lists summarised)."""
     if not isinstance(verify, dict) or not verify:
         return []
-    out = ["## Verification", "", "Last `w4pack verify` recorded in the manifest:", "",
+    out = ["## Verification", "", "The verification summary recorded in the manifest (`verify`):", "",
            "| key | value |", "|---|---|"]
     for key, val in verify.items():
         if isinstance(val, (str, int, float, bool)) or val is None:
@@ -319,10 +319,18 @@ def _card_facts(folder: Path) -> dict[str, Any]:
             "arch": arch, "n_layers": len(layers), "n_pass": len(manifest.get("passthrough") or [])}
 
 
+def _hub_id(base: Any) -> str | None:
+    """A base model as the card's front matter can name it: a Hub repository id (``org/name``). A local path
+    (a TOML source records its --base folder) would publish the converter's file system and link nowhere."""
+    if not isinstance(base, str) or not _REPO_ID.fullmatch(base) or Path(base).expanduser().exists():
+        return None
+    return base
+
+
 def _card_metadata(facts: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
     source, config = facts["source"], facts["config"]
     meta = dict(old)
-    base = source.get("base_model") or _notes_value(source, "base_model")
+    base = _hub_id(source.get("base_model") or _notes_value(source, "base_model"))
     if base:
         meta["base_model"] = base
         meta["base_model_relation"] = "quantized"
@@ -354,7 +362,7 @@ def _card_body(folder: Path, facts: dict[str, Any], repo_id: str | None) -> str:
     manifest, source, config = facts["manifest"], facts["source"], facts["config"]
     name = repo_id or folder.name
     layout = manifest.get("layout") or {}
-    base = source.get("base_model") or _notes_value(source, "base_model")
+    base = _hub_id(source.get("base_model") or _notes_value(source, "base_model"))
     lines = [CARD_BEGIN, f"# {name}", ""]
     intro = (f"4-bit weights of [{base}](https://huggingface.co/{base}), " if base else "4-bit weights, ")
     intro += (f"packed by [w4pack](https://pypi.org/project/w4pack/) {__version__} in the interleaved int4 layout "

@@ -55,6 +55,10 @@ def run(path: Path, prompt: str | None, ppl_file: Path | None, device: str, max_
     if (prompt is None) == (ppl_file is None):
         raise BadInputError("give exactly one of --prompt TEXT or --perplexity FILE")
     device = check_device(device)  # a usage error now, not torch's RuntimeError after the model is read
+    if device == "cpu":  # likewise a bad $W4PACK_ISA / $W4PACK_THREADS, before the model is read
+        from ..native.cpu import check_environment
+
+        check_environment(threads_from_env=threads is None)
     if ppl_file is not None:
         doc = perplexity(path, ppl_file, device=device, precision=precision, dtype=dtype, window=window,
                          threads=threads)
