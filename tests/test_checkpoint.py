@@ -483,3 +483,27 @@ def test_reading_a_whole_checkpoint_keeps_resident_memory_flat(tmp_path, fmt):
     layer_bytes = 1024 * 4096 // 2
     # 46 more layers (~100 MB of weights read) must not add more than a few layers' worth
     assert grew[48] - grew[2] < 8 * layer_bytes, grew
+
+
+def test_interrupt_just_after_the_final_rename_leaves_no_old_copy(tmp_path, monkeypatch):
+    """Ctrl-C landing right after the finished folder was renamed into place: the new output stands and the
+    previous one (moved aside for --force) is removed, not left behind as a hidden full copy."""
+    from w4pack import atomic
+
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "old.txt").write_text("previous output")
+    tmp = atomic.make_temp_dir(target)
+    (tmp / "new.txt").write_text("new output")
+    real_replace = os.replace
+
+    def replace_then_interrupt(a, b):
+        real_replace(a, b)
+        if Path(a) == tmp:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(atomic.os, "replace", replace_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        atomic.move_into_place(tmp, target, force=True)
+    assert (target / "new.txt").is_file() and not (target / "old.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -68,6 +68,7 @@ def move_into_place(tmp: Path, target: Path, force: bool) -> None:
     """Rename the finished ``tmp`` to ``target``. An existing target (only with force) is moved aside first and put
     back if the rename fails or is interrupted, so a failure never loses the previous output."""
     old: Path | None = None
+    moved = False
     try:
         if os.path.lexists(target):
             if not force:
@@ -75,12 +76,19 @@ def move_into_place(tmp: Path, target: Path, force: bool) -> None:
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.w4pack-old-", dir=target.parent))
             os.replace(target, old / "x")
         os.replace(tmp, target)
+        moved = True
     except BaseException:
-        if old is not None:
+        moved = moved or not os.path.lexists(tmp)  # (an interrupt can land between the rename and the flag)
+        if old is not None and not moved:
             with contextlib.suppress(OSError):
                 if os.path.lexists(old / "x") and not os.path.lexists(target):
                     os.replace(old / "x", target)
                 os.rmdir(old)
+        if not moved:
+            raise
+        # (interrupted after the rename: the new output is complete; the old one still goes, below)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
