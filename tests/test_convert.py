@@ -94,14 +94,11 @@ def test_output_that_is_or_holds_the_source_is_refused(tmp_path, case):
     `convert SRC SRC/x --force` replaced a file of the source."""
     src = tmp_path / "par" / "src"
     write_model(src)
-    if case == "inside_existing":
-        (src / "x").mkdir()
-        (src / "x" / "keep.txt").write_text("mine")
     before = sorted((str(p), p.read_bytes() if p.is_file() else b"") for p in src.rglob("*"))
     if case == "same_via_link":
         (tmp_path / "link").symlink_to(src)
     dst = {"same": src, "same_via_link": tmp_path / "link", "parent": tmp_path / "par", "grandparent": tmp_path,
-           "inside_existing": src / "x"}[case]
+           "inside_existing": src / "config.json"}[case]  # (a file of the source itself)
     with pytest.raises(BadInputError, match="the output (is|contains|lies inside) the source") as ei:
         convert(src, dst, force=True)
     assert str(dst) in str(ei.value)
@@ -111,10 +108,12 @@ def test_output_that_is_or_holds_the_source_is_refused(tmp_path, case):
     assert not list(tmp_path.rglob(".*w4pack-*"))
 
 
-def test_new_output_folder_inside_the_source_is_allowed(tmp_path):
+def test_output_folder_inside_the_source_is_allowed(tmp_path):
+    # readers take only the top-level files of a folder: a subfolder output, new or replaced, touches no source data
     src = tmp_path / "src"
     write_model(src)
     convert(src, src / "w4")
+    convert(src, src / "w4", force=True)  # the same conversion again
     w4pack.validate_checkpoint(src / "w4")
     w4pack.validate_checkpoint(src)
 
@@ -264,6 +263,10 @@ def test_dry_run_exits_with_the_code_the_real_run_gives(tmp_path, capsys):
     assert _main(capsys, "convert", src, dst)[0] == 4
     rc, out, _ = _main(capsys, "convert", src, dst, "--dry-run", "--force")
     assert rc == 0 and f"note: {dst} exists; --force replaces it" in out and list(dst.iterdir()) == []
+    # an existing output and layers the target cannot hold: every writer reports the output first, as the dry run
+    for to in ("awq", "toml", "compressed-tensors", "gptq"):
+        dry = _main(capsys, "convert", src, dst, "--to", to, "--dry-run")[0]
+        assert dry == _main(capsys, "convert", src, dst, "--to", to)[0] == 4, to
 
 
 def test_convert_help_states_sizes_and_gguf(capsys):
@@ -288,3 +291,11 @@ def test_reader_options_reach_the_reader_and_unknown_options_are_refused(tmp_pat
     with pytest.raises(BadInputError, match="w4pack writer takes no option v1_zeros"):
         convert(src, tmp_path / "x", show_progress=False, v1_zeros="carry")
     assert not (tmp_path / "x").exists()
+
+
+def test_bad_thread_count_is_refused_before_anything_is_read(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("W4PACK_THREADS", "0")
+    for extra in ((), ("--dry-run",)):
+        rc, _out, err = _main(capsys, "convert", fixture_dir(*TINY), tmp_path / "o", *extra)
+        assert rc == 2 and "W4PACK_THREADS='0'" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()

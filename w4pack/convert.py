@@ -43,6 +43,9 @@ def _check_request(src: str | Path, dst: str | Path | None, *, src_format: str |
         if base is not None:
             _refuse_overlap(base, dst, force, "base model")
     size = parse_size(max_shard_size, "--max-shard-size")  # a bad size is a usage error before anything is read
+    from .native.cpu import _threads_from_env
+
+    _threads_from_env()  # (the packers' thread count: a bad $W4PACK_THREADS is refused here, not at the first layer)
     if to != "gguf" and size < MIN_SHARD_SIZE:  # GGUF output is one file: the size does not apply
         raise BadInputError(f"--max-shard-size {max_shard_size!r} is below the minimum, {MIN_SHARD_SIZE} bytes "
                             "(1KiB)")
@@ -139,8 +142,9 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
 
 def _refuse_overlap(src: str | Path, dst: str | Path, force: bool, what: str = "source") -> None:
     """Refuse an output that is the source or holds it: with --force the source would be deleted when the output is
-    moved into place. A new output folder inside the source folder is fine (nothing of the source is touched); an
-    existing path inside it is refused with --force, which would replace part of the source."""
+    moved into place. An output folder inside the source folder is fine, new or (with --force) replaced: readers
+    take only the plain files of a folder's top level, never a subfolder. An existing file inside it is refused
+    with --force, since it may be one the source is read from."""
     if str(src).startswith("hf:/") or not os.path.lexists(src):
         return  # a Hub source is downloaded to a cache; a missing source is reported by open_source
     s, d = Path(src).resolve(), Path(dst).resolve()
@@ -148,7 +152,7 @@ def _refuse_overlap(src: str | Path, dst: str | Path, force: bool, what: str = "
     if same or s.is_relative_to(d):
         raise BadInputError(f"the output {'is' if same else 'contains'} the {what} {str(src)!r}: converting would "
                             f"replace it; choose another output", file=str(dst))
-    if force and d.is_relative_to(s) and os.path.lexists(dst):
+    if force and d.is_relative_to(s) and os.path.lexists(dst) and not Path(dst).is_dir():
         raise BadInputError(f"the output lies inside the {what} folder {str(src)!r} and exists: --force would replace "
                             "part of the source; choose another output", file=str(dst))
 

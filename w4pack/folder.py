@@ -73,7 +73,7 @@ def side_file(path: str | Path) -> Path:
         raise BadInputError("side file is a broken symbolic link", file=str(p)) from None
     if not link_target_allowed(p.parent, real):
         raise BadInputError(f"side file is a symbolic link out of the source folder (to {real}); refusing to copy "
-                            "it", file=str(p))
+                            "it: replace the link with a copy of the file to convert it", file=str(p))
     if not real.is_file():
         raise BadInputError("side file is not a regular file", file=str(p))
     return real

@@ -321,8 +321,9 @@ def _card_facts(folder: Path) -> dict[str, Any]:
 
 def _hub_id(base: Any) -> str | None:
     """A base model as the card's front matter can name it: a Hub repository id (``org/name``). A local path
-    (a TOML source records its --base folder) would publish the converter's file system and link nowhere."""
-    if not isinstance(base, str) or not _REPO_ID.fullmatch(base) or Path(base).expanduser().exists():
+    (a TOML source records its --base folder, resolved) would publish the converter's file system and link
+    nowhere. (Not checked against the disk: ``--local-dir org/name`` downloads make real ids exist locally.)"""
+    if not isinstance(base, str) or not _REPO_ID.fullmatch(base):
         return None
     return base
 

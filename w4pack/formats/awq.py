@@ -30,7 +30,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ..atomic import AtomicFolder
+from ..atomic import AtomicFolder, check_output
 from ..canonical import CanonicalLayer
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES, from_float32, to_float32
@@ -900,6 +900,7 @@ class AWQFormat(Format):
         from ..progress import Progress
 
         version = str(version).lower()
+        check_output(Path(out), force)  # (an existing output first, as every writer: --dry-run predicts this order)
         problems = cls.check_writable(source, version)
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic import AtomicFolder
+from ..atomic import AtomicFolder, check_output
 from ..canonical import CanonicalLayer, default_g_idx
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES, to_float32
@@ -189,7 +189,7 @@ class TomlTablesSource(Source):
         self._passthrough = [t for t in self.base.names() if t not in owned]
         bits = sorted({int(t.get("wbits", 0)) for t in self.tables.values() if isinstance(t.get("wbits"), int)})
         self.info: dict[str, Any] = {
-            "format": "toml", "version": variant, "base_model": str(self.base_path),
+            "format": "toml", "version": variant, "base_model": str(Path(self.base_path).resolve()),  # (a path, never mistaken for a Hub id)
             "notes": [f"codes rebuilt from the base weights: q = clamp(round(w/s)+z, 0, 2^b-1), float64 quotient; "
                       f"wbits {bits}"],
             "quirks": [],
@@ -452,6 +452,7 @@ class TomlTablesFormat(Format):
 
         if variant not in ("quant.toml", "decoder"):
             raise UnsupportedError(f"unknown TOML variant {variant!r} (quant.toml or decoder)")
+        check_output(Path(out), force)  # (an existing output first, as every writer: --dry-run predicts this order)
         problems = cls.check_writable(source)
         names = source.layer_names()
         if variant == "decoder":
