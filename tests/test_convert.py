@@ -291,6 +291,10 @@ def test_reader_options_reach_the_reader_and_unknown_options_are_refused(tmp_pat
     with pytest.raises(BadInputError, match="w4pack writer takes no option v1_zeros"):
         convert(src, tmp_path / "x", show_progress=False, v1_zeros="carry")
     assert not (tmp_path / "x").exists()
+    # the dry run's API takes the same options and refuses the same mistakes
+    assert plan(src, tmp_path / "y", source_options={"v1_zeros": "carry"})["exit_code"] == 0
+    with pytest.raises(BadInputError, match="w4pack writer takes no option v1_zeros"):
+        plan(src, tmp_path / "y", v1_zeros="carry")
 
 
 def test_bad_thread_count_is_refused_before_anything_is_read(tmp_path, capsys, monkeypatch):

@@ -67,7 +67,8 @@ def _checks_own_layers(target: type[Format]) -> bool:
 
 
 def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | None = None, to: str = "w4pack",
-         force: bool = False, max_shard_size: int | str = "2GB", **options: Any) -> dict[str, Any]:
+         force: bool = False, max_shard_size: int | str = "2GB", source_options: dict[str, Any] | None = None,
+         **options: Any) -> dict[str, Any]:
     """What convert would do, without writing: layers (after --fuse), their kinds, pass-through tensors, side files,
     and the problems the real run would stop at with the exit code it would give (``exit_code``: that of the first
     problem, 0 when none). Usage mistakes raise exactly as convert raises them; with ``dst``, an existing DST
@@ -79,6 +80,8 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
     fuse = _check_request(src, dst, src_format=src_format, to=to, force=force, max_shard_size=max_shard_size,
                           options=options)
     read_opts = {k: v for k, v in options.items() if k in ("base",)}
+    read_opts.update(source_options or {})
+    _refuse_writer_options(to, options)
     target = get_format(to)
     before: list[tuple[str, int]] = []  # convert's own checks, then the output, then the layers (the run's order)
     output: list[tuple[str, int]] = []
@@ -140,6 +143,15 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
         }
 
 
+def _refuse_writer_options(to: str, options: dict[str, Any]) -> None:
+    """The w4pack writer takes no options: one given is a mistake (a reader option belongs in source_options),
+    refused rather than dropped."""
+    extra = sorted(k for k in options if k != "base")
+    if to == "w4pack" and extra:
+        raise BadInputError(f"the w4pack writer takes no option {', '.join(extra)}; options for the reader go in "
+                            "source_options=")
+
+
 def _refuse_overlap(src: str | Path, dst: str | Path, force: bool, what: str = "source") -> None:
     """Refuse an output that is the source or holds it: with --force the source would be deleted when the output is
     moved into place. An output folder inside the source folder is fine, new or (with --force) replaced: readers
@@ -182,9 +194,7 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
     read_opts = {k: v for k, v in options.items() if k in ("base",)}
     read_opts.update(source_options or {})
     write_opts = {k: v for k, v in options.items() if k not in ("base",)}
-    if to == "w4pack" and write_opts:
-        raise BadInputError(f"the w4pack writer takes no option {', '.join(sorted(write_opts))}; options for the reader "
-                         "go in source_options=")
+    _refuse_writer_options(to, options)
     with open_source(src, src_format, **read_opts) as source:
         if fuse:
             source = FusedSource(source, fuse)
