@@ -1,9 +1,10 @@
 """Shared test plumbing: where the peers' fixtures are, and the GPU marker."""
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -63,6 +64,27 @@ class MemSource(Source):
 
     def read_tensor(self, name: str) -> TensorData:
         return self._tensors[name]
+
+
+def full_disk_open(fails: Callable[[str, str], bool]) -> Callable[..., Any]:
+    """A replacement for a module's ``open``: files for which ``fails(path, mode)`` holds fail every write with
+    ENOSPC, as on a full disk (monkeypatch it in as ``module.open``)."""
+
+    class Full:
+        def __init__(self, fh: Any):
+            self.fh = fh
+
+        def write(self, _data: Any) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.fh, name)
+
+    def full_open(path: Any, mode: str = "r", *args: Any, **kw: Any) -> Any:
+        fh = open(path, mode, *args, **kw)
+        return Full(fh) if fails(str(path), mode) else fh
+
+    return full_open
 
 
 def has_cuda() -> bool:

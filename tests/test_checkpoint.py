@@ -383,24 +383,10 @@ def test_bad_max_shard_size_is_a_usage_error(tmp_path, text):
 
 def test_disk_full_names_the_output_and_says_so(tmp_path, monkeypatch):
     """ENOSPC while a shard is written: one line naming the output and the tensor, and no temporary folder."""
-    import errno
     import w4pack.checkpoint as cp
+    from conftest import full_disk_open
 
-    class Full:
-        def __init__(self, fh):
-            self.fh = fh
-
-        def write(self, _data):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        def __getattr__(self, name):
-            return getattr(self.fh, name)
-
-    def full_open(path, mode="r", *args, **kw):
-        fh = open(path, mode, *args, **kw)
-        return Full(fh) if mode == "w+b" else fh
-
-    monkeypatch.setattr(cp, "open", full_open, raising=False)
+    monkeypatch.setattr(cp, "open", full_disk_open(lambda _path, mode: mode == "w+b"), raising=False)
     out = tmp_path / "ck"
     with pytest.raises(IOFailure, match="the disk is full") as ei:
         write_model(out)
@@ -455,7 +441,8 @@ def test_reading_a_whole_checkpoint_keeps_resident_memory_flat(tmp_path, fmt):
                              act_order=False)
         with CheckpointWriter(out + ".w4", max_shard_size="1GB") as w:
             for i in range(n_layers):
-                w.add_layer(f"model.layers.{{i}}.mlp.down_proj", layer.replace(name=f"model.layers.{{i}}.mlp.down_proj"))
+                name = f"model.layers.{{i}}.mlp.down_proj"
+                w.add_layer(name, layer.replace(name=name))
         src = out + ".w4"
         if fmt != "w4pack":
             src = out + (".gguf" if fmt == "gguf" else ".ct")

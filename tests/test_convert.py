@@ -1,7 +1,6 @@
 """convert: the driver and its CLI on a w4pack source (formats have their own tests)."""
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -163,22 +162,10 @@ def test_disk_full_in_a_peer_format_writer_names_the_output(tmp_path, monkeypatc
     """--to awq / compressed-tensors spool their tensors (formats/_shards.py): a full disk said only "No space left
     on device", naming no file."""
     import w4pack.formats._shards as shards
+    from conftest import full_disk_open
 
-    class Full:
-        def __init__(self, fh):
-            self.fh = fh
-
-        def write(self, _data):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        def __getattr__(self, name):
-            return getattr(self.fh, name)
-
-    def full_open(path, mode="r", *args, **kw):
-        fh = open(path, mode, *args, **kw)
-        return Full(fh) if Path(path).name == ".spool.partial" else fh
-
-    monkeypatch.setattr(shards, "open", full_open, raising=False)
+    monkeypatch.setattr(shards, "open", full_disk_open(lambda path, _mode: Path(path).name == ".spool.partial"),
+                        raising=False)
     src = fixture_dir("awq", "tiny_llama_gemm_g128")
     for to in ("awq", "compressed-tensors"):
         out = tmp_path / f"out-{to}"

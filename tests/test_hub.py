@@ -116,7 +116,8 @@ def test_card_does_not_publish_a_local_base_path(tmp_path: Path) -> None:
     base = tmp_path / "llama-base"
     base.mkdir()
     for recorded in (str(base), "/srv/models/llama", "~/llama", "./llama", "../llama"):
-        folder = make_checkpoint(tmp_path / f"m{abs(hash(recorded))}", source={"format": "toml", "base_model": recorded})
+        folder = make_checkpoint(tmp_path / f"m{abs(hash(recorded))}",
+                                 source={"format": "toml", "base_model": recorded})
         card = model_card(folder)
         assert "base_model" not in ModelCard(card).data.to_dict() and recorded not in card, recorded
 

@@ -19,7 +19,7 @@ from typing import Any
 from .errors import IOFailure, W4PackError
 
 __all__ = ["AtomicFolder", "write_json_atomic", "check_output", "make_temp_dir", "move_into_place",
-           "write_failure", "output_of", "umask_mode"]
+           "write_failure", "is_disk_full", "output_of", "umask_mode"]
 
 MARKER = ".w4pack-incomplete"
 _TMP_TAG = ".w4pack-tmp-"
@@ -113,16 +113,17 @@ def write_failure(exc: OSError, file: str | os.PathLike[str], what: str = "canno
     short write, which numpy reports only as "N requested and M written")."""
     if isinstance(exc, W4PackError):
         return exc  # type: ignore[return-value]
-    if exc.errno == errno.ENOSPC or _SHORT_WRITE.match(str(exc)):
-        reason = "the disk is full (no space left on device)"
-    elif exc.errno == errno.EDQUOT:
+    if exc.errno == errno.EDQUOT:
         reason = "the disk quota is exceeded"
+    elif is_disk_full(exc):
+        reason = "the disk is full (no space left on device)"
     else:
         reason = exc.strerror or str(exc)
     return IOFailure(f"{what}: {reason}", file=str(file), tensor=tensor)
 
 
-def _is_disk_full(exc: BaseException) -> bool:
+def is_disk_full(exc: BaseException) -> bool:
+    """A write that failed for lack of space: ENOSPC, a quota, or numpy's short-write message (no errno)."""
     return isinstance(exc, OSError) and not isinstance(exc, W4PackError) and \
         (exc.errno in (errno.ENOSPC, errno.EDQUOT) or bool(_SHORT_WRITE.match(str(exc))))
 
@@ -152,7 +153,7 @@ class AtomicFolder:
         assert self.tmp is not None
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
-            if _is_disk_full(exc):  # a writer's own write (a side file, a JSON document) on a full disk
+            if is_disk_full(exc):  # a writer's own write (a side file, a JSON document) on a full disk
                 name = getattr(exc, "filename", None)
                 raise write_failure(exc, output_of(Path(name)) if name else self.target) from None
             return

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from . import __version__
-from .atomic import check_output, make_temp_dir, move_into_place, write_failure
+from .atomic import check_output, is_disk_full, make_temp_dir, move_into_place, write_failure
 from .canonical import CanonicalLayer
 from .dtypes import dtype_name_of
 from .errors import BadInputError, IOFailure
@@ -54,7 +54,6 @@ __all__ = [
     "validate_checkpoint",
     "parse_size",
     "check_layer_name",
-    "check_side_file",
 ]
 
 MANIFEST_NAME = "w4pack.json"
@@ -108,12 +107,6 @@ def check_layer_name(name: str, file: str | None = None) -> None:
                             "'_', '.' and '-', not start with '.' or '-', and be at most "
                             f"{rule['maxLength']} characters", file=file,
                             tensor=repr(name) if isinstance(name, str) and not name.isprintable() else str(name))
-
-
-def check_side_file(path: str | os.PathLike[str]) -> Path:
-    """The real path of a side file if it is a regular file of its folder (folder.side_file: a symbolic link out
-    of the folder is refused)."""
-    return side_file(path)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -246,7 +239,7 @@ class CheckpointWriter:
                 _copy_fd(src.fileno(), offset, self._shard.fileno(), self._shard.tell(), nbytes)
             self._shard.seek(nbytes, os.SEEK_CUR)
         except OSError as exc:
-            if isinstance(exc, IOFailure) or exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            if not is_disk_full(exc):
                 raise IOFailure(f"cannot copy tensor data: {exc.strerror}", file=str(path), tensor=name) from None
             raise self._shard_failure(exc, name) from None
         begin = self._pending_bytes
@@ -288,23 +281,23 @@ class CheckpointWriter:
 
     def add_side_file(self, src: str | os.PathLike[str], name: str | None = None) -> None:
         """Copy a file (tokenizer, generation config, ...) into the folder: a regular file inside its folder only
-        (see check_side_file), under a plain name that cannot overwrite the checkpoint's own files."""
+        (see folder.side_file), under a plain name that cannot overwrite the checkpoint's own files."""
         src = Path(src)
         name = name or src.name
         if name in _RESERVED or "/" in name or name.startswith(".") or name.endswith(".safetensors"):
             raise BadInputError(f"refusing side file name {name!r}", file=str(src))
-        real = check_side_file(src)
+        real = side_file(src)
         try:
             shutil.copyfile(real, self.tmp / name)
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            if is_disk_full(exc):
                 raise write_failure(exc, self.target / name) from None
             raise IOFailure(f"cannot copy side file: {exc.strerror}", file=str(src)) from None
         if name not in self.side_files:
             self.side_files.append(name)
 
     def copy_side_files_from(self, folder: str | os.PathLike[str]) -> None:
-        """The SIDE_FILES present in ``folder`` (links are followed only inside it: see check_side_file)."""
+        """The SIDE_FILES present in ``folder`` (links are followed only inside it: see folder.side_file)."""
         for name in SIDE_FILES:
             p = Path(folder) / name
             if p.is_file():

@@ -11,7 +11,8 @@ from typing import Any
 
 from .errors import BadInputError
 
-__all__ = ["read_json", "write_json", "member", "brief", "link_target_allowed", "side_file", "side_files"]
+__all__ = ["read_json", "write_json", "member", "brief", "is_json_int", "link_target_allowed", "side_file",
+           "side_files"]
 
 
 def read_json(path: Path) -> Any:
@@ -33,6 +34,12 @@ def brief(value: Any, limit: int = 80) -> str:
     """``repr`` cut to ``limit`` characters: a hostile value must not turn a one-line error into megabytes."""
     text = repr(list(value) if isinstance(value, tuple) else value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def is_json_int(v: Any) -> bool:
+    """A JSON integer as the readers take one: not a bool, float (4.0, 128.5, Infinity) or string, all of which
+    int() would have coerced."""
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def write_json(path: Path, doc: Any) -> None:

@@ -19,7 +19,7 @@ from typing import Any, BinaryIO, Iterable
 import numpy as np
 
 from .errors import BadInputError, UnsupportedError
-from .folder import brief
+from .folder import brief, is_json_int
 
 __all__ = ["SafetensorsFile", "write_safetensors", "DTYPES", "dtype_to_st", "MAX_HEADER"]
 
@@ -60,7 +60,7 @@ _MAX_ARRAY_BYTES = 2**63 - 1  # numpy's limit on the product of an array's non-z
 
 def _is_count(v: Any) -> bool:
     """A JSON non-negative integer: not a bool, float (4.7, Infinity) or string, which int() would accept."""
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    return is_json_int(v) and v >= 0
 
 
 def _entry_problem(info: dict[str, Any]) -> str | None:

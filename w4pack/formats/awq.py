@@ -35,7 +35,7 @@ from ..canonical import CanonicalLayer
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES, from_float32, to_float32
 from ..errors import BadInputError, IOFailure, UnsupportedError
-from ..folder import brief, member as _check_member, read_json as _read_json, side_files, write_json
+from ..folder import brief, is_json_int, member as _check_member, read_json as _read_json, side_files, write_json
 from ._shards import ShardWriter
 from ._torchfile import dtype_name as torch_dtype_name, load_state_dict, to_numpy as torch_to_numpy
 from ..safetensors_io import DTYPES, SafetensorsFile
@@ -384,7 +384,7 @@ def _normalize_settings(qc: dict[str, Any], file: str) -> dict[str, Any]:
     # (JSON writers emit real integers and booleans: "4", 128.5, Infinity or "false" is a damaged config, not a
     # value to coerce)
     for key, value in (("bits", bits), ("group_size", gs)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        if value is not None and not is_json_int(value):
             raise BadInputError(f"{key} must be an integer, got {brief(value)}", file=file)
     if gs is not None and gs != -1 and gs < 1:
         raise BadInputError(f"group_size must be positive or -1, got {gs}", file=file)

@@ -27,7 +27,7 @@ from ..canonical import CanonicalLayer
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES
 from ..errors import BadInputError, UnsupportedError
-from ..folder import brief, member, read_json, side_files, write_json
+from ..folder import brief, is_json_int, member, read_json, side_files, write_json
 from ._shards import ShardWriter
 from ..safetensors_io import SafetensorsFile
 from .base import Capabilities, Format, Source, TensorData
@@ -113,19 +113,15 @@ def _check_patterns(targets: list[str], key: str, label: str) -> None:
                                     file=label) from None
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _check_weights(w: dict[str, Any], key: str, label: str) -> None:
     """Types of the weight arguments read_layer relies on; int()/bool() would turn "x" into a crash, 128.5 into 128
     and "false" into True."""
-    if "num_bits" in w and not _is_int(w["num_bits"]):
+    if "num_bits" in w and not is_json_int(w["num_bits"]):
         raise BadInputError(f"{key}.num_bits must be an integer, got {brief(w['num_bits'])}", file=label)
     if "symmetric" in w and not isinstance(w["symmetric"], bool):
         raise BadInputError(f"{key}.symmetric must be true or false, got {brief(w['symmetric'])}", file=label)
     gs = w.get("group_size")
-    if gs is not None and (not _is_int(gs) or gs == 0 or gs < -1):
+    if gs is not None and (not is_json_int(gs) or gs == 0 or gs < -1):
         raise BadInputError(f"{key}.group_size must be a positive integer, -1 or null, got {brief(gs)}", file=label)
     if w.get("strategy") is not None and not isinstance(w["strategy"], str):
         raise BadInputError(f"{key}.strategy must be a string, got {brief(w['strategy'])}", file=label)

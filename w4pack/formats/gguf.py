@@ -565,7 +565,7 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
     from ..progress import Progress
 
     from ..atomic import check_output, umask_mode, write_failure
-    from ..checkpoint import check_side_file
+    from ..folder import side_file
 
     out = Path(out)
     check_output(out, force)
@@ -595,7 +595,7 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
     notes: list[str] = []
     side = source.side_files()
     for p in side:
-        check_side_file(p)  # a tokenizer.json linked from outside the source folder is not embedded
+        side_file(p)  # a tokenizer.json linked from outside the source folder is not embedded
     for p in side:
         if p.name == METADATA_NAME:
             import json

@@ -40,7 +40,7 @@ from ..layout import PackedLayer
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES
 from ..errors import BadInputError, IOFailure, UnsupportedError, W4PackError
-from ..folder import brief, member, read_json as _read_json, side_files, write_json
+from ..folder import brief, is_json_int, member, read_json as _read_json, side_files, write_json
 from ._torchfile import dtype_name as torch_dtype_name, load_state_dict, to_numpy as torch_to_numpy
 from ..progress import Progress
 from ..safetensors_io import DTYPES, SafetensorsFile, dtype_to_st
@@ -206,12 +206,7 @@ class _Store:
         around them too (the kernel's fault-around), so per-tensor releases leave neighbours behind, and
         those add up over a checkpoint; once per layer this keeps resident memory flat."""
         for f in self._st.values():
-            mm = getattr(f, "_mm", None)
-            if mm is not None and hasattr(mm, "madvise"):
-                try:
-                    mm.madvise(mmap.MADV_DONTNEED)
-                except (OSError, ValueError):
-                    pass
+            f.release()
 
     def _get_pt(self, path: str, name: str) -> np.ndarray:
         return torch_to_numpy(self._pt[path][name])
@@ -297,7 +292,7 @@ def _check_settings(doc: dict[str, Any], file: str, where: str) -> None:
         if value is None:
             continue
         if key in _INT_KEYS:
-            if not isinstance(value, int) or isinstance(value, bool):
+            if not is_json_int(value):
                 raise BadInputError(f"{where}{key} must be an integer, got {brief(value)}", file=file)
             if key in ("group_size", "q_group_size", "groupsize") and (value == 0 or value < -1):
                 raise BadInputError(f"{where}{key} must be a positive integer or -1, got {value}", file=file)

@@ -32,7 +32,7 @@ from ..canonical import CanonicalLayer, default_g_idx
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES, to_float32
 from ..errors import BadInputError, IOFailure, UnsupportedError
-from ..folder import brief, read_json as _read_json, side_files, write_json
+from ..folder import brief, is_json_int, read_json as _read_json, side_files, write_json
 from ._shards import ShardWriter
 from .awq import SafetensorsStore
 from .base import Capabilities, Format, Source, TensorData
@@ -189,7 +189,8 @@ class TomlTablesSource(Source):
         self._passthrough = [t for t in self.base.names() if t not in owned]
         bits = sorted({int(t.get("wbits", 0)) for t in self.tables.values() if isinstance(t.get("wbits"), int)})
         self.info: dict[str, Any] = {
-            "format": "toml", "version": variant, "base_model": str(Path(self.base_path).resolve()),  # (a path, never mistaken for a Hub id)
+            # (the base as a resolved path: never mistaken for a Hub id on a model card)
+            "format": "toml", "version": variant, "base_model": str(Path(self.base_path).resolve()),
             "notes": [f"codes rebuilt from the base weights: q = clamp(round(w/s)+z, 0, 2^b-1), float64 quotient; "
                       f"wbits {bits}"],
             "quirks": [],
@@ -247,8 +248,7 @@ class TomlTablesSource(Source):
             return arr, f" in {p.name}"
         if isinstance(val, list):
             shape = table.get(f"{key}_shape")
-            if shape is not None and not (isinstance(shape, list) and all(
-                    isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+            if shape is not None and not (isinstance(shape, list) and all(is_json_int(d) and d >= 0 for d in shape)):
                 raise BadInputError(f"{key}_shape must be a list of non-negative integers, got {brief(shape)}",
                                     file=tfile, tensor=name)
             try:
@@ -285,7 +285,7 @@ class TomlTablesSource(Source):
             return BadInputError(msg, file=tfile, tensor=name)
 
         bits, gsz = t.get("wbits"), t.get("groupsize", -1)
-        if not isinstance(bits, int) or isinstance(bits, bool) or not isinstance(gsz, int) or isinstance(gsz, bool):
+        if not is_json_int(bits) or not is_json_int(gsz):
             raise bad(f"wbits and groupsize must be integers, got {brief(bits)}, {brief(gsz)}")
         for flag in ("sym", "perchannel"):  # bool("false") would be True
             if flag in t and not isinstance(t[flag], bool):
