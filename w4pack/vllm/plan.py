@@ -1,0 +1,157 @@
+"""What a serving engine needs to know about a packed checkpoint, read once from its manifest (no vLLM import).
+
+Why separate from the linear method: vLLM builds the quantization config in the engine process and pickles it
+to every worker; this is that picklable part. It answers, for each linear layer the engine builds, which
+checkpoint layers feed it (vLLM merges q/k/v and gate/up into one layer; ``w4pack convert --fuse`` may already
+have), and it refuses, before any weight is loaded, a checkpoint the engine's model cannot take.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from ..errors import BadInputError, UnsupportedError
+
+__all__ = ["LayerPart", "LayerPlan", "CheckpointPlan", "resolve_model_path"]
+
+PLAIN = None  #: shard key of a layer fed by one checkpoint layer
+
+
+@dataclass
+class LayerPart:
+    """One checkpoint layer feeding (part of) an engine layer."""
+
+    name: str                      # checkpoint layer name (module path)
+    meta: dict[str, Any]           # its manifest entry (source notes dropped)
+    shard: Any = PLAIN             # the engine's shard id ("q"/"k"/"v", 0/1, ...) or PLAIN
+    sub_rows: list[tuple[str, int, int]] | None = None  # a --fuse'd layer's projections: (name, start, stop)
+    extra_bias: np.ndarray | None = None  # a non-zero bias on a layer the engine builds without one
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, k = self.meta["shape"]
+        return int(n), int(k)
+
+
+@dataclass
+class LayerPlan:
+    prefix: str
+    parts: list[LayerPart]
+
+    def suffixes(self) -> list[str]:
+        """The packed tensors the engine must register (bias is the engine's own parameter)."""
+        out: list[str] = []
+        for p in self.parts:
+            for s in p.meta["tensors"]:
+                if s != "bias" and s not in out:
+                    out.append(s)
+        return out
+
+
+@dataclass
+class CheckpointPlan:
+    """The manifest's layers under the engine's module names, and the tensors stored unquantized."""
+
+    path: str
+    layers: dict[str, dict[str, Any]]
+    fused: dict[str, list[dict[str, Any]]]
+    passthrough: set[str]
+    biases: dict[str, np.ndarray] = field(default_factory=dict)  # non-zero biases, by checkpoint layer
+
+    @classmethod
+    def from_folder(cls, path: str | os.PathLike[str]) -> "CheckpointPlan":
+        from ..checkpoint import Checkpoint
+
+        with Checkpoint(path) as ckpt:
+            _check_config(ckpt)
+            layers = {name: {k: v for k, v in meta.items() if k != "source"}
+                      for name, meta in ckpt.manifest["layers"].items()}
+            biases = {}
+            for name, meta in layers.items():
+                tname = meta["tensors"].get("bias")
+                if tname is not None:
+                    b = np.array(ckpt.raw(tname))
+                    if np.any(b.view(np.uint8)):  # +0.0 everywhere is no bias (AutoGPTQ writes such)
+                        biases[name] = b
+            return cls(path=str(ckpt.path), layers=layers, fused=dict(ckpt.manifest.get("fused") or {}),
+                       passthrough=set(ckpt.passthrough), biases=biases)
+
+    def rename(self, mapper: Callable[[str], str | None]) -> None:
+        """Apply the engine's checkpoint-to-module renames (e.g. a model whose modules sit under another
+        prefix); names the engine drops are dropped here too."""
+
+        def ren(name: str) -> str | None:
+            return mapper(name)
+
+        self.layers = {new: m for name, m in self.layers.items() if (new := ren(name)) is not None}
+        self.biases = {new: b for name, b in self.biases.items() if (new := ren(name)) is not None}
+        self.fused = {new: [dict(p, name=ren(p["name"]) or p["name"]) for p in parts]
+                      for name, parts in self.fused.items() if (new := ren(name)) is not None}
+        self.passthrough = {new for t in self.passthrough if (new := ren(t)) is not None}
+
+    # -- per engine layer ------------------------------------------------------------------------
+    def plan(self, prefix: str, merged: Iterable[str] | None, shard_ids: list[Any] | None) -> LayerPlan | None:
+        """The checkpoint layers behind engine layer ``prefix``; None when it is stored unquantized.
+
+        ``merged``: the checkpoint names the engine merged into this layer (its ``packed_modules_mapping``),
+        ``shard_ids``: the ids the engine's loader gives them, in the same order."""
+        if prefix in self.layers:
+            meta = self.layers[prefix]
+            sub = self.fused.get(prefix)
+            rows = None if sub is None else [(p["name"], int(p["rows"][0]), int(p["rows"][1])) for p in sub]
+            return LayerPlan(prefix, [LayerPart(prefix, meta, PLAIN, rows, self.biases.get(prefix))])
+        names = list(merged or [])
+        if not names:
+            self._require_float(prefix, [prefix])
+            return None
+        present = [n for n in names if n in self.layers]
+        if not present:
+            self._require_float(prefix, names)
+            return None
+        if len(present) != len(names):
+            missing = [n for n in names if n not in self.layers]
+            raise UnsupportedError(f"the engine merges {', '.join(names)} into one layer, but only "
+                                   f"{', '.join(present)} are quantized in the checkpoint ({', '.join(missing)} "
+                                   "are not): a merged layer must be all packed or all float", tensor=prefix)
+        ids = shard_ids if shard_ids is not None else list(range(len(names)))
+        return LayerPlan(prefix, [LayerPart(n, self.layers[n], sid, None, self.biases.get(n))
+                                  for n, sid in zip(names, ids)])
+
+    def _require_float(self, prefix: str, names: list[str]) -> None:
+        missing = [n for n in names if f"{n}.weight" not in self.passthrough]
+        if missing:
+            raise BadInputError(f"the model needs linear layer {missing[0]}, which the checkpoint holds neither "
+                                "packed (manifest layers) nor as a float weight; the checkpoint is for another "
+                                "architecture or incomplete", file=self.path, tensor=missing[0])
+
+
+def _check_config(ckpt: Any) -> None:
+    """The manifest and config.json must describe the same layout (the loader trusts the manifest per layer)."""
+    qc = ckpt.config.get("quantization_config") or {}
+    fused_cfg = qc.get("fused")
+    if fused_cfg is not None and fused_cfg != (ckpt.manifest.get("fused") or {}):
+        raise BadInputError("config.json's quantization_config.fused disagrees with the manifest's fused table",
+                            file=str(Path(ckpt.path) / "config.json"))
+    layout = ckpt.manifest.get("layout") or {}
+    if layout and (layout.get("name"), layout.get("version")) != (qc.get("layout"), qc.get("layout_version")):
+        raise BadInputError(f"config.json says layout {qc.get('layout')} v{qc.get('layout_version')} but the "
+                            f"manifest says {layout.get('name')} v{layout.get('version')}",
+                            file=str(Path(ckpt.path) / "config.json"))
+
+
+def resolve_model_path(model: str, revision: str | None = None) -> str:
+    """A local folder as is; a Hub id as its snapshot in the local cache (downloaded if needed, as the engine
+    will download the same files for its weights)."""
+    if os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, revision=revision,
+                                 allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
+    except Exception as exc:  # noqa: BLE001 - the Hub client raises many kinds; say what was asked
+        raise BadInputError(f"cannot read the w4pack manifest of {model!r}: {exc}") from None

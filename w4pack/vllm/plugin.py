@@ -1,0 +1,80 @@
+"""The vLLM side of the plugin: the quantization config and the linear method, as vLLM's classes want them.
+
+Everything that does work lives in ``plan`` (the manifest, read once in the engine process and pickled to the
+workers) and ``method`` (create/load/process/apply); this module only adapts them to vLLM's base classes.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+from ..errors import BadInputError, UnsupportedError
+from ..schema import validate_quantization_config
+from .method import PackedLinearMethod, _is_qkv, precision_from_env
+from .plan import CheckpointPlan, resolve_model_path
+
+__all__ = ["W4PackConfig", "W4PackLinearMethod"]
+
+
+class W4PackLinearMethod(PackedLinearMethod, LinearMethodBase):
+    """``PackedLinearMethod`` as a vLLM ``LinearMethodBase``."""
+
+
+class W4PackConfig(QuantizationConfig):
+    """config.json's ``quantization_config`` plus the manifest it names (read in ``maybe_update_config``)."""
+
+    def __init__(self, quant_config: dict[str, Any]):
+        super().__init__()
+        self.quant_config = quant_config
+        self.checkpoint: CheckpointPlan | None = None
+        self.precision = precision_from_env()
+
+    def __repr__(self) -> str:
+        return f"W4PackConfig(layout={self.quant_config.get('layout')} v{self.quant_config.get('layout_version')})"
+
+    def get_name(self) -> str:
+        return "w4pack"
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.float16, torch.bfloat16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 80  # the CUDA kernels use mma.sync m16n8k16 (sm_80 and newer)
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []  # the quantization_config in config.json is enough; the manifest is read from the model
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "W4PackConfig":
+        validate_quantization_config(dict(config), file="config.json")
+        return cls(dict(config))
+
+    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
+        self.checkpoint = CheckpointPlan.from_folder(resolve_model_path(model_name, revision))
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper: Any) -> None:
+        if self.checkpoint is not None:
+            self.checkpoint.rename(hf_to_vllm_mapper._map_name)
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Any:
+        if self.checkpoint is None:
+            raise BadInputError("the w4pack manifest was not read (maybe_update_config was not called)")
+        if not isinstance(layer, LinearBase):
+            if prefix in self.checkpoint.layers:
+                raise UnsupportedError(f"the checkpoint stores {type(layer).__name__} {prefix!r} packed; the vLLM "
+                                       "plugin packs linear layers only (keep it unquantized at convert time)",
+                                       file=self.checkpoint.path, tensor=prefix)
+            return None
+        parent, _, leaf = prefix.rpartition(".")
+        merged = self.packed_modules_mapping.get(leaf)
+        names = [f"{parent}.{m}" if parent else m for m in merged] if merged else None
+        shard_ids = ["q", "k", "v"] if names and len(names) == 3 and _is_qkv(layer) else None
+        plan = self.checkpoint.plan(prefix, names, shard_ids)
+        if plan is None:
+            return UnquantizedLinearMethod()
+        return W4PackLinearMethod(plan, precision=self.precision)
