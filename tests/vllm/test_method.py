@@ -1,0 +1,212 @@
+"""The plugin's linear method driven directly (create → load → process → apply), as vLLM drives it, without vLLM.
+
+The layer classes below carry the names and attributes of vLLM's (the method reads only those), so every tensor
+parallel split of every layer kind runs here on CPU, and on CUDA tensors where a GPU is present.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from test_layout import random_layer
+from w4pack.layout import PackedLayer, pack, unpack
+from w4pack.vllm.method import PackedLinearMethod
+from w4pack.vllm.plan import LayerPart, LayerPlan
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+class LinearBase(nn.Module):
+    def __init__(self, prefix: str, rank: int, size: int, has_bias: bool):
+        super().__init__()
+        self.prefix, self.tp_rank, self.tp_size, self.has_bias = prefix, rank, size, has_bias
+        self.params_dtype = torch.float16
+
+
+class ColumnParallelLinear(LinearBase):
+    pass
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    pass
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    pass
+
+
+class RowParallelLinear(LinearBase):
+    pass
+
+
+def _meta(name: str, packed: PackedLayer) -> dict:
+    meta = dict(packed.meta)
+    meta["tensors"] = {s: f"{name}.{s}" for s in packed.tensors}
+    return meta
+
+
+def _seed(*key: object) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def _serve(cls, plan: LayerPlan, full: dict, rank: int, size: int, out_sizes: list[int], k: int, device: str,
+           replicas: int = 1) -> nn.Module:
+    """One rank's layer: create, load every part's full tensors, process."""
+    layer = cls(plan.prefix, rank, size, has_bias=False)
+    layer.num_kv_head_replicas = replicas
+    layer.output_partition_sizes = out_sizes
+    method = PackedLinearMethod(plan, precision="exact", threads=1)
+    with torch.device(device):
+        method.create_weights(layer, k // size if cls is RowParallelLinear else k, out_sizes, k,
+                              sum(out_sizes) * size, torch.float16)
+    for part in plan.parts:
+        for suffix, arr in full[part.name].tensors.items():
+            if suffix == "bias":
+                continue
+            t = torch.from_numpy(np.ascontiguousarray(arr).view(np.int16) if arr.dtype == np.uint16 else
+                                 np.ascontiguousarray(arr))
+            if part.meta["scale_dtype"] == "bfloat16" and suffix in ("scales", "mins"):
+                t = t.view(torch.bfloat16)
+            elif arr.dtype == np.uint16:
+                t = t.view(torch.uint16)  # 8-bit layers' zero points, as safetensors hands them over
+            param = getattr(layer, suffix)
+            param.weight_loader(param, t, part.shard) if part.shard is not None else param.weight_loader(param, t)
+    method.process_weights_after_loading(layer)
+    assert not [n for n, _ in layer.named_parameters(recurse=False)], "placeholders must be gone"
+    layer.method = method
+    return layer
+
+
+def _dtype(device: str) -> torch.dtype:
+    return torch.float32 if device == "cpu" else torch.float16
+
+
+def _close(got: torch.Tensor, want: np.ndarray, device: str) -> None:
+    tol = 1e-4 if device == "cpu" else 2e-2
+    scale = float(np.abs(want).max())
+    np.testing.assert_allclose(got.float().cpu().numpy(), want, rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["none", "int", "float"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_row_parallel_act_order_k576(device, mode, tp):
+    rng = _seed("row", mode, tp)
+    layer = random_layer(rng, 96, 576, 4, 128, mode, True, "float16")
+    packed = pack(layer)
+    bias = rng.standard_normal(96).astype(np.float16)  # a bias the engine's layer lacks: the method adds it
+    plan = LayerPlan("mlp.down_proj", [LayerPart("mlp.down_proj", _meta("mlp.down_proj", packed), None, None, bias)])
+    x = rng.standard_normal((4, 576)).astype(np.float32)
+    want = x.astype(np.float64) @ layer.dequantize(np.float64).T + bias.astype(np.float64)
+    total = torch.zeros((4, 96), dtype=torch.float32)
+    per = 576 // tp
+    for rank in range(tp):
+        served = _serve(RowParallelLinear, plan, {"mlp.down_proj": packed}, rank, tp, [96], 576, device)
+        xl = torch.from_numpy(x[:, rank * per:(rank + 1) * per]).to(device, _dtype(device))
+        total += served.method.apply(served, xl).float().cpu()
+    _close(total, want, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("tp,kv_heads", [(1, 2), (2, 2), (4, 2)])
+def test_qkv_parts_and_kv_replicas(device, act_order, tp, kv_heads):
+    """q/k/v from three checkpoint layers (own act-order permutations: three GEMMs; else one stacked)."""
+    rng = _seed("qkv", act_order, tp)
+    head, heads, k = 32, 4, 128
+    names = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj"}
+    rows = {"q": heads * head, "k": kv_heads * head, "v": kv_heads * head}
+    layers = {s: random_layer(rng, rows[s], k, 4, 32, "int", act_order) for s in names}
+    packed = {names[s]: pack(layers[s]) for s in names}
+    plan = LayerPlan("attn.qkv_proj", [LayerPart(names[s], _meta(names[s], packed[names[s]]), s) for s in names])
+    replicas = max(1, tp // kv_heads)
+    kv_per = rows["k"] // tp * replicas
+    out_sizes = [rows["q"] // tp, kv_per, kv_per]
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    ref = {s: x.astype(np.float64) @ layers[s].dequantize(np.float64).T for s in names}
+    for rank in range(tp):
+        served = _serve(QKVParallelLinear, plan, packed, rank, tp, out_sizes, k, device, replicas)
+        assert len(served.w4pack) == (3 if act_order else 1)
+        got = served.method.apply(served, torch.from_numpy(x).to(device, _dtype(device)))
+        kv_rank = rank // replicas
+        want = np.concatenate([ref["q"][:, rank * out_sizes[0]:(rank + 1) * out_sizes[0]],
+                               ref["k"][:, kv_rank * kv_per:(kv_rank + 1) * kv_per],
+                               ref["v"][:, kv_rank * kv_per:(kv_rank + 1) * kv_per]], axis=1)
+        _close(got, want, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fused_checkpoint_gate_up(device, tp):
+    """A layer fused at convert time (--fuse gate-up) served as vLLM's merged gate_up_proj."""
+    rng = _seed("fused", tp)
+    gate = random_layer(rng, 80, 192, 8, 64, "int", True)
+    up = random_layer(rng, 80, 192, 8, 64, "int", False).replace(g_idx=gate.g_idx.copy())
+    from w4pack.fuse import fuse_layers
+
+    fused, parts = fuse_layers("mlp.gate_up_proj", [gate.replace(name="mlp.gate_proj"), up.replace(name="mlp.up_proj")])
+    packed = pack(fused)
+    sub = [(p["name"], p["rows"][0], p["rows"][1]) for p in parts]
+    plan = LayerPlan("mlp.gate_up_proj", [LayerPart("mlp.gate_up_proj", _meta("mlp.gate_up_proj", packed), None, sub)])
+    x = rng.standard_normal((2, 192)).astype(np.float32)
+    w = fused.dequantize(np.float64)
+    ref = x.astype(np.float64) @ w.T
+    per = 80 // tp
+    for rank in range(tp):
+        served = _serve(MergedColumnParallelLinear, plan, {"mlp.gate_up_proj": packed}, rank, tp, [per, per], 192,
+                        device)
+        got = served.method.apply(served, torch.from_numpy(x).to(device, _dtype(device)))
+        want = np.concatenate([ref[:, rank * per:(rank + 1) * per], ref[:, 80 + rank * per:80 + (rank + 1) * per]],
+                              axis=1)
+        _close(got, want, device)
+
+
+def test_engine_bias_added_after_gemm():
+    rng = _seed("bias")
+    layer = random_layer(rng, 48, 128, 4, 64, "none", False)
+    packed = pack(layer)
+    plan = LayerPlan("o", [LayerPart("o", _meta("o", packed))])
+    served = _serve(ColumnParallelLinear, plan, {"o": packed}, 0, 1, [48], 128, "cpu")
+    x = rng.standard_normal((2, 128)).astype(np.float32)
+    b = torch.from_numpy(rng.standard_normal(48).astype(np.float32))
+    got = served.method.apply(served, torch.from_numpy(x), b)
+    _close(got, x.astype(np.float64) @ layer.dequantize(np.float64).T + b.numpy(), "cpu")
+
+
+def test_shape_mismatch_refused_before_loading():
+    rng = _seed("shape")
+    packed = pack(random_layer(rng, 48, 128, 4, 64, "none", False))
+    plan = LayerPlan("o", [LayerPart("o", _meta("o", packed))])
+    layer = ColumnParallelLinear("o", 0, 1, False)
+    method = PackedLinearMethod(plan, precision="exact")
+    from w4pack.errors import BadInputError
+
+    with pytest.raises(BadInputError, match=r"output rows \[48\] do not match the model's \[64\]"):
+        method.create_weights(layer, 128, [64], 128, 64, torch.float16)
+    with pytest.raises(BadInputError, match="takes 128 inputs, the model's o takes 256"):
+        method.create_weights(layer, 256, [48], 256, 48, torch.float16)
+
+
+def test_wrong_stored_dtype_refused():
+    rng = _seed("dtype")
+    packed = pack(random_layer(rng, 16, 64, 4, 64, "none", False))
+    plan = LayerPlan("o", [LayerPart("o", _meta("o", packed))])
+    layer = ColumnParallelLinear("o", 0, 1, False)
+    method = PackedLinearMethod(plan, precision="exact")
+    method.create_weights(layer, 64, [16], 64, 16, torch.float16)
+    from w4pack.errors import BadInputError
+
+    with pytest.raises(BadInputError, match=r"tensor o.scales: stored as torch.float32"):
+        layer.scales.weight_loader(layer.scales, torch.zeros(1, 16, dtype=torch.float32))
+
+
+def test_unpacked_placeholders_match_manifest():
+    rng = _seed("names")
+    packed = pack(random_layer(rng, 16, 64, 4, 32, "float", True))
+    plan = LayerPlan("o", [LayerPart("o", _meta("o", packed))])
+    assert plan.suffixes() == ["qweight", "scales", "mins", "perm"]
+    assert unpack(packed, "o").act_order
