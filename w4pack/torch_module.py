@@ -224,11 +224,15 @@ class W4Linear(nn.Module):
         return k
 
     def prepare(self, device: Any = None, dtype: torch.dtype | None = None) -> "W4Linear":
-        """Build the native kernel now (CPU repack / CUDA parameter copies), e.g. before CUDA graph capture."""
+        """Build the native kernel now (CPU repack / CUDA parameter copies and workspace): call it before CUDA
+        graph capture or ``torch.compile(mode="reduce-overhead")``, whose warm-up must allocate nothing that
+        outlives a call."""
         dev = _normalize_device(device) if device is not None else self.qweight.device
         kernel = self._kernel(dev)
-        if dev.type == "cuda" and dtype is not None:
-            kernel.prepare(_cuda_dtype_name(dtype, self.meta["scale_dtype"]))
+        if dev.type == "cuda":
+            if dtype is not None:
+                kernel.prepare(_cuda_dtype_name(dtype, self.meta["scale_dtype"]))
+            kernel.reserve_workspace()
         return self
 
     def _run(self, x: torch.Tensor, precision: str) -> torch.Tensor:

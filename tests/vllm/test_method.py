@@ -210,3 +210,60 @@ def test_unpacked_placeholders_match_manifest():
     plan = LayerPlan("o", [LayerPart("o", _meta("o", packed))])
     assert plan.suffixes() == ["qweight", "scales", "mins", "perm"]
     assert unpack(packed, "o").act_order
+
+
+def _served_examples(device: str) -> list[nn.Module]:
+    """A row-parallel act-order shard with padding inputs and an unstackable q/k/v (three GEMMs)."""
+    rng = _seed("examples")
+    down = pack(random_layer(rng, 96, 576, 4, 128, "int", True))
+    plan = LayerPlan("down", [LayerPart("down", _meta("down", down))])
+    row = _serve(RowParallelLinear, plan, {"down": down}, 1, 2, [96], 576, device)
+    assert row.w4pack_input_pad > 0
+    names = {"q": "q_proj", "k": "k_proj", "v": "v_proj"}
+    packed = {names[s]: pack(random_layer(rng, 64, 256, 4, 64, "float", True)) for s in names}
+    plan = LayerPlan("qkv", [LayerPart(names[s], _meta(names[s], packed[names[s]]), s) for s in names])
+    qkv = _serve(QKVParallelLinear, plan, packed, 0, 1, [64, 64, 64], 256, device)
+    return [row, qkv]
+
+
+def test_apply_traces_as_one_custom_op_on_cpu():
+    for layer in _served_examples("cpu"):
+        k = layer.w4pack[0].in_features - layer.w4pack_input_pad
+        x = torch.randn(3, k)
+        eager = layer.method.apply(layer, x)
+        compiled = torch.compile(lambda t, layer=layer: layer.method.apply(layer, t), backend="aot_eager",
+                                 fullgraph=True)
+        assert torch.equal(compiled(x), eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_apply_compiled_and_graphed_bit_identical_on_cuda(dtype):
+    """What vLLM does on a GPU: torch.compile (inductor, and reduce-overhead's CUDA graphs) and a captured CUDA
+    graph replaying apply(); every result bit-identical to eager, and no float32 round trip."""
+    torch._dynamo.reset()
+    for layer in _served_examples("cuda"):
+        k = layer.w4pack[0].in_features - layer.w4pack_input_pad
+        for m in (1, 7, 64):
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            eager = layer.method.apply(layer, x)
+            assert eager.dtype == dtype
+            fn = lambda t, layer=layer: layer.method.apply(layer, t)  # noqa: E731
+            assert torch.equal(torch.compile(fn, fullgraph=True)(x), eager)
+            ro = torch.compile(fn, mode="reduce-overhead", fullgraph=True)
+            for _ in range(3):
+                assert torch.equal(ro(x).clone(), eager)
+            static_x = x.clone()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                fn(static_x)
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                static_y = fn(static_x)
+            for _ in range(2):
+                static_y.fill_(float("nan"))
+                g.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(static_y, eager)

@@ -143,17 +143,28 @@ def _check(rc: int, what: str) -> None:
         raise CudaKernelError(f"{what}: {msg} (code {rc})")
 
 
-# -- workspace: one zero-filled buffer per (device, stream); the kernels leave its counters at zero ---------
-_workspaces: dict[tuple[int, int], Any] = {}
+# -- workspace: one zero-filled buffer per device; the kernels leave its counters at zero ------------------
+# One per device, not per stream: graph capture (torch.cuda.graph, torch.compile's cudagraph trees, vLLM) runs
+# and warms up on streams of its own, and a buffer first allocated there would live in the graph's private pool
+# past the graph's outputs. ``CudaPackedLinear.reserve_workspace`` sizes it before any capture. The price: w4pack
+# GEMMs on one device must not run concurrently on two streams (they may alternate freely).
+_workspaces: dict[int, Any] = {}
+_retired: list[Any] = []  # outgrown buffers stay allocated: a captured graph may still point at one
 
 
-def _workspace(torch: Any, device: Any, stream_ptr: int, need: int) -> Any:
-    key = (device.index, stream_ptr)
-    ws = _workspaces.get(key)
-    if ws is None or ws.numel() < need:
-        size = max(need, 1 << 20, 0 if ws is None else min(2 * ws.numel(), need * 2))
-        ws = torch.zeros(size, dtype=torch.uint8, device=device)
-        _workspaces[key] = ws
+def _workspace(torch: Any, device: Any, need: int) -> Any:
+    ws = _workspaces.get(device.index)
+    if ws is not None and ws.numel() >= need:
+        return ws
+    if torch.cuda.is_current_stream_capturing():
+        # growing now would allocate from the graph's pool: a zeroed buffer of the graph's own (the memset is
+        # captured with the GEMM, so every replay starts from zero counters)
+        return torch.zeros(max(need, 1), dtype=torch.uint8, device=device)
+    size = max(need, 1 << 20, 0 if ws is None else min(2 * ws.numel(), need * 2))
+    if ws is not None:
+        _retired.append(ws)
+    ws = torch.zeros(size, dtype=torch.uint8, device=device)
+    _workspaces[device.index] = ws
     return ws
 
 
@@ -255,6 +266,18 @@ class CudaPackedLinear:
             self._plans[key] = got
         return got
 
+    def reserve_workspace(self, max_m: int = 512) -> int:
+        """Allocate the device's workspace for every automatic plan up to ``max_m`` rows now, so that calls made
+        later inside a CUDA graph capture (or its warm-up) allocate nothing; returns its size in bytes."""
+        import torch
+
+        need = 0
+        for dtype_name in self._by_dtype or {"float16": None}:
+            for m in range(1, max_m + 1):
+                for aligned in (True, False):
+                    need = max(need, self._plan(m, dtype_name, aligned, KERNELS["auto"], 0)[2])
+        return int(_workspace(torch, self.device, need).numel())
+
     def plan(self, m: int, dtype: str = "float16", kernel: str = "auto", splits: int = 0) -> dict[str, Any]:
         """The kernel, split count and workspace bytes a call with ``m`` rows would use (kernel -1: dense), and
         the native planner's one-line description of its choices ("detail", for logs and benchmarks)."""
@@ -341,7 +364,7 @@ class CudaPackedLinear:
         kcode = KERNELS[kernel]
         _, _, need = self._plan(m, dtype_name, aligned, kcode, splits)
         stream = torch.cuda.current_stream(self.device)
-        ws = _workspace(torch, self.device, stream.cuda_stream, need)
+        ws = _workspace(torch, self.device, need)
         ffi, lib = _load()
         vp = lambda tensor: ffi.NULL if tensor is None else ffi.cast("void *", tensor.data_ptr())  # noqa: E731
         rc = lib.w4p_cuda_gemm(
