@@ -54,9 +54,9 @@ def _seed(*key: object) -> np.random.Generator:
 
 
 def _serve(cls, plan: LayerPlan, full: dict, rank: int, size: int, out_sizes: list[int], k: int, device: str,
-           replicas: int = 1) -> nn.Module:
+           replicas: int = 1, has_bias: bool = False) -> nn.Module:
     """One rank's layer: create, load every part's full tensors, process."""
-    layer = cls(plan.prefix, rank, size, has_bias=False)
+    layer = cls(plan.prefix, rank, size, has_bias=has_bias)
     layer.num_kv_head_replicas = replicas
     layer.output_partition_sizes = out_sizes
     method = PackedLinearMethod(plan, precision="exact", threads=1)
@@ -175,6 +175,20 @@ def test_engine_bias_added_after_gemm():
     b = torch.from_numpy(rng.standard_normal(48).astype(np.float32))
     got = served.method.apply(served, torch.from_numpy(x), b)
     _close(got, x.astype(np.float64) @ layer.dequantize(np.float64).T + b.numpy(), "cpu")
+
+
+@pytest.mark.parametrize("cls", [ColumnParallelLinear, RowParallelLinear])
+def test_checkpoint_bias_not_added_twice_when_the_engine_owns_it(cls):
+    """A layer vLLM builds with a bias gets the checkpoint's bias through vLLM's own loader and apply(bias=...)."""
+    rng = _seed("own-bias", cls.__name__)
+    layer = random_layer(rng, 32, 128, 4, 64, "none", False)
+    packed = pack(layer)
+    bias = rng.standard_normal(32).astype(np.float16)
+    plan = LayerPlan("o", [LayerPart("o", _meta("o", packed), None, None, bias)])
+    served = _serve(cls, plan, {"o": packed}, 0, 1, [32], 128, "cpu", has_bias=True)
+    x = rng.standard_normal((2, 128)).astype(np.float32)
+    got = served.method.apply(served, torch.from_numpy(x), torch.from_numpy(bias.astype(np.float32)))
+    _close(got, x.astype(np.float64) @ layer.dequantize(np.float64).T + bias.astype(np.float64), "cpu")
 
 
 def test_shape_mismatch_refused_before_loading():

@@ -134,6 +134,7 @@ class PackedLinearMethod:
         kind, rank, size = layer_partition(layer)
         device = _device_of(layer)
         loaded = getattr(layer, "w4pack_loaded", {})
+        own_bias = bool(getattr(layer, "has_bias", False))  # vLLM loads and adds the checkpoint's bias itself
         full: list[tuple[LayerPart, PackedLayer]] = []
         for p in self.plan.parts:
             tensors = loaded.get(p.shard if len(self.plan.parts) > 1 else next(iter(loaded), None)) or {}
@@ -143,7 +144,7 @@ class PackedLinearMethod:
             arrays = {s: _to_numpy(t) for s, t in tensors.items()}
             meta = {k: v for k, v in p.meta.items() if k != "tensors"}
             meta["bias_dtype"] = None
-            if p.extra_bias is not None:
+            if p.extra_bias is not None and not own_bias:
                 arrays["bias"] = np.asarray(p.extra_bias)
                 meta["bias_dtype"] = p.meta.get("bias_dtype")
             full.append((p, PackedLayer(meta=meta, tensors=arrays)))
@@ -156,7 +157,7 @@ class PackedLinearMethod:
         if kind == "row":
             (p, packed), = full
             shard = row_parallel(packed, size, rank, name=p.name)
-            if rank == 0 and p.extra_bias is not None:  # the engine adds a bias once, after the sum: so do we
+            if rank == 0 and p.extra_bias is not None and not own_bias:  # the engine adds a bias once, after the sum: so do we
                 shard.packed.tensors["bias"] = np.asarray(p.extra_bias)
                 shard.packed.meta["bias_dtype"] = p.meta.get("bias_dtype")
             pieces, pad = [shard.packed], shard.input_pad
