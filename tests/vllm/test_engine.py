@@ -161,6 +161,28 @@ def test_act_order_uneven_groups_tp1_and_tp2(act_order_llama, tmp_path):
     assert tp2["tokens"] == tp1["tokens"]
 
 
+# -- every public fixture model -------------------------------------------------------------------------
+PUBLIC_MODELS = ["gptq/ag_tiny_llama_b4_g64_descact_sym", "gptq/gm_tiny_llama_b4_g64_descact_sym_v1_sharded",
+                 "awq/tiny_llama_gemm_g128", "awq/llm_awq_v1_2023_tiny_llama_g128_pt",
+                 "compressed-tensors/tiny_llama_w4a16_sym_g128"]
+
+
+@pytest.mark.parametrize("case", PUBLIC_MODELS)
+def test_public_fixture_models_generate_as_w4pack_run(case, tmp_path):
+    """The peers' own checkpoints (act-order GPTQ v1 sharded, AutoAWQ, llm-awq .pt, compressed-tensors) converted
+    and served: the same greedy tokens as w4pack's runner."""
+    from conftest import fixture_dir
+
+    from w4pack.convert import convert
+
+    convert(fixture_dir(*case.split("/")), tmp_path / "w4")
+    prompts = [[1, 17, 300, 45, 9], [1, 250, 251, 252]]
+    want = _reference_tokens(tmp_path / "w4", prompts, 16)
+    got = _engine(tmp_path, {"model": str(tmp_path / "w4"), "prompts": None, "token_prompts": prompts,
+                             "max_tokens": 16, "max_model_len": 256})
+    assert got["tokens"] == want
+
+
 # -- the OpenAI-compatible server ---------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
