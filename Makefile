@@ -46,7 +46,7 @@ $(VLLM_STAMP): pyproject.toml setup.py
 	touch $(VLLM_STAMP)
 
 test-vllm: native $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm $(PYTEST_ARGS)
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm_plugin $(PYTEST_ARGS)
 
 bench-vllm: native $(VLLM_STAMP)
 	$(VLLM_PY) tools/bench_vllm.py

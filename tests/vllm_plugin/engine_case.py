@@ -2,7 +2,7 @@
 
 vLLM starts worker processes with ``spawn``, so each case runs as its own process under a time limit:
 
-    python tests/vllm/engine_case.py SPEC.json RESULT.json
+    python tests/vllm_plugin/engine_case.py SPEC.json RESULT.json
 
 SPEC: {"model": folder, "tp": 1, "dtype": "float32", "max_model_len": 512,
        "prompts": [text, ...] | null, "token_prompts": [[id, ...], ...] | null, "max_tokens": 24,
