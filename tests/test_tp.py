@@ -127,3 +127,18 @@ def test_uneven_split_refused_naming_layer_and_size():
         row_parallel(packed, 5, 0, name="mlp.down_proj")
     with pytest.raises(UnsupportedError, match=r"out_features 48 .* size 5"):
         column_parallel(packed, 5, 1, name="q")
+
+
+@pytest.mark.parametrize("bits,gs,lo,hi", [(4, 64, 128, 320), (8, 128, 256, 512), (4, 128, 384, 520), (3, 32, 0, 64)])
+def test_aligned_row_slice_keeps_source_bytes(bits, gs, lo, hi):
+    """Tile- and group-aligned cuts of a layer without act-order copy the source's words: same weights as the
+    general (unpack, regroup, pack) path."""
+    from w4pack.tp import _aligned_row_slice
+
+    rng = np.random.default_rng(bits * 1000 + lo)
+    layer = random_layer(rng, 40, 520, bits, gs, "int", False)
+    fast = _aligned_row_slice(pack(layer), lo, hi)
+    assert fast is not None
+    want = layer.dequantize(np.float64)[:, lo:hi]
+    np.testing.assert_array_equal(unpack(fast, "f").dequantize(np.float64), want)
+    assert _aligned_row_slice(pack(layer), lo + 16, hi) is None

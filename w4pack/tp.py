@@ -8,7 +8,7 @@ runs the same native GEMM on a layout-v1 layer of its own and no float weights e
 * **Column slices** take whole 16-row stripes when the cut falls on a stripe boundary (a copy of the rows of
   ``qweight`` and of the parameter columns) and otherwise unpack, cut and pack again.
 * **Row slices** keep the rank's input channels ``[start, stop)`` in their groups. Without act-order and with the
-  cut on group boundaries that is an ordinary layer. Otherwise (act-order scatters a group's channels across
+  cut on group and 64-column tile boundaries that is an ordinary layer made of the source's bytes. Otherwise (act-order scatters a group's channels across
   ranks; ``K / tp`` need not be a multiple of the group size) the rank's channels of one source group are split
   into groups of a new size ``g'`` (a multiple of 16, at most the source's) that repeat the source group's scale
   and zero point, and a group's last, short chunk is filled up with *padding inputs*: extra input channels past
@@ -26,7 +26,7 @@ import numpy as np
 
 from .canonical import CanonicalLayer
 from .errors import UnsupportedError
-from .layout import TILE_N, PackedLayer, pack, padded_shape, unpack
+from .layout import TILE_K, TILE_N, PackedLayer, pack, padded_shape, unpack
 
 __all__ = ["Shard", "column_slice", "row_slice", "stack_rows", "stack_blockers", "column_parallel",
            "row_parallel"]
@@ -181,6 +181,9 @@ def row_slice(packed: PackedLayer, start: int, stop: int, name: str = "") -> Sha
     if not 0 <= start < stop <= k:
         raise UnsupportedError(f"input range {start}:{stop} is not inside the layer's {k} input channels",
                                tensor=name or None)
+    fast = _aligned_row_slice(packed, start, stop)
+    if fast is not None:
+        return Shard(fast, stop - start)
     layer = _canonical(packed, name)
     width = stop - start
     codes = layer.codes[:, start:stop]
@@ -229,6 +232,33 @@ def row_slice(packed: PackedLayer, start: int, stop: int, name: str = "") -> Sha
                           zero_mode=layer.zero_mode, zeros=zeros, g_idx=new_g, scale_dtype=layer.scale_dtype,
                           source=dict(layer.source), name=name)
     return Shard(_repack(part, packed), width)
+
+
+def _aligned_row_slice(packed: PackedLayer, start: int, stop: int) -> PackedLayer | None:
+    """Whole 64-column tiles and whole groups of a layer without act-order: the slice's bytes are the source's
+    (tile columns of ``qweight``, group rows of the parameters); None when the cut is not so aligned."""
+    m = packed.meta
+    k, gs = int(m["shape"][1]), int(m["group_size"])
+    if m.get("act_order") or gs == -1 or start % TILE_K or (stop % TILE_K and stop != k):
+        return None
+    if start % gs or (stop % gs and stop != k):
+        return None
+    t = packed.tensors
+    words = t["qweight"].shape[1] // (int(m["padded_shape"][1]) // TILE_K)  # per stripe and tile
+    kp_new = padded_shape(1, stop - start)[1]
+    tensors = {"qweight": np.ascontiguousarray(t["qweight"][:, start // TILE_K * words:
+                                                            (start + kp_new) // TILE_K * words])}
+    g0, g_new = start // gs, -(-(stop - start) // gs)
+    gp_new = -(-kp_new // gs)
+    for suffix in ("scales", "zeros", "mins"):
+        if suffix in t:
+            arr = np.zeros((gp_new,) + t[suffix].shape[1:], dtype=t[suffix].dtype)
+            arr[:g_new] = t[suffix][g0:g0 + g_new]
+            tensors[suffix] = arr
+    meta = _meta(packed)
+    meta.update(shape=[int(m["shape"][0]), stop - start], padded_shape=[int(m["padded_shape"][0]), kp_new],
+                num_groups=g_new, padded_groups=gp_new, bias_dtype=None)
+    return PackedLayer(meta=meta, tensors=tensors, source=dict(packed.source))
 
 
 def _even_split(total: int, tp_size: int, rank: int, what: str, name: str) -> tuple[int, int]:
