@@ -198,3 +198,18 @@ def test_ws_trace_summarizes_a_saved_record_without_a_device(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
     r = subprocess.run([sys.executable, tool, "--configs", "64x64"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("ws_trace: '64x64'")
+
+
+def test_bench_tp_two_gloo_ranks_equal_one(tmp_path):
+    """tools/bench_tp.py's exactness checks on two CPU processes (gloo): the all-reduced row-parallel outputs,
+    an act-order layer's regrouped shards included, and the gathered column-parallel ones equal one rank's."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = tmp_path / "tp.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           str(ROOT / "tools" / "bench_tp.py"), "--device", "cpu", "--shape", "tiny", "--ms", "1,3",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "exact: 8 layer x M cases" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["size"] == 2 and not doc["failures"]
+    assert {r["layer"] for r in doc["rows"]} == {"qkv", "o", "gate_up", "down"}
