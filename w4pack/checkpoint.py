@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__
+from ._version import __version__
 from .atomic import check_output, is_disk_full, make_temp_dir, move_into_place, write_failure
 from .canonical import CanonicalLayer
 from .dtypes import dtype_name_of

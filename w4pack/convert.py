@@ -8,7 +8,8 @@ from typing import Any
 
 from .checkpoint import parse_size
 from .errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNSUPPORTED, BadInputError, UnsupportedError, W4PackError
-from .formats import get_format, open_source
+from .formats import get_format
+from .sources import open_source, source_format as _source_format
 from .formats.base import Format
 
 __all__ = ["convert", "plan"]
@@ -16,19 +17,6 @@ __all__ = ["convert", "plan"]
 
 #: the smallest --max-shard-size: a shard holds at least its header and one tensor (CheckpointWriter, GPTQ)
 MIN_SHARD_SIZE = 1024
-
-
-def _source_format(src: str | Path, src_format: str | None) -> str:
-    """The source's format as open_source will take it: --from, else detected (an hf:// source on its download)."""
-    from .formats import detect
-
-    if src_format:
-        return src_format
-    if str(src).startswith("hf:/"):
-        from .hub import resolve_source
-
-        return detect(resolve_source(str(src)))
-    return detect(src)
 
 
 def _check_request(src: str | Path, dst: str | Path | None, *, src_format: str | None, to: str, force: bool,
@@ -43,9 +31,9 @@ def _check_request(src: str | Path, dst: str | Path | None, *, src_format: str |
         if base is not None:
             _refuse_overlap(base, dst, force, "base model")
     size = parse_size(max_shard_size, "--max-shard-size")  # a bad size is a usage error before anything is read
-    from .native.cpu import _threads_from_env
+    from .native.cpu import threads_from_env
 
-    _threads_from_env()  # (the packers' thread count: a bad $W4PACK_THREADS is refused here, not at the first layer)
+    threads_from_env()  # (the packers' thread count: a bad $W4PACK_THREADS is refused here, not at the first layer)
     if to != "gguf" and size < MIN_SHARD_SIZE:  # GGUF output is one file: the size does not apply
         raise BadInputError(f"--max-shard-size {max_shard_size!r} is below the minimum, {MIN_SHARD_SIZE} bytes "
                             "(1KiB)")

@@ -31,7 +31,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from . import __version__
+from ._version import __version__
 from .checkpoint import CONFIG_NAME, INCOMPLETE_MARKER, MANIFEST_NAME, SIDE_FILES, validate_checkpoint
 from .errors import BadInputError, IOFailure, W4PackError
 
@@ -255,6 +255,11 @@ def _notes_value(source: dict[str, Any], key: str) -> str | None:
         if isinstance(note, str) and note.startswith(f"{key}="):
             return note.split("=", 1)[1] or None
     return None
+
+
+def card_metadata(folder: Path) -> dict[str, Any]:
+    """The metadata of the model card (README.md) in ``folder``; {} when there is none."""
+    return _existing_card(folder)[0]
 
 
 def _existing_card(folder: Path) -> tuple[dict[str, Any], str]:
@@ -756,26 +761,3 @@ def resolve_source(spec: str, *, endpoint: str | None = None, token: str | None 
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return root / target if target else (root / sub if sub else root)
-
-
-def open_hub_source(spec: str, fmt: str | None = None, **options: Any) -> Any:
-    """``formats.open_source`` for ``hf://`` specs: download what the format needs, open it, and record
-    the Hub origin (spec, base model and license from the source's card) for the manifest and model card."""
-    from .formats import open_source
-
-    local = resolve_source(spec)
-    src = open_source(local, fmt, **options)
-    repo_id, _rev, _sub = parse_hub_spec(spec)
-    folder = local if local.is_dir() else local.parent
-    meta, _body = ({}, "")
-    with contextlib.suppress(BadInputError):
-        meta, _body = _existing_card(folder)
-    info = src.info
-    info["path"] = f"hf://{repo_id}" + (f"@{_rev}" if _rev else "")  # not the local cache path
-    base = meta.get("base_model")
-    if isinstance(base, list):
-        base = base[0] if base else None
-    info.setdefault("base_model", base or repo_id)
-    if meta.get("license") and "license" not in info:
-        info["license"] = str(meta["license"])
-    return src

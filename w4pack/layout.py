@@ -20,14 +20,12 @@ warpgroup's A slice is four 16-row warp fragments of exactly this shape.
 """
 from __future__ import annotations
 
-import os
-import sys
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from . import fastpath
 from .canonical import CanonicalLayer, default_g_idx
 from .dtypes import FLOAT_DTYPES
 from .errors import BadInputError, UnsupportedError
@@ -44,6 +42,8 @@ __all__ = [
     "padded_shape",
     "storage_bits_for",
     "tensor_suffixes",
+    "group_structure",
+    "pack_with_qweight",
 ]
 
 LAYOUT_NAME = "w4pack-tiles"
@@ -101,7 +101,7 @@ class PackedLayer:
         return tuple(self.meta["padded_shape"])  # type: ignore[return-value]
 
 
-def _group_structure(layer: CanonicalLayer) -> tuple[np.ndarray | None, int]:
+def group_structure(layer: CanonicalLayer) -> tuple[np.ndarray | None, int]:
     """Return (perm or None, effective group size). Refuse g_idx that are not permuted contiguous groups."""
     k = layer.in_features
     gs = layer.group_size
@@ -122,30 +122,34 @@ def _group_structure(layer: CanonicalLayer) -> tuple[np.ndarray | None, int]:
 
 
 def pack(layer: CanonicalLayer) -> PackedLayer:
-    """Canonical layer → layout v1 tensors. Lossless: ``unpack(pack(x))`` equals ``x`` bit for bit."""
-    return _pack(layer, None)
+    """Canonical layer → layout v1 tensors. Lossless: ``unpack(pack(x))`` equals ``x`` bit for bit.
+
+    The qweight words come from the registered ``"pack"`` fast path where there is one (same bytes),
+    else from the numpy interleave below, which is the spec."""
+    fast = fastpath.get("pack")
+    # the fast packer finds the largest code in its own pass
+    layer.validate(check_codes=fast is None)
+    qweight = None
+    if fast is not None:
+        perm, _gs = group_structure(layer)
+        qweight = fast(layer.codes, perm, storage_bits_for(layer.bits), layer.bits, layer.name)
+        if qweight is None:
+            layer.validate()
+    return pack_with_qweight(layer, qweight)
 
 
-def _pack(layer: CanonicalLayer, qweight_of: Any) -> PackedLayer:
-    """pack(), or with ``qweight_of(perm, storage_bits)`` producing the qweight words from the reader's own
-    storage (the fused GPTQ path, whose layer carries a zero-stride placeholder for codes)."""
-    native = _native_lib() is not None
-    # the native packer finds the largest code in its own pass; a qweight_of reader guarantees the range
-    layer.validate(check_codes=not native and qweight_of is None)
+def pack_with_qweight(layer: CanonicalLayer, qweight: np.ndarray | None) -> PackedLayer:
+    """pack() given the layer's layout v1 qweight words, computed elsewhere from the same codes (a reader
+    packing from its own storage; the layer's codes may then be a placeholder of the right shape); None
+    packs the codes here with numpy. The caller has validated the layer."""
     n, k = layer.codes.shape
     np_, kp = padded_shape(n, k)
     sbits = storage_bits_for(layer.bits)
-    perm, gs = _group_structure(layer)
+    perm, gs = group_structure(layer)
     g = layer.num_groups
     gp = 1 if gs == -1 else -(-kp // gs)
 
-    if qweight_of is not None:
-        qweight = qweight_of(perm, sbits)
-    else:
-        qweight = _native_pack(layer.codes, perm, sbits, layer.bits, layer.name) if native else None
     if qweight is None:
-        if native:
-            layer.validate()
         codes = layer.codes if perm is None else np.take(layer.codes, perm, axis=1)
         padded = np.zeros((np_, kp), dtype=np.uint8)
         padded[:n, :k] = codes
@@ -272,91 +276,6 @@ def _split_axes(np_: int, kp: int) -> tuple[int, ...]:
 # (nb, rh, gid, kb, j, kh, tid, e) -> (nb, kb, gid, tid, j, kh, rh, e): lane = gid*4 + tid, elem = 4*kh + 2*rh + e
 _TO_TILES = (0, 3, 2, 6, 4, 5, 1, 7)
 _FROM_TILES = tuple(int(i) for i in np.argsort(_TO_TILES))
-
-
-def _native_lib() -> Any:
-    """The CPU extension's lib when it has the conversion entry points (little-endian hosts), else None."""
-    if not _NATIVE:
-        lib = None
-        if sys.byteorder == "little" and not os.environ.get("W4PACK_NO_NATIVE_PACK"):
-            try:
-                from ._w4p_cpu import lib as cpu_lib
-                lib = cpu_lib if hasattr(cpu_lib, "w4p_pack_layout_v1") else None
-            except ImportError:
-                lib = None
-        _NATIVE.append(lib)
-    return _NATIVE[0]
-
-
-_NATIVE: list[Any] = []
-
-
-class ScratchPool:
-    """Reusable output arrays for a conversion loop: one layer's arrays are recycled for a later layer once
-    nothing references them any more (CPython reference counts; every numpy view and buffer export keeps
-    its base alive, so a buffer still in use is never handed out). Fresh large arrays cost a page fault
-    and zeroing per page, which on small VMs is slower than the packing itself."""
-
-    def __init__(self, size: int = 4):
-        self.size = size
-        self._arrays: list[np.ndarray] = []
-
-    def take(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        dt = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        # references to a free buffer: the list, the loop variable and getrefcount's argument
-        free = [a for a in self._arrays if sys.getrefcount(a) <= 3]
-        fits = [a for a in free if a.nbytes >= nbytes]
-        if fits:
-            arr = min(fits, key=lambda a: a.nbytes)
-        else:
-            arr = np.empty(max(nbytes, 1), dtype=np.uint8)
-            if len(self._arrays) < self.size:
-                self._arrays.append(arr)
-            elif free:  # retire the smallest free buffer for this bigger one
-                small = min(free, key=lambda a: a.nbytes)
-                self._arrays = [arr if a is small else a for a in self._arrays]
-        del free, fits
-        return arr[:nbytes].view(dt).reshape(shape)
-
-    def clear(self) -> None:
-        self._arrays.clear()
-
-
-#: the pool pack() takes its qweight output from while a conversion loop has one active (write_packed)
-PACK_POOL: ContextVar[ScratchPool | None] = ContextVar("w4pack_pack_pool", default=None)
-
-
-def _native_pack(codes: np.ndarray, perm: np.ndarray | None, sbits: int, bits: int | None = None,
-                 name: str = "") -> np.ndarray | None:
-    """Pad, permute and interleave in one native pass (bit-identical to the numpy path below), or None
-    when the extension is missing or the array is not row-contiguous. Codes above 2**bits - 1 (bits
-    defaults to sbits) raise BadInputError like CanonicalLayer.validate."""
-    lib = _native_lib()
-    if lib is None or codes.ndim != 2 or codes.strides[1] != 1 or codes.strides[0] < codes.shape[1]:
-        return None  # e.g. a column-strided or row-reversed view: the numpy path handles any layout
-    from ._w4p_cpu import ffi
-    from .native.cpu import _check, default_threads
-
-    n, k = codes.shape
-    np_, kp = padded_shape(n, k)
-    shape = (np_ // TILE_N, kp // TILE_K * WARP * words_per_tile_lane(sbits))
-    pool = PACK_POOL.get()
-    out = pool.take(shape, "<i4") if pool is not None else np.empty(shape, dtype="<i4")
-    p = ffi.NULL
-    if perm is not None:
-        perm = np.ascontiguousarray(perm, dtype=np.int32)
-        p = ffi.from_buffer("int32_t[]", perm)
-    src = ffi.cast("const uint8_t *", codes.__array_interface__["data"][0])
-    seen = ffi.new("int32_t *")
-    rc = lib.w4p_pack_layout_v1(src, codes.strides[0], n, k, p, sbits,
-                                ffi.from_buffer("int32_t[]", out), seen, default_threads())
-    _check(rc, "pack")
-    qmax = (1 << (bits or sbits)) - 1
-    if seen[0] > qmax:
-        raise BadInputError(f"codes exceed {qmax}, the largest {bits or sbits}-bit value (max {seen[0]})",
-                            tensor=name or None)
-    return out
 
 
 def _interleave(codes: np.ndarray, sbits: int) -> np.ndarray:

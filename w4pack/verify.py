@@ -271,16 +271,12 @@ class _BaseWeights:
 def _open_against(against: str | os.PathLike[str], base: str | os.PathLike[str] | None, src_format: str | None) -> Any:
     """Open the --against source as convert opens SRC: a local path or an ``hf://owner/name[@rev][/file]`` spec
     (downloaded first, so its format is detected on the local copy, not on a path that does not exist)."""
-    from .formats import detect, open_source
+    from .sources import is_hub_spec, open_source, source_format
 
     fmt = src_format
-    if fmt is None and str(against).startswith("hf:/"):
-        if base is not None:  # the format decides whether base goes along (TOML tables need it)
-            from .hub import resolve_source
-
-            fmt = detect(resolve_source(str(against)))
-    elif fmt is None:
-        fmt = detect(against)
+    if fmt is None and (base is not None or not is_hub_spec(against)):
+        # the format decides whether base goes along (TOML tables need it)
+        fmt = source_format(against)
     opts: dict[str, Any] = {}
     if base is not None and fmt == "toml":
         opts["base"] = base  # quant tables hold no codes: they are rebuilt from the base weights

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import click
 
-from .. import __version__
+from .._version import __version__
 from ..errors import EXIT_BAD_INPUT, EXIT_IO, BadInputError, UnsupportedError, W4PackError
 
 __all__ = ["cli", "main", "emit_json", "check_format_name", "detect_source", "check_endpoint"]

@@ -63,9 +63,9 @@ def detect(path: str | Path) -> str:
 
 
 def open_source(path: str | Path, fmt: str | None = None, **options: object) -> Source:
-    if str(path).startswith("hf:/"):  # hf://owner/name[@rev]: download what the format needs (w4pack.hub)
-        from ..hub import open_hub_source
-
-        return open_hub_source(str(path), fmt, **options)
+    """Open a local checkpoint; ``hf://`` specs are opened above the readers, by w4pack.sources.open_source."""
+    if str(path).startswith("hf:/"):
+        raise UnsupportedError("w4pack.formats.open_source opens local paths; open hf:// sources with "
+                               "w4pack.sources.open_source", file=str(path))
     name = fmt or detect(path)
     return get_format(name).open(Path(path), **options)

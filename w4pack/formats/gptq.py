@@ -33,10 +33,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import __version__
+from .._version import __version__
 from ..atomic import AtomicFolder
 from ..canonical import CanonicalLayer
-from ..layout import PackedLayer
+from .. import fastpath
+from ..layout import PackedLayer, group_structure, pack_with_qweight
+from ..scratch import ScratchPool
 from ..checkpoint import SIDE_FILES, parse_size
 from ..dtypes import FLOAT_DTYPES
 from ..errors import BadInputError, IOFailure, UnsupportedError, W4PackError
@@ -130,7 +132,7 @@ class _Store:
         return self._get_pt(path, name)
 
     def read_into(self, name: str, pool: Any) -> np.ndarray:
-        """Like read_copy, into an array from ``pool`` (a layout.ScratchPool)."""
+        """Like read_copy, into an array from ``pool`` (a scratch.ScratchPool)."""
         path = self.where[name]
         f = self._st.get(path)
         if f is None:
@@ -463,7 +465,6 @@ class GPTQSource(Source):
         self.notes = list(notes)
         self.quirks: list[str] = []
         self._plans: dict[str, _Plan] = {}
-        from ..layout import ScratchPool
         self._scratch = ScratchPool(4)  # qweight read buffer + codes of the layers in flight
         try:
             self._plan_all()
@@ -692,41 +693,21 @@ class GPTQSource(Source):
     def read_packed(self, name: str) -> PackedLayer | None:
         """The layer in layout v1 straight from qweight (one native pass, no codes array), exactly what
         ``layout.pack(read_layer(name))`` gives; None where that fused path does not apply (not 4-bit,
-        no native module), and the caller then packs the canonical layer."""
-        from ..layout import PACK_POOL, _native_lib, _pack, padded_shape, TILE_N, TILE_K, WARP
-
+        no registered ``gptq_pack`` fast path), and the caller then packs the canonical layer."""
         plan = self.plan(name)
-        lib = _native_lib()
-        if lib is None or plan.bits != 4 or not hasattr(lib, "w4p_gptq_pack_layout_v1"):
+        fast = fastpath.get("gptq_pack")
+        if fast is None or plan.bits != 4:
             return None
         layer = self._read(name, with_codes=False)
         st, qname = self.store, plan.tensors["qweight"]
-
-        def qweight_of(perm: np.ndarray | None, sbits: int) -> np.ndarray:
-            from .._w4p_cpu import ffi
-            from ..native.cpu import _check, default_threads
-
-            n, k = plan.out_features, plan.in_features
-            np_, kp = padded_shape(n, k)
-            shape = (np_ // TILE_N, kp // TILE_K * WARP * 4)
-            pool = PACK_POOL.get()
-            out = pool.take(shape, "<i4") if pool is not None else np.empty(shape, dtype="<i4")
-            qbuf = np.asarray(st.get(qname)) if st.populate(qname) else st.read_into(qname, self._scratch)
-            if qbuf.dtype.itemsize != 4 or not qbuf.dtype.isnative or qbuf.strides[1] != 4 or qbuf.strides[0] % 4:
-                qbuf = np.ascontiguousarray(qbuf, dtype=np.int32)
-            p = ffi.NULL
-            if perm is not None:
-                perm = np.ascontiguousarray(perm, dtype=np.int32)
-                p = ffi.from_buffer("int32_t[]", perm)
-            src = ffi.cast("const int32_t *", qbuf.__array_interface__["data"][0])
-            rc = lib.w4p_gptq_pack_layout_v1(src, qbuf.strides[0] // 4, n, k, p, ffi.from_buffer("int32_t[]", out),
-                                             default_threads())
+        perm, _gs = group_structure(layer)
+        qbuf = np.asarray(st.get(qname)) if st.populate(qname) else st.read_into(qname, self._scratch)
+        try:
+            qweight = fast(qbuf, plan.out_features, plan.in_features, perm, name)
+        finally:
             del qbuf
             st.release_all()
-            _check(rc, f"pack {name}")
-            return out
-
-        return _pack(layer, qweight_of)
+        return pack_with_qweight(layer, qweight)
 
     def _read(self, name: str, with_codes: bool) -> CanonicalLayer:
         plan = self.plan(name)
@@ -805,26 +786,14 @@ class GPTQSource(Source):
 
 
 def _unpack_qweight(words: np.ndarray, bits: int, pool: Any = None) -> np.ndarray:
-    """qweight [K*b/32, N] -> codes uint8 [N, K]: one native pass (transpose + split) for 4 and 8 bits,
-    the numpy bit stream (the spec, _bitpack.unpack_last) otherwise. ``pool``: a layout.ScratchPool
-    to take the output from."""
-    from ..layout import _native_lib
-
-    lib = _native_lib()
-    w = np.asarray(words)
-    if (lib is None or bits not in (4, 8) or w.ndim != 2 or w.dtype.kind not in "iu" or w.dtype.itemsize != 4
-            or not w.dtype.isnative or w.strides[1] != 4 or w.strides[0] % 4 or 0 in w.shape):
-        return unpack_last(np.ascontiguousarray(w.T), bits)
-    from .._w4p_cpu import ffi
-    from ..native.cpu import _check, default_threads
-
-    rows, n = w.shape
-    k = rows * 32 // bits
-    out = pool.take((n, k), np.uint8) if pool is not None else np.empty((n, k), dtype=np.uint8)
-    src = ffi.cast("const int32_t *", w.__array_interface__["data"][0])
-    _check(lib.w4p_gptq_unpack_codes(src, w.strides[0] // 4, rows, n, bits, ffi.from_buffer("uint8_t[]", out), k,
-                                     default_threads()), "GPTQ qweight unpack")
-    return out
+    """qweight [K*b/32, N] -> codes uint8 [N, K]: the registered ``gptq_unpack`` fast path (one native
+    pass for 4 and 8 bits) where it applies, the numpy bit stream (the spec, _bitpack.unpack_last)
+    otherwise. ``pool``: a scratch.ScratchPool to take the output from."""
+    fast = fastpath.get("gptq_unpack")
+    codes = fast(words, bits, pool) if fast is not None else None
+    if codes is None:
+        codes = unpack_last(np.ascontiguousarray(np.asarray(words).T), bits)
+    return codes
 
 
 def _ratio(num: int, den: int) -> float:

@@ -8,7 +8,8 @@ from typing import Any
 from ..canonical import CanonicalLayer
 from ..checkpoint import _HEADER_ENTRY, MANIFEST_NAME, Checkpoint, CheckpointWriter
 from ..folder import side_files
-from ..layout import PACK_POOL, ScratchPool, pack
+from ..layout import pack
+from ..scratch import PACK_POOL, ScratchPool
 from .base import Capabilities, Format, Source, TensorData
 
 __all__ = ["W4PackFormat", "W4PackSource", "write_packed"]
