@@ -41,7 +41,9 @@ from .errors import BadInputError, IOFailure
 from .folder import member as _safe_member, read_json as _read_json, side_file
 from .layout import LAYOUT_NAME, LAYOUT_VERSION, TILE_K, TILE_N, PackedLayer, pack, tensor_suffixes, unpack
 from .progress import Progress
-from .safetensors_io import SafetensorsFile, dtype_to_st
+from .safetensors_io import dtype_to_st
+from .store.names import CONFIG_NAME, INCOMPLETE_MARKER, INDEX_NAME, MANIFEST_NAME, SIDE_FILES, shard_names
+from .store.tensors import TensorStore
 from .schema import load_schema, validate_manifest, validate_quantization_config
 
 __all__ = [
@@ -56,21 +58,11 @@ __all__ = [
     "check_layer_name",
 ]
 
-MANIFEST_NAME = "w4pack.json"
-INDEX_NAME = "model.safetensors.index.json"
-CONFIG_NAME = "config.json"
-INCOMPLETE_MARKER = ".w4pack-incomplete"
 DEFAULT_MAX_SHARD = 2 * 1024**3
 #: header area reserved at the start of a shard before its first tensor (grown from shard to shard)
 _HEADER_RESERVE = 4096
 #: bytes a header entry takes at most beyond its tensor name (dtype, a 2-D shape, two offsets, JSON)
-_HEADER_ENTRY = 120
-#: side files copied from a source folder when present
-SIDE_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
-    "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja", "chat_template.json",
-    "preprocessor_config.json",
-)
+HEADER_ENTRY_BYTES = 120
 _RESERVED = {CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, INCOMPLETE_MARKER}
 
 
@@ -410,7 +402,7 @@ class CheckpointWriter:
         self._flush()
         self._wait_sealed()
         total = len(self._shards)
-        names = [f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i in range(total)]
+        names = shard_names(total, single=False)
         weight_map: dict[str, str] = {}
         config = dict(self.config)
         config["quantization_config"] = self.quantization_config()
@@ -603,7 +595,8 @@ class Checkpoint:
         for tname in self.manifest["passthrough"]:
             if tname not in self.weight_map:
                 raise BadInputError("pass-through tensor is missing from the index", file=str(ipath), tensor=tname)
-        self._files: dict[str, SafetensorsFile] = {}
+        self.store = TensorStore(root)
+        self.store.add_index(root, self.weight_map)
 
     # -- access --------------------------------------------------------------------------------
     @property
@@ -615,19 +608,14 @@ class Checkpoint:
     def passthrough(self) -> list[str]:
         return list(self.manifest["passthrough"])
 
-    def _file(self, fname: str) -> SafetensorsFile:
-        if fname not in self._files:
-            self._files[fname] = SafetensorsFile(self.path / fname)
-        return self._files[fname]
-
     def raw(self, tname: str) -> np.ndarray:
         """A stored tensor as a read-only memory-mapped array (bf16 as uint16 bits)."""
         if tname not in self.weight_map:
             raise BadInputError("no such tensor in this checkpoint", file=str(self.path), tensor=tname)
-        return self._file(self.weight_map[tname]).get(tname)
+        return self.store.get(tname)
 
     def dtype_name(self, tname: str) -> str:
-        return self._file(self.weight_map[tname]).dtype_name(tname)
+        return self.store.info(tname)[0]
 
     def tensor(self, tname: str) -> np.ndarray:
         """A pass-through tensor (or any stored tensor) as stored."""
@@ -638,8 +626,7 @@ class Checkpoint:
         """Drop the shards' mapped pages from our address space (safetensors_io.release_mapped). Called before
         each layer or pass-through tensor is read, so reading a whole checkpoint keeps resident memory at about
         one layer rather than the model; arrays returned earlier stay valid (their pages fault back in)."""
-        for f in list(self._files.values()):
-            f.release()
+        self.store.release_all()
 
     def packed(self, name: str) -> PackedLayer:
         if name not in self.manifest["layers"]:
@@ -678,12 +665,7 @@ class Checkpoint:
 
     def check_structure(self) -> None:
         """Open every shard header and check every tensor's shape and dtype (no data read)."""
-        for fname in sorted(set(self.weight_map.values())):
-            f = self._file(fname)
-            for tname, owner in self.weight_map.items():
-                if owner == fname and tname not in f:
-                    raise BadInputError("tensor listed in the index is missing from its shard",
-                                        file=str(self.path / fname), tensor=tname)
+        self.store.check_index()
         for name in self.layers:
             self.packed_shapes_ok(name)
 
@@ -704,10 +686,9 @@ class Checkpoint:
         }
         for suffix, tname in meta["tensors"].items():
             fname = self.weight_map[tname]
-            f = self._file(fname)
-            if tname not in f:
+            if not self.store.in_file(tname):
                 raise BadInputError("tensor is missing from its shard", file=str(self.path / fname), tensor=tname)
-            dt, shape = f.info(tname)
+            dt, shape = self.store.info(tname)
             if suffix == "bias":
                 if shape != (n,):
                     raise BadInputError(f"shape {list(shape)} contradicts the manifest (expected [{n}])",
@@ -717,7 +698,7 @@ class Checkpoint:
             if shape != want_shape:
                 raise BadInputError(f"shape {list(shape)} contradicts the manifest (expected {list(want_shape)})",
                                     file=str(self.path / fname), tensor=tname)
-            stored = f.get(tname).dtype
+            stored = self.store.get(tname).dtype
             if stored != want_dt:
                 raise BadInputError(f"dtype {dt} contradicts the manifest", file=str(self.path / fname), tensor=tname)
 
@@ -746,9 +727,8 @@ class Checkpoint:
         qbytes = 0
         for m in layers.values():
             for tname in m["tensors"].values():
-                f = self._file(self.weight_map[tname])
-                _dt, shape = f.info(tname)
-                qbytes += int(np.prod(shape)) * f.get(tname).dtype.itemsize if shape else 0
+                _dt, shape = self.store.info(tname)
+                qbytes += int(np.prod(shape)) * self.store.get(tname).dtype.itemsize if shape else 0
         return {
             "path": str(self.path),
             "format_version": self.manifest["format_version"],
@@ -770,9 +750,7 @@ class Checkpoint:
         }
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        self.store.close()
 
     def __enter__(self) -> "Checkpoint":
         return self

@@ -15,7 +15,6 @@ Layers stream one at a time; the float64 reference is built in row chunks, so me
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,7 +28,8 @@ from .checkpoint import Checkpoint
 from .dtypes import to_float64
 from .errors import BadInputError, UnsupportedError, W4PackError
 from .progress import Progress
-from .safetensors_io import SafetensorsFile
+from .store import open_tensors
+from .store.names import INDEX_NAME
 
 __all__ = ["verify", "VerifyReport", "LayerCheck", "TOLERANCE", "DEFAULT_MS"]
 
@@ -212,28 +212,15 @@ class _BaseWeights:
         p = Path(path)
         if not p.exists():
             raise BadInputError("base model does not exist", file=str(p))
-        files: list[Path]
-        if p.is_file():
-            files = [p]
-        elif (p / "model.safetensors.index.json").is_file():
-            try:
-                wm = json.loads((p / "model.safetensors.index.json").read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise BadInputError(f"index is not readable: {exc}",
-                                    file=str(p / "model.safetensors.index.json")) from None
-            files = [p / f for f in sorted(set(wm.values()))]
-        else:
-            files = sorted(p.glob("*.safetensors"))
-        if not files:
+        if p.is_dir() and not ((p / INDEX_NAME).is_file() or any(p.glob("*.safetensors"))):
             raise BadInputError("base model holds no .safetensors weights", file=str(p))
-        self.files = [SafetensorsFile(f) for f in files]
-        self.where = {name: f for f in self.files for name in f.keys()}
+        self.store = open_tensors(p, pickles="none")
 
     def weight(self, layer: str) -> tuple[np.ndarray, str] | None:
-        f = self.where.get(f"{layer}.weight")
-        if f is None:
+        name = f"{layer}.weight"
+        if name not in self.store:
             return None
-        return f.get(f"{layer}.weight"), f.dtype_name(f"{layer}.weight")
+        return self.store.get(name), self.store.info(name)[0]
 
     def rows(self, name: str, parts: list[tuple[str, int, int]] | None, n: int, k: int
              ) -> tuple[Callable[[int, int], np.ndarray] | None, str | None]:
@@ -264,8 +251,7 @@ class _BaseWeights:
         return rows, None
 
     def close(self) -> None:
-        for f in self.files:
-            f.close()
+        self.store.close()
 
 
 def _open_against(against: str | os.PathLike[str], base: str | os.PathLike[str] | None, src_format: str | None) -> Any:

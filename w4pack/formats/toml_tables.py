@@ -29,12 +29,13 @@ import numpy as np
 
 from ..atomic import AtomicFolder, check_output
 from ..canonical import CanonicalLayer, default_g_idx
-from ..checkpoint import SIDE_FILES, parse_size
+from ..checkpoint import parse_size
 from ..dtypes import FLOAT_DTYPES, to_float32
 from ..errors import BadInputError, IOFailure, UnsupportedError
 from ..folder import brief, is_json_int, read_json as _read_json, side_files, write_json
-from ._shards import ShardWriter
-from .awq import SafetensorsStore
+from ..store import open_tensors
+from ..store.names import INDEX_NAME, SIDE_FILES, is_side_file
+from ..store.shards import ShardWriter
 from .base import Capabilities, Format, Source, TensorData
 
 if sys.version_info >= (3, 11):
@@ -48,8 +49,6 @@ QUANT_TOML = "quant.toml"
 _DECODER_RE = re.compile(r"^decoder[-.](\d+)\.toml$")
 _ROW_CHUNK = 512
 _INDEX_RE = re.compile(r"\.(\d+)\.")
-_NOT_SIDE = {"config.json", "quant_config.json", "quantize_config.json", "model.safetensors.index.json",
-             "w4pack.json", QUANT_TOML}
 
 
 def rtn_codes(weight: np.ndarray, weight_dtype: str, scales: np.ndarray, scale_dtype: str, zeros: np.ndarray,
@@ -169,10 +168,10 @@ class TomlTablesSource(Source):
         self.base_path = Path(base)
         if not self.base_path.exists():
             raise BadInputError("base model does not exist", file=str(self.base_path))
-        if self.base_path.is_dir() and not ((self.base_path / "model.safetensors.index.json").is_file()
+        if self.base_path.is_dir() and not ((self.base_path / INDEX_NAME).is_file()
                                             or any(self.base_path.glob("*.safetensors"))):
             raise BadInputError("base model folder holds no .safetensors weights", file=str(self.base_path))
-        self.base = SafetensorsStore(self.base_path)
+        self.base = open_tensors(self.base_path)
         for name in self.tables:
             if f"{name}.weight" not in self.base:
                 self.base.close()
@@ -184,7 +183,7 @@ class TomlTablesSource(Source):
             doc = _read_json(bfolder / "config.json")
             if isinstance(doc, dict):
                 self.config = {k: v for k, v in doc.items() if k != "quantization_config"}
-        self._side = [] if bfolder is None else side_files(bfolder, [n for n in SIDE_FILES if n not in _NOT_SIDE])
+        self._side = [] if bfolder is None else side_files(bfolder, SIDE_FILES)
         owned = {f"{n}.{s}" for n in self.tables for s in ("weight", "bias")}
         self._passthrough = [t for t in self.base.names() if t not in owned]
         bits = sorted({int(t.get("wbits", 0)) for t in self.tables.values() if isinstance(t.get("wbits"), int)})
@@ -208,7 +207,7 @@ class TomlTablesSource(Source):
 
     def read_tensor(self, name: str) -> TensorData:
         dt, _ = self.base.info(name)
-        return TensorData(self.base.get(name), dt)
+        return TensorData(self.base.read_copy(name), dt)
 
     def side_files(self) -> list[Path]:
         return list(self._side)
@@ -349,7 +348,7 @@ class TomlTablesSource(Source):
             if k and (int(gids.min()) < 0 or int(gids.max()) >= ng):
                 raise bad(f"group_ids must lie in 0..{ng - 1}, got {int(gids.min())}..{int(gids.max())}")
             g_idx = gids.astype(np.int32)
-        weight = self.base.get(wname)
+        weight = self.base.read_copy(wname)
         if not np.all(np.isfinite(to_float32(np.asarray(weight), wdt))):
             raise BadInputError("base weight holds NaN or infinity", file=self.base.file_of(wname), tensor=wname)
         zq = zeros if zeros is not None else np.full((n, ng), 1 << (bits - 1), dtype=np.int32)
@@ -363,7 +362,7 @@ class TomlTablesSource(Source):
             if bdt not in FLOAT_DTYPES:
                 raise BadInputError(f"bias must be a float tensor, got {bdt}", file=self.base.file_of(bname),
                                     tensor=bname)
-            layer.bias, layer.bias_dtype = np.array(self.base.get(bname)), bdt
+            layer.bias, layer.bias_dtype = np.array(self.base.read_copy(bname)), bdt
         try:
             return layer.validate()
         except BadInputError as exc:
@@ -497,7 +496,7 @@ class TomlTablesFormat(Format):
                 if config:
                     write_json(tmp / "config.json", config)
                 for p in source.side_files():
-                    if p.name in _NOT_SIDE or p.name.endswith(".safetensors") or p.name.startswith("."):
+                    if not is_side_file(p.name):
                         continue
                     try:
                         (tmp / p.name).write_bytes(Path(p).read_bytes())

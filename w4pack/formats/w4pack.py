@@ -6,17 +6,15 @@ from pathlib import Path
 from typing import Any
 
 from ..canonical import CanonicalLayer
-from ..checkpoint import _HEADER_ENTRY, MANIFEST_NAME, Checkpoint, CheckpointWriter
+from ..checkpoint import HEADER_ENTRY_BYTES, MANIFEST_NAME, Checkpoint, CheckpointWriter
 from ..folder import side_files
 from ..layout import pack
 from ..scratch import PACK_POOL, ScratchPool
+from ..store.names import is_side_file
 from .base import Capabilities, Format, Source, TensorData
 
 __all__ = ["W4PackFormat", "W4PackSource", "write_packed"]
 
-#: files a source may list that must not be copied into a packed checkpoint
-_NOT_SIDE_FILES = {"config.json", "model.safetensors.index.json", MANIFEST_NAME, "quantize_config.json",
-                   "quant_config.json", "quantization_config.json"}
 
 
 class W4PackSource(Source):
@@ -77,7 +75,7 @@ def write_packed(source: Source, out: Path, *, force: bool = False, max_shard_si
     names = source.layer_names()
     passthrough = source.passthrough_names()
     # room for every header entry of the checkpoint in each shard, so no shard is rewritten to fit its header
-    hint = sum(5 * (len(n) + 10 + _HEADER_ENTRY) for n in names) + sum(len(t) + _HEADER_ENTRY for t in passthrough)
+    hint = sum(5 * (len(n) + 10 + HEADER_ENTRY_BYTES) for n in names) + sum(len(t) + HEADER_ENTRY_BYTES for t in passthrough)
     # sources that know where a pass-through tensor's bytes lie let the writer copy them in the kernel
     span_of = getattr(source, "tensor_span", None)
     with CheckpointWriter(out, force=force, max_shard_size=max_shard_size, config=source.config,
@@ -119,6 +117,6 @@ def write_packed(source: Source, out: Path, *, force: bool = False, max_shard_si
         if getattr(source, "fused", None):  # FusedSource (w4pack.fuse) records its row ranges as it reads
             writer.fused = dict(source.fused)
         for p in source.side_files():
-            if p.name not in _NOT_SIDE_FILES:
+            if is_side_file(p.name):
                 writer.add_side_file(p)
     return Path(out)
