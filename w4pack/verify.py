@@ -257,6 +257,7 @@ class _BaseWeights:
 def _open_against(against: str | os.PathLike[str], base: str | os.PathLike[str] | None, src_format: str | None) -> Any:
     """Open the --against source as convert opens SRC: a local path or an ``hf://owner/name[@rev][/file]`` spec
     (downloaded first, so its format is detected on the local copy, not on a path that does not exist)."""
+    from .formats import get_format
     from .sources import is_hub_spec, open_source, source_format
 
     fmt = src_format
@@ -264,7 +265,7 @@ def _open_against(against: str | os.PathLike[str], base: str | os.PathLike[str] 
         # the format decides whether base goes along (TOML tables need it)
         fmt = source_format(against)
     opts: dict[str, Any] = {}
-    if base is not None and fmt == "toml":
+    if base is not None and fmt is not None and get_format(fmt).takes_base:
         opts["base"] = base  # quant tables hold no codes: they are rebuilt from the base weights
     return open_source(against, fmt, **opts)
 

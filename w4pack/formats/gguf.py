@@ -772,6 +772,7 @@ class GGUFFormat(Format):
                                 act_order=False, scale_dtypes=("float16", "bfloat16", "float32"),
                                 notes=["scales (and Q4_1 minima) must be fp16 values",
                                        "integer zeros other than 8 need -scale*zero to be an fp16 (Q4_1)"])
+    single_file = True
 
     @classmethod
     def detect(cls, path: Path) -> bool:

@@ -424,6 +424,7 @@ class TomlTablesFormat(Format):
     name = "toml"
     description = "GPTQ-for-LLaMa observer quant tables (quant.toml + .npy, or decoder-N.toml) + base weights"
     capabilities = TomlCapabilities(bits=(2, 3, 4, 8), zero_modes=("none", "int"), act_order=True)
+    takes_base = True
 
     @classmethod
     def detect(cls, path: Path) -> bool:
