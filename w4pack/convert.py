@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import parse_size
+from .store.checkpoint import parse_size
 from .errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNSUPPORTED, BadInputError, W4PackError
 from .formats import get_format
 from .sources import open_source, source_format as _source_format
@@ -62,7 +62,7 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
     and the problems the real run would stop at with the exit code it would give (``exit_code``: that of the first
     problem, 0 when none). Usage mistakes raise exactly as convert raises them; with ``dst``, an existing DST
     without ``force`` is an ``output_problems`` entry (the real run refuses it)."""
-    from .atomic import check_output
+    from .store.atomic import check_output
     from .fuse import FusedSource
 
     fuse = _check_request(src, dst, src_format=src_format, to=to, force=force, max_shard_size=max_shard_size,

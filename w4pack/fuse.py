@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .canonical import CanonicalLayer
+from .core.canonical import CanonicalLayer
 from .errors import BadInputError, UnsupportedError
 from .formats.base import Source, TensorData
 

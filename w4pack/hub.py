@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ._version import __version__
-from .checkpoint import CONFIG_NAME, INCOMPLETE_MARKER, MANIFEST_NAME, SIDE_FILES, validate_checkpoint
+from .store.checkpoint import CONFIG_NAME, INCOMPLETE_MARKER, MANIFEST_NAME, SIDE_FILES, validate_checkpoint
 from .errors import BadInputError, IOFailure, W4PackError
 
 __all__ = ["push", "pull", "model_card", "resolve_source", "open_hub_source", "parse_hub_spec", "DEFAULT_ENDPOINT"]
@@ -619,7 +619,7 @@ def pull(repo_id: str, dest: str | os.PathLike[str], *, revision: str | None = N
     ep = _endpoint(endpoint)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        from .atomic import make_temp_dir  # the mode mkdir would give (umask), not mkdtemp's 0700
+        from .store.atomic import make_temp_dir  # the mode mkdir would give (umask), not mkdtemp's 0700
 
         tmp = make_temp_dir(target, "pull")
     except OSError as exc:

@@ -23,9 +23,9 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .canonical import CanonicalLayer
-from .checkpoint import Checkpoint
-from .dtypes import to_float64
+from .core.canonical import CanonicalLayer
+from .store.checkpoint import Checkpoint
+from .core.dtypes import to_float64
 from .errors import BadInputError, UnsupportedError, W4PackError
 from .progress import Progress
 from .store import open_tensors

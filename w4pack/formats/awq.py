@@ -29,15 +29,15 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ..atomic import AtomicFolder, check_output
-from ..canonical import CanonicalLayer
-from ..checkpoint import parse_size
-from ..dtypes import FLOAT_DTYPES, from_float32, to_float32
-from ..errors import BadInputError, IOFailure, UnsupportedError
-from ..folder import brief, is_json_int, read_json as _read_json, side_files, write_json
+from ..store.atomic import AtomicFolder, check_output
+from ..core.canonical import CanonicalLayer
+from ..store.checkpoint import parse_size
+from ..core.dtypes import FLOAT_DTYPES, from_float32, to_float32
+from ..errors import BadInputError, UnsupportedError
+from ..store.folder import brief, copy_side_files, is_json_int, read_json as _read_json, side_files, write_json
 from ..store.shards import ShardWriter
 from ..store import TensorStore, open_tensors
-from ..store.names import SIDE_FILES, is_side_file
+from ..store.names import SIDE_FILES
 from ..store.tensors import pt_files
 from .base import Capabilities, Format, Source, TensorData
 
@@ -778,11 +778,5 @@ class AWQFormat(Format):
             write_json(tmp / "quant_config.json", {"zero_point": qc["zero_point"], "q_group_size": qc["group_size"],
                                                     "w_bit": 4,
                                                     "version": version.upper() if version != "gemv_fast" else "gemv_fast"})
-            for p in source.side_files():
-                if not is_side_file(p.name):
-                    continue
-                try:
-                    (tmp / p.name).write_bytes(Path(p).read_bytes())
-                except OSError as exc:
-                    raise IOFailure(f"cannot copy side file: {exc.strerror}", file=str(p)) from None
+            copy_side_files(source.side_files(), tmp)
         return Path(out)

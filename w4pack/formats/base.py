@@ -13,9 +13,9 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..canonical import CanonicalLayer
+from ..core.canonical import CanonicalLayer
 from ..errors import W4PackError
-from ..layout import PackedLayer
+from ..core.layout import PackedLayer
 
 __all__ = ["Source", "Format", "Capabilities", "TensorData"]
 

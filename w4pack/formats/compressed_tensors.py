@@ -16,20 +16,19 @@ Unsigned codes and zeros are exactly the canonical ones, so reading and writing 
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..atomic import AtomicFolder
-from ..canonical import CanonicalLayer
-from ..checkpoint import parse_size
-from ..dtypes import FLOAT_DTYPES
+from ..store.atomic import AtomicFolder
+from ..core.canonical import CanonicalLayer
+from ..store.checkpoint import parse_size
+from ..core.dtypes import FLOAT_DTYPES
 from ..errors import BadInputError, UnsupportedError
-from ..folder import brief, is_json_int, read_json, side_files, write_json
+from ..store.folder import brief, copy_side_files, is_json_int, read_json, side_files, write_json
 from ..store import open_tensors
-from ..store.names import SIDE_FILES, is_side_file
+from ..store.names import SIDE_FILES
 from ..store.shards import ShardWriter
 from .base import Capabilities, Format, Source, TensorData
 
@@ -619,7 +618,5 @@ class CompressedTensorsFormat(Format):
             config = dict(source.config)
             config["quantization_config"] = build_quantization_config(schemes, sorted(ignore))
             write_json(tmp / "config.json", config)
-            for p in source.side_files():
-                if is_side_file(p.name):
-                    shutil.copyfile(p, tmp / p.name)
+            copy_side_files(source.side_files(), tmp)
         return Path(out)

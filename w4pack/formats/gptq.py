@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import shutil
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -31,19 +30,19 @@ from typing import Any
 import numpy as np
 
 from .._version import __version__
-from ..atomic import AtomicFolder
-from .. import fastpath
-from ..canonical import CanonicalLayer
-from ..checkpoint import parse_size
-from ..dtypes import FLOAT_DTYPES
-from ..errors import BadInputError, IOFailure, UnsupportedError, W4PackError
-from ..folder import brief, is_json_int, read_json as _read_json, side_files, write_json
-from ..layout import PackedLayer, group_structure, pack_with_qweight
+from ..store.atomic import AtomicFolder
+from ..core import fastpath
+from ..core.canonical import CanonicalLayer
+from ..store.checkpoint import parse_size
+from ..core.dtypes import FLOAT_DTYPES
+from ..errors import BadInputError, UnsupportedError, W4PackError
+from ..store.folder import brief, copy_side_files, is_json_int, read_json as _read_json, side_files, write_json
+from ..core.layout import PackedLayer, group_structure, pack_with_qweight
 from ..progress import Progress
-from ..scratch import ScratchPool
-from ..safetensors_io import dtype_to_st
+from ..core.scratch import ScratchPool
+from ..store.safetensors import dtype_to_st
 from ..store import open_tensors
-from ..store.names import PT_SUFFIXES, SIDE_FILES, is_side_file
+from ..store.names import PT_SUFFIXES, SIDE_FILES
 from ..store.shards import PlannedShards, ShardEntry
 from ._bitpack import STREAM_BITS, pack_last, unpack_last
 from .base import Capabilities, Format, Source, TensorData
@@ -822,13 +821,7 @@ def write_gptq(source: Source, out: str | os.PathLike[str], *, force: bool = Fal
         config["quantization_config"] = qc
         write_json(tmp / "config.json", config)
         write_json(tmp / "quantize_config.json", qc)
-        for p in source.side_files():
-            if not is_side_file(p.name):
-                continue
-            try:
-                shutil.copyfile(p, tmp / p.name)
-            except OSError as exc:
-                raise IOFailure(f"cannot copy side file: {exc.strerror}", file=str(p)) from None
+        copy_side_files(source.side_files(), tmp)
     return Path(out)
 
 

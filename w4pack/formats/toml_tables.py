@@ -21,27 +21,22 @@ import contextlib
 import json
 import math
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..atomic import AtomicFolder, check_output
-from ..canonical import CanonicalLayer, default_g_idx
-from ..checkpoint import parse_size
-from ..dtypes import FLOAT_DTYPES, to_float32
-from ..errors import BadInputError, IOFailure, UnsupportedError
-from ..folder import brief, is_json_int, read_json as _read_json, side_files, write_json
+from ..store.atomic import AtomicFolder, check_output
+from ..core.canonical import CanonicalLayer, default_g_idx
+from ..store.checkpoint import parse_size
+from ..core.dtypes import FLOAT_DTYPES, to_float32
+from ..errors import BadInputError, UnsupportedError
+from ..store.folder import brief, copy_side_files, is_json_int, read_json as _read_json, side_files, write_json
 from ..store import open_tensors
-from ..store.names import INDEX_NAME, SIDE_FILES, is_side_file
+from ..store.names import INDEX_NAME, SIDE_FILES
 from ..store.shards import ShardWriter
+from ..store.tables import read_npy, read_toml
 from .base import Capabilities, Format, Source, TensorData
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 __all__ = ["TomlTablesFormat", "TomlTablesSource", "rtn_codes", "dump_toml"]
 
@@ -144,13 +139,7 @@ class TomlTablesSource(Source):
         self.tables: dict[str, dict[str, Any]] = {}
         self.table_file: dict[str, Path] = {}
         for f in files:
-            try:
-                with open(f, "rb") as fh:
-                    doc = tomllib.load(fh)
-            except tomllib.TOMLDecodeError as exc:
-                raise BadInputError(f"not valid TOML: {exc}", file=str(f)) from None
-            except (OSError, UnicodeDecodeError) as exc:
-                raise BadInputError(f"cannot read: {exc}", file=str(f)) from None
+            doc = read_toml(f)
             for name, table in _flatten_tables(doc).items():
                 if name in self.tables:
                     raise BadInputError(f"layer appears twice (also in {self.table_file[name].name})", file=str(f),
@@ -233,11 +222,7 @@ class TomlTablesSource(Source):
                 raise BadInputError(f"{key} path {val!r} escapes the table folder", file=tfile, tensor=name)
             if not p.is_file():
                 raise BadInputError(f"{key} file {val!r} is missing", file=tfile, tensor=name)
-            try:
-                arr = np.load(p, allow_pickle=False)
-            except (ValueError, OSError, EOFError) as exc:
-                raise BadInputError(f"not a readable .npy array (truncated, or holds objects): {exc}", file=str(p),
-                                    tensor=name) from None
+            arr = read_npy(p, name)
             if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "fiu":
                 raise BadInputError(f"{key} must be a numeric array, got {getattr(arr, 'dtype', type(arr))}",
                                     file=str(p), tensor=name)
@@ -384,7 +369,7 @@ class TomlTablesSource(Source):
             raise bad(f"scale must be a float array, got {scale.dtype}")
         want = table.get("scale_dtype")
         if isinstance(want, str) and want != sdt and want in FLOAT_DTYPES:
-            from ..dtypes import from_float32
+            from ..core.dtypes import from_float32
 
             narrowed = from_float32(to_float32(arr, sdt), want)
             if not np.array_equal(to_float32(narrowed, want), to_float32(arr, sdt)):
@@ -496,13 +481,7 @@ class TomlTablesFormat(Format):
                 config = {k: v for k, v in (source.config or {}).items() if k != "quantization_config"}
                 if config:
                     write_json(tmp / "config.json", config)
-                for p in source.side_files():
-                    if not is_side_file(p.name):
-                        continue
-                    try:
-                        (tmp / p.name).write_bytes(Path(p).read_bytes())
-                    except OSError as exc:
-                        raise IOFailure(f"cannot copy side file: {exc.strerror}", file=str(p)) from None
+                copy_side_files(source.side_files(), tmp)
         return Path(out)
 
 

@@ -5,12 +5,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..canonical import CanonicalLayer
-from ..checkpoint import HEADER_ENTRY_BYTES, MANIFEST_NAME, Checkpoint, CheckpointWriter, check_layer_name
+from ..core.canonical import CanonicalLayer
+from ..store.checkpoint import HEADER_ENTRY_BYTES, MANIFEST_NAME, Checkpoint, CheckpointWriter, check_layer_name
 from ..errors import UnsupportedError, W4PackError
-from ..folder import side_files
-from ..layout import pack
-from ..scratch import PACK_POOL, ScratchPool
+from ..store.folder import side_files
+from ..core.layout import pack
+from ..core.scratch import PACK_POOL, ScratchPool
 from ..store.names import is_side_file
 from .base import Capabilities, Format, Source, TensorData
 

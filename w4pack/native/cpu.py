@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BadInputError, UnsupportedError, W4PackError
-from ..layout import PackedLayer, padded_shape, storage_bits_for, words_per_tile_lane
+from ..core.layout import PackedLayer, padded_shape, storage_bits_for, words_per_tile_lane
 
 try:
     from .._w4p_cpu import ffi, lib

@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import fastpath
+from ..core import fastpath
 from ..errors import BadInputError
-from ..layout import TILE_K, TILE_N, WARP, padded_shape, words_per_tile_lane
-from ..scratch import ScratchPool, take
+from ..core.layout import TILE_K, TILE_N, WARP, padded_shape, words_per_tile_lane
+from ..core.scratch import ScratchPool, take
 from .cpu import check_rc, default_threads
 
 try:

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic import output_of, write_failure
+from .atomic import output_of, write_failure
 from ..errors import BadInputError, IOFailure
-from ..folder import write_json
-from ..safetensors_io import dtype_to_st
+from .folder import write_json
+from .safetensors import dtype_to_st
 from .names import INDEX_NAME, shard_names
 
 __all__ = ["ShardWriter", "PlannedShards", "ShardEntry", "encode_header", "INDEX_NAME"]

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import BadInputError, IOFailure
-from ..folder import brief, member, read_json
-from ..safetensors_io import DTYPES, SafetensorsFile
+from .folder import brief, member, read_json
+from .safetensors import DTYPES, SafetensorsFile
 from .names import INDEX_NAME, PT_INDEX_NAME, PT_SUFFIXES
 from .torchfile import dtype_name as torch_dtype_name, load_state_dict, to_numpy as torch_to_numpy
 

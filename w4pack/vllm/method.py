@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from ..errors import BadInputError, UnsupportedError
-from ..layout import PackedLayer
-from ..torch_module import PRECISIONS, W4Linear
-from ..tp import column_slice, row_parallel, stack_blockers, stack_rows
+from ..core.layout import PackedLayer
+from ..runtime.torch_module import PRECISIONS, W4Linear
+from ..runtime.tp import column_slice, row_parallel, stack_blockers, stack_rows
 from .plan import LayerPart, LayerPlan
 
 __all__ = ["PackedLinearMethod", "layer_partition", "precision_from_env"]
