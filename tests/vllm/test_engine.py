@@ -23,7 +23,9 @@ REPO = HERE.parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 sys.path.insert(0, str(HERE.parent))
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+# tests/ is on sys.path, so this folder is a namespace package named "vllm": only a spec with a file is vLLM
+_VLLM = importlib.util.find_spec("vllm")
+pytestmark = pytest.mark.skipif(_VLLM is None or _VLLM.origin is None,
                                 reason="vLLM is not installed in this environment (make test-vllm runs these)")
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
