@@ -35,7 +35,7 @@ from ._version import __version__
 from .store.checkpoint import CONFIG_NAME, INCOMPLETE_MARKER, MANIFEST_NAME, SIDE_FILES, validate_checkpoint
 from .errors import BadInputError, IOFailure, W4PackError
 
-__all__ = ["push", "pull", "model_card", "resolve_source", "open_hub_source", "parse_hub_spec", "DEFAULT_ENDPOINT"]
+__all__ = ["push", "pull", "model_card", "card_metadata", "resolve_source", "parse_hub_spec", "DEFAULT_ENDPOINT"]
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 CARD_NAME = "README.md"
@@ -680,32 +680,35 @@ def _cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "w4pack"
 
 
-def _source_patterns(names: list[str], sub: str | None) -> tuple[list[str], str | None]:
-    """allow_patterns for the files a source format needs, and the file to open when the source is one
-    file (``sub`` naming a file, or the repository's only GGUF: the GGUF reader takes a file)."""
+def _source_patterns(names: list[str], sub: str | None, kinds: list[Any] | None = None) -> tuple[list[str], str | None]:
+    """allow_patterns for the files a source needs, and the file to open when the source is one file (``sub``
+    naming a file, or the one file of a single-file format such as GGUF). ``kinds``: the formats' declarations
+    (w4pack.formats.hub_files, the default): of the kinds present, those of the lowest rank are fetched."""
     prefix = f"{sub}/" if sub else ""
     if sub and sub in names:  # a single file (one GGUF of many, one .pt)
         return [sub] + list(_SOURCE_ALWAYS), sub
     inside = [n for n in names if n.startswith(prefix)]
     if sub and not inside:
         raise BadInputError(f"{sub!r} is neither a file nor a folder of this repository")
+    if kinds is None:
+        from .formats import hub_files
+
+        kinds = hub_files()
     pats = [prefix + p for p in _SOURCE_ALWAYS]
     target = None
-    ends = {os.path.splitext(n)[1] for n in inside}
-    if ".safetensors" in ends:
-        pats.append(prefix + "*.safetensors")
-    if ".toml" in ends:  # quant tables: TOML + numpy arrays (any depth)
-        pats += [prefix + "*.toml", prefix + "*.npy"]
-    if ".safetensors" not in ends and ".toml" not in ends:
-        ggufs = [n for n in inside if n.endswith(".gguf")]
-        if len(ggufs) > 1:
-            raise BadInputError(f"the repository holds {len(ggufs)} GGUF files; name one: hf://owner/name/"
-                                f"{ggufs[0]} (others: {', '.join(ggufs[1:4])}{', ...' if len(ggufs) > 4 else ''})")
-        if ggufs:
-            pats.append(ggufs[0])
-            target = ggufs[0]
-        elif ".pt" in ends:
-            pats.append(prefix + "*.pt")
+    present = [k for k in kinds if any(fnmatch.fnmatch(n, prefix + k.marker) for n in inside)]
+    rank = min((k.rank for k in present), default=None)
+    for kind in (k for k in present if k.rank == rank):
+        if kind.single:
+            found = [n for n in inside if fnmatch.fnmatch(n, prefix + kind.marker)]
+            if len(found) > 1:
+                raise BadInputError(f"the repository holds {len(found)} {kind.what} files; name one: "
+                                    f"hf://owner/name/{found[0]} (others: {', '.join(found[1:4])}"
+                                    f"{', ...' if len(found) > 4 else ''})")
+            pats.append(found[0])
+            target = found[0]
+        else:
+            pats += [prefix + g for g in kind.globs]
     return pats, target
 
 

@@ -8,9 +8,10 @@ import importlib
 from pathlib import Path
 
 from ..errors import BadInputError, UnsupportedError
-from .base import Capabilities, Format, Source, TensorData
+from .base import Capabilities, Format, HubFiles, Source, TensorData
 
-__all__ = ["REGISTRY", "get_format", "detect", "open_source", "Format", "Source", "Capabilities", "TensorData"]
+__all__ = ["REGISTRY", "get_format", "detect", "open_source", "hub_files", "Format", "Source", "Capabilities",
+           "TensorData", "HubFiles"]
 
 #: format name -> "module:Class"; modules are imported on first use so a broken optional
 #: dependency of one format does not break the others.
@@ -60,6 +61,11 @@ def detect(path: str | Path) -> str:
             return name
     raise UnsupportedError("cannot tell which format this is; name it with --from "
                            f"({', '.join(sorted(formats))})", file=str(p))
+
+
+def hub_files() -> list[HubFiles]:
+    """What the readers need from a Hub repository, as the formats declare it (w4pack.hub fetches it)."""
+    return list(dict.fromkeys(k for fmt in _available().values() for k in fmt.hub_files))
 
 
 def open_source(path: str | Path, fmt: str | None = None, **options: object) -> Source:

@@ -39,7 +39,7 @@ from ..store.shards import ShardWriter
 from ..store import TensorStore, open_tensors
 from ..store.names import SIDE_FILES
 from ..store.tensors import pt_files
-from .base import Capabilities, Format, Source, TensorData
+from .base import PICKLE_FILES, SAFETENSORS_FILES, Capabilities, Format, Source, TensorData
 
 __all__ = [
     "AWQFormat", "AWQSource", "open_store",
@@ -662,6 +662,7 @@ class AWQFormat(Format):
     name = "awq"
     description = "AWQ: AutoAWQ GEMM/GEMV/GEMVFast/Marlin safetensors, llm-awq .pt dumps (2023 and 2024 TinyChat)"
     capabilities = AWQCapabilities("gemm")
+    hub_files = (SAFETENSORS_FILES, PICKLE_FILES)
 
     @classmethod
     def detect(cls, path: Path) -> bool:

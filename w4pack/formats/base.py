@@ -17,7 +17,7 @@ from ..core.canonical import CanonicalLayer
 from ..errors import W4PackError
 from ..core.layout import PackedLayer
 
-__all__ = ["Source", "Format", "Capabilities", "TensorData"]
+__all__ = ["Source", "Format", "Capabilities", "TensorData", "HubFiles"]
 
 
 @dataclass
@@ -26,6 +26,25 @@ class TensorData:
 
     array: np.ndarray
     dtype: str
+
+
+@dataclass(frozen=True)
+class HubFiles:
+    """Which files of a Hub repository a reader needs: ``globs`` when a file matching ``marker`` is present.
+
+    Of the kinds present, only those of the lowest ``rank`` are fetched (safetensors before a GGUF file before
+    torch pickles); ``single``: the reader takes one file, so exactly one match is fetched (``what`` names it
+    when the repository holds several)."""
+
+    marker: str
+    globs: tuple[str, ...] = ()
+    rank: int = 0
+    single: bool = False
+    what: str = ""
+
+
+SAFETENSORS_FILES = HubFiles("*.safetensors", ("*.safetensors",))
+PICKLE_FILES = HubFiles("*.pt", ("*.pt",), rank=2)
 
 
 @dataclass
@@ -125,6 +144,8 @@ class Format(abc.ABC):
     write_options: frozenset[str] | None = None
     #: its reader rebuilds codes from the base model's weights (the ``base`` option: TOML quant tables)
     takes_base: bool = False
+    #: the files its reader needs from a Hub repository (besides configs, card and tokenizer)
+    hub_files: tuple[HubFiles, ...] = (SAFETENSORS_FILES,)
 
     @classmethod
     @abc.abstractmethod

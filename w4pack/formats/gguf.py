@@ -29,7 +29,7 @@ from ..core.canonical import CanonicalLayer
 from ..core.dtypes import to_float32
 from ..errors import BadInputError, IOFailure, UnsupportedError
 from . import _hf_names as names
-from .base import Capabilities, Format, Source, TensorData
+from .base import Capabilities, Format, HubFiles, Source, TensorData
 from ..store.gguffile import gguf_module, is_gguf, open_gguf, release_pages
 
 __all__ = ["GGUFFormat", "GGUFSource", "GGUFWarning", "tokenizer_metadata", "decode_q4_0", "decode_q4_1",
@@ -751,6 +751,7 @@ class GGUFFormat(Format):
                                 notes=["scales (and Q4_1 minima) must be fp16 values",
                                        "integer zeros other than 8 need -scale*zero to be an fp16 (Q4_1)"])
     single_file = True
+    hub_files = (HubFiles("*.gguf", rank=1, single=True, what="GGUF"),)
 
     @classmethod
     def detect(cls, path: Path) -> bool:

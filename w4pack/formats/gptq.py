@@ -45,7 +45,7 @@ from ..store import open_tensors
 from ..store.names import PT_SUFFIXES, SIDE_FILES
 from ..store.shards import PlannedShards, ShardEntry
 from ._bitpack import STREAM_BITS, pack_last, unpack_last
-from .base import Capabilities, Format, Source, TensorData
+from .base import PICKLE_FILES, SAFETENSORS_FILES, Capabilities, Format, Source, TensorData
 
 __all__ = ["GPTQFormat", "GPTQv2Format", "GPTQSource", "GPTQWarning", "write_gptq", "V1", "V2"]
 
@@ -857,6 +857,7 @@ class GPTQFormat(Format):
     name = "gptq"
     description = "GPTQ (AutoGPTQ, GPTQModel v1/v2, GPTQ-for-LLaMa): int32 qweight packed along K, qzeros, g_idx"
     capabilities = GPTQCapabilities(V1)
+    hub_files = (SAFETENSORS_FILES, PICKLE_FILES)
     version = V1
 
     @classmethod

@@ -36,7 +36,7 @@ from ..store import open_tensors
 from ..store.names import INDEX_NAME, SIDE_FILES
 from ..store.shards import ShardWriter
 from ..store.tables import read_npy, read_toml
-from .base import Capabilities, Format, Source, TensorData
+from .base import Capabilities, Format, HubFiles, Source, TensorData
 
 __all__ = ["TomlTablesFormat", "TomlTablesSource", "rtn_codes", "dump_toml"]
 
@@ -410,6 +410,7 @@ class TomlTablesFormat(Format):
     description = "GPTQ-for-LLaMa observer quant tables (quant.toml + .npy, or decoder-N.toml) + base weights"
     capabilities = TomlCapabilities(bits=(2, 3, 4, 8), zero_modes=("none", "int"), act_order=True)
     takes_base = True
+    hub_files = (HubFiles("*.toml", ("*.toml", "*.npy")),)
 
     @classmethod
     def detect(cls, path: Path) -> bool:
