@@ -159,9 +159,9 @@ def test_cli_bad_max_shard_size_is_a_usage_error(tmp_path, size):
 
 
 def test_disk_full_in_a_peer_format_writer_names_the_output(tmp_path, monkeypatch):
-    """--to awq / compressed-tensors spool their tensors (formats/_shards.py): a full disk said only "No space left
+    """--to awq / compressed-tensors spool their tensors (store/shards.py): a full disk said only "No space left
     on device", naming no file."""
-    import w4pack.formats._shards as shards
+    import w4pack.store.shards as shards
     from conftest import full_disk_open
 
     monkeypatch.setattr(shards, "open", full_disk_open(lambda path, _mode: Path(path).name == ".spool.partial"),

@@ -7,8 +7,9 @@ import pytest
 from w4pack import layout
 from w4pack.canonical import CanonicalLayer
 from w4pack.formats import _bitpack
+from w4pack.native import cpu_pack
 
-lib = layout._native_lib()
+lib = cpu_pack.lib
 pytestmark = pytest.mark.skipif(lib is None, reason="native CPU module not built (make native)")
 
 
@@ -32,7 +33,7 @@ def test_native_pack_matches_numpy(sbits: int, n: int, k: int, act_order: bool) 
         saved = list(cpu._DEFAULT_THREADS)
         cpu._DEFAULT_THREADS[:] = [threads]
         try:
-            got = layout._native_pack(codes, perm, sbits)
+            got = cpu_pack.pack_codes(codes, perm, sbits)
         finally:
             cpu._DEFAULT_THREADS[:] = saved
         assert got is not None
@@ -44,7 +45,7 @@ def test_native_pack_strided_rows() -> None:
     rng = np.random.default_rng(7)
     wide = rng.integers(0, 16, size=(20, 300), dtype=np.uint8)
     view = wide[:, :130]
-    np.testing.assert_array_equal(layout._native_pack(view, None, 4), _spec_pack(np.ascontiguousarray(view), None, 4))
+    np.testing.assert_array_equal(cpu_pack.pack_codes(view, None, 4), _spec_pack(np.ascontiguousarray(view), None, 4))
 
 
 def test_pack_roundtrip_act_order_uses_native() -> None:
@@ -61,7 +62,7 @@ def test_pack_roundtrip_act_order_uses_native() -> None:
 def test_native_pack_rejects_bad_perm() -> None:
     codes = np.zeros((4, 8), dtype=np.uint8)
     with pytest.raises(Exception, match="perm"):
-        layout._native_pack(codes, np.array([0, 1, 2, 3, 4, 5, 6, 99], dtype=np.int32), 4)
+        cpu_pack.pack_codes(codes, np.array([0, 1, 2, 3, 4, 5, 6, 99], dtype=np.int32), 4)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -172,7 +173,7 @@ def test_pack_of_odd_views_falls_back_to_numpy() -> None:
     rng = np.random.default_rng(5)
     base = rng.integers(0, 16, size=(20, 140), dtype=np.uint8)
     for view in (base[::-1], base[:, ::2]):
-        assert layout._native_pack(view, None, 4) is None
+        assert cpu_pack.pack_codes(view, None, 4) is None
         layer = CanonicalLayer(codes=view, scales=np.ones((view.shape[0], 1), dtype=np.float16), bits=4,
                                group_size=-1)
         np.testing.assert_array_equal(layout.pack(layer).tensors["qweight"],

@@ -6,9 +6,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import parse_size
-from .errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNSUPPORTED, BadInputError, UnsupportedError, W4PackError
-from .formats import get_format, open_source
+from .store.checkpoint import parse_size
+from .errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNSUPPORTED, BadInputError, W4PackError
+from .formats import get_format
+from .sources import open_source, source_format as _source_format
 from .formats.base import Format
 
 __all__ = ["convert", "plan"]
@@ -16,19 +17,6 @@ __all__ = ["convert", "plan"]
 
 #: the smallest --max-shard-size: a shard holds at least its header and one tensor (CheckpointWriter, GPTQ)
 MIN_SHARD_SIZE = 1024
-
-
-def _source_format(src: str | Path, src_format: str | None) -> str:
-    """The source's format as open_source will take it: --from, else detected (an hf:// source on its download)."""
-    from .formats import detect
-
-    if src_format:
-        return src_format
-    if str(src).startswith("hf:/"):
-        from .hub import resolve_source
-
-        return detect(resolve_source(str(src)))
-    return detect(src)
 
 
 def _check_request(src: str | Path, dst: str | Path | None, *, src_format: str | None, to: str, force: bool,
@@ -43,19 +31,20 @@ def _check_request(src: str | Path, dst: str | Path | None, *, src_format: str |
         if base is not None:
             _refuse_overlap(base, dst, force, "base model")
     size = parse_size(max_shard_size, "--max-shard-size")  # a bad size is a usage error before anything is read
-    from .native.cpu import _threads_from_env
+    from .native.cpu import threads_from_env
 
-    _threads_from_env()  # (the packers' thread count: a bad $W4PACK_THREADS is refused here, not at the first layer)
-    if to != "gguf" and size < MIN_SHARD_SIZE:  # GGUF output is one file: the size does not apply
+    threads_from_env()  # (the packers' thread count: a bad $W4PACK_THREADS is refused here, not at the first layer)
+    target = get_format(to)
+    if not target.single_file and size < MIN_SHARD_SIZE:  # one output file (GGUF): the size does not apply
         raise BadInputError(f"--max-shard-size {max_shard_size!r} is below the minimum, {MIN_SHARD_SIZE} bytes "
                             "(1KiB)")
     fuse = parse_fuse(options.pop("fuse", None))
-    if fuse and to != "w4pack":
+    if fuse and not target.stores_fused:
         raise BadInputError(f"--fuse applies to w4pack output only, not {to}: drop --fuse, or convert with "
                             "--to w4pack")
     if base is not None:
         fmt = _source_format(src, src_format)
-        if fmt != "toml":
+        if not get_format(fmt).takes_base:
             raise BadInputError(f"--base is only for TOML quant-table sources (their codes are rebuilt from the base "
                                 f"weights), and this is a {fmt} checkpoint: drop --base", file=str(src))
     return fuse
@@ -73,16 +62,15 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
     and the problems the real run would stop at with the exit code it would give (``exit_code``: that of the first
     problem, 0 when none). Usage mistakes raise exactly as convert raises them; with ``dst``, an existing DST
     without ``force`` is an ``output_problems`` entry (the real run refuses it)."""
-    from .atomic import check_output
-    from .checkpoint import check_layer_name
+    from .store.atomic import check_output
     from .fuse import FusedSource
 
     fuse = _check_request(src, dst, src_format=src_format, to=to, force=force, max_shard_size=max_shard_size,
                           options=options)
     read_opts = {k: v for k, v in options.items() if k in ("base",)}
     read_opts.update(source_options or {})
-    _refuse_writer_options(to, options)
     target = get_format(to)
+    _refuse_writer_options(target, options)
     before: list[tuple[str, int]] = []  # convert's own checks, then the output, then the layers (the run's order)
     output: list[tuple[str, int]] = []
     after: list[tuple[str, int]] = []
@@ -92,23 +80,17 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
             check_output(Path(dst), force)
         except W4PackError as exc:
             output.append((f"{exc.one_line()} (the real run refuses it)", exc.exit_code))
-        if to == "gguf" and force and Path(dst).is_dir():
+        if target.single_file and force and Path(dst).is_dir():
             output.append((f"{dst}: GGUF output is a single file; give a path ending in .gguf", EXIT_BAD_INPUT))
     with open_source(src, src_format, **read_opts) as source:
         n_source = len(source.layer_names())
         if fuse:
             source = FusedSource(source, fuse)
         names = source.layer_names()
-        if not names and to == "w4pack":
-            before.append((f"{src}: the source holds no quantized layers", EXIT_UNSUPPORTED))
+        before.extend((exc.one_line(), exc.exit_code) for exc in target.source_problems(source, str(src)))
         own_check = _checks_own_layers(target)
         layers = []
         for name in names:
-            if to == "w4pack":
-                try:
-                    check_layer_name(name, str(src))
-                except W4PackError as exc:
-                    before.append((exc.one_line(), exc.exit_code))
             try:
                 layer = source.read_layer(name)
             except W4PackError as exc:  # e.g. parts that cannot be fused: the real run stops at this layer
@@ -131,7 +113,7 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
             "destination": None if dst is None else str(dst),
             "destination_exists": exists,
             "force": force,
-            "max_shard_size": None if to == "gguf" else parse_size(max_shard_size, "--max-shard-size"),
+            "max_shard_size": None if target.single_file else parse_size(max_shard_size, "--max-shard-size"),
             "layers": layers,
             "source_layers": n_source,
             "fused": dict(source.plan) if isinstance(source, FusedSource) else {},
@@ -143,13 +125,15 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
         }
 
 
-def _refuse_writer_options(to: str, options: dict[str, Any]) -> None:
-    """The w4pack writer takes no options: one given is a mistake (a reader option belongs in source_options),
-    refused rather than dropped."""
-    extra = sorted(k for k in options if k != "base")
-    if to == "w4pack" and extra:
-        raise BadInputError(f"the w4pack writer takes no option {', '.join(extra)}; options for the reader go in "
-                            "source_options=")
+def _refuse_writer_options(target: type[Format], options: dict[str, Any]) -> None:
+    """A writer that declares its options (the w4pack writer takes none) refuses any other: a mistake (a reader
+    option belongs in source_options), refused rather than dropped."""
+    if target.write_options is None:
+        return
+    extra = sorted(k for k in options if k != "base" and k not in target.write_options)
+    if extra:
+        raise BadInputError(f"the {target.name} writer takes no option {', '.join(extra)}; options for the reader go "
+                            "in source_options=")
 
 
 def _refuse_overlap(src: str | Path, dst: str | Path, force: bool, what: str = "source") -> None:
@@ -185,7 +169,6 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
         convert("llama-gptq-v1/", "llama-w4/", source_options={"v1_zeros": "carry"})
     """
     t0 = time.perf_counter()
-    from .checkpoint import check_layer_name
     from .fuse import FusedSource
 
     options = dict(options)
@@ -194,23 +177,18 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
     read_opts = {k: v for k, v in options.items() if k in ("base",)}
     read_opts.update(source_options or {})
     write_opts = {k: v for k, v in options.items() if k not in ("base",)}
-    _refuse_writer_options(to, options)
+    target = get_format(to)
+    _refuse_writer_options(target, options)
     with open_source(src, src_format, **read_opts) as source:
         if fuse:
             source = FusedSource(source, fuse)
-        target = get_format(to)
-        if not source.layer_names() and to == "w4pack":
-            raise UnsupportedError("the source holds no quantized layers", file=str(src))
-        if to == "w4pack":
-            for name in source.layer_names():  # before anything is written, not at the end (the writer checks too)
-                check_layer_name(name, str(src))
-            out = target.write(source, Path(dst), force=force, max_shard_size=max_shard_size,
-                               show_progress=show_progress)
-        else:
-            out = target.write(source, Path(dst), force=force, max_shard_size=max_shard_size,
-                               show_progress=show_progress, **write_opts)
+        problems = target.source_problems(source, str(src))  # before anything is written, not at the end
+        if problems:
+            raise problems[0]
+        out = target.write(source, Path(dst), force=force, max_shard_size=max_shard_size,
+                           show_progress=show_progress, **write_opts)
         n_layers = len(source.layer_names())
-        fused = dict(getattr(source, "fused", {}) or {})
+        fused = source.fused_layers()
         n_pass = len(source.passthrough_names())
         info = dict(source.info)
     out_path = Path(out)  # a folder, or one file for single-file formats (GGUF)

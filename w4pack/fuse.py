@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .canonical import CanonicalLayer
+from .core.canonical import CanonicalLayer
 from .errors import BadInputError, UnsupportedError
 from .formats.base import Source, TensorData
 
@@ -128,7 +128,7 @@ class FusedSource(Source):
         self.kinds = kinds
         self._part_of = {p: fused for fused, parts in self.plan.items() for p in parts}
         # fusions the source already has (a fused w4pack checkpoint) stay recorded
-        self.fused: dict[str, list[dict[str, Any]]] = dict(getattr(inner, "fused", None) or {})
+        self.fused: dict[str, list[dict[str, Any]]] = inner.fused_layers()
         if self.plan:
             self.info["notes"] = list(self.info.get("notes", [])) + [
                 f"fused {len(self.plan)} projection group(s): {', '.join(kinds)}"]
@@ -158,6 +158,9 @@ class FusedSource(Source):
 
     def side_files(self) -> list[Path]:
         return self.inner.side_files()
+
+    def fused_layers(self) -> dict[str, list[dict[str, Any]]]:
+        return dict(self.fused)
 
     def close(self) -> None:
         self.inner.close()

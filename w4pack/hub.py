@@ -31,11 +31,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from . import __version__
-from .checkpoint import CONFIG_NAME, INCOMPLETE_MARKER, MANIFEST_NAME, SIDE_FILES, validate_checkpoint
+from ._version import __version__
+from .store.checkpoint import CONFIG_NAME, INCOMPLETE_MARKER, MANIFEST_NAME, SIDE_FILES, validate_checkpoint
 from .errors import BadInputError, IOFailure, W4PackError
 
-__all__ = ["push", "pull", "model_card", "resolve_source", "open_hub_source", "parse_hub_spec", "DEFAULT_ENDPOINT"]
+__all__ = ["push", "pull", "model_card", "card_metadata", "resolve_source", "parse_hub_spec", "DEFAULT_ENDPOINT"]
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 CARD_NAME = "README.md"
@@ -255,6 +255,11 @@ def _notes_value(source: dict[str, Any], key: str) -> str | None:
         if isinstance(note, str) and note.startswith(f"{key}="):
             return note.split("=", 1)[1] or None
     return None
+
+
+def card_metadata(folder: Path) -> dict[str, Any]:
+    """The metadata of the model card (README.md) in ``folder``; {} when there is none."""
+    return _existing_card(folder)[0]
 
 
 def _existing_card(folder: Path) -> tuple[dict[str, Any], str]:
@@ -614,7 +619,7 @@ def pull(repo_id: str, dest: str | os.PathLike[str], *, revision: str | None = N
     ep = _endpoint(endpoint)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        from .atomic import make_temp_dir  # the mode mkdir would give (umask), not mkdtemp's 0700
+        from .store.atomic import make_temp_dir  # the mode mkdir would give (umask), not mkdtemp's 0700
 
         tmp = make_temp_dir(target, "pull")
     except OSError as exc:
@@ -675,32 +680,35 @@ def _cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "w4pack"
 
 
-def _source_patterns(names: list[str], sub: str | None) -> tuple[list[str], str | None]:
-    """allow_patterns for the files a source format needs, and the file to open when the source is one
-    file (``sub`` naming a file, or the repository's only GGUF: the GGUF reader takes a file)."""
+def _source_patterns(names: list[str], sub: str | None, kinds: list[Any] | None = None) -> tuple[list[str], str | None]:
+    """allow_patterns for the files a source needs, and the file to open when the source is one file (``sub``
+    naming a file, or the one file of a single-file format such as GGUF). ``kinds``: the formats' declarations
+    (w4pack.formats.hub_files, the default): of the kinds present, those of the lowest rank are fetched."""
     prefix = f"{sub}/" if sub else ""
     if sub and sub in names:  # a single file (one GGUF of many, one .pt)
         return [sub] + list(_SOURCE_ALWAYS), sub
     inside = [n for n in names if n.startswith(prefix)]
     if sub and not inside:
         raise BadInputError(f"{sub!r} is neither a file nor a folder of this repository")
+    if kinds is None:
+        from .formats import hub_files
+
+        kinds = hub_files()
     pats = [prefix + p for p in _SOURCE_ALWAYS]
     target = None
-    ends = {os.path.splitext(n)[1] for n in inside}
-    if ".safetensors" in ends:
-        pats.append(prefix + "*.safetensors")
-    if ".toml" in ends:  # quant tables: TOML + numpy arrays (any depth)
-        pats += [prefix + "*.toml", prefix + "*.npy"]
-    if ".safetensors" not in ends and ".toml" not in ends:
-        ggufs = [n for n in inside if n.endswith(".gguf")]
-        if len(ggufs) > 1:
-            raise BadInputError(f"the repository holds {len(ggufs)} GGUF files; name one: hf://owner/name/"
-                                f"{ggufs[0]} (others: {', '.join(ggufs[1:4])}{', ...' if len(ggufs) > 4 else ''})")
-        if ggufs:
-            pats.append(ggufs[0])
-            target = ggufs[0]
-        elif ".pt" in ends:
-            pats.append(prefix + "*.pt")
+    present = [k for k in kinds if any(fnmatch.fnmatch(n, prefix + k.marker) for n in inside)]
+    rank = min((k.rank for k in present), default=None)
+    for kind in (k for k in present if k.rank == rank):
+        if kind.single:
+            found = [n for n in inside if fnmatch.fnmatch(n, prefix + kind.marker)]
+            if len(found) > 1:
+                raise BadInputError(f"the repository holds {len(found)} {kind.what} files; name one: "
+                                    f"hf://owner/name/{found[0]} (others: {', '.join(found[1:4])}"
+                                    f"{', ...' if len(found) > 4 else ''})")
+            pats.append(found[0])
+            target = found[0]
+        else:
+            pats += [prefix + g for g in kind.globs]
     return pats, target
 
 
@@ -756,26 +764,3 @@ def resolve_source(spec: str, *, endpoint: str | None = None, token: str | None 
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return root / target if target else (root / sub if sub else root)
-
-
-def open_hub_source(spec: str, fmt: str | None = None, **options: Any) -> Any:
-    """``formats.open_source`` for ``hf://`` specs: download what the format needs, open it, and record
-    the Hub origin (spec, base model and license from the source's card) for the manifest and model card."""
-    from .formats import open_source
-
-    local = resolve_source(spec)
-    src = open_source(local, fmt, **options)
-    repo_id, _rev, _sub = parse_hub_spec(spec)
-    folder = local if local.is_dir() else local.parent
-    meta, _body = ({}, "")
-    with contextlib.suppress(BadInputError):
-        meta, _body = _existing_card(folder)
-    info = src.info
-    info["path"] = f"hf://{repo_id}" + (f"@{_rev}" if _rev else "")  # not the local cache path
-    base = meta.get("base_model")
-    if isinstance(base, list):
-        base = base[0] if base else None
-    info.setdefault("base_model", base or repo_id)
-    if meta.get("license") and "license" not in info:
-        info["license"] = str(meta["license"])
-    return src

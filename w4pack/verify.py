@@ -15,7 +15,6 @@ Layers stream one at a time; the float64 reference is built in row chunks, so me
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,12 +23,13 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .canonical import CanonicalLayer
-from .checkpoint import Checkpoint
-from .dtypes import to_float64
+from .core.canonical import CanonicalLayer
+from .store.checkpoint import Checkpoint
+from .core.dtypes import to_float64
 from .errors import BadInputError, UnsupportedError, W4PackError
 from .progress import Progress
-from .safetensors_io import SafetensorsFile
+from .store import open_tensors
+from .store.names import INDEX_NAME
 
 __all__ = ["verify", "VerifyReport", "LayerCheck", "TOLERANCE", "DEFAULT_MS"]
 
@@ -212,28 +212,15 @@ class _BaseWeights:
         p = Path(path)
         if not p.exists():
             raise BadInputError("base model does not exist", file=str(p))
-        files: list[Path]
-        if p.is_file():
-            files = [p]
-        elif (p / "model.safetensors.index.json").is_file():
-            try:
-                wm = json.loads((p / "model.safetensors.index.json").read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise BadInputError(f"index is not readable: {exc}",
-                                    file=str(p / "model.safetensors.index.json")) from None
-            files = [p / f for f in sorted(set(wm.values()))]
-        else:
-            files = sorted(p.glob("*.safetensors"))
-        if not files:
+        if p.is_dir() and not ((p / INDEX_NAME).is_file() or any(p.glob("*.safetensors"))):
             raise BadInputError("base model holds no .safetensors weights", file=str(p))
-        self.files = [SafetensorsFile(f) for f in files]
-        self.where = {name: f for f in self.files for name in f.keys()}
+        self.store = open_tensors(p, pickles="none")
 
     def weight(self, layer: str) -> tuple[np.ndarray, str] | None:
-        f = self.where.get(f"{layer}.weight")
-        if f is None:
+        name = f"{layer}.weight"
+        if name not in self.store:
             return None
-        return f.get(f"{layer}.weight"), f.dtype_name(f"{layer}.weight")
+        return self.store.get(name), self.store.info(name)[0]
 
     def rows(self, name: str, parts: list[tuple[str, int, int]] | None, n: int, k: int
              ) -> tuple[Callable[[int, int], np.ndarray] | None, str | None]:
@@ -264,25 +251,21 @@ class _BaseWeights:
         return rows, None
 
     def close(self) -> None:
-        for f in self.files:
-            f.close()
+        self.store.close()
 
 
 def _open_against(against: str | os.PathLike[str], base: str | os.PathLike[str] | None, src_format: str | None) -> Any:
     """Open the --against source as convert opens SRC: a local path or an ``hf://owner/name[@rev][/file]`` spec
     (downloaded first, so its format is detected on the local copy, not on a path that does not exist)."""
-    from .formats import detect, open_source
+    from .formats import get_format
+    from .sources import is_hub_spec, open_source, source_format
 
     fmt = src_format
-    if fmt is None and str(against).startswith("hf:/"):
-        if base is not None:  # the format decides whether base goes along (TOML tables need it)
-            from .hub import resolve_source
-
-            fmt = detect(resolve_source(str(against)))
-    elif fmt is None:
-        fmt = detect(against)
+    if fmt is None and (base is not None or not is_hub_spec(against)):
+        # the format decides whether base goes along (TOML tables need it)
+        fmt = source_format(against)
     opts: dict[str, Any] = {}
-    if base is not None and fmt == "toml":
+    if base is not None and fmt is not None and get_format(fmt).takes_base:
         opts["base"] = base  # quant tables hold no codes: they are rebuilt from the base weights
     return open_source(against, fmt, **opts)
 

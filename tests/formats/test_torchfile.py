@@ -12,7 +12,7 @@ from typing import Any, Callable
 import pytest
 
 from w4pack.errors import BadInputError
-from w4pack.formats._torchfile import load_state_dict
+from w4pack.store.torchfile import load_state_dict
 
 torch = pytest.importorskip("torch")
 

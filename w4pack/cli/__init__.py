@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import click
 
-from .. import __version__
+from .._version import __version__
 from ..errors import EXIT_BAD_INPUT, EXIT_IO, BadInputError, UnsupportedError, W4PackError
 
 __all__ = ["cli", "main", "emit_json", "check_format_name", "detect_source", "check_endpoint"]
@@ -95,7 +95,7 @@ def detect_source(path: str | os.PathLike[str]) -> str | None:
     error names that file as bad input (exit 2) instead of "cannot tell which format" (3), which would send the user
     to --from for a file that no format can read.
     """
-    from ..folder import read_json
+    from ..store.folder import read_json
     from ..formats import detect
 
     if str(path).startswith("hf:/"):

@@ -84,7 +84,7 @@ def pull(repo_id: str, dest: Path, revision: str | None, endpoint: str | None, t
     Exit 0 ok, 2 bad input or usage (REPO_ID, --endpoint, or a download that is not a valid w4pack checkpoint),
     4 I/O or network failure (DEST exists without --force; 401, 403, 404 each named).
     """
-    from ..checkpoint import validate_checkpoint
+    from ..store.checkpoint import validate_checkpoint
     from ..hub import pull as do_pull
 
     check_endpoint(endpoint)

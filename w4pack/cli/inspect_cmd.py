@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from ..checkpoint import open_checkpoint
+from ..store.checkpoint import open_checkpoint
 from ..errors import BadInputError
 from . import check_format_name, detect_source, emit_json
 

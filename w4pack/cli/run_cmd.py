@@ -49,8 +49,8 @@ def run(path: Path, prompt: str | None, ppl_file: Path | None, device: str, max_
     CUDA device, torch or transformers missing), 4 I/O or CUDA kernel failure, 130 interrupted.
     """
     from ..errors import BadInputError
-    from ..loading import check_device
-    from ..run import generate, perplexity
+    from ..runtime.loading import check_device
+    from ..runtime.run import generate, perplexity
 
     if (prompt is None) == (ppl_file is None):
         raise BadInputError("give exactly one of --prompt TEXT or --perplexity FILE")

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from ..checkpoint import validate_checkpoint
+from ..store.checkpoint import validate_checkpoint
 from . import emit_json
 
 

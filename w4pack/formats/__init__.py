@@ -8,9 +8,10 @@ import importlib
 from pathlib import Path
 
 from ..errors import BadInputError, UnsupportedError
-from .base import Capabilities, Format, Source, TensorData
+from .base import Capabilities, Format, HubFiles, Source, TensorData
 
-__all__ = ["REGISTRY", "get_format", "detect", "open_source", "Format", "Source", "Capabilities", "TensorData"]
+__all__ = ["REGISTRY", "get_format", "detect", "open_source", "hub_files", "Format", "Source", "Capabilities",
+           "TensorData", "HubFiles"]
 
 #: format name -> "module:Class"; modules are imported on first use so a broken optional
 #: dependency of one format does not break the others.
@@ -62,10 +63,15 @@ def detect(path: str | Path) -> str:
                            f"({', '.join(sorted(formats))})", file=str(p))
 
 
-def open_source(path: str | Path, fmt: str | None = None, **options: object) -> Source:
-    if str(path).startswith("hf:/"):  # hf://owner/name[@rev]: download what the format needs (w4pack.hub)
-        from ..hub import open_hub_source
+def hub_files() -> list[HubFiles]:
+    """What the readers need from a Hub repository, as the formats declare it (w4pack.hub fetches it)."""
+    return list(dict.fromkeys(k for fmt in _available().values() for k in fmt.hub_files))
 
-        return open_hub_source(str(path), fmt, **options)
+
+def open_source(path: str | Path, fmt: str | None = None, **options: object) -> Source:
+    """Open a local checkpoint; ``hf://`` specs are opened above the readers, by w4pack.sources.open_source."""
+    if str(path).startswith("hf:/"):
+        raise UnsupportedError("w4pack.formats.open_source opens local paths; open hf:// sources with "
+                               "w4pack.sources.open_source", file=str(path))
     name = fmt or detect(path)
     return get_format(name).open(Path(path), **options)

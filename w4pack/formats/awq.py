@@ -23,26 +23,26 @@ mode "int"); float minima fit only GEMVFast. Anything else is refused before a b
 """
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
 
-from ..atomic import AtomicFolder, check_output
-from ..canonical import CanonicalLayer
-from ..checkpoint import SIDE_FILES, parse_size
-from ..dtypes import FLOAT_DTYPES, from_float32, to_float32
-from ..errors import BadInputError, IOFailure, UnsupportedError
-from ..folder import brief, is_json_int, member as _check_member, read_json as _read_json, side_files, write_json
-from ._shards import ShardWriter
-from ._torchfile import dtype_name as torch_dtype_name, load_state_dict, to_numpy as torch_to_numpy
-from ..safetensors_io import DTYPES, SafetensorsFile
-from .base import Capabilities, Format, Source, TensorData
+from ..store.atomic import AtomicFolder, check_output
+from ..core.canonical import CanonicalLayer
+from ..store.checkpoint import parse_size
+from ..core.dtypes import FLOAT_DTYPES, from_float32, to_float32
+from ..errors import BadInputError, UnsupportedError
+from ..store.folder import brief, copy_side_files, is_json_int, read_json as _read_json, side_files, write_json
+from ..store.shards import ShardWriter
+from ..store import TensorStore, open_tensors
+from ..store.names import SIDE_FILES
+from ..store.tensors import pt_files
+from .base import PICKLE_FILES, SAFETENSORS_FILES, Capabilities, Format, Source, TensorData
 
 __all__ = [
-    "AWQFormat", "AWQSource", "TensorStore", "SafetensorsStore", "PtStore", "open_store",
+    "AWQFormat", "AWQSource", "open_store",
     "AWQ_ORDER", "AWQ_REVERSE_ORDER", "zeros_width",
     "unpack_gemm", "pack_gemm", "unpack_gemv", "pack_gemv", "unpack_gemv_fast", "pack_gemv_fast",
 ]
@@ -52,146 +52,6 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 VERSIONS = ("gemm", "gemv", "gemv_fast", "marlin")
 _QSUFFIXES = ("qweight", "qzeros", "scales", "scaled_zeros", "bias")
-INDEX_NAME = "model.safetensors.index.json"
-#: files a reader never copies as side files (the writer makes its own)
-_NOT_SIDE = {"config.json", "quant_config.json", "quantize_config.json", INDEX_NAME, "w4pack.json"}
-
-
-# ---------------------------------------------------------------------------------------------
-# tensor stores: one safetensors file / a (sharded) safetensors folder / a weights-only .pt dump
-# ---------------------------------------------------------------------------------------------
-class TensorStore:
-    """Read-only access to named tensors, loaded one at a time (bf16 as uint16 bits)."""
-
-    path: Path
-
-    def names(self) -> list[str]:
-        raise NotImplementedError
-
-    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
-        """(dtype name, shape) without loading the data."""
-        raise NotImplementedError
-
-    def get(self, name: str) -> np.ndarray:
-        raise NotImplementedError
-
-    def file_of(self, name: str) -> str:
-        return str(self.path)
-
-    def __contains__(self, name: str) -> bool:
-        return name in set(self.names())
-
-    def close(self) -> None:
-        pass
-
-
-class SafetensorsStore(TensorStore):
-    """One ``.safetensors`` file, a folder with ``model.safetensors.index.json``, or a folder of shards."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self._files: dict[str, SafetensorsFile] = {}
-        self._where: dict[str, str] = {}
-        self._fds: dict[str, int] = {}
-        if self.path.is_file():
-            files = [self.path]
-        else:
-            index = self.path / INDEX_NAME
-            if index.is_file():
-                doc = _read_json(index)
-                wm = doc.get("weight_map") if isinstance(doc, dict) else None
-                if not isinstance(wm, dict):
-                    raise BadInputError("index has no weight_map object", file=str(index))
-                names = []
-                for tname, fname in wm.items():
-                    _check_member(self.path, fname, f"shard of tensor {tname}", str(index))
-                    if fname not in names:
-                        names.append(fname)
-                files = []
-                for fname in names:
-                    p = self.path / fname
-                    if not p.is_file():
-                        raise BadInputError("shard named in the index is missing", file=str(p))
-                    files.append(p)
-            else:
-                files = sorted(p for p in self.path.glob("*.safetensors") if p.is_file())
-        for p in files:
-            f = SafetensorsFile(p)
-            self._files[str(p)] = f
-            for tname in f.keys():
-                if tname in self._where:
-                    raise BadInputError(f"tensor appears in two files (also in {self._where[tname]})",
-                                        file=str(p), tensor=tname)
-                self._where[tname] = str(p)
-
-    def names(self) -> list[str]:
-        return list(self._where)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
-
-    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
-        return self._files[self._where[name]].info(name)
-
-    def get(self, name: str) -> np.ndarray:
-        """A private copy read with pread: mapped pages would stay in this process's RSS as the model streams by."""
-        if name not in self._where:
-            raise BadInputError("tensor is missing", file=str(self.path), tensor=name)
-        fname = self._where[name]
-        f = self._files[fname]
-        dt, shape, begin, end = f.entries[name]
-        npdt = DTYPES[dt][0]
-        if fname not in self._fds:
-            self._fds[fname] = os.open(fname, os.O_RDONLY)
-        want = end - begin
-        buf = bytearray(want)
-        view, got = memoryview(buf), 0
-        while got < want:
-            n = os.preadv(self._fds[fname], [view[got:]], f.data_start + begin + got)
-            if n <= 0:
-                raise BadInputError("file ended while reading (truncated after opening?)", file=fname, tensor=name)
-            got += n
-        return np.frombuffer(buf, dtype=npdt).reshape(shape)
-
-    def file_of(self, name: str) -> str:
-        return self._where.get(name, str(self.path))
-
-    def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds = {}
-
-
-class PtStore(TensorStore):
-    """A ``torch.save`` state dict, loaded with ``weights_only=True`` (memory-mapped when the file allows)."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self._sd: dict[str, Any] = load_state_dict(self.path)
-
-    def names(self) -> list[str]:
-        return list(self._sd)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._sd
-
-    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
-        t = self._sd[name]
-        return torch_dtype_name(t), tuple(int(d) for d in t.shape)
-
-    def get(self, name: str) -> np.ndarray:
-        if name not in self._sd:
-            raise BadInputError("tensor is missing", file=str(self.path), tensor=name)
-        return torch_to_numpy(self._sd[name])
-
-    def close(self) -> None:
-        self._sd = {}
-
-
-def _pt_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".pt", ".pth", ".bin"))
 
 
 def open_store(path: Path) -> TensorStore:
@@ -199,19 +59,7 @@ def open_store(path: Path) -> TensorStore:
     path = Path(path)
     if not path.exists():
         raise BadInputError("does not exist", file=str(path))
-    if path.is_file():
-        if path.suffix == ".safetensors":
-            return SafetensorsStore(path)
-        return PtStore(path)
-    if (path / INDEX_NAME).is_file() or any(path.glob("*.safetensors")):
-        return SafetensorsStore(path)
-    pts = _pt_files(path)
-    if len(pts) == 1:
-        return PtStore(pts[0])
-    if len(pts) > 1:
-        raise BadInputError(f"holds several torch files ({', '.join(p.name for p in pts[:4])}); name one",
-                            file=str(path))
-    raise BadInputError("holds no .safetensors or .pt weights", file=str(path))
+    return open_tensors(path, pickles="one")
 
 
 
@@ -479,7 +327,7 @@ class AWQSource(Source):
                 raise
             self._kinds[p] = kind
         kinds = sorted(set(self._kinds.values()))
-        is_pt = isinstance(self.store, PtStore)
+        is_pt = self.store.is_pickle
         version = "+".join(kinds)
         if is_pt:
             version = {"gemm": "llm-awq-v1-2023", "gemv": "llm-awq-gemv-2023",
@@ -502,10 +350,10 @@ class AWQSource(Source):
 
     def read_tensor(self, name: str) -> TensorData:
         dt, _shape = self.store.info(name)
-        return TensorData(self.store.get(name), dt)
+        return TensorData(self.store.read_copy(name), dt)
 
     def side_files(self) -> list[Path]:
-        return side_files(self.folder, [n for n in SIDE_FILES if n not in _NOT_SIDE])
+        return side_files(self.folder, SIDE_FILES)
 
     def close(self) -> None:
         self.store.close()
@@ -520,7 +368,7 @@ class AWQSource(Source):
         layer.name = name
         bias = f"{name}.bias"
         if bias in self.store:
-            b = self.store.get(bias)
+            b = self.store.read_copy(bias)
             bdt, _ = self.store.info(bias)
             if bdt not in FLOAT_DTYPES:
                 raise BadInputError(f"bias must be a float tensor, got {bdt}", file=self.store.file_of(bias),
@@ -542,7 +390,7 @@ class AWQSource(Source):
         if len(shape) != ndim:
             raise BadInputError(f"expected a {ndim}-D tensor, got shape {list(shape)}", file=self.store.file_of(name),
                                 tensor=name)
-        return self.store.get(name), dt
+        return self.store.read_copy(name), dt
 
     def _bad(self, name: str, msg: str) -> BadInputError:
         return BadInputError(msg, file=self.store.file_of(name), tensor=name)
@@ -814,6 +662,7 @@ class AWQFormat(Format):
     name = "awq"
     description = "AWQ: AutoAWQ GEMM/GEMV/GEMVFast/Marlin safetensors, llm-awq .pt dumps (2023 and 2024 TinyChat)"
     capabilities = AWQCapabilities("gemm")
+    hub_files = (SAFETENSORS_FILES, PICKLE_FILES)
 
     @classmethod
     def detect(cls, path: Path) -> bool:
@@ -843,7 +692,7 @@ class AWQFormat(Format):
         try:
             store = open_store(path)
         except BadInputError:
-            if path.is_file() and path.suffix != ".safetensors" or (path.is_dir() and _pt_files(folder)):
+            if path.is_file() and path.suffix != ".safetensors" or (path.is_dir() and pt_files(folder)):
                 raise  # a hostile or broken pickle: say so now rather than "unknown format"
             return False
         try:
@@ -930,11 +779,5 @@ class AWQFormat(Format):
             write_json(tmp / "quant_config.json", {"zero_point": qc["zero_point"], "q_group_size": qc["group_size"],
                                                     "w_bit": 4,
                                                     "version": version.upper() if version != "gemv_fast" else "gemv_fast"})
-            for p in source.side_files():
-                if p.name in _NOT_SIDE or p.name.endswith(".safetensors") or p.name.startswith("."):
-                    continue
-                try:
-                    (tmp / p.name).write_bytes(Path(p).read_bytes())
-                except OSError as exc:
-                    raise IOFailure(f"cannot copy side file: {exc.strerror}", file=str(p)) from None
+            copy_side_files(source.side_files(), tmp)
         return Path(out)

@@ -13,9 +13,11 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..canonical import CanonicalLayer
+from ..core.canonical import CanonicalLayer
+from ..errors import W4PackError
+from ..core.layout import PackedLayer
 
-__all__ = ["Source", "Format", "Capabilities", "TensorData"]
+__all__ = ["Source", "Format", "Capabilities", "TensorData", "HubFiles"]
 
 
 @dataclass
@@ -24,6 +26,25 @@ class TensorData:
 
     array: np.ndarray
     dtype: str
+
+
+@dataclass(frozen=True)
+class HubFiles:
+    """Which files of a Hub repository a reader needs: ``globs`` when a file matching ``marker`` is present.
+
+    Of the kinds present, only those of the lowest ``rank`` are fetched (safetensors before a GGUF file before
+    torch pickles); ``single``: the reader takes one file, so exactly one match is fetched (``what`` names it
+    when the repository holds several)."""
+
+    marker: str
+    globs: tuple[str, ...] = ()
+    rank: int = 0
+    single: bool = False
+    what: str = ""
+
+
+SAFETENSORS_FILES = HubFiles("*.safetensors", ("*.safetensors",))
+PICKLE_FILES = HubFiles("*.pt", ("*.pt",), rank=2)
 
 
 @dataclass
@@ -80,6 +101,21 @@ class Source(abc.ABC):
         """Tokenizer files, generation config, ... to copy beside the weights."""
         return []
 
+    # -- optional hooks: the defaults say "not offered" and the writers fall back ----------------------
+    def read_packed(self, name: str) -> PackedLayer | None:
+        """The layer already in layout v1, exactly ``layout.pack(read_layer(name))``, when the reader can
+        pack from its own storage faster (GPTQ); None: the writer packs the canonical layer."""
+        return None
+
+    def tensor_span(self, name: str) -> tuple[str, int, int, str, tuple[int, ...]] | None:
+        """(file, byte offset, byte count, safetensors dtype, shape) where a pass-through tensor's bytes lie
+        verbatim, so a writer can copy them file to file; None: the writer copies read_tensor(name)."""
+        return None
+
+    def fused_layers(self) -> dict[str, list[dict[str, Any]]]:
+        """Fused layers and their parts' row ranges, for the manifest (a fused w4pack checkpoint, w4pack.fuse)."""
+        return {}
+
     def layers(self) -> Iterator[tuple[str, CanonicalLayer]]:
         for name in self.layer_names():
             yield name, self.read_layer(name)
@@ -100,6 +136,16 @@ class Format(abc.ABC):
     name: str = ""
     description: str = ""
     capabilities: Capabilities = Capabilities()
+    #: the output is one file: a shard size does not apply and the destination is not a folder (GGUF)
+    single_file: bool = False
+    #: it can store fused projections (``convert --fuse``)
+    stores_fused: bool = False
+    #: the writer options it takes; None: it ignores options meant for other formats
+    write_options: frozenset[str] | None = None
+    #: its reader rebuilds codes from the base model's weights (the ``base`` option: TOML quant tables)
+    takes_base: bool = False
+    #: the files its reader needs from a Hub repository (besides configs, card and tokenizer)
+    hub_files: tuple[HubFiles, ...] = (SAFETENSORS_FILES,)
 
     @classmethod
     @abc.abstractmethod
@@ -117,6 +163,12 @@ class Format(abc.ABC):
         from ..errors import UnsupportedError
 
         raise UnsupportedError(f"writing {cls.name} is not supported")
+
+    @classmethod
+    def source_problems(cls, source: Source, label: str) -> list[W4PackError]:
+        """What stops writing ``source`` in this format before any layer is read (e.g. names its manifest cannot
+        hold); ``label`` names the source in the errors."""
+        return []
 
     @classmethod
     def check_writable(cls, source: Source) -> list[str]:

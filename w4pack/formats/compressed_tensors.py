@@ -16,20 +16,20 @@ Unsigned codes and zeros are exactly the canonical ones, so reading and writing 
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..atomic import AtomicFolder
-from ..canonical import CanonicalLayer
-from ..checkpoint import SIDE_FILES, parse_size
-from ..dtypes import FLOAT_DTYPES
+from ..store.atomic import AtomicFolder
+from ..core.canonical import CanonicalLayer
+from ..store.checkpoint import parse_size
+from ..core.dtypes import FLOAT_DTYPES
 from ..errors import BadInputError, UnsupportedError
-from ..folder import brief, is_json_int, member, read_json, side_files, write_json
-from ._shards import ShardWriter
-from ..safetensors_io import SafetensorsFile
+from ..store.folder import brief, copy_side_files, is_json_int, read_json, side_files, write_json
+from ..store import open_tensors
+from ..store.names import SIDE_FILES
+from ..store.shards import ShardWriter
 from .base import Capabilities, Format, Source, TensorData
 
 __all__ = ["CompressedTensorsFormat", "CompressedTensorsSource", "pack_rows", "unpack_rows"]
@@ -135,7 +135,6 @@ class CompressedTensorsSource(Source):
     def __init__(self, path: Path):
         self.path = Path(path)
         self.notes: list[str] = []
-        self._files: dict[Path, SafetensorsFile] = {}
         self.folder = self.path if self.path.is_dir() else self.path.parent
         self.config: dict[str, Any] = {}
         qcfg: dict[str, Any] | None = None
@@ -151,7 +150,8 @@ class CompressedTensorsSource(Source):
             self.config = {k: v for k, v in cfg.items() if k not in ("quantization_config", "compression_config")}
         self.qcfg = qcfg if isinstance(qcfg, dict) else None
         self._cfg_label = str(cfg_path)
-        self.tensor_file: dict[str, Path] = self._index()
+        self.store = open_tensors(self.path, pickles="none")
+        self.tensor_file: dict[str, Path] = {t: Path(f) for t, f in self.store.where.items()}
         self._parse_config()
         # modules with packed weights, in file order
         self._layers: list[str] = []
@@ -177,49 +177,12 @@ class CompressedTensorsSource(Source):
         self.info = {"format": "compressed-tensors", "version": None if version is None else str(version),
                      "notes": self.notes}
 
-    # -- files ---------------------------------------------------------------------------------
-    def _index(self) -> dict[str, Path]:
-        if self.path.is_file():
-            files = [self.path]
-        else:
-            idx = self.path / "model.safetensors.index.json"
-            if idx.is_file():
-                doc = read_json(idx)
-                wm = doc.get("weight_map") if isinstance(doc, dict) else None
-                if not isinstance(wm, dict):
-                    raise BadInputError("index has no weight_map object", file=str(idx))
-                out: dict[str, Path] = {}
-                for t, fname in wm.items():
-                    # the shared check: plain names only, and no symbolic link out of the folder
-                    p = member(self.path, fname, f"shard of tensor {t}", str(idx))
-                    if not p.is_file():
-                        raise BadInputError("shard named in the index is missing", file=str(p), tensor=t)
-                    out[t] = p
-                for p in sorted(set(out.values())):
-                    f = self._file(p)
-                    for t, owner in out.items():
-                        if owner == p and t not in f:
-                            raise BadInputError("tensor listed in the index is missing from its shard", file=str(p),
-                                                tensor=t)
-                return out
-            files = sorted(self.path.glob("*.safetensors"))
-            if not files:
-                raise BadInputError("no .safetensors files", file=str(self.path))
-        out = {}
-        for p in files:
-            for t in self._file(p).keys():
-                if t in out:
-                    raise BadInputError(f"tensor appears in two files ({out[t].name})", file=str(p), tensor=t)
-                out[t] = p
-        return out
-
-    def _file(self, p: Path) -> SafetensorsFile:
-        if p not in self._files:
-            self._files[p] = SafetensorsFile(p)
-        return self._files[p]
-
+    # -- tensors -------------------------------------------------------------------------------
     def _get(self, tname: str) -> np.ndarray:
-        return self._file(self.tensor_file[tname]).get(tname)
+        return self.store.get(tname)
+
+    def _dtype(self, tname: str) -> str:
+        return self.store.info(tname)[0]
 
     def _label(self, tname: str) -> str:
         return str(self.tensor_file.get(tname, self.path))
@@ -291,15 +254,13 @@ class CompressedTensorsSource(Source):
 
     def _release_pages(self) -> None:
         """Before each layer or tensor: the shards' pages read so far leave our resident memory."""
-        for f in list(self._files.values()):
-            f.release()
+        self.store.release_all()
 
     def read_tensor(self, name: str) -> TensorData:
         if name not in self.tensor_file:
             raise BadInputError("no such tensor", file=str(self.path), tensor=name)
         self._release_pages()
-        f = self._file(self.tensor_file[name])
-        return TensorData(f.get(name), f.dtype_name(name))
+        return TensorData(self._get(name), self._dtype(name))
 
     def side_files(self) -> list[Path]:
         if not self.path.is_dir():
@@ -307,9 +268,7 @@ class CompressedTensorsSource(Source):
         return side_files(self.path, SIDE_FILES)
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        self.store.close()
 
     def _zero_points(self, zp_name: str, strategy: str, bits: int, n: int, ng: int) -> tuple[np.ndarray, str | None]:
         """Unsigned zero points [N, G] (signed + 2**(b-1)) from the packed or the older unpacked form."""
@@ -348,12 +307,11 @@ class CompressedTensorsSource(Source):
             raise BadInputError(f"weight_packed must be int32 [N, words], got {packed.dtype} {list(packed.shape)}",
                                 file=self._label(tp), tensor=tp)
         n, words = packed.shape
-        scale_f = self._file(self.tensor_file[ts])
-        sdt = scale_f.dtype_name(ts)
+        sdt = self._dtype(ts)
         if sdt not in FLOAT_DTYPES:
             raise UnsupportedError(f"weight_scale dtype {sdt} (expected bfloat16, float16 or float32)",
                                    file=self._label(ts), tensor=ts)
-        scale = scale_f.get(ts)
+        scale = self._get(ts)
         weights, fmt = self._scheme(name)
         if fmt and fmt != "pack-quantized":
             raise UnsupportedError(f"format {fmt!r}: only pack-quantized int weights are supported",
@@ -486,9 +444,8 @@ class CompressedTensorsSource(Source):
                                     file=self._label(gi_name), tensor=gi_name)
         bias = bias_dtype = None
         if f"{name}.bias" in self.tensor_file:
-            bf = self._file(self.tensor_file[f"{name}.bias"])
-            bias_dtype = bf.dtype_name(f"{name}.bias")
-            bias = np.array(bf.get(f"{name}.bias"))
+            bias_dtype = self._dtype(f"{name}.bias")
+            bias = np.array(self._get(f"{name}.bias"))
         source = {"format": "compressed-tensors", "strategy": strategy, "symmetric": sym}
         if notes:
             source.update(notes)
@@ -610,8 +567,8 @@ class CompressedTensorsFormat(Format):
             return False
         for f in files:
             try:
-                with SafetensorsFile(f) as st:
-                    return any(t.endswith(".weight_packed") for t in st.keys())
+                with open_tensors(f) as st:
+                    return any(t.endswith(".weight_packed") for t in st.names())
             except (BadInputError, UnsupportedError):
                 return False
         return False
@@ -661,7 +618,5 @@ class CompressedTensorsFormat(Format):
             config = dict(source.config)
             config["quantization_config"] = build_quantization_config(schemes, sorted(ignore))
             write_json(tmp / "config.json", config)
-            for p in source.side_files():
-                if p.name in SIDE_FILES:
-                    shutil.copyfile(p, tmp / p.name)
+            copy_side_files(source.side_files(), tmp)
         return Path(out)

@@ -25,12 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from ..canonical import CanonicalLayer
-from ..dtypes import to_float32
+from ..core.canonical import CanonicalLayer
+from ..core.dtypes import to_float32
 from ..errors import BadInputError, IOFailure, UnsupportedError
 from . import _hf_names as names
-from .base import Capabilities, Format, Source, TensorData
-from ..safetensors_io import release_mapped
+from .base import Capabilities, Format, HubFiles, Source, TensorData
+from ..store.gguffile import gguf_module, is_gguf, open_gguf, release_pages
 
 __all__ = ["GGUFFormat", "GGUFSource", "GGUFWarning", "tokenizer_metadata", "decode_q4_0", "decode_q4_1",
            "decode_q8_0", "encode_layer", "rotary_row_permutation", "write_gguf"]
@@ -46,14 +46,6 @@ METADATA_NAME = "gguf_metadata.json"
 #: keys the writer sets itself
 _WRITER_KEYS = {"general.architecture", "general.alignment"}
 _Q_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-
-
-def _gguf() -> Any:
-    try:
-        import gguf
-    except ModuleNotFoundError:
-        raise UnsupportedError("reading or writing GGUF needs the gguf package: pip install 'w4pack[gguf]'") from None
-    return gguf
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,23 +184,9 @@ class GGUFSource(Source):
     """A .gguf file opened with gguf.GGUFReader (memory-mapped); layers decoded one at a time."""
 
     def __init__(self, path: Path, export_tokenizer: bool = True):
-        gguf = _gguf()
         self.path = Path(path)
         label = str(self.path)
-        if not self.path.is_file():
-            raise BadInputError("not a file (expected a .gguf file)", file=label)
-        with open(self.path, "rb") as fh:
-            magic = fh.read(4)
-        if magic != b"GGUF":
-            raise BadInputError(f"not a GGUF file (magic {magic!r})", file=label)
-        try:
-            self.reader = gguf.GGUFReader(self.path, "r")
-        except Exception as exc:  # noqa: BLE001 - gguf raises ValueError, KeyError, struct errors, ...
-            msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            if "is not a valid GGMLQuantizationType" in msg:
-                raise BadInputError(f"unknown tensor type ({msg}); this gguf package cannot read it",
-                                    file=label) from None
-            raise BadInputError(f"corrupt or truncated GGUF ({type(exc).__name__}: {msg})", file=label) from None
+        self.reader = open_gguf(self.path)
         r = self.reader
         size = self.path.stat().st_size
         declared = _field(r, "GGUF.tensor_count")
@@ -337,7 +315,7 @@ class GGUFSource(Source):
     def _release_pages(self) -> None:
         """Before each layer or tensor: the pages of the file read so far leave our resident memory (the
         reader's np.memmap keeps every page it touched mapped until it is dropped)."""
-        release_mapped(getattr(getattr(self.reader, "data", None), "_mmap", None))
+        release_pages(self.reader)
 
     def read_layer(self, name: str) -> CanonicalLayer:
         gname = self.gguf_of.get(f"{name}.weight")
@@ -388,7 +366,7 @@ class GGUFSource(Source):
             arr = data.reshape(shape)
             dt = str(arr.dtype)
         else:
-            gguf = _gguf()
+            gguf = gguf_module()
             try:
                 arr = gguf.quants.dequantize(data, t.tensor_type).astype(np.float32).reshape(shape)
             except (NotImplementedError, ValueError) as exc:
@@ -438,7 +416,7 @@ class GGUFSource(Source):
 
     def metadata_doc(self) -> dict[str, Any]:
         """Every metadata key with its GGUF value type, so a GGUF written back carries the same tokenizer/metadata."""
-        gguf = _gguf()
+        gguf = gguf_module()
         doc: dict[str, Any] = {}
         skipped = []
         for key, f in self.reader.fields.items():
@@ -561,11 +539,11 @@ def _gguf_name(hf: str) -> str:
 def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress: bool | None = None,
                **options: Any) -> Path:
     """Write ``source`` as one GGUF file: quantized layers as Q4_0/Q4_1/Q8_0 when exact, others refused."""
-    gguf = _gguf()
+    gguf = gguf_module()
     from ..progress import Progress
 
-    from ..atomic import check_output, umask_mode, write_failure
-    from ..folder import side_file
+    from ..store.atomic import check_output, umask_mode, write_failure
+    from ..store.folder import side_file
 
     out = Path(out)
     check_output(out, force)
@@ -772,17 +750,12 @@ class GGUFFormat(Format):
                                 act_order=False, scale_dtypes=("float16", "bfloat16", "float32"),
                                 notes=["scales (and Q4_1 minima) must be fp16 values",
                                        "integer zeros other than 8 need -scale*zero to be an fp16 (Q4_1)"])
+    single_file = True
+    hub_files = (HubFiles("*.gguf", rank=1, single=True, what="GGUF"),)
 
     @classmethod
     def detect(cls, path: Path) -> bool:
-        p = Path(path)
-        if not p.is_file():
-            return False
-        try:
-            with open(p, "rb") as fh:
-                return fh.read(4) == b"GGUF"
-        except OSError:
-            return False
+        return is_gguf(Path(path))
 
     @classmethod
     def open(cls, path: Path, **options: Any) -> Source:

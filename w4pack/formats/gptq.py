@@ -18,13 +18,9 @@ before anything is written, naming the way out.
 """
 from __future__ import annotations
 
-import json
 import math
-import mmap
 import os
 import re
-import shutil
-import sys
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -33,19 +29,23 @@ from typing import Any
 
 import numpy as np
 
-from .. import __version__
-from ..atomic import AtomicFolder
-from ..canonical import CanonicalLayer
-from ..layout import PackedLayer
-from ..checkpoint import SIDE_FILES, parse_size
-from ..dtypes import FLOAT_DTYPES
-from ..errors import BadInputError, IOFailure, UnsupportedError, W4PackError
-from ..folder import brief, is_json_int, member, read_json as _read_json, side_files, write_json
-from ._torchfile import dtype_name as torch_dtype_name, load_state_dict, to_numpy as torch_to_numpy
+from .._version import __version__
+from ..store.atomic import AtomicFolder
+from ..core import fastpath
+from ..core.canonical import CanonicalLayer
+from ..store.checkpoint import parse_size
+from ..core.dtypes import FLOAT_DTYPES
+from ..errors import BadInputError, UnsupportedError, W4PackError
+from ..store.folder import brief, copy_side_files, is_json_int, read_json as _read_json, side_files, write_json
+from ..core.layout import PackedLayer, group_structure, pack_with_qweight
 from ..progress import Progress
-from ..safetensors_io import DTYPES, SafetensorsFile, dtype_to_st
+from ..core.scratch import ScratchPool
+from ..store.safetensors import dtype_to_st
+from ..store import open_tensors
+from ..store.names import PT_SUFFIXES, SIDE_FILES
+from ..store.shards import PlannedShards, ShardEntry
 from ._bitpack import STREAM_BITS, pack_last, unpack_last
-from .base import Capabilities, Format, Source, TensorData
+from .base import PICKLE_FILES, SAFETENSORS_FILES, Capabilities, Format, Source, TensorData
 
 __all__ = ["GPTQFormat", "GPTQv2Format", "GPTQSource", "GPTQWarning", "write_gptq", "V1", "V2"]
 
@@ -53,11 +53,7 @@ V1 = "gptq"
 V2 = "gptq_v2"
 _SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "bias")
 _CONFIG_FILES = ("quantize_config.json", "quant_config.json")
-#: files a writer produces itself and never copies from the source
-_OWN_FILES = {"config.json", "quantize_config.json", "quant_config.json", "quantization_config.json",
-              "model.safetensors.index.json", "pytorch_model.bin.index.json", "w4pack.json"}
 DEFAULT_MAX_SHARD = "4GB"
-_MADV_POPULATE_READ = 22  # linux/mman.h; Python's mmap module names it only from 3.13
 
 
 class GPTQWarning(UserWarning):
@@ -71,207 +67,6 @@ def _natural_key(name: str) -> list[Any]:
 def _ones_pattern(bits: int) -> int:
     """The int32 word with a 1 in every field: what GPTQModel subtracts per word to write v1."""
     return sum(1 << (bits * j) for j in range(32 // bits))
-
-
-# ---------------------------------------------------------------------------------------------
-# tensor storage: safetensors shards (memory-mapped) or torch pickles loaded with weights_only
-# ---------------------------------------------------------------------------------------------
-
-
-class _Store:
-    """Every tensor of a checkpoint by name, with the file it lives in; data is read on demand."""
-
-    def __init__(self) -> None:
-        self._st: dict[str, SafetensorsFile] = {}
-        self._pt: dict[str, dict[str, Any]] = {}
-        self.where: dict[str, str] = {}  # tensor -> file path (str)
-        self.metadata: dict[str, str] = {}
-
-    def add_safetensors(self, path: Path, only: set[str] | None = None) -> None:
-        f = SafetensorsFile(path)
-        self._st[str(path)] = f
-        self.metadata.update(f.metadata)
-        for name in f.keys():
-            if only is not None and name not in only:
-                continue
-            self._claim(name, str(path))
-
-    def add_pt(self, path: Path, only: set[str] | None = None) -> None:
-        sd = load_state_dict(path)
-        self._pt[str(path)] = sd
-        for name in sd:
-            if only is not None and name not in only:
-                continue
-            self._claim(name, str(path))
-
-    def _claim(self, name: str, path: str) -> None:
-        if name in self.where and self.where[name] != path:
-            raise BadInputError(f"tensor also stored in {self.where[name]}", file=path, tensor=name)
-        self.where[name] = path
-
-    def names(self) -> list[str]:
-        return list(self.where)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.where
-
-    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
-        path = self.where[name]
-        if path in self._st:
-            return self._st[path].info(name)
-        t = self._pt[path][name]
-        return torch_dtype_name(t), tuple(int(d) for d in t.shape)
-
-    def get(self, name: str) -> np.ndarray:
-        """The stored array (bf16 as uint16 bits); safetensors data is a zero-copy memory map."""
-        path = self.where[name]
-        if path in self._st:
-            return self._st[path].get(name)
-        return self._get_pt(path, name)
-
-    def read_into(self, name: str, pool: Any) -> np.ndarray:
-        """Like read_copy, into an array from ``pool`` (a layout.ScratchPool)."""
-        path = self.where[name]
-        f = self._st.get(path)
-        if f is None:
-            return np.asarray(self._get_pt(path, name))
-        dt, shape, _b, _e = f.entries[name]
-        return self.read_copy(name, out=pool.take(shape, DTYPES[dt][0]))
-
-    def read_copy(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
-        """A private copy of the array read with pread, not through the map: a big pass-through tensor
-        then leaves no mapped pages behind, so resident memory does not add up over a checkpoint."""
-        path = self.where[name]
-        f = self._st.get(path)
-        if f is None:
-            return np.array(self._get_pt(path, name))
-        dt, shape, begin, end = f.entries[name]
-        npdt = DTYPES[dt][0]
-        if out is None:
-            out = np.empty(shape, dtype=npdt)
-        if end > begin:
-            buf = memoryview(out.reshape(-1).view(np.uint8))
-            done = 0
-            with open(path, "rb", buffering=0) as fh:
-                while done < end - begin:
-                    got = os.preadv(fh.fileno(), [buf[done:]], f.data_start + begin + done)
-                    if got <= 0:
-                        raise IOFailure("short read (file changed while reading?)", file=path)
-                    done += got
-        return out
-
-    def span(self, name: str) -> tuple[str, int, int, str, tuple[int, ...]] | None:
-        """(file, byte offset, byte count, safetensors dtype, shape) of a tensor stored in a safetensors
-        file, or None (pickles): lets a writer copy its bytes file to file."""
-        path = self.where[name]
-        f = self._st.get(path)
-        if f is None:
-            return None
-        dt, shape, begin, end = f.entries[name]
-        return path, f.data_start + begin, end - begin, dt, shape
-
-    def populate(self, name: str) -> bool:
-        """Map this tensor's pages in one call (MADV_POPULATE_READ, Linux 5.14+); False where not possible."""
-        f = self._st.get(self.where[name])
-        mm = getattr(f, "_mm", None)
-        if mm is None or not hasattr(mm, "madvise") or sys.platform != "linux":
-            return False
-        _dt, _shape, begin, end = f.entries[name]
-        start = (f.data_start + begin) // mmap.PAGESIZE * mmap.PAGESIZE
-        try:
-            mm.madvise(getattr(mmap, "MADV_POPULATE_READ", _MADV_POPULATE_READ), start, f.data_start + end - start)
-        except (OSError, ValueError):
-            return False
-        return True
-
-    def release(self, name: str) -> None:
-        """Drop this tensor's mapped pages from our address space (the page cache keeps them): every
-        layer is read through the map once, so without this resident memory grows with the model."""
-        path = self.where.get(name)
-        f = self._st.get(path) if path is not None else None
-        mm = getattr(f, "_mm", None)
-        if mm is None or not hasattr(mm, "madvise"):
-            return
-        _dt, _shape, begin, end = f.entries[name]
-        start = (f.data_start + begin) // mmap.PAGESIZE * mmap.PAGESIZE
-        stop = f.data_start + end
-        if stop > start:
-            try:
-                mm.madvise(mmap.MADV_DONTNEED, start, stop - start)
-            except (OSError, ValueError):
-                pass
-
-    def release_all(self) -> None:
-        """Drop every mapped page of every file from our address space. Reading a few bytes maps the pages
-        around them too (the kernel's fault-around), so per-tensor releases leave neighbours behind, and
-        those add up over a checkpoint; once per layer this keeps resident memory flat."""
-        for f in self._st.values():
-            f.release()
-
-    def _get_pt(self, path: str, name: str) -> np.ndarray:
-        return torch_to_numpy(self._pt[path][name])
-
-    def close(self) -> None:
-        for f in self._st.values():
-            f.close()
-        self._st.clear()
-        self._pt.clear()
-
-
-
-
-def _member(root: Path, name: Any, index: Path) -> Path:
-    """A shard named by an index: inside the folder (w4pack.folder.member) and present."""
-    p = member(root, name, "shard", str(index))
-    if not p.is_file():
-        raise BadInputError(f"shard {name!r} named by the index is missing", file=str(p))
-    return p
-
-
-def _open_store(path: Path, base_name: str | None) -> tuple[_Store, Path]:
-    """Find and open the weight files of a folder (index, single or several files) or of one file."""
-    store = _Store()
-    if path.is_file():
-        (store.add_pt if path.suffix in (".pt", ".bin", ".pth") else store.add_safetensors)(path)
-        return store, path.parent
-    if not path.is_dir():
-        raise BadInputError("does not exist", file=str(path))
-    for index_name, adder in (("model.safetensors.index.json", store.add_safetensors),
-                              ("pytorch_model.bin.index.json", store.add_pt)):
-        ipath = path / index_name
-        if ipath.is_file():
-            doc = _read_json(ipath)
-            wmap = doc.get("weight_map") if isinstance(doc, dict) else None
-            if not isinstance(wmap, dict) or not wmap:
-                raise BadInputError("index has no weight_map", file=str(ipath))
-            by_file: dict[str, set[str]] = {}
-            for tname, fname in wmap.items():
-                if not isinstance(fname, str):  # 5 or null would only fail later, inside sorted()
-                    raise BadInputError(f"weight_map names shard {brief(fname)}, not a file name", file=str(ipath),
-                                        tensor=tname)
-                by_file.setdefault(fname, set()).add(tname)
-            for fname, names in sorted(by_file.items()):
-                shard = _member(path, fname, ipath)
-                adder(shard, only=names)
-                for tname in sorted(names):
-                    if tname not in store:
-                        raise BadInputError("tensor listed in the index is missing from its shard", file=str(shard),
-                                            tensor=tname)
-            return store, path
-    st = sorted(path.glob("*.safetensors"))
-    if base_name and (path / f"{base_name}.safetensors").is_file():
-        st = [path / f"{base_name}.safetensors"]
-    if st:
-        for p in st:
-            store.add_safetensors(p)
-        return store, path
-    pts = sorted(p for p in path.iterdir() if p.suffix in (".pt", ".bin", ".pth") and p.is_file()
-                 and not p.name.startswith(("training_args", "optimizer", "scheduler", "rng_state")))
-    if pts:
-        for p in pts:
-            store.add_pt(p)
-        return store, path
-    raise BadInputError("no weights found (.safetensors, model.safetensors.index.json, .pt or .bin)", file=str(path))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,7 +241,8 @@ class GPTQSource(Source):
         self.forced = checkpoint_format is not None
         self.config = {k: v for k, v in hf.items() if k != "quantization_config"}
         base_name = qc.get("model_file_base_name") if isinstance(qc.get("model_file_base_name"), str) else None
-        self.store, self.root = _open_store(self.path, base_name)
+        self.store = open_tensors(self.path, base_name=base_name)
+        self.root = self.path if self.path.is_dir() else self.path.parent
         meta_q = (qc.get("meta") or {}).get("quantizer") if isinstance(qc.get("meta"), dict) else None
         if meta_q:
             producer = ", ".join(map(str, meta_q if isinstance(meta_q, list) else [meta_q]))
@@ -463,7 +259,6 @@ class GPTQSource(Source):
         self.notes = list(notes)
         self.quirks: list[str] = []
         self._plans: dict[str, _Plan] = {}
-        from ..layout import ScratchPool
         self._scratch = ScratchPool(4)  # qweight read buffer + codes of the layers in flight
         try:
             self._plan_all()
@@ -667,7 +462,7 @@ class GPTQSource(Source):
         return TensorData(self.store.read_copy(name), dt)
 
     def tensor_span(self, name: str) -> tuple[str, int, int, str, tuple[int, ...]] | None:
-        """Where a pass-through tensor's bytes lie verbatim (see _Store.span), for a kernel-side copy."""
+        """Where a pass-through tensor's bytes lie verbatim (see TensorStore.span), for a kernel-side copy."""
         if name not in self.store:
             raise BadInputError("no such tensor", file=str(self.path), tensor=name)
         return self.store.span(name)
@@ -692,41 +487,21 @@ class GPTQSource(Source):
     def read_packed(self, name: str) -> PackedLayer | None:
         """The layer in layout v1 straight from qweight (one native pass, no codes array), exactly what
         ``layout.pack(read_layer(name))`` gives; None where that fused path does not apply (not 4-bit,
-        no native module), and the caller then packs the canonical layer."""
-        from ..layout import PACK_POOL, _native_lib, _pack, padded_shape, TILE_N, TILE_K, WARP
-
+        no registered ``gptq_pack`` fast path), and the caller then packs the canonical layer."""
         plan = self.plan(name)
-        lib = _native_lib()
-        if lib is None or plan.bits != 4 or not hasattr(lib, "w4p_gptq_pack_layout_v1"):
+        fast = fastpath.get("gptq_pack")
+        if fast is None or plan.bits != 4:
             return None
         layer = self._read(name, with_codes=False)
         st, qname = self.store, plan.tensors["qweight"]
-
-        def qweight_of(perm: np.ndarray | None, sbits: int) -> np.ndarray:
-            from .._w4p_cpu import ffi
-            from ..native.cpu import _check, default_threads
-
-            n, k = plan.out_features, plan.in_features
-            np_, kp = padded_shape(n, k)
-            shape = (np_ // TILE_N, kp // TILE_K * WARP * 4)
-            pool = PACK_POOL.get()
-            out = pool.take(shape, "<i4") if pool is not None else np.empty(shape, dtype="<i4")
-            qbuf = np.asarray(st.get(qname)) if st.populate(qname) else st.read_into(qname, self._scratch)
-            if qbuf.dtype.itemsize != 4 or not qbuf.dtype.isnative or qbuf.strides[1] != 4 or qbuf.strides[0] % 4:
-                qbuf = np.ascontiguousarray(qbuf, dtype=np.int32)
-            p = ffi.NULL
-            if perm is not None:
-                perm = np.ascontiguousarray(perm, dtype=np.int32)
-                p = ffi.from_buffer("int32_t[]", perm)
-            src = ffi.cast("const int32_t *", qbuf.__array_interface__["data"][0])
-            rc = lib.w4p_gptq_pack_layout_v1(src, qbuf.strides[0] // 4, n, k, p, ffi.from_buffer("int32_t[]", out),
-                                             default_threads())
+        perm, _gs = group_structure(layer)
+        qbuf = np.asarray(st.get(qname)) if st.populate(qname) else st.read_into(qname, self._scratch)
+        try:
+            qweight = fast(qbuf, plan.out_features, plan.in_features, perm, name)
+        finally:
             del qbuf
             st.release_all()
-            _check(rc, f"pack {name}")
-            return out
-
-        return _pack(layer, qweight_of)
+        return pack_with_qweight(layer, qweight)
 
     def _read(self, name: str, with_codes: bool) -> CanonicalLayer:
         plan = self.plan(name)
@@ -805,26 +580,14 @@ class GPTQSource(Source):
 
 
 def _unpack_qweight(words: np.ndarray, bits: int, pool: Any = None) -> np.ndarray:
-    """qweight [K*b/32, N] -> codes uint8 [N, K]: one native pass (transpose + split) for 4 and 8 bits,
-    the numpy bit stream (the spec, _bitpack.unpack_last) otherwise. ``pool``: a layout.ScratchPool
-    to take the output from."""
-    from ..layout import _native_lib
-
-    lib = _native_lib()
-    w = np.asarray(words)
-    if (lib is None or bits not in (4, 8) or w.ndim != 2 or w.dtype.kind not in "iu" or w.dtype.itemsize != 4
-            or not w.dtype.isnative or w.strides[1] != 4 or w.strides[0] % 4 or 0 in w.shape):
-        return unpack_last(np.ascontiguousarray(w.T), bits)
-    from .._w4p_cpu import ffi
-    from ..native.cpu import _check, default_threads
-
-    rows, n = w.shape
-    k = rows * 32 // bits
-    out = pool.take((n, k), np.uint8) if pool is not None else np.empty((n, k), dtype=np.uint8)
-    src = ffi.cast("const int32_t *", w.__array_interface__["data"][0])
-    _check(lib.w4p_gptq_unpack_codes(src, w.strides[0] // 4, rows, n, bits, ffi.from_buffer("uint8_t[]", out), k,
-                                     default_threads()), "GPTQ qweight unpack")
-    return out
+    """qweight [K*b/32, N] -> codes uint8 [N, K]: the registered ``gptq_unpack`` fast path (one native
+    pass for 4 and 8 bits) where it applies, the numpy bit stream (the spec, _bitpack.unpack_last)
+    otherwise. ``pool``: a scratch.ScratchPool to take the output from."""
+    fast = fastpath.get("gptq_unpack")
+    codes = fast(words, bits, pool) if fast is not None else None
+    if codes is None:
+        codes = unpack_last(np.ascontiguousarray(np.asarray(words).T), bits)
+    return codes
 
 
 def _ratio(num: int, den: int) -> float:
@@ -898,119 +661,19 @@ def encode_layer(layer: CanonicalLayer, version: str = V1) -> dict[str, tuple[np
     return out
 
 
-@dataclass
-class _Entry:
-    name: str
-    shape: tuple[int, ...]
-    st_dtype: str
-    nbytes: int
-
-
-def _layer_entries(name: str, meta: dict[str, Any]) -> list[_Entry]:
+def _layer_entries(name: str, meta: dict[str, Any]) -> list[ShardEntry]:
     """The GPTQ tensors ``encode_layer`` will produce for a layer, known from its shape alone."""
     n, k, b, g = meta["out_features"], meta["in_features"], meta["bits"], meta["groups"]
     item = {"F16": 2, "BF16": 2, "F32": 4}
     sdt = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
-    out = [_Entry(f"{name}.qweight", (k * b // 32, n), "I32", k * b // 32 * n * 4),
-           _Entry(f"{name}.qzeros", (g, n * b // 32), "I32", g * n * b // 32 * 4),
-           _Entry(f"{name}.scales", (g, n), sdt[meta["scale_dtype"]], g * n * item[sdt[meta["scale_dtype"]]]),
-           _Entry(f"{name}.g_idx", (k,), "I32", k * 4)]
+    out = [ShardEntry(f"{name}.qweight", (k * b // 32, n), "I32", k * b // 32 * n * 4),
+           ShardEntry(f"{name}.qzeros", (g, n * b // 32), "I32", g * n * b // 32 * 4),
+           ShardEntry(f"{name}.scales", (g, n), sdt[meta["scale_dtype"]], g * n * item[sdt[meta["scale_dtype"]]]),
+           ShardEntry(f"{name}.g_idx", (k,), "I32", k * 4)]
     if meta["bias_dtype"] is not None:
         bdt = sdt[meta["bias_dtype"]]
-        out.append(_Entry(f"{name}.bias", (n,), bdt, n * item[bdt]))
+        out.append(ShardEntry(f"{name}.bias", (n,), bdt, n * item[bdt]))
     return out
-
-
-class _StreamingShards:
-    """Safetensors shards written tensor by tensor, in an order planned up front.
-
-    Every tensor's shape and dtype is known before the first byte (from the capability pass), so
-    each shard's header is written first and the data streams after it: memory holds one layer, not
-    one shard. A tensor that arrives out of plan is a bug in a source (it changed between passes).
-    """
-
-    def __init__(self, folder: Path, entries: list[_Entry], max_shard: int):
-        self.folder = folder
-        self.shards: list[list[_Entry]] = [[]]
-        size = 0
-        for e in entries:
-            if self.shards[-1] and size + e.nbytes > max_shard:
-                self.shards.append([])
-                size = 0
-            self.shards[-1].append(e)
-            size += e.nbytes
-        total = len(self.shards)
-        self.files = (["model.safetensors"] if total == 1 else
-                      [f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i in range(total)])
-        self._order = [(si, e) for si, shard in enumerate(self.shards) for e in shard]
-        self._pos = 0
-        self._fh: Any = None
-        self._shard = -1
-        if not entries:
-            self._open(0)
-            self._close()
-
-    def _open(self, si: int) -> None:
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        off = 0
-        for e in self.shards[si]:
-            header[e.name] = {"dtype": e.st_dtype, "shape": list(e.shape), "data_offsets": [off, off + e.nbytes]}
-            off += e.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        raw += b" " * (-len(raw) % 8)
-        path = self.folder / self.files[si]
-        try:
-            self._fh = open(path, "wb")
-            self._fh.write(len(raw).to_bytes(8, "little"))
-            self._fh.write(raw)
-        except OSError as exc:
-            raise IOFailure(f"cannot write: {exc.strerror}", file=str(path)) from None
-        self._shard = si
-
-    def _close(self) -> None:
-        try:
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
-            self._fh.close()
-        except OSError as exc:
-            raise IOFailure(f"cannot write: {exc.strerror}", file=str(self.folder / self.files[self._shard])) from None
-        self._fh = None
-
-    def write(self, name: str, arr: np.ndarray, dtype_name: str | None) -> None:
-        if self._pos >= len(self._order):
-            raise BadInputError("the source produced more tensors than it listed", tensor=name)
-        si, e = self._order[self._pos]
-        a = np.ascontiguousarray(arr)
-        if a.dtype.byteorder == ">":
-            a = a.astype(a.dtype.newbyteorder("<"))
-        if name != e.name or tuple(a.shape) != e.shape or dtype_to_st(a, dtype_name) != e.st_dtype:
-            raise BadInputError(f"the source changed between passes: expected {e.name} {list(e.shape)} {e.st_dtype}, "
-                                f"got {list(a.shape)} {dtype_to_st(a, dtype_name)}", tensor=name)
-        if si != self._shard:
-            self._open(si)
-        try:
-            if a.size:
-                self._fh.write(memoryview(a).cast("B"))
-        except OSError as exc:
-            raise IOFailure(f"cannot write: {exc.strerror}", file=str(self.folder / self.files[si])) from None
-        self._pos += 1
-        if self._pos == len(self._order) or self._order[self._pos][0] != si:
-            self._close()
-
-    def finish(self) -> list[str]:
-        if self._pos != len(self._order):
-            raise BadInputError(f"the source produced {self._pos} of the {len(self._order)} tensors it listed")
-        if len(self.files) > 1:
-            wmap = {e.name: self.files[si] for si, e in self._order}
-            total = sum(e.nbytes for _si, e in self._order)
-            write_json(self.folder / "model.safetensors.index.json",
-                        {"metadata": {"total_size": total}, "weight_map": dict(sorted(wmap.items()))})
-        return self.files
-
-    def abort(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
 
 
 def _st_name(dtype: str) -> str | None:
@@ -1133,11 +796,11 @@ def write_gptq(source: Source, out: str | os.PathLike[str], *, force: bool = Fal
         arr = np.asarray(td.array)
         if arr.ndim == 2:
             pass_2d.add(tname)
-        entries.append(_Entry(tname, tuple(arr.shape), dtype_to_st(arr, _st_name(td.dtype)), arr.nbytes))
+        entries.append(ShardEntry(tname, tuple(arr.shape), dtype_to_st(arr, _st_name(td.dtype)), arr.nbytes))
         del td, arr
     # 2. stream: one layer in memory at a time, straight into its planned place
     with AtomicFolder(out, force=force) as tmp:
-        shards = _StreamingShards(tmp, entries, max_shard)
+        shards = PlannedShards(tmp, entries, max_shard)
         try:
             with Progress(len(names) + len(passthrough), "writing gptq", enabled=show_progress) as bar:
                 for name in names:
@@ -1158,13 +821,7 @@ def write_gptq(source: Source, out: str | os.PathLike[str], *, force: bool = Fal
         config["quantization_config"] = qc
         write_json(tmp / "config.json", config)
         write_json(tmp / "quantize_config.json", qc)
-        for p in source.side_files():
-            if p.name in _OWN_FILES or p.name.endswith((".safetensors", ".bin", ".pt")) or p.name.startswith("."):
-                continue
-            try:
-                shutil.copyfile(p, tmp / p.name)
-            except OSError as exc:
-                raise IOFailure(f"cannot copy side file: {exc.strerror}", file=str(p)) from None
+        copy_side_files(source.side_files(), tmp)
     return Path(out)
 
 
@@ -1176,13 +833,12 @@ def _looks_gptq_tensors(path: Path) -> bool:
     try:
         if path.is_dir():
             files = sorted(path.glob("*.safetensors"))[:1] or sorted(
-                p for p in path.iterdir() if p.suffix in (".pt", ".bin", ".pth"))[:1]
+                p for p in path.iterdir() if p.suffix in PT_SUFFIXES)[:1]
             if not files:
                 return False
             path = files[0]
-        store = _Store()
+        store = open_tensors(path)
         try:
-            (store.add_pt if path.suffix in (".pt", ".bin", ".pth") else store.add_safetensors)(path)
             for n in store.names():
                 if n.endswith(".qweight"):
                     m = n[: -len(".qweight")]
@@ -1201,6 +857,7 @@ class GPTQFormat(Format):
     name = "gptq"
     description = "GPTQ (AutoGPTQ, GPTQModel v1/v2, GPTQ-for-LLaMa): int32 qweight packed along K, qzeros, g_idx"
     capabilities = GPTQCapabilities(V1)
+    hub_files = (SAFETENSORS_FILES, PICKLE_FILES)
     version = V1
 
     @classmethod

@@ -21,26 +21,22 @@ import contextlib
 import json
 import math
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..atomic import AtomicFolder, check_output
-from ..canonical import CanonicalLayer, default_g_idx
-from ..checkpoint import SIDE_FILES, parse_size
-from ..dtypes import FLOAT_DTYPES, to_float32
-from ..errors import BadInputError, IOFailure, UnsupportedError
-from ..folder import brief, is_json_int, read_json as _read_json, side_files, write_json
-from ._shards import ShardWriter
-from .awq import SafetensorsStore
-from .base import Capabilities, Format, Source, TensorData
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
+from ..store.atomic import AtomicFolder, check_output
+from ..core.canonical import CanonicalLayer, default_g_idx
+from ..store.checkpoint import parse_size
+from ..core.dtypes import FLOAT_DTYPES, to_float32
+from ..errors import BadInputError, UnsupportedError
+from ..store.folder import brief, copy_side_files, is_json_int, read_json as _read_json, side_files, write_json
+from ..store import open_tensors
+from ..store.names import INDEX_NAME, SIDE_FILES
+from ..store.shards import ShardWriter
+from ..store.tables import read_npy, read_toml
+from .base import Capabilities, Format, HubFiles, Source, TensorData
 
 __all__ = ["TomlTablesFormat", "TomlTablesSource", "rtn_codes", "dump_toml"]
 
@@ -48,8 +44,6 @@ QUANT_TOML = "quant.toml"
 _DECODER_RE = re.compile(r"^decoder[-.](\d+)\.toml$")
 _ROW_CHUNK = 512
 _INDEX_RE = re.compile(r"\.(\d+)\.")
-_NOT_SIDE = {"config.json", "quant_config.json", "quantize_config.json", "model.safetensors.index.json",
-             "w4pack.json", QUANT_TOML}
 
 
 def rtn_codes(weight: np.ndarray, weight_dtype: str, scales: np.ndarray, scale_dtype: str, zeros: np.ndarray,
@@ -145,13 +139,7 @@ class TomlTablesSource(Source):
         self.tables: dict[str, dict[str, Any]] = {}
         self.table_file: dict[str, Path] = {}
         for f in files:
-            try:
-                with open(f, "rb") as fh:
-                    doc = tomllib.load(fh)
-            except tomllib.TOMLDecodeError as exc:
-                raise BadInputError(f"not valid TOML: {exc}", file=str(f)) from None
-            except (OSError, UnicodeDecodeError) as exc:
-                raise BadInputError(f"cannot read: {exc}", file=str(f)) from None
+            doc = read_toml(f)
             for name, table in _flatten_tables(doc).items():
                 if name in self.tables:
                     raise BadInputError(f"layer appears twice (also in {self.table_file[name].name})", file=str(f),
@@ -169,10 +157,10 @@ class TomlTablesSource(Source):
         self.base_path = Path(base)
         if not self.base_path.exists():
             raise BadInputError("base model does not exist", file=str(self.base_path))
-        if self.base_path.is_dir() and not ((self.base_path / "model.safetensors.index.json").is_file()
+        if self.base_path.is_dir() and not ((self.base_path / INDEX_NAME).is_file()
                                             or any(self.base_path.glob("*.safetensors"))):
             raise BadInputError("base model folder holds no .safetensors weights", file=str(self.base_path))
-        self.base = SafetensorsStore(self.base_path)
+        self.base = open_tensors(self.base_path)
         for name in self.tables:
             if f"{name}.weight" not in self.base:
                 self.base.close()
@@ -184,7 +172,7 @@ class TomlTablesSource(Source):
             doc = _read_json(bfolder / "config.json")
             if isinstance(doc, dict):
                 self.config = {k: v for k, v in doc.items() if k != "quantization_config"}
-        self._side = [] if bfolder is None else side_files(bfolder, [n for n in SIDE_FILES if n not in _NOT_SIDE])
+        self._side = [] if bfolder is None else side_files(bfolder, SIDE_FILES)
         owned = {f"{n}.{s}" for n in self.tables for s in ("weight", "bias")}
         self._passthrough = [t for t in self.base.names() if t not in owned]
         bits = sorted({int(t.get("wbits", 0)) for t in self.tables.values() if isinstance(t.get("wbits"), int)})
@@ -208,7 +196,7 @@ class TomlTablesSource(Source):
 
     def read_tensor(self, name: str) -> TensorData:
         dt, _ = self.base.info(name)
-        return TensorData(self.base.get(name), dt)
+        return TensorData(self.base.read_copy(name), dt)
 
     def side_files(self) -> list[Path]:
         return list(self._side)
@@ -234,11 +222,7 @@ class TomlTablesSource(Source):
                 raise BadInputError(f"{key} path {val!r} escapes the table folder", file=tfile, tensor=name)
             if not p.is_file():
                 raise BadInputError(f"{key} file {val!r} is missing", file=tfile, tensor=name)
-            try:
-                arr = np.load(p, allow_pickle=False)
-            except (ValueError, OSError, EOFError) as exc:
-                raise BadInputError(f"not a readable .npy array (truncated, or holds objects): {exc}", file=str(p),
-                                    tensor=name) from None
+            arr = read_npy(p, name)
             if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "fiu":
                 raise BadInputError(f"{key} must be a numeric array, got {getattr(arr, 'dtype', type(arr))}",
                                     file=str(p), tensor=name)
@@ -349,7 +333,7 @@ class TomlTablesSource(Source):
             if k and (int(gids.min()) < 0 or int(gids.max()) >= ng):
                 raise bad(f"group_ids must lie in 0..{ng - 1}, got {int(gids.min())}..{int(gids.max())}")
             g_idx = gids.astype(np.int32)
-        weight = self.base.get(wname)
+        weight = self.base.read_copy(wname)
         if not np.all(np.isfinite(to_float32(np.asarray(weight), wdt))):
             raise BadInputError("base weight holds NaN or infinity", file=self.base.file_of(wname), tensor=wname)
         zq = zeros if zeros is not None else np.full((n, ng), 1 << (bits - 1), dtype=np.int32)
@@ -363,7 +347,7 @@ class TomlTablesSource(Source):
             if bdt not in FLOAT_DTYPES:
                 raise BadInputError(f"bias must be a float tensor, got {bdt}", file=self.base.file_of(bname),
                                     tensor=bname)
-            layer.bias, layer.bias_dtype = np.array(self.base.get(bname)), bdt
+            layer.bias, layer.bias_dtype = np.array(self.base.read_copy(bname)), bdt
         try:
             return layer.validate()
         except BadInputError as exc:
@@ -385,7 +369,7 @@ class TomlTablesSource(Source):
             raise bad(f"scale must be a float array, got {scale.dtype}")
         want = table.get("scale_dtype")
         if isinstance(want, str) and want != sdt and want in FLOAT_DTYPES:
-            from ..dtypes import from_float32
+            from ..core.dtypes import from_float32
 
             narrowed = from_float32(to_float32(arr, sdt), want)
             if not np.array_equal(to_float32(narrowed, want), to_float32(arr, sdt)):
@@ -425,6 +409,8 @@ class TomlTablesFormat(Format):
     name = "toml"
     description = "GPTQ-for-LLaMa observer quant tables (quant.toml + .npy, or decoder-N.toml) + base weights"
     capabilities = TomlCapabilities(bits=(2, 3, 4, 8), zero_modes=("none", "int"), act_order=True)
+    takes_base = True
+    hub_files = (HubFiles("*.toml", ("*.toml", "*.npy")),)
 
     @classmethod
     def detect(cls, path: Path) -> bool:
@@ -496,13 +482,7 @@ class TomlTablesFormat(Format):
                 config = {k: v for k, v in (source.config or {}).items() if k != "quantization_config"}
                 if config:
                     write_json(tmp / "config.json", config)
-                for p in source.side_files():
-                    if p.name in _NOT_SIDE or p.name.endswith(".safetensors") or p.name.startswith("."):
-                        continue
-                    try:
-                        (tmp / p.name).write_bytes(Path(p).read_bytes())
-                    except OSError as exc:
-                        raise IOFailure(f"cannot copy side file: {exc.strerror}", file=str(p)) from None
+                copy_side_files(source.side_files(), tmp)
         return Path(out)
 
 

@@ -5,17 +5,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..canonical import CanonicalLayer
-from ..checkpoint import _HEADER_ENTRY, MANIFEST_NAME, Checkpoint, CheckpointWriter
-from ..folder import side_files
-from ..layout import PACK_POOL, ScratchPool, pack
+from ..core.canonical import CanonicalLayer
+from ..store.checkpoint import HEADER_ENTRY_BYTES, MANIFEST_NAME, Checkpoint, CheckpointWriter, check_layer_name
+from ..errors import UnsupportedError, W4PackError
+from ..store.folder import side_files
+from ..core.layout import pack
+from ..core.scratch import PACK_POOL, ScratchPool
+from ..store.names import is_side_file
 from .base import Capabilities, Format, Source, TensorData
 
 __all__ = ["W4PackFormat", "W4PackSource", "write_packed"]
 
-#: files a source may list that must not be copied into a packed checkpoint
-_NOT_SIDE_FILES = {"config.json", "model.safetensors.index.json", MANIFEST_NAME, "quantize_config.json",
-                   "quant_config.json", "quantization_config.json"}
 
 
 class W4PackSource(Source):
@@ -42,6 +42,9 @@ class W4PackSource(Source):
     def read_tensor(self, name: str) -> TensorData:
         return TensorData(self.ckpt.raw(name), self.ckpt.dtype_name(name))
 
+    def fused_layers(self) -> dict[str, list[dict[str, Any]]]:
+        return dict(self.fused)
+
     def side_files(self) -> list[Path]:
         names = self.ckpt.manifest.get("side_files") or []
         return side_files(self.path, [n for n in names if isinstance(n, str)])
@@ -54,6 +57,22 @@ class W4PackFormat(Format):
     name = "w4pack"
     description = "w4pack packed checkpoint (layout w4pack-tiles v1)"
     capabilities = Capabilities(bits=(2, 3, 4, 8), zero_modes=("none", "int", "float"), act_order=True)
+    stores_fused = True
+    write_options = frozenset()
+
+    @classmethod
+    def source_problems(cls, source: Source, label: str) -> list[W4PackError]:
+        """No layers, or layer names its manifest cannot hold (checked before anything is written)."""
+        problems: list[W4PackError] = []
+        names = source.layer_names()
+        if not names:
+            problems.append(UnsupportedError("the source holds no quantized layers", file=label))
+        for name in names:
+            try:
+                check_layer_name(name, label)
+            except W4PackError as exc:
+                problems.append(exc)
+        return problems
 
     @classmethod
     def detect(cls, path: Path) -> bool:
@@ -76,9 +95,8 @@ def write_packed(source: Source, out: Path, *, force: bool = False, max_shard_si
     names = source.layer_names()
     passthrough = source.passthrough_names()
     # room for every header entry of the checkpoint in each shard, so no shard is rewritten to fit its header
-    hint = sum(5 * (len(n) + 10 + _HEADER_ENTRY) for n in names) + sum(len(t) + _HEADER_ENTRY for t in passthrough)
+    hint = sum(5 * (len(n) + 10 + HEADER_ENTRY_BYTES) for n in names) + sum(len(t) + HEADER_ENTRY_BYTES for t in passthrough)
     # sources that know where a pass-through tensor's bytes lie let the writer copy them in the kernel
-    span_of = getattr(source, "tensor_span", None)
     with CheckpointWriter(out, force=force, max_shard_size=max_shard_size, config=source.config,
                           source=source.info, show_progress=show_progress, header_hint=hint + 4096) as writer:
         with Progress(len(names) + len(passthrough), "packing", enabled=show_progress) as bar, \
@@ -89,9 +107,8 @@ def write_packed(source: Source, out: Path, *, force: bool = False, max_shard_si
             pool = PACK_POOL.set(ScratchPool(2))  # packed layers i (being written) and i+1 recycle buffers
             try:
                 # a reader that can pack from its own storage skips the canonical codes array (same bytes)
-                read_packed = getattr(source, "read_packed", None) if on_layer is None else None
                 for name in names:
-                    packed = read_packed(name) if read_packed is not None else None
+                    packed = source.read_packed(name) if on_layer is None else None
                     if packed is None:
                         layer = source.read_layer(name)
                         packed = pack(layer.replace(name=name))
@@ -108,16 +125,17 @@ def write_packed(source: Source, out: Path, *, force: bool = False, max_shard_si
             finally:
                 PACK_POOL.reset(pool)
             for tname in passthrough:
-                span = span_of(tname) if span_of is not None else None
+                span = source.tensor_span(tname)
                 if span is not None:
                     writer.add_tensor_span(tname, *span)
                 else:
                     t = source.read_tensor(tname)
                     writer.add_tensor(tname, t.array, t.dtype)
                 bar.update()
-        if getattr(source, "fused", None):  # FusedSource (w4pack.fuse) records its row ranges as it reads
-            writer.fused = dict(source.fused)
+        fused = source.fused_layers()  # FusedSource (w4pack.fuse) records its row ranges as it reads
+        if fused:
+            writer.fused = dict(fused)
         for p in source.side_files():
-            if p.name not in _NOT_SIDE_FILES:
+            if is_side_file(p.name):
                 writer.add_side_file(p)
     return Path(out)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import UnsupportedError
-from ..layout import PackedLayer
+from ..core.layout import PackedLayer
 from .cpu import CpuPackedLinear, default_threads, isa_info
 
 __all__ = ["gemm", "CpuPackedLinear", "isa_info", "default_threads", "cpu_linear"]

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BadInputError, UnsupportedError, W4PackError
-from ..layout import PackedLayer, padded_shape, storage_bits_for, words_per_tile_lane
+from ..core.layout import PackedLayer, padded_shape, storage_bits_for, words_per_tile_lane
 
 try:
     from .._w4p_cpu import ffi, lib
@@ -23,7 +23,7 @@ else:
     _IMPORT_ERROR = None
 
 __all__ = ["CpuPackedLinear", "isa_info", "available", "ISA_CODES", "PRECISIONS", "default_threads",
-           "check_environment"]
+           "check_environment", "check_rc"]
 
 #: instruction-set path name -> W4P_ISA_* code ("avx512" means "with VNNI where present")
 ISA_CODES = {"scalar": 1, "avx2": 2, "avx512novnni": 4, "avx512vnni": 8, "neon": 16}
@@ -43,7 +43,8 @@ def available() -> bool:
     return lib is not None
 
 
-def _check(rc: int, what: str) -> None:
+def check_rc(rc: int, what: str) -> None:
+    """Raise the extension's last error for a non-zero return code (-2 memory, -3 unsupported, else input)."""
     if rc == 0:
         return
     msg = ffi.string(lib.w4p_last_error()).decode("utf-8", "replace")
@@ -101,7 +102,7 @@ def default_threads() -> int:
     return _DEFAULT_THREADS[0]
 
 
-def _threads_from_env() -> int | None:
+def threads_from_env() -> int | None:
     """$W4PACK_THREADS as a thread count (None when unset or empty); anything but a whole number >= 1 is refused
     (0 or a negative count used to mean one thread silently)."""
     env = os.environ.get("W4PACK_THREADS")
@@ -136,11 +137,14 @@ def check_environment(*, threads_from_env: bool = True) -> None:
             raise BadInputError(f"W4PACK_ISA={force!r} is not an instruction-set path this CPU can run: set one of "
                                 f"{', '.join(allowed)}, or unset it")
     if threads_from_env:
-        _threads_from_env()
+        _env_threads()
+
+
+_env_threads = threads_from_env  # check_environment's keyword hides the name there
 
 
 def _default_threads() -> int:
-    env = _threads_from_env()
+    env = threads_from_env()
     if env is not None:
         return env
     try:
@@ -344,7 +348,7 @@ class CpuPackedLinear:
             desc.perm = ffi.cast("const int32_t *", perm.ctypes.data)
         out = ffi.new("w4p_cpu_layer **")
         try:
-            _check(L.w4p_cpu_layer_create(desc, out), f"repacking layer {name or ''}".strip())
+            check_rc(L.w4p_cpu_layer_create(desc, out), f"repacking layer {name or ''}".strip())
         except W4PackError as exc:
             exc.tensor = exc.tensor or name or None
             raise
@@ -365,7 +369,7 @@ class CpuPackedLinear:
         """The codes as the CPU layout holds them, [Np, Kp] in packed (act-order) K order (tests)."""
         np_, kp = (int(v) for v in self.meta["padded_shape"])
         out = np.empty((np_, kp), dtype=np.uint8)
-        _check(lib.w4p_cpu_layer_codes(self._layer, ffi.cast("uint8_t *", out.ctypes.data)), "codes")
+        check_rc(lib.w4p_cpu_layer_codes(self._layer, ffi.cast("uint8_t *", out.ctypes.data)), "codes")
         return out
 
     def forward(self, x: Any, precision: str = "exact", bias: Any = None, out_dtype: Any = None,
@@ -396,7 +400,7 @@ class CpuPackedLinear:
         rc = lib.w4p_cpu_gemm(self._layer, op.ptr, _DT[op.dtype], op.m, op.ld, yptr, _DT[odt], n,
                               bptr, bdt, PRECISIONS[precision], isa_code, int(nthreads))
         del bkeep
-        _check(rc, f"gemm {self.name}".strip())
+        check_rc(rc, f"gemm {self.name}".strip())
         return op.shape_output(y, n)
 
     __call__ = forward

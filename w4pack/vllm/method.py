@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from ..errors import BadInputError, UnsupportedError
-from ..layout import PackedLayer
-from ..torch_module import PRECISIONS, W4Linear
-from ..tp import column_slice, row_parallel, stack_blockers, stack_rows
+from ..core.layout import PackedLayer
+from ..runtime.torch_module import PRECISIONS, W4Linear
+from ..runtime.tp import column_slice, row_parallel, stack_blockers, stack_rows
 from .plan import LayerPart, LayerPlan
 
 __all__ = ["PackedLinearMethod", "layer_partition", "precision_from_env"]
@@ -253,9 +253,9 @@ def _device_of(layer: nn.Module) -> torch.device:
 
 def _threads() -> int:
     """$W4PACK_THREADS, else the threads the engine gave this worker (vLLM binds one OpenMP thread per core)."""
-    from ..native.cpu import _threads_from_env
+    from ..native.cpu import threads_from_env
 
-    return _threads_from_env() or torch.get_num_threads()
+    return threads_from_env() or torch.get_num_threads()
 
 
 def _check_native(device: torch.device, prefix: str) -> None:

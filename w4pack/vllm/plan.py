@@ -64,7 +64,7 @@ class CheckpointPlan:
 
     @classmethod
     def from_folder(cls, path: str | os.PathLike[str]) -> "CheckpointPlan":
-        from ..checkpoint import Checkpoint
+        from ..store.checkpoint import Checkpoint
 
         with Checkpoint(path) as ckpt:
             _check_config(ckpt)

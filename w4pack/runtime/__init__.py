@@ -1,0 +1,1 @@
+"""Runtime: packed checkpoints as torch modules, transformers loading, generation and tensor-parallel slices."""

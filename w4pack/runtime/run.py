@@ -1,0 +1,223 @@
+"""Run a packed checkpoint: generate text from a prompt, or measure perplexity over a text file.
+
+Both take a folder (loaded with ``load_model`` and the tokenizer stored beside the weights) or an already
+loaded (model, tokenizer) pair, so tests and tools can reuse one model. Timings: ``prefill_s`` is the time to the
+first new token, ``tokens_per_s`` the decode rate over the remaining tokens (what a user feels while reading).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import BadInputError
+
+__all__ = ["generate", "perplexity", "dequantized_model"]
+
+
+class _Clock:
+    """A transformers streamer that timestamps every new token (the first put() is the prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: Any) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _load(target: Any, device: str, precision: str, dtype: Any, threads: int | None) -> tuple[Any, Any, str]:
+    if isinstance(target, (str, os.PathLike)):
+        from .loading import load_model, load_tokenizer
+
+        path = str(target)
+        model = load_model(path, device=device, dtype=dtype, precision=precision, threads=threads)
+        return model, load_tokenizer(path), path
+    model, tok = target
+    return model, tok, str(getattr(model, "w4pack_path", "<model>"))
+
+
+def _model_precision(model: Any, asked: str) -> str:
+    """The CPU path the model's W4Linear modules use ("float" for a model without any)."""
+    from .torch_module import W4Linear
+
+    found = {m.precision for m in model.modules() if isinstance(m, W4Linear)}
+    if not found:
+        return "float"
+    return found.pop() if len(found) == 1 else asked
+
+
+def generate(target: Any, prompt: str, *, device: str = "cpu", max_new_tokens: int = 32,
+             precision: str = "exact", temperature: float = 0.0, seed: int | None = None, dtype: Any = None,
+             chat: bool = False, threads: int | None = None, top_p: float | None = None) -> dict[str, Any]:
+    """Greedy (temperature 0) or sampled continuation of ``prompt``; returns text, token ids and timings.
+
+    ``target``: a w4pack folder or a (model, tokenizer) pair. ``chat`` wraps the prompt in the tokenizer's chat
+    template (instruct models). ``seed`` makes sampling repeatable.
+    """
+    import torch
+
+    if max_new_tokens < 1:
+        raise BadInputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise BadInputError(f"temperature must be >= 0, got {temperature}")
+    t0 = time.perf_counter()
+    model, tok, path = _load(target, device, precision, dtype, threads)
+    load_s = time.perf_counter() - t0
+    dev = next(model.parameters()).device
+    if chat:
+        if not getattr(tok, "chat_template", None):
+            raise BadInputError("the tokenizer has no chat template; run without --chat", file=path)
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                       add_generation_prompt=True)
+        enc = tok(text, return_tensors="pt", add_special_tokens=False)
+    else:
+        enc = tok(prompt, return_tensors="pt")
+    enc = {k: v.to(dev) for k, v in enc.items()}
+    n_prompt = int(enc["input_ids"].shape[1])
+    kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "pad_token_id": tok.pad_token_id
+                              if tok.pad_token_id is not None else tok.eos_token_id}
+    if temperature > 0:
+        kwargs.update(do_sample=True, temperature=float(temperature), top_k=0)
+        if top_p is not None:
+            kwargs["top_p"] = float(top_p)
+        if seed is not None:
+            torch.manual_seed(seed)
+            if dev.type == "cuda":
+                torch.cuda.manual_seed_all(seed)
+    else:
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    clock = _Clock()
+    with torch.inference_mode():
+        t1 = time.perf_counter()
+        out = model.generate(**enc, streamer=clock, **kwargs)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t2 = time.perf_counter()
+    new = out[0, n_prompt:].tolist()
+    n_new = len(new)
+    prefill_s = (clock.times[0] - t1) if clock.times else (t2 - t1)
+    decode_s = (clock.times[-1] - clock.times[0]) if len(clock.times) > 1 else 0.0
+    return {
+        "path": path,
+        "device": str(dev),
+        "precision": _model_precision(model, precision),
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "prompt": prompt,
+        "chat": chat,
+        "completion": tok.decode(new, skip_special_tokens=True),
+        "prompt_tokens": n_prompt,
+        "new_tokens": n_new,
+        "token_ids": new,
+        "sampling": {"temperature": temperature, "seed": seed} if temperature > 0 else "greedy",
+        "load_s": round(load_s, 3),
+        "prefill_s": round(prefill_s, 4),
+        "generate_s": round(t2 - t1, 4),
+        "tokens_per_s": round((n_new - 1) / decode_s, 2) if decode_s > 0 else None,
+        "overall_tokens_per_s": round(n_new / (t2 - t1), 2) if t2 > t1 else None,
+    }
+
+
+def perplexity(target: Any, text_file: str | os.PathLike[str] | None = None, *, text: str | None = None,
+               device: str = "cpu", precision: str = "exact", dtype: Any = None, window: int | None = None,
+               threads: int | None = None) -> dict[str, Any]:
+    """Perplexity of the model over a text: exp(mean next-token NLL) over non-overlapping windows.
+
+    ``window`` tokens per forward pass (default: the model's context, at most 1024). Every token after the
+    first of each window is scored, so the figure depends on the window; compare models at the same window.
+    """
+    import torch
+
+    if text is None:
+        if text_file is None:
+            raise BadInputError("perplexity needs a text file")
+        p = Path(text_file)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise BadInputError(f"cannot read the text: {exc}", file=str(p)) from None
+    t0 = time.perf_counter()
+    model, tok, path = _load(target, device, precision, dtype, threads)
+    load_s = time.perf_counter() - t0
+    dev = next(model.parameters()).device
+    ids = tok(text, return_tensors="pt")["input_ids"][0]
+    if ids.numel() < 2:
+        raise BadInputError("the text has fewer than two tokens", file=str(text_file) if text_file else None)
+    ctx = getattr(model.config, "max_position_embeddings", 1024) or 1024
+    win = int(window or min(ctx, 1024))
+    if win < 2:
+        raise BadInputError(f"window must be at least 2 tokens, got {win}")
+    nll_sum, count = 0.0, 0
+    t1 = time.perf_counter()
+    with torch.inference_mode():
+        for start in range(0, ids.numel() - 1, win):
+            chunk = ids[start:start + win].unsqueeze(0).to(dev)
+            if chunk.shape[1] < 2:
+                break
+            logits = model(chunk).logits.float()
+            lp = torch.log_softmax(logits[0, :-1], dim=-1)
+            tgt = chunk[0, 1:]
+            nll_sum += float(-lp.gather(1, tgt.unsqueeze(1)).sum())
+            count += int(tgt.numel())
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    t2 = time.perf_counter()
+    mean = nll_sum / count
+    return {
+        "path": path,
+        "device": str(dev),
+        "precision": _model_precision(model, precision),
+        "text_tokens": int(ids.numel()),
+        "scored_tokens": count,
+        "window": win,
+        "nll": round(mean, 6),
+        "perplexity": round(math.exp(mean), 6),
+        "load_s": round(load_s, 3),
+        "seconds": round(t2 - t1, 3),
+        "tokens_per_s": round(count / (t2 - t1), 1) if t2 > t1 else None,
+    }
+
+
+def dequantized_model(model: Any, dtype: Any = None) -> Any:
+    """Replace every W4Linear of a loaded model by an nn.Linear holding its exact dequantized weights.
+
+    The float reference for tests and ``w4pack run --compare``: same architecture, same weights, transformers'
+    own float matmuls. Works in place and returns the model.
+    """
+    import torch
+    from torch import nn
+
+    from .torch_module import W4FusedLinear, W4Linear, W4SliceLinear
+
+    first = next((p for p in model.parameters()), None)
+    dt = dtype or (first.dtype if first is not None else torch.float32)
+    names = [(n, m) for n, m in model.named_modules() if isinstance(m, (W4Linear, W4SliceLinear))]
+    for name, mod in names:
+        if isinstance(mod, W4FusedLinear):
+            continue
+        w = mod.dequantize(torch.float64 if dt == torch.float64 else torch.float32)
+        src = mod.fused if isinstance(mod, W4SliceLinear) else mod
+        bias = src.bias_tensor(torch.float32)
+        if isinstance(mod, W4SliceLinear) and bias is not None:
+            lo, hi = src.parts[mod.index]["rows"]
+            bias = bias[lo:hi]
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device=src.qweight.device, dtype=dt)
+        with torch.no_grad():
+            lin.weight.copy_(w.to(dt))
+            if bias is not None:
+                lin.bias.copy_(bias.to(dt))
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, lin)
+    for name, mod in [(n, m) for n, m in model.named_modules() if isinstance(m, W4FusedLinear)]:
+        parent_name, _, attr = name.rpartition(".")
+        delattr(model.get_submodule(parent_name) if parent_name else model, attr)
+    model.requires_grad_(False)
+    return model

@@ -1,0 +1,375 @@
+"""``W4Linear``: a torch ``nn.Module`` holding one packed layer and running it with the native GEMM.
+
+Why a module and a custom op: transformers' model code calls ``self.q_proj(x)``; swapping the ``nn.Linear``
+for ``W4Linear`` runs the packed weights with no change to the model's code. The GEMM is registered as the torch
+custom op ``w4pack::linear`` (``torch.library.custom_op`` with a fake implementation) so ``torch.compile`` traces
+through it as one opaque node and CUDA graphs capture the kernel launch (the kernels use the current stream).
+
+Storage: the packed tensors are *buffers* (so ``.to(device)`` and ``state_dict`` carry them) named after the
+checkpoint suffixes (``qweight``, ``scales``, ``zeros``/``mins``, ``perm``, ``bias``). Float tensors are kept as
+their raw bit patterns in integer buffers (``scales_bits`` etc. hold fp16/bf16 as int16, fp32 as int32), so
+``model.half()`` or ``model.to(torch.bfloat16)`` can never round a scale: the kernels see exactly the bits the
+checkpoint stores. The native kernels prepare their own form of the weights (the CPU repacks into its tiles once)
+on first use on each device; that prepared form is cached and rebuilt when the buffers move.
+
+The dequantized float path (``dequantize()``) exists for references and tests; ``forward`` never uses it.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..core.canonical import CanonicalLayer
+from ..core.dtypes import FLOAT_DTYPES
+from ..errors import UnsupportedError
+from ..core.layout import PackedLayer, pack, tensor_suffixes, unpack
+
+__all__ = ["W4Linear", "W4FusedLinear", "W4SliceLinear", "PRECISIONS"]
+
+PRECISIONS = ("exact", "fast")
+
+#: float dtype name -> integer torch dtype of the same width (the bits are stored, not the values)
+_BITS_DTYPE = {"float16": torch.int16, "bfloat16": torch.int16, "float32": torch.int32}
+_NP_BITS_DTYPE = {"float16": np.int16, "bfloat16": np.int16, "float32": np.int32}
+#: float dtype name -> torch float dtype (for dequantize and for handing float views to the kernels)
+TORCH_FLOAT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+# Modules by handle, so the custom op (which takes only tensors and scalars) can find the prepared kernel.
+_HANDLES: "weakref.WeakValueDictionary[int, W4Linear]" = weakref.WeakValueDictionary()
+_NEXT_HANDLE = itertools.count(1)
+_LOCK = threading.Lock()
+
+
+def _float_suffixes(meta: dict[str, Any]) -> dict[str, str]:
+    """Suffix -> float dtype name for the tensors stored as bit patterns."""
+    out = {"scales": meta["scale_dtype"]}
+    if meta["zero_mode"] == "float":
+        out["mins"] = meta["scale_dtype"]
+    if meta.get("bias_dtype"):
+        out["bias"] = meta["bias_dtype"]
+    return out
+
+
+def _buffer_specs(meta: dict[str, Any], has_bias: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and torch dtype of every buffer of a layer with this manifest entry."""
+    from ..core.layout import TILE_K, TILE_N, WARP, words_per_tile_lane
+
+    n, k = meta["shape"]
+    np_, kp = meta["padded_shape"]
+    gp = meta["padded_groups"]
+    sbits = meta["storage_bits"]
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+        "qweight": ((np_ // TILE_N, kp // TILE_K * WARP * words_per_tile_lane(sbits)), torch.int32),
+        "scales": ((gp, np_), _BITS_DTYPE[meta["scale_dtype"]]),
+    }
+    if meta["zero_mode"] == "int":
+        specs["zeros"] = ((gp, np_), torch.uint8 if sbits == 4 else torch.int16)
+    elif meta["zero_mode"] == "float":
+        specs["mins"] = ((gp, np_), _BITS_DTYPE[meta["scale_dtype"]])
+    if meta["act_order"]:
+        specs["perm"] = ((k,), torch.int32)
+    if has_bias:
+        specs["bias"] = ((n,), _BITS_DTYPE[meta.get("bias_dtype") or "float16"])
+    return specs
+
+
+def _to_bits_tensor(arr: np.ndarray, suffix: str, meta: dict[str, Any]) -> torch.Tensor:
+    """A numpy tensor of a packed layer as the integer buffer W4Linear keeps (bit patterns for floats)."""
+    a = np.ascontiguousarray(arr)
+    fl = _float_suffixes(meta)
+    if suffix in fl:
+        a = a.view(_NP_BITS_DTYPE[fl[suffix]])
+    elif suffix == "zeros" and a.dtype == np.uint16:
+        a = a.view(np.int16)
+    return torch.from_numpy(np.array(a, copy=True))
+
+
+def _from_bits_array(t: torch.Tensor, suffix: str, meta: dict[str, Any]) -> np.ndarray:
+    """Inverse of ``_to_bits_tensor``: the numpy array layout.py expects (bf16 as uint16)."""
+    a = t.detach().cpu().numpy()
+    fl = _float_suffixes(meta)
+    if suffix in fl:
+        return a.view(FLOAT_DTYPES[fl[suffix]])
+    if suffix == "zeros" and a.dtype == np.int16:
+        return a.view(np.uint16)
+    return a
+
+
+class W4Linear(nn.Module):
+    """A linear layer whose weights are one packed w4pack layer; ``forward`` runs the native GEMM.
+
+    Build it with ``W4Linear.from_packed(packed)`` (from a checkpoint), ``W4Linear.from_canonical(layer)``, or
+    ``W4Linear(meta, device="meta")`` for an empty skeleton that a loader fills. ``precision`` picks the CPU path:
+    ``"exact"`` (fp32 dequantize, for verification) or ``"fast"`` (int8 activations); CUDA has one path.
+    """
+
+    def __init__(self, meta: dict[str, Any], *, has_bias: bool | None = None, device: Any = None,
+                 precision: str = "exact", threads: int | None = None, persistent: bool = True):
+        super().__init__()
+        self.meta = {k: v for k, v in meta.items() if k not in ("tensors", "source")}
+        if has_bias is None:
+            has_bias = "bias" in (meta.get("tensors") or {})
+        if has_bias and not self.meta.get("bias_dtype"):
+            self.meta["bias_dtype"] = "float16"
+        if not has_bias:
+            self.meta.pop("bias_dtype", None)
+        self.out_features, self.in_features = (int(v) for v in self.meta["shape"])
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        self.precision = precision
+        self.threads = threads
+        for suffix, (shape, dt) in _buffer_specs(self.meta, has_bias).items():
+            self.register_buffer(suffix, torch.empty(shape, dtype=dt, device=device), persistent=persistent)
+        self._prepared: dict[tuple[str, int], Any] = {}
+        self._register()
+
+    def _register(self) -> None:
+        """A fresh handle: the custom op finds this module (and its prepared kernels) by it."""
+        with _LOCK:
+            self.handle = next(_NEXT_HANDLE)
+            _HANDLES[self.handle] = self
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # copy.deepcopy / pickle: the copy has its own buffers, so it needs its own handle and kernels
+        super().__setstate__(state)
+        self._prepared = {}
+        self._register()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__)
+        state["_prepared"] = {}  # native kernel objects are not copyable; rebuilt on first use
+        return state
+
+    # -- construction ----------------------------------------------------------------------------
+    @classmethod
+    def from_packed(cls, packed: PackedLayer, *, device: Any = None, precision: str = "exact",
+                    threads: int | None = None) -> "W4Linear":
+        """Copy one packed layer (numpy, e.g. memory-mapped from a checkpoint) into a new module."""
+        meta = dict(packed.meta)
+        has_bias = "bias" in packed.tensors
+        if has_bias and not meta.get("bias_dtype"):
+            from ..core.dtypes import dtype_name_of
+
+            meta["bias_dtype"] = dtype_name_of(np.asarray(packed.tensors["bias"]))
+        mod = cls(meta, has_bias=has_bias, device="meta", precision=precision, threads=threads)
+        mod.load_packed(packed, device=device)
+        return mod
+
+    @classmethod
+    def from_canonical(cls, layer: CanonicalLayer, **kwargs: Any) -> "W4Linear":
+        """Pack a canonical layer (layout v1) and wrap it."""
+        return cls.from_packed(pack(layer), **kwargs)
+
+    def load_packed(self, packed: PackedLayer, device: Any = None) -> None:
+        """Fill the buffers from a packed layer's tensors (one copy each; no float weights are built)."""
+        suffixes = tensor_suffixes(self.meta["zero_mode"], self.meta["act_order"])
+        if "bias" in self._buffers:
+            suffixes = suffixes + ["bias"]
+        for suffix in suffixes:
+            if suffix not in packed.tensors:
+                raise UnsupportedError("packed layer lacks a tensor this module needs", tensor=suffix)
+            t = _to_bits_tensor(packed.tensors[suffix], suffix, self.meta)
+            want = self._buffers[suffix]
+            if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
+                raise UnsupportedError(f"packed tensor {list(t.shape)} {t.dtype} does not match the module's "
+                                       f"{list(want.shape)} {want.dtype}", tensor=suffix)
+            self._buffers[suffix] = t.to(device) if device is not None else t
+        self._prepared.clear()
+
+    def packed_layer(self) -> PackedLayer:
+        """The module's weights as a numpy PackedLayer (copied to host memory)."""
+        tensors = {suffix: _from_bits_array(buf, suffix, self.meta) for suffix, buf in self._buffers.items()}
+        return PackedLayer(meta=dict(self.meta), tensors=tensors)
+
+    # -- numerics --------------------------------------------------------------------------------
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Float weights [N, K] in the original column order (the reference; forward never uses it)."""
+        w = unpack(self.packed_layer()).dequantize(np.float64 if dtype == torch.float64 else np.float32)
+        return torch.from_numpy(w).to(dtype)
+
+    def bias_tensor(self, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        if "bias" not in self._buffers:
+            return None
+        return self._buffers["bias"].view(TORCH_FLOAT[self.meta["bias_dtype"]]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features, the layer expects {self.in_features}")
+        if torch.compiler.is_compiling():
+            # traced graphs (torch.compile, torch.export) see one opaque custom-op node
+            return torch.ops.w4pack.linear(x, self.qweight, self.handle, self.out_features, self.precision)
+        # eager: the same kernel without the dispatcher round trip (~50 us a call, 10+ ms per decoded token
+        # on a 30-layer model); CUDA graph capture records the kernel launch either way
+        return self._run(x, self.precision)
+
+    # -- kernels ---------------------------------------------------------------------------------
+    def _kernel(self, device: torch.device) -> Any:
+        """The native kernel object for ``device``, built on first use and after the buffers moved."""
+        device = _normalize_device(device)
+        key = (str(device), self.qweight.data_ptr())
+        k = self._prepared.get(key)
+        if k is None:
+            if self.qweight.device != device:
+                raise RuntimeError(f"W4Linear weights are on {self.qweight.device} but the input is on {device}; "
+                                   "move the module with .to(device)")
+            self._prepared.clear()
+            k = _build_kernel(self, device)
+            self._prepared[key] = k
+        return k
+
+    def prepare(self, device: Any = None, dtype: torch.dtype | None = None) -> "W4Linear":
+        """Build the native kernel now (CPU repack / CUDA parameter copies and workspace): call it before CUDA
+        graph capture or ``torch.compile(mode="reduce-overhead")``, whose warm-up must allocate nothing that
+        outlives a call."""
+        dev = _normalize_device(device) if device is not None else self.qweight.device
+        kernel = self._kernel(dev)
+        if dev.type == "cuda":
+            if dtype is not None:
+                kernel.prepare(_cuda_dtype_name(dtype, self.meta["scale_dtype"]))
+            kernel.reserve_workspace()
+        return self
+
+    def _run(self, x: torch.Tensor, precision: str) -> torch.Tensor:
+        kernel = self._kernel(x.device)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x.device.type == "cpu":
+            y = kernel.forward(x2.contiguous(), precision=precision)
+        else:
+            # the CUDA kernels take fp16/bf16 activations: fp32 models run the GEMM in the scale dtype's
+            # 16-bit type (fp16 unless the checkpoint stores bf16 scales) and get fp32 back
+            half = TORCH_FLOAT[_cuda_dtype_name(x.dtype, self.meta["scale_dtype"])]
+            y = kernel.forward(x2.to(half).contiguous())
+        y = y.to(dtype=x.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "W4Linear":  # noqa: D401 - torch hook
+        out = super()._apply(fn, recurse)
+        self._prepared.clear()
+        return out
+
+    def extra_repr(self) -> str:
+        m = self.meta
+        parts = [f"in_features={self.in_features}", f"out_features={self.out_features}", f"bits={m['bits']}",
+                 f"group_size={m['group_size']}", f"zero_mode={m['zero_mode']}", f"scale_dtype={m['scale_dtype']}"]
+        if m.get("act_order"):
+            parts.append("act_order=True")
+        parts.append(f"bias={'bias' in self._buffers}")
+        parts.append(f"precision={self.precision}")
+        return ", ".join(parts)
+
+
+def _normalize_device(device: Any) -> torch.device:
+    """'cuda' -> 'cuda:<current>', so a kernel prepared at load is found again by the inputs' device."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _cuda_dtype_name(dtype: torch.dtype, scale_dtype: str) -> str:
+    if dtype == torch.float16:
+        return "float16"
+    if dtype == torch.bfloat16:
+        return "bfloat16"
+    return "bfloat16" if scale_dtype == "bfloat16" else "float16"
+
+
+def _build_kernel(mod: W4Linear, device: torch.device) -> Any:
+    """Prepare the native kernel for this module's weights on ``device`` (both add the packed bias)."""
+    if device.type == "cpu":
+        from ..native.cpu import CpuPackedLinear
+
+        return CpuPackedLinear(mod.packed_layer(), threads=mod.threads)
+    if device.type == "cuda":
+        from ..native.cuda import CudaPackedLinear
+
+        kernel = CudaPackedLinear(mod.packed_layer(), device)
+        # the kernel reads qweight/perm in layout v1 as uploaded; share the module's device buffers instead
+        # of keeping a second copy of the largest tensor on the GPU
+        for attr in ("qweight", "perm"):
+            mine, theirs = mod._buffers.get(attr), getattr(kernel, attr, None)
+            if mine is not None and isinstance(theirs, torch.Tensor) and mine.device == theirs.device \
+                    and mine.dtype == theirs.dtype and mine.shape == theirs.shape and mine.is_contiguous():
+                setattr(kernel, attr, mine)
+        return kernel
+    raise UnsupportedError(f"W4Linear runs on cpu and cuda devices, not {device.type}")
+
+
+# -- the custom op -------------------------------------------------------------------------------
+@torch.library.custom_op("w4pack::linear", mutates_args=())
+def _w4_linear_op(x: torch.Tensor, qweight: torch.Tensor, handle: int, out_features: int,
+                  precision: str) -> torch.Tensor:
+    """y = x @ W.T (+ bias) with W the packed layer of module ``handle``; runs the native kernel."""
+    mod = _HANDLES.get(handle)
+    if mod is None:
+        raise RuntimeError(f"w4pack::linear: module {handle} no longer exists")
+    return mod._run(x, precision)
+
+
+@_w4_linear_op.register_fake
+def _w4_linear_fake(x: torch.Tensor, qweight: torch.Tensor, handle: int, out_features: int,
+                    precision: str) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+# -- fused projections -----------------------------------------------------------------------------
+class W4FusedLinear(W4Linear):
+    """One packed layer holding several projections stacked along N (q/k/v or gate/up).
+
+    The model keeps calling ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)``: those are ``W4SliceLinear`` views that
+    share this module. The first view called with a given input runs the one fused GEMM; the others return
+    their rows of the same output (eager mode). Under ``torch.compile`` each view runs the op and slices, and
+    the compiler sees identical calls.
+    """
+
+    def __init__(self, meta: dict[str, Any], parts: list[dict[str, Any]], **kwargs: Any):
+        super().__init__(meta, **kwargs)
+        self.parts = [{"name": p["name"], "rows": [int(p["rows"][0]), int(p["rows"][1])]} for p in parts]
+        self._cache: tuple[Any, int, torch.Tensor, set[int]] | None = None
+
+    def slice_forward(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        lo, hi = self.parts[index]["rows"]
+        if torch.compiler.is_compiling():
+            return self.forward(x)[..., lo:hi]
+        c = self._cache
+        version = -1 if x.is_inference() else x._version  # inference tensors keep no version counter
+        if c is not None and c[0] is x and c[1] == version and index not in c[3]:
+            out, served = c[2], c[3]
+        else:
+            out, served = self.forward(x), set()
+        served.add(index)
+        self._cache = None if len(served) == len(self.parts) else (x, version, out, served)
+        return out[..., lo:hi]
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", parts=" + "/".join(p["name"].rsplit(".", 1)[-1] for p in self.parts)
+
+
+class W4SliceLinear(nn.Module):
+    """The rows [start, end) of a ``W4FusedLinear``; stands in for one of the fused projections."""
+
+    def __init__(self, fused: W4FusedLinear, index: int):
+        super().__init__()
+        object.__setattr__(self, "fused", fused)  # not a child: the fused module is owned by the parent
+        self.index = index
+        lo, hi = fused.parts[index]["rows"]
+        self.in_features = fused.in_features
+        self.out_features = hi - lo
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused.slice_forward(x, self.index)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        lo, hi = self.fused.parts[self.index]["rows"]
+        return self.fused.dequantize(dtype)[lo:hi]
+
+    def extra_repr(self) -> str:
+        lo, hi = self.fused.parts[self.index]["rows"]
+        return f"rows={lo}:{hi} of {self.fused.parts[self.index]['name'].rsplit('.', 1)[0]}.<fused>"

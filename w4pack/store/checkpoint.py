@@ -1,0 +1,813 @@
+"""Packed checkpoint I/O: an atomic, streaming writer and a checking, memory-mapped reader.
+
+A checkpoint is a Hugging Face model folder (see docs/FORMAT.md):
+
+    config.json                          with quantization_config {quant_method: "w4pack", ...}
+    model-0000k-of-0000n.safetensors     shards: packed layers + pass-through tensors
+    model.safetensors.index.json         tensor -> shard
+    w4pack.json                          the manifest (schemas/manifest.schema.json), written last
+    tokenizer files, generation_config.json, ...   copied side files
+
+The writer holds no shard in memory: tensors go straight into the shard file behind a reserved header
+area (the header needs every offset, so it is written when the shard is full, padded with spaces, or
+the data is copied behind it in the kernel when it outgrew the reservation). A background thread
+fsyncs and checksums each finished shard while the next one is written. The index and the manifest
+come last and a temporary sibling folder is renamed into place, so an interrupted run leaves nothing
+that looks complete.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import threading
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._version import __version__
+from .atomic import check_output, is_disk_full, make_temp_dir, move_into_place, write_failure
+from ..core.canonical import CanonicalLayer
+from ..core.dtypes import dtype_name_of
+from ..errors import BadInputError, IOFailure
+from .folder import member as _safe_member, read_json as _read_json, side_file
+from ..core.layout import LAYOUT_NAME, LAYOUT_VERSION, TILE_K, TILE_N, PackedLayer, pack, tensor_suffixes, unpack
+from ..progress import Progress
+from .safetensors import dtype_to_st
+from .names import CONFIG_NAME, INCOMPLETE_MARKER, INDEX_NAME, MANIFEST_NAME, SIDE_FILES, shard_names
+from .tensors import TensorStore
+from ..schema import load_schema, validate_manifest, validate_quantization_config
+
+__all__ = [
+    "MANIFEST_NAME",
+    "INDEX_NAME",
+    "INCOMPLETE_MARKER",
+    "CheckpointWriter",
+    "Checkpoint",
+    "open_checkpoint",
+    "validate_checkpoint",
+    "parse_size",
+    "check_layer_name",
+]
+
+DEFAULT_MAX_SHARD = 2 * 1024**3
+#: header area reserved at the start of a shard before its first tensor (grown from shard to shard)
+_HEADER_RESERVE = 4096
+#: bytes a header entry takes at most beyond its tensor name (dtype, a 2-D shape, two offsets, JSON)
+HEADER_ENTRY_BYTES = 120
+_RESERVED = {CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, INCOMPLETE_MARKER}
+
+
+#: the largest size parse_size accepts: safetensors offsets are unsigned 64-bit
+_MAX_SIZE = 2**63 - 1
+_UNITS = {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "B": 1}
+
+
+def parse_size(text: str | int, what: str = "size") -> int:
+    """'2GB', '500MB', '1.5GiB', '10MiB' or an integer number of bytes. Anything else (inf, nan, a negative size,
+    more than 63 bits) is a usage error naming the text, never an OverflowError out of int(float(...))."""
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
+        raise BadInputError(f"cannot read {what} {text!r} (use e.g. 2GB, 500MB, 64MiB)")
+    value: int | float = text if isinstance(text, int) else -1
+    if isinstance(text, str):
+        s = text.strip().upper().replace(" ", "")
+        suffix = next((u for u in _UNITS if s.endswith(u)), "")
+        number, mult = s[: len(s) - len(suffix)], _UNITS.get(suffix, 1)
+        try:
+            value = int(number) * mult if number.isdigit() else float(number) * mult
+        except ValueError:
+            raise BadInputError(f"cannot read {what} {text!r} (use e.g. 2GB, 500MB, 64MiB)") from None
+    if (isinstance(value, float) and not math.isfinite(value)) or not 0 <= value <= _MAX_SIZE:
+        raise BadInputError(f"{what} {text!r} is not a byte count from 0 to 2**63-1 (use e.g. 2GB, 500MB, 64MiB)")
+    return int(value)
+
+
+def check_layer_name(name: str, file: str | None = None) -> None:
+    """Refuse a layer name the manifest schema would reject, when the layer is added: otherwise the whole model is
+    written first and the conversion fails at the very end, naming a manifest that was never written."""
+    rule = load_schema("manifest")["$defs"]["module_name"]  # cached; the schema stays the one definition
+    if not isinstance(name, str) or len(name) > rule["maxLength"] or not re.fullmatch(rule["pattern"], name):
+        raise BadInputError("layer name cannot be stored in a w4pack manifest: it must be ASCII letters, digits, "
+                            "'_', '.' and '-', not start with '.' or '-', and be at most "
+                            f"{rule['maxLength']} characters", file=file,
+                            tensor=repr(name) if isinstance(name, str) and not name.isprintable() else str(name))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class CheckpointWriter:
+    """Stream layers and tensors into a new checkpoint folder; ``close()`` makes it appear atomically.
+
+    Example::
+
+        with CheckpointWriter("out/", config=hf_config, source={"format": "gptq"}) as w:
+            w.add_layer("model.layers.0.mlp.down_proj", canonical_layer)
+            w.add_tensor("model.embed_tokens.weight", emb, "float16")
+    """
+
+    def __init__(self, out_dir: str | os.PathLike[str], *, force: bool = False,
+                 max_shard_size: int | str = DEFAULT_MAX_SHARD, config: dict[str, Any] | None = None,
+                 source: dict[str, Any] | None = None, show_progress: bool | None = None,
+                 header_hint: int | None = None):
+        """``header_hint``: bytes of header to reserve in each shard (e.g. from ``header_bytes_hint``), so
+        that shards need no rewrite; without it the reservation starts small and grows."""
+        self.target = Path(out_dir).absolute()
+        self.force = force
+        self.max_shard = parse_size(max_shard_size, "max shard size")
+        if self.max_shard < 1024:
+            raise BadInputError(f"max shard size {self.max_shard} bytes is too small")
+        self.config = dict(config or {})
+        self.source = dict(source or {})
+        check_output(self.target, force)
+        parent = self.target.parent
+        tmp = None
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            tmp = make_temp_dir(self.target)
+            (tmp / INCOMPLETE_MARKER).write_text("w4pack is writing this folder; it is not complete\n")
+        except BaseException as exc:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, OSError):
+                raise write_failure(exc, parent, "cannot create a folder next to the output") from None
+            raise
+        self.tmp: Path = tmp
+        # tensors of the shard being built go straight into its file, after a reserved header area
+        self._reserve = max(_HEADER_RESERVE, int(header_hint or 0))
+        self._shard: Any = None  # open file of the shard being built
+        self._shard_path: Path | None = None
+        self._shard_reserve = 0
+        self._pending: list[tuple[str, str, list[int], int, int]] = []  # name, st dtype, shape, begin, end
+        self._pending_bytes = 0
+        self._data_bytes = 0  # tensor bytes of the finished shards: the index's total_size
+        self.peak_layer_bytes = 0
+        # tmp path, size, sha256 (a Future while the background thread computes it), names
+        self._shards: list[tuple[Path, int, Any, list[str]]] = []
+        self._sealer: ThreadPoolExecutor | None = None
+        self._names: set[str] = set()
+        self.layers: dict[str, dict[str, Any]] = {}
+        self.passthrough: list[str] = []
+        self.side_files: list[str] = []
+        self.fused: dict[str, Any] = {}
+        self._closed = False
+        self.show_progress = show_progress
+
+    # -- adding content ------------------------------------------------------------------------
+    def _open_shard(self) -> None:
+        self._shard_path = self.tmp / f"shard-{len(self._shards):05d}.partial"
+        self._shard_reserve = self._reserve
+        try:
+            self._shard = open(self._shard_path, "w+b")
+            self._shard.seek(self._shard_reserve)
+        except OSError as exc:
+            raise self._shard_failure(exc) from None
+
+    def _shard_failure(self, exc: OSError, tensor: str | None = None) -> IOFailure:
+        """Errors name the output and the shard's number: the .partial file in the temporary folder is gone by the
+        time the user reads the message."""
+        return write_failure(exc, self.target, f"cannot write shard {len(self._shards) + 1}", tensor=tensor)
+
+    def _claim(self, name: str) -> None:
+        """A tensor name must be new and one the index and manifest can hold (a non-empty string)."""
+        if not isinstance(name, str) or not name:
+            raise BadInputError(f"tensor name {name!r} cannot be stored (it must be a non-empty string)")
+        if name in self._names:
+            raise BadInputError("tensor name written twice", tensor=name)
+        self._names.add(name)
+
+    def _queue(self, items: list[tuple[str, np.ndarray, str | None]]) -> None:
+        for name, _a, _d in items:
+            self._claim(name)
+        size = sum(a.nbytes for _n, a, _d in items)
+        self.peak_layer_bytes = max(self.peak_layer_bytes, size)
+        if self._pending and self._pending_bytes + size > self.max_shard:
+            self._flush()
+        if self._shard is None:
+            self._open_shard()
+        for name, arr, dname in items:
+            a = np.ascontiguousarray(arr)
+            if a.dtype.byteorder == ">":
+                a = a.astype(a.dtype.newbyteorder("<"))
+            begin = self._pending_bytes
+            try:
+                if a.size:
+                    self._shard.write(memoryview(a).cast("B"))
+            except OSError as exc:
+                raise self._shard_failure(exc, name) from None
+            self._pending_bytes += a.nbytes
+            self._pending.append((name, dtype_to_st(a, dname), list(a.shape), begin, self._pending_bytes))
+
+    def add_tensor_span(self, name: str, path: str | os.PathLike[str], offset: int, nbytes: int, st_dtype: str,
+                        shape: list[int] | tuple[int, ...]) -> None:
+        """Pass through a tensor stored verbatim at ``offset`` of a file (a safetensors shard of the source):
+        its bytes are copied in the kernel, never through memory."""
+        self._claim(name)
+        if self._pending and self._pending_bytes + nbytes > self.max_shard:
+            self._flush()
+        if self._shard is None:
+            self._open_shard()
+        try:
+            self._shard.flush()
+            with open(path, "rb", buffering=0) as src:
+                _copy_fd(src.fileno(), offset, self._shard.fileno(), self._shard.tell(), nbytes)
+            self._shard.seek(nbytes, os.SEEK_CUR)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise IOFailure(f"cannot copy tensor data: {exc.strerror}", file=str(path), tensor=name) from None
+            raise self._shard_failure(exc, name) from None
+        begin = self._pending_bytes
+        self._pending_bytes += nbytes
+        self._pending.append((name, st_dtype, [int(d) for d in shape], begin, self._pending_bytes))
+        self.passthrough.append(name)
+
+    def add_layer(self, name: str, layer: CanonicalLayer | PackedLayer,
+                  source: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Pack (if canonical) and queue one quantized layer; returns its manifest entry."""
+        check_layer_name(name)
+        packed = pack(layer.replace(name=name)) if isinstance(layer, CanonicalLayer) else layer
+        meta = dict(packed.meta)
+        tensors = {}
+        items = []
+        for suffix in tensor_suffixes(meta["zero_mode"], meta["act_order"]) + (["bias"] if "bias" in packed.tensors else []):
+            tname = f"{name}.{suffix}"
+            arr = packed.tensors[suffix]
+            dname = None
+            if suffix in ("scales", "mins"):
+                dname = meta["scale_dtype"]
+            elif suffix == "bias":
+                dname = meta.get("bias_dtype") or dtype_name_of(arr)
+            items.append((tname, arr, dname))
+            tensors[suffix] = tname
+        self._queue(items)
+        meta.pop("bias_dtype", None) if meta.get("bias_dtype") is None else None
+        meta["tensors"] = tensors
+        src = dict(source if source is not None else packed.source)
+        if src:
+            meta["source"] = _clean_source(src)
+        self.layers[name] = meta
+        return meta
+
+    def add_tensor(self, name: str, arr: np.ndarray, dtype_name: str | None = None) -> None:
+        """Queue an unquantized tensor, passed through untouched (bf16 as uint16 with dtype_name='bfloat16')."""
+        self._queue([(name, np.asarray(arr), dtype_name)])
+        self.passthrough.append(name)
+
+    def add_side_file(self, src: str | os.PathLike[str], name: str | None = None) -> None:
+        """Copy a file (tokenizer, generation config, ...) into the folder: a regular file inside its folder only
+        (see folder.side_file), under a plain name that cannot overwrite the checkpoint's own files."""
+        src = Path(src)
+        name = name or src.name
+        if name in _RESERVED or "/" in name or name.startswith(".") or name.endswith(".safetensors"):
+            raise BadInputError(f"refusing side file name {name!r}", file=str(src))
+        real = side_file(src)
+        try:
+            shutil.copyfile(real, self.tmp / name)
+        except OSError as exc:
+            if is_disk_full(exc):
+                raise write_failure(exc, self.target / name) from None
+            raise IOFailure(f"cannot copy side file: {exc.strerror}", file=str(src)) from None
+        if name not in self.side_files:
+            self.side_files.append(name)
+
+    def copy_side_files_from(self, folder: str | os.PathLike[str]) -> None:
+        """The SIDE_FILES present in ``folder`` (links are followed only inside it: see folder.side_file)."""
+        for name in SIDE_FILES:
+            p = Path(folder) / name
+            if p.is_file():
+                self.add_side_file(p)
+
+    # -- finishing -----------------------------------------------------------------------------
+    def _flush(self) -> None:
+        """Finish the shard being built: its header goes into the reserved area (padded with spaces) or, when
+        it outgrew it, in front of a kernel-side copy of the data; fsync and sha256 run in the background."""
+        if not self._pending and self._shards:
+            return
+        if self._shard is None:
+            self._open_shard()
+        path = self._shard_path
+        assert path is not None
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        for name, dt, shape, begin, end in self._pending:
+            header[name] = {"dtype": dt, "shape": shape, "data_offsets": [begin, end]}
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        reserve = self._shard_reserve
+        try:
+            self._shard.flush()
+            if 8 + len(raw) <= reserve:
+                raw += b" " * (reserve - 8 - len(raw))
+                os.pwrite(self._shard.fileno(), struct.pack("<Q", len(raw)) + raw, 0)
+                self._shard.close()
+            else:
+                raw += b" " * (-len(raw) % 8)
+                moved = path.with_suffix(".moved")
+                os.replace(path, moved)
+                with open(path, "wb") as out:
+                    out.write(struct.pack("<Q", len(raw)) + raw)
+                    out.flush()
+                    _copy_fd(self._shard.fileno(), reserve, out.fileno(), out.tell(), self._pending_bytes)
+                self._shard.close()
+                os.unlink(moved)
+                # later shards reserve room for a header like this one
+                self._reserve = max(self._reserve, (len(raw) * 3 // 2 + 8 + 4095) // 4096 * 4096)
+        except OSError as exc:
+            raise self._shard_failure(exc) from None
+        self._shard = None
+        self._data_bytes += self._pending_bytes
+        size = 8 + len(raw) + self._pending_bytes
+        if self._sealer is None:
+            self._sealer = ThreadPoolExecutor(1, thread_name_prefix="w4pack-seal")
+        self._shards.append((path, size, self._sealer.submit(_seal, path, size), [p[0] for p in self._pending]))
+        self._pending, self._pending_bytes = [], 0
+
+    def _wait_sealed(self) -> None:
+        """Resolve every shard's background fsync + sha256 (raises IOFailure on the first that failed)."""
+        done = []
+        for i, (path, size, sha, names) in enumerate(self._shards):
+            if isinstance(sha, Future):
+                try:
+                    sha = sha.result()
+                except OSError as exc:
+                    raise write_failure(exc, self.target, f"cannot write shard {i + 1}") from None
+            done.append((path, size, sha, names))
+        self._shards = done
+        if self._sealer is not None:
+            self._sealer.shutdown(wait=True)
+            self._sealer = None
+
+    def quantization_config(self) -> dict[str, Any]:
+        qc: dict[str, Any] = {"quant_method": "w4pack", "layout": LAYOUT_NAME, "layout_version": LAYOUT_VERSION,
+                              "format_version": 1, "manifest": MANIFEST_NAME}
+        metas = list(self.layers.values())
+        if metas:
+            for key in ("bits", "group_size", "zero_mode"):
+                qc[key] = Counter(m[key] for m in metas).most_common(1)[0][0]
+            qc["act_order"] = any(m["act_order"] for m in metas)
+        else:
+            qc.update(bits=4, group_size=128, zero_mode="none", act_order=False)
+        if self.source.get("format"):
+            qc["source_format"] = str(self.source["format"])
+        if self.fused:
+            qc["fused"] = self.fused
+        return qc
+
+    def manifest(self, shard_names: list[str], shard_info: list[tuple[int, str]]) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "format": "w4pack",
+            "format_version": 1,
+            "layout": {"name": LAYOUT_NAME, "version": LAYOUT_VERSION, "tile": [TILE_N, TILE_K]},
+            "created_by": f"w4pack {__version__}",
+            "shards": [{"file": n, "sha256": sha, "size": size} for n, (size, sha) in zip(shard_names, shard_info)],
+            "layers": self.layers,
+            "passthrough": self.passthrough,
+            "side_files": self.side_files,
+        }
+        if self.source:
+            doc["source"] = _clean_source(self.source)
+        if self.fused:
+            doc["fused"] = self.fused
+        return doc
+
+    def close(self) -> Path:
+        """Finish: shards, config.json, index, manifest (last), then rename into place. On any failure, an interrupt
+        included, the temporary folder is removed (abort) before the error goes on."""
+        if self._closed:
+            return self.target
+        try:
+            self._finish()
+        except BaseException:
+            self.abort()
+            raise
+        return self.target
+
+    def _finish(self) -> None:
+        self._flush()
+        self._wait_sealed()
+        total = len(self._shards)
+        names = shard_names(total, single=False)
+        weight_map: dict[str, str] = {}
+        config = dict(self.config)
+        config["quantization_config"] = self.quantization_config()
+        # checked before anything is written (add_layer checks names): a failure here is a bug, and names the output
+        validate_quantization_config(config["quantization_config"], file=str(self.target / CONFIG_NAME))
+        manifest = self.manifest(names, [(s, h) for _p, s, h, _t in self._shards])
+        validate_manifest(manifest, file=str(self.target))
+        try:
+            for (path, _size, _sha, tnames), fname in zip(self._shards, names):
+                os.replace(path, self.tmp / fname)
+                for t in tnames:
+                    weight_map[t] = fname
+            # total_size is the tensor data, as in Hugging Face's indexes (not the shard files with their headers)
+            index = {"metadata": {"total_size": self._data_bytes, "format": "w4pack"},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            for fname, doc in ((CONFIG_NAME, config), (INDEX_NAME, index), (MANIFEST_NAME, manifest)):
+                try:
+                    _write_json(self.tmp / fname, doc)
+                except OSError as exc:
+                    raise write_failure(exc, self.target / fname) from None
+            os.unlink(self.tmp / INCOMPLETE_MARKER)
+            _fsync_dir(self.tmp)
+            move_into_place(self.tmp, self.target, self.force)
+            self._closed = True
+            _fsync_dir(self.target.parent)
+        except IOFailure:
+            raise
+        except OSError as exc:
+            raise write_failure(exc, self.target, "cannot finish the checkpoint") from None
+
+    def abort(self) -> None:
+        """Remove the temporary folder (whatever was written); safe to call more than once, and never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._shard is not None:
+            try:
+                self._shard.close()
+            except OSError:
+                pass
+            self._shard = None
+        if self._sealer is not None:
+            self._sealer.shutdown(wait=True)  # let background fsyncs finish before the folder goes
+            self._sealer = None
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()  # aborts on failure
+        else:
+            self.abort()
+
+
+def _copy_fd(src: int, src_off: int, dst: int, dst_off: int, nbytes: int) -> None:
+    """Copy nbytes from src at src_off to dst at dst_off (file positions untouched), in the kernel where
+    possible, else through an 8 MiB buffer."""
+    done = 0
+    try:
+        while done < nbytes:
+            n = os.copy_file_range(src, dst, nbytes - done, src_off + done, dst_off + done)
+            if n == 0:
+                break
+            done += n
+    except (AttributeError, OSError) as exc:
+        if isinstance(exc, OSError) and exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL,
+                                                          errno.EOPNOTSUPP, errno.EBADF):
+            raise
+        while done < nbytes:
+            chunk = os.pread(src, min(8 << 20, nbytes - done), src_off + done)
+            if not chunk:
+                break
+            view = memoryview(chunk)
+            while view:
+                w = os.pwrite(dst, view, dst_off + done)
+                done += w
+                view = view[w:]
+    if done != nbytes:
+        raise OSError(errno.EIO, f"short copy ({done} of {nbytes} bytes)")
+
+
+def _seal(path: Path, size: int) -> str:
+    """fsync a finished shard and return its sha256 (runs in the writer's background thread). The fsync
+    (waiting for the disk) runs in a helper thread while this one hashes (CPU; the data is read back from
+    the page cache, and hashing releases the GIL)."""
+    h = hashlib.sha256()
+    buf = bytearray(4 << 20)
+    view = memoryview(buf)
+    failed: list[OSError] = []
+    with open(path, "rb", buffering=0) as fh:
+        def sync() -> None:
+            try:
+                os.fsync(fh.fileno())
+            except OSError as exc:
+                failed.append(exc)
+
+        syncer = threading.Thread(target=sync, name="w4pack-fsync")
+        syncer.start()
+        try:
+            total = 0
+            while True:
+                n = fh.readinto(buf)
+                if not n:
+                    break
+                h.update(view[:n])
+                total += n
+        finally:
+            syncer.join()
+    if failed:
+        raise failed[0]
+    if total != size:
+        raise OSError(errno.EIO, f"shard is {total} bytes, expected {size}")
+    return h.hexdigest()
+
+
+
+
+def _write_json(path: Path, doc: Any) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, indent=2)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+_SOURCE_KEYS = {"format", "version", "path", "bits", "notes", "quirks", "base_model"}
+
+
+def _clean_source(src: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"format": str(src.get("format") or "unknown")}
+    for key in _SOURCE_KEYS - {"format"}:
+        if key in src and src[key] is not None:
+            val = src[key]
+            out[key] = [str(v) for v in val] if key in ("notes", "quirks") else (int(val) if key == "bits" else str(val))
+    extra = {k: v for k, v in src.items() if k not in _SOURCE_KEYS}
+    if extra:
+        out.setdefault("notes", []).extend(f"{k}={v}" for k, v in sorted(extra.items()))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+# ---------------------------------------------------------------------------------------------
+
+class Checkpoint:
+    """An opened w4pack checkpoint. Structure is checked on open; data is memory-mapped on demand."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        root = self.path
+        if not root.is_dir():
+            raise BadInputError("not a folder (a w4pack checkpoint is a model folder)", file=str(root))
+        if (root / INCOMPLETE_MARKER).exists():
+            raise BadInputError("folder is an unfinished write (interrupted conversion); convert again",
+                                file=str(root))
+        mpath = root / MANIFEST_NAME
+        if not mpath.is_file():
+            raise BadInputError(f"no {MANIFEST_NAME}: not a w4pack checkpoint (or an unfinished write)", file=str(root))
+        self.manifest: dict[str, Any] = _read_json(mpath)
+        validate_manifest(self.manifest, file=str(mpath))
+        self.config: dict[str, Any] = _read_json(root / CONFIG_NAME)
+        if not isinstance(self.config, dict) or "quantization_config" not in self.config:
+            raise BadInputError("config.json has no quantization_config", file=str(root / CONFIG_NAME))
+        validate_quantization_config(self.config["quantization_config"], file=str(root / CONFIG_NAME))
+        ipath = root / INDEX_NAME
+        index = _read_json(ipath)
+        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+            raise BadInputError("index has no weight_map object", file=str(ipath))
+        self.weight_map: dict[str, str] = {}
+        for tname, fname in index["weight_map"].items():
+            _safe_member(root, fname, f"shard of tensor {tname}", str(ipath))
+            self.weight_map[tname] = fname
+        shard_files = {s["file"] for s in self.manifest["shards"]}
+        for s in self.manifest["shards"]:
+            p = _safe_member(root, s["file"], "shard", str(mpath))
+            if not p.is_file():
+                raise BadInputError("shard named in the manifest is missing", file=str(p))
+        stray = set(self.weight_map.values()) - shard_files
+        if stray:
+            raise BadInputError(f"index names shard {sorted(stray)[0]!r} that the manifest does not checksum",
+                                file=str(ipath))
+        for name, meta in self.manifest["layers"].items():
+            for suffix, tname in meta["tensors"].items():
+                if tname not in self.weight_map:
+                    raise BadInputError("tensor of a quantized layer is missing from the index", file=str(ipath),
+                                        tensor=tname)
+            _check_layer_meta(name, meta, str(mpath))
+        for tname in self.manifest["passthrough"]:
+            if tname not in self.weight_map:
+                raise BadInputError("pass-through tensor is missing from the index", file=str(ipath), tensor=tname)
+        self.store = TensorStore(root)
+        self.store.add_index(root, self.weight_map)
+
+    # -- access --------------------------------------------------------------------------------
+    @property
+    def layers(self) -> list[str]:
+        """Names of the quantized layers (module paths)."""
+        return list(self.manifest["layers"])
+
+    @property
+    def passthrough(self) -> list[str]:
+        return list(self.manifest["passthrough"])
+
+    def raw(self, tname: str) -> np.ndarray:
+        """A stored tensor as a read-only memory-mapped array (bf16 as uint16 bits)."""
+        if tname not in self.weight_map:
+            raise BadInputError("no such tensor in this checkpoint", file=str(self.path), tensor=tname)
+        return self.store.get(tname)
+
+    def dtype_name(self, tname: str) -> str:
+        return self.store.info(tname)[0]
+
+    def tensor(self, tname: str) -> np.ndarray:
+        """A pass-through tensor (or any stored tensor) as stored."""
+        self.release_pages()
+        return self.raw(tname)
+
+    def release_pages(self) -> None:
+        """Drop the shards' mapped pages from our address space (safetensors_io.release_mapped). Called before
+        each layer or pass-through tensor is read, so reading a whole checkpoint keeps resident memory at about
+        one layer rather than the model; arrays returned earlier stay valid (their pages fault back in)."""
+        self.store.release_all()
+
+    def packed(self, name: str) -> PackedLayer:
+        if name not in self.manifest["layers"]:
+            raise BadInputError("no such quantized layer", file=str(self.path), tensor=name)
+        self.release_pages()
+        meta = dict(self.manifest["layers"][name])
+        tensors = {}
+        for suffix, tname in meta["tensors"].items():
+            arr = self.raw(tname)
+            fdt = self.dtype_name(tname)
+            want = {"scales": meta["scale_dtype"], "mins": meta["scale_dtype"]}.get(suffix)
+            if suffix == "bias":
+                want = meta.get("bias_dtype") or fdt
+                meta["bias_dtype"] = want
+            if want is not None and fdt != want:
+                raise BadInputError(f"stored as {fdt} but the manifest says {want}",
+                                    file=str(self.path / self.weight_map[tname]), tensor=tname)
+            tensors[suffix] = arr
+        return PackedLayer(meta=meta, tensors=tensors, source=dict(meta.get("source", {})))
+
+    def layer(self, name: str) -> CanonicalLayer:
+        """The canonical layer: codes in the original column order, true shape, act-order undone."""
+        packed = self.packed(name)
+        try:
+            return unpack(packed, name=name)
+        except BadInputError as exc:
+            if exc.file is None:
+                tname = packed.meta["tensors"].get("qweight", name)
+                exc.file = str(self.path / self.weight_map.get(tname, ""))
+                exc.args = (exc.one_line(),)
+            raise
+
+    def dequantize(self, name: str, dtype: type = np.float32) -> np.ndarray:
+        """float32 [N, K] weights in the original input-channel order."""
+        return self.layer(name).dequantize(dtype)
+
+    def check_structure(self) -> None:
+        """Open every shard header and check every tensor's shape and dtype (no data read)."""
+        self.store.check_index()
+        for name in self.layers:
+            self.packed_shapes_ok(name)
+
+    def packed_shapes_ok(self, name: str) -> None:
+        from ..core.layout import words_per_tile_lane
+        from ..core.dtypes import FLOAT_DTYPES
+        meta = self.manifest["layers"][name]
+        np_, kp = meta["padded_shape"]
+        n, k = meta["shape"]
+        gp = meta["padded_groups"]
+        sd = FLOAT_DTYPES[meta["scale_dtype"]]
+        expect = {
+            "qweight": ((np_ // TILE_N, kp // TILE_K * 32 * words_per_tile_lane(meta["storage_bits"])), np.dtype(np.int32)),
+            "scales": ((gp, np_), sd),
+            "zeros": ((gp, np_), np.dtype(np.uint8 if meta["storage_bits"] == 4 else np.uint16)),
+            "mins": ((gp, np_), sd),
+            "perm": ((k,), np.dtype(np.int32)),
+        }
+        for suffix, tname in meta["tensors"].items():
+            fname = self.weight_map[tname]
+            if not self.store.in_file(tname):
+                raise BadInputError("tensor is missing from its shard", file=str(self.path / fname), tensor=tname)
+            dt, shape = self.store.info(tname)
+            if suffix == "bias":
+                if shape != (n,):
+                    raise BadInputError(f"shape {list(shape)} contradicts the manifest (expected [{n}])",
+                                        file=str(self.path / fname), tensor=tname)
+                continue
+            want_shape, want_dt = expect[suffix]
+            if shape != want_shape:
+                raise BadInputError(f"shape {list(shape)} contradicts the manifest (expected {list(want_shape)})",
+                                    file=str(self.path / fname), tensor=tname)
+            stored = self.store.get(tname).dtype
+            if stored != want_dt:
+                raise BadInputError(f"dtype {dt} contradicts the manifest", file=str(self.path / fname), tensor=tname)
+
+    def verify_checksums(self, show_progress: bool | None = None) -> None:
+        shards = self.manifest["shards"]
+        total = sum(s["size"] for s in shards)
+        with Progress(total // (1 << 20) or 1, "checksums", " MiB", enabled=show_progress) as bar:
+            for s in shards:
+                p = self.path / s["file"]
+                size = p.stat().st_size
+                if size != s["size"]:
+                    raise BadInputError(f"size {size} != {s['size']} recorded in the manifest (truncated or altered)",
+                                        file=str(p))
+                h = hashlib.sha256()
+                with open(p, "rb") as fh:
+                    for chunk in iter(lambda: fh.read(8 << 20), b""):
+                        h.update(chunk)
+                        bar.update(len(chunk) >> 20)
+                if h.hexdigest() != s["sha256"]:
+                    raise BadInputError("sha256 differs from the manifest: the shard is corrupted or altered",
+                                        file=str(p))
+
+    def summary(self) -> dict[str, Any]:
+        layers = self.manifest["layers"]
+        kinds = Counter((m["bits"], m["group_size"], m["zero_mode"], m["act_order"]) for m in layers.values())
+        qbytes = 0
+        for m in layers.values():
+            for tname in m["tensors"].values():
+                _dt, shape = self.store.info(tname)
+                qbytes += int(np.prod(shape)) * self.store.get(tname).dtype.itemsize if shape else 0
+        return {
+            "path": str(self.path),
+            "format_version": self.manifest["format_version"],
+            "layout": self.manifest["layout"],
+            "source": self.manifest.get("source"),
+            "architecture": (self.config.get("architectures") or [None])[0],
+            "model_type": self.config.get("model_type"),
+            "quantization_config": self.config["quantization_config"],
+            "num_layers": len(layers),
+            "num_passthrough": len(self.manifest["passthrough"]),
+            "shards": [{"file": s["file"], "size": s["size"]} for s in self.manifest["shards"]],
+            "total_size": sum(s["size"] for s in self.manifest["shards"]),
+            "quantized_bytes": qbytes,
+            "layer_kinds": [
+                {"bits": b, "group_size": g, "zero_mode": z, "act_order": a, "count": c}
+                for (b, g, z, a), c in sorted(kinds.items(), key=lambda kv: -kv[1])
+            ],
+            "side_files": self.manifest.get("side_files", []),
+        }
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _check_layer_meta(name: str, meta: dict[str, Any], file: str) -> None:
+    from ..core.layout import padded_shape, storage_bits_for
+    n, k = meta["shape"]
+    if tuple(meta["padded_shape"]) != padded_shape(n, k):
+        raise BadInputError(f"padded_shape {meta['padded_shape']} contradicts shape {meta['shape']}", file=file,
+                            tensor=name)
+    if meta["storage_bits"] != storage_bits_for(meta["bits"]):
+        raise BadInputError("storage_bits contradicts bits", file=file, tensor=name)
+    gs = meta["group_size"]
+    kp = meta["padded_shape"][1]
+    g = 1 if gs == -1 else -(-k // gs)
+    gp = 1 if gs == -1 else -(-kp // gs)
+    if meta["num_groups"] != g or meta["padded_groups"] != gp:
+        raise BadInputError(f"num_groups/padded_groups {meta['num_groups']}/{meta['padded_groups']} contradict "
+                            f"K={k}, group_size={gs} (expected {g}/{gp})", file=file, tensor=name)
+    want = set(tensor_suffixes(meta["zero_mode"], meta["act_order"]))
+    have = set(meta["tensors"]) - {"bias"}
+    if want != have:
+        raise BadInputError(f"tensors {sorted(have)} do not match zero_mode/act_order (expected {sorted(want)})",
+                            file=file, tensor=name)
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Open a w4pack checkpoint folder, checking manifest, config, index and shard names.
+
+    Example::
+
+        ckpt = w4pack.open_checkpoint("llama-w4/")
+        for name in ckpt.layers:
+            w = ckpt.dequantize(name)        # float32 [N, K]
+    """
+    return Checkpoint(path)
+
+
+def validate_checkpoint(path: str | os.PathLike[str], *, checksums: bool = True,
+                        deep: bool = False, show_progress: bool | None = None) -> dict[str, Any]:
+    """Schema, index, shard headers, shapes and (by default) sha256 of every shard.
+
+    ``deep=True`` also unpacks every layer (code ranges, permutations). Raises BadInputError on the
+    first problem; returns the checkpoint summary when all is well.
+    """
+    with open_checkpoint(path) as ck:
+        ck.check_structure()
+        if checksums:
+            ck.verify_checksums(show_progress=show_progress)
+        if deep:
+            for name in ck.layers:
+                ck.layer(name)
+        out = ck.summary()
+        out["checks"] = ["schema", "index", "headers", "shapes"] + (["sha256"] if checksums else []) + \
+            (["unpack"] if deep else [])
+        return out

@@ -1,0 +1,126 @@
+"""The files of a model folder: JSON documents and the file names an index or manifest points at.
+
+Every reader (our checkpoints and the peers' formats) goes through these two checks, so a hostile index
+is refused the same way everywhere.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..errors import BadInputError, IOFailure
+
+__all__ = ["read_json", "write_json", "member", "brief", "is_json_int", "link_target_allowed", "side_file",
+           "side_files"]
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON file; a missing, unreadable, malformed or hostile file is bad input naming the file."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        raise BadInputError("file is missing", file=str(path)) from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, or an integer too long to convert
+        raise BadInputError(f"not valid JSON: {exc}", file=str(path)) from None
+    except RecursionError:  # hostile nesting ("[" * 100000) exhausts the parser's stack
+        raise BadInputError("not valid JSON: nested too deeply", file=str(path)) from None
+    except OSError as exc:
+        raise BadInputError(f"cannot read: {exc.strerror}", file=str(path)) from None
+
+
+def brief(value: Any, limit: int = 80) -> str:
+    """``repr`` cut to ``limit`` characters: a hostile value must not turn a one-line error into megabytes."""
+    text = repr(list(value) if isinstance(value, tuple) else value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def is_json_int(v: Any) -> bool:
+    """A JSON integer as the readers take one: not a bool, float (4.0, 128.5, Infinity) or string, all of which
+    int() would have coerced."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def write_json(path: Path, doc: Any) -> None:
+    """A JSON document as the Hugging Face tools write them: indented, with a final newline."""
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, indent=2)
+        fh.write("\n")
+
+
+def _plain(name: Any) -> bool:
+    """A plain file name: no separators, no ``..``, not hidden, not absolute."""
+    return isinstance(name, str) and bool(name) and "/" not in name and "\\" not in name and ".." not in name \
+        and not name.startswith(".")
+
+
+def link_target_allowed(root: Path, real: Path) -> bool:
+    """Whether a file of the folder ``root`` whose real path is ``real`` stays within what the folder may name:
+    the folder itself or, for a Hugging Face hub cache snapshot (``models--org--name/snapshots/<revision>``, whose
+    files are links into ``../../blobs``), that repository's ``blobs`` folder. Anything else is a link out."""
+    base = root.resolve()
+    if real.is_relative_to(base):
+        return True
+    snapshots = base.parent
+    if snapshots.name == "snapshots" and snapshots.parent.name.startswith(("models--", "datasets--")):
+        blobs = snapshots.parent / "blobs"
+        return blobs.is_dir() and real.is_relative_to(blobs.resolve())
+    return False
+
+
+def side_file(path: str | Path) -> Path:
+    """The real path of a side file (tokenizer.json, ...) if it is a regular file of its folder. A symbolic link
+    out of the folder is refused: copying it would put whatever it points at (/etc/passwd, another model's files)
+    into the output. Same rule as for shards (member)."""
+    p = Path(path)
+    try:
+        real = p.resolve(strict=True)
+    except (OSError, RuntimeError):  # dangling or looping link
+        raise BadInputError("side file is a broken symbolic link", file=str(p)) from None
+    if not link_target_allowed(p.parent, real):
+        raise BadInputError(f"side file is a symbolic link out of the source folder (to {real}); refusing to copy "
+                            "it: replace the link with a copy of the file to convert it", file=str(p))
+    if not real.is_file():
+        raise BadInputError("side file is not a regular file", file=str(p))
+    return real
+
+
+def side_files(root: Path, names: Any) -> list[Path]:
+    """The side files among ``names`` that exist in ``root``, each checked by side_file (links included: a
+    broken one is refused rather than skipped, so the user learns why a tokenizer did not come along)."""
+    out = []
+    for n in names:
+        if not _plain(n):
+            raise BadInputError(f"side file {n!r} is not a plain file name inside the folder", file=str(root))
+        p = root / n
+        if p.is_symlink() or p.exists():
+            side_file(p)
+            out.append(p)
+    return out
+
+
+def member(root: Path, name: Any, what: str, file: str) -> Path:
+    """``root / name`` for a file named inside an index or manifest, refusing anything that could leave
+    the folder: separators, ``..``, hidden or absolute names, and symbolic links that resolve outside."""
+    if not _plain(name):
+        raise BadInputError(f"{what} {name!r} is not a plain file name inside the folder", file=file)
+    p = root / name
+    if p.is_symlink() and not link_target_allowed(root, p.resolve()):
+        raise BadInputError(f"{what} {name!r} is a symbolic link out of the folder", file=file)
+    return p
+
+
+def copy_side_files(paths: Any, dest: Path) -> None:
+    """Copy a source's side files into the folder being written, skipping what the writer makes itself
+    (store.names.is_side_file: configs, index, manifest, weights, hidden files)."""
+    from .names import is_side_file
+
+    for p in paths:
+        if not is_side_file(p.name):
+            continue
+        try:
+            shutil.copyfile(p, dest / p.name)
+        except OSError as exc:
+            raise IOFailure(f"cannot copy side file: {exc.strerror}", file=str(p)) from None

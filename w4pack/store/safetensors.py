@@ -1,0 +1,250 @@
+"""A strict, memory-mapped safetensors reader and a small writer.
+
+Own code rather than the safetensors package because (1) numpy has no bfloat16 and we carry bf16 as
+uint16 bits, (2) hostile headers must become one-line errors naming the file and tensor, and (3) the
+writer must write one shard at a time to a file we fsync ourselves.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import mmap
+import os
+import struct
+import sys
+from pathlib import Path
+from typing import Any, BinaryIO, Iterable
+
+import numpy as np
+
+from ..errors import BadInputError, UnsupportedError
+from .folder import brief, is_json_int
+
+__all__ = ["SafetensorsFile", "write_safetensors", "DTYPES", "dtype_to_st", "MAX_HEADER"]
+
+#: safetensors dtype code -> (numpy storage dtype, w4pack dtype name)
+DTYPES: dict[str, tuple[np.dtype, str]] = {
+    "F64": (np.dtype("<f8"), "float64"),
+    "F32": (np.dtype("<f4"), "float32"),
+    "F16": (np.dtype("<f2"), "float16"),
+    "BF16": (np.dtype("<u2"), "bfloat16"),
+    "I64": (np.dtype("<i8"), "int64"),
+    "I32": (np.dtype("<i4"), "int32"),
+    "I16": (np.dtype("<i2"), "int16"),
+    "I8": (np.dtype("i1"), "int8"),
+    "U64": (np.dtype("<u8"), "uint64"),
+    "U32": (np.dtype("<u4"), "uint32"),
+    "U16": (np.dtype("<u2"), "uint16"),
+    "U8": (np.dtype("u1"), "uint8"),
+    "BOOL": (np.dtype("?"), "bool"),
+}
+_NAME_TO_ST = {v[1]: k for k, v in DTYPES.items()}
+MAX_HEADER = 100 * 1024 * 1024
+
+
+def dtype_to_st(arr: np.ndarray, dtype_name: str | None = None) -> str:
+    """safetensors dtype code for an array; uint16 arrays are U16 unless dtype_name says bfloat16."""
+    if dtype_name == "bfloat16":
+        if arr.dtype != np.uint16:
+            raise ValueError("bfloat16 data must be held as uint16 bits")
+        return "BF16"
+    name = np.dtype(arr.dtype).name
+    if name not in _NAME_TO_ST:
+        raise UnsupportedError(f"cannot store dtype {arr.dtype} in safetensors")
+    return _NAME_TO_ST[name]
+
+
+_MAX_ARRAY_BYTES = 2**63 - 1  # numpy's limit on the product of an array's non-zero dimensions times its item size
+
+
+def _is_count(v: Any) -> bool:
+    """A JSON non-negative integer: not a bool, float (4.7, Infinity) or string, which int() would accept."""
+    return is_json_int(v) and v >= 0
+
+
+def _entry_problem(info: dict[str, Any]) -> str | None:
+    """What is wrong with one tensor's header entry (types only), or None; int() would coerce too much."""
+    dt, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dt, str):
+        return f"dtype must be a string, got {brief(dt)}"
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        return f"shape must be a list of non-negative integers, got {brief(shape)}"
+    if not isinstance(offs, list) or len(offs) != 2 or not all(_is_count(x) for x in offs):
+        return f"data_offsets must be two non-negative integers, got {brief(offs)}"
+    return None
+
+
+def release_mapped(mm: Any) -> None:
+    """Drop every page of a read-only file map from our address space (MADV_DONTNEED; the page cache keeps
+    them, and views stay valid: a later access faults the page back in). Readers call this once per layer:
+    every page read through a map stays resident until the map closes, so without it resident memory grows
+    with the model even though the heap does not."""
+    if mm is None or not hasattr(mm, "madvise") or sys.platform != "linux":
+        return
+    try:
+        mm.madvise(mmap.MADV_DONTNEED)
+    except (OSError, ValueError):
+        pass
+
+
+class SafetensorsFile:
+    """A validated, memory-mapped safetensors file. ``get(name)`` returns a read-only numpy view."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        label = str(self.path)
+        try:
+            self._fh: BinaryIO | None = open(self.path, "rb")
+        except FileNotFoundError:
+            raise BadInputError("file does not exist", file=label) from None
+        except OSError as exc:
+            raise BadInputError(f"cannot open: {exc.strerror}", file=label) from None
+        size = os.fstat(self._fh.fileno()).st_size
+        if size < 8:
+            self.close()
+            raise BadInputError(f"truncated: {size} bytes, not even a header length", file=label)
+        (hlen,) = struct.unpack("<Q", self._fh.read(8))
+        if hlen > MAX_HEADER or 8 + hlen > size:
+            self.close()
+            raise BadInputError(f"header length {hlen} exceeds the file ({size} bytes): truncated or not safetensors",
+                                file=label)
+        raw = self._fh.read(hlen)
+        try:
+            header = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, or an integer too long to convert
+            self.close()
+            raise BadInputError(f"header is not valid JSON ({exc})", file=label) from None
+        except RecursionError:
+            self.close()
+            raise BadInputError("header is not valid JSON (nested too deeply)", file=label) from None
+        if not isinstance(header, dict):
+            self.close()
+            raise BadInputError("header is not a JSON object", file=label)
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            self.close()
+            raise BadInputError("__metadata__ must map strings to strings", file=label)
+        self.metadata: dict[str, str] = meta
+        self.data_start = 8 + hlen
+        data_len = size - self.data_start
+        spans = []
+        self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        for name, info in header.items():
+            if not isinstance(info, dict) or not all(k in info for k in ("dtype", "shape", "data_offsets")):
+                self.close()
+                raise BadInputError("header entry lacks dtype/shape/data_offsets", file=label, tensor=name)
+            problem = _entry_problem(info)
+            if problem:
+                self.close()
+                raise BadInputError(f"header entry: {problem}", file=label, tensor=name)
+            dt = info["dtype"]
+            shape = tuple(info["shape"])
+            begin, end = info["data_offsets"]
+            if dt not in DTYPES:
+                self.close()
+                raise UnsupportedError(f"dtype {brief(dt)} is not supported", file=label, tensor=name)
+            # Python ints: numpy's int64 product wraps for a hostile shape ([2**32, 2**32] -> 0 bytes)
+            itemsize = DTYPES[dt][0].itemsize
+            nbytes = math.prod(shape) * itemsize
+            if math.prod(d for d in shape if d) * itemsize > _MAX_ARRAY_BYTES:  # numpy refuses even an empty one
+                self.close()
+                raise BadInputError(f"shape {brief(shape)} is too large for any array", file=label, tensor=name)
+            if end < begin or end - begin != nbytes:
+                self.close()
+                raise BadInputError(f"data_offsets [{begin}, {end}] do not hold {nbytes} bytes for shape "
+                                    f"{brief(shape)} {dt}", file=label, tensor=name)
+            if end > data_len:
+                self.close()
+                raise BadInputError(f"data runs past the end of the file ({end} > {data_len} bytes of data): "
+                                    "truncated", file=label, tensor=name)
+            spans.append((begin, end, name))
+            self.entries[name] = (dt, shape, begin, end)
+        spans.sort()
+        for (b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
+            if b1 < e0:
+                self.close()
+                raise BadInputError(f"data overlaps tensor {n0}", file=label, tensor=n1)
+        self._mm: mmap.mmap | None = None
+        if size > 0 and data_len > 0:
+            self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        dt, shape, _b, _e = self.entries[name]
+        return DTYPES[dt][1], shape
+
+    def get(self, name: str) -> np.ndarray:
+        """Read-only view into the mapped file (zero copy)."""
+        if name not in self.entries:
+            raise BadInputError("tensor is missing", file=str(self.path), tensor=name)
+        dt, shape, begin, end = self.entries[name]
+        npdt = DTYPES[dt][0]
+        if end == begin:
+            return np.zeros(shape, dtype=npdt)
+        assert self._mm is not None
+        return np.frombuffer(self._mm, dtype=npdt, count=(end - begin) // npdt.itemsize,
+                             offset=self.data_start + begin).reshape(shape)
+
+    def dtype_name(self, name: str) -> str:
+        return DTYPES[self.entries[name][0]][1]
+
+    def release(self) -> None:
+        """Drop this file's mapped pages from our address space (release_mapped)."""
+        release_mapped(getattr(self, "_mm", None))
+
+    def close(self) -> None:
+        mm = getattr(self, "_mm", None)
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # views still alive; the map is released when they go
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def write_safetensors(path: str | os.PathLike[str], tensors: Iterable[tuple[str, np.ndarray, str | None]],
+                      metadata: dict[str, str] | None = None, fsync: bool = True) -> tuple[int, str]:
+    """Write (name, array, dtype_name) triples; returns (file size, sha256 hex). Header padded to 8 bytes."""
+    items = list(tensors)
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for name, arr, dname in items:
+        nbytes = arr.nbytes
+        header[name] = {"dtype": dtype_to_st(arr, dname), "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    digest = hashlib.sha256()
+    with open(path, "wb") as fh:
+        for chunk in (struct.pack("<Q", len(raw)), raw):
+            fh.write(chunk)
+            digest.update(chunk)
+        for _name, arr, _d in items:
+            a = np.ascontiguousarray(arr)
+            if a.dtype.byteorder == ">":
+                a = a.astype(a.dtype.newbyteorder("<"))
+            if a.size:
+                buf = memoryview(a).cast("B")
+                fh.write(buf)
+                digest.update(buf)
+        fh.flush()
+        if fsync:
+            os.fsync(fh.fileno())
+        return fh.tell(), digest.hexdigest()
