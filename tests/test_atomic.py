@@ -85,6 +85,19 @@ def test_exchange_swaps_files_links_and_folders(tmp_path):
         atomic.exchange(tmp_path / "missing", tmp_path / "b")
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine not in ("x86_64", "aarch64"),
+                    reason="the raw system call number is known for x86-64 and aarch64")
+def test_exchange_through_the_raw_system_call(tmp_path, monkeypatch):
+    """Where glibc has no renameat2 wrapper (before 2.28), the system call itself."""
+    monkeypatch.setattr(atomic, "_renameat2", atomic._load_renameat2(wrapper=False))
+    (tmp_path / "a").write_text("a")
+    (tmp_path / "b").mkdir()
+    assert atomic.exchange(tmp_path / "a", tmp_path / "b")
+    assert (tmp_path / "a").is_dir() and (tmp_path / "b").read_text() == "a"
+    with pytest.raises(FileNotFoundError):
+        atomic.exchange(tmp_path / "missing", tmp_path / "b")
+
+
 @pytest.mark.parametrize("err", [errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, None])
 def test_fallback_where_the_exchange_is_unavailable(tmp_path, monkeypatch, err):
     """A filesystem that refuses RENAME_EXCHANGE (EINVAL, ENOSYS, EOPNOTSUPP), or no renameat2 at all (another

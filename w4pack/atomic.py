@@ -126,15 +126,16 @@ _RENAMEAT2_SYSCALL = {"x86_64": 316, "amd64": 316, "aarch64": 276, "arm64": 276}
 _UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
 
 
-def _load_renameat2() -> Callable[[bytes, bytes, int], int] | None:
-    """libc's renameat2, else the raw system call (glibc before 2.28, musl); None off Linux."""
+def _load_renameat2(wrapper: bool = True) -> Callable[[bytes, bytes, int], int] | None:
+    """libc's renameat2 (unless ``wrapper`` is False: tests), else the raw system call (glibc before 2.28, some
+    musl builds); None off Linux."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)
     except OSError:
         return None
-    fn = getattr(libc, "renameat2", None)
+    fn = getattr(libc, "renameat2", None) if wrapper else None
     if fn is not None:
         fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
         fn.restype = ctypes.c_int
