@@ -344,7 +344,10 @@ def test_failure_or_interrupt_at_close_removes_the_temporary_folder(tmp_path, mo
             raise OSError(5, "Input/output error")
         return real_replace(a, b, *args, **kw)
 
-    monkeypatch.setattr(os, "replace", failing_replace)
+    from w4pack import atomic
+
+    monkeypatch.setattr(os, "replace", failing_replace)  # the two-rename fallback
+    monkeypatch.setattr(atomic, "exchange", failing_replace)  # the atomic swap (renameat2)
     with pytest.raises(IOFailure, match="Input/output error") as ei:
         write_model(out, seed=2, force=True)
     monkeypatch.undo()
@@ -472,9 +475,10 @@ def test_reading_a_whole_checkpoint_keeps_resident_memory_flat(tmp_path, fmt):
     assert grew[48] - grew[2] < 8 * layer_bytes, grew
 
 
-def test_interrupt_just_after_the_final_rename_leaves_no_old_copy(tmp_path, monkeypatch):
-    """Ctrl-C landing right after the finished folder was renamed into place: the new output stands and the
-    previous one (moved aside for --force) is removed, not left behind as a hidden full copy."""
+@pytest.mark.parametrize("swap", [True, False], ids=["exchange", "two-renames"])
+def test_interrupt_just_after_the_final_rename_leaves_no_old_copy(tmp_path, monkeypatch, swap):
+    """Ctrl-C landing right after the finished folder was renamed (or swapped) into place: the new output stands
+    and the previous one (moved aside for --force) is removed, not left behind as a hidden full copy."""
     from w4pack import atomic
 
     target = tmp_path / "out"
@@ -482,14 +486,21 @@ def test_interrupt_just_after_the_final_rename_leaves_no_old_copy(tmp_path, monk
     (target / "old.txt").write_text("previous output")
     tmp = atomic.make_temp_dir(target)
     (tmp / "new.txt").write_text("new output")
-    real_replace = os.replace
+    real_replace, real_exchange = os.replace, atomic.exchange
 
     def replace_then_interrupt(a, b):
         real_replace(a, b)
         if Path(a) == tmp:
             raise KeyboardInterrupt
 
+    def exchange_then_interrupt(a, b):
+        if not swap:
+            return False
+        assert real_exchange(a, b)
+        raise KeyboardInterrupt
+
     monkeypatch.setattr(atomic.os, "replace", replace_then_interrupt)
+    monkeypatch.setattr(atomic, "exchange", exchange_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         atomic.move_into_place(tmp, target, force=True)
     assert (target / "new.txt").is_file() and not (target / "old.txt").exists()

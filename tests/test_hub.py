@@ -308,6 +308,42 @@ def test_pull_refuses_to_clobber_and_validates(hub, ckpt: Path, tmp_path: Path, 
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".bad")]
 
 
+def test_pull_force_replaces_in_one_step_and_is_restored_after_a_kill(hub, ckpt: Path, tmp_path: Path,
+                                                                     monkeypatch) -> None:  # noqa: ANN001
+    """Issue 30, 5: `pull --force` renamed the old destination aside, then the download in; interrupted between the
+    two, no destination was left. Now one exchange (no rename of the destination at all), and a destination that
+    the two-rename fallback left aside is put back by the next pull."""
+    import os
+
+    from w4pack import atomic
+    from w4pack.errors import IOFailure
+    from w4pack.hub import pull, push
+
+    push(ckpt, REPO, endpoint=hub.endpoint, token=TOKEN)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "keep.txt").write_text("mine")
+    if getattr(atomic, "_renameat2", "run") is not None:
+        real_replace = os.replace
+
+        def no_rename_of_dest(a, b, *args, **kw):  # noqa: ANN001, ANN002, ANN003
+            if dest in (Path(a), Path(b)):
+                raise AssertionError("the destination was renamed: not one atomic step")
+            return real_replace(a, b, *args, **kw)
+
+        monkeypatch.setattr(os, "replace", no_rename_of_dest)
+        pull(REPO, dest, endpoint=hub.endpoint, token=TOKEN, force=True)
+        monkeypatch.undo()
+        assert folder_bytes(dest) == folder_bytes(ckpt) and not [p for p in tmp_path.iterdir() if ".w4pack-" in p.name]
+    # what a kill between the fallback's renames leaves (old w4pack too): the destination, aside
+    aside = tmp_path / ".dest.w4pack-old-a1b2c3d4"
+    aside.mkdir()
+    os.rename(dest, aside / "x")
+    with pytest.raises(IOFailure, match="already exists"):
+        pull(REPO, dest, endpoint=hub.endpoint, token=TOKEN)
+    assert folder_bytes(dest) == folder_bytes(ckpt) and not aside.exists()
+
+
 def test_branch_and_pull_request(hub, ckpt: Path, tmp_path: Path) -> None:  # noqa: ANN001
     from w4pack.hub import pull, push
 

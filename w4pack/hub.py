@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ._version import __version__
+from .store.atomic import make_temp_dir, move_into_place, recover
 from .store.checkpoint import CONFIG_NAME, INCOMPLETE_MARKER, MANIFEST_NAME, SIDE_FILES, validate_checkpoint
 from .errors import BadInputError, IOFailure, W4PackError
 
@@ -614,14 +615,13 @@ def pull(repo_id: str, dest: str | os.PathLike[str], *, revision: str | None = N
 
     _check_repo_id(repo_id)
     target = Path(dest).absolute()
+    recover(target, clean=False)  # a destination an interrupted --force pull moved aside is put back first
     if target.exists() and not force:
         raise IOFailure("destination already exists; pass --force (force=True) to replace it", file=str(target))
     ep = _endpoint(endpoint)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        from .store.atomic import make_temp_dir  # the mode mkdir would give (umask), not mkdtemp's 0700
-
-        tmp = make_temp_dir(target, "pull")
+        tmp = make_temp_dir(target, "pull")  # the mode mkdir would give (umask), not mkdtemp's 0700
     except OSError as exc:
         raise IOFailure(f"cannot create a folder next to the destination: {exc.strerror}",
                         file=str(target.parent)) from None
@@ -639,15 +639,9 @@ def pull(repo_id: str, dest: str | os.PathLike[str], *, revision: str | None = N
             raise BadInputError(f"{repo_id}@{revision or 'main'} is not a valid w4pack checkpoint: "
                                 f"{exc.message}", file=exc.file.replace(str(tmp), str(target)) if exc.file else None,
                                 tensor=exc.tensor) from None
-        old = None
-        if target.exists():
-            if not force:
-                raise IOFailure("destination appeared while downloading; not replacing it", file=str(target))
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.w4pack-old-", dir=target.parent))
-            os.replace(target, old / "x")
-        os.replace(tmp, target)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        if target.exists() and not force:
+            raise IOFailure("destination appeared while downloading; not replacing it", file=str(target))
+        move_into_place(tmp, target, force)  # an atomic swap where the system allows: never no destination
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

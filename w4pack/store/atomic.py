@@ -4,25 +4,284 @@ Format writers (GPTQ, AWQ, ...) use this so that no output folder ever looks com
 and an existing folder is replaced only with force. The helpers below are shared with w4pack's own
 ``CheckpointWriter`` and the GGUF writer: the output check, the temporary folder (with the mode ``mkdir``
 would give), the rename into place, and a write error that names the file and says when the disk is full.
+
+Replacing an existing output (``--force``) is one atomic step on Linux: ``renameat2(RENAME_EXCHANGE)`` swaps the
+finished folder with the old output, and the old one (now at the temporary name) is deleted afterwards, so a kill
+at any instant leaves either the old or the new output at DST. Elsewhere (or where the filesystem refuses the
+exchange) the old output is moved aside first, and a kill between the two renames leaves it at
+``.DST.w4pack-old-*``: every later run on the same DST puts such a copy back when DST is missing (``recover``),
+and removes what a dead writer left (its temporary folder, the old output it was deleting). Our leftovers are told
+apart by their names, which carry the owner: ``.DST.w4pack-TAG-PID.START.ID-XXXXXXXX`` (PID, the process's start
+time in clock ticks, hashes of host name, boot id and PID namespace), so a live writer's folder is never removed.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import hashlib
 import os
+import platform
 import re
 import shutil
+import socket
+import stat
+import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import IOFailure, W4PackError
 
 __all__ = ["AtomicFolder", "write_json_atomic", "check_output", "make_temp_dir", "move_into_place",
-           "write_failure", "is_disk_full", "output_of", "umask_mode"]
+           "write_failure", "is_disk_full", "output_of", "umask_mode", "recover", "exchange"]
 
 MARKER = ".w4pack-incomplete"
 _TMP_TAG = ".w4pack-tmp-"
+_OLD_TAG = "old"
+_RAND = r"[a-z0-9_]{8}"  # tempfile's random part
+
+
+# ---------------------------------------------------------------------------------------------
+# who owns a temporary folder: PID, start time, and hashes of host, boot and PID namespace
+# ---------------------------------------------------------------------------------------------
+def _short_hash(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:4]
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="ascii", errors="replace") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+def _start_time(pid: int) -> int | None:
+    """A process's start time (clock ticks since boot, /proc/PID/stat field 22); None when there is no such process
+    (or no /proc). With the PID it names one process: a PID reused after the owner died has another start time."""
+    line = _read_text(f"/proc/{pid}/stat")
+    if not line:
+        return None
+    try:
+        return int(line.rsplit(")", 1)[1].split()[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _identity() -> tuple[int, int, str, str, str]:
+    """(pid, start, host hash, boot hash, PID-namespace hash) of this process. The boot id tells a folder left
+    before a reboot (its owner is certainly gone); the namespace, one made in another container (its PIDs mean
+    nothing here)."""
+    pid = os.getpid()
+    ns = ""
+    with contextlib.suppress(OSError):
+        ns = os.readlink("/proc/self/ns/pid")
+    return (pid, _start_time(pid) or 0, _short_hash(socket.gethostname()),
+            _short_hash(_read_text("/proc/sys/kernel/random/boot_id")), _short_hash(ns))
+
+
+def _owner_token() -> str:
+    pid, start, host, boot, ns = _identity()
+    return f"{pid}.{start}.{host}{boot}{ns}"
+
+
+def _leftover_re(target: Path) -> re.Pattern[str]:
+    """Our sibling names for ``target``, exactly: ``.NAME.w4pack-TAG-`` then the owner (absent in names made by
+    w4pack before owners were recorded) and tempfile's 8 random characters."""
+    return re.compile(r"\." + re.escape(target.name) + r"\.w4pack-(?P<tag>[a-z]+)-"
+                      r"(?:(?P<pid>\d{1,10})\.(?P<start>\d{1,20})\.(?P<id>[0-9a-f]{12})-)?" + _RAND)
+
+
+def _owner_state(m: re.Match[str]) -> str:
+    """``dead``, ``alive`` or ``unknown`` (another host or container, or no owner recorded: left alone)."""
+    if m.group("pid") is None:
+        return "unknown"
+    pid, start, ident = int(m.group("pid")), int(m.group("start")), m.group("id")
+    _me, _start, host, boot, ns = _identity()
+    if ident[:4] != host:
+        return "unknown"
+    if ident[4:8] != boot:
+        return "dead"  # this host, an earlier boot
+    if ident[8:] != ns:
+        return "unknown"
+    if start and os.path.isdir("/proc/self"):
+        return "alive" if _start_time(pid) == start else "dead"
+    try:  # no /proc: a PID that exists counts as alive (it may be reused: then the folder stays, never wrongly goes)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return "dead"
+    except OSError:
+        pass
+    return "alive"
+
+
+# ---------------------------------------------------------------------------------------------
+# atomic exchange: renameat2(RENAME_EXCHANGE)
+# ---------------------------------------------------------------------------------------------
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_RENAMEAT2_SYSCALL = {"x86_64": 316, "amd64": 316, "aarch64": 276, "arm64": 276}
+_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
+
+
+def _load_renameat2(wrapper: bool = True) -> Callable[[bytes, bytes, int], int] | None:
+    """libc's renameat2 (unless ``wrapper`` is False: tests), else the raw system call (glibc before 2.28, some
+    musl builds); None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    fn = getattr(libc, "renameat2", None) if wrapper else None
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        return lambda a, b, flags: fn(_AT_FDCWD, a, _AT_FDCWD, b, flags)
+    nr = _RENAMEAT2_SYSCALL.get(platform.machine().lower())
+    if nr is None:
+        return None
+    sc = libc.syscall
+    sc.restype = ctypes.c_long
+    return lambda a, b, flags: sc(ctypes.c_long(nr), ctypes.c_int(_AT_FDCWD), ctypes.c_char_p(a),
+                                  ctypes.c_int(_AT_FDCWD), ctypes.c_char_p(b), ctypes.c_uint(flags))
+
+
+_renameat2: Callable[[bytes, bytes, int], int] | None = _load_renameat2()
+
+
+def exchange(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Swap two existing paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``): True when swapped, False where
+    the exchange is not available (another OS, an old kernel, a filesystem answering EINVAL/ENOSYS/EOPNOTSUPP);
+    any other failure raises OSError, nothing changed."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(os.fsencode(a), os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _UNSUPPORTED:
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _rename_noreplace(a: Path, b: Path) -> None:
+    """Rename that never replaces what appeared at ``b`` meanwhile (a plain rename would replace an empty folder)."""
+    if _renameat2 is not None:
+        if _renameat2(os.fsencode(a), os.fsencode(b), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in _UNSUPPORTED:
+            raise OSError(err, os.strerror(err), str(a), None, str(b))
+    if os.path.lexists(b):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(b))
+    os.rename(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# recovery: what an interrupted run left beside DST
+# ---------------------------------------------------------------------------------------------
+_reported: set[str] = set()
+
+
+def _note(text: str) -> None:
+    """One line on stderr (the CLI's convention for notes); each leftover is reported once per process."""
+    print(f"w4pack: {text}", file=sys.stderr, flush=True)
+
+
+def _size(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, f)).st_size
+    return total
+
+
+def _ours(path: Path) -> bool:
+    """A real folder (not a link) of this user: nothing else is ever moved or removed."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def _leftovers(target: Path) -> list[tuple[Path, str, str]]:
+    """(path, tag, owner state) of every sibling named as we name ours, newest first."""
+    try:
+        names = os.listdir(target.parent)
+    except OSError:
+        return []
+    pat = _leftover_re(target)
+    found = []
+    for name in names:
+        m = pat.fullmatch(name)
+        if m:
+            p = target.parent / name
+            with contextlib.suppress(OSError):
+                found.append((os.lstat(p).st_mtime, p, m.group("tag"), _owner_state(m)))
+    found.sort(key=lambda t: t[0], reverse=True)
+    return [(p, tag, state) for _t, p, tag, state in found]
+
+
+def _restore(target: Path, found: list[tuple[Path, str, str]]) -> list[str]:
+    """DST missing, and an output moved aside by a run that is not running (an unknown owner too: putting a copy
+    back deletes nothing, and a live writer of old w4pack is between its renames for microseconds): the newest."""
+    if os.path.lexists(target):
+        return []
+    for path, tag, state in found:
+        if tag != _OLD_TAG or state == "alive" or not _ours(path) or not os.path.lexists(path / "x"):
+            continue
+        try:
+            _rename_noreplace(path / "x", target)
+        except FileExistsError:
+            return []  # another run restored or wrote it meanwhile
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+        return [f"{target}: restored the previous output from {path.name} (left by an interrupted --force run)"]
+    return []
+
+
+def _clean(found: list[tuple[Path, str, str]]) -> list[str]:
+    """Remove the leftovers of writers that are gone; name the ones left alone (owner unknown), once."""
+    notes = []
+    for path, _tag, state in found:
+        if not os.path.lexists(path):
+            continue
+        if state == "dead" and _ours(path):
+            size = _size(path)
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.lexists(path):
+                notes.append(f"removed {path} ({size / 1e6:.1f} MB), left by an interrupted w4pack run")
+        elif state == "unknown" and str(path) not in _reported:
+            _reported.add(str(path))
+            notes.append(f"left alone: {path}, from an older w4pack or another machine; remove it if no w4pack "
+                         "run is writing there")
+    return notes
+
+
+def recover(target: str | os.PathLike[str], clean: bool = True) -> list[str]:
+    """Before writing ``target``: when it is missing but an interrupted replacement moved it aside, put it back;
+    with ``clean``, remove the temporary folders and old copies whose writer is gone. Returns (and prints) what was
+    done. Never fails the run: a leftover that cannot be handled stays, named."""
+    target = Path(target).absolute()
+    notes: list[str] = []
+    try:
+        found = _leftovers(target)
+        if not found:
+            return []
+        notes += _restore(target, found)
+        if clean:
+            notes += _clean(_leftovers(target))
+    except OSError as exc:
+        notes.append(f"{target}: could not tidy what an interrupted run left: {exc.strerror or exc}")
+    for n in notes:
+        _note(n)
+    return notes
+
+
 
 
 def umask_mode(mode: int = 0o777) -> int:
@@ -43,7 +302,9 @@ def umask_mode(mode: int = 0o777) -> int:
 
 def check_output(target: Path, force: bool) -> None:
     """Refuse an existing output without force, before any work. A dangling symbolic link counts as existing:
-    renaming the finished folder over it fails only at the very end ("Not a directory")."""
+    renaming the finished folder over it fails only at the very end ("Not a directory"). An output that an
+    interrupted --force run moved aside is put back first, so that it counts as existing."""
+    recover(target, clean=False)
     if not os.path.lexists(target) or force:
         return
     if target.is_symlink() and not target.exists():
@@ -54,8 +315,12 @@ def check_output(target: Path, force: bool) -> None:
 
 def make_temp_dir(target: Path, tag: str = "tmp") -> Path:
     """A new empty sibling folder of ``target`` that becomes ``target`` when renamed: with the umask-derived mode a
-    plain ``mkdir`` gives, not mkdtemp's 0700, so that the finished output is readable like any other folder."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.w4pack-{tag}-", dir=target.parent))
+    plain ``mkdir`` gives, not mkdtemp's 0700, so that the finished output is readable like any other folder.
+
+    Its name records this process (see the module's docstring), so that a later run can tell it from a live
+    writer's; that later run is this one: what dead writers left beside ``target`` is recovered first."""
+    recover(target)
+    tmp = _mkdtemp_owned(target, tag)
     try:
         os.chmod(tmp, umask_mode(0o777))
     except BaseException:
@@ -64,16 +329,66 @@ def make_temp_dir(target: Path, tag: str = "tmp") -> Path:
     return tmp
 
 
+def _mkdtemp_owned(target: Path, tag: str) -> Path:
+    """``.NAME.w4pack-TAG-OWNER-XXXXXXXX``; without the owner where that name would be too long for the
+    filesystem (such a folder is then never removed by recovery, only reported)."""
+    try:
+        return Path(tempfile.mkdtemp(prefix=f".{target.name}.w4pack-{tag}-{_owner_token()}-", dir=target.parent))
+    except OSError as exc:
+        if exc.errno != errno.ENAMETOOLONG:
+            raise
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.w4pack-{tag}-", dir=target.parent))
+
+
+def _remove(path: Path) -> None:
+    """Delete what was at ``path`` (the old output after a swap): a folder, a file, or a link (itself only)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _same(path: Path, ident: tuple[int, int]) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == ident
+
+
 def move_into_place(tmp: Path, target: Path, force: bool) -> None:
-    """Rename the finished ``tmp`` to ``target``. An existing target (only with force) is moved aside first and put
-    back if the rename fails or is interrupted, so a failure never loses the previous output."""
+    """Rename the finished ``tmp`` to ``target``. An existing target (only with force) is swapped with ``tmp`` in
+    one step where the system can (then deleted from ``tmp``'s name, which records our PID: if we are killed
+    meanwhile, the next run removes it); elsewhere it is moved aside first and put back if the rename fails or is
+    interrupted, and a kill between the two renames leaves it for the next run to restore. Either way a failure
+    never loses the previous output."""
+    if os.path.lexists(target):
+        if not force:
+            raise IOFailure("output appeared while writing; not replacing it without --force", file=str(target))
+        st = os.lstat(tmp)
+        new = (st.st_dev, st.st_ino)
+        try:
+            swapped = exchange(tmp, target)
+        except BaseException:
+            if _same(target, new):  # (an interrupt landing just after the swap: the new output stands)
+                _remove(tmp)
+            raise
+        if swapped:
+            _remove(tmp)
+            return
+    _move_aside_then_rename(tmp, target, force)
+
+
+def _move_aside_then_rename(tmp: Path, target: Path, force: bool) -> None:
+    """The fallback where the exchange is unavailable: two renames, the old output kept aside until the second."""
     old: Path | None = None
     moved = False
     try:
         if os.path.lexists(target):
             if not force:
                 raise IOFailure("output appeared while writing; not replacing it without --force", file=str(target))
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.w4pack-old-", dir=target.parent))
+            old = _mkdtemp_owned(target, _OLD_TAG)
             os.replace(target, old / "x")
         os.replace(tmp, target)
         moved = True
