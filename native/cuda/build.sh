@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build w4pack/_lib/libw4p_cuda.so with nvcc: SASS for sm_80, sm_86, sm_89, sm_90a (the wgmma kernel) plus
+# Build w4pack/_lib/libw4p_cuda.so with nvcc from every .cu (kernels, launch table, ABI) and .cpp (the host-only
+# planner, built by the host compiler) here: SASS for sm_80, sm_86, sm_89, sm_90a (the wgmma kernels) plus
 # compute_90 PTX,
 # the CUDA runtime linked statically (the library loads without libcudart and reports "no CUDA device"
 # cleanly where there is no driver). Skips the build when the library is newer than every input.
@@ -14,8 +15,8 @@ OUT="${W4P_CUDA_OUT:-$ROOT/w4pack/_lib/libw4p_cuda.so}"
 ARCHS="${W4P_CUDA_ARCHS:-80 86 89 90a}"
 DEFINES="${W4P_CUDA_DEFINES:-}"
 STAMP="$ARCHS${DEFINES:+ $DEFINES}"  # what the library was built for
-SRCS=("$HERE"/*.cu)
-INPUTS=("${SRCS[@]}" "$ROOT/native/w4pack.h" "$HERE/build.sh")
+SRCS=("$HERE"/*.cu "$HERE"/*.cpp)
+INPUTS=("${SRCS[@]}" "$HERE"/*.h "$HERE"/*.cuh "$ROOT/native/w4pack.h" "$HERE/build.sh")
 
 if [ -f "$OUT" ] && [ -z "${W4P_CUDA_FORCE:-}" ]; then
   stale=0
