@@ -35,7 +35,9 @@ GENCODE+=("-gencode=arch=compute_$ptx,code=compute_$ptx")
 mkdir -p "$(dirname "$OUT")"
 tmp="$OUT.tmp.$$"
 echo "nvcc: building $(basename "$OUT") for sm_${ARCHS// /, sm_} + compute_$ptx PTX"
-"$NVCC" -O3 -std=c++17 -shared -Xcompiler -fPIC -Xcompiler -fvisibility=hidden -cudart static \
+# -compress-all: fatbinary compresses only large SASS images by default; one translation unit per kernel keeps
+# each under that size, and uncompressed they would double the library
+"$NVCC" -O3 -std=c++17 -shared -Xcompiler -fPIC -Xcompiler -fvisibility=hidden -cudart static -Xfatbin -compress-all \
   --threads 0 -diag-suppress 177 $DEFINES "${GENCODE[@]}" -I"$ROOT/native" "${SRCS[@]}" -o "$tmp"
 mv -f "$tmp" "$OUT"
 cp -f "$ROOT/native/w4pack.h" "$(dirname "$OUT")/w4pack.h"

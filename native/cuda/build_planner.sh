@@ -6,4 +6,4 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="${1:?usage: build_planner.sh OUT.so}"
 "${CXX:-c++}" -O2 -std=c++17 -shared -fPIC -fvisibility=hidden -I"$HERE/.." \
-  "$HERE"/planner.cpp "$HERE"/switches.cpp "$HERE"/error.cpp "$HERE"/abi_host.cpp -o "$OUT"
+  "$HERE"/planner*.cpp "$HERE"/switches.cpp "$HERE"/error.cpp "$HERE"/abi_host.cpp -o "$OUT"
