@@ -2,7 +2,7 @@
 """GPU benchmark of the w4pack CUDA GEMM against cuBLAS fp16, torch tinygemm (bf16) and, when importable,
 Marlin / gemlite, on Llama-2 7B and 70B layer shapes, group size 128.
 
-Method (docs/CUDA.md): weights are L2-cold (each kernel rotates through enough weight copies to pass
+Method (docs/journal/2026-cuda.md, section 6): weights are L2-cold (each kernel rotates through enough weight copies to pass
 ~4x the 60 MB L2); one CUDA graph holds one call per copy and is replayed; each replay is timed with
 CUDA events; the reported time per call is the median over replays divided by the copies. Achieved
 GB/s counts the bytes a call must move (int4 weights + scales [+ zeros] + activations in + outputs out).

@@ -9,7 +9,7 @@ that ncu writes for the source page of a report taken with the source counters, 
     ncu --import ws.ncu-rep --page source --print-source sass --csv > ws_sass.csv
 
 and prints the instructions holding the most warp samples, with their three leading stall reasons, and the
-share of samples per opcode (docs/CUDA.md section 7 quotes such tables). Needs no GPU.
+share of samples per opcode (docs/journal/2026-cuda.md section 7 quotes such tables). Needs no GPU.
 """
 from __future__ import annotations
 

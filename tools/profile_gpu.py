@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One w4pack CUDA GEMM configuration, called a few times, for a profiler to attach to.
 
-The ncu figures in docs/CUDA.md come from runs such as
+The ncu figures in docs/journal/2026-cuda.md come from runs such as
 
     ncu --clock-control none -k regex:wgmma_ws -s 2 -c 1 --section SpeedOfLight --section WarpStateStats \\
         --section SchedulerStats python tools/profile_gpu.py --shape 8192x28672 --m 16 --kernel wgmma_ws

@@ -13,7 +13,7 @@ copies rotated past L2 as the benchmark does:
   order of the bulk and ring kernels);
 * w4pack's own M = 1 call ("auto") and, on sm_90, the bulk kernel's copies alone (`probe_bulk`).
 
-It prints medians in µs and each one's ratio to the plain read. docs/CUDA.md section 7 (seventeenth session)
+It prints medians in µs and each one's ratio to the plain read. docs/journal/2026-cuda.md section 7 (seventeenth session)
 quotes these measurements. On the GPU machine:
 
     python tools/read_order.py [--shapes 8192x28672,4096x4096] [--json out/read_order.jsonl]

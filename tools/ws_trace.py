@@ -2,7 +2,7 @@
 """Where a wgmma_ws call's time goes, block by block: a timeline from a diagnostics build of the CUDA library.
 
 `nvcc -DW4P_WS_TRACE` makes thread 0 of every wgmma_ws block record `%globaltimer` and `clock64` at its start,
-at the end of each main loop (or stream-K segment) and at the end of each epilogue (docs/CUDA.md section 7
+at the end of each main loop (or stream-K segment) and at the end of each epilogue (docs/journal/2026-cuda.md section 7
 quotes such traces: the output stores and stream-K's partial sums were found this way). This script builds that
 library once (sm_90a only, under build/ws_trace/), runs each configuration through it after warm-up calls on
 other weight copies, and prints per configuration: the graph-replayed time of the ordinary library, the plan,

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build w4pack/_lib/libw4p_cuda.so with nvcc: SASS for sm_80, sm_86, sm_89, sm_90a (the wgmma kernel) plus
+# Build w4pack/_lib/libw4p_cuda.so with nvcc from every .cu (kernels, launch table, ABI) and .cpp (the host-only
+# planner, built by the host compiler) here: SASS for sm_80, sm_86, sm_89, sm_90a (the wgmma kernels) plus
 # compute_90 PTX,
 # the CUDA runtime linked statically (the library loads without libcudart and reports "no CUDA device"
 # cleanly where there is no driver). Skips the build when the library is newer than every input.
@@ -14,8 +15,8 @@ OUT="${W4P_CUDA_OUT:-$ROOT/w4pack/_lib/libw4p_cuda.so}"
 ARCHS="${W4P_CUDA_ARCHS:-80 86 89 90a}"
 DEFINES="${W4P_CUDA_DEFINES:-}"
 STAMP="$ARCHS${DEFINES:+ $DEFINES}"  # what the library was built for
-SRCS=("$HERE"/*.cu)
-INPUTS=("${SRCS[@]}" "$ROOT/native/w4pack.h" "$HERE/build.sh")
+SRCS=("$HERE"/*.cu "$HERE"/*.cpp)
+INPUTS=("${SRCS[@]}" "$HERE"/*.h "$HERE"/*.cuh "$ROOT/native/w4pack.h" "$HERE/build.sh")
 
 if [ -f "$OUT" ] && [ -z "${W4P_CUDA_FORCE:-}" ]; then
   stale=0
@@ -34,7 +35,9 @@ GENCODE+=("-gencode=arch=compute_$ptx,code=compute_$ptx")
 mkdir -p "$(dirname "$OUT")"
 tmp="$OUT.tmp.$$"
 echo "nvcc: building $(basename "$OUT") for sm_${ARCHS// /, sm_} + compute_$ptx PTX"
-"$NVCC" -O3 -std=c++17 -shared -Xcompiler -fPIC -Xcompiler -fvisibility=hidden -cudart static \
+# -compress-all: fatbinary compresses only large SASS images by default; one translation unit per kernel keeps
+# each under that size, and uncompressed they would double the library
+"$NVCC" -O3 -std=c++17 -shared -Xcompiler -fPIC -Xcompiler -fvisibility=hidden -cudart static -Xfatbin -compress-all \
   --threads 0 -diag-suppress 177 $DEFINES "${GENCODE[@]}" -I"$ROOT/native" "${SRCS[@]}" -o "$tmp"
 mv -f "$tmp" "$OUT"
 cp -f "$ROOT/native/w4pack.h" "$(dirname "$OUT")/w4pack.h"

@@ -25,11 +25,11 @@ __all__ = ["CudaPackedLinear", "gemm", "gemm_cuda", "available", "unavailable_re
 _HERE = Path(__file__).resolve().parent
 _LIBDIR = _HERE.parent / "_lib"
 #: kernel choice names -> W4P_CUDA_KERNEL_* (probes are diagnostics for tools/bench_gpu.py); "bulk" (sm_90, M <= 16,
-#: auto's choice up to M = 4 there, up to 8 on layers of 2^25 weights or more: docs/CUDA.md; ``splits`` forces
+#: auto's choice up to M = 4 there, up to 8 on layers of 2^25 weights or more: docs/journal/2026-cuda.md; ``splits`` forces
 #: its stages); "ring" (M <= 8,
 #: the default there) streams the weights stream-K over warps through per-warp cp.async rings (``splits``
 #: forces its units of work per warp); "wgmma_ws" (sm_90a, 4-bit: wgmma fed by a TMA producer warp; auto's
-#: choice on compute capability 9.0 from M = 9 where measured ahead: docs/CUDA.md;
+#: choice on compute capability 9.0 from M = 9 where measured ahead: docs/journal/2026-cuda.md;
 #: ``splits`` forces its split-K count); "wgmma" (sm_90a, 4-bit, one-pass cp.async pipeline: auto's choice in
 #: the same range only where the driver lacks the TMA encoder); "wgmma_ss" (sm_90a, 4-bit, group sizes that are
 #: multiples of 64 or per channel: the tokens as wgmma's A operand, the weights dequantized into shared memory as
@@ -40,7 +40,7 @@ KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "ring": 3, "bulk": 4, "wgmma": 5,
            "dense": -1, "probe_load": 10,
            "probe_dequant": 11, "probe_bulk": 12, "probe_ws": 13, "probe_ss": 14}
 #: from this many rows on, "auto" takes the dense path unless the native plan picks a wgmma kernel (sm_90, up to
-#: M = 1024 where measured ahead on an H200, docs/CUDA.md): below it
+#: M = 1024 where measured ahead on an H200, docs/journal/2026-cuda.md): below it
 #: the stream kernel (weights read once, split-K), above it dequantize + cuBLAS beats the mma.sync tiled kernel
 DENSE_MIN_M = 33
 _DT = {"float16": 1, "bfloat16": 2}

@@ -1,0 +1,32 @@
+// The arguments of every GEMM kernel, filled by the ABI (abi.cu) and the launch table. Plain C++.
+#pragma once
+#include <stdint.h>
+
+namespace w4p {
+
+struct Params {
+  const void *x;      // [M][ldx]
+  void *y;            // [M][ldy]
+  const uint32_t *qw; // layout v1
+  const void *scales, *zeros, *mins, *bias;
+  const int32_t *perm;
+  float *part;        // [S][M][Np] fp32 partial sums (split-K)
+  unsigned *counters; // one per output tile
+  int64_t ldx, ldy, M;
+  int N, K, Np, Kp, KT;  // KT = Kp / 64
+  int gs, zm;            // group size (-1: per channel), zero mode
+  unsigned gmul;         // group_of's multiplier: ceil(2^32 / gs), 0 per channel
+  int S, TB;             // splits, token blocks
+  int KC;                // stream kernel: tiles per staged chunk
+  int xvec;              // stream: x rows 16-byte loadable; tiled: x readable with cp.async (else gathered)
+  int kx;                // tiled: valid K extent of the (possibly gathered) activations
+  unsigned sink;         // probe modes: a value the checksum never equals
+  int64_t W;             // ring kernel: workers (warps) sharing the weight stream
+  int probe;             // bulk, wgmma_ws kernels: 1 = copies only, no arithmetic (the copy pipeline's rate)
+  int kg;                // bulk kernel: tiles per stream-K granule (1, or the unit size: whole units per block)
+  int cl;                // wgmma_ws, wgmma_ss with splits: launched as clusters of the S splits (cluster_reduce)
+  int sk;                // wgmma_ws stream-K: its output tiles (over a grid of resident blocks); 0 otherwise
+  int pdl;               // bulk, wgmma_ws, wgmma_ss: launched with programmatic dependent launch (pdl_start)
+};
+
+}  // namespace w4p

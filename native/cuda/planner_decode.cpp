@@ -1,0 +1,79 @@
+// The planner's rules for the decode kernels (gemv, bulk): which grid the gemv kernel fills, the bulk kernel's
+// unit, granule and stages. Host-only C++.
+#include <string.h>
+#include <algorithm>
+#include "planner.h"
+#include "planner_rules.h"
+#include "switches.h"
+#include "planner_parts.h"
+
+namespace w4p {
+
+// The gemv kernel's resident blocks (zero mode none's launch bound, and shared memory)
+int64_t gv_grid(const DevInfo &di, int KT, int gs) {
+  const size_t smem = (size_t)gv_smem(KT);
+  return (int64_t)di.sms * std::max(1, std::min(gv_minb(0, gs <= 0 || gs % 64 == 0),
+                                                (int)(di.smem_sm / (smem + di.smem_reserved))));
+}
+// "auto" takes the gemv kernel where its whole-stripe blocks fill their rounds: at least one and a half rounds of
+// stripes, the rounds 85% full or more on average (stripes >= 0.85 x rounds x blocks), and short stripes (K up to
+// 6144). The grid is zero mode none's (three blocks per SM; int and float layers run two, so their rule is
+// evaluated for a grid they do not launch: measured with zero mode none only). Measured on an H200 at M = 1
+// (docs/journal/2026-cuda.md, 396 blocks): 4096x11008 (688 stripes of 64 tiles) 12.1 against 13.6 us for the bulk kernel and
+// 4096x12288 (768) 12.3 against 15.1; level on 8192x28672 (1792 stripes of 128 tiles, 45.2 against 44.5);
+// behind where the stripes take 0.65 of a second round: 28672x8192 (512 stripes) 59.4 against 45.2, 11008x4096
+// (256) 17.5 against 13.5, 4096x4096 (256) 7.6 against 6.8.
+bool gemv_auto(const DevInfo &di, int ns, int KT, int gs) {
+  const int64_t g = gv_grid(di, KT, gs), rounds = (ns + g - 1) / g;
+  return KT <= 96 && 2 * (int64_t)ns >= 3 * g && (double)ns >= 0.85 * (double)(rounds * g);
+}
+
+// The tiles the busiest of W blocks gets when the bulk kernel's stream-K granule is a whole unit of ct tiles
+// (nq quads of KT tiles): ceil(units / W) whole units. (A quad's last unit may be shorter; this bound ignores
+// that, which keeps it O(1): the planner runs on every call. On the Llama shapes it ranks the unit sizes as
+// the exact per-block count does.)
+int64_t bulk_max_tiles(int nq, int KT, int ct, int64_t W) {
+  const int64_t total = (int64_t)nq * ((KT + ct - 1) / ct);
+  return (total + W - 1) / W * ct;
+}
+
+// The bulk kernel's tiles per unit. 8-bit layers and M > 8 keep 8 (a 16-tile stage would not fit twice per
+// block; two n8 token blocks with 16 tiles spill registers). 4-bit layers of 2^26 weights or more (the 70B
+// shapes) take 16; smaller ones the unit size that gives the busiest block the fewest tiles, 12 before 16
+// before 8 where they tie. Measured on an H200 (docs/journal/2026-cuda.md, M = 1-8): 16 took 43.6 against 48.6 us at
+// M = 1 on 8192x28672 and 47 against 57-60 at M = 6-8; on the 7B shapes the unit that balances the blocks
+// best was fastest or within 3%, except 4096x12288 at M = 2-4 (16 there, 4-7% behind 8).
+int bulk_ct(int sbits, int m, int np, int kp, int sms, bool large) {
+  if (sbits != 4 || m > 8) return 8;
+  if (large) return 16;
+  const int nq = (np / 16 + BQ - 1) / BQ, KT = kp / 64;
+  int best = 12;
+  int64_t best_t = bulk_max_tiles(nq, KT, 12, (int64_t)sms * BBPS);
+  for (int ct : {16, 8}) {
+    const int64_t t = bulk_max_tiles(nq, KT, ct, (int64_t)sms * BBPS);
+    if (t < best_t) {
+      best = ct;
+      best_t = t;
+    }
+  }
+  return best;
+}
+
+// The bulk kernel's stream-K granule: whole stripes for units of one stripe (each block owns at most one), single
+// tiles on layers of 2^26 weights or more (every block the same work to within a tile: 3% faster at M = 4-8 on
+// the 70B shapes), else whole units (fewer chunks and shared quads per block: 5-10% faster on the 7B shapes).
+// W4P_CUDA_BULK_GRANULE=tile|unit|quad forces it (tests, sweeps; quad: a whole stripe group's K range).
+int bulk_granule(int ct, bool large, bool single, int KT) {
+  const char *e = bulk_granule_env();
+  if (e && strcmp(e, "tile") == 0) return 1;
+  if (e && strcmp(e, "unit") == 0) return ct;
+  if (e && strcmp(e, "quad") == 0) return KT;
+  return single ? KT : large ? 1 : ct;
+}
+
+// Two stages of a bulk unit (ct tiles of qs stripes) fit `budget` bytes of shared memory: a block's share
+bool bulk_two_stages_fit(int sbits, int m, int gs, int ct, int qs, int budget) {
+  return bulk_fix(m > 8 ? 2 : 1, qs) + 2 * bulk_stage_bytes(sbits, m, gs, ct, qs) <= budget;
+}
+
+}  // namespace w4p
