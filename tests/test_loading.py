@@ -268,8 +268,9 @@ def test_torch_compile_on_cuda(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 def test_static_cache_compiled_generate_on_cuda(tmp_path: Path) -> None:
-    """transformers' own static-cache compile path (torch.compile reduce-overhead: CUDA graph trees) over W4Linear
-    runs (the GEMM's workspace is reserved at load, outside any graph pool) and agrees with eager."""
+    """transformers' own static-cache compile path (generate compiles the forward, reduce-overhead: CUDA graph
+    trees) over W4Linear: it runs (the GEMM's workspace is reserved at load, outside any graph pool; it failed with
+    untracked tensors in the cudagraph pool) and gives eager's greedy tokens."""
     src, _layers, _ref = _write(tmp_path, "qwen3", "gptq")
     convert(src, tmp_path / "w4")
     model = load_model(tmp_path / "w4", device="cuda", dtype="float16")
@@ -277,14 +278,10 @@ def test_static_cache_compiled_generate_on_cuda(tmp_path: Path) -> None:
     x = single.cuda()
     kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        eager_logits = model(x, use_cache=False).logits
         eager = model.generate(x, **kw)
-        assert torch.equal(model.generate(x, cache_implementation="static", **kw), eager)
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-        for _ in range(3):  # warm-up, record, replay
-            out = model.generate(x, cache_implementation="static", **kw)
-            assert out.shape == eager.shape
-        assert torch.allclose(model(x, use_cache=False).logits, eager_logits, atol=2e-2, rtol=2e-2)
+        for _ in range(3):  # compile and warm-up, record, replay
+            assert torch.equal(model.generate(x, cache_implementation="static", **kw), eager)
+    assert hasattr(model, "_compiled_call"), "transformers did not take its compiled static-cache path"
 
 
 # -------------------------------------------------------------------------------------------------
