@@ -2,11 +2,20 @@
  * The CPU GEMM driver: argument checks, activation preparation, work split, output conversion.
  *
  * y[m, n] = sum_k x[m, perm[k]] * w[n, k] (+ bias[n]), K in packed order. Per activation block b of
- * `ab` columns (inside one quantization group g), with w = s*q + o (o = -s*z, or the float minimum):
- *   exact: acc = sum q*x (fp32),                 y += s*acc + o*sum(x)
- *   fast:  x ~ xs*a (a int8 per block), acc = sum q*a (int32, exact), y += xs*(s*acc + o*sum(a))
- * so zero points cost one multiply-add per block and column, never one per weight. The fast path's
- * result is the exact dot product of the dequantized weights with the int8-rounded activations.
+ * `ab` columns (inside one quantization group g), with w = s*(q - z) (zero modes none / int) or
+ * w = s*q + m (zero mode float, m the minimum), q whole codes (8-bit: both nibble planes):
+ *   exact, int zeros: acc = sum (q - z)*x (fp32),       y += s*acc
+ *   exact, minima:    acc = sum fma(s, q, m)*x (fp32),  y += acc
+ *   fast:  x ~ xs*a (a int8 per block), A = sum q*a (int32, exact),
+ *          int zeros: y += xs*s*(A - z*sum(a))  (an exact integer below 2^24, so exact in fp32)
+ *          minima:    y += xs*(s*A + m*sum(a))  (the rounding error of s*A added back by an FMA)
+ * The factored form s*sum(q*x) - s*z*sum(x) is not used by exact: with a large scale its two terms
+ * cancel and each carries a rounding error of order eps*s*z*sum|x|, which can exceed the result (a
+ * group of weights that is exactly zero gave 24 % relative error at s = 65536). q - z is an exact small
+ * integer, so exact has the error of an fp32 dot product of the true weights, like fp32
+ * dequantize-then-matmul; the subtraction is one vector op per weight vector, shared by the rows of a
+ * register tile. The fast path's result is the dot product of the dequantized weights with the
+ * int8-rounded activations, to fp32 rounding of the per-block terms.
  */
 #include "w4p_cpu_internal.h"
 
