@@ -180,10 +180,13 @@ static INL T512 void fast_block(const w4p_job *J, int tile, int b, int p, int64_
  * FMA (rounded once, like an fp32 dequantization), y += sum w*x. */
 static INL T512 void exact_block(const w4p_job *J, int tile, int b, int64_t m, const int R, const __m512 s[4],
                                  const __m512 zm[4], float (*y)[W4P_TILE], const int pf, const int minima,
-                                 const int two) {
+                                 const int two, const int uz) {
     const struct w4p_cpu_layer *L = J->L;
     const int kp = L->kp, ab = L->ab, cpb = ab / 8;
-    const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    /* uz: one zero point for the whole tile (symmetric layers, zero mode none): the table holds q - z
+       itself and the per-weight subtraction disappears */
+    const __m512 lut = _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                     uz ? zm[0] : _mm512_setzero_ps());
     const __m512 c16 = _mm512_set1_ps(16.0f);
     const uint32_t *w = w4p_tile_words(L, tile, 0) + (size_t)b * cpb * W4P_TILE;
     const uint32_t *w1 = two ? w4p_tile_words(L, tile, 1) + (size_t)b * cpb * W4P_TILE : w;
@@ -214,7 +217,7 @@ static INL T512 void exact_block(const w4p_job *J, int tile, int b, int64_t m, c
                     __m512 hf = _mm512_permutexvar_ps(t ? _mm512_srli_epi32(w1v, 4 * t) : w1v, lut);
                     qf = _mm512_fmadd_ps(hf, c16, qf);
                 }
-                const __m512 wq = minima ? _mm512_fmadd_ps(s[q], qf, zm[q]) : _mm512_sub_ps(qf, zm[q]);
+                const __m512 wq = minima ? _mm512_fmadd_ps(s[q], qf, zm[q]) : (uz ? qf : _mm512_sub_ps(qf, zm[q]));
                 for (int r = 0; r < R; r++) {
                     if (D == 2 && (t & 1)) acc2[r][q] = _mm512_fmadd_ps(wq, _mm512_set1_ps(x[r][8 * c + koff]), acc2[r][q]);
                     else acc[r][q] = _mm512_fmadd_ps(wq, _mm512_set1_ps(x[r][8 * c + koff]), acc[r][q]);
@@ -234,12 +237,99 @@ static INL T512 void exact_block(const w4p_job *J, int tile, int b, int64_t m, c
 
 /* exact_block with the row count, zero kind and plane count as compile-time constants */
 static INL T512 void exact_rows(const w4p_job *J, int tile, int b, int64_t m, const int R, const __m512 s[4],
-                                const __m512 zm[4], float (*y)[W4P_TILE], const int pf) {
+                                const __m512 zm[4], float (*y)[W4P_TILE], const int pf, const int uz) {
     const int minima = J->L->zero_mode == W4P_ZERO_FLOAT, two = J->L->planes == 2;
-    if (!minima && !two) exact_block(J, tile, b, m, R, s, zm, y, pf, 0, 0);
-    else if (!two) exact_block(J, tile, b, m, R, s, zm, y, pf, 1, 0);
-    else if (!minima) exact_block(J, tile, b, m, R, s, zm, y, pf, 0, 1);
-    else exact_block(J, tile, b, m, R, s, zm, y, pf, 1, 1);
+    if (!minima && !two && uz) exact_block(J, tile, b, m, R, s, zm, y, pf, 0, 0, 1);
+    else if (!minima && !two) exact_block(J, tile, b, m, R, s, zm, y, pf, 0, 0, 0);
+    else if (!two) exact_block(J, tile, b, m, R, s, zm, y, pf, 1, 0, 0);
+    else if (!minima) exact_block(J, tile, b, m, R, s, zm, y, pf, 0, 1, 0);
+    else exact_block(J, tile, b, m, R, s, zm, y, pf, 1, 1, 0);
+}
+
+/* the same zero point in all 64 columns of the block (zero mode none always) */
+static INL T512 int uniform_zero(const struct w4p_cpu_layer *L, const __m512 zm[4]) {
+    if (L->zero_mode == W4P_ZERO_NONE) return 1;
+    if (L->zero_mode != W4P_ZERO_INT) return 0;
+    const __m512 z0 = _mm512_permutexvar_ps(_mm512_setzero_si512(), zm[0]);
+    __mmask16 eq = 0xFFFF;
+    for (int q = 0; q < 4; q++) eq &= _mm512_cmp_ps_mask(zm[q], z0, _CMP_EQ_OQ);
+    return eq == 0xFFFF;
+}
+
+/* Exact with many rows: each slice of W4P_DQ_K values of K of a block is dequantized once into an
+ * L1-resident fp32 buffer (16 KiB) and shared by every row of the work item, so the per-weight work
+ * (shift, table lookup, zero point) is paid once per work item instead of once per row group. */
+#define W4P_DQ_MIN_ROWS 8
+#define W4P_DQ_K 64
+
+/* w[k][64] for k = k0 .. k0+nk-1 of block b: q - z (int zeros) or s*q + m (minima), as in exact_block */
+static INL T512 void dequant_slice(const struct w4p_cpu_layer *L, int tile, int b, int k0, int nk, const __m512 s[4],
+                                   const __m512 zm[4], float (*w)[W4P_TILE], const int minima, const int two) {
+    const int cpb = L->ab / 8;
+    const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 c16 = _mm512_set1_ps(16.0f);
+    const uint32_t *w0 = w4p_tile_words(L, tile, 0) + ((size_t)b * cpb + k0 / 8) * W4P_TILE;
+    const uint32_t *w1 = two ? w4p_tile_words(L, tile, 1) + ((size_t)b * cpb + k0 / 8) * W4P_TILE : w0;
+    for (int c = 0; c < nk / 8; c++) {
+        const uint32_t *wc = w0 + (size_t)c * W4P_TILE, *wc1 = w1 + (size_t)c * W4P_TILE;
+        for (int q = 0; q < 4; q++) {
+            _mm_prefetch((const char *)(wc + 16 * q) + W4P_PREFETCH_EXACT, _MM_HINT_T0);
+            if (two) _mm_prefetch((const char *)(wc1 + 16 * q) + W4P_PREFETCH_EXACT, _MM_HINT_T0);
+            const __m512i wv = _mm512_loadu_si512((const void *)(wc + 16 * q));
+            const __m512i hv = two ? _mm512_loadu_si512((const void *)(wc1 + 16 * q)) : wv;
+#pragma GCC unroll 8
+            for (int t = 0; t < 8; t++) {
+                const int koff = (t & 1) ? (t >> 1) + 4 : (t >> 1);
+                __m512 qf = _mm512_permutexvar_ps(t ? _mm512_srli_epi32(wv, 4 * t) : wv, lut);
+                if (two) qf = _mm512_fmadd_ps(_mm512_permutexvar_ps(t ? _mm512_srli_epi32(hv, 4 * t) : hv, lut), c16, qf);
+                _mm512_store_ps(&w[8 * c + koff][16 * q], minima ? _mm512_fmadd_ps(s[q], qf, zm[q]) : _mm512_sub_ps(qf, zm[q]));
+            }
+        }
+    }
+}
+
+/* rows m .. m+R-1 times a dequantized slice (activations from column koff of the block), added into y */
+static INL T512 void dq_rows(const w4p_job *J, int b, int koff, int nk, int64_t m, const int R, const __m512 s[4],
+                             const float (*w)[W4P_TILE], float (*y)[W4P_TILE], const int minima) {
+    const struct w4p_cpu_layer *L = J->L;
+    const float *x[W4P_RMAX];
+    for (int r = 0; r < R; r++) x[r] = J->xf + (m + r) * L->kp + (size_t)b * L->ab + koff;
+    __m512 acc[W4P_RMAX][4];
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < 4; q++) acc[r][q] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int k = 0; k < nk; k++)
+        for (int q = 0; q < 4; q++) {
+            const __m512 wv = _mm512_load_ps(&w[k][16 * q]);
+            for (int r = 0; r < R; r++) acc[r][q] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[r][k]), acc[r][q]);
+        }
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < 4; q++) {
+            __m512 yv = _mm512_load_ps(&y[r][16 * q]);
+            _mm512_store_ps(&y[r][16 * q], minima ? _mm512_add_ps(yv, acc[r][q]) : _mm512_fmadd_ps(s[q], acc[r][q], yv));
+        }
+}
+
+static INL T512 void exact_dequantized(const w4p_job *J, int tile, int64_t m0, int64_t m1, float (*y)[W4P_TILE],
+                                       const int minima, const int two) {
+    const struct w4p_cpu_layer *L = J->L;
+    const int sl = L->ab < W4P_DQ_K ? L->ab : W4P_DQ_K;
+    float w[W4P_DQ_K][W4P_TILE] __attribute__((aligned(64)));
+    for (int b = 0; b < L->nblk; b++) {
+        __m512 s[4], zm[4];
+        load_params(L, tile, b, s, zm);
+        for (int k0 = 0; k0 < L->ab; k0 += sl) {
+            dequant_slice(L, tile, b, k0, sl, s, zm, w, minima, two);
+            for (int64_t m = m0; m < m1;) {
+                const int64_t rem = m1 - m;
+                float (*yr)[W4P_TILE] = y + (m - m0);
+                if (rem >= 4) { dq_rows(J, b, k0, sl, m, 4, s, (const float (*)[W4P_TILE])w, yr, minima); m += 4; }
+                else if (rem == 3) { dq_rows(J, b, k0, sl, m, 3, s, (const float (*)[W4P_TILE])w, yr, minima); m += 3; }
+                else if (rem == 2) { dq_rows(J, b, k0, sl, m, 2, s, (const float (*)[W4P_TILE])w, yr, minima); m += 2; }
+                else { dq_rows(J, b, k0, sl, m, 1, s, (const float (*)[W4P_TILE])w, yr, minima); m += 1; }
+            }
+        }
+    }
 }
 
 /* Blocks outer, row groups inner: a block's 4 KiB of weights is loaded from memory once and reused
@@ -251,9 +341,20 @@ static INL T512 void tile_impl(const w4p_job *J, int tile, int64_t m0, int64_t m
     const int64_t rows = m1 - m0;
     memset(y, 0, sizeof(float) * W4P_TILE * (size_t)rows);
     const int fast = J->precision == W4P_PREC_FAST;
+    if (!fast && rows >= W4P_DQ_MIN_ROWS) {
+        const int minima = L->zero_mode == W4P_ZERO_FLOAT, two = L->planes == 2;
+        if (!minima && !two) exact_dequantized(J, tile, m0, m1, y, 0, 0);
+        else if (!two) exact_dequantized(J, tile, m0, m1, y, 1, 0);
+        else if (!minima) exact_dequantized(J, tile, m0, m1, y, 0, 1);
+        else exact_dequantized(J, tile, m0, m1, y, 1, 1);
+        for (int64_t m = m0; m < m1; m++) store_row(J, m, tile, y[m - m0]);
+        return;
+    }
     for (int b = 0; b < L->nblk; b++) {
         __m512 s[4], zm[4];
         load_params(L, tile, b, s, zm);
+        const int uz = !fast && uniform_zero(L, zm);
+        if (uz) zm[0] = _mm512_permutexvar_ps(_mm512_setzero_si512(), zm[0]);
         for (int p = 0; p < (fast ? L->planes : 1); p++) { /* exact reads both planes at once */
             for (int64_t m = m0; m < m1;) {
                 const int64_t rem = m1 - m;
@@ -266,10 +367,10 @@ static INL T512 void tile_impl(const w4p_job *J, int tile, int64_t m0, int64_t m
                     else if (rem == 2) { fast_block(J, tile, b, p, m, 2, vnni, s, zm, yr, pr, pf); m += 2; }
                     else { fast_block(J, tile, b, p, m, 1, vnni, s, zm, yr, pr, pf); m += 1; }
                 } else {
-                    if (rem >= 4) { exact_rows(J, tile, b, m, 4, s, zm, yr, pf); m += 4; }
-                    else if (rem == 3) { exact_rows(J, tile, b, m, 3, s, zm, yr, pf); m += 3; }
-                    else if (rem == 2) { exact_rows(J, tile, b, m, 2, s, zm, yr, pf); m += 2; }
-                    else { exact_rows(J, tile, b, m, 1, s, zm, yr, pf); m += 1; }
+                    if (rem >= 4) { exact_rows(J, tile, b, m, 4, s, zm, yr, pf, uz); m += 4; }
+                    else if (rem == 3) { exact_rows(J, tile, b, m, 3, s, zm, yr, pf, uz); m += 3; }
+                    else if (rem == 2) { exact_rows(J, tile, b, m, 2, s, zm, yr, pf, uz); m += 2; }
+                    else { exact_rows(J, tile, b, m, 1, s, zm, yr, pf, uz); m += 1; }
                 }
             }
         }
