@@ -8,7 +8,8 @@
  *          saturation.
  *   exact: nibble -> int32 (shift, AND) -> fp32, minus the zero point (or s*q + m for float minima, one
  *          FMA), formed once per weight vector and shared by the rows; then one FMA per row. 8-bit
- *          layers read both nibble planes in the same pass (q = lo + 16*hi, exact).
+ *          layers read both nibble planes in the same pass (q = lo + 16*hi, exact). With eight or more
+ *          rows per work item, a slice of weights is dequantized once into L1 and shared by every row.
  */
 #if defined(__x86_64__) || defined(__i386__)
 #include "w4p_cpu_internal.h"
@@ -164,8 +165,82 @@ static INL T2 void exact_any(const w4p_job *J, int tile, int64_t m0, const int R
     else exact_rows(J, tile, m0, R, ybuf, 1, 1);
 }
 
+/* Exact with many rows: each 64-value slice of K of a block is dequantized once (q - z, or s*q + m)
+ * into an L1-resident fp32 buffer (16 KiB) that every row pair of the work item reads, instead of
+ * redoing the shift, mask, conversion and zero point per row pair. */
+#define W4P_DQ_MIN_ROWS 8
+#define W4P_DQ_K 64
+
+static INL T2 void exact_dequantized(const w4p_job *J, int tile, int64_t m0, int64_t m1, const int minima,
+                                     const int two) {
+    const struct w4p_cpu_layer *L = J->L;
+    const int ab = L->ab, cpb = ab / 8, kp = L->kp;
+    const int sl = ab < W4P_DQ_K ? ab : W4P_DQ_K;
+    const __m256i m4 = _mm256_set1_epi32(0x0F);
+    float w[W4P_DQ_K][W4P_TILE] __attribute__((aligned(32)));
+    float y[W4P_MCHUNK][W4P_TILE] __attribute__((aligned(32)));
+    memset(y, 0, sizeof(float) * W4P_TILE * (size_t)(m1 - m0));
+    for (int b = 0; b < L->nblk; b++) {
+        __m256 s[2][4], zm[2][4];
+        load_params_half(L, tile, b, 0, s[0], zm[0]);
+        load_params_half(L, tile, b, 1, s[1], zm[1]);
+        for (int k0 = 0; k0 < ab; k0 += sl) {
+            const uint32_t *w0 = w4p_tile_words(L, tile, 0) + ((size_t)b * cpb + k0 / 8) * W4P_TILE;
+            const uint32_t *w1 = two ? w4p_tile_words(L, tile, 1) + ((size_t)b * cpb + k0 / 8) * W4P_TILE : w0;
+            for (int c = 0; c < sl / 8; c++)
+                for (int v = 0; v < 8; v++) {
+                    const __m256i wv = _mm256_loadu_si256((const __m256i *)(w0 + (size_t)c * W4P_TILE + 8 * v));
+                    const __m256i hv = two ? _mm256_loadu_si256((const __m256i *)(w1 + (size_t)c * W4P_TILE + 8 * v)) : wv;
+                    const int h = v >> 2, q = v & 3;
+#pragma GCC unroll 8
+                    for (int t = 0; t < 8; t++) {
+                        const int koff = (t & 1) ? (t >> 1) + 4 : (t >> 1);
+                        __m256i qi = _mm256_and_si256(t ? _mm256_srli_epi32(wv, 4 * t) : wv, m4);
+                        if (two) qi = _mm256_add_epi32(qi, _mm256_slli_epi32(_mm256_and_si256(t ? _mm256_srli_epi32(hv, 4 * t) : hv, m4), 4));
+                        const __m256 qf = _mm256_cvtepi32_ps(qi);
+                        _mm256_store_ps(&w[8 * c + koff][8 * v],
+                                        minima ? _mm256_fmadd_ps(s[h][q], qf, zm[h][q]) : _mm256_sub_ps(qf, zm[h][q]));
+                    }
+                }
+            for (int64_t m = m0; m < m1; m += 2) {
+                const int R = m1 - m >= 2 ? 2 : 1;
+                const float *x0 = J->xf + m * kp + (size_t)b * ab + k0;
+                const float *x1 = R == 2 ? x0 + kp : x0;
+                for (int h = 0; h < 2; h++) {
+                    __m256 a0[4], a1[4];
+                    for (int q = 0; q < 4; q++) a0[q] = a1[q] = _mm256_setzero_ps();
+                    for (int k = 0; k < sl; k++) {
+                        const __m256 xb0 = _mm256_set1_ps(x0[k]), xb1 = _mm256_set1_ps(x1[k]);
+                        for (int q = 0; q < 4; q++) {
+                            const __m256 wq = _mm256_load_ps(&w[k][32 * h + 8 * q]);
+                            a0[q] = _mm256_fmadd_ps(wq, xb0, a0[q]);
+                            a1[q] = _mm256_fmadd_ps(wq, xb1, a1[q]); /* R == 1: computed, not stored */
+                        }
+                    }
+                    for (int q = 0; q < 4; q++)
+                        for (int r = 0; r < R; r++) {
+                            float *yp = &y[m - m0 + r][32 * h + 8 * q];
+                            const __m256 acc = r ? a1[q] : a0[q];
+                            const __m256 yv = _mm256_load_ps(yp);
+                            _mm256_store_ps(yp, minima ? _mm256_add_ps(yv, acc) : _mm256_fmadd_ps(s[h][q], acc, yv));
+                        }
+                }
+            }
+        }
+    }
+    for (int64_t m = m0; m < m1; m++) w4p_store_row(J, m, tile, y[m - m0]);
+}
+
 T2 void w4p_tile_avx2(const w4p_job *J, int tile, int64_t m0, int64_t m1) {
     float ybuf[RMAX2][W4P_TILE] __attribute__((aligned(32)));
+    if (J->precision == W4P_PREC_EXACT && m1 - m0 >= W4P_DQ_MIN_ROWS) {
+        const int minima = J->L->zero_mode == W4P_ZERO_FLOAT, two = J->L->planes == 2;
+        if (!minima && !two) exact_dequantized(J, tile, m0, m1, 0, 0);
+        else if (!two) exact_dequantized(J, tile, m0, m1, 1, 0);
+        else if (!minima) exact_dequantized(J, tile, m0, m1, 0, 1);
+        else exact_dequantized(J, tile, m0, m1, 1, 1);
+        return;
+    }
     for (int64_t m = m0; m < m1;) {
         const int R = (m1 - m) >= 2 ? 2 : 1;
         memset(ybuf, 0, sizeof ybuf);
