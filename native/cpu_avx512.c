@@ -235,11 +235,67 @@ static INL T512 void exact_block(const w4p_job *J, int tile, int b, int64_t m, c
         }
 }
 
+/* exact_block for 4-bit codes with a zero point per column, without a table lookup or most shifts: a
+ * nibble at bits 4p..4p+3 of a word (p <= 4), masked and OR-ed into the exponent of 2^(23-4p), is the
+ * float 2^(23-4p) + q exactly (it lands in the mantissa's units place), so subtracting 2^(23-4p) + z
+ * (per column, formed once per block) leaves q - z exactly. Nibbles 0..4 need no shift; one shift by 20
+ * brings 5..7 to positions 0..2. Per 128 weights: 1 shift, 8 vpternlogd, 8 subtractions. Measured
+ * (hot, 2048x4096): ~5 % faster than the table lookup + subtraction for one row, slower for 2..4. */
+static INL T512 void exact_block_zc(const w4p_job *J, int tile, int b, int64_t m, const int R, const __m512 s[4],
+                                    const __m512 zm[4], float (*y)[W4P_TILE], const int pf) {
+    const struct w4p_cpu_layer *L = J->L;
+    const int kp = L->kp, ab = L->ab, cpb = ab / 8;
+    __m512 zmag[5][4]; /* 2^(23-4p) + z */
+    for (int p = 0; p < 5; p++)
+        for (int q = 0; q < 4; q++) zmag[p][q] = _mm512_add_ps(zm[q], _mm512_set1_ps((float)(1 << (23 - 4 * p))));
+    const uint32_t *w = w4p_tile_words(L, tile, 0) + (size_t)b * cpb * W4P_TILE;
+    const float *x[W4P_RMAX];
+    for (int r = 0; r < R; r++) x[r] = J->xf + (m + r) * kp + (size_t)b * ab;
+    const int D = R <= 2 ? 2 : 1;
+    __m512 acc[W4P_RMAX][4], acc2[W4P_RMAX][4];
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < 4; q++) acc[r][q] = acc2[r][q] = _mm512_setzero_ps();
+    for (int c = 0; c < cpb; c++) {
+        const uint32_t *wc = w + (size_t)c * W4P_TILE;
+        if (pf)
+            for (int q = 0; q < 4; q++) _mm_prefetch((const char *)(wc + 16 * q) + W4P_PREFETCH_EXACT, _MM_HINT_T0);
+        __m512i wv[4], wh[4];
+        for (int q = 0; q < 4; q++) {
+            wv[q] = _mm512_loadu_si512((const void *)(wc + 16 * q));
+            wh[q] = _mm512_srli_epi32(wv[q], 20);
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) {
+            const int koff = (t & 1) ? (t >> 1) + 4 : (t >> 1);
+            const int p = t < 5 ? t : t - 5; /* nibble position in wv (t < 5) or in wh */
+            const __m512i mask = _mm512_set1_epi32(0xF << (4 * p));
+            const __m512i expo = _mm512_set1_epi32((127 + 23 - 4 * p) << 23);
+            for (int q = 0; q < 4; q++) {
+                const __m512i bits = _mm512_ternarylogic_epi32(t < 5 ? wv[q] : wh[q], mask, expo, 0xEA); /* (a&b)|c */
+                const __m512 wq = _mm512_sub_ps(_mm512_castsi512_ps(bits), zmag[p][q]);
+                for (int r = 0; r < R; r++) {
+                    if (D == 2 && (t & 1)) acc2[r][q] = _mm512_fmadd_ps(wq, _mm512_set1_ps(x[r][8 * c + koff]), acc2[r][q]);
+                    else acc[r][q] = _mm512_fmadd_ps(wq, _mm512_set1_ps(x[r][8 * c + koff]), acc[r][q]);
+                }
+            }
+        }
+    }
+    if (D == 2)
+        for (int r = 0; r < R; r++)
+            for (int q = 0; q < 4; q++) acc[r][q] = _mm512_add_ps(acc[r][q], acc2[r][q]);
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < 4; q++) {
+            __m512 yv = _mm512_load_ps(&y[r][16 * q]);
+            _mm512_store_ps(&y[r][16 * q], _mm512_fmadd_ps(s[q], acc[r][q], yv));
+        }
+}
+
 /* exact_block with the row count, zero kind and plane count as compile-time constants */
 static INL T512 void exact_rows(const w4p_job *J, int tile, int b, int64_t m, const int R, const __m512 s[4],
                                 const __m512 zm[4], float (*y)[W4P_TILE], const int pf, const int uz) {
     const int minima = J->L->zero_mode == W4P_ZERO_FLOAT, two = J->L->planes == 2;
     if (!minima && !two && uz) exact_block(J, tile, b, m, R, s, zm, y, pf, 0, 0, 1);
+    else if (!minima && !two && R == 1) exact_block_zc(J, tile, b, m, R, s, zm, y, pf); /* measured: M = 1 only */
     else if (!minima && !two) exact_block(J, tile, b, m, R, s, zm, y, pf, 0, 0, 0);
     else if (!two) exact_block(J, tile, b, m, R, s, zm, y, pf, 1, 0, 0);
     else if (!minima) exact_block(J, tile, b, m, R, s, zm, y, pf, 0, 1, 0);
