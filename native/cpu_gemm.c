@@ -2,11 +2,20 @@
  * The CPU GEMM driver: argument checks, activation preparation, work split, output conversion.
  *
  * y[m, n] = sum_k x[m, perm[k]] * w[n, k] (+ bias[n]), K in packed order. Per activation block b of
- * `ab` columns (inside one quantization group g), with w = s*q + o (o = -s*z, or the float minimum):
- *   exact: acc = sum q*x (fp32),                 y += s*acc + o*sum(x)
- *   fast:  x ~ xs*a (a int8 per block), acc = sum q*a (int32, exact), y += xs*(s*acc + o*sum(a))
- * so zero points cost one multiply-add per block and column, never one per weight. The fast path's
- * result is the exact dot product of the dequantized weights with the int8-rounded activations.
+ * `ab` columns (inside one quantization group g), with w = s*(q - z) (zero modes none / int) or
+ * w = s*q + m (zero mode float, m the minimum), q whole codes (8-bit: both nibble planes):
+ *   exact, int zeros: acc = sum (q - z)*x (fp32),       y += s*acc
+ *   exact, minima:    acc = sum fma(s, q, m)*x (fp32),  y += acc
+ *   fast:  x ~ xs*a (a int8 per block), A = sum q*a (int32, exact),
+ *          int zeros: y += xs*s*(A - z*sum(a))  (an exact integer below 2^24, so exact in fp32)
+ *          minima:    y += xs*(s*A + m*sum(a))  (the rounding error of s*A added back by an FMA)
+ * The factored form s*sum(q*x) - s*z*sum(x) is not used by exact: with a large scale its two terms
+ * cancel and each carries a rounding error of order eps*s*z*sum|x|, which can exceed the result (a
+ * group of weights that is exactly zero gave 24 % relative error at s = 65536). q - z is an exact small
+ * integer, so exact has the error of an fp32 dot product of the true weights, like fp32
+ * dequantize-then-matmul; the subtraction is one vector op per weight vector, shared by the rows of a
+ * register tile. The fast path's result is the dot product of the dequantized weights with the
+ * int8-rounded activations, to fp32 rounding of the per-block terms.
  */
 #include "w4p_cpu_internal.h"
 
@@ -66,16 +75,16 @@ uint16_t w4p_float_to_bf16(float f) {
 
 static inline size_t dtype_size(int dtype) { return dtype == W4P_DT_F32 ? 4 : 2; }
 
-void w4p_block_params(const struct w4p_cpu_layer *L, int tile, int blk, float *s, float *o) {
+void w4p_block_params(const struct w4p_cpu_layer *L, int tile, int blk, float *s, float *zm) {
     const uint8_t *p = w4p_tile_params(L, tile, w4p_block_group(L, blk));
     if (L->pkind == W4P_PK_F16U8) {
         for (int i = 0; i < W4P_TILE; i++) {
             s[i] = w4p_half_to_float(((const uint16_t *)p)[i]);
-            o[i] = -s[i] * (float)p[128 + i];
+            zm[i] = (float)p[128 + i];
         }
     } else {
         memcpy(s, p, 4 * W4P_TILE);
-        memcpy(o, p + 4 * W4P_TILE, 4 * W4P_TILE);
+        memcpy(zm, p + 4 * W4P_TILE, 4 * W4P_TILE);
     }
 }
 
@@ -142,7 +151,6 @@ typedef struct {
     w4p_cvt_fn cvt;
     w4p_quant_fn quant;
     float *xf;
-    float *xfsum;
     int8_t *xq;
     float *xs;
     int32_t *xsum;
@@ -168,16 +176,10 @@ static void prep_row(void *vctx, int64_t m) {
         P->cvt(row, P->x_dtype, xf, k);
     }
     for (int i = k; i < kp; i++) xf[i] = 0.0f;
-    for (int b = 0; b < L->nblk; b++) {
-        const float *v = xf + (size_t)b * ab;
-        if (P->precision == W4P_PREC_EXACT) {
-            double s = 0.0;
-            for (int i = 0; i < ab; i++) s += v[i];
-            P->xfsum[m * L->nblk + b] = (float)s;
-        } else {
-            P->quant(v, ab, P->xq + m * kp + (size_t)b * ab, &P->xs[m * L->nblk + b], &P->xsum[m * L->nblk + b]);
-        }
-    }
+    if (P->precision == W4P_PREC_FAST)
+        for (int b = 0; b < L->nblk; b++)
+            P->quant(xf + (size_t)b * ab, ab, P->xq + m * kp + (size_t)b * ab, &P->xs[m * L->nblk + b],
+                     &P->xsum[m * L->nblk + b]);
 }
 
 /* ---- work split ------------------------------------------------------------------------------- */
@@ -284,7 +286,7 @@ static int gemm_rows(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t
                      void *y, int y_dtype, int64_t ldy, const float *bias32, int precision, int isa,
                      w4p_tile_fn fn, int threads) {
     const size_t kp = (size_t)L->kp, nblk = (size_t)L->nblk;
-    prep_ctx P = {L, x, x_dtype, ldx, precision, w4p_cvt_generic, w4p_quant_generic, NULL, NULL, NULL, NULL, NULL};
+    prep_ctx P = {L, x, x_dtype, ldx, precision, w4p_cvt_generic, w4p_quant_generic, NULL, NULL, NULL, NULL};
 #if defined(__x86_64__) || defined(__i386__)
     if (isa == W4P_ISA_AVX512 || isa == W4P_ISA_AVX512VNNI) {
         P.cvt = w4p_cvt_avx512;
@@ -296,14 +298,12 @@ static int gemm_rows(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t
 #endif
     int rc = W4P_OK;
     if (posix_memalign((void **)&P.xf, 64, (size_t)m * kp * sizeof(float))) P.xf = NULL;
-    if (precision == W4P_PREC_EXACT) {
-        P.xfsum = malloc((size_t)m * nblk * sizeof(float));
-    } else {
+    if (precision == W4P_PREC_FAST) {
         if (posix_memalign((void **)&P.xq, 64, (size_t)m * kp)) P.xq = NULL;
         P.xs = malloc((size_t)m * nblk * sizeof(float));
         P.xsum = malloc((size_t)m * nblk * sizeof(int32_t));
     }
-    if (!P.xf || (precision == W4P_PREC_EXACT ? !P.xfsum : (!P.xq || !P.xs || !P.xsum))) {
+    if (!P.xf || (precision == W4P_PREC_FAST && (!P.xq || !P.xs || !P.xsum))) {
         w4p_set_error("out of memory for M=%lld activations", (long long)m);
         rc = W4P_ENOMEM;
         goto done;
@@ -311,12 +311,11 @@ static int gemm_rows(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t
 
     w4p_parallel_for(m, m >= 8 ? threads : 1, prep_row, &P);
 
-    w4p_job job = {L, m, precision, P.xq, P.xs, P.xsum, P.xf, P.xfsum, y, y_dtype, ldy, bias32};
+    w4p_job job = {L, m, precision, P.xq, P.xs, P.xsum, P.xf, y, y_dtype, ldy, bias32};
     run_ctx R = {&job, fn, (m + W4P_MCHUNK - 1) / W4P_MCHUNK};
     w4p_parallel_for((int64_t)L->nt * R.mchunks, threads, run_item, &R);
 done:
     free(P.xf);
-    free(P.xfsum);
     free(P.xq);
     free(P.xs);
     free(P.xsum);

@@ -145,17 +145,17 @@ static void repack_params(const w4p_packed_desc *d, struct w4p_cpu_layer *L) {
                     p[128 + i] = (uint8_t)(d->zero_mode == W4P_ZERO_INT ? ((const uint8_t *)d->zeros)[at] : implicit_z);
                 } else {
                     float s = w4p_load_float(d->scales, d->scale_dtype, at);
-                    float o;
+                    float zm; /* the minimum (zero mode float) or the integer zero point, exact as a float */
                     if (d->zero_mode == W4P_ZERO_FLOAT) {
-                        o = w4p_load_float(d->mins, d->scale_dtype, at);
+                        zm = w4p_load_float(d->mins, d->scale_dtype, at);
                     } else {
                         int z = implicit_z;
                         if (d->zero_mode == W4P_ZERO_INT)
                             z = d->storage_bits == 4 ? ((const uint8_t *)d->zeros)[at] : ((const uint16_t *)d->zeros)[at];
-                        o = -s * (float)z;
+                        zm = (float)z;
                     }
                     ((float *)p)[i] = s;
-                    ((float *)p)[W4P_TILE + i] = o;
+                    ((float *)p)[W4P_TILE + i] = zm;
                 }
             }
         }

@@ -9,7 +9,9 @@
  *     `(w >> 4) & 0x0f0f0f0f` those of k 4..7, one per byte: exactly the u8 operand of vpdpbusd/sdot.
  *   - 8-bit layers are two such nibble planes (plane 0 low nibbles, plane 1 high nibbles; q = lo + 16 hi).
  *   - params[tile][gp]: kind F16U8: 64 fp16 scales then 64 u8 zero points (192 bytes);
- *     kind F32: 64 fp32 scales s then 64 fp32 offsets o (512 bytes), w = s*q + o (o = -s*z or the minimum).
+ *     kind F32: 64 fp32 scales s then 64 fp32 values (512 bytes): the zero point z as a float (zero modes
+ *     none / int, w = s*(q - z)) or the minimum m (zero mode float, w = s*q + m). z is kept rather than
+ *     o = -s*z because the kernels subtract it from the integer code before any rounding (see cpu_gemm.c).
  *   - K is cut into activation blocks of `ab` columns (a divisor of the group size and of kp); the fast
  *     path quantizes activations per block (int8, scale, integer sum) and applies the scale per block.
  */
@@ -55,9 +57,8 @@ typedef struct {
     const int8_t *xq;
     const float *xs;
     const int32_t *xsum;
-    /* exact: fp32 activations [m][kp], per-block float sum [m][nblk] */
+    /* exact: fp32 activations [m][kp] */
     const float *xf;
-    const float *xfsum;
     /* output */
     void *y;
     int y_dtype;
@@ -103,8 +104,9 @@ static inline float w4p_load_float(const void *base, int dtype, int64_t i) {
     }
     return ((const float *)base)[i];
 }
-/* Parameters of (tile, block) as fp32 scale/offset vectors of 64 (scalar code path). */
-void w4p_block_params(const struct w4p_cpu_layer *L, int tile, int blk, float *s, float *o);
+/* Parameters of (tile, block) as fp32 vectors of 64: the scale s, and zm = the zero point z (zero modes
+ * none / int: w = s*(q - z)) or the minimum m (zero mode float: w = s*q + m). */
+void w4p_block_params(const struct w4p_cpu_layer *L, int tile, int blk, float *s, float *zm);
 /* Add bias, convert and store one row of 64 fp32 results (only columns < n). */
 void w4p_store_row(const w4p_job *job, int64_t m, int tile, const float *v);
 

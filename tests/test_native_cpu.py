@@ -156,6 +156,110 @@ def test_every_isa_against_float64(case: tuple, isa: str) -> None:
         assert rel(yf, ref) < 2e-2, (isa, m, dt, rel(yf, ref))  # the documented cost of int8 activations
 
 
+# ---- large scales: no cancellation between the code sum and the zero-point term (issue 30, item 6) -----
+def large_scale_layer(s: float, zero_mode: str = "int", bits: int = 4, scale_dtype: str = "float32",
+                      seed: int = 0) -> CanonicalLayer:
+    """The issue's 16x128 layer, group 64: zero point 2^(bits-1), scales 0.01, random codes, except row 0
+    group 1 with scale s and every code equal to the zero point (weights exactly 0). zero_mode "float"
+    stores the same weights as minima m = -s*z; "none" uses the implicit zero point."""
+    rng = np.random.default_rng(seed)
+    n, k, gs, z = 16, 128, 64, 1 << (bits - 1)
+    codes = rng.integers(0, 1 << bits, (n, k), dtype=np.uint8)
+    codes[0, 64:] = z
+    sc = np.full((n, 2), 0.01, np.float32)
+    sc[0, 1] = s
+    def store(v: np.ndarray) -> np.ndarray:
+        return from_float32(v, "bfloat16") if scale_dtype == "bfloat16" else v.astype(scale_dtype)
+    zeros = None
+    if zero_mode == "int":
+        zeros = np.full((n, 2), z, np.int32)
+    elif zero_mode == "float":
+        zeros = store(-sc * np.float32(z))
+    return CanonicalLayer(codes=codes, scales=store(sc), bits=bits, group_size=gs, zero_mode=zero_mode, zeros=zeros,
+                          scale_dtype=scale_dtype)
+
+
+LARGE_VARIANTS = [("int", 4, "float32"), ("int", 4, "bfloat16"), ("none", 4, "float32"), ("float", 4, "float32"),
+                  ("int", 8, "float32"), ("float", 8, "bfloat16")]
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("variant", LARGE_VARIANTS, ids=["-".join(map(str, v)) for v in LARGE_VARIANTS])
+def test_exact_keeps_accuracy_with_large_scales(isa: str, variant: tuple) -> None:
+    """Once 6.0e-5 / 9.6e-4 / 2.4e-1 relative error at s = 16 / 256 / 65536 (the fp32 sum of q*x and the
+    o*sum(x) term cancelled); now at fp32 dequantize-then-matmul level on every path. Also 300.3, a scale
+    whose products are not exact, and the fast path against its own definition."""
+    isa_or_skip(isa)
+    zero_mode, bits, sdt = variant
+    for s in (16.0, 256.0, 65536.0, 300.3):
+        layer = large_scale_layer(s, zero_mode, bits, sdt)
+        packed = pack(layer)
+        lin = CpuPackedLinear(packed, threads=1)
+        for m in (1, 2, 3, 4, 7):  # every register-tile height of every path
+            x, x64 = activations(m, 128, "float32", seed=m)
+            ref = true_reference(layer, x64)
+            y = lin.forward(x, precision="exact", out_dtype="float32", isa=isa, threads=1)
+            assert rel(y, ref) <= 1e-5, (isa, variant, s, m, rel(y, ref))
+            yf = lin.forward(x, precision="fast", out_dtype="float32", isa=isa, threads=1)
+            assert rel(yf, fast_reference(layer, packed, x64)) <= 1e-5, (isa, variant, s, m, "fast")
+
+
+# (n, k, bits, group size, zero mode, act-order, scale dtype) for layers whose scales span 1e-3 .. 1e5
+WIDE_CASES = [
+    (75, 200, 4, 32, "int", True, "float32"),
+    (130, 320, 4, 64, "none", False, "bfloat16"),
+    (66, 448, 4, 64, "float", True, "float32"),
+    (40, 256, 3, 128, "int", False, "float32"),
+    (90, 192, 8, 64, "int", True, "float32"),
+    (33, 384, 8, -1, "float", False, "float32"),
+    (20, 100, 2, 48, "none", True, "float16"),
+]
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("wide", WIDE_CASES, ids=[_ids(c) for c in WIDE_CASES])
+def test_exact_with_scales_over_eight_decades(isa: str, wide: tuple) -> None:
+    """Random non-trivial layers (no zero codes, scales or activations by construction), odd shapes, every
+    zero mode, act-order, with scales log-uniform over 1e-3 .. 1e5 (fp16: .. 6e4), where every group with
+    a scale above 100 holds weights that are exactly zero (minima: m = -s*z, so s*q + m is zero up to the
+    rounding of m): the result comes from the small-scale groups, and exact stays within 1e-5 of float64."""
+    isa_or_skip(isa)
+    n, k, bits, gs, zm, act, sdt = wide
+    layer = make_layer(n, k, bits, gs, zm, act, sdt, seed=n * k)
+    rng = np.random.default_rng(n + k)
+    g = layer.scales.shape[1]
+    top = 4.7 if sdt == "float16" else 5.0
+    s32 = (10.0 ** rng.uniform(-3, top, (n, g))).astype(np.float32)
+    store = (lambda v: from_float32(v, "bfloat16")) if sdt == "bfloat16" else (lambda v: v.astype(sdt))
+    scales = store(s32)
+    zeros = layer.zeros
+    codes = layer.codes.copy()
+    gcol = layer.g_idx  # group of every column
+    if zm == "float":  # minima near -s*q: the weights of a column group cancel to small multiples of s
+        z = rng.integers(0, 1 << bits, (n, g)).astype(np.float32)
+        zeros = store(-to_float32(scales, sdt) * z)
+    elif zm == "int":
+        z = zeros.astype(np.int64)
+    else:
+        z = np.full((n, g), 1 << (bits - 1))
+    big = np.argwhere(to_float32(scales, sdt) > 1e2)
+    for r, gg in big:  # every group with a scale above 100 holds weights that are exactly zero
+        cols = np.nonzero(gcol == gg)[0]
+        codes[r, cols] = np.clip(z[r, gg], 0, (1 << bits) - 1) if zm != "float" else z[r, gg]
+        if zm == "int":
+            zeros[r, gg] = codes[r, cols[0]]
+    layer = layer.replace(scales=scales, zeros=zeros, codes=codes)
+    packed = pack(layer)
+    lin = CpuPackedLinear(packed, threads=1)
+    for m, dt in ((1, "float32"), (4, "float16"), (9, "bfloat16")):
+        x, x64 = activations(m, k, dt, seed=m + k)
+        ref = true_reference(layer, x64)
+        y = lin.forward(x, precision="exact", out_dtype="float32", isa=isa, threads=1)
+        assert rel(y, ref) <= 1e-5, (isa, wide, m, rel(y, ref))
+        yf = lin.forward(x, precision="fast", out_dtype="float32", isa=isa, threads=1)
+        assert rel(yf, fast_reference(layer, packed, x64)) <= 1e-5, (isa, wide, m, "fast")
+
+
 def test_output_dtypes_round_the_fp32_result(case: tuple) -> None:
     layer, _packed, lin = case
     for dt in ("float16", "bfloat16", "float32"):
@@ -337,6 +441,23 @@ def test_neon_under_qemu(neon_binary, qemu_cpu: str, tmp_path) -> None:
         r = subprocess.run([qemu, "-cpu", qemu_cpu, str(binary), str(case)], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, (n, k, bits, gs, zm, r.stdout + r.stderr)
         assert r.stdout.count(" ok") == 4 and "neon fast" in r.stdout
+
+
+@pytest.mark.parametrize("qemu_cpu", ["max", "cortex-a53"], ids=["dotprod", "no-dotprod"])
+def test_neon_large_scales_under_qemu(neon_binary, qemu_cpu: str, tmp_path) -> None:
+    """The issue-30 layers (a large-scale group of exact zeros) on NEON and scalar, both precisions."""
+    import subprocess
+
+    qemu, binary = neon_binary
+    for i, (zero_mode, bits, sdt) in enumerate(LARGE_VARIANTS):
+        for s in (65536.0, 300.3):
+            layer = large_scale_layer(s, zero_mode, bits, sdt, seed=i)
+            case = tmp_path / f"large{i}.bin"
+            write_neon_case(case, layer, pack(layer), 3, "float32")
+            r = subprocess.run([qemu, "-cpu", qemu_cpu, str(binary), str(case)], capture_output=True, text=True,
+                               timeout=120)
+            assert r.returncode == 0, (zero_mode, bits, sdt, s, r.stdout + r.stderr)
+            assert r.stdout.count(" ok") == 4 and "neon exact" in r.stdout
 
 
 def test_thread_pool_survives_fork() -> None:
