@@ -163,3 +163,27 @@ def _non_persistent(model: Any) -> set[str]:
         for b in getattr(mod, "_non_persistent_buffers_set", ()):
             out.add(f"{mname}.{b}" if mname else b)
     return out
+
+
+def write_random_llama_gptq(folder: Path, *, seed: int, std: float, side_files: list[Path] | None = None,
+                            **config: Any) -> dict[str, CanonicalLayer]:
+    """A LlamaForCausalLM with random N(0, std) matrices, RTN-quantized (``quantize_model`` options in
+    ``config`` under the keys bits, group_size, sym, act_order) and written as a GPTQ checkpoint at ``folder``;
+    returns its layers. The rest of ``config`` goes to LlamaConfig."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from w4pack.formats import get_format
+
+    quant = {k: config.pop(k) for k in ("bits", "group_size", "sym", "act_order") if k in config}
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**config), dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, std)
+    layers, tensors = quantize_model(model, **quant)
+    cfg = model.config.to_dict()
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    get_format("gptq").write(MemorySource(cfg, layers, tensors, side_files), folder)
+    return layers

@@ -13,13 +13,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from rtn_helper import MemorySource, quantize_model  # noqa: E402
+from rtn_helper import write_random_llama_gptq  # noqa: E402
 
 from w4pack.checkpoint import open_checkpoint  # noqa: E402
 from w4pack.cli import main  # noqa: E402
 from w4pack.convert import convert  # noqa: E402
 from w4pack.dtypes import to_float32  # noqa: E402
-from w4pack.formats import get_format  # noqa: E402
 from w4pack.errors import BadInputError  # noqa: E402
 from w4pack.loading import check_device, load_model, load_tokenizer  # noqa: E402
 from w4pack.run import dequantized_model, generate, perplexity  # noqa: E402
@@ -85,23 +84,11 @@ def _char_tokenizer(folder: Path) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     tmp = tmp_path_factory.mktemp("tiny")
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=112, max_position_embeddings=128, eos_token_id=None,
-                      bos_token_id=1, pad_token_id=0, tie_word_embeddings=True)
-    torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.1)
-    layers, tensors = quantize_model(model, group_size=32, sym=False)
-    side = _char_tokenizer(tmp / "tok")
-    config = model.config.to_dict()
-    config["architectures"] = ["LlamaForCausalLM"]
-    get_format("gptq").write(MemorySource(config, layers, tensors, side), tmp / "gptq")
+    write_random_llama_gptq(tmp / "gptq", seed=1, std=0.1, side_files=_char_tokenizer(tmp / "tok"), group_size=32,
+                            sym=False, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, vocab_size=112, max_position_embeddings=128,
+                            eos_token_id=None, bos_token_id=1, pad_token_id=0, tie_word_embeddings=True)
     out = tmp / "w4"
     convert(tmp / "gptq", out, fuse="qkv,gate-up")
     return out

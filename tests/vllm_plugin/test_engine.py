@@ -103,28 +103,16 @@ def test_smollm2_fused_checkpoint_compiled(smollm2, smollm2_reference, tmp_path)
 def act_order_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4 heads, 2 kv heads, hidden 320 and ffn 576 at group 128 (neither a multiple of 128, nor are their
     halves), every layer act-order with its own permutation: written as GPTQ, converted to w4pack."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-    from rtn_helper import MemorySource, quantize_model
+    from rtn_helper import write_random_llama_gptq
 
     from w4pack.convert import convert
-    from w4pack.formats import get_format
 
     tmp = tmp_path_factory.mktemp("llama")
-    cfg = LlamaConfig(hidden_size=320, intermediate_size=576, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, eos_token_id=None,
-                      bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    layers, tensors = quantize_model(model, group_size=128, sym=True, act_order=True)
+    layers = write_random_llama_gptq(
+        tmp / "gptq", seed=3, std=0.08, group_size=128, sym=True, act_order=True, hidden_size=320,
+        intermediate_size=576, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+        max_position_embeddings=256, eos_token_id=None, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
     assert all(layer.act_order for layer in layers.values())
-    config = model.config.to_dict()
-    config["architectures"] = ["LlamaForCausalLM"]
-    get_format("gptq").write(MemorySource(config, layers, tensors), tmp / "gptq")
     convert(tmp / "gptq", tmp / "w4")
     return tmp / "w4"
 

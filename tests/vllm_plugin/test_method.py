@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from test_layout import random_layer
+from w4pack.errors import BadInputError
 from w4pack.layout import PackedLayer, pack, unpack
 from w4pack.vllm.method import PackedLinearMethod
 from w4pack.vllm.plan import LayerPart, LayerPlan
@@ -191,14 +192,15 @@ def test_checkpoint_bias_not_added_twice_when_the_engine_owns_it(cls):
     _close(got, x.astype(np.float64) @ layer.dequantize(np.float64).T + bias.astype(np.float64), "cpu")
 
 
-def test_shape_mismatch_refused_before_loading():
-    rng = _seed("shape")
-    packed = pack(random_layer(rng, 48, 128, 4, 64, "none", False))
+def _one_layer_method(n: int, k: int) -> tuple[nn.Module, PackedLinearMethod]:
+    """An engine layer and the method for one plain packed layer 'o' of [n, k] (nothing created yet)."""
+    packed = pack(random_layer(_seed("one", n, k), n, k, 4, 64, "none", False))
     plan = LayerPlan("o", [LayerPart("o", _meta("o", packed))])
-    layer = ColumnParallelLinear("o", 0, 1, False)
-    method = PackedLinearMethod(plan, precision="exact")
-    from w4pack.errors import BadInputError
+    return ColumnParallelLinear("o", 0, 1, False), PackedLinearMethod(plan, precision="exact")
 
+
+def test_shape_mismatch_refused_before_loading():
+    layer, method = _one_layer_method(48, 128)
     with pytest.raises(BadInputError, match=r"output rows \[48\] do not match the model's \[64\]"):
         method.create_weights(layer, 128, [64], 128, 64, torch.float16)
     with pytest.raises(BadInputError, match="takes 128 inputs, the model's o takes 256"):
@@ -206,13 +208,8 @@ def test_shape_mismatch_refused_before_loading():
 
 
 def test_wrong_stored_dtype_refused():
-    rng = _seed("dtype")
-    packed = pack(random_layer(rng, 16, 64, 4, 64, "none", False))
-    plan = LayerPlan("o", [LayerPart("o", _meta("o", packed))])
-    layer = ColumnParallelLinear("o", 0, 1, False)
-    method = PackedLinearMethod(plan, precision="exact")
+    layer, method = _one_layer_method(16, 64)
     method.create_weights(layer, 64, [16], 64, 16, torch.float16)
-    from w4pack.errors import BadInputError
 
     with pytest.raises(BadInputError, match=r"tensor o.scales: stored as torch.float32"):
         layer.scales.weight_loader(layer.scales, torch.zeros(1, 16, dtype=torch.float32))
