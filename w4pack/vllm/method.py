@@ -28,7 +28,7 @@ from ..runtime.torch_module import PRECISIONS, W4Linear
 from ..runtime.tp import column_slice, row_parallel, stack_blockers, stack_rows
 from .plan import LayerPart, LayerPlan
 
-__all__ = ["PackedLinearMethod", "layer_partition", "precision_from_env"]
+__all__ = ["PackedLinearMethod", "is_qkv", "layer_partition", "precision_from_env"]
 
 #: stored dtype of each packed tensor, by the manifest's names
 _SCALE_TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -202,12 +202,13 @@ def _full_sizes(layer: nn.Module, kind: str, tp_size: int, partition_sizes: list
     reps = _kv_replicas(layer)
     out = []
     for i, s in enumerate(partition_sizes):
-        r = reps if (reps > 1 and i > 0 and _is_qkv(layer)) else 1
+        r = reps if (reps > 1 and i > 0 and is_qkv(layer)) else 1
         out.append(int(s) * tp_size // r)
     return out
 
 
-def _is_qkv(layer: nn.Module) -> bool:
+def is_qkv(layer: nn.Module) -> bool:
+    """A vLLM QKVParallelLinear: its parts are q/k/v (shard ids "q", "k", "v") and k/v may be replicated."""
     return any(c.__name__ == "QKVParallelLinear" for c in type(layer).__mro__)
 
 
@@ -222,12 +223,12 @@ def _rank_rows(layer: nn.Module, kind: str, rank: int, size: int, part: LayerPar
     if kind == "replicated" or size == 1:
         return [(0, part.shape[0])]
     sizes = list(layer.output_partition_sizes)
-    reps = _kv_replicas(layer) if _is_qkv(layer) else 1
+    reps = _kv_replicas(layer) if is_qkv(layer) else 1
     out = []
     for j, (_, lo, _hi) in enumerate(subs):
         idx = first_index + j
         per = int(sizes[idx])
-        r = rank // reps if (_is_qkv(layer) and idx > 0) else rank
+        r = rank // reps if (is_qkv(layer) and idx > 0) else rank
         out.append((lo + r * per, lo + (r + 1) * per))
     return out
 

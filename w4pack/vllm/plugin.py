@@ -13,7 +13,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 
 from ..errors import BadInputError, UnsupportedError
 from ..schema import validate_quantization_config
-from .method import PackedLinearMethod, _is_qkv, precision_from_env
+from .method import PackedLinearMethod, is_qkv, precision_from_env
 from .plan import CheckpointPlan, resolve_model_path
 
 __all__ = ["W4PackConfig", "W4PackLinearMethod"]
@@ -73,7 +73,7 @@ class W4PackConfig(QuantizationConfig):
         parent, _, leaf = prefix.rpartition(".")
         merged = self.packed_modules_mapping.get(leaf)
         names = [f"{parent}.{m}" if parent else m for m in merged] if merged else None
-        shard_ids = ["q", "k", "v"] if names and len(names) == 3 and _is_qkv(layer) else None
+        shard_ids = ["q", "k", "v"] if names and len(names) == 3 and is_qkv(layer) else None
         plan = self.checkpoint.plan(prefix, names, shard_ids)
         if plan is None:
             return UnquantizedLinearMethod()
