@@ -173,6 +173,20 @@ static INL T512 void fast_block(const w4p_job *J, int tile, int b, int p, int64_
     }
 }
 
+/* The end of an exact block: the two accumulator chains summed, then y += s * acc (integer zero points: acc
+ * holds sum (q - z) x) or y += acc (float minima: acc already holds sum (s q + m) x). */
+static INL T512 void exact_store(const int R, const int D, __m512 acc[][4], __m512 acc2[][4], const __m512 s[4],
+                                 const int minima, float (*y)[W4P_TILE]) {
+    if (D == 2)
+        for (int r = 0; r < R; r++)
+            for (int q = 0; q < 4; q++) acc[r][q] = _mm512_add_ps(acc[r][q], acc2[r][q]);
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < 4; q++) {
+            __m512 yv = _mm512_load_ps(&y[r][16 * q]);
+            _mm512_store_ps(&y[r][16 * q], minima ? _mm512_add_ps(yv, acc[r][q]) : _mm512_fmadd_ps(s[q], acc[r][q], yv));
+        }
+}
+
 /* One activation block of the tile (both planes of an 8-bit layer) for rows m .. m+R-1, added into
  * y[r][64]. Int zeros: acc = sum (q - z)*x, y += s*acc; the code minus the zero point is an exact small
  * integer, so a weight that is exactly zero contributes exactly zero however large s is (summing q*x and
@@ -225,22 +239,15 @@ static INL T512 void exact_block(const w4p_job *J, int tile, int b, int64_t m, c
             }
         }
     }
-    if (D == 2)
-        for (int r = 0; r < R; r++)
-            for (int q = 0; q < 4; q++) acc[r][q] = _mm512_add_ps(acc[r][q], acc2[r][q]);
-    for (int r = 0; r < R; r++)
-        for (int q = 0; q < 4; q++) {
-            __m512 yv = _mm512_load_ps(&y[r][16 * q]);
-            _mm512_store_ps(&y[r][16 * q], minima ? _mm512_add_ps(yv, acc[r][q]) : _mm512_fmadd_ps(s[q], acc[r][q], yv));
-        }
+    exact_store(R, D, acc, acc2, s, minima, y);
 }
 
 /* exact_block for 4-bit codes with a zero point per column, without a table lookup or most shifts: a
  * nibble at bits 4p..4p+3 of a word (p <= 4), masked and OR-ed into the exponent of 2^(23-4p), is the
  * float 2^(23-4p) + q exactly (it lands in the mantissa's units place), so subtracting 2^(23-4p) + z
  * (per column, formed once per block) leaves q - z exactly. Nibbles 0..4 need no shift; one shift by 20
- * brings 5..7 to positions 0..2. Per 128 weights: 1 shift, 8 vpternlogd, 8 subtractions. Measured
- * (hot, 2048x4096): ~5 % faster than the table lookup + subtraction for one row, slower for 2..4. */
+ * brings 5..7 to positions 0..2. Per 128 weights: 1 shift, 8 vpternlogd, 8 subtractions: cheaper than the
+ * table lookup + subtraction for one row, dearer for several (exact_rows picks it for R == 1). */
 static INL T512 void exact_block_zc(const w4p_job *J, int tile, int b, int64_t m, const int R, const __m512 s[4],
                                     const __m512 zm[4], float (*y)[W4P_TILE], const int pf) {
     const struct w4p_cpu_layer *L = J->L;
@@ -280,14 +287,7 @@ static INL T512 void exact_block_zc(const w4p_job *J, int tile, int b, int64_t m
             }
         }
     }
-    if (D == 2)
-        for (int r = 0; r < R; r++)
-            for (int q = 0; q < 4; q++) acc[r][q] = _mm512_add_ps(acc[r][q], acc2[r][q]);
-    for (int r = 0; r < R; r++)
-        for (int q = 0; q < 4; q++) {
-            __m512 yv = _mm512_load_ps(&y[r][16 * q]);
-            _mm512_store_ps(&y[r][16 * q], _mm512_fmadd_ps(s[q], acc[r][q], yv));
-        }
+    exact_store(R, D, acc, acc2, s, 0, y);
 }
 
 /* exact_block with the row count, zero kind and plane count as compile-time constants */
