@@ -9,10 +9,12 @@ timed again with the same embeddings, norms and inputs.
 
 Method: ``generate`` with greedy decoding, ``min_new_tokens = max_new_tokens``, prompt of 16 random tokens; the
 decode rate is batch x (N - 1) / (t(N tokens) - t(1 token)), each time the median of ``--repeats`` runs after a
-warm-up, so prefill is excluded. This is transformers' eager loop (one Python pass per token): at batch 1 a
-small model is bound by launch and Python overhead for both models, which the numbers show as such.
+warm-up, so prefill is excluded. Two modes per model, both transformers' own: ``eager`` (one Python pass per
+token, every kernel launched from Python) and ``compiled`` (``cache_implementation="static"``: transformers
+compiles the decode step with torch.compile, mode reduce-overhead, i.e. CUDA graphs; what ``w4pack run`` and
+``load_model`` use on CUDA by default). The warm-up of the compiled mode includes its compile for each batch.
 
-    python tools/bench_run.py --device cuda --shapes smollm2,llama2-7b --batches 1,8,32
+    python tools/bench_run.py --device cuda --shapes llama2-7b --batches 1,16,64 --modes eager,compiled
 """
 from __future__ import annotations
 
@@ -87,35 +89,59 @@ def swap_to_w4(model: Any, shape: str, device: str, precision: str) -> int:
     return count
 
 
-def decode_rate(model: Any, batch: int, new_tokens: int, repeats: int) -> dict[str, float]:
+def decode_rate(model: Any, batch: int, new_tokens: int, repeats: int, mode: str = "eager") -> dict[str, Any]:
     import torch
 
     dev = next(model.parameters()).device
     ids = torch.randint(3, model.config.vocab_size, (batch, 16), device=dev)
+    # the static cache of the longest run is made first; shorter runs reuse it (same shapes: no recompile)
+    extra: dict[str, Any] = {"cache_implementation": "static"} if mode == "compiled" else {"disable_compile": True}
 
     def timed(n: int) -> float:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **extra)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         return time.perf_counter() - t0
 
-    timed(4)  # warm-up
+    t0 = time.perf_counter()
+    for n in (new_tokens, new_tokens, 1):  # warm-up: compile, record the graphs, replay
+        timed(n)
+    warm = time.perf_counter() - t0
     t1 = statistics.median(timed(1) for _ in range(repeats))
     tn = statistics.median(timed(new_tokens) for _ in range(repeats))
     rate = batch * (new_tokens - 1) / max(tn - t1, 1e-9)
-    return {"batch": batch, "new_tokens": new_tokens, "prefill_s": round(t1, 4), "total_s": round(tn, 4),
-            "decode_tokens_per_s": round(rate, 1), "ms_per_step": round((tn - t1) / (new_tokens - 1) * 1000, 3)}
+    return {"mode": mode, "batch": batch, "new_tokens": new_tokens, "warmup_s": round(warm, 1),
+            "prefill_s": round(t1, 4), "total_s": round(tn, 4), "decode_tokens_per_s": round(rate, 1),
+            "ms_per_step": round((tn - t1) / (new_tokens - 1) * 1000, 3)}
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """Medians side by side: each W4 rate against the float model's in the same mode and against compiled fp."""
+    lines = [f"{'shape':<10} {'batch':>5} {'mode':<9} {'float tok/s':>12} {'w4 tok/s':>10} {'w4/float':>9} "
+             f"{'w4/float compiled':>18} {'w4 ms/step':>11}"]
+    for row in results:
+        fl = {(r["mode"], r["batch"]): r for r in row["float"]}
+        for r in row["w4"]:
+            f = fl.get((r["mode"], r["batch"]))
+            fc = fl.get(("compiled", r["batch"]))
+            ratio = f"{r['decode_tokens_per_s'] / f['decode_tokens_per_s']:.2f}x" if f else "-"
+            ratio_c = f"{r['decode_tokens_per_s'] / fc['decode_tokens_per_s']:.2f}x" if fc else "-"
+            lines.append(f"{row['shape']:<10} {r['batch']:>5} {r['mode']:<9} "
+                         f"{f['decode_tokens_per_s'] if f else '-':>12} {r['decode_tokens_per_s']:>10} {ratio:>9} "
+                         f"{ratio_c:>18} {r['ms_per_step']:>11}")
+    return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shapes", default="smollm2,llama2-7b")
-    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--modes", default="eager,compiled", help="eager, compiled or both (comma-separated)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--precision", default="exact", choices=["exact", "fast"])
@@ -124,23 +150,30 @@ def main() -> int:
     import torch
 
     dtype = torch.float16 if args.device.startswith("cuda") else torch.float32
+    modes = [m for m in args.modes.split(",") if m]
+    if not set(modes) <= {"eager", "compiled"}:
+        ap.error("--modes takes eager and/or compiled")
+    torch._dynamo.config.cache_size_limit = 64  # one compiled step per model, batch and mode
     results = []
     for shape in args.shapes.split(","):
         model = build_float(shape, args.device, dtype)
         row: dict[str, Any] = {"shape": shape, "device": args.device, "dtype": str(dtype), "float": [], "w4": []}
-        for b in (int(x) for x in args.batches.split(",")):
-            row["float"].append(decode_rate(model, b, args.new_tokens, args.repeats))
-            print(json.dumps({"shape": shape, "model": "float", **row["float"][-1]}), flush=True)
+        batches = [int(x) for x in args.batches.split(",")]
+        for mode in modes:
+            for b in batches:
+                row["float"].append(decode_rate(model, b, args.new_tokens, args.repeats, mode))
+                print(json.dumps({"shape": shape, "model": "float", **row["float"][-1]}), flush=True)
         row["w4_layers"] = swap_to_w4(model, shape, args.device, args.precision)
-        for b in (int(x) for x in args.batches.split(",")):
-            row["w4"].append(decode_rate(model, b, args.new_tokens, args.repeats))
-            f = row["float"][len(row["w4"]) - 1]["decode_tokens_per_s"]
-            print(json.dumps({"shape": shape, "model": "w4", **row["w4"][-1],
-                              "speedup": round(row["w4"][-1]["decode_tokens_per_s"] / f, 3)}), flush=True)
+        torch._dynamo.reset()
+        for mode in modes:
+            for b in batches:
+                row["w4"].append(decode_rate(model, b, args.new_tokens, args.repeats, mode))
+                print(json.dumps({"shape": shape, "model": "w4", **row["w4"][-1]}), flush=True)
         results.append(row)
         del model
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
+    print(table(results))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))
     return 0

@@ -36,10 +36,13 @@ from . import emit_json
               help="CPU kernel threads (default: $W4PACK_THREADS, else every core the process may use).")
 @click.option("--window", default=None, type=click.IntRange(2, 1 << 20),
               help="Perplexity window in tokens (default: model context, at most 1024).")
+@click.option("--eager", is_flag=True,
+              help="CUDA: decode eagerly instead of through the static cache and the compiled step (the default, "
+                   "whose first run spends tens of seconds compiling; also $W4PACK_COMPILE=0).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 def run(path: Path, prompt: str | None, ppl_file: Path | None, device: str, max_new_tokens: int, precision: str,
         dtype: str | None, temperature: float, seed: int | None, chat: bool, threads: int | None,
-        window: int | None, as_json: bool) -> None:
+        window: int | None, eager: bool, as_json: bool) -> None:
     """Load the packed checkpoint PATH and generate from --prompt, or score --perplexity FILE.
 
     The tokenizer comes from PATH; quantized layers run w4pack's kernels (CPU or CUDA). Reports tokens/s.
@@ -69,11 +72,13 @@ def run(path: Path, prompt: str | None, ppl_file: Path | None, device: str, max_
                        f"(window {doc['window']}) on {doc['device']}, {doc['tokens_per_s']} tokens/s")
         return
     doc = generate(path, prompt, device=device, max_new_tokens=max_new_tokens, precision=precision,
-                   temperature=temperature, seed=seed, dtype=dtype, chat=chat, threads=threads)
+                   temperature=temperature, seed=seed, dtype=dtype, chat=chat, threads=threads,
+                   compile=False if eager else None)
     if as_json:
         emit_json(doc)
     else:
         click.echo(doc["completion"] if chat else prompt + doc["completion"])
         rate = f"{doc['tokens_per_s']} tokens/s" if doc["tokens_per_s"] is not None else "n/a tokens/s"
-        click.echo(f"[{doc['new_tokens']} tokens on {doc['device']} ({doc['precision']}): {rate} decode, "
+        mode = f"{doc['precision']}, {doc['decode']}" if doc["device"].startswith("cuda") else doc["precision"]
+        click.echo(f"[{doc['new_tokens']} tokens on {doc['device']} ({mode}): {rate} decode, "
                    f"first token {doc['prefill_s'] * 1000:.0f} ms, load {doc['load_s']:.2f} s]", err=True)

@@ -266,13 +266,16 @@ def _leftover_meta(model: Any) -> list[str]:
 
 
 def load_model(path: str | os.PathLike[str], device: Any = "cpu", dtype: Any = None, precision: str = "exact",
-               threads: int | None = None, attn_implementation: str | None = None) -> Any:
+               threads: int | None = None, attn_implementation: str | None = None,
+               compile: bool | None = None) -> Any:
     """A transformers causal LM whose quantized layers run w4pack's native kernels.
 
     ``device``: "cpu" or "cuda[:i]"; ``dtype``: activations and unquantized weights (float32, float16 or
     bfloat16; default float32 on CPU, float16 on CUDA); ``precision``: the CPU kernel path ("exact" fp32
     dequantize or "fast" int8 activations). Peak memory: the packed layers plus the unquantized tensors in
-    ``dtype``, built one tensor at a time.
+    ``dtype``, built one tensor at a time. ``compile``: decode through the static cache and transformers'
+    compiled step (default on CUDA unless $W4PACK_COMPILE=0; a failure falls back to eager with a warning:
+    ``w4pack.runtime.decode``).
 
     Example::
 
@@ -283,6 +286,7 @@ def load_model(path: str | os.PathLike[str], device: Any = "cpu", dtype: Any = N
     import torch
     from transformers import AutoModelForCausalLM
 
+    from .decode import compile_wanted, use_compiled_decode
     from .torch_module import PRECISIONS, W4Linear
 
     if precision not in PRECISIONS:
@@ -326,6 +330,8 @@ def load_model(path: str | os.PathLike[str], device: Any = "cpu", dtype: Any = N
                 mod.prepare(dev, torch_dtype)
         model.w4pack_path = str(ckpt.path)
         model.w4pack_quantization = dict(ckpt.config["quantization_config"])
+    if compile_wanted(dev, compile):
+        use_compiled_decode(model)
     model.eval()
     model.requires_grad_(False)
     return model

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInputError
+from .decode import decode_mode
 
 __all__ = ["generate", "perplexity", "dequantized_model"]
 
@@ -34,12 +35,13 @@ class _Clock:
         pass
 
 
-def _load(target: Any, device: str, precision: str, dtype: Any, threads: int | None) -> tuple[Any, Any, str]:
+def _load(target: Any, device: str, precision: str, dtype: Any, threads: int | None,
+          compile: bool | None = False) -> tuple[Any, Any, str]:
     if isinstance(target, (str, os.PathLike)):
         from .loading import load_model, load_tokenizer
 
         path = str(target)
-        model = load_model(path, device=device, dtype=dtype, precision=precision, threads=threads)
+        model = load_model(path, device=device, dtype=dtype, precision=precision, threads=threads, compile=compile)
         return model, load_tokenizer(path), path
     model, tok = target
     return model, tok, str(getattr(model, "w4pack_path", "<model>"))
@@ -57,11 +59,13 @@ def _model_precision(model: Any, asked: str) -> str:
 
 def generate(target: Any, prompt: str, *, device: str = "cpu", max_new_tokens: int = 32,
              precision: str = "exact", temperature: float = 0.0, seed: int | None = None, dtype: Any = None,
-             chat: bool = False, threads: int | None = None, top_p: float | None = None) -> dict[str, Any]:
+             chat: bool = False, threads: int | None = None, top_p: float | None = None,
+             compile: bool | None = None) -> dict[str, Any]:
     """Greedy (temperature 0) or sampled continuation of ``prompt``; returns text, token ids and timings.
 
     ``target``: a w4pack folder or a (model, tokenizer) pair. ``chat`` wraps the prompt in the tokenizer's chat
-    template (instruct models). ``seed`` makes sampling repeatable.
+    template (instruct models). ``seed`` makes sampling repeatable. ``compile``: on CUDA, decode through the
+    static cache and the compiled step (default; the first call pays the compile) or eagerly (False).
     """
     import torch
 
@@ -70,7 +74,7 @@ def generate(target: Any, prompt: str, *, device: str = "cpu", max_new_tokens: i
     if temperature < 0:
         raise BadInputError(f"temperature must be >= 0, got {temperature}")
     t0 = time.perf_counter()
-    model, tok, path = _load(target, device, precision, dtype, threads)
+    model, tok, path = _load(target, device, precision, dtype, threads, compile)
     load_s = time.perf_counter() - t0
     dev = next(model.parameters()).device
     if chat:
@@ -110,6 +114,7 @@ def generate(target: Any, prompt: str, *, device: str = "cpu", max_new_tokens: i
         "path": path,
         "device": str(dev),
         "precision": _model_precision(model, precision),
+        "decode": decode_mode(model),
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "prompt": prompt,
         "chat": chat,
@@ -145,7 +150,7 @@ def perplexity(target: Any, text_file: str | os.PathLike[str] | None = None, *, 
         except (OSError, UnicodeDecodeError) as exc:
             raise BadInputError(f"cannot read the text: {exc}", file=str(p)) from None
     t0 = time.perf_counter()
-    model, tok, path = _load(target, device, precision, dtype, threads)
+    model, tok, path = _load(target, device, precision, dtype, threads)  # one forward per window: no decode
     load_s = time.perf_counter() - t0
     dev = next(model.parameters()).device
     ids = tok(text, return_tensors="pt")["input_ids"][0]
@@ -175,6 +180,7 @@ def perplexity(target: Any, text_file: str | os.PathLike[str] | None = None, *, 
         "path": path,
         "device": str(dev),
         "precision": _model_precision(model, precision),
+        "decode": decode_mode(model),
         "text_tokens": int(ids.numel()),
         "scored_tokens": count,
         "window": win,

@@ -1,0 +1,88 @@
+"""How a loaded model decodes on CUDA: transformers' static cache with its compiled step, or eager.
+
+At batch 1 a decode step is a few hundred small kernels; launched one by one from Python they take longer than
+the weights take to read. transformers' static-cache path compiles the step (``torch.compile``, mode
+``reduce-overhead``: CUDA graphs), which removes that wall. W4Linear's op is capturable (its GEMM workspace is
+reserved when the layer is prepared, outside any graph pool), so the compiled path is the default on CUDA.
+
+Compiling can still fail on a given machine (no working Triton, an unsupported attention kernel, memory for the
+graphs). The first such failure switches the model to eager decoding for good, with one warning that says why,
+and the same call is answered eagerly.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+from ..errors import W4PackError
+
+COMPILED = "compiled"
+EAGER = "eager"
+ENV = "W4PACK_COMPILE"
+
+
+def compile_wanted(device: Any, compile: bool | None) -> bool:
+    """The decode mode a load asks for: an explicit ``compile`` wins, then $W4PACK_COMPILE (0/1), then CUDA."""
+    if compile is not None:
+        return bool(compile)
+    if os.environ.get(ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return str(device).startswith("cuda")  # transformers compiles the step on accelerators only
+
+
+def decode_mode(model: Any) -> str:
+    """"compiled", "eager", or "eager (why the compiled step was given up)"."""
+    return getattr(model, "w4pack_decode", EAGER)
+
+
+def use_compiled_decode(model: Any) -> None:
+    """Decode ``model`` through the static cache and transformers' compiled step, falling back to eager once.
+
+    Sets the generation config's ``cache_implementation`` to "static" (so a plain ``model.generate(...)`` takes
+    the compiled path) and wraps ``generate`` on the instance for the fallback. A call that passes its own
+    ``cache_implementation``, ``past_key_values`` or ``disable_compile`` is left as asked.
+    """
+    gen_cfg = getattr(model, "generation_config", None)
+    if gen_cfg is None or getattr(model, "_w4pack_generate", None) is not None:
+        return
+    gen_cfg.cache_implementation = "static"
+    model.w4pack_decode = COMPILED
+    inner = model.generate
+    model._w4pack_generate = inner
+
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        if model.w4pack_decode != COMPILED:
+            return inner(*args, **kwargs)
+        try:
+            return inner(*args, **kwargs)
+        except (W4PackError, KeyboardInterrupt, TypeError, ValueError):
+            raise  # bad arguments or bad input: eager would refuse them the same way
+        except Exception as exc:  # noqa: BLE001 - any failure of the compiled step: retry eagerly, then decide
+            reason = _one_line(exc)
+            _to_eager(model, reason)
+            warnings.warn(f"the compiled decode step failed ({reason}); decoding eagerly from now on "
+                          f"(set {ENV}=0 or pass --eager to skip the attempt)", RuntimeWarning, stacklevel=2)
+            return inner(*args, **kwargs)
+
+    model.generate = generate
+
+
+def _to_eager(model: Any, reason: str) -> None:
+    gen_cfg = model.generation_config
+    gen_cfg.cache_implementation = None
+    gen_cfg.disable_compile = True
+    model.w4pack_decode = f"{EAGER} ({reason})"
+
+
+def _one_line(exc: BaseException) -> str:
+    """The root cause in one line: dynamo wraps a backend's error in BackendCompilerFailed."""
+    for _ in range(8):
+        inner = getattr(exc, "inner_exception", None) or exc.__cause__
+        if not isinstance(inner, BaseException):
+            break
+        exc = inner
+    text = str(exc).strip().splitlines()
+    head = text[0] if text else ""
+    head = head[:200] + ("..." if len(head) > 200 else "")
+    return f"{type(exc).__name__}: {head}" if head else type(exc).__name__
