@@ -1,6 +1,6 @@
 // The planner's thresholds, one row each: the value, why, and the measurement that set it (H200 unless noted;
 // "journal" is docs/journal/2026-cuda.md, whose section numbers are those of the CUDA.md it was cut from).
-// AUTO_RULES below summarizes what make_plan (planner.cpp) takes for "auto"; tests/test_cuda_planner.py checks
+// AUTO_RULES below summarizes what make_plan's steps (AUTO_STEPS, planner.cpp) take for "auto"; tests/test_cuda_planner.py checks
 // every row against the planner and docs/CUDA.md prints it.
 #pragma once
 #include <stdint.h>
