@@ -119,6 +119,37 @@ def decode_rate(model: Any, batch: int, new_tokens: int, repeats: int, mode: str
             "ms_per_step": round((tn - t1) / (new_tokens - 1) * 1000, 3)}
 
 
+def profile_steps(model: Any, batch: int, new_tokens: int, mode: str, top: int = 15) -> str:
+    """Where a decode step's time goes: GPU kernel time per step by kernel (torch.profiler), against wall time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = next(model.parameters()).device
+    ids = torch.randint(3, model.config.vocab_size, (batch, 16), device=dev)
+    extra: dict[str, Any] = {"cache_implementation": "static"} if mode == "compiled" else {"disable_compile": True}
+
+    def gen(n: int) -> None:
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **extra)
+        torch.cuda.synchronize(dev)
+
+    gen(new_tokens)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        gen(new_tokens)
+        wall = time.perf_counter() - t0
+    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0)]
+    rows = [e for e in rows if getattr(e, "self_device_time_total", 0) > 0]
+    rows.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in rows) / 1000.0
+    lines = [f"{mode} batch {batch}: {new_tokens} tokens in {wall * 1000:.1f} ms wall, GPU kernels {total:.1f} ms "
+             f"({total / new_tokens:.3f} ms/token)", f"{'kernel':<72} {'calls':>7} {'ms':>9} {'share':>6}"]
+    for e in rows[:top]:
+        ms = e.self_device_time_total / 1000.0
+        lines.append(f"{e.key[:72]:<72} {e.count:>7} {ms:>9.2f} {ms / total:>6.1%}")
+    return "\n".join(lines)
+
+
 def table(results: list[dict[str, Any]]) -> str:
     """Medians side by side: each W4 rate against the float model's in the same mode and against compiled fp."""
     lines = [f"{'shape':<10} {'batch':>5} {'mode':<9} {'float tok/s':>12} {'w4 tok/s':>10} {'w4/float':>9} "
@@ -146,6 +177,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--precision", default="exact", choices=["exact", "fast"])
     ap.add_argument("--json", dest="json_out", default=None, help="also write the results here")
+    ap.add_argument("--profile", action="store_true",
+                    help="CUDA: after timing, profile one decode of each model at the first batch size (kernels)")
     args = ap.parse_args()
     import torch
 
@@ -163,12 +196,16 @@ def main() -> int:
             for b in batches:
                 row["float"].append(decode_rate(model, b, args.new_tokens, args.repeats, mode))
                 print(json.dumps({"shape": shape, "model": "float", **row["float"][-1]}), flush=True)
+            if args.profile and args.device.startswith("cuda"):
+                print("float model, " + profile_steps(model, batches[0], args.new_tokens, mode), flush=True)
         row["w4_layers"] = swap_to_w4(model, shape, args.device, args.precision)
         torch._dynamo.reset()
         for mode in modes:
             for b in batches:
                 row["w4"].append(decode_rate(model, b, args.new_tokens, args.repeats, mode))
                 print(json.dumps({"shape": shape, "model": "w4", **row["w4"][-1]}), flush=True)
+            if args.profile and args.device.startswith("cuda"):
+                print("w4 model, " + profile_steps(model, batches[0], args.new_tokens, mode), flush=True)
         results.append(row)
         del model
         if args.device.startswith("cuda"):
