@@ -8,6 +8,7 @@ import click
 
 from ..convert import MIN_SHARD_SIZE
 from . import check_format_name, detect_source, emit_json
+from .extras import needs_extras
 
 
 @click.command()
@@ -30,6 +31,7 @@ from . import check_format_name, detect_source, emit_json
               help="Print what would be converted (layers after --fuse) and every problem the real run would stop "
                    "at; write nothing. Exits with the code the real run would give.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+@needs_extras("convert")
 def convert(src: Path, dst: Path, src_format: str | None, to: str, base: Path | None, max_shard_size: str,
             fuse: str | None, force: bool, dry_run: bool, as_json: bool) -> int:
     """Convert the checkpoint SRC into DST, losslessly.

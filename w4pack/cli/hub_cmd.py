@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from . import check_endpoint, emit_json
+from .extras import needs_extras
 
 _ENDPOINT_HELP = "Hub URL (default: $HF_ENDPOINT or https://huggingface.co)."
 _TOKEN_HELP = "Hugging Face token (default: $HF_TOKEN or the saved login). Never printed."
@@ -27,6 +28,7 @@ _TOKEN_HELP = "Hugging Face token (default: $HF_TOKEN or the saved login). Never
 @click.option("--dry-run", is_flag=True, help="Validate and show what would be uploaded; make no request.")
 @click.option("--no-validate", is_flag=True, help="Upload without checking the folder first (not recommended).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+@needs_extras("push")
 def push(path: Path, repo_id: str, private: bool, revision: str | None, commit_message: str | None,
          create_pr: bool, endpoint: str | None, token: str | None, dry_run: bool, no_validate: bool,
          as_json: bool) -> None:
@@ -77,6 +79,7 @@ def push(path: Path, repo_id: str, private: bool, revision: str | None, commit_m
 @click.option("--token", default=None, metavar="TOKEN", help=_TOKEN_HELP, show_default=False)
 @click.option("--force", is_flag=True, help="Replace DEST if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+@needs_extras("pull")
 def pull(repo_id: str, dest: Path, revision: str | None, endpoint: str | None, token: str | None, force: bool,
          as_json: bool) -> None:
     """Download the packed checkpoint REPO_ID into DEST, validated; DEST appears only when complete.

@@ -8,6 +8,7 @@ import click
 from ..store.checkpoint import open_checkpoint
 from ..errors import BadInputError
 from . import check_format_name, detect_source, emit_json
+from .extras import needs_extras
 
 
 def _human(n: int) -> str:
@@ -26,6 +27,7 @@ def _human(n: int) -> str:
               help="Source format when detection cannot tell (as convert --from; default: detected).")
 @click.option("--base", type=click.Path(path_type=Path), default=None,
               help="fp16/bf16/fp32 base model folder or file (needed by TOML+NumPy quant tables, as convert --base).")
+@needs_extras("inspect")
 def inspect(path: Path, as_json: bool, show_layers: bool, src_format: str | None, base: Path | None) -> None:
     """Show what the checkpoint PATH holds: layout, layers by kind, shards, source.
 

@@ -12,6 +12,7 @@ import click
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from . import emit_json
+from .extras import needs_extras
 
 
 @click.command()
@@ -40,6 +41,7 @@ from . import emit_json
               help="CUDA: decode eagerly instead of through the static cache and the compiled step (the default, "
                    "whose first run spends tens of seconds compiling; also $W4PACK_COMPILE=0).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+@needs_extras("run", torch="hf")
 def run(path: Path, prompt: str | None, ppl_file: Path | None, device: str, max_new_tokens: int, precision: str,
         dtype: str | None, temperature: float, seed: int | None, chat: bool, threads: int | None,
         window: int | None, eager: bool, as_json: bool) -> None:

@@ -8,6 +8,7 @@ import click
 from ..errors import EXIT_OK, EXIT_VERIFY
 from ..verify import CUDA_TOLERANCE, FAST_FLOAT_BOUND, TOLERANCE
 from . import check_format_name, detect_source, emit_json
+from .extras import needs_extras
 
 
 @click.command()
@@ -33,6 +34,7 @@ from . import check_format_name, detect_source, emit_json
                    "reruns with --seed).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Show only the N worst layers.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+@needs_extras("verify")
 def verify(packed: Path, against: str | None, src_format: str | None, base: Path | None, device: str,
            precision: str, threads: int | None, seed: int | None, limit: int | None, as_json: bool) -> int:
     """Verify PACKED: checksums and structure, bit-exactness against --against, the native GEMM on
