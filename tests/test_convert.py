@@ -238,7 +238,7 @@ def test_dry_run_exits_with_the_code_the_real_run_gives(tmp_path, capsys):
     """Before: 0 after listing "cannot convert" problems, and no word that DST exists."""
     src = fixture_dir(*TINY)
     rc, out, _ = _main(capsys, "convert", src, tmp_path / "a", "--to", "awq", "--dry-run")
-    assert rc == 3 and "cannot convert: model.layers.0.mlp.down_proj: awq (gemm) cannot express act-order" in out
+    assert rc == 3 and "cannot convert: " in out and "): awq (gemm) cannot express act-order" in out
     assert out.splitlines()[-1] == "dry run: the conversion would fail (exit 3); nothing was written"
     rc, out, _ = _main(capsys, "convert", src, tmp_path / "a", "--to", "awq", "--dry-run", "--json")
     assert rc == 3 and json.loads(out)["exit_code"] == 3 and json.loads(out)["output_problems"] == []

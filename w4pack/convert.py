@@ -94,7 +94,8 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
             try:
                 layer = source.read_layer(name)
             except W4PackError as exc:  # e.g. parts that cannot be fused: the real run stops at this layer
-                after.append((f"{name}: {exc.message}", exc.exit_code))
+                where = ", ".join(w for w in (exc.file, exc.tensor and f"tensor {exc.tensor}") if w)
+                after.append((f"{name}: {exc.message}" + (f" ({where})" if where else ""), exc.exit_code))
                 continue
             layers.append({"name": name, "shape": [layer.out_features, layer.in_features], "bits": layer.bits,
                            "group_size": layer.group_size, "zero_mode": layer.zero_mode,

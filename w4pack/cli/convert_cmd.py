@@ -1,6 +1,7 @@
 """w4pack convert: any supported source → w4pack (default) or another format."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -74,9 +75,40 @@ def _print_plan(src: Path, dst: Path, to: str, doc: dict[str, Any]) -> None:
         click.echo(f"  note: {note}")
     if doc["destination_exists"] and doc["force"]:
         click.echo(f"  note: {dst} exists; --force replaces it")
-    for p in doc["problems"]:
-        click.echo(f"  cannot convert: {p}")
+    for line in group_problems(doc["problems"]):
+        click.echo(f"  cannot convert: {line}")
     for p in doc["output_problems"]:
         click.echo(f"  cannot write: {p}")
     if doc["exit_code"]:
         click.echo(f"dry run: the conversion would fail (exit {doc['exit_code']}); nothing was written")
+
+
+#: "model.layers.3.mlp.up_proj: reason": a problem about one layer (the formats' and convert's own wording)
+_LAYER_PROBLEM = re.compile(r"^([A-Za-z_][\w.]*): (.+)$", re.S)
+
+
+def group_problems(problems: list[str], examples: int = 3) -> list[str]:
+    """One line per distinct reason: a refusal that holds for 210 layers is one line with the count and a few
+    layer names, not 210 lines. Problems not about a layer are kept as they are, in order."""
+    order: list[str] = []
+    layers: dict[str, list[str]] = {}
+    for p in problems:
+        m = _LAYER_PROBLEM.match(p)
+        key = m.group(2) if m else p
+        if key not in layers:
+            order.append(key)
+            layers[key] = []
+        if m:
+            layers[key].append(m.group(1))
+    out = []
+    for reason in order:
+        names = layers[reason]
+        if not names:
+            out.append(reason)
+        elif len(names) == 1:
+            out.append(f"{names[0]}: {reason}")
+        else:
+            shown = ", ".join(names[:examples]) + (f" and {len(names) - examples} more" if len(names) > examples
+                                                   else "")
+            out.append(f"{len(names)} layers ({shown}): {reason}")
+    return out

@@ -1,7 +1,9 @@
 """w4pack inspect: what a checkpoint holds (any supported format)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -19,6 +21,26 @@ def _human(n: int) -> str:
     return str(n)
 
 
+def natural_key(name: str) -> list[Any]:
+    """Sort key that orders model.layers.2 before model.layers.10 (digit runs compare as numbers)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def source_label(fmt: str | None, version: Any) -> str:
+    """How a source format and its recorded version read: "gguf (file format version 3)", "gptq v1", "awq gemm"."""
+    fmt = fmt or "unknown format"
+    v = None if version is None else str(version)
+    if not v or v.lower() == fmt.lower():
+        return fmt
+    if v.isdigit():
+        return f"{fmt} (file format version {v})"
+    return f"{fmt} {v}"
+
+
 @click.command()
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
@@ -28,14 +50,17 @@ def _human(n: int) -> str:
 @click.option("--base", type=click.Path(path_type=Path), default=None,
               help="fp16/bf16/fp32 base model folder or file (needed by TOML+NumPy quant tables, as convert --base).")
 @needs_extras("inspect")
-def inspect(path: Path, as_json: bool, show_layers: bool, src_format: str | None, base: Path | None) -> None:
+def inspect(path: Path, as_json: bool, show_layers: bool, src_format: str | None, base: Path | None) -> int:
     """Show what the checkpoint PATH holds: layout, layers by kind, shards, source.
 
     PATH is a w4pack checkpoint folder, or a source in any supported format (shown as convert would read it,
     with the same --from and --base).
 
-    Exit 0 ok, 2 bad input or usage (one line naming the file and tensor), 3 unsupported input, 4 I/O or network
-    failure.
+    A source with layers that convert would stop at (unreadable, or not representable) lists each problem and
+    exits as convert would.
+
+    Exit 0 ok, 2 bad input or usage (one line naming the file and tensor), 3 unsupported input or a missing
+    optional package, 4 I/O or network failure.
     """
     check_format_name(src_format, "--from")
     fmt = src_format or detect_source(path)
@@ -47,18 +72,26 @@ def inspect(path: Path, as_json: bool, show_layers: bool, src_format: str | None
         doc = plan(path, src_format=fmt, **({"base": base} if base is not None else {}))
         if as_json:
             emit_json(doc)
-            return
-        version = doc["source_info"].get("version") or "version unknown"
-        click.echo(f"{path}: {fmt or doc['source_format']} checkpoint ({version})")
-        click.echo(f"  quantized layers: {len(doc['layers'])}   pass-through tensors: {len(doc['passthrough'])}")
-        for layer in doc["layers"] if show_layers else doc["layers"][:10]:
+            return int(doc["exit_code"])
+        n_bad = doc["source_layers"] - len(doc["layers"])
+        click.echo(f"{path}: {source_label(fmt or doc['source_format'], doc['source_info'].get('version'))} "
+                   "checkpoint")
+        click.echo(f"  quantized layers: {len(doc['layers'])}"
+                   + (f" readable, {n_bad} not (below)" if n_bad else "")
+                   + f"   pass-through tensors: {len(doc['passthrough'])}")
+        layers = sorted(doc["layers"], key=lambda m: natural_key(m["name"]))
+        for layer in layers if show_layers else layers[:10]:
             click.echo(f"  {layer['name']}: {layer['shape'][0]}x{layer['shape'][1]} {layer['bits']}-bit "
                        f"g{layer['group_size']} zero={layer['zero_mode']}{' act-order' if layer['act_order'] else ''}")
-        if not show_layers and len(doc["layers"]) > 10:
-            click.echo(f"  ... {len(doc['layers']) - 10} more (--layers lists all)")
+        if not show_layers and len(layers) > 10:
+            click.echo(f"  ... {len(layers) - 10} more (--layers lists all)")
         for note in doc["source_info"].get("notes", []) + doc["source_info"].get("quirks", []):
             click.echo(f"  note: {note}")
-        return
+        for problem in doc["problems"]:
+            click.echo(f"  problem: {problem}")
+        if doc["exit_code"]:
+            click.echo(f"{path}: convert would stop at the problem(s) above (exit {doc['exit_code']})", err=True)
+        return int(doc["exit_code"])
     with open_checkpoint(path) as ck:
         ck.check_structure()
         s = ck.summary()
@@ -66,12 +99,11 @@ def inspect(path: Path, as_json: bool, show_layers: bool, src_format: str | None
             s["layers"] = {n: {k: v for k, v in m.items() if k != "tensors"} for n, m in ck.manifest["layers"].items()}
         if as_json:
             emit_json(s)
-            return
+            return 0
         lay = s["layout"]
         click.echo(f"{path}: w4pack checkpoint, layout {lay['name']} v{lay['version']}")
         if s["source"]:
-            click.echo(f"  source: {s['source'].get('format')}"
-                       + (f" {s['source'].get('version')}" if s['source'].get('version') else ""))
+            click.echo(f"  source: {source_label(s['source'].get('format'), s['source'].get('version'))}")
         if s["architecture"]:
             click.echo(f"  model: {s['architecture']} ({s['model_type']})")
         click.echo(f"  quantized layers: {s['num_layers']}   pass-through tensors: {s['num_passthrough']}")
@@ -79,12 +111,14 @@ def inspect(path: Path, as_json: bool, show_layers: bool, src_format: str | None
             g = "per-channel" if kind["group_size"] == -1 else f"group {kind['group_size']}"
             click.echo(f"    {kind['count']:5d} x {kind['bits']}-bit, {g}, zero {kind['zero_mode']}"
                        + (", act-order" if kind["act_order"] else ""))
-        click.echo(f"  shards: {len(s['shards'])}, {_human(s['total_size'])} "
+        click.echo(f"  {plural(len(s['shards']), 'shard')}, {_human(s['total_size'])} "
                    f"({_human(s['quantized_bytes'])} in quantized layers)")
         if s["side_files"]:
             click.echo(f"  side files: {', '.join(s['side_files'])}")
         if show_layers:
-            for n, m in s["layers"].items():
-                click.echo(f"    {n}: {m['shape'][0]}x{m['shape'][1]} (padded {m['padded_shape'][0]}x"
-                           f"{m['padded_shape'][1]}) {m['bits']}-bit g{m['group_size']} {m['zero_mode']} "
-                           f"{m['scale_dtype']}{' act-order' if m['act_order'] else ''}")
+            for n in sorted(s["layers"], key=natural_key):
+                m = s["layers"][n]
+                padded = (f" (padded to {m['padded_shape'][0]}x{m['padded_shape'][1]})"
+                          if list(m["padded_shape"]) != list(m["shape"]) else "")
+                click.echo(f"    {n}: {m['shape'][0]}x{m['shape'][1]}{padded} {m['bits']}-bit g{m['group_size']} "
+                           f"{m['zero_mode']} {m['scale_dtype']}{' act-order' if m['act_order'] else ''}")

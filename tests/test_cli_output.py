@@ -1,0 +1,98 @@
+"""What the CLI prints: inspect (layer order, padding, plurals, source label, unreadable layers) and convert
+--dry-run's grouped refusals."""
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from w4pack.checkpoint import CheckpointWriter
+from w4pack.cli import main
+from w4pack.cli.convert_cmd import group_problems
+from w4pack.cli.inspect_cmd import natural_key, source_label
+
+from conftest import fixture_dir
+from rtn_helper import rtn_quantize
+
+ACT_ORDER_LLAMA = ("gptq", "ag_tiny_llama_b4_g64_descact_sym")
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
+    rc = main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def _twelve_layers(out: Path) -> Path:
+    """A packed checkpoint with layers 0..11 (two widths: 64 rows need no padding, 40 rows do)."""
+    rng = np.random.default_rng(0)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+           "num_hidden_layers": 12, "vocab_size": 32}
+    with CheckpointWriter(out, config=cfg, source={"format": "gguf", "version": "3"}, show_progress=False) as w:
+        for i in range(12):
+            rows = 40 if i == 7 else 64
+            w.add_layer(f"model.layers.{i}.mlp.down_proj",
+                        rtn_quantize(rng.standard_normal((rows, 64)).astype(np.float32), group_size=32))
+    return out
+
+
+def test_inspect_layers_in_natural_order_padding_only_where_padded(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    ck = _twelve_layers(tmp_path / "ck")
+    rc, out, err = _cli(capsys, "inspect", ck, "--layers")
+    assert rc == 0, err
+    names = [line.split(":")[0].strip() for line in out.splitlines() if line.strip().startswith("model.layers.")]
+    assert names == [f"model.layers.{i}.mlp.down_proj" for i in range(12)]
+    padded = [line for line in out.splitlines() if "padded" in line]
+    assert len(padded) == 1 and "model.layers.7." in padded[0], out
+    assert "  1 shard," in out and "1 shards" not in out
+    assert "source: gguf (file format version 3)" in out and "source: gguf 3" not in out
+
+
+def test_source_labels_and_natural_key() -> None:
+    assert source_label("gguf", "3") == "gguf (file format version 3)"
+    assert source_label("gptq", "v1") == "gptq v1"
+    assert source_label("gptq", "gptq") == "gptq" and source_label("awq", None) == "awq"
+    assert sorted(["a.10.b", "a.2.b", "a.1.b"], key=natural_key) == ["a.1.b", "a.2.b", "a.10.b"]
+
+
+def test_inspect_of_a_source_with_an_unreadable_layer_lists_it_and_exits_as_convert(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 30 item 7: one NaN fp16 scale made inspect print "quantized layers: 0" and exit 0; convert exits 2."""
+    src = tmp_path / "nan"
+    shutil.copytree(fixture_dir("gptq", "ag_b4_asym_g64"), src)
+    shard = next(src.glob("*.safetensors"))
+    raw = bytearray(shard.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k in header if k.endswith(".scales"))
+    assert header[name]["dtype"] == "F16"
+    off = 8 + n + header[name]["data_offsets"][0]
+    raw[off:off + 2] = np.array([np.nan], np.float16).tobytes()
+    shard.write_bytes(bytes(raw))
+    layer = name[: -len(".scales")]
+    rc_convert, _, _ = _cli(capsys, "convert", src, tmp_path / "out")
+    rc, out, err = _cli(capsys, "inspect", src)
+    assert rc == rc_convert == 2, (out, err)
+    assert f"problem: {layer}: scales contain NaN or infinity" in out and str(shard) in out
+    assert "1 not (below)" in out and "convert would stop" in err
+    rc, out, _ = _cli(capsys, "inspect", src, "--json")
+    assert rc == 2 and json.loads(out)["exit_code"] == 2
+
+
+def test_dry_run_groups_one_refusal_over_many_layers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = fixture_dir(*ACT_ORDER_LLAMA)
+    rc, out, _ = _cli(capsys, "convert", src, tmp_path / "a", "--to", "awq", "--dry-run")
+    refusals = [line for line in out.splitlines() if line.startswith("  cannot convert:")]
+    assert rc == 3 and len(refusals) == 1, out
+    assert "layers (model.layers.0." in refusals[0] and "more): awq (gemm) cannot express act-order" in refusals[0]
+
+
+def test_group_problems_keeps_distinct_reasons_apart() -> None:
+    lines = group_problems(["a.0.q: too wide", "a.1.q: too wide", "a.2.q: NaN", "AWQ stores one group size",
+                            "a.3.q: too wide", "a.4.q: too wide", "a.5.q: too wide"])
+    assert lines == ["5 layers (a.0.q, a.1.q, a.3.q and 2 more): too wide", "a.2.q: NaN", "AWQ stores one group size"]
