@@ -96,3 +96,17 @@ def test_group_problems_keeps_distinct_reasons_apart() -> None:
     lines = group_problems(["a.0.q: too wide", "a.1.q: too wide", "a.2.q: NaN", "AWQ stores one group size",
                             "a.3.q: too wide", "a.4.q: too wide", "a.5.q: too wide"])
     assert lines == ["5 layers (a.0.q, a.1.q, a.3.q and 2 more): too wide", "a.2.q: NaN", "AWQ stores one group size"]
+
+
+def test_convert_announces_the_steps_around_its_bar(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Opening the source and building side files (a GGUF's tokenizer export: seconds) are step messages, not a
+    silent tail after the progress bar."""
+    from w4pack.convert import convert
+
+    src = fixture_dir(*ACT_ORDER_LLAMA)
+    convert(src, tmp_path / "out", show_progress=True)
+    err = capsys.readouterr().err
+    assert f"reading {src} ..." in err and "preparing side files (config, tokenizer) ..." in err
+    assert err.index("preparing side files") < err.index("packing [")
+    convert(src, tmp_path / "quiet", show_progress=False)
+    assert capsys.readouterr().err == ""

@@ -288,3 +288,56 @@ def test_cuda_without_a_device_is_unsupported(tiny: Path, capsys: pytest.Capture
         pytest.skip("a CUDA device is present")
     rc, _out, err = _cli(capsys, "run", str(tiny), "--prompt", "x", "--device", "cuda")
     assert rc == 3 and "no CUDA device" in err and err.count("\n") == 1
+
+
+# -------------------------------------------------------------------------------------------------
+# what a terminal shows: a loading indicator, then the completion while it is generated
+# -------------------------------------------------------------------------------------------------
+def test_completion_is_passed_on_while_generated(tiny: Path) -> None:
+    """The streamer hands text on as tokens arrive (transformers' TextStreamer decides how finely), before
+    generation ends: not all at once."""
+    from w4pack.runtime.run import _Clock
+
+    tok = load_tokenizer(tiny)
+    pieces: list[str] = []
+    clock = _Clock(tok, pieces.append)
+    clock.put(torch.tensor([tok("The", add_special_tokens=False)["input_ids"]]))  # the prompt: not shown
+    seen = []
+    for ch in "ab cd ef":
+        clock.put(torch.tensor(tok(ch, add_special_tokens=False)["input_ids"]))
+        seen.append("".join(pieces))
+    clock.end()
+    assert all("ab cd ef".startswith(s) for s in seen) and seen[2].startswith("ab ") and seen[5].startswith("ab cd ")
+    assert "".join(pieces) == "ab cd ef" and len(clock.times) == 8
+
+
+def test_generate_streams_the_same_text_it_returns(tiny: Path) -> None:
+    events: list[str] = []
+
+    @__import__("contextlib").contextmanager
+    def loading():
+        events.append("loading")
+        yield
+        events.append("loaded")
+
+    doc = generate(tiny, "The lamp was lit", max_new_tokens=12, on_text=events.append, loading=loading)
+    assert events[:2] == ["loading", "loaded"] and len(events) > 2
+    assert "".join(events[2:]) == doc["completion"]
+
+
+def test_cli_text_output_is_the_streamed_completion(tiny: Path, capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    rc, out, _ = _cli(capsys, "run", str(tiny), "--prompt", "The lamp was lit", "--max-new-tokens", "8", "--json")
+    want = json.loads(out)["completion"]
+    monkeypatch.setattr(__import__("sys").stderr, "isatty", lambda: True)  # a terminal: the indicator shows
+    rc, out, err = _cli(capsys, "run", str(tiny), "--prompt", "The lamp was lit", "--max-new-tokens", "8")
+    assert rc == 0 and out == "The lamp was lit" + want + "\n"
+    assert f"loading {tiny} ..." in err and "tokens/s" in err
+
+
+def test_perplexity_shows_loading_and_windows_on_a_terminal(tiny: Path, capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(__import__("sys").stderr, "isatty", lambda: True)
+    rc, out, err = _cli(capsys, "run", str(tiny), "--perplexity", str(SAMPLE), "--json")
+    assert rc == 0 and json.loads(out)["window"] == 128  # stdout: the JSON document alone
+    assert f"loading {tiny}" in err and "scoring windows [" in err

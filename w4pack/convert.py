@@ -171,6 +171,7 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
     """
     t0 = time.perf_counter()
     from .fuse import FusedSource
+    from .progress import step
 
     options = dict(options)
     fuse = _check_request(src, dst, src_format=src_format, to=to, force=force, max_shard_size=max_shard_size,
@@ -180,12 +181,19 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
     write_opts = {k: v for k, v in options.items() if k not in ("base",)}
     target = get_format(to)
     _refuse_writer_options(target, options)
-    with open_source(src, src_format, **read_opts) as source:
+    with step(f"reading {src}", False if str(src).startswith("hf:") else show_progress):
+        source = open_source(src, src_format, **read_opts)
+    with source:
         if fuse:
             source = FusedSource(source, fuse)
         problems = target.source_problems(source, str(src))  # before anything is written, not at the end
         if problems:
             raise problems[0]
+        if force or not os.path.lexists(dst):
+            # side files are built once per source (a GGUF's tokenizer export takes seconds): announced here
+            # rather than left as a silent tail after the writer's progress bar
+            with step("preparing side files (config, tokenizer)", show_progress):
+                source.side_files()
         out = target.write(source, Path(dst), force=force, max_shard_size=max_shard_size,
                            show_progress=show_progress, **write_opts)
         n_layers = len(source.layer_names())

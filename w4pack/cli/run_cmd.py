@@ -1,8 +1,12 @@
 """w4pack run: generate from a prompt, or measure perplexity over a text file, with the native kernels."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import sys
 from pathlib import Path
+from typing import Iterator
 
 import click
 
@@ -54,6 +58,7 @@ def run(path: Path, prompt: str | None, ppl_file: Path | None, device: str, max_
     CUDA device, torch or transformers missing), 4 I/O or CUDA kernel failure, 130 interrupted.
     """
     from ..errors import BadInputError
+    from ..progress import step
     from ..runtime.loading import check_device
     from ..runtime.run import generate, perplexity
 
@@ -64,22 +69,47 @@ def run(path: Path, prompt: str | None, ppl_file: Path | None, device: str, max_
         from ..native.cpu import check_environment
 
         check_environment(threads_from_env=threads is None)
+    loading = functools.partial(step, f"loading {path}", None, True)  # "loading PATH ... 3s" on a terminal
     if ppl_file is not None:
         doc = perplexity(path, ppl_file, device=device, precision=precision, dtype=dtype, window=window,
-                         threads=threads)
+                         threads=threads, loading=loading)
         if as_json:
             emit_json(doc)
         else:
             click.echo(f"perplexity {doc['perplexity']:.4f} over {doc['scored_tokens']} tokens "
                        f"(window {doc['window']}) on {doc['device']}, {doc['tokens_per_s']} tokens/s")
         return
+    on_text = None
+    started: list[bool] = []  # stdout stays empty until the model has loaded (an error leaves it empty)
+
+    def begin() -> None:
+        if not started:
+            started.append(True)
+            if not chat:
+                click.echo(prompt, nl=False)
+
+    @contextlib.contextmanager
+    def loading_then_prompt() -> Iterator[None]:
+        with loading():
+            yield
+        if not as_json:
+            begin()
+            sys.stdout.flush()
+
+    if not as_json:  # the completion appears piece by piece (whole words) while it is generated
+        def on_text(text: str) -> None:
+            begin()
+            click.echo(text, nl=False)
+            sys.stdout.flush()
+
     doc = generate(path, prompt, device=device, max_new_tokens=max_new_tokens, precision=precision,
                    temperature=temperature, seed=seed, dtype=dtype, chat=chat, threads=threads,
-                   compile=False if eager else None)
+                   compile=False if eager else None, on_text=on_text, loading=loading_then_prompt)
     if as_json:
         emit_json(doc)
     else:
-        click.echo(doc["completion"] if chat else prompt + doc["completion"])
+        begin()
+        click.echo("")
         rate = f"{doc['tokens_per_s']} tokens/s" if doc["tokens_per_s"] is not None else "n/a tokens/s"
         mode = f"{doc['precision']}, {doc['decode']}" if doc["device"].startswith("cuda") else doc["precision"]
         click.echo(f"[{doc['new_tokens']} tokens on {doc['device']} ({mode}): {rate} decode, "

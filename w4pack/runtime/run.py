@@ -10,7 +10,8 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable
 
 from ..errors import BadInputError
 from .decode import decode_mode
@@ -19,30 +20,50 @@ __all__ = ["generate", "perplexity", "dequantized_model"]
 
 
 class _Clock:
-    """A transformers streamer that timestamps every new token (the first put() is the prompt)."""
+    """A transformers streamer that timestamps every new token (the first put() is the prompt) and, given
+    ``on_text``, passes the decoded text on as it grows (word by word, as transformers' TextStreamer cuts it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tok: Any = None, on_text: Callable[[str], None] | None = None) -> None:
         self.times: list[float] = []
         self._prompt_seen = False
+        self._text = None
+        if on_text is not None:
+            from transformers import TextStreamer
+
+            class _Text(TextStreamer):
+                def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+                    if text:
+                        on_text(text)
+
+            self._text = _Text(tok, skip_prompt=True, skip_special_tokens=True)
 
     def put(self, value: Any) -> None:
+        if self._text is not None:
+            self._text.put(value)
         if not self._prompt_seen:
             self._prompt_seen = True
             return
         self.times.append(time.perf_counter())
 
     def end(self) -> None:
-        pass
+        if self._text is not None:
+            self._text.end()
+
+
+#: a context manager factory shown around loading a model (the CLI's "loading PATH ... 3s" on a terminal)
+Status = Callable[[], AbstractContextManager[Any]]
 
 
 def _load(target: Any, device: str, precision: str, dtype: Any, threads: int | None,
-          compile: bool | None = False) -> tuple[Any, Any, str]:
+          compile: bool | None = False, status: Status | None = None) -> tuple[Any, Any, str]:
     if isinstance(target, (str, os.PathLike)):
         from .loading import load_model, load_tokenizer
 
         path = str(target)
-        model = load_model(path, device=device, dtype=dtype, precision=precision, threads=threads, compile=compile)
-        return model, load_tokenizer(path), path
+        with (status or nullcontext)():
+            model = load_model(path, device=device, dtype=dtype, precision=precision, threads=threads,
+                               compile=compile)
+            return model, load_tokenizer(path), path
     model, tok = target
     return model, tok, str(getattr(model, "w4pack_path", "<model>"))
 
@@ -60,12 +81,15 @@ def _model_precision(model: Any, asked: str) -> str:
 def generate(target: Any, prompt: str, *, device: str = "cpu", max_new_tokens: int = 32,
              precision: str = "exact", temperature: float = 0.0, seed: int | None = None, dtype: Any = None,
              chat: bool = False, threads: int | None = None, top_p: float | None = None,
-             compile: bool | None = None) -> dict[str, Any]:
+             compile: bool | None = None, on_text: Callable[[str], None] | None = None,
+             loading: Status | None = None) -> dict[str, Any]:
     """Greedy (temperature 0) or sampled continuation of ``prompt``; returns text, token ids and timings.
 
     ``target``: a w4pack folder or a (model, tokenizer) pair. ``chat`` wraps the prompt in the tokenizer's chat
     template (instruct models). ``seed`` makes sampling repeatable. ``compile``: on CUDA, decode through the
     static cache and the compiled step (default; the first call pays the compile) or eagerly (False).
+    ``on_text`` receives the completion piece by piece while it is generated (the CLI streams it); ``loading``
+    is entered while a folder is loaded.
     """
     import torch
 
@@ -74,7 +98,7 @@ def generate(target: Any, prompt: str, *, device: str = "cpu", max_new_tokens: i
     if temperature < 0:
         raise BadInputError(f"temperature must be >= 0, got {temperature}")
     t0 = time.perf_counter()
-    model, tok, path = _load(target, device, precision, dtype, threads, compile)
+    model, tok, path = _load(target, device, precision, dtype, threads, compile, loading)
     load_s = time.perf_counter() - t0
     dev = next(model.parameters()).device
     if chat:
@@ -99,7 +123,7 @@ def generate(target: Any, prompt: str, *, device: str = "cpu", max_new_tokens: i
                 torch.cuda.manual_seed_all(seed)
     else:
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-    clock = _Clock()
+    clock = _Clock(tok, on_text)
     with torch.inference_mode():
         t1 = time.perf_counter()
         out = model.generate(**enc, streamer=clock, **kwargs)
@@ -133,13 +157,17 @@ def generate(target: Any, prompt: str, *, device: str = "cpu", max_new_tokens: i
 
 def perplexity(target: Any, text_file: str | os.PathLike[str] | None = None, *, text: str | None = None,
                device: str = "cpu", precision: str = "exact", dtype: Any = None, window: int | None = None,
-               threads: int | None = None) -> dict[str, Any]:
+               threads: int | None = None, loading: Status | None = None,
+               show_progress: bool | None = None) -> dict[str, Any]:
     """Perplexity of the model over a text: exp(mean next-token NLL) over non-overlapping windows.
 
     ``window`` tokens per forward pass (default: the model's context, at most 1024). Every token after the
     first of each window is scored, so the figure depends on the window; compare models at the same window.
+    ``loading`` is entered while a folder is loaded; a bar counts the windows (stderr, on a terminal).
     """
     import torch
+
+    from ..progress import Progress
 
     if text is None:
         if text_file is None:
@@ -150,7 +178,7 @@ def perplexity(target: Any, text_file: str | os.PathLike[str] | None = None, *, 
         except (OSError, UnicodeDecodeError) as exc:
             raise BadInputError(f"cannot read the text: {exc}", file=str(p)) from None
     t0 = time.perf_counter()
-    model, tok, path = _load(target, device, precision, dtype, threads)  # one forward per window: no decode
+    model, tok, path = _load(target, device, precision, dtype, threads, status=loading)  # one forward per window
     load_s = time.perf_counter() - t0
     dev = next(model.parameters()).device
     ids = tok(text, return_tensors="pt")["input_ids"][0]
@@ -162,16 +190,16 @@ def perplexity(target: Any, text_file: str | os.PathLike[str] | None = None, *, 
         raise BadInputError(f"window must be at least 2 tokens, got {win}")
     nll_sum, count = 0.0, 0
     t1 = time.perf_counter()
-    with torch.inference_mode():
-        for start in range(0, ids.numel() - 1, win):
+    starts = [s for s in range(0, ids.numel() - 1, win) if min(win, ids.numel() - s) >= 2]
+    with torch.inference_mode(), Progress(len(starts), "scoring windows", enabled=show_progress) as bar:
+        for start in starts:
             chunk = ids[start:start + win].unsqueeze(0).to(dev)
-            if chunk.shape[1] < 2:
-                break
             logits = model(chunk).logits.float()
             lp = torch.log_softmax(logits[0, :-1], dim=-1)
             tgt = chunk[0, 1:]
             nll_sum += float(-lp.gather(1, tgt.unsqueeze(1)).sum())
             count += int(tgt.numel())
+            bar.update()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     t2 = time.perf_counter()
