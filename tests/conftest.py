@@ -14,6 +14,12 @@ from w4pack.formats.base import Source, TensorData
 REPO = Path(__file__).resolve().parent.parent
 
 
+#: what the peers' fixtures are and how to get them: every skip for want of them says this
+FIXTURES_HINT = ("the peers' test fixtures (real AutoGPTQ/GPTQModel/AutoAWQ/compressed-tensors/GGUF checkpoints "
+                 "with ground truth, one folder per case) are not available: set W4PACK_FIXTURES=/path/to/fixtures "
+                 "or place them at ../shared/fixtures beside the checkout (README, Test fixtures)")
+
+
 def fixtures_root() -> Path | None:
     """$W4PACK_FIXTURES, else ../shared/fixtures beside the checkout; None when neither exists."""
     env = os.environ.get("W4PACK_FIXTURES")
@@ -24,19 +30,30 @@ def fixtures_root() -> Path | None:
     return p if p.is_dir() else None
 
 
-def fixture_dir(*parts: str) -> Path:
-    """A fixture folder, or skip the test with the reason when fixtures are not available."""
+def fixture_path(*parts: str) -> Path:
+    """A fixture file or folder, or skip the test saying how to get the fixtures (tests and helpers that need
+    one fixture call this instead of building paths from $W4PACK_FIXTURES themselves)."""
     root = fixtures_root()
     if root is None:
-        pytest.skip("peer fixtures not found (set W4PACK_FIXTURES or place shared/fixtures beside the checkout)")
+        env = os.environ.get("W4PACK_FIXTURES")
+        pytest.skip(f"W4PACK_FIXTURES={env} is not a folder; " + FIXTURES_HINT if env else FIXTURES_HINT)
     p = root.joinpath(*parts)
     if not p.exists():
-        pytest.skip(f"fixture {p} not present")
+        pytest.skip(f"fixture {'/'.join(parts)} is missing from {root} (an older or partial copy of the fixtures: "
+                    "update it)")
     return p
 
 
+#: the older name, kept for the test files that use it
+fixture_dir = fixture_path
+
+#: mark for a test that needs the fixtures as a whole (e.g. iterates over families)
+needs_fixtures = pytest.mark.skipif(fixtures_root() is None, reason=FIXTURES_HINT)
+
+
 def fixture_cases(family: str) -> list[str]:
-    """Case folder names of one fixture family (for parametrize); empty when fixtures are absent."""
+    """Case folder names of one fixture family (for parametrize); empty when fixtures are absent (the skip of
+    the empty parameter set is then reworded to FIXTURES_HINT, below)."""
     root = fixtures_root()
     if root is None or not (root / family).is_dir():
         return []
@@ -96,10 +113,62 @@ def has_cuda() -> bool:
         return False
 
 
+NO_GPU = "no CUDA device: these tests run on an NVIDIA GPU (sm_80 or newer) with the CUDA library built (make cuda)"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if has_cuda():
         return
-    skip = pytest.mark.skip(reason="no CUDA device")
+    skip = pytest.mark.skip(reason=NO_GPU)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# skip reasons say what would enable the test
+# ---------------------------------------------------------------------------------------------------------------
+_EMPTY_SET = "got empty parameter set"
+#: module -> what installs it, for pytest.importorskip's "could not import 'X'"
+_INSTALL = {"w4pack.native.cpu": "build the CPU extension: make native (or python setup.py build_ext --inplace)"}
+_DEFAULT_INSTALL = "install the test dependencies: pip install -e '.[test]' (make test does)"
+
+
+def with_enabling_hint(reason: str) -> str:
+    """A skip reason completed with what would enable the test, where pytest's own wording lacks it."""
+    if reason.startswith(_EMPTY_SET) and fixtures_root() is None:
+        return f"{FIXTURES_HINT} [{reason}]"
+    if reason.startswith("could not import "):
+        mod = reason.split("'")[1] if reason.count("'") >= 2 else ""
+        return f"{reason}; {_INSTALL.get(mod, _DEFAULT_INSTALL)}"
+    return reason
+
+
+def _reword(report: pytest.TestReport | pytest.CollectReport) -> None:
+    if report.skipped and isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
+        path, line, reason = report.longrepr
+        prefix = "Skipped: " if reason.startswith("Skipped: ") else ""
+        new = with_enabling_hint(reason[len(prefix):])
+        report.longrepr = (path, line, prefix + new)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    outcome = yield
+    _reword(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):  # type: ignore[no-untyped-def]
+    outcome = yield
+    _reword(outcome.get_result())
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """One line at the end when the fixtures are missing: how many tests that cost and how to get them."""
+    if fixtures_root() is not None:
+        return
+    n = sum(1 for r in terminalreporter.stats.get("skipped", [])
+            if isinstance(r.longrepr, tuple) and FIXTURES_HINT in str(r.longrepr[2]))
+    if n:
+        terminalreporter.write_line(f"{n} tests skipped because {FIXTURES_HINT}", yellow=True)

