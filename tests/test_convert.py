@@ -246,7 +246,8 @@ def test_dry_run_exits_with_the_code_the_real_run_gives(tmp_path, capsys):
     dst = tmp_path / "d"
     dst.mkdir()
     rc, out, _ = _main(capsys, "convert", src, dst, "--dry-run")
-    assert rc == 4 and f"cannot write: {dst}: output already exists; pass --force" in out
+    assert rc == 4 and f"cannot write: {dst}: output already exists; replace it with --force" in out
+    assert "force=True" not in out  # no Python argument names in a CLI message
     assert _main(capsys, "convert", src, dst)[0] == 4
     rc, out, _ = _main(capsys, "convert", src, dst, "--dry-run", "--force")
     assert rc == 0 and f"note: {dst} exists; --force replaces it" in out and list(dst.iterdir()) == []

@@ -310,7 +310,7 @@ def check_output(target: Path, force: bool) -> None:
     if target.is_symlink() and not target.exists():
         raise IOFailure(f"output is a symbolic link to {os.readlink(target)!r}, which does not exist; remove the "
                         "link or choose another output (--force replaces the link itself)", file=str(target))
-    raise IOFailure("output already exists; pass --force (force=True) to replace it", file=str(target))
+    raise IOFailure("output already exists; replace it with --force", file=str(target))
 
 
 def make_temp_dir(target: Path, tag: str = "tmp") -> Path:
