@@ -547,7 +547,8 @@ class AWQCapabilities(Capabilities):
         reason = super().check(layer)
         if reason:
             if layer.zero_mode == "float":
-                reason += " (float minima fit only AWQ version gemv_fast; way out: --to w4pack)"
+                reason += (" (of AWQ's layouts only GEMVFast stores float minima, and only the Python API writes it: "
+                           "convert(..., to='awq', version='gemv_fast'); from the command line: --to w4pack)")
             if layer.act_order:
                 reason += " (way out: --to gptq or --to w4pack)"
             if layer.bits != 4:
