@@ -237,7 +237,8 @@ class TomlTablesSource(Source):
             raise t.bad(exc.message) from None
         arr = read_npy(p, t.name)
         if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "fiu":
-            raise BadInputError(f"{key} must be a numeric array, got {getattr(arr, 'dtype', type(arr))}",
+            got = arr.dtype if isinstance(arr, np.ndarray) else type(arr)
+            raise BadInputError(f"{key} must be a numeric array, got {got}",
                                 file=str(p), tensor=t.name)
         if arr.ndim not in ndims:
             raise BadInputError(f"{key} must be a {_ranks(ndims)} array, got shape {list(arr.shape)}", file=str(p),
