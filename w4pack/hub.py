@@ -512,88 +512,115 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
     else:
         _say(f"WARNING: --no-validate: pushing {folder} WITHOUT checking it; an invalid or corrupted "
              "checkpoint may be published")
-    card = model_card(folder, repo_id=repo_id)
-    card_path = folder / CARD_NAME
-    old_card = card_path.read_text(encoding="utf-8") if card_path.is_file() else None
-    card_changed = old_card != card
-    card_in_memory = False
-    if card_changed and not dry_run:
-        try:
-            _write_text_atomic(card_path, card)
-        except OSError:
-            card_in_memory = True  # read-only folder: upload the card from memory
-    files = _local_files(folder)
-    if (card_in_memory or dry_run) and not any(rel == CARD_NAME for rel, _p in files):
-        files.append((CARD_NAME, card_path))
-    files.sort(key=lambda rp: (rp[1].stat().st_size if rp[1].exists() else len(card), rp[0]))
-    sizes = {rel: (len(card.encode()) if rel == CARD_NAME and (card_in_memory or dry_run) else p.stat().st_size)
-             for rel, p in files}
-    total = sum(sizes.values())
+    up = _Upload.of(folder, model_card(folder, repo_id=repo_id), dry_run)
     rev = revision or "main"
     base: dict[str, Any] = {"repo_id": repo_id, "endpoint": ep, "url": f"{ep}/{repo_id}", "revision": rev,
                             "create_pr": create_pr, "private": private, "validated": validate,
-                            "files": [{"path": rel, "size": sizes[rel]} for rel, _p in files],
-                            "total_bytes": total, "card_changed": card_changed}
+                            "files": [{"path": rel, "size": up.sizes[rel]} for rel, _p in up.files],
+                            "total_bytes": up.total, "card_changed": up.card_changed}
     if summary is not None:
         base["layers"] = summary["num_layers"]
     if dry_run:
-        return {**base, "dry_run": True, "card": card}
-
-    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
-
+        return {**base, "dry_run": True, "card": up.card}
     api = _api(ep, token)
     show = sys.stderr.isatty() if progress is None else (progress is True)  # a callable replaces the bars
     callback = progress if callable(progress) else None
     errs = dict(repo_id=repo_id, endpoint=ep, token=token, revision=rev)
     with _hf_bars(show):
-        with _hub_errors(action="create", **errs):
-            _retrying(lambda: api.create_repo(repo_id, private=private, exist_ok=True))
-        if revision and revision != "main" and not revision.startswith("refs/"):
-            with _hub_errors(action="create a branch in", **errs):
-                _retrying(lambda: api.create_branch(repo_id, branch=revision, exist_ok=True))
-        with _hub_errors(action="read", **errs):
-            info = _retrying(lambda: api.model_info(repo_id, revision=rev))
-        remote = {s.rfilename for s in (info.siblings or [])}
-        local = {rel for rel, _p in files}
-        # top level only: weights kept in sub-folders (e.g. an original/ copy) are the owner's business
-        stale = sorted(f for f in remote - local
-                       if "/" not in f and any(fnmatch.fnmatch(f, pat) for pat in _STALE_PATTERNS))
-
-        def make_ops() -> list[Any]:
-            ops = []
-            for rel, p in files:
-                data: Any = card.encode() if rel == CARD_NAME and card_in_memory else str(p)
-                ops.append(CommitOperationAdd(path_in_repo=rel, path_or_fileobj=data))
-            return ops
-
-        def upload_and_commit() -> Any:
-            ops = make_ops()
-            done = 0
-            for i, op in enumerate(ops):  # one file at a time: progress per file, bytes bars from the client
-                api.preupload_lfs_files(repo_id, additions=[op], revision=rev, create_pr=create_pr,
-                                        free_memory=False)
-                done += sizes[op.path_in_repo]
-                if callback is not None:
-                    callback({"file": op.path_in_repo, "index": i + 1, "files": len(ops),
-                              "bytes_done": done, "bytes_total": total})
-            deletes = [CommitOperationDelete(path_in_repo=f) for f in stale]
-            if not deletes and all(op._remote_oid is not None and op._remote_oid == op._local_oid for op in ops):
-                # the branch already holds every file: no commit (and no card re-validation) needed
-                return _Unchanged(info.sha, f"{ep}/{repo_id}/commit/{info.sha}"), ops, deletes
-            message = commit_message or f"Upload w4pack checkpoint ({len(ops)} files)"
-            commit = api.create_commit(repo_id, operations=ops + deletes, commit_message=message, revision=rev,
-                                       create_pr=create_pr)
-            return commit, ops, deletes
-
+        info = _prepare_repo(api, repo_id, private, revision, errs)
         with _hub_errors(action="upload to", **errs):
             # safe to repeat: already-uploaded blobs are skipped, an unchanged file drops out of the commit;
             # a pull request is not retried as a whole (a lost reply could open a second one)
-            commit, ops, deletes = _retrying(upload_and_commit, attempts=1 if create_pr else _ATTEMPTS)
+            commit, ops, deletes = _retrying(
+                lambda: _upload_and_commit(api, up, info, repo_id, ep, rev, create_pr, commit_message, callback),
+                attempts=1 if create_pr else _ATTEMPTS)
     changed = [op.path_in_repo for op in ops if op._remote_oid is None or op._remote_oid != op._local_oid]
     return {**base, "dry_run": False, "commit": commit.oid, "commit_url": commit.commit_url,
             "pr_url": getattr(commit, "pr_url", None), "changed_files": changed,
             "deleted_files": [d.path_in_repo for d in deletes], "unchanged": not changed and not deletes,
-            "card_written": card_changed and not card_in_memory}
+            "card_written": up.card_changed and not up.card_in_memory}
+
+
+class _Upload:
+    """What push uploads: the folder's files, smallest first, with the model card (written into the folder, or
+    kept in memory when the folder is read-only or the push is a dry run) and each file's size."""
+
+    def __init__(self, files: list[tuple[str, Path]], card: str, card_changed: bool, card_in_memory: bool,
+                 in_memory: bool):
+        self.files, self.card, self.card_changed, self.card_in_memory = files, card, card_changed, card_in_memory
+        self.sizes = {rel: (len(card.encode()) if rel == CARD_NAME and in_memory else p.stat().st_size)
+                      for rel, p in files}
+        self.total = sum(self.sizes.values())
+
+    @classmethod
+    def of(cls, folder: Path, card: str, dry_run: bool) -> "_Upload":
+        card_path = folder / CARD_NAME
+        old_card = card_path.read_text(encoding="utf-8") if card_path.is_file() else None
+        card_changed = old_card != card
+        card_in_memory = False
+        if card_changed and not dry_run:
+            try:
+                _write_text_atomic(card_path, card)
+            except OSError:
+                card_in_memory = True  # read-only folder: upload the card from memory
+        files = _local_files(folder)
+        if (card_in_memory or dry_run) and not any(rel == CARD_NAME for rel, _p in files):
+            files.append((CARD_NAME, card_path))
+        files.sort(key=lambda rp: (rp[1].stat().st_size if rp[1].exists() else len(card), rp[0]))
+        return cls(files, card, card_changed, card_in_memory, card_in_memory or dry_run)
+
+    def operations(self) -> list[Any]:
+        from huggingface_hub import CommitOperationAdd
+
+        ops = []
+        for rel, p in self.files:
+            data: Any = self.card.encode() if rel == CARD_NAME and self.card_in_memory else str(p)
+            ops.append(CommitOperationAdd(path_in_repo=rel, path_or_fileobj=data))
+        return ops
+
+
+def _prepare_repo(api: Any, repo_id: str, private: bool, revision: str | None, errs: dict[str, Any]) -> Any:
+    """Create the repository (and the branch) when missing; the revision's info (its files and commit)."""
+    with _hub_errors(action="create", **errs):
+        _retrying(lambda: api.create_repo(repo_id, private=private, exist_ok=True))
+    if revision and revision != "main" and not revision.startswith("refs/"):
+        with _hub_errors(action="create a branch in", **errs):
+            _retrying(lambda: api.create_branch(repo_id, branch=revision, exist_ok=True))
+    with _hub_errors(action="read", **errs):
+        return _retrying(lambda: api.model_info(repo_id, revision=errs["revision"]))
+
+
+def _stale_files(info: Any, up: _Upload) -> list[str]:
+    """Weights on the branch that the folder no longer holds (an older shard split). Top level only: weights kept
+    in sub-folders (e.g. an original/ copy) are the owner's business."""
+    remote = {s.rfilename for s in (info.siblings or [])}
+    local = {rel for rel, _p in up.files}
+    return sorted(f for f in remote - local
+                  if "/" not in f and any(fnmatch.fnmatch(f, pat) for pat in _STALE_PATTERNS))
+
+
+def _upload_and_commit(api: Any, up: _Upload, info: Any, repo_id: str, ep: str, rev: str, create_pr: bool,
+                       commit_message: str | None, callback: Callable[[dict[str, Any]], None] | None) -> Any:
+    """Upload the files one at a time (progress per file, byte bars from the client), then one commit that adds
+    them and deletes stale weights; no commit when the branch already holds every file."""
+    from huggingface_hub import CommitOperationDelete
+
+    ops = up.operations()
+    done = 0
+    for i, op in enumerate(ops):
+        api.preupload_lfs_files(repo_id, additions=[op], revision=rev, create_pr=create_pr, free_memory=False)
+        done += up.sizes[op.path_in_repo]
+        if callback is not None:
+            callback({"file": op.path_in_repo, "index": i + 1, "files": len(ops),
+                      "bytes_done": done, "bytes_total": up.total})
+    deletes = [CommitOperationDelete(path_in_repo=f) for f in _stale_files(info, up)]
+    if not deletes and all(op._remote_oid is not None and op._remote_oid == op._local_oid for op in ops):
+        # (and no card re-validation needed)
+        return _Unchanged(info.sha, f"{ep}/{repo_id}/commit/{info.sha}"), ops, deletes
+    message = commit_message or f"Upload w4pack checkpoint ({len(ops)} files)"
+    commit = api.create_commit(repo_id, operations=ops + deletes, commit_message=message, revision=rev,
+                               create_pr=create_pr)
+    return commit, ops, deletes
 
 
 # ---------------------------------------------------------------------------------------------

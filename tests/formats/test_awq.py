@@ -591,3 +591,13 @@ def test_w4pack_to_each_awq_version_decodes_to_truth(case: str, version: str, tm
         np.testing.assert_array_equal(raw["zeros"], tr["zeros"])
     with AWQ.open(tmp_path / version) as back:
         assert back.read_layer(PREFIX).differences(open_checkpoint(tmp_path / "w4").layer(PREFIX)) == []
+
+
+def test_float_minima_refusal_says_what_the_command_line_can_do(tmp_path: Path) -> None:
+    """The refusal suggested AWQ version gemv_fast, which no CLI option selects: it names the Python call and the
+    command line's way out."""
+    layer = random_layer(np.random.default_rng(5), 8, 128, 64, zero_mode="float")
+    with pytest.raises(UnsupportedError) as ei:
+        AWQ.write(MemSource({"m.layers.0.q_proj": layer}), tmp_path / "gemm")
+    text = str(ei.value)
+    assert "version='gemv_fast'" in text and "Python API" in text and "from the command line: --to w4pack" in text

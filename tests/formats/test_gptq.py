@@ -631,3 +631,41 @@ def test_index_shard_that_is_not_a_string(tmp_path: Path, capsys: pytest.Capture
     index["weight_map"]["lm_head.weight"] = shard
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
     _refused_config(d, capsys, tmp_path, "model.safetensors.index.json", "tensor lm_head.weight", "not a file name")
+
+
+# -- messages (issues 30 and 32) ----------------------------------------------------------------------
+def test_disk_full_names_the_destination_not_the_hidden_folder(tmp_path: Path, monkeypatch: Any) -> None:
+    """The GPTQ writer's shards failed with "cannot write: No space left on device" naming the hidden
+    .DST.w4pack-tmp-* file, which is gone when the message is read; the other writers say the disk is full and
+    name DST."""
+    import w4pack.store.shards as shards
+    from conftest import full_disk_open
+    from w4pack.errors import IOFailure
+
+    monkeypatch.setattr(shards, "open", full_disk_open(lambda path, _mode: path.endswith(".safetensors")),
+                        raising=False)
+    out = tmp_path / "out"
+    with pytest.raises(IOFailure, match="the disk is full") as ei:
+        convert(fixture_dir("gptq", "ag_b4_sym_g128"), out, to="gptq", show_progress=False)
+    text = str(ei.value)
+    assert text.startswith(f"{out}: tensor model.layers.0.") and "w4pack-tmp" not in text and "\n" not in text, text
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_refusal_names_the_gptq_version_once(tmp_path: Path) -> None:
+    """"cannot write as GPTQ gptq": the version is named as users know it."""
+    zero0 = fixture_dir("gptq", "ag_b4_asym_g128_zero0")
+    with pytest.raises(UnsupportedError) as ei:
+        convert(zero0, tmp_path / "v1", to="gptq", show_progress=False)
+    assert "cannot write GPTQ v1: " in str(ei.value) and "GPTQ gptq" not in str(ei.value)
+
+
+@pytest.mark.parametrize("name", ["GPTQ", "Gptq-V2"])
+def test_format_names_in_any_case(tmp_path: Path, name: str) -> None:
+    """`--to GPTQ` was refused as an unknown format."""
+    src = fixture_dir("gptq", "ag_b4_sym_g128")
+    assert get_format(name) is get_format(name.lower())
+    assert cli_main(["convert", str(src), str(tmp_path / "out"), "--to", name, "--from", name.split("-")[0]]) == 0
+    with get_format("gptq").open(tmp_path / "out") as back, get_format("gptq").open(src) as ref:
+        for layer in ref.layer_names():
+            assert back.read_layer(layer).differences(ref.read_layer(layer)) == []

@@ -384,3 +384,34 @@ def test_decoder_variant_streams_its_documents(tmp_path: Path) -> None:
             tracemalloc.stop()
         assert len(list((tmp_path / f"m{n}.toml").glob("decoder-*.toml"))) == n
     assert peak[12] - peak[2] < 8 * 2**20, peak  # 10 more layers' documents would be ~50 MB
+
+
+# -- hostile file names and .npy headers (issue 30, item 11) -----------------------------------------------
+@pytest.mark.parametrize("stray", [b"(", b"["])
+def test_stray_byte_in_npy_header_names_the_file(table_copy: tuple[Path, Path], tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str], stray: bytes) -> None:
+    """numpy tokenizes the header: an unclosed bracket was "unexpected TokenError" naming no file."""
+    q, base = table_copy
+    p = q / f"{LAYER}.scale.npy"
+    raw = bytearray(p.read_bytes())
+    at = raw.index(b"}") + 2  # the header's space padding
+    raw[at:at + 1] = stray
+    p.write_bytes(bytes(raw))
+    _bad(lambda: TOML.open(q, base=base).read_layer(LAYER), f"{LAYER}.scale.npy", "not a readable .npy array")
+    rc = main(["convert", str(q), str(tmp_path / "out"), "--base", str(base)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and f"{LAYER}.scale.npy" in err and "TokenError" not in err, err
+
+
+def test_file_name_too_long_in_quant_toml_is_bad_input(table_copy: tuple[Path, Path], tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A 300-character .npy name is the table's fault: exit 2 naming quant.toml and the key (was exit 4, "File
+    name too long", naming the missing file)."""
+    q, base = table_copy
+    _edit_toml(q, f'scale = "{LAYER}.scale.npy"', f'scale = "{"a" * 300}.npy"')
+    text = _bad(lambda: TOML.open(q, base=base).read_layer(LAYER), "quant.toml", f"tensor {LAYER}",
+                "scale names", "too long")
+    assert "a" * 100 not in text
+    rc = main(["convert", str(q), str(tmp_path / "out"), "--base", str(base)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "quant.toml" in err and "scale names" in err, err

@@ -45,10 +45,12 @@ def _available() -> dict[str, type[Format]]:
 
 
 def get_format(name: str) -> type[Format]:
+    """The format class of ``name``, in any case (``--to GPTQ`` is ``gptq``)."""
     formats = _available()
-    if name not in formats:
+    key = name.lower() if isinstance(name, str) else name
+    if key not in formats:
         raise UnsupportedError(f"unknown format {name!r}; known: {', '.join(sorted(formats))}")
-    return formats[name]
+    return formats[key]
 
 
 def detect(path: str | Path) -> str:

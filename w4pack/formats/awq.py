@@ -24,6 +24,7 @@ mode "int"); float minima fit only GEMVFast. Anything else is refused before a b
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -199,13 +200,53 @@ def pack_marlin(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.n
 # ---------------------------------------------------------------------------------------------
 # configuration
 # ---------------------------------------------------------------------------------------------
-def _awq_settings(folder: Path | None) -> tuple[dict[str, Any], dict[str, Any] | None, str | None]:
-    """(config.json without quantization_config, AWQ settings {bits, group_size, version, zero_point}, file)."""
+@dataclass(frozen=True)
+class AWQConfig:
+    """An AWQ checkpoint's quantization settings, parsed once before any tensor is read: AutoAWQ 0.1
+    (``w_bit``, ``q_group_size``) and >= 0.2 / transformers (``bits``, ``group_size``, ``version`` or ``format``),
+    from config.json's quantization_config or quant_config.json. None fields: not stated (llm-awq dumps)."""
+
+    bits: int | None = None
+    group_size: int | None = None
+    #: the kernel layout the config names ("gemm", "gemv", "gemv_fast", "marlin"): a hint, the tensors decide
+    version: str | None = None
+    zero_point: bool = True
+    modules_to_not_convert: tuple[str, ...] | None = None
+    #: the file the settings came from (None: no settings)
+    file: str | None = None
+
+    @classmethod
+    def parse(cls, qc: dict[str, Any], file: str) -> "AWQConfig":
+        bits = qc.get("bits", qc.get("w_bit"))
+        gs = qc.get("group_size", qc.get("q_group_size"))
+        version = qc.get("version", qc.get("format"))
+        # (JSON writers emit real integers and booleans: "4", 128.5, Infinity or "false" is a damaged config, not a
+        # value to coerce)
+        for key, value in (("bits", bits), ("group_size", gs)):
+            if value is not None and not is_json_int(value):
+                raise BadInputError(f"{key} must be an integer, got {brief(value)}", file=file)
+        if gs is not None and gs != -1 and gs < 1:
+            raise BadInputError(f"group_size must be positive or -1, got {gs}", file=file)
+        if version is not None and not isinstance(version, str):
+            raise BadInputError(f"version must be a string, got {brief(version)}", file=file)
+        zero_point = qc.get("zero_point", True)
+        if not isinstance(zero_point, bool):
+            raise BadInputError(f"zero_point must be true or false, got {brief(zero_point)}", file=file)
+        not_converted = qc.get("modules_to_not_convert")
+        if not_converted is not None and (not isinstance(not_converted, list)
+                                          or not all(isinstance(m, str) for m in not_converted)):
+            raise BadInputError(f"modules_to_not_convert must be a list of names, got {brief(not_converted)}",
+                                file=file)
+        return cls(bits=bits, group_size=gs, version=None if version is None else version.lower().replace("-", "_"),
+                   zero_point=zero_point,
+                   modules_to_not_convert=None if not_converted is None else tuple(not_converted), file=file)
+
+
+def _awq_settings(folder: Path | None) -> tuple[dict[str, Any], AWQConfig]:
+    """(config.json without quantization_config, the AWQ settings)."""
     config: dict[str, Any] = {}
-    settings: dict[str, Any] | None = None
-    where = None
     if folder is None:
-        return config, settings, where
+        return config, AWQConfig()
     cpath = folder / "config.json"
     if cpath.is_file():
         doc = _read_json(cpath)
@@ -214,42 +255,13 @@ def _awq_settings(folder: Path | None) -> tuple[dict[str, Any], dict[str, Any] |
         config = {k: v for k, v in doc.items() if k != "quantization_config"}
         qc = doc.get("quantization_config")
         if isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() in ("awq", "llm-awq"):
-            settings, where = _normalize_settings(qc, str(cpath)), str(cpath)
+            return config, AWQConfig.parse(qc, str(cpath))
     qpath = folder / "quant_config.json"
-    if settings is None and qpath.is_file():
+    if qpath.is_file():
         doc = _read_json(qpath)
         if isinstance(doc, dict):
-            settings, where = _normalize_settings(doc, str(qpath)), str(qpath)
-    return config, settings, where
-
-
-def _normalize_settings(qc: dict[str, Any], file: str) -> dict[str, Any]:
-    """Accept AutoAWQ 0.1 (w_bit, q_group_size) and >=0.2 / transformers (bits, group_size, version|format)."""
-    out: dict[str, Any] = {}
-    bits = qc.get("bits", qc.get("w_bit"))
-    gs = qc.get("group_size", qc.get("q_group_size"))
-    version = qc.get("version", qc.get("format"))
-    # (JSON writers emit real integers and booleans: "4", 128.5, Infinity or "false" is a damaged config, not a
-    # value to coerce)
-    for key, value in (("bits", bits), ("group_size", gs)):
-        if value is not None and not is_json_int(value):
-            raise BadInputError(f"{key} must be an integer, got {brief(value)}", file=file)
-    if gs is not None and gs != -1 and gs < 1:
-        raise BadInputError(f"group_size must be positive or -1, got {gs}", file=file)
-    if version is not None and not isinstance(version, str):
-        raise BadInputError(f"version must be a string, got {brief(version)}", file=file)
-    zero_point = qc.get("zero_point", True)
-    if not isinstance(zero_point, bool):
-        raise BadInputError(f"zero_point must be true or false, got {brief(zero_point)}", file=file)
-    not_converted = qc.get("modules_to_not_convert")
-    if not_converted is not None and (not isinstance(not_converted, list)
-                                      or not all(isinstance(m, str) for m in not_converted)):
-        raise BadInputError(f"modules_to_not_convert must be a list of names, got {brief(not_converted)}", file=file)
-    out["bits"], out["group_size"] = bits, gs
-    out["version"] = None if version is None else version.lower().replace("-", "_")
-    out["zero_point"] = zero_point
-    out["modules_to_not_convert"] = not_converted
-    return out
+            return config, AWQConfig.parse(doc, str(qpath))
+    return config, AWQConfig()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,15 +312,14 @@ class AWQSource(Source):
         self.path = Path(path)
         folder = self.path if self.path.is_dir() else self.path.parent
         self.folder = folder
-        self.config, settings, self.settings_file = _awq_settings(folder)
-        self.settings = settings or {}
+        self.config, self.cfg = _awq_settings(folder)
         self.store = open_store(self.path)
-        label = self.settings_file or str(self.path)
-        if self.settings.get("bits") not in (None, 4):
+        label = self.cfg.file or str(self.path)
+        if self.cfg.bits not in (None, 4):
             self.store.close()
-            raise UnsupportedError(f"AWQ with {self.settings['bits']}-bit weights is not supported (AWQ is 4-bit)",
+            raise UnsupportedError(f"AWQ with {self.cfg.bits}-bit weights is not supported (AWQ is 4-bit)",
                                    file=label)
-        self.group_hint = group_size if group_size is not None else self.settings.get("group_size")
+        self.group_hint = group_size if group_size is not None else self.cfg.group_size
         names = self.store.names()
         present = set(names)
         self._layers = [n[: -len(".qweight")] for n in names if n.endswith(".qweight")]
@@ -318,7 +329,7 @@ class AWQSource(Source):
         owned = {f"{p}.{s}" for p in self._layers for s in _QSUFFIXES}
         self._passthrough = [n for n in names if n not in owned]
         self._kinds: dict[str, str] = {}
-        hint = self.settings.get("version")
+        hint = self.cfg.version
         for p in self._layers:
             try:
                 kind = _classify(self.store, p, hint)
@@ -547,7 +558,8 @@ class AWQCapabilities(Capabilities):
         reason = super().check(layer)
         if reason:
             if layer.zero_mode == "float":
-                reason += " (float minima fit only AWQ version gemv_fast; way out: --to w4pack)"
+                reason += (" (of AWQ's layouts only GEMVFast stores float minima, and only the Python API writes it: "
+                           "convert(..., to='awq', version='gemv_fast'); from the command line: --to w4pack)")
             if layer.act_order:
                 reason += " (way out: --to gptq or --to w4pack)"
             if layer.bits != 4:

@@ -16,8 +16,9 @@ Unsigned codes and zeros are exactly the canonical ones, so reading and writing 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -129,6 +130,112 @@ def _check_weights(w: dict[str, Any], key: str, label: str) -> None:
         raise BadInputError(f"{key}.type must be a string, got {brief(w['type'])}", file=label)
 
 
+@dataclass(frozen=True)
+class WeightScheme:
+    """One config group's weight arguments (its ``weights``), types checked when the config is parsed."""
+
+    group: str
+    targets: tuple[str, ...]
+    type: str
+    bits: int
+    symmetric: bool
+    #: "group", "channel" or "tensor" as the config says (or implies by a group size); checked per layer
+    strategy: str
+    group_size: int | None
+    format: str
+
+    @classmethod
+    def parse(cls, gname: str, targets: list[str], w: dict[str, Any], fmt: str) -> "WeightScheme":
+        return cls(group=gname, targets=tuple(targets), type=str(w.get("type", "int")), bits=int(w.get("num_bits", 4)),
+                   symmetric=bool(w.get("symmetric", True)),
+                   strategy=str(w.get("strategy") or ("group" if w.get("group_size") else "channel")),
+                   group_size=w.get("group_size"), format=fmt)
+
+
+@dataclass(frozen=True)
+class CTConfig:
+    """config.json's quantization_config (or compression_config) of a compressed-tensors checkpoint, parsed once
+    before any tensor is read: the weight schemes of its config_groups with their targets, the ignore list, the
+    checkpoint format. ``present``: False when the folder has none (schemes are then inferred per layer)."""
+
+    present: bool
+    schemes: tuple[WeightScheme, ...] = ()
+    ignore: tuple[str, ...] = ()
+    version: str | None = None
+    #: the file errors about the config name
+    file: str = ""
+
+    @classmethod
+    def parse(cls, q: dict[str, Any] | None, label: str) -> "CTConfig":
+        if q is None:
+            return cls(present=False, file=label)
+        qm = q.get("quant_method")
+        if qm not in (None, "compressed-tensors", "sparseml"):
+            raise UnsupportedError(f"quant_method is {qm!r}, not compressed-tensors", file=label)
+        fmt = q.get("format") or "pack-quantized"
+        if q.get("quantization_status") not in (None, "compressed"):
+            raise UnsupportedError(f"quantization_status {q.get('quantization_status')!r}: weights are not stored "
+                                   "compressed", file=label)
+        schemes = _parse_groups(q.get("config_groups") or {}, fmt, label)
+        ign = q.get("ignore") or []
+        ignore = [str(x) for x in (ign if isinstance(ign, list) else [ign])]
+        _check_patterns(ignore, "ignore", label)
+        if q.get("sparsity_config"):
+            sc = q["sparsity_config"]
+            if isinstance(sc, dict) and sc.get("format") not in (None, "dense"):
+                raise UnsupportedError(f"sparse compression {sc.get('format')!r} is not supported", file=label)
+        version = q.get("version")
+        return cls(present=True, schemes=tuple(schemes), ignore=tuple(ignore),
+                   version=None if version is None else str(version), file=label)
+
+    def scheme(self, name: str) -> WeightScheme | None:
+        """The scheme of the config group that claims module ``name``; None without a config."""
+        if not self.present:
+            return None
+        if any(_matches(name, t) for t in self.ignore):
+            raise BadInputError("module is listed in ignore but stores packed weights", file=self.file, tensor=name)
+        # compressed-tensors prefers exact names over regexes over class names
+        for kind in ("exact", "re", "class"):
+            for sch in self.schemes:
+                for t in sch.targets:
+                    k = "re" if t.startswith("re:") else ("exact" if t == name else "class")
+                    if k == kind and _matches(name, t):
+                        return sch
+        raise BadInputError("no config group targets this module", file=self.file, tensor=name)
+
+
+def _parse_groups(groups: Any, fmt: str, label: str) -> list[WeightScheme]:
+    """The weight schemes of ``config_groups`` (activation-only groups store nothing for weights: skipped)."""
+    if not isinstance(groups, dict):
+        raise BadInputError("config_groups is not an object", file=label)
+    out = []
+    for gname, g in groups.items():
+        if not isinstance(g, dict):
+            raise BadInputError(f"config group {gname!r} is not an object", file=label)
+        targets = g.get("targets") or []
+        if isinstance(targets, str):
+            targets = [targets]
+        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            raise BadInputError(f"config_groups.{gname}.targets must be a list of strings, got {brief(targets)}",
+                                file=label)
+        _check_patterns(targets, f"config_groups.{gname}.targets", label)
+        weights = g.get("weights")
+        if not isinstance(weights, dict):
+            continue
+        _check_weights(weights, f"config_groups.{gname}.weights", label)
+        out.append(WeightScheme.parse(gname, list(targets), weights, str(g.get("format") or fmt)))
+    return out
+
+
+class _Layout(NamedTuple):
+    """How one layer is stored, from its scheme or (without a config) its tensors: ``bits`` None = infer."""
+
+    bits: int | None
+    sym: bool
+    strategy: str
+    group_size: int | None
+
+
 class CompressedTensorsSource(Source):
     """A compressed-tensors model folder (config.json + safetensors shards) or a bare .safetensors file."""
 
@@ -152,7 +259,9 @@ class CompressedTensorsSource(Source):
         self._cfg_label = str(cfg_path)
         self.store = open_tensors(self.path, pickles="none")
         self.tensor_file: dict[str, Path] = {t: Path(f) for t, f in self.store.where.items()}
-        self._parse_config()
+        self.cfg = CTConfig.parse(self.qcfg, self._cfg_label)
+        if not self.cfg.present:
+            self.notes.append("no quantization_config: schemes inferred from tensor shapes")
         # modules with packed weights, in file order
         self._layers: list[str] = []
         seen = set()
@@ -173,9 +282,7 @@ class CompressedTensorsSource(Source):
                 raise BadInputError("module holds both weight and weight_packed",
                                     file=str(self.tensor_file[m + ".weight"]), tensor=f"{m}.weight")
         self._passthrough = [t for t in self.tensor_file if t not in owned]
-        version = (self.qcfg or {}).get("version")
-        self.info = {"format": "compressed-tensors", "version": None if version is None else str(version),
-                     "notes": self.notes}
+        self.info = {"format": "compressed-tensors", "version": self.cfg.version, "notes": self.notes}
 
     # -- tensors -------------------------------------------------------------------------------
     def _get(self, tname: str) -> np.ndarray:
@@ -186,64 +293,6 @@ class CompressedTensorsSource(Source):
 
     def _label(self, tname: str) -> str:
         return str(self.tensor_file.get(tname, self.path))
-
-    # -- config --------------------------------------------------------------------------------
-    def _parse_config(self) -> None:
-        self.groups: list[tuple[str, list[str], dict[str, Any], str]] = []
-        self.ignore: list[str] = []
-        q = self.qcfg
-        if q is None:
-            self.notes.append("no quantization_config: schemes inferred from tensor shapes")
-            return
-        label = self._cfg_label
-        qm = q.get("quant_method")
-        if qm not in (None, "compressed-tensors", "sparseml"):
-            raise UnsupportedError(f"quant_method is {qm!r}, not compressed-tensors", file=label)
-        fmt = q.get("format") or "pack-quantized"
-        if q.get("quantization_status") not in (None, "compressed"):
-            raise UnsupportedError(f"quantization_status {q.get('quantization_status')!r}: weights are not stored "
-                                   "compressed", file=label)
-        groups = q.get("config_groups") or {}
-        if not isinstance(groups, dict):
-            raise BadInputError("config_groups is not an object", file=label)
-        for gname, g in groups.items():
-            if not isinstance(g, dict):
-                raise BadInputError(f"config group {gname!r} is not an object", file=label)
-            targets = g.get("targets") or []
-            if isinstance(targets, str):
-                targets = [targets]
-            if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
-                raise BadInputError(f"config_groups.{gname}.targets must be a list of strings, got {brief(targets)}",
-                                    file=label)
-            _check_patterns(targets, f"config_groups.{gname}.targets", label)
-            weights = g.get("weights")
-            if not isinstance(weights, dict):
-                continue  # activation-only scheme: nothing stored for weights
-            _check_weights(weights, f"config_groups.{gname}.weights", label)
-            self.groups.append((gname, list(targets), weights, str(g.get("format") or fmt)))
-        ign = q.get("ignore") or []
-        self.ignore = [str(x) for x in (ign if isinstance(ign, list) else [ign])]
-        _check_patterns(self.ignore, "ignore", label)
-        if q.get("sparsity_config"):
-            sc = q["sparsity_config"]
-            if isinstance(sc, dict) and sc.get("format") not in (None, "dense"):
-                raise UnsupportedError(f"sparse compression {sc.get('format')!r} is not supported", file=label)
-
-    def _scheme(self, name: str) -> tuple[dict[str, Any] | None, str]:
-        """(weights args, format) of the config group that claims ``name``; (None, '') without a config."""
-        if self.qcfg is None:
-            return None, ""
-        if any(_matches(name, t) for t in self.ignore):
-            raise BadInputError("module is listed in ignore but stores packed weights", file=self._cfg_label,
-                                tensor=name)
-        # compressed-tensors prefers exact names over regexes over class names
-        for kind in ("exact", "re", "class"):
-            for _g, targets, weights, fmt in self.groups:
-                for t in targets:
-                    k = "re" if t.startswith("re:") else ("exact" if t == name else "class")
-                    if k == kind and _matches(name, t):
-                        return weights, fmt
-        raise BadInputError("no config group targets this module", file=self._cfg_label, tensor=name)
 
     # -- Source --------------------------------------------------------------------------------
     def layer_names(self) -> list[str]:
@@ -299,7 +348,7 @@ class CompressedTensorsSource(Source):
         if name not in self._layers:
             raise BadInputError("no such quantized layer", file=str(self.path), tensor=name)
         self._release_pages()
-        tp, ts, tsh = f"{name}.weight_packed", f"{name}.weight_scale", f"{name}.weight_shape"
+        tp, ts = f"{name}.weight_packed", f"{name}.weight_scale"
         if ts not in self.tensor_file:
             raise BadInputError("tensor is missing", file=self._label(tp), tensor=ts)
         packed = self._get(tp)
@@ -312,48 +361,77 @@ class CompressedTensorsSource(Source):
             raise UnsupportedError(f"weight_scale dtype {sdt} (expected bfloat16, float16 or float32)",
                                    file=self._label(ts), tensor=ts)
         scale = self._get(ts)
-        weights, fmt = self._scheme(name)
-        if fmt and fmt != "pack-quantized":
-            raise UnsupportedError(f"format {fmt!r}: only pack-quantized int weights are supported",
-                                   file=self._cfg_label, tensor=name)
-        # shape: weight_shape is authoritative
-        if tsh in self.tensor_file:
-            shp = self._get(tsh)
-            if shp.size != 2 or shp.dtype.kind not in "iu":
-                raise BadInputError(f"weight_shape must hold two integers, got {shp.dtype} {list(shp.shape)}",
-                                    file=self._label(tsh), tensor=tsh)
-            n_s, k = (int(x) for x in np.asarray(shp).reshape(-1))
-            if n_s != n:
-                raise BadInputError(f"weight_shape says {n_s} rows but weight_packed has {n}", file=self._label(tsh),
-                                    tensor=tsh)
-        else:
-            k = None
+        scheme = self.cfg.scheme(name)
+        if scheme is not None and scheme.format and scheme.format != "pack-quantized":
+            raise UnsupportedError(f"format {scheme.format!r}: only pack-quantized int weights are supported",
+                                   file=self.cfg.file, tensor=name)
+        k = self._stated_in_features(name, n)
         zp_name = f"{name}.weight_zero_point"
-        has_zp = zp_name in self.tensor_file
+        lay = self._layout(name, scheme, scale, zp_name in self.tensor_file)
         notes: dict[str, Any] = {}
-        if weights is not None:
-            if str(weights.get("type", "int")) != "int":
-                raise UnsupportedError(f"weight type {weights.get('type')!r}: only int is supported",
-                                       file=self._cfg_label, tensor=name)
-            bits = int(weights.get("num_bits", 4))
-            sym = bool(weights.get("symmetric", True))
-            strategy = str(weights.get("strategy") or ("group" if weights.get("group_size") else "channel"))
-            gs_cfg = weights.get("group_size")
-            if strategy not in _STRATEGIES:
-                raise UnsupportedError(f"strategy {strategy!r} (supported: {', '.join(_STRATEGIES)})",
-                                       file=self._cfg_label, tensor=name)
-            if not sym and not has_zp:
-                raise BadInputError("asymmetric scheme but weight_zero_point is missing", file=self._label(tp),
-                                    tensor=zp_name)
-        else:
-            sym = not has_zp
+        bits, k = self._bits_and_k(name, lay, k, words, notes)
+        codes = self._codes(tp, packed, bits, k, notes)
+        scales, group_size = self._scales(ts, scale, lay, n, k)
+        zero_mode, zeros = "none", None
+        if zp_name in self.tensor_file:
+            zero_mode, zeros = self._zeros(zp_name, lay, bits, n, scales.shape[1], notes)
+        g_idx = self._g_idx(f"{name}.weight_g_idx", k, group_size, scales.shape[1])
+        bias = bias_dtype = None
+        if f"{name}.bias" in self.tensor_file:
+            bias_dtype = self._dtype(f"{name}.bias")
+            bias = np.array(self._get(f"{name}.bias"))
+        source = {"format": "compressed-tensors", "strategy": lay.strategy, "symmetric": lay.sym}
+        if notes:
+            source.update(notes)
+        layer = CanonicalLayer(codes=codes, scales=scales, bits=bits, group_size=group_size, zero_mode=zero_mode,
+                               zeros=zeros, g_idx=g_idx, scale_dtype=sdt, bias=bias, bias_dtype=bias_dtype,
+                               source=source, name=name)
+        try:
+            return layer.validate()
+        except BadInputError as exc:
+            raise BadInputError(exc.message, file=self._label(tp), tensor=name) from None
+
+    def _stated_in_features(self, name: str, n: int) -> int | None:
+        """K from weight_shape, the only exact record of it (None when the tensor is absent)."""
+        tsh = f"{name}.weight_shape"
+        if tsh not in self.tensor_file:
+            return None
+        shp = self._get(tsh)
+        if shp.size != 2 or shp.dtype.kind not in "iu":
+            raise BadInputError(f"weight_shape must hold two integers, got {shp.dtype} {list(shp.shape)}",
+                                file=self._label(tsh), tensor=tsh)
+        n_s, k = (int(x) for x in np.asarray(shp).reshape(-1))
+        if n_s != n:
+            raise BadInputError(f"weight_shape says {n_s} rows but weight_packed has {n}", file=self._label(tsh),
+                                tensor=tsh)
+        return k
+
+    def _layout(self, name: str, scheme: WeightScheme | None, scale: np.ndarray, has_zp: bool) -> _Layout:
+        """The scheme's layout, or without a config the one the tensors show (a zero point: asymmetric)."""
+        if scheme is None:
             strategy = "tensor" if scale.size == 1 and scale.ndim <= 1 else ("channel" if scale.shape[-1] == 1
                                                                                 else "group")
-            gs_cfg = None
-            bits = None
+            return _Layout(bits=None, sym=not has_zp, strategy=strategy, group_size=None)
+        if scheme.type != "int":
+            raise UnsupportedError(f"weight type {scheme.type!r}: only int is supported", file=self.cfg.file,
+                                   tensor=name)
+        if scheme.strategy not in _STRATEGIES:
+            raise UnsupportedError(f"strategy {scheme.strategy!r} (supported: {', '.join(_STRATEGIES)})",
+                                   file=self.cfg.file, tensor=name)
+        if not scheme.symmetric and not has_zp:
+            raise BadInputError("asymmetric scheme but weight_zero_point is missing",
+                                file=self._label(f"{name}.weight_packed"), tensor=f"{name}.weight_zero_point")
+        return _Layout(bits=scheme.bits, sym=scheme.symmetric, strategy=scheme.strategy, group_size=scheme.group_size)
+
+    def _bits_and_k(self, name: str, lay: _Layout, k: int | None, words: int,
+                    notes: dict[str, Any]) -> tuple[int, int]:
+        """(bits, K): K from weight_shape, else the group count or the packed width; bits from the scheme, else the
+        packed width."""
+        tp, tsh = f"{name}.weight_packed", f"{name}.weight_shape"
+        bits = lay.bits
         if k is None:
-            if strategy == "group" and gs_cfg:
-                k = int(scale.shape[-1]) * int(gs_cfg)
+            if lay.strategy == "group" and lay.group_size:
+                k = int(self._get(f"{name}.weight_scale").shape[-1]) * int(lay.group_size)
             elif bits is not None and (words * 32) % bits == 0:
                 k = words * 32 // bits
                 notes["quirk"] = "no weight_shape: in_features taken from the packed width"
@@ -370,92 +448,80 @@ class CompressedTensorsSource(Source):
             raise UnsupportedError(f"{bits}-bit weights (supported: 2, 3, 4, 8)", file=self._label(tp), tensor=name)
         if k < 1:
             raise BadInputError(f"in_features {k} must be positive", file=self._label(tsh), tensor=tsh)
-        # codes
+        return bits, k
+
+    def _codes(self, tp: str, packed: np.ndarray, bits: int, k: int, notes: dict[str, Any]) -> np.ndarray:
+        """codes [N, K] from the dense bit stream, or the pre-0.17 whole-values-per-word packing."""
+        words = packed.shape[1]
         dense = -(-k * bits // 32)
         legacy = -(-k // (32 // bits))
         if words == dense:
-            codes = unpack_rows(packed, bits, k)
-        elif words == legacy:
-            codes = _unpack_rows_legacy(packed, bits, k)
+            return unpack_rows(packed, bits, k)
+        if words == legacy:
             notes["quirk"] = f"pre-0.17 packing: {32 // bits} values per int32"
-        else:
-            raise BadInputError(f"weight_packed has {words} words per row; {k} {bits}-bit values need {dense}",
-                                file=self._label(tp), tensor=tp)
-        # scales -> [N, G]
-        if strategy == "tensor":
+            return _unpack_rows_legacy(packed, bits, k)
+        raise BadInputError(f"weight_packed has {words} words per row; {k} {bits}-bit values need {dense}",
+                            file=self._label(tp), tensor=tp)
+
+    def _scales(self, ts: str, scale: np.ndarray, lay: _Layout, n: int, k: int) -> tuple[np.ndarray, int]:
+        """(scales [N, G], group size) for the tensor, channel or group strategy."""
+        if lay.strategy == "tensor":
             if scale.size != 1:
                 raise BadInputError(f"tensor strategy needs one scale, got shape {list(scale.shape)}",
                                     file=self._label(ts), tensor=ts)
-            scales = np.broadcast_to(np.asarray(scale).reshape(1, 1), (n, 1)).copy()
-            group_size = -1
-        else:
-            if scale.ndim != 2 or scale.shape[0] != n or scale.shape[1] < 1:
-                raise BadInputError(f"weight_scale shape {list(scale.shape)} is not [{n} rows, groups]",
+            return np.broadcast_to(np.asarray(scale).reshape(1, 1), (n, 1)).copy(), -1
+        if scale.ndim != 2 or scale.shape[0] != n or scale.shape[1] < 1:
+            raise BadInputError(f"weight_scale shape {list(scale.shape)} is not [{n} rows, groups]",
+                                file=self._label(ts), tensor=ts)
+        g = int(scale.shape[1])
+        if lay.strategy == "channel":
+            if g != 1:
+                raise BadInputError(f"channel strategy needs weight_scale [N, 1], got {list(scale.shape)}",
                                     file=self._label(ts), tensor=ts)
-            g = int(scale.shape[1])
-            if strategy == "channel":
-                if g != 1:
-                    raise BadInputError(f"channel strategy needs weight_scale [N, 1], got {list(scale.shape)}",
-                                        file=self._label(ts), tensor=ts)
-                group_size = -1
-            else:
-                if gs_cfg:
-                    group_size = int(gs_cfg)
-                elif k % g == 0:
-                    group_size = k // g
-                else:
-                    raise BadInputError(f"cannot infer the group size: {k} columns, {g} groups", file=self._label(ts),
-                                        tensor=ts)
-                if group_size == k and g == 1 and gs_cfg in (None, -1):
-                    group_size = -1
-                if group_size != -1 and -(-k // group_size) != g:
-                    raise BadInputError(f"weight_scale has {g} groups; {k} columns in groups of {group_size} need "
-                                        f"{-(-k // group_size)}", file=self._label(ts), tensor=ts)
-            scales = np.array(scale)
-        # zero points
-        zeros = None
-        zero_mode = "none"
-        if has_zp:
-            zeros, quirk = self._zero_points(zp_name, strategy, bits, n, scales.shape[1])
-            if quirk:
-                notes["quirk"] = quirk
-            if sym:
-                if np.any(zeros != 1 << (bits - 1)):
-                    raise BadInputError("symmetric scheme but weight_zero_point holds nonzero zero points",
-                                        file=self._label(zp_name), tensor=zp_name)
-                zeros = None
-            else:
-                zero_mode = "int"
-        # g_idx
-        gi_name = f"{name}.weight_g_idx"
-        g_idx = None
-        if gi_name in self.tensor_file:
-            gi = self._get(gi_name)
-            if gi.shape != (k,) or gi.dtype.kind not in "iu":
-                raise BadInputError(f"weight_g_idx must be int [{k}], got {gi.dtype} {list(gi.shape)}",
-                                    file=self._label(gi_name), tensor=gi_name)
-            if group_size == -1:
-                if np.any(np.asarray(gi) != 0):
-                    raise BadInputError("weight_g_idx names groups but the layer has one", file=self._label(gi_name),
-                                        tensor=gi_name)
-            g_idx = np.asarray(gi).astype(np.int32)
-            if g_idx.size and (int(g_idx.min()) < 0 or int(g_idx.max()) >= scales.shape[1]):
-                raise BadInputError(f"weight_g_idx values outside 0..{scales.shape[1] - 1}",
-                                    file=self._label(gi_name), tensor=gi_name)
-        bias = bias_dtype = None
-        if f"{name}.bias" in self.tensor_file:
-            bias_dtype = self._dtype(f"{name}.bias")
-            bias = np.array(self._get(f"{name}.bias"))
-        source = {"format": "compressed-tensors", "strategy": strategy, "symmetric": sym}
-        if notes:
-            source.update(notes)
-        layer = CanonicalLayer(codes=codes, scales=scales, bits=bits, group_size=group_size, zero_mode=zero_mode,
-                               zeros=zeros, g_idx=g_idx, scale_dtype=sdt, bias=bias, bias_dtype=bias_dtype,
-                               source=source, name=name)
-        try:
-            return layer.validate()
-        except BadInputError as exc:
-            raise BadInputError(exc.message, file=self._label(tp), tensor=name) from None
+            return np.array(scale), -1
+        gs_cfg = lay.group_size
+        if gs_cfg:
+            group_size = int(gs_cfg)
+        elif k % g == 0:
+            group_size = k // g
+        else:
+            raise BadInputError(f"cannot infer the group size: {k} columns, {g} groups", file=self._label(ts),
+                                tensor=ts)
+        if group_size == k and g == 1 and gs_cfg in (None, -1):
+            group_size = -1
+        if group_size != -1 and -(-k // group_size) != g:
+            raise BadInputError(f"weight_scale has {g} groups; {k} columns in groups of {group_size} need "
+                                f"{-(-k // group_size)}", file=self._label(ts), tensor=ts)
+        return np.array(scale), group_size
+
+    def _zeros(self, zp_name: str, lay: _Layout, bits: int, n: int, ng: int,
+               notes: dict[str, Any]) -> tuple[str, np.ndarray | None]:
+        """(zero mode, zeros): a symmetric scheme's stored zero points must all be the implicit 2**(b-1)."""
+        zeros, quirk = self._zero_points(zp_name, lay.strategy, bits, n, ng)
+        if quirk:
+            notes["quirk"] = quirk
+        if not lay.sym:
+            return "int", zeros
+        if np.any(zeros != 1 << (bits - 1)):
+            raise BadInputError("symmetric scheme but weight_zero_point holds nonzero zero points",
+                                file=self._label(zp_name), tensor=zp_name)
+        return "none", None
+
+    def _g_idx(self, gi_name: str, k: int, group_size: int, ng: int) -> np.ndarray | None:
+        """weight_g_idx of older act-order files, checked against K and the groups."""
+        if gi_name not in self.tensor_file:
+            return None
+        gi = self._get(gi_name)
+        if gi.shape != (k,) or gi.dtype.kind not in "iu":
+            raise BadInputError(f"weight_g_idx must be int [{k}], got {gi.dtype} {list(gi.shape)}",
+                                file=self._label(gi_name), tensor=gi_name)
+        if group_size == -1 and np.any(np.asarray(gi) != 0):
+            raise BadInputError("weight_g_idx names groups but the layer has one", file=self._label(gi_name),
+                                tensor=gi_name)
+        g_idx = np.asarray(gi).astype(np.int32)
+        if g_idx.size and (int(g_idx.min()) < 0 or int(g_idx.max()) >= ng):
+            raise BadInputError(f"weight_g_idx values outside 0..{ng - 1}", file=self._label(gi_name), tensor=gi_name)
+        return g_idx
 
 
 # ---------------------------------------------------------------------------------------------

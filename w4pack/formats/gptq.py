@@ -25,17 +25,17 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .._version import __version__
-from ..store.atomic import AtomicFolder
+from ..store.atomic import AtomicFolder, is_disk_full, write_failure
 from ..core import fastpath
 from ..core.canonical import CanonicalLayer
 from ..store.checkpoint import parse_size
 from ..core.dtypes import FLOAT_DTYPES
-from ..errors import BadInputError, UnsupportedError, W4PackError
+from ..errors import BadInputError, IOFailure, UnsupportedError, W4PackError
 from ..store.folder import brief, copy_side_files, is_json_int, read_json as _read_json, side_files, write_json
 from ..core.layout import PackedLayer, group_structure, pack_with_qweight
 from ..progress import Progress
@@ -183,6 +183,80 @@ def _dynamic_override(dynamic: Any, module: str, file: str | None = None) -> tup
     return False, {}
 
 
+@dataclass(frozen=True)
+class ModuleSettings:
+    """What the config says about one module, after GPTQModel's ``dynamic`` rules: ``skip``: a ``-:`` rule names
+    it (the file may hold it quantized all the same)."""
+
+    bits: int | None
+    group_size: int | None
+    sym: bool | None
+    skip: bool
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    """A GPTQ checkpoint's quantization config, parsed once before any tensor is read: quantize_config.json
+    (or quant_config.json) over config.json's quantization_config, types checked, synonyms (wbits, groupsize...)
+    resolved, the layouts w4pack cannot read refused. Covers AutoGPTQ, GPTQModel v1/v2 (``checkpoint_format``,
+    ``dynamic``, ``meta``) and config-less GPTQ-for-LLaMa files (``empty``)."""
+
+    bits: int | None
+    group_size: int | None
+    sym: bool | None
+    desc_act: bool | None
+    #: the declared checkpoint format, V1 or V2 (the zero fields may contradict it: see GPTQSource)
+    version: str
+    dynamic: dict[str, Any] | None
+    base_name: str | None
+    #: who wrote it, as the config says (``meta.quantizer``, GPTQModel's own keys), or None
+    quantizer: str | None
+    empty: bool
+    #: the file the ``dynamic`` rules are reported against
+    file: str
+    notes: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, qc: dict[str, Any], notes: list[str], root: Path, label: str, bits: int | None = None,
+              group_size: int | None = None, version: str | None = None) -> "GPTQConfig":
+        """The config ``_quant_config(root)`` merged (``label`` names the checkpoint in errors); ``bits``,
+        ``group_size`` and ``version`` (the reader's options) stand in for what the files do not say."""
+        qc = dict(qc)
+        qm = qc.get("quant_method")
+        if qm is not None and str(qm).lower() != "gptq":
+            raise UnsupportedError(f"quantization_config says quant_method={qm!r}, not GPTQ", file=label)
+        if qc.get("is_marlin_format"):
+            raise UnsupportedError("is_marlin_format: qweight was repacked for Marlin on disk; re-export it in the "
+                                   "plain GPTQ layout", file=label)
+        pack_dtype = str(qc.get("pack_dtype", "int32")).removeprefix("torch.")
+        if pack_dtype != "int32":
+            raise UnsupportedError(f"pack_dtype {pack_dtype} is not supported (only int32 words)", file=label)
+        if bits is not None:
+            qc["bits"] = int(bits)
+        if group_size is not None:
+            qc["group_size"] = int(group_size)
+        version = version or _declared_version(qc)
+        base_name = qc.get("model_file_base_name") if isinstance(qc.get("model_file_base_name"), str) else None
+        meta_q = (qc.get("meta") or {}).get("quantizer") if isinstance(qc.get("meta"), dict) else None
+        if meta_q:
+            quantizer: str | None = ", ".join(map(str, meta_q if isinstance(meta_q, list) else [meta_q]))
+        elif "pack_dtype" in qc or isinstance(qc.get("meta"), dict):
+            quantizer = "gptqmodel (from its config keys)"
+        else:
+            quantizer = None
+        sym, desc_act = qc.get("sym"), qc.get("desc_act")
+        return cls(bits=qc.get("bits"), group_size=qc.get("group_size"), sym=None if sym is None else bool(sym),
+                   desc_act=None if desc_act is None else bool(desc_act), version=version,
+                   dynamic=qc.get("dynamic") if isinstance(qc.get("dynamic"), dict) else None, base_name=base_name,
+                   quantizer=quantizer, empty=not qc, file=str(root / "quantize_config.json"), notes=tuple(notes))
+
+    def for_module(self, module: str) -> ModuleSettings:
+        skip, over = _dynamic_override(self.dynamic, module, self.file)
+        sym = over.get("sym", self.sym)
+        return ModuleSettings(bits=over.get("bits", self.bits), group_size=over.get("group_size", self.group_size),
+                              sym=None if sym is None else bool(sym), skip=skip)
+
+
 # ---------------------------------------------------------------------------------------------
 # reading
 # ---------------------------------------------------------------------------------------------
@@ -203,6 +277,17 @@ class _Plan:
     quirks: list[str] = field(default_factory=list)
 
 
+class _Shapes(NamedTuple):
+    """The shapes of one layer's GPTQ tensors, checked against each other; ``k`` from g_idx when there is one."""
+
+    qshape: tuple[int, ...]
+    zshape: tuple[int, ...]
+    rows: int
+    n: int
+    groups: int
+    k: int | None
+
+
 class GPTQSource(Source):
     """An opened GPTQ checkpoint (folder or single file), read layer by layer from memory maps.
 
@@ -221,42 +306,16 @@ class GPTQSource(Source):
             raise UnsupportedError(f"checkpoint_format must be {V1!r} or {V2!r}, got {checkpoint_format!r}")
         self.v1_zeros = v1_zeros
         # a single weights file uses the configs beside it, if any (GPTQ-for-LLaMa files have none)
-        root = self.path if self.path.is_dir() else self.path.parent
-        qc, hf, notes = _quant_config(root)
-        qm = qc.get("quant_method")
-        if qm is not None and str(qm).lower() != "gptq":
-            raise UnsupportedError(f"quantization_config says quant_method={qm!r}, not GPTQ", file=str(self.path))
-        if qc.get("is_marlin_format"):
-            raise UnsupportedError("is_marlin_format: qweight was repacked for Marlin on disk; re-export it in the "
-                                   "plain GPTQ layout", file=str(self.path))
-        pack_dtype = str(qc.get("pack_dtype", "int32")).removeprefix("torch.")
-        if pack_dtype != "int32":
-            raise UnsupportedError(f"pack_dtype {pack_dtype} is not supported (only int32 words)", file=str(self.path))
-        if bits is not None:
-            qc["bits"] = int(bits)
-        if group_size is not None:
-            qc["group_size"] = int(group_size)
-        self.qc = qc
-        self.declared = checkpoint_format or _declared_version(qc)
+        self.root = self.path if self.path.is_dir() else self.path.parent
+        qc, hf, notes = _quant_config(self.root)
+        self.cfg = GPTQConfig.parse(qc, notes, self.root, str(self.path), bits, group_size, checkpoint_format)
+        self.declared = self.cfg.version
         self.forced = checkpoint_format is not None
         self.config = {k: v for k, v in hf.items() if k != "quantization_config"}
-        base_name = qc.get("model_file_base_name") if isinstance(qc.get("model_file_base_name"), str) else None
-        self.store = open_tensors(self.path, base_name=base_name)
-        self.root = self.path if self.path.is_dir() else self.path.parent
-        meta_q = (qc.get("meta") or {}).get("quantizer") if isinstance(qc.get("meta"), dict) else None
-        if meta_q:
-            producer = ", ".join(map(str, meta_q if isinstance(meta_q, list) else [meta_q]))
-        elif "pack_dtype" in qc or isinstance(qc.get("meta"), dict):
-            producer = "gptqmodel (from its config keys)"
-        elif "auto_gptq_version" in self.store.metadata:
-            producer = f"auto_gptq:{self.store.metadata['auto_gptq_version']}"
-        elif not qc:
-            producer = "unknown (no quantization config: GPTQ-for-LLaMa style state dict)"
-        else:
-            producer = "unknown"
-        self.producer = producer
-        self._gptqmodel = "gptqmodel" in producer.lower()
-        self.notes = list(notes)
+        self.store = open_tensors(self.path, base_name=self.cfg.base_name)
+        self.producer = self._producer()
+        self._gptqmodel = "gptqmodel" in self.producer.lower()
+        self.notes = list(self.cfg.notes)
         self.quirks: list[str] = []
         self._plans: dict[str, _Plan] = {}
         self._scratch = ScratchPool(4)  # qweight read buffer + codes of the layers in flight
@@ -268,7 +327,17 @@ class GPTQSource(Source):
         self.store.release_all()
         versions = sorted({p.version for p in self._plans.values()}) or [self.declared]
         self.info = {"format": "gptq", "version": versions[0] if len(versions) == 1 else "+".join(versions),
-                     "producer": producer, "notes": self.notes, "quirks": self.quirks}
+                     "producer": self.producer, "notes": self.notes, "quirks": self.quirks}
+
+    def _producer(self) -> str:
+        """Who wrote the checkpoint: the config's word, else AutoGPTQ's safetensors metadata."""
+        if self.cfg.quantizer:
+            return self.cfg.quantizer
+        if "auto_gptq_version" in self.store.metadata:
+            return f"auto_gptq:{self.store.metadata['auto_gptq_version']}"
+        if self.cfg.empty:
+            return "unknown (no quantization config: GPTQ-for-LLaMa style state dict)"
+        return "unknown"
 
     # -- planning ------------------------------------------------------------------------------
     def _plan_all(self) -> None:
@@ -296,6 +365,29 @@ class GPTQSource(Source):
                                "zero 0, as masking v1 kernels do (AutoGPTQ, vLLM, transformers); see the layer notes")
 
     def _plan(self, m: str) -> _Plan:
+        """A layer's plan from its tensors' shapes and the config (no data read unless a group size must be
+        inferred from g_idx)."""
+        t = self._layer_tensors(m)
+        cfg = self.cfg.for_module(m)
+        notes: list[str] = []
+        if cfg.skip:
+            notes.append("the config's dynamic rules skip this module, but the file holds it quantized; read as "
+                         "quantized")
+        sh = self._shapes(t)
+        b, k = self._bit_width(t, sh, cfg.bits, notes)
+        gs = self._group_size(t, k, sh.groups, cfg.group_size, notes)
+        if "bias" in t:
+            bdt, bshape = self.store.info(t["bias"])
+            if bdt not in FLOAT_DTYPES or bshape != (sh.n,):
+                raise self._bad(t, "bias", f"bias must be a float [N={sh.n}] vector, got {bdt} {list(bshape)}")
+        return _Plan(name=m, bits=b, group_size=gs, in_features=k, out_features=sh.n, groups=sh.groups, sym=cfg.sym,
+                     version=self.declared, tensors=t, notes=notes)
+
+    def _bad(self, t: dict[str, str], key: str, msg: str) -> BadInputError:
+        return BadInputError(msg, file=self.store.where[t[key]], tensor=t[key])
+
+    def _layer_tensors(self, m: str) -> dict[str, str]:
+        """suffix -> tensor name of module ``m``; qweight, qzeros and scales must be there."""
         st = self.store
         t = {s: f"{m}.{s}" for s in _SUFFIXES if f"{m}.{s}" in st}
         qname = t["qweight"]
@@ -307,58 +399,59 @@ class GPTQSource(Source):
             raise BadInputError(f"quantized layer has qweight but no {m}.qzeros", file=qfile, tensor=qname)
         if "scales" not in t:
             raise BadInputError(f"quantized layer has qweight but no {m}.scales", file=qfile, tensor=qname)
-        skip, over = _dynamic_override(self.qc.get("dynamic"), m, str(self.root / "quantize_config.json"))
-        notes: list[str] = []
-        if skip:
-            notes.append("the config's dynamic rules skip this module, but the file holds it quantized; read as "
-                         "quantized")
-        cfg_bits = over.get("bits", self.qc.get("bits"))
-        cfg_gs = over.get("group_size", self.qc.get("group_size"))
-        sym = over.get("sym", self.qc.get("sym"))
-        sym = None if sym is None else bool(sym)
+        return t
 
-        def bad(tensor_key: str, msg: str) -> BadInputError:
-            return BadInputError(msg, file=st.where[t[tensor_key]], tensor=t[tensor_key])
-
-        qdt, qshape = st.info(qname)
+    def _shapes(self, t: dict[str, str]) -> _Shapes:
+        """The dtypes and shapes of qweight, scales, qzeros and g_idx, checked against each other."""
+        st = self.store
+        qdt, qshape = st.info(t["qweight"])
         if qdt not in ("int32", "uint32") or len(qshape) != 2:
-            raise bad("qweight", f"qweight must be int32 [K*bits/32, N], got {qdt} {list(qshape)}")
+            raise self._bad(t, "qweight", f"qweight must be int32 [K*bits/32, N], got {qdt} {list(qshape)}")
         sdt, sshape = st.info(t["scales"])
         if sdt not in FLOAT_DTYPES or len(sshape) != 2:
-            raise bad("scales", f"scales must be float16/bfloat16/float32 [G, N], got {sdt} {list(sshape)}")
+            raise self._bad(t, "scales", f"scales must be float16/bfloat16/float32 [G, N], got {sdt} {list(sshape)}")
         zdt, zshape = st.info(t["qzeros"])
         if zdt not in ("int32", "uint32") or len(zshape) != 2:
-            raise bad("qzeros", f"qzeros must be int32 [G, N*bits/32], got {zdt} {list(zshape)}")
+            raise self._bad(t, "qzeros", f"qzeros must be int32 [G, N*bits/32], got {zdt} {list(zshape)}")
         rows, n = qshape
         groups = sshape[0]
         if sshape[1] != n or n == 0 or rows == 0 or groups == 0:
-            raise bad("qweight", f"qweight shape {list(qshape)} and scales shape {list(sshape)} disagree on N "
-                      "(or are empty)")
+            raise self._bad(t, "qweight", f"qweight shape {list(qshape)} and scales shape {list(sshape)} disagree "
+                            "on N (or are empty)")
         if zshape[0] != groups:
-            raise bad("qzeros", f"qzeros has {zshape[0]} group rows but scales has {groups}")
+            raise self._bad(t, "qzeros", f"qzeros has {zshape[0]} group rows but scales has {groups}")
         k = None
         if "g_idx" in t:
             gdt, gshape = st.info(t["g_idx"])
             if gdt not in ("int32", "int64", "int16") or len(gshape) != 1:
-                raise bad("g_idx", f"g_idx must be an integer [K] vector, got {gdt} {list(gshape)}")
+                raise self._bad(t, "g_idx", f"g_idx must be an integer [K] vector, got {gdt} {list(gshape)}")
             k = gshape[0]
+        return _Shapes(qshape=tuple(qshape), zshape=tuple(zshape), rows=rows, n=n, groups=groups, k=k)
+
+    def _bit_width(self, t: dict[str, str], sh: _Shapes, cfg_bits: int | None, notes: list[str]) -> tuple[int, int]:
+        """(bits, K): from g_idx's length where there is one (checked against the config), else from the config,
+        else from the qzeros shape."""
+        rows, n, k, qshape, zshape = sh.rows, sh.n, sh.k, list(sh.qshape), list(sh.zshape)
+        qname = t["qweight"]
+        qfile = self.store.where[qname]
         zbits = _ratio(zshape[1] * 32, n)
         if k is not None:
             kb = _ratio(rows * 32, k)
             if kb not in STREAM_BITS:
-                raise bad("qweight", f"qweight shape {list(qshape)} holds {rows * 32}/{k} bits per code for K={k} "
-                          f"(from g_idx): truncated or not a GPTQ qweight")
+                raise self._bad(t, "qweight", f"qweight shape {qshape} holds {rows * 32}/{k} bits per code for K={k} "
+                                f"(from g_idx): truncated or not a GPTQ qweight")
             b = int(kb)
             if cfg_bits is not None and int(cfg_bits) != b:
-                raise bad("qweight", f"qweight shape {list(qshape)} means {b}-bit codes for K={k}, but the config "
-                          f"says bits={cfg_bits}")
+                raise self._bad(t, "qweight", f"qweight shape {qshape} means {b}-bit codes for K={k}, but the config "
+                                f"says bits={cfg_bits}")
         elif cfg_bits is not None:
             b = int(cfg_bits)
             if b not in STREAM_BITS:
                 raise UnsupportedError(f"bits={b} is not supported (GPTQ stream bits: {STREAM_BITS})",
                                        file=qfile, tensor=qname)
             if (rows * 32) % b:
-                raise bad("qweight", f"qweight has {rows} rows, not a whole number of {b}-bit codes per column")
+                raise self._bad(t, "qweight", f"qweight has {rows} rows, not a whole number of {b}-bit codes per "
+                                "column")
             k = rows * 32 // b
             notes.append("no g_idx tensor: groups taken as k // group_size")
         elif zbits in STREAM_BITS:
@@ -367,42 +460,43 @@ class GPTQSource(Source):
             notes.append(f"no g_idx and no config: bits={b} inferred from the qzeros shape")
         else:
             raise BadInputError("cannot tell the bit width: no g_idx, no config bits, and qzeros shape "
-                                f"{list(zshape)} does not say it", file=qfile, tensor=qname)
+                                f"{zshape} does not say it", file=qfile, tensor=qname)
         if zbits != b:
-            raise bad("qzeros", f"qzeros shape {list(zshape)} does not hold {b}-bit zeros for N={n} "
-                      f"(expected [{groups}, {n * b // 32 if (n * b) % 32 == 0 else f'{n}*{b}/32'}])")
+            raise self._bad(t, "qzeros", f"qzeros shape {zshape} does not hold {b}-bit zeros for N={n} "
+                            f"(expected [{sh.groups}, {n * b // 32 if (n * b) % 32 == 0 else f'{n}*{b}/32'}])")
         if (k * b) % 32 or rows != k * b // 32:
-            raise bad("qweight", f"qweight shape {list(qshape)} does not hold K={k} {b}-bit codes "
-                      f"(expected [{k * b / 32:g}, {n}])")
-        # group size: config, checked against G; else inferred
+            raise self._bad(t, "qweight", f"qweight shape {qshape} does not hold K={k} {b}-bit codes "
+                            f"(expected [{k * b / 32:g}, {n}])")
+        return b, k
+
+    def _group_size(self, t: dict[str, str], k: int, groups: int, cfg_gs: int | None, notes: list[str]) -> int:
+        """The config's group size checked against G; else inferred from G or from g_idx."""
         if cfg_gs is not None:
             gs = int(cfg_gs)
             if gs == 0 or gs < -1:
-                raise BadInputError(f"group_size {gs} is invalid", file=qfile, tensor=qname)
+                raise BadInputError(f"group_size {gs} is invalid", file=self.store.where[t["qweight"]],
+                                    tensor=t["qweight"])
             want_g = 1 if gs == -1 else math.ceil(k / gs)
             if want_g != groups:
-                raise bad("scales", f"scales has {groups} groups but K={k} with group_size={gs} needs {want_g}")
+                raise self._bad(t, "scales", f"scales has {groups} groups but K={k} with group_size={gs} needs "
+                                f"{want_g}")
         elif groups == 1:
             gs = -1
         elif "g_idx" in t:
-            g_idx = np.asarray(st.get(t["g_idx"]))
+            g_idx = np.asarray(self.store.get(t["g_idx"]))
             if g_idx.size and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
-                raise bad("g_idx", f"g_idx values {int(g_idx.min())}..{int(g_idx.max())} outside 0..{groups - 1}")
+                raise self._bad(t, "g_idx", f"g_idx values {int(g_idx.min())}..{int(g_idx.max())} outside "
+                                f"0..{groups - 1}")
             gs = int(np.bincount(g_idx.astype(np.int64), minlength=groups).max())
             if math.ceil(k / gs) != groups:
-                raise bad("g_idx", f"g_idx group sizes are not uniform (largest {gs}, K={k}, G={groups})")
+                raise self._bad(t, "g_idx", f"g_idx group sizes are not uniform (largest {gs}, K={k}, G={groups})")
             notes.append(f"group_size={gs} inferred from g_idx (no config)")
         else:
             gs = math.ceil(k / groups)
             if math.ceil(k / gs) != groups:
-                raise bad("scales", f"cannot infer a group size for K={k} and G={groups}")
+                raise self._bad(t, "scales", f"cannot infer a group size for K={k} and G={groups}")
             notes.append(f"group_size={gs} inferred from the scales shape (no config)")
-        if "bias" in t:
-            bdt, bshape = st.info(t["bias"])
-            if bdt not in FLOAT_DTYPES or bshape != (n,):
-                raise bad("bias", f"bias must be a float [N={n}] vector, got {bdt} {list(bshape)}")
-        return _Plan(name=m, bits=b, group_size=gs, in_features=k, out_features=n, groups=groups, sym=sym,
-                     version=self.declared, tensors=t, notes=notes)
+        return gs
 
     def _fields(self, plan: _Plan) -> np.ndarray:
         """Raw zero fields [G, N] as stored (no v1 offset applied)."""
@@ -506,52 +600,67 @@ class GPTQSource(Source):
     def _read(self, name: str, with_codes: bool) -> CanonicalLayer:
         plan = self.plan(name)
         st, t, b = self.store, plan.tensors, plan.bits
-        # page faults one by one on the map cost more than the unpack: map the pages in one call where the
-        # kernel can (MADV_POPULATE_READ), else read with pread into a recycled buffer
-        if not with_codes:  # read_packed: a zero-stride placeholder of the right shape, packed from qweight
-            codes = np.broadcast_to(np.zeros((), dtype=np.uint8), (plan.out_features, plan.in_features))
-        elif st.populate(t["qweight"]):
-            qbuf = np.asarray(st.get(t["qweight"]))
-            codes = _unpack_qweight(qbuf, b, self._scratch)  # [N, K]
-            del qbuf
-        else:
-            qbuf = st.read_into(t["qweight"], self._scratch)
-            codes = _unpack_qweight(qbuf, b, self._scratch)
-            del qbuf
-        fields = self._fields(plan)
-        mask = (1 << b) - 1
-        if plan.version == V2:
-            zeros = fields.astype(np.int32)
-        elif self.v1_zeros == "carry" and b in (2, 4, 8):
-            zeros = self._carry_zeros(plan)
-        else:
-            zeros = (fields.astype(np.int32) + 1) & mask
-        zeros = np.ascontiguousarray(zeros.T)
-        half = 1 << (b - 1)
-        if plan.sym is not False and bool(np.all(zeros == half)):
-            zero_mode, zeros_out = "none", None
-        else:
-            zero_mode, zeros_out = "int", zeros
-            if plan.sym:
-                plan_note = "config says sym=True but the zero points vary; kept as integer zeros"
-                if plan_note not in plan.notes:
-                    plan.notes.append(plan_note)
+        codes = self._codes(plan) if with_codes else \
+            np.broadcast_to(np.zeros((), dtype=np.uint8), (plan.out_features, plan.in_features))
+        zero_mode, zeros = self._zero_points(plan)
         sdt, _ = st.info(t["scales"])
         scales = np.ascontiguousarray(np.asarray(st.get(t["scales"])).T)
-        if "g_idx" in t:
-            raw_g = np.asarray(st.get(t["g_idx"]))
-            if raw_g.size and (int(raw_g.min()) < 0 or int(raw_g.max()) >= plan.groups):
-                raise BadInputError(f"g_idx values {int(raw_g.min())}..{int(raw_g.max())} lie outside the "
-                                    f"{plan.groups} groups", file=st.where[t["g_idx"]], tensor=t["g_idx"])
-            g_idx = raw_g.astype(np.int32)
-        else:
-            g_idx = None
+        g_idx = self._g_idx(plan)
         bias = bias_dtype = None
         if "bias" in t:
             bias_dtype, _ = st.info(t["bias"])
             bias = np.array(st.get(t["bias"]))
         if with_codes:  # everything above is copied out of the map (or refaults harmlessly)
             st.release_all()
+        layer = CanonicalLayer(codes=codes, scales=scales, bits=b, group_size=plan.group_size, zero_mode=zero_mode,
+                               zeros=zeros, g_idx=g_idx, scale_dtype=sdt, bias=bias, bias_dtype=bias_dtype,
+                               source=self._layer_source(plan), name=name)
+        try:
+            return layer.validate(check_codes=False)  # split out of a b-bit stream: always < 2**b
+        except BadInputError as exc:
+            raise self._named(exc, t) from None
+
+    def _codes(self, plan: _Plan) -> np.ndarray:
+        """codes [N, K] from qweight. Page faults one by one on the map cost more than the unpack: map the pages in
+        one call where the kernel can (MADV_POPULATE_READ), else read with pread into a recycled buffer."""
+        st, qname = self.store, plan.tensors["qweight"]
+        qbuf = np.asarray(st.get(qname)) if st.populate(qname) else st.read_into(qname, self._scratch)
+        codes = _unpack_qweight(qbuf, plan.bits, self._scratch)
+        del qbuf
+        return codes
+
+    def _zero_points(self, plan: _Plan) -> tuple[str, np.ndarray | None]:
+        """(zero mode, zeros [N, G]): v2 fields as stored, v1 fields + 1 (masking, or GPTQModel's carry); a layer
+        whose zeros are all 2**(b-1) is symmetric unless the config says otherwise."""
+        b = plan.bits
+        fields = self._fields(plan)
+        if plan.version == V2:
+            zeros = fields.astype(np.int32)
+        elif self.v1_zeros == "carry" and b in (2, 4, 8):
+            zeros = self._carry_zeros(plan)
+        else:
+            zeros = (fields.astype(np.int32) + 1) & ((1 << b) - 1)
+        zeros = np.ascontiguousarray(zeros.T)
+        if plan.sym is not False and bool(np.all(zeros == 1 << (b - 1))):
+            return "none", None
+        if plan.sym:
+            plan_note = "config says sym=True but the zero points vary; kept as integer zeros"
+            if plan_note not in plan.notes:
+                plan.notes.append(plan_note)
+        return "int", zeros
+
+    def _g_idx(self, plan: _Plan) -> np.ndarray | None:
+        t = plan.tensors
+        if "g_idx" not in t:
+            return None
+        raw_g = np.asarray(self.store.get(t["g_idx"]))
+        if raw_g.size and (int(raw_g.min()) < 0 or int(raw_g.max()) >= plan.groups):
+            raise BadInputError(f"g_idx values {int(raw_g.min())}..{int(raw_g.max())} lie outside the "
+                                f"{plan.groups} groups", file=self.store.where[t["g_idx"]], tensor=t["g_idx"])
+        return raw_g.astype(np.int32)
+
+    def _layer_source(self, plan: _Plan) -> dict[str, Any]:
+        """The layer's provenance for the manifest: version, notes and quirks."""
         source: dict[str, Any] = {"format": "gptq", "version": plan.version}
         if plan.notes:
             source["notes"] = list(plan.notes)
@@ -559,20 +668,17 @@ class GPTQSource(Source):
             source["quirks"] = list(plan.quirks)
         if self.v1_zeros == "carry" and plan.version == V1:
             source.setdefault("notes", []).append("v1 zeros read GPTQModel's way (per-word add with carry)")
-        layer = CanonicalLayer(codes=codes, scales=scales, bits=b, group_size=plan.group_size, zero_mode=zero_mode,
-                               zeros=zeros_out, g_idx=g_idx, scale_dtype=sdt, bias=bias, bias_dtype=bias_dtype,
-                               source=source, name=name)
-        try:
-            return layer.validate(check_codes=False)  # split out of a b-bit stream: always < 2**b
-        except BadInputError as exc:
-            if exc.file is None:
-                msg = exc.message
-                key = next((k for k, word in (("scales", "scale"), ("g_idx", "g_idx"), ("qzeros", "zero"),
-                                              ("bias", "bias")) if word in msg and k in t), "qweight")
-                exc.file = st.where[t[key]]
-                exc.tensor = t[key]
-                exc.args = (exc.one_line(),)
-            raise
+        return source
+
+    def _named(self, exc: BadInputError, t: dict[str, str]) -> BadInputError:
+        """A validation error without a file, pinned on the tensor its message is about."""
+        if exc.file is None:
+            key = next((k for k, word in (("scales", "scale"), ("g_idx", "g_idx"), ("qzeros", "zero"),
+                                          ("bias", "bias")) if word in exc.message and k in t), "qweight")
+            exc.file = self.store.where[t[key]]
+            exc.tensor = t[key]
+            exc.args = (exc.one_line(),)
+        return exc
 
     def close(self) -> None:
         self._scratch.clear()
@@ -763,10 +869,33 @@ def write_gptq(source: Source, out: str | os.PathLike[str], *, force: bool = Fal
     max_shard = parse_size(max_shard_size)
     if max_shard < 1024:
         raise BadInputError(f"max shard size {max_shard} bytes is too small")
-    caps = GPTQCapabilities(checkpoint_format)
     names = source.layer_names()
     passthrough = source.passthrough_names()
-    # 1. refuse up front, and collect what the config needs
+    metas = _layer_metas(source, names, GPTQCapabilities(checkpoint_format))  # 1. refuse up front
+    claimed = {f"{n}.{s}" for n in names for s in _SUFFIXES}
+    clash = [t for t in passthrough if t in claimed]
+    if clash:
+        raise BadInputError("pass-through tensor has the name of a quantized layer's GPTQ tensor", tensor=clash[0])
+    entries, pass_2d = _shard_entries(source, names, metas, passthrough)
+    with AtomicFolder(out, force=force) as tmp:  # 2. stream: one layer in memory, straight into its planned place
+        _stream(source, PlannedShards(tmp, entries, max_shard), names, passthrough, checkpoint_format, Path(out),
+                show_progress)
+        qc = gptq_quantization_config(metas, passthrough, pass_2d, checkpoint_format)
+        config = {k: v for k, v in (source.config or {}).items() if k != "quantization_config"}
+        config["quantization_config"] = qc
+        write_json(tmp / "config.json", config)
+        write_json(tmp / "quantize_config.json", qc)
+        copy_side_files(source.side_files(), tmp)
+    return Path(out)
+
+
+def _version_name(version: str) -> str:
+    return "GPTQ v1" if version == V1 else "GPTQ v2 (gptq_v2)"
+
+
+def _layer_metas(source: Source, names: list[str], caps: GPTQCapabilities) -> dict[str, dict[str, Any]]:
+    """What the config and the shard plan need of each layer; UnsupportedError naming the first layer GPTQ
+    cannot hold (and how many more), before a byte is written."""
     problems: list[str] = []
     metas: dict[str, dict[str, Any]] = {}
     for name in names:
@@ -783,12 +912,15 @@ def write_gptq(source: Source, out: str | os.PathLike[str], *, force: bool = Fal
         del layer
     if problems:
         more = f" (and {len(problems) - 1} more layer(s))" if len(problems) > 1 else ""
-        raise UnsupportedError(f"cannot write as GPTQ {checkpoint_format}: {problems[0]}{more}",
-                               file=str(getattr(source, "path", "")) or None)
-    claimed = {f"{n}.{s}" for n in names for s in _SUFFIXES}
-    clash = [t for t in passthrough if t in claimed]
-    if clash:
-        raise BadInputError("pass-through tensor has the name of a quantized layer's GPTQ tensor", tensor=clash[0])
+        raise UnsupportedError(f"cannot write {_version_name(caps.version)}: {problems[0]}{more}",
+                               file=str(source.path))
+    return metas
+
+
+def _shard_entries(source: Source, names: list[str], metas: dict[str, dict[str, Any]],
+                   passthrough: list[str]) -> tuple[list[ShardEntry], set[str]]:
+    """Every tensor the writer will produce, in order (layers, then pass-through), and the 2-D pass-through
+    tensors (the config's ``dynamic`` skips them)."""
     entries = [e for name in names for e in _layer_entries(name, metas[name])]
     pass_2d: set[str] = set()
     for tname in passthrough:
@@ -798,31 +930,38 @@ def write_gptq(source: Source, out: str | os.PathLike[str], *, force: bool = Fal
             pass_2d.add(tname)
         entries.append(ShardEntry(tname, tuple(arr.shape), dtype_to_st(arr, _st_name(td.dtype)), arr.nbytes))
         del td, arr
-    # 2. stream: one layer in memory at a time, straight into its planned place
-    with AtomicFolder(out, force=force) as tmp:
-        shards = PlannedShards(tmp, entries, max_shard)
-        try:
-            with Progress(len(names) + len(passthrough), "writing gptq", enabled=show_progress) as bar:
-                for name in names:
-                    layer = source.read_layer(name)
-                    for suffix, (arr, dt) in encode_layer(layer, checkpoint_format).items():
-                        shards.write(f"{name}.{suffix}", arr, dt)
-                    del layer
-                    bar.update()
-                for tname in passthrough:
-                    td = source.read_tensor(tname)
-                    shards.write(tname, td.array, _st_name(td.dtype))
-                    bar.update()
-            shards.finish()
-        finally:
-            shards.abort()
-        qc = gptq_quantization_config(metas, passthrough, pass_2d, checkpoint_format)
-        config = {k: v for k, v in (source.config or {}).items() if k != "quantization_config"}
-        config["quantization_config"] = qc
-        write_json(tmp / "config.json", config)
-        write_json(tmp / "quantize_config.json", qc)
-        copy_side_files(source.side_files(), tmp)
-    return Path(out)
+    return entries, pass_2d
+
+
+def _stream(source: Source, shards: PlannedShards, names: list[str], passthrough: list[str], version: str,
+            out: Path, show_progress: bool | None) -> None:
+    """Each layer's GPTQ tensors, then the pass-through tensors, into the planned shards. A full disk is reported
+    against the destination ``out`` and the tensor being written, as the other writers say it (the shard writer
+    names its file in the hidden temporary folder, which is gone by the time the message is read)."""
+    current = None
+    try:
+        with Progress(len(names) + len(passthrough), "writing gptq", enabled=show_progress) as bar:
+            for name in names:
+                layer = source.read_layer(name)
+                for suffix, (arr, dt) in encode_layer(layer, version).items():
+                    current = f"{name}.{suffix}"
+                    shards.write(current, arr, dt)
+                del layer
+                bar.update()
+            for tname in passthrough:
+                td = source.read_tensor(tname)
+                current = tname
+                shards.write(tname, td.array, _st_name(td.dtype))
+                bar.update()
+        current = None
+        shards.finish()
+    except IOFailure as exc:
+        cause = exc.__context__
+        if isinstance(cause, OSError) and is_disk_full(cause):
+            raise write_failure(cause, out, tensor=current) from None
+        raise
+    finally:
+        shards.abort()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import contextlib
 import json
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +30,18 @@ import numpy as np
 from ..store.atomic import AtomicFolder, check_output
 from ..core.canonical import CanonicalLayer, default_g_idx
 from ..store.checkpoint import parse_size
-from ..core.dtypes import FLOAT_DTYPES, to_float32
+from ..core.dtypes import FLOAT_DTYPES, from_float32, to_float32
 from ..errors import BadInputError, UnsupportedError
 from ..store.folder import brief, copy_side_files, is_json_int, read_json as _read_json, side_files, write_json
 from ..store import open_tensors
 from ..store.names import INDEX_NAME, SIDE_FILES
 from ..store.shards import ShardWriter
-from ..store.tables import read_npy, read_toml
+from ..store.tables import (QUANT_TOML, append_text, has_table_documents, npy_beside, read_npy, read_toml,
+                            table_documents, write_npy)
 from .base import Capabilities, Format, HubFiles, Source, TensorData
 
-__all__ = ["TomlTablesFormat", "TomlTablesSource", "rtn_codes", "dump_toml"]
+__all__ = ["TomlTablesFormat", "TomlTablesSource", "LayerTable", "parse_table", "rtn_codes", "dump_toml"]
 
-QUANT_TOML = "quant.toml"
-_DECODER_RE = re.compile(r"^decoder[-.](\d+)\.toml$")
 _ROW_CHUNK = 512
 _INDEX_RE = re.compile(r"\.(\d+)\.")
 
@@ -110,22 +110,51 @@ def _flatten_tables(doc: dict[str, Any], prefix: str = "") -> dict[str, dict[str
     return out
 
 
-def _table_files(path: Path) -> tuple[Path, list[Path], str]:
-    """(folder, TOML files in order, variant) of a table export."""
-    if path.is_file():
-        folder = path.parent
-        files = [path]
-    else:
-        folder = path
-        if (path / QUANT_TOML).is_file():
-            files = [path / QUANT_TOML]
-        else:
-            found = [(int(m.group(1)), p) for p in path.iterdir() if (m := _DECODER_RE.match(p.name)) and p.is_file()]
-            files = [p for _i, p in sorted(found)]
-    if not files:
-        raise BadInputError(f"no {QUANT_TOML} or decoder-N.toml quant tables here", file=str(path))
-    variant = QUANT_TOML if files[0].name == QUANT_TOML else "decoder-N.toml"
-    return folder, files, variant
+@dataclass(frozen=True)
+class LayerTable:
+    """One layer's table with its settings checked (types first: ``bool("false")`` would be True): what the
+    observer wrote, parsed once when the tables are opened, before any array or weight is read."""
+
+    name: str
+    document: Path
+    bits: int
+    groupsize: int
+    sym: bool
+    perchannel: bool | None
+    scale_dtype: str | None
+    entries: dict[str, Any]  # the raw keys: scale/zero/group_ids as a .npy name or an inline list, <key>_shape
+
+    @property
+    def group_size(self) -> int:
+        """The canonical group size: -1 for one group per row (groupsize <= 0)."""
+        return self.groupsize if self.groupsize > 0 else -1
+
+    def groups(self, k: int) -> int:
+        return 1 if self.groupsize <= 0 else -(-k // self.groupsize)
+
+    def bad(self, msg: str) -> BadInputError:
+        return BadInputError(msg, file=str(self.document), tensor=self.name)
+
+
+def parse_table(name: str, table: dict[str, Any], document: Path) -> LayerTable:
+    """A layer table as read from ``document``; BadInputError (or UnsupportedError for a bit width) naming the
+    document and layer."""
+    def bad(msg: str) -> BadInputError:
+        return BadInputError(msg, file=str(document), tensor=name)
+
+    bits, gsz = table.get("wbits"), table.get("groupsize", -1)
+    if not is_json_int(bits) or not is_json_int(gsz):
+        raise bad(f"wbits and groupsize must be integers, got {brief(bits)}, {brief(gsz)}")
+    for flag in ("sym", "perchannel"):
+        if flag in table and not isinstance(table[flag], bool):
+            raise bad(f"{flag} must be true or false, got {brief(table[flag])}")
+    if bits not in (2, 3, 4, 8):
+        raise UnsupportedError(f"{bits}-bit tables are not supported (2, 3, 4 or 8)", file=str(document), tensor=name)
+    want = table.get("scale_dtype")
+    return LayerTable(name=name, document=document, bits=bits, groupsize=gsz, sym=table.get("sym", False),
+                      perchannel=table.get("perchannel"),
+                      scale_dtype=want if isinstance(want, str) and want in FLOAT_DTYPES else None,
+                      entries=table)
 
 
 class TomlTablesSource(Source):
@@ -135,31 +164,9 @@ class TomlTablesSource(Source):
         self.path = Path(path)
         if not self.path.exists():
             raise BadInputError("does not exist", file=str(self.path))
-        self.folder, files, variant = _table_files(self.path)
-        self.tables: dict[str, dict[str, Any]] = {}
-        self.table_file: dict[str, Path] = {}
-        for f in files:
-            doc = read_toml(f)
-            for name, table in _flatten_tables(doc).items():
-                if name in self.tables:
-                    raise BadInputError(f"layer appears twice (also in {self.table_file[name].name})", file=str(f),
-                                        tensor=name)
-                self.tables[name] = table
-                self.table_file[name] = f
-        if not self.tables:
-            raise BadInputError("the quant tables name no layers (no table with wbits)", file=str(files[0]))
-        if base is None:
-            if any(self.folder.glob("*.safetensors")):
-                base = self.folder
-            else:
-                raise BadInputError("TOML quant tables hold no weights; name the fp16/bf16/fp32 base model with "
-                                    "--base (base=...)", file=str(self.path))
-        self.base_path = Path(base)
-        if not self.base_path.exists():
-            raise BadInputError("base model does not exist", file=str(self.base_path))
-        if self.base_path.is_dir() and not ((self.base_path / INDEX_NAME).is_file()
-                                            or any(self.base_path.glob("*.safetensors"))):
-            raise BadInputError("base model folder holds no .safetensors weights", file=str(self.base_path))
+        self.folder, files, variant = table_documents(self.path)
+        self.tables = _read_tables(files)
+        self.base_path = _base_path(self.path, self.folder, base)
         self.base = open_tensors(self.base_path)
         for name in self.tables:
             if f"{name}.weight" not in self.base:
@@ -175,7 +182,7 @@ class TomlTablesSource(Source):
         self._side = [] if bfolder is None else side_files(bfolder, SIDE_FILES)
         owned = {f"{n}.{s}" for n in self.tables for s in ("weight", "bias")}
         self._passthrough = [t for t in self.base.names() if t not in owned]
-        bits = sorted({int(t.get("wbits", 0)) for t in self.tables.values() if isinstance(t.get("wbits"), int)})
+        bits = sorted({t.bits for t in self.tables.values()})
         self.info: dict[str, Any] = {
             # (the base as a resolved path: never mistaken for a Hub id on a model card)
             "format": "toml", "version": variant, "base_model": str(Path(self.base_path).resolve()),
@@ -187,6 +194,11 @@ class TomlTablesSource(Source):
         if bfolder is None or self.base_path.resolve() != self.folder.resolve():
             self.info["notes"].append("with the original (pre-GPTQ) weights these are round-to-nearest codes on "
                                       "GPTQ's grid, not GPTQ's error-compensated codes")
+
+    @property
+    def table_file(self) -> dict[str, Path]:
+        """The document each layer's table is in."""
+        return {name: t.document for name, t in self.tables.items()}
 
     def layer_names(self) -> list[str]:
         return list(self.tables)
@@ -205,157 +217,158 @@ class TomlTablesSource(Source):
         self.base.close()
 
     # -- one layer ---------------------------------------------------------------------------
-    def _array(self, name: str, table: dict[str, Any], key: str,
-               ndims: tuple[int, ...]) -> tuple[np.ndarray, str] | None:
+    def _array(self, t: LayerTable, key: str, ndims: tuple[int, ...]) -> tuple[np.ndarray, str] | None:
         """The table's ``key`` array and where it came from (`` in <file>.npy`` or ``""``): a .npy file inside the
         folder, or an inline list with ``<key>_shape``. Its dimension count must be one of ``ndims``: shapes are
         indexed before they are compared, and a 0-d array has no first dimension."""
-        tfile = str(self.table_file[name])
-        val = table.get(key)
+        val = t.entries.get(key)
         if val is None:
             return None
-        want = " or ".join(f"{d}-D" for d in ndims)
         if isinstance(val, str):
-            rel = Path(val)
-            p = (self.folder / rel)
-            if rel.is_absolute() or ".." in rel.parts or not p.resolve().is_relative_to(self.folder.resolve()):
-                raise BadInputError(f"{key} path {val!r} escapes the table folder", file=tfile, tensor=name)
-            if not p.is_file():
-                raise BadInputError(f"{key} file {val!r} is missing", file=tfile, tensor=name)
-            arr = read_npy(p, name)
-            if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "fiu":
-                raise BadInputError(f"{key} must be a numeric array, got {getattr(arr, 'dtype', type(arr))}",
-                                    file=str(p), tensor=name)
-            if arr.ndim not in ndims:
-                raise BadInputError(f"{key} must be a {want} array, got shape {list(arr.shape)}", file=str(p),
-                                    tensor=name)
-            return arr, f" in {p.name}"
+            return self._npy_array(t, key, val, ndims)
         if isinstance(val, list):
-            shape = table.get(f"{key}_shape")
-            if shape is not None and not (isinstance(shape, list) and all(is_json_int(d) and d >= 0 for d in shape)):
-                raise BadInputError(f"{key}_shape must be a list of non-negative integers, got {brief(shape)}",
-                                    file=tfile, tensor=name)
-            try:
-                arr = np.asarray(val)
-                if arr.dtype.kind not in "fiu" or arr.ndim != 1:
-                    raise ValueError("not a flat list of numbers")
-                if shape is not None:
-                    arr = arr.reshape(shape)
-                if key == "scale" and arr.dtype.kind == "f":
-                    # decimal text of float32 scales: the nearest float32 is the value meant
-                    a32 = arr.astype(np.float32)
-                    if not np.array_equal(a32.astype(np.float64), arr) and not self._rounded_note:
-                        self._rounded_note = True
-                        self.info["notes"].append("inline scales were not exact float32 decimals; rounded to the "
-                                                  "nearest float32")
-                    arr = a32
-            except (ValueError, TypeError) as exc:
-                raise BadInputError(f"inline {key} list does not fit {key}_shape {brief(shape)}: {exc}", file=tfile,
-                                    tensor=name) from None
-            if arr.ndim not in ndims:
-                raise BadInputError(f"inline {key} must be {want}, got {key}_shape {list(arr.shape)}", file=tfile,
-                                    tensor=name)
-            return arr, ""
-        raise BadInputError(f"{key} must be a .npy file name or an inline list, got {type(val).__name__}", file=tfile,
-                            tensor=name)
+            return self._inline_array(t, key, val, ndims), ""
+        raise t.bad(f"{key} must be a .npy file name or an inline list, got {type(val).__name__}")
+
+    def _npy_array(self, t: LayerTable, key: str, val: str, ndims: tuple[int, ...]) -> tuple[np.ndarray, str]:
+        try:
+            p = npy_beside(self.folder, val, key)
+        except BadInputError as exc:
+            raise t.bad(exc.message) from None
+        arr = read_npy(p, t.name)
+        if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "fiu":
+            got = arr.dtype if isinstance(arr, np.ndarray) else type(arr)
+            raise BadInputError(f"{key} must be a numeric array, got {got}",
+                                file=str(p), tensor=t.name)
+        if arr.ndim not in ndims:
+            raise BadInputError(f"{key} must be a {_ranks(ndims)} array, got shape {list(arr.shape)}", file=str(p),
+                                tensor=t.name)
+        return arr, f" in {p.name}"
+
+    def _inline_array(self, t: LayerTable, key: str, val: list[Any], ndims: tuple[int, ...]) -> np.ndarray:
+        shape = t.entries.get(f"{key}_shape")
+        if shape is not None and not (isinstance(shape, list) and all(is_json_int(d) and d >= 0 for d in shape)):
+            raise t.bad(f"{key}_shape must be a list of non-negative integers, got {brief(shape)}")
+        try:
+            arr = np.asarray(val)
+            if arr.dtype.kind not in "fiu" or arr.ndim != 1:
+                raise ValueError("not a flat list of numbers")
+            if shape is not None:
+                arr = arr.reshape(shape)
+            if key == "scale" and arr.dtype.kind == "f":
+                arr = self._float32_scales(arr)
+        except (ValueError, TypeError) as exc:
+            raise t.bad(f"inline {key} list does not fit {key}_shape {brief(shape)}: {exc}") from None
+        if arr.ndim not in ndims:
+            raise t.bad(f"inline {key} must be {_ranks(ndims)}, got {key}_shape {list(arr.shape)}")
+        return arr
+
+    def _float32_scales(self, arr: np.ndarray) -> np.ndarray:
+        """Decimal text of float32 scales: the nearest float32 is the value meant (noted once per source)."""
+        a32 = arr.astype(np.float32)
+        if not np.array_equal(a32.astype(np.float64), arr) and not self._rounded_note:
+            self._rounded_note = True
+            self.info["notes"].append("inline scales were not exact float32 decimals; rounded to the nearest float32")
+        return a32
 
     def read_layer(self, name: str) -> CanonicalLayer:
         if name not in self.tables:
             raise BadInputError("not a layer of these quant tables", file=str(self.path), tensor=name)
         t = self.tables[name]
-        tfile = str(self.table_file[name])
-
-        def bad(msg: str) -> BadInputError:
-            return BadInputError(msg, file=tfile, tensor=name)
-
-        bits, gsz = t.get("wbits"), t.get("groupsize", -1)
-        if not is_json_int(bits) or not is_json_int(gsz):
-            raise bad(f"wbits and groupsize must be integers, got {brief(bits)}, {brief(gsz)}")
-        for flag in ("sym", "perchannel"):  # bool("false") would be True
-            if flag in t and not isinstance(t[flag], bool):
-                raise bad(f"{flag} must be true or false, got {brief(t[flag])}")
-        if bits not in (2, 3, 4, 8):
-            raise UnsupportedError(f"{bits}-bit tables are not supported (2, 3, 4 or 8)", file=tfile, tensor=name)
         wname = f"{name}.weight"
         wdt, wshape = self.base.info(wname)
         if wdt not in FLOAT_DTYPES or len(wshape) != 2:
             raise BadInputError(f"base weight must be a 2-D fp16/bf16/fp32 tensor, got {wdt} {list(wshape)}",
                                 file=self.base.file_of(wname), tensor=wname)
         n, k = wshape
-        ng = 1 if gsz <= 0 else -(-k // gsz)
-        got = self._array(name, t, "scale", (1, 2))
-        if got is None:
-            raise bad("table has no scale")
-        scale, s_in = got
-        if scale.ndim == 1:
-            scale = scale.reshape(-1, 1)
-        if scale.shape[0] == 1 and n > 1 and t.get("perchannel") is False:
-            scale = np.repeat(scale, n, axis=0)
-        if scale.shape != (n, ng):
-            raise bad(f"scale shape {list(scale.shape)}{s_in} != [{n}, {ng}] for base weight [{n}, {k}], "
-                      f"groupsize {gsz}")
-        scale, sdt = self._scale_array(scale, t, bad)
-        s32 = to_float32(scale, sdt)
-        if not np.all(np.isfinite(s32)) or np.any(s32 == 0):
-            raise bad("scale holds zero, NaN or infinity")
-        got = self._array(name, t, "zero", (1, 2))
-        zero, z_in = got if got is not None else (None, "")
-        sym = t.get("sym", False)
-        if zero is None:
-            if not sym:
-                raise bad("asymmetric table (sym = false) has no zero")
-            zero_mode, zeros = "none", None
-        else:
-            if zero.ndim == 1:
-                zero = zero.reshape(-1, 1)
-            if zero.shape[0] == 1 and n > 1 and t.get("perchannel") is False:
-                zero = np.repeat(zero, n, axis=0)
-            if zero.shape != (n, ng):
-                raise bad(f"zero shape {list(zero.shape)}{z_in} != scale shape [{n}, {ng}]")
-            zf = zero.astype(np.float64)
-            if not np.all(np.isfinite(zf)) or np.any(zf != np.rint(zf)):
-                raise bad("zero holds values that are not integers")
-            if zf.min() < 0 or zf.max() > (1 << bits):
-                raise bad(f"zero values {int(zf.min())}..{int(zf.max())} outside 0..{1 << bits}")
-            zeros = zf.astype(np.int32)
-            zero_mode = "int"
-            if sym and np.all(zeros == (1 << (bits - 1))):
-                zero_mode, zeros = "none", None
-        got = self._array(name, t, "group_ids", (1,))
-        if got is None:
-            g_idx = default_g_idx(k, gsz if gsz > 0 else -1)
-        else:
-            gids, g_in = got
-            if gids.dtype.kind not in "iu" and not (np.all(np.isfinite(gids)) and np.all(gids == np.rint(gids))):
-                raise bad("group_ids are not integers")
-            if gids.shape != (k,):
-                raise bad(f"group_ids shape {list(gids.shape)}{g_in} != [{k}] (in_features of the base weight)")
-            if k and (int(gids.min()) < 0 or int(gids.max()) >= ng):
-                raise bad(f"group_ids must lie in 0..{ng - 1}, got {int(gids.min())}..{int(gids.max())}")
-            g_idx = gids.astype(np.int32)
+        scale, sdt = self._scales(t, n, k)
+        zero_mode, zeros = self._zeros(t, n, t.groups(k))
+        g_idx = self._group_ids(t, k)
         weight = self.base.read_copy(wname)
         if not np.all(np.isfinite(to_float32(np.asarray(weight), wdt))):
             raise BadInputError("base weight holds NaN or infinity", file=self.base.file_of(wname), tensor=wname)
-        zq = zeros if zeros is not None else np.full((n, ng), 1 << (bits - 1), dtype=np.int32)
-        codes = rtn_codes(weight, wdt, scale, sdt, zq, g_idx, bits)
-        layer = CanonicalLayer(codes=codes, scales=scale, bits=bits, group_size=gsz if gsz > 0 else -1,
+        zq = zeros if zeros is not None else np.full((n, t.groups(k)), 1 << (t.bits - 1), dtype=np.int32)
+        codes = rtn_codes(weight, wdt, scale, sdt, zq, g_idx, t.bits)
+        layer = CanonicalLayer(codes=codes, scales=scale, bits=t.bits, group_size=t.group_size,
                                zero_mode=zero_mode, zeros=zeros, g_idx=g_idx, scale_dtype=sdt, name=name,
                                source={"format": "toml", "version": self.info["version"]})
-        bname = f"{name}.bias"
-        if bname in self.base:
-            bdt, bshape = self.base.info(bname)
-            if bdt not in FLOAT_DTYPES:
-                raise BadInputError(f"bias must be a float tensor, got {bdt}", file=self.base.file_of(bname),
-                                    tensor=bname)
-            layer.bias, layer.bias_dtype = np.array(self.base.read_copy(bname)), bdt
+        self._bias(layer, f"{name}.bias")
         try:
             return layer.validate()
         except BadInputError as exc:
-            raise BadInputError(exc.message, file=tfile, tensor=name) from None
+            raise t.bad(exc.message) from None
+
+    def _per_row(self, t: LayerTable, arr: np.ndarray, n: int) -> np.ndarray:
+        """[N, G] from a 1-D array (one group) or one row shared by every row (``perchannel = false``)."""
+        if arr.ndim == 1:
+            arr = arr.reshape(-1, 1)
+        if arr.shape[0] == 1 and n > 1 and t.perchannel is False:
+            arr = np.repeat(arr, n, axis=0)
+        return arr
+
+    def _scales(self, t: LayerTable, n: int, k: int) -> tuple[np.ndarray, str]:
+        got = self._array(t, "scale", (1, 2))
+        if got is None:
+            raise t.bad("table has no scale")
+        scale, s_in = got
+        scale = self._per_row(t, scale, n)
+        ng = t.groups(k)
+        if scale.shape != (n, ng):
+            raise t.bad(f"scale shape {list(scale.shape)}{s_in} != [{n}, {ng}] for base weight [{n}, {k}], "
+                        f"groupsize {t.groupsize}")
+        scale, sdt = self._scale_array(scale, t.scale_dtype, t.bad)
+        s32 = to_float32(scale, sdt)
+        if not np.all(np.isfinite(s32)) or np.any(s32 == 0):
+            raise t.bad("scale holds zero, NaN or infinity")
+        return scale, sdt
+
+    def _zeros(self, t: LayerTable, n: int, ng: int) -> tuple[str, np.ndarray | None]:
+        """(zero mode, integer zeros [N, G] or None): symmetric tables may omit them (2^(b-1) implied)."""
+        got = self._array(t, "zero", (1, 2))
+        if got is None:
+            if not t.sym:
+                raise t.bad("asymmetric table (sym = false) has no zero")
+            return "none", None
+        zero, z_in = got
+        zero = self._per_row(t, zero, n)
+        if zero.shape != (n, ng):
+            raise t.bad(f"zero shape {list(zero.shape)}{z_in} != scale shape [{n}, {ng}]")
+        zf = zero.astype(np.float64)
+        if not np.all(np.isfinite(zf)) or np.any(zf != np.rint(zf)):
+            raise t.bad("zero holds values that are not integers")
+        if zf.min() < 0 or zf.max() > (1 << t.bits):
+            raise t.bad(f"zero values {int(zf.min())}..{int(zf.max())} outside 0..{1 << t.bits}")
+        zeros = zf.astype(np.int32)
+        if t.sym and np.all(zeros == (1 << (t.bits - 1))):
+            return "none", None
+        return "int", zeros
+
+    def _group_ids(self, t: LayerTable, k: int) -> np.ndarray:
+        got = self._array(t, "group_ids", (1,))
+        if got is None:
+            return default_g_idx(k, t.group_size)
+        gids, g_in = got
+        ng = t.groups(k)
+        if gids.dtype.kind not in "iu" and not (np.all(np.isfinite(gids)) and np.all(gids == np.rint(gids))):
+            raise t.bad("group_ids are not integers")
+        if gids.shape != (k,):
+            raise t.bad(f"group_ids shape {list(gids.shape)}{g_in} != [{k}] (in_features of the base weight)")
+        if k and (int(gids.min()) < 0 or int(gids.max()) >= ng):
+            raise t.bad(f"group_ids must lie in 0..{ng - 1}, got {int(gids.min())}..{int(gids.max())}")
+        return gids.astype(np.int32)
+
+    def _bias(self, layer: CanonicalLayer, bname: str) -> None:
+        if bname not in self.base:
+            return
+        bdt, _bshape = self.base.info(bname)
+        if bdt not in FLOAT_DTYPES:
+            raise BadInputError(f"bias must be a float tensor, got {bdt}", file=self.base.file_of(bname), tensor=bname)
+        layer.bias, layer.bias_dtype = np.array(self.base.read_copy(bname)), bdt
 
     @staticmethod
-    def _scale_array(scale: np.ndarray, table: dict[str, Any], bad: Any) -> tuple[np.ndarray, str]:
-        """Scales in their stored dtype; float32 narrowed back to ``scale_dtype`` when the table records it (exact)."""
+    def _scale_array(scale: np.ndarray, want: str | None, bad: Any) -> tuple[np.ndarray, str]:
+        """Scales in their stored dtype; float32 narrowed back to ``want`` (the table's ``scale_dtype``) when it is
+        exact."""
         if scale.dtype == np.float16:
             arr, sdt = scale, "float16"
         elif scale.dtype == np.float32:
@@ -367,15 +380,46 @@ class TomlTablesSource(Source):
             sdt = "float32"
         else:
             raise bad(f"scale must be a float array, got {scale.dtype}")
-        want = table.get("scale_dtype")
-        if isinstance(want, str) and want != sdt and want in FLOAT_DTYPES:
-            from ..core.dtypes import from_float32
-
+        if want is not None and want != sdt:
             narrowed = from_float32(to_float32(arr, sdt), want)
             if not np.array_equal(to_float32(narrowed, want), to_float32(arr, sdt)):
                 raise bad(f"scale_dtype = {want!r} but the scales are not exactly {want} values")
             arr, sdt = narrowed, want
         return np.ascontiguousarray(arr), sdt
+
+
+def _ranks(ndims: tuple[int, ...]) -> str:
+    return " or ".join(f"{d}-D" for d in ndims)
+
+
+def _read_tables(files: list[Path]) -> dict[str, LayerTable]:
+    """Every layer table of the documents, parsed; a layer in two documents is refused."""
+    tables: dict[str, LayerTable] = {}
+    for f in files:
+        for name, raw in _flatten_tables(read_toml(f)).items():
+            if name in tables:
+                raise BadInputError(f"layer appears twice (also in {tables[name].document.name})", file=str(f),
+                                    tensor=name)
+            tables[name] = parse_table(name, raw, f)
+    if not tables:
+        raise BadInputError("the quant tables name no layers (no table with wbits)", file=str(files[0]))
+    return tables
+
+
+def _base_path(path: Path, folder: Path, base: Path | str | None) -> Path:
+    """The base model the codes are rebuilt from: ``base``, else the weights beside the tables."""
+    if base is None:
+        if any(folder.glob("*.safetensors")):
+            base = folder
+        else:
+            raise BadInputError("TOML quant tables hold no weights; name the fp16/bf16/fp32 base model with "
+                                "--base (base=...)", file=str(path))
+    base_path = Path(base)
+    if not base_path.exists():
+        raise BadInputError("base model does not exist", file=str(base_path))
+    if base_path.is_dir() and not ((base_path / INDEX_NAME).is_file() or any(base_path.glob("*.safetensors"))):
+        raise BadInputError("base model folder holds no .safetensors weights", file=str(base_path))
+    return base_path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -414,12 +458,7 @@ class TomlTablesFormat(Format):
 
     @classmethod
     def detect(cls, path: Path) -> bool:
-        path = Path(path)
-        if path.is_file():
-            return path.name == QUANT_TOML or bool(_DECODER_RE.match(path.name))
-        if not path.is_dir():
-            return False
-        return (path / QUANT_TOML).is_file() or any(_DECODER_RE.match(p.name) for p in path.iterdir())
+        return has_table_documents(Path(path))
 
     @classmethod
     def open(cls, path: Path, **options: Any) -> Source:
@@ -434,49 +473,16 @@ class TomlTablesFormat(Format):
         ``variant``: "quant.toml" (tables in .npy files) or "decoder" (decoder-N.toml with inline lists, grouped by
         the layer index in ``layers.N.``). Every layer is checked before anything is written.
         """
-        from ..progress import Progress
-
         if variant not in ("quant.toml", "decoder"):
             raise UnsupportedError(f"unknown TOML variant {variant!r} (quant.toml or decoder)")
         check_output(Path(out), force)  # (an existing output first, as every writer: --dry-run predicts this order)
-        problems = cls.check_writable(source)
-        names = source.layer_names()
-        if variant == "decoder":
-            for name in names:
-                if not _INDEX_RE.search(name):
-                    problems.append(f"{name}: the decoder-N.toml variant needs a layer index in the name "
-                                    "(way out: variant quant.toml)")
+        problems = cls.check_writable(source) + _variant_problems(source.layer_names(), variant)
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise UnsupportedError(f"cannot write TOML tables: {problems[0]}{more}", file=str(source.path))
-        passthrough = source.passthrough_names()
-        started: set[str] = set()  # the TOML documents begun (each layer's table is appended as it is made)
-        max_bytes = parse_size(max_shard_size)
         with AtomicFolder(out, force=force) as tmp, \
-                (ShardWriter(tmp, max_bytes) if weights else contextlib.nullcontext()) as shards:
-            with Progress(len(names) + len(passthrough), "writing tables", enabled=show_progress) as bar:
-                for name in names:
-                    layer = source.read_layer(name).replace(name=name)
-                    doc_name = QUANT_TOML
-                    if variant == "decoder":
-                        doc_name = f"decoder-{int(_INDEX_RE.search(name).group(1))}.toml"
-                    # appended at once: the decoder variant's inline lists are tens of MB per layer as text,
-                    # so keeping the documents until the end grew memory with the model
-                    text = dump_toml({name: _layer_table(layer, tmp, inline=variant == "decoder")})
-                    with open(tmp / doc_name, "a", encoding="utf-8") as fh:
-                        fh.write(("\n" if doc_name in started else "") + text)
-                    started.add(doc_name)
-                    if shards is not None:
-                        w, wdt = _table_weight(layer)
-                        shards.add(f"{name}.weight", w, wdt)
-                        if layer.bias is not None:
-                            shards.add(f"{name}.bias", layer.bias, layer.bias_dtype)
-                    bar.update()
-                if shards is not None:
-                    for tname in passthrough:
-                        t = source.read_tensor(tname)
-                        shards.add(tname, t.array, t.dtype)
-                        bar.update()
+                (ShardWriter(tmp, parse_size(max_shard_size)) if weights else contextlib.nullcontext()) as shards:
+            _write_tables(source, tmp, variant, shards, show_progress)
             if shards is not None:
                 shards.finish()
                 config = {k: v for k, v in (source.config or {}).items() if k != "quantization_config"}
@@ -484,6 +490,45 @@ class TomlTablesFormat(Format):
                     write_json(tmp / "config.json", config)
                 copy_side_files(source.side_files(), tmp)
         return Path(out)
+
+
+def _variant_problems(names: list[str], variant: str) -> list[str]:
+    """The decoder-N.toml variant groups layers by their block index: a name without one has no document."""
+    if variant != "decoder":
+        return []
+    return [f"{name}: the decoder-N.toml variant needs a layer index in the name (way out: variant quant.toml)"
+            for name in names if not _INDEX_RE.search(name)]
+
+
+def _write_tables(source: Source, tmp: Path, variant: str, shards: ShardWriter | None,
+                  show_progress: bool | None) -> None:
+    """Each layer's table (appended to its document as it is made: the decoder variant's inline lists are tens of
+    MB of text per layer, so holding the documents grew memory with the model), and with ``shards`` the weights
+    that rebuild its codes, then the pass-through tensors."""
+    from ..progress import Progress
+
+    names, passthrough = source.layer_names(), source.passthrough_names()
+    started: set[str] = set()  # the TOML documents begun
+    with Progress(len(names) + len(passthrough), "writing tables", enabled=show_progress) as bar:
+        for name in names:
+            layer = source.read_layer(name).replace(name=name)
+            doc_name = QUANT_TOML
+            if variant == "decoder":
+                doc_name = f"decoder-{int(_INDEX_RE.search(name).group(1))}.toml"  # type: ignore[union-attr]
+            text = dump_toml({name: _layer_table(layer, tmp, inline=variant == "decoder")})
+            append_text(tmp / doc_name, ("\n" if doc_name in started else "") + text)
+            started.add(doc_name)
+            if shards is not None:
+                w, wdt = _table_weight(layer)
+                shards.add(f"{name}.weight", w, wdt)
+                if layer.bias is not None:
+                    shards.add(f"{name}.bias", layer.bias, layer.bias_dtype)
+            bar.update()
+        if shards is not None:
+            for tname in passthrough:
+                t = source.read_tensor(tname)
+                shards.add(tname, t.array, t.dtype)
+                bar.update()
 
 
 def _npy_name(name: str, key: str) -> str:
@@ -507,7 +552,7 @@ def _layer_table(layer: CanonicalLayer, folder: Path, inline: bool) -> dict[str,
             table[f"{key}_shape"] = list(arr.shape)
         else:
             fname = _npy_name(layer.name, key)
-            np.save(folder / fname, np.ascontiguousarray(arr), allow_pickle=False)
+            write_npy(folder / fname, arr)
             table[key] = fname
         if key == "scale":
             table["wbits"] = layer.bits

@@ -1,6 +1,13 @@
-"""The files of TOML+NumPy quant tables: TOML documents and .npy arrays (never pickles)."""
+"""The files of TOML+NumPy quant tables: TOML documents and .npy arrays (never pickles).
+
+The reader in ``formats/toml_tables.py`` receives parsed documents and arrays from here; the writer hands its
+text and arrays here to be written into the temporary output folder.
+"""
 from __future__ import annotations
 
+import errno
+import re
+import tokenize
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +20,12 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib  # type: ignore[no-redef]
 
-__all__ = ["read_toml", "read_npy"]
+__all__ = ["read_toml", "read_npy", "table_documents", "has_table_documents", "npy_beside", "append_text", "write_npy", "QUANT_TOML",
+           "DECODER_RE"]
+
+QUANT_TOML = "quant.toml"
+#: the April 2023 variant: one document per decoder block, ``decoder-N.toml`` (also ``decoder.N.toml``)
+DECODER_RE = re.compile(r"^decoder[-.](\d+)\.toml$")
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -27,9 +39,74 @@ def read_toml(path: Path) -> dict[str, Any]:
 
 
 def read_npy(path: Path, tensor: str | None = None) -> Any:
-    """The array of a .npy file, loaded without pickles."""
+    """The array of a .npy file, loaded without pickles. numpy parses the header with ``tokenize`` and
+    ``ast``: a stray byte there surfaces as their errors, which are the file's fault like any other."""
     try:
         return np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
+    except (ValueError, OSError, EOFError, SyntaxError, tokenize.TokenError) as exc:
         raise BadInputError(f"not a readable .npy array (truncated, or holds objects): {exc}", file=str(path),
                             tensor=tensor) from None
+
+
+def table_documents(path: Path) -> tuple[Path, list[Path], str]:
+    """(folder, TOML documents in order, variant) of a table export: ``path`` is one document or a folder with
+    quant.toml or decoder-N.toml files."""
+    if path.is_file():
+        folder = path.parent
+        files = [path]
+    else:
+        folder = path
+        if (path / QUANT_TOML).is_file():
+            files = [path / QUANT_TOML]
+        else:
+            found = [(int(m.group(1)), p) for p in path.iterdir() if (m := DECODER_RE.match(p.name)) and p.is_file()]
+            files = [p for _i, p in sorted(found)]
+    if not files:
+        raise BadInputError(f"no {QUANT_TOML} or decoder-N.toml quant tables here", file=str(path))
+    variant = QUANT_TOML if files[0].name == QUANT_TOML else "decoder-N.toml"
+    return folder, files, variant
+
+
+def has_table_documents(path: Path) -> bool:
+    """Whether ``path`` is a table document or a folder holding one (detection: names only)."""
+    if path.is_file():
+        return path.name == QUANT_TOML or bool(DECODER_RE.match(path.name))
+    if not path.is_dir():
+        return False
+    return (path / QUANT_TOML).is_file() or any(DECODER_RE.match(p.name) for p in path.iterdir())
+
+
+def npy_beside(folder: Path, rel: str, key: str) -> Path:
+    """The .npy file a table names (``key = "<rel>"``) inside ``folder``. BadInputError without a file (the caller
+    names the document and layer) when the name leaves the folder, the file is missing, or the file system refuses
+    the name (too long, a NUL byte): each is a fault of the table, not of the disk."""
+    relp = Path(rel)
+    p = folder / relp
+    try:
+        if relp.is_absolute() or ".." in relp.parts or not p.resolve().is_relative_to(folder.resolve()):
+            raise BadInputError(f"{key} path {rel!r} escapes the table folder")
+        if not p.is_file():
+            raise BadInputError(f"{key} file {rel!r} is missing")
+    except BadInputError:
+        raise
+    except OSError as exc:
+        reason = "the file name is too long" if exc.errno == errno.ENAMETOOLONG else \
+            f"not a usable file name ({exc.strerror or exc})"
+        raise BadInputError(f"{key} names {_short(rel)}: {reason}") from None
+    except ValueError as exc:  # an embedded NUL byte
+        raise BadInputError(f"{key} names {_short(rel)}: not a usable file name ({exc})") from None
+    return p
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def append_text(path: Path, text: str) -> None:
+    """Append ``text`` to a document being written (the writer emits one layer's table at a time)."""
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(text)
+
+
+def write_npy(path: Path, arr: np.ndarray) -> None:
+    np.save(path, np.ascontiguousarray(arr), allow_pickle=False)
