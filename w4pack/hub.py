@@ -644,7 +644,7 @@ def pull(repo_id: str, dest: str | os.PathLike[str], *, revision: str | None = N
     target = Path(dest).absolute()
     recover(target, clean=False)  # a destination an interrupted --force pull moved aside is put back first
     if target.exists() and not force:
-        raise IOFailure("destination already exists; pass --force (force=True) to replace it", file=str(target))
+        raise IOFailure("destination already exists; replace it with --force", file=str(target))
     ep = _endpoint(endpoint)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
