@@ -6,6 +6,7 @@ text and arrays here to be written into the temporary output folder.
 from __future__ import annotations
 
 import errno
+import os
 import re
 import tokenize
 from pathlib import Path
@@ -42,10 +43,35 @@ def read_npy(path: Path, tensor: str | None = None) -> Any:
     """The array of a .npy file, loaded without pickles. numpy parses the header with ``tokenize`` and
     ``ast``: a stray byte there surfaces as their errors, which are the file's fault like any other."""
     try:
+        _check_npy_size(path)
         return np.load(path, allow_pickle=False)
     except (ValueError, OSError, EOFError, SyntaxError, tokenize.TokenError) as exc:
         raise BadInputError(f"not a readable .npy array (truncated, or holds objects): {exc}", file=str(path),
                             tensor=tensor) from None
+
+
+def _check_npy_size(path: Path) -> None:
+    """The header's shape against the bytes the file holds, before numpy allocates it: a header that claims
+    2^40 elements must be a one-line error, not a MemoryError (or a 4 TiB allocation that succeeds)."""
+    with open(path, "rb") as fh:
+        version = np.lib.format.read_magic(fh)
+        if version == (1, 0):
+            shape, _fortran, dtype = np.lib.format.read_array_header_1_0(fh)
+        elif version in ((2, 0), (3, 0)):
+            shape, _fortran, dtype = np.lib.format.read_array_header_2_0(fh)
+        else:
+            raise ValueError(f"unsupported .npy version {version}")
+        data_at = fh.tell()
+        size = os.fstat(fh.fileno()).st_size
+    if dtype.hasobject:
+        raise ValueError("holds Python objects")
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    need = count * dtype.itemsize
+    if need > size - data_at:
+        raise ValueError(f"the header declares shape {tuple(shape)} of {dtype} ({need} bytes) but the file holds "
+                         f"{size - data_at} bytes of data")
 
 
 def table_documents(path: Path) -> tuple[Path, list[Path], str]:
@@ -61,10 +87,23 @@ def table_documents(path: Path) -> tuple[Path, list[Path], str]:
         else:
             found = [(int(m.group(1)), p) for p in path.iterdir() if (m := DECODER_RE.match(p.name)) and p.is_file()]
             files = [p for _i, p in sorted(found)]
+            _check_contiguous(path, sorted(i for i, _p in found))
     if not files:
         raise BadInputError(f"no {QUANT_TOML} or decoder-N.toml quant tables here", file=str(path))
     variant = QUANT_TOML if files[0].name == QUANT_TOML else "decoder-N.toml"
     return folder, files, variant
+
+
+def _check_contiguous(folder: Path, indices: list[int]) -> None:
+    """decoder-0.toml … decoder-N.toml with none missing: a deleted document would silently drop its layer's
+    quantization (the model would then run that layer's float weights, or none)."""
+    for want, got in enumerate(indices):
+        if want and got == indices[want - 1]:
+            raise BadInputError(f"two documents for decoder layer {got} (decoder-{got}.toml and decoder.{got}.toml)",
+                                file=str(folder))
+        if got != want:
+            raise BadInputError(f"decoder-{want}.toml is missing (found decoder-N.toml for N = {indices[0]} … "
+                                f"{indices[-1]}; one document per decoder layer, from 0)", file=str(folder))
 
 
 def has_table_documents(path: Path) -> bool:
