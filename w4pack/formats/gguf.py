@@ -1,4 +1,6 @@
-"""GGUF (llama.cpp) reader and writer, with the ``gguf`` package (gguf-py) for the container.
+"""GGUF (llama.cpp) reader and writer. The file is parsed by the store's bounds-checked reader
+(``store/gguffile.py``) and written by the ``gguf`` package's GGUFWriter into the store's AtomicFile; gguf's
+own code also dequantizes the tensor types w4pack does not pack.
 
 Blocks of 32 weights along ``in`` (facts: reference/formats-awq-ct-gguf.md §5):
 
@@ -11,6 +13,10 @@ BF16 pass through; K-quants and the rest are dequantized by gguf's own code to f
 said so in the source notes. Names become transformers names, and llama.cpp's rotary row permutation of attn_q /
 attn_k is undone, so the folder is a normal transformers checkpoint; config.json comes from the GGUF metadata and
 the tokenizer is exported by transformers (optional dependency) from the same file.
+
+Written from a non-GGUF source, the file carries what llama.cpp's own converter (convert_hf_to_gguf.py) writes:
+1-D float tensors (norms, biases) as F32, and the tokenizer keys tokenizer.ggml.pre, add_bos_token and
+add_space_prefix. A GGUF -> w4pack -> GGUF trip reproduces the source file byte for byte.
 """
 from __future__ import annotations
 
@@ -404,7 +410,8 @@ class GGUFSource(Source):
             return data, str(data.dtype)
         gguf = gguf_module()
         try:
-            arr = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(t.type_id))
+            with np.errstate(all="ignore"):  # a NaN made of hostile bytes is refused below, not warned about
+                arr = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(t.type_id))
         except (NotImplementedError, ValueError) as exc:
             raise UnsupportedError(f"gguf cannot dequantize {qt}: {exc}", file=str(self.path), tensor=gname) from None
         return arr.astype(np.float32).reshape(t.shape), "float32"
@@ -432,17 +439,18 @@ class GGUFSource(Source):
         try:
             import transformers  # noqa: F401
         except ModuleNotFoundError:
-            why = "transformers is not installed (pip install 'w4pack[hf]')"
+            why = "transformers is not installed"
         else:
             try:
                 self._export_hf_tokenizer(self._scratch.path)
                 return
             except Exception as exc:  # noqa: BLE001 - transformers' GGUF tokenizer support varies by model
                 why = f"transformers failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-        self.notes.append(f"tokenizer not exported: {why}")
-        warnings.warn(f"{self.path}: the GGUF's tokenizer is not exported: {why}; the converted folder has no "
-                      "tokenizer, so `w4pack run` cannot use it. Install the [hf] extra (pip install "
-                      "'w4pack[hf]') and convert again", GGUFWarning, stacklevel=2)
+        fix = "pip install 'w4pack[hf]'"
+        self.notes.append(f"tokenizer not exported: {why} ({fix})")
+        warnings.warn(f"{self.path}: the GGUF's tokenizer is not exported ({why}), so the converted folder has "
+                      f"no tokenizer and `w4pack run` cannot use it; install the [hf] extra ({fix}) and convert "
+                      "again", GGUFWarning, stacklevel=2)
 
     def metadata_doc(self) -> dict[str, Any]:
         """Every metadata key with its GGUF value type, so a GGUF written back carries the same tokenizer/metadata."""
@@ -512,15 +520,16 @@ def _pre_tokenizer(tokenizer_json: Path) -> tuple[str | None, str | None]:
     try:
         ids = Tokenizer.from_file(str(tokenizer_json)).encode(_PRE_CHECK_TEXT).ids
     except Exception as exc:  # noqa: BLE001 - the tokenizers library raises its own Exception types
-        return None, f"tokenizers cannot load it ({type(exc).__name__})"
+        return None, f"the tokenizers package cannot load it: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
     digest = hashlib.sha256(str(list(ids)).encode()).hexdigest()
     name = _PRE_BY_HASH.get(digest)
     return name, None if name else f"pre-tokenizer not recognised (hash {digest[:12]})"
 
 
 def _add_bos(doc: dict[str, Any], tcfg: dict[str, Any], arch: str, vocab_size: int) -> bool | None:
-    """tokenizer.ggml.add_bos_token as llama.cpp's converter sets it: tokenizer_config's ``add_bos_token``, else a
-    post-processor template that starts with the BOS token, else False for llama models with a 49152-token
+    """tokenizer.ggml.add_bos_token as llama.cpp's converter sets it: tokenizer_config's ``add_bos_token``, else
+    whether the post-processor template starts with the BOS token (what the tokenizer does; llama.cpp's
+    converter reads only templates of two or more pieces), else False for llama models with a 49152-token
     vocabulary (its rule for SmolLM/Granite); None: not written."""
     flag = tcfg.get("add_bos_token")
     if isinstance(flag, bool):
@@ -530,12 +539,25 @@ def _add_bos(doc: dict[str, Any], tcfg: dict[str, Any], arch: str, vocab_size: i
     post = doc.get("post_processor") or {}
     for proc in post.get("processors", [post]) if isinstance(post, dict) else []:
         single = proc.get("single") if isinstance(proc, dict) and proc.get("type") == "TemplateProcessing" else None
-        if isinstance(single, list) and len(single) > 1 and isinstance(single[0], dict):
+        if isinstance(single, list) and single and isinstance(single[0], dict):
             first = (single[0].get("SpecialToken") or {}).get("id")
-            if first:
-                return first == bos
+            return bool(first) and first == bos
     if arch == "llama" and vocab_size == 49152:
         return False
+    return None
+
+
+def _add_space_prefix(doc: dict[str, Any], tcfg: dict[str, Any]) -> bool | None:
+    """tokenizer.ggml.add_space_prefix: tokenizer_config's ``add_prefix_space`` (where llama.cpp's converter reads
+    it), else the ByteLevel pre-tokenizer's own flag in tokenizer.json (what the tokenizer does); None: unknown."""
+    flag = tcfg.get("add_prefix_space")
+    if isinstance(flag, bool):
+        return flag
+    pre = doc.get("pre_tokenizer")
+    steps = pre.get("pretokenizers", [pre]) if isinstance(pre, dict) else []
+    for step in steps if isinstance(steps, list) else []:
+        if isinstance(step, dict) and step.get("type") == "ByteLevel" and isinstance(step.get("add_prefix_space"), bool):
+            return bool(step["add_prefix_space"])
     return None
 
 
@@ -596,8 +618,9 @@ def _tokenizer_keys(side_files: list[Path], config: dict[str, Any], arch: str) \
     add_bos = _add_bos(doc, tcfg, arch, int(config.get("vocab_size") or size))
     if add_bos is not None:
         out["tokenizer.ggml.add_bos_token"] = (add_bos, "BOOL", None)
-    if isinstance(tcfg.get("add_prefix_space"), bool):  # llama.cpp's LlamaModel: from tokenizer_config.json
-        out["tokenizer.ggml.add_space_prefix"] = (tcfg["add_prefix_space"], "BOOL", None)
+    prefix = _add_space_prefix(doc, tcfg)
+    if prefix is not None:
+        out["tokenizer.ggml.add_space_prefix"] = (prefix, "BOOL", None)
     template = tcfg.get("chat_template")
     if not isinstance(template, str) and "chat_template.jinja" in files:
         template = read_text(files["chat_template.jinja"])
