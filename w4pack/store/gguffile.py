@@ -237,8 +237,9 @@ def _check_tensors(raw: list[_RawInfo], data_start: int, size: int, align: int,
             raise BadInputError(f"unknown tensor type {r.type_id}; this gguf package cannot read it", file=label,
                                 tensor=r.name)
         tname, block, type_size = spec
-        if r.dims and r.dims[0] % block:
-            raise BadInputError(f"row length {r.dims[0]} is not a multiple of the {tname} block size {block}",
+        row = r.dims[0] if r.dims else 1
+        if row % block:
+            raise BadInputError(f"row length {row} is not a multiple of the {tname} block size {block}",
                                 file=label, tensor=r.name)
         n_bytes = math.prod(r.dims) // block * type_size  # Python ints: no wrap-around
         if r.offset % align:
