@@ -6,6 +6,7 @@ real model, transformers' own GGUF loader; the q/k un-permutation below is writt
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 import sys
@@ -280,7 +281,7 @@ def _patch(data: bytes, what: str) -> bytes:
 
 
 @pytest.mark.parametrize("what,match", [
-    ("truncated", "truncated"), ("truncated-header", "truncated"), ("count+1", "corrupt or truncated"),
+    ("truncated", "truncated"), ("truncated-header", "truncated"), ("count+1", "truncated"),
     ("count-1", "tensor count"), ("unknown-type", "unknown tensor type"),
     ("unknown-arch", "unknown architecture 'foo'"),
 ])
@@ -406,14 +407,16 @@ def test_smollm2_written_back_is_the_original_file(smollm2: tuple[Path, Path], t
 @pytest.mark.slow
 def test_smollm2_tokenizer_rebuilt_from_tokenizer_json(smollm2: tuple[Path, Path], smollm2_reader: Any) -> None:
     """A source without saved GGUF metadata (any Hugging Face folder) still gets llama.cpp's tokenizer keys:
-    rebuilt from the exported tokenizer.json, they equal the original GGUF's."""
+    rebuilt from the exported tokenizer.json, they equal the original GGUF's (pre-tokenizer "smollm",
+    add_bos_token and add_space_prefix included, as llama.cpp's converter wrote them)."""
     _path, out = smollm2
     side = [p for p in out.iterdir() if p.suffix in (".json", ".jinja") and p.name != "gguf_metadata.json"]
     keys, why = tokenizer_metadata(side, json.loads((out / "config.json").read_text()))
     assert why is None
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
                 "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id",
-                "tokenizer.ggml.padding_token_id", "tokenizer.chat_template"):
+                "tokenizer.ggml.padding_token_id", "tokenizer.chat_template", "tokenizer.ggml.pre",
+                "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix"):
         assert keys[key][0] == smollm2_reader.fields[key].contents(), key
         assert keys[key][1] == smollm2_reader.fields[key].types[0].name, key
 
@@ -485,7 +488,8 @@ def test_tokenizer_export_is_optional(tmp_path: Path, monkeypatch: pytest.Monkey
     """Without transformers the conversion still works and says why there is no tokenizer."""
     make_tokenizer_gguf(tmp_path / "t.gguf")
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ModuleNotFoundError
-    convert(tmp_path / "t.gguf", tmp_path / "w4", show_progress=False)
+    with pytest.warns(UserWarning, match="tokenizer is not exported"):
+        convert(tmp_path / "t.gguf", tmp_path / "w4", show_progress=False)
     assert not (tmp_path / "w4" / "tokenizer.json").exists()
     notes = open_checkpoint(tmp_path / "w4").manifest["source"]["notes"]
     assert any("transformers is not installed" in n for n in notes)
@@ -549,3 +553,375 @@ def test_side_file_linked_out_of_the_source_is_not_embedded(tmp_path: Path) -> N
         convert(w4, tmp_path / "x.gguf", to="gguf", show_progress=False)
     assert str(meta) in str(exc.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere.json", "w4"]
+
+
+# -- hostile headers: every count, length and offset checked before use ----------------------------------------------
+RANDOM_CASE = ("gguf", "q4_0_random_in256_out128")
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def header_ints(data: bytes) -> list[tuple[str, int, str]]:
+    """(what, offset, struct format) of every integer field of a well-formed GGUF header: counts, key and string
+    lengths, value and item types, array counts, integer values, tensor dims, types and offsets. Written apart
+    from the reader under test (a plain walk of the v3 layout)."""
+    fields: list[tuple[str, int, str]] = [("tensor count", 8, "<Q"), ("kv count", 16, "<Q")]
+    n_tensors, n_kv = struct.unpack_from("<QQ", data, 8)
+    pos = 24
+
+    def string(what: str) -> str:
+        nonlocal pos
+        n = struct.unpack_from("<Q", data, pos)[0]
+        fields.append((f"{what} length", pos, "<Q"))
+        s = data[pos + 8:pos + 8 + n].decode()
+        pos += 8 + n
+        return s
+
+    def value(key: str, vt: int) -> None:
+        nonlocal pos
+        if vt == 8:
+            string(f"{key} value")
+        elif vt == 9:
+            item, count = struct.unpack_from("<IQ", data, pos)
+            fields.extend([(f"{key} item type", pos, "<I"), (f"{key} count", pos + 4, "<Q")])
+            pos += 12
+            for _ in range(count):
+                value(f"{key}[]", item)
+        else:
+            fmt = _SCALARS[vt]
+            if fmt[-1] in "BbHhIiQq":
+                fields.append((f"{key} value", pos, fmt))
+            pos += struct.calcsize(fmt)
+
+    for _ in range(n_kv):
+        key = string("key")
+        vt = struct.unpack_from("<I", data, pos)[0]
+        fields.append((f"{key} type", pos, "<I"))
+        pos += 4
+        value(key, vt)
+    for _ in range(n_tensors):
+        name = string("tensor name")
+        nd = struct.unpack_from("<I", data, pos)[0]
+        fields.append((f"{name} n_dims", pos, "<I"))
+        pos += 4
+        for d in range(nd):
+            fields.append((f"{name} dim {d}", pos, "<Q"))
+            pos += 8
+        fields.extend([(f"{name} type", pos, "<I"), (f"{name} offset", pos + 4, "<Q")])
+        pos += 12
+    return fields
+
+
+def _field(data: bytes, what: str) -> tuple[int, str]:
+    return next((off, fmt) for w, off, fmt in header_ints(data) if w == what)
+
+
+def _set(data: bytes, what: str, value: int) -> bytes:
+    off, fmt = _field(data, what)
+    b = bytearray(data)
+    struct.pack_into(fmt, b, off, value)
+    return bytes(b)
+
+
+def _cli_one_line(argv: list[str], timeout: float = 30.0) -> tuple[int, str, float]:
+    """Run the CLI in a child process (a hang or a runaway allocation must not take the test run with it)
+    and return (exit status, stderr, seconds). 30 s and 2 GiB of address space at most."""
+    import resource
+    import subprocess
+    import time
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO)}
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "-m", "w4pack", *argv], capture_output=True, text=True, env=env,
+                         timeout=timeout, preexec_fn=limit)  # noqa: PLW1509 - no threads here
+    return res.returncode, res.stderr, time.perf_counter() - t0
+
+
+def test_value_type_flipped_to_array_fails_fast_naming_the_key(tmp_path: Path) -> None:
+    """Issue 30.1: general.architecture's value type 8 (string) -> 9 (array) made gguf's reader iterate ~10^18
+    items (>120 s, 3.4 GiB). Now: exit 2 at once, one line naming the file and the key, for inspect, convert and
+    verify --against."""
+    import time
+
+    src = fixture_dir(*RANDOM_CASE) / "tensors.gguf"
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(_set(src.read_bytes(), "general.architecture type", 9))
+    w4 = tmp_path / "w4"
+    convert(src, w4, show_progress=False)
+    for argv in (["inspect", str(bad)], ["convert", str(bad), str(tmp_path / "out")],
+                 ["verify", str(w4), "--against", str(bad)]):
+        rc, err, sec = _cli_one_line(argv)
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and sec < 15, (err, sec)
+        assert str(bad) in lines[0] and "'general.architecture'" in lines[0] and "array of" in lines[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf", "w4"]
+
+    def in_process() -> None:
+        t0 = time.perf_counter()
+        with pytest.raises(BadInputError, match="general.architecture"):
+            GGUF.open(bad)
+        assert time.perf_counter() - t0 < 1.0
+
+    _guarded(in_process, timeout=30)
+
+
+@pytest.mark.parametrize("offset,match", [
+    (2**64 - 18, "not a multiple of the alignment"),  # the issue's value: 18 bytes before the data section
+    (2**64 - 32, "outside the data section"),  # aligned, and wrapping around to 32 bytes before it
+    (2**63, "outside the data section"),
+    (2**32, "outside the data section"),
+])
+def test_tensor_offset_outside_the_data_section_is_refused(offset: int, match: str, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 30.2: a wrapped offset read 18 bytes before the data section, silently (convert and validate --deep
+    exit 0, 98.8% of the weights wrong). Offsets are unsigned and must lie inside the data section."""
+    src = fixture_dir(*RANDOM_CASE) / "tensors.gguf"
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(_set(src.read_bytes(), "blk.0.ffn_down.weight offset", offset))
+    with pytest.raises(BadInputError, match=match) as exc:
+        GGUF.open(bad)
+    assert "tensor blk.0.ffn_down.weight" in str(exc.value) and str(bad) in str(exc.value)
+    for argv in (["convert", str(bad), str(tmp_path / "out")], ["inspect", str(bad)]):
+        capsys.readouterr()
+        rc = main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and "tensor blk.0.ffn_down.weight" in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_overlapping_tensors_are_refused(tmp_path: Path) -> None:
+    src = fixture_dir(*RANDOM_CASE) / "tensors.gguf"
+    data = src.read_bytes()
+    first = struct.unpack_from("<Q", data, _field(data, "blk.0.ffn_down.weight offset")[0])[0]
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(_set(data, "source.weight offset", first))
+    with pytest.raises(BadInputError, match="overlaps tensor"):
+        GGUF.open(bad)
+
+
+def test_tensor_data_past_the_end_is_refused(tmp_path: Path) -> None:
+    """The last tensor's dimension grown so that its data runs past the end of the file (and, with 2^62, so that a
+    64-bit size computation would wrap to a small number)."""
+    src = fixture_dir(*RANDOM_CASE) / "tensors.gguf"
+    for dim in (129, 2**62):
+        bad = tmp_path / f"bad{dim}.gguf"
+        bad.write_bytes(_set(src.read_bytes(), "source.weight dim 1", dim))
+        with pytest.raises(BadInputError, match="outside the data section"):
+            GGUF.open(bad)
+
+
+_INTERESTING = [0, 1, 2, 3, 7, 8, 9, 12, 13, 31, 32, 33, 255, 256, 2**16 - 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32,
+                2**63 - 1, 2**63, 2**64 - 18, 2**64 - 32, 2**64 - 1]
+
+
+def _fuzz_one(tmp_path: Path, data: bytes, off: int, fmt: str, value: int) -> None:
+    """Open and read everything; only a clean W4PackError (or success) is allowed, quickly and with little memory."""
+    import time
+    import tracemalloc
+
+    from w4pack.errors import W4PackError
+
+    width = struct.calcsize(fmt)
+    b = bytearray(data)
+    b[off:off + width] = (value % (1 << (8 * width))).to_bytes(width, "little")
+    path = tmp_path / "fuzz.gguf"
+    path.write_bytes(bytes(b))
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        with GGUF.open(path) as s:
+            for name in s.layer_names():
+                s.read_layer(name)
+            for name in s.passthrough_names():
+                s.read_tensor(name)
+    except W4PackError as exc:
+        assert "\n" not in str(exc) and str(path) in str(exc)
+    finally:
+        _cur, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    assert time.perf_counter() - t0 < 5.0
+    assert peak < 64 << 20, f"{peak} bytes allocated for a {len(data)}-byte file"
+
+
+def _guarded(fn: Any, timeout: float = 120.0, max_rss: int = 1 << 30) -> None:
+    """Run ``fn`` in a forked child watched from here: killed past ``timeout`` seconds or ``max_rss`` bytes of
+    resident memory, so a reader that hangs or allocates without bound fails this test instead of taking the
+    machine; an assertion in the child fails the test with its message."""
+    import multiprocessing
+    import time
+    import traceback
+
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            fn()
+            send.send(None)
+        except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
+            send.send(traceback.format_exc(limit=-3))
+
+    proc = ctx.Process(target=child, daemon=True)
+    proc.start()
+    t0, peak = time.perf_counter(), 0
+    try:
+        while proc.is_alive() and not recv.poll(0.05):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{proc.pid}/status") as fh:
+                    peak = max(peak, next(int(l.split()[1]) * 1024 for l in fh if l.startswith("VmRSS:")))
+            assert peak < max_rss, f"the reader used {peak / 2**30:.1f} GiB"
+            assert time.perf_counter() - t0 < timeout, f"the reader still runs after {timeout} s"
+        outcome = recv.recv() if recv.poll(5) else f"the child died (exit {proc.exitcode})"
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+    assert outcome is None, outcome
+
+
+def test_header_integer_mutations_fail_cleanly(tmp_path: Path) -> None:
+    """Seeded fuzzing of every integer field of a real GGUF header (counts, lengths, value types, array counts,
+    dims, tensor types and offsets) with boundary values: never a hang, a huge allocation, or an error other than
+    a one-line W4PackError naming the file."""
+    hypothesis = pytest.importorskip("hypothesis", reason="pip install hypothesis to fuzz GGUF headers")
+    st = hypothesis.strategies
+    data = (fixture_dir(*RANDOM_CASE) / "tensors.gguf").read_bytes()
+    fields = header_ints(data)
+    assert len(fields) > 20
+
+    @hypothesis.settings(max_examples=300, derandomize=True, deadline=None, database=None,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(i=st.integers(0, len(fields) - 1),
+                      value=st.one_of(st.sampled_from(_INTERESTING), st.integers(0, 2**64 - 1)),
+                      delta=st.sampled_from([None, -1, 1]))
+    def run(i: int, value: int, delta: int | None) -> None:
+        _what, off, fmt = fields[i]
+        if delta is not None:  # next to the original value: the near misses
+            value = struct.unpack_from(fmt, data, off)[0] + delta
+        _fuzz_one(tmp_path, data, off, fmt, value)
+
+    _guarded(run)
+
+
+def test_every_header_field_at_its_boundaries(tmp_path: Path) -> None:
+    """Exhaustive companion of the fuzz test: every integer field, every boundary value."""
+    data = (fixture_dir(*RANDOM_CASE) / "tensors.gguf").read_bytes()
+
+    def run() -> None:
+        for _what, off, fmt in header_ints(data):
+            for value in _INTERESTING:
+                _fuzz_one(tmp_path, data, off, fmt, value)
+
+    _guarded(run)
+
+
+# -- what llama.cpp needs from a GGUF written from a non-GGUF source (issue 32) ---------------------------------
+def _memory_llama(tmp_path: Path, side: list[Path]) -> Source:
+    """One-block llama in memory as a GPTQ/AWQ/CT reader gives it: fp16 RMSNorm weights, an fp16 bias."""
+    sys.path.insert(0, str(REPO / "tests"))
+    try:
+        from rtn_helper import MemorySource, rtn_quantize
+    finally:
+        sys.path.pop(0)
+    rng = np.random.default_rng(5)
+    cfg = {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 4, "hidden_size": 64,
+           "intermediate_size": 96, "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "vocab_size": 32}
+    down = rtn_quantize(rng.normal(0, 0.05, (64, 96)), group_size=32,
+                        bias=rng.normal(0, 0.1, 64).astype(np.float16))
+    tensors = {
+        "model.embed_tokens.weight": (rng.normal(0, 1, (32, 64)).astype(np.float16), "float16"),
+        "model.layers.0.input_layernorm.weight": (rng.normal(1, 0.1, 64).astype(np.float16), "float16"),
+        "model.norm.weight": (rng.normal(1, 0.1, 64).astype(np.float16), "float16"),
+    }
+    return MemorySource(cfg, {"model.layers.0.mlp.down_proj": down}, tensors, side)
+
+
+def test_one_dimensional_floats_are_written_as_f32(tmp_path: Path) -> None:
+    """llama.cpp's converter writes norms and other 1-D float tensors as F32 (its RMSNorm multiplies an F32
+    activation by them: an F16 weight stops it with "binary_op: unsupported types"); 2-D ones keep their type."""
+    src = _memory_llama(tmp_path, [])
+    with pytest.warns(UserWarning, match="no tokenizer embedded"):
+        GGUF.write(src, tmp_path / "x.gguf")
+    t = tensors_by_name(tmp_path / "x.gguf")
+    assert t["blk.0.attn_norm.weight"].tensor_type == Q.F32 and t["output_norm.weight"].tensor_type == Q.F32
+    assert t["blk.0.ffn_down.bias"].tensor_type == Q.F32
+    assert t["token_embd.weight"].tensor_type == Q.F16 and t["blk.0.ffn_down.weight"].tensor_type == Q.Q4_0
+    for gname, hf in (("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight"),
+                      ("output_norm.weight", "model.norm.weight")):
+        assert np.array_equal(np.asarray(t[gname].data), src.read_tensor(hf).array.astype(np.float32))
+    bias = src.read_layer("model.layers.0.mlp.down_proj").bias
+    assert np.array_equal(np.asarray(t["blk.0.ffn_down.bias"].data), bias.astype(np.float32))
+
+
+def _byte_level_tokenizer(folder: Path, *, add_prefix_space: bool, template_bos: bool) -> list[Path]:
+    """A tiny byte-level BPE tokenizer.json (+ tokenizer_config.json), as a Hugging Face folder holds it."""
+    vocab = {"<s>": 0, "</s>": 1, **{chr(c): i + 2 for i, c in enumerate(range(ord("a"), ord("z") + 1))},
+             "Ġ": 28, "ab": 29}
+    single = [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}] \
+        if template_bos else [{"Sequence": {"id": "A", "type_id": 0}}]
+    flags = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+    doc = {"version": "1.0", "added_tokens": [{"id": 0, "content": "<s>", **flags},
+                                              {"id": 1, "content": "</s>", **flags}],
+           "normalizer": None,
+           "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": add_prefix_space, "trim_offsets": True,
+                             "use_regex": True},
+           "post_processor": {"type": "TemplateProcessing", "single": single, "pair": single,
+                              "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]}}},
+           "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+           "model": {"type": "BPE", "vocab": vocab, "merges": ["a b"], "dropout": None, "unk_token": None}}
+    folder.mkdir(exist_ok=True)
+    (folder / "tokenizer.json").write_text(json.dumps(doc))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return [folder / "tokenizer.json", folder / "tokenizer_config.json"]
+
+
+@pytest.mark.parametrize("prefix,bos", [(False, True), (True, False)])
+def test_tokenizer_keys_llama_cpp_reads(prefix: bool, bos: bool, tmp_path: Path) -> None:
+    """add_bos_token from the post-processor template and add_space_prefix from the ByteLevel pre-tokenizer are
+    written; a pre-tokenizer llama.cpp does not know is not guessed, and the writer says so."""
+    side = _byte_level_tokenizer(tmp_path / "tok", add_prefix_space=prefix, template_bos=bos)
+    with pytest.warns(UserWarning, match="no tokenizer.ggml.pre written .*not recognised"):
+        GGUF.write(_memory_llama(tmp_path, side), tmp_path / "x.gguf")
+    fields = gguf.GGUFReader(str(tmp_path / "x.gguf")).fields
+    assert fields["tokenizer.ggml.add_bos_token"].contents() is bos
+    assert fields["tokenizer.ggml.add_space_prefix"].contents() is prefix
+    assert fields["tokenizer.ggml.model"].contents() == "gpt2" and "tokenizer.ggml.pre" not in fields
+    assert fields["tokenizer.ggml.bos_token_id"].contents() == 0
+
+
+def test_gguf_tokenizer_not_exported_is_said_at_convert_time(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 32.3: without transformers the converted folder has no tokenizer; convert says so on stderr, with the
+    fix, instead of leaving it to a later `run` error."""
+    make_tokenizer_gguf(tmp_path / "t.gguf")
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.warns(UserWarning, match=r"tokenizer is not exported \(transformers is not installed\).*"
+                                         r"pip install 'w4pack\[hf\]'\) and convert again"):
+        rc = main(["convert", str(tmp_path / "t.gguf"), str(tmp_path / "w4")])
+    assert rc == 0 and not (tmp_path / "w4" / "tokenizer.json").exists()
+
+
+def test_interrupted_write_leaves_nothing_and_keeps_the_old_output(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GGUF is written in an owner-named temporary folder beside DST (which a later run can tell from a live
+    writer's and remove); an interrupt removes it, and with --force the previous DST survives the failure."""
+    import re
+
+    src = fixture_dir(FAMILY, "q4_0_exact_in512_out256") / "tensors.gguf"
+    w4 = tmp_path / "w4"
+    convert(src, w4, show_progress=False)
+    out = tmp_path / "x.gguf"
+    out.write_bytes(b"keep")
+    seen: list[str] = []
+
+    def interrupted(self: Any, tensor: Any) -> None:
+        seen.extend(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert(w4, out, to="gguf", force=True, show_progress=False)
+    assert len(seen) == 1 and re.fullmatch(r"\.x\.gguf\.w4pack-tmp-\d+\.\d+\.[0-9a-f]{12}-\w{8}", seen[0]), seen
+    assert out.read_bytes() == b"keep" and sorted(p.name for p in tmp_path.iterdir()) == ["w4", "x.gguf"]

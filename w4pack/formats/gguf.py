@@ -1,4 +1,6 @@
-"""GGUF (llama.cpp) reader and writer, with the ``gguf`` package (gguf-py) for the container.
+"""GGUF (llama.cpp) reader and writer. The file is parsed by the store's bounds-checked reader
+(``store/gguffile.py``) and written by the ``gguf`` package's GGUFWriter into the store's AtomicFile; gguf's
+own code also dequantizes the tensor types w4pack does not pack.
 
 Blocks of 32 weights along ``in`` (facts: reference/formats-awq-ct-gguf.md §5):
 
@@ -11,15 +13,19 @@ BF16 pass through; K-quants and the rest are dequantized by gguf's own code to f
 said so in the source notes. Names become transformers names, and llama.cpp's rotary row permutation of attn_q /
 attn_k is undone, so the folder is a normal transformers checkpoint; config.json comes from the GGUF metadata and
 the tokenizer is exported by transformers (optional dependency) from the same file.
+
+Written from a non-GGUF source, the file carries what llama.cpp's own converter (convert_hf_to_gguf.py) writes:
+1-D float tensors (norms, biases) as F32, and the tokenizer keys tokenizer.ggml.pre, add_bos_token and
+add_space_prefix. A GGUF -> w4pack -> GGUF trip reproduces the source file byte for byte.
 """
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
+import hashlib
+import json
+import math
 import warnings
-import weakref
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +33,15 @@ import numpy as np
 
 from ..core.canonical import CanonicalLayer
 from ..core.dtypes import to_float32
-from ..errors import BadInputError, IOFailure, UnsupportedError
+from ..errors import BadInputError, UnsupportedError
+from ..store.folder import brief, read_json, side_file
+from ..store.gguffile import GGUFFile, gguf_module, is_gguf, open_gguf
+from ..store.scratch import ScratchFolder, read_text
+from ..store.singlefile import AtomicFile
 from . import _hf_names as names
 from .base import Capabilities, Format, HubFiles, Source, TensorData
-from ..store.gguffile import gguf_module, is_gguf, open_gguf, release_pages
 
-__all__ = ["GGUFFormat", "GGUFSource", "GGUFWarning", "tokenizer_metadata", "decode_q4_0", "decode_q4_1",
+__all__ = ["GGUFFormat", "GGUFMeta", "GGUFSource", "GGUFWarning", "tokenizer_metadata", "decode_q4_0", "decode_q4_1",
            "decode_q8_0", "encode_layer", "rotary_row_permutation", "write_gguf"]
 
 BLOCK = 32
@@ -170,99 +179,142 @@ def rotary_row_permutation(rows: int, n_head: int) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # reading
 # ---------------------------------------------------------------------------------------------
-def _field(reader: Any, key: str) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    try:
-        return f.contents()
-    except Exception:  # noqa: BLE001 - a malformed field reads as absent
-        return None
+#: hyperparameters (``{arch}.KEY``) that config.json is built from: non-negative integers
+_INT_KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
+             "attention.head_count_kv", "attention.key_length", "attention.value_length", "rope.dimension_count",
+             "vocab_size", "rope.scaling.original_context_length")
+#: ... and finite numbers
+_FLOAT_KEYS = ("rope.freq_base", "attention.layer_norm_rms_epsilon", "rope.scaling.factor")
+_TOKEN_ID_KEYS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.padding_token_id",
+                  "tokenizer.ggml.unknown_token_id")
+_PLAIN_TYPES = ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64")
+
+
+@dataclass(frozen=True)
+class GGUFMeta:
+    """What the reader needs from a GGUF's metadata, parsed and type-checked once, before any tensor is read."""
+
+    arch: str
+    heads: int | None
+    kv_heads: int | None
+    version: int
+    name: str | None
+    has_tokenizer: bool
+    #: every key's Python value (config.json is built from these)
+    values: dict[str, Any]
+
+    @classmethod
+    def parse(cls, f: GGUFFile) -> "GGUFMeta":
+        label = str(f.path)
+        values = {k: v.value for k, v in f.metadata.items()}
+        arch = values.get("general.architecture")
+        if arch is None:
+            raise BadInputError("no general.architecture in the metadata", file=label)
+        if not isinstance(arch, str) or arch not in names.ARCHS:
+            raise BadInputError(f"unknown architecture {brief(arch)} (supported: {', '.join(names.ARCHS)})",
+                                file=label)
+
+        def bad(key: str, what: str) -> BadInputError:
+            v = f.metadata[key]
+            return BadInputError(f"metadata key {key}: {what}, got {v.type} {brief(v.value)}", file=label)
+
+        for key in [f"{arch}.{k}" for k in _INT_KEYS] + list(_TOKEN_ID_KEYS):
+            v = values.get(key)
+            if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+                raise bad(key, "expected a non-negative integer")
+        for key in (f"{arch}.{k}" for k in _FLOAT_KEYS):
+            v = values.get(key)
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
+                raise bad(key, "expected a finite number")
+        heads = values.get(f"{arch}.attention.head_count")
+        kv = values.get(f"{arch}.attention.head_count_kv", heads)
+        for key, n in ((f"{arch}.attention.head_count", heads), (f"{arch}.attention.head_count_kv", kv)):
+            if n == 0 and key in values:
+                raise bad(key, "expected at least one head")
+        name = values.get("general.name")
+        return cls(arch=arch, heads=heads, kv_heads=kv, version=f.version,
+                   name=name if isinstance(name, str) and name else None,
+                   has_tokenizer=values.get("tokenizer.ggml.model") is not None, values=values)
+
+
+def _map_names(tensor_names: list[str], label: str) -> tuple[dict[str, str], list[str]]:
+    """GGUF name -> transformers name (unknown names kept as they are, and listed)."""
+    hf_of: dict[str, str] = {}
+    unknown = []
+    for gname in tensor_names:
+        hf = names.gguf_to_hf(gname)
+        if hf is None:
+            unknown.append(gname)
+            hf = gname
+        hf_of[gname] = hf
+    if len(set(hf_of.values())) != len(hf_of):
+        raise BadInputError("two tensors map to the same transformers name", file=label)
+    return hf_of, unknown
+
+
+def _classify(f: GGUFFile, hf_of: dict[str, str]) -> tuple[list[str], list[str], Counter[str]]:
+    """(quantized linear layers, pass-through tensors, count of types dequantized to float32 by type)."""
+    layers: list[str] = []
+    passthrough: list[str] = []
+    dequantized: Counter[str] = Counter()
+    for gname, t in f.tensors.items():
+        hf = hf_of[gname]
+        module = hf[: -len(".weight")] if hf.endswith(".weight") else None
+        if t.type_name in _DECODERS and module is not None and len(t.dims) == 2 and names.is_linear(module):
+            layers.append(module)
+            continue
+        passthrough.append(hf)
+        if t.type_name not in _PLAIN_TYPES and \
+                not (t.type_name in _DECODERS and module is not None and names.is_embedding(module)):
+            dequantized[t.type_name] += 1
+    biases = {f"{m}.bias" for m in layers}
+    return layers, [p for p in passthrough if p not in biases], dequantized
 
 
 class GGUFSource(Source):
-    """A .gguf file opened with gguf.GGUFReader (memory-mapped); layers decoded one at a time."""
+    """A .gguf file parsed by our bounds-checked reader (memory-mapped); layers decoded one at a time."""
 
     def __init__(self, path: Path, export_tokenizer: bool = True):
         self.path = Path(path)
         label = str(self.path)
-        self.reader = open_gguf(self.path)
-        r = self.reader
-        size = self.path.stat().st_size
-        declared = _field(r, "GGUF.tensor_count")
-        if declared is not None and int(declared) != len(r.tensors):
-            raise BadInputError(f"header declares {declared} tensors, found {len(r.tensors)}", file=label)
-        self.types: dict[str, str] = {}
-        self.tensors: dict[str, Any] = {}
-        for t in r.tensors:
-            end = int(t.data_offset) + int(t.n_bytes)
-            if end > size:
-                raise BadInputError(f"data runs past the end of the file ({end} > {size} bytes): truncated",
-                                    file=label, tensor=t.name)
-            if t.name in self.tensors:
-                raise BadInputError("tensor name appears twice", file=label, tensor=t.name)
-            self.tensors[t.name] = t
-            self.types[t.name] = t.tensor_type.name
-        if self.tensors:
-            # gguf-py and llama.cpp pad every tensor to the alignment, so the last one ends the file; bytes left
-            # over mean the header announced fewer tensors than the file holds (or the data section is shifted)
-            align = int(_field(r, "general.alignment") or 32)
-            last = max(int(t.data_offset) + int(t.n_bytes) for t in r.tensors)
-            if size - last >= align:
-                raise BadInputError(f"{size - last} bytes after the last tensor's data: the header's tensor count "
-                                    f"({len(r.tensors)}) or offsets are wrong", file=label)
-        arch = _field(r, "general.architecture")
-        if arch is None:
-            raise BadInputError("no general.architecture in the metadata", file=label)
-        if arch not in names.ARCHS:
-            raise BadInputError(f"unknown architecture {arch!r} (supported: {', '.join(names.ARCHS)})", file=label)
-        self.arch = str(arch)
-        self.meta = {k: _field(r, k) for k in r.fields if not k.startswith("GGUF.")}
-        self.notes: list[str] = []
-        self.quirks: list[str] = []
-        # name mapping
-        self.hf_of: dict[str, str] = {}
-        unknown = []
-        for gname in self.tensors:
-            hf = names.gguf_to_hf(gname)
-            if hf is None:
-                unknown.append(gname)
-                hf = gname
-            self.hf_of[gname] = hf
+        self.file = open_gguf(self.path)
+        try:
+            self.gmeta = GGUFMeta.parse(self.file)
+            self.types: dict[str, str] = {n: t.type_name for n, t in self.file.tensors.items()}
+            self.hf_of, unknown = _map_names(list(self.file.tensors), label)
+            self.gguf_of = {hf: g for g, hf in self.hf_of.items()}
+            self.arch = self.gmeta.arch
+            self.meta = {k: v for k, v in self.gmeta.values.items()}
+            self.heads, self.kv_heads = self.gmeta.heads, self.gmeta.kv_heads
+            self.permute = names.permutes_qk(self.arch)
+            self.notes: list[str] = []
+            self.quirks: list[str] = []
+            self.config = self._build_config()
+            self._layers, self._pass, dequantized = _classify(self.file, self.hf_of)
+        except BaseException:
+            self.file.close()
+            raise
+        self._add_notes(unknown, dequantized)
+        self.info = {"format": "gguf", "version": str(self.gmeta.version), "notes": self.notes, "quirks": self.quirks}
+        if self.gmeta.name:
+            self.info["base_model"] = self.gmeta.name
+        self._export_tokenizer = export_tokenizer
+        self._scratch = ScratchFolder("w4pack-gguf-tok-")
+        self._side_files: list[Path] | None = None
+
+    def _build_config(self) -> dict[str, Any]:
+        emb = self.file.tensors.get("token_embd.weight")
+        vocab_hint = int(emb.dims[-1]) if emb is not None and len(emb.dims) == 2 else None
+        config, missing = names.build_config(self.arch, self.meta, has_output="output.weight" in self.file.tensors,
+                                             vocab_hint=vocab_hint)
+        if missing:
+            self.notes.append(f"config.json not built: metadata lacks {', '.join(missing)}")
+        return config
+
+    def _add_notes(self, unknown: list[str], dequantized: Counter[str]) -> None:
         if unknown:
             self.notes.append(f"{len(unknown)} tensor(s) without a transformers name kept under their GGUF name: "
                               f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
-        self.gguf_of = {hf: g for g, hf in self.hf_of.items()}
-        if len(self.gguf_of) != len(self.hf_of):
-            raise BadInputError("two tensors map to the same transformers name", file=label)
-        has_output = "output.weight" in self.tensors
-        emb = self.tensors.get("token_embd.weight")
-        vocab_hint = int(emb.shape[-1]) if emb is not None and len(emb.shape) == 2 else None
-        self.config, missing = names.build_config(self.arch, self.meta, has_output=has_output, vocab_hint=vocab_hint)
-        if missing:
-            self.notes.append(f"config.json not built: metadata lacks {', '.join(missing)}")
-        heads = self.meta.get(f"{self.arch}.attention.head_count")
-        kv = self.meta.get(f"{self.arch}.attention.head_count_kv", heads)
-        self.heads = None if heads is None else int(heads)
-        self.kv_heads = None if kv is None else int(kv)
-        self.permute = names.permutes_qk(self.arch)
-        # quantized linear layers vs pass-through
-        self._layers: list[str] = []
-        self._pass: list[str] = []
-        dequantized: Counter[str] = Counter()
-        for gname, t in self.tensors.items():
-            hf = self.hf_of[gname]
-            qt = self.types[gname]
-            module = hf[: -len(".weight")] if hf.endswith(".weight") else None
-            if qt in _DECODERS and module is not None and len(t.shape) == 2 and names.is_linear(module):
-                self._layers.append(module)
-            else:
-                self._pass.append(hf)
-                if qt not in ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64") and \
-                        not (qt in _DECODERS and module is not None and names.is_embedding(module)):
-                    dequantized[qt] += 1
-        biases = {f"{m}.bias" for m in self._layers}
-        self._pass = [p for p in self._pass if p not in biases]
         if dequantized:
             kinds = ", ".join(f"{c} {q}" for q, c in sorted(dequantized.items()))
             self.notes.append(f"not packable, dequantized to float32 with gguf's own code and passed through: {kinds}")
@@ -270,24 +322,12 @@ class GGUFSource(Source):
         if emb_type in _DECODERS:
             self.notes.append(f"token_embd.weight ({emb_type}) is an embedding (looked up, not multiplied): "
                               "dequantized exactly to float32 and passed through")
-        if self.permute and any(self.hf_of[g].endswith(("q_proj.weight", "k_proj.weight")) for g in self.tensors):
+        if self.permute and any(hf.endswith(("q_proj.weight", "k_proj.weight")) for hf in self.hf_of.values()):
             self.notes.append("llama.cpp's rotary row permutation of attn_q/attn_k undone (transformers order)")
         counts = Counter(self.types.values())
         self.notes.insert(0, "tensor types: " + ", ".join(f"{c} {q}" for q, c in sorted(counts.items())))
-        version = _field(r, "GGUF.version")
-        self.info = {"format": "gguf", "version": None if version is None else str(version), "notes": self.notes,
-                     "quirks": self.quirks}
-        name = self.meta.get("general.name")
-        if isinstance(name, str) and name:
-            self.info["base_model"] = name
-        self._export_tokenizer = export_tokenizer
-        self._side_dir: Path | None = None
-        self._side_files: list[Path] | None = None
 
     # -- helpers -------------------------------------------------------------------------------
-    def _numpy_shape(self, t: Any) -> tuple[int, ...]:
-        return tuple(int(x) for x in reversed(list(t.shape)))
-
     def _qk_perm(self, hf: str, rows: int) -> np.ndarray | None:
         if not self.permute:
             return None
@@ -312,21 +352,15 @@ class GGUFSource(Source):
     def passthrough_names(self) -> list[str]:
         return list(self._pass)
 
-    def _release_pages(self) -> None:
-        """Before each layer or tensor: the pages of the file read so far leave our resident memory (the
-        reader's np.memmap keeps every page it touched mapped until it is dropped)."""
-        release_pages(self.reader)
-
     def read_layer(self, name: str) -> CanonicalLayer:
         gname = self.gguf_of.get(f"{name}.weight")
         if gname is None or name not in self._layers:
             raise BadInputError("no such quantized layer", file=str(self.path), tensor=name)
-        self._release_pages()
-        t = self.tensors[gname]
-        qt = self.types[gname]
-        n, k = self._numpy_shape(t)
+        self.file.release_pages()
+        t = self.file.tensors[gname]
+        n, k = t.shape
         try:
-            layer = _DECODERS[qt](np.asarray(t.data), n, k)
+            layer = _DECODERS[t.type_name](self.file.data(gname), n, k)
         except BadInputError as exc:
             raise BadInputError(exc.message, file=str(self.path), tensor=gname) from None
         perm = self._qk_perm(name, n)
@@ -338,7 +372,7 @@ class GGUFSource(Source):
         if f"{name}.bias" in self.gguf_of:
             bt = self.read_tensor(f"{name}.bias")
             changes["bias"], changes["bias_dtype"] = np.asarray(bt.array), bt.dtype
-        source = {"format": "gguf", "gguf_name": gname, "gguf_type": qt}
+        source = {"format": "gguf", "gguf_name": gname, "gguf_type": t.type_name}
         if perm is not None:
             source["rotary_permutation"] = "undone"
         layer = layer.replace(name=name, source=source, **changes)
@@ -351,28 +385,8 @@ class GGUFSource(Source):
         gname = self.gguf_of.get(name)
         if gname is None:
             raise BadInputError("no such tensor", file=str(self.path), tensor=name)
-        self._release_pages()
-        t = self.tensors[gname]
-        qt = self.types[gname]
-        shape = self._numpy_shape(t)
-        data = np.asarray(t.data)
-        if qt == "F32":
-            arr, dt = data.astype("<f4", copy=False).reshape(shape), "float32"
-        elif qt == "F16":
-            arr, dt = data.astype("<f2", copy=False).reshape(shape), "float16"
-        elif qt == "BF16":
-            arr, dt = np.ascontiguousarray(data).view(np.uint16).reshape(shape), "bfloat16"
-        elif qt in ("F64", "I8", "I16", "I32", "I64"):
-            arr = data.reshape(shape)
-            dt = str(arr.dtype)
-        else:
-            gguf = gguf_module()
-            try:
-                arr = gguf.quants.dequantize(data, t.tensor_type).astype(np.float32).reshape(shape)
-            except (NotImplementedError, ValueError) as exc:
-                raise UnsupportedError(f"gguf cannot dequantize {qt}: {exc}", file=str(self.path),
-                                       tensor=gname) from None
-            dt = "float32"
+        self.file.release_pages()
+        arr, dt = self._decode_tensor(gname)
         if arr.ndim >= 1:
             perm = self._qk_perm(name[: -len(".weight")] if name.endswith(".weight") else name, arr.shape[0])
             if perm is not None:
@@ -381,61 +395,77 @@ class GGUFSource(Source):
             raise BadInputError("tensor contains NaN or infinity", file=str(self.path), tensor=gname)
         return TensorData(np.ascontiguousarray(arr), dt)
 
-    def side_files(self) -> list[Path]:
-        """tokenizer.json, tokenizer_config.json, chat template and generation_config.json, built once."""
-        if self._side_files is not None:
-            return list(self._side_files)
-        self._side_files = []
-        self._side_dir = Path(tempfile.mkdtemp(prefix="w4pack-gguf-tok-"))
-        # removed on close(), or when the source is garbage-collected without one
-        self._side_cleanup = weakref.finalize(self, shutil.rmtree, str(self._side_dir), True)
-        import json
+    def _decode_tensor(self, gname: str) -> tuple[np.ndarray, str]:
+        """(array, dtype name) of a pass-through tensor: plain types as stored, the rest dequantized by gguf."""
+        t = self.file.tensors[gname]
+        data = self.file.data(gname)
+        qt = t.type_name
+        if qt == "F32":
+            return data.astype("<f4", copy=False), "float32"
+        if qt == "F16":
+            return data.astype("<f2", copy=False), "float16"
+        if qt == "BF16":
+            return np.ascontiguousarray(data).view(np.uint16).reshape(t.shape), "bfloat16"
+        if qt in ("F64", "I8", "I16", "I32", "I64"):
+            return data, str(data.dtype)
+        gguf = gguf_module()
+        try:
+            with np.errstate(all="ignore"):  # a NaN made of hostile bytes is refused below, not warned about
+                arr = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(t.type_id))
+        except (NotImplementedError, ValueError) as exc:
+            raise UnsupportedError(f"gguf cannot dequantize {qt}: {exc}", file=str(self.path), tensor=gname) from None
+        return arr.astype(np.float32).reshape(t.shape), "float32"
 
-        meta_doc = self.metadata_doc()
-        (self._side_dir / METADATA_NAME).write_text(json.dumps(meta_doc, ensure_ascii=False) + "\n", encoding="utf-8")
+    def side_files(self) -> list[Path]:
+        """gguf_metadata.json, the tokenizer (exported by transformers) and generation_config.json, built once."""
+        if self._side_files is None:
+            self._scratch.write_json(METADATA_NAME, self.metadata_doc())
+            self._tokenizer_files()
+            gen = {k: self.config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in self.config}
+            if gen:
+                self._scratch.write_text("generation_config.json", json.dumps(gen, indent=2) + "\n")
+            self._side_files = self._scratch.files()
+        return list(self._side_files)
+
+    def _tokenizer_files(self) -> None:
+        """The tokenizer in Hugging Face form, exported by transformers from this file; when that cannot be done
+        although the GGUF has a tokenizer, say so now (a GGUFWarning, shown by convert) with the fix, since the
+        converted folder then cannot run."""
         if not self._export_tokenizer:
-            pass
-        elif self.meta.get("tokenizer.ggml.model") is None:
+            return
+        if not self.gmeta.has_tokenizer:
             self.notes.append("no tokenizer in the GGUF metadata: none exported")
+            return
+        try:
+            import transformers  # noqa: F401
+        except ModuleNotFoundError:
+            why = "transformers is not installed"
         else:
             try:
-                import transformers  # noqa: F401
-            except ModuleNotFoundError:
-                self.notes.append("tokenizer not exported: transformers is not installed (pip install 'w4pack[hf]')")
-            else:
-                try:
-                    self._export_hf_tokenizer(self._side_dir)
-                except Exception as exc:  # noqa: BLE001 - transformers' GGUF tokenizer support varies by model
-                    self.notes.append(f"tokenizer not exported: transformers failed ({type(exc).__name__}: "
-                                      f"{str(exc).splitlines()[0] if str(exc) else ''})")
-        gen = {k: self.config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in self.config}
-        if gen:
-            (self._side_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-        self._side_files = sorted(p for p in self._side_dir.iterdir() if p.is_file())
-        return list(self._side_files)
+                self._export_hf_tokenizer(self._scratch.path)
+                return
+            except Exception as exc:  # noqa: BLE001 - transformers' GGUF tokenizer support varies by model
+                why = f"transformers failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        fix = "pip install 'w4pack[hf]'"
+        self.notes.append(f"tokenizer not exported: {why} ({fix})")
+        warnings.warn(f"{self.path}: the GGUF's tokenizer is not exported ({why}), so the converted folder has "
+                      f"no tokenizer and `w4pack run` cannot use it; install the [hf] extra ({fix}) and convert "
+                      "again", GGUFWarning, stacklevel=2)
 
     def metadata_doc(self) -> dict[str, Any]:
         """Every metadata key with its GGUF value type, so a GGUF written back carries the same tokenizer/metadata."""
-        gguf = gguf_module()
         doc: dict[str, Any] = {}
         skipped = []
-        for key, f in self.reader.fields.items():
-            if key.startswith("GGUF.") or key in _WRITER_KEYS:
+        for key, v in self.file.metadata.items():
+            if key in _WRITER_KEYS:
                 continue
-            types = list(f.types)
-            if not types or (types[0] == gguf.GGUFValueType.ARRAY and
-                             (len(types) < 2 or types[1] == gguf.GGUFValueType.ARRAY)):
-                skipped.append(key)
-                continue
-            try:
-                value = f.contents()
-            except Exception:  # noqa: BLE001 - e.g. a string that is not UTF-8
-                skipped.append(key)
-                continue
-            if types[0] == gguf.GGUFValueType.ARRAY:
-                doc[key] = {"type": "ARRAY", "item": types[1].name, "value": value}
+            if v.type == "ARRAY":
+                if v.item == "ARRAY" or not v.value:  # gguf's writer takes neither nested nor empty arrays
+                    skipped.append(key)
+                    continue
+                doc[key] = {"type": "ARRAY", "item": v.item, "value": v.value}
             else:
-                doc[key] = {"type": types[0].name, "value": value}
+                doc[key] = {"type": v.type, "value": v.value}
         if skipped:
             self.notes.append(f"metadata not kept for a GGUF written back: {', '.join(skipped[:5])}")
         return {"format": "w4pack gguf metadata", "version": 1, "metadata": doc, "tensor_types": dict(self.types)}
@@ -456,37 +486,104 @@ class GGUFSource(Source):
         self.notes.append(f"tokenizer exported in Hugging Face format by transformers ({type(tok).__name__})")
 
     def close(self) -> None:
-        if self._side_dir is not None:
-            self._side_cleanup()
-            self._side_dir = None
-            self._side_files = None
-        # GGUFReader holds a np.memmap; dropping the reference releases the mapping
-        self.tensors = {}
-        self.reader = None
-
+        self._scratch.close()
+        self._side_files = None
+        self.file.close()
 
 # ---------------------------------------------------------------------------------------------
 # writing
 # ---------------------------------------------------------------------------------------------
-def tokenizer_metadata(side_files: list[Path], config: dict[str, Any]) -> tuple[dict[str, tuple[Any, str, str | None]],
-                                                                                 str | None]:
-    """GGUF tokenizer keys built from a Hugging Face tokenizer.json (byte-level BPE, llama.cpp's "gpt2" model).
+#: llama.cpp's converter (convert_hf_to_gguf.py, ``get_vocab_base_pre``) names a byte-level BPE pre-tokenizer by
+#: the sha256 of ``str(token ids)`` of this text, encoded by the model's tokenizer; llama.cpp picks its
+#: pre-tokenizer regex by that name (``tokenizer.ggml.pre``) and warns "GENERATION QUALITY WILL BE DEGRADED"
+#: without one
+_PRE_CHECK_TEXT = (
+    "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ "
+    "🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ "
+    "------======= нещо на Български ''''''```````\"\"\"\"......!!!!!!?????? I've been 'told he's there, 'RE you "
+    "sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL")
+#: hash -> llama.cpp pre-tokenizer name, for the families w4pack writes (llama, qwen2, qwen3), from llama.cpp's table
+_PRE_BY_HASH = {
+    "0ef9807a4087ebef797fc749390439009c3b9eda9ad1a097abbe738f486c01e5": "llama-bpe",  # Meta-Llama-3
+    "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": "qwen2",  # Qwen1.5 / Qwen2
+    "855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249": "smollm",  # SmolLM / SmolLM2
+    "3ce83efda5659b07b1ad37ca97ca5797ea4285d9b9ab0dc679e4a720c9da7454": "gpt-2",  # GPT-2
+}
+
+
+def _pre_tokenizer(tokenizer_json: Path) -> tuple[str | None, str | None]:
+    """(llama.cpp pre-tokenizer name, why none) for a tokenizer.json, by llama.cpp's own recognition hash."""
+    try:
+        from tokenizers import Tokenizer
+    except ModuleNotFoundError:
+        return None, "the tokenizers package is not installed (pip install 'w4pack[hf]')"
+    try:
+        ids = Tokenizer.from_file(str(tokenizer_json)).encode(_PRE_CHECK_TEXT).ids
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises its own Exception types
+        return None, f"the tokenizers package cannot load it: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    digest = hashlib.sha256(str(list(ids)).encode()).hexdigest()
+    name = _PRE_BY_HASH.get(digest)
+    return name, None if name else f"pre-tokenizer not recognised (hash {digest[:12]})"
+
+
+def _add_bos(doc: dict[str, Any], tcfg: dict[str, Any], arch: str, vocab_size: int) -> bool | None:
+    """tokenizer.ggml.add_bos_token as llama.cpp's converter sets it: tokenizer_config's ``add_bos_token``, else
+    whether the post-processor template starts with the BOS token (what the tokenizer does; llama.cpp's
+    converter reads only templates of two or more pieces), else False for llama models with a 49152-token
+    vocabulary (its rule for SmolLM/Granite); None: not written."""
+    flag = tcfg.get("add_bos_token")
+    if isinstance(flag, bool):
+        return flag
+    bos = tcfg.get("bos_token")
+    bos = bos.get("content") if isinstance(bos, dict) else bos
+    post = doc.get("post_processor") or {}
+    for proc in post.get("processors", [post]) if isinstance(post, dict) else []:
+        single = proc.get("single") if isinstance(proc, dict) and proc.get("type") == "TemplateProcessing" else None
+        if isinstance(single, list) and single and isinstance(single[0], dict):
+            first = (single[0].get("SpecialToken") or {}).get("id")
+            return bool(first) and first == bos
+    if arch == "llama" and vocab_size == 49152:
+        return False
+    return None
+
+
+def _add_space_prefix(doc: dict[str, Any], tcfg: dict[str, Any]) -> bool | None:
+    """tokenizer.ggml.add_space_prefix: tokenizer_config's ``add_prefix_space`` (where llama.cpp's converter reads
+    it), else the ByteLevel pre-tokenizer's own flag in tokenizer.json (what the tokenizer does); None: unknown."""
+    flag = tcfg.get("add_prefix_space")
+    if isinstance(flag, bool):
+        return flag
+    pre = doc.get("pre_tokenizer")
+    steps = pre.get("pretokenizers", [pre]) if isinstance(pre, dict) else []
+    for step in steps if isinstance(steps, list) else []:
+        if isinstance(step, dict) and step.get("type") == "ByteLevel" and isinstance(step.get("add_prefix_space"), bool):
+            return bool(step["add_prefix_space"])
+    return None
+
+
+def tokenizer_metadata(side_files: list[Path], config: dict[str, Any], arch: str = "llama") \
+        -> tuple[dict[str, tuple[Any, str, str | None]], str | None]:
+    """GGUF tokenizer keys built from a Hugging Face tokenizer.json (byte-level BPE, llama.cpp's "gpt2" model), with
+    what llama.cpp's converter adds: the pre-tokenizer name, add_bos_token and add_space_prefix.
 
     Returns ({key: (value, value type, array item type)}, reason when nothing could be built). Used when the
     source is not a GGUF (no saved metadata), so that llama.cpp can load what we write.
     """
-    import json
+    keys, why, _pre_why = _tokenizer_keys(side_files, config, arch)
+    return keys, why
 
+
+def _tokenizer_keys(side_files: list[Path], config: dict[str, Any], arch: str) \
+        -> tuple[dict[str, tuple[Any, str, str | None]], str | None, str | None]:
+    """tokenizer_metadata, and why no pre-tokenizer name was written (None when it was)."""
     files = {p.name: p for p in side_files}
     if "tokenizer.json" not in files:
-        return {}, "no tokenizer.json"
-    try:
-        doc = json.loads(files["tokenizer.json"].read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise BadInputError(f"cannot read the tokenizer: {exc}", file=str(files["tokenizer.json"])) from None
-    model = doc.get("model") or {}
-    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
-        return {}, f"tokenizer model {model.get('type')!r} is not byte-level BPE"
+        return {}, "no tokenizer.json", None
+    doc = read_json(files["tokenizer.json"])
+    model = doc.get("model") if isinstance(doc, dict) else None
+    if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        kind = model.get("type") if isinstance(model, dict) else None
+        return {}, f"tokenizer model {brief(kind)} is not byte-level BPE", None
     ids: dict[int, str] = {int(i): str(t) for t, i in model["vocab"].items()}
     kinds: dict[int, int] = {}
     for a in doc.get("added_tokens") or []:
@@ -496,18 +593,20 @@ def tokenizer_metadata(side_files: list[Path], config: dict[str, Any]) -> tuple[
     tokens = [ids.get(i, f"[PAD{i}]") for i in range(size)]
     types = [kinds.get(i, 1 if i in ids else 5) for i in range(size)]  # NORMAL, or UNUSED for gaps
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
-    out: dict[str, tuple[Any, str, str | None]] = {
-        "tokenizer.ggml.model": ("gpt2", "STRING", None),
-        "tokenizer.ggml.tokens": (tokens, "ARRAY", "STRING"),
-        "tokenizer.ggml.token_type": (types, "ARRAY", "INT32"),
-        "tokenizer.ggml.merges": (merges, "ARRAY", "STRING"),
-    }
+    out: dict[str, tuple[Any, str, str | None]] = {"tokenizer.ggml.model": ("gpt2", "STRING", None)}
+    pre, pre_why = _pre_tokenizer(files["tokenizer.json"])
+    if pre is not None:
+        out["tokenizer.ggml.pre"] = (pre, "STRING", None)
+    out["tokenizer.ggml.tokens"] = (tokens, "ARRAY", "STRING")
+    out["tokenizer.ggml.token_type"] = (types, "ARRAY", "INT32")
+    out["tokenizer.ggml.merges"] = (merges, "ARRAY", "STRING")
     tcfg: dict[str, Any] = {}
     if "tokenizer_config.json" in files:
         try:
-            tcfg = json.loads(files["tokenizer_config.json"].read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            tcfg = read_json(files["tokenizer_config.json"])
+        except BadInputError:
             tcfg = {}
+        tcfg = tcfg if isinstance(tcfg, dict) else {}
     index = {t: i for i, t in enumerate(tokens)}
     for key, hf in (("bos_token_id", "bos_token"), ("eos_token_id", "eos_token"), ("unknown_token_id", "unk_token"),
                     ("padding_token_id", "pad_token")):
@@ -516,12 +615,18 @@ def tokenizer_metadata(side_files: list[Path], config: dict[str, Any]) -> tuple[
         tid = index.get(tok) if isinstance(tok, str) else config.get(hf.replace("_token", "_token_id"))
         if isinstance(tid, int):
             out[f"tokenizer.ggml.{key}"] = (tid, "UINT32", None)
+    add_bos = _add_bos(doc, tcfg, arch, int(config.get("vocab_size") or size))
+    if add_bos is not None:
+        out["tokenizer.ggml.add_bos_token"] = (add_bos, "BOOL", None)
+    prefix = _add_space_prefix(doc, tcfg)
+    if prefix is not None:
+        out["tokenizer.ggml.add_space_prefix"] = (prefix, "BOOL", None)
     template = tcfg.get("chat_template")
     if not isinstance(template, str) and "chat_template.jinja" in files:
-        template = files["chat_template.jinja"].read_text(encoding="utf-8")
+        template = read_text(files["chat_template.jinja"])
     if isinstance(template, str) and template:
         out["tokenizer.chat_template"] = (template, "STRING", None)
-    return out, None
+    return out, None, pre_why
 
 
 #: hyperparameters always written from config.json, even when the saved source metadata lacked them
@@ -536,63 +641,72 @@ def _gguf_name(hf: str) -> str:
     return names.hf_to_gguf(hf) or hf
 
 
-def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress: bool | None = None,
-               **options: Any) -> Path:
-    """Write ``source`` as one GGUF file: quantized layers as Q4_0/Q4_1/Q8_0 when exact, others refused."""
-    gguf = gguf_module()
-    from ..progress import Progress
-
-    from ..store.atomic import check_output, umask_mode, write_failure
-    from ..store.folder import side_file
-
-    out = Path(out)
-    check_output(out, force)
-    if out.is_dir():
-        raise BadInputError("GGUF output is a single file; give a path ending in .gguf", file=str(out))
-    cfg = dict(source.config or {})
+def _target_arch(cfg: dict[str, Any]) -> tuple[str, dict[str, tuple[str, Any]]]:
+    """(GGUF architecture, hyperparameter keys) for the source's config.json; llama when it has none."""
     meta_out = names.config_to_metadata(cfg) if cfg.get("model_type") else None
     if cfg.get("model_type") and meta_out is None:
         raise UnsupportedError(f"model_type {cfg.get('model_type')!r} has no GGUF tensor mapping "
                                f"(supported: {', '.join(names.ARCHS)})")
-    arch, kv = meta_out if meta_out is not None else ("llama", {})
-    permute = names.permutes_qk(arch)
-    heads = cfg.get("num_attention_heads")
-    kv_heads = cfg.get("num_key_value_heads", heads)
+    return meta_out if meta_out is not None else ("llama", {})
 
-    def qk_perm(hf: str, rows: int) -> np.ndarray | None:
-        if not permute or not (".self_attn.q_proj" in hf or ".self_attn.k_proj" in hf):
-            return None
-        n_head = heads if ".q_proj" in hf else kv_heads
-        if not n_head:
-            raise UnsupportedError("config.json lacks num_attention_heads: cannot apply llama.cpp's q/k permutation",
-                                   tensor=hf)
-        inv = np.argsort(rotary_row_permutation(rows, int(n_head)))
-        return inv
 
-    saved: dict[str, Any] = {}
-    notes: list[str] = []
-    side = source.side_files()
+def _saved_metadata(side: list[Path]) -> dict[str, Any]:
+    """The source GGUF's metadata saved beside a converted checkpoint ({} when the source was not a GGUF)."""
     for p in side:
         side_file(p)  # a tokenizer.json linked from outside the source folder is not embedded
     for p in side:
         if p.name == METADATA_NAME:
-            import json
-
-            try:
-                saved = json.loads(p.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as exc:
-                raise BadInputError(f"cannot read the saved GGUF metadata: {exc}", file=str(p)) from None
+            saved = read_json(p)
             if not isinstance(saved, dict) or not isinstance(saved.get("metadata"), dict) or \
                     not all(isinstance(v, dict) and "type" in v for v in saved["metadata"].values()):
                 raise BadInputError("saved GGUF metadata is not {metadata: {key: {type, value}}, ...}", file=str(p))
-    original_types: dict[str, str] = saved.get("tensor_types") or {}
-    requant: dict[str, str] = {}  # gguf name -> type, for float tensors that re-encode exactly
+            return saved
+    return {}
 
-    lost: Counter[str] = Counter()  # original types that could not be re-encoded exactly
 
-    def exact_requant(gname: str, arr: np.ndarray) -> np.ndarray | None:
+@dataclass
+class _TensorPlan:
+    """One output tensor: how to make it (kind: layer / bias / tensor, source name) and what the header says."""
+
+    kind: str
+    hf: str
+    gname: str
+    shape: tuple[int, ...]
+    dtype: Any
+    nbytes: int
+    raw: Any
+
+
+class _Payloads:
+    """Makes each output tensor's bytes from the source: layers encoded as Q4_0/Q4_1/Q8_0, q/k rows permuted
+    for llama.cpp, float tensors that came from a quantized GGUF tensor re-encoded when that is exact, and 1-D
+    float tensors of a non-GGUF source as F32 (llama.cpp's converter does so: its norm and bias kernels take
+    F32 only)."""
+
+    def __init__(self, source: Source, cfg: dict[str, Any], arch: str, original_types: dict[str, str]):
+        self.gguf = gguf_module()
+        self.source = source
+        self.permute = names.permutes_qk(arch)
+        self.heads = cfg.get("num_attention_heads")
+        self.kv_heads = cfg.get("num_key_value_heads", self.heads)
+        self.original_types = original_types
+        self.requant: dict[str, str] = {}  # gguf name -> type, for float tensors that re-encode exactly
+        self.lost: Counter[str] = Counter()  # original types that could not be re-encoded exactly
+        self.first_pass = True
+
+    def qk_perm(self, hf: str, rows: int) -> np.ndarray | None:
+        if not self.permute or not (".self_attn.q_proj" in hf or ".self_attn.k_proj" in hf):
+            return None
+        n_head = self.heads if ".q_proj" in hf else self.kv_heads
+        if not n_head:
+            raise UnsupportedError("config.json lacks num_attention_heads: cannot apply llama.cpp's q/k permutation",
+                                   tensor=hf)
+        return np.argsort(rotary_row_permutation(rows, int(n_head)))
+
+    def exact_requant(self, gname: str, arr: np.ndarray) -> np.ndarray | None:
         """Quantized bytes of a float tensor that came from a quantized GGUF tensor, if they reproduce it exactly."""
-        qt = original_types.get(gname)
+        gguf = self.gguf
+        qt = self.original_types.get(gname)
         if qt is None or qt in _PASS_TYPES.values() or arr.dtype != np.float32 or arr.ndim < 1:
             return None
         qtype = gguf.GGMLQuantizationType[qt]
@@ -602,142 +716,175 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
                 data = gguf.quants.quantize(arr, qtype)
             except (NotImplementedError, ValueError, TypeError):  # gguf-py cannot quantize K-quants
                 data = None
-        if data is not None and gname not in requant:
+        if data is not None and gname not in self.requant:
             if np.array_equal(gguf.quants.dequantize(data, qtype).reshape(arr.shape), arr):
-                requant[gname] = qt
+                self.requant[gname] = qt
             else:
                 data = None
         if data is None:
-            lost[qt] += 1
+            self.lost[qt] += 1
         return data
 
-    def tensor_payload(kind: str, hf: str) -> tuple[np.ndarray, Any]:
-        """(array to write, raw GGML type or None) of one output tensor, q/k rows re-permuted for llama.cpp."""
+    def layer(self, hf: str) -> tuple[np.ndarray, Any]:
+        layer = self.source.read_layer(hf).replace(name=hf)
+        perm = self.qk_perm(hf, layer.out_features)
+        if perm is not None:
+            layer = layer.replace(codes=layer.codes[perm], scales=layer.scales[perm],
+                                  zeros=None if layer.zeros is None else layer.zeros[perm])
+        qt, data = encode_layer(layer)
+        return data, self.gguf.GGMLQuantizationType[qt]
+
+    def __call__(self, kind: str, hf: str) -> tuple[np.ndarray, Any]:
+        """(array to write, raw GGML type or None) of one output tensor."""
         if kind == "layer":
-            layer = source.read_layer(hf).replace(name=hf)
-            perm = qk_perm(hf, layer.out_features)
-            if perm is not None:
-                layer = layer.replace(codes=layer.codes[perm], scales=layer.scales[perm],
-                                      zeros=None if layer.zeros is None else layer.zeros[perm])
-            qt, data = encode_layer(layer)
-            return data, gguf.GGMLQuantizationType[qt]
+            return self.layer(hf)
         if kind == "bias":
-            layer = source.read_layer(hf)
+            layer = self.source.read_layer(hf)
             arr, dt = layer.bias, layer.bias_dtype or "float32"
             tname = f"{hf}.bias"
         else:
-            td = source.read_tensor(hf)
+            td = self.source.read_tensor(hf)
             arr, dt, tname = td.array, td.dtype, hf
         if dt not in _PASS_TYPES:
             raise UnsupportedError(f"GGUF has no tensor type for {dt}", tensor=tname)
         arr = np.ascontiguousarray(arr)
         if arr.ndim >= 1:
-            perm = qk_perm(tname, arr.shape[0])
+            perm = self.qk_perm(tname, arr.shape[0])
             if perm is not None:
                 arr = np.ascontiguousarray(arr[perm])
-        if kind == "tensor" and dt == "float32" and original_types:
-            gname = _gguf_name(hf)
-            if pass_one or gname in requant:
-                data = exact_requant(gname, arr)
+        gname = _gguf_name(tname)
+        if kind == "tensor" and dt == "float32" and self.original_types:
+            if self.first_pass or gname in self.requant:
+                data = self.exact_requant(gname, arr)
                 if data is not None:
-                    return data, gguf.GGMLQuantizationType[requant[gname]]
-        qt = gguf.GGMLQuantizationType[_PASS_TYPES[dt]]
+                    return data, self.gguf.GGMLQuantizationType[self.requant[gname]]
+        if dt in ("float16", "bfloat16") and gname not in self.original_types and \
+                (arr.ndim <= 1 or gname.endswith("_norm.weight")):
+            arr, dt = to_float32(arr, dt), "float32"  # exact; llama.cpp's converter writes these as F32
+        qt = self.gguf.GGMLQuantizationType[_PASS_TYPES[dt]]
         if dt == "bfloat16":
             return arr.view(np.uint8), qt
         return arr, (None if dt != "float64" else qt)
 
-    jobs: list[tuple[str, str, str]] = []  # (kind, source name, gguf name)
+
+def _jobs(source: Source, original_types: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(kind, source name, gguf name) of every output tensor, in the source GGUF's order when there was one, so
+    that a round trip reproduces the file."""
+    jobs: list[tuple[str, str, str]] = []
     for name in source.layer_names():
         jobs.append(("layer", name, _gguf_name(f"{name}.weight")))
         jobs.append(("bias", name, _gguf_name(f"{name}.bias")))
     jobs += [("tensor", t, _gguf_name(t)) for t in source.passthrough_names()]
-    if original_types:  # the source GGUF's tensor order, so a round trip reproduces the file
+    if original_types:
         order = {g: i for i, g in enumerate(original_types)}
         jobs.sort(key=lambda j: order.get(j[2], len(order)))
-    # pass 1: every tensor's type, shape and size (GGUF writes infos before data); refuse before writing anything
-    infos: list[tuple[str, str, str, tuple[int, ...], Any, int, Any]] = []
+    return jobs
+
+
+def _plan(source: Source, jobs: list[tuple[str, str, str]], payloads: _Payloads) -> tuple[list[_TensorPlan], int]:
+    """Every tensor's type, shape and size (GGUF writes the infos before the data), and the file type; what
+    cannot be written is refused here, before anything is written."""
+    plans: list[_TensorPlan] = []
     types: Counter[str] = Counter()
     problems = []
-    pass_one = True
     for kind, hf, gname in jobs:
         if kind == "bias" and source.read_layer(hf).bias is None:
             continue
         try:
-            data, raw = tensor_payload(kind, hf)
+            data, raw = payloads(kind, hf)
         except UnsupportedError as exc:
             problems.append(f"{hf}: {exc.message}")
             continue
         if kind == "layer":
             types[raw.name] += 1
-        infos.append((kind, hf, gname, data.shape, data.dtype, data.nbytes, raw))
+        plans.append(_TensorPlan(kind, hf, gname, data.shape, data.dtype, data.nbytes, raw))
         del data
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise UnsupportedError(problems[0] + more)
     seen: set[str] = set()
-    for _k, hf, gname, *_rest in infos:
-        if gname in seen:
-            raise UnsupportedError(f"two tensors map to the GGUF name {gname}", tensor=hf)
-        seen.add(gname)
-    ftype = _FILE_TYPES[types.most_common(1)[0][0]] if types else 1
-    pass_one = False
-    if lost:
+    for p in plans:
+        if p.gname in seen:
+            raise UnsupportedError(f"two tensors map to the GGUF name {p.gname}", tensor=p.hf)
+        seen.add(p.gname)
+    payloads.first_pass = False
+    return plans, _FILE_TYPES[types.most_common(1)[0][0]] if types else 1
+
+
+def _header(source: Source, saved: dict[str, Any], arch: str, kv: dict[str, tuple[str, Any]], ftype: int,
+            side: list[Path], cfg: dict[str, Any], notes: list[str]) -> dict[str, tuple[Any, str, str | None]]:
+    """The metadata to write ({key: (value, value type name, item type name)}): a GGUF source's saved keys first,
+    in their order, so a GGUF -> w4pack -> GGUF trip reproduces the header; else tokenizer keys from
+    tokenizer.json; then the hyperparameters from config.json."""
+    final: dict[str, tuple[Any, str, str | None]] = {}
+    for key, entry in saved.get("metadata", {}).items():
+        if key in _WRITER_KEYS or (key.split(".")[0] in names.ARCHS and key.split(".")[0] != arch):
+            continue
+        if entry.get("type") == "ARRAY":
+            final[key] = (entry["value"], "ARRAY", entry["item"])
+        else:
+            final[key] = (entry["value"], entry["type"], None)
+    final["general.quantization_version"] = (int(gguf_module().GGML_QUANT_VERSION), "UINT32", None)
+    final["general.file_type"] = (int(ftype), "UINT32", None)
+    if not saved:  # a GGUF source is reproduced as it was, with or without a tokenizer
+        tok, why, pre_why = _tokenizer_keys(side, cfg, arch)
+        final.update(tok)
+        if why:
+            notes.append(f"no tokenizer embedded ({why}): llama.cpp needs one to run this file")
+        elif pre_why:
+            notes.append(f"no tokenizer.ggml.pre written ({pre_why}): llama.cpp falls back to its default "
+                         "pre-tokenizer and may tokenize differently")
+    base = getattr(source, "info", {}).get("base_model")
+    if base and "general.name" not in final:
+        final["general.name"] = (str(base), "STRING", None)
+    for key, (kind, val) in kv.items():
+        if saved and key not in final and not key.endswith(_ESSENTIAL):
+            continue  # keep a GGUF -> w4pack -> GGUF trip to the keys the source had
+        final[key] = (int(val), "UINT32", None) if kind == "u32" else (float(val), "FLOAT32", None)
+    return final
+
+
+def _emit(path: Path, arch: str, header: dict[str, tuple[Any, str, str | None]], plans: list[_TensorPlan],
+          payloads: _Payloads, show_progress: bool | None) -> None:
+    """Write the GGUF to ``path`` (a temporary file of the store's AtomicFile) with gguf's own writer."""
+    from ..progress import Progress
+
+    gguf = gguf_module()
+    VT = gguf.GGUFValueType
+    w = gguf.GGUFWriter(str(path), arch=arch)
+    for key, (val, vt, sub) in header.items():
+        w.add_key_value(key, val, VT[vt], sub_type=None if sub is None else VT[sub])
+    for p in plans:
+        w.add_tensor_info(p.gname, p.shape, p.dtype, p.nbytes, raw_dtype=p.raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    with Progress(len(plans), "writing gguf", enabled=show_progress) as bar:
+        for p in plans:
+            data, _raw = payloads(p.kind, p.hf)
+            w.write_tensor_data(data)
+            bar.update()
+    w.close()
+
+
+def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress: bool | None = None,
+               **options: Any) -> Path:
+    """Write ``source`` as one GGUF file: quantized layers as Q4_0/Q4_1/Q8_0 when exact, others refused."""
+    out = Path(out)
+    target = AtomicFile(out, force, hint="give a path ending in .gguf")  # refuses an existing DST before any work
+    cfg = dict(source.config or {})
+    arch, kv = _target_arch(cfg)
+    side = source.side_files()
+    saved = _saved_metadata(side)
+    payloads = _Payloads(source, cfg, arch, saved.get("tensor_types") or {})
+    plans, ftype = _plan(source, _jobs(source, payloads.original_types), payloads)
+    notes: list[str] = []
+    if payloads.lost:
         notes.append("written as F32, not re-encodable exactly by gguf: "
-                     + ", ".join(f"{c} {q}" for q, c in sorted(lost.items())))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.w4pack-tmp-", dir=out.parent)
-    os.close(tmp_fd)
-    tmp = Path(tmp_name)
-    try:
-        w = gguf.GGUFWriter(str(tmp), arch=arch)
-        VT = gguf.GGUFValueType
-        # saved keys first, in their original order, so a GGUF -> w4pack -> GGUF trip reproduces the header
-        final: dict[str, tuple[Any, Any, Any]] = {}
-        for key, entry in saved.get("metadata", {}).items():
-            if key in _WRITER_KEYS or (key.split(".")[0] in names.ARCHS and key.split(".")[0] != arch):
-                continue
-            if entry.get("type") == "ARRAY":
-                final[key] = (entry["value"], VT.ARRAY, VT[entry["item"]])
-            else:
-                final[key] = (entry["value"], VT[entry["type"]], None)
-        final["general.quantization_version"] = (int(gguf.GGML_QUANT_VERSION), VT.UINT32, None)
-        final["general.file_type"] = (int(ftype), VT.UINT32, None)
-        if not saved:  # a GGUF source is reproduced as it was, with or without a tokenizer
-            tok, why = tokenizer_metadata(side, cfg)
-            for key, (val, vt, sub) in tok.items():
-                final[key] = (val, VT[vt], None if sub is None else VT[sub])
-            if why:
-                notes.append(f"no tokenizer embedded ({why}): llama.cpp needs one to run this file")
-        base = getattr(source, "info", {}).get("base_model")
-        if base and "general.name" not in final:
-            final["general.name"] = (str(base), VT.STRING, None)
-        for key, (kind, val) in kv.items():
-            if saved and key not in final and not key.endswith(_ESSENTIAL):
-                continue  # keep a GGUF -> w4pack -> GGUF trip to the keys the source had
-            final[key] = (int(val), VT.UINT32, None) if kind == "u32" else (float(val), VT.FLOAT32, None)
-        for key, (val, vt, sub) in final.items():
-            w.add_key_value(key, val, vt, sub_type=sub)
-        for _kind, _hf, gname, shape, dtype, nbytes, raw in infos:
-            w.add_tensor_info(gname, shape, dtype, nbytes, raw_dtype=raw)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        with Progress(len(infos), "writing gguf", enabled=show_progress) as bar:
-            for kind, hf, _gname, *_rest in infos:
-                data, _raw = tensor_payload(kind, hf)
-                w.write_tensor_data(data)
-                bar.update()
-        w.close()
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.chmod(tmp, umask_mode(0o666))
-        os.replace(tmp, out)
-    except BaseException as exc:
-        tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError) and not isinstance(exc, IOFailure):
-            # e.g. a full disk: numpy says only "73728 requested and 40608 written"
-            raise write_failure(exc, out) from None
-        raise
+                     + ", ".join(f"{c} {q}" for q, c in sorted(payloads.lost.items())))
+    header = _header(source, saved, arch, kv, ftype, side, cfg, notes)
+    with target as tmp:
+        _emit(tmp, arch, header, plans, payloads, show_progress)
     for note in notes:
         warnings.warn(f"{out}: {note}", GGUFWarning, stacklevel=3)
     return out

@@ -1,13 +1,59 @@
-"""GGUF files opened for reading: magic check, gguf.GGUFReader (memory-mapped) and page release."""
+"""GGUF files opened for reading by our own bounds-checked parser (header, metadata, tensor infos), memory-mapped.
+
+Why not gguf.GGUFReader: it trusts every count, length and offset in the file. A value type flipped from string
+to array makes it iterate a count of 10^18 items (minutes, gigabytes), and a tensor offset near 2^64 wraps
+around and reads bytes before the data section, silently. Here every count, length and offset is checked
+against the bytes left *before* anything is allocated or iterated, so a hostile file fails in milliseconds with
+one line naming the file and the key or tensor. The gguf package is still used for its tables (tensor type
+sizes) and by the format module for dequantizing K-quants and for writing, never to parse a file we are given.
+
+Layout (GGUF v2/v3, little-endian; llama.cpp's ``gguf.cpp`` is the reference): magic ``GGUF``, u32 version,
+u64 tensor count, u64 key-value count, the key-value pairs (string key, u32 value type, value), the tensor
+infos (string name, u32 n_dims, u64 dims[n_dims], u32 type, u64 offset relative to the data section), padding
+to ``general.alignment`` (default 32), then the data section. A string is a u64 length and that many UTF-8 bytes;
+an array is a u32 item type, a u64 count and the items.
+"""
 from __future__ import annotations
 
+import math
+import mmap
+import os
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from ..errors import BadInputError, UnsupportedError
 from .safetensors import release_mapped
 
-__all__ = ["gguf_module", "is_gguf", "open_gguf", "release_pages"]
+__all__ = ["GGUFFile", "GGUFTensorInfo", "GGUFValue", "gguf_module", "is_gguf", "open_gguf", "VALUE_TYPES"]
+
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+#: llama.cpp's GGML_MAX_DIMS
+MAX_DIMS = 4
+#: arrays of arrays deeper than this are refused (llama.cpp reads none; Python recursion stays shallow)
+MAX_NESTING = 4
+
+#: GGUF value type id -> (name, struct format or None for string/array, encoded size: the minimum for those)
+VALUE_TYPES: dict[int, tuple[str, str | None, int]] = {
+    0: ("UINT8", "<B", 1), 1: ("INT8", "<b", 1), 2: ("UINT16", "<H", 2), 3: ("INT16", "<h", 2),
+    4: ("UINT32", "<I", 4), 5: ("INT32", "<i", 4), 6: ("FLOAT32", "<f", 4), 7: ("BOOL", "<?", 1),
+    8: ("STRING", None, 8), 9: ("ARRAY", None, 12), 10: ("UINT64", "<Q", 8), 11: ("INT64", "<q", 8),
+    12: ("FLOAT64", "<d", 8),
+}
+#: numpy dtypes of the numeric value types, for reading arrays of them in one step
+_NP_VALUE = {"UINT8": "<u1", "INT8": "<i1", "UINT16": "<u2", "INT16": "<i2", "UINT32": "<u4", "INT32": "<i4",
+             "FLOAT32": "<f4", "BOOL": "?", "UINT64": "<u8", "INT64": "<i8", "FLOAT64": "<f8"}
+#: tensor types whose data is handed out as typed elements (as gguf-py does); the rest as bytes per row
+_NP_TENSOR = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8"}
+#: the smallest tensor info: name length, n_dims, type, offset
+_MIN_TENSOR_INFO = 8 + 4 + 4 + 8
+#: the smallest key-value pair: key length, value type, a one-byte value
+_MIN_KV = 8 + 4 + 1
 
 
 def gguf_module() -> Any:
@@ -26,32 +72,297 @@ def is_gguf(path: Path) -> bool:
         return False
     try:
         with open(p, "rb") as fh:
-            return fh.read(4) == b"GGUF"
+            return fh.read(4) == MAGIC
     except OSError:
         return False
 
 
-def open_gguf(path: Path) -> Any:
-    """A gguf.GGUFReader over ``path``; whatever the gguf package raises on a bad file becomes BadInputError."""
+@dataclass(frozen=True)
+class GGUFValue:
+    """One metadata value: its GGUF type name, the item type name of an ARRAY, and the Python value (as gguf-py's
+    ``ReaderField.contents()`` gives it: int, float, bool, str, or a list of them)."""
+
+    type: str
+    value: Any
+    item: str | None = None
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One tensor info, checked: ``dims`` in GGUF order (fastest first), ``start`` the absolute file offset of its
+    data, ``n_bytes`` its size; the data lies inside the data section and overlaps no other tensor's."""
+
+    name: str
+    dims: tuple[int, ...]
+    type_id: int
+    type_name: str
+    start: int
+    n_bytes: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """numpy order (slowest first)."""
+        return tuple(reversed(self.dims))
+
+
+class _Cursor:
+    """Reads little-endian fields from the map, refusing any read past the end, naming what was being read."""
+
+    def __init__(self, buf: Any, size: int, label: str):
+        self.buf, self.size, self.label, self.pos = buf, size, label, 0
+        self.context = "the header"
+
+    def fail(self, what: str, tensor: str | None = None) -> BadInputError:
+        return BadInputError(f"corrupt or truncated GGUF: {self.context}: {what}", file=self.label, tensor=tensor)
+
+    @property
+    def left(self) -> int:
+        return self.size - self.pos
+
+    def need(self, n: int, what: str) -> None:
+        if n > self.left:
+            raise self.fail(f"{what} needs {n} bytes at offset {self.pos}, only {self.left} left")
+
+    def scalar(self, fmt: str, what: str) -> Any:
+        n = struct.calcsize(fmt)
+        self.need(n, what)
+        (v,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += n
+        return v
+
+    def string(self, what: str) -> str:
+        n = self.scalar("<Q", f"the length of {what}")
+        self.need(n, f"{what} ({n} bytes)")
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} is not UTF-8") from None
+
+
+def _read_value(cur: _Cursor, type_id: int, depth: int = 0) -> GGUFValue:
+    spec = VALUE_TYPES.get(type_id)
+    if spec is None:
+        raise cur.fail(f"unknown value type {type_id}")
+    name, fmt, _size = spec
+    if fmt is not None:
+        return GGUFValue(name, cur.scalar(fmt, f"a {name} value"))
+    if name == "STRING":
+        return GGUFValue(name, cur.string("a string value"))
+    item_id = cur.scalar("<I", "the item type of an array")
+    count = cur.scalar("<Q", "the item count of an array")
+    item = VALUE_TYPES.get(item_id)
+    if item is None:
+        raise cur.fail(f"unknown array item type {item_id}")
+    item_name, _fmt, item_min = item
+    # every item takes at least item_min bytes: a count the rest of the file cannot hold is refused before any loop
+    if count * item_min > cur.left:
+        raise cur.fail(f"array of {count} {item_name} items needs at least {count * item_min} bytes, "
+                       f"only {cur.left} left")
+    if item_name in _NP_VALUE:
+        arr = np.frombuffer(cur.buf, dtype=_NP_VALUE[item_name], count=count, offset=cur.pos)
+        cur.pos += count * item_min
+        return GGUFValue(name, arr.tolist(), item_name)
+    if item_name == "STRING":
+        return GGUFValue(name, [cur.string("a string in an array") for _ in range(count)], item_name)
+    if depth + 1 >= MAX_NESTING:
+        raise cur.fail(f"arrays nested more than {MAX_NESTING} deep")
+    return GGUFValue(name, [_read_value(cur, 9, depth + 1).value for _ in range(count)], item_name)
+
+
+def _read_metadata(cur: _Cursor, count: int) -> dict[str, GGUFValue]:
+    meta: dict[str, GGUFValue] = {}
+    for i in range(count):
+        cur.context = f"key-value pair {i}"
+        key = cur.string("its key")
+        cur.context = f"key {key!r}"
+        if key in meta:
+            raise cur.fail("the key appears twice")
+        meta[key] = _read_value(cur, cur.scalar("<I", "its value type"))
+    return meta
+
+
+def _type_table() -> dict[int, tuple[str, int, int]]:
+    """GGML tensor type id -> (name, elements per block, bytes per block), from the gguf package's own table."""
     gguf = gguf_module()
-    label = str(path)
-    if not path.is_file():
-        raise BadInputError("not a file (expected a .gguf file)", file=label)
-    with open(path, "rb") as fh:
-        magic = fh.read(4)
-    if magic != b"GGUF":
-        raise BadInputError(f"not a GGUF file (magic {magic!r})", file=label)
-    try:
-        return gguf.GGUFReader(path, "r")
-    except Exception as exc:  # noqa: BLE001 - gguf raises ValueError, KeyError, struct errors, ...
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if "is not a valid GGMLQuantizationType" in msg:
-            raise BadInputError(f"unknown tensor type ({msg}); this gguf package cannot read it",
-                                file=label) from None
-        raise BadInputError(f"corrupt or truncated GGUF ({type(exc).__name__}: {msg})", file=label) from None
+    return {int(t): (t.name, int(b), int(s)) for t, (b, s) in gguf.GGML_QUANT_SIZES.items()}
 
 
-def release_pages(reader: Any) -> None:
-    """Drop the pages of the file read so far from our resident memory (the reader's np.memmap keeps every page it
-    touched mapped until it is dropped)."""
-    release_mapped(getattr(getattr(reader, "data", None), "_mmap", None))
+@dataclass(frozen=True)
+class _RawInfo:
+    name: str
+    dims: tuple[int, ...]
+    type_id: int
+    offset: int
+
+
+def _read_tensor_infos(cur: _Cursor, count: int) -> list[_RawInfo]:
+    infos = []
+    for i in range(count):
+        cur.context = f"tensor info {i}"
+        name = cur.string("its name")
+        cur.context = f"tensor {name!r}"
+        n_dims = cur.scalar("<I", "its dimension count")
+        if n_dims > MAX_DIMS:
+            raise cur.fail(f"{n_dims} dimensions (GGUF allows at most {MAX_DIMS})")
+        dims = tuple(cur.scalar("<Q", "a dimension") for _ in range(n_dims))
+        type_id = cur.scalar("<I", "its type")
+        offset = cur.scalar("<Q", "its data offset")
+        infos.append(_RawInfo(name, dims, type_id, offset))
+    return infos
+
+
+def _alignment(meta: dict[str, GGUFValue], label: str) -> int:
+    v = meta.get("general.alignment")
+    if v is None:
+        return DEFAULT_ALIGNMENT
+    if v.type != "UINT32" or v.value == 0 or v.value & (v.value - 1):
+        raise BadInputError(f"general.alignment must be a UINT32 power of two, got {v.type} {v.value!r}", file=label)
+    return int(v.value)
+
+
+def _check_tensors(raw: list[_RawInfo], data_start: int, size: int, align: int,
+                   label: str) -> dict[str, GGUFTensorInfo]:
+    """Each tensor's type known, size computed without overflow, offset aligned, data inside the data section,
+    no two tensors overlapping, and nothing but padding after the last one."""
+    types = _type_table()
+    data_len = size - data_start
+    out: dict[str, GGUFTensorInfo] = {}
+    for r in raw:
+        if r.name in out:
+            raise BadInputError("tensor name appears twice", file=label, tensor=r.name)
+        spec = types.get(r.type_id)
+        if spec is None:
+            raise BadInputError(f"unknown tensor type {r.type_id}; this gguf package cannot read it", file=label,
+                                tensor=r.name)
+        tname, block, type_size = spec
+        row = r.dims[0] if r.dims else 1
+        if row % block:
+            raise BadInputError(f"row length {row} is not a multiple of the {tname} block size {block}",
+                                file=label, tensor=r.name)
+        n_bytes = math.prod(r.dims) // block * type_size  # Python ints: no wrap-around
+        if r.offset % align:
+            raise BadInputError(f"data offset {r.offset} is not a multiple of the alignment {align}", file=label,
+                                tensor=r.name)
+        if r.offset > data_len or n_bytes > data_len - r.offset:
+            raise BadInputError(f"data at offset {r.offset} ({n_bytes} bytes) lies outside the data section "
+                                f"({data_len} bytes): truncated or a corrupt offset", file=label, tensor=r.name)
+        out[r.name] = GGUFTensorInfo(r.name, r.dims, r.type_id, tname, data_start + r.offset, n_bytes)
+    spans = sorted(out.values(), key=lambda t: (t.start, t.n_bytes))
+    for a, b in zip(spans, spans[1:]):
+        if b.start < a.start + a.n_bytes:
+            raise BadInputError(f"data overlaps tensor {a.name}'s (offsets {a.start - data_start} and "
+                                f"{b.start - data_start})", file=label, tensor=b.name)
+    if spans:
+        # gguf-py and llama.cpp pad every tensor to the alignment, so the last one ends the file; bytes left over
+        # mean the header announced fewer tensors than the file holds (or the data section is shifted)
+        last = max(t.start + t.n_bytes for t in spans)
+        if size - last >= align:
+            raise BadInputError(f"{size - last} bytes after the last tensor's data: the header's tensor count "
+                                f"({len(spans)}) or offsets are wrong", file=label)
+    return out
+
+
+class GGUFFile:
+    """A parsed, checked GGUF file: ``metadata`` (key -> GGUFValue, in file order), ``tensors`` (name ->
+    GGUFTensorInfo, in file order), ``version``, ``alignment``; ``data(name)`` is a read-only view of a tensor."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        label = str(self.path)
+        self._mm: mmap.mmap | None = None
+        try:
+            with open(self.path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                if size >= 4 and fh.read(4) != MAGIC:
+                    fh.seek(0)
+                    raise BadInputError(f"not a GGUF file (magic {fh.read(4)!r})", file=label)
+                if size < 24:
+                    raise BadInputError(f"corrupt or truncated GGUF: {size} bytes, shorter than the fixed header",
+                                        file=label)
+                self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        except FileNotFoundError:
+            raise BadInputError("file does not exist", file=label) from None
+        except IsADirectoryError:
+            raise BadInputError("not a file (expected a .gguf file)", file=label) from None
+        except OSError as exc:
+            if isinstance(exc, BadInputError):
+                raise
+            raise BadInputError(f"cannot open: {exc.strerror or exc}", file=label) from None
+        try:
+            self._parse(size, label)
+        except BaseException:
+            self.close()
+            raise
+
+    def _parse(self, size: int, label: str) -> None:
+        cur = _Cursor(self._mm, size, label)
+        cur.pos = 4
+        version = cur.scalar("<I", "the version")
+        if version & 0xFFFF == 0 and version:
+            raise UnsupportedError("big-endian GGUF is not supported", file=label)
+        if version not in VERSIONS:
+            raise UnsupportedError(f"GGUF version {version} is not supported (only {VERSIONS})", file=label)
+        n_tensors = cur.scalar("<Q", "the tensor count")
+        n_kv = cur.scalar("<Q", "the key-value count")
+        # the cheapest check first: counts the file cannot possibly hold are refused before any loop
+        if n_kv * _MIN_KV > cur.left:
+            raise cur.fail(f"key-value count {n_kv} cannot fit in the {cur.left} bytes left")
+        if n_tensors * _MIN_TENSOR_INFO > cur.left:
+            raise cur.fail(f"tensor count {n_tensors} cannot fit in the {cur.left} bytes left")
+        self.version = int(version)
+        self.metadata = _read_metadata(cur, n_kv)
+        if n_tensors * _MIN_TENSOR_INFO > cur.left:
+            cur.context = "the tensor infos"
+            raise cur.fail(f"tensor count {n_tensors} cannot fit in the {cur.left} bytes left")
+        raw = _read_tensor_infos(cur, n_tensors)
+        self.alignment = _alignment(self.metadata, label)
+        self.data_start = -(-cur.pos // self.alignment) * self.alignment
+        if raw and self.data_start > size:
+            raise BadInputError(f"corrupt or truncated GGUF: the data section would start at {self.data_start}, "
+                                f"past the end of the file ({size} bytes)", file=label)
+        self.tensors = _check_tensors(raw, self.data_start, size, self.alignment, label)
+        self.size = size
+
+    def value(self, key: str) -> Any:
+        """The Python value of ``key``, or None when absent."""
+        v = self.metadata.get(key)
+        return None if v is None else v.value
+
+    def data(self, name: str) -> np.ndarray:
+        """Read-only view of a tensor's data: typed elements in numpy order for F32/F16/F64/I8..I64, otherwise
+        uint8 with the last dimension in bytes (rows of blocks), as gguf-py gives them."""
+        if self._mm is None:
+            raise BadInputError("the file is closed", file=str(self.path), tensor=name)
+        t = self.tensors[name]
+        shape = t.shape
+        if t.type_name in _NP_TENSOR:
+            dt = np.dtype(_NP_TENSOR[t.type_name])
+            return np.frombuffer(self._mm, dtype=dt, count=t.n_bytes // dt.itemsize, offset=t.start).reshape(shape)
+        arr = np.frombuffer(self._mm, dtype=np.uint8, count=t.n_bytes, offset=t.start)
+        if not shape:
+            return arr
+        rows = math.prod(shape[:-1])
+        return arr.reshape(*shape[:-1], t.n_bytes // rows if rows else 0)
+
+    def release_pages(self) -> None:
+        """Drop the pages of the file read so far from our resident memory (the map keeps every page it touched
+        until it is closed)."""
+        release_mapped(self._mm)
+
+    def close(self) -> None:
+        """Drop the map; views handed out keep it alive until they go (numpy holds a reference)."""
+        self._mm = None
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """A checked GGUFFile over ``path``; every problem is a BadInputError naming the file (and key or tensor)."""
+    gguf_module()  # the tensor type table; say how to install it before reading anything
+    return GGUFFile(Path(path))
+
+
+def release_pages(f: GGUFFile | None) -> None:
+    """Kept for callers that hold a file that may be closed."""
+    if f is not None:
+        f.release_pages()
