@@ -90,7 +90,10 @@ def inspect(path: Path, as_json: bool, show_layers: bool, src_format: str | None
         for problem in doc["problems"]:
             click.echo(f"  problem: {problem}")
         if doc["exit_code"]:
-            click.echo(f"{path}: convert would stop at the problem(s) above (exit {doc['exit_code']})", err=True)
+            probs = doc["problems"]
+            more = f" (and {len(probs) - 1} more, listed above)" if len(probs) > 1 else ""
+            first = probs[0] if probs else f"{path}: convert would stop here"
+            click.echo(f"w4pack: error: {first}{more}", err=True)
         return int(doc["exit_code"])
     with open_checkpoint(path) as ck:
         ck.check_structure()
