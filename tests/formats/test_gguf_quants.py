@@ -118,3 +118,45 @@ def test_bad_shapes_are_refused() -> None:
 def test_codebook_types_have_a_reason() -> None:
     assert not gq.is_packable("IQ2_XS") and "codebook" in gq.why_not_packable("IQ2_XS")
     assert gq.is_packable("IQ4_NL")
+
+
+@pytest.mark.parametrize("qtype", sorted(gq.TYPES))
+def test_encode_gives_back_the_same_values(qtype: str) -> None:
+    """Any block decodes and re-encodes to blocks of the same canonical values (random super-block scales
+    need not be in llama.cpp's form, so the bytes may differ where several d·sc give the same products)."""
+    rng = np.random.default_rng(21)
+    bt = gq.TYPES[qtype]
+    n, k = 9, 512
+    raw = random_blocks(rng, qtype, n, k)
+    layer = gq.decode(qtype, raw, n, k)
+    back = gq.encode(qtype, layer)
+    assert back.shape == raw.shape
+    assert gq.decode(qtype, back, n, k).equals(layer)
+    if bt.block == 32:  # the fp16 scale is stored as it is: byte for byte
+        assert np.array_equal(back, raw)
+
+
+@pytest.mark.parametrize("qtype,lo,hi", [("Q4_K", 0, 63), ("Q6_K", -128, 127), ("Q3_K", -32, 31), ("Q2_K", 0, 15)])
+def test_super_scales_recover_the_reference_quantizers_d(qtype: str, lo: int, hi: int) -> None:
+    """llama.cpp's reference quantizers put the largest sub-scale at the end of its range (63, -128, -32, 15):
+    the derivation then finds exactly that d and those integers."""
+    rng = np.random.default_rng(8)
+    d = (rng.uniform(0.5, 2, (40,)) * 1e-3).astype(np.float16)
+    L = rng.integers(max(lo, -hi), hi + 1, (40, 8))
+    L[:, 2] = lo if lo < 0 else hi
+    vals = d.astype(np.float64)[:, None] * L
+    got = gq.super_scales(vals, lo, hi)
+    assert got is not None
+    assert np.array_equal(got[0], d) and np.array_equal(got[1], L)
+
+
+def test_encode_refuses_values_that_are_not_blocks() -> None:
+    from w4pack.errors import UnsupportedError
+
+    rng = np.random.default_rng(2)
+    layer = gq.decode("Q4_K", random_blocks(rng, "Q4_K", 2, 256), 2, 256)
+    layer.scales[0, 3] = np.float32(np.pi)  # not an fp16 times an integer in 0..63 together with the others
+    with pytest.raises(UnsupportedError, match="not expressible as GGUF Q4_K: scales"):
+        gq.encode("Q4_K", layer)
+    with pytest.raises(UnsupportedError, match="needs 6-bit"):
+        gq.encode("Q6_K", layer)

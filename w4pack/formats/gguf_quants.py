@@ -33,7 +33,8 @@ import numpy as np
 from ..core.canonical import CanonicalLayer
 from ..errors import BadInputError
 
-__all__ = ["BlockType", "TYPES", "QK_K", "IQ4_NL_VALUES", "decode", "is_packable", "why_not_packable"]
+__all__ = ["BlockType", "TYPES", "QK_K", "IQ4_NL_VALUES", "decode", "encode", "super_scales", "is_packable",
+           "why_not_packable"]
 
 QK_K = 256
 #: IQ4_NL / IQ4_XS codebook (ggml's kvalues_iq4nl)
@@ -245,3 +246,156 @@ def decode(qtype: str, raw: np.ndarray, n: int, k: int) -> CanonicalLayer:
         scales=np.ascontiguousarray(s, dtype=sdt).reshape(n, g), bits=bt.bits, group_size=bt.group,
         zero_mode=bt.zero_mode, zeros=None if m is None else np.ascontiguousarray(m, dtype=sdt).reshape(n, g),
         scale_dtype=bt.scale_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# canonical -> blocks (GGUF written back in the type the layer was read from)
+# ---------------------------------------------------------------------------------------------
+def _join(fields: np.ndarray, shifts: list[int]) -> np.ndarray:
+    """Inverse of ``_bitplanes``: [..., len(shifts), L] fields -> [..., L] bytes."""
+    out = np.zeros(fields.shape[:-2] + fields.shape[-1:], dtype=np.uint8)
+    for i, sh in enumerate(shifts):
+        out |= (fields[..., i, :].astype(np.uint8) << np.uint8(sh))
+    return out
+
+
+def _h(x: np.ndarray) -> np.ndarray:
+    """fp16 values [...] -> [..., 2] little-endian bytes."""
+    return np.ascontiguousarray(np.asarray(x, dtype="<f2"))[..., None].view(np.uint8)
+
+
+def super_scales(vals: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """fp16 ``d`` [...] and integers ``L`` [..., G] in lo..hi with d·L == vals exactly, per super-block, or None.
+
+    ``vals`` (float64, [..., G]) are the exact products of a super-block. The first candidate that fits wins,
+    scanning from the extreme sub-scale down: the group of largest magnitude takes the widest integer (negative
+    first), which is what llama.cpp's reference quantizers write (Q4_K: largest scale 63; Q6_K: -128), so those
+    blocks come back byte for byte; other blocks come back with the same values."""
+    ext_i = np.abs(vals).argmax(axis=-1)[..., None]
+    ext = np.take_along_axis(vals, ext_i, axis=-1)[..., 0]
+    d = np.zeros(ext.shape, dtype=np.float16)
+    # an all-zero super-block: d = +0, and a negative zero product needs a negative integer
+    neg0 = np.signbit(vals)
+    L = np.where(neg0, -1 if lo < 0 else 0, 0).astype(np.int64)
+    done = ext == 0
+    if (done[..., None] & neg0).any() and lo >= 0:
+        return None
+    cands = sorted((v for v in range(lo, hi + 1) if v), key=lambda v: (-abs(v), v))
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        for c in cands:
+            if done.all():
+                break
+            dc = (ext / c).astype(np.float16)
+            d64 = dc.astype(np.float64)
+            q = np.rint(np.where(d64[..., None] != 0, vals / d64[..., None], np.nan)) + 0.0  # integers: no -0
+            ok = (~done) & np.isfinite(d64) & (d64 * c == ext)
+            prod = d64[..., None] * q
+            ok &= np.all(np.isfinite(q) & (q >= lo) & (q <= hi) & (prod == vals)
+                         & (np.signbit(prod) == neg0), axis=-1)  # the same zeros too, not just equal values
+            d[ok] = dc[ok]
+            L[ok] = q[ok].astype(np.int64)
+            done |= ok
+    return (d, L) if done.all() else None
+
+
+def encode(qtype: str, layer: CanonicalLayer) -> np.ndarray:
+    """uint8 [N, K/block·bytes] of ``layer`` as GGUF ``qtype`` blocks; UnsupportedError with the reason when the
+    layer's values are not exactly such blocks."""
+    from ..core.dtypes import to_float64
+    from ..errors import UnsupportedError
+
+    bt = TYPES[qtype]
+    n, k = layer.codes.shape
+
+    def no(why: str) -> UnsupportedError:
+        return UnsupportedError(f"not expressible as GGUF {qtype}: {why}", tensor=layer.name or None)
+
+    zero_mode = layer.zero_mode
+    if zero_mode == "int" and np.all(layer.zeros == (1 << (layer.bits - 1))):
+        zero_mode = "none"
+    if (layer.bits, layer.group_size, zero_mode) != (bt.bits, bt.group, bt.zero_mode):
+        raise no(f"{layer.bits}-bit, group {layer.group_size}, zero {zero_mode} (needs {bt.bits}-bit, group "
+                 f"{bt.group}, zero {bt.zero_mode})")
+    if k % bt.block:
+        raise no(f"in_features {k} is not a multiple of {bt.block}")
+    if layer.act_order:
+        raise no("act-order (permuted g_idx)")
+    nb, per = k // bt.block, bt.block // bt.group
+    c = layer.codes.reshape(n, nb, bt.block)
+    s = to_float64(layer.scales, layer.scale_dtype).reshape(n, nb, per)
+    m = None if zero_mode != "float" else to_float64(layer.zeros, layer.scale_dtype).reshape(n, nb, per)
+
+    def halves(x: np.ndarray) -> np.ndarray:
+        h = x.astype(np.float16)
+        if not np.array_equal(h.astype(np.float64), x):
+            raise no("parameters that are not fp16 values")
+        return h
+
+    def sup(vals: np.ndarray, lo: int, hi: int, what: str) -> tuple[np.ndarray, np.ndarray]:
+        got = super_scales(vals, lo, hi)
+        if got is None:
+            raise no(f"{what} that are not an fp16 times integers in {lo}..{hi} per {bt.block} weights")
+        return got
+
+    if qtype in ("Q5_0", "Q5_1", "IQ4_NL"):
+        d = halves(s[..., 0])
+        if qtype == "IQ4_NL":
+            lut = np.full(256, 255, dtype=np.uint8)
+            lut[(IQ4_NL_VALUES + 128).astype(np.int64)] = np.arange(16, dtype=np.uint8)
+            idx = lut[c]
+            if (idx == 255).any():
+                raise no("codes outside the IQ4_NL codebook")
+            return np.concatenate([_h(d), idx[..., :16] | (idx[..., 16:] << 4)], axis=-1).reshape(n, -1)
+        qs = (c[..., :16] & 15) | ((c[..., 16:] & 15) << 4)
+        hb = ((c >> 4) & 1).reshape(n, nb, 4, 8)
+        qh = _join(np.swapaxes(hb, -1, -2), list(range(8)))
+        parts = [_h(d)] + ([_h(halves(m[..., 0]))] if qtype == "Q5_1" else []) + [qh, qs]
+        return np.concatenate(parts, axis=-1).reshape(n, -1)
+    if qtype in ("Q4_K", "Q5_K"):
+        d, sc = sup(s, 0, 63, "scales")
+        dmin, mn = sup(-m, 0, 63, "minima")
+        sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
+        b12 = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
+                              (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], axis=-1)
+        q = c.reshape(n, nb, 4, 2, 32) & 15
+        qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(n, nb, 128)
+        parts = [_h(d), _h(dmin), b12]
+        if qtype == "Q5_K":
+            parts.append(_join(((c >> 4) & 1).reshape(n, nb, 8, 32), list(range(8))))
+        return np.concatenate(parts + [qs], axis=-1).reshape(n, -1)
+    if qtype == "Q6_K":
+        d, sc = sup(s, -128, 127, "scales")
+        low = (c & 15).reshape(n, nb, 2, 2, 64)
+        ql = (low[..., 0, :] | (low[..., 1, :] << 4)).reshape(n, nb, 128)
+        qh = _join((c >> 4).reshape(n, nb, 2, 4, 32), [0, 2, 4, 6]).reshape(n, nb, 64)
+        return np.concatenate([ql, qh, sc.astype(np.int8).view(np.uint8), _h(d)], axis=-1).reshape(n, -1)
+    if qtype == "Q3_K":
+        d, sc = sup(s, -32, 31, "scales")
+        u = (sc + 32).astype(np.uint8)
+        b12 = np.concatenate([(u[..., :8] & 15) | ((u[..., 8:] & 15) << 4),
+                              _join((u >> 4).reshape(n, nb, 4, 4), [0, 2, 4, 6])], axis=-1)
+        hmask = _join(((c >> 2) & 1).reshape(n, nb, 8, 32), list(range(8)))
+        qs = _join((c & 3).reshape(n, nb, 2, 4, 32), [0, 2, 4, 6]).reshape(n, nb, 64)
+        return np.concatenate([hmask, qs, b12, _h(d)], axis=-1).reshape(n, -1)
+    if qtype == "Q2_K":
+        d, sc = sup(s, 0, 15, "scales")
+        dmin, mn = sup(-m, 0, 15, "minima")
+        b16 = sc.astype(np.uint8) | (mn.astype(np.uint8) << 4)
+        qs = _join(c.reshape(n, nb, 2, 4, 32), [0, 2, 4, 6]).reshape(n, nb, 64)
+        return np.concatenate([b16, qs, _h(d), _h(dmin)], axis=-1).reshape(n, -1)
+    if qtype == "IQ4_XS":
+        d, ls = sup(s, -32, 31, "scales")
+        u = (ls + 32).astype(np.uint16)
+        sh = np.zeros((n, nb), dtype=np.uint16)
+        for j in range(8):
+            sh |= ((u[..., j] >> 4) & 3) << np.uint16(2 * j)
+        sl = ((u[..., 0::2] & 15) | ((u[..., 1::2] & 15) << 4)).astype(np.uint8)
+        lut = np.full(256, 255, dtype=np.uint8)
+        lut[(IQ4_NL_VALUES + 128).astype(np.int64)] = np.arange(16, dtype=np.uint8)
+        idx = lut[c].reshape(n, nb, 8, 32)
+        if (idx == 255).any():
+            raise no("codes outside the IQ4_NL codebook")
+        qs = (idx[..., :16] | (idx[..., 16:] << 4)).reshape(n, nb, 128)
+        shb = np.ascontiguousarray(sh.astype("<u2"))[..., None].view(np.uint8)
+        return np.concatenate([_h(d), shb, sl, qs], axis=-1).reshape(n, -1)
+    raise no("no encoder")
