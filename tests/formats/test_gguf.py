@@ -596,6 +596,7 @@ def test_inspect_shows_how_each_type_is_carried(tmp_path: Path) -> None:
     res = CliRunner().invoke(cli, ["inspect", str(tmp_path / "k.gguf")])
     assert res.exit_code == 0, res.output
     assert "note: Q4_K: 5 packed losslessly" in res.output and "note: F16: 1 passed through as they are" in res.output
+    assert "problem" not in res.output  # 6-bit layers are writable
     res = CliRunner().invoke(cli, ["convert", str(tmp_path / "k.gguf"), str(tmp_path / "w4")])
     assert res.exit_code == 0, res.output
     assert "warning: " in res.stderr and "is larger than the source" in res.stderr
