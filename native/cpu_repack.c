@@ -43,11 +43,12 @@ static int check_desc(const w4p_packed_desc *d) {
         w4p_set_error("padded shape [%d, %d] does not match shape [%d, %d]", d->np, d->kp, d->n, d->k);
         return W4P_EINVAL;
     }
-    if (!(d->bits == 2 || d->bits == 3 || d->bits == 4 || d->bits == 8)) {
-        w4p_set_error("%d-bit layers are not supported (2, 3, 4, 8 are)", d->bits);
+    if (!(d->bits == 2 || d->bits == 3 || d->bits == 4 || d->bits == 5 || d->bits == 6 || d->bits == 8)) {
+        w4p_set_error("%d-bit layers are not supported (2, 3, 4, 5, 6, 8 are)", d->bits);
         return W4P_EUNSUPPORTED;
     }
-    if (d->storage_bits != (d->bits == 8 ? 8 : 4)) {
+    /* 2-4-bit codes sit in 4-bit fields, 5-8-bit in 8-bit fields; the implicit zero comes from bits */
+    if (d->storage_bits != (d->bits >= 5 ? 8 : 4)) {
         w4p_set_error("storage_bits %d is wrong for %d-bit codes", d->storage_bits, d->bits);
         return W4P_EINVAL;
     }

@@ -58,7 +58,7 @@ const char *w4p_cpu_isa_name(int isa);
 typedef struct {
     int32_t n, k;            /* true shape [N, K] */
     int32_t np, kp;          /* padded shape (N to 16, K to 64) */
-    int32_t bits;            /* 2, 3, 4 or 8 */
+    int32_t bits;            /* 2, 3, 4 (storage_bits 4), 5, 6 or 8 (storage_bits 8) */
     int32_t storage_bits;    /* 4 or 8 */
     int32_t group_size;      /* > 0 (multiple of 16) or -1 (per channel) */
     int32_t padded_groups;   /* Gp: rows of scales / zeros / mins */

@@ -61,7 +61,7 @@ def test_bf16_roundtrip_exact():
 
 
 @pytest.mark.parametrize("mutate, msg", [
-    (lambda L: setattr(L, "bits", 5), "bits must be one of"),
+    (lambda L: setattr(L, "bits", 7), "bits must be one of"),
     (lambda L: setattr(L, "codes", L.codes.astype(np.int32)), "codes must be a uint8"),
     (lambda L: L.codes.__setitem__((0, 0), 16), "codes exceed 15"),
     (lambda L: setattr(L, "scales", L.scales[:, :2]), "scales shape"),

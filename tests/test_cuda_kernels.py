@@ -118,6 +118,27 @@ def test_every_option_matches_float64(dtype_name, bits, zero_mode, gs, act_order
         assert err <= tolerance(dtype_name), (m, kernel, err)
 
 
+NARROW_OPTIONS = [(bits, zm, gs) for bits in (2, 3, 5, 6) for zm in ("none", "int", "float") for gs in (16, 32)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("bits,zero_mode,gs", NARROW_OPTIONS)
+def test_narrow_codes_use_their_own_zero(dtype_name, bits, zero_mode, gs):
+    """2/3-bit codes in 4-bit fields and 5/6-bit codes in 8-bit fields (GGUF K-quants): a symmetric layer's
+    zero is 2**(bits-1) of the source width, not the storage width's 8 or 128."""
+    import torch
+
+    rng = np.random.default_rng(zlib.crc32(repr((dtype_name, bits, zero_mode, gs)).encode()))
+    layer = random_layer(rng, 100, 512, bits=bits, gs=gs, zero_mode=zero_mode, act_order=False,
+                         scale_dtype=dtype_name, bias=True)
+    lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
+    for m, kernel in ((1, "auto"), (1, "stream"), (5, "ring"), (19, "tiled"), (67, "auto")) + \
+            (((8, "bulk"),) if bulk_ok() else ()):
+        err = run_case(torch, rng, layer, m, dtype_name, kernel=kernel, lin=lin)
+        assert err <= tolerance(dtype_name), (m, kernel, err)
+
+
 @pytest.mark.gpu
 def test_odd_shapes_all_small_m():
     import torch

@@ -29,7 +29,7 @@ def random_layer(rng, n, k, bits, gs, mode, act_order, sdt="float16", bias=False
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 70), k=st.integers(1, 300), bits=st.sampled_from([2, 3, 4, 8]),
+@given(n=st.integers(1, 70), k=st.integers(1, 300), bits=st.sampled_from([2, 3, 4, 5, 6, 8]),
        gs=st.sampled_from([32, 64, 128, -1]), mode=st.sampled_from(["none", "int", "float"]),
        act_order=st.booleans(), sdt=st.sampled_from(["float16", "bfloat16", "float32"]), bias=st.booleans(),
        seed=st.integers(0, 2**31 - 1))
@@ -59,7 +59,7 @@ def scalar_index(n: int, k: int, kp: int, storage_bits: int) -> tuple[int, int, 
     return nb, kb * 256 + lane * 8 + j * 2 + elem // 4, 8 * (elem % 4)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 def test_bytes_follow_documented_formula(bits):
     rng = np.random.default_rng(7)
     layer = random_layer(rng, 35, 150, bits, 32, "int", act_order=False)

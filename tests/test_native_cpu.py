@@ -118,6 +118,13 @@ CASES = [
     (100, 448, 4, 64, "float", True, "bfloat16"),    # act-order + float minima
     (17, 96, 4, 32, "int", False, "float32"),
     (50, 200, 4, 48, "int", True, "float16"),        # group size 48: activation blocks of 16
+    # 5- and 6-bit codes in 8-bit fields (GGUF Q5_0/Q5_1/Q5_K, Q6_K): the implicit zero is 2^(bits-1), not 128
+    (64, 256, 5, 32, "none", False, "float16"),      # Q5_0 style
+    (48, 320, 5, 32, "float", False, "float32"),     # Q5_K style float minima
+    (40, 256, 5, 64, "int", True, "bfloat16"),
+    (64, 256, 6, 16, "none", False, "float32"),      # Q6_K style: groups of 16
+    (36, 192, 6, 32, "int", False, "float16"),
+    (70, 256, 6, 16, "float", True, "float32"),
 ]
 
 

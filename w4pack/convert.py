@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +155,22 @@ def _refuse_overlap(src: str | Path, dst: str | Path, force: bool, what: str = "
                             "part of the source; choose another output", file=str(dst))
 
 
+class GrowthWarning(UserWarning):
+    """A conversion wrote more bytes than the source holds (tensors carried unquantized, wider scales)."""
+
+
+def _local_size(src: str | Path) -> int | None:
+    """Bytes of a local source (a file, or every file under a folder); None for a Hub source."""
+    if str(src).startswith("hf:"):
+        return None
+    p = Path(src)
+    if p.is_file():
+        return p.stat().st_size
+    if p.is_dir():
+        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+    return None
+
+
 def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, to: str = "w4pack",
             force: bool = False, show_progress: bool | None = None, max_shard_size: int | str = "2GB",
             source_options: dict[str, Any] | None = None, **options: Any) -> dict[str, Any]:
@@ -207,6 +224,15 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
     result = {"source": str(src), "source_format": info.get("format"), "output": str(out), "format": to,
               "layers": n_layers, "passthrough": n_pass, "bytes": size, "seconds": round(seconds, 3),
               "notes": info.get("notes", [])}
+    src_size = _local_size(src)
+    if src_size is not None:
+        result["source_bytes"] = src_size
+        if size > src_size:
+            msg = (f"{out}: the output ({size / 1e6:.1f} MB) is larger than the source {src} "
+                   f"({src_size / 1e6:.1f} MB, x{size / max(src_size, 1):.2f}); see the notes for tensors "
+                   "carried unquantized")
+            result["warnings"] = [msg]
+            warnings.warn(msg, GrowthWarning, stacklevel=2)
     if fuse:
         result["fused"] = fused
     return result

@@ -192,6 +192,7 @@ def test_synthetic_model_names_permutation_config(arch: str, tmp_path: Path) -> 
         "blk.0.attn_v.weight": "model.layers.0.self_attn.v_proj",
         "blk.0.attn_output.weight": "model.layers.0.self_attn.o_proj",
         "blk.0.ffn_gate.weight": "model.layers.0.mlp.gate_proj",
+        "blk.0.ffn_up.weight": "model.layers.0.mlp.up_proj",  # Q5_0: 5-bit codes in 8-bit storage
         "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj",
         "output.weight": "lm_head",
     }
@@ -205,15 +206,14 @@ def test_synthetic_model_names_permutation_config(arch: str, tmp_path: Path) -> 
         assert np.array_equal(ck.dequantize(name), want), name
     assert ck.manifest["layers"]["model.layers.0.self_attn.v_proj"]["bits"] == 8
     assert ck.manifest["layers"]["model.layers.0.mlp.gate_proj"]["zero_mode"] == "float"
-    # K-quant-like types are dequantized by gguf and passed through; F16/F32 untouched
-    assert ck.dtype_name("model.layers.0.mlp.up_proj.weight") == "float32"
-    assert np.array_equal(ck.tensor("model.layers.0.mlp.up_proj.weight"), deq["blk.0.ffn_up.weight"])
+    # Q5_0 is packed as 5-bit codes (8-bit storage); F16/F32 untouched
+    assert (ck.manifest["layers"]["model.layers.0.mlp.up_proj"]["bits"],
+            ck.manifest["layers"]["model.layers.0.mlp.up_proj"]["storage_bits"]) == (5, 8)
     assert ck.dtype_name("model.embed_tokens.weight") == "float16"
     assert sorted(ck.passthrough) == sorted(["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
-                                             "model.layers.0.post_attention_layernorm.weight", "model.norm.weight",
-                                             "model.layers.0.mlp.up_proj.weight"])
+                                             "model.layers.0.post_attention_layernorm.weight", "model.norm.weight"])
     notes = " | ".join(ck.manifest["source"]["notes"])
-    assert "1 Q5_0" in notes and "dequantized" in notes
+    assert "Q5_0: 1 packed losslessly" in notes and "dequantized" not in notes
     assert ("permutation" in notes) == (arch == "llama")
     cfg = json.loads((tmp_path / "w4" / "config.json").read_text())
     assert cfg["architectures"] == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]]
@@ -231,8 +231,8 @@ def test_dry_run_reports_passthrough_types(tmp_path: Path) -> None:
     make_gguf(tmp_path / "m.gguf")
     res = CliRunner().invoke(cli, ["convert", str(tmp_path / "m.gguf"), str(tmp_path / "out"), "--dry-run"])
     assert res.exit_code == 0, res.output
-    assert "7 quantized layers" in res.output
-    assert "dequantized to float32 with gguf's own code and passed through: 1 Q5_0" in res.output
+    assert "8 quantized layers" in res.output
+    assert "Q5_0: 1 packed losslessly" in res.output and "F16: 1 passed through as they are" in res.output
     assert not (tmp_path / "out").exists()
 
 
@@ -495,29 +495,129 @@ def test_tokenizer_export_is_optional(tmp_path: Path, monkeypatch: pytest.Monkey
     assert any("transformers is not installed" in n for n in notes)
 
 
-def test_k_quants_pass_through_and_come_back_as_f32(tmp_path: Path) -> None:
-    """gguf-py can dequantize Q4_K but not quantize it: read as float32, written back as F32, with a warning."""
-    rng = np.random.default_rng(3)
-    raw = rng.integers(0, 256, (64, 144), dtype=np.uint8)  # 64 rows of one 256-element Q4_K super-block
-    raw[:, 0:4] = np.frombuffer(np.array([0.01, 0.001], "<f2").tobytes(), np.uint8)  # finite d, dmin
-    x = rng.normal(0, 0.05, (64, 256)).astype(np.float32)
-    w = gguf.GGUFWriter(str(tmp_path / "k.gguf"), arch="llama")
-    w.add_tensor("blk.0.ffn_down.weight", gguf.quants.quantize(x, Q.Q4_0), raw_dtype=Q.Q4_0)
-    w.add_tensor("output.weight", raw, raw_dtype=Q.Q4_K)
+def kquant_blocks(rng: np.random.Generator, qtype: str, n: int, k: int) -> np.ndarray:
+    """Q4_K / Q6_K rows in the form llama.cpp's reference quantizer writes (gguf-py has no K-quant quantizer):
+    random codes and sub-scales, the largest sub-scale at the top of its range (Q4_K: scale and minimum 63;
+    Q6_K: -128), fp16 d = a weight-like scale."""
+    nb = k // 256
+    d = (rng.uniform(0.5, 2.0, (n, nb)) * 1e-3).astype(np.float16)
+    if qtype == "Q4_K":
+        sc, mn = rng.integers(0, 64, (n, nb, 8)), rng.integers(0, 64, (n, nb, 8))
+        sc[..., 3], mn[..., 5] = 63, 63
+        b = np.zeros((n, nb, 144), np.uint8)
+        b[..., 0:2] = d.astype("<f2")[..., None].view(np.uint8)
+        b[..., 2:4] = (d / 4).astype("<f2")[..., None].view(np.uint8)
+        for j in range(4):
+            b[..., 4 + j] = sc[..., j] | ((sc[..., j + 4] >> 4) << 6)
+            b[..., 8 + j] = mn[..., j] | ((mn[..., j + 4] >> 4) << 6)
+            b[..., 12 + j] = (sc[..., j + 4] & 15) | ((mn[..., j + 4] & 15) << 4)
+        b[..., 16:] = rng.integers(0, 256, (n, nb, 128), dtype=np.uint8)
+    else:
+        sc = rng.integers(-127, 128, (n, nb, 16))
+        sc[..., 7] = -128
+        b = rng.integers(0, 256, (n, nb, 210), dtype=np.uint8)
+        b[..., 192:208] = sc.astype(np.int8).view(np.uint8)
+        b[..., 208:210] = d.astype("<f2")[..., None].view(np.uint8)
+    return b.reshape(n, -1)
+
+
+def make_kquant_gguf(path: Path, seed: int = 0) -> dict[str, np.ndarray]:
+    """A one-block llama in the Q4_K_M mix (Q4_K matrices, Q6_K for attn_v / ffn_down / output); returns gguf-py's
+    dequantization of each quantized tensor."""
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_name("w4pack k-quants")
+    w.add_block_count(1)
+    w.add_context_length(128)
+    w.add_embedding_length(256)
+    w.add_feed_forward_length(512)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_file_type(15)  # MOSTLY_Q4_K_M
+    w.add_quantization_version(2)
+    deq: dict[str, np.ndarray] = {}
+    w.add_tensor("token_embd.weight", rng.normal(0, 0.05, (32, 256)).astype(np.float16))
+    for name, shape, qt in [("blk.0.attn_norm.weight", (256,), Q.F32), ("blk.0.attn_q.weight", (256, 256), Q.Q4_K),
+                             ("blk.0.attn_k.weight", (128, 256), Q.Q4_K), ("blk.0.attn_v.weight", (128, 256), Q.Q6_K),
+                             ("blk.0.attn_output.weight", (256, 256), Q.Q4_K), ("blk.0.ffn_norm.weight", (256,), Q.F32),
+                             ("blk.0.ffn_gate.weight", (512, 256), Q.Q4_K), ("blk.0.ffn_up.weight", (512, 256), Q.Q4_K),
+                             ("blk.0.ffn_down.weight", (256, 512), Q.Q6_K), ("output_norm.weight", (256,), Q.F32),
+                             ("output.weight", (32, 256), Q.Q6_K)]:
+        if qt == Q.F32:
+            w.add_tensor(name, np.ones(shape, np.float32))
+            continue
+        raw = kquant_blocks(rng, qt.name, *shape)
+        w.add_tensor(name, raw, raw_dtype=qt)
+        deq[name] = gguf.quants.dequantize(raw, qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    convert(tmp_path / "k.gguf", tmp_path / "w4", show_progress=False)
+    return deq
+
+
+def test_k_quants_pack_losslessly_verify_and_round_trip(tmp_path: Path) -> None:
+    """A Q4_K_M-style GGUF: every linear layer packed (none dequantized), each equal to gguf-py's dequantization,
+    verify --against the GGUF bit-identical, the growth over the source warned with sizes, and written back as
+    the same file byte for byte."""
+    from w4pack.convert import GrowthWarning
+    from w4pack.verify import verify
+
+    src = tmp_path / "k.gguf"
+    deq = make_kquant_gguf(src)
+    with pytest.warns(GrowthWarning, match=r"MB\) is larger than the source"):
+        res = convert(src, tmp_path / "w4", show_progress=False)
     ck = open_checkpoint(tmp_path / "w4")
-    assert ck.layers == [LAYER] and ck.passthrough == ["lm_head.weight"]
-    assert np.array_equal(ck.tensor("lm_head.weight"), gguf.quants.dequantize(raw, Q.Q4_K))
-    assert any("1 Q4_K" in n for n in ck.manifest["source"]["notes"])
-    with pytest.warns(UserWarning, match="written as F32.*1 Q4_K"):
-        convert(tmp_path / "w4", tmp_path / "back.gguf", to="gguf", show_progress=False)
-    back = tensors_by_name(tmp_path / "back.gguf")
-    assert back["output.weight"].tensor_type == Q.F32 and back["blk.0.ffn_down.weight"].tensor_type == Q.Q4_0
-    assert np.array_equal(np.asarray(back["output.weight"].data), gguf.quants.dequantize(raw, Q.Q4_K))
+    assert len(ck.layers) == 8 and sorted(ck.passthrough) == sorted(
+        ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
+         "model.layers.0.post_attention_layernorm.weight", "model.norm.weight"])
+    kinds = {(m["bits"], m["storage_bits"], m["group_size"], m["zero_mode"], m["scale_dtype"])
+             for m in ck.manifest["layers"].values()}
+    assert kinds == {(4, 4, 32, "float", "float32"), (6, 8, 16, "none", "float32")}
+    for g, name in [("blk.0.ffn_gate.weight", "model.layers.0.mlp.gate_proj"),
+                    ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj"), ("output.weight", "lm_head"),
+                    ("blk.0.attn_k.weight", "model.layers.0.self_attn.k_proj")]:
+        want = deq[g] if "attn_k" not in g else reverse_permute(deq[g], 2)
+        got = ck.layer(name).dequantize(np.float64).astype(np.float32)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), name
+    notes = " | ".join(ck.manifest["source"]["notes"])
+    assert "Q4_K: 5 packed losslessly" in notes and "Q6_K: 3 packed losslessly" in notes
+    assert res["bytes"] > res["source_bytes"] == src.stat().st_size
+    rep = verify(tmp_path / "w4", against=src, show_progress=False)
+    assert rep.ok and all(c.exact for c in rep.layers), rep.summary()
+    convert(tmp_path / "w4", tmp_path / "back.gguf", to="gguf", show_progress=False)
+    assert (tmp_path / "back.gguf").read_bytes() == src.read_bytes()
+
+
+def test_inspect_shows_how_each_type_is_carried(tmp_path: Path) -> None:
+    make_kquant_gguf(tmp_path / "k.gguf")
+    res = CliRunner().invoke(cli, ["inspect", str(tmp_path / "k.gguf")])
+    assert res.exit_code == 0, res.output
+    assert "note: Q4_K: 5 packed losslessly" in res.output and "note: F16: 1 passed through as they are" in res.output
+    assert "problem" not in res.output  # 6-bit layers are writable
+    res = CliRunner().invoke(cli, ["convert", str(tmp_path / "k.gguf"), str(tmp_path / "w4")])
+    assert res.exit_code == 0, res.output
+    assert "warning: " in res.stderr and "is larger than the source" in res.stderr
+
+
+def test_codebook_types_are_refused_for_packing_by_name(tmp_path: Path) -> None:
+    """A grid-codebook linear weight (IQ2_XXS) cannot be a canonical layer: one note names tensor and type."""
+    rng = np.random.default_rng(4)
+    raw = rng.integers(0, 256, (64, 66), dtype=np.uint8)
+    raw[:, 0:2] = np.frombuffer(np.array([0.01], "<f2").tobytes(), np.uint8)
+    w = gguf.GGUFWriter(str(tmp_path / "iq.gguf"), arch="llama")
+    w.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=Q.IQ2_XXS)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    src = GGUF.open(tmp_path / "iq.gguf")
+    assert src.layer_names() == []
+    assert any(n.startswith("blk.0.ffn_down.weight (IQ2_XXS): not packed, grid-codebook") for n in src.info["notes"])
+    assert "IQ2_XXS: 1 dequantized to float32" in src.info["notes"]
+    src.close()
 
 
 # -- output safety --------------------------------------------------------------------------------------------------

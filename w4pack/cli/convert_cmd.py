@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,14 @@ def convert(src: Path, dst: Path, src_format: str | None, to: str, base: Path | 
         else:
             _print_plan(src, dst, to, doc)
         return int(doc["exit_code"])
-    result = do_convert(src, dst, src_format=src_format, to=to, force=force, max_shard_size=max_shard_size, **opts)
+    from ..convert import GrowthWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GrowthWarning)  # said below as one line, with the sizes
+        result = do_convert(src, dst, src_format=src_format, to=to, force=force, max_shard_size=max_shard_size,
+                            **opts)
+    for msg in result.get("warnings", []):
+        click.echo(f"warning: {msg}", err=True)
     if as_json:
         emit_json(result)
     else:

@@ -29,7 +29,8 @@ from ..errors import BadInputError
 __all__ = ["CanonicalLayer", "ZERO_MODES", "SUPPORTED_BITS", "default_g_idx", "dequantize"]
 
 ZERO_MODES = ("none", "int", "float")
-SUPPORTED_BITS = (2, 3, 4, 8)
+#: source code widths; 2-4 are stored in 4-bit fields, 5, 6 and 8 in 8-bit fields (docs/LAYOUT.md §5)
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 
 
 def default_g_idx(in_features: int, group_size: int) -> np.ndarray:

@@ -12,7 +12,7 @@ warpgroup's A slice is four 16-row warp fragments of exactly this shape.
 * Inside a word, the eight 4-bit values sit at nibble positions [0, 4, 1, 5, 2, 6, 3, 7] (fragment
   element e goes to nibble NIBBLE_POS[e]), so ``(w >> 4i) & 0x000f000f`` yields the fp16 pair i with one
   lop3 and the 0x6400 bias trick.
-* 8-bit layers use the same tiles with two words per k16 slice (eight bytes in fragment order).
+* 5-, 6- and 8-bit layers use the same tiles with two words per k16 slice (eight bytes in fragment order).
 * Act-order: the stored permutation ``perm`` sorts K by group; packed column k' holds original column
   perm[k'], and the kernel reads activations as x[:, perm].
 * Scales, integer zeros and float minima are stored [Gp, Np] (group-major, N contiguous): a 16-row
@@ -56,12 +56,13 @@ NIBBLE_POS = np.array([0, 4, 1, 5, 2, 6, 3, 7], dtype=np.int64)
 
 
 def storage_bits_for(bits: int) -> int:
-    """2-, 3- and 4-bit codes are stored as 4-bit (widened losslessly); 8-bit as 8-bit."""
+    """2-, 3- and 4-bit codes are stored as 4-bit, 5-, 6- and 8-bit as 8-bit (widened losslessly: the code
+    is unchanged, and the implicit symmetric zero stays 2**(bits-1) of the source width)."""
     if bits in (2, 3, 4):
         return 4
-    if bits == 8:
+    if bits in (5, 6, 8):
         return 8
-    raise UnsupportedError(f"{bits}-bit layers are not supported (2, 3, 4 and 8 are)")
+    raise UnsupportedError(f"{bits}-bit layers are not supported (2, 3, 4, 5, 6 and 8 are)")
 
 
 def padded_shape(n: int, k: int) -> tuple[int, int]:

@@ -8,9 +8,10 @@ Blocks of 32 weights along ``in`` (facts: reference/formats-awq-ct-gguf.md §5):
 * Q4_1: ``f16 d; f16 m; u8 qs[16]``, w = d·q + m   → canonical 4-bit, group 32, zero mode "float" (m = the minimum)
 * Q8_0: ``f16 d; i8 qs[32]``, w = d·q             → canonical 8-bit, group 32, codes q + 128, zero mode "none"
 
-Byte j of ``qs`` holds element j (low nibble) and element j + 16 (high nibble). Every other tensor type (F32, F16,
-BF16 pass through; K-quants and the rest are dequantized by gguf's own code to float32) is carried unquantized and
-said so in the source notes. Names become transformers names, and llama.cpp's rotary row permutation of attn_q /
+Byte j of ``qs`` holds element j (low nibble) and element j + 16 (high nibble). K-quants (Q2_K..Q6_K), Q5_0, Q5_1,
+IQ4_NL and IQ4_XS linear weights are packed losslessly too (``gguf_quants``) and written back in their own type. Every other tensor type (F32, F16, BF16 pass through; grid-codebook IQ types, embeddings and
+the rest are dequantized by gguf's own code to float32) is carried unquantized and said so in the source notes,
+one note per tensor type. Names become transformers names, and llama.cpp's rotary row permutation of attn_q /
 attn_k is undone, so the folder is a normal transformers checkpoint; config.json comes from the GGUF metadata and
 the tokenizer is exported by transformers (optional dependency) from the same file.
 
@@ -39,6 +40,7 @@ from ..store.gguffile import GGUFFile, gguf_module, is_gguf, open_gguf
 from ..store.scratch import ScratchFolder, read_text
 from ..store.singlefile import AtomicFile
 from . import _hf_names as names
+from . import gguf_quants
 from .base import Capabilities, Format, HubFiles, Source, TensorData
 
 __all__ = ["GGUFFormat", "GGUFMeta", "GGUFSource", "GGUFWarning", "tokenizer_metadata", "decode_q4_0", "decode_q4_1",
@@ -100,6 +102,53 @@ def decode_q8_0(raw: np.ndarray, n: int, k: int) -> CanonicalLayer:
 
 
 _DECODERS = {"Q4_0": decode_q4_0, "Q4_1": decode_q4_1, "Q8_0": decode_q8_0}
+
+def _packable(qtype: str) -> bool:
+    """A tensor type that decodes exactly into a canonical layer (here or in gguf_quants)."""
+    return qtype in _DECODERS or gguf_quants.is_packable(qtype)
+
+
+def _source_gguf_type(layer: CanonicalLayer) -> str | None:
+    """The gguf_quants type a layer was read from (directly, or recorded in a w4pack manifest's source notes as
+    ``gguf_type=...``), or None."""
+    src = layer.source or {}
+    if src.get("format") != "gguf":
+        return None
+    qt = src.get("gguf_type")
+    for note in src.get("notes") or []:
+        if isinstance(note, str) and note.startswith("gguf_type="):
+            qt = note[len("gguf_type="):]
+    return str(qt) if qt is not None and gguf_quants.is_packable(str(qt)) else None
+
+
+def _refusals(f: GGUFFile, hf_of: dict[str, str]) -> list[str]:
+    """One line per quantized linear weight that cannot be a canonical layer, naming the tensor and its type."""
+    out = []
+    for gname, t in f.tensors.items():
+        hf = hf_of[gname]
+        module = hf[: -len(".weight")] if hf.endswith(".weight") else None
+        if module is not None and len(t.dims) == 2 and names.is_linear(module) and \
+                t.type_name not in _PLAIN_TYPES and not _packable(t.type_name):
+            out.append(f"{gname} ({t.type_name}): not packed, {gguf_quants.why_not_packable(t.type_name)}")
+    return out
+
+
+def _carriage_notes(types: dict[str, str], packed: set[str], hf_of: dict[str, str]) -> list[str]:
+    """One note per source tensor type: how its tensors are carried (packed losslessly, passed through as they
+    are, or dequantized to float32), so ``inspect`` shows what a conversion does to each type."""
+    how: dict[str, Counter[str]] = {}
+    for gname, qt in types.items():
+        if gname in packed:
+            kind = "packed losslessly"
+        elif qt in _PLAIN_TYPES:
+            kind = "passed through as they are"
+        elif names.is_embedding(hf_of[gname][: -len(".weight")] if hf_of[gname].endswith(".weight") else ""):
+            kind = "dequantized to float32 (embedding)"
+        else:
+            kind = "dequantized to float32"
+        how.setdefault(qt, Counter())[kind] += 1
+    return [f"{qt}: " + ", ".join(f"{c} {kind}" for kind, c in sorted(kinds.items()))
+            for qt, kinds in sorted(how.items())]
 
 
 def _as_f16_exact(values: np.ndarray, dtype_name: str) -> np.ndarray | None:
@@ -260,7 +309,7 @@ def _classify(f: GGUFFile, hf_of: dict[str, str]) -> tuple[list[str], list[str],
     for gname, t in f.tensors.items():
         hf = hf_of[gname]
         module = hf[: -len(".weight")] if hf.endswith(".weight") else None
-        if t.type_name in _DECODERS and module is not None and len(t.dims) == 2 and names.is_linear(module):
+        if _packable(t.type_name) and module is not None and len(t.dims) == 2 and names.is_linear(module):
             layers.append(module)
             continue
         passthrough.append(hf)
@@ -326,6 +375,8 @@ class GGUFSource(Source):
             self.notes.append("llama.cpp's rotary row permutation of attn_q/attn_k undone (transformers order)")
         counts = Counter(self.types.values())
         self.notes.insert(0, "tensor types: " + ", ".join(f"{c} {q}" for q, c in sorted(counts.items())))
+        self.notes[1:1] = _carriage_notes(self.types, {self.gguf_of[f"{m}.weight"] for m in self._layers},
+                                          self.hf_of) + _refusals(self.file, self.hf_of)
 
     # -- helpers -------------------------------------------------------------------------------
     def _qk_perm(self, hf: str, rows: int) -> np.ndarray | None:
@@ -360,7 +411,9 @@ class GGUFSource(Source):
         t = self.file.tensors[gname]
         n, k = t.shape
         try:
-            layer = _DECODERS[t.type_name](self.file.data(gname), n, k)
+            decoder = _DECODERS.get(t.type_name)
+            raw = self.file.data(gname)
+            layer = decoder(raw, n, k) if decoder is not None else gguf_quants.decode(t.type_name, raw, n, k)
         except BadInputError as exc:
             raise BadInputError(exc.message, file=str(self.path), tensor=gname) from None
         perm = self._qk_perm(name, n)
@@ -731,6 +784,16 @@ class _Payloads:
         if perm is not None:
             layer = layer.replace(codes=layer.codes[perm], scales=layer.scales[perm],
                                   zeros=None if layer.zeros is None else layer.zeros[perm])
+        src_type = _source_gguf_type(layer)
+        if src_type is not None:
+            # read from a K-quant / Q5 / IQ4 tensor: written back in that type; where its values are not such
+            # blocks (a layer changed since), they go back exactly as F32, said in the notes
+            try:
+                return gguf_quants.encode(src_type, layer), self.gguf.GGMLQuantizationType[src_type]
+            except UnsupportedError:
+                if self.first_pass:
+                    self.lost[src_type] += 1
+                return np.ascontiguousarray(layer.dequantize(np.float64).astype(np.float32)), None
         qt, data = encode_layer(layer)
         return data, self.gguf.GGMLQuantizationType[qt]
 
@@ -795,7 +858,7 @@ def _plan(source: Source, jobs: list[tuple[str, str, str]], payloads: _Payloads)
         except UnsupportedError as exc:
             problems.append(f"{hf}: {exc.message}")
             continue
-        if kind == "layer":
+        if kind == "layer" and raw is not None:
             types[raw.name] += 1
         plans.append(_TensorPlan(kind, hf, gname, data.shape, data.dtype, data.nbytes, raw))
         del data
@@ -808,7 +871,7 @@ def _plan(source: Source, jobs: list[tuple[str, str, str]], payloads: _Payloads)
             raise UnsupportedError(f"two tensors map to the GGUF name {p.gname}", tensor=p.hf)
         seen.add(p.gname)
     payloads.first_pass = False
-    return plans, _FILE_TYPES[types.most_common(1)[0][0]] if types else 1
+    return plans, _FILE_TYPES.get(types.most_common(1)[0][0], 1) if types else 1
 
 
 def _header(source: Source, saved: dict[str, Any], arch: str, kv: dict[str, tuple[str, Any]], ftype: int,
@@ -878,6 +941,9 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
     saved = _saved_metadata(side)
     payloads = _Payloads(source, cfg, arch, saved.get("tensor_types") or {})
     plans, ftype = _plan(source, _jobs(source, payloads.original_types), payloads)
+    saved_ftype = saved.get("metadata", {}).get("general.file_type", {}).get("value")
+    if isinstance(saved_ftype, int):  # a GGUF source keeps its own file type (K-quant mixes have no single type)
+        ftype = saved_ftype
     notes: list[str] = []
     if payloads.lost:
         notes.append("written as F32, not re-encodable exactly by gguf: "
@@ -892,7 +958,7 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
 
 class GGUFFormat(Format):
     name = "gguf"
-    description = "GGUF (llama.cpp): Q4_0 / Q4_1 / Q8_0 blocks of 32"
+    description = "GGUF (llama.cpp): Q4_0/Q4_1/Q8_0, Q5_0/Q5_1, K-quants, IQ4_NL/XS"
     capabilities = Capabilities(bits=(4, 8), zero_modes=("none", "int", "float"), group_sizes=(32,),
                                 act_order=False, scale_dtypes=("float16", "bfloat16", "float32"),
                                 notes=["scales (and Q4_1 minima) must be fp16 values",
@@ -916,8 +982,11 @@ class GGUFFormat(Format):
     def check_writable(cls, source: Source) -> list[str]:
         problems = []
         for name in source.layer_names():
+            layer = source.read_layer(name)
+            if _source_gguf_type(layer) is not None:  # written in its own block type, else exactly as F32
+                continue
             try:
-                encode_layer(source.read_layer(name).replace(name=name))
+                encode_layer(layer.replace(name=name))
             except UnsupportedError as exc:
                 problems.append(f"{name}: {exc.message}")
         return problems

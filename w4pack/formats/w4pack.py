@@ -56,7 +56,7 @@ class W4PackSource(Source):
 class W4PackFormat(Format):
     name = "w4pack"
     description = "w4pack packed checkpoint (layout w4pack-tiles v1)"
-    capabilities = Capabilities(bits=(2, 3, 4, 8), zero_modes=("none", "int", "float"), act_order=True)
+    capabilities = Capabilities(bits=(2, 3, 4, 5, 6, 8), zero_modes=("none", "int", "float"), act_order=True)
     stores_fused = True
     write_options = frozenset()
 

@@ -218,6 +218,14 @@ class CudaPackedLinear:
         self.qweight = torch.from_numpy(qw).to(dev)
         # parameters in their stored dtypes; converted per activation dtype on first use (on the device)
         self._src: dict[str, Any] = {"scales": _to_torch(torch, t["scales"], self.scale_dtype).to(dev)}
+        implicit = 1 << (int(m["bits"]) - 1)
+        if self.zero_mode == "none" and implicit != (8 if self.storage_bits == 4 else 128):
+            # the kernels' symmetric path takes the zero of the storage width (8 or 128); a narrower source
+            # width (2/3-bit codes in 4-bit fields, 5/6-bit in 8-bit fields) has zero 2**(bits-1), so it runs
+            # as integer zero points of that value (exact in fp16/bf16)
+            self.zero_mode = "int"
+            gp = int(m["padded_groups"])
+            self._src["zeros"] = torch.full((gp, self.np_), implicit, dtype=torch.int32, device=dev)
         if self.zero_mode == "int":
             self._src["zeros"] = _to_torch(torch, np.asarray(t["zeros"]).astype(np.int32)).to(dev)
         elif self.zero_mode == "float":
