@@ -44,11 +44,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def _float_model(model_type: str, seed: int) -> Any:
+def _float_model(model_type: str, seed: int, **overrides: Any) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(model_type, vocab_size=96, max_position_embeddings=64, tie_word_embeddings=False,
-                               bos_token_id=1, eos_token_id=2, pad_token_id=0, **CONFIGS[model_type])
+                               bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                               **{**CONFIGS[model_type], **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -69,13 +70,16 @@ def _hub_state_dict(model: Any, folder: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def write_moe_gptq(root: Path, model_type: str, *, seed: int = 0, sym: bool = False) -> tuple[Path, Path]:
-    """(GPTQ folder, float reference folder) of a tiny random MoE model of ``model_type``."""
-    model = _float_model(model_type, seed)
+def write_moe_gptq(root: Path, model_type: str, *, seed: int = 0, sym: bool = False,
+                   quantize_router: bool = False, **overrides: Any) -> tuple[Path, Path]:
+    """(GPTQ folder, float reference folder) of a tiny random MoE model of ``model_type`` (``overrides``: config
+    values); the router (``<block>.gate``) is quantized too with ``quantize_router``."""
+    model = _float_model(model_type, seed, **overrides)
     sd = _hub_state_dict(model, root / "float")
     layers, tensors, ref = {}, {}, {}
+    leaves = QUANTIZED_LEAVES | ({"gate"} if quantize_router else set())
     quantized = {n.rpartition(".")[0] for n, a in sd.items()
-                 if n.endswith(".weight") and a.ndim == 2 and n.split(".")[-2] in QUANTIZED_LEAVES}
+                 if n.endswith(".weight") and a.ndim == 2 and n.split(".")[-2] in leaves}
     for name, arr in sd.items():
         mod, _, kind = name.rpartition(".")
         if mod in quantized and kind == "weight":
@@ -255,3 +259,26 @@ def test_a_missing_expert_is_named(moe: dict[str, Any], tmp_path: Path) -> None:
     convert(tmp_path / "gptq", tmp_path / "w4")
     with pytest.raises(BadInputError, match=r"experts\.2\."):
         load_model(tmp_path / "w4")
+
+
+def test_a_quantized_router_and_from_pretrained(tmp_path: Path) -> None:
+    """A source that quantizes the router keeps it packed in the folder; at load it is dequantized exactly into
+    transformers' router (which computes its logits inside its own routing code). ``from_pretrained`` on the
+    folder builds the same packed experts as ``load_model``."""
+    import w4pack  # noqa: F401 - registers quant_method "w4pack" with transformers
+    from transformers import AutoModelForCausalLM
+
+    # 8 experts: GPTQ's qzeros pack 8 output rows into a word
+    gptq, ref_dir = write_moe_gptq(tmp_path, "mixtral", seed=4, quantize_router=True, num_local_experts=8)
+    out = tmp_path / "w4"
+    convert(gptq, out)
+    with open_checkpoint(out) as ck:
+        assert "model.layers.0.block_sparse_moe.gate" in ck.layers
+    ref = _reference(ref_dir)
+    x = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(x).logits
+        for model in (load_model(out), AutoModelForCausalLM.from_pretrained(out)):
+            got = model(x).logits
+            err = float((got - want).abs().max() / want.abs().max())
+            assert err < 1e-5, err

@@ -199,6 +199,21 @@ def _addressed_names(ckpt: Checkpoint) -> list[str]:
     return list(ckpt.layers) + [p["name"] for parts in fused.values() for p in parts] + list(ckpt.passthrough)
 
 
+def _holds_plain_weight(model: Any, name: str) -> bool:
+    """True when the module at ``name`` is no ``nn.Linear`` but keeps a matrix as its only parameter
+    ``weight`` (transformers 5's MoE routers)."""
+    from torch import nn
+
+    try:
+        mod = model.get_submodule(_model_path(model, name))
+    except AttributeError:
+        return False
+    if isinstance(mod, nn.Linear):
+        return False
+    w = mod._parameters.get("weight")
+    return w is not None and w.dim() == 2 and set(mod._parameters) == {"weight"}
+
+
 def _fill_dequantized(model: Any, name: str, packed: Any, ckpt_path: Path, device: Any) -> bool:
     """A packed layer whose module is not an ``nn.Linear`` but holds the matrix as a plain ``weight`` parameter
     (transformers 5's MoE routers: ``MixtralTopKRouter`` calls ``F.linear(x, self.weight)`` inside its own
@@ -207,13 +222,10 @@ def _fill_dequantized(model: Any, name: str, packed: Any, ckpt_path: Path, devic
     import torch
     from torch import nn
 
-    try:
-        mod = model.get_submodule(_model_path(model, name))
-    except AttributeError:
+    if not _holds_plain_weight(model, name):
         return False
-    w = mod._parameters.get("weight") if not isinstance(mod, nn.Linear) else None
-    if w is None or w.dim() != 2 or set(mod._parameters) - {"weight"}:
-        return False
+    mod = model.get_submodule(_model_path(model, name))
+    w = mod._parameters["weight"]
     n, k = packed.meta["shape"]
     if tuple(w.shape) != (n, k):
         raise BadInputError(f"packed shape [{n}, {k}] does not match the model's weight {list(w.shape)}",
@@ -514,6 +526,8 @@ def register_transformers() -> bool:
             if not files:
                 raise ValueError("w4pack: transformers passed no checkpoint files")
             self._folder = Path(files[0]).parent
+            from ..formats._experts import module_path_candidates  # transformers reports renamed keys
+
             with open_checkpoint(self._folder) as ckpt:
                 # skeleton W4Linear modules on meta whose buffers are non-persistent, so transformers neither
                 # loads the packed tensors (casting them) nor reports them missing; they are filled afterwards
@@ -521,7 +535,8 @@ def register_transformers() -> bool:
                 names = list(ckpt.manifest["layers"])
             # packed tensors are ours to load: keep transformers from reporting them
             pats = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
-            model._keys_to_ignore_on_load_unexpected = pats | {_re_escape(n) for n in names}
+            model._keys_to_ignore_on_load_unexpected = pats | {_re_escape(c) for n in names
+                                                               for c in module_path_candidates(n)}
             return model
 
         def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
@@ -563,8 +578,11 @@ def _swap_skeleton(model: Any, ckpt: Checkpoint) -> None:
     from .torch_module import W4FusedLinear, W4Linear, W4SliceLinear
 
     fused = ckpt.manifest.get("fused") or {}
+    expand_experts(model, _addressed_names(ckpt))
     for name, meta in ckpt.manifest["layers"].items():
         has_bias = "bias" in meta["tensors"]
+        if name not in fused and _holds_plain_weight(model, name):
+            continue  # a quantized router: dequantized into its weight after loading (_fill_skeleton)
         if name in fused:
             for p in fused[name]:
                 _linear_at(model, p["name"], ckpt.path)
@@ -579,7 +597,9 @@ def _swap_skeleton(model: Any, ckpt: Checkpoint) -> None:
 
 def _fill_skeleton(model: Any, ckpt: Checkpoint, device: Any, precision: str) -> None:
     for name in ckpt.layers:
-        mod = model.get_submodule(name)
+        if _fill_dequantized(model, name, ckpt.packed(name), ckpt.path, device):
+            continue
+        mod = model.get_submodule(_model_path(model, name))
         mod.precision = precision
         mod.load_packed(ckpt.packed(name), device=device)
         mod._non_persistent_buffers_set.clear()  # the skeleton hid them from transformers' loader
