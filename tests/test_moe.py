@@ -282,3 +282,91 @@ def test_a_quantized_router_and_from_pretrained(tmp_path: Path) -> None:
             got = model(x).logits
             err = float((got - want).abs().max() / want.abs().max())
             assert err < 1e-5, err
+
+
+# -------------------------------------------------------------------------------------------------
+# GGUF: stacked ffn_*_exps split into per-expert layers and stacked back
+# -------------------------------------------------------------------------------------------------
+def _write_moe_gguf(root: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    """A tiny Qwen3-MoE GGUF (experts and attention Q4_0 by gguf-py's own quantizer, the rest F32) and gguf-py's
+    dequantization of every tensor under the transformers (Hub) names."""
+    gguf = pytest.importorskip("gguf", reason="GGUF tests need gguf: pip install 'w4pack[gguf]'")
+    from w4pack.formats._hf_names import hf_to_gguf
+
+    model = _float_model("qwen3_moe", 7)
+    sd = _hub_state_dict(model, root / "float")
+    c = model.config
+    w = gguf.GGUFWriter(str(root / "moe.gguf"), arch="qwen3moe")
+    for key, val in (("block_count", c.num_hidden_layers), ("context_length", c.max_position_embeddings),
+                     ("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
+                     ("attention.head_count", c.num_attention_heads), ("attention.head_count_kv",
+                     c.num_key_value_heads), ("attention.key_length", c.head_dim), ("attention.value_length",
+                     c.head_dim), ("expert_count", c.num_experts), ("expert_used_count", c.num_experts_per_tok),
+                     ("expert_feed_forward_length", c.moe_intermediate_size), ("vocab_size", c.vocab_size)):
+        w.add_uint32(f"qwen3moe.{key}", int(val))
+    w.add_float32("qwen3moe.attention.layer_norm_rms_epsilon", float(c.rms_norm_eps))
+    w.add_float32("qwen3moe.rope.freq_base", float(c.rope_parameters["rope_theta"]))
+    q4 = gguf.GGMLQuantizationType.Q4_0
+    ref: dict[str, np.ndarray] = {}
+
+    def quantized(arr: np.ndarray) -> np.ndarray:
+        return gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), q4)
+
+    for i in range(c.num_hidden_layers):
+        for role, leaf in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+            names_ = [f"model.layers.{i}.mlp.experts.{e}.{leaf}.weight" for e in range(c.num_experts)]
+            stacked = quantized(np.stack([sd.pop(n) for n in names_]))
+            w.add_tensor(f"blk.{i}.ffn_{role}_exps.weight", stacked, raw_dtype=q4)
+            deq = gguf.quants.dequantize(stacked, q4)
+            for e, n in enumerate(names_):
+                ref[n] = deq[e]
+    for name, arr in sd.items():
+        gname = hf_to_gguf(name)
+        assert gname is not None, name
+        if arr.ndim == 2 and name.split(".")[-2] in QUANTIZED_LEAVES:
+            data = quantized(arr)
+            w.add_tensor(gname, data, raw_dtype=q4)
+            ref[name] = gguf.quants.dequantize(data, q4)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
+            ref[name] = arr
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    (root / "ref").mkdir()
+    from safetensors.numpy import save_file
+
+    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in ref.items()},
+              str(root / "ref" / "model.safetensors"), metadata={"format": "pt"})
+    (root / "ref" / "config.json").write_text(json.dumps(model.config.to_dict()))
+    return root / "moe.gguf", ref
+
+
+def test_gguf_stacked_experts_read_run_and_write_back(tmp_path: Path) -> None:
+    gguf = pytest.importorskip("gguf", reason="GGUF tests need gguf: pip install 'w4pack[gguf]'")
+    path, ref = _write_moe_gguf(tmp_path)
+    src = open_source(path)
+    experts_ = [n for n in src.layer_names() if split_expert_name(n) is not None]
+    assert len(experts_) == 2 * 4 * 3
+    for n in experts_[:6] + experts_[-3:]:
+        got = src.read_layer(n).dequantize(np.float32)
+        assert np.array_equal(got, ref[n + ".weight"]), n  # bit-exact against gguf-py's own dequantization
+    assert src.config["model_type"] == "qwen3_moe" and src.config["num_experts"] == 4
+    assert "model.layers.0.mlp.gate.weight" in src.passthrough_names()
+    out = tmp_path / "w4"
+    convert(path, out)
+    model = load_model(out)
+    x = torch.randint(3, 96, (1, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got, want = model(x).logits, _reference(tmp_path / "ref")(x).logits
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    back = tmp_path / "back.gguf"
+    convert(out, back, to="gguf")
+    a, b = gguf.GGUFReader(str(path)), gguf.GGUFReader(str(back))
+    ta = {t.name: t for t in a.tensors}
+    tb = {t.name: t for t in b.tensors}
+    assert set(ta) == set(tb)
+    for name, t in ta.items():
+        assert tb[name].tensor_type == t.tensor_type and list(tb[name].shape) == list(t.shape), name
+        assert np.asarray(tb[name].data).tobytes() == np.asarray(t.data).tobytes(), name

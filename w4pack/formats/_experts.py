@@ -20,7 +20,7 @@ import numpy as np
 __all__ = ["ExpertName", "split_expert_name", "module_path_candidates", "ROLE_OF_LEAF", "LEAVES_BY_STYLE",
            "GGUF_STACKED", "GGUF_MOE_BLOCK", "gguf_expert_leaf_style", "split_stacked", "stack_experts",
            "stacked_gguf_name", "parse_stacked_gguf_name", "per_expert_hf_names", "expert_layer_names",
-           "MODULE_RENAMES"]
+           "MODULE_RENAMES", "plan_gguf_stacks"]
 
 #: per-expert leaf name -> role in the gated MLP (gate_up: w4pack's own --fuse gate-up of one expert)
 ROLE_OF_LEAF: dict[str, str] = {"w1": "gate", "w3": "up", "w2": "down",
@@ -145,3 +145,27 @@ def stack_experts(parts: Sequence[np.ndarray]) -> np.ndarray:
             raise ValueError(f"expert {i} is {list(p.shape)} {p.dtype}, expert 0 is {list(first.shape)} "
                              f"{first.dtype}: experts of one tensor must match")
     return np.stack([np.asarray(p) for p in parts], axis=0)
+
+
+_LAYER_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(block_sparse_moe|mlp)$")
+
+
+def plan_gguf_stacks(layer_names: Sequence[str]) -> dict[str, list[str]]:
+    """{GGUF stacked tensor name: per-expert layer names in expert order} for a writer; every expert 0..E-1 of a
+    block and role must be present (a stacked tensor has no holes), else ValueError naming the first gap."""
+    groups: dict[str, dict[int, str]] = {}
+    for name in layer_names:
+        ex = split_expert_name(name)
+        if ex is None or ex.tail or ex.role == "gate_up":
+            continue
+        m = _LAYER_BLOCK.match(ex.block)
+        if m is None:
+            continue
+        groups.setdefault(stacked_gguf_name(int(m.group(1)), ex.role), {})[ex.index] = name
+    out: dict[str, list[str]] = {}
+    for gname, by_index in groups.items():
+        missing = [e for e in range(max(by_index) + 1) if e not in by_index]
+        if missing:
+            raise ValueError(f"{gname}: expert {missing[0]} is missing; GGUF stacks every expert of a block")
+        out[gname] = [by_index[e] for e in range(len(by_index))]
+    return out

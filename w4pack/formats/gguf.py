@@ -38,6 +38,7 @@ from ..store.folder import brief, read_json, side_file
 from ..store.gguffile import GGUFFile, gguf_module, is_gguf, open_gguf
 from ..store.scratch import ScratchFolder, read_text
 from ..store.singlefile import AtomicFile
+from . import _experts as experts
 from . import _hf_names as names
 from .base import Capabilities, Format, HubFiles, Source, TensorData
 
@@ -237,12 +238,25 @@ class GGUFMeta:
                    has_tokenizer=values.get("tokenizer.ggml.model") is not None, values=values)
 
 
-def _map_names(tensor_names: list[str], label: str) -> tuple[dict[str, str], list[str]]:
+def _split_stacked(f: GGUFFile, arch: str) -> dict[str, tuple[str, int]]:
+    """Per-expert layer name -> (stacked ``ffn_*_exps`` tensor, expert index) for every 3-D experts tensor of a
+    known MoE architecture (docs/MOE.md): expert e's rows are ``data[e]``, exactly."""
+    out: dict[str, tuple[str, int]] = {}
+    for gname, t in f.tensors.items():
+        found = experts.parse_stacked_gguf_name(gname)
+        hf = None if found is None or len(t.shape) != 3 else \
+            experts.per_expert_hf_names(arch, found[0], found[1], t.shape[0])
+        for e, name in enumerate(hf or ()):
+            out[name] = (gname, e)
+    return out
+
+
+def _map_names(tensor_names: list[str], label: str, arch: str | None = None) -> tuple[dict[str, str], list[str]]:
     """GGUF name -> transformers name (unknown names kept as they are, and listed)."""
     hf_of: dict[str, str] = {}
     unknown = []
     for gname in tensor_names:
-        hf = names.gguf_to_hf(gname)
+        hf = names.gguf_to_hf(gname, arch)
         if hf is None:
             unknown.append(gname)
             hf = gname
@@ -258,6 +272,8 @@ def _classify(f: GGUFFile, hf_of: dict[str, str]) -> tuple[list[str], list[str],
     passthrough: list[str] = []
     dequantized: Counter[str] = Counter()
     for gname, t in f.tensors.items():
+        if gname not in hf_of:
+            continue  # a stacked experts tensor: its experts are classified by the caller
         hf = hf_of[gname]
         module = hf[: -len(".weight")] if hf.endswith(".weight") else None
         if t.type_name in _DECODERS and module is not None and len(t.dims) == 2 and names.is_linear(module):
@@ -281,7 +297,11 @@ class GGUFSource(Source):
         try:
             self.gmeta = GGUFMeta.parse(self.file)
             self.types: dict[str, str] = {n: t.type_name for n, t in self.file.tensors.items()}
-            self.hf_of, unknown = _map_names(list(self.file.tensors), label)
+            #: per-expert layer name -> (stacked GGUF tensor, expert index)
+            self.expert_of = _split_stacked(self.file, self.gmeta.arch)
+            stacked = {g for g, _e in self.expert_of.values()}
+            self.hf_of, unknown = _map_names([n for n in self.file.tensors if n not in stacked], label,
+                                             self.gmeta.arch)
             self.gguf_of = {hf: g for g, hf in self.hf_of.items()}
             self.arch = self.gmeta.arch
             self.meta = {k: v for k, v in self.gmeta.values.items()}
@@ -291,6 +311,13 @@ class GGUFSource(Source):
             self.quirks: list[str] = []
             self.config = self._build_config()
             self._layers, self._pass, dequantized = _classify(self.file, self.hf_of)
+            for name, (gname, _e) in self.expert_of.items():  # experts: packed when decodable, else float
+                if self.types[gname] in _DECODERS:
+                    self._layers.append(name)
+                else:
+                    self._pass.append(f"{name}.weight")
+                    if self.types[gname] not in _PLAIN_TYPES:
+                        dequantized[self.types[gname]] += 1
         except BaseException:
             self.file.close()
             raise
@@ -353,14 +380,17 @@ class GGUFSource(Source):
         return list(self._pass)
 
     def read_layer(self, name: str) -> CanonicalLayer:
-        gname = self.gguf_of.get(f"{name}.weight")
+        gname, expert = self.expert_of.get(name, (self.gguf_of.get(f"{name}.weight"), None))
         if gname is None or name not in self._layers:
             raise BadInputError("no such quantized layer", file=str(self.path), tensor=name)
         self.file.release_pages()
         t = self.file.tensors[gname]
-        n, k = t.shape
+        shape, data = t.shape, self.file.data(gname)
+        if expert is not None:  # one expert of a stacked tensor: its rows' blocks, exactly
+            shape, data = shape[1:], data[expert]
+        n, k = shape
         try:
-            layer = _DECODERS[t.type_name](self.file.data(gname), n, k)
+            layer = _DECODERS[t.type_name](data, n, k)
         except BadInputError as exc:
             raise BadInputError(exc.message, file=str(self.path), tensor=gname) from None
         perm = self._qk_perm(name, n)
@@ -373,6 +403,8 @@ class GGUFSource(Source):
             bt = self.read_tensor(f"{name}.bias")
             changes["bias"], changes["bias_dtype"] = np.asarray(bt.array), bt.dtype
         source = {"format": "gguf", "gguf_name": gname, "gguf_type": t.type_name}
+        if expert is not None:
+            source["expert"] = expert
         if perm is not None:
             source["rotary_permutation"] = "undone"
         layer = layer.replace(name=name, source=source, **changes)
@@ -382,11 +414,13 @@ class GGUFSource(Source):
             raise BadInputError(exc.message, file=str(self.path), tensor=gname) from None
 
     def read_tensor(self, name: str) -> TensorData:
-        gname = self.gguf_of.get(name)
+        gname, expert = self.expert_of.get(name[: -len(".weight")], (self.gguf_of.get(name), None))
         if gname is None:
             raise BadInputError("no such tensor", file=str(self.path), tensor=name)
         self.file.release_pages()
         arr, dt = self._decode_tensor(gname)
+        if expert is not None:  # one expert of a stacked tensor that is not packed (e.g. F16 experts)
+            arr = arr[expert]
         if arr.ndim >= 1:
             perm = self._qk_perm(name[: -len(".weight")] if name.endswith(".weight") else name, arr.shape[0])
             if perm is not None:
@@ -693,6 +727,7 @@ class _Payloads:
         self.requant: dict[str, str] = {}  # gguf name -> type, for float tensors that re-encode exactly
         self.lost: Counter[str] = Counter()  # original types that could not be re-encoded exactly
         self.first_pass = True
+        self.stacks = _expert_stacks(source)  # {ffn_*_exps name: per-expert layers}, docs/MOE.md
 
     def qk_perm(self, hf: str, rows: int) -> np.ndarray | None:
         if not self.permute or not (".self_attn.q_proj" in hf or ".self_attn.k_proj" in hf):
@@ -736,6 +771,13 @@ class _Payloads:
 
     def __call__(self, kind: str, hf: str) -> tuple[np.ndarray, Any]:
         """(array to write, raw GGML type or None) of one output tensor."""
+        if kind == "experts":  # per-expert layers stacked back into ffn_*_exps [E, rows, blocks]
+            parts = [self.layer(n) for n in self.stacks[hf]]
+            kinds = sorted({raw.name for _d, raw in parts})
+            if len(kinds) > 1:
+                raise UnsupportedError(f"experts of one GGUF tensor encode as different types ({', '.join(kinds)})",
+                                       tensor=hf)
+            return experts.stack_experts([d for d, _r in parts]), parts[0][1]
         if kind == "layer":
             return self.layer(hf)
         if kind == "bias":
@@ -767,11 +809,30 @@ class _Payloads:
         return arr, (None if dt != "float64" else qt)
 
 
-def _jobs(source: Source, original_types: dict[str, str]) -> list[tuple[str, str, str]]:
+def _expert_stacks(source: Source) -> dict[str, list[str]]:
+    """{GGUF ffn_*_exps name: per-expert layers in expert order}; refused when an expert is missing or has a
+    bias (GGUF's stacked experts have none)."""
+    try:
+        stacks = experts.plan_gguf_stacks(source.layer_names())
+    except ValueError as exc:
+        raise UnsupportedError(str(exc)) from None
+    for parts in stacks.values():
+        for name in parts:
+            if source.read_layer(name).bias is not None:
+                raise UnsupportedError("GGUF's stacked experts have no bias", tensor=name)
+    return stacks
+
+
+def _jobs(source: Source, original_types: dict[str, str], stacks: dict[str, list[str]]
+          ) -> list[tuple[str, str, str]]:
     """(kind, source name, gguf name) of every output tensor, in the source GGUF's order when there was one, so
     that a round trip reproduces the file."""
     jobs: list[tuple[str, str, str]] = []
+    jobs += [("experts", g, g) for g in stacks]
+    stacked = {n for parts in stacks.values() for n in parts}
     for name in source.layer_names():
+        if name in stacked:
+            continue
         jobs.append(("layer", name, _gguf_name(f"{name}.weight")))
         jobs.append(("bias", name, _gguf_name(f"{name}.bias")))
     jobs += [("tensor", t, _gguf_name(t)) for t in source.passthrough_names()]
@@ -795,7 +856,7 @@ def _plan(source: Source, jobs: list[tuple[str, str, str]], payloads: _Payloads)
         except UnsupportedError as exc:
             problems.append(f"{hf}: {exc.message}")
             continue
-        if kind == "layer":
+        if kind in ("layer", "experts"):
             types[raw.name] += 1
         plans.append(_TensorPlan(kind, hf, gname, data.shape, data.dtype, data.nbytes, raw))
         del data
@@ -877,7 +938,7 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
     side = source.side_files()
     saved = _saved_metadata(side)
     payloads = _Payloads(source, cfg, arch, saved.get("tensor_types") or {})
-    plans, ftype = _plan(source, _jobs(source, payloads.original_types), payloads)
+    plans, ftype = _plan(source, _jobs(source, payloads.original_types, payloads.stacks), payloads)
     notes: list[str] = []
     if payloads.lost:
         notes.append("written as F32, not re-encodable exactly by gguf: "
