@@ -17,7 +17,11 @@ ARCHS: dict[str, tuple[str, str, bool]] = {
     "llama": ("llama", "LlamaForCausalLM", True),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
     "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM", False),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM", False),
 }
+#: llama.cpp writes Mixtral as arch "llama" with llama.expert_count
+MIXTRAL = ("mixtral", "MixtralForCausalLM")
 
 _GLOBAL = {
     "token_embd": "model.embed_tokens",
@@ -37,6 +41,15 @@ _BLOCK = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+#: mixture-of-experts block tensors (the per-expert stacked ones are split by _experts.py); "{moe}" is the MoE
+#: block's sub-path: "block_sparse_moe" (Mixtral, arch llama) or "mlp" (Qwen-MoE)
+_MOE_BLOCK = {
+    "ffn_gate_inp": "{moe}.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
 _BLOCK_REV = {v: k for k, v in _BLOCK.items()}
 _GLOBAL_REV = {v: k for k, v in _GLOBAL.items()}
 _GGUF_BLK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
@@ -45,11 +58,20 @@ _HF_BLK = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _LINEAR_SUFFIXES = ("_proj", "lm_head")
 
 
-def gguf_to_hf(name: str) -> str | None:
-    """The transformers name of a GGUF tensor, or None when the table does not know it."""
+def _moe_sub(arch: str | None) -> str:
+    from ._experts import GGUF_MOE_BLOCK
+
+    return GGUF_MOE_BLOCK.get(arch or "", ("mlp", "proj"))[0]
+
+
+def gguf_to_hf(name: str, arch: str | None = None) -> str | None:
+    """The transformers name of a GGUF tensor, or None when the table does not know it (``arch`` places the
+    MoE router: Mixtral's ``block_sparse_moe.gate``, Qwen-MoE's ``mlp.gate``)."""
     m = _GGUF_BLK.match(name)
     if m:
         sub = _BLOCK.get(m.group(2))
+        if sub is None and m.group(2) in _MOE_BLOCK:
+            sub = _MOE_BLOCK[m.group(2)].format(moe=_moe_sub(arch))
         return None if sub is None else f"model.layers.{m.group(1)}.{sub}.{m.group(3)}"
     m = _GGUF_GLOBAL.match(name)
     if m and m.group(1) in _GLOBAL:
@@ -62,6 +84,9 @@ def hf_to_gguf(name: str) -> str | None:
     m = _HF_BLK.match(name)
     if m:
         sub = _BLOCK_REV.get(m.group(2))
+        if sub is None:
+            sub = next((g for g, h in _MOE_BLOCK.items()
+                        if m.group(2) in {h.format(moe="mlp"), h.format(moe="block_sparse_moe")}), None)
         return None if sub is None else f"blk.{m.group(1)}.{sub}.{m.group(3)}"
     mod, _, kind = name.rpartition(".")
     if kind in ("weight", "bias") and mod in _GLOBAL_REV:
@@ -146,15 +171,32 @@ def build_config(arch: str, meta: dict[str, Any], *, has_output: bool,
         v = meta.get(f"tokenizer.ggml.{key}")
         if v is not None:
             cfg[hf] = int(v)
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen2moe"):
         cfg["attention_bias"] = True
+        cfg["qkv_bias"] = True
+    experts = get("expert_count")
+    if experts:
+        if arch == "llama":
+            cfg["model_type"], cfg["architectures"] = MIXTRAL[0], [MIXTRAL[1]]
+            cfg["num_local_experts"] = int(experts)
+        else:
+            cfg["num_experts"] = int(experts)
+            cfg["moe_intermediate_size"] = int(get("expert_feed_forward_length", cfg["intermediate_size"]))
+            cfg["norm_topk_prob"] = arch == "qwen3moe"  # llama.cpp: qwen3moe renormalises, qwen2moe does not
+            cfg["decoder_sparse_step"] = 1
+            cfg["mlp_only_layers"] = []
+        cfg["num_experts_per_tok"] = int(get("expert_used_count", 2))
+        shared = get("expert_shared_feed_forward_length")
+        if shared:
+            cfg["shared_expert_intermediate_size"] = int(shared)
     return cfg, []
 
 
 def config_to_metadata(cfg: dict[str, Any]) -> tuple[str, dict[str, tuple[str, Any]]] | None:
     """(arch, {gguf key: (kind, value)}) for a transformers config, or None when the model type is not known."""
     model_type = cfg.get("model_type")
-    arch = next((a for a, (mt, _c, _p) in ARCHS.items() if mt == model_type), None)
+    arch = "llama" if model_type == MIXTRAL[0] else \
+        next((a for a, (mt, _c, _p) in ARCHS.items() if mt == model_type), None)
     if arch is None:
         return None
     out: dict[str, tuple[str, Any]] = {}
@@ -172,6 +214,11 @@ def config_to_metadata(cfg: dict[str, Any]) -> tuple[str, dict[str, tuple[str, A
     put("attention.head_count_kv", "u32", "num_key_value_heads", cfg.get("num_attention_heads"))
     put("attention.layer_norm_rms_epsilon", "f32", "rms_norm_eps")
     put("vocab_size", "u32", "vocab_size")
+    put("expert_count", "u32", "num_local_experts" if model_type == MIXTRAL[0] else "num_experts")
+    put("expert_used_count", "u32", "num_experts_per_tok")
+    if model_type != MIXTRAL[0]:
+        put("expert_feed_forward_length", "u32", "moe_intermediate_size")
+    put("expert_shared_feed_forward_length", "u32", "shared_expert_intermediate_size")
     heads = cfg.get("num_attention_heads")
     head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // heads if heads and cfg.get("hidden_size") else None)
     if head_dim:

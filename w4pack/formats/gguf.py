@@ -39,6 +39,7 @@ from ..store.folder import brief, read_json, side_file
 from ..store.gguffile import GGUFFile, gguf_module, is_gguf, open_gguf
 from ..store.scratch import ScratchFolder, read_text
 from ..store.singlefile import AtomicFile
+from . import _experts as experts
 from . import _hf_names as names
 from . import gguf_quants
 from .base import Capabilities, Format, HubFiles, Source, TensorData
@@ -125,7 +126,7 @@ def _refusals(f: GGUFFile, hf_of: dict[str, str]) -> list[str]:
     """One line per quantized linear weight that cannot be a canonical layer, naming the tensor and its type."""
     out = []
     for gname, t in f.tensors.items():
-        hf = hf_of[gname]
+        hf = hf_of.get(gname, "")  # stacked experts have per-expert names only
         module = hf[: -len(".weight")] if hf.endswith(".weight") else None
         if module is not None and len(t.dims) == 2 and names.is_linear(module) and \
                 t.type_name not in _PLAIN_TYPES and not _packable(t.type_name):
@@ -142,7 +143,7 @@ def _carriage_notes(types: dict[str, str], packed: set[str], hf_of: dict[str, st
             kind = "packed losslessly"
         elif qt in _PLAIN_TYPES:
             kind = "passed through as they are"
-        elif names.is_embedding(hf_of[gname][: -len(".weight")] if hf_of[gname].endswith(".weight") else ""):
+        elif names.is_embedding(hf[: -len(".weight")] if (hf := hf_of.get(gname, "")).endswith(".weight") else ""):
             kind = "dequantized to float32 (embedding)"
         else:
             kind = "dequantized to float32"
@@ -286,12 +287,25 @@ class GGUFMeta:
                    has_tokenizer=values.get("tokenizer.ggml.model") is not None, values=values)
 
 
-def _map_names(tensor_names: list[str], label: str) -> tuple[dict[str, str], list[str]]:
+def _split_stacked(f: GGUFFile, arch: str) -> dict[str, tuple[str, int]]:
+    """Per-expert layer name -> (stacked ``ffn_*_exps`` tensor, expert index) for every 3-D experts tensor of a
+    known MoE architecture (docs/MOE.md): expert e's rows are ``data[e]``, exactly."""
+    out: dict[str, tuple[str, int]] = {}
+    for gname, t in f.tensors.items():
+        found = experts.parse_stacked_gguf_name(gname)
+        hf = None if found is None or len(t.shape) != 3 else \
+            experts.per_expert_hf_names(arch, found[0], found[1], t.shape[0])
+        for e, name in enumerate(hf or ()):
+            out[name] = (gname, e)
+    return out
+
+
+def _map_names(tensor_names: list[str], label: str, arch: str | None = None) -> tuple[dict[str, str], list[str]]:
     """GGUF name -> transformers name (unknown names kept as they are, and listed)."""
     hf_of: dict[str, str] = {}
     unknown = []
     for gname in tensor_names:
-        hf = names.gguf_to_hf(gname)
+        hf = names.gguf_to_hf(gname, arch)
         if hf is None:
             unknown.append(gname)
             hf = gname
@@ -307,6 +321,8 @@ def _classify(f: GGUFFile, hf_of: dict[str, str]) -> tuple[list[str], list[str],
     passthrough: list[str] = []
     dequantized: Counter[str] = Counter()
     for gname, t in f.tensors.items():
+        if gname not in hf_of:
+            continue  # a stacked experts tensor: its experts are classified by the caller
         hf = hf_of[gname]
         module = hf[: -len(".weight")] if hf.endswith(".weight") else None
         if _packable(t.type_name) and module is not None and len(t.dims) == 2 and names.is_linear(module):
@@ -330,7 +346,11 @@ class GGUFSource(Source):
         try:
             self.gmeta = GGUFMeta.parse(self.file)
             self.types: dict[str, str] = {n: t.type_name for n, t in self.file.tensors.items()}
-            self.hf_of, unknown = _map_names(list(self.file.tensors), label)
+            #: per-expert layer name -> (stacked GGUF tensor, expert index)
+            self.expert_of = _split_stacked(self.file, self.gmeta.arch)
+            stacked = {g for g, _e in self.expert_of.values()}
+            self.hf_of, unknown = _map_names([n for n in self.file.tensors if n not in stacked], label,
+                                             self.gmeta.arch)
             self.gguf_of = {hf: g for g, hf in self.hf_of.items()}
             self.arch = self.gmeta.arch
             self.meta = {k: v for k, v in self.gmeta.values.items()}
@@ -340,6 +360,13 @@ class GGUFSource(Source):
             self.quirks: list[str] = []
             self.config = self._build_config()
             self._layers, self._pass, dequantized = _classify(self.file, self.hf_of)
+            for name, (gname, _e) in self.expert_of.items():  # experts: packed when decodable, else float
+                if _packable(self.types[gname]):
+                    self._layers.append(name)
+                else:
+                    self._pass.append(f"{name}.weight")
+                    if self.types[gname] not in _PLAIN_TYPES:
+                        dequantized[self.types[gname]] += 1
         except BaseException:
             self.file.close()
             raise
@@ -375,8 +402,9 @@ class GGUFSource(Source):
             self.notes.append("llama.cpp's rotary row permutation of attn_q/attn_k undone (transformers order)")
         counts = Counter(self.types.values())
         self.notes.insert(0, "tensor types: " + ", ".join(f"{c} {q}" for q, c in sorted(counts.items())))
-        self.notes[1:1] = _carriage_notes(self.types, {self.gguf_of[f"{m}.weight"] for m in self._layers},
-                                          self.hf_of) + _refusals(self.file, self.hf_of)
+        packed = {self.gguf_of[f"{m}.weight"] if m not in self.expert_of else self.expert_of[m][0]
+                  for m in self._layers}
+        self.notes[1:1] = _carriage_notes(self.types, packed, self.hf_of) + _refusals(self.file, self.hf_of)
 
     # -- helpers -------------------------------------------------------------------------------
     def _qk_perm(self, hf: str, rows: int) -> np.ndarray | None:
@@ -404,16 +432,18 @@ class GGUFSource(Source):
         return list(self._pass)
 
     def read_layer(self, name: str) -> CanonicalLayer:
-        gname = self.gguf_of.get(f"{name}.weight")
+        gname, expert = self.expert_of.get(name, (self.gguf_of.get(f"{name}.weight"), None))
         if gname is None or name not in self._layers:
             raise BadInputError("no such quantized layer", file=str(self.path), tensor=name)
         self.file.release_pages()
         t = self.file.tensors[gname]
-        n, k = t.shape
+        shape, data = t.shape, self.file.data(gname)
+        if expert is not None:  # one expert of a stacked tensor: its rows' blocks, exactly
+            shape, data = shape[1:], data[expert]
+        n, k = shape
         try:
             decoder = _DECODERS.get(t.type_name)
-            raw = self.file.data(gname)
-            layer = decoder(raw, n, k) if decoder is not None else gguf_quants.decode(t.type_name, raw, n, k)
+            layer = decoder(data, n, k) if decoder is not None else gguf_quants.decode(t.type_name, data, n, k)
         except BadInputError as exc:
             raise BadInputError(exc.message, file=str(self.path), tensor=gname) from None
         perm = self._qk_perm(name, n)
@@ -426,6 +456,8 @@ class GGUFSource(Source):
             bt = self.read_tensor(f"{name}.bias")
             changes["bias"], changes["bias_dtype"] = np.asarray(bt.array), bt.dtype
         source = {"format": "gguf", "gguf_name": gname, "gguf_type": t.type_name}
+        if expert is not None:
+            source["expert"] = expert
         if perm is not None:
             source["rotary_permutation"] = "undone"
         layer = layer.replace(name=name, source=source, **changes)
@@ -435,11 +467,13 @@ class GGUFSource(Source):
             raise BadInputError(exc.message, file=str(self.path), tensor=gname) from None
 
     def read_tensor(self, name: str) -> TensorData:
-        gname = self.gguf_of.get(name)
+        gname, expert = self.expert_of.get(name[: -len(".weight")], (self.gguf_of.get(name), None))
         if gname is None:
             raise BadInputError("no such tensor", file=str(self.path), tensor=name)
         self.file.release_pages()
         arr, dt = self._decode_tensor(gname)
+        if expert is not None:  # one expert of a stacked tensor that is not packed (e.g. F16 experts)
+            arr = arr[expert]
         if arr.ndim >= 1:
             perm = self._qk_perm(name[: -len(".weight")] if name.endswith(".weight") else name, arr.shape[0])
             if perm is not None:
@@ -746,6 +780,7 @@ class _Payloads:
         self.requant: dict[str, str] = {}  # gguf name -> type, for float tensors that re-encode exactly
         self.lost: Counter[str] = Counter()  # original types that could not be re-encoded exactly
         self.first_pass = True
+        self.stacks = _expert_stacks(source)  # {ffn_*_exps name: per-expert layers}, docs/MOE.md
 
     def qk_perm(self, hf: str, rows: int) -> np.ndarray | None:
         if not self.permute or not (".self_attn.q_proj" in hf or ".self_attn.k_proj" in hf):
@@ -799,6 +834,13 @@ class _Payloads:
 
     def __call__(self, kind: str, hf: str) -> tuple[np.ndarray, Any]:
         """(array to write, raw GGML type or None) of one output tensor."""
+        if kind == "experts":  # per-expert layers stacked back into ffn_*_exps [E, rows, blocks]
+            parts = [self.layer(n) for n in self.stacks[hf]]
+            kinds = sorted({raw.name for _d, raw in parts})
+            if len(kinds) > 1:
+                raise UnsupportedError(f"experts of one GGUF tensor encode as different types ({', '.join(kinds)})",
+                                       tensor=hf)
+            return experts.stack_experts([d for d, _r in parts]), parts[0][1]
         if kind == "layer":
             return self.layer(hf)
         if kind == "bias":
@@ -830,11 +872,30 @@ class _Payloads:
         return arr, (None if dt != "float64" else qt)
 
 
-def _jobs(source: Source, original_types: dict[str, str]) -> list[tuple[str, str, str]]:
+def _expert_stacks(source: Source) -> dict[str, list[str]]:
+    """{GGUF ffn_*_exps name: per-expert layers in expert order}; refused when an expert is missing or has a
+    bias (GGUF's stacked experts have none)."""
+    try:
+        stacks = experts.plan_gguf_stacks(source.layer_names())
+    except ValueError as exc:
+        raise UnsupportedError(str(exc)) from None
+    for parts in stacks.values():
+        for name in parts:
+            if source.read_layer(name).bias is not None:
+                raise UnsupportedError("GGUF's stacked experts have no bias", tensor=name)
+    return stacks
+
+
+def _jobs(source: Source, original_types: dict[str, str], stacks: dict[str, list[str]]
+          ) -> list[tuple[str, str, str]]:
     """(kind, source name, gguf name) of every output tensor, in the source GGUF's order when there was one, so
     that a round trip reproduces the file."""
     jobs: list[tuple[str, str, str]] = []
+    jobs += [("experts", g, g) for g in stacks]
+    stacked = {n for parts in stacks.values() for n in parts}
     for name in source.layer_names():
+        if name in stacked:
+            continue
         jobs.append(("layer", name, _gguf_name(f"{name}.weight")))
         jobs.append(("bias", name, _gguf_name(f"{name}.bias")))
     jobs += [("tensor", t, _gguf_name(t)) for t in source.passthrough_names()]
@@ -858,7 +919,7 @@ def _plan(source: Source, jobs: list[tuple[str, str, str]], payloads: _Payloads)
         except UnsupportedError as exc:
             problems.append(f"{hf}: {exc.message}")
             continue
-        if kind == "layer" and raw is not None:
+        if kind in ("layer", "experts") and raw is not None:
             types[raw.name] += 1
         plans.append(_TensorPlan(kind, hf, gname, data.shape, data.dtype, data.nbytes, raw))
         del data
@@ -940,7 +1001,7 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
     side = source.side_files()
     saved = _saved_metadata(side)
     payloads = _Payloads(source, cfg, arch, saved.get("tensor_types") or {})
-    plans, ftype = _plan(source, _jobs(source, payloads.original_types), payloads)
+    plans, ftype = _plan(source, _jobs(source, payloads.original_types, payloads.stacks), payloads)
     saved_ftype = saved.get("metadata", {}).get("general.file_type", {}).get("value")
     if isinstance(saved_ftype, int):  # a GGUF source keeps its own file type (K-quant mixes have no single type)
         ftype = saved_ftype

@@ -24,7 +24,7 @@ from ..store.checkpoint import Checkpoint, open_checkpoint
 from ..errors import BadInputError, UnsupportedError
 
 __all__ = ["load_model", "register_transformers", "install_transformers_hook", "resolve_dtype",
-           "swap_in_packed_layers", "load_tokenizer", "check_device"]
+           "swap_in_packed_layers", "expand_experts", "load_tokenizer", "check_device"]
 
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
 
@@ -83,17 +83,71 @@ def _build_config(ckpt: Checkpoint) -> Any:
                                file=str(ckpt.path / "config.json")) from None
 
 
+def _model_path(model: Any, name: str) -> str:
+    """``name`` (a module path as the checkpoint spells it) as this model spells it.
+
+    transformers renames some paths at load (Mixtral's ``block_sparse_moe`` is ``mlp`` in transformers 5); the
+    first spelling whose parent module exists wins, so older transformers keep the checkpoint's own."""
+    from ..formats._experts import module_path_candidates
+
+    cands = module_path_candidates(name)
+    for cand in cands:
+        parent = cand.rpartition(".")[0]
+        try:
+            if parent:
+                model.get_submodule(parent)
+            return cand
+        except AttributeError:
+            continue
+    return name
+
+
 def _set_module(model: Any, name: str, new: Any) -> None:
-    parent_name, _, attr = name.rpartition(".")
+    parent_name, _, attr = _model_path(model, name).rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, attr, new)
+
+
+def expand_experts(model: Any, names: list[str]) -> dict[str, Any]:
+    """Replace each fused experts module that ``names`` address per expert by a ``W4Experts``.
+
+    ``names``: layer, fused-part and pass-through names of the checkpoint. Per-expert names
+    (``<block>.experts.<e>.<leaf>``) whose experts module is transformers 5's fused one (3-D ``gate_up_proj``)
+    get a W4Experts with one meta ``nn.Linear`` per expert and projection at the checkpoint's names, which the
+    ordinary swap and pass-through loading then fill. Returns {experts path in the model: W4Experts}.
+    """
+    from ..formats._experts import LEAVES_BY_STYLE, split_expert_name
+    from .torch_module import W4Experts
+
+    done: dict[str, Any] = {}
+    for name in names:
+        ex = split_expert_name(name)
+        if ex is None:
+            continue
+        path = _model_path(model, ex.experts_path + ".x").rpartition(".")[0]
+        if path in done:
+            continue
+        try:
+            old = model.get_submodule(path)
+        except AttributeError:
+            continue  # reported as a layer the model does not have by the swap
+        if isinstance(old, W4Experts) or getattr(old, "gate_up_proj", None) is None:
+            continue  # already expanded, or per-expert modules of their own (older transformers)
+        style = "mixtral" if ex.leaf in ("w1", "w2", "w3") else "proj"
+        try:
+            new = W4Experts.replacing(old, LEAVES_BY_STYLE[style])
+        except UnsupportedError as exc:
+            raise UnsupportedError(f"{exc} (module {path})", tensor=name) from None
+        _set_module(model, path, new)
+        done[path] = new
+    return done
 
 
 def _linear_at(model: Any, name: str, ckpt_path: Path) -> Any:
     from torch import nn
 
     try:
-        old = model.get_submodule(name)
+        old = model.get_submodule(_model_path(model, name))
     except AttributeError:
         raise BadInputError("the manifest names a layer the model does not have", file=str(ckpt_path),
                             tensor=name) from None
@@ -139,6 +193,54 @@ def _match_bias(packed: Any, parts: list[tuple[str, bool, int, int]], ckpt: Chec
                        source=dict(packed.source))
 
 
+def _addressed_names(ckpt: Checkpoint) -> list[str]:
+    """Every module or tensor name the checkpoint fills: layers, fused parts, pass-through tensors."""
+    fused = ckpt.manifest.get("fused") or {}
+    return list(ckpt.layers) + [p["name"] for parts in fused.values() for p in parts] + list(ckpt.passthrough)
+
+
+def _holds_plain_weight(model: Any, name: str) -> bool:
+    """True when the module at ``name`` is no ``nn.Linear`` but keeps a matrix as its only parameter
+    ``weight`` (transformers 5's MoE routers)."""
+    from torch import nn
+
+    try:
+        mod = model.get_submodule(_model_path(model, name))
+    except AttributeError:
+        return False
+    if isinstance(mod, nn.Linear):
+        return False
+    w = mod._parameters.get("weight")
+    return w is not None and w.dim() == 2 and set(mod._parameters) == {"weight"}
+
+
+def _fill_dequantized(model: Any, name: str, packed: Any, ckpt_path: Path, device: Any) -> bool:
+    """A packed layer whose module is not an ``nn.Linear`` but holds the matrix as a plain ``weight`` parameter
+    (transformers 5's MoE routers: ``MixtralTopKRouter`` calls ``F.linear(x, self.weight)`` inside its own
+    routing code) gets its exactly dequantized weights; the router is [E, H], small beside the experts.
+    Returns False for anything else (the Linear path then checks and reports it)."""
+    import torch
+    from torch import nn
+
+    if not _holds_plain_weight(model, name):
+        return False
+    mod = model.get_submodule(_model_path(model, name))
+    w = mod._parameters["weight"]
+    n, k = packed.meta["shape"]
+    if tuple(w.shape) != (n, k):
+        raise BadInputError(f"packed shape [{n}, {k}] does not match the model's weight {list(w.shape)}",
+                            file=str(ckpt_path), tensor=name)
+    if "bias" in packed.tensors:
+        raise UnsupportedError(f"the packed layer has a bias but the model's {type(mod).__name__} has none",
+                               file=str(ckpt_path), tensor=name)
+    from ..core.layout import unpack
+
+    dense = torch.from_numpy(unpack(packed).dequantize(np.float32))
+    mod._parameters["weight"] = nn.Parameter(dense.to(dtype=w.dtype, device=device), requires_grad=False)
+    mod.w4pack_dequantized = True
+    return True
+
+
 def swap_in_packed_layers(model: Any, ckpt: Checkpoint, *, device: Any, precision: str = "exact",
                           threads: int | None = None) -> dict[str, Any]:
     """Replace the model's nn.Linear modules named in the manifest by W4Linear filled from ``ckpt``.
@@ -149,10 +251,13 @@ def swap_in_packed_layers(model: Any, ckpt: Checkpoint, *, device: Any, precisio
     from .torch_module import W4FusedLinear, W4Linear, W4SliceLinear
 
     fused: dict[str, list[dict[str, Any]]] = ckpt.manifest.get("fused") or {}
+    expand_experts(model, _addressed_names(ckpt))
     out: dict[str, Any] = {}
     for name in ckpt.layers:
         packed = ckpt.packed(name)
         n, k = packed.meta["shape"]
+        if name not in fused and _fill_dequantized(model, name, packed, ckpt.path, device):
+            continue
         if name in fused:
             parts = fused[name]
             for p in parts:
@@ -164,7 +269,7 @@ def swap_in_packed_layers(model: Any, ckpt: Checkpoint, *, device: Any, precisio
                                         tensor=p["name"])
             packed = _match_bias(packed, [(p["name"], _linear_at(model, p["name"], ckpt.path).bias is not None,
                                            *p["rows"]) for p in parts], ckpt, name)
-            parent_name, _, attr = name.rpartition(".")
+            parent_name, _, attr = _model_path(model, name).rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             if attr in parent._modules or hasattr(parent, attr):
                 raise UnsupportedError(f"the model already has a module {attr!r} here; cannot place the fused layer",
@@ -194,7 +299,7 @@ def _load_passthrough(model: Any, ckpt: Checkpoint, device: Any) -> list[str]:
 
     unused = []
     for tname in ckpt.passthrough:
-        mod_name, _, pname = tname.rpartition(".")
+        mod_name, _, pname = _model_path(model, tname).rpartition(".")
         try:
             mod = model.get_submodule(mod_name) if mod_name else model
         except AttributeError:
@@ -421,6 +526,8 @@ def register_transformers() -> bool:
             if not files:
                 raise ValueError("w4pack: transformers passed no checkpoint files")
             self._folder = Path(files[0]).parent
+            from ..formats._experts import module_path_candidates  # transformers reports renamed keys
+
             with open_checkpoint(self._folder) as ckpt:
                 # skeleton W4Linear modules on meta whose buffers are non-persistent, so transformers neither
                 # loads the packed tensors (casting them) nor reports them missing; they are filled afterwards
@@ -428,7 +535,8 @@ def register_transformers() -> bool:
                 names = list(ckpt.manifest["layers"])
             # packed tensors are ours to load: keep transformers from reporting them
             pats = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
-            model._keys_to_ignore_on_load_unexpected = pats | {_re_escape(n) for n in names}
+            model._keys_to_ignore_on_load_unexpected = pats | {_re_escape(c) for n in names
+                                                               for c in module_path_candidates(n)}
             return model
 
         def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
@@ -470,8 +578,11 @@ def _swap_skeleton(model: Any, ckpt: Checkpoint) -> None:
     from .torch_module import W4FusedLinear, W4Linear, W4SliceLinear
 
     fused = ckpt.manifest.get("fused") or {}
+    expand_experts(model, _addressed_names(ckpt))
     for name, meta in ckpt.manifest["layers"].items():
         has_bias = "bias" in meta["tensors"]
+        if name not in fused and _holds_plain_weight(model, name):
+            continue  # a quantized router: dequantized into its weight after loading (_fill_skeleton)
         if name in fused:
             for p in fused[name]:
                 _linear_at(model, p["name"], ckpt.path)
@@ -486,7 +597,9 @@ def _swap_skeleton(model: Any, ckpt: Checkpoint) -> None:
 
 def _fill_skeleton(model: Any, ckpt: Checkpoint, device: Any, precision: str) -> None:
     for name in ckpt.layers:
-        mod = model.get_submodule(name)
+        if _fill_dequantized(model, name, ckpt.packed(name), ckpt.path, device):
+            continue
+        mod = model.get_submodule(_model_path(model, name))
         mod.precision = precision
         mod.load_packed(ckpt.packed(name), device=device)
         mod._non_persistent_buffers_set.clear()  # the skeleton hid them from transformers' loader

@@ -30,7 +30,7 @@ from ..core.dtypes import FLOAT_DTYPES
 from ..errors import UnsupportedError
 from ..core.layout import PackedLayer, pack, tensor_suffixes, unpack
 
-__all__ = ["W4Linear", "W4FusedLinear", "W4SliceLinear", "PRECISIONS"]
+__all__ = ["W4Linear", "W4FusedLinear", "W4SliceLinear", "W4Experts", "W4Expert", "PRECISIONS"]
 
 PRECISIONS = ("exact", "fast")
 
@@ -373,3 +373,87 @@ class W4SliceLinear(nn.Module):
     def extra_repr(self) -> str:
         lo, hi = self.fused.parts[self.index]["rows"]
         return f"rows={lo}:{hi} of {self.fused.parts[self.index]['name'].rsplit('.', 1)[0]}.<fused>"
+
+
+# -- mixture of experts ----------------------------------------------------------------------------
+class W4Expert(nn.Module):
+    """One expert's gated MLP, ``down(act(gate(x)) * up(x))``, whose projections are children named as the
+    checkpoint names them (``w1``/``w3``/``w2`` or ``gate_proj``/``up_proj``/``down_proj``), so the loader fills
+    ``<experts>.<e>.<leaf>`` like any other Linear (packed, fused or float)."""
+
+    def __init__(self, leaves: tuple[str, str, str], act_fn: Any, hidden_dim: int, intermediate_dim: int,
+                 dtype: torch.dtype, device: Any = "meta"):
+        super().__init__()
+        self.leaves = leaves
+        object.__setattr__(self, "act_fn", act_fn)  # shared with the W4Experts; not a child per expert
+        gate, up, down = leaves
+        self.add_module(gate, nn.Linear(hidden_dim, intermediate_dim, bias=False, device=device, dtype=dtype))
+        self.add_module(up, nn.Linear(hidden_dim, intermediate_dim, bias=False, device=device, dtype=dtype))
+        self.add_module(down, nn.Linear(intermediate_dim, hidden_dim, bias=False, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (getattr(self, leaf) for leaf in self.leaves)
+        return down(self.act_fn(gate(x)) * up(x))
+
+
+class W4Experts(nn.Module):
+    """Stands in for transformers' fused experts module (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]).
+
+    transformers 5 keeps a MoE block's experts as two 3-D parameters; a quantized checkpoint holds one 2-D layer
+    per expert and projection. This module holds one ``W4Expert`` per expert (children ``"0"``, ``"1"``, ... so
+    ``mlp.experts.3.w1`` is a module path) and keeps the original call signature ``(hidden_states, top_k_index,
+    top_k_weights)``: the router, top-k selection and weight normalisation stay transformers' own code in the
+    parent block. Tokens are dispatched per expert exactly as transformers' eager experts loop does (same
+    order of accumulation), each expert running its packed layers with the native GEMM.
+    """
+
+    def __init__(self, num_experts: int, leaves: tuple[str, str, str], act_fn: Any, hidden_dim: int,
+                 intermediate_dim: int, dtype: torch.dtype, device: Any = "meta"):
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_dim = hidden_dim
+        self.intermediate_dim = intermediate_dim
+        self.act_fn = act_fn
+        for e in range(num_experts):
+            self.add_module(str(e), W4Expert(leaves, act_fn, hidden_dim, intermediate_dim, dtype, device))
+
+    @classmethod
+    def replacing(cls, old: nn.Module, leaves: tuple[str, str, str]) -> "W4Experts":
+        """A W4Experts of the same sizes, activation and dtype as transformers' fused experts module ``old``;
+        refuses a layout this module does not reproduce (biases, transposed or interleaved gate/up, no gate)."""
+        gu, dn = getattr(old, "gate_up_proj", None), getattr(old, "down_proj", None)
+        if not isinstance(gu, torch.Tensor) or not isinstance(dn, torch.Tensor) or gu.dim() != 3 or dn.dim() != 3:
+            raise UnsupportedError(f"{type(old).__name__} is not a fused experts module (3-D gate_up_proj and "
+                                   "down_proj)")
+        for attr, want in (("has_bias", False), ("is_transposed", False), ("is_concatenated", True),
+                           ("has_gate", True), ("has_post_expert_norm", False)):
+            if getattr(old, attr, want) != want:
+                raise UnsupportedError(f"{type(old).__name__} has {attr}={not want}; w4pack runs gated, "
+                                       "concatenated, bias-free experts only")
+        e, two_i, h = (int(v) for v in gu.shape)
+        if tuple(dn.shape) != (e, h, two_i // 2) or two_i % 2:
+            raise UnsupportedError(f"{type(old).__name__}: gate_up_proj {list(gu.shape)} and down_proj "
+                                   f"{list(dn.shape)} are not [E, 2I, H] and [E, H, I]")
+        act = getattr(old, "act_fn", None)
+        if act is None:
+            raise UnsupportedError(f"{type(old).__name__} has no act_fn")
+        return cls(e, leaves, act, h, two_i // 2, gu.dtype)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for idx in hit.flatten().tolist():
+            if idx == self.num_experts:  # transformers' marker for an expert of another rank
+                continue
+            top_k_pos, token_idx = torch.where(mask[idx])
+            out = self._modules[str(idx)](hidden_states[token_idx])
+            out = out * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, out.to(final.dtype))
+        return final
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, " \
+               f"intermediate_dim={self.intermediate_dim}"
