@@ -464,8 +464,9 @@ assert "w4pack" not in sys.modules, "the .pth must not import the package at sta
 import torch
 from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'w4')!r})
-kinds = sorted({{type(m).__name__ for m in model.modules() if 'Linear' in type(m).__name__}})
-print(",".join(kinds))
+import json
+names = json.load(open({str(tmp_path / 'w4' / 'w4pack.json')!r}))["layers"]
+print(",".join(sorted({{type(model.get_submodule(n)).__name__ for n in names}})))
 with torch.no_grad():
     torch.save(model(torch.load({str(tmp_path / 'ids.pt')!r})).logits, {str(tmp_path / 'out.pt')!r})
 """
