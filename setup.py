@@ -1,13 +1,23 @@
-"""Only here because cffi builds its extension through setuptools' ``cffi_modules``; metadata is in pyproject."""
+"""Only here because cffi builds its extension through setuptools' ``cffi_modules``; metadata is in pyproject.
+
+Wheels (``make wheel``): the CPU extension is built against the stable ABI (``_w4p_cpu.abi3.so``), so one wheel per
+platform serves every CPython >= 3.10 (``py_limited_api``); auditwheel then gives it its manylinux tag. The CUDA
+library ``w4pack/_lib/libw4p_cuda.so`` goes inside when it was built (``make cuda`` first): it links the CUDA runtime
+statically and needs only the NVIDIA driver at run time, so that wheel is the GPU wheel and installs without nvcc.
+"""
 from pathlib import Path
 import shutil
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
+#: loaded by Python's site module at start: registers "w4pack" with transformers in every process (see
+#: _w4pack_autoregister.py); it must sit at the top of site-packages, outside the package
+PTH = "w4pack-autoregister.pth"
 
-class BuildPyWithSchemas(build_py):
-    """Ship schemas/*.json inside the package (w4pack/_schemas) for non-editable installs."""
+
+class BuildPy(build_py):
+    """Ship schemas/*.json inside the package (w4pack/_schemas) and the autoregister .pth beside it."""
 
     def run(self) -> None:
         super().run()
@@ -15,6 +25,12 @@ class BuildPyWithSchemas(build_py):
         dest.mkdir(parents=True, exist_ok=True)
         for p in Path("schemas").glob("*.json"):
             shutil.copy(p, dest / p.name)
+        shutil.copy(PTH, Path(self.build_lib) / PTH)
+
+    def get_outputs(self, include_bytecode: bool = True) -> list[str]:
+        """Declared outputs include the .pth, so wheel and editable builds both carry it."""
+        return [*super().get_outputs(include_bytecode), str(Path(self.build_lib) / PTH)]
 
 
-setup(cffi_modules=["native/build_cpu.py:ffibuilder"], cmdclass={"build_py": BuildPyWithSchemas})
+setup(cffi_modules=["native/build_cpu.py:ffibuilder"], cmdclass={"build_py": BuildPy},
+      options={"bdist_wheel": {"py_limited_api": "cp310"}})

@@ -435,3 +435,90 @@ def test_nonzero_bias_on_bias_free_linear_is_refused(tmp_path: Path, fuse: str |
     rc = main(["run", str(tmp_path / "w4"), "--prompt", "hello"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "model.layers.1.self_attn.k_proj" in err and "bias" in err
+
+
+# ---- transformers' own entry points on a packed folder ---------------------------------------------------------------
+_REPO = Path(__file__).resolve().parent.parent
+
+
+def test_from_pretrained_without_import_w4pack(tmp_path: Path) -> None:
+    """transformers only warns about an unknown quant_method and then loads random weights: the .pth an installed
+    w4pack ships must register "w4pack" in every process, so a script that never imports w4pack still gets the
+    packed layers (the same logits as load_model) and w4pack is imported only once transformers loads quantizers."""
+    import shutil
+    import subprocess
+    import sys
+
+    src, _layers, ref = _write(tmp_path, "llama", "gptq")
+    convert(src, tmp_path / "w4")
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    shutil.copy(_REPO / "w4pack-autoregister.pth", site_dir)  # what `pip install` puts in site-packages
+    single, _batch, _mask = _inputs()
+    expected = load_model(tmp_path / "w4")(single).logits.detach()
+    torch.save(single, tmp_path / "ids.pt")
+    code = f"""
+import site, sys
+site.addsitedir({str(site_dir)!r})
+assert "w4pack" not in sys.modules, "the .pth must not import the package at start"
+import torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'w4')!r})
+import json
+names = json.load(open({str(tmp_path / 'w4' / 'w4pack.json')!r}))["layers"]
+print(",".join(sorted({{type(model.get_submodule(n)).__name__ for n in names}})))
+with torch.no_grad():
+    torch.save(model(torch.load({str(tmp_path / 'ids.pt')!r})).logits, {str(tmp_path / 'out.pt')!r})
+"""
+    env = {**__import__("os").environ, "PYTHONPATH": str(_REPO)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == "W4Linear", proc.stdout  # no nn.Linear left with random weights
+    got = torch.load(tmp_path / "out.pt")
+    assert torch.equal(got, expected)
+    assert torch.equal(got.argmax(-1), ref(single).logits.argmax(-1))
+
+
+def test_precision_fast_through_from_pretrained(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from w4pack.runtime.loading import W4PackConfig
+
+    src, _layers, _ref = _write(tmp_path, "llama", "awq")
+    convert(src, tmp_path / "w4")
+    fast = AutoModelForCausalLM.from_pretrained(tmp_path / "w4", quantization_config=W4PackConfig(precision="fast"))
+    exact = AutoModelForCausalLM.from_pretrained(tmp_path / "w4")
+    assert {m.precision for m in fast.modules() if isinstance(m, W4Linear)} == {"fast"}
+    assert {m.precision for m in exact.modules() if isinstance(m, W4Linear)} == {"exact"}
+    single, _b, _m = _inputs()
+    with torch.no_grad():
+        a, b = fast(single).logits, exact(single).logits
+    assert not torch.equal(a, b)  # int8 activations really ran
+    assert (a - b).abs().max() / b.abs().max() < 5e-2
+    with pytest.raises(ValueError, match="precision must be one of"):
+        W4PackConfig(precision="turbo")
+
+
+@pytest.mark.parametrize("how", ["from_pretrained", "load_model"])
+def test_save_pretrained_writes_the_packed_folder(tmp_path: Path, how: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    src, _layers, _ref = _write(tmp_path, "qwen2", "gptq")
+    convert(src, tmp_path / "w4", fuse="qkv")
+    model = (AutoModelForCausalLM.from_pretrained(tmp_path / "w4") if how == "from_pretrained"
+             else load_model(tmp_path / "w4"))
+    out = tmp_path / "saved"
+    out.mkdir()
+    (out / "tokenizer_config.json").write_text("{}")  # saved there before: kept
+    (out / "model-00001-of-00009.safetensors").write_bytes(b"old")  # an earlier save's shard: removed
+    model.save_pretrained(out)
+    assert (out / "tokenizer_config.json").exists() and not (out / "model-00001-of-00009.safetensors").exists()
+    assert w4pack.validate_checkpoint(out)["num_layers"] == len(json.loads((tmp_path / "w4" / "w4pack.json")
+                                                                          .read_text())["layers"])
+    again = AutoModelForCausalLM.from_pretrained(out)
+    single, _b, _m = _inputs()
+    with torch.no_grad():
+        assert torch.equal(again(single).logits, model(single).logits)
+        model.model.norm.weight.add_(1.0)
+    with pytest.raises(UnsupportedError, match="model.norm.weight.*changed after loading"):
+        model.save_pretrained(tmp_path / "changed")

@@ -372,7 +372,7 @@ def _card_body(folder: Path, facts: dict[str, Any], repo_id: str | None) -> str:
     base = _hub_id(source.get("base_model") or _notes_value(source, "base_model"))
     lines = [CARD_BEGIN, f"# {name}", ""]
     intro = (f"4-bit weights of [{base}](https://huggingface.co/{base}), " if base else "4-bit weights, ")
-    intro += (f"packed by [w4pack](https://pypi.org/project/w4pack/) {__version__} in the interleaved int4 layout "
+    intro += (f"packed by w4pack {__version__} in the interleaved int4 layout "
               f"`{layout.get('name', '?')}` v{layout.get('version', '?')}")
     if source.get("format") and source.get("format") != "unknown":
         intro += f", converted losslessly from a `{source['format']}` checkpoint"
@@ -410,10 +410,29 @@ def _card_body(folder: Path, facts: dict[str, Any], repo_id: str | None) -> str:
     if notes:
         lines += ["Conversion notes:", ""] + [f"- {n}" for n in notes] + [""]
     lines += _verify_section(manifest.get("verify"))
-    lines += ["## Use", "", "```bash", "pip install w4pack",
-              f"w4pack pull {name} ./{name.split('/')[-1]}",
-              f"w4pack validate ./{name.split('/')[-1]}", "```", "", CARD_END]
+    lines += _use_section(name)
     return "\n".join(lines) + "\n"
+
+
+def _use_section(name: str) -> list[str]:
+    """How to install w4pack and load the model. w4pack is not on the package index: it installs from a clone of its
+    repository or a wheel built there, and transformers needs the "w4pack" quantization method registered (an
+    unknown quant_method only warns and leaves random weights), which ``import w4pack`` does."""
+    local = f"./{name.split('/')[-1]}"
+    return ["## Use", "",
+            "w4pack is not on the Python package index: install it from a clone of its repository "
+            "(`pip install '.[hf]'`, which builds its CPU kernels with a C compiler) or from a wheel built there "
+            "with `make wheel` (`pip install 'w4pack-<version>-<tags>.whl[hf]'`, no compiler needed). The `[hf]` "
+            "extra brings torch and transformers; on a machine without a GPU install the CPU build of torch first "
+            "(`pip install torch --index-url https://download.pytorch.org/whl/cpu`).", "",
+            "```bash", f"w4pack pull {name} {local}", f"w4pack validate {local}",
+            f"w4pack run {local} --prompt 'Hello'", "```", "",
+            "In Python, `import w4pack` registers its quantization method with transformers (without it "
+            "transformers does not know `quant_method: w4pack`):", "",
+            "```python", "import w4pack  # noqa: F401 - registers the \"w4pack\" quantization method",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+            f"model = AutoModelForCausalLM.from_pretrained({local!r})",
+            f"tokenizer = AutoTokenizer.from_pretrained({local!r})", "```", "", CARD_END]
 
 
 def model_card(checkpoint: str | os.PathLike[str], *, repo_id: str | None = None) -> str:

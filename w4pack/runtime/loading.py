@@ -8,7 +8,10 @@ ever built. Non-persistent buffers (rotary frequencies) are computed on the targ
 are tied when the config says so and the checkpoint holds no separate head.
 
 ``register_transformers()`` makes ``AutoModelForCausalLM.from_pretrained(folder)`` work on a w4pack folder by
-registering the quantization method "w4pack" with transformers (where the installed version allows it).
+registering the quantization method "w4pack" with transformers (where the installed version allows it); an
+installed w4pack does this in every process (``_w4pack_autoregister``), because transformers only warns about an
+unknown quant_method and then loads random weights. Either way the model's ``save_pretrained`` writes the packed
+folder back (``w4pack.runtime.saving``).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import numpy as np
 
 from ..store.checkpoint import Checkpoint, open_checkpoint
 from ..errors import BadInputError, UnsupportedError
+from .saving import attach_save_pretrained
 
 __all__ = ["load_model", "register_transformers", "install_transformers_hook", "resolve_dtype",
            "swap_in_packed_layers", "expand_experts", "load_tokenizer", "check_device"]
@@ -435,6 +439,7 @@ def load_model(path: str | os.PathLike[str], device: Any = "cpu", dtype: Any = N
                 mod.prepare(dev, torch_dtype)
         model.w4pack_path = str(ckpt.path)
         model.w4pack_quantization = dict(ckpt.config["quantization_config"])
+    attach_save_pretrained(model)
     if compile_wanted(dev, compile):
         use_compiled_decode(model)
     model.eval()
@@ -493,13 +498,27 @@ def register_transformers() -> bool:
         return True
 
     class W4PackConfig(QuantizationConfigMixin):
-        """quantization_config of a w4pack folder (the per-layer truth is in the manifest it names)."""
+        """quantization_config of a w4pack folder (the per-layer truth is in the manifest it names).
+
+        ``precision`` ("exact" or "fast", the CPU GEMM path) is a loading attribute: passing
+        ``quantization_config=W4PackConfig(precision="fast")`` to ``from_pretrained`` overrides the folder's.
+        """
 
         def __init__(self, precision: str = "exact", **kwargs: Any):
             self.quant_method = "w4pack"
             self.precision = precision
             for k, v in kwargs.items():
                 setattr(self, k, v)
+            self.post_init()
+
+        def post_init(self) -> None:
+            from .torch_module import PRECISIONS
+
+            if self.precision not in PRECISIONS:
+                raise ValueError(f"w4pack: precision must be one of {PRECISIONS}, got {self.precision!r}")
+
+        def get_loading_attributes(self) -> dict[str, Any]:
+            return {"precision": self.precision}
 
         def to_dict(self) -> dict[str, Any]:
             return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
@@ -547,7 +566,10 @@ def register_transformers() -> bool:
             precision = getattr(self.quantization_config, "precision", "exact")
             with open_checkpoint(self._folder) as ckpt:
                 _fill_skeleton(model, ckpt, dev, precision)
+                model.w4pack_quantization = dict(ckpt.config["quantization_config"])
             _materialize_buffers(model, dev)
+            model.w4pack_path = str(self._folder)
+            attach_save_pretrained(model)
             return model
 
         def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
@@ -563,8 +585,25 @@ def register_transformers() -> bool:
 
     register_quantization_config("w4pack")(W4PackConfig)
     register_quantizer("w4pack")(W4PackHfQuantizer)
+    # transformers copies "loading attributes" from the quantization_config passed to from_pretrained onto the
+    # folder's only for the config classes in this tuple (read at call time): precision is one
+    kinds = getattr(qauto, "LOADING_ATTRIBUTES_CONFIG_TYPES", None)
+    if isinstance(kinds, tuple) and W4PackConfig not in kinds:
+        qauto.LOADING_ATTRIBUTES_CONFIG_TYPES = (*kinds, W4PackConfig)
     _REGISTERED = True
     return True
+
+
+def __getattr__(name: str) -> Any:
+    """``W4PackConfig`` (the transformers quantization config class) on first use: it needs transformers."""
+    if name == "W4PackConfig":
+        _require_hf()
+        if not register_transformers():
+            raise UnsupportedError("this transformers version has no quantizer registry; upgrade transformers")
+        from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
+
+        return AUTO_QUANTIZATION_CONFIG_MAPPING["w4pack"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _re_escape(name: str) -> str:
@@ -606,49 +645,19 @@ def _fill_skeleton(model: Any, ckpt: Checkpoint, device: Any, precision: str) ->
         mod.prepare(device)
 
 
-class _RegisterOnImport:
-    """A meta-path finder that registers w4pack with transformers right after transformers' quantizer registry
-    module is imported, so ``import w4pack`` costs nothing when transformers is never used (importing it
-    eagerly would add about two seconds) and ``AutoModelForCausalLM.from_pretrained`` still finds "w4pack"."""
+def install_transformers_hook() -> None:
+    """Register now if transformers' quantizer registry is loaded, else as soon as it is.
 
-    TARGET = "transformers.quantizers.auto"
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != self.TARGET:
-            return None
+    The finder lives in the top-level module ``_w4pack_autoregister`` (shipped beside the package), which the
+    installed ``w4pack-autoregister.pth`` also loads at interpreter start, so ``from_pretrained`` works on a packed
+    folder even where nobody imported w4pack; calling this again is harmless.
+    """
+    try:
+        from _w4pack_autoregister import install
+    except ImportError:  # a copy of the package without its hook module: register now if transformers is loaded
         import sys
 
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                loader = spec.loader
-                original = loader.exec_module
-
-                def exec_module(module: Any, _orig: Any = original) -> None:
-                    _orig(module)
-                    try:
-                        register_transformers()
-                    except Exception as exc:  # noqa: BLE001 - never break transformers' import
-                        warnings.warn(f"w4pack could not register with transformers: {exc}", stacklevel=2)
-
-                loader.exec_module = exec_module  # type: ignore[method-assign]
-                return spec
-            if spec is not None:
-                return spec
-        return None
-
-
-def install_transformers_hook() -> None:
-    """Register now if transformers' quantizer registry is loaded, else as soon as it is."""
-    import sys
-
-    if _RegisterOnImport.TARGET in sys.modules:
-        try:
+        if "transformers.quantizers.auto" in sys.modules:
             register_transformers()
-        except Exception as exc:  # noqa: BLE001
-            warnings.warn(f"w4pack could not register with transformers: {exc}", stacklevel=2)
         return
-    if not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterOnImport())
+    install()

@@ -1,0 +1,114 @@
+"""``save_pretrained`` of a loaded packed model: the packed folder written back, checked, never a float copy.
+
+Why not transformers' own save: the packed layers live in ``W4Linear`` buffers whose meaning is defined by the
+manifest (``w4pack.json``: layouts, fused rows, sha256 of every shard), which transformers does not write, so its
+output could not be read back. The loaded model's quantized layers cannot change (the packed buffers are frozen),
+so the folder it was loaded from *is* its serialization: its shards, index, manifest and config are copied into
+the target, then the target is validated with checksums. Pass-through tensors (embeddings, norms) can be changed
+in memory; a model whose pass-through tensors differ from the folder's is refused, naming the first one, because
+writing them would need a new packed checkpoint (convert the changed model's source instead).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import types
+from pathlib import Path
+from typing import Any
+
+from ..errors import BadInputError, UnsupportedError
+from ..store.checkpoint import Checkpoint, open_checkpoint, validate_checkpoint
+from ..store.names import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, WEIGHT_SUFFIXES
+
+__all__ = ["attach_save_pretrained", "save_packed"]
+
+
+def attach_save_pretrained(model: Any) -> None:
+    """Give ``model`` (loaded from ``model.w4pack_path``) a ``save_pretrained`` that writes the packed folder."""
+
+    def save_pretrained(self: Any, save_directory: str | os.PathLike[str], *args: Any, **kwargs: Any) -> None:
+        """Write the packed folder this model was loaded from into ``save_directory`` (see w4pack.runtime.saving).
+
+        Sharding and serialization options do not apply (the packed shards are kept as they are); ``state_dict``
+        cannot be honoured and is refused.
+        """
+        if kwargs.get("state_dict") is not None:
+            raise UnsupportedError("save_pretrained(state_dict=...) cannot be written as a packed checkpoint; "
+                                   "save without state_dict (the packed folder is copied)")
+        if not kwargs.get("is_main_process", True):
+            return
+        save_packed(self, save_directory)
+        if kwargs.get("push_to_hub"):
+            raise UnsupportedError("save_pretrained(push_to_hub=True) is not supported for packed models; "
+                                   f"the folder is saved at {save_directory}: upload it with `w4pack push`")
+
+    model.save_pretrained = types.MethodType(save_pretrained, model)
+
+
+def _changed_passthrough(model: Any, ckpt: Checkpoint) -> str | None:
+    """The first pass-through tensor whose value in ``model`` differs from the folder's (in the model's dtype)."""
+    import torch
+
+    from .loading import _np_to_torch
+
+    state = dict(model.named_parameters(remove_duplicate=False))
+    state.update(dict(model.named_buffers(remove_duplicate=False)))
+    for tname in ckpt.passthrough:
+        cur = state.get(tname)
+        if cur is None:
+            continue
+        stored = _np_to_torch(ckpt.raw(tname), ckpt.dtype_name(tname)).to(cur.dtype)
+        if stored.shape != cur.shape or not torch.equal(stored, cur.detach().to("cpu")):
+            return tname
+    return None
+
+
+def _copy_atomic(src: Path, dst: Path) -> None:
+    """``src`` to ``dst`` through a temporary sibling renamed into place, so ``dst`` is never half-written."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", dir=dst.parent)
+    os.close(fd)
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_packed(model: Any, save_directory: str | os.PathLike[str]) -> Path:
+    """Write the packed folder ``model`` was loaded from into ``save_directory``; returns the target path.
+
+    Other files already in the target (a tokenizer saved there first) stay; weights files of an earlier save
+    that this checkpoint does not have are removed so the folder holds one model. The manifest is written last,
+    and the result is validated with checksums before returning.
+    """
+    source = getattr(model, "w4pack_path", None)
+    if not source:
+        raise UnsupportedError("this model was not loaded from a w4pack folder; nothing to save")
+    src = Path(source)
+    dst = Path(save_directory)
+    if dst.exists() and not dst.is_dir():
+        raise BadInputError("save_pretrained needs a directory, this is a file", file=str(dst))
+    dst.mkdir(parents=True, exist_ok=True)
+    with open_checkpoint(src) as ckpt:
+        changed = _changed_passthrough(model, ckpt)
+        if changed is not None:
+            raise UnsupportedError("changed after loading; save_pretrained writes the packed folder "
+                                   "back as it was loaded and cannot store changed weights (quantize and convert the "
+                                   "changed model instead)", file=str(src), tensor=changed)
+        shards = sorted(set(ckpt.weight_map.values()))
+    if dst.resolve() == src.resolve():
+        return dst
+    for name in shards + [INDEX_NAME, CONFIG_NAME]:
+        if (src / name).is_file():
+            _copy_atomic(src / name, dst / name)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and (src / "generation_config.json").is_file():
+        gen.save_pretrained(str(dst))
+    for stale in dst.iterdir():
+        if stale.is_file() and stale.name.endswith(WEIGHT_SUFFIXES) and stale.name not in shards:
+            stale.unlink()
+    _copy_atomic(src / MANIFEST_NAME, dst / MANIFEST_NAME)
+    validate_checkpoint(dst)
+    return dst
