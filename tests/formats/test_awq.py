@@ -479,7 +479,7 @@ def test_cli_convert_to_w4pack_and_back_to_awq(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     res = runner.invoke(cli, ["convert", str(tmp_path / "w4"), str(tmp_path / "awq"), "--to", "awq", "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["format"] == "awq"
+    assert json.loads(res.stdout)["format"] == "awq"
     with AWQ.open(tmp_path / "awq") as back:  # written as GEMM (the default) from a GEMV source
         assert back.info["version"] == "gemm"
         assert_truth(back.read_layer(PREFIX), truth_of(d, None))

@@ -271,7 +271,7 @@ def test_cli_convert_with_base_and_back_to_toml(tmp_path: Path) -> None:
     res = runner.invoke(cli, ["convert", str(d / "quant_dir"), str(tmp_path / "w4"), "--base",
                               str(d / BASES[0][0]), "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["source_format"] == "toml"
+    assert json.loads(res.stdout)["source_format"] == "toml"
     res = runner.invoke(cli, ["convert", str(tmp_path / "w4"), str(tmp_path / "t"), "--to", "toml"])
     assert res.exit_code == 0, res.output
     with TOML.open(tmp_path / "t") as back:
