@@ -454,10 +454,10 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
 
 
 def _differences(layer: CanonicalLayer, source: _SourceLayers, name: str) -> list[str]:
-    try:
-        return layer.differences(source.read(name))
-    except W4PackError as exc:
-        return [f"source layer unreadable: {exc.one_line()}"]
+    """How the packed layer differs from the source's. A source layer that cannot be read raises its own error
+    (bad input, exit 2, naming the source file): the source is what is wrong, not the packed checkpoint, and a
+    failed report (exit 1) would say the conversion was."""
+    return layer.differences(source.read(name))
 
 
 def _check_exact(check: LayerCheck, layer: CanonicalLayer, source: _SourceLayers,

@@ -84,18 +84,13 @@ def check_format_name(name: str | None, option: str) -> str | None:
     return name
 
 
-#: JSON files whose content decides which format a folder is: when one is malformed, detection fails because of it
-_DETECT_JSON = ("config.json", "quantize_config.json", "quant_config.json")
-
-
 def detect_source(path: str | os.PathLike[str]) -> str | None:
-    """The format of a local source, as ``formats.detect``; None for a Hub source (``hf://``, detected after download).
+    """The format of a local source, as ``formats.detect`` (which names a broken JSON or safetensors file that made
+    detection fail); None for a Hub source (``hf://``, detected after download).
 
-    When nothing matches because a file is broken (a malformed config.json, a .gguf without the GGUF magic), the
-    error names that file as bad input (exit 2) instead of "cannot tell which format" (3), which would send the user
-    to --from for a file that no format can read.
+    A .gguf without the GGUF magic is bad input naming the file (exit 2) instead of "cannot tell which format" (3),
+    which would send the user to --from for a file that no format can read.
     """
-    from ..store.folder import read_json
     from ..formats import detect
 
     if str(path).startswith("hf:/"):
@@ -104,11 +99,7 @@ def detect_source(path: str | os.PathLike[str]) -> str | None:
         return detect(path)
     except UnsupportedError:
         p = Path(path)
-        if p.is_dir():
-            for name in _DETECT_JSON:
-                if (p / name).is_file() and not isinstance(read_json(p / name), dict):  # read_json: malformed
-                    raise BadInputError("not a JSON object", file=str(p / name)) from None
-        elif p.is_file() and p.suffix.lower() == ".gguf":
+        if p.is_file() and p.suffix.lower() == ".gguf":
             with open(p, "rb") as fh:
                 magic = fh.read(4)
             if magic != b"GGUF":
