@@ -3,7 +3,9 @@
 Commands live one per module and are imported only when used, so ``w4pack --help`` is fast and a
 command with heavy dependencies (torch, transformers) costs nothing to the others.
 Exit codes: 0 ok, 1 verification failed, 2 bad input or usage, 3 unsupported input, 4 I/O, network or CUDA
-kernel failure (an existing output without --force included), 130 interrupted.
+kernel failure (an existing output without --force included), 130 interrupted (Ctrl-C at any point, during the
+imports too: see w4pack._sigint). Library warnings (numpy's overflow, torch's notices) are not printed: an error is
+one line; W4PACK_DEBUG=1 shows them, with tracebacks.
 """
 from __future__ import annotations
 
@@ -11,12 +13,14 @@ import importlib
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import click
 
+from .. import _sigint
 from .._version import __version__
 from ..errors import EXIT_BAD_INPUT, EXIT_IO, BadInputError, UnsupportedError, W4PackError
 
@@ -123,7 +127,19 @@ def check_endpoint(endpoint: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: map every error to one line on stderr and a documented exit code."""
-    debug = bool(os.environ.get("W4PACK_DEBUG"))
+    try:
+        _sigint.release()  # from here a Ctrl-C is a KeyboardInterrupt, which the commands clean up after
+        debug = bool(os.environ.get("W4PACK_DEBUG"))
+        with warnings.catch_warnings():
+            if not debug:
+                warnings.simplefilter("ignore")  # a library's warning on stderr would break the one-line contract
+            return _run(argv, debug)
+    except KeyboardInterrupt:  # between the handlers below, or while one of them prints
+        click.echo(_sigint.INTERRUPTED, err=True)
+        return _sigint.EXIT_INTERRUPTED
+
+
+def _run(argv: list[str] | None, debug: bool) -> int:
     try:
         rv = cli.main(args=argv, prog_name="w4pack", standalone_mode=False)
         return int(rv or 0) if isinstance(rv, int) else 0
@@ -135,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Abort as exc:
         # click turns Ctrl-C inside a command into Abort (raised from the KeyboardInterrupt)
         if isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):
-            click.echo("w4pack: interrupted; no output was left half-written", err=True)
-            return 130
+            click.echo(_sigint.INTERRUPTED, err=True)
+            return _sigint.EXIT_INTERRUPTED
         click.echo("w4pack: aborted", err=True)
         return EXIT_BAD_INPUT
     except click.ClickException as exc:
@@ -145,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Exit as exc:
         return exc.exit_code
     except KeyboardInterrupt:
-        click.echo("w4pack: interrupted; no output was left half-written", err=True)
-        return 130
+        click.echo(_sigint.INTERRUPTED, err=True)
+        return _sigint.EXIT_INTERRUPTED
     except OSError as exc:
         if debug:
             raise
@@ -163,4 +179,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    sys.exit(main())
+    """The ``w4pack`` command (console script and ``python -m w4pack``)."""
+    try:
+        rc = main()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except KeyboardInterrupt:  # after main returned, before the flush finished
+        rc = _sigint.EXIT_INTERRUPTED
+        os.write(2, (_sigint.INTERRUPTED + "\n").encode())
+    _sigint.exit_on_interrupt()  # interpreter shutdown (atexit hooks of torch and others): no traceback either
+    sys.exit(rc)
