@@ -369,3 +369,34 @@ def test_help_states_the_checks_as_the_code_makes_them(capsys: pytest.CaptureFix
     assert f"<= {FAST_FLOAT_BOUND:.0e} against the unrounded float64 reference" in out
     assert f"--device cuda: {CUDA_TOLERANCE:.0e}" in out
     assert "TOML quant-table --against source needs" in out and "hf://" in out and "reruns with --seed" in out
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_unreadable_source_is_bad_input_exit_2(as_json: bool, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """--against a source whose layer cannot be read (an fp16 scale set to NaN) is bad input naming the source file
+    and tensor (2), not a difference in the packed checkpoint (1): the conversion is not what is wrong (issue 30
+    item 10)."""
+    from w4pack.store.safetensors import SafetensorsFile
+
+    good = fixture_dir("gptq", "ag_b4_asym_g64")
+    packed = tmp_path / "packed"
+    assert main(["convert", str(good), str(packed)]) == 0
+    src = tmp_path / "src"
+    shutil.copytree(good, src)
+    st = next(src.glob("*.safetensors"))
+    with SafetensorsFile(st) as f:
+        tname = next(k for k in f.keys() if k.endswith(".scales"))
+        assert f.dtype_name(tname) == "float16"
+        offset = f.data_start + f.entries[tname][2]
+    with open(st, "r+b") as fh:
+        fh.seek(offset)
+        fh.write(np.array([np.nan], np.float16).tobytes())
+    with pytest.raises(BadInputError):
+        verify(packed, against=src, threads=1, seed=5)
+    capsys.readouterr()
+    rc, out, err = run_cli(str(packed), "--against", str(src), "--threads", "1",
+                           *(["--json"] if as_json else []), capsys=capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and out == "" and len(lines) == 1, (rc, out, err)
+    assert lines[0].startswith(f"w4pack: error: {st}: tensor {tname}: ") and "NaN" in lines[0], lines[0]
