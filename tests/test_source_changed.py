@@ -45,7 +45,8 @@ sys.exit(rc)
 
 
 @pytest.mark.parametrize("case", ["gptq/ag_tiny_llama_b4_g64_descact_sym", "awq/tiny_llama_gemm_g128",
-                                  "compressed-tensors/tiny_llama_w4a16_sym_g128"])
+                                  "compressed-tensors/tiny_llama_w4a16_sym_g128",
+                                  "awq/llm_awq_v1_2023_tiny_llama_g128_pt"])
 @pytest.mark.parametrize("to", ["w4pack", "gptq"])
 def test_convert_of_a_source_truncated_mid_run(case: str, to: str, tmp_path: Path) -> None:
     src = tmp_path / "src"

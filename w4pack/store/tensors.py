@@ -20,7 +20,7 @@ from ..errors import BadInputError
 from .folder import brief, member, read_json
 from .safetensors import DTYPES, SafetensorsFile, SourceChanged
 from .names import INDEX_NAME, PT_INDEX_NAME, PT_SUFFIXES
-from .torchfile import dtype_name as torch_dtype_name, load_state_dict, to_numpy as torch_to_numpy
+from .torchfile import StateDict, dtype_name as torch_dtype_name, load_state_dict, read_tensor
 
 __all__ = ["TensorStore", "open_tensors", "pt_files", "first_unreadable"]
 
@@ -34,7 +34,7 @@ class TensorStore:
     def __init__(self, path: Path | None = None) -> None:
         self.path = Path(path) if path is not None else Path()
         self._st: dict[str, SafetensorsFile] = {}
-        self._pt: dict[str, dict[str, Any]] = {}
+        self._pt: dict[str, StateDict] = {}
         self._lazy: set[str] = set()  # safetensors files named by an index, opened on first use
         self.where: dict[str, str] = {}  # tensor -> file path (str)
         self._unlisted: dict[str, str] = {}  # tensor -> a file that holds it although the index names another
@@ -152,14 +152,16 @@ class TensorStore:
         f = self._sfile(path)
         if f is not None:
             return f.get(name)
-        return torch_to_numpy(self._pt[path][name])
+        arr = read_tensor(self._pt[path], name)
+        arr.flags.writeable = False
+        return arr
 
     def read_into(self, name: str, pool: Any) -> np.ndarray:
         """Like read_copy, into an array from ``pool`` (a scratch.ScratchPool)."""
         path = self._file(name)
         f = self._sfile(path)
         if f is None:
-            return np.asarray(torch_to_numpy(self._pt[path][name]))
+            return read_tensor(self._pt[path], name)
         dt, shape, _b, _e = f.entries[name]
         return self.read_copy(name, out=pool.take(shape, DTYPES[dt][0]))
 
@@ -168,7 +170,7 @@ class TensorStore:
         path = self._file(name)
         f = self._sfile(path)
         if f is None:
-            return np.array(torch_to_numpy(self._pt[path][name]))
+            return read_tensor(self._pt[path], name)
         return f.read(name, out)
 
     def span(self, name: str) -> tuple[str, int, int, str, tuple[int, ...]] | None:
