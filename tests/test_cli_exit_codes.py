@@ -315,3 +315,25 @@ def test_ctrl_c_during_the_imports_is_one_line(tmp_path: Path) -> None:
         "from w4pack.cli import entry\nentry()", "try:\n    import w4pack\nexcept KeyboardInterrupt:\n    print('KI')")
     proc = subprocess.run([sys.executable, "-c", lib], capture_output=True, text=True, env=env, timeout=120)
     assert proc.stdout.strip() == "KI", (proc.returncode, proc.stdout, proc.stderr[-500:])
+
+
+def test_stdout_closed_by_its_reader(tmp_path: Path) -> None:
+    """`w4pack inspect X --json | head -c 10`: the reader goes away. Not exit 1 (that is "verification failed", which
+    click would give): I/O (4), one line on stderr, no "Exception ignored" from the final flush."""
+    import subprocess
+    import sys
+
+    from conftest import fixture_dir
+
+    src = fixture_dir("gptq", "gm_tiny_llama_b4_g64_descact_sym_v1_sharded")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    for extra in (["--layers"], ["--json"]):
+        r, w = os.pipe()
+        os.close(r)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "w4pack", "inspect", str(src), *extra], stdout=w,
+                                  stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+        finally:
+            os.close(w)
+        assert proc.returncode == 4 and proc.stderr == \
+            "w4pack: error: stdout was closed before all output was written (broken pipe)\n", proc.stderr

@@ -9,6 +9,7 @@ one line; W4PACK_DEBUG=1 shows them, with tracebacks.
 """
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import os
@@ -42,7 +43,20 @@ EPILOG = ("Exit codes: 0 ok, 1 verification failed (verify only), 2 bad input or
           "Set W4PACK_DEBUG=1 for tracebacks.")
 
 
+class BrokenPipe(Exception):
+    """stdout was closed by its reader (``w4pack inspect ... | head -1``), raised past click: click would exit 1,
+    which is "verification failed"."""
+
+
 class LazyGroup(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except OSError as exc:
+            if exc.errno == errno.EPIPE:
+                raise BrokenPipe() from None
+            raise
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return [name for name in COMMANDS if self._load(name) is not None]
 
@@ -148,6 +162,15 @@ def _run(argv: list[str] | None, debug: bool) -> int:
             raise
         click.echo(f"w4pack: error: {exc.one_line()}", err=True)
         return exc.exit_code
+    except BrokenPipe:
+        try:  # nothing more can reach stdout: let the interpreter's final flush go nowhere instead of failing
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, sys.stdout.fileno())
+            os.close(null)
+        except (OSError, ValueError):
+            pass
+        click.echo("w4pack: error: stdout was closed before all output was written (broken pipe)", err=True)
+        return EXIT_IO
     except click.exceptions.Abort as exc:
         # click turns Ctrl-C inside a command into Abort (raised from the KeyboardInterrupt)
         if isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):
