@@ -168,3 +168,23 @@ def test_reads_are_private_arrays(tmp_path: Path) -> None:
         with pytest.raises(ValueError):
             f.read("a", np.empty(5, np.int32))
         assert f.get("e").shape == (0, 4)
+
+
+def test_fifo_in_place_of_the_weights_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """A FIFO named model.safetensors blocked open() until a writer came: inspect/convert hung forever."""
+    import os
+    import subprocess
+    import sys
+
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs on this platform")
+    src = tmp_path / "src"
+    src.mkdir()
+    os.mkfifo(src / "model.safetensors")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    for argv in (["inspect", src], ["inspect", src / "model.safetensors"], ["convert", src, tmp_path / "out"]):
+        proc = subprocess.run([sys.executable, "-m", "w4pack", *map(str, argv)], capture_output=True, text=True,
+                              env=env, timeout=60)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"{src / 'model.safetensors'}: not a regular file" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

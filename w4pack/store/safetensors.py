@@ -17,6 +17,7 @@ import json
 import math
 import mmap
 import os
+import stat
 import struct
 import sys
 from pathlib import Path
@@ -110,13 +111,21 @@ class SafetensorsFile:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         label = str(self.path)
+        self._fh: BinaryIO | None = None
         try:
-            self._fh: BinaryIO | None = open(self.path, "rb")
+            # O_NONBLOCK: a FIFO (or device) in place of the file must not block the open until a writer comes
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             raise BadInputError("file does not exist", file=label) from None
         except OSError as exc:
             raise BadInputError(f"cannot open: {exc.strerror}", file=label) from None
-        st = os.fstat(self._fh.fileno())
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise BadInputError("not a regular file (a FIFO, device or socket cannot be read as safetensors)",
+                                file=label)
+        os.set_blocking(fd, True)
+        self._fh = os.fdopen(fd, "rb")
         size = st.st_size
         #: what the header was checked against: (size, mtime in ns); reads check that it still holds
         self._identity = (st.st_size, st.st_mtime_ns)

@@ -304,8 +304,8 @@ def first_unreadable(path: Path) -> BadInputError | None:
     weights file is then what to report, not "unknown format"."""
     path = Path(path)
     if path.is_dir():
-        files = sorted(p for p in path.glob("*.safetensors") if p.is_file())
-    elif path.is_file() and path.suffix == ".safetensors":
+        files = sorted(path.glob("*.safetensors"))  # a FIFO or folder of that name too: it is what is wrong
+    elif path.exists() and path.suffix == ".safetensors":
         files = [path]
     else:
         return None
