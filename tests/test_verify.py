@@ -400,3 +400,37 @@ def test_unreadable_source_is_bad_input_exit_2(as_json: bool, tmp_path: Path,
     lines = err.strip().splitlines()
     assert rc == 2 and out == "" and len(lines) == 1, (rc, out, err)
     assert lines[0].startswith(f"w4pack: error: {st}: tensor {tname}: ") and "NaN" in lines[0], lines[0]
+
+
+_VERIFY_WHILE_TRUNCATED = r"""
+import os, sys
+from w4pack.store.checkpoint import Checkpoint
+from w4pack.cli import main
+
+real = Checkpoint.packed
+def packed(self, name):  # the first layer's shard shrinks as verify reaches it (a copy or download in progress)
+    if not getattr(Checkpoint, "_done", False):
+        Checkpoint._done = True
+        os.truncate(self.path / self.weight_map[self.manifest["layers"][name]["tensors"]["qweight"]], 4096)
+    return real(self, name)
+Checkpoint.packed = packed
+sys.exit(main(["verify", sys.argv[1], "--threads", "1"]))
+"""
+
+
+def test_packed_checkpoint_truncated_during_verify_is_io_not_a_failed_check(good: Path, tmp_path: Path) -> None:
+    """A shard that shrinks while verify reads it is exit 4 "changed while being read", not exit 1 (a failed check
+    that would blame the conversion), and no SIGBUS."""
+    import os
+    import subprocess
+    import sys
+
+    copy = tmp_path / "ck"
+    shutil.copytree(good, copy)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run([sys.executable, "-c", _VERIFY_WHILE_TRUNCATED, str(copy)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode >= 0, f"verify died by signal {-proc.returncode}"
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 4 and len(lines) == 1 and "changed while being read" in lines[0], proc.stderr
+    assert str(copy) in lines[0]
