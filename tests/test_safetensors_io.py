@@ -188,3 +188,15 @@ def test_fifo_in_place_of_the_weights_is_refused_not_waited_on(tmp_path: Path) -
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert f"{src / 'model.safetensors'}: not a regular file" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_storage_dtype_without_reading(tmp_path: Path) -> None:
+    """storage_dtype answers what get(name).dtype would, from the header alone (get reads the whole tensor)."""
+    from w4pack.store.tensors import open_tensors
+
+    path = tmp_path / "m.safetensors"
+    write_safetensors(path, [("h", np.zeros(3, np.float16), None), ("b", np.zeros(2, np.uint16), "bfloat16"),
+                             ("i", np.zeros(2, np.int32), None)])
+    with open_tensors(path) as st:
+        for name in ("h", "b", "i"):
+            assert st.storage_dtype(name) == st.get(name).dtype

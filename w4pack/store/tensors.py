@@ -145,6 +145,18 @@ class TensorStore:
         t = self._pt[path][name]
         return torch_dtype_name(t), tuple(int(d) for d in t.shape)
 
+    def storage_dtype(self, name: str) -> np.dtype:
+        """The numpy dtype ``get`` returns for ``name`` (bf16: uint16), without reading the data: ``get`` reads the
+        whole tensor, so ``get(name).dtype`` costs a read of it."""
+        path = self._file(name)
+        f = self._sfile(path)
+        if f is not None:
+            return DTYPES[f.entries[name][0]][0]
+        import torch
+
+        t = self._pt[path][name]
+        return np.dtype(np.uint16) if t.dtype == torch.bfloat16 else np.dtype(torch.empty(0, dtype=t.dtype).numpy().dtype)
+
     # -- reading -------------------------------------------------------------------------------
     def get(self, name: str) -> np.ndarray:
         """The stored array (bf16 as uint16 bits), read-only; safetensors data is read with pread."""
