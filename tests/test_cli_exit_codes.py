@@ -337,3 +337,36 @@ def test_stdout_closed_by_its_reader(tmp_path: Path) -> None:
             os.close(w)
         assert proc.returncode == 4 and proc.stderr == \
             "w4pack: error: stdout was closed before all output was written (broken pipe)\n", proc.stderr
+
+
+_LIBRARY_WARNS = r"""
+import sys, types
+from w4pack.errors import BadInputError
+import w4pack.cli.inspect_cmd as inspect_cmd
+from w4pack.cli import main
+
+lib = types.ModuleType("somelib")  # a library's Python-level warning (as torch and transformers issue them)
+exec(compile("import warnings\ndef load():\n    warnings.warn('somelib: this argument is deprecated', FutureWarning)\n",
+             "/usr/lib/python3/site-packages/somelib/__init__.py", "exec"), lib.__dict__)
+
+def open_checkpoint(path, *args, **kwargs):
+    lib.load()
+    raise BadInputError("not valid JSON", file=str(path))
+
+inspect_cmd.open_checkpoint = open_checkpoint
+sys.exit(main(["inspect", sys.argv[1]]))
+"""
+
+
+def test_a_library_warning_is_not_printed_above_the_error(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "w4pack.json").write_text("{}")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env.pop("W4PACK_DEBUG", None)
+    env.pop("PYTHONWARNINGS", None)
+    proc = subprocess.run([sys.executable, "-c", _LIBRARY_WARNS, str(tmp_path / "ck")], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and proc.stderr == f"w4pack: error: {tmp_path / 'ck'}: not valid JSON\n", proc.stderr

@@ -4,8 +4,8 @@ Commands live one per module and are imported only when used, so ``w4pack --help
 command with heavy dependencies (torch, transformers) costs nothing to the others.
 Exit codes: 0 ok, 1 verification failed, 2 bad input or usage, 3 unsupported input, 4 I/O, network or CUDA
 kernel failure (an existing output without --force included), 130 interrupted (Ctrl-C at any point, during the
-imports too: see w4pack._sigint). Library warnings (numpy's overflow, torch's notices) are not printed: an error is
-one line; W4PACK_DEBUG=1 shows them, with tracebacks.
+imports too: see w4pack._sigint). Library warnings (numpy's overflow, torch's notices) are not printed, so an error
+stays one line; w4pack's own notices are; W4PACK_DEBUG=1 shows everything, with tracebacks.
 """
 from __future__ import annotations
 
@@ -144,13 +144,35 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _sigint.release()  # from here a Ctrl-C is a KeyboardInterrupt, which the commands clean up after
         debug = bool(os.environ.get("W4PACK_DEBUG"))
-        with warnings.catch_warnings():
-            if not debug:
-                warnings.simplefilter("ignore")  # a library's warning on stderr would break the one-line contract
+        if debug:
+            return _run(argv, debug)
+        import numpy as np
+
+        # a library's warning on stderr would break the one-line contract: numpy's floating-point warnings are
+        # not raised at all, other libraries' warnings are dropped; w4pack's own notices still show (_only_ours)
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.showwarning = _only_ours(warnings.showwarning)
             return _run(argv, debug)
     except KeyboardInterrupt:  # between the handlers below, or while one of them prints
         click.echo(_sigint.INTERRUPTED, err=True)
         return _sigint.EXIT_INTERRUPTED
+
+
+_PACKAGE = str(Path(__file__).resolve().parent.parent) + os.sep
+
+
+def _only_ours(show: Any) -> Any:
+    """A ``warnings.showwarning`` that passes on (to ``show``) the warnings w4pack's own code issues, its notices to
+    the user, and drops those issued inside other packages (torch, transformers, huggingface_hub...)."""
+    def showwarning(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+                    line: Any = None) -> None:
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename == warnings.__file__:
+            frame = frame.f_back  # warnings' own Python frames; the issuing code is the first frame above them
+        if frame is None or os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+            show(message, category, filename, lineno, file, line)
+
+    return showwarning
 
 
 def _run(argv: list[str] | None, debug: bool) -> int:
