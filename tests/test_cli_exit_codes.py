@@ -3,6 +3,7 @@ a malformed config.json or a .gguf without the GGUF magic (not "cannot tell whic
 not a URL (not a network failure, 4). inspect takes --from and --base as convert does (its errors point there)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,198 @@ def test_bad_kernel_environment_is_a_usage_error_in_verify(var: str, value: str,
     if var == "W4PACK_THREADS":  # not read when --threads gives the count
         capsys.readouterr()
         assert main(["verify", str(tmp_path / "ck"), "--threads", "1"]) == 0
+
+
+# -- issue 30: hostile folders and the command line's own contract ------------------------------------------------
+def test_corrupt_safetensors_without_config_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No config.json, so only the weights could tell the format; when they do not open, their error is the answer
+    (bad input, 2), not "cannot tell which format" (3), for the folder and for the file itself (item 8)."""
+    import shutil
+
+    from conftest import fixture_dir
+
+    src = tmp_path / "src"
+    shutil.copytree(fixture_dir("awq", "gemm_g64_in576_out128"), src)
+    assert not (src / "config.json").exists()
+    os.truncate(src / "model.safetensors", 5000)
+    ok = tmp_path / "ok"
+    shutil.copytree(fixture_dir("awq", "gemm_g64_in576_out128"), ok)
+    assert main(["convert", str(ok), str(tmp_path / "packed")]) == 0
+    for argv in (["inspect", src], ["convert", src, tmp_path / "out"], ["convert", src, tmp_path / "o", "--dry-run"],
+                 ["inspect", src / "model.safetensors"], ["verify", tmp_path / "packed", "--against", src]):
+        rc, err = _cli(capsys, *argv)
+        assert rc == 2 and f"{src / 'model.safetensors'}: " in err and "truncated" in err, err
+        assert "cannot tell" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def _shard_with_extra(shard: Path, donor: Path, tname: str) -> None:
+    """Rewrite ``shard`` with ``tname`` (read from ``donor``) added to it."""
+    import numpy as np
+
+    from w4pack.store.safetensors import SafetensorsFile, write_safetensors
+
+    with SafetensorsFile(donor) as d, SafetensorsFile(shard) as s:
+        items = [(k, np.array(s.get(k)), s.dtype_name(k)) for k in s.keys()]
+        items.append((tname, np.array(d.get(tname)), d.dtype_name(tname)))
+        meta = dict(s.metadata)
+    write_safetensors(shard, items, meta)
+
+
+@pytest.mark.parametrize("into", ["later", "earlier"])
+def test_tensor_in_two_shards_is_refused(into: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The index names one shard, another shard holds the same tensor: which one is the model? (item 9)."""
+    import json
+    import shutil
+
+    from conftest import fixture_dir
+
+    src = tmp_path / "src"
+    shutil.copytree(fixture_dir("gptq", "gm_tiny_llama_b4_g64_descact_sym_v1_sharded"), src)
+    wmap = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    if into == "later":  # the issue's case: embed_tokens (shard 1) copied into shard 2, opened after shard 1
+        tname, listed, extra = "model.embed_tokens.weight", wmap["model.embed_tokens.weight"], \
+            "model-00002-of-00005.safetensors"
+    else:  # a tensor of the last shard copied into the first, which is opened before the one the index names
+        tname = next(t for t, f in wmap.items() if f == "model-00005-of-00005.safetensors")
+        listed, extra = "model-00005-of-00005.safetensors", "model-00001-of-00005.safetensors"
+    assert listed != extra
+    _shard_with_extra(src / extra, src / listed, tname)
+    for argv in (["inspect", src], ["convert", src, tmp_path / "out"], ["convert", src, tmp_path / "o", "--dry-run"]):
+        rc, err = _cli(capsys, *argv)
+        assert rc == 2 and f"tensor {tname}: defined in two shards" in err, err
+        assert listed in err and extra in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_tensor_in_two_files_without_an_index(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import numpy as np
+
+    from w4pack.store.safetensors import write_safetensors
+
+    src = tmp_path / "src"
+    src.mkdir()
+    write_safetensors(src / "a.safetensors", [("w", np.zeros(4, np.float16), None)])
+    write_safetensors(src / "b.safetensors", [("w", np.ones(4, np.float16), None)])
+    rc, err = _cli(capsys, "inspect", src, "--from", "gptq")
+    assert rc == 2 and "tensor w: defined in two shards, a.safetensors and b.safetensors" in err, err
+
+
+def test_library_warnings_stay_off_the_error_line(tmp_path: Path) -> None:
+    """numpy's "overflow encountered in cast" (here: GGUF export checking −scale·zero in fp16) is not printed above
+    the one-line error (item 11); W4PACK_DEBUG=1 still shows it."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from w4pack.canonical import CanonicalLayer
+    from w4pack.checkpoint import CheckpointWriter
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 100,
+           "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "torch_dtype": "float16"}
+    ck = tmp_path / "ck"
+    with CheckpointWriter(ck, config=cfg, source={"format": "test"}) as w:
+        w.add_layer("model.layers.0.mlp.down_proj", CanonicalLayer(
+            codes=np.zeros((64, 64), np.uint8), scales=np.full((64, 2), 60000, np.float16), bits=4, group_size=32,
+            zero_mode="int", zeros=np.full((64, 2), 3, np.int32), scale_dtype="float16"))
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    env.pop("W4PACK_DEBUG", None)
+    env.pop("PYTHONWARNINGS", None)
+    argv = [sys.executable, "-m", "w4pack", "convert", str(ck), str(tmp_path / "m.gguf"), "--to", "gguf"]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 3 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("w4pack: error: model.layers.0.mlp.down_proj: GGUF cannot hold this layer")
+    proc = subprocess.run(argv, capture_output=True, text=True, env={**env, "W4PACK_DEBUG": "1"}, timeout=300)
+    assert "RuntimeWarning" in proc.stderr
+
+
+_INTERRUPT_DURING_IMPORT = r"""
+import builtins, os, signal, sys
+sys.argv = [os.path.join(os.path.dirname(sys.executable), "w4pack")] + sys.argv[1:]  # as the console script
+real_import = builtins.__import__
+def importing(name, *args, **kwargs):
+    if name == "numpy" and "numpy" not in sys.modules:  # the user presses Ctrl-C while `import w4pack` runs
+        os.kill(os.getpid(), signal.SIGINT)
+    return real_import(name, *args, **kwargs)
+builtins.__import__ = importing
+from w4pack.cli import entry
+entry()
+"""
+
+
+def test_ctrl_c_during_the_imports_is_one_line(tmp_path: Path) -> None:
+    """Ctrl-C in the first tenth of a second (while w4pack and numpy import) is one line and 130, no traceback
+    (item 11); inside a command it still reaches the command's clean-up (test above)."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPT_DURING_IMPORT, "convert", str(tmp_path / "src"),
+                           str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=120)
+    assert "numpy" not in proc.stdout
+    assert proc.returncode == 130 and proc.stderr == "w4pack: interrupted; no output was left half-written\n", \
+        (proc.returncode, proc.stderr[-800:])
+    # a library user importing w4pack keeps Python's own KeyboardInterrupt
+    lib = _INTERRUPT_DURING_IMPORT.replace("sys.argv = [", "sys.argv = ['x'] or [").replace(
+        "from w4pack.cli import entry\nentry()", "try:\n    import w4pack\nexcept KeyboardInterrupt:\n    print('KI')")
+    proc = subprocess.run([sys.executable, "-c", lib], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.stdout.strip() == "KI", (proc.returncode, proc.stdout, proc.stderr[-500:])
+
+
+def test_stdout_closed_by_its_reader(tmp_path: Path) -> None:
+    """`w4pack inspect X --json | head -c 10`: the reader goes away. Not exit 1 (that is "verification failed", which
+    click would give): I/O (4), one line on stderr, no "Exception ignored" from the final flush."""
+    import subprocess
+    import sys
+
+    from conftest import fixture_dir
+
+    src = fixture_dir("gptq", "gm_tiny_llama_b4_g64_descact_sym_v1_sharded")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    for extra in (["--layers"], ["--json"]):
+        r, w = os.pipe()
+        os.close(r)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "w4pack", "inspect", str(src), *extra], stdout=w,
+                                  stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+        finally:
+            os.close(w)
+        assert proc.returncode == 4 and proc.stderr == \
+            "w4pack: error: stdout was closed before all output was written (broken pipe)\n", proc.stderr
+
+
+_LIBRARY_WARNS = r"""
+import sys, types
+from w4pack.errors import BadInputError
+import w4pack.cli.inspect_cmd as inspect_cmd
+from w4pack.cli import main
+
+lib = types.ModuleType("somelib")  # a library's Python-level warning (as torch and transformers issue them)
+exec(compile("import warnings\ndef load():\n    warnings.warn('somelib: this argument is deprecated', FutureWarning)\n",
+             "/usr/lib/python3/site-packages/somelib/__init__.py", "exec"), lib.__dict__)
+
+def open_checkpoint(path, *args, **kwargs):
+    lib.load()
+    raise BadInputError("not valid JSON", file=str(path))
+
+inspect_cmd.open_checkpoint = open_checkpoint
+sys.exit(main(["inspect", sys.argv[1]]))
+"""
+
+
+def test_a_library_warning_is_not_printed_above_the_error(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "w4pack.json").write_text("{}")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env.pop("W4PACK_DEBUG", None)
+    env.pop("PYTHONWARNINGS", None)
+    proc = subprocess.run([sys.executable, "-c", _LIBRARY_WARNS, str(tmp_path / "ck")], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and proc.stderr == f"w4pack: error: {tmp_path / 'ck'}: not valid JSON\n", proc.stderr

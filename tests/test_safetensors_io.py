@@ -102,3 +102,101 @@ def test_cli_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert rc == 2, err
     assert err.count("\n") == 1 and "Traceback" not in err and "unexpected" not in err
     assert "model.safetensors" in err and "tensor t" in err
+
+
+# -- a file that changes while it is read (issue 30 item 4) -------------------------------------------------------
+# Run in a child process: on a reader that maps the file, touching a truncated page is SIGBUS, which must fail the
+# test (negative return code), not kill pytest.
+_CHANGED_CHILD = r"""
+import os, sys
+import numpy as np
+from w4pack.errors import W4PackError
+from w4pack.store.safetensors import SafetensorsFile, write_safetensors
+from w4pack.store.tensors import open_tensors
+
+path, how, api = sys.argv[1], sys.argv[2], sys.argv[3]
+rng = np.random.default_rng(0)
+write_safetensors(path, [("a", rng.standard_normal((512, 512)).astype(np.float32), None),
+                         ("b", rng.standard_normal((512, 512)).astype(np.float32), None)])
+f = SafetensorsFile(path) if api == "file" else open_tensors(path)
+if how == "truncate":
+    os.truncate(path, 4096)
+else:  # rewritten in place, same size: the bytes are no longer those the header was checked against
+    st = os.stat(path)
+    with open(path, "r+b") as fh:
+        fh.seek(st.st_size - 4)
+        fh.write(b"\xff\xff\xff\x7f")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+try:
+    for name in ("a", "b"):
+        arr = f.get(name) if api != "copy" else f.read_copy(name)
+        float(np.asarray(arr, dtype=np.float64).sum())  # touch every byte
+except W4PackError as exc:
+    print(exc.exit_code, exc.one_line())
+    sys.exit(0)
+print("read without an error")
+"""
+
+
+@pytest.mark.parametrize("api", ["file", "store", "copy"])
+@pytest.mark.parametrize("how", ["truncate", "rewrite"])
+def test_file_changed_while_open_is_an_error_not_sigbus(tmp_path: Path, how: str, api: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "model.safetensors"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run([sys.executable, "-c", _CHANGED_CHILD, str(path), how, api], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0, f"child died (signal {-proc.returncode})" if proc.returncode < 0 else proc.stderr
+    line = proc.stdout.strip()
+    assert line.count("\n") == 0 and line.startswith("4 "), line
+    assert f"{path}: tensor a: changed while being read" in line, line
+
+
+def test_reads_are_private_arrays(tmp_path: Path) -> None:
+    """get() is read-only like the map it replaces; read() fills the caller's buffer and checks its size."""
+    path = tmp_path / "m.safetensors"
+    a = np.arange(12, dtype=np.int32).reshape(3, 4)
+    write_safetensors(path, [("a", a, None), ("e", np.zeros((0, 4), np.float16), None)])
+    with SafetensorsFile(path) as f:
+        got = f.get("a")
+        assert not got.flags.writeable and np.array_equal(got, a)
+        out = np.empty((3, 4), np.int32)
+        assert f.read("a", out) is out and np.array_equal(out, a)
+        with pytest.raises(ValueError):
+            f.read("a", np.empty(5, np.int32))
+        assert f.get("e").shape == (0, 4)
+
+
+def test_fifo_in_place_of_the_weights_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """A FIFO named model.safetensors blocked open() until a writer came: inspect/convert hung forever."""
+    import os
+    import subprocess
+    import sys
+
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs on this platform")
+    src = tmp_path / "src"
+    src.mkdir()
+    os.mkfifo(src / "model.safetensors")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    for argv in (["inspect", src], ["inspect", src / "model.safetensors"], ["convert", src, tmp_path / "out"]):
+        proc = subprocess.run([sys.executable, "-m", "w4pack", *map(str, argv)], capture_output=True, text=True,
+                              env=env, timeout=60)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"{src / 'model.safetensors'}: not a regular file" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_storage_dtype_without_reading(tmp_path: Path) -> None:
+    """storage_dtype answers what get(name).dtype would, from the header alone (get reads the whole tensor)."""
+    from w4pack.store.tensors import open_tensors
+
+    path = tmp_path / "m.safetensors"
+    write_safetensors(path, [("h", np.zeros(3, np.float16), None), ("b", np.zeros(2, np.uint16), "bfloat16"),
+                             ("i", np.zeros(2, np.int32), None)])
+    with open_tensors(path) as st:
+        for name in ("h", "b", "i"):
+            assert st.storage_dtype(name) == st.get(name).dtype

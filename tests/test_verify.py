@@ -369,3 +369,68 @@ def test_help_states_the_checks_as_the_code_makes_them(capsys: pytest.CaptureFix
     assert f"<= {FAST_FLOAT_BOUND:.0e} against the unrounded float64 reference" in out
     assert f"--device cuda: {CUDA_TOLERANCE:.0e}" in out
     assert "TOML quant-table --against source needs" in out and "hf://" in out and "reruns with --seed" in out
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_unreadable_source_is_bad_input_exit_2(as_json: bool, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """--against a source whose layer cannot be read (an fp16 scale set to NaN) is bad input naming the source file
+    and tensor (2), not a difference in the packed checkpoint (1): the conversion is not what is wrong (issue 30
+    item 10)."""
+    from w4pack.store.safetensors import SafetensorsFile
+
+    good = fixture_dir("gptq", "ag_b4_asym_g64")
+    packed = tmp_path / "packed"
+    assert main(["convert", str(good), str(packed)]) == 0
+    src = tmp_path / "src"
+    shutil.copytree(good, src)
+    st = next(src.glob("*.safetensors"))
+    with SafetensorsFile(st) as f:
+        tname = next(k for k in f.keys() if k.endswith(".scales"))
+        assert f.dtype_name(tname) == "float16"
+        offset = f.data_start + f.entries[tname][2]
+    with open(st, "r+b") as fh:
+        fh.seek(offset)
+        fh.write(np.array([np.nan], np.float16).tobytes())
+    with pytest.raises(BadInputError):
+        verify(packed, against=src, threads=1, seed=5)
+    capsys.readouterr()
+    rc, out, err = run_cli(str(packed), "--against", str(src), "--threads", "1",
+                           *(["--json"] if as_json else []), capsys=capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and out == "" and len(lines) == 1, (rc, out, err)
+    assert lines[0].startswith(f"w4pack: error: {st}: tensor {tname}: ") and "NaN" in lines[0], lines[0]
+
+
+_VERIFY_WHILE_TRUNCATED = r"""
+import os, sys
+from w4pack.store.checkpoint import Checkpoint
+from w4pack.cli import main
+
+real = Checkpoint.packed
+def packed(self, name):  # the first layer's shard shrinks as verify reaches it (a copy or download in progress)
+    if not getattr(Checkpoint, "_done", False):
+        Checkpoint._done = True
+        os.truncate(self.path / self.weight_map[self.manifest["layers"][name]["tensors"]["qweight"]], 4096)
+    return real(self, name)
+Checkpoint.packed = packed
+sys.exit(main(["verify", sys.argv[1], "--threads", "1"]))
+"""
+
+
+def test_packed_checkpoint_truncated_during_verify_is_io_not_a_failed_check(good: Path, tmp_path: Path) -> None:
+    """A shard that shrinks while verify reads it is exit 4 "changed while being read", not exit 1 (a failed check
+    that would blame the conversion), and no SIGBUS."""
+    import os
+    import subprocess
+    import sys
+
+    copy = tmp_path / "ck"
+    shutil.copytree(good, copy)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run([sys.executable, "-c", _VERIFY_WHILE_TRUNCATED, str(copy)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode >= 0, f"verify died by signal {-proc.returncode}"
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 4 and len(lines) == 1 and "changed while being read" in lines[0], proc.stderr
+    assert str(copy) in lines[0]

@@ -1,7 +1,11 @@
 """w4pack: convert, pack, verify, run and publish 4-bit LLM checkpoints."""
 from __future__ import annotations
 
-from ._version import __version__
+from ._sigint import guard_startup as _guard_startup
+
+_guard_startup()  # the w4pack command: Ctrl-C during the imports below is one line and exit 130 (see _sigint)
+
+from ._version import __version__  # noqa: E402
 
 from .core.canonical import CanonicalLayer, dequantize  # noqa: E402
 from .store.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint, validate_checkpoint  # noqa: E402

@@ -30,6 +30,7 @@ from .errors import BadInputError, UnsupportedError, W4PackError
 from .progress import Progress
 from .store import open_tensors
 from .store.names import INDEX_NAME
+from .store.safetensors import SourceChanged
 
 __all__ = ["verify", "VerifyReport", "LayerCheck", "TOLERANCE", "DEFAULT_MS"]
 
@@ -454,10 +455,10 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
 
 
 def _differences(layer: CanonicalLayer, source: _SourceLayers, name: str) -> list[str]:
-    try:
-        return layer.differences(source.read(name))
-    except W4PackError as exc:
-        return [f"source layer unreadable: {exc.one_line()}"]
+    """How the packed layer differs from the source's. A source layer that cannot be read raises its own error
+    (bad input, exit 2, naming the source file): the source is what is wrong, not the packed checkpoint, and a
+    failed report (exit 1) would say the conversion was."""
+    return layer.differences(source.read(name))
 
 
 def _check_exact(check: LayerCheck, layer: CanonicalLayer, source: _SourceLayers,
@@ -496,6 +497,8 @@ def _check_layer(ck: Checkpoint, name: str, source: _SourceLayers | None, base_w
     try:
         packed = ck.packed(name)
         layer = ck.layer(name)
+    except SourceChanged:
+        raise  # a shard rewritten under us says nothing about the checkpoint's contents: exit 4, not a failed check
     except W4PackError as exc:
         check.problems.append(f"cannot unpack: {exc.one_line()}")
         return check

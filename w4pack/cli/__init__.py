@@ -3,20 +3,25 @@
 Commands live one per module and are imported only when used, so ``w4pack --help`` is fast and a
 command with heavy dependencies (torch, transformers) costs nothing to the others.
 Exit codes: 0 ok, 1 verification failed, 2 bad input or usage, 3 unsupported input, 4 I/O, network or CUDA
-kernel failure (an existing output without --force included), 130 interrupted.
+kernel failure (an existing output without --force included), 130 interrupted (Ctrl-C at any point, during the
+imports too: see w4pack._sigint). Library warnings (numpy's overflow, torch's notices) are not printed, so an error
+stays one line; w4pack's own notices are; W4PACK_DEBUG=1 shows everything, with tracebacks.
 """
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import click
 
+from .. import _sigint
 from .._version import __version__
 from ..errors import EXIT_BAD_INPUT, EXIT_IO, BadInputError, UnsupportedError, W4PackError
 
@@ -38,7 +43,20 @@ EPILOG = ("Exit codes: 0 ok, 1 verification failed (verify only), 2 bad input or
           "Set W4PACK_DEBUG=1 for tracebacks.")
 
 
+class BrokenPipe(Exception):
+    """stdout was closed by its reader (``w4pack inspect ... | head -1``), raised past click: click would exit 1,
+    which is "verification failed"."""
+
+
 class LazyGroup(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except OSError as exc:
+            if exc.errno == errno.EPIPE:
+                raise BrokenPipe() from None
+            raise
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return [name for name in COMMANDS if self._load(name) is not None]
 
@@ -84,18 +102,13 @@ def check_format_name(name: str | None, option: str) -> str | None:
     return name
 
 
-#: JSON files whose content decides which format a folder is: when one is malformed, detection fails because of it
-_DETECT_JSON = ("config.json", "quantize_config.json", "quant_config.json")
-
-
 def detect_source(path: str | os.PathLike[str]) -> str | None:
-    """The format of a local source, as ``formats.detect``; None for a Hub source (``hf://``, detected after download).
+    """The format of a local source, as ``formats.detect`` (which names a broken JSON or safetensors file that made
+    detection fail); None for a Hub source (``hf://``, detected after download).
 
-    When nothing matches because a file is broken (a malformed config.json, a .gguf without the GGUF magic), the
-    error names that file as bad input (exit 2) instead of "cannot tell which format" (3), which would send the user
-    to --from for a file that no format can read.
+    A .gguf without the GGUF magic is bad input naming the file (exit 2) instead of "cannot tell which format" (3),
+    which would send the user to --from for a file that no format can read.
     """
-    from ..store.folder import read_json
     from ..formats import detect
 
     if str(path).startswith("hf:/"):
@@ -104,11 +117,7 @@ def detect_source(path: str | os.PathLike[str]) -> str | None:
         return detect(path)
     except UnsupportedError:
         p = Path(path)
-        if p.is_dir():
-            for name in _DETECT_JSON:
-                if (p / name).is_file() and not isinstance(read_json(p / name), dict):  # read_json: malformed
-                    raise BadInputError("not a JSON object", file=str(p / name)) from None
-        elif p.is_file() and p.suffix.lower() == ".gguf":
+        if p.is_file() and p.suffix.lower() == ".gguf":
             with open(p, "rb") as fh:
                 magic = fh.read(4)
             if magic != b"GGUF":
@@ -132,7 +141,41 @@ def check_endpoint(endpoint: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: map every error to one line on stderr and a documented exit code."""
-    debug = bool(os.environ.get("W4PACK_DEBUG"))
+    try:
+        _sigint.release()  # from here a Ctrl-C is a KeyboardInterrupt, which the commands clean up after
+        debug = bool(os.environ.get("W4PACK_DEBUG"))
+        if debug:
+            return _run(argv, debug)
+        import numpy as np
+
+        # a library's warning on stderr would break the one-line contract: numpy's floating-point warnings are
+        # not raised at all, other libraries' warnings are dropped; w4pack's own notices still show (_only_ours)
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.showwarning = _only_ours(warnings.showwarning)
+            return _run(argv, debug)
+    except KeyboardInterrupt:  # between the handlers below, or while one of them prints
+        click.echo(_sigint.INTERRUPTED, err=True)
+        return _sigint.EXIT_INTERRUPTED
+
+
+_PACKAGE = str(Path(__file__).resolve().parent.parent) + os.sep
+
+
+def _only_ours(show: Any) -> Any:
+    """A ``warnings.showwarning`` that passes on (to ``show``) the warnings w4pack's own code issues, its notices to
+    the user, and drops those issued inside other packages (torch, transformers, huggingface_hub...)."""
+    def showwarning(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+                    line: Any = None) -> None:
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename == warnings.__file__:
+            frame = frame.f_back  # warnings' own Python frames; the issuing code is the first frame above them
+        if frame is None or os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+            show(message, category, filename, lineno, file, line)
+
+    return showwarning
+
+
+def _run(argv: list[str] | None, debug: bool) -> int:
     try:
         rv = cli.main(args=argv, prog_name="w4pack", standalone_mode=False)
         return int(rv or 0) if isinstance(rv, int) else 0
@@ -141,11 +184,20 @@ def main(argv: list[str] | None = None) -> int:
             raise
         click.echo(f"w4pack: error: {exc.one_line()}", err=True)
         return exc.exit_code
+    except BrokenPipe:
+        try:  # nothing more can reach stdout: let the interpreter's final flush go nowhere instead of failing
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, sys.stdout.fileno())
+            os.close(null)
+        except (OSError, ValueError):
+            pass
+        click.echo("w4pack: error: stdout was closed before all output was written (broken pipe)", err=True)
+        return EXIT_IO
     except click.exceptions.Abort as exc:
         # click turns Ctrl-C inside a command into Abort (raised from the KeyboardInterrupt)
         if isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):
-            click.echo("w4pack: interrupted; no output was left half-written", err=True)
-            return 130
+            click.echo(_sigint.INTERRUPTED, err=True)
+            return _sigint.EXIT_INTERRUPTED
         click.echo("w4pack: aborted", err=True)
         return EXIT_BAD_INPUT
     except click.ClickException as exc:
@@ -154,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Exit as exc:
         return exc.exit_code
     except KeyboardInterrupt:
-        click.echo("w4pack: interrupted; no output was left half-written", err=True)
-        return 130
+        click.echo(_sigint.INTERRUPTED, err=True)
+        return _sigint.EXIT_INTERRUPTED
     except OSError as exc:
         if debug:
             raise
@@ -172,4 +224,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    sys.exit(main())
+    """The ``w4pack`` command (console script and ``python -m w4pack``)."""
+    try:
+        rc = main()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except KeyboardInterrupt:  # after main returned, before the flush finished
+        rc = _sigint.EXIT_INTERRUPTED
+        os.write(2, (_sigint.INTERRUPTED + "\n").encode())
+    _sigint.exit_on_interrupt()  # interpreter shutdown (atexit hooks of torch and others): no traceback either
+    sys.exit(rc)

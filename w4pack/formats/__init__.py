@@ -54,6 +54,9 @@ def get_format(name: str) -> type[Format]:
 
 
 def detect(path: str | Path) -> str:
+    """The format of a local checkpoint. When no format recognises it and one of its safetensors files does not
+    open (truncated, a broken header), that file's error is raised (bad input, exit 2): "unknown format"
+    (exit 3) would send the user to --from for a file that no format can read."""
     p = Path(path)
     if not p.exists():
         raise BadInputError("does not exist", file=str(p))
@@ -61,8 +64,28 @@ def detect(path: str | Path) -> str:
     for name in _DETECT_ORDER:
         if name in formats and formats[name].detect(p):
             return name
+    _raise_broken_file(p)
     raise UnsupportedError("cannot tell which format this is; name it with --from "
                            f"({', '.join(sorted(formats))})", file=str(p))
+
+
+#: JSON files whose content decides which format a folder is: when one is malformed, detection fails because of it
+_DETECT_JSON = ("config.json", "quantize_config.json", "quant_config.json")
+
+
+def _raise_broken_file(p: Path) -> None:
+    """Raise the error of the file that made detection fail, if one is broken: a malformed JSON file that decides
+    the format, else the first safetensors file whose header does not read."""
+    from ..store.folder import read_json
+    from ..store.tensors import first_unreadable
+
+    if p.is_dir():
+        for name in _DETECT_JSON:
+            if (p / name).is_file() and not isinstance(read_json(p / name), dict):  # read_json: malformed
+                raise BadInputError("not a JSON object", file=str(p / name))
+    broken = first_unreadable(p)
+    if broken is not None:
+        raise broken
 
 
 def hub_files() -> list[HubFiles]:

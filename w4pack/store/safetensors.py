@@ -1,8 +1,14 @@
-"""A strict, memory-mapped safetensors reader and a small writer.
+"""A strict safetensors reader and a small writer.
 
 Own code rather than the safetensors package because (1) numpy has no bfloat16 and we carry bf16 as
 uint16 bits, (2) hostile headers must become one-line errors naming the file and tensor, and (3) the
 writer must write one shard at a time to a file we fsync ourselves.
+
+Tensor data is read with pread into arrays we own, never through a memory map: a mapped page whose file
+was truncated (a source being downloaded or rewritten while we read it) kills the process with SIGBUS,
+with no message and no clean-up, wherever a view of it is touched later. A short read, or a file whose
+size or modification time differs from what the header was checked against, is ``SourceChanged``
+("FILE changed while being read", exit 4) instead.
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import json
 import math
 import mmap
 import os
+import stat
 import struct
 import sys
 from pathlib import Path
@@ -18,10 +25,10 @@ from typing import Any, BinaryIO, Iterable
 
 import numpy as np
 
-from ..errors import BadInputError, UnsupportedError
+from ..errors import BadInputError, IOFailure, UnsupportedError
 from .folder import brief, is_json_int
 
-__all__ = ["SafetensorsFile", "write_safetensors", "DTYPES", "dtype_to_st", "MAX_HEADER"]
+__all__ = ["SafetensorsFile", "SourceChanged", "write_safetensors", "DTYPES", "dtype_to_st", "MAX_HEADER"]
 
 #: safetensors dtype code -> (numpy storage dtype, w4pack dtype name)
 DTYPES: dict[str, tuple[np.dtype, str]] = {
@@ -75,6 +82,15 @@ def _entry_problem(info: dict[str, Any]) -> str | None:
     return None
 
 
+class SourceChanged(IOFailure):
+    """A file was truncated or rewritten while we read it (a download or another writer): not the input's
+    fault, and nothing read from it can be trusted (exit 4)."""
+
+    def __init__(self, file: str, detail: str = "", tensor: str | None = None):
+        super().__init__("changed while being read" + (f" ({detail})" if detail else "")
+                         + "; read it again once whatever is writing it has finished", file=file, tensor=tensor)
+
+
 def release_mapped(mm: Any) -> None:
     """Drop every page of a read-only file map from our address space (MADV_DONTNEED; the page cache keeps
     them, and views stay valid: a later access faults the page back in). Readers call this once per layer:
@@ -89,18 +105,30 @@ def release_mapped(mm: Any) -> None:
 
 
 class SafetensorsFile:
-    """A validated, memory-mapped safetensors file. ``get(name)`` returns a read-only numpy view."""
+    """A validated safetensors file. ``get(name)`` and ``read(name)`` return the tensor read into an array of
+    our own (pread), after checking that the file is still the one whose header was validated."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         label = str(self.path)
+        self._fh: BinaryIO | None = None
         try:
-            self._fh: BinaryIO | None = open(self.path, "rb")
+            # O_NONBLOCK: a FIFO (or device) in place of the file must not block the open until a writer comes
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             raise BadInputError("file does not exist", file=label) from None
         except OSError as exc:
             raise BadInputError(f"cannot open: {exc.strerror}", file=label) from None
-        size = os.fstat(self._fh.fileno()).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise BadInputError("not a regular file (a FIFO, device or socket cannot be read as safetensors)",
+                                file=label)
+        os.set_blocking(fd, True)
+        self._fh = os.fdopen(fd, "rb")
+        size = st.st_size
+        #: what the header was checked against: (size, mtime in ns); reads check that it still holds
+        self._identity = (st.st_size, st.st_mtime_ns)
         if size < 8:
             self.close()
             raise BadInputError(f"truncated: {size} bytes, not even a header length", file=label)
@@ -110,6 +138,9 @@ class SafetensorsFile:
             raise BadInputError(f"header length {hlen} exceeds the file ({size} bytes): truncated or not safetensors",
                                 file=label)
         raw = self._fh.read(hlen)
+        if len(raw) != hlen:
+            self.close()
+            raise SourceChanged(label, f"header of {hlen} bytes ended after {len(raw)}")
         try:
             header = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, or an integer too long to convert
@@ -165,9 +196,7 @@ class SafetensorsFile:
             if b1 < e0:
                 self.close()
                 raise BadInputError(f"data overlaps tensor {n0}", file=label, tensor=n1)
-        self._mm: mmap.mmap | None = None
-        if size > 0 and data_len > 0:
-            self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
+        self._mm: mmap.mmap | None = None  # no map: see the module docstring (kept for callers that probe it)
 
     def keys(self) -> list[str]:
         return list(self.entries)
@@ -180,23 +209,64 @@ class SafetensorsFile:
         return DTYPES[dt][1], shape
 
     def get(self, name: str) -> np.ndarray:
-        """Read-only view into the mapped file (zero copy)."""
+        """The tensor as a read-only array of its own (read with pread, see ``read``)."""
+        arr = self.read(name)
+        arr.flags.writeable = False
+        return arr
+
+    def read(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        """The tensor read with pread into ``out`` (C-contiguous, of the tensor's size and storage dtype) or a
+        new array. A short read or a file changed since its header was checked raises SourceChanged."""
         if name not in self.entries:
             raise BadInputError("tensor is missing", file=str(self.path), tensor=name)
         dt, shape, begin, end = self.entries[name]
         npdt = DTYPES[dt][0]
+        if out is None:
+            out = np.empty(shape, dtype=npdt)
+        elif out.nbytes != end - begin or not out.flags.c_contiguous:
+            raise ValueError(f"out holds {out.nbytes} bytes, tensor {name} {end - begin}")
         if end == begin:
-            return np.zeros(shape, dtype=npdt)
-        assert self._mm is not None
-        return np.frombuffer(self._mm, dtype=npdt, count=(end - begin) // npdt.itemsize,
-                             offset=self.data_start + begin).reshape(shape)
+            return out
+        if self._fh is None:
+            raise ValueError(f"{self.path} is closed")
+        fd = self._fh.fileno()
+        self.check_unchanged(name)
+        buf = memoryview(out.reshape(-1).view(np.uint8))
+        done, want = 0, end - begin
+        while done < want:
+            try:
+                got = os.preadv(fd, [buf[done:]], self.data_start + begin + done)
+            except OSError as exc:
+                raise IOFailure(f"cannot read: {exc.strerror}", file=str(self.path), tensor=name) from None
+            if got <= 0:
+                raise SourceChanged(str(self.path), f"it ended {want - done} bytes into the data it was checked to "
+                                    "hold", tensor=name)
+            done += got
+        self.check_unchanged(name)  # written to while we read: the bytes may be a mix of old and new
+        return out
+
+    def check_unchanged(self, name: str | None = None) -> None:
+        """Raise SourceChanged when the file's size or modification time is no longer what the header was
+        checked against (truncated, grown or rewritten in place)."""
+        if self._fh is None:
+            return
+        st = os.fstat(self._fh.fileno())
+        if (st.st_size, st.st_mtime_ns) != self._identity:
+            size = self._identity[0]
+            detail = (f"{size} bytes when opened, {st.st_size} now" if st.st_size != size
+                      else "modified since it was opened")
+            raise SourceChanged(str(self.path), detail, tensor=name)
+
+    @property
+    def identity(self) -> tuple[int, int]:
+        """(size, mtime in ns) of the file when its header was checked."""
+        return self._identity
 
     def dtype_name(self, name: str) -> str:
         return DTYPES[self.entries[name][0]][1]
 
     def release(self) -> None:
-        """Drop this file's mapped pages from our address space (release_mapped)."""
-        release_mapped(getattr(self, "_mm", None))
+        """Nothing to drop: no file is mapped (kept so that callers written for a mapped reader still work)."""
 
     def close(self) -> None:
         mm = getattr(self, "_mm", None)

@@ -1,30 +1,29 @@
 """One tensor store under every reader: a ``.safetensors`` file, an indexed folder, a folder of shards, or
 weights-only torch pickles (``torch.load(weights_only=True)``).
 
-Safetensors data is memory-mapped (``get`` is zero-copy), or read with pread into a private array
-(``read_copy``, ``read_into``) so big pass-through tensors leave no mapped pages behind; ``release`` and
-``release_all`` drop mapped pages (MADV_DONTNEED) so resident memory stays flat over a checkpoint.
-Index entries are checked to stay inside the folder (``folder.member``).
+Safetensors data is read with pread into arrays we own (``get``, ``read_copy``, ``read_into``: a recycled
+buffer), never through a memory map, so a source truncated while we read it is one error
+(``SourceChanged``, exit 4), not a SIGBUS; resident memory stays at the tensors the caller holds.
+``populate``/``release``/``release_all`` remain for callers written for a mapped reader and do nothing.
+Index entries are checked to stay inside the folder (``folder.member``), and a tensor stored in two files
+is refused ("defined in two shards"): which copy would be the model?
 """
 from __future__ import annotations
 
-import mmap
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import BadInputError, IOFailure
+from ..errors import BadInputError
 from .folder import brief, member, read_json
-from .safetensors import DTYPES, SafetensorsFile
+from .safetensors import DTYPES, SafetensorsFile, SourceChanged
 from .names import INDEX_NAME, PT_INDEX_NAME, PT_SUFFIXES
-from .torchfile import dtype_name as torch_dtype_name, load_state_dict, to_numpy as torch_to_numpy
+from .torchfile import StateDict, dtype_name as torch_dtype_name, load_state_dict, read_tensor
 
-__all__ = ["TensorStore", "open_tensors", "pt_files"]
+__all__ = ["TensorStore", "open_tensors", "pt_files", "first_unreadable"]
 
-_MADV_POPULATE_READ = 22  # linux/mman.h; Python's mmap module names it only from 3.13
 #: torch files in a model folder that hold no weights
 _NOT_WEIGHTS = ("training_args", "optimizer", "scheduler", "rng_state")
 
@@ -35,19 +34,22 @@ class TensorStore:
     def __init__(self, path: Path | None = None) -> None:
         self.path = Path(path) if path is not None else Path()
         self._st: dict[str, SafetensorsFile] = {}
-        self._pt: dict[str, dict[str, Any]] = {}
-        self._fds: dict[str, int] = {}
+        self._pt: dict[str, StateDict] = {}
         self._lazy: set[str] = set()  # safetensors files named by an index, opened on first use
         self.where: dict[str, str] = {}  # tensor -> file path (str)
+        self._unlisted: dict[str, str] = {}  # tensor -> a file that holds it although the index names another
         self.metadata: dict[str, str] = {}
 
     # -- building ------------------------------------------------------------------------------
     def add_safetensors(self, path: Path, only: set[str] | None = None) -> None:
+        """Every tensor of one file, or (an index's shard) those in ``only``; the others must not be claimed by
+        another file: a tensor in two shards is refused whichever one an index names."""
         f = SafetensorsFile(path)
         self._st[str(path)] = f
         self.metadata.update(f.metadata)
         for name in f.keys():
             if only is not None and name not in only:
+                self._no_second_copy(name, str(path))
                 continue
             self._claim(name, str(path))
 
@@ -56,6 +58,7 @@ class TensorStore:
         self._pt[str(path)] = sd
         for name in sd:
             if only is not None and name not in only:
+                self._no_second_copy(name, str(path))
                 continue
             self._claim(name, str(path))
 
@@ -80,16 +83,36 @@ class TensorStore:
         return f is None or name in f
 
     def check_index(self) -> None:
-        """Open every shard header and refuse tensors the index lists that their shard lacks."""
-        for name, path in self.where.items():
+        """Open every shard header; refuse tensors the index lists that their shard lacks, and tensors a shard
+        holds that the index places in another shard."""
+        for name, path in list(self.where.items()):
             f = self._sfile(path)
             if f is not None and name not in f:
                 raise BadInputError("tensor listed in the index is missing from its shard", file=path, tensor=name)
+        for path, f in list(self._st.items()):
+            for name in f.keys():
+                self._no_second_copy(name, path)
 
     def _claim(self, name: str, path: str) -> None:
-        if name in self.where and self.where[name] != path:
-            raise BadInputError(f"tensor also stored in {self.where[name]}", file=path, tensor=name)
+        self._no_second_copy(name, path)
+        other = self._unlisted.get(name)
+        if other is not None and other != path:
+            self._two_shards(name, other, path)
         self.where[name] = path
+
+    def _no_second_copy(self, name: str, path: str) -> None:
+        """Refuse ``name`` in ``path`` when another file already holds or is named for it; remember it, so that
+        a file opened later that claims it is refused too."""
+        other = self.where.get(name)
+        if other is not None and other != path:
+            self._two_shards(name, other, path)
+        if name not in self.where:
+            self._unlisted.setdefault(name, path)
+
+    def _two_shards(self, name: str, a: str, b: str) -> None:
+        first, second = sorted(Path(x).name if Path(x).parent == self.path else x for x in (a, b))
+        raise BadInputError(f"defined in two shards, {first} and {second}; remove one copy (which one is the "
+                            "model cannot be told)", file=str(self.path), tensor=name)
 
     # -- what is there -------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -122,46 +145,45 @@ class TensorStore:
         t = self._pt[path][name]
         return torch_dtype_name(t), tuple(int(d) for d in t.shape)
 
+    def storage_dtype(self, name: str) -> np.dtype:
+        """The numpy dtype ``get`` returns for ``name`` (bf16: uint16), without reading the data: ``get`` reads the
+        whole tensor, so ``get(name).dtype`` costs a read of it."""
+        path = self._file(name)
+        f = self._sfile(path)
+        if f is not None:
+            return DTYPES[f.entries[name][0]][0]
+        import torch
+
+        t = self._pt[path][name]
+        return np.dtype(np.uint16) if t.dtype == torch.bfloat16 else np.dtype(torch.empty(0, dtype=t.dtype).numpy().dtype)
+
     # -- reading -------------------------------------------------------------------------------
     def get(self, name: str) -> np.ndarray:
-        """The stored array (bf16 as uint16 bits); safetensors data is a zero-copy memory map."""
+        """The stored array (bf16 as uint16 bits), read-only; safetensors data is read with pread."""
         path = self._file(name)
         f = self._sfile(path)
         if f is not None:
             return f.get(name)
-        return torch_to_numpy(self._pt[path][name])
+        arr = read_tensor(self._pt[path], name)
+        arr.flags.writeable = False
+        return arr
 
     def read_into(self, name: str, pool: Any) -> np.ndarray:
         """Like read_copy, into an array from ``pool`` (a scratch.ScratchPool)."""
         path = self._file(name)
         f = self._sfile(path)
         if f is None:
-            return np.asarray(torch_to_numpy(self._pt[path][name]))
+            return read_tensor(self._pt[path], name)
         dt, shape, _b, _e = f.entries[name]
         return self.read_copy(name, out=pool.take(shape, DTYPES[dt][0]))
 
     def read_copy(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
-        """A private copy of the array read with pread, not through the map: a big pass-through tensor
-        then leaves no mapped pages behind, so resident memory does not add up over a checkpoint."""
+        """A writable array of our own (into ``out`` when given), read with pread."""
         path = self._file(name)
         f = self._sfile(path)
         if f is None:
-            return np.array(torch_to_numpy(self._pt[path][name]))
-        dt, shape, begin, end = f.entries[name]
-        if out is None:
-            out = np.empty(shape, dtype=DTYPES[dt][0])
-        if end > begin:
-            buf = memoryview(out.reshape(-1).view(np.uint8))
-            fd = self._fds.get(path)
-            if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
-            done = 0
-            while done < end - begin:
-                got = os.preadv(fd, [buf[done:]], f.data_start + begin + done)
-                if got <= 0:
-                    raise IOFailure("short read (file changed while reading?)", file=path)
-                done += got
-        return out
+            return read_tensor(self._pt[path], name)
+        return f.read(name, out)
 
     def span(self, name: str) -> tuple[str, int, int, str, tuple[int, ...]] | None:
         """(file, byte offset, byte count, safetensors dtype, shape) of a tensor stored in a safetensors
@@ -171,59 +193,31 @@ class TensorStore:
         if f is None:
             return None
         dt, shape, begin, end = f.entries[name]
+        f.check_unchanged(name)
+        try:
+            st = os.stat(path)
+        except OSError:
+            raise SourceChanged(path, "it is gone", tensor=name) from None
+        if (st.st_size, st.st_mtime_ns) != f.identity:  # the copier opens the path anew: it must be this file
+            raise SourceChanged(path, "another file now has its name", tensor=name)
         return path, f.data_start + begin, end - begin, dt, shape
 
-    # -- mapped pages --------------------------------------------------------------------------
-    def _mapped(self, name: str) -> tuple[Any, int, int] | None:
-        """(map, first page offset, end offset) of a mapped tensor, or None."""
-        path = self.where.get(name)
-        f = self._st.get(path) if path is not None else None
-        mm = getattr(f, "_mm", None)
-        if mm is None or not hasattr(mm, "madvise"):
-            return None
-        _dt, _shape, begin, end = f.entries[name]
-        return mm, (f.data_start + begin) // mmap.PAGESIZE * mmap.PAGESIZE, f.data_start + end
-
+    # -- mapped pages (none: kept for callers written for a mapped reader) ----------------------------
     def populate(self, name: str) -> bool:
-        """Map this tensor's pages in one call (MADV_POPULATE_READ, Linux 5.14+); False where not possible."""
-        mapped = self._mapped(name)
-        if mapped is None or sys.platform != "linux":
-            return False
-        mm, start, stop = mapped
-        try:
-            mm.madvise(getattr(mmap, "MADV_POPULATE_READ", _MADV_POPULATE_READ), start, stop - start)
-        except (OSError, ValueError):
-            return False
-        return True
+        """False: nothing is mapped, so the caller reads the tensor with read_into."""
+        return False
 
     def release(self, name: str) -> None:
-        """Drop this tensor's mapped pages from our address space (the page cache keeps them): every
-        layer is read through the map once, so without this resident memory grows with the model."""
-        mapped = self._mapped(name)
-        if mapped is None:
-            return
-        mm, start, stop = mapped
-        if stop > start:
-            try:
-                mm.madvise(mmap.MADV_DONTNEED, start, stop - start)
-            except (OSError, ValueError):
-                pass
+        """Nothing to drop (no file is mapped)."""
 
     def release_all(self) -> None:
-        """Drop every mapped page of every file from our address space. Reading a few bytes maps the pages
-        around them too (the kernel's fault-around), so per-tensor releases leave neighbours behind, and
-        those add up over a checkpoint; once per layer this keeps resident memory flat."""
-        for f in self._st.values():
-            f.release()
+        """Nothing to drop (no file is mapped)."""
 
     def close(self) -> None:
         for f in self._st.values():
             f.close()
-        for fd in self._fds.values():
-            os.close(fd)
         self._st.clear()
         self._pt.clear()
-        self._fds.clear()
 
     def __enter__(self) -> "TensorStore":
         return self
@@ -314,3 +308,22 @@ def _open_into(store: TensorStore, path: Path, base_name: str | None, pickles: s
             store.add_pt(p)
         return
     raise BadInputError("no weights found (.safetensors, model.safetensors.index.json, .pt or .bin)", file=str(path))
+
+
+def first_unreadable(path: Path) -> BadInputError | None:
+    """The error of the first safetensors file at ``path`` (the file, or the folder's ``*.safetensors``) whose
+    header does not read, or None. Format detection asks when no format recognises a folder: a truncated
+    weights file is then what to report, not "unknown format"."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors"))  # a FIFO or folder of that name too: it is what is wrong
+    elif path.exists() and path.suffix == ".safetensors":
+        files = [path]
+    else:
+        return None
+    for p in files:
+        try:
+            SafetensorsFile(p).close()
+        except BadInputError as exc:
+            return exc
+    return None

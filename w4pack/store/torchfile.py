@@ -2,9 +2,16 @@
 
 A pickle that would run code is refused by torch; anything but a mapping of names to tensors of a dtype
 w4pack knows is refused here, with one line naming the file (and the tensor).
+
+The file is memory-mapped by torch (bounded memory for multi-GB dumps), so a file truncated while we read it
+would be SIGBUS wherever a mapped tensor is touched. ``read_tensor`` therefore checks, before and after copying
+one tensor out of the map into memory of our own, that the file is still the one loaded (size, mtime, inode),
+and raises ``SourceChanged`` (exit 4) otherwise; callers never hold views of the map. What remains is a
+truncation during the copy of one tensor itself (milliseconds); safetensors sources have no such window.
 """
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from pathlib import Path
@@ -13,8 +20,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..errors import BadInputError, UnsupportedError
+from .safetensors import SourceChanged
 
-__all__ = ["TORCH_DTYPES", "load_state_dict", "dtype_name", "to_numpy"]
+__all__ = ["TORCH_DTYPES", "StateDict", "load_state_dict", "dtype_name", "to_numpy", "read_tensor"]
 
 #: torch dtype name -> w4pack dtype name
 TORCH_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float64",
@@ -36,7 +44,44 @@ def to_numpy(t: Any) -> np.ndarray:
     return t.numpy()
 
 
-def load_state_dict(path: Path) -> dict[str, Any]:
+class StateDict(dict):
+    """Name -> tensor of one torch file, with the identity of the file when it was loaded (see read_tensor)."""
+
+    path: str
+    identity: tuple[int, int, int, int]
+
+
+def _identity(path: str) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def check_unchanged(sd: StateDict, tensor: str | None = None) -> None:
+    """SourceChanged when the file is no longer the one loaded (truncated, rewritten or replaced)."""
+    try:
+        now = _identity(sd.path)
+    except OSError:
+        raise SourceChanged(sd.path, "it is gone", tensor=tensor) from None
+    if now != sd.identity:
+        detail = (f"{sd.identity[2]} bytes when loaded, {now[2]} now" if now[2] != sd.identity[2]
+                  else "modified or replaced since it was loaded")
+        raise SourceChanged(sd.path, detail, tensor=tensor)
+
+
+def read_tensor(sd: StateDict, name: str) -> np.ndarray:
+    """One tensor as a numpy array of our own (bf16 as uint16 bits), copied out of torch's map of the file only
+    while the file is unchanged (checked before and after the copy)."""
+    import torch
+
+    check_unchanged(sd, name)
+    t = sd[name].detach()
+    copy = torch.empty(t.shape, dtype=t.dtype)
+    copy.copy_(t)
+    check_unchanged(sd, name)
+    return to_numpy(copy)
+
+
+def load_state_dict(path: Path) -> StateDict:
     """Name -> tensor from a torch.save file, memory-mapped when the file allows. A checkpoint that wraps
     its tensors one level down (``state_dict`` / ``model`` / ``module``) is unwrapped."""
     label = str(path)
@@ -47,6 +92,7 @@ def load_state_dict(path: Path) -> dict[str, Any]:
                                file=label) from None
     if not Path(path).is_file():
         raise BadInputError("file does not exist", file=label)
+    before = _identity(label)
     try:
         # torch warns on stderr about a pickle protocol it did not write or a beta tensor layout before it refuses
         # or loads such a file; the one line below (or the layout check) already says what matters
@@ -75,7 +121,9 @@ def load_state_dict(path: Path) -> dict[str, Any]:
                 break
     if not isinstance(sd, Mapping):
         raise BadInputError(f"holds a {type(sd).__name__}, not a state dict of tensors", file=label)
-    out: dict[str, Any] = {}
+    out = StateDict()
+    out.path, out.identity = label, before
+    check_unchanged(out)  # changed while torch read its index: what was loaded may be a mix
     for key, val in sd.items():
         if not isinstance(key, str):
             raise BadInputError(f"state dict key {key!r} is not a string", file=label)
