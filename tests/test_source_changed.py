@@ -77,3 +77,56 @@ def test_convert_refuses_a_source_replaced_under_its_name(tmp_path: Path) -> Non
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 4 and len(lines) == 1 and "changed while being read" in lines[0], proc.stderr
     assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if "w4pack-tmp" in p.name]
+
+
+_GGUF_CHILD = r"""
+import os, sys
+from w4pack.store.gguffile import GGUFFile
+from w4pack.cli import main
+
+src, dst = sys.argv[1], sys.argv[2]
+done = []
+real = GGUFFile.data
+
+def data(self, name):
+    out = real(self, name)
+    if not done:  # the first tensor is in: now the file shrinks
+        done.append(str(self.path))
+        os.truncate(self.path, 4096)
+    return out
+
+GGUFFile.data = data
+rc = main(["convert", src, dst] + sys.argv[3:])
+print("truncated:", done)
+sys.exit(rc)
+"""
+
+
+@pytest.mark.parametrize("to", ["w4pack", "gguf"])
+def test_convert_of_a_gguf_truncated_mid_run(to: str, tmp_path: Path) -> None:
+    """GGUF tensors are read with pread, as safetensors ones: a shrunk file is exit 4, never a SIGBUS."""
+    src = tmp_path / "src.gguf"
+    shutil.copy(fixture_dir("gguf", "q4_0_exact_in512_out256") / "tensors.gguf", src)
+    dst = tmp_path / ("out.gguf" if to == "gguf" else "out")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", _GGUF_CHILD, str(src), str(dst), "--to", to],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode >= 0, f"convert died by signal {-proc.returncode}: {proc.stderr[-500:]}"
+    assert "truncated: ['" in proc.stdout, proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 4 and len(lines) == 1, proc.stderr
+    assert "changed while being read" in lines[0] and str(src) in lines[0], lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.gguf"]
+
+
+def test_gguf_open_then_truncate_then_read(tmp_path: Path) -> None:
+    src = tmp_path / "t.gguf"
+    shutil.copy(fixture_dir("gguf", "q4_0_exact_in512_out256") / "tensors.gguf", src)
+    code = ("import os, sys\nfrom w4pack.store.gguffile import GGUFFile\nf = GGUFFile(sys.argv[1])\n"
+            "name = list(f.tensors)[-1]\nos.truncate(sys.argv[1], 4096)\n"
+            "try:\n    f.data(name)\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", code, str(src)], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.returncode == 0, f"died by signal {-proc.returncode}" if proc.returncode < 0 else proc.stderr
+    assert proc.stdout.startswith("SourceChanged") and "changed while being read" in proc.stdout, proc.stdout

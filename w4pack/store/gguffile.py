@@ -16,8 +16,8 @@ an array is a u32 item type, a u64 count and the items.
 from __future__ import annotations
 
 import math
-import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BadInputError, UnsupportedError
-from .safetensors import release_mapped
+from ..errors import BadInputError, IOFailure, UnsupportedError
+from .safetensors import SourceChanged
 
 __all__ = ["GGUFFile", "GGUFTensorInfo", "GGUFValue", "gguf_module", "is_gguf", "open_gguf", "VALUE_TYPES"]
 
@@ -106,11 +106,22 @@ class GGUFTensorInfo:
 
 
 class _Cursor:
-    """Reads little-endian fields from the map, refusing any read past the end, naming what was being read."""
+    """Reads little-endian fields of the header, refusing any read past the end, naming what was being read.
 
-    def __init__(self, buf: Any, size: int, label: str):
-        self.buf, self.size, self.label, self.pos = buf, size, label, 0
+    The header is read with pread into a buffer that grows as the parse needs it (never a memory map: a mapped
+    file truncated while it is read kills the process with SIGBUS)."""
+
+    def __init__(self, fd: int, size: int, label: str):
+        self.fd, self.size, self.label, self.pos = fd, size, label, 0
+        self.buf = bytearray()
         self.context = "the header"
+
+    def _load(self, end: int) -> None:
+        """Have the file's bytes up to ``end`` (at most the size checked at open) in ``buf``."""
+        if end <= len(self.buf):
+            return
+        want = min(self.size, max(end, 2 * len(self.buf), 1 << 20))
+        self.buf += _pread_exact(self.fd, len(self.buf), want - len(self.buf), self.label)
 
     def fail(self, what: str, tensor: str | None = None) -> BadInputError:
         return BadInputError(f"corrupt or truncated GGUF: {self.context}: {what}", file=self.label, tensor=tensor)
@@ -122,6 +133,7 @@ class _Cursor:
     def need(self, n: int, what: str) -> None:
         if n > self.left:
             raise self.fail(f"{what} needs {n} bytes at offset {self.pos}, only {self.left} left")
+        self._load(self.pos + n)
 
     def scalar(self, fmt: str, what: str) -> Any:
         n = struct.calcsize(fmt)
@@ -161,6 +173,7 @@ def _read_value(cur: _Cursor, type_id: int, depth: int = 0) -> GGUFValue:
         raise cur.fail(f"array of {count} {item_name} items needs at least {count * item_min} bytes, "
                        f"only {cur.left} left")
     if item_name in _NP_VALUE:
+        cur.need(count * item_min, f"an array of {count} {item_name} items")
         arr = np.frombuffer(cur.buf, dtype=_NP_VALUE[item_name], count=count, offset=cur.pos)
         cur.pos += count * item_min
         return GGUFValue(name, arr.tolist(), item_name)
@@ -271,33 +284,41 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         label = str(self.path)
-        self._mm: mmap.mmap | None = None
+        self._fd: int | None = None
         try:
-            with open(self.path, "rb") as fh:
-                size = os.fstat(fh.fileno()).st_size
-                if size >= 4 and fh.read(4) != MAGIC:
-                    fh.seek(0)
-                    raise BadInputError(f"not a GGUF file (magic {fh.read(4)!r})", file=label)
-                if size < 24:
-                    raise BadInputError(f"corrupt or truncated GGUF: {size} bytes, shorter than the fixed header",
-                                        file=label)
-                self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            # O_NONBLOCK: a FIFO in place of the file must not block the open until a writer comes
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             raise BadInputError("file does not exist", file=label) from None
         except IsADirectoryError:
             raise BadInputError("not a file (expected a .gguf file)", file=label) from None
         except OSError as exc:
-            if isinstance(exc, BadInputError):
-                raise
             raise BadInputError(f"cannot open: {exc.strerror or exc}", file=label) from None
+        self._fd = fd
         try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise BadInputError("not a file (expected a .gguf file)", file=label)
+            if not stat.S_ISREG(st.st_mode):
+                raise BadInputError("not a regular file (a FIFO, device or socket cannot be read as GGUF)",
+                                    file=label)
+            os.set_blocking(fd, True)
+            #: what the header was checked against: (size, mtime in ns); every data read checks it still holds
+            self._identity = (st.st_size, st.st_mtime_ns)
+            size = st.st_size
+            magic = _pread_exact(fd, 0, min(size, 4), label)
+            if size >= 4 and magic != MAGIC:
+                raise BadInputError(f"not a GGUF file (magic {magic!r})", file=label)
+            if size < 24:
+                raise BadInputError(f"corrupt or truncated GGUF: {size} bytes, shorter than the fixed header",
+                                    file=label)
             self._parse(size, label)
         except BaseException:
             self.close()
             raise
 
     def _parse(self, size: int, label: str) -> None:
-        cur = _Cursor(self._mm, size, label)
+        cur = _Cursor(self._fd, size, label)
         cur.pos = 4
         version = cur.scalar("<I", "the version")
         if version & 0xFFFF == 0 and version:
@@ -331,29 +352,63 @@ class GGUFFile:
         return None if v is None else v.value
 
     def data(self, name: str) -> np.ndarray:
-        """Read-only view of a tensor's data: typed elements in numpy order for F32/F16/F64/I8..I64, otherwise
-        uint8 with the last dimension in bytes (rows of blocks), as gguf-py gives them."""
-        if self._mm is None:
+        """A tensor's data, read into an array of its own (read-only): typed elements in numpy order for
+        F32/F16/F64/I8..I64, otherwise uint8 with the last dimension in bytes (rows of blocks), as gguf-py gives
+        them. A file truncated or rewritten since its header was checked raises SourceChanged (exit 4)."""
+        if self._fd is None:
             raise BadInputError("the file is closed", file=str(self.path), tensor=name)
         t = self.tensors[name]
         shape = t.shape
+        self.check_unchanged(name)
+        raw = _pread_exact(self._fd, t.start, t.n_bytes, str(self.path), tensor=name)
+        self.check_unchanged(name)  # written to while we read: the bytes may be a mix of old and new
         if t.type_name in _NP_TENSOR:
             dt = np.dtype(_NP_TENSOR[t.type_name])
-            return np.frombuffer(self._mm, dtype=dt, count=t.n_bytes // dt.itemsize, offset=t.start).reshape(shape)
-        arr = np.frombuffer(self._mm, dtype=np.uint8, count=t.n_bytes, offset=t.start)
-        if not shape:
-            return arr
-        rows = math.prod(shape[:-1])
-        return arr.reshape(*shape[:-1], t.n_bytes // rows if rows else 0)
+            arr = np.frombuffer(raw, dtype=dt, count=t.n_bytes // dt.itemsize).reshape(shape)
+        else:
+            arr = np.frombuffer(raw, dtype=np.uint8, count=t.n_bytes)
+            if shape:
+                rows = math.prod(shape[:-1])
+                arr = arr.reshape(*shape[:-1], t.n_bytes // rows if rows else 0)
+        arr.flags.writeable = False
+        return arr
+
+    def check_unchanged(self, name: str | None = None) -> None:
+        """SourceChanged when the file's size or modification time is no longer what the header was checked
+        against (a download or another writer at work)."""
+        if self._fd is None:
+            return
+        st = os.fstat(self._fd)
+        if (st.st_size, st.st_mtime_ns) != self._identity:
+            size = self._identity[0]
+            detail = (f"{size} bytes when opened, {st.st_size} now" if st.st_size != size
+                      else "modified since it was opened")
+            raise SourceChanged(str(self.path), detail, tensor=name)
 
     def release_pages(self) -> None:
-        """Drop the pages of the file read so far from our resident memory (the map keeps every page it touched
-        until it is closed)."""
-        release_mapped(self._mm)
+        """Nothing to release: tensors are read into arrays of their own (kept for the readers' call sites)."""
 
     def close(self) -> None:
-        """Drop the map; views handed out keep it alive until they go (numpy holds a reference)."""
-        self._mm = None
+        """Close the file; arrays handed out stay valid (they are copies)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _pread_exact(fd: int, offset: int, n: int, label: str, tensor: str | None = None) -> bytearray:
+    """``n`` bytes at ``offset``; a short read means the file shrank after it was checked (SourceChanged)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    done = 0
+    while done < n:
+        try:
+            got = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as exc:
+            raise IOFailure(f"cannot read: {exc.strerror or exc}", file=label, tensor=tensor) from None
+        if got <= 0:
+            raise SourceChanged(label, f"it ended {n - done} bytes into data it was checked to hold", tensor=tensor)
+        done += got
+    return buf
 
 
 def open_gguf(path: Path) -> GGUFFile:
