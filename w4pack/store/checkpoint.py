@@ -42,13 +42,15 @@ from .folder import member as _safe_member, read_json as _read_json, side_file
 from ..core.layout import LAYOUT_NAME, LAYOUT_VERSION, TILE_K, TILE_N, PackedLayer, pack, tensor_suffixes, unpack
 from ..progress import Progress
 from .safetensors import dtype_to_st
-from .names import CONFIG_NAME, INCOMPLETE_MARKER, INDEX_NAME, MANIFEST_NAME, SIDE_FILES, shard_names
+from .names import CARD_NAME, CONFIG_NAME, INCOMPLETE_MARKER, INDEX_NAME, MANIFEST_NAME, SIDE_FILES, shard_names
+from ..core.arch import needed_linears
 from .tensors import TensorStore
 from ..schema import load_schema, validate_manifest, validate_quantization_config
 
 __all__ = [
     "MANIFEST_NAME",
     "INDEX_NAME",
+    "FORMAT_VERSION",
     "INCOMPLETE_MARKER",
     "CheckpointWriter",
     "Checkpoint",
@@ -59,6 +61,8 @@ __all__ = [
 ]
 
 DEFAULT_MAX_SHARD = 2 * 1024**3
+#: the manifest format written (docs/FORMAT.md §5); readers take 1 (shards checksummed) and 2 (every file)
+FORMAT_VERSION = 2
 #: header area reserved at the start of a shard before its first tensor (grown from shard to shard)
 _HEADER_RESERVE = 4096
 #: bytes a header entry takes at most beyond its tensor name (dtype, a 2-D shape, two offsets, JSON)
@@ -355,7 +359,7 @@ class CheckpointWriter:
 
     def quantization_config(self) -> dict[str, Any]:
         qc: dict[str, Any] = {"quant_method": "w4pack", "layout": LAYOUT_NAME, "layout_version": LAYOUT_VERSION,
-                              "format_version": 1, "manifest": MANIFEST_NAME}
+                              "format_version": FORMAT_VERSION, "manifest": MANIFEST_NAME}
         metas = list(self.layers.values())
         if metas:
             for key in ("bits", "group_size", "zero_mode"):
@@ -369,13 +373,16 @@ class CheckpointWriter:
             qc["fused"] = self.fused
         return qc
 
-    def manifest(self, shard_names: list[str], shard_info: list[tuple[int, str]]) -> dict[str, Any]:
+    def manifest(self, shard_names: list[str], shard_info: list[tuple[int, str]],
+                 files: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The manifest document; ``files`` checksums config.json, the index and the side files."""
         doc: dict[str, Any] = {
             "format": "w4pack",
-            "format_version": 1,
+            "format_version": FORMAT_VERSION,
             "layout": {"name": LAYOUT_NAME, "version": LAYOUT_VERSION, "tile": [TILE_N, TILE_K]},
             "created_by": f"w4pack {__version__}",
             "shards": [{"file": n, "sha256": sha, "size": size} for n, (size, sha) in zip(shard_names, shard_info)],
+            "files": list(files or []),
             "layers": self.layers,
             "passthrough": self.passthrough,
             "side_files": self.side_files,
@@ -408,19 +415,29 @@ class CheckpointWriter:
         config["quantization_config"] = self.quantization_config()
         # checked before anything is written (add_layer checks names): a failure here is a bug, and names the output
         validate_quantization_config(config["quantization_config"], file=str(self.target / CONFIG_NAME))
-        manifest = self.manifest(names, [(s, h) for _p, s, h, _t in self._shards])
+        for (_path, _size, _sha, tnames), fname in zip(self._shards, names):
+            weight_map.update((t, fname) for t in tnames)
+        # total_size is the tensor data, as in Hugging Face's indexes (not the shard files with their headers)
+        index = {"metadata": {"total_size": self._data_bytes, "format": "w4pack"},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        # the manifest checksums the final bytes of every other file (config.json with its quantization_config)
+        docs = [(CONFIG_NAME, _json_bytes(config)), (INDEX_NAME, _json_bytes(index))]
+        files = [{"file": f, "sha256": hashlib.sha256(raw).hexdigest(), "size": len(raw)} for f, raw in docs]
+        for name in self.side_files:
+            try:
+                size, sha = _sha256_file(self.tmp / name)
+            except OSError as exc:
+                raise write_failure(exc, self.target / name) from None
+            files.append({"file": name, "sha256": sha, "size": size})
+        manifest = self.manifest(names, [(s, h) for _p, s, h, _t in self._shards], files)
         validate_manifest(manifest, file=str(self.target))
+        docs.append((MANIFEST_NAME, _json_bytes(manifest)))
         try:
-            for (path, _size, _sha, tnames), fname in zip(self._shards, names):
+            for (path, _size, _sha, _tnames), fname in zip(self._shards, names):
                 os.replace(path, self.tmp / fname)
-                for t in tnames:
-                    weight_map[t] = fname
-            # total_size is the tensor data, as in Hugging Face's indexes (not the shard files with their headers)
-            index = {"metadata": {"total_size": self._data_bytes, "format": "w4pack"},
-                     "weight_map": dict(sorted(weight_map.items()))}
-            for fname, doc in ((CONFIG_NAME, config), (INDEX_NAME, index), (MANIFEST_NAME, manifest)):
+            for fname, raw in docs:
                 try:
-                    _write_json(self.tmp / fname, doc)
+                    _write_bytes(self.tmp / fname, raw)
                 except OSError as exc:
                     raise write_failure(exc, self.target / fname) from None
             os.unlink(self.tmp / INCOMPLETE_MARKER)
@@ -522,12 +539,29 @@ def _seal(path: Path, size: int) -> str:
 
 
 
-def _write_json(path: Path, doc: Any) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, indent=2)
-        fh.write("\n")
+def _json_bytes(doc: Any) -> bytes:
+    """A JSON document as written (indented, final newline): the bytes the manifest checksums."""
+    return (json.dumps(doc, indent=2) + "\n").encode("utf-8")
+
+
+def _write_bytes(path: Path, raw: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(raw)
         fh.flush()
         os.fsync(fh.fileno())
+
+
+def _sha256_file(path: Path, on_chunk: Any = None) -> tuple[int, str]:
+    """(size, sha256 hex) of a file, read in 8 MiB chunks; ``on_chunk(nbytes)`` after each (progress)."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(8 << 20), b""):
+            h.update(chunk)
+            size += len(chunk)
+            if on_chunk is not None:
+                on_chunk(len(chunk))
+    return size, h.hexdigest()
 
 
 _SOURCE_KEYS = {"format", "version", "path", "bits", "notes", "quirks", "base_model"}
@@ -565,6 +599,12 @@ class Checkpoint:
             raise BadInputError(f"no {MANIFEST_NAME}: not a w4pack checkpoint (or an unfinished write)", file=str(root))
         self.manifest: dict[str, Any] = _read_json(mpath)
         validate_manifest(self.manifest, file=str(mpath))
+        self.format_version: int = self.manifest["format_version"]
+        #: things a reader should know but that do not make the folder invalid (an older manifest, an unchecked
+        #: architecture); validate prints them
+        self.warnings: list[str] = []
+        #: the non-shard files the manifest checksums (format version 2): name -> {"file", "sha256", "size"}
+        self.files: dict[str, dict[str, Any]] = self._covered_files(str(mpath))
         self.config: dict[str, Any] = _read_json(root / CONFIG_NAME)
         if not isinstance(self.config, dict) or "quantization_config" not in self.config:
             raise BadInputError("config.json has no quantization_config", file=str(root / CONFIG_NAME))
@@ -597,6 +637,29 @@ class Checkpoint:
                 raise BadInputError("pass-through tensor is missing from the index", file=str(ipath), tensor=tname)
         self.store = TensorStore(root)
         self.store.add_index(root, self.weight_map)
+
+    def _covered_files(self, mfile: str) -> dict[str, dict[str, Any]]:
+        """Version 2: every file entry is a plain name inside the folder, listed once, config.json, the index and
+        each side file among them. Version 1 covered only the shards: still read, with a warning."""
+        if self.format_version < 2:
+            self.warnings.append(
+                f"{MANIFEST_NAME} is format version {self.format_version}: only the shards are checksummed, not "
+                f"{CONFIG_NAME}, the index or the side files; convert the folder again (w4pack convert "
+                f"{self.path} NEW) to write a version {FORMAT_VERSION} manifest that covers them")
+            return {}
+        files: dict[str, dict[str, Any]] = {}
+        shards = {s["file"] for s in self.manifest["shards"]}
+        for entry in self.manifest["files"]:
+            name = entry["file"]
+            _safe_member(self.path, name, "file", mfile)
+            if name in files or name in shards or name in (MANIFEST_NAME, CARD_NAME):
+                raise BadInputError(f"manifest lists {name!r} twice or as a file it cannot checksum", file=mfile)
+            files[name] = entry
+        for name in (CONFIG_NAME, INDEX_NAME, *self.manifest.get("side_files", [])):
+            if name not in files:
+                raise BadInputError(f"manifest does not checksum {name} (format version 2 covers config.json, "
+                                    "the index and every side file)", file=mfile)
+        return files
 
     # -- access --------------------------------------------------------------------------------
     @property
@@ -664,10 +727,127 @@ class Checkpoint:
         return self.layer(name).dequantize(dtype)
 
     def check_structure(self) -> None:
-        """Open every shard header and check every tensor's shape and dtype (no data read)."""
+        """Open every shard header and check every tensor's shape and dtype (no data read); then that the folder,
+        the index, the fused table and the architecture agree with the manifest (``check_contents``)."""
         self.store.check_index()
         for name in self.layers:
             self.packed_shapes_ok(name)
+        self.check_contents()
+
+    def check_contents(self) -> list[str]:
+        """The folder holds only listed files, every indexed tensor belongs to a layer or is a pass-through, the
+        fused table is consistent, and the layers are those config.json's architecture needs. Returns the names
+        of the checks that ran ("architecture" is skipped, with a warning, for a model type w4pack does not
+        know)."""
+        self.check_listing()
+        self.check_index_coverage()
+        self.check_fused()
+        return ["listing", "fused"] + (["architecture"] if self.check_architecture() else [])
+
+    def listed_files(self) -> set[str]:
+        """Every file the manifest accounts for: itself, the shards and (version 2) its ``files``; version 1
+        named config.json, the index and the side files without checksums."""
+        names = {MANIFEST_NAME} | {s["file"] for s in self.manifest["shards"]}
+        if self.format_version >= 2:
+            return names | set(self.files)
+        return names | {CONFIG_NAME, INDEX_NAME} | set(self.manifest.get("side_files", []))
+
+    def check_listing(self) -> None:
+        """No file in the folder beyond what the manifest lists, the model card (README.md, written by push) and
+        hidden entries (never uploaded, never loaded): a stray shard or tokenizer file would be picked up by
+        tools that glob the folder while no checksum covers it. Sub-folders are not the model's (no loader
+        reads them; an owner may keep e.g. the original weights there) and are left alone."""
+        listed = self.listed_files() | {CARD_NAME}
+        try:
+            entries = sorted(os.listdir(self.path))
+        except OSError as exc:
+            raise BadInputError(f"cannot list the folder: {exc.strerror}", file=str(self.path)) from None
+        for entry in entries:
+            if entry not in listed and not entry.startswith(".") and not (self.path / entry).is_dir():
+                raise BadInputError(f"not listed in {MANIFEST_NAME}: a checkpoint folder holds only the files its "
+                                    "manifest lists (remove it, or convert again to include it)",
+                                    file=str(self.path / entry))
+
+    def check_index_coverage(self) -> None:
+        """Every tensor of the index is a layer's or a pass-through (a layer entry removed from the manifest
+        leaves its tensors behind)."""
+        owned = set(self.manifest["passthrough"])
+        for meta in self.manifest["layers"].values():
+            owned.update(meta["tensors"].values())
+        for tname in self.weight_map:
+            if tname not in owned:
+                raise BadInputError(f"indexed tensor belongs to no layer of {MANIFEST_NAME} and is not a "
+                                    "pass-through tensor (a layer entry missing from the manifest?)",
+                                    file=str(self.path / INDEX_NAME), tensor=tname)
+
+    def check_fused(self) -> None:
+        """The fused table: each fused module is a layer; its parts are not layers, belong to one fusion only and
+        tile the layer's rows in order; config.json's copy is the same table."""
+        mfile = str(self.path / MANIFEST_NAME)
+        fused = self.manifest.get("fused") or {}
+        qc = self.config["quantization_config"]
+        if (qc.get("fused") or {}) != fused:
+            raise BadInputError(f"quantization_config.fused disagrees with the fused table of {MANIFEST_NAME}",
+                                file=str(self.path / CONFIG_NAME))
+        layers = self.manifest["layers"]
+        seen: set[str] = set()
+        for name, parts in fused.items():
+            if name not in layers:
+                raise BadInputError("fused module is not a layer of the manifest", file=mfile, tensor=name)
+            if not parts:
+                raise BadInputError("fused module has no parts", file=mfile, tensor=name)
+            end = 0
+            for part in parts:
+                pname, (lo, hi) = part["name"], part["rows"]
+                if pname in layers or pname in fused or pname in seen:
+                    raise BadInputError(f"fused part of {name} is also a layer or part of another fusion",
+                                        file=mfile, tensor=pname)
+                seen.add(pname)
+                if lo != end or hi <= lo:
+                    raise BadInputError(f"fused part rows [{lo}, {hi}) do not follow the previous part's end {end}",
+                                        file=mfile, tensor=pname)
+                end = hi
+            rows = layers[name]["shape"][0]
+            if end != rows:
+                raise BadInputError(f"fused parts cover rows [0, {end}) of the layer's {rows}", file=mfile,
+                                    tensor=name)
+
+    def check_architecture(self) -> bool:
+        """The manifest's layers (fused parts by their own names) plus the float linears are exactly the Linear
+        modules config.json's model needs, with their shapes. False (and a warning) when the model type or its
+        sizes are unknown."""
+        required, optional, why = needed_linears(self.config)
+        if why:
+            self.warnings.append(f"layers not checked against the architecture: {why}")
+            return False
+        mfile, cfile = str(self.path / MANIFEST_NAME), str(self.path / CONFIG_NAME)
+        fused = self.manifest.get("fused") or {}
+        held: dict[str, tuple[int, int]] = {}
+        for name, meta in self.manifest["layers"].items():
+            n, k = meta["shape"]
+            for part in fused.get(name, [{"name": name, "rows": [0, n]}]):
+                lo, hi = part["rows"]
+                held[part["name"]] = (hi - lo, k)
+        mtype, count = self.config.get("model_type"), self.config.get("num_hidden_layers")
+        for name, shape in held.items():
+            if name not in required and name not in optional:
+                raise BadInputError(f"manifest has a layer that a {mtype} model with {count} decoder layers does not "
+                                    f"have (see {CONFIG_NAME})", file=mfile, tensor=name)
+        for name, want in {**required, **optional}.items():
+            if name in held:
+                have = held[name]
+            elif f"{name}.weight" in self.weight_map and f"{name}.weight" in self.manifest["passthrough"]:
+                have = tuple(self.store.info(f"{name}.weight")[1])
+            elif name in required:
+                raise BadInputError(f"the {mtype} model of {CONFIG_NAME} needs this linear layer, which the "
+                                    "checkpoint holds neither packed (manifest layers) nor as a float weight",
+                                    file=mfile, tensor=name)
+            else:
+                continue
+            if want is not None and tuple(have) != tuple(want):
+                raise BadInputError(f"layer is {list(have)} but the {mtype} model of {CONFIG_NAME} needs "
+                                    f"{list(want)}", file=mfile if name in held else cfile, tensor=name)
+        return True
 
     def packed_shapes_ok(self, name: str) -> None:
         from ..core.layout import words_per_tile_lane
@@ -703,22 +883,33 @@ class Checkpoint:
                 raise BadInputError(f"dtype {dt} contradicts the manifest", file=str(self.path / fname), tensor=tname)
 
     def verify_checksums(self, show_progress: bool | None = None) -> None:
-        shards = self.manifest["shards"]
-        total = sum(s["size"] for s in shards)
+        """Size and sha256 of every file the manifest covers: config.json, the index and the side files first
+        (small; version 2), then the shards."""
+        entries = [(e, "file") for e in self.files.values()] + [(s, "shard") for s in self.manifest["shards"]]
+        total = sum(e["size"] for e, _k in entries)
         with Progress(total // (1 << 20) or 1, "checksums", " MiB", enabled=show_progress) as bar:
-            for s in shards:
-                p = self.path / s["file"]
-                size = p.stat().st_size
-                if size != s["size"]:
-                    raise BadInputError(f"size {size} != {s['size']} recorded in the manifest (truncated or altered)",
+            done = [0]
+
+            def tick(n: int) -> None:
+                before = done[0] >> 20
+                done[0] += n
+                bar.update((done[0] >> 20) - before)
+
+            for e, kind in entries:
+                p = self.path / e["file"]
+                try:
+                    size = p.stat().st_size
+                    if size == e["size"]:
+                        size, sha = _sha256_file(p, tick)
+                except FileNotFoundError:
+                    raise BadInputError(f"{kind} named in the manifest is missing", file=str(p)) from None
+                except OSError as exc:
+                    raise BadInputError(f"cannot read: {exc.strerror}", file=str(p)) from None
+                if size != e["size"]:
+                    raise BadInputError(f"size {size} != {e['size']} recorded in the manifest (truncated or altered)",
                                         file=str(p))
-                h = hashlib.sha256()
-                with open(p, "rb") as fh:
-                    for chunk in iter(lambda: fh.read(8 << 20), b""):
-                        h.update(chunk)
-                        bar.update(len(chunk) >> 20)
-                if h.hexdigest() != s["sha256"]:
-                    raise BadInputError("sha256 differs from the manifest: the shard is corrupted or altered",
+                if sha != e["sha256"]:
+                    raise BadInputError(f"sha256 differs from the manifest: the {kind} is corrupted or altered",
                                         file=str(p))
 
     def summary(self) -> dict[str, Any]:
@@ -747,6 +938,8 @@ class Checkpoint:
                 for (b, g, z, a), c in sorted(kinds.items(), key=lambda kv: -kv[1])
             ],
             "side_files": self.manifest.get("side_files", []),
+            "files": sorted(self.files),
+            "warnings": list(self.warnings),
         }
 
     def close(self) -> None:
@@ -801,13 +994,16 @@ def validate_checkpoint(path: str | os.PathLike[str], *, checksums: bool = True,
     first problem; returns the checkpoint summary when all is well.
     """
     with open_checkpoint(path) as ck:
-        ck.check_structure()
+        ck.store.check_index()
+        for name in ck.layers:
+            ck.packed_shapes_ok(name)
+        contents = ck.check_contents()
         if checksums:
             ck.verify_checksums(show_progress=show_progress)
         if deep:
             for name in ck.layers:
                 ck.layer(name)
         out = ck.summary()
-        out["checks"] = ["schema", "index", "headers", "shapes"] + (["sha256"] if checksums else []) + \
+        out["checks"] = ["schema", "index", "headers", "shapes"] + contents + (["sha256"] if checksums else []) + \
             (["unpack"] if deep else [])
         return out
