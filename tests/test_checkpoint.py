@@ -390,10 +390,10 @@ def test_bad_max_shard_size_is_a_usage_error(tmp_path, text):
 
 def test_disk_full_names_the_output_and_says_so(tmp_path, monkeypatch):
     """ENOSPC while a shard is written: one line naming the output and the tensor, and no temporary folder."""
-    import w4pack.checkpoint as cp
+    import w4pack.store.shards as shards
     from conftest import full_disk_open
 
-    monkeypatch.setattr(cp, "open", full_disk_open(lambda _path, mode: mode == "w+b"), raising=False)
+    monkeypatch.setattr(shards, "open", full_disk_open(lambda _path, mode: mode == "w+b"), raising=False)
     out = tmp_path / "ck"
     with pytest.raises(IOFailure, match="the disk is full") as ei:
         write_model(out)

@@ -8,26 +8,21 @@ A checkpoint is a Hugging Face model folder (see docs/FORMAT.md):
     w4pack.json                          the manifest (schemas/manifest.schema.json), written last
     tokenizer files, generation_config.json, ...   copied side files
 
-The writer holds no shard in memory: tensors go straight into the shard file behind a reserved header
-area (the header needs every offset, so it is written when the shard is full, padded with spaces, or
-the data is copied behind it in the kernel when it outgrew the reservation). A background thread
-fsyncs and checksums each finished shard while the next one is written. The index and the manifest
-come last and a temporary sibling folder is renamed into place, so an interrupted run leaves nothing
-that looks complete.
+The writer holds no shard in memory: the shards are written by the one streaming shard writer
+(store.shards.ShardStream: tensors straight into the shard file behind a reserved header area padded with
+spaces; each finished shard fsynced and checksummed in the background while the next one is written). The
+index and the manifest, which checksums every other file, come last and a temporary sibling folder is
+renamed into place, so an interrupted run leaves nothing that looks complete.
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import math
 import os
 import re
 import shutil
-import struct
-import threading
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +36,7 @@ from ..errors import BadInputError, IOFailure
 from .folder import member as _safe_member, read_json as _read_json, side_file
 from ..core.layout import LAYOUT_NAME, LAYOUT_VERSION, TILE_K, TILE_N, PackedLayer, pack, tensor_suffixes, unpack
 from ..progress import Progress
-from .safetensors import dtype_to_st
+from .shards import ShardStream
 from .names import CARD_NAME, CONFIG_NAME, INCOMPLETE_MARKER, INDEX_NAME, MANIFEST_NAME, SIDE_FILES, shard_names
 from ..core.arch import needed_linears
 from .tensors import TensorStore
@@ -155,19 +150,11 @@ class CheckpointWriter:
                 raise write_failure(exc, parent, "cannot create a folder next to the output") from None
             raise
         self.tmp: Path = tmp
-        # tensors of the shard being built go straight into its file, after a reserved header area
-        self._reserve = max(_HEADER_RESERVE, int(header_hint or 0))
-        self._shard: Any = None  # open file of the shard being built
-        self._shard_path: Path | None = None
-        self._shard_reserve = 0
-        self._pending: list[tuple[str, str, list[int], int, int]] = []  # name, st dtype, shape, begin, end
-        self._pending_bytes = 0
-        self._data_bytes = 0  # tensor bytes of the finished shards: the index's total_size
+        # tensors go straight into the shard being built, after a reserved header area padded with spaces;
+        # a background thread fsyncs and checksums each finished shard (store.shards.ShardStream)
+        self._stream = ShardStream(tmp, self.max_shard, output=self.target, pad=True, seal=True,
+                                   reserve=max(_HEADER_RESERVE, int(header_hint or 0)), temp="shard-{:05d}.partial")
         self.peak_layer_bytes = 0
-        # tmp path, size, sha256 (a Future while the background thread computes it), names
-        self._shards: list[tuple[Path, int, Any, list[str]]] = []
-        self._sealer: ThreadPoolExecutor | None = None
-        self._names: set[str] = set()
         self.layers: dict[str, dict[str, Any]] = {}
         self.passthrough: list[str] = []
         self.side_files: list[str] = []
@@ -176,71 +163,15 @@ class CheckpointWriter:
         self.show_progress = show_progress
 
     # -- adding content ------------------------------------------------------------------------
-    def _open_shard(self) -> None:
-        self._shard_path = self.tmp / f"shard-{len(self._shards):05d}.partial"
-        self._shard_reserve = self._reserve
-        try:
-            self._shard = open(self._shard_path, "w+b")
-            self._shard.seek(self._shard_reserve)
-        except OSError as exc:
-            raise self._shard_failure(exc) from None
-
-    def _shard_failure(self, exc: OSError, tensor: str | None = None) -> IOFailure:
-        """Errors name the output and the shard's number: the .partial file in the temporary folder is gone by the
-        time the user reads the message."""
-        return write_failure(exc, self.target, f"cannot write shard {len(self._shards) + 1}", tensor=tensor)
-
-    def _claim(self, name: str) -> None:
-        """A tensor name must be new and one the index and manifest can hold (a non-empty string)."""
-        if not isinstance(name, str) or not name:
-            raise BadInputError(f"tensor name {name!r} cannot be stored (it must be a non-empty string)")
-        if name in self._names:
-            raise BadInputError("tensor name written twice", tensor=name)
-        self._names.add(name)
-
     def _queue(self, items: list[tuple[str, np.ndarray, str | None]]) -> None:
-        for name, _a, _d in items:
-            self._claim(name)
-        size = sum(a.nbytes for _n, a, _d in items)
-        self.peak_layer_bytes = max(self.peak_layer_bytes, size)
-        if self._pending and self._pending_bytes + size > self.max_shard:
-            self._flush()
-        if self._shard is None:
-            self._open_shard()
-        for name, arr, dname in items:
-            a = np.ascontiguousarray(arr)
-            if a.dtype.byteorder == ">":
-                a = a.astype(a.dtype.newbyteorder("<"))
-            begin = self._pending_bytes
-            try:
-                if a.size:
-                    self._shard.write(memoryview(a).cast("B"))
-            except OSError as exc:
-                raise self._shard_failure(exc, name) from None
-            self._pending_bytes += a.nbytes
-            self._pending.append((name, dtype_to_st(a, dname), list(a.shape), begin, self._pending_bytes))
+        self.peak_layer_bytes = max(self.peak_layer_bytes, sum(a.nbytes for _n, a, _d in items))
+        self._stream.add(items)
 
     def add_tensor_span(self, name: str, path: str | os.PathLike[str], offset: int, nbytes: int, st_dtype: str,
                         shape: list[int] | tuple[int, ...]) -> None:
         """Pass through a tensor stored verbatim at ``offset`` of a file (a safetensors shard of the source):
         its bytes are copied in the kernel, never through memory."""
-        self._claim(name)
-        if self._pending and self._pending_bytes + nbytes > self.max_shard:
-            self._flush()
-        if self._shard is None:
-            self._open_shard()
-        try:
-            self._shard.flush()
-            with open(path, "rb", buffering=0) as src:
-                _copy_fd(src.fileno(), offset, self._shard.fileno(), self._shard.tell(), nbytes)
-            self._shard.seek(nbytes, os.SEEK_CUR)
-        except OSError as exc:
-            if not is_disk_full(exc):
-                raise IOFailure(f"cannot copy tensor data: {exc.strerror}", file=str(path), tensor=name) from None
-            raise self._shard_failure(exc, name) from None
-        begin = self._pending_bytes
-        self._pending_bytes += nbytes
-        self._pending.append((name, st_dtype, [int(d) for d in shape], begin, self._pending_bytes))
+        self._stream.add_span(name, path, offset, nbytes, st_dtype, shape)
         self.passthrough.append(name)
 
     def add_layer(self, name: str, layer: CanonicalLayer | PackedLayer,
@@ -300,63 +231,6 @@ class CheckpointWriter:
                 self.add_side_file(p)
 
     # -- finishing -----------------------------------------------------------------------------
-    def _flush(self) -> None:
-        """Finish the shard being built: its header goes into the reserved area (padded with spaces) or, when
-        it outgrew it, in front of a kernel-side copy of the data; fsync and sha256 run in the background."""
-        if not self._pending and self._shards:
-            return
-        if self._shard is None:
-            self._open_shard()
-        path = self._shard_path
-        assert path is not None
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        for name, dt, shape, begin, end in self._pending:
-            header[name] = {"dtype": dt, "shape": shape, "data_offsets": [begin, end]}
-        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        reserve = self._shard_reserve
-        try:
-            self._shard.flush()
-            if 8 + len(raw) <= reserve:
-                raw += b" " * (reserve - 8 - len(raw))
-                os.pwrite(self._shard.fileno(), struct.pack("<Q", len(raw)) + raw, 0)
-                self._shard.close()
-            else:
-                raw += b" " * (-len(raw) % 8)
-                moved = path.with_suffix(".moved")
-                os.replace(path, moved)
-                with open(path, "wb") as out:
-                    out.write(struct.pack("<Q", len(raw)) + raw)
-                    out.flush()
-                    _copy_fd(self._shard.fileno(), reserve, out.fileno(), out.tell(), self._pending_bytes)
-                self._shard.close()
-                os.unlink(moved)
-                # later shards reserve room for a header like this one
-                self._reserve = max(self._reserve, (len(raw) * 3 // 2 + 8 + 4095) // 4096 * 4096)
-        except OSError as exc:
-            raise self._shard_failure(exc) from None
-        self._shard = None
-        self._data_bytes += self._pending_bytes
-        size = 8 + len(raw) + self._pending_bytes
-        if self._sealer is None:
-            self._sealer = ThreadPoolExecutor(1, thread_name_prefix="w4pack-seal")
-        self._shards.append((path, size, self._sealer.submit(_seal, path, size), [p[0] for p in self._pending]))
-        self._pending, self._pending_bytes = [], 0
-
-    def _wait_sealed(self) -> None:
-        """Resolve every shard's background fsync + sha256 (raises IOFailure on the first that failed)."""
-        done = []
-        for i, (path, size, sha, names) in enumerate(self._shards):
-            if isinstance(sha, Future):
-                try:
-                    sha = sha.result()
-                except OSError as exc:
-                    raise write_failure(exc, self.target, f"cannot write shard {i + 1}") from None
-            done.append((path, size, sha, names))
-        self._shards = done
-        if self._sealer is not None:
-            self._sealer.shutdown(wait=True)
-            self._sealer = None
-
     def quantization_config(self) -> dict[str, Any]:
         qc: dict[str, Any] = {"quant_method": "w4pack", "layout": LAYOUT_NAME, "layout_version": LAYOUT_VERSION,
                               "format_version": FORMAT_VERSION, "manifest": MANIFEST_NAME}
@@ -406,19 +280,17 @@ class CheckpointWriter:
         return self.target
 
     def _finish(self) -> None:
-        self._flush()
-        self._wait_sealed()
-        total = len(self._shards)
-        names = shard_names(total, single=False)
+        shards = self._stream.close()
+        names = shard_names(len(shards), single=False)
         weight_map: dict[str, str] = {}
         config = dict(self.config)
         config["quantization_config"] = self.quantization_config()
         # checked before anything is written (add_layer checks names): a failure here is a bug, and names the output
         validate_quantization_config(config["quantization_config"], file=str(self.target / CONFIG_NAME))
-        for (_path, _size, _sha, tnames), fname in zip(self._shards, names):
-            weight_map.update((t, fname) for t in tnames)
+        for shard, fname in zip(shards, names):
+            weight_map.update((t, fname) for t in shard.names)
         # total_size is the tensor data, as in Hugging Face's indexes (not the shard files with their headers)
-        index = {"metadata": {"total_size": self._data_bytes, "format": "w4pack"},
+        index = {"metadata": {"total_size": sum(sh.data_bytes for sh in shards), "format": "w4pack"},
                  "weight_map": dict(sorted(weight_map.items()))}
         # the manifest checksums the final bytes of every other file (config.json with its quantization_config)
         docs = [(CONFIG_NAME, _json_bytes(config)), (INDEX_NAME, _json_bytes(index))]
@@ -429,12 +301,12 @@ class CheckpointWriter:
             except OSError as exc:
                 raise write_failure(exc, self.target / name) from None
             files.append({"file": name, "sha256": sha, "size": size})
-        manifest = self.manifest(names, [(s, h) for _p, s, h, _t in self._shards], files)
+        manifest = self.manifest(names, [(sh.size, sh.sha256) for sh in shards], files)
         validate_manifest(manifest, file=str(self.target))
         docs.append((MANIFEST_NAME, _json_bytes(manifest)))
         try:
-            for (path, _size, _sha, _tnames), fname in zip(self._shards, names):
-                os.replace(path, self.tmp / fname)
+            for shard, fname in zip(shards, names):
+                os.replace(shard.path, self.tmp / fname)
             for fname, raw in docs:
                 try:
                     _write_bytes(self.tmp / fname, raw)
@@ -455,15 +327,7 @@ class CheckpointWriter:
         if self._closed:
             return
         self._closed = True
-        if self._shard is not None:
-            try:
-                self._shard.close()
-            except OSError:
-                pass
-            self._shard = None
-        if self._sealer is not None:
-            self._sealer.shutdown(wait=True)  # let background fsyncs finish before the folder goes
-            self._sealer = None
+        self._stream.abort()  # let background fsyncs finish before the folder goes
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self) -> "CheckpointWriter":
@@ -474,69 +338,6 @@ class CheckpointWriter:
             self.close()  # aborts on failure
         else:
             self.abort()
-
-
-def _copy_fd(src: int, src_off: int, dst: int, dst_off: int, nbytes: int) -> None:
-    """Copy nbytes from src at src_off to dst at dst_off (file positions untouched), in the kernel where
-    possible, else through an 8 MiB buffer."""
-    done = 0
-    try:
-        while done < nbytes:
-            n = os.copy_file_range(src, dst, nbytes - done, src_off + done, dst_off + done)
-            if n == 0:
-                break
-            done += n
-    except (AttributeError, OSError) as exc:
-        if isinstance(exc, OSError) and exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL,
-                                                          errno.EOPNOTSUPP, errno.EBADF):
-            raise
-        while done < nbytes:
-            chunk = os.pread(src, min(8 << 20, nbytes - done), src_off + done)
-            if not chunk:
-                break
-            view = memoryview(chunk)
-            while view:
-                w = os.pwrite(dst, view, dst_off + done)
-                done += w
-                view = view[w:]
-    if done != nbytes:
-        raise OSError(errno.EIO, f"short copy ({done} of {nbytes} bytes)")
-
-
-def _seal(path: Path, size: int) -> str:
-    """fsync a finished shard and return its sha256 (runs in the writer's background thread). The fsync
-    (waiting for the disk) runs in a helper thread while this one hashes (CPU; the data is read back from
-    the page cache, and hashing releases the GIL)."""
-    h = hashlib.sha256()
-    buf = bytearray(4 << 20)
-    view = memoryview(buf)
-    failed: list[OSError] = []
-    with open(path, "rb", buffering=0) as fh:
-        def sync() -> None:
-            try:
-                os.fsync(fh.fileno())
-            except OSError as exc:
-                failed.append(exc)
-
-        syncer = threading.Thread(target=sync, name="w4pack-fsync")
-        syncer.start()
-        try:
-            total = 0
-            while True:
-                n = fh.readinto(buf)
-                if not n:
-                    break
-                h.update(view[:n])
-                total += n
-        finally:
-            syncer.join()
-    if failed:
-        raise failed[0]
-    if total != size:
-        raise OSError(errno.EIO, f"shard is {total} bytes, expected {size}")
-    return h.hexdigest()
-
-
 
 
 def _json_bytes(doc: Any) -> bytes:
@@ -564,12 +365,13 @@ def _sha256_file(path: Path, on_chunk: Any = None) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-_SOURCE_KEYS = {"format", "version", "path", "bits", "notes", "quirks", "base_model"}
+#: in the order written (a set's order varies from run to run with the string hash seed)
+_SOURCE_KEYS = ("format", "version", "path", "bits", "notes", "quirks", "base_model")
 
 
 def _clean_source(src: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"format": str(src.get("format") or "unknown")}
-    for key in _SOURCE_KEYS - {"format"}:
+    for key in _SOURCE_KEYS[1:]:
         if key in src and src[key] is not None:
             val = src[key]
             out[key] = [str(v) for v in val] if key in ("notes", "quirks") else (int(val) if key == "bits" else str(val))
