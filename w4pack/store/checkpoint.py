@@ -62,7 +62,7 @@ FORMAT_VERSION = 2
 _HEADER_RESERVE = 4096
 #: bytes a header entry takes at most beyond its tensor name (dtype, a 2-D shape, two offsets, JSON)
 HEADER_ENTRY_BYTES = 120
-_RESERVED = {CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, INCOMPLETE_MARKER}
+_RESERVED = {CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, INCOMPLETE_MARKER, CARD_NAME}  # CARD_NAME: push rewrites it
 
 
 #: the largest size parse_size accepts: safetensors offsets are unsigned 64-bit
