@@ -691,3 +691,16 @@ def test_architecture_check(packed_llama, tmp_path):
     _resign(folder)
     report = validate_checkpoint(folder)
     assert "architecture" not in report["checks"] and "somethingnew" in report["warnings"][0]
+
+
+def test_covered_file_linked_out_of_the_folder_is_refused(packed_llama, tmp_path):
+    """A checksummed side file must not be read through a link out of the folder (rule 1), even with the same
+    bytes."""
+    folder = tmp_path / "ck"
+    shutil.copytree(packed_llama["plain"], folder)
+    outside = tmp_path / "elsewhere.json"
+    shutil.move(folder / "generation_config.json", outside)
+    (folder / "generation_config.json").symlink_to(outside)
+    with pytest.raises(BadInputError, match="symbolic link out of the folder") as ei:
+        validate_checkpoint(folder)
+    assert "generation_config.json" in str(ei.value)

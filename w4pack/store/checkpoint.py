@@ -441,8 +441,7 @@ class Checkpoint:
         self.store.add_index(root, self.weight_map)
 
     def _covered_files(self, mfile: str) -> dict[str, dict[str, Any]]:
-        """Version 2: every file entry is a plain name inside the folder, listed once, config.json, the index and
-        each side file among them. Version 1 covered only the shards: still read, with a warning."""
+        """Version 2: every file entry is listed once, config.json, the index and each side file among them. Version 1 covered only the shards: still read, with a warning."""
         if self.format_version < 2:
             self.warnings.append(
                 f"{MANIFEST_NAME} is format version {self.format_version}: only the shards are checksummed, not "
@@ -452,8 +451,7 @@ class Checkpoint:
         files: dict[str, dict[str, Any]] = {}
         shards = {s["file"] for s in self.manifest["shards"]}
         for entry in self.manifest["files"]:
-            name = entry["file"]
-            _safe_member(self.path, name, "file", mfile)
+            name = entry["file"]  # a plain name (the schema's filename); links are checked where it is read
             if name in files or name in shards or name in (MANIFEST_NAME, CARD_NAME):
                 raise BadInputError(f"manifest lists {name!r} twice or as a file it cannot checksum", file=mfile)
             files[name] = entry
@@ -698,7 +696,7 @@ class Checkpoint:
                 bar.update((done[0] >> 20) - before)
 
             for e, kind in entries:
-                p = self.path / e["file"]
+                p = _safe_member(self.path, e["file"], kind, str(self.path / MANIFEST_NAME))
                 try:
                     size = p.stat().st_size
                     if size == e["size"]:
