@@ -540,12 +540,6 @@ def packed_llama(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def _edit_json(path: Path, fn) -> None:
-    doc = json.loads(path.read_text())
-    fn(doc)
-    path.write_text(json.dumps(doc, indent=2) + "\n")
-
-
 def _resign(folder: Path) -> None:
     """Re-record config.json's and the index's checksums in the manifest, as a careful tamperer would: what is
     left to catch it is the consistency of the contents."""

@@ -12,7 +12,7 @@ from . import emit_json
 @click.command()
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
-@click.option("--no-checksums", is_flag=True, help="Skip the sha256 of every shard (structure only).")
+@click.option("--no-checksums", is_flag=True, help="Skip the size and sha256 of every covered file: shards, config, index, side files.")
 @click.option("--deep", is_flag=True, help="Also unpack every layer and check code ranges and permutations.")
 def validate(path: Path, as_json: bool, no_checksums: bool, deep: bool) -> None:
     """Check PATH against the schema, its index, shard headers, shapes and checksums.
