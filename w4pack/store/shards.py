@@ -27,7 +27,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -75,11 +75,11 @@ class Shard:
 class ShardStream:
     """Stream tensors into safetensors shard files in ``folder``; see the module doc for the options.
 
-    ``output`` is what errors name (the output the temporary folder becomes); ``temp`` the shard files' names
-    until the owner renames them (``temp.format(k)``). ``close()`` returns the shards."""
+    ``output`` is what errors name (the output the temporary folder becomes); ``temp`` names shard k's file
+    until the owner renames it (``temp.format(k)``, or ``temp(k)``). ``close()`` returns the shards."""
 
     def __init__(self, folder: Path, max_bytes: int, *, output: Path, reserve: int = 0, pad: bool = False,
-                 seal: bool = False, sync: bool = False, temp: str = ".shard-{:05d}.partial"):
+                 seal: bool = False, sync: bool = False, temp: str | Callable[[int], str] = ".shard-{:05d}.partial"):
         self.folder, self.max_bytes, self.output = Path(folder), max_bytes, Path(output)
         #: header area reserved at the start of the next shard (a planning owner sets it per shard)
         self.reserve = reserve
@@ -111,7 +111,8 @@ class ShardStream:
         if self._pending and self._pending_bytes + nbytes > self.max_bytes:
             self.flush()
         if self._fh is None:
-            self._path = self.folder / self.temp.format(len(self.shards))
+            k = len(self.shards)
+            self._path = self.folder / (self.temp(k) if callable(self.temp) else self.temp.format(k))
             self._shard_reserve = self.reserve
             try:
                 self._fh = open(self._path, "w+b")
@@ -237,7 +238,8 @@ def publish(stream: ShardStream, *, sort_index: bool) -> list[str]:
     files = shard_names(len(shards))
     try:
         for shard, fname in zip(shards, files):
-            os.replace(shard.path, stream.folder / fname)
+            if shard.path != stream.folder / fname:
+                os.replace(shard.path, stream.folder / fname)
         if len(files) > 1:
             wmap = {n: fname for shard, fname in zip(shards, files) for n in shard.names}
             write_json(stream.folder / INDEX_NAME,
@@ -311,8 +313,9 @@ class PlannedShards:
         self.files = shard_names(len(plan))
         self._order = [(si, e) for si, shard in enumerate(plan) for e in shard]
         self._pos = 0
+        # the files get their final names at once (a planned shard is complete when its last tensor is in)
         self.stream = ShardStream(self.folder, max_shard, output=output_of(self.folder), sync=True,
-                                  reserve=self._reserve[0])
+                                  reserve=self._reserve[0], temp=self.files.__getitem__)
 
     def write(self, name: str, arr: np.ndarray, dtype_name: str | None) -> None:
         if self._pos >= len(self._order):
