@@ -101,7 +101,11 @@ def _mutations():
         return fn
     return [
         ("format", lambda d: d.update(format="gptq")),
-        ("version", lambda d: d.update(format_version=2)),
+        ("version", lambda d: d.update(format_version=3)),
+        ("v2 without files", lambda d: d.pop("files")),
+        ("v2 files without config", lambda d: d.update(files=[f for f in d["files"] if f["file"] != "config.json"])),
+        ("v1 with files", lambda d: d.update(format_version=1)),
+        ("file path escape", lambda d: d["files"][0].update(file="../config.json")),
         ("layout name", lambda d: d["layout"].update(name="marlin")),
         ("extra key", lambda d: d.update(surprise=1)),
         ("missing shards", lambda d: d.pop("shards")),
@@ -324,14 +328,14 @@ def test_failure_or_interrupt_at_close_removes_the_temporary_folder(tmp_path, mo
     out = tmp_path / "ck"
     write_model(out, seed=1)
     before = (out / MANIFEST_NAME).read_bytes()
-    real_write = cp._write_json
+    real_write = cp._write_bytes
 
-    def interrupted(path, doc):
+    def interrupted(path, raw):
         if path.name == MANIFEST_NAME:
             raise KeyboardInterrupt
-        real_write(path, doc)
+        real_write(path, raw)
 
-    monkeypatch.setattr(cp, "_write_json", interrupted)
+    monkeypatch.setattr(cp, "_write_bytes", interrupted)
     with pytest.raises(KeyboardInterrupt):
         write_model(out, seed=2, force=True)
     monkeypatch.undo()
@@ -386,10 +390,10 @@ def test_bad_max_shard_size_is_a_usage_error(tmp_path, text):
 
 def test_disk_full_names_the_output_and_says_so(tmp_path, monkeypatch):
     """ENOSPC while a shard is written: one line naming the output and the tensor, and no temporary folder."""
-    import w4pack.checkpoint as cp
+    import w4pack.store.shards as shards
     from conftest import full_disk_open
 
-    monkeypatch.setattr(cp, "open", full_disk_open(lambda _path, mode: mode == "w+b"), raising=False)
+    monkeypatch.setattr(shards, "open", full_disk_open(lambda _path, mode: mode == "w+b"), raising=False)
     out = tmp_path / "ck"
     with pytest.raises(IOFailure, match="the disk is full") as ei:
         write_model(out)
@@ -505,3 +509,192 @@ def test_interrupt_just_after_the_final_rename_leaves_no_old_copy(tmp_path, monk
         atomic.move_into_place(tmp, target, force=True)
     assert (target / "new.txt").is_file() and not (target / "old.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+# ---- issue 30 item 3: every file that defines the model is covered (manifest format version 2) ---------------
+from conftest import fixture_dir  # noqa: E402
+from hub_fixtures import TOKEN, USER, folder_bytes, hub  # noqa: E402,F401
+
+AWQ_LLAMA = ("awq", "tiny_llama_gemm_g128")
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    """Run the CLI in a child process (as a user would): exit status and stderr (+ stdout for verify's report,
+    which names a structure failure there)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "w4pack", *args], capture_output=True, text=True, env=env, timeout=300)
+    return p.returncode, p.stderr + (p.stdout if args[0] == "verify" else "")
+
+
+@pytest.fixture(scope="module")
+def packed_llama(tmp_path_factory) -> dict[str, Path]:
+    """The AWQ tiny Llama converted twice: plain and with --fuse qkv,gate-up."""
+    from w4pack.convert import convert
+
+    src = fixture_dir(*AWQ_LLAMA)
+    root = tmp_path_factory.mktemp("packed")
+    out = {"src": src}
+    for kind, fuse in (("plain", None), ("fused", "qkv,gate-up")):
+        convert(src, root / kind, fuse=fuse, show_progress=False)
+        out[kind] = root / kind
+    return out
+
+
+def _resign(folder: Path) -> None:
+    """Re-record config.json's and the index's checksums in the manifest, as a careful tamperer would: what is
+    left to catch it is the consistency of the contents."""
+    import hashlib
+
+    def fix(doc: dict) -> None:
+        for entry in doc["files"]:
+            raw = (folder / entry["file"]).read_bytes()
+            entry.update(sha256=hashlib.sha256(raw).hexdigest(), size=len(raw))
+    _edit_json(folder / MANIFEST_NAME, fix)
+
+
+def _drop_layer(folder: Path, name: str, *, index_too: bool) -> None:
+    gone = {}
+
+    def drop(doc: dict) -> None:
+        gone.update(doc["layers"].pop(name)["tensors"])
+    _edit_json(folder / MANIFEST_NAME, drop)
+    if index_too:
+        _edit_json(folder / INDEX_NAME, lambda d: [d["weight_map"].pop(t) for t in gone.values()])
+        _resign(folder)
+
+
+def _swap_fused_parts(folder: Path, i: int, j: int, *, in_config: bool) -> None:
+    def swap(parts: list) -> None:
+        parts[i]["name"], parts[j]["name"] = parts[j]["name"], parts[i]["name"]
+    _edit_json(folder / MANIFEST_NAME, lambda d: swap(d["fused"]["model.layers.0.self_attn.qkv_proj"]))
+    if in_config:
+        _edit_json(folder / "config.json",
+                   lambda d: swap(d["quantization_config"]["fused"]["model.layers.0.self_attn.qkv_proj"]))
+        _resign(folder)
+
+
+#: (kind of checkpoint, tampering, the file the one-line error must name)
+TAMPERING = {
+    "rms_norm_eps": ("plain", lambda f: _edit_json(f / "config.json", lambda d: d.update(rms_norm_eps=0.5)),
+                     "config.json"),
+    "empty generation_config": ("plain", lambda f: (f / "generation_config.json").write_bytes(b""),
+                                "generation_config.json"),
+    "stray shard": ("plain", lambda f: shutil.copyfile(next(f.glob("model-0*.safetensors")),
+                                                        f / "model-99999.safetensors"), "model-99999.safetensors"),
+    "stray tokenizer": ("plain", lambda f: (f / "tokenizer.json").write_text("{}"), "tokenizer.json"),
+    "layer entry removed": ("plain", lambda f: _drop_layer(f, "model.layers.1.mlp.up_proj", index_too=False),
+                            INDEX_NAME),
+    "layer removed, index re-signed": ("plain", lambda f: _drop_layer(f, "model.layers.1.mlp.down_proj",
+                                                                       index_too=True), MANIFEST_NAME),
+    "fused table edited": ("fused", lambda f: _swap_fused_parts(f, 0, 1, in_config=False), "config.json"),
+    "fused table edited, config re-signed": ("fused", lambda f: _swap_fused_parts(f, 0, 1, in_config=True),
+                                             MANIFEST_NAME),
+}
+
+
+@pytest.mark.parametrize("case", list(TAMPERING))
+def test_tampered_folder_refused_by_validate_verify_and_pull(packed_llama, tmp_path, case, hub):  # noqa: F811
+    """Before format version 2 all of these were accepted by validate --deep, verify and pull."""
+    kind, tamper, names = TAMPERING[case]
+    folder = tmp_path / "ck"
+    shutil.copytree(packed_llama[kind], folder)
+    rc, err = _cli("validate", str(folder))
+    assert rc == 0, err
+    tamper(folder)
+    rc, err = _cli("validate", "--deep", str(folder))
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and names in err and "Traceback" not in err, err
+    rc, err = _cli("verify", str(folder), "--threads", "1", "--seed", "1")
+    assert rc in (1, 2) and names in err, err
+    rc, err = _cli("verify", str(folder), "--against", str(packed_llama["src"]), "--threads", "1", "--seed", "1")
+    assert rc in (1, 2) and names in err, err
+    repo = f"{USER}/tampered"
+    hub.add_repo(repo, folder_bytes(folder))
+    dest = tmp_path / "pulled"
+    rc, err = _cli("pull", repo, str(dest), "--endpoint", hub.endpoint, "--token", TOKEN)
+    assert rc == 2 and names in err and not dest.exists(), err
+
+
+def test_manifest_covers_every_file_and_is_version_2(packed_llama, tmp_path):
+    import hashlib
+
+    folder = packed_llama["plain"]
+    doc = json.loads((folder / MANIFEST_NAME).read_text())
+    assert doc["format_version"] == 2
+    covered = {e["file"]: e for e in doc["files"]}
+    assert set(covered) == {"config.json", INDEX_NAME, "generation_config.json"}
+    # the hash is of the final config.json, quantization_config (written by the writer) included
+    for name, entry in covered.items():
+        raw = (folder / name).read_bytes()
+        assert entry == {"file": name, "sha256": hashlib.sha256(raw).hexdigest(), "size": len(raw)}
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["quantization_config"]["format_version"] == 2
+    report = validate_checkpoint(folder)
+    assert {"listing", "fused", "architecture", "sha256"} <= set(report["checks"]) and report["warnings"] == []
+
+
+def test_card_hidden_entries_and_subfolders_are_not_the_model(packed_llama, tmp_path):
+    folder = tmp_path / "ck"
+    shutil.copytree(packed_llama["plain"], folder)
+    (folder / "README.md").write_text("# a card\n")
+    (folder / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    (folder / "original").mkdir()
+    (folder / "original" / "model.safetensors").write_bytes(b"\0" * 64)
+    assert validate_checkpoint(folder)["num_layers"] == 14
+
+
+def test_version_1_manifest_is_read_with_a_warning(packed_llama, tmp_path):
+    """Older checkpoints stay usable; validate says what is not covered and how to get a covering manifest."""
+    folder = tmp_path / "ck"
+    shutil.copytree(packed_llama["plain"], folder)
+    _edit_json(folder / MANIFEST_NAME, lambda d: (d.update(format_version=1), d.pop("files")))
+    _edit_json(folder / "config.json", lambda d: d["quantization_config"].update(format_version=1))
+    report = validate_checkpoint(folder)
+    assert "sha256" in report["checks"] and len(report["warnings"]) == 1
+    assert "format version 1" in report["warnings"][0] and "w4pack convert" in report["warnings"][0]
+    rc, err = _cli("validate", str(folder))
+    assert rc == 0 and "warning:" in err and "format version 1" in err
+    # the listing and architecture checks apply to version 1 too
+    shutil.copyfile(folder / "config.json", folder / "config.json.bak")
+    with pytest.raises(BadInputError, match="not listed") as ei:
+        validate_checkpoint(folder)
+    assert "config.json.bak" in str(ei.value)
+    (folder / "config.json.bak").unlink()
+    # the remedy the warning names: converting the folder again writes version 2
+    from w4pack.convert import convert
+
+    convert(folder, tmp_path / "again", show_progress=False)
+    again = validate_checkpoint(tmp_path / "again")
+    assert again["format_version"] == 2 and again["warnings"] == []
+
+
+def test_architecture_check(packed_llama, tmp_path):
+    """Layers beyond num_hidden_layers, a shape config.json contradicts, and a model type w4pack does not know
+    (skipped, with a warning)."""
+    folder = tmp_path / "ck"
+    shutil.copytree(packed_llama["plain"], folder)
+    _edit_json(folder / "config.json", lambda d: d.update(num_hidden_layers=1))
+    _resign(folder)
+    with pytest.raises(BadInputError, match="does not have") as ei:
+        validate_checkpoint(folder)
+    assert "model.layers.1." in str(ei.value)
+    _edit_json(folder / "config.json", lambda d: d.update(num_hidden_layers=2, intermediate_size=1024))
+    _resign(folder)
+    with pytest.raises(BadInputError, match=r"needs \[1024, 256\]"):
+        validate_checkpoint(folder)
+    _edit_json(folder / "config.json", lambda d: d.update(intermediate_size=512, model_type="somethingnew"))
+    _resign(folder)
+    report = validate_checkpoint(folder)
+    assert "architecture" not in report["checks"] and "somethingnew" in report["warnings"][0]
+
+
+def test_covered_file_linked_out_of_the_folder_is_refused(packed_llama, tmp_path):
+    """A checksummed side file must not be read through a link out of the folder (rule 1), even with the same
+    bytes."""
+    folder = tmp_path / "ck"
+    shutil.copytree(packed_llama["plain"], folder)
+    outside = tmp_path / "elsewhere.json"
+    shutil.move(folder / "generation_config.json", outside)
+    (folder / "generation_config.json").symlink_to(outside)
+    with pytest.raises(BadInputError, match="symbolic link out of the folder") as ei:
+        validate_checkpoint(folder)
+    assert "generation_config.json" in str(ei.value)

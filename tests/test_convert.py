@@ -159,12 +159,12 @@ def test_cli_bad_max_shard_size_is_a_usage_error(tmp_path, size):
 
 
 def test_disk_full_in_a_peer_format_writer_names_the_output(tmp_path, monkeypatch):
-    """--to awq / compressed-tensors spool their tensors (store/shards.py): a full disk said only "No space left
+    """--to awq / compressed-tensors stream their tensors (store/shards.py): a full disk said only "No space left
     on device", naming no file."""
     import w4pack.store.shards as shards
     from conftest import full_disk_open
 
-    monkeypatch.setattr(shards, "open", full_disk_open(lambda path, _mode: Path(path).name == ".spool.partial"),
+    monkeypatch.setattr(shards, "open", full_disk_open(lambda path, _mode: Path(path).name.endswith(".partial")),
                         raising=False)
     src = fixture_dir("awq", "tiny_llama_gemm_g128")
     for to in ("awq", "compressed-tensors"):

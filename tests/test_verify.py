@@ -321,13 +321,22 @@ def test_fused_quantization_error_uses_the_parts_base_weights(tmp_path: Path) ->
 
 
 def test_fused_rows_that_do_not_tile_the_layer_fail(tmp_path: Path) -> None:
+    from w4pack.errors import BadInputError
+
     ck = _write_fused(tmp_path / "fused", _qkv_parts())
     mpath = ck / "w4pack.json"
     doc = json.loads(mpath.read_text())
     doc["fused"][f"{ATTN}.qkv_proj"][2]["rows"] = [96, 120]
     mpath.write_text(json.dumps(doc))
-    rep = verify(ck, threads=1, seed=1)
-    assert not rep.ok and rep.failed_layers[0].problems == ["fused parts cover rows [0, 120) of the layer's 128"]
+    # an inconsistent manifest is bad input (exit 2), found by the structure check before any layer runs
+    with pytest.raises(BadInputError, match="fused"):
+        verify(ck, threads=1, seed=1)
+    qc_path = ck / "config.json"
+    cfg = json.loads(qc_path.read_text())
+    cfg["quantization_config"]["fused"] = doc["fused"]
+    qc_path.write_text(json.dumps(cfg))  # config.json agrees again: the rows themselves are refused
+    with pytest.raises(BadInputError, match=r"fused parts cover rows \[0, 120\) of the layer's 128"):
+        verify(ck, threads=1, seed=1)
 
 
 # ---- --against hf://, the seed, the help ---------------------------------------------------------------

@@ -655,7 +655,8 @@ def pull(repo_id: str, dest: str | os.PathLike[str], *, revision: str | None = N
     """Download a packed checkpoint from the Hub into ``dest``, validated, atomically.
 
     Files land in a temporary sibling first; only a snapshot that passes ``validate_checkpoint`` (schema,
-    index, checksums) is renamed to ``dest``. An existing ``dest`` is replaced only with ``force``.
+    index, the checksums of every covered file, no unlisted file, the fused table, the layers the
+    architecture needs) is renamed to ``dest``. An existing ``dest`` is replaced only with ``force``.
     """
     from huggingface_hub import snapshot_download
 

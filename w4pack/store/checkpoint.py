@@ -8,26 +8,21 @@ A checkpoint is a Hugging Face model folder (see docs/FORMAT.md):
     w4pack.json                          the manifest (schemas/manifest.schema.json), written last
     tokenizer files, generation_config.json, ...   copied side files
 
-The writer holds no shard in memory: tensors go straight into the shard file behind a reserved header
-area (the header needs every offset, so it is written when the shard is full, padded with spaces, or
-the data is copied behind it in the kernel when it outgrew the reservation). A background thread
-fsyncs and checksums each finished shard while the next one is written. The index and the manifest
-come last and a temporary sibling folder is renamed into place, so an interrupted run leaves nothing
-that looks complete.
+The writer holds no shard in memory: the shards are written by the one streaming shard writer
+(store.shards.ShardStream: tensors straight into the shard file behind a reserved header area padded with
+spaces; each finished shard fsynced and checksummed in the background while the next one is written). The
+index and the manifest, which checksums every other file, come last and a temporary sibling folder is
+renamed into place, so an interrupted run leaves nothing that looks complete.
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import math
 import os
 import re
 import shutil
-import struct
-import threading
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +36,16 @@ from ..errors import BadInputError, IOFailure
 from .folder import member as _safe_member, read_json as _read_json, side_file
 from ..core.layout import LAYOUT_NAME, LAYOUT_VERSION, TILE_K, TILE_N, PackedLayer, pack, tensor_suffixes, unpack
 from ..progress import Progress
-from .safetensors import dtype_to_st
-from .names import CONFIG_NAME, INCOMPLETE_MARKER, INDEX_NAME, MANIFEST_NAME, SIDE_FILES, shard_names
+from .shards import ShardStream
+from .names import CARD_NAME, CONFIG_NAME, INCOMPLETE_MARKER, INDEX_NAME, MANIFEST_NAME, SIDE_FILES, shard_names
+from ..core.arch import needed_linears
 from .tensors import TensorStore
 from ..schema import load_schema, validate_manifest, validate_quantization_config
 
 __all__ = [
     "MANIFEST_NAME",
     "INDEX_NAME",
+    "FORMAT_VERSION",
     "INCOMPLETE_MARKER",
     "CheckpointWriter",
     "Checkpoint",
@@ -59,11 +56,13 @@ __all__ = [
 ]
 
 DEFAULT_MAX_SHARD = 2 * 1024**3
+#: the manifest format written (docs/FORMAT.md §5); readers take 1 (shards checksummed) and 2 (every file)
+FORMAT_VERSION = 2
 #: header area reserved at the start of a shard before its first tensor (grown from shard to shard)
 _HEADER_RESERVE = 4096
 #: bytes a header entry takes at most beyond its tensor name (dtype, a 2-D shape, two offsets, JSON)
 HEADER_ENTRY_BYTES = 120
-_RESERVED = {CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, INCOMPLETE_MARKER}
+_RESERVED = {CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, INCOMPLETE_MARKER, CARD_NAME}  # CARD_NAME: push rewrites it
 
 
 #: the largest size parse_size accepts: safetensors offsets are unsigned 64-bit
@@ -151,19 +150,11 @@ class CheckpointWriter:
                 raise write_failure(exc, parent, "cannot create a folder next to the output") from None
             raise
         self.tmp: Path = tmp
-        # tensors of the shard being built go straight into its file, after a reserved header area
-        self._reserve = max(_HEADER_RESERVE, int(header_hint or 0))
-        self._shard: Any = None  # open file of the shard being built
-        self._shard_path: Path | None = None
-        self._shard_reserve = 0
-        self._pending: list[tuple[str, str, list[int], int, int]] = []  # name, st dtype, shape, begin, end
-        self._pending_bytes = 0
-        self._data_bytes = 0  # tensor bytes of the finished shards: the index's total_size
+        # tensors go straight into the shard being built, after a reserved header area padded with spaces;
+        # a background thread fsyncs and checksums each finished shard (store.shards.ShardStream)
+        self._stream = ShardStream(tmp, self.max_shard, output=self.target, pad=True, seal=True,
+                                   reserve=max(_HEADER_RESERVE, int(header_hint or 0)), temp="shard-{:05d}.partial")
         self.peak_layer_bytes = 0
-        # tmp path, size, sha256 (a Future while the background thread computes it), names
-        self._shards: list[tuple[Path, int, Any, list[str]]] = []
-        self._sealer: ThreadPoolExecutor | None = None
-        self._names: set[str] = set()
         self.layers: dict[str, dict[str, Any]] = {}
         self.passthrough: list[str] = []
         self.side_files: list[str] = []
@@ -172,71 +163,15 @@ class CheckpointWriter:
         self.show_progress = show_progress
 
     # -- adding content ------------------------------------------------------------------------
-    def _open_shard(self) -> None:
-        self._shard_path = self.tmp / f"shard-{len(self._shards):05d}.partial"
-        self._shard_reserve = self._reserve
-        try:
-            self._shard = open(self._shard_path, "w+b")
-            self._shard.seek(self._shard_reserve)
-        except OSError as exc:
-            raise self._shard_failure(exc) from None
-
-    def _shard_failure(self, exc: OSError, tensor: str | None = None) -> IOFailure:
-        """Errors name the output and the shard's number: the .partial file in the temporary folder is gone by the
-        time the user reads the message."""
-        return write_failure(exc, self.target, f"cannot write shard {len(self._shards) + 1}", tensor=tensor)
-
-    def _claim(self, name: str) -> None:
-        """A tensor name must be new and one the index and manifest can hold (a non-empty string)."""
-        if not isinstance(name, str) or not name:
-            raise BadInputError(f"tensor name {name!r} cannot be stored (it must be a non-empty string)")
-        if name in self._names:
-            raise BadInputError("tensor name written twice", tensor=name)
-        self._names.add(name)
-
     def _queue(self, items: list[tuple[str, np.ndarray, str | None]]) -> None:
-        for name, _a, _d in items:
-            self._claim(name)
-        size = sum(a.nbytes for _n, a, _d in items)
-        self.peak_layer_bytes = max(self.peak_layer_bytes, size)
-        if self._pending and self._pending_bytes + size > self.max_shard:
-            self._flush()
-        if self._shard is None:
-            self._open_shard()
-        for name, arr, dname in items:
-            a = np.ascontiguousarray(arr)
-            if a.dtype.byteorder == ">":
-                a = a.astype(a.dtype.newbyteorder("<"))
-            begin = self._pending_bytes
-            try:
-                if a.size:
-                    self._shard.write(memoryview(a).cast("B"))
-            except OSError as exc:
-                raise self._shard_failure(exc, name) from None
-            self._pending_bytes += a.nbytes
-            self._pending.append((name, dtype_to_st(a, dname), list(a.shape), begin, self._pending_bytes))
+        self.peak_layer_bytes = max(self.peak_layer_bytes, sum(a.nbytes for _n, a, _d in items))
+        self._stream.add(items)
 
     def add_tensor_span(self, name: str, path: str | os.PathLike[str], offset: int, nbytes: int, st_dtype: str,
                         shape: list[int] | tuple[int, ...]) -> None:
         """Pass through a tensor stored verbatim at ``offset`` of a file (a safetensors shard of the source):
         its bytes are copied in the kernel, never through memory."""
-        self._claim(name)
-        if self._pending and self._pending_bytes + nbytes > self.max_shard:
-            self._flush()
-        if self._shard is None:
-            self._open_shard()
-        try:
-            self._shard.flush()
-            with open(path, "rb", buffering=0) as src:
-                _copy_fd(src.fileno(), offset, self._shard.fileno(), self._shard.tell(), nbytes)
-            self._shard.seek(nbytes, os.SEEK_CUR)
-        except OSError as exc:
-            if not is_disk_full(exc):
-                raise IOFailure(f"cannot copy tensor data: {exc.strerror}", file=str(path), tensor=name) from None
-            raise self._shard_failure(exc, name) from None
-        begin = self._pending_bytes
-        self._pending_bytes += nbytes
-        self._pending.append((name, st_dtype, [int(d) for d in shape], begin, self._pending_bytes))
+        self._stream.add_span(name, path, offset, nbytes, st_dtype, shape)
         self.passthrough.append(name)
 
     def add_layer(self, name: str, layer: CanonicalLayer | PackedLayer,
@@ -296,66 +231,9 @@ class CheckpointWriter:
                 self.add_side_file(p)
 
     # -- finishing -----------------------------------------------------------------------------
-    def _flush(self) -> None:
-        """Finish the shard being built: its header goes into the reserved area (padded with spaces) or, when
-        it outgrew it, in front of a kernel-side copy of the data; fsync and sha256 run in the background."""
-        if not self._pending and self._shards:
-            return
-        if self._shard is None:
-            self._open_shard()
-        path = self._shard_path
-        assert path is not None
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        for name, dt, shape, begin, end in self._pending:
-            header[name] = {"dtype": dt, "shape": shape, "data_offsets": [begin, end]}
-        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        reserve = self._shard_reserve
-        try:
-            self._shard.flush()
-            if 8 + len(raw) <= reserve:
-                raw += b" " * (reserve - 8 - len(raw))
-                os.pwrite(self._shard.fileno(), struct.pack("<Q", len(raw)) + raw, 0)
-                self._shard.close()
-            else:
-                raw += b" " * (-len(raw) % 8)
-                moved = path.with_suffix(".moved")
-                os.replace(path, moved)
-                with open(path, "wb") as out:
-                    out.write(struct.pack("<Q", len(raw)) + raw)
-                    out.flush()
-                    _copy_fd(self._shard.fileno(), reserve, out.fileno(), out.tell(), self._pending_bytes)
-                self._shard.close()
-                os.unlink(moved)
-                # later shards reserve room for a header like this one
-                self._reserve = max(self._reserve, (len(raw) * 3 // 2 + 8 + 4095) // 4096 * 4096)
-        except OSError as exc:
-            raise self._shard_failure(exc) from None
-        self._shard = None
-        self._data_bytes += self._pending_bytes
-        size = 8 + len(raw) + self._pending_bytes
-        if self._sealer is None:
-            self._sealer = ThreadPoolExecutor(1, thread_name_prefix="w4pack-seal")
-        self._shards.append((path, size, self._sealer.submit(_seal, path, size), [p[0] for p in self._pending]))
-        self._pending, self._pending_bytes = [], 0
-
-    def _wait_sealed(self) -> None:
-        """Resolve every shard's background fsync + sha256 (raises IOFailure on the first that failed)."""
-        done = []
-        for i, (path, size, sha, names) in enumerate(self._shards):
-            if isinstance(sha, Future):
-                try:
-                    sha = sha.result()
-                except OSError as exc:
-                    raise write_failure(exc, self.target, f"cannot write shard {i + 1}") from None
-            done.append((path, size, sha, names))
-        self._shards = done
-        if self._sealer is not None:
-            self._sealer.shutdown(wait=True)
-            self._sealer = None
-
     def quantization_config(self) -> dict[str, Any]:
         qc: dict[str, Any] = {"quant_method": "w4pack", "layout": LAYOUT_NAME, "layout_version": LAYOUT_VERSION,
-                              "format_version": 1, "manifest": MANIFEST_NAME}
+                              "format_version": FORMAT_VERSION, "manifest": MANIFEST_NAME}
         metas = list(self.layers.values())
         if metas:
             for key in ("bits", "group_size", "zero_mode"):
@@ -369,13 +247,16 @@ class CheckpointWriter:
             qc["fused"] = self.fused
         return qc
 
-    def manifest(self, shard_names: list[str], shard_info: list[tuple[int, str]]) -> dict[str, Any]:
+    def manifest(self, shard_names: list[str], shard_info: list[tuple[int, str]],
+                 files: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The manifest document; ``files`` checksums config.json, the index and the side files."""
         doc: dict[str, Any] = {
             "format": "w4pack",
-            "format_version": 1,
+            "format_version": FORMAT_VERSION,
             "layout": {"name": LAYOUT_NAME, "version": LAYOUT_VERSION, "tile": [TILE_N, TILE_K]},
             "created_by": f"w4pack {__version__}",
             "shards": [{"file": n, "sha256": sha, "size": size} for n, (size, sha) in zip(shard_names, shard_info)],
+            "files": list(files or []),
             "layers": self.layers,
             "passthrough": self.passthrough,
             "side_files": self.side_files,
@@ -399,28 +280,36 @@ class CheckpointWriter:
         return self.target
 
     def _finish(self) -> None:
-        self._flush()
-        self._wait_sealed()
-        total = len(self._shards)
-        names = shard_names(total, single=False)
+        shards = self._stream.close()
+        names = shard_names(len(shards), single=False)
         weight_map: dict[str, str] = {}
         config = dict(self.config)
         config["quantization_config"] = self.quantization_config()
         # checked before anything is written (add_layer checks names): a failure here is a bug, and names the output
         validate_quantization_config(config["quantization_config"], file=str(self.target / CONFIG_NAME))
-        manifest = self.manifest(names, [(s, h) for _p, s, h, _t in self._shards])
+        for shard, fname in zip(shards, names):
+            weight_map.update((t, fname) for t in shard.names)
+        # total_size is the tensor data, as in Hugging Face's indexes (not the shard files with their headers)
+        index = {"metadata": {"total_size": sum(sh.data_bytes for sh in shards), "format": "w4pack"},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        # the manifest checksums the final bytes of every other file (config.json with its quantization_config)
+        docs = [(CONFIG_NAME, _json_bytes(config)), (INDEX_NAME, _json_bytes(index))]
+        files = [{"file": f, "sha256": hashlib.sha256(raw).hexdigest(), "size": len(raw)} for f, raw in docs]
+        for name in self.side_files:
+            try:
+                size, sha = _sha256_file(self.tmp / name)
+            except OSError as exc:
+                raise write_failure(exc, self.target / name) from None
+            files.append({"file": name, "sha256": sha, "size": size})
+        manifest = self.manifest(names, [(sh.size, sh.sha256) for sh in shards], files)
         validate_manifest(manifest, file=str(self.target))
+        docs.append((MANIFEST_NAME, _json_bytes(manifest)))
         try:
-            for (path, _size, _sha, tnames), fname in zip(self._shards, names):
-                os.replace(path, self.tmp / fname)
-                for t in tnames:
-                    weight_map[t] = fname
-            # total_size is the tensor data, as in Hugging Face's indexes (not the shard files with their headers)
-            index = {"metadata": {"total_size": self._data_bytes, "format": "w4pack"},
-                     "weight_map": dict(sorted(weight_map.items()))}
-            for fname, doc in ((CONFIG_NAME, config), (INDEX_NAME, index), (MANIFEST_NAME, manifest)):
+            for shard, fname in zip(shards, names):
+                os.replace(shard.path, self.tmp / fname)
+            for fname, raw in docs:
                 try:
-                    _write_json(self.tmp / fname, doc)
+                    _write_bytes(self.tmp / fname, raw)
                 except OSError as exc:
                     raise write_failure(exc, self.target / fname) from None
             os.unlink(self.tmp / INCOMPLETE_MARKER)
@@ -438,15 +327,7 @@ class CheckpointWriter:
         if self._closed:
             return
         self._closed = True
-        if self._shard is not None:
-            try:
-                self._shard.close()
-            except OSError:
-                pass
-            self._shard = None
-        if self._sealer is not None:
-            self._sealer.shutdown(wait=True)  # let background fsyncs finish before the folder goes
-            self._sealer = None
+        self._stream.abort()  # let background fsyncs finish before the folder goes
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self) -> "CheckpointWriter":
@@ -459,83 +340,38 @@ class CheckpointWriter:
             self.abort()
 
 
-def _copy_fd(src: int, src_off: int, dst: int, dst_off: int, nbytes: int) -> None:
-    """Copy nbytes from src at src_off to dst at dst_off (file positions untouched), in the kernel where
-    possible, else through an 8 MiB buffer."""
-    done = 0
-    try:
-        while done < nbytes:
-            n = os.copy_file_range(src, dst, nbytes - done, src_off + done, dst_off + done)
-            if n == 0:
-                break
-            done += n
-    except (AttributeError, OSError) as exc:
-        if isinstance(exc, OSError) and exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL,
-                                                          errno.EOPNOTSUPP, errno.EBADF):
-            raise
-        while done < nbytes:
-            chunk = os.pread(src, min(8 << 20, nbytes - done), src_off + done)
-            if not chunk:
-                break
-            view = memoryview(chunk)
-            while view:
-                w = os.pwrite(dst, view, dst_off + done)
-                done += w
-                view = view[w:]
-    if done != nbytes:
-        raise OSError(errno.EIO, f"short copy ({done} of {nbytes} bytes)")
+def _json_bytes(doc: Any) -> bytes:
+    """A JSON document as written (indented, final newline): the bytes the manifest checksums."""
+    return (json.dumps(doc, indent=2) + "\n").encode("utf-8")
 
 
-def _seal(path: Path, size: int) -> str:
-    """fsync a finished shard and return its sha256 (runs in the writer's background thread). The fsync
-    (waiting for the disk) runs in a helper thread while this one hashes (CPU; the data is read back from
-    the page cache, and hashing releases the GIL)."""
-    h = hashlib.sha256()
-    buf = bytearray(4 << 20)
-    view = memoryview(buf)
-    failed: list[OSError] = []
-    with open(path, "rb", buffering=0) as fh:
-        def sync() -> None:
-            try:
-                os.fsync(fh.fileno())
-            except OSError as exc:
-                failed.append(exc)
-
-        syncer = threading.Thread(target=sync, name="w4pack-fsync")
-        syncer.start()
-        try:
-            total = 0
-            while True:
-                n = fh.readinto(buf)
-                if not n:
-                    break
-                h.update(view[:n])
-                total += n
-        finally:
-            syncer.join()
-    if failed:
-        raise failed[0]
-    if total != size:
-        raise OSError(errno.EIO, f"shard is {total} bytes, expected {size}")
-    return h.hexdigest()
-
-
-
-
-def _write_json(path: Path, doc: Any) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, indent=2)
-        fh.write("\n")
+def _write_bytes(path: Path, raw: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(raw)
         fh.flush()
         os.fsync(fh.fileno())
 
 
-_SOURCE_KEYS = {"format", "version", "path", "bits", "notes", "quirks", "base_model"}
+def _sha256_file(path: Path, on_chunk: Any = None) -> tuple[int, str]:
+    """(size, sha256 hex) of a file, read in 8 MiB chunks; ``on_chunk(nbytes)`` after each (progress)."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(8 << 20), b""):
+            h.update(chunk)
+            size += len(chunk)
+            if on_chunk is not None:
+                on_chunk(len(chunk))
+    return size, h.hexdigest()
+
+
+#: in the order written (a set's order varies from run to run with the string hash seed)
+_SOURCE_KEYS = ("format", "version", "path", "bits", "notes", "quirks", "base_model")
 
 
 def _clean_source(src: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"format": str(src.get("format") or "unknown")}
-    for key in _SOURCE_KEYS - {"format"}:
+    for key in _SOURCE_KEYS[1:]:
         if key in src and src[key] is not None:
             val = src[key]
             out[key] = [str(v) for v in val] if key in ("notes", "quirks") else (int(val) if key == "bits" else str(val))
@@ -565,6 +401,12 @@ class Checkpoint:
             raise BadInputError(f"no {MANIFEST_NAME}: not a w4pack checkpoint (or an unfinished write)", file=str(root))
         self.manifest: dict[str, Any] = _read_json(mpath)
         validate_manifest(self.manifest, file=str(mpath))
+        self.format_version: int = self.manifest["format_version"]
+        #: things a reader should know but that do not make the folder invalid (an older manifest, an unchecked
+        #: architecture); validate prints them
+        self.warnings: list[str] = []
+        #: the non-shard files the manifest checksums (format version 2): name -> {"file", "sha256", "size"}
+        self.files: dict[str, dict[str, Any]] = self._covered_files(str(mpath))
         self.config: dict[str, Any] = _read_json(root / CONFIG_NAME)
         if not isinstance(self.config, dict) or "quantization_config" not in self.config:
             raise BadInputError("config.json has no quantization_config", file=str(root / CONFIG_NAME))
@@ -597,6 +439,27 @@ class Checkpoint:
                 raise BadInputError("pass-through tensor is missing from the index", file=str(ipath), tensor=tname)
         self.store = TensorStore(root)
         self.store.add_index(root, self.weight_map)
+
+    def _covered_files(self, mfile: str) -> dict[str, dict[str, Any]]:
+        """Version 2: every file entry is listed once, config.json, the index and each side file among them. Version 1 covered only the shards: still read, with a warning."""
+        if self.format_version < 2:
+            self.warnings.append(
+                f"{MANIFEST_NAME} is format version {self.format_version}: only the shards are checksummed, not "
+                f"{CONFIG_NAME}, the index or the side files; convert the folder again (w4pack convert "
+                f"{self.path} NEW) to write a version {FORMAT_VERSION} manifest that covers them")
+            return {}
+        files: dict[str, dict[str, Any]] = {}
+        shards = {s["file"] for s in self.manifest["shards"]}
+        for entry in self.manifest["files"]:
+            name = entry["file"]  # a plain name (the schema's filename); links are checked where it is read
+            if name in files or name in shards or name in (MANIFEST_NAME, CARD_NAME):
+                raise BadInputError(f"manifest lists {name!r} twice or as a file it cannot checksum", file=mfile)
+            files[name] = entry
+        for name in (CONFIG_NAME, INDEX_NAME, *self.manifest.get("side_files", [])):
+            if name not in files:
+                raise BadInputError(f"manifest does not checksum {name} (format version 2 covers config.json, "
+                                    "the index and every side file)", file=mfile)
+        return files
 
     # -- access --------------------------------------------------------------------------------
     @property
@@ -664,10 +527,127 @@ class Checkpoint:
         return self.layer(name).dequantize(dtype)
 
     def check_structure(self) -> None:
-        """Open every shard header and check every tensor's shape and dtype (no data read)."""
+        """Open every shard header and check every tensor's shape and dtype (no data read); then that the folder,
+        the index, the fused table and the architecture agree with the manifest (``check_contents``)."""
         self.store.check_index()
         for name in self.layers:
             self.packed_shapes_ok(name)
+        self.check_contents()
+
+    def check_contents(self) -> list[str]:
+        """The folder holds only listed files, every indexed tensor belongs to a layer or is a pass-through, the
+        fused table is consistent, and the layers are those config.json's architecture needs. Returns the names
+        of the checks that ran ("architecture" is skipped, with a warning, for a model type w4pack does not
+        know)."""
+        self.check_listing()
+        self.check_index_coverage()
+        self.check_fused()
+        return ["listing", "fused"] + (["architecture"] if self.check_architecture() else [])
+
+    def listed_files(self) -> set[str]:
+        """Every file the manifest accounts for: itself, the shards and (version 2) its ``files``; version 1
+        named config.json, the index and the side files without checksums."""
+        names = {MANIFEST_NAME} | {s["file"] for s in self.manifest["shards"]}
+        if self.format_version >= 2:
+            return names | set(self.files)
+        return names | {CONFIG_NAME, INDEX_NAME} | set(self.manifest.get("side_files", []))
+
+    def check_listing(self) -> None:
+        """No file in the folder beyond what the manifest lists, the model card (README.md, written by push) and
+        hidden entries (never uploaded, never loaded): a stray shard or tokenizer file would be picked up by
+        tools that glob the folder while no checksum covers it. Sub-folders are not the model's (no loader
+        reads them; an owner may keep e.g. the original weights there) and are left alone."""
+        listed = self.listed_files() | {CARD_NAME}
+        try:
+            entries = sorted(os.listdir(self.path))
+        except OSError as exc:
+            raise BadInputError(f"cannot list the folder: {exc.strerror}", file=str(self.path)) from None
+        for entry in entries:
+            if entry not in listed and not entry.startswith(".") and not (self.path / entry).is_dir():
+                raise BadInputError(f"not listed in {MANIFEST_NAME}: a checkpoint folder holds only the files its "
+                                    "manifest lists (remove it, or convert again to include it)",
+                                    file=str(self.path / entry))
+
+    def check_index_coverage(self) -> None:
+        """Every tensor of the index is a layer's or a pass-through (a layer entry removed from the manifest
+        leaves its tensors behind)."""
+        owned = set(self.manifest["passthrough"])
+        for meta in self.manifest["layers"].values():
+            owned.update(meta["tensors"].values())
+        for tname in self.weight_map:
+            if tname not in owned:
+                raise BadInputError(f"indexed tensor belongs to no layer of {MANIFEST_NAME} and is not a "
+                                    "pass-through tensor (a layer entry missing from the manifest?)",
+                                    file=str(self.path / INDEX_NAME), tensor=tname)
+
+    def check_fused(self) -> None:
+        """The fused table: each fused module is a layer; its parts are not layers, belong to one fusion only and
+        tile the layer's rows in order; config.json's copy is the same table."""
+        mfile = str(self.path / MANIFEST_NAME)
+        fused = self.manifest.get("fused") or {}
+        qc = self.config["quantization_config"]
+        if (qc.get("fused") or {}) != fused:
+            raise BadInputError(f"quantization_config.fused disagrees with the fused table of {MANIFEST_NAME}",
+                                file=str(self.path / CONFIG_NAME))
+        layers = self.manifest["layers"]
+        seen: set[str] = set()
+        for name, parts in fused.items():
+            if name not in layers:
+                raise BadInputError("fused module is not a layer of the manifest", file=mfile, tensor=name)
+            if not parts:
+                raise BadInputError("fused module has no parts", file=mfile, tensor=name)
+            end = 0
+            for part in parts:
+                pname, (lo, hi) = part["name"], part["rows"]
+                if pname in layers or pname in fused or pname in seen:
+                    raise BadInputError(f"fused part of {name} is also a layer or part of another fusion",
+                                        file=mfile, tensor=pname)
+                seen.add(pname)
+                if lo != end or hi <= lo:
+                    raise BadInputError(f"fused part rows [{lo}, {hi}) do not follow the previous part's end {end}",
+                                        file=mfile, tensor=pname)
+                end = hi
+            rows = layers[name]["shape"][0]
+            if end != rows:
+                raise BadInputError(f"fused parts cover rows [0, {end}) of the layer's {rows}", file=mfile,
+                                    tensor=name)
+
+    def check_architecture(self) -> bool:
+        """The manifest's layers (fused parts by their own names) plus the float linears are exactly the Linear
+        modules config.json's model needs, with their shapes. False (and a warning) when the model type or its
+        sizes are unknown."""
+        required, optional, why = needed_linears(self.config)
+        if why:
+            self.warnings.append(f"layers not checked against the architecture: {why}")
+            return False
+        mfile, cfile = str(self.path / MANIFEST_NAME), str(self.path / CONFIG_NAME)
+        fused = self.manifest.get("fused") or {}
+        held: dict[str, tuple[int, int]] = {}
+        for name, meta in self.manifest["layers"].items():
+            n, k = meta["shape"]
+            for part in fused.get(name, [{"name": name, "rows": [0, n]}]):
+                lo, hi = part["rows"]
+                held[part["name"]] = (hi - lo, k)
+        mtype, count = self.config.get("model_type"), self.config.get("num_hidden_layers")
+        for name, shape in held.items():
+            if name not in required and name not in optional:
+                raise BadInputError(f"manifest has a layer that a {mtype} model with {count} decoder layers does not "
+                                    f"have (see {CONFIG_NAME})", file=mfile, tensor=name)
+        for name, want in {**required, **optional}.items():
+            if name in held:
+                have = held[name]
+            elif f"{name}.weight" in self.weight_map and f"{name}.weight" in self.manifest["passthrough"]:
+                have = tuple(self.store.info(f"{name}.weight")[1])
+            elif name in required:
+                raise BadInputError(f"the {mtype} model of {CONFIG_NAME} needs this linear layer, which the "
+                                    "checkpoint holds neither packed (manifest layers) nor as a float weight",
+                                    file=mfile, tensor=name)
+            else:
+                continue
+            if want is not None and tuple(have) != tuple(want):
+                raise BadInputError(f"layer is {list(have)} but the {mtype} model of {CONFIG_NAME} needs "
+                                    f"{list(want)}", file=mfile if name in held else cfile, tensor=name)
+        return True
 
     def packed_shapes_ok(self, name: str) -> None:
         from ..core.layout import words_per_tile_lane
@@ -703,22 +683,33 @@ class Checkpoint:
                 raise BadInputError(f"dtype {dt} contradicts the manifest", file=str(self.path / fname), tensor=tname)
 
     def verify_checksums(self, show_progress: bool | None = None) -> None:
-        shards = self.manifest["shards"]
-        total = sum(s["size"] for s in shards)
+        """Size and sha256 of every file the manifest covers: config.json, the index and the side files first
+        (small; version 2), then the shards."""
+        entries = [(e, "file") for e in self.files.values()] + [(s, "shard") for s in self.manifest["shards"]]
+        total = sum(e["size"] for e, _k in entries)
         with Progress(total // (1 << 20) or 1, "checksums", " MiB", enabled=show_progress) as bar:
-            for s in shards:
-                p = self.path / s["file"]
-                size = p.stat().st_size
-                if size != s["size"]:
-                    raise BadInputError(f"size {size} != {s['size']} recorded in the manifest (truncated or altered)",
+            done = [0]
+
+            def tick(n: int) -> None:
+                before = done[0] >> 20
+                done[0] += n
+                bar.update((done[0] >> 20) - before)
+
+            for e, kind in entries:
+                p = _safe_member(self.path, e["file"], kind, str(self.path / MANIFEST_NAME))
+                try:
+                    size = p.stat().st_size
+                    if size == e["size"]:
+                        size, sha = _sha256_file(p, tick)
+                except FileNotFoundError:
+                    raise BadInputError(f"{kind} named in the manifest is missing", file=str(p)) from None
+                except OSError as exc:
+                    raise BadInputError(f"cannot read: {exc.strerror}", file=str(p)) from None
+                if size != e["size"]:
+                    raise BadInputError(f"size {size} != {e['size']} recorded in the manifest (truncated or altered)",
                                         file=str(p))
-                h = hashlib.sha256()
-                with open(p, "rb") as fh:
-                    for chunk in iter(lambda: fh.read(8 << 20), b""):
-                        h.update(chunk)
-                        bar.update(len(chunk) >> 20)
-                if h.hexdigest() != s["sha256"]:
-                    raise BadInputError("sha256 differs from the manifest: the shard is corrupted or altered",
+                if sha != e["sha256"]:
+                    raise BadInputError(f"sha256 differs from the manifest: the {kind} is corrupted or altered",
                                         file=str(p))
 
     def summary(self) -> dict[str, Any]:
@@ -747,6 +738,8 @@ class Checkpoint:
                 for (b, g, z, a), c in sorted(kinds.items(), key=lambda kv: -kv[1])
             ],
             "side_files": self.manifest.get("side_files", []),
+            "files": sorted(self.files),
+            "warnings": list(self.warnings),
         }
 
     def close(self) -> None:
@@ -801,13 +794,16 @@ def validate_checkpoint(path: str | os.PathLike[str], *, checksums: bool = True,
     first problem; returns the checkpoint summary when all is well.
     """
     with open_checkpoint(path) as ck:
-        ck.check_structure()
+        ck.store.check_index()
+        for name in ck.layers:
+            ck.packed_shapes_ok(name)
+        contents = ck.check_contents()
         if checksums:
             ck.verify_checksums(show_progress=show_progress)
         if deep:
             for name in ck.layers:
                 ck.layer(name)
         out = ck.summary()
-        out["checks"] = ["schema", "index", "headers", "shapes"] + (["sha256"] if checksums else []) + \
+        out["checks"] = ["schema", "index", "headers", "shapes"] + contents + (["sha256"] if checksums else []) + \
             (["unpack"] if deep else [])
         return out

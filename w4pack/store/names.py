@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 __all__ = ["INDEX_NAME", "PT_INDEX_NAME", "SINGLE_FILE", "CONFIG_NAME", "MANIFEST_NAME", "INCOMPLETE_MARKER",
-           "SIDE_FILES", "OWN_FILES", "PT_SUFFIXES", "WEIGHT_SUFFIXES", "shard_names", "is_side_file"]
+           "CARD_NAME", "SIDE_FILES", "OWN_FILES", "PT_SUFFIXES", "WEIGHT_SUFFIXES", "shard_names", "is_side_file"]
 
 #: tensor name -> shard file (Hugging Face convention); PT_INDEX_NAME for torch pickles
 INDEX_NAME = "model.safetensors.index.json"
@@ -13,6 +13,8 @@ CONFIG_NAME = "config.json"
 #: w4pack's own manifest, and the marker of a folder still being written
 MANIFEST_NAME = "w4pack.json"
 INCOMPLETE_MARKER = ".w4pack-incomplete"
+#: the model card `w4pack push` writes into a checkpoint folder (describes the model, does not define it)
+CARD_NAME = "README.md"
 #: torch pickle suffixes (read with weights_only) and every weights suffix
 PT_SUFFIXES = (".pt", ".bin", ".pth")
 WEIGHT_SUFFIXES = (".safetensors",) + PT_SUFFIXES
