@@ -678,7 +678,7 @@ class Checkpoint:
             if shape != want_shape:
                 raise BadInputError(f"shape {list(shape)} contradicts the manifest (expected {list(want_shape)})",
                                     file=str(self.path / fname), tensor=tname)
-            stored = self.store.get(tname).dtype
+            stored = self.store.storage_dtype(tname)
             if stored != want_dt:
                 raise BadInputError(f"dtype {dt} contradicts the manifest", file=str(self.path / fname), tensor=tname)
 
@@ -719,7 +719,7 @@ class Checkpoint:
         for m in layers.values():
             for tname in m["tensors"].values():
                 _dt, shape = self.store.info(tname)
-                qbytes += int(np.prod(shape)) * self.store.get(tname).dtype.itemsize if shape else 0
+                qbytes += int(np.prod(shape)) * self.store.storage_dtype(tname).itemsize if shape else 0
         return {
             "path": str(self.path),
             "format_version": self.manifest["format_version"],
