@@ -130,4 +130,57 @@ __device__ __forceinline__ int64_t ring_owner(int64_t idx, int64_t total, int64_
   return ((idx + 1) * W + total - 1) / total - 1;
 }
 
+// Stream-K over row stripes (the ring and bulk kernels): W workers take equal runs of the `total` units, a stripe
+// group ("quad") being `per_quad` consecutive units. A worker whose run covers only part of a quad stores its fp32
+// piece (M tokens x `rows` rows, token-major) in its slot 0 (the quad where its run starts) or 1 (the next);
+// the last of the quad's workers to arrive (counters[q]) sums the pieces in worker order, so every call gives the
+// same bits, adds the bias and writes y.
+struct SkQuad {
+  int64_t w_lo, w_hi;  // the first and last worker with units in this quad
+  int sl_lo;           // slot of w_lo's piece (1 when its run starts in an earlier quad)
+  __device__ __forceinline__ unsigned others() const { return (unsigned)(w_hi - w_lo); }
+};
+__device__ __forceinline__ SkQuad sk_quad(int q, int64_t per_quad, int64_t total, int64_t W) {
+  SkQuad s;
+  s.w_lo = ring_owner((int64_t)q * per_quad, total, W);
+  s.w_hi = ring_owner((int64_t)(q + 1) * per_quad - 1, total, W);
+  s.sl_lo = s.w_lo * total / W < (int64_t)q * per_quad ? 1 : 0;
+  return s;
+}
+// worker w's piece in slot sl: the workspace holds two slots of nv floats per worker
+__device__ __forceinline__ float *sk_piece(const Params &p, int64_t w, int sl, int nv) {
+  return p.part + (size_t)(w * 2 + sl) * nv;
+}
+// The last arriver's sum of quad sq's pieces (nv = M x rows floats) for the rows row0.. of y: thread `tid` of
+// `NT` takes elements tid, tid + NT, ..., U at a time (U loads of each piece in flight). Resets the counter.
+template <typename T, int U, int NT>
+__device__ __forceinline__ void sk_sum_pieces(const Params &p, const SkQuad &sq, int nv, int rows, int row0,
+                                              int tid) {
+  const T *bias = (const T *)p.bias;
+  T *y = (T *)p.y;
+  const float *base = p.part + (size_t)(sq.w_lo * 2) * nv;  // piece (w, slot) at base + ((w - w_lo) * 2 + slot) * nv
+  const int npc = (int)(sq.w_hi - sq.w_lo) + 1;
+  for (int e0 = tid; e0 < nv; e0 += U * NT) {
+    float v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) v[u] = (e0 + NT * u < nv) ? __ldcg(base + sq.sl_lo * nv + e0 + NT * u) : 0.f;
+#pragma unroll 4
+    for (int j = 1; j < npc; ++j) {
+      const float *pj = base + (size_t)(j * 2) * nv;
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (e0 + NT * u < nv) v[u] += __ldcg(pj + e0 + NT * u);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int e = e0 + NT * u, tok = e / rows, row = row0 + e % rows;
+      if (e < nv && row < p.N) {
+        float o = v[u];
+        if (bias) o += to_f(bias[row]);
+        y[(int64_t)tok * p.ldy + row] = from_f<T>(o);
+      }
+    }
+  }
+}
+
 }  // namespace w4p

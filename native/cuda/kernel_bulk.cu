@@ -324,9 +324,8 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
               }
             }
         } else {
-          const int sl = q == first_quad ? 0 : 1;
           const int nv = M * QS * 16;
-          float *piece = p.part + (size_t)(blk * 2 + sl) * nv;
+          float *piece = sk_piece(p, blk, q == first_quad ? 0 : 1, nv);
 #pragma unroll
           for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
@@ -337,23 +336,11 @@ __global__ void __launch_bounds__((BNC + BNP) * 32, BBPS) bulk_kernel(const Para
             }
           __threadfence();
           named_sync(2, QS * 32);
-          const int64_t w_lo = ring_owner((int64_t)q * NG, total, p.W);
-          const int64_t w_hi = ring_owner((int64_t)(q + 1) * NG - 1, total, p.W);
-          // the last piece of this quad: sum the pieces in block order
-          if (named_any(2, QS * 32, threadIdx.x == 0 && atomicAdd(&p.counters[q], 1u) == (unsigned)(w_hi - w_lo))) {
+          const SkQuad sq = sk_quad(q, NG, total, p.W);
+          // the last piece of this quad: its warps sum the pieces in block order
+          if (named_any(2, QS * 32, threadIdx.x == 0 && atomicAdd(&p.counters[q], 1u) == sq.others())) {
             __threadfence();
-            const int sl_lo = w_lo * total / p.W < (int64_t)q * NG ? 1 : 0;
-            const int npc = (int)(w_hi - w_lo) + 1;
-            const float *base = p.part + (size_t)(w_lo * 2) * nv;
-            for (int e = threadIdx.x; e < nv; e += QS * 32) {
-              float v = __ldcg(base + sl_lo * nv + e);
-              for (int jp = 1; jp < npc; ++jp) v += __ldcg(base + (size_t)(jp * 2) * nv + e);
-              const int tok = e / (QS * 16), row = row0 + e % (QS * 16);
-              if (row < p.N) {
-                if (bias) v += to_f(bias[row]);
-                y[(int64_t)tok * p.ldy + row] = from_f<T>(v);
-              }
-            }
+            sk_sum_pieces<T, 1, QS * 32>(p, sq, nv, QS * 16, row0, threadIdx.x);
             if (threadIdx.x == 0) p.counters[q] = 0u;  // ready for the next call / graph replay
           }
         }

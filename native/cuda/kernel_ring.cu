@@ -204,8 +204,8 @@ __global__ void __launch_bounds__(RW * 32, RING_MINB) ring_kernel(const Params p
             }
           }
       } else {
-        const int sl = q == first_quad ? 0 : 1;
-        float *piece = p.part + (size_t)(gw * 2 + sl) * M * (RQ * 16);
+        const int nv = M * RQ * 16;
+        float *piece = sk_piece(p, gw, q == first_quad ? 0 : 1, nv);
 #pragma unroll
         for (int mi = 0; mi < RQ; ++mi)
 #pragma unroll
@@ -216,38 +216,13 @@ __global__ void __launch_bounds__(RW * 32, RING_MINB) ring_kernel(const Params p
           }
         __threadfence();
         __syncwarp();
-        const int64_t w_lo = ring_owner((int64_t)q * p.KT, total, p.W);
-        const int64_t w_hi = ring_owner((int64_t)(q + 1) * p.KT - 1, total, p.W);
+        const SkQuad sq = sk_quad(q, p.KT, total, p.W);
         unsigned prev = 0;
         if (lane == 0) prev = atomicAdd(&p.counters[q], 1u);
         prev = __shfl_sync(0xffffffffu, prev, 0);
-        if (prev == (unsigned)(w_hi - w_lo)) {  // last piece of this quad: sum in worker order
+        if (prev == sq.others()) {  // last piece of this quad: one warp sums (16 values a lane: M <= 8 x 64 rows)
           __threadfence();
-          // worker w's piece of quad q is its slot 0 (its range starts in q) except for w_lo when its range
-          // starts in an earlier quad
-          const int sl_lo = w_lo * total / p.W < (int64_t)q * p.KT ? 1 : 0;
-          const int np = (int)(w_hi - w_lo) + 1, nv = M * RQ * 16;
-          const float *base = p.part + (size_t)(w_lo * 2) * nv;  // piece (w, slot) at base + ((w - w_lo) * 2 + slot) * nv
-          float v[16];  // this lane's outputs e = lane + 32 * u of the quad's M x 64
-#pragma unroll
-          for (int u = 0; u < 16; ++u) v[u] = (lane + 32 * u < nv) ? __ldcg(base + sl_lo * nv + lane + 32 * u) : 0.f;
-#pragma unroll 4
-          for (int j = 1; j < np; ++j) {
-            const float *pw2 = base + (size_t)(j * 2) * nv;
-#pragma unroll
-            for (int u = 0; u < 16; ++u)
-              if (lane + 32 * u < nv) v[u] += __ldcg(pw2 + lane + 32 * u);
-          }
-#pragma unroll
-          for (int u = 0; u < 16; ++u) {
-            const int e = lane + 32 * u, tok = e / (RQ * 16), r = e % (RQ * 16);
-            const int row = row0 + r;
-            if (e < M * RQ * 16 && row < p.N) {
-              float o = v[u];
-              if (bias) o += to_f(bias[row]);
-              y[(int64_t)tok * p.ldy + row] = from_f<T>(o);
-            }
-          }
+          sk_sum_pieces<T, 16, 32>(p, sq, nv, RQ * 16, row0, lane);
           if (lane == 0) p.counters[q] = 0u;  // ready for the next call / graph replay
         }
       }
