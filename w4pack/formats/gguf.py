@@ -437,6 +437,9 @@ class GGUFSource(Source):
     def passthrough_names(self) -> list[str]:
         return list(self._pass)
 
+    def embedding_names(self) -> list[str]:
+        return [n for n in self._layers if names.is_embedding(n)]
+
     def read_layer(self, name: str) -> CanonicalLayer:
         gname, expert = self.expert_of.get(name, (self.gguf_of.get(f"{name}.weight"), None))
         if gname is None or name not in self._layers:
@@ -1033,6 +1036,7 @@ class GGUFFormat(Format):
                                 notes=["scales (and Q4_1 minima) must be fp16 values",
                                        "integer zeros other than 8 need -scale*zero to be an fp16 (Q4_1)"])
     single_file = True
+    packs_embeddings = True  # token_embd is written back in its own block type
     hub_files = (HubFiles("*.gguf", rank=1, single=True, what="GGUF"),)
 
     @classmethod
