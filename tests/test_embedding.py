@@ -141,6 +141,8 @@ def test_w4embedding_rows_are_the_canonical_dequantization(bits: int, zero_mode:
         assert torch.equal(mod.rows(ids, dt), torch.from_numpy(want[ids.numpy()]).to(dt))
     with pytest.raises(IndexError, match="out of range"):
         mod(torch.tensor([37]))
+    mod.half()  # the rows follow the module's dtype, as an nn.Embedding's weight would
+    assert torch.equal(mod(ids), torch.from_numpy(want[ids.numpy()]).half())
 
 
 def _logits(model: Any, ids: Any) -> Any:

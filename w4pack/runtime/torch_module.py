@@ -515,7 +515,9 @@ class W4Embedding(W4Linear):
         super().__init__(meta, **kwargs)
         self.num_embeddings, self.embedding_dim = self.out_features, self.in_features
         self.padding_idx = padding_idx
-        self.dtype = dtype
+        # the output dtype, held as an empty float buffer so that model.half() / .to(dtype) change it too
+        self.register_buffer("out_dtype", torch.empty(0, dtype=dtype, device=kwargs.get("device")),
+                             persistent=False)
         self.serves_head = False
         self._rows: dict[str, tuple[torch.Tensor, ...]] = {}
 
@@ -531,6 +533,20 @@ class W4Embedding(W4Linear):
                   precision=precision, threads=threads)
         mod.load_packed(packed, device=device)
         return mod
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the rows ``forward`` returns (the model's)."""
+        return self._buffers["out_dtype"].dtype
+
+    @dtype.setter
+    def dtype(self, value: torch.dtype) -> None:
+        self._buffers["out_dtype"] = torch.empty(0, dtype=value, device=self._buffers["out_dtype"].device)
+
+    def load_packed(self, packed: PackedLayer, device: Any = None) -> None:
+        super().load_packed(packed, device)
+        where = self.qweight.device
+        self._buffers["out_dtype"] = torch.empty(0, dtype=self.dtype, device=where)
 
     def _tables(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         key = str(device)
@@ -574,9 +590,8 @@ class W4Embedding(W4Linear):
         if m["zero_mode"] == "float":
             w = s * q + self._buffers["mins"].view(fdt)[:, flat].t().to(torch.float32)[:, group]
         else:
-            if m["zero_mode"] == "int":
-                z = self._buffers["zeros"][:, flat].t().to(torch.int32)
-                z = (z & 0xFFFF if z.dtype != torch.uint8 else z).to(torch.float32)[:, group]
+            if m["zero_mode"] == "int":  # 8-bit storage keeps zeros as int16 bits of uint16 values
+                z = (self._buffers["zeros"][:, flat].t().to(torch.int32) & 0xFFFF).to(torch.float32)[:, group]
             else:
                 z = float(1 << (int(m["bits"]) - 1))
             w = s * (q - z)
