@@ -19,27 +19,53 @@ from w4pack.store.checkpoint import open_checkpoint  # noqa: E402
 VOCAB, HIDDEN, FFN = 40, 64, 96  # 40 rows: the last tile stripe is padded
 
 
+def kquant(rng: np.random.Generator, qt: Any, n: int, k: int) -> np.ndarray:
+    """Random Q4_K / Q6_K rows (gguf-py quantizes neither) in the form llama.cpp's quantizer writes: each
+    super-block's largest sub-scale (and Q4_K minimum) at the end of its range, so they round-trip byte for byte."""
+    nb = k // 256
+    d = rng.uniform(1e-3, 4e-3, (n, nb)).astype("<f2")
+    if qt == Q.Q6_K:  # ql[128] qh[64] int8 scales[16] fp16 d
+        b = rng.integers(0, 256, (n, nb, 210), dtype=np.uint8)
+        sc = rng.integers(-127, 128, (n, nb, 16)).astype(np.int8)
+        sc[..., 0] = -128
+        b[..., 192:208] = sc.view(np.uint8)
+        b[..., 208:210] = d[..., None].view(np.uint8)
+        return b.reshape(n, -1)
+    # Q4_K: fp16 d, dmin; 12 bytes of 6-bit scales and minima (eight each); qs[128]
+    sc, mn = rng.integers(0, 64, (2, n, nb, 8))
+    sc[..., 0], mn[..., 1] = 63, 63
+    b = np.zeros((n, nb, 144), np.uint8)
+    b[..., 0:2] = d[..., None].view(np.uint8)
+    b[..., 2:4] = (d / 8).astype("<f2")[..., None].view(np.uint8)
+    lo, hi = slice(0, 4), slice(4, 8)
+    b[..., 4:8] = sc[..., lo] | (sc[..., hi] >> 4 << 6)
+    b[..., 8:12] = mn[..., lo] | (mn[..., hi] >> 4 << 6)
+    b[..., 12:16] = (sc[..., hi] & 15) | ((mn[..., hi] & 15) << 4)
+    b[..., 16:] = rng.integers(0, 256, (n, nb, 128), dtype=np.uint8)
+    return b.reshape(n, -1)
+
+
 def make_gguf(path: Path, *, emb_type: Any = Q.Q4_1, output: Any = None, layer_type: Any = Q.Q4_1,
-              seed: int = 0) -> dict[str, np.ndarray]:
+              hidden: int = HIDDEN, seed: int = 0) -> dict[str, np.ndarray]:
     """A one-block llama whose token embedding is quantized (``emb_type``); a head of type ``output`` or none
     (tied). Returns gguf-py's dequantization of each tensor."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch="llama")
-    for add, v in ((w.add_block_count, 1), (w.add_context_length, 64), (w.add_embedding_length, HIDDEN),
+    for add, v in ((w.add_block_count, 1), (w.add_context_length, 64), (w.add_embedding_length, hidden),
                    (w.add_feed_forward_length, FFN), (w.add_head_count, 4), (w.add_head_count_kv, 2),
                    (w.add_vocab_size, VOCAB), (w.add_file_type, 3), (w.add_quantization_version, 2)):
         add(v)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     deq: dict[str, np.ndarray] = {}
-    shapes = [("token_embd.weight", (VOCAB, HIDDEN), emb_type), ("blk.0.attn_norm.weight", (HIDDEN,), Q.F32)]
+    h = hidden
+    shapes = [("token_embd.weight", (VOCAB, h), emb_type), ("blk.0.attn_norm.weight", (h,), Q.F32)]
     shapes += [(f"blk.0.{n}.weight", s, layer_type) for n, s in (
-        ("attn_q", (HIDDEN, HIDDEN)), ("attn_k", (32, HIDDEN)), ("attn_v", (32, HIDDEN)),
-        ("attn_output", (HIDDEN, HIDDEN)), ("ffn_gate", (FFN, HIDDEN)), ("ffn_up", (FFN, HIDDEN)),
-        ("ffn_down", (HIDDEN, FFN)))]
-    shapes += [("blk.0.ffn_norm.weight", (HIDDEN,), Q.F32), ("output_norm.weight", (HIDDEN,), Q.F32)]
+        ("attn_q", (h, h)), ("attn_k", (h // 2, h)), ("attn_v", (h // 2, h)), ("attn_output", (h, h)),
+        ("ffn_gate", (FFN, h)), ("ffn_up", (FFN, h)), ("ffn_down", (h, FFN)))]
+    shapes += [("blk.0.ffn_norm.weight", (h,), Q.F32), ("output_norm.weight", (h,), Q.F32)]
     if output is not None:
-        shapes.append(("output.weight", (VOCAB, HIDDEN), output))
+        shapes.append(("output.weight", (VOCAB, h), output))
     for name, shape, qt in shapes:
         x = rng.normal(0, 0.5 if "embd" in name else 0.05, shape).astype(np.float32)
         if qt == Q.F32:
@@ -47,7 +73,7 @@ def make_gguf(path: Path, *, emb_type: Any = Q.Q4_1, output: Any = None, layer_t
             w.add_tensor(name, x)
             deq[name] = x
             continue
-        data = gguf.quants.quantize(x, qt)
+        data = kquant(rng, qt, *shape) if qt in (Q.Q4_K, Q.Q6_K) else gguf.quants.quantize(x, qt)
         w.add_tensor(name, data, raw_dtype=qt)
         deq[name] = gguf.quants.dequantize(data, qt)
     w.write_header_to_file()
@@ -179,26 +205,30 @@ def test_load_model_runs_the_packed_embedding_and_tied_head(tied: tuple[Path, Pa
     assert torch.equal(_logits(hf, ids), packed)
 
 
-def test_quantized_head_stays_packed(tmp_path: Path) -> None:
-    """An untied quantized head (output.weight Q8_0) is an ordinary packed layer run by W4Linear, beside the
-    packed embedding; both written back in their own types."""
+@pytest.mark.parametrize("emb_type,head_type,hidden", [(Q.Q8_0, Q.Q8_0, HIDDEN), (Q.Q4_K, Q.Q6_K, 256)])
+def test_quantized_head_stays_packed(emb_type: Any, head_type: Any, hidden: int, tmp_path: Path) -> None:
+    """An untied quantized head (output.weight Q8_0, or Q6_K beside a Q4_K embedding as in Q4_K_M files) is an
+    ordinary packed layer run by W4Linear, beside the packed embedding; both written back in their own types."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from w4pack.runtime.loading import load_model
     from w4pack.runtime.torch_module import W4Embedding, W4Linear, W4TiedHead
 
     src = tmp_path / "h.gguf"
-    deq = make_gguf(src, emb_type=Q.Q8_0, output=Q.Q8_0)
+    deq = make_gguf(src, emb_type=emb_type, output=head_type, hidden=hidden)
     convert(src, tmp_path / "w4", show_progress=False)
     with open_checkpoint(tmp_path / "w4") as ck:
         assert ck.manifest["layers"]["lm_head"].get("role", "linear") == "linear"
         assert ck.manifest["layers"]["model.embed_tokens"]["role"] == "embedding"
         assert np.array_equal(ck.dequantize("lm_head"), deq["output.weight"])
+        assert np.array_equal(ck.dequantize("model.embed_tokens"), deq["token_embd.weight"])
     model = load_model(tmp_path / "w4")
     head = model.get_output_embeddings()
     assert isinstance(model.get_input_embeddings(), W4Embedding)
+    ids = torch.tensor([0, 17, 39])
+    assert np.array_equal(model.get_input_embeddings()(ids).numpy(), deq["token_embd.weight"][ids.numpy()])
     assert isinstance(head, W4Linear) and not isinstance(head, (W4Embedding, W4TiedHead))
-    x = torch.randn(3, HIDDEN)
+    x = torch.randn(3, hidden)
     want = x.double() @ torch.from_numpy(deq["output.weight"]).double().T
     assert torch.allclose(head(x).double(), want, atol=1e-5)
     convert(tmp_path / "w4", tmp_path / "back.gguf", to="gguf", show_progress=False)
