@@ -323,7 +323,8 @@ def _map_names(tensor_names: list[str], label: str, arch: str | None = None) -> 
 
 
 def _classify(f: GGUFFile, hf_of: dict[str, str]) -> tuple[list[str], list[str], Counter[str]]:
-    """(quantized linear layers, pass-through tensors, count of types dequantized to float32 by type)."""
+    """(quantized layers: linear ones and a packable token embedding, pass-through tensors, count of types
+    dequantized to float32 by type)."""
     layers: list[str] = []
     passthrough: list[str] = []
     dequantized: Counter[str] = Counter()
