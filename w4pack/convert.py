@@ -10,6 +10,7 @@ from typing import Any
 from .store.checkpoint import parse_size
 from .errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNSUPPORTED, BadInputError, W4PackError
 from .formats import get_format
+from .formats import embeddings
 from .sources import open_source, source_format as _source_format
 from .formats.base import Format
 
@@ -87,6 +88,7 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
         n_source = len(source.layer_names())
         if fuse:
             source = FusedSource(source, fuse)
+        source = embeddings.for_target(source, target)  # packed embeddings a format cannot hold: float32
         names = source.layer_names()
         before.extend((exc.one_line(), exc.exit_code) for exc in target.source_problems(source, str(src)))
         own_check = _checks_own_layers(target)
@@ -203,6 +205,7 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
     with source:
         if fuse:
             source = FusedSource(source, fuse)
+        source = embeddings.for_target(source, target)  # packed embeddings a format cannot hold: float32
         problems = target.source_problems(source, str(src))  # before anything is written, not at the end
         if problems:
             raise problems[0]

@@ -316,6 +316,15 @@ class _SourceLayers:
             self._last = (f, self.source.read_layer(f))
         return _slice_rows(self._last[1], lo, hi, name)
 
+    def dense(self, name: str) -> tuple[np.ndarray, str] | None:
+        """(array, dtype name) of the source's pass-through ``<name>.weight``: where a format that cannot hold a
+        packed embedding carries it dequantized (formats/embeddings.py); None when the source has none."""
+        tname = f"{name}.weight"
+        if tname not in set(self.source.passthrough_names()):
+            return None
+        t = self.source.read_tensor(tname)
+        return np.asarray(t.array), t.dtype
+
     def units(self) -> dict[str, list[str]]:
         """{source layer: the unfused modules it holds}."""
         return {s: [p for p, _, _ in self.fused[s]] if s in self.fused else [s] for s in self.names}
@@ -429,7 +438,7 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
                 if sname in held:
                     continue
                 for missing in modules:
-                    if missing not in held:
+                    if missing not in held and not _held_dequantized(ck, source, missing):
                         report.problems.append(f"layer {missing} of the source is missing from the packed checkpoint")
         report.checks.append(f"gemm-{precision}-{device}")
         if base is not None:
@@ -467,6 +476,15 @@ def _check_exact(check: LayerCheck, layer: CanonicalLayer, source: _SourceLayers
     rows the manifest gives it, reported per part."""
     name = check.name
     if source.has(name) or not parts:
+        if not source.has(name) and layer.role == "embedding" and (dense := source.dense(name)) is not None:
+            # the source holds the embedding dequantized: it must be exactly the float32 values of the layer
+            arr, dtype = dense
+            mine = layer.dequantize(np.float32)
+            check.exact = dtype == "float32" and arr.shape == mine.shape and \
+                np.array_equal(np.ascontiguousarray(arr).view(np.uint32), mine.view(np.uint32))
+            if not check.exact:
+                check.problems.append(f"differs from the source's dequantized {name}.weight ({dtype})")
+            return
         if not source.has(name):
             check.exact = False
             check.problems.append("not in the source checkpoint")
@@ -581,9 +599,17 @@ def _check_layer(ck: Checkpoint, name: str, source: _SourceLayers | None, base_w
     return check
 
 
+def _held_dequantized(ck: Checkpoint, source: Any, name: str) -> bool:
+    """True when ``name`` is a packed embedding of the source that ``ck`` holds as the float tensor ``name.weight``
+    (written by a version or a format that dequantized it)."""
+    return f"{name}.weight" in ck.passthrough and name in source.embedding_names()
+
+
 def _compare_passthrough(ck: Checkpoint, source: Any, problems: list[str]) -> dict[str, Any]:
     """Pass-through tensors must be the source's bytes, dtype and shape, unchanged."""
-    src = list(source.passthrough_names())
+    # a packed embedding that the source carries dequantized is compared with the layers (_check_exact)
+    embedded = {f"{n}.weight" for n, m in ck.manifest["layers"].items() if m.get("role") == "embedding"}
+    src = [t for t in source.passthrough_names() if t not in embedded or t in ck.passthrough]
     mine = set(ck.passthrough)
     identical = 0
     for tname in src:
@@ -598,6 +624,17 @@ def _compare_passthrough(ck: Checkpoint, source: Any, problems: list[str]) -> di
             problems.append(f"pass-through tensor {tname} differs from the source")
         else:
             identical += 1
+    for tname in sorted(mine - set(src)):  # a packed embedding of the source that this folder holds dequantized
+        name = tname[: -len(".weight")]
+        if tname.endswith(".weight") and _held_dequantized(ck, source, name):
+            a = np.asarray(ck.raw(tname))
+            b = source.read_layer(name).dequantize(np.float32)
+            if ck.dtype_name(tname) == "float32" and a.shape == b.shape and \
+                    np.array_equal(np.ascontiguousarray(a).view(np.uint32), b.view(np.uint32)):
+                identical += 1
+            else:
+                problems.append(f"pass-through tensor {tname} differs from the source's packed embedding {name}")
+            src.append(tname)
     extra = sorted(mine - set(src))
     for tname in extra[:5]:
         problems.append(f"pass-through tensor {tname} is not in the source")

@@ -14,6 +14,8 @@ Conventions (N = out_features, K = in_features, G = number of groups along K):
   - ``"float"`` ``zeros`` holds a float minimum m [N, G] in the scale dtype;  W = s * q + m
 * ``g_idx`` int32 [K]: the group of each input column (act-order makes it a permutation of groups).
 * ``group_size`` the number of columns per group, or -1 for one group per row (per-channel).
+* ``role`` ``"linear"`` (multiplied: y = x·Wᵀ) or ``"embedding"`` (looked up: row t of W is token t's vector); the
+  weights and their dequantization are the same, only the module that runs them differs.
 """
 from __future__ import annotations
 
@@ -26,9 +28,10 @@ import numpy as np
 from .dtypes import FLOAT_DTYPES, to_float32, to_float64
 from ..errors import BadInputError
 
-__all__ = ["CanonicalLayer", "ZERO_MODES", "SUPPORTED_BITS", "default_g_idx", "dequantize"]
+__all__ = ["CanonicalLayer", "ZERO_MODES", "ROLES", "SUPPORTED_BITS", "default_g_idx", "dequantize"]
 
 ZERO_MODES = ("none", "int", "float")
+ROLES = ("linear", "embedding")
 #: source code widths; 2-4 are stored in 4-bit fields, 5, 6 and 8 in 8-bit fields (docs/LAYOUT.md §5)
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 
@@ -56,6 +59,7 @@ class CanonicalLayer:
     bias_dtype: str | None = None
     source: dict[str, Any] = field(default_factory=dict)
     name: str = ""
+    role: str = "linear"
 
     def __post_init__(self) -> None:
         if self.g_idx is None and isinstance(self.codes, np.ndarray) and self.codes.ndim == 2:
@@ -98,6 +102,10 @@ class CanonicalLayer:
         def bad(msg: str) -> BadInputError:
             return BadInputError(msg, tensor=self.name or None)
 
+        if self.role not in ROLES:
+            raise bad(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.role == "embedding" and self.bias is not None:
+            raise bad("an embedding has no bias")
         if self.bits not in SUPPORTED_BITS:
             raise bad(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}")
         if not isinstance(self.codes, np.ndarray) or self.codes.dtype != np.uint8 or self.codes.ndim != 2:
@@ -176,7 +184,7 @@ class CanonicalLayer:
 
     def differences(self, other: "CanonicalLayer") -> list[str]:
         out = []
-        for attr in ("bits", "group_size", "zero_mode", "scale_dtype"):
+        for attr in ("bits", "group_size", "zero_mode", "scale_dtype", "role"):
             if getattr(self, attr) != getattr(other, attr):
                 out.append(f"{attr}: {getattr(self, attr)!r} != {getattr(other, attr)!r}")
         for attr in ("codes", "scales", "zeros", "g_idx", "bias"):

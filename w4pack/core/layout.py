@@ -183,6 +183,8 @@ def pack_with_qweight(layer: CanonicalLayer, qweight: np.ndarray | None) -> Pack
         "act_order": perm is not None,
         "bias_dtype": layer.bias_dtype if layer.bias is not None else None,
     }
+    if layer.role != "linear":  # absent means a linear layer (docs/FORMAT.md §5)
+        meta["role"] = layer.role
     return PackedLayer(meta=meta, tensors=tensors, source=dict(layer.source))
 
 
@@ -239,7 +241,7 @@ def unpack(packed: PackedLayer, name: str = "") -> CanonicalLayer:
         codes=np.ascontiguousarray(codes), scales=scales, bits=m["bits"], group_size=gs,
         zero_mode=m["zero_mode"], zeros=zeros, g_idx=g_idx, scale_dtype=m["scale_dtype"],
         bias=bias, bias_dtype=m.get("bias_dtype") if bias is not None else None,
-        source=dict(packed.source), name=name,
+        source=dict(packed.source), name=name, role=m.get("role", "linear"),
     )
     if int(codes.max(initial=0)) > (1 << m["bits"]) - 1:
         raise BadInputError(f"packed codes exceed the {m['bits']}-bit range", tensor=f"{name}.qweight")

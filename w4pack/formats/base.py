@@ -112,6 +112,11 @@ class Source(abc.ABC):
         verbatim, so a writer can copy them file to file; None: the writer copies read_tensor(name)."""
         return None
 
+    def embedding_names(self) -> list[str]:
+        """The layers of ``layer_names`` that are token embeddings kept packed (role "embedding"): looked up,
+        not multiplied. A writer whose format cannot hold them gets them dequantized (formats/embeddings.py)."""
+        return []
+
     def fused_layers(self) -> dict[str, list[dict[str, Any]]]:
         """Fused layers and their parts' row ranges, for the manifest (a fused w4pack checkpoint, w4pack.fuse)."""
         return {}
@@ -140,6 +145,8 @@ class Format(abc.ABC):
     single_file: bool = False
     #: it can store fused projections (``convert --fuse``)
     stores_fused: bool = False
+    #: it can hold a quantized token embedding (a layer of role "embedding"); others get it dequantized
+    packs_embeddings: bool = False
     #: the writer options it takes; None: it ignores options meant for other formats
     write_options: frozenset[str] | None = None
     #: its reader rebuilds codes from the base model's weights (the ``base`` option: TOML quant tables)

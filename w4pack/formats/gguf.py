@@ -9,9 +9,11 @@ Blocks of 32 weights along ``in`` (facts: reference/formats-awq-ct-gguf.md §5):
 * Q8_0: ``f16 d; i8 qs[32]``, w = d·q             → canonical 8-bit, group 32, codes q + 128, zero mode "none"
 
 Byte j of ``qs`` holds element j (low nibble) and element j + 16 (high nibble). K-quants (Q2_K..Q6_K), Q5_0, Q5_1,
-IQ4_NL and IQ4_XS linear weights are packed losslessly too (``gguf_quants``) and written back in their own type. Every other tensor type (F32, F16, BF16 pass through; grid-codebook IQ types, embeddings and
-the rest are dequantized by gguf's own code to float32) is carried unquantized and said so in the source notes,
-one note per tensor type. Names become transformers names, and llama.cpp's rotary row permutation of attn_q /
+IQ4_NL and IQ4_XS linear weights are packed losslessly too (``gguf_quants``) and written back in their own type. A
+token embedding of one of these types stays packed as well, as a layer of role "embedding" (looked up at load,
+not multiplied; docs/FORMAT.md §5), so it neither widens to float32 nor loses its type on the way back. Every
+other tensor type (F32, F16, BF16 pass through; grid-codebook IQ types and the rest are dequantized by gguf's own
+code to float32) is carried unquantized and said so in the source notes, one note per tensor type. Names become transformers names, and llama.cpp's rotary row permutation of attn_q /
 attn_k is undone, so the folder is a normal transformers checkpoint; config.json comes from the GGUF metadata and
 the tokenizer is exported by transformers (optional dependency) from the same file.
 
@@ -122,6 +124,13 @@ def _source_gguf_type(layer: CanonicalLayer) -> str | None:
     return str(qt) if qt is not None and gguf_quants.is_packable(str(qt)) else None
 
 
+def _packs_as_layer(module: str | None, t: Any) -> bool:
+    """A 2-D tensor of a packable type at a linear module or the token embedding: it becomes a canonical layer
+    (the embedding with role "embedding", so it stays as compact as the source stores it)."""
+    return module is not None and len(t.dims) == 2 and _packable(t.type_name) and \
+        (names.is_linear(module) or names.is_embedding(module))
+
+
 def _refusals(f: GGUFFile, hf_of: dict[str, str]) -> list[str]:
     """One line per quantized linear weight that cannot be a canonical layer, naming the tensor and its type."""
     out = []
@@ -143,8 +152,6 @@ def _carriage_notes(types: dict[str, str], packed: set[str], hf_of: dict[str, st
             kind = "packed losslessly"
         elif qt in _PLAIN_TYPES:
             kind = "passed through as they are"
-        elif names.is_embedding(hf[: -len(".weight")] if (hf := hf_of.get(gname, "")).endswith(".weight") else ""):
-            kind = "dequantized to float32 (embedding)"
         else:
             kind = "dequantized to float32"
         how.setdefault(qt, Counter())[kind] += 1
@@ -316,7 +323,8 @@ def _map_names(tensor_names: list[str], label: str, arch: str | None = None) -> 
 
 
 def _classify(f: GGUFFile, hf_of: dict[str, str]) -> tuple[list[str], list[str], Counter[str]]:
-    """(quantized linear layers, pass-through tensors, count of types dequantized to float32 by type)."""
+    """(quantized layers: linear ones and a packable token embedding, pass-through tensors, count of types
+    dequantized to float32 by type)."""
     layers: list[str] = []
     passthrough: list[str] = []
     dequantized: Counter[str] = Counter()
@@ -325,12 +333,11 @@ def _classify(f: GGUFFile, hf_of: dict[str, str]) -> tuple[list[str], list[str],
             continue  # a stacked experts tensor: its experts are classified by the caller
         hf = hf_of[gname]
         module = hf[: -len(".weight")] if hf.endswith(".weight") else None
-        if _packable(t.type_name) and module is not None and len(t.dims) == 2 and names.is_linear(module):
+        if _packs_as_layer(module, t):
             layers.append(module)
             continue
         passthrough.append(hf)
-        if t.type_name not in _PLAIN_TYPES and \
-                not (t.type_name in _DECODERS and module is not None and names.is_embedding(module)):
+        if t.type_name not in _PLAIN_TYPES:
             dequantized[t.type_name] += 1
     biases = {f"{m}.bias" for m in layers}
     return layers, [p for p in passthrough if p not in biases], dequantized
@@ -394,10 +401,10 @@ class GGUFSource(Source):
         if dequantized:
             kinds = ", ".join(f"{c} {q}" for q, c in sorted(dequantized.items()))
             self.notes.append(f"not packable, dequantized to float32 with gguf's own code and passed through: {kinds}")
-        emb_type = self.types.get("token_embd.weight")
-        if emb_type in _DECODERS:
-            self.notes.append(f"token_embd.weight ({emb_type}) is an embedding (looked up, not multiplied): "
-                              "dequantized exactly to float32 and passed through")
+        emb = self.hf_of.get("token_embd.weight", "")
+        if emb.endswith(".weight") and emb[: -len(".weight")] in self._layers:
+            self.notes.append(f"token_embd.weight ({self.types['token_embd.weight']}) is an embedding (looked up, "
+                              "not multiplied): kept packed as a layer with role \"embedding\"")
         if self.permute and any(hf.endswith(("q_proj.weight", "k_proj.weight")) for hf in self.hf_of.values()):
             self.notes.append("llama.cpp's rotary row permutation of attn_q/attn_k undone (transformers order)")
         counts = Counter(self.types.values())
@@ -431,6 +438,9 @@ class GGUFSource(Source):
     def passthrough_names(self) -> list[str]:
         return list(self._pass)
 
+    def embedding_names(self) -> list[str]:
+        return [n for n in self._layers if names.is_embedding(n)]
+
     def read_layer(self, name: str) -> CanonicalLayer:
         gname, expert = self.expert_of.get(name, (self.gguf_of.get(f"{name}.weight"), None))
         if gname is None or name not in self._layers:
@@ -456,6 +466,8 @@ class GGUFSource(Source):
             bt = self.read_tensor(f"{name}.bias")
             changes["bias"], changes["bias_dtype"] = np.asarray(bt.array), bt.dtype
         source = {"format": "gguf", "gguf_name": gname, "gguf_type": t.type_name}
+        if names.is_embedding(name):
+            changes["role"] = "embedding"
         if expert is not None:
             source["expert"] = expert
         if perm is not None:
@@ -1025,6 +1037,7 @@ class GGUFFormat(Format):
                                 notes=["scales (and Q4_1 minima) must be fp16 values",
                                        "integer zeros other than 8 need -scale*zero to be an fp16 (Q4_1)"])
     single_file = True
+    packs_embeddings = True  # token_embd is written back in its own block type
     hub_files = (HubFiles("*.gguf", rank=1, single=True, what="GGUF"),)
 
     @classmethod

@@ -45,6 +45,9 @@ class W4PackSource(Source):
     def fused_layers(self) -> dict[str, list[dict[str, Any]]]:
         return dict(self.fused)
 
+    def embedding_names(self) -> list[str]:
+        return [n for n, m in self.ckpt.manifest["layers"].items() if m.get("role") == "embedding"]
+
     def side_files(self) -> list[Path]:
         names = self.ckpt.manifest.get("side_files") or []
         return side_files(self.path, [n for n in names if isinstance(n, str)])
@@ -58,6 +61,7 @@ class W4PackFormat(Format):
     description = "w4pack packed checkpoint (layout w4pack-tiles v1)"
     capabilities = Capabilities(bits=(2, 3, 4, 5, 6, 8), zero_modes=("none", "int", "float"), act_order=True)
     stores_fused = True
+    packs_embeddings = True
     write_options = frozenset()
 
     @classmethod

@@ -5,7 +5,9 @@
 then streams every tensor in from the memory-mapped shards one at a time: quantized layers are copied as packed
 bytes, pass-through tensors are converted to the model dtype one by one, so no full float copy of the weights is
 ever built. Non-persistent buffers (rotary frequencies) are computed on the target device, and output embeddings
-are tied when the config says so and the checkpoint holds no separate head.
+are tied when the config says so and the checkpoint holds no separate head. A layer whose manifest entry has
+``"role": "embedding"`` becomes a ``W4Embedding`` (rows dequantized as they are looked up) and a head tied to it a
+``W4TiedHead`` over the same packed buffers.
 
 ``register_transformers()`` makes ``AutoModelForCausalLM.from_pretrained(folder)`` work on a w4pack folder by
 registering the quantization method "w4pack" with transformers (where the installed version allows it); an
@@ -245,6 +247,70 @@ def _fill_dequantized(model: Any, name: str, packed: Any, ckpt_path: Path, devic
     return True
 
 
+def _is_embedding(packed_or_meta: Any) -> bool:
+    meta = getattr(packed_or_meta, "meta", packed_or_meta)
+    return meta.get("role") == "embedding"
+
+
+def _embedding_at(model: Any, name: str, ckpt_path: Path) -> Any:
+    """The model's embedding module that a packed embedding replaces (an ``nn.Embedding`` or a subclass)."""
+    from torch import nn
+
+    try:
+        old = model.get_submodule(_model_path(model, name))
+    except AttributeError:
+        raise BadInputError("the manifest names an embedding the model does not have", file=str(ckpt_path),
+                            tensor=name) from None
+    if not isinstance(old, nn.Embedding):
+        raise UnsupportedError(f"manifest embedding is a {type(old).__name__} in the model, not an Embedding",
+                               file=str(ckpt_path), tensor=name)
+    return old
+
+
+def _swap_embedding(model: Any, name: str, packed: Any, ckpt_path: Path, device: Any, precision: str,
+                    threads: int | None) -> Any:
+    """A packed embedding in place of the model's ``nn.Embedding``: a ``W4Embedding``. A subclass that does more
+    than look up (e.g. scales the rows) keeps its own forward and gets the exactly dequantized weight instead."""
+    from torch import nn
+
+    from .torch_module import W4Embedding
+
+    old = _embedding_at(model, name, ckpt_path)
+    if type(old) is not nn.Embedding:
+        _fill_dequantized(model, name, packed, ckpt_path, device)
+        return old
+    try:
+        mod = W4Embedding.replacing(old, packed, device=device, precision=precision, threads=threads)
+    except UnsupportedError as exc:
+        raise BadInputError(exc.message, file=str(ckpt_path), tensor=name) from None
+    _set_module(model, name, mod)
+    return mod
+
+
+def _tie_packed_head(model: Any, config: Any, *, skeleton: bool = False) -> Any:
+    """When the config ties the head to the input embedding and that is a ``W4Embedding``, the head becomes a
+    ``W4TiedHead`` over its buffers (returned; None otherwise). ``skeleton``: the head may be unfilled (meta)
+    anyway, as under transformers' loader; otherwise only a head the checkpoint left unfilled is replaced."""
+    from torch import nn
+
+    from .torch_module import W4Embedding, W4TiedHead
+
+    text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not getattr(text_cfg, "tie_word_embeddings", False):
+        return None
+    in_emb, out_emb = model.get_input_embeddings(), model.get_output_embeddings()
+    if not isinstance(in_emb, W4Embedding) or not isinstance(out_emb, nn.Linear):
+        return None
+    if not (skeleton or out_emb.weight.is_meta) or out_emb.bias is not None:
+        return None
+    if (out_emb.out_features, out_emb.in_features) != (in_emb.num_embeddings, in_emb.embedding_dim):
+        return None
+    head = W4TiedHead(in_emb)
+    name = next(n for n, m in model.named_modules() if m is out_emb)
+    _set_module(model, name, head)
+    return head
+
+
 def swap_in_packed_layers(model: Any, ckpt: Checkpoint, *, device: Any, precision: str = "exact",
                           threads: int | None = None) -> dict[str, Any]:
     """Replace the model's nn.Linear modules named in the manifest by W4Linear filled from ``ckpt``.
@@ -260,6 +326,9 @@ def swap_in_packed_layers(model: Any, ckpt: Checkpoint, *, device: Any, precisio
     for name in ckpt.layers:
         packed = ckpt.packed(name)
         n, k = packed.meta["shape"]
+        if _is_embedding(packed):
+            out[name] = _swap_embedding(model, name, packed, ckpt.path, device, precision, threads)
+            continue
         if name not in fused and _fill_dequantized(model, name, packed, ckpt.path, device):
             continue
         if name in fused:
@@ -415,6 +484,7 @@ def load_model(path: str | os.PathLike[str], device: Any = "cpu", dtype: Any = N
             model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
         swap_in_packed_layers(model, ckpt, device=dev, precision=precision, threads=threads)
         unused = _load_passthrough(model, ckpt, dev)
+        _tie_packed_head(model, config)
         _tie_embeddings(model, config)
         _materialize_buffers(model, dev)
         missing = _leftover_meta(model)
@@ -618,8 +688,18 @@ def _swap_skeleton(model: Any, ckpt: Checkpoint) -> None:
 
     fused = ckpt.manifest.get("fused") or {}
     expand_experts(model, _addressed_names(ckpt))
+    from torch import nn
+
+    from .torch_module import W4Embedding
+
     for name, meta in ckpt.manifest["layers"].items():
         has_bias = "bias" in meta["tensors"]
+        if _is_embedding(meta):
+            old = _embedding_at(model, name, ckpt.path)
+            if type(old) is nn.Embedding:
+                _set_module(model, name, W4Embedding(meta, dtype=old.weight.dtype, padding_idx=old.padding_idx,
+                                                     device="meta", persistent=False))
+            continue  # a subclass gets its dequantized weight after loading (_fill_skeleton)
         if name not in fused and _holds_plain_weight(model, name):
             continue  # a quantized router: dequantized into its weight after loading (_fill_skeleton)
         if name in fused:
@@ -632,11 +712,30 @@ def _swap_skeleton(model: Any, ckpt: Checkpoint) -> None:
         else:
             _linear_at(model, name, ckpt.path)
             _set_module(model, name, W4Linear(meta, has_bias=has_bias, device="meta", persistent=False))
+    if _tie_packed_head(model, model.config, skeleton=True) is not None:
+        # the head now runs on the packed embedding: transformers must not tie (or report) float weights there
+        tied = getattr(model, "all_tied_weights_keys", None)
+        if isinstance(tied, dict):
+            for key in [k for k, v in tied.items() if _is_under(model, k) or _is_under(model, v)]:
+                tied.pop(key)
+
+
+def _is_under(model: Any, tensor: str) -> bool:
+    """True when ``tensor`` (a parameter path) belongs to a module w4pack replaced (no such parameter any more)."""
+    from .torch_module import W4Embedding, W4TiedHead
+
+    try:
+        return isinstance(model.get_submodule(tensor.rpartition(".")[0]), (W4Embedding, W4TiedHead))
+    except AttributeError:
+        return False
 
 
 def _fill_skeleton(model: Any, ckpt: Checkpoint, device: Any, precision: str) -> None:
+    from .torch_module import W4Embedding
+
     for name in ckpt.layers:
-        if _fill_dequantized(model, name, ckpt.packed(name), ckpt.path, device):
+        mod = model.get_submodule(_model_path(model, name))
+        if not isinstance(mod, W4Embedding) and _fill_dequantized(model, name, ckpt.packed(name), ckpt.path, device):
             continue
         mod = model.get_submodule(_model_path(model, name))
         mod.precision = precision

@@ -229,10 +229,24 @@ def dequantized_model(model: Any, dtype: Any = None) -> Any:
     import torch
     from torch import nn
 
-    from .torch_module import W4FusedLinear, W4Linear, W4SliceLinear
+    from .torch_module import W4Embedding, W4FusedLinear, W4Linear, W4SliceLinear, W4TiedHead
 
     first = next((p for p in model.parameters()), None)
     dt = dtype or (first.dtype if first is not None else torch.float32)
+    # a packed embedding becomes an nn.Embedding of its dequantized rows, and a head tied to it an nn.Linear
+    # sharing that weight (as transformers ties them)
+    embeddings = {}
+    for name, mod in [(n, m) for n, m in model.named_modules() if isinstance(m, W4Embedding)]:
+        mod.dtype = dt
+        embeddings[id(mod)] = emb = mod.dequantized_embedding()
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, emb)
+    for name, mod in [(n, m) for n, m in model.named_modules() if isinstance(m, W4TiedHead)]:
+        emb = embeddings[id(mod.embedding)]
+        lin = nn.Linear(mod.in_features, mod.out_features, bias=False, device=emb.weight.device, dtype=dt)
+        lin.weight = emb.weight
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, lin)
     names = [(n, m) for n, m in model.named_modules() if isinstance(m, (W4Linear, W4SliceLinear))]
     for name, mod in names:
         if isinstance(mod, W4FusedLinear):

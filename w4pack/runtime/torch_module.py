@@ -30,7 +30,8 @@ from ..core.dtypes import FLOAT_DTYPES
 from ..errors import UnsupportedError
 from ..core.layout import PackedLayer, pack, tensor_suffixes, unpack
 
-__all__ = ["W4Linear", "W4FusedLinear", "W4SliceLinear", "W4Experts", "W4Expert", "PRECISIONS"]
+__all__ = ["W4Linear", "W4FusedLinear", "W4SliceLinear", "W4Experts", "W4Expert", "W4Embedding", "W4TiedHead",
+           "PRECISIONS"]
 
 PRECISIONS = ("exact", "fast")
 
@@ -199,6 +200,10 @@ class W4Linear(nn.Module):
         return self._buffers["bias"].view(TORCH_FLOAT[self.meta["bias_dtype"]]).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """y = x @ W.T (+ bias) with the native GEMM (``forward`` of a linear layer; a tied head's too)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features, the layer expects {self.in_features}")
         if torch.compiler.is_compiling():
@@ -457,3 +462,174 @@ class W4Experts(nn.Module):
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, " \
                f"intermediate_dim={self.intermediate_dim}"
+
+
+# -- token embeddings ------------------------------------------------------------------------------
+def _row_index(meta: dict[str, Any], perm: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where each weight of a row sits in layout v1 (docs/LAYOUT.md §2), for the 16 rows of a tile stripe.
+
+    Returns (word [16, K] int64: the int32 word of the stripe holding row r's column c, shift [16, K] int32: the
+    bit offset of its code in that word, group [K] int64: its column's group), columns in the original order. Row
+    r of the matrix is word ``(r // 16) * words_per_stripe + word[r % 16]`` of the flattened ``qweight``."""
+    from ..core.layout import NIBBLE_POS, TILE_K, WARP, words_per_tile_lane
+
+    k = int(meta["shape"][1])
+    sbits = int(meta["storage_bits"])
+    kp = int(meta["padded_shape"][1])
+    col = np.arange(kp, dtype=np.int64)  # packed column k' = kb*64 + j*16 + kh*8 + tid*2 + e
+    kb, j, kh, tid, e = col // TILE_K, col % TILE_K // 16, col % 16 // 8, col % 8 // 2, col % 2
+    r16 = np.arange(16, dtype=np.int64)[:, None]  # row in the stripe = rh*8 + gid
+    rh, gid = r16 // 8, r16 % 8
+    lane = gid * 4 + tid
+    elem = 4 * kh + 2 * rh + e  # the lane's fragment element (0..7) of the k16 slice j
+    if sbits == 4:  # word (kb, lane, j), nibble NIBBLE_POS[elem]
+        word = (kb * WARP + lane) * 4 + j
+        shift = 4 * NIBBLE_POS[elem]
+    else:  # 8 bytes per (kb, lane, j) in fragment order, two little-endian words
+        byte = ((kb * WARP + lane) * 4 + j) * 8 + elem
+        word, shift = byte // 4, 8 * (byte % 4)
+    assert int(word.max()) < kp // TILE_K * WARP * words_per_tile_lane(sbits)
+    gs = int(meta["group_size"])
+    group = np.zeros(kp, dtype=np.int64) if gs == -1 else col // gs  # packed columns are grouped contiguously
+    pos = np.arange(k, dtype=np.int64) if perm is None else np.argsort(perm).astype(np.int64)  # original c -> k'
+    return np.ascontiguousarray(word[:, pos]), np.ascontiguousarray(shift[:, pos].astype(np.int32)), group[pos]
+
+
+class W4Embedding(W4Linear):
+    """A token embedding kept packed: ``forward(ids)`` gathers rows and dequantizes only those.
+
+    Why: a GGUF stores its embedding quantized (often the model's largest tensor); widening it to float32 would
+    double the folder and the memory. The rows come straight out of the layout v1 ``qweight`` (no second copy of
+    the codes: a [16, K] table says where each code of a stripe's rows sits), with the canonical dequantization
+    in float32 (``s·(q − z)`` or ``s·q + m``, one rounding per operation exactly as ``canonical.dequantize``),
+    then cast to the model's dtype, as a float embedding loaded from the same weights would be. Pure torch ops,
+    so CPU, CUDA and ``torch.compile`` share it.
+
+    A head tied to it (``tie_word_embeddings``) is a ``W4TiedHead`` running this module's GEMM over the same
+    buffers; its native kernel is prepared only then.
+    """
+
+    def __init__(self, meta: dict[str, Any], *, dtype: torch.dtype = torch.float32, padding_idx: int | None = None,
+                 **kwargs: Any):
+        kwargs["has_bias"] = False
+        super().__init__(meta, **kwargs)
+        self.num_embeddings, self.embedding_dim = self.out_features, self.in_features
+        self.padding_idx = padding_idx
+        # the output dtype, held as an empty float buffer so that model.half() / .to(dtype) change it too
+        self.register_buffer("out_dtype", torch.empty(0, dtype=dtype, device=kwargs.get("device")),
+                             persistent=False)
+        self.serves_head = False
+        self._rows: dict[str, tuple[torch.Tensor, ...]] = {}
+
+    @classmethod
+    def replacing(cls, old: nn.Embedding, packed: PackedLayer, *, device: Any = None, precision: str = "exact",
+                  threads: int | None = None) -> "W4Embedding":
+        """The packed ``packed`` in place of ``old`` (its dtype and padding index; shapes must match)."""
+        n, k = packed.meta["shape"]
+        if (old.num_embeddings, old.embedding_dim) != (n, k):
+            raise UnsupportedError(f"packed shape [{n}, {k}] does not match the model's embedding "
+                                   f"[{old.num_embeddings}, {old.embedding_dim}]")
+        mod = cls(packed.meta, dtype=old.weight.dtype, padding_idx=old.padding_idx, device="meta",
+                  precision=precision, threads=threads)
+        mod.load_packed(packed, device=device)
+        return mod
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the rows ``forward`` returns (the model's)."""
+        return self._buffers["out_dtype"].dtype
+
+    @dtype.setter
+    def dtype(self, value: torch.dtype) -> None:
+        self._buffers["out_dtype"] = torch.empty(0, dtype=value, device=self._buffers["out_dtype"].device)
+
+    def load_packed(self, packed: PackedLayer, device: Any = None) -> None:
+        super().load_packed(packed, device)
+        where = self.qweight.device
+        self._buffers["out_dtype"] = torch.empty(0, dtype=self.dtype, device=where)
+
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        key = str(device)
+        t = self._rows.get(key)
+        if t is None:
+            perm = self._buffers["perm"].cpu().numpy() if "perm" in self._buffers else None
+            word, shift, group = _row_index(self.meta, perm)
+            t = tuple(torch.from_numpy(a).to(device) for a in (word, shift, group))
+            self._rows = {key: t}
+        return t
+
+    def prepare(self, device: Any = None, dtype: torch.dtype | None = None) -> "W4Embedding":
+        """Builds the lookup tables; the GEMM kernel only when a tied head runs on these weights."""
+        if dtype is not None:
+            self.dtype = dtype
+        dev = _normalize_device(device) if device is not None else self.qweight.device
+        self._tables(dev)
+        if self.serves_head:
+            super().prepare(dev, dtype)
+        return self
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dequantized rows ``ids`` ([..., K], float32 values of ``canonical.dequantize`` cast to ``dtype``)."""
+        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+            raise TypeError(f"embedding indices must be integers, got {ids.dtype}")
+        flat = ids.reshape(-1).to(device=self.qweight.device, dtype=torch.int64)
+        if flat.device.type == "cpu" and flat.numel() and not torch.compiler.is_compiling():
+            lo, hi = int(flat.min()), int(flat.max())
+            if lo < 0 or hi >= self.num_embeddings:
+                raise IndexError(f"token id {lo if lo < 0 else hi} is out of range for an embedding of "
+                                 f"{self.num_embeddings} rows")
+        word, shift, group = self._tables(flat.device)
+        m = self.meta
+        stripe_words = self.qweight.shape[1]
+        sub = flat % 16
+        words = self.qweight.reshape(-1)[(flat // 16 * stripe_words)[:, None] + word[sub]]
+        mask = 0xF if m["storage_bits"] == 4 else 0xFF
+        q = ((words >> shift[sub]) & mask).to(torch.float32)
+        fdt = TORCH_FLOAT[m["scale_dtype"]]
+        s = self.scales.view(fdt)[:, flat].t().to(torch.float32)[:, group]
+        if m["zero_mode"] == "float":
+            w = s * q + self._buffers["mins"].view(fdt)[:, flat].t().to(torch.float32)[:, group]
+        else:
+            if m["zero_mode"] == "int":  # 8-bit storage keeps zeros as int16 bits of uint16 values
+                z = (self._buffers["zeros"][:, flat].t().to(torch.int32) & 0xFFFF).to(torch.float32)[:, group]
+            else:
+                z = float(1 << (int(m["bits"]) - 1))
+            w = s * (q - z)
+        return w.to(dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rows(ids, self.dtype)
+
+    def dequantized_embedding(self) -> nn.Embedding:
+        """An ``nn.Embedding`` holding every row dequantized (the float reference, ``w4pack run --compare``)."""
+        emb = nn.Embedding(self.num_embeddings, self.embedding_dim, padding_idx=self.padding_idx,
+                           device=self.qweight.device, dtype=self.dtype)
+        with torch.no_grad():
+            emb.weight.copy_(self.rows(torch.arange(self.num_embeddings, device=self.qweight.device), self.dtype))
+        return emb
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "W4Embedding":  # noqa: D401 - torch hook
+        out = super()._apply(fn, recurse)
+        self._rows = {}
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, " + \
+            ", ".join(p for p in super().extra_repr().split(", ")[2:] if not p.startswith(("bias=", "precision=")))
+
+
+class W4TiedHead(nn.Module):
+    """The output head tied to a packed ``W4Embedding``: y = x @ Eᵀ with the native GEMM over the embedding's own
+    buffers (no second copy of the weights)."""
+
+    def __init__(self, embedding: W4Embedding):
+        super().__init__()
+        object.__setattr__(self, "embedding", embedding)  # not a child: the model owns the embedding
+        embedding.serves_head = True
+        self.in_features, self.out_features = embedding.in_features, embedding.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.embedding.linear(x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, tied to the packed embedding"

@@ -623,12 +623,21 @@ class Checkpoint:
         mfile, cfile = str(self.path / MANIFEST_NAME), str(self.path / CONFIG_NAME)
         fused = self.manifest.get("fused") or {}
         held: dict[str, tuple[int, int]] = {}
+        mtype, count = self.config.get("model_type"), self.config.get("num_hidden_layers")
+        vocab, hidden = self.config.get("vocab_size"), self.config.get("hidden_size")
         for name, meta in self.manifest["layers"].items():
             n, k = meta["shape"]
+            if meta.get("role") == "embedding":  # a packed token embedding (FORMAT.md §5): [vocab, hidden]
+                if name != "model.embed_tokens":
+                    raise BadInputError(f"manifest has an embedding that a {mtype} model does not have (its token "
+                                        "embedding is model.embed_tokens)", file=mfile, tensor=name)
+                if isinstance(vocab, int) and isinstance(hidden, int) and (n, k) != (vocab, hidden):
+                    raise BadInputError(f"embedding is {[n, k]} but the {mtype} model of {CONFIG_NAME} needs "
+                                        f"{[vocab, hidden]}", file=mfile, tensor=name)
+                continue
             for part in fused.get(name, [{"name": name, "rows": [0, n]}]):
                 lo, hi = part["rows"]
                 held[part["name"]] = (hi - lo, k)
-        mtype, count = self.config.get("model_type"), self.config.get("num_hidden_layers")
         for name, shape in held.items():
             if name not in required and name not in optional:
                 raise BadInputError(f"manifest has a layer that a {mtype} model with {count} decoder layers does not "
