@@ -295,3 +295,26 @@ def test_packed_embedding_of_the_wrong_size_is_refused(tied: tuple[Path, Path, d
                                             r"\[41, 64\]"):
         with open_checkpoint(bad) as ck:
             ck.check_structure()
+
+
+@pytest.mark.gpu
+def test_packed_embedding_and_tied_head_on_cuda(tied: tuple[Path, Path, dict[str, np.ndarray]]) -> None:
+    """The same lookup and tied head on CUDA: rows equal to the canonical dequantization cast to fp16, logits
+    close to the CPU float32 model's."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (run the gpu suite on a machine with one)")
+    from w4pack.runtime.loading import load_model
+    from w4pack.runtime.torch_module import W4Embedding, W4TiedHead
+
+    _src, out, deq = tied
+    model = load_model(out, device="cuda", dtype="float16", compile=False)
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert isinstance(emb, W4Embedding) and isinstance(head, W4TiedHead)
+    ids = torch.tensor([[1, 39, 7, 16, 0, 33]])
+    rows = emb(ids.cuda())[0].float().cpu().numpy()
+    want = deq["token_embd.weight"][ids[0].numpy()].astype(np.float16).astype(np.float32)
+    assert np.array_equal(rows, want)
+    got = _logits(model, ids.cuda()).float().cpu()
+    ref = _logits(load_model(out), ids)
+    assert torch.allclose(got, ref, atol=3e-2, rtol=3e-2), (got - ref).abs().max()
