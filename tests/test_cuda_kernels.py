@@ -133,8 +133,9 @@ def test_narrow_codes_use_their_own_zero(dtype_name, bits, zero_mode, gs):
     layer = random_layer(rng, 100, 512, bits=bits, gs=gs, zero_mode=zero_mode, act_order=False,
                          scale_dtype=dtype_name, bias=True)
     lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
-    for m, kernel in ((1, "auto"), (1, "stream"), (5, "ring"), (19, "tiled"), (67, "auto")) + \
-            (((8, "bulk"),) if bulk_ok() else ()):
+    # stream, ring and bulk take group sizes that are multiples of 32 (the planner refuses 16)
+    split_k = ((1, "stream"), (5, "ring")) + (((8, "bulk"),) if bulk_ok() else ()) if gs % 32 == 0 else ()
+    for m, kernel in ((1, "auto"), (19, "tiled"), (67, "auto")) + split_k:
         err = run_case(torch, rng, layer, m, dtype_name, kernel=kernel, lin=lin)
         assert err <= tolerance(dtype_name), (m, kernel, err)
 

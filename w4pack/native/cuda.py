@@ -226,7 +226,7 @@ class CudaPackedLinear:
             self.zero_mode = "int"
             gp = int(m["padded_groups"])
             self._src["zeros"] = torch.full((gp, self.np_), implicit, dtype=torch.int32, device=dev)
-        if self.zero_mode == "int":
+        elif self.zero_mode == "int":
             self._src["zeros"] = _to_torch(torch, np.asarray(t["zeros"]).astype(np.int32)).to(dev)
         elif self.zero_mode == "float":
             self._src["mins"] = _to_torch(torch, t["mins"], self.scale_dtype).to(dev)
