@@ -509,10 +509,17 @@ def test_save_pretrained_writes_the_packed_folder(tmp_path: Path, how: str) -> N
              else load_model(tmp_path / "w4"))
     out = tmp_path / "saved"
     out.mkdir()
-    (out / "tokenizer_config.json").write_text("{}")  # saved there before: kept
+    (out / "notes.txt").write_text("mine")  # a file the checkpoint does not list: refused, nothing written
+    with pytest.raises(BadInputError, match="notes.txt.*empty or new folder"):
+        model.save_pretrained(out)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    (out / "notes.txt").unlink()
     (out / "model-00001-of-00009.safetensors").write_bytes(b"old")  # an earlier save's shard: removed
     model.save_pretrained(out)
-    assert (out / "tokenizer_config.json").exists() and not (out / "model-00001-of-00009.safetensors").exists()
+    assert not (out / "model-00001-of-00009.safetensors").exists()
+    listed = {f["file"] if isinstance(f, dict) else f for f in json.loads((tmp_path / "w4" / "w4pack.json")
+                                                                           .read_text())["files"]}
+    assert listed and all((out / n).is_file() for n in listed)  # config, index, side files: every covered file
     assert w4pack.validate_checkpoint(out)["num_layers"] == len(json.loads((tmp_path / "w4" / "w4pack.json")
                                                                           .read_text())["layers"])
     again = AutoModelForCausalLM.from_pretrained(out)

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import BadInputError, UnsupportedError
 from ..store.checkpoint import Checkpoint, open_checkpoint, validate_checkpoint
-from ..store.names import CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, WEIGHT_SUFFIXES
+from ..store.names import CARD_NAME, MANIFEST_NAME, WEIGHT_SUFFIXES
 
 __all__ = ["attach_save_pretrained", "save_packed"]
 
@@ -79,9 +79,11 @@ def _copy_atomic(src: Path, dst: Path) -> None:
 def save_packed(model: Any, save_directory: str | os.PathLike[str]) -> Path:
     """Write the packed folder ``model`` was loaded from into ``save_directory``; returns the target path.
 
-    Other files already in the target (a tokenizer saved there first) stay; weights files of an earlier save
-    that this checkpoint does not have are removed so the folder holds one model. The manifest is written last,
-    and the result is validated with checksums before returning.
+    Every file the manifest lists (shards, index, config, generation config, tokenizer files) is copied as it is:
+    the manifest holds their checksums, so none may be rewritten. Weights files of an earlier save that this
+    checkpoint does not have are removed so the folder holds one model; any other file already there that the
+    checkpoint does not list (the manifest forbids unlisted files) is refused before anything is written. The
+    manifest is written last, and the result is validated with checksums before returning.
     """
     source = getattr(model, "w4pack_path", None)
     if not source:
@@ -90,24 +92,30 @@ def save_packed(model: Any, save_directory: str | os.PathLike[str]) -> Path:
     dst = Path(save_directory)
     if dst.exists() and not dst.is_dir():
         raise BadInputError("save_pretrained needs a directory, this is a file", file=str(dst))
-    dst.mkdir(parents=True, exist_ok=True)
     with open_checkpoint(src) as ckpt:
         changed = _changed_passthrough(model, ckpt)
         if changed is not None:
             raise UnsupportedError("changed after loading; save_pretrained writes the packed folder "
                                    "back as it was loaded and cannot store changed weights (quantize and convert the "
                                    "changed model instead)", file=str(src), tensor=changed)
-        shards = sorted(set(ckpt.weight_map.values()))
-    if dst.resolve() == src.resolve():
+        listed = sorted(ckpt.listed_files() - {MANIFEST_NAME})
+    if dst.exists() and dst.resolve() == src.resolve():
         return dst
-    for name in shards + [INDEX_NAME, CONFIG_NAME]:
+    if dst.is_dir():
+        foreign = sorted(p.name for p in dst.iterdir() if p.is_file() and not p.name.startswith(".")
+                         and p.name not in listed and p.name not in (MANIFEST_NAME, CARD_NAME)
+                         and not p.name.endswith(WEIGHT_SUFFIXES))
+        if foreign:
+            raise BadInputError(f"holds {len(foreign)} file(s) the packed checkpoint does not list (first: "
+                                f"{foreign[0]}); a packed folder holds only its manifest's files, so save into an "
+                                "empty or new folder (the checkpoint's own tokenizer files are saved with it)",
+                                file=str(dst))
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in listed:
         if (src / name).is_file():
             _copy_atomic(src / name, dst / name)
-    gen = getattr(model, "generation_config", None)
-    if gen is not None and (src / "generation_config.json").is_file():
-        gen.save_pretrained(str(dst))
     for stale in dst.iterdir():
-        if stale.is_file() and stale.name.endswith(WEIGHT_SUFFIXES) and stale.name not in shards:
+        if stale.is_file() and stale.name.endswith(WEIGHT_SUFFIXES) and stale.name not in listed:
             stale.unlink()
     _copy_atomic(src / MANIFEST_NAME, dst / MANIFEST_NAME)
     validate_checkpoint(dst)
