@@ -318,3 +318,24 @@ def test_packed_embedding_and_tied_head_on_cuda(tied: tuple[Path, Path, dict[str
     got = _logits(model, ids.cuda()).float().cpu()
     ref = _logits(load_model(out), ids)
     assert torch.allclose(got, ref, atol=3e-2, rtol=3e-2), (got - ref).abs().max()
+
+
+def test_float_embeddings_on_request_and_the_vllm_plans_refusal(tied: tuple[Path, Path, dict[str, np.ndarray]],
+                                                                tmp_path: Path) -> None:
+    """--float-embeddings keeps the table as exact float32 (what vLLM loads); the vLLM plan refuses a packed one
+    in one line that names that option."""
+    from w4pack.checkpoint import open_checkpoint
+    from w4pack.cli import main
+    from w4pack.errors import UnsupportedError
+    from w4pack.vllm.plan import CheckpointPlan
+
+    src, out, deq = tied
+    with pytest.raises(UnsupportedError, match="--float-embeddings"):
+        CheckpointPlan.from_folder(out)
+    flat = tmp_path / "flat"
+    assert main(["convert", str(src), str(flat), "--float-embeddings"]) == 0
+    with open_checkpoint(flat) as ck:
+        assert "model.embed_tokens" not in ck.layers
+        assert np.array_equal(ck.tensor("model.embed_tokens.weight"), deq["token_embd.weight"])
+    plan = CheckpointPlan.from_folder(flat)
+    assert "model.embed_tokens.weight" in plan.passthrough

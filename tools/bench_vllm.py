@@ -106,7 +106,7 @@ def prepare(work: Path) -> tuple[Path, Path]:
 
     packed, floatdir = work / "smollm2-w4", work / "smollm2-bf16"
     if not (packed / "w4pack.json").exists():
-        convert(smollm2_gguf(), packed, force=True)
+        convert(smollm2_gguf(), packed, force=True, float_embeddings=True)  # vLLM loads a float token table
     if not (floatdir / "config.json").exists():
         import shutil
 

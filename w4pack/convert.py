@@ -67,6 +67,8 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
     from .store.atomic import check_output
     from .fuse import FusedSource
 
+    options = dict(options)
+    float_embeddings = bool(options.pop("float_embeddings", False))
     fuse = _check_request(src, dst, src_format=src_format, to=to, force=force, max_shard_size=max_shard_size,
                           options=options)
     read_opts = {k: v for k, v in options.items() if k in ("base",)}
@@ -88,7 +90,7 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
         n_source = len(source.layer_names())
         if fuse:
             source = FusedSource(source, fuse)
-        source = embeddings.for_target(source, target)  # packed embeddings a format cannot hold: float32
+        source = embeddings.for_target(source, target, keep_packed=not float_embeddings)
         names = source.layer_names()
         before.extend((exc.one_line(), exc.exit_code) for exc in target.source_problems(source, str(src)))
         own_check = _checks_own_layers(target)
@@ -178,8 +180,9 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
             source_options: dict[str, Any] | None = None, **options: Any) -> dict[str, Any]:
     """Convert ``src`` into ``dst`` in format ``to``; returns a summary (layers, bytes, seconds).
 
-    ``options`` go to the writer of ``to`` (``version`` for AWQ, ``variant`` for TOML, ...), except ``base``
-    and ``fuse``; ``source_options`` go to the reader (``v1_zeros="carry"`` for GPTQ v1, ...). An option the
+    ``options`` go to the writer of ``to`` (``version`` for AWQ, ``variant`` for TOML, ...), except ``base``,
+    ``fuse`` and ``float_embeddings`` (True: a quantized token embedding is dequantized exactly to float32
+    instead of kept packed, for loaders that take no packed embedding, e.g. vLLM); ``source_options`` go to the reader (``v1_zeros="carry"`` for GPTQ v1, ...). An option the
     w4pack writer does not take is refused rather than dropped.
 
     Example::
@@ -193,6 +196,7 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
     from .progress import step
 
     options = dict(options)
+    float_embeddings = bool(options.pop("float_embeddings", False))
     fuse = _check_request(src, dst, src_format=src_format, to=to, force=force, max_shard_size=max_shard_size,
                           options=options)
     read_opts = {k: v for k, v in options.items() if k in ("base",)}
@@ -205,7 +209,7 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
     with source:
         if fuse:
             source = FusedSource(source, fuse)
-        source = embeddings.for_target(source, target)  # packed embeddings a format cannot hold: float32
+        source = embeddings.for_target(source, target, keep_packed=not float_embeddings)
         problems = target.source_problems(source, str(src))  # before anything is written, not at the end
         if problems:
             raise problems[0]

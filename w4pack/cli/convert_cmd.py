@@ -28,6 +28,9 @@ from .extras import needs_extras
                    f"1024), e.g. 500MB, 1.5GiB; at least {MIN_SHARD_SIZE} bytes. Ignored for --to gguf (one file).")
 @click.option("--fuse", "fuse", default=None, metavar="KINDS",
               help="Fuse projections into one packed layer: qkv, gate-up or qkv,gate-up (w4pack output only).")
+@click.option("--float-embeddings", is_flag=True,
+              help="Dequantize a quantized token embedding exactly to float32 instead of keeping it packed (for "
+                   "loaders without packed embeddings, such as vLLM; the folder grows by the table's float size).")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
 @click.option("--dry-run", is_flag=True,
               help="Print what would be converted (layers after --fuse) and every problem the real run would stop "
@@ -35,7 +38,7 @@ from .extras import needs_extras
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @needs_extras("convert")
 def convert(src: Path, dst: Path, src_format: str | None, to: str, base: Path | None, max_shard_size: str,
-            fuse: str | None, force: bool, dry_run: bool, as_json: bool) -> int:
+            fuse: str | None, float_embeddings: bool, force: bool, dry_run: bool, as_json: bool) -> int:
     """Convert the checkpoint SRC into DST, losslessly.
 
     Streams layer by layer; DST appears only when complete and is never replaced without --force.
@@ -48,6 +51,8 @@ def convert(src: Path, dst: Path, src_format: str | None, to: str, base: Path | 
     opts: dict[str, Any] = {"base": base} if base is not None else {}
     if fuse:
         opts["fuse"] = fuse
+    if float_embeddings:
+        opts["float_embeddings"] = True
     if dry_run:
         doc = plan(src, dst, src_format=src_format, to=to, force=force, max_shard_size=max_shard_size, **opts)
         if as_json:

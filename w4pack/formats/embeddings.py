@@ -22,15 +22,15 @@ __all__ = ["DequantizedEmbeddings", "for_target"]
 class DequantizedEmbeddings(Source):
     """``inner`` with its packed embeddings moved from the layers to the pass-through tensors, as float32."""
 
-    def __init__(self, inner: Source, target: str):
+    def __init__(self, inner: Source, target: str, why: str | None = None):
         self.inner = inner
         self.path = inner.path
         self.config = inner.config
         self.embeddings = {f"{n}.weight": n for n in inner.embedding_names()}
         self.info = dict(inner.info)
+        why = why or f"which {target} cannot hold"
         self.info["notes"] = list(inner.info.get("notes") or []) + [
-            f"{n}: a packed embedding, which {target} cannot hold: dequantized exactly to float32"
-            for n in self.embeddings.values()]
+            f"{n}: a packed embedding, {why}: dequantized exactly to float32" for n in self.embeddings.values()]
 
     def layer_names(self) -> list[str]:
         mine = set(self.embeddings.values())
@@ -62,8 +62,10 @@ class DequantizedEmbeddings(Source):
         self.inner.close()
 
 
-def for_target(source: Source, target: type[Format]) -> Source:
-    """``source`` as ``target`` can write it: unchanged when the format holds packed embeddings or there are none."""
-    if target.packs_embeddings or not source.embedding_names():
+def for_target(source: Source, target: type[Format], keep_packed: bool = True) -> Source:
+    """``source`` as ``target`` can write it: unchanged when the format holds packed embeddings (and they are to
+    stay packed) or there are none."""
+    if not source.embedding_names() or (target.packs_embeddings and keep_packed):
         return source
-    return DequantizedEmbeddings(source, target.name)
+    why = "asked for as float (--float-embeddings)" if target.packs_embeddings else None
+    return DequantizedEmbeddings(source, target.name, why)

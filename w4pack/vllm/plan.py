@@ -70,6 +70,11 @@ class CheckpointPlan:
             _check_config(ckpt)
             layers = {name: {k: v for k, v in meta.items() if k != "source"}
                       for name, meta in ckpt.manifest["layers"].items()}
+            for name, meta in layers.items():
+                if meta.get("role") == "embedding":
+                    raise UnsupportedError("a packed token embedding, which the vLLM plugin does not run; convert "
+                                           "the source again with --float-embeddings (it is then stored as exact "
+                                           "float32)", file=str(ckpt.path), tensor=name)
             biases = {}
             for name, meta in layers.items():
                 tname = meta["tensors"].get("bias")
