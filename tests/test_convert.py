@@ -291,3 +291,13 @@ def test_bad_thread_count_is_refused_before_anything_is_read(tmp_path, capsys, m
         rc, _out, err = _main(capsys, "convert", fixture_dir(*TINY), tmp_path / "o", *extra)
         assert rc == 2 and "W4PACK_THREADS='0'" in err and err.count("\n") == 1, err
     assert not (tmp_path / "o").exists()
+
+
+def test_formats_declare_their_own_layer_checks() -> None:
+    """convert --dry-run trusts the declared flag instead of probing the class: it must match the override."""
+    from w4pack.formats import _available
+    from w4pack.formats.base import Format
+
+    for name, fmt in _available().items():
+        overrides = fmt.check_writable.__func__ is not Format.check_writable.__func__
+        assert fmt.own_layer_checks == overrides, name

@@ -52,11 +52,6 @@ def _check_request(src: str | Path, dst: str | Path | None, *, src_format: str |
     return fuse
 
 
-def _checks_own_layers(target: type[Format]) -> bool:
-    """True when the target format overrides check_writable (AWQ's one group size, GGUF's block encodings...)."""
-    return getattr(target.check_writable, "__func__", None) is not getattr(Format.check_writable, "__func__", None)
-
-
 def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | None = None, to: str = "w4pack",
          force: bool = False, max_shard_size: int | str = "2GB", source_options: dict[str, Any] | None = None,
          **options: Any) -> dict[str, Any]:
@@ -93,7 +88,7 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
         source = embeddings.for_target(source, target, keep_packed=not float_embeddings)
         names = source.layer_names()
         before.extend((exc.one_line(), exc.exit_code) for exc in target.source_problems(source, str(src)))
-        own_check = _checks_own_layers(target)
+        own_check = target.own_layer_checks
         layers = []
         for name in names:
             try:

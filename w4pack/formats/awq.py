@@ -732,6 +732,8 @@ class AWQFormat(Format):
             raise UnsupportedError(f"unknown AWQ version {version!r} (choose one of {', '.join(VERSIONS)})")
         return AWQCapabilities(version)
 
+    own_layer_checks = True
+
     @classmethod
     def check_writable(cls, source: Source, version: str = "gemm") -> list[str]:
         caps = cls.capabilities_for(version)

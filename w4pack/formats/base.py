@@ -147,6 +147,9 @@ class Format(abc.ABC):
     stores_fused: bool = False
     #: it can hold a quantized token embedding (a layer of role "embedding"); others get it dequantized
     packs_embeddings: bool = False
+    #: its check_writable has rules beyond ``capabilities`` (AWQ's one group size, GGUF's block encodings):
+    #: ``convert --dry-run`` then asks it rather than the capabilities alone
+    own_layer_checks: bool = False
     #: the writer options it takes; None: it ignores options meant for other formats
     write_options: frozenset[str] | None = None
     #: its reader rebuilds codes from the base model's weights (the ``base`` option: TOML quant tables)

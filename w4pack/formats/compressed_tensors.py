@@ -643,6 +643,8 @@ class CompressedTensorsFormat(Format):
     def open(cls, path: Path, **options: Any) -> Source:
         return CompressedTensorsSource(Path(path))
 
+    own_layer_checks = True
+
     @classmethod
     def check_writable(cls, source: Source) -> list[str]:
         problems = []

@@ -1052,6 +1052,8 @@ class GGUFFormat(Format):
     def write(cls, source: Source, out: Path, *, force: bool = False, **options: Any) -> Path:
         return write_gguf(source, out, force=force, **options)
 
+    own_layer_checks = True
+
     @classmethod
     def check_writable(cls, source: Source) -> list[str]:
         problems = []
