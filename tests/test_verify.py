@@ -443,3 +443,25 @@ def test_packed_checkpoint_truncated_during_verify_is_io_not_a_failed_check(good
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 4 and len(lines) == 1 and "changed while being read" in lines[0], proc.stderr
     assert str(copy) in lines[0]
+
+
+def test_same_weights_in_another_representation_pass(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A symmetric layer stored by the source as integer zero points of 2^(bits-1) (what compressed-tensors' own
+    AWQ converter writes) is the same layer: verify --against passes and says the representation differs; a
+    real difference in the weights still fails."""
+    from w4pack.verify import same_weights
+
+    sym = {"model.layers.0.mlp.up_proj": make_layer(n=64, k=128, bits=4, gs=32, zero_mode="none", seed=7)}
+    lay = sym["model.layers.0.mlp.up_proj"]
+    as_int = lay.replace(zero_mode="int", zeros=np.full(lay.scales.shape, 8, np.int32))
+    assert lay.differences(as_int) and same_weights(lay, as_int)
+    a = write(tmp_path / "a", sym)
+    b = write(tmp_path / "b", {"model.layers.0.mlp.up_proj": as_int})
+    rc, out, _ = run_cli(str(a), "--against", str(b), capsys=capsys)
+    assert rc == 0, out
+    assert "1/1 bit-identical" in out and "stored differently with the same weights" in out and "zero_mode" in out
+    zeros = as_int.zeros.copy()
+    zeros[3, 1] = 9  # one group's weights now differ
+    c = write(tmp_path / "c", {"model.layers.0.mlp.up_proj": as_int.replace(zeros=zeros)})
+    rc, out, _ = run_cli(str(a), "--against", str(c), capsys=capsys)
+    assert rc == 1 and "differs from the source" in out

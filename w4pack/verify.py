@@ -65,6 +65,9 @@ class LayerCheck:
     quant_max_abs: float | None = None
     #: a fused layer with --against: one entry per part (name, rows, exact, differences)
     parts: list[dict[str, Any]] | None = None
+    #: --against: the source stores the same weights in another representation (e.g. a symmetric layer as
+    #: integer zero points of 2^(bits-1)): how the fields differ; the layer still counts as identical
+    representation: str | None = None
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -123,6 +126,10 @@ class VerifyReport:
             fused = [p for c in self.layers for p in (c.parts or [])]
             of_parts = (f" ({sum(1 for p in fused if p['exact'])}/{len(fused)} fused parts)" if fused else "")
             parts.append(f"{same}/{n} bit-identical{of_parts} to {self.against}")
+            other = [c for c in self.layers if c.representation]
+            if other:
+                parts.append(f"{len(other)} of them stored differently with the same weights (first: "
+                             f"{other[0].name}: {other[0].representation})")
             if self.passthrough:
                 pt = self.passthrough
                 parts.append(f"pass-through {pt.get('identical', 0)}/{pt.get('total', 0)} identical")
@@ -463,11 +470,37 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
     return report
 
 
-def _differences(layer: CanonicalLayer, source: _SourceLayers, name: str) -> list[str]:
-    """How the packed layer differs from the source's. A source layer that cannot be read raises its own error
-    (bad input, exit 2, naming the source file): the source is what is wrong, not the packed checkpoint, and a
-    failed report (exit 1) would say the conversion was."""
-    return layer.differences(source.read(name))
+def _differences(layer: CanonicalLayer, source: _SourceLayers, name: str,
+                 check: LayerCheck | None = None) -> list[str]:
+    """How the packed layer differs from the source's; none when the fields differ but every weight and the bias
+    are the same (another representation of one layer: the difference is noted on ``check``). A source layer
+    that cannot be read raises its own error (bad input, exit 2, naming the source file): the source is what is
+    wrong, not the packed checkpoint, and a failed report (exit 1) would say the conversion was."""
+    other = source.read(name)
+    diffs = layer.differences(other)
+    if diffs and same_weights(layer, other):
+        if check is not None:
+            check.representation = "; ".join(diffs[:3])
+        return []
+    return diffs
+
+
+def same_weights(a: CanonicalLayer, b: CanonicalLayer, rows: int = 1024) -> bool:
+    """Whether two layers compute the same thing: equal dequantized weights (float64, exact for every
+    representation the layout has) and equal biases, compared a block of rows at a time."""
+    if (a.out_features, a.in_features) != (b.out_features, b.in_features):
+        return False
+    if (a.bias is None) != (b.bias is None):
+        return False
+    if a.bias is not None and not np.array_equal(to_float64(a.bias, a.bias_dtype or "float16"),
+                                                 to_float64(b.bias, b.bias_dtype or "float16")):
+        return False
+    for n0 in range(0, a.out_features, rows):
+        n1 = min(n0 + rows, a.out_features)
+        if not np.array_equal(_slice_rows(a, n0, n1, "").dequantize(np.float64),
+                              _slice_rows(b, n0, n1, "").dequantize(np.float64)):
+            return False
+    return True
 
 
 def _check_exact(check: LayerCheck, layer: CanonicalLayer, source: _SourceLayers,
@@ -489,7 +522,7 @@ def _check_exact(check: LayerCheck, layer: CanonicalLayer, source: _SourceLayers
             check.exact = False
             check.problems.append("not in the source checkpoint")
             return
-        diffs = _differences(layer, source, name)
+        diffs = _differences(layer, source, name, check)
         check.exact = not diffs
         if diffs:
             check.problems.append("differs from the source: " + "; ".join(diffs[:4]))
