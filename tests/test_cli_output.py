@@ -111,3 +111,11 @@ def test_convert_announces_the_steps_around_its_bar(tmp_path: Path, capsys: pyte
     assert err.index("preparing side files") < err.index("packing [")
     convert(src, tmp_path / "quiet", show_progress=False)
     assert capsys.readouterr().err == ""
+
+
+def test_format_names_are_case_insensitive_and_echoed_as_the_formats_own(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    src = fixture_dir("gptq", "ag_b4_asym_g64")
+    rc, out, _ = _cli(capsys, "convert", src, tmp_path / "out", "--to", "GPTQ", "--json")
+    assert rc == 0, out
+    assert json.loads(out)["format"] == "gptq"

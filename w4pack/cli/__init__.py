@@ -90,16 +90,16 @@ def emit_json(doc: Any) -> None:
 
 
 def check_format_name(name: str | None, option: str) -> str | None:
-    """An unknown ``--from``/``--to`` is a usage error (exit 2) naming the option, not unsupported input (3)."""
+    """The format's own name for ``--from``/``--to`` (names are case-insensitive: ``--to GPTQ`` is gptq); an
+    unknown one is a usage error (exit 2) naming the option, not unsupported input (3)."""
     if name is None:
         return None
     from ..formats import get_format
 
     try:
-        get_format(name)
+        return get_format(name).name
     except UnsupportedError as exc:
         raise BadInputError(f"{option}: {exc.message}") from None
-    return name
 
 
 def detect_source(path: str | os.PathLike[str]) -> str | None:

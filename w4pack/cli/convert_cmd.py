@@ -45,8 +45,8 @@ def convert(src: Path, dst: Path, src_format: str | None, to: str, base: Path | 
     """
     from ..convert import convert as do_convert, plan
 
-    check_format_name(src_format, "--from")
-    check_format_name(to, "--to")
+    src_format = check_format_name(src_format, "--from")
+    to = check_format_name(to, "--to") or to
     src_format = src_format or detect_source(src)
     opts: dict[str, Any] = {"base": base} if base is not None else {}
     if fuse:

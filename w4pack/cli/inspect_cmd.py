@@ -62,7 +62,7 @@ def inspect(path: Path, as_json: bool, show_layers: bool, src_format: str | None
     Exit 0 ok, 2 bad input or usage (one line naming the file and tensor), 3 unsupported input or a missing
     optional package, 4 I/O or network failure.
     """
-    check_format_name(src_format, "--from")
+    src_format = check_format_name(src_format, "--from")
     fmt = src_format or detect_source(path)
     if fmt == "w4pack" and base is not None:
         raise BadInputError("--base is only for TOML+NumPy quant tables; a w4pack checkpoint holds its codes")

@@ -47,7 +47,7 @@ def verify(packed: Path, against: str | None, src_format: str | None, base: Path
     """
     from ..verify import verify as run_verify
 
-    check_format_name(src_format, "--from")
+    src_format = check_format_name(src_format, "--from")
     if against is not None and src_format is None:
         src_format = detect_source(against)
     report = run_verify(packed, against=against, base=base, device=device, precision=precision,
