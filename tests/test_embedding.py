@@ -332,10 +332,12 @@ def test_float_embeddings_on_request_and_the_vllm_plans_refusal(tied: tuple[Path
     src, out, deq = tied
     with pytest.raises(UnsupportedError, match="--float-embeddings"):
         CheckpointPlan.from_folder(out)
-    flat = tmp_path / "flat"
-    assert main(["convert", str(src), str(flat), "--float-embeddings"]) == 0
-    with open_checkpoint(flat) as ck:
-        assert "model.embed_tokens" not in ck.layers
-        assert np.array_equal(ck.tensor("model.embed_tokens.weight"), deq["token_embd.weight"])
-    plan = CheckpointPlan.from_folder(flat)
-    assert "model.embed_tokens.weight" in plan.passthrough
+    for extra in ([], ["--fuse", "qkv,gate-up"]):  # a fused conversion keeps the request (it once lost it)
+        flat = tmp_path / f"flat{len(extra)}"
+        assert main(["convert", str(src), str(flat), "--float-embeddings", *extra]) == 0
+        with open_checkpoint(flat) as ck:
+            assert "model.embed_tokens" not in ck.layers
+            assert np.array_equal(ck.tensor("model.embed_tokens.weight"), deq["token_embd.weight"])
+            assert bool(ck.manifest.get("fused")) == bool(extra)
+        plan = CheckpointPlan.from_folder(flat)
+        assert "model.embed_tokens.weight" in plan.passthrough

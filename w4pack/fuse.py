@@ -150,6 +150,9 @@ class FusedSource(Source):
         self.fused[name] = rows
         return layer
 
+    def embedding_names(self) -> list[str]:
+        return self.inner.embedding_names()  # never fused: they pass through under their own names
+
     def passthrough_names(self) -> list[str]:
         return self.inner.passthrough_names()
 
