@@ -652,6 +652,12 @@ class GPTQSource(Source):
     def _g_idx(self, plan: _Plan) -> np.ndarray | None:
         t = plan.tensors
         if "g_idx" not in t:
+            if self.cfg.desc_act:
+                # act-order permutes the groups over the columns: without g_idx that order is lost, and reading the
+                # layer as k // group_size would silently give other weights
+                qw = t["qweight"]
+                raise BadInputError(f"the config says desc_act (act-order) but layer {plan.name} has no g_idx: its "
+                                    "column-to-group order is lost", file=self.store.where[qw], tensor=qw)
             return None
         raw_g = np.asarray(self.store.get(t["g_idx"]))
         if raw_g.size and (int(raw_g.min()) < 0 or int(raw_g.max()) >= plan.groups):
