@@ -465,3 +465,32 @@ def test_same_weights_in_another_representation_pass(tmp_path: Path, capsys: pyt
     c = write(tmp_path / "c", {"model.layers.0.mlp.up_proj": as_int.replace(zeros=zeros)})
     rc, out, _ = run_cli(str(a), "--against", str(c), capsys=capsys)
     assert rc == 1 and "differs from the source" in out
+
+
+def test_against_catches_a_model_file_edit_even_when_re_signed(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """An edit of config.json whose manifest entry is re-signed passes validate's checksums; verify --against still
+    sees that the file no longer says what the source's says (found by tools/fuzz.py)."""
+    import hashlib
+
+    from w4pack.convert import convert
+
+    src = fixture_dir("awq", "tiny_llama_gemm_g128")
+    out = tmp_path / "w4"
+    convert(src, out)
+    rc, text, _ = run_cli(str(out), "--against", str(src), capsys=capsys)
+    assert rc == 0, text
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["rms_norm_eps"] = 0.5
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    manifest = json.loads((out / "w4pack.json").read_text())
+    for entry in manifest["files"]:
+        if entry["file"] == "config.json":
+            data = cfg_path.read_bytes()
+            entry["size"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    (out / "w4pack.json").write_text(json.dumps(manifest, indent=2))
+    assert main(["validate", str(out)]) == 0  # the re-signed manifest is self-consistent
+    capsys.readouterr()
+    rc, text, _ = run_cli(str(out), "--against", str(src), capsys=capsys)
+    assert rc == 1 and "rms_norm_eps" in text, text

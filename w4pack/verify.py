@@ -460,6 +460,7 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
                 bar.update()
         if source is not None:
             report.passthrough = _compare_passthrough(ck, source, report.problems)
+            _compare_model_files(ck, source, report.problems)
     finally:
         ck.close()
         if source is not None:
@@ -636,6 +637,39 @@ def _held_dequantized(ck: Checkpoint, source: Any, name: str) -> bool:
     """True when ``name`` is a packed embedding of the source that ``ck`` holds as the float tensor ``name.weight``
     (written by a version or a format that dequantized it)."""
     return f"{name}.weight" in ck.passthrough and name in source.embedding_names()
+
+
+#: config.json keys the converter writes itself (the packed layout's own, and the writing library's stamps)
+_OWN_CONFIG_KEYS = frozenset({"quantization_config", "transformers_version", "_name_or_path", "torch_dtype", "dtype"})
+
+
+def _compare_model_files(ck: Checkpoint, source: Any, problems: list[str]) -> None:
+    """The files besides the weights that define the model must say what the source's say: config.json (every key
+    but those the converter writes itself), and the generation config and tokenizer files the source has. A
+    manifest re-signed after an edit passes its own checksums; against the source the edit still shows."""
+    from .store.folder import read_json
+
+    cfg = ck.config
+    for key, value in sorted((source.config or {}).items()):
+        if key in _OWN_CONFIG_KEYS:
+            continue
+        if key not in cfg:
+            problems.append(f"config.json lacks the source's {key!r}")
+        elif cfg[key] != value:
+            problems.append(f"config.json's {key!r} is {cfg[key]!r}, the source's {value!r}")
+    for side in source.side_files():
+        side = Path(side)
+        mine = Path(ck.path) / side.name
+        if not mine.is_file():
+            if side.name == "generation_config.json" or side.name.startswith(("tokenizer", "special_tokens")):
+                problems.append(f"{side.name} of the source is missing from the packed checkpoint")
+            continue
+        if side.suffix == ".json":
+            same = read_json(side) == read_json(mine)
+        else:
+            same = side.read_bytes() == mine.read_bytes()
+        if not same:
+            problems.append(f"{side.name} differs from the source's")
 
 
 def _compare_passthrough(ck: Checkpoint, source: Any, problems: list[str]) -> dict[str, Any]:
