@@ -415,3 +415,18 @@ def test_file_name_too_long_in_quant_toml_is_bad_input(table_copy: tuple[Path, P
     rc = main(["convert", str(q), str(tmp_path / "out"), "--base", str(base)])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "quant.toml" in err and "scale names" in err, err
+
+
+def test_decoder_documents_cover_every_decoder_layer(tmp_path: Path) -> None:
+    """decoder-1.toml deleted from a two-layer export: the base weights have two decoder layers, so the missing
+    document is refused instead of leaving layer 1 silently unquantized (found by tools/fuzz.py)."""
+    import shutil
+
+    from w4pack.errors import BadInputError
+    from w4pack.formats import open_source
+
+    src = tmp_path / "case"
+    shutil.copytree(fixture_dir("toml", "decoder_toml_inline_asym_g64"), src)
+    (src / "quant_dir" / "decoder-1.toml").unlink()
+    with pytest.raises(BadInputError, match="decoder-1.toml and after are missing"):
+        open_source(src / "quant_dir", "toml", base=src / "base_weights_fp16.safetensors")

@@ -157,6 +157,10 @@ def parse_table(name: str, table: dict[str, Any], document: Path) -> LayerTable:
                       entries=table)
 
 
+#: a decoder layer's index in a transformers tensor name
+_LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+
+
 class TomlTablesSource(Source):
     """Quant tables + base weights -> canonical layers (codes rebuilt per layer, streaming)."""
 
@@ -179,6 +183,15 @@ class TomlTablesSource(Source):
             doc = _read_json(bfolder / "config.json")
             if isinstance(doc, dict):
                 self.config = {k: v for k, v in doc.items() if k != "quantization_config"}
+        n_layers = self.config.get("num_hidden_layers")
+        if not isinstance(n_layers, int):  # no config beside the base: count the decoder layers its weights have
+            found = {int(m.group(1)) for t in self.base.names() if (m := _LAYER_INDEX.search(t))}
+            n_layers = max(found) + 1 if found else None
+        if variant == "decoder-N.toml" and isinstance(n_layers, int) and len(files) != n_layers:
+            self.base.close()
+            raise BadInputError(f"{len(files)} decoder-N.toml document(s) for a model of {n_layers} decoder layers "
+                                f"(the base's num_hidden_layers): decoder-{len(files)}.toml and after are missing, "
+                                "and their layers would silently stay unquantized", file=str(self.folder))
         self._side = [] if bfolder is None else side_files(bfolder, SIDE_FILES)
         owned = {f"{n}.{s}" for n in self.tables for s in ("weight", "bias")}
         self._passthrough = [t for t in self.base.names() if t not in owned]
