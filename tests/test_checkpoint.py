@@ -698,3 +698,18 @@ def test_covered_file_linked_out_of_the_folder_is_refused(packed_llama, tmp_path
     with pytest.raises(BadInputError, match="symbolic link out of the folder") as ei:
         validate_checkpoint(folder)
     assert "generation_config.json" in str(ei.value)
+
+
+def test_a_malformed_json_side_file_is_refused_at_convert(tmp_path: Path) -> None:
+    """A generation_config.json that is not UTF-8 JSON was copied as is and made the loader fail later; it is bad
+    input naming the file (found by tools/fuzz.py: bit flips in the file)."""
+    import shutil
+
+    from w4pack.cli import main as cli_main
+
+    src = tmp_path / "src"
+    shutil.copytree(fixture_dir("compressed-tensors", "tiny_llama_w4a16_sym_g128"), src)
+    gen = src / "generation_config.json"
+    gen.write_bytes(gen.read_bytes()[:-20] + b"\xdf\xff" + gen.read_bytes()[-18:])
+    assert cli_main(["convert", str(src), str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()

@@ -214,6 +214,8 @@ class CheckpointWriter:
         if name in _RESERVED or "/" in name or name.startswith(".") or name.endswith(".safetensors"):
             raise BadInputError(f"refusing side file name {name!r}", file=str(src))
         real = side_file(src)
+        if name.endswith(".json"):
+            _read_json(real)  # malformed or non-UTF-8 JSON is the source's fault: refused now, not at load
         try:
             shutil.copyfile(real, self.tmp / name)
         except OSError as exc:

@@ -120,6 +120,8 @@ def copy_side_files(paths: Any, dest: Path) -> None:
     for p in paths:
         if not is_side_file(p.name):
             continue
+        if p.name.endswith(".json"):
+            read_json(p)  # malformed or non-UTF-8 JSON: refused here (naming the file), not by the loader later
         try:
             shutil.copyfile(p, dest / p.name)
         except OSError as exc:
