@@ -713,3 +713,25 @@ def test_a_malformed_json_side_file_is_refused_at_convert(tmp_path: Path) -> Non
     gen.write_bytes(gen.read_bytes()[:-20] + b"\xdf\xff" + gen.read_bytes()[-18:])
     assert cli_main(["convert", str(src), str(tmp_path / "out")]) == 2
     assert not (tmp_path / "out").exists()
+
+
+def test_quantization_config_must_say_what_the_manifest_implies(tmp_path: Path) -> None:
+    """config.json's quantization_config is derived from the manifest: an edit re-signed into the manifest passes
+    the checksums but not this check (found by tools/fuzz.py: group_size set to 1e308)."""
+    import hashlib
+
+    from w4pack.cli import main as cli_main
+    from w4pack.convert import convert
+
+    out = tmp_path / "w4"
+    convert(fixture_dir("awq", "tiny_llama_gemm_g128"), out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["group_size"] = 1e308
+    data = json.dumps(cfg, indent=2).encode()
+    (out / "config.json").write_bytes(data)
+    manifest = json.loads((out / "w4pack.json").read_text())
+    for entry in manifest["files"]:
+        if entry["file"] == "config.json":
+            entry["size"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    (out / "w4pack.json").write_text(json.dumps(manifest, indent=2))
+    assert cli_main(["validate", str(out)]) == 2

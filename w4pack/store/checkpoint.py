@@ -113,6 +113,27 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def quantization_config_for(layers: dict[str, dict[str, Any]], source: dict[str, Any],
+                            fused: dict[str, Any]) -> dict[str, Any]:
+    """config.json's ``quantization_config``, derived from the manifest (its most common bits, group size and zero
+    mode, act-order anywhere, the source format and the fused table): written by the writer, checked by
+    ``Checkpoint.check_quantization_config``."""
+    qc: dict[str, Any] = {"quant_method": "w4pack", "layout": LAYOUT_NAME, "layout_version": LAYOUT_VERSION,
+                          "format_version": FORMAT_VERSION, "manifest": MANIFEST_NAME}
+    metas = list(layers.values())
+    if metas:
+        for key in ("bits", "group_size", "zero_mode"):
+            qc[key] = Counter(m[key] for m in metas).most_common(1)[0][0]
+        qc["act_order"] = any(m["act_order"] for m in metas)
+    else:
+        qc.update(bits=4, group_size=128, zero_mode="none", act_order=False)
+    if source.get("format"):
+        qc["source_format"] = str(source["format"])
+    if fused:
+        qc["fused"] = fused
+    return qc
+
+
 class CheckpointWriter:
     """Stream layers and tensors into a new checkpoint folder; ``close()`` makes it appear atomically.
 
@@ -234,20 +255,7 @@ class CheckpointWriter:
 
     # -- finishing -----------------------------------------------------------------------------
     def quantization_config(self) -> dict[str, Any]:
-        qc: dict[str, Any] = {"quant_method": "w4pack", "layout": LAYOUT_NAME, "layout_version": LAYOUT_VERSION,
-                              "format_version": FORMAT_VERSION, "manifest": MANIFEST_NAME}
-        metas = list(self.layers.values())
-        if metas:
-            for key in ("bits", "group_size", "zero_mode"):
-                qc[key] = Counter(m[key] for m in metas).most_common(1)[0][0]
-            qc["act_order"] = any(m["act_order"] for m in metas)
-        else:
-            qc.update(bits=4, group_size=128, zero_mode="none", act_order=False)
-        if self.source.get("format"):
-            qc["source_format"] = str(self.source["format"])
-        if self.fused:
-            qc["fused"] = self.fused
-        return qc
+        return quantization_config_for(self.layers, self.source, self.fused)
 
     def manifest(self, shard_names: list[str], shard_info: list[tuple[int, str]],
                  files: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -544,7 +552,21 @@ class Checkpoint:
         self.check_listing()
         self.check_index_coverage()
         self.check_fused()
+        self.check_quantization_config()
         return ["listing", "fused"] + (["architecture"] if self.check_architecture() else [])
+
+    def check_quantization_config(self) -> None:
+        """config.json's quantization_config says what the manifest implies (version 2: the writer derived it from
+        the manifest); a re-signed edit of it would tell transformers and vLLM another story than the layers."""
+        if self.format_version < 2:
+            return
+        want = quantization_config_for(self.manifest["layers"], self.manifest.get("source") or {},
+                                       self.manifest.get("fused") or {})
+        have = self.config.get("quantization_config") or {}
+        for key, value in want.items():
+            if have.get(key) != value:
+                raise BadInputError(f"quantization_config.{key} is {have.get(key)!r} but the manifest implies "
+                                    f"{value!r}", file=str(self.path / CONFIG_NAME))
 
     def listed_files(self) -> set[str]:
         """Every file the manifest accounts for: itself, the shards and (version 2) its ``files``; version 1
