@@ -74,6 +74,7 @@ def test_bf16_roundtrip_exact():
     (lambda L: L.scales.__setitem__((0, 0), np.inf), "NaN or infinity"),
     (lambda L: setattr(L, "group_size", 0), "group_size must be positive"),
     (lambda L: setattr(L, "bias", np.zeros(3, np.float16)), "bias shape"),
+    (lambda L: setattr(L, "bias", np.array([0.5, -np.inf] + [1.0] * 6, np.float16)), "bias contains NaN"),
 ])
 def test_invariants_rejected_with_clear_error(mutate, msg):
     layer = make(np.random.default_rng(3))

@@ -163,6 +163,8 @@ class CanonicalLayer:
                 raise bad(f"bias must be stored as its dtype {self.bias_dtype}, got {self.bias.dtype}")
             if self.bias.shape != (n,):
                 raise bad(f"bias shape {list(self.bias.shape)} != [N] = [{n}]")
+            if not np.all(np.isfinite(to_float32(self.bias, self.bias_dtype))):
+                raise bad("bias contains NaN or infinity")
         return self
 
     # -- numerics ------------------------------------------------------------------------------
