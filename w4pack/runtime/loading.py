@@ -152,13 +152,19 @@ def expand_experts(model: Any, names: list[str]) -> dict[str, Any]:
 def _linear_at(model: Any, name: str, ckpt_path: Path) -> Any:
     from torch import nn
 
+    return _module_at(model, name, ckpt_path, nn.Linear, "a layer", "layer", "a Linear")
+
+
+def _module_at(model: Any, name: str, ckpt_path: Path, cls: type, named: str, kind: str, wanted: str) -> Any:
+    """The model's module at manifest name ``name``, which must be a ``cls`` (or a subclass): the messages name
+    the manifest entry as ``named``/``kind`` and the module it must be as ``wanted``."""
     try:
         old = model.get_submodule(_model_path(model, name))
     except AttributeError:
-        raise BadInputError("the manifest names a layer the model does not have", file=str(ckpt_path),
+        raise BadInputError(f"the manifest names {named} the model does not have", file=str(ckpt_path),
                             tensor=name) from None
-    if not isinstance(old, nn.Linear):
-        raise UnsupportedError(f"manifest layer is a {type(old).__name__} in the model, not a Linear",
+    if not isinstance(old, cls):
+        raise UnsupportedError(f"manifest {kind} is a {type(old).__name__} in the model, not {wanted}",
                                file=str(ckpt_path), tensor=name)
     return old
 
@@ -256,15 +262,7 @@ def _embedding_at(model: Any, name: str, ckpt_path: Path) -> Any:
     """The model's embedding module that a packed embedding replaces (an ``nn.Embedding`` or a subclass)."""
     from torch import nn
 
-    try:
-        old = model.get_submodule(_model_path(model, name))
-    except AttributeError:
-        raise BadInputError("the manifest names an embedding the model does not have", file=str(ckpt_path),
-                            tensor=name) from None
-    if not isinstance(old, nn.Embedding):
-        raise UnsupportedError(f"manifest embedding is a {type(old).__name__} in the model, not an Embedding",
-                               file=str(ckpt_path), tensor=name)
-    return old
+    return _module_at(model, name, ckpt_path, nn.Embedding, "an embedding", "embedding", "an Embedding")
 
 
 def _swap_embedding(model: Any, name: str, packed: Any, ckpt_path: Path, device: Any, precision: str,

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BadInputError, IOFailure, UnsupportedError
-from .safetensors import SourceChanged
+from .safetensors import SourceChanged, check_identity
 
 __all__ = ["GGUFFile", "GGUFTensorInfo", "GGUFValue", "gguf_module", "is_gguf", "open_gguf", "VALUE_TYPES"]
 
@@ -376,14 +376,8 @@ class GGUFFile:
     def check_unchanged(self, name: str | None = None) -> None:
         """SourceChanged when the file's size or modification time is no longer what the header was checked
         against (a download or another writer at work)."""
-        if self._fd is None:
-            return
-        st = os.fstat(self._fd)
-        if (st.st_size, st.st_mtime_ns) != self._identity:
-            size = self._identity[0]
-            detail = (f"{size} bytes when opened, {st.st_size} now" if st.st_size != size
-                      else "modified since it was opened")
-            raise SourceChanged(str(self.path), detail, tensor=name)
+        if self._fd is not None:
+            check_identity(self._fd, self._identity, str(self.path), name)
 
     def release_pages(self) -> None:
         """Nothing to release: tensors are read into arrays of their own (kept for the readers' call sites)."""

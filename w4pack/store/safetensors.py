@@ -91,6 +91,16 @@ class SourceChanged(IOFailure):
                          + "; read it again once whatever is writing it has finished", file=file, tensor=tensor)
 
 
+def check_identity(fd: int, identity: tuple[int, int], label: str, tensor: str | None = None) -> None:
+    """SourceChanged when the open file's (size, mtime in ns) is no longer ``identity``, what its header was
+    checked against (truncated, grown or rewritten in place)."""
+    st = os.fstat(fd)
+    if (st.st_size, st.st_mtime_ns) != identity:
+        detail = (f"{identity[0]} bytes when opened, {st.st_size} now" if st.st_size != identity[0]
+                  else "modified since it was opened")
+        raise SourceChanged(label, detail, tensor=tensor)
+
+
 def release_mapped(mm: Any) -> None:
     """Drop every page of a read-only file map from our address space (MADV_DONTNEED; the page cache keeps
     them, and views stay valid: a later access faults the page back in). Readers call this once per layer:
@@ -248,14 +258,8 @@ class SafetensorsFile:
     def check_unchanged(self, name: str | None = None) -> None:
         """Raise SourceChanged when the file's size or modification time is no longer what the header was
         checked against (truncated, grown or rewritten in place)."""
-        if self._fh is None:
-            return
-        st = os.fstat(self._fh.fileno())
-        if (st.st_size, st.st_mtime_ns) != self._identity:
-            size = self._identity[0]
-            detail = (f"{size} bytes when opened, {st.st_size} now" if st.st_size != size
-                      else "modified since it was opened")
-            raise SourceChanged(str(self.path), detail, tensor=name)
+        if self._fh is not None:
+            check_identity(self._fh.fileno(), self._identity, str(self.path), name)
 
     @property
     def identity(self) -> tuple[int, int]:
