@@ -213,3 +213,54 @@ def test_bench_tp_two_gloo_ranks_equal_one(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["size"] == 2 and not doc["failures"]
     assert {r["layer"] for r in doc["rows"]} == {"qkv", "o", "gate_up", "down"}
+
+
+def _plot_bench():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import plot_bench
+    finally:
+        sys.path.pop(0)
+    return plot_bench
+
+
+def _bench_records(path: Path) -> None:
+    # two shapes, three M; cuBLAS's two layouts differ so that the faster one must be the baseline
+    recs = [{"kind": "run", "gpu": "NVIDIA H200", "date": "2026-12-04 10:00 UTC", "command": "bench"},
+            {"kind": "bandwidth", "copy_rw_gbs": 1.0}]
+    for k, n, base in ((4096, 4096, 20.0), (8192, 28672, 120.0)):
+        for m, f in ((1, 2.5), (16, 2.0), (256, 0.8)):
+            recs.append({"kind": "gemm", "K": k, "N": n, "M": m, "cublas_mm_us": base, "cublas_linear_us": base * 1.5,
+                         "w4pack_us": base / f, "tinygemm_us": base / 1.25 if m < 256 else None,
+                         "gemlite_us": float("nan")})
+    recs.append({**recs[2], "w4pack_us": 20.0 / 4.0})  # a repeated measurement replaces the earlier one
+    path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+
+
+def test_plot_bench_table_is_the_speedup_over_the_faster_cublas(tmp_path):
+    pb = _plot_bench()
+    _bench_records(tmp_path / "r.jsonl")
+    head, rows = pb.read_records(tmp_path / "r.jsonl")
+    assert head["gpu"] == "NVIDIA H200" and len(rows) == 6
+    table = pb.markdown(head, rows).splitlines()
+    assert table[0].startswith("NVIDIA H200, 2026-12-04 10:00 UTC")
+    r4096 = next(line for line in table if line.startswith("| 4096×4096"))
+    cells = [c.strip() for c in r4096.split("|")[2:-1]]
+    # M = 1 was re-measured (4.0x); gemlite's NaN is left out; tinygemm is the best peer where it ran
+    assert cells == ["4.00x (5.0 µs) (tinygemm 1.25x)", "2.00x (tinygemm 1.25x)", "0.80x"], cells
+    geo = [c.strip() for c in table[-1].split("|")[2:-1]]
+    assert geo == [f"{(4.0 * 2.5) ** 0.5:.2f}x", "2.00x", "0.80x"], geo
+
+
+def test_plot_bench_writes_the_png_and_refuses_empty_input(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib: pip install 'w4pack[bench]'")
+    _bench_records(tmp_path / "r.jsonl")
+    tool = str(ROOT / "tools" / "plot_bench.py")
+    r = subprocess.run([sys.executable, tool, str(tmp_path / "r.jsonl"), "--png", str(tmp_path / "p.png")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    data = (tmp_path / "p.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    (tmp_path / "e.jsonl").write_text(json.dumps({"kind": "bandwidth"}) + "\n")
+    r = subprocess.run([sys.executable, tool, str(tmp_path / "e.jsonl")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no gemm records" in r.stderr, r.stderr

@@ -444,6 +444,8 @@ def main() -> int:
     ap.add_argument("--variants", action="store_true",
                     help="with --sweep: also the wgmma kernel's tuning variants (W4P_CUDA_WGMMA_KP / _AS)")
     ap.add_argument("--json", type=Path, default=None, help="append one JSON line per measurement")
+    ap.add_argument("--plot", type=Path, default=None,
+                    help="write the speedup-over-cuBLAS plot (PNG) from this run's records (tools/plot_bench.py)")
     ap.add_argument("--shapes", default="", help="comma list of KxN (default: the six Llama shapes)")
     ap.add_argument("--ms", default="", help="comma list of M (e.g. 1,4,16: the decode regime only)")
     ap.add_argument("--no-gemlite", action="store_true", help="leave gemlite out (its autotuning takes minutes)")
@@ -474,6 +476,10 @@ def main() -> int:
     head = (f"GPU {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, layout {LAYOUT_NAME} v{LAYOUT_VERSION}")
     print(head, flush=True)
+    if args.plot and not args.json:
+        args.json = args.plot.with_suffix(".jsonl")
+    if args.json and args.plot:
+        args.json.unlink(missing_ok=True)  # the plot shows this run alone
     jf = args.json.open("a") if args.json else None
 
     def emit(rec: dict) -> None:
@@ -481,6 +487,8 @@ def main() -> int:
             jf.write(json.dumps(rec) + "\n")
             jf.flush()
 
+    emit({"kind": "run", "gpu": props.name, "date": time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
+          "torch": torch.__version__, "command": "python tools/bench_gpu.py " + " ".join(sys.argv[1:])})
     bw = read_bandwidth()
     emit({"kind": "bandwidth", **bw})
     print("bandwidth: torch uint8 copy_ (read+write, not a ceiling) {copy_rw_gbs:.0f} GB/s; w4pack layout load-only {probe_load_gbs:.0f} GB/s, "
@@ -559,6 +567,17 @@ def main() -> int:
         torch.cuda.empty_cache()
 
     print_tables(head, tables)
+    if args.plot:
+        if jf:
+            jf.close()
+        import plot_bench
+        run_head, recs = plot_bench.read_records(args.json)
+        try:
+            plot_bench.plot(run_head, recs, args.plot)
+            print(f"wrote {args.plot}")
+        except ImportError:
+            print("no plot: matplotlib is not installed (pip install 'w4pack[bench]'); the records are in "
+                  f"{args.json}: python tools/plot_bench.py {args.json} --png {args.plot}", file=sys.stderr)
     return 0
 
 

@@ -23,7 +23,8 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   echo "== bench"
-  "$PY" tools/bench_gpu.py --json "$LOGDIR/bench.jsonl" "$@" > "$LOGDIR/bench.log" 2>&1 || rc=1
+  "$PY" tools/bench_gpu.py --json "$LOGDIR/bench.jsonl" --plot "$LOGDIR/speedup.png" "$@" > "$LOGDIR/bench.log" 2>&1 || rc=1
+  "$PY" tools/plot_bench.py "$LOGDIR/bench.jsonl" --markdown > "$LOGDIR/kernels-table.md" 2>&1 || rc=1
   grep -E "^\||^K=|M=[0-9]+: [0-9.]+x|^bandwidth|^GPU" "$LOGDIR/bench.log" | grep -v "^|---"
 fi
 if [ -z "${SKIP_SANITIZERS:-}" ]; then
