@@ -478,8 +478,6 @@ def main() -> int:
     print(head, flush=True)
     if args.plot and not args.json:
         args.json = args.plot.with_suffix(".jsonl")
-    if args.json and args.plot:
-        args.json.unlink(missing_ok=True)  # the plot shows this run alone
     jf = args.json.open("a") if args.json else None
 
     def emit(rec: dict) -> None:

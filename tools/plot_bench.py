@@ -26,7 +26,10 @@ class BenchDataError(ValueError):
 
 
 def read_records(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The run header (or {}) and the gemm records; the last record wins for a repeated (K, N, M)."""
+    """The last run's header (or {}) and its gemm records; the last record wins for a repeated (K, N, M).
+
+    bench_gpu.py appends to its file, so a run header starts a new run and drops what came before it.
+    """
     head: dict[str, Any] = {}
     rows: dict[tuple[int, int, int], dict[str, Any]] = {}
     for no, line in enumerate(path.read_text().splitlines(), 1):
@@ -37,7 +40,7 @@ def read_records(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         except json.JSONDecodeError as exc:
             raise BenchDataError(f"{path}:{no}: not a JSON line ({exc.msg})") from None
         if rec.get("kind") == "run":
-            head = rec
+            head, rows = rec, {}
         elif rec.get("kind") == "gemm":
             try:
                 rows[(int(rec["K"]), int(rec["N"]), int(rec["M"]))] = rec
