@@ -125,6 +125,8 @@ def test_small_kquant_gguf_is_stored_compact_verifies_and_round_trips(kq: tuple[
     size = sum(p.stat().st_size for p in w4.iterdir() if p.is_file())
     small_files = sum(p.stat().st_size for p in w4.iterdir() if p.suffix == ".json")  # manifest, config, index
     assert size - small_files <= 1.03 * src.stat().st_size, (size, small_files, src.stat().st_size)
+    res = CliRunner().invoke(cli, ["inspect", str(w4)])
+    assert res.exit_code == 0 and "8 layers stored compact on disk" in res.output, res.output
     res = CliRunner().invoke(cli, ["validate", str(w4), "--deep"])
     assert res.exit_code == 0 and "unpack" in res.output, res.output
     rep = verify(w4, against=src, show_progress=False)
