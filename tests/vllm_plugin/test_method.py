@@ -278,3 +278,40 @@ def test_apply_compiled_and_graphed_bit_identical_on_cuda(dtype):
                 g.replay()
                 torch.cuda.synchronize()
                 assert torch.equal(static_y, eager)
+
+
+@pytest.mark.parametrize("cls,tp", [(RowParallelLinear, 2), (ColumnParallelLinear, 2)])
+def test_compact_storage_is_expanded_before_the_split(cls, tp):
+    """A layer stored compactly (docs/LAYOUT.md §8: a Q6_K layer's dense codes and int8 sub-scales) reaches the
+    engine as its compact tensors; the method expands them, then splits, and computes the layer's product."""
+    from w4pack.core.compact import compact
+    from w4pack.formats import gguf_quants as gq
+
+    rng = _seed("compact", cls.__name__, tp)
+    n, k = 64, 512
+    raw = np.zeros((n, k // 256, 210), np.uint8)
+    raw[..., :192] = rng.integers(0, 256, (n, k // 256, 192), dtype=np.uint8)
+    sc = rng.integers(-127, 128, (n, k // 256, 16))
+    sc[..., 0] = -128
+    raw[..., 192:208] = sc.astype(np.int8).view(np.uint8)
+    raw[..., 208:210] = (rng.uniform(1e-4, 1e-3, (n, k // 256)).astype("<f2"))[..., None].view(np.uint8)
+    layer = gq.decode("Q6_K", raw.reshape(n, -1), n, k).validate()
+    packed = pack(layer)
+    st, arrays = compact(packed.meta, packed.tensors, gq.STORAGE["Q6_K"])
+    assert st and "qdense" in arrays and "scales_q" in arrays
+    meta = dict(packed.meta, storage=st)
+    stored = PackedLayer(meta=meta, tensors=arrays)
+    plan = LayerPlan("mlp.x", [LayerPart("mlp.x", _meta("mlp.x", stored), None, None, None)])
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    want = x.astype(np.float64) @ layer.dequantize(np.float64).T
+    if cls is RowParallelLinear:
+        total = torch.zeros((3, n), dtype=torch.float32)
+        for rank in range(tp):
+            served = _serve(cls, plan, {"mlp.x": stored}, rank, tp, [n], k, "cpu")
+            total += served.method.apply(served, torch.from_numpy(x[:, rank * k // tp:(rank + 1) * k // tp])).float()
+        _close(total, want, "cpu")
+    else:
+        for rank in range(tp):
+            served = _serve(cls, plan, {"mlp.x": stored}, rank, tp, [n // tp], k, "cpu")
+            got = served.method.apply(served, torch.from_numpy(x)).float()
+            _close(got, want[:, rank * n // tp:(rank + 1) * n // tp], "cpu")

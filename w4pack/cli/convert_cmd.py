@@ -31,6 +31,10 @@ from .extras import needs_extras
 @click.option("--float-embeddings", is_flag=True,
               help="Dequantize a quantized token embedding exactly to float32 instead of keeping it packed (for "
                    "loaders without packed embeddings, such as vLLM; the folder grows by the table's float size).")
+@click.option("--expanded", is_flag=True,
+              help="w4pack output: store every layer in the runtime form (float32 scales, codes in their 4/8-bit "
+                   "fields) instead of the compact form kept for GGUF K-quant and 5-bit layers (docs/LAYOUT.md "
+                   "section 8); the folder grows, loading skips the expansion.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
 @click.option("--dry-run", is_flag=True,
               help="Print what would be converted (layers after --fuse) and every problem the real run would stop "
@@ -38,7 +42,7 @@ from .extras import needs_extras
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @needs_extras("convert")
 def convert(src: Path, dst: Path, src_format: str | None, to: str, base: Path | None, max_shard_size: str,
-            fuse: str | None, float_embeddings: bool, force: bool, dry_run: bool, as_json: bool) -> int:
+            fuse: str | None, float_embeddings: bool, expanded: bool, force: bool, dry_run: bool, as_json: bool) -> int:
     """Convert the checkpoint SRC into DST, losslessly.
 
     Streams layer by layer; DST appears only when complete and is never replaced without --force.
@@ -53,6 +57,8 @@ def convert(src: Path, dst: Path, src_format: str | None, to: str, base: Path | 
         opts["fuse"] = fuse
     if float_embeddings:
         opts["float_embeddings"] = True
+    if expanded:
+        opts["expanded"] = True
     if dry_run:
         doc = plan(src, dst, src_format=src_format, to=to, force=force, max_shard_size=max_shard_size, **opts)
         if as_json:

@@ -116,6 +116,10 @@ def inspect(path: Path, as_json: bool, show_layers: bool, src_format: str | None
                        + (", act-order" if kind["act_order"] else ""))
         click.echo(f"  {plural(len(s['shards']), 'shard')}, {_human(s['total_size'])} "
                    f"({_human(s['quantized_bytes'])} in quantized layers)")
+        compact = sum(1 for m in ck.manifest["layers"].values() if m.get("storage"))
+        if compact:
+            click.echo(f"  {plural(compact, 'layer')} stored compact on disk (as the source's blocks: "
+                       "docs/LAYOUT.md §8), expanded exactly when read")
         if s["side_files"]:
             click.echo(f"  side files: {', '.join(s['side_files'])}")
         if show_layers:

@@ -114,14 +114,7 @@ def _packable(qtype: str) -> bool:
 def _source_gguf_type(layer: CanonicalLayer) -> str | None:
     """The gguf_quants type a layer was read from (directly, or recorded in a w4pack manifest's source notes as
     ``gguf_type=...``), or None."""
-    src = layer.source or {}
-    if src.get("format") != "gguf":
-        return None
-    qt = src.get("gguf_type")
-    for note in src.get("notes") or []:
-        if isinstance(note, str) and note.startswith("gguf_type="):
-            qt = note[len("gguf_type="):]
-    return str(qt) if qt is not None and gguf_quants.is_packable(str(qt)) else None
+    return gguf_quants.source_type(layer.source)
 
 
 def _packs_as_layer(module: str | None, t: Any) -> bool:

@@ -31,10 +31,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.canonical import CanonicalLayer
+from ..core.compact import super_scales
 from ..errors import BadInputError
 
 __all__ = ["BlockType", "TYPES", "QK_K", "IQ4_NL_VALUES", "decode", "encode", "super_scales", "is_packable",
-           "why_not_packable"]
+           "why_not_packable", "STORAGE", "storage_spec", "source_type"]
 
 QK_K = 256
 #: IQ4_NL / IQ4_XS codebook (ggml's kvalues_iq4nl)
@@ -65,6 +66,43 @@ TYPES: dict[str, BlockType] = {t.name: t for t in (
     BlockType("IQ4_NL", 32, 18, 8, 32, "none", "float16"),
     BlockType("IQ4_XS", QK_K, 136, 8, 32, "none", "float32"),
 )}
+
+def _sub(per: int, bits: int, offset: int) -> dict[str, int]:
+    return {"super_groups": per, "bits": bits, "offset": offset}
+
+
+#: the compact storage (docs/LAYOUT.md §8) of each type's layers: what the block itself stores, so that a packed
+#: folder is no larger than the GGUF (codes at their own width, fp16 d/dmin per 256 weights times the sub-scales)
+STORAGE: dict[str, dict] = {
+    "Q2_K": {"dense_codes": True, "scales": _sub(16, 4, 0), "mins": _sub(16, 4, 0)},
+    "Q3_K": {"dense_codes": True, "scales": _sub(16, 6, -32)},
+    "Q4_K": {"scales": _sub(8, 6, 0), "mins": _sub(8, 6, 0)},
+    "Q5_K": {"dense_codes": True, "scales": _sub(8, 6, 0), "mins": _sub(8, 6, 0)},
+    "Q6_K": {"dense_codes": True, "scales": _sub(16, 8, -128)},
+    "Q5_0": {"dense_codes": True},
+    "Q5_1": {"dense_codes": True},
+    "IQ4_XS": {"scales": _sub(8, 6, -32)},
+}
+
+
+def source_type(source: dict | None) -> str | None:
+    """The type a layer was read from: ``gguf_type`` of a GGUF source, or the ``gguf_type=...`` note a w4pack
+    manifest keeps of it; None for other sources and types this module does not decode."""
+    src = source or {}
+    if src.get("format") != "gguf":
+        return None
+    qt = src.get("gguf_type")
+    for note in src.get("notes") or []:
+        if isinstance(note, str) and note.startswith("gguf_type="):
+            qt = note[len("gguf_type="):]
+    return str(qt) if qt is not None and is_packable(str(qt)) else None
+
+
+def storage_spec(source: dict | None) -> dict | None:
+    """The compact storage for a layer of this source (None: the runtime form, nothing to gain)."""
+    qt = source_type(source)
+    return STORAGE.get(qt) if qt is not None else None
+
 
 #: types the canonical form cannot hold exactly, with the reason (said once per tensor when refusing to pack)
 _NOT_AFFINE = {
@@ -262,40 +300,6 @@ def _join(fields: np.ndarray, shifts: list[int]) -> np.ndarray:
 def _h(x: np.ndarray) -> np.ndarray:
     """fp16 values [...] -> [..., 2] little-endian bytes."""
     return np.ascontiguousarray(np.asarray(x, dtype="<f2"))[..., None].view(np.uint8)
-
-
-def super_scales(vals: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """fp16 ``d`` [...] and integers ``L`` [..., G] in lo..hi with d·L == vals exactly, per super-block, or None.
-
-    ``vals`` (float64, [..., G]) are the exact products of a super-block. The first candidate that fits wins,
-    scanning from the extreme sub-scale down: the group of largest magnitude takes the widest integer (negative
-    first), which is what llama.cpp's reference quantizers write (Q4_K: largest scale 63; Q6_K: -128), so those
-    blocks come back byte for byte; other blocks come back with the same values."""
-    ext_i = np.abs(vals).argmax(axis=-1)[..., None]
-    ext = np.take_along_axis(vals, ext_i, axis=-1)[..., 0]
-    d = np.zeros(ext.shape, dtype=np.float16)
-    # an all-zero super-block: d = +0, and a negative zero product needs a negative integer
-    neg0 = np.signbit(vals)
-    L = np.where(neg0, -1 if lo < 0 else 0, 0).astype(np.int64)
-    done = ext == 0
-    if (done[..., None] & neg0).any() and lo >= 0:
-        return None
-    cands = sorted((v for v in range(lo, hi + 1) if v), key=lambda v: (-abs(v), v))
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        for c in cands:
-            if done.all():
-                break
-            dc = (ext / c).astype(np.float16)
-            d64 = dc.astype(np.float64)
-            q = np.rint(np.where(d64[..., None] != 0, vals / d64[..., None], np.nan)) + 0.0  # integers: no -0
-            ok = (~done) & np.isfinite(d64) & (d64 * c == ext)
-            prod = d64[..., None] * q
-            ok &= np.all(np.isfinite(q) & (q >= lo) & (q <= hi) & (prod == vals)
-                         & (np.signbit(prod) == neg0), axis=-1)  # the same zeros too, not just equal values
-            d[ok] = dc[ok]
-            L[ok] = q[ok].astype(np.int64)
-            done |= ok
-    return (d, L) if done.all() else None
 
 
 def encode(qtype: str, layer: CanonicalLayer) -> np.ndarray:

@@ -12,6 +12,7 @@ from ..store.folder import side_files
 from ..core.layout import pack
 from ..core.scratch import PACK_POOL, ScratchPool
 from ..store.names import is_side_file
+from . import gguf_quants
 from .base import Capabilities, Format, Source, TensorData
 
 __all__ = ["W4PackFormat", "W4PackSource", "write_packed"]
@@ -62,7 +63,8 @@ class W4PackFormat(Format):
     capabilities = Capabilities(bits=(2, 3, 4, 5, 6, 8), zero_modes=("none", "int", "float"), act_order=True)
     stores_fused = True
     packs_embeddings = True
-    write_options = frozenset()
+    #: expanded=True: every layer in the runtime form, none in the compact storage (docs/LAYOUT.md §8)
+    write_options = frozenset({"expanded"})
 
     @classmethod
     def source_problems(cls, source: Source, label: str) -> list[W4PackError]:
@@ -92,8 +94,12 @@ class W4PackFormat(Format):
 
 
 def write_packed(source: Source, out: Path, *, force: bool = False, max_shard_size: int | str = "2GB",
-                 show_progress: bool | None = None, on_layer: Any = None) -> Path:
-    """Stream ``source`` into a w4pack checkpoint: a layer or two in memory at a time, no shard buffered."""
+                 show_progress: bool | None = None, on_layer: Any = None, expanded: bool = False) -> Path:
+    """Stream ``source`` into a w4pack checkpoint: a layer or two in memory at a time, no shard buffered.
+
+    A layer read from a GGUF K-quant or 5-bit type (directly or through an earlier w4pack folder) is stored in
+    the compact form of its type (gguf_quants.STORAGE), so the folder is no larger than the GGUF; ``expanded``
+    stores every layer in the runtime form instead."""
     from ..progress import Progress
 
     names = source.layer_names()
@@ -121,7 +127,8 @@ def write_packed(source: Source, out: Path, *, force: bool = False, max_shard_si
                         del layer
                     if pending is not None:
                         pending.result()
-                    pending = io.submit(writer.add_layer, name, packed)
+                    spec = None if expanded else gguf_quants.storage_spec(packed.source)
+                    pending = io.submit(writer.add_layer, name, packed, None, spec)
                     del packed
                     bar.update()
                 if pending is not None:

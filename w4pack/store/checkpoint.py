@@ -39,6 +39,7 @@ from ..progress import Progress
 from .shards import ShardStream
 from .names import CARD_NAME, CONFIG_NAME, INCOMPLETE_MARKER, INDEX_NAME, MANIFEST_NAME, SIDE_FILES, shard_names
 from ..core.arch import needed_linears
+from ..core import compact as _compact
 from .tensors import TensorStore
 from ..schema import load_schema, validate_manifest, validate_quantization_config
 
@@ -196,19 +197,29 @@ class CheckpointWriter:
         self.passthrough.append(name)
 
     def add_layer(self, name: str, layer: CanonicalLayer | PackedLayer,
-                  source: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Pack (if canonical) and queue one quantized layer; returns its manifest entry."""
+                  source: dict[str, Any] | None = None, storage: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Pack (if canonical) and queue one quantized layer; returns its manifest entry. ``storage``: the compact
+        form to store it in where it fits exactly (docs/LAYOUT.md §8, core.compact), e.g. a K-quant's."""
         check_layer_name(name)
         packed = pack(layer.replace(name=name)) if isinstance(layer, CanonicalLayer) else layer
         meta = dict(packed.meta)
+        meta.pop("storage", None)
+        arrays = packed.tensors
+        if storage:
+            st, arrays = _compact.compact(meta, packed.tensors, storage)
+            if st:
+                meta["storage"] = st
         tensors = {}
         items = []
-        for suffix in tensor_suffixes(meta["zero_mode"], meta["act_order"]) + (["bias"] if "bias" in packed.tensors else []):
+        runtime = tensor_suffixes(meta["zero_mode"], meta["act_order"]) + (["bias"] if "bias" in arrays else [])
+        for suffix in _compact.stored_suffixes(meta, runtime):
             tname = f"{name}.{suffix}"
-            arr = packed.tensors[suffix]
+            arr = arrays[suffix]
             dname = None
             if suffix in ("scales", "mins"):
                 dname = meta["scale_dtype"]
+            elif suffix in ("scales_d", "mins_d"):
+                dname = "float16"
             elif suffix == "bias":
                 dname = meta.get("bias_dtype") or dtype_name_of(arr)
             items.append((tname, arr, dname))
@@ -518,6 +529,18 @@ class Checkpoint:
                 raise BadInputError(f"stored as {fdt} but the manifest says {want}",
                                     file=str(self.path / self.weight_map[tname]), tensor=tname)
             tensors[suffix] = arr
+        if meta.get("storage"):
+            # the compact form on disk becomes the runtime tensors here, so nothing past this reader sees it
+            first = meta["tensors"].get("qdense") or next(iter(meta["tensors"].values()))
+            try:
+                tensors = _compact.expand(meta, tensors, name)
+            except BadInputError as exc:
+                if exc.file is None:
+                    exc.file = str(self.path / self.weight_map.get(exc.tensor or "", self.weight_map.get(first, "")))
+                    exc.args = (exc.one_line(),)
+                raise
+            meta.pop("storage")
+            meta["tensors"] = {s: meta["tensors"].get(s, f"{name}.{s}") for s in tensors}
         return PackedLayer(meta=meta, tensors=tensors, source=dict(meta.get("source", {})))
 
     def layer(self, name: str) -> CanonicalLayer:
@@ -696,6 +719,7 @@ class Checkpoint:
             "zeros": ((gp, np_), np.dtype(np.uint8 if meta["storage_bits"] == 4 else np.uint16)),
             "mins": ((gp, np_), sd),
             "perm": ((k,), np.dtype(np.int32)),
+            **_compact.expected_shapes(meta),
         }
         for suffix, tname in meta["tensors"].items():
             fname = self.weight_map[tname]
@@ -800,7 +824,10 @@ def _check_layer_meta(name: str, meta: dict[str, Any], file: str) -> None:
     if meta["num_groups"] != g or meta["padded_groups"] != gp:
         raise BadInputError(f"num_groups/padded_groups {meta['num_groups']}/{meta['padded_groups']} contradict "
                             f"K={k}, group_size={gs} (expected {g}/{gp})", file=file, tensor=name)
-    want = set(tensor_suffixes(meta["zero_mode"], meta["act_order"]))
+    why = _compact.check_storage(meta)
+    if why:
+        raise BadInputError(why, file=file, tensor=name)
+    want = set(_compact.stored_suffixes(meta, tensor_suffixes(meta["zero_mode"], meta["act_order"])))
     have = set(meta["tensors"]) - {"bias"}
     if want != have:
         raise BadInputError(f"tensors {sorted(have)} do not match zero_mode/act_order (expected {sorted(want)})",

@@ -4,7 +4,7 @@ vLLM's ``LinearMethodBase`` is mixed in by ``w4pack.vllm.plugin``; keeping the w
 the same code on CPU and CUDA tensors where vLLM is not installed (the GPU machine has none).
 
 * **create**: one placeholder parameter per packed tensor the checkpoint stores for the layer (``qweight``,
-  ``scales``, ``zeros``/``mins``, ``perm``). Each has its own ``weight_loader``, so the engine hands it the
+  ``scales``, ``zeros``/``mins``, ``perm``; or their compact forms, docs/LAYOUT.md §8, expanded at process). Each has its own ``weight_loader``, so the engine hands it the
   *full, unsharded* checkpoint tensor (for merged layers once per part, with the part's shard id).
 * **process**: the rank's share is cut from the full packed layers by ``w4pack.tp`` (column-parallel: the
   rank's output rows of each part; row-parallel: the rank's input channels, regrouped) and the parts are
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..errors import BadInputError, UnsupportedError
+from ..core.compact import expand
 from ..core.layout import PackedLayer
 from ..runtime.torch_module import PRECISIONS, W4Linear
 from ..runtime.tp import column_slice, row_parallel, stack_blockers, stack_rows
@@ -61,6 +62,10 @@ def _stored_dtype(suffix: str, meta: dict[str, Any]) -> torch.dtype:
         return _SCALE_TORCH[meta["scale_dtype"]]
     if suffix == "zeros":
         return torch.uint8 if meta["storage_bits"] == 4 else torch.uint16
+    if suffix in ("scales_d", "mins_d"):  # the compact storage (docs/LAYOUT.md §8)
+        return torch.float16
+    if suffix in ("qdense", "scales_q", "mins_q"):
+        return torch.uint8
     return torch.int32  # qweight, perm
 
 
@@ -142,7 +147,9 @@ class PackedLinearMethod:
             if missing:
                 raise BadInputError("the engine loaded no data for this tensor", tensor=f"{p.name}.{missing[0]}")
             arrays = {s: _to_numpy(t) for s, t in tensors.items()}
-            meta = {k: v for k, v in p.meta.items() if k != "tensors"}
+            meta = {k: v for k, v in p.meta.items() if k not in ("tensors", "storage")}
+            if p.meta.get("storage"):  # compact on disk: the runtime tensors, exactly as the storage layer makes them
+                arrays = expand(p.meta, arrays, p.name)
             meta["bias_dtype"] = None
             if p.extra_bias is not None and not own_bias:
                 arrays["bias"] = np.asarray(p.extra_bias)

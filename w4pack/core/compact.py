@@ -1,0 +1,254 @@
+"""Compact storage of a packed layer (docs/LAYOUT.md §8): on disk only, expanded bit-exactly on read.
+
+A layer read from a GGUF K-quant has float32 scales (and minima) that are exact products ``d·L`` of an fp16
+super-block factor and a small integer, and codes of 2, 3, 5 or 6 bits in 4- or 8-bit fields. Stored as they run
+(the layout's runtime form), a Q4_K layer takes 1.33× its GGUF bytes and a Q6_K layer 1.52×. The compact form
+stores what the GGUF stores: the fp16 factors, the integers at their own width, the codes densely bit-packed.
+``expand`` rebuilds the runtime tensors (``qweight``, ``scales``, ``mins``) exactly, so every consumer past the
+storage layer (kernels, loader, tensor-parallel slicing, the vLLM plugin) sees the layer it always saw.
+
+Pure numpy, no file access: the storage layer (store/checkpoint.py) reads and writes the tensors.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import BadInputError
+
+__all__ = ["COMPACT_SUFFIXES", "stored_suffixes", "expected_shapes", "pack_bits", "unpack_bits", "compact",
+           "expand", "super_split", "super_scales", "check_storage"]
+
+#: tensors that replace ``qweight`` / ``scales`` / ``mins`` in the compact form
+COMPACT_SUFFIXES = ("qdense", "scales_d", "scales_q", "mins_d", "mins_q")
+_DENSE_BITS = (2, 3, 5, 6)
+
+
+def pack_bits(values: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 values [..., F] (F % 8 == 0, each < 2**bits) -> uint8 [..., F·bits/8]: value i at bits
+    bits·i … bits·i+bits−1 of the little-endian bit stream of the row (LSB first)."""
+    v = np.asarray(values, dtype=np.uint8)
+    lead, f = v.shape[:-1], v.shape[-1]
+    assert f % 8 == 0, f
+    shifts = (np.arange(8, dtype=np.uint64) * np.uint64(bits))
+    acc = np.bitwise_or.reduce(v.reshape(*lead, f // 8, 8).astype(np.uint64) << shifts, axis=-1)
+    by = acc.astype("<u8")[..., None].view(np.uint8)[..., :bits]
+    return np.ascontiguousarray(by).reshape(*lead, f // 8 * bits)
+
+
+def unpack_bits(packed: np.ndarray, bits: int) -> np.ndarray:
+    """Inverse of ``pack_bits``: uint8 [..., F·bits/8] -> uint8 values [..., F]."""
+    p = np.asarray(packed, dtype=np.uint8)
+    lead, nb = p.shape[:-1], p.shape[-1]
+    assert nb % bits == 0, (nb, bits)
+    chunks = np.zeros((*lead, nb // bits, 8), dtype=np.uint8)
+    chunks[..., :bits] = p.reshape(*lead, nb // bits, bits)
+    acc = chunks.view("<u8")[..., 0]
+    shifts = (np.arange(8, dtype=np.uint64) * np.uint64(bits))
+    vals = (acc[..., None] >> shifts) & np.uint64((1 << bits) - 1)
+    return vals.astype(np.uint8).reshape(*lead, nb // bits * 8)
+
+
+def _fields(qweight: np.ndarray, storage_bits: int) -> np.ndarray:
+    """int32 qweight [S, W] -> its storage fields [S, F] in little-endian field order (nibbles low first)."""
+    by = np.ascontiguousarray(qweight).astype("<i4", copy=False).view(np.uint8)
+    if storage_bits == 8:
+        return by
+    return np.stack([by & 15, by >> 4], axis=-1).reshape(by.shape[0], -1)
+
+
+def _qweight(fields: np.ndarray, storage_bits: int) -> np.ndarray:
+    if storage_bits == 4:
+        f = fields.reshape(fields.shape[0], -1, 2)
+        fields = f[..., 0] | (f[..., 1] << 4)
+    return np.ascontiguousarray(fields).view("<i4").astype(np.int32, copy=False)
+
+
+def stored_suffixes(meta: dict[str, Any], runtime: list[str]) -> list[str]:
+    """The tensor suffixes a layer stores, from its runtime suffixes (layout.tensor_suffixes) and ``storage``."""
+    st = meta.get("storage") or {}
+    out: list[str] = []
+    for s in runtime:
+        if s == "qweight" and st.get("dense_codes"):
+            out.append("qdense")
+        elif s in ("scales", "mins") and s in st:
+            out += [f"{s}_d", f"{s}_q"]
+        else:
+            out.append(s)
+    return out
+
+
+def expected_shapes(meta: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """(shape, numpy dtype) of each compact tensor the layer's ``storage`` names (LAYOUT.md §8)."""
+    st = meta.get("storage") or {}
+    np_, kp = meta["padded_shape"]
+    gp = meta["padded_groups"]
+    out: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+    if st.get("dense_codes"):
+        out["qdense"] = ((np_ // 16, 2 * kp * meta["bits"]), np.dtype(np.uint8))
+    for s in ("scales", "mins"):
+        if s in st:
+            spec = st[s]
+            out[f"{s}_d"] = ((gp // spec["super_groups"], np_), np.dtype(np.float16))
+            out[f"{s}_q"] = ((gp, np_ * spec["bits"] // 8), np.dtype(np.uint8))
+    return out
+
+
+def check_storage(meta: dict[str, Any]) -> str | None:
+    """Why the layer's ``storage`` contradicts the rest of its entry, or None."""
+    st = meta.get("storage")
+    if st is None:
+        return None
+    if st.get("dense_codes") and meta["bits"] not in _DENSE_BITS:
+        return f"dense_codes on a {meta['bits']}-bit layer (only 2-, 3-, 5- and 6-bit codes are stored densely)"
+    for s in ("scales", "mins"):
+        if s not in st:
+            continue
+        if s == "mins" and meta["zero_mode"] != "float":
+            return "storage.mins on a layer without float minima"
+        if meta["scale_dtype"] != "float32":
+            return f"storage.{s} on a layer with {meta['scale_dtype']} scales (only float32 ones are products)"
+        sg = st[s]["super_groups"]
+        if meta["group_size"] == -1 or meta["padded_groups"] % sg:
+            return f"storage.{s}.super_groups {sg} does not divide the layer's {meta['padded_groups']} groups"
+    return None
+
+
+def super_scales(vals: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """fp16 ``d`` [...] and integers ``L`` [..., G] in lo..hi with d·L == vals exactly, per super-block, or None.
+
+    ``vals`` (float64, [..., G]) are the exact products of a super-block. The first candidate that fits wins,
+    scanning from the extreme sub-scale down: the group of largest magnitude takes the widest integer (negative
+    first), which is what llama.cpp's reference quantizers write (Q4_K: largest scale 63; Q6_K: -128), so those
+    blocks come back byte for byte; other blocks come back with the same values."""
+    ext_i = np.abs(vals).argmax(axis=-1)[..., None]
+    ext = np.take_along_axis(vals, ext_i, axis=-1)[..., 0]
+    d = np.zeros(ext.shape, dtype=np.float16)
+    # an all-zero super-block: d = +0, and a negative zero product needs a negative integer
+    neg0 = np.signbit(vals)
+    L = np.where(neg0, -1 if lo < 0 else 0, 0).astype(np.int64)
+    done = ext == 0
+    if (done[..., None] & neg0).any() and lo >= 0:
+        return None
+    cands = sorted((v for v in range(lo, hi + 1) if v), key=lambda v: (-abs(v), v))
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        for c in cands:
+            if done.all():
+                break
+            dc = (ext / c).astype(np.float16)
+            d64 = dc.astype(np.float64)
+            q = np.rint(np.where(d64[..., None] != 0, vals / d64[..., None], np.nan)) + 0.0  # integers: no -0
+            ok = (~done) & np.isfinite(d64) & (d64 * c == ext)
+            prod = d64[..., None] * q
+            ok &= np.all(np.isfinite(q) & (q >= lo) & (q <= hi) & (prod == vals)
+                         & (np.signbit(prod) == neg0), axis=-1)  # the same zeros too, not just equal values
+            d[ok] = dc[ok]
+            L[ok] = q[ok].astype(np.int64)
+            done |= ok
+    return (d, L) if done.all() else None
+
+
+def super_split(vals: np.ndarray, lo: int, hi: int, per: int, n: int, g: int
+                ) -> tuple[np.ndarray, np.ndarray] | None:
+    """Group-major float32 parameters [Gp, Np] -> (fp16 d [Gp/per, Np], integers L [Gp, Np]) with d·L equal to
+    every value bit for bit (signed zeros included) in the real rows n < N and groups < G, zeros in the padding;
+    None when the values are not such products."""
+    gp, np_ = vals.shape
+    real = vals[:g, :n].astype(np.float64).T.reshape(n, g // per, per)
+    got = super_scales(real, lo, hi)
+    if got is None:
+        return None
+    d, L = got
+    dd = np.zeros((gp // per, np_), dtype=np.float16)
+    dd[:g // per, :n] = d.T
+    LL = np.zeros((gp, np_), dtype=np.int64)
+    LL[:g, :n] = L.reshape(n, g).T
+    return dd, LL
+
+
+def compact(meta: dict[str, Any], tensors: dict[str, np.ndarray], spec: dict[str, Any]
+            ) -> tuple[dict[str, Any] | None, dict[str, np.ndarray]]:
+    """Runtime tensors -> (the ``storage`` entry, tensors with the compact ones in place of what they replace).
+
+    ``spec``: ``{"dense_codes": bool, "scales": {"super_groups", "bits", "offset"}, "mins": {...}}`` (any part
+    may be absent). A part that does not fit the layer exactly (parameters that are not such products) is left
+    in the runtime form; the result expands back to exactly ``tensors``."""
+    out = dict(tensors)
+    st: dict[str, Any] = {}
+    n, _k = meta["shape"]
+    g = meta["num_groups"]
+    if spec.get("dense_codes") and meta["bits"] in _DENSE_BITS:
+        out.pop("qweight")
+        out["qdense"] = pack_bits(_fields(tensors["qweight"], meta["storage_bits"]), meta["bits"])
+        st["dense_codes"] = True
+    for s in ("scales", "mins"):
+        sp = spec.get(s)
+        if sp is None or s not in tensors or meta["scale_dtype"] != "float32" or meta["group_size"] == -1:
+            continue
+        per, bits, off = int(sp["super_groups"]), int(sp["bits"]), int(sp["offset"])
+        if meta["padded_groups"] % per or g % per:
+            continue
+        vals = np.asarray(tensors[s], dtype=np.float32)
+        with np.errstate(invalid="ignore", over="ignore"):
+            got = super_split(vals if s == "scales" else -vals, off, off + (1 << bits) - 1, per, n, g)
+        if got is None:
+            continue
+        d, L = got
+        u = (L - off).astype(np.uint8)
+        u[g:, :] = 0
+        u[:, n:] = 0
+        out.pop(s)
+        out[f"{s}_d"], out[f"{s}_q"] = d, pack_bits(u, bits)
+        st[s] = {"super_groups": per, "bits": bits, "offset": off}
+    return (st or None), out
+
+
+def expand(meta: dict[str, Any], tensors: dict[str, np.ndarray], name: str = "") -> dict[str, np.ndarray]:
+    """Compact tensors -> the runtime ones (``qweight``, ``scales``, ``mins``), bit-exactly; other tensors are
+    passed on. Refuses (naming the tensor) a wrong shape or dtype, a non-finite factor and padding that is not
+    zero. Sub-scales and codes cannot be out of range: their stored width is their range."""
+    st = meta.get("storage") or {}
+    if not st:
+        return tensors
+    out = {k: v for k, v in tensors.items() if k not in COMPACT_SUFFIXES}
+    want = expected_shapes(meta)
+    n, _k = meta["shape"]
+    g = meta["num_groups"]
+
+    def tname(s: str) -> str:
+        return f"{name}.{s}" if name else s
+
+    for s, (shape, dt) in want.items():
+        if s not in tensors:
+            raise BadInputError("compact tensor is missing", tensor=tname(s))
+        a = tensors[s]
+        if tuple(a.shape) != shape or a.dtype != dt:
+            raise BadInputError(f"{a.dtype} {list(a.shape)} contradicts the manifest's storage (expected {dt} "
+                                f"{list(shape)})", tensor=tname(s))
+    if st.get("dense_codes"):
+        fields = unpack_bits(tensors["qdense"], meta["bits"])
+        out["qweight"] = _qweight(fields, meta["storage_bits"])
+    for s in ("scales", "mins"):
+        if s not in st:
+            continue
+        spec = st[s]
+        per, off = spec["super_groups"], spec["offset"]
+        d = np.asarray(tensors[f"{s}_d"])
+        if not np.all(np.isfinite(d)):
+            raise BadInputError("super-block factor is NaN or infinite", tensor=tname(f"{s}_d"))
+        u = unpack_bits(tensors[f"{s}_q"], spec["bits"])
+        gd = g // per
+        if np.any(d[gd:].view(np.uint16)) or np.any(d[:, n:].view(np.uint16)):
+            raise BadInputError("padding (rows past the layer's shape, groups past its groups) is not zero",
+                                tensor=tname(f"{s}_d"))
+        if np.any(u[g:]) or np.any(u[:, n:]):
+            raise BadInputError("padding (rows past the layer's shape, groups past its groups) is not zero",
+                                tensor=tname(f"{s}_q"))
+        full = np.repeat(d.astype(np.float32), per, axis=0) * (u.astype(np.float32) + np.float32(off))
+        if s == "mins":
+            full = -full
+        full[g:] = 0
+        full[:, n:] = 0
+        out[s] = full
+    return out
