@@ -1,10 +1,14 @@
 """Our GGUF output decoded by llama.cpp itself (its Python bindings, ``llama_cpp``): the same greedy tokens as
 ``w4pack run`` on the packed folder the GGUF was written from.
 
-The model is SmolLM2-135M-Instruct: its Q4_1 GGUF (tools/get_smollm2.py) is converted to a packed folder, and that
-folder is written back as GGUF by our writer (weights, F32 norms, tokenizer metadata). llama.cpp must load it,
-tokenize the prompt as the model's own tokenizer does, and decode greedily to the tokens ``w4pack run`` gives.
-Skips, saying why, where llama_cpp, gguf, transformers or the model cannot be had.
+Two packed folders, each written back as GGUF by our writer (weights, F32 norms, tokenizer metadata):
+
+* SmolLM2-135M-Instruct, converted from its Q4_1 GGUF (tools/get_smollm2.py): a real model and tokenizer;
+* a tiny random Llama this file writes as a 4-bit GPTQ checkpoint with a byte-level BPE tokenizer
+  (the 256 byte tokens and one merge; symmetric, so Q4_0 holds it exactly): the GPTQ -> packed -> GGUF path whose F16 norms once crashed llama.cpp.
+
+llama.cpp must load the file, tokenize the prompt as the model's own tokenizer does, and decode greedily to the
+tokens ``w4pack run`` gives. Skips, saying why, where llama_cpp, gguf, transformers or SmolLM2 cannot be had.
 """
 from __future__ import annotations
 
@@ -32,6 +36,54 @@ def _llama_cpp() -> Any:
     return llama_cpp
 
 
+def _byte_bpe_tokenizer(folder: Path) -> list[Path]:
+    """A GPT-2 style byte-level BPE tokenizer: the 256 byte tokens, one merge ("h" "e" -> "he", id 256; llama.cpp
+    needs merges) and <|endoftext|> (id 257). Any pre-tokenizer keeps "he" inside a word, so both engines
+    tokenize alike whichever one llama.cpp picks."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda c: _byte_of(c))
+    vocab = {c: i for i, c in enumerate(byte_chars)}
+    vocab["he"] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab, [("h", "e")]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(folder)
+    assert len(tok) == 258
+    return [p for p in folder.iterdir() if p.is_file()]
+
+
+def _byte_of(char: str) -> int:
+    """GPT-2's byte -> printable character map, inverted (printable bytes map to themselves, the rest above 255)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    if ord(char) in printable:
+        return ord(char)
+    rest = [b for b in range(256) if b not in printable]
+    return rest[ord(char) - 256]
+
+
+@pytest.fixture(scope="module")
+def tiny_gptq_packed_and_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    _llama_cpp()
+    pytest.importorskip("gguf", reason="pip install gguf (the [gguf] extra) enables this")
+    pytest.importorskip("tokenizers", reason="pip install 'w4pack[hf]' enables this (run and the tokenizer)")
+    from rtn_helper import write_random_llama_gptq
+
+    tmp = tmp_path_factory.mktemp("llama-cpp-tiny")
+    write_random_llama_gptq(tmp / "gptq", seed=5, std=0.1, side_files=_byte_bpe_tokenizer(tmp / "tok"),
+                            group_size=32, sym=True, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, vocab_size=258, max_position_embeddings=128,
+                            bos_token_id=257, eos_token_id=None, tie_word_embeddings=False)
+    convert(tmp / "gptq", tmp / "w4", show_progress=False)
+    convert(tmp / "w4", tmp / "ours.gguf", to="gguf", show_progress=False)
+    return tmp / "w4", tmp / "ours.gguf"
+
+
 @pytest.fixture(scope="module")
 def smollm2_packed_and_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     _llama_cpp()  # before a minute of converting for nothing
@@ -54,10 +106,11 @@ def smollm2_packed_and_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[P
 
 
 @pytest.mark.slow
-def test_llama_cpp_decodes_our_gguf_like_w4pack_run(smollm2_packed_and_gguf: tuple[Path, Path],
+@pytest.mark.parametrize("model", ["smollm2", "tiny_gptq"])
+def test_llama_cpp_decodes_our_gguf_like_w4pack_run(model: str, request: pytest.FixtureRequest,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     llama_cpp = _llama_cpp()
-    packed, gguf_path = smollm2_packed_and_gguf
+    packed, gguf_path = request.getfixturevalue(f"{model}_packed_and_gguf")
     from w4pack.runtime.loading import load_tokenizer
 
     rc = main(["run", str(packed), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--json"])
