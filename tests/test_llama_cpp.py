@@ -1,14 +1,16 @@
 """Our GGUF output decoded by llama.cpp itself (its Python bindings, ``llama_cpp``): the same greedy tokens as
-``w4pack run`` on the packed folder the GGUF was written from.
+``w4pack run`` on the packed folder the GGUF was written from, wherever the two engines' numerics allow.
 
 Two packed folders, each written back as GGUF by our writer (weights, F32 norms, tokenizer metadata):
 
 * SmolLM2-135M-Instruct, converted from its Q4_1 GGUF (tools/get_smollm2.py): a real model and tokenizer;
-* a tiny random Llama this file writes as a 4-bit GPTQ checkpoint with a byte-level BPE tokenizer
-  (the 256 byte tokens and one merge; symmetric, so Q4_0 holds it exactly): the GPTQ -> packed -> GGUF path whose F16 norms once crashed llama.cpp.
+* a tiny random Llama this file writes as a 4-bit GPTQ checkpoint with a byte-level BPE tokenizer (the 256 byte
+  tokens and one merge; symmetric, so Q4_0 holds it exactly): the GPTQ -> packed -> GGUF path whose F16 norms
+  once crashed llama.cpp.
 
-llama.cpp must load the file, tokenize the prompt as the model's own tokenizer does, and decode greedily to the
-tokens ``w4pack run`` gives. Skips, saying why, where llama_cpp, gguf, transformers or SmolLM2 cannot be had.
+llama.cpp must load the file, tokenize the prompt as the model's own tokenizer does, give logits close to ours and
+decode greedily to our tokens up to, at most, a near-tie. Skips, saying why, where llama_cpp, gguf, transformers or
+SmolLM2 cannot be had.
 """
 from __future__ import annotations
 
