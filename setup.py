@@ -26,9 +26,22 @@ class BuildPy(build_py):
         for p in Path("schemas").glob("*.json"):
             shutil.copy(p, dest / p.name)
         shutil.copy(PTH, Path(self.build_lib) / PTH)
+        if self.editable_mode:
+            self._pth_into_editable_wheel()
+
+    def _pth_into_editable_wheel(self) -> None:
+        """``pip install -e .`` (PEP 660) installs only the editable wheel's root, not build_lib: put the .pth there.
+
+        setuptools' editable_wheel points the ``install`` command's ``install_lib`` at the unpacked editable wheel
+        (where it also writes data files) and zips that folder into the wheel, so a file written there lands in
+        site-packages next to setuptools' own ``__editable__`` .pth. That .pth sorts first, so its finder already
+        serves ``_w4pack_autoregister`` (a py-module, from the checkout) when ours imports it.
+        """
+        root = Path(self.get_finalized_command("install").install_lib)
+        shutil.copy(PTH, root / PTH)
 
     def get_outputs(self, include_bytecode: bool = True) -> list[str]:
-        """Declared outputs include the .pth, so wheel and editable builds both carry it."""
+        """Declared outputs include the .pth, so the wheel (bdist_wheel installs build_lib) carries it."""
         return [*super().get_outputs(include_bytecode), str(Path(self.build_lib) / PTH)]
 
 

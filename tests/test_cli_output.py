@@ -108,7 +108,7 @@ def test_convert_announces_the_steps_around_its_bar(tmp_path: Path, capsys: pyte
     convert(src, tmp_path / "out", show_progress=True)
     err = capsys.readouterr().err
     assert f"reading {src} ..." in err and "preparing side files (config, tokenizer) ..." in err
-    assert err.index("preparing side files") < err.index("packing [")
+    assert err.index("preparing side files") < err.index("packing: ")
     convert(src, tmp_path / "quiet", show_progress=False)
     assert capsys.readouterr().err == ""
 

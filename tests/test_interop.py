@@ -81,6 +81,17 @@ def _float_reference(src: MemorySource, torch: Any, transformers: Any) -> Any:
     return ref.eval()
 
 
+def _dequantizing_config(transformers: Any) -> Any:
+    """CompressedTensorsConfig that decompresses every layer into a plain Linear weight at load (``dequantize=True``
+    since transformers 5.x renamed it; ``run_compressed=False`` before)."""
+    import inspect
+
+    params = inspect.signature(transformers.CompressedTensorsConfig.__init__).parameters
+    if "dequantize" in params:
+        return transformers.CompressedTensorsConfig(dequantize=True)
+    return transformers.CompressedTensorsConfig(run_compressed=False)
+
+
 def test_compressed_tensors_output_in_transformers(tmp_path: Path) -> None:
     """Symmetric layers (what GPTQ/AWQ-sym sources give): transformers loads the folder through compressed-tensors,
     which decompresses every layer itself; weights and logits must be the canonical ones."""
@@ -93,9 +104,8 @@ def test_compressed_tensors_output_in_transformers(tmp_path: Path) -> None:
     get_format("compressed-tensors").write(src, out)
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == \
         "compressed-tensors"
-    # run_compressed=False: compressed-tensors decompresses every layer into a plain Linear weight at load
-    peer = transformers.AutoModelForCausalLM.from_pretrained(
-        out, dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False))
+    peer = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                             quantization_config=_dequantizing_config(transformers))
     for name, layer in src._layers.items():
         got = peer.get_submodule(name).weight.detach().float().numpy()
         np.testing.assert_allclose(got, layer.dequantize(np.float32), rtol=2e-3, atol=1e-6, err_msg=name)
@@ -107,13 +117,85 @@ def test_compressed_tensors_output_in_transformers(tmp_path: Path) -> None:
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+def test_compressed_tensors_asymmetric_output_in_transformers(tmp_path: Path) -> None:
+    """Asymmetric layers (packed zero points): transformers + compressed-tensors load our folder, decompressing
+    every layer itself; its weights and logits must be those of our canonical layers.
+
+    Loaded with ``dequantize=True``: the default (compressed) route of transformers 5.25 + compressed-tensors 0.20.1
+    refuses every asymmetric group/channel pack-quantized folder, compressed-tensors' own included ("size mismatch
+    [N/8, G] vs [N, G]" on weight_zero_point): it builds the compressed skeleton on the meta device, where
+    ``PackedQuantizationCompressor.compress`` keeps the unpacked [N, G] zero point, while on real tensors it packs it
+    (what it writes to disk, what ``decompress`` reads and what we write: the next test checks that)."""
+    _peer("compressed_tensors", "pip install compressed-tensors (in the [test] extra) enables this")
+    torch = _peer("torch", "pip install -e '.[test]' enables this")
+    transformers = _peer("transformers", "pip install -e '.[test]' enables this")
+
+    src = _source(sym=False, seed=3)
+    assert any(np.any(layer.zeros != 8) for layer in src._layers.values())  # really asymmetric
+    out = tmp_path / "ct"
+    get_format("compressed-tensors").write(src, out)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert [g["weights"]["symmetric"] for g in qc["config_groups"].values()] == [False]
+    peer = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                             quantization_config=_dequantizing_config(transformers))
+    for name, layer in src._layers.items():
+        got = peer.get_submodule(name).weight.detach().float().numpy()
+        np.testing.assert_allclose(got, layer.dequantize(np.float32), rtol=2e-3, atol=1e-6, err_msg=name)
+    ref = _float_reference(src, torch, transformers)
+    ids = torch.tensor([[1, 5, 9, 33, 60, 7], [1, 80, 2, 44, 13, 95]])
+    with torch.no_grad():
+        a, b = peer(ids).logits, ref(ids).logits
+    assert (a - b).abs().max() / b.abs().max() < 5e-3
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_compressed_tensors_asymmetric_output_equals_its_own_writer(tmp_path: Path) -> None:
+    """compressed-tensors' own writer (``apply_quantization_config`` + ``ModelCompressor.compress_model``, what
+    llm-compressor saves) given our canonical scales and zero points and the weights they dequantize to stores
+    exactly our tensors: same names, shapes and dtypes, identical packed codes and packed int32 zero points
+    [ceil(N·b/32), G]."""
+    _peer("compressed_tensors", "pip install compressed-tensors (in the [test] extra) enables this")
+    torch = _peer("torch", "pip install -e '.[test]' enables this")
+    transformers = _peer("transformers", "pip install -e '.[test]' enables this")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from safetensors.torch import load_file
+
+    src = _source(sym=False, seed=3)
+    out = tmp_path / "ct"
+    get_format("compressed-tensors").write(src, out)
+    ours: dict[str, Any] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        ours.update(load_file(str(f)))
+
+    model = _float_reference(src, torch, transformers)
+    qc = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
+    apply_quantization_config(model, qc)
+    with torch.no_grad():
+        for name, layer in src._layers.items():
+            mod = model.get_submodule(name)
+            mod.weight_scale.copy_(torch.from_numpy(to_float32(layer.scales, layer.scale_dtype)))
+            mod.weight_zero_point.copy_(torch.from_numpy(layer.zeros.astype(np.int16) - 8))  # signed
+    ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized").compress_model(model)
+    theirs = model.state_dict()
+    for name in src._layers:
+        mine = {k: v for k, v in ours.items() if k.startswith(name + ".")}
+        peer = {k: v for k, v in theirs.items() if k.startswith(name + ".")}
+        assert sorted(mine) == sorted(peer), name
+        for key, want in peer.items():
+            got = mine[key]
+            assert got.shape == want.shape, key
+            if key.endswith("weight_scale"):  # ours keeps the source's float16; theirs is the model's float32
+                assert torch.equal(got.float(), want.float()), key
+            else:
+                assert got.dtype == want.dtype and torch.equal(got, want), key
+    zp = theirs["model.layers.0.mlp.down_proj.weight_zero_point"]
+    assert zp.dtype == torch.int32 and tuple(zp.shape) == (-(-HIDDEN * 4 // 32), INTER // 32)
+
+
 def test_compressed_tensors_asymmetric_output_in_its_decompressor(tmp_path: Path) -> None:
     """Asymmetric layers (packed zero points): compressed-tensors' own PackedQuantizationCompressor decompresses
-    each layer's tensors, with the scheme parsed from our config.json by its own pydantic model.
-
-    (transformers 5.25 with compressed-tensors 0.20.1 refuses such a folder at load, "weight_zero_point size
-    mismatch [N/8, G] vs [N, G]": it sizes the parameter unpacked, while the files hold the packed zero points
-    that compressed-tensors' own compress() writes and decompress() reads, as here.)"""
+    each layer's tensors, with the scheme parsed from our config.json by its own pydantic model."""
     _peer("compressed_tensors", "pip install compressed-tensors (in the [test] extra) enables this")
     _peer("torch", "pip install -e '.[test]' enables this")
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor

@@ -341,4 +341,4 @@ def test_perplexity_shows_loading_and_windows_on_a_terminal(tiny: Path, capsys: 
     monkeypatch.setattr(__import__("sys").stderr, "isatty", lambda: True)
     rc, out, err = _cli(capsys, "run", str(tiny), "--perplexity", str(SAMPLE), "--json")
     assert rc == 0 and json.loads(out)["window"] == 128  # stdout: the JSON document alone
-    assert f"loading {tiny}" in err and "scoring windows [" in err
+    assert f"loading {tiny}" in err and "scoring windows: " in err

@@ -1,7 +1,12 @@
-"""A dependency-free progress bar and step messages on stderr, drawn only when stderr is a terminal.
+"""Progress bars (tqdm) and step messages on stderr, drawn only when stderr is a terminal unless asked for.
+
+The bar is tqdm's (it comes with huggingface_hub): w4pack only decides whether one is drawn. By default that is
+when stderr is a terminal, so logs, pipes and ``--json`` runs get no carriage-return garbage; callers pass
+``enabled`` (``show_progress``) to force it either way.
 
 Step messages cover the silent stretches around bars (opening a large source, exporting a GGUF's tokenizer):
-without them a terminal shows nothing for seconds after a bar has reached its end.
+without them a terminal shows nothing for seconds after a bar has reached its end. tqdm has no such one-line
+"doing X ... 3.2s" message, so it is written here.
 """
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterable, Iterator, TypeVar
+from typing import Any, Iterable, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -17,27 +22,20 @@ __all__ = ["Progress", "track", "step"]
 
 
 class Progress:
+    """A tqdm bar over ``total`` units; a no-op (tqdm's ``disable``) where it is not drawn."""
+
     def __init__(self, total: int, desc: str, unit: str = "", enabled: bool | None = None):
-        self.total, self.desc, self.unit, self.n = max(total, 0), desc, unit, 0
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self._last = 0.0
-        self._start = time.monotonic()
+        from tqdm import tqdm
+
+        self.enabled = sys.stderr.isatty() if enabled is None else bool(enabled)
+        self._bar: Any = tqdm(total=max(total, 0), desc=desc, unit=unit.strip() or "it", file=sys.stderr,
+                              disable=not self.enabled, dynamic_ncols=True, leave=True)
 
     def update(self, n: int = 1) -> None:
-        self.n += n
-        now = time.monotonic()
-        if self.enabled and (now - self._last > 0.1 or self.n >= self.total):
-            self._last = now
-            frac = self.n / self.total if self.total else 1.0
-            bar = "#" * int(30 * frac)
-            sys.stderr.write(f"\r{self.desc} [{bar:<30}] {self.n}/{self.total}{self.unit} "
-                             f"{now - self._start:5.1f}s")
-            sys.stderr.flush()
+        self._bar.update(n)
 
     def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        self._bar.close()
 
     def __enter__(self) -> "Progress":
         return self

@@ -262,6 +262,28 @@ def test_peer_compressed_layers_read_exactly(strategy: str, bits: int, sym: bool
     assert np.array_equal(layer.zero_points(), (zp + off).astype(np.int32))
 
 
+def test_unpacked_zero_points_of_older_files_read_like_packed(tmp_path: Path) -> None:
+    """Files from compressed-tensors < 0.9.4 keep asymmetric zero points unpacked (int8 [N, G], signed): they read
+    as the same layer as the packed int32 [ceil(N·b/32), G] form written today (ours and compressed-tensors')."""
+    rng = np.random.default_rng(7)
+    n, k, g = 40, 128, 4
+    layer = CanonicalLayer(codes=rng.integers(0, 16, (n, k)).astype(np.uint8),
+                           scales=rng.uniform(0.01, 0.05, (n, g)).astype(np.float16), bits=4, group_size=k // g,
+                           zero_mode="int", zeros=rng.integers(0, 16, (n, g)).astype(np.uint8), scale_dtype="float16")
+    CT.write(MemSource({"model.layers.0.mlp.down_proj": layer}), tmp_path / "new")
+    old = tmp_path / "old"
+    shutil.copytree(tmp_path / "new", old)
+    shard = next(old.glob("*.safetensors"))
+    tensors = tensors_of(shard)
+    assert tensors[f"{PREFIX}.weight_zero_point"][1].shape == (n * 4 // 32, g)
+    tensors[f"{PREFIX}.weight_zero_point"] = ("int8", (layer.zeros.astype(np.int16) - 8).astype(np.int8))
+    write_safetensors(shard, [(t, a, d) for t, (d, a) in tensors.items()])
+    with CT.open(tmp_path / "new") as a, CT.open(old) as b:
+        new_layer, old_layer = a.read_layer(PREFIX), b.read_layer(PREFIX)
+    for got in (new_layer, old_layer):
+        assert np.array_equal(got.codes, layer.codes) and np.array_equal(got.zero_points(), layer.zeros)
+
+
 def test_transformers_loads_what_we_write(tmp_path: Path) -> None:
     """The whole-model fixture, re-written by w4pack, loads in transformers and gives the reference logits."""
     case = fixture_dir(FAMILY, "tiny_llama_w4a16_sym_g128")

@@ -676,6 +676,8 @@ def _tokenizer_keys(side_files: list[Path], config: dict[str, Any], arch: str) \
     if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         kind = model.get("type") if isinstance(model, dict) else None
         return {}, f"tokenizer model {brief(kind)} is not byte-level BPE", None
+    if not model.get("merges"):  # gguf-py refuses the empty array, and llama.cpp refuses a BPE vocab without it
+        return {}, "tokenizer.json has no BPE merges, which llama.cpp's BPE vocabulary needs", None
     ids: dict[int, str] = {int(i): str(t) for t, i in model["vocab"].items()}
     kinds: dict[int, int] = {}
     for a in doc.get("added_tokens") or []:
