@@ -65,6 +65,10 @@ def detect(path: str | Path) -> str:
         if name in formats and formats[name].detect(p):
             return name
     _raise_broken_file(p)
+    if _declared_method(p) is None:
+        from ._incomplete import raise_incomplete_quantized
+
+        raise_incomplete_quantized(p)
     raise UnsupportedError("cannot tell which format this is; name it with --from "
                            f"({', '.join(sorted(formats))})", file=str(p))
 
@@ -86,6 +90,20 @@ def _raise_broken_file(p: Path) -> None:
     broken = first_unreadable(p)
     if broken is not None:
         raise broken
+
+
+def _declared_method(p: Path) -> str | None:
+    """The quant_method a folder's config.json declares (a method w4pack does not read is "unsupported", exit 3,
+    whatever its tensors look like), or None."""
+    from ..store.folder import read_json
+
+    cfg = (p if p.is_dir() else p.parent) / "config.json"
+    if not cfg.is_file():
+        return None
+    doc = read_json(cfg)
+    q = (doc.get("quantization_config") or doc.get("compression_config")) if isinstance(doc, dict) else None
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    return str(method) if method else None
 
 
 def hub_files() -> list[HubFiles]:

@@ -22,7 +22,7 @@ from .safetensors import DTYPES, SafetensorsFile, SourceChanged
 from .names import INDEX_NAME, PT_INDEX_NAME, PT_SUFFIXES
 from .torchfile import StateDict, dtype_name as torch_dtype_name, load_state_dict, read_tensor
 
-__all__ = ["TensorStore", "open_tensors", "pt_files", "first_unreadable"]
+__all__ = ["TensorStore", "open_tensors", "pt_files", "first_unreadable", "safetensors_names"]
 
 #: torch files in a model folder that hold no weights
 _NOT_WEIGHTS = ("training_args", "optimizer", "scheduler", "rng_state")
@@ -327,3 +327,27 @@ def first_unreadable(path: Path) -> BadInputError | None:
         except BadInputError as exc:
             return exc
     return None
+
+
+def safetensors_names(path: Path) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Tensor names and shapes of every readable safetensors file at ``path`` (the file, or the folder's
+    ``*.safetensors``), by file. Format detection asks when no format recognises a folder, to tell a damaged
+    quantized checkpoint (a layer missing a tensor) from a format w4pack does not know."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.glob("*.safetensors") if p.is_file())
+    elif path.is_file() and path.suffix == ".safetensors":
+        files = [path]
+    else:
+        return {}
+    out: dict[str, dict[str, tuple[int, ...]]] = {}
+    for p in files:
+        try:
+            f = SafetensorsFile(p)
+        except BadInputError:
+            continue
+        try:
+            out[str(p)] = {n: f.info(n)[1] for n in f.keys()}
+        finally:
+            f.close()
+    return out

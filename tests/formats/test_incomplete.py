@@ -1,0 +1,73 @@
+"""A folder without config.json whose tensor names belong to a quantized layout but whose layer lost or renamed a
+tensor is a damaged checkpoint (bad input, exit 2, naming the file, the layer and what it lacks), not "cannot tell
+which format" (exit 3); folders whose names belong to no layout w4pack reads stay exit 3 (issue 30 round 2, item 1)."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import fixture_dir
+from w4pack.cli import main
+from w4pack.store.safetensors import SafetensorsFile, write_safetensors
+
+LAYER = "model.layers.0.mlp.down_proj"
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    return rc, err
+
+
+def _damaged(tmp_path: Path, family: str, case: str, leaf: str, rename: str | None) -> Path:
+    """A copy of a fixture without its JSON files, ``LAYER.leaf`` deleted (or renamed to ``LAYER.rename``)."""
+    src = tmp_path / "src"
+    shutil.copytree(fixture_dir(family, case), src)
+    for j in ("config.json", "quantize_config.json", "quant_config.json"):
+        (src / j).unlink(missing_ok=True)
+    (st,) = sorted(src.glob("*.safetensors"))
+    with SafetensorsFile(st) as f:
+        items = [(k, np.array(f.get(k)), f.dtype_name(k)) for k in f.keys()]
+    target = f"{LAYER}.{leaf}"
+    assert target in {k for k, _, _ in items}
+    items = [(f"{LAYER}.{rename}" if k == target else k, a, d) for k, a, d in items if rename or k != target]
+    write_safetensors(st, items, {})
+    return st
+
+
+@pytest.mark.parametrize("family,case,leaf,rename,has", [
+    ("awq", "gemm_g64_in576_out128", "scales", None, "has qweight, qzeros but no scales"),
+    ("awq", "gemm_g64_in576_out128", "scales", "scalez", "has qweight, qzeros but no scales"),
+    ("awq", "gemm_g64_in576_out128", "qweight", None, "has qzeros, scales but no qweight"),
+    ("gptq", "ag_b4_asym_g64", "scales", None, "has qweight, qzeros, g_idx but no scales"),
+    ("gptq", "gm_b3_asym_g64_v1", "qweight", "qweights", "has qzeros, scales, g_idx but no qweight"),
+    ("compressed-tensors", "asym_group64_in256_out384", "weight_packed", "packed",
+     "has weight_scale, weight_zero_point, weight_shape but no weight_packed"),
+])
+def test_a_layer_missing_a_tensor_is_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str], family: str,
+                                               case: str, leaf: str, rename: str | None, has: str) -> None:
+    st = _damaged(tmp_path, family, case, leaf, rename)
+    src = st.parent
+    for argv in (["inspect", src], ["convert", src, tmp_path / "out"], ["inspect", st]):
+        rc, err = _cli(capsys, *argv)
+        assert rc == 2 and f"{st}: layer {LAYER} {has}" in err and "cannot tell" not in err, err
+    if rename:
+        assert f"{LAYER}.{rename}" in err  # the renamed tensor is named: the likely culprit
+    assert not (tmp_path / "out").exists()
+
+
+def test_names_of_another_layout_stay_unknown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A packed weight with scales and biases beside it (MLX) or a plain fp16 model are layouts w4pack does not
+    read: still "cannot tell which format" (3), whatever "scales" suggests."""
+    src = tmp_path / "mlx"
+    src.mkdir()
+    write_safetensors(src / "model.safetensors", [
+        (f"{LAYER}.weight", np.zeros((8, 4), np.uint32), "U32"), (f"{LAYER}.scales", np.ones((8, 1), np.float16), "F16"),
+        (f"{LAYER}.biases", np.zeros((8, 1), np.float16), "F16")], {})
+    rc, err = _cli(capsys, "inspect", src)
+    assert rc == 3 and "cannot tell which format" in err

@@ -1,0 +1,69 @@
+"""Why a folder whose tensor names look quantized was recognised by no format.
+
+Detection reads a layer's tensors (GPTQ: qweight beside scales; AWQ: qweight, qzeros, scales; compressed-tensors:
+weight_packed). A checkpoint that lost or renamed one of them is then recognised by none, and "unknown format"
+(exit 3) would send the user to --from for a file that is simply damaged. When the names clearly belong to a
+quantized layout, the damaged layer is bad input (exit 2), named with what it has and what it lacks.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import BadInputError
+
+__all__ = ["raise_incomplete_quantized"]
+
+#: a family of per-layer tensor suffixes: (name, members, members that only this family uses, required members)
+_FAMILIES: tuple[tuple[str, tuple[str, ...], frozenset[str], tuple[str, ...]], ...] = (
+    ("GPTQ/AWQ", ("qweight", "qzeros", "scales", "g_idx"), frozenset({"qweight", "qzeros", "g_idx"}),
+     ("qweight", "scales")),
+    ("compressed-tensors", ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
+     frozenset({"weight_packed", "weight_shape"}), ("weight_packed", "weight_scale")),
+)
+
+
+def _layers(names: dict[str, tuple[int, ...]]) -> dict[str, set[str]]:
+    """Module prefix -> the suffixes (after the last dot) of its tensors."""
+    out: dict[str, set[str]] = {}
+    for n in names:
+        mod, _, leaf = n.rpartition(".")
+        out.setdefault(mod, set()).add(leaf)
+    return out
+
+
+def _problem(file: str, names: dict[str, tuple[int, ...]]) -> BadInputError | None:
+    """The first layer of ``file`` whose tensors belong to a quantized family but lack a required one; or, when every
+    such layer is complete, the first GPTQ/AWQ layer (whose shapes then fit neither layout)."""
+    layers = _layers(names)
+    complete: tuple[str, str] | None = None
+    for fam, members, own, required in _FAMILIES:
+        if not any(own & leaves for leaves in layers.values()):
+            continue  # no name in this file belongs to this family alone: "scales" or "weight_scale" is not enough
+        for mod in sorted(layers):
+            leaves = layers[mod]
+            has = [m for m in members if m in leaves]
+            if not has or ("weight" in leaves and not own & leaves):
+                continue  # a plain weight with a scale beside it is another layout (MLX, FP8), not this one
+            missing = [m for m in required if m not in leaves]
+            if missing:
+                others = sorted(leaves - set(members) - {"bias"})
+                extra = f" (it also holds {', '.join(f'{mod}.{o}' for o in others[:4])})" if others else ""
+                return BadInputError(f"layer {mod} has {', '.join(has)} but no {', '.join(missing)}: a damaged "
+                                     f"{fam} checkpoint{extra}", file=file)
+            if complete is None and fam == "GPTQ/AWQ":
+                complete = (mod, ", ".join(f"{m} {list(names[f'{mod}.{m}'])}" for m in has))
+    if complete is not None:
+        mod, desc = complete
+        return BadInputError(f"layer {mod} has {desc}, shapes that fit neither GPTQ (qweight packs rows, as many "
+                             "columns as scales) nor AWQ (qweight packs columns)", file=file)
+    return None
+
+
+def raise_incomplete_quantized(path: Path) -> None:
+    """Raise bad input for the first safetensors file at ``path`` holding a damaged quantized layer, if any."""
+    from ..store.tensors import safetensors_names
+
+    for file, names in safetensors_names(path).items():
+        err = _problem(file, names)
+        if err is not None:
+            raise err
