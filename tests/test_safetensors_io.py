@@ -200,3 +200,26 @@ def test_storage_dtype_without_reading(tmp_path: Path) -> None:
     with open_tensors(path) as st:
         for name in ("h", "b", "i"):
             assert st.storage_dtype(name) == st.get(name).dtype
+
+
+def test_data_section_must_end_at_the_file_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bytes after the last tensor, or between tensors, belong to no tensor: the reference safetensors library
+    refuses such files, so we do too. Padding inside the header (spaces after the JSON) is legal."""
+    entry = b'{"a": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}'
+    ok = _raw_file(tmp_path / "ok.safetensors", entry + b"}" + b" " * 11, b"\0\x3c\0\x40")
+    with SafetensorsFile(ok) as f:
+        assert f.get("a").tolist() == [1.0, 2.0]
+    tail = _raw_file(tmp_path / "tail.safetensors", entry + b"}", b"\0\x3c\0\x40" + b"\0" * 5)
+    assert _refused(tail).endswith(f"{tail}: 5 bytes after the last tensor (the data section must end where the "
+                                   "file ends)")
+    assert main(["inspect", str(tail)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    hole = _raw_file(tmp_path / "hole.safetensors",
+                     entry + b', "b": {"dtype": "F16", "shape": [1], "data_offsets": [6, 8]}}', b"\0" * 8)
+    _refused(hole, "tensor b", "2 bytes of data before it belong to no tensor")
+    empty = _raw_file(tmp_path / "empty.safetensors", b"{}", b"\0")
+    _refused(empty, "1 bytes after the last tensor")
+    # a file the writer pads (header to 8 bytes) and every fixture-sized real file still read
+    n, _sha = write_safetensors(tmp_path / "w.safetensors", [("x", np.arange(3, dtype=np.float32), None)])
+    with SafetensorsFile(tmp_path / "w.safetensors") as f:
+        assert f.get("x").tolist() == [0, 1, 2]

@@ -202,10 +202,20 @@ class SafetensorsFile:
             spans.append((begin, end, name))
             self.entries[name] = (dt, shape, begin, end)
         spans.sort()
-        for (b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
-            if b1 < e0:
+        covered, prev = 0, ""  # the data section is the tensors back to back, as the reference library requires
+        for b, e, n in spans:
+            if b < covered:
                 self.close()
-                raise BadInputError(f"data overlaps tensor {n0}", file=label, tensor=n1)
+                raise BadInputError(f"data overlaps tensor {prev}", file=label, tensor=n)
+            if b > covered:
+                self.close()
+                raise BadInputError(f"{b - covered} bytes of data before it belong to no tensor (data_offsets "
+                                    "leave a hole)", file=label, tensor=n)
+            covered, prev = e, n
+        if covered != data_len:
+            self.close()
+            raise BadInputError(f"{data_len - covered} bytes after the last tensor (the data section must end "
+                                "where the file ends)", file=label)
         self._mm: mmap.mmap | None = None  # no map: see the module docstring (kept for callers that probe it)
 
     def keys(self) -> list[str]:
