@@ -331,8 +331,13 @@ class TomlTablesSource(Source):
                         f"groupsize {t.groupsize}")
         scale, sdt = self._scale_array(scale, t.scale_dtype, t.bad)
         s32 = to_float32(scale, sdt)
-        if not np.all(np.isfinite(s32)) or np.any(s32 == 0):
-            raise t.bad("scale holds zero, NaN or infinity")
+        bad = ~(np.isfinite(s32) & (s32 > 0))  # GPTQ's quantizer makes every scale positive and finite
+        if np.any(bad):
+            row, grp = (int(i) for i in np.argwhere(bad)[0])
+            where = t.entries.get("scale")
+            file = str(npy_beside(self.folder, where, "scale")) if isinstance(where, str) else str(t.document)
+            raise BadInputError(f"scale [{row}, {grp}] is {float(s32[row, grp])} ({int(bad.sum())} of {bad.size} "
+                                "not positive and finite): GPTQ scales are always > 0", file=file, tensor=t.name)
         return scale, sdt
 
     def _zeros(self, t: LayerTable, n: int, ng: int) -> tuple[str, np.ndarray | None]:
@@ -459,6 +464,9 @@ class TomlCapabilities(Capabilities):
         reason = super().check(layer)
         if reason and layer.zero_mode == "float":
             reason += " (the tables store integer zeros; way out: --to w4pack)"
+        if reason is None and not np.all(to_float32(layer.scales, layer.scale_dtype) > 0):
+            # the reader refuses them: GPTQ's quantizer makes every scale positive (a GGUF block's may not be)
+            reason = "scales that are not all positive (the tables hold GPTQ scales, always > 0; way out: --to w4pack)"
         return reason
 
 
