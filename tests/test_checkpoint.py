@@ -552,6 +552,18 @@ def _resign(folder: Path) -> None:
     _edit_json(folder / MANIFEST_NAME, fix)
 
 
+def _truncate_resigned(folder: Path, name: str) -> None:
+    """Cut a covered JSON file in half and re-sign it: only parsing it can catch it."""
+    raw = (folder / name).read_bytes()
+    (folder / name).write_bytes(raw[: len(raw) // 2])
+    _resign(folder)
+
+
+def _rewrite_resigned(folder: Path, name: str, text: str) -> None:
+    (folder / name).write_text(text)
+    _resign(folder)
+
+
 def _drop_layer(folder: Path, name: str, *, index_too: bool) -> None:
     gone = {}
 
@@ -586,6 +598,10 @@ TAMPERING = {
                             INDEX_NAME),
     "layer removed, index re-signed": ("plain", lambda f: _drop_layer(f, "model.layers.1.mlp.down_proj",
                                                                        index_too=True), MANIFEST_NAME),
+    "generation_config truncated, re-signed": ("plain", lambda f: _truncate_resigned(f, "generation_config.json"),
+                                               "generation_config.json"),
+    "generation_config a list, re-signed": ("plain", lambda f: _rewrite_resigned(f, "generation_config.json", "[]"),
+                                            "generation_config.json"),
     "fused table edited": ("fused", lambda f: _swap_fused_parts(f, 0, 1, in_config=False), "config.json"),
     "fused table edited, config re-signed": ("fused", lambda f: _swap_fused_parts(f, 0, 1, in_config=True),
                                              MANIFEST_NAME),

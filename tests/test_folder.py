@@ -82,3 +82,19 @@ def test_side_file_linked_out_is_refused_for_every_output(tmp_path: Path, to: st
     with pytest.raises(BadInputError, match="symbolic link out of the source folder"):
         convert(src, tmp_path / "out", to=to, show_progress=False)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("to", ["gptq", "awq", "compressed-tensors", "w4pack"])
+def test_side_json_that_is_not_an_object_is_refused_for_every_output(tmp_path: Path, to: str) -> None:
+    """Every JSON side file Hugging Face's loaders read is an object; validate refuses any other (read_side_json),
+    so no writer may copy one: convert would write what validate refuses."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in fixture_dir("gptq", "ag_b4_asym_g64").iterdir():
+        if f.is_file():
+            (src / f.name).write_bytes(f.read_bytes())
+    (src / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(BadInputError, match="not a JSON object") as ei:
+        convert(src, tmp_path / "out", to=to, show_progress=False)
+    assert str(src / "generation_config.json") in str(ei.value)
+    assert not (tmp_path / "out").exists()

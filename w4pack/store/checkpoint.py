@@ -33,7 +33,7 @@ from .atomic import check_output, is_disk_full, make_temp_dir, move_into_place, 
 from ..core.canonical import CanonicalLayer
 from ..core.dtypes import dtype_name_of
 from ..errors import BadInputError, IOFailure
-from .folder import member as _safe_member, read_json as _read_json, side_file
+from .folder import member as _safe_member, read_json as _read_json, read_side_json, side_file
 from ..core.layout import LAYOUT_NAME, LAYOUT_VERSION, TILE_K, TILE_N, PackedLayer, pack, tensor_suffixes, unpack
 from ..progress import Progress
 from .shards import ShardStream
@@ -247,7 +247,7 @@ class CheckpointWriter:
             raise BadInputError(f"refusing side file name {name!r}", file=str(src))
         real = side_file(src)
         if name.endswith(".json"):
-            _read_json(real)  # malformed or non-UTF-8 JSON is the source's fault: refused now, not at load
+            read_side_json(real)  # malformed JSON is the source's fault: refused now, not at load
         try:
             shutil.copyfile(real, self.tmp / name)
         except OSError as exc:
@@ -573,10 +573,11 @@ class Checkpoint:
         of the checks that ran ("architecture" is skipped, with a warning, for a model type w4pack does not
         know)."""
         self.check_listing()
+        self.check_json_files()
         self.check_index_coverage()
         self.check_fused()
         self.check_quantization_config()
-        return ["listing", "fused"] + (["architecture"] if self.check_architecture() else [])
+        return ["listing", "json", "fused"] + (["architecture"] if self.check_architecture() else [])
 
     def check_quantization_config(self) -> None:
         """config.json's quantization_config says what the manifest implies (version 2: the writer derived it from
@@ -614,6 +615,15 @@ class Checkpoint:
                 raise BadInputError(f"not listed in {MANIFEST_NAME}: a checkpoint folder holds only the files its "
                                     "manifest lists (remove it, or convert again to include it)",
                                     file=str(self.path / entry))
+
+    def check_json_files(self) -> None:
+        """Every JSON file the manifest lists parses to an object (config.json and the index were parsed on open):
+        a checksum only says the bytes are the ones signed, and a truncated generation_config.json re-signed into
+        the manifest would pass every checksum and fail in the loader."""
+        names = set(self.files) if self.format_version >= 2 else set(self.manifest.get("side_files", []))
+        for name in sorted(names - {CONFIG_NAME, INDEX_NAME}):
+            if name.endswith(".json"):
+                read_side_json(_safe_member(self.path, name, "listed file", str(self.path / MANIFEST_NAME)))
 
     def check_index_coverage(self) -> None:
         """Every tensor of the index is a layer's or a pass-through (a layer entry removed from the manifest

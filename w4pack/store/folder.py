@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import BadInputError, IOFailure
 
-__all__ = ["read_json", "write_json", "member", "brief", "is_json_int", "link_target_allowed", "side_file",
+__all__ = ["read_json", "read_side_json", "write_json", "member", "brief", "is_json_int", "link_target_allowed", "side_file",
            "side_files"]
 
 
@@ -29,6 +29,17 @@ def read_json(path: Path) -> Any:
         raise BadInputError("not valid JSON: nested too deeply", file=str(path)) from None
     except OSError as exc:
         raise BadInputError(f"cannot read: {exc.strerror}", file=str(path)) from None
+
+
+def read_side_json(path: Path) -> dict[str, Any]:
+    """A JSON side file (generation config, tokenizer files, config.json, the index): every one the Hugging Face
+    loaders read is a JSON object, so anything else (truncated, empty, a list) is bad input naming the file. The
+    writers check it before copying and validate/verify before accepting, so neither carries what the loader
+    would refuse later."""
+    doc = read_json(path)
+    if not isinstance(doc, dict):
+        raise BadInputError(f"not a JSON object (a {type(doc).__name__})", file=str(path))
+    return doc
 
 
 def brief(value: Any, limit: int = 80) -> str:
@@ -121,7 +132,7 @@ def copy_side_files(paths: Any, dest: Path) -> None:
         if not is_side_file(p.name):
             continue
         if p.name.endswith(".json"):
-            read_json(p)  # malformed or non-UTF-8 JSON: refused here (naming the file), not by the loader later
+            read_side_json(p)  # malformed JSON or not an object: refused here (naming the file), not by the loader
         try:
             shutil.copyfile(p, dest / p.name)
         except OSError as exc:
