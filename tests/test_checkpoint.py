@@ -703,6 +703,75 @@ def test_architecture_check(packed_llama, tmp_path):
     assert "architecture" not in report["checks"] and "somethingnew" in report["warnings"][0]
 
 
+def _drop_passthrough(folder: Path, tname: str) -> None:
+    """Remove a pass-through tensor from a packed folder and re-sign everything (shard, index, manifest), as a
+    conversion of a source without it would have written it before the architecture covered such tensors."""
+    import hashlib
+
+    from w4pack.store.safetensors import SafetensorsFile, write_safetensors
+
+    index = json.loads((folder / INDEX_NAME).read_text())
+    shard = folder / index["weight_map"].pop(tname)
+    with SafetensorsFile(shard) as f:
+        items = [(k, np.array(f.get(k)), f.dtype_name(k)) for k in f.keys() if k != tname]
+        meta = dict(f.metadata)
+    size, sha = write_safetensors(shard, items, meta)
+    (folder / INDEX_NAME).write_text(json.dumps(index))
+
+    def fix(doc: dict) -> None:
+        doc["passthrough"].remove(tname)
+        for entry in doc["shards"]:
+            if entry["file"] == shard.name:
+                entry.update(size=size, sha256=sha)
+        for entry in doc["files"]:
+            raw = (folder / entry["file"]).read_bytes()
+            entry.update(sha256=hashlib.sha256(raw).hexdigest(), size=len(raw))
+    _edit_json(folder / MANIFEST_NAME, fix)
+
+
+@pytest.mark.parametrize("tname", ["model.norm.weight", "model.layers.1.post_attention_layernorm.weight",
+                                   "model.embed_tokens.weight"])
+def test_architecture_needs_embedding_and_norms(packed_llama, tmp_path, tname):
+    """A packed folder without a norm or the embedding passed every check (its linears were all there) and
+    loaded with that tensor at its initial value: validate and verify refuse it, naming the tensor."""
+    folder = tmp_path / "ck"
+    shutil.copytree(packed_llama["plain"], folder)
+    assert validate_checkpoint(folder, deep=True)["num_layers"] == 14
+    _drop_passthrough(folder, tname)
+    with pytest.raises(BadInputError, match="needs this tensor") as ei:
+        validate_checkpoint(folder)
+    assert f"{folder / MANIFEST_NAME}: tensor {tname}: the llama model of config.json" in str(ei.value)
+    rc, err = _cli("verify", str(folder), "--threads", "1", "--seed", "1")
+    assert rc == 2 and f"tensor {tname}" in err, err
+
+
+def test_architecture_qwen3_needs_q_and_k_norms(packed_llama, tmp_path):
+    folder = tmp_path / "ck"
+    shutil.copytree(packed_llama["plain"], folder)
+    _edit_json(folder / "config.json", lambda d: d.update(model_type="qwen3", head_dim=64))
+    _resign(folder)
+    # qwen3 normalises each head's queries and keys: q_norm/k_norm weights of head_dim, which this llama lacks
+    with pytest.raises(BadInputError, match="needs this tensor") as ei:
+        validate_checkpoint(folder)
+    assert "model.layers.0.self_attn.q_norm.weight" in str(ei.value)
+
+
+def test_needed_tensors_table():
+    from w4pack.core.arch import needed_tensors
+
+    cfg = {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 100,
+           "tie_word_embeddings": True}
+    need, why = needed_tensors(cfg)
+    assert why == "" and need["model.embed_tokens.weight"] == (100, 64) and need["model.norm.weight"] == (64,)
+    assert need["model.layers.1.self_attn.k_norm.weight"] == (32,) and need["model.layers.1.input_layernorm.weight"] \
+        == (64,)
+    assert len(need) == 2 + 2 * 4 and "lm_head.weight" not in need  # the head is a linear (needed_linears)
+    assert "self_attn.q_norm" not in str(needed_tensors({**cfg, "model_type": "llama"})[0])
+    assert needed_tensors({**cfg, "model_type": "gpt2"}) == ({}, "model_type 'gpt2' is not one w4pack knows the "
+                                                                  "layers of")
+
+
 def test_covered_file_linked_out_of_the_folder_is_refused(packed_llama, tmp_path):
     """A checksummed side file must not be read through a link out of the folder (rule 1), even with the same
     bytes."""

@@ -301,3 +301,69 @@ def test_formats_declare_their_own_layer_checks() -> None:
     for name, fmt in _available().items():
         overrides = fmt.check_writable.__func__ is not Format.check_writable.__func__
         assert fmt.own_layer_checks == overrides, name
+
+
+# -- what config.json's architecture needs, and commands that agree about one source --------------------------
+def _without(src: Path, *tnames: str) -> None:
+    """Rewrite the source's single safetensors file without ``tnames``."""
+    from w4pack.store.safetensors import SafetensorsFile, write_safetensors
+
+    (st,) = src.glob("*.safetensors")
+    with SafetensorsFile(st) as f:
+        items = [(k, np.array(f.get(k)), f.dtype_name(k)) for k in f.keys() if k not in tnames]
+        meta = dict(f.metadata)
+    write_safetensors(st, items, meta)
+
+
+@pytest.mark.parametrize("tname", ["model.norm.weight", "model.layers.0.input_layernorm.weight",
+                                   "model.embed_tokens.weight"])
+def test_source_without_a_tensor_the_model_needs_is_refused(tmp_path, tname):
+    """An AWQ Llama without its final norm converted, and validate and verify accepted the output: the model then
+    ran with the norm at its initial value. convert, its dry run, inspect and verify --against refuse it (2)."""
+    good = tmp_path / "good"
+    convert(fixture_dir("awq", "tiny_llama_gemm_g128"), good, show_progress=False)
+    src = _copy(fixture_dir("awq", "tiny_llama_gemm_g128"), tmp_path / "src")
+    _without(src, tname)
+    want = f"{src}: tensor {tname}: the llama model of config.json needs this tensor"
+    for argv in (["convert", src, tmp_path / "out"], ["inspect", src],
+                 ["verify", good, "--against", src, "--threads", "1"]):
+        _one_line_error(run_cli(*argv), 2, want)
+    dry = run_cli("convert", src, tmp_path / "out", "--dry-run")
+    assert dry.returncode == 2 and want in dry.stdout, dry.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tied_head_may_be_absent(tmp_path):
+    """tie_word_embeddings: the head is the embedding, so a source without lm_head.weight is complete."""
+    src = _copy(fixture_dir("awq", "tiny_llama_gemm_g128"), tmp_path / "src")
+    _without(src, "lm_head.weight")
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    convert(src, tmp_path / "out", show_progress=False)
+    assert run_cli("validate", tmp_path / "out").returncode == 0
+
+
+def test_config_that_contradicts_the_layers_is_refused_before_writing(tmp_path):
+    """intermediate_size 3 in a compressed-tensors config.json: convert wrote a folder validate refused, and inspect
+    exited 0. The writer now runs validate's architecture check before the output exists; inspect says the same."""
+    src = _copy(fixture_dir("compressed-tensors", "tiny_llama_w4a16_sym_g128"), tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 3}))
+    want = f"{src}: tensor model.layers.0.mlp.gate_proj: layer is [512, 256] but the llama model of config.json needs"
+    _one_line_error(run_cli("convert", src, tmp_path / "out"), 2, want)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    _one_line_error(run_cli("inspect", src), 2, want)
+    dry = run_cli("convert", src, tmp_path / "out", "--dry-run")
+    assert dry.returncode == 2 and want in dry.stdout, dry.stdout
+
+
+def test_inspect_exits_as_convert_for_a_broken_side_file(tmp_path):
+    """A generation_config.json that is not UTF-8: convert refuses to copy it (2); inspect listed it and exited 0."""
+    src = _copy(fixture_dir("compressed-tensors", "tiny_llama_w4a16_sym_g128"), tmp_path / "src")
+    raw = bytearray((src / "generation_config.json").read_bytes())
+    raw[20] = 0xDF
+    (src / "generation_config.json").write_bytes(bytes(raw))
+    want = f"{src / 'generation_config.json'}: not valid JSON"
+    _one_line_error(run_cli("convert", src, tmp_path / "out"), 2, want)
+    _one_line_error(run_cli("inspect", src), 2, want)
+    assert not (tmp_path / "out").exists()

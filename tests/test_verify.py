@@ -380,6 +380,35 @@ def test_help_states_the_checks_as_the_code_makes_them(capsys: pytest.CaptureFix
     assert "TOML quant-table --against source needs" in out and "hf://" in out and "reruns with --seed" in out
 
 
+@pytest.mark.parametrize("drop,rc,needle", [
+    ((".qweight", ".qzeros", ".scales", ".g_idx"), 3, "the source holds no quantized layers"),
+    ((".qweight",), 2, "layer model.layers.0.mlp.down_proj has qzeros, scales, g_idx but no qweight"),
+], ids=["no-layers", "layer-without-qweight"])
+def test_against_a_source_convert_refuses_exits_as_convert(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          drop: tuple[str, ...], rc: int, needle: str) -> None:
+    """A GPTQ source whose only layer lost its tensors: convert refuses it (3: nothing to convert; 2: a damaged
+    layer, whose other tensors were carried as floats), and verify --against reported a difference (1)."""
+    from w4pack.store.safetensors import SafetensorsFile
+
+    good = fixture_dir("gptq", "ag_b4_asym_g64")
+    packed = tmp_path / "packed"
+    assert main(["convert", str(good), str(packed)]) == 0
+    src = tmp_path / "src"
+    shutil.copytree(good, src)
+    st = next(src.glob("*.safetensors"))
+    with SafetensorsFile(st) as f:
+        items = [(k, np.array(f.get(k)), f.dtype_name(k)) for k in f.keys() if not k.endswith(drop)]
+    write_safetensors(st, items)
+    results = []
+    for argv in (["convert", str(src), str(tmp_path / "out")], ["inspect", str(src)],
+                 ["verify", str(packed), "--against", str(src), "--threads", "1"]):
+        capsys.readouterr()
+        code = main(argv)
+        err = capsys.readouterr().err
+        results.append((code, err.count("\n"), needle in err and str(src) in err))
+    assert results == [(rc, 1, True)] * 3, results
+
+
 @pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
 def test_unreadable_source_is_bad_input_exit_2(as_json: bool, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,9 +12,13 @@ from .errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNSUPPORTED, BadInputError, W4
 from .formats import get_format
 from .formats import embeddings
 from .sources import open_source, source_format as _source_format
-from .formats.base import Format
+from .formats.base import Format, Source
+from .formats._incomplete import missing_member
+from .store.folder import read_side_json
+from .store.names import is_side_file
+from .core.arch import architecture_problem, tensor_problem
 
-__all__ = ["convert", "plan"]
+__all__ = ["convert", "plan", "source_problems"]
 
 
 #: the smallest --max-shard-size: a shard holds at least its header and one tensor (CheckpointWriter, GPTQ)
@@ -87,7 +91,7 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
             source = FusedSource(source, fuse)
         source = embeddings.for_target(source, target, keep_packed=not float_embeddings)
         names = source.layer_names()
-        before.extend((exc.one_line(), exc.exit_code) for exc in target.source_problems(source, str(src)))
+        before.extend((exc.one_line(), exc.exit_code) for exc in source_problems(target, source, str(src)))
         own_check = target.own_layer_checks
         layers = []
         for name in names:
@@ -105,6 +109,23 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
                 after.append((f"{name}: {to} cannot express {reason}", EXIT_UNSUPPORTED))
         if own_check:
             after.extend((p, EXIT_UNSUPPORTED) for p in target.check_writable(source))
+        if not target.single_file:  # the writers copy the side files, refusing a JSON one that is not an object
+            for side in source.side_files():
+                if is_side_file(side.name) and side.name.endswith(".json"):
+                    try:
+                        read_side_json(side)
+                    except W4PackError as exc:
+                        after.append((exc.one_line(), exc.exit_code))
+        if target.name == "w4pack" and len(layers) == len(names):
+            # the writer's last check (CheckpointWriter: what validate would refuse is not written)
+            emb = set(source.embedding_names())
+            metas = {m["name"]: {"shape": m["shape"], "role": "embedding" if m["name"] in emb else "linear"}
+                     for m in layers}
+            found = architecture_problem(source.config or {}, metas, source.fused_layers(),
+                                         set(source.passthrough_names()), lambda t: _cheap_shape(source, t))
+            text = found and BadInputError(found[1], file=str(src), tensor=found[0]).one_line()
+            if text and all(text != t for t, _ in before):
+                after.append((text, EXIT_BAD_INPUT))
         problems = before + output + after
         return {
             "source": str(src),
@@ -124,6 +145,36 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
             "output_problems": [text for text, _ in output],  # what stops writing DST (it exists, no --force)
             "exit_code": problems[0][1] if problems else EXIT_OK,
         }
+
+
+def source_problems(target: type[Format], source: Source, label: str) -> list[W4PackError]:
+    """What stops convert before anything is written, in the order it reports them: a quantized layer missing a
+    tensor (its other tensors left as pass-through), the target's own objections, then a tensor config.json's
+    architecture needs besides its linears (an embedding, a norm) that the source lacks: the output would load
+    with that tensor at its initial value, and validate refuses such a packed folder. ``verify --against`` asks
+    too, so it refuses a source as convert would."""
+    problems: list[W4PackError] = []
+    orphan = missing_member(source.passthrough_names())
+    if orphan:  # a layer that lost its qweight: its other tensors would be carried as floats, the layer dropped
+        problems.append(BadInputError(orphan[1], file=label))
+    problems.extend(target.source_problems(source, label))
+    embedded = "model.embed_tokens" in source.embedding_names()
+    found = tensor_problem(source.config or {}, set(source.passthrough_names()),
+                           lambda t: _cheap_shape(source, t), embedded)
+    if found:
+        problems.append(BadInputError(found[1], file=label, tensor=found[0]))
+    return problems
+
+
+def _cheap_shape(source: Source, name: str) -> tuple[int, ...] | None:
+    """A pass-through tensor's shape when it costs no more than reading a norm: from where its bytes lie, else by
+    reading a 1-D tensor (norm weights are small); None for a large tensor the writer will read anyway."""
+    span = source.tensor_span(name)
+    if span is not None:
+        return tuple(span[4])
+    if "norm" in name.rsplit(".", 2)[-2]:
+        return tuple(source.read_tensor(name).array.shape)
+    return None
 
 
 def _refuse_writer_options(target: type[Format], options: dict[str, Any]) -> None:
@@ -205,7 +256,7 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
         if fuse:
             source = FusedSource(source, fuse)
         source = embeddings.for_target(source, target, keep_packed=not float_embeddings)
-        problems = target.source_problems(source, str(src))  # before anything is written, not at the end
+        problems = source_problems(target, source, str(src))  # before anything is written, not at the end
         if problems:
             raise problems[0]
         if force or not os.path.lexists(dst):

@@ -278,6 +278,18 @@ def _open_against(against: str | os.PathLike[str], base: str | os.PathLike[str] 
     return open_source(against, fmt, **opts)
 
 
+def _refuse_as_convert(source: Any, against: str | os.PathLike[str]) -> None:
+    """Raise what convert would stop this source at before reading a layer (no quantized layers, unsupported, 3; a
+    layer missing a tensor or a norm the architecture needs, 2): a source convert refuses is not a difference in
+    the packed checkpoint (exit 1), and verify --against exits as convert would."""
+    from .convert import source_problems
+    from .formats import get_format
+
+    problems = source_problems(get_format("w4pack"), source, str(against))
+    if problems:
+        raise problems[0]
+
+
 def _slice_rows(layer: CanonicalLayer, lo: int, hi: int, name: str) -> CanonicalLayer:
     """Rows [lo, hi) of a layer: one part of a fused layer (g_idx, hence act-order, is shared by the parts)."""
     return layer.replace(codes=layer.codes[lo:hi], scales=layer.scales[lo:hi],
@@ -438,6 +450,7 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
         if against is not None:
             report.checks.append("exact")
             source = _open_against(against, base, src_format)
+            _refuse_as_convert(source, against)
             src_layers = _SourceLayers(source)
             # what the packed checkpoint holds, by unfused module: its layers and the parts of its fused layers
             held = set(ck.layers) | {part for f in ck.layers for part, _, _ in fused.get(f, [])}

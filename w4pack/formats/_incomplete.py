@@ -8,10 +8,11 @@ quantized layout, the damaged layer is bad input (exit 2), named with what it ha
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
 from ..errors import BadInputError
 
-__all__ = ["raise_incomplete_quantized"]
+__all__ = ["raise_incomplete_quantized", "missing_member"]
 
 #: a family of per-layer tensor suffixes: (name, members, members that only this family uses, required members)
 _FAMILIES: tuple[tuple[str, tuple[str, ...], frozenset[str], tuple[str, ...]], ...] = (
@@ -22,7 +23,7 @@ _FAMILIES: tuple[tuple[str, tuple[str, ...], frozenset[str], tuple[str, ...]], .
 )
 
 
-def _layers(names: dict[str, tuple[int, ...]]) -> dict[str, set[str]]:
+def _layers(names: Iterable[str]) -> dict[str, set[str]]:
     """Module prefix -> the suffixes (after the last dot) of its tensors."""
     out: dict[str, set[str]] = {}
     for n in names:
@@ -31,14 +32,15 @@ def _layers(names: dict[str, tuple[int, ...]]) -> dict[str, set[str]]:
     return out
 
 
-def _problem(file: str, names: dict[str, tuple[int, ...]]) -> BadInputError | None:
-    """The first layer of ``file`` whose tensors belong to a quantized family but lack a required one; or, when every
-    such layer is complete, the first GPTQ/AWQ layer (whose shapes then fit neither layout)."""
+def missing_member(names: Iterable[str]) -> tuple[str, str] | None:
+    """(layer, what it has and lacks) for the first layer whose tensor names belong to a quantized family but lack
+    a required one, or None. Detection asks about a folder no format recognised; convert about the tensors a
+    reader carries as pass-through (the parts of a layer that lost its qweight would otherwise be copied as
+    float tensors, and the layer silently dropped)."""
     layers = _layers(names)
-    complete: tuple[str, str] | None = None
     for fam, members, own, required in _FAMILIES:
         if not any(own & leaves for leaves in layers.values()):
-            continue  # no name in this file belongs to this family alone: "scales" or "weight_scale" is not enough
+            continue  # no name belongs to this family alone: "scales" or "weight_scale" is not enough
         for mod in sorted(layers):
             leaves = layers[mod]
             has = [m for m in members if m in leaves]
@@ -48,14 +50,22 @@ def _problem(file: str, names: dict[str, tuple[int, ...]]) -> BadInputError | No
             if missing:
                 others = sorted(leaves - set(members) - {"bias"})
                 extra = f" (it also holds {', '.join(f'{mod}.{o}' for o in others[:4])})" if others else ""
-                return BadInputError(f"layer {mod} has {', '.join(has)} but no {', '.join(missing)}: a damaged "
-                                     f"{fam} checkpoint{extra}", file=file)
-            if complete is None and fam == "GPTQ/AWQ":
-                complete = (mod, ", ".join(f"{m} {list(names[f'{mod}.{m}'])}" for m in has))
-    if complete is not None:
-        mod, desc = complete
-        return BadInputError(f"layer {mod} has {desc}, shapes that fit neither GPTQ (qweight packs rows, as many "
-                             "columns as scales) nor AWQ (qweight packs columns)", file=file)
+                return mod, (f"layer {mod} has {', '.join(has)} but no {', '.join(missing)}: a damaged {fam} "
+                             f"checkpoint{extra}")
+    return None
+
+
+def _problem(file: str, names: dict[str, tuple[int, ...]]) -> BadInputError | None:
+    """A layer of ``file`` missing a required tensor; or, when every layer whose names look quantized is complete,
+    the first GPTQ/AWQ one (whose shapes then fit neither layout)."""
+    found = missing_member(names)
+    if found is not None:
+        return BadInputError(found[1], file=file)
+    for mod, leaves in sorted(_layers(names).items()):
+        if "qweight" in leaves and "scales" in leaves:
+            desc = ", ".join(f"{m} {list(names[f'{mod}.{m}'])}" for m in _FAMILIES[0][1] if m in leaves)
+            return BadInputError(f"layer {mod} has {desc}, shapes that fit neither GPTQ (qweight packs rows, as many "
+                                 "columns as scales) nor AWQ (qweight packs columns)", file=file)
     return None
 
 

@@ -38,7 +38,7 @@ from ..core.layout import LAYOUT_NAME, LAYOUT_VERSION, TILE_K, TILE_N, PackedLay
 from ..progress import Progress
 from .shards import ShardStream
 from .names import CARD_NAME, CONFIG_NAME, INCOMPLETE_MARKER, INDEX_NAME, MANIFEST_NAME, SIDE_FILES, shard_names
-from ..core.arch import needed_linears
+from ..core.arch import architecture_problem, needed_linears
 from ..core import compact as _compact
 from .tensors import TensorStore
 from ..schema import load_schema, validate_manifest, validate_quantization_config
@@ -148,9 +148,10 @@ class CheckpointWriter:
     def __init__(self, out_dir: str | os.PathLike[str], *, force: bool = False,
                  max_shard_size: int | str = DEFAULT_MAX_SHARD, config: dict[str, Any] | None = None,
                  source: dict[str, Any] | None = None, show_progress: bool | None = None,
-                 header_hint: int | None = None):
+                 header_hint: int | None = None, label: str | None = None):
         """``header_hint``: bytes of header to reserve in each shard (e.g. from ``header_bytes_hint``), so
-        that shards need no rewrite; without it the reservation starts small and grows."""
+        that shards need no rewrite; without it the reservation starts small and grows. ``label``: what an error
+        about the model's contents names (the source being converted; default the output's config.json)."""
         self.target = Path(out_dir).absolute()
         self.force = force
         self.max_shard = parse_size(max_shard_size, "max shard size")
@@ -158,6 +159,7 @@ class CheckpointWriter:
             raise BadInputError(f"max shard size {self.max_shard} bytes is too small")
         self.config = dict(config or {})
         self.source = dict(source or {})
+        self.label = label
         check_output(self.target, force)
         parent = self.target.parent
         tmp = None
@@ -179,6 +181,7 @@ class CheckpointWriter:
         self.peak_layer_bytes = 0
         self.layers: dict[str, dict[str, Any]] = {}
         self.passthrough: list[str] = []
+        self._shapes: dict[str, tuple[int, ...]] = {}  # pass-through tensor -> shape, for the architecture check
         self.side_files: list[str] = []
         self.fused: dict[str, Any] = {}
         self._closed = False
@@ -195,6 +198,7 @@ class CheckpointWriter:
         its bytes are copied in the kernel, never through memory."""
         self._stream.add_span(name, path, offset, nbytes, st_dtype, shape)
         self.passthrough.append(name)
+        self._shapes[name] = tuple(shape)
 
     def add_layer(self, name: str, layer: CanonicalLayer | PackedLayer,
                   source: dict[str, Any] | None = None, storage: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -235,8 +239,10 @@ class CheckpointWriter:
 
     def add_tensor(self, name: str, arr: np.ndarray, dtype_name: str | None = None) -> None:
         """Queue an unquantized tensor, passed through untouched (bf16 as uint16 with dtype_name='bfloat16')."""
-        self._queue([(name, np.asarray(arr), dtype_name)])
+        arr = np.asarray(arr)
+        self._queue([(name, arr, dtype_name)])
         self.passthrough.append(name)
+        self._shapes[name] = tuple(arr.shape)
 
     def add_side_file(self, src: str | os.PathLike[str], name: str | None = None) -> None:
         """Copy a file (tokenizer, generation config, ...) into the folder: a regular file inside its folder only
@@ -304,6 +310,10 @@ class CheckpointWriter:
         shards = self._stream.close()
         names = shard_names(len(shards), single=False)
         weight_map: dict[str, str] = {}
+        # what validate would refuse is not written: the layers and tensors config.json's architecture needs
+        problem = architecture_problem(self.config, self.layers, self.fused, set(self.passthrough), self._shapes.get)
+        if problem:
+            raise BadInputError(problem[1], file=self.label or str(self.target / CONFIG_NAME), tensor=problem[0])
         config = dict(self.config)
         config["quantization_config"] = self.quantization_config()
         # checked before anything is written (add_layer checks names): a failure here is a bug, and names the output
@@ -671,48 +681,20 @@ class Checkpoint:
 
     def check_architecture(self) -> bool:
         """The manifest's layers (fused parts by their own names) plus the float linears are exactly the Linear
-        modules config.json's model needs, with their shapes. False (and a warning) when the model type or its
+        modules config.json's model needs, with their shapes, and the embedding and norm weights it needs are there
+        (core.arch.needed_tensors). False (and a warning) when the model type or its
         sizes are unknown."""
-        required, optional, why = needed_linears(self.config)
+        _required, _optional, why = needed_linears(self.config)
         if why:
             self.warnings.append(f"layers not checked against the architecture: {why}")
             return False
         mfile, cfile = str(self.path / MANIFEST_NAME), str(self.path / CONFIG_NAME)
-        fused = self.manifest.get("fused") or {}
-        held: dict[str, tuple[int, int]] = {}
-        mtype, count = self.config.get("model_type"), self.config.get("num_hidden_layers")
-        vocab, hidden = self.config.get("vocab_size"), self.config.get("hidden_size")
-        for name, meta in self.manifest["layers"].items():
-            n, k = meta["shape"]
-            if meta.get("role") == "embedding":  # a packed token embedding (FORMAT.md §5): [vocab, hidden]
-                if name != "model.embed_tokens":
-                    raise BadInputError(f"manifest has an embedding that a {mtype} model does not have (its token "
-                                        "embedding is model.embed_tokens)", file=mfile, tensor=name)
-                if isinstance(vocab, int) and isinstance(hidden, int) and (n, k) != (vocab, hidden):
-                    raise BadInputError(f"embedding is {[n, k]} but the {mtype} model of {CONFIG_NAME} needs "
-                                        f"{[vocab, hidden]}", file=mfile, tensor=name)
-                continue
-            for part in fused.get(name, [{"name": name, "rows": [0, n]}]):
-                lo, hi = part["rows"]
-                held[part["name"]] = (hi - lo, k)
-        for name, shape in held.items():
-            if name not in required and name not in optional:
-                raise BadInputError(f"manifest has a layer that a {mtype} model with {count} decoder layers does not "
-                                    f"have (see {CONFIG_NAME})", file=mfile, tensor=name)
-        for name, want in {**required, **optional}.items():
-            if name in held:
-                have = held[name]
-            elif f"{name}.weight" in self.weight_map and f"{name}.weight" in self.manifest["passthrough"]:
-                have = tuple(self.store.info(f"{name}.weight")[1])
-            elif name in required:
-                raise BadInputError(f"the {mtype} model of {CONFIG_NAME} needs this linear layer, which the "
-                                    "checkpoint holds neither packed (manifest layers) nor as a float weight",
-                                    file=mfile, tensor=name)
-            else:
-                continue
-            if want is not None and tuple(have) != tuple(want):
-                raise BadInputError(f"layer is {list(have)} but the {mtype} model of {CONFIG_NAME} needs "
-                                    f"{list(want)}", file=mfile if name in held else cfile, tensor=name)
+        floats = set(self.manifest["passthrough"]) & set(self.weight_map)
+        problem = architecture_problem(self.config, self.manifest["layers"], self.manifest.get("fused") or {},
+                                       floats, lambda t: tuple(self.store.info(t)[1]))
+        if problem:
+            tensor, message, in_manifest = problem
+            raise BadInputError(message, file=mfile if in_manifest else cfile, tensor=tensor)
         return True
 
     def packed_shapes_ok(self, name: str) -> None:
