@@ -268,6 +268,16 @@ def test_library_warnings_stay_off_the_error_line(tmp_path: Path) -> None:
            "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "torch_dtype": "float16"}
     ck = tmp_path / "ck"
     with CheckpointWriter(ck, config=cfg, source={"format": "test"}) as w:
+        # the rest of the model (attention, embedding, norms) is written as zeros: convert refuses a source that
+        # lacks what config.json's architecture needs before any writer looks at a layer
+        w.add_tensor("model.embed_tokens.weight", np.zeros((100, 64), np.float16))
+        w.add_tensor("lm_head.weight", np.zeros((100, 64), np.float16))
+        w.add_tensor("model.norm.weight", np.ones(64, np.float16))
+        for part in ("input_layernorm", "post_attention_layernorm"):
+            w.add_tensor(f"model.layers.0.{part}.weight", np.ones(64, np.float16))
+        for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                     "mlp.up_proj"):
+            w.add_tensor(f"model.layers.0.{part}.weight", np.zeros((64, 64), np.float16))
         w.add_layer("model.layers.0.mlp.down_proj", CanonicalLayer(
             codes=np.zeros((64, 64), np.uint8), scales=np.full((64, 2), 60000, np.float16), bits=4, group_size=32,
             zero_mode="int", zeros=np.full((64, 2), 3, np.int32), scale_dtype="float16"))

@@ -345,7 +345,8 @@ def test_a_tied_head_may_be_absent(tmp_path):
 
 def test_config_that_contradicts_the_layers_is_refused_before_writing(tmp_path):
     """intermediate_size 3 in a compressed-tensors config.json: convert wrote a folder validate refused, and inspect
-    exited 0. The writer now runs validate's architecture check before the output exists; inspect says the same."""
+    exited 0. The writer now runs validate's architecture check before the output exists; inspect and verify
+    --against say the same."""
     src = _copy(fixture_dir("compressed-tensors", "tiny_llama_w4a16_sym_g128"), tmp_path / "src")
     cfg = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 3}))
@@ -355,6 +356,9 @@ def test_config_that_contradicts_the_layers_is_refused_before_writing(tmp_path):
     _one_line_error(run_cli("inspect", src), 2, want)
     dry = run_cli("convert", src, tmp_path / "out", "--dry-run")
     assert dry.returncode == 2 and want in dry.stdout, dry.stdout
+    good = tmp_path / "good"
+    convert(fixture_dir("compressed-tensors", "tiny_llama_w4a16_sym_g128"), good, show_progress=False)
+    _one_line_error(run_cli("verify", good, "--against", src, "--threads", "1"), 2, want)  # not a difference (1)
 
 
 def test_inspect_exits_as_convert_for_a_broken_side_file(tmp_path):

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from .core.arch import architecture_problem
 from .core.canonical import CanonicalLayer
 from .store.checkpoint import Checkpoint
 from .core.dtypes import to_float64
@@ -323,17 +324,34 @@ class _SourceLayers:
         self.fused = {f: parts for f, parts in _fused_map(getattr(source, "fused", None)).items() if f in self.names}
         self.part_of = {part: (f, lo, hi) for f, parts in self.fused.items() for part, lo, hi in parts}
         self._last: tuple[str, CanonicalLayer] | None = None  # parts of one fused layer are read one after another
+        #: [out, in] of every source layer read so far: the architecture check convert's writer makes
+        self.shapes: dict[str, tuple[int, int]] = {}
 
     def has(self, name: str) -> bool:
         return name in self.names or name in self.part_of
 
+    def _read_layer(self, name: str) -> CanonicalLayer:
+        layer = self.source.read_layer(name)
+        self.shapes[name] = (layer.out_features, layer.in_features)
+        return layer
+
     def read(self, name: str) -> CanonicalLayer:
         if name in self.names:
-            return self.source.read_layer(name)
+            return self._read_layer(name)
         f, lo, hi = self.part_of[name]
         if self._last is None or self._last[0] != f:
-            self._last = (f, self.source.read_layer(f))
+            self._last = (f, self._read_layer(f))
         return _slice_rows(self._last[1], lo, hi, name)
+
+    def architecture_problem(self) -> tuple[str, str, bool] | None:
+        """What convert's writer would refuse about these layers (core.arch), once every one has been read."""
+        if set(self.shapes) != self.names:
+            return None  # a layer the packed checkpoint lacks: reported as a difference already
+        emb = set(self.source.embedding_names())
+        metas = {n: {"shape": list(s), "role": "embedding" if n in emb else "linear"} for n, s in self.shapes.items()}
+        fused = getattr(self.source, "fused", None) or {}
+        return architecture_problem(self.source.config or {}, metas, fused if isinstance(fused, dict) else {},
+                                    set(self.source.passthrough_names()), lambda t: None)
 
     def dense(self, name: str) -> tuple[np.ndarray, str] | None:
         """(array, dtype name) of the source's pass-through ``<name>.weight``: where a format that cannot hold a
@@ -472,6 +490,9 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
                                                   fp16_inputs=device == "cuda", parts=fused.get(name)))
                 bar.update()
         if source is not None:
+            found = src_layers.architecture_problem() if src_layers is not None else None
+            if found:  # convert refuses this source (its writer checks the architecture): so does verify
+                raise BadInputError(found[1], file=str(against), tensor=found[0])
             report.passthrough = _compare_passthrough(ck, source, report.problems)
             _compare_model_files(ck, source, report.problems)
     finally:

@@ -109,7 +109,7 @@ def write_packed(source: Source, out: Path, *, force: bool = False, max_shard_si
     # sources that know where a pass-through tensor's bytes lie let the writer copy them in the kernel
     with CheckpointWriter(out, force=force, max_shard_size=max_shard_size, config=source.config,
                           source=source.info, show_progress=show_progress, header_hint=hint + 4096,
-                          label=str(getattr(source, "path", "") or "") or None) as writer:
+                          label=str(getattr(source, "path", "") or "") or None, check_architecture=True) as writer:
         with Progress(len(names) + len(passthrough), "packing", enabled=show_progress) as bar, \
                 ThreadPoolExecutor(1, thread_name_prefix="w4pack-write") as io:
             # two-stage pipeline: layer i+1 is read and packed here while the thread writes layer i

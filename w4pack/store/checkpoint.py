@@ -148,10 +148,12 @@ class CheckpointWriter:
     def __init__(self, out_dir: str | os.PathLike[str], *, force: bool = False,
                  max_shard_size: int | str = DEFAULT_MAX_SHARD, config: dict[str, Any] | None = None,
                  source: dict[str, Any] | None = None, show_progress: bool | None = None,
-                 header_hint: int | None = None, label: str | None = None):
+                 header_hint: int | None = None, label: str | None = None, check_architecture: bool = False):
         """``header_hint``: bytes of header to reserve in each shard (e.g. from ``header_bytes_hint``), so
-        that shards need no rewrite; without it the reservation starts small and grows. ``label``: what an error
-        about the model's contents names (the source being converted; default the output's config.json)."""
+        that shards need no rewrite; without it the reservation starts small and grows. ``check_architecture``:
+        before anything is moved into place, refuse what validate's architecture check would (convert asks, so it
+        never writes what validate refuses; a caller assembling a partial folder on purpose does not);
+        ``label``: what that error names (the source being converted; default the output's config.json)."""
         self.target = Path(out_dir).absolute()
         self.force = force
         self.max_shard = parse_size(max_shard_size, "max shard size")
@@ -160,6 +162,7 @@ class CheckpointWriter:
         self.config = dict(config or {})
         self.source = dict(source or {})
         self.label = label
+        self._check_arch = check_architecture
         check_output(self.target, force)
         parent = self.target.parent
         tmp = None
@@ -311,7 +314,8 @@ class CheckpointWriter:
         names = shard_names(len(shards), single=False)
         weight_map: dict[str, str] = {}
         # what validate would refuse is not written: the layers and tensors config.json's architecture needs
-        problem = architecture_problem(self.config, self.layers, self.fused, set(self.passthrough), self._shapes.get)
+        problem = self._check_arch and architecture_problem(self.config, self.layers, self.fused,
+                                                                   set(self.passthrough), self._shapes.get)
         if problem:
             raise BadInputError(problem[1], file=self.label or str(self.target / CONFIG_NAME), tensor=problem[0])
         config = dict(self.config)
