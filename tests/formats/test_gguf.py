@@ -489,11 +489,12 @@ def test_bpe_tokenizer_without_merges_is_not_embedded(tmp_path: Path) -> None:
 
 
 def make_tokenizer_gguf(path: Path) -> None:
-    """A tiny byte-level BPE vocabulary in llama.cpp's keys, beside one Q4_0 layer."""
+    """A tiny byte-level BPE vocabulary in llama.cpp's keys, beside one Q4_0 layer. No feed_forward_length: the
+    config then lacks intermediate_size, so this one-layer fragment of a model is not held to the architecture
+    (which would refuse it for the embedding, norms and projections it lacks)."""
     w = gguf.GGUFWriter(str(path), arch="llama")
     w.add_block_count(1)
     w.add_embedding_length(64)
-    w.add_feed_forward_length(96)
     w.add_head_count(4)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
