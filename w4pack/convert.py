@@ -172,7 +172,8 @@ def _cheap_shape(source: Source, name: str) -> tuple[int, ...] | None:
     span = source.tensor_span(name)
     if span is not None:
         return tuple(span[4])
-    if "norm" in name.rsplit(".", 2)[-2]:
+    parts = name.split(".")
+    if len(parts) > 1 and "norm" in parts[-2]:
         return tuple(source.read_tensor(name).array.shape)
     return None
 
