@@ -260,3 +260,36 @@ def test_cli_replays_one_mutation_with_a_json_summary(tmp_path: Path) -> None:
     assert doc["table"]["gguf"]["mutations"] == 1 and doc["table"]["gguf"]["ok-exit-2"] == 1, r.stdout
     assert r.returncode == 0 and doc["findings"] == []
     assert json.loads((tmp_path / "summary.json").read_text())["table"] == doc["table"]
+
+
+def test_replay_groups_one_finding_per_class() -> None:
+    f = lambda cls, cmd: {"cls": cls, "command": cmd, "detail": ""}  # noqa: E731
+    doc = {"findings": [
+        {"reader": "gptq", "index": 3, "target": "a", "mutation": "append 97 garbage bytes", "spec": {},
+         "findings": [f("inconsistent", "convert")]},
+        {"reader": "gptq", "index": 9, "target": "b", "mutation": "append 8 json bytes", "spec": {},
+         "findings": [f("inconsistent", "convert"), f("wrong-exit", "inspect")]},
+        {"reader": "ct", "index": 4, "target": "c", "mutation": "rename tensor x.weight -> 'y'", "spec": {},
+         "findings": [f("inconsistent", "convert")]}]}
+    assert fuzz.mutation_kind("append 97 garbage bytes") == "append"
+    assert fuzz.mutation_kind("rename tensor x.weight -> 'y'") == "rename tensor"
+    per = fuzz.replay_groups(doc, per_class=True)
+    assert [(k, r["index"]) for k, r in per] == [(("gptq", "inconsistent", "convert", "append"), 3),
+                                                  (("gptq", "wrong-exit", "inspect", "append"), 9),
+                                                  (("ct", "inconsistent", "convert", "rename tensor"), 4)]
+    assert [r["index"] for _, r in fuzz.replay_groups(doc, per_class=False)] == [3, 9, 4]
+
+
+def test_replay_reruns_a_recorded_finding_on_this_tree(tmp_path: Path) -> None:
+    # bytes after the last tensor were accepted before the reader required the data section to end at the file end
+    if fixtures_root() is None:
+        pytest.skip("peer fixtures not found (set W4PACK_FIXTURES or place shared/fixtures beside the checkout)")
+    spec = {"mutator": "append", "scope": "file", "file": "model.safetensors", "blob": "garbage"}
+    rec = {"reader": "awq", "index": 0, "target": "awq/gemm_g64_in576_out128", "mutation": "append 97 garbage bytes",
+           "spec": spec, "findings": [{"cls": "inconsistent", "command": "convert", "detail": "accepted"}]}
+    (tmp_path / "summary.json").write_text(json.dumps({"seed": 1, "findings": [rec]}))
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "fuzz.py"), "--replay", str(tmp_path / "summary.json"),
+                        "--out", str(tmp_path / "o"), "--json"], capture_output=True, text=True, timeout=300)
+    doc = json.loads(r.stdout)
+    assert doc["fixed"] == 1 and doc["replayed"][0]["now"] == [], r.stdout + r.stderr
+    assert r.returncode == 0

@@ -20,6 +20,7 @@ Usage::
     python tools/fuzz.py --reader all --minutes 10 --seed 1 --jobs 1 --out out/fuzz [--json]
     python tools/fuzz.py --reader gguf --seed 1 --index 17           # replay one mutation
     python tools/fuzz.py --reader gptq --seed 1 --runs 20 --list     # show the plan, run nothing
+    python tools/fuzz.py --replay out/fuzz/summary.json --per-class  # rerun recorded findings on this tree
 """
 from __future__ import annotations
 
@@ -1468,11 +1469,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="print the planned mutations, run no command")
     ap.add_argument("--target", help="with --spec: the target to mutate (e.g. gguf/q4_0_random_in256_out128)")
     ap.add_argument("--spec", type=json.loads, help="with --target: an explicit mutation spec (JSON, as recorded)")
+    ap.add_argument("--replay", type=Path, default=None,
+                    help="rerun the findings recorded in this summary.json on the current tree")
+    ap.add_argument("--per-class", action="store_true",
+                    help="with --replay: one finding per (reader, class, command, kind of mutation)")
     ap.add_argument("--digest", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.digest:
         print(json.dumps(digest(a.digest)))
         return 0
+    if a.replay is not None:
+        return replay(a)
     readers = list(READERS) if a.reader == "all" else [a.reader]
     a.out = a.out.resolve()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -1541,6 +1548,59 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipped target {name}: {e}")
         print(f"reproducers and summary.json under {a.out}")
     return 1 if any(o.findings for o in outcomes) else 0
+
+
+def mutation_kind(desc: str) -> str:
+    """The kind of a recorded mutation ("rename tensor", "append", ...): its words before the first detail."""
+    words = re.split(r"[^a-z ]", desc.lower(), maxsplit=1)[0].split()
+    return " ".join(words[:2]) or desc[:20]
+
+
+def replay_groups(doc: dict[str, Any], per_class: bool) -> list[tuple[tuple[str, ...], dict[str, Any]]]:
+    """The recorded findings to rerun, each with its group key; per class, the first of each group."""
+    out: list[tuple[tuple[str, ...], dict[str, Any]]] = []
+    seen: set[tuple[str, ...]] = set()
+    for rec in doc.get("findings", []):
+        for f in rec["findings"]:
+            key = (rec["reader"], f["cls"], f["command"], mutation_kind(rec["mutation"]))
+            if per_class and key in seen:
+                continue
+            seen.add(key)
+            out.append((key, rec))
+            if not per_class:
+                break
+    return out
+
+
+def replay(a: argparse.Namespace) -> int:
+    """Rerun recorded findings by their specs; report which still give a finding on this tree."""
+    try:
+        doc = json.loads(a.replay.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        print(f"fuzz: error: {a.replay}: cannot read a summary: {exc}", file=sys.stderr)
+        return 2
+    groups = replay_groups(doc, a.per_class)
+    readers = sorted({rec["reader"] for _, rec in groups}, key=READERS.index)
+    a.out = a.out.resolve()
+    a.out.mkdir(parents=True, exist_ok=True)
+    fz = Fuzz(a.out, doc.get("seed", a.seed), readers, a.timeout, a.mem_mb)
+    rows = []
+    for key, rec in groups:
+        o = fuzz_one(fz, rec["reader"], rec["index"], spec=rec["spec"], target=rec["target"])
+        now = sorted({f"{f.cls} in {f.command}" for f in o.findings}) if o is not None else ["target skipped"]
+        rows.append({"group": list(key), "index": rec["index"], "target": rec["target"],
+                     "mutation": rec["mutation"], "before": sorted({f"{f['cls']} in {f['command']}"
+                                                                    for f in rec["findings"]}), "now": now})
+        if not a.json:
+            state = "still: " + "; ".join(now) if now else "fixed"
+            print(f"[{rec['reader']} #{rec['index']}] {rec['target']}: {rec['mutation'][:80]}: {state}", flush=True)
+    fixed = sum(not r["now"] for r in rows)
+    (a.out / "replay.json").write_text(json.dumps({"replayed": rows, "fixed": fixed}, indent=2))
+    if a.json:
+        print(json.dumps({"replayed": rows, "fixed": fixed}, indent=2))
+    else:
+        print(f"{fixed} of {len(rows)} replayed findings give no finding now; details in {a.out / 'replay.json'}")
+    return 0 if fixed == len(rows) else 1
 
 
 def plan_one(fz: Fuzz, reader: str, index: int) -> dict[str, Any]:
