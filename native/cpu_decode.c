@@ -43,8 +43,15 @@ static void rope(float *x, int heads, int d, const float *cos, const float *sin,
     }
 }
 
+/* Vector clones of the loops (the same arithmetic in every clone: the lanes are explicit, no reassociation) */
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(__clang__)
+#define W4P_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define W4P_CLONES
+#endif
+
 /* a . b over n floats in 16 independent lanes (the compiler vectorizes them), then the lanes pairwise */
-static float dot(const float *a, const float *b, int n) {
+static inline float dot(const float *a, const float *b, int n) {
     float lane[16] = {0};
     int i = 0;
     for (; i + 16 <= n; i += 16)
@@ -55,24 +62,81 @@ static float dot(const float *a, const float *b, int n) {
     return lane[0];
 }
 
-static int gemm(const w4p_cpu_layer *L, const float *x, float *y, const void *bias, int bias_dtype,
-                const w4p_llama_dims *D) {
-    return w4p_cpu_gemm(L, x, W4P_DT_F32, 1, L->k, y, W4P_DT_F32, L->n, bias, bias_dtype, D->precision, D->isa,
-                        D->threads);
+/* out = silu(g) * u, silu(x) = x / (1 + exp(-x)) */
+static void silu_mul(const float *g, const float *u, int n, float *out) {
+    for (int i = 0; i < n; i++) out[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+}
+
+/* The query heads q[g][d] (g < group) that share one KV head, over positions 0..t-1 of its cache:
+ * out[g] = softmax(q[g] . K * scaling) . V. sc: scratch of group * t floats. Each K and V row is read once
+ * for the whole group. */
+W4P_CLONES
+static void attend(const float *q, int group, const float *kc, const float *vc, int t, int d, float scaling,
+                   float *sc, float *out) {
+    for (int p = 0; p < t; p++) {
+        const float *kr = kc + (size_t)p * d;
+        for (int g = 0; g < group; g++) sc[(size_t)g * t + p] = dot(q + (size_t)g * d, kr, d) * scaling;
+    }
+    for (int g = 0; g < group; g++) {
+        float *s = sc + (size_t)g * t;
+        float mx = -INFINITY, total = 0.0f;
+        for (int p = 0; p < t; p++) mx = s[p] > mx ? s[p] : mx;
+        for (int p = 0; p < t; p++) {
+            s[p] = expf(s[p] - mx);
+            total += s[p];
+        }
+        for (int p = 0; p < t; p++) s[p] = s[p] / total;
+        for (int i = 0; i < d; i++) out[(size_t)g * d + i] = 0.0f;
+    }
+    for (int p = 0; p < t; p++) {
+        const float *vr = vc + (size_t)p * d;
+        for (int g = 0; g < group; g++) {
+            const float w = sc[(size_t)g * t + p];
+            float *o = out + (size_t)g * d;
+            for (int i = 0; i < d; i++) o[i] += w * vr[i];
+        }
+    }
+}
+
+#define W4P_PARTS 3
+
+/* rows and input width of a projection made of up to W4P_PARTS layers (0 rows when malformed) */
+static int proj_shape(const w4p_cpu_layer *const *parts, int *k) {
+    int n = 0;
+    *k = parts[0] ? parts[0]->k : -1;
+    for (int j = 0; j < W4P_PARTS && parts[j]; j++) {
+        if (parts[j]->k != *k) return 0;
+        n += parts[j]->n;
+    }
+    return n;
+}
+
+static int gemm(const w4p_cpu_layer *const *parts, const void *const *bias, const int *bias_dtype, const float *x,
+                float *y, const w4p_llama_dims *D) {
+    int col = 0;
+    for (int j = 0; j < W4P_PARTS && parts[j]; j++) {
+        const w4p_cpu_layer *L = parts[j];
+        int rc = w4p_cpu_gemm(L, x, W4P_DT_F32, 1, L->k, y + col, W4P_DT_F32, L->n, bias[j], bias_dtype[j],
+                              D->precision, D->isa, D->threads);
+        if (rc) return rc;
+        col += L->n;
+    }
+    return W4P_OK;
 }
 
 static int check(const w4p_llama_dims *D, const w4p_llama_layer *ly, int i) {
     const int qn = D->n_heads * D->head_dim, kvn = D->n_kv * D->head_dim;
-    if (!ly->qkv || !ly->o || !ly->gate_up || !ly->down || !ly->ln1 || !ly->ln2 || !ly->k_cache || !ly->v_cache) {
+    if (!ly->ln1 || !ly->ln2 || !ly->k_cache || !ly->v_cache) {
         w4p_set_error("layer %d: a null pointer", i);
         return W4P_EINVAL;
     }
-    if (ly->qkv->k != D->hidden || ly->qkv->n != qn + 2 * kvn || ly->o->k != qn || ly->o->n != D->hidden ||
-        ly->gate_up->k != D->hidden || ly->gate_up->n != 2 * D->inter || ly->down->k != D->inter ||
-        ly->down->n != D->hidden) {
+    int kq, ko, kg, kd;
+    const int nq = proj_shape(ly->qkv, &kq), no = proj_shape(ly->o, &ko), ng = proj_shape(ly->gate_up, &kg),
+              nd = proj_shape(ly->down, &kd);
+    if (kq != D->hidden || nq != qn + 2 * kvn || ko != qn || no != D->hidden || kg != D->hidden ||
+        ng != 2 * D->inter || kd != D->inter || nd != D->hidden) {
         w4p_set_error("layer %d: projection shapes qkv %dx%d, o %dx%d, gate_up %dx%d, down %dx%d do not match "
-                      "hidden %d, heads %d/%d x %d, intermediate %d", i, ly->qkv->n, ly->qkv->k, ly->o->n,
-                      ly->o->k, ly->gate_up->n, ly->gate_up->k, ly->down->n, ly->down->k, D->hidden,
+                      "hidden %d, heads %d/%d x %d, intermediate %d", i, nq, kq, no, ko, ng, kg, nd, kd, D->hidden,
                       D->n_heads, D->n_kv, D->head_dim, D->inter);
         return W4P_EINVAL;
     }
@@ -100,17 +164,17 @@ int w4p_llama_decode(const w4p_llama_dims *D, const w4p_llama_layer *layers, int
     }
     const int hid = D->hidden, d = D->head_dim, nh = D->n_heads, nkv = D->n_kv, inter = D->inter;
     const int qn = nh * d, kvn = nkv * d, group = nh / nkv, t = pos + 1;
-    const size_t floats = (size_t)hid + (size_t)(qn + 2 * kvn) + (size_t)qn + (size_t)t + 2 * (size_t)inter +
+    const size_t floats = (size_t)hid + (size_t)(qn + 2 * kvn) + (size_t)qn + (size_t)group * t + 2 * (size_t)inter +
                           (size_t)inter + (size_t)hid + (size_t)d;
     float *buf = malloc(sizeof(float) * floats);
     if (!buf) { w4p_set_error("out of memory"); return W4P_ENOMEM; }
-    float *x = buf, *qkv = x + hid, *att = qkv + qn + 2 * kvn, *sc = att + qn, *gu = sc + t, *act = gu + 2 * inter,
+    float *x = buf, *qkv = x + hid, *att = qkv + qn + 2 * kvn, *sc = att + qn, *gu = sc + (size_t)group * t, *act = gu + 2 * inter,
           *y = act + inter, *tmp = y + hid;
     int rc = W4P_OK;
     for (int li = 0; li < n_layers && rc == W4P_OK; li++) {
         const w4p_llama_layer *L = layers + li;
         rmsnorm(h, L->ln1, L->eps1, hid, x);
-        if ((rc = gemm(L->qkv, x, qkv, L->qkv_bias, L->qkv_bias_dtype, D))) break;
+        if ((rc = gemm(L->qkv, L->qkv_bias, L->qkv_bias_dtype, x, qkv, D))) break;
         float *q = qkv, *k = qkv + qn, *v = qkv + qn + kvn;
         rope(q, nh, d, cos, sin, tmp);
         rope(k, nkv, d, cos, sin, tmp);
@@ -118,39 +182,20 @@ int w4p_llama_decode(const w4p_llama_dims *D, const w4p_llama_layer *layers, int
             memcpy(L->k_cache + ((size_t)j * D->max_len + pos) * d, k + (size_t)j * d, sizeof(float) * (size_t)d);
             memcpy(L->v_cache + ((size_t)j * D->max_len + pos) * d, v + (size_t)j * d, sizeof(float) * (size_t)d);
         }
-        for (int hd = 0; hd < nh; hd++) {
-            const int j = hd / group;
-            const float *qh = q + (size_t)hd * d;
-            const float *kc = L->k_cache + (size_t)j * D->max_len * d;
-            const float *vc = L->v_cache + (size_t)j * D->max_len * d;
-            float mx = -INFINITY;
-            for (int p = 0; p < t; p++) {
-                sc[p] = dot(qh, kc + (size_t)p * d, d) * D->scaling;
-                if (sc[p] > mx) mx = sc[p];
-            }
-            float total = 0.0f;
-            for (int p = 0; p < t; p++) {
-                sc[p] = expf(sc[p] - mx);
-                total += sc[p];
-            }
-            float *out = att + (size_t)hd * d;
-            for (int i = 0; i < d; i++) out[i] = 0.0f;
-            for (int p = 0; p < t; p++) {
-                const float w = sc[p] / total;
-                const float *vr = vc + (size_t)p * d;
-                for (int i = 0; i < d; i++) out[i] += w * vr[i];
-            }
-        }
-        if ((rc = gemm(L->o, att, y, L->o_bias, L->o_bias_dtype, D))) break;
+        for (int j = 0; j < nkv; j++)
+            attend(q + (size_t)j * group * d, group, L->k_cache + (size_t)j * D->max_len * d,
+                   L->v_cache + (size_t)j * D->max_len * d, t, d, D->scaling, sc, att + (size_t)j * group * d);
+        if ((rc = gemm(L->o, L->o_bias, L->o_bias_dtype, att, y, D))) break;
         for (int i = 0; i < hid; i++) h[i] = h[i] + y[i];
         rmsnorm(h, L->ln2, L->eps2, hid, x);
-        if ((rc = gemm(L->gate_up, x, gu, L->gate_up_bias, L->gate_up_bias_dtype, D))) break;
-        for (int i = 0; i < inter; i++) {
-            const float g = gu[i];
-            act[i] = (g / (1.0f + expf(-g))) * gu[inter + i];
-        }
-        if ((rc = gemm(L->down, act, y, L->down_bias, L->down_bias_dtype, D))) break;
+        if ((rc = gemm(L->gate_up, L->gate_up_bias, L->gate_up_bias_dtype, x, gu, D))) break;
+        silu_mul(gu, gu + inter, inter, act);
+        if ((rc = gemm(L->down, L->down_bias, L->down_bias_dtype, act, y, D))) break;
         for (int i = 0; i < hid; i++) h[i] = h[i] + y[i];
+    }
+    if (rc == W4P_OK && D->final_norm) {
+        rmsnorm(h, D->final_norm, D->final_eps, hid, x);
+        memcpy(h, x, sizeof(float) * (size_t)hid);
     }
     free(buf);
     return rc;

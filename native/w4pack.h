@@ -110,11 +110,13 @@ int w4p_gptq_pack_layout_v1(const int32_t *qweight, int64_t ldq, int32_t n, int3
      head_dim values each, rotate-half convention);  k, v -> the cache at pos;
      a = softmax(q . K[0..pos] * scaling) . V[0..pos] per head (head h reads KV head h / (n_heads / n_kv));
      h += o(a);  x = rmsnorm(h) * ln2;  [g|u] = gate_up(x);  h += down(silu(g) * u).
-   Each projection is one packed layer (q/k/v and gate/up stacked along N) run by w4p_cpu_gemm. */
+   Each projection is one to three packed layers (q/k/v and gate/up stacked along N where they can be) run by
+   w4p_cpu_gemm. */
 typedef struct {
-    const w4p_cpu_layer *qkv, *o, *gate_up, *down;
-    const void *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* [n] or NULL */
-    int qkv_bias_dtype, o_bias_dtype, gate_up_bias_dtype, down_bias_dtype;
+    /* each projection: up to 3 packed layers writing consecutive output columns (NULL after the last) */
+    const w4p_cpu_layer *qkv[3], *o[3], *gate_up[3], *down[3];
+    const void *qkv_bias[3], *o_bias[3], *gate_up_bias[3], *down_bias[3]; /* [n] or NULL */
+    int qkv_bias_dtype[3], o_bias_dtype[3], gate_up_bias_dtype[3], down_bias_dtype[3];
     const float *ln1, *ln2;   /* RMSNorm weights [hidden] */
     float eps1, eps2;
     float *k_cache, *v_cache; /* [n_kv][max_len][head_dim] */
@@ -124,6 +126,8 @@ typedef struct {
     int hidden, n_heads, n_kv, head_dim, inter, max_len;
     float scaling;
     int precision, isa, threads;
+    const float *final_norm; /* [hidden] or NULL: after the last layer h = rmsnorm(h) * final_norm */
+    float final_eps;
 } w4p_llama_dims;
 
 int w4p_llama_decode(const w4p_llama_dims *dims, const w4p_llama_layer *layers, int n_layers, float *h,

@@ -23,6 +23,7 @@ reason is recorded the same way.
 from __future__ import annotations
 
 import copy
+import gc
 from typing import Any
 
 import torch
@@ -90,75 +91,89 @@ def stack_packed(layers: list[Any]) -> Any:
 
 # -- one projection --------------------------------------------------------------------------------
 class _Proj:
-    """y = x·Wᵀ (+ bias) for the rows of several model projections (one module, a fused packed layer, or
-    separate modules run one after the other); decode (one row) writes into a buffer allocated once."""
+    """y = x·Wᵀ (+ bias) for the rows of several model projections, as native "parts" writing consecutive
+    columns of y: one fused packed layer, one stacked layer, or one part per module (when they cannot be
+    stacked, e.g. act-order layers with their own permutations). A module without a native kernel (a float
+    nn.Linear) makes the projection a plain module call. Decode (one row) writes into a buffer allocated once."""
+
+    MAX_PARTS = 3
 
     def __init__(self, mods: list[nn.Module], stack: bool):
         from ..native import cpu as ncpu
         from .torch_module import W4FusedLinear, W4Linear, W4SliceLinear, W4TiedHead
 
-        self.kernel = None
-        self.out_features = 0
-        self.in_features = 0
         self.calls: list[nn.Module] = []
         self.sizes = [int(getattr(m, "out_features", 0) or m.weight.shape[0]) for m in mods]
         self.out_features = sum(self.sizes)
         first = mods[0]
         self.in_features = int(getattr(first, "in_features", 0) or first.weight.shape[1])
+        owners: list[Any] = []
         packed = None
-        owner = None
         if all(isinstance(m, W4SliceLinear) for m in mods) and len({id(m.fused) for m in mods}) == 1:
             fused = mods[0].fused
             rows = [tuple(fused.parts[m.index]["rows"]) for m in mods]
-            starts = [r[0] for r in rows]
-            if starts == sorted(starts) and rows[0][0] == 0 and rows[-1][1] == fused.out_features and all(
+            if rows[0][0] == 0 and rows[-1][1] == fused.out_features and all(
                     a[1] == b[0] for a, b in zip(rows, rows[1:])):
-                owner = fused
+                owners = [fused]
         elif len(mods) == 1 and isinstance(first, W4TiedHead):
-            owner = first.embedding
-        elif len(mods) == 1 and isinstance(first, W4Linear) and not isinstance(first, W4FusedLinear):
-            owner = first
-        elif stack and all(isinstance(m, W4Linear) and type(m) is W4Linear for m in mods):
-            precisions = {m.precision for m in mods}
-            threads = {m.threads for m in mods}
-            if len(precisions) == 1 and len(threads) == 1:
+            owners = [first.embedding]
+        elif all(type(m) is W4Linear for m in mods):
+            if stack and len(mods) > 1 and len({(m.precision, m.threads) for m in mods}) == 1:
                 packed = stack_packed([m.packed_layer() for m in mods])
-        if owner is not None:
-            self.kernel = owner._kernel(torch.device("cpu"))
-            self.precision, threads = owner.precision, owner.threads
-        elif packed is not None:
-            self.kernel = ncpu.CpuPackedLinear(packed, threads=first.threads)
-            self.precision, threads = first.precision, first.threads
+            if packed is None and len(mods) <= self.MAX_PARTS:
+                owners = list(mods)
+        if packed is not None:
+            settings = {(first.precision, first.threads)}
+        else:
+            settings = {(o.precision, o.threads) for o in owners}
+        if len(settings) != 1:
+            self.calls = list(mods)
+            self.kernels: list[Any] = []
+            return
+        self.precision, threads = settings.pop()
+        if packed is not None:
+            self.kernels = [ncpu.CpuPackedLinear(packed, threads=first.threads)]
             for m in mods:  # the stacked kernel replaces theirs; transformers' path rebuilds them on demand
                 m._prepared.clear()
         else:
-            self.calls = list(mods)
-            return
+            self.kernels = [o._kernel(torch.device("cpu")) for o in owners]
         self.threads = int(threads if threads is not None else ncpu.default_threads())
         self.lib, self.ffi = ncpu.lib, ncpu.ffi
-        self.layer = self.kernel._layer
-        own = self.kernel._own_bias
-        self.bias_keep, self.bias_ptr, self.bias_dt = own if own is not None else (None, ncpu.ffi.NULL, 0)
         self.prec_code = ncpu.PRECISIONS[self.precision]
         self.check_rc = ncpu.check_rc
         self.y1 = torch.empty(1, self.out_features)
-        self.y1_ptr = self.ffi.cast("void *", self.y1.data_ptr())
+        base = self.ffi.cast("char *", self.y1.data_ptr())
+        # (layer, n, column offset, bias keep-alive, bias pointer, bias dtype) per part
+        self.parts = []
+        col = 0
+        for kern in self.kernels:
+            own = kern._own_bias
+            keep, bptr, bdt = own if own is not None else (None, ncpu.ffi.NULL, 0)
+            self.parts.append((kern._layer, kern.out_features, col, keep, bptr, bdt))
+            col += kern.out_features
+        self.y1_ptrs = [base + 4 * c for (_l, _n, c, _k, _b, _d) in self.parts]
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] float32 contiguous -> [M, N]; for M = 1 the result is the shared buffer (or ``out``)."""
-        if self.kernel is None:
+    @property
+    def native(self) -> bool:
+        return bool(self.kernels)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 contiguous -> [M, N]; for M = 1 the result is the shared buffer."""
+        if not self.kernels:
             return torch.cat([m(x) for m in self.calls], dim=-1) if len(self.calls) > 1 else self.calls[0](x)
         m = x.shape[0]
-        if m == 1 and out is None:
-            y, yp = self.y1, self.y1_ptr
+        if m == 1:
+            y, ptrs = self.y1, self.y1_ptrs
         else:
-            y = out if out is not None else torch.empty(m, self.out_features)
-            yp = self.ffi.cast("void *", y.data_ptr())
-        rc = self.lib.w4p_cpu_gemm(self.layer, self.ffi.cast("void *", x.data_ptr()), 3, m, self.in_features,
-                                   yp, 3, self.out_features, self.bias_ptr, self.bias_dt, self.prec_code, 0,
-                                   self.threads)
-        if rc:
-            self.check_rc(rc, "gemm")
+            y = torch.empty(m, self.out_features)
+            base = self.ffi.cast("char *", y.data_ptr())
+            ptrs = [base + 4 * c for (_l, _n, c, _k, _b, _d) in self.parts]
+        xp = self.ffi.cast("void *", x.data_ptr())
+        for (layer, n, _c, _k, bptr, bdt), yp in zip(self.parts, ptrs):
+            rc = self.lib.w4p_cpu_gemm(layer, xp, 3, m, self.in_features, yp, 3, self.out_features, bptr, bdt,
+                                       self.prec_code, 0, self.threads)
+            if rc:
+                self.check_rc(rc, "gemm")
         return y
 
 
@@ -252,11 +267,13 @@ class LeanDecoder:
         self.pos = 0
         # one native call per token when every projection is a native kernel of one precision and thread count
         projs = [p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)]
-        self.native = bool(projs) and all(p.kernel is not None for p in projs) and len(
+        self.native = bool(projs) and all(p.native for p in projs) and len(
             {(p.precision, p.threads) for p in projs}) == 1 and all(
             type(L.act).__name__ == "SiLUActivation" or getattr(L.act, "__name__", "") == "silu"
             for L in self.layers)
         self._desc: Any = None
+        self._rows: dict[int, torch.Tensor] = {}
+        self.signature = signature(model)
 
     # -- state -------------------------------------------------------------------------------------
     def _reserve(self, total: int) -> None:
@@ -285,14 +302,18 @@ class LeanDecoder:
         dims.hidden, dims.n_heads, dims.n_kv, dims.head_dim = self.hidden, self.n_heads, self.n_kv, self.head_dim
         dims.inter, dims.max_len, dims.scaling = self.inter, self.max_len, self.scaling
         dims.precision, dims.isa, dims.threads = p0.prec_code, 0, p0.threads
+        self.norm_w = self.norm_w.contiguous()
+        dims.final_norm = ffi.cast("const float *", self.norm_w.data_ptr())
+        dims.final_eps = self.norm_eps
         arr = ffi.new("w4p_llama_layer[]", len(self.layers))
         for i, L in enumerate(self.layers):
             d = arr[i]
             for name in ("qkv", "o", "gate_up", "down"):
                 proj = getattr(L, name)
-                setattr(d, name, proj.layer)
-                setattr(d, name + "_bias", proj.bias_ptr)
-                setattr(d, name + "_bias_dtype", proj.bias_dt)
+                for j, (layer, _n, _c, _k, bptr, bdt) in enumerate(proj.parts):
+                    getattr(d, name)[j] = layer
+                    getattr(d, name + "_bias")[j] = bptr
+                    getattr(d, name + "_bias_dtype")[j] = bdt
             L.ln1, L.ln2 = L.ln1.contiguous(), L.ln2.contiguous()
             d.ln1 = ffi.cast("const float *", L.ln1.data_ptr())
             d.ln2 = ffi.cast("const float *", L.ln2.data_ptr())
@@ -310,14 +331,19 @@ class LeanDecoder:
         pos = self.pos
         self._reserve(pos + 1)
         dims, arr, cos, sin = self._desc
-        h = self.embed(torch.tensor([[token]]))[0].to(torch.float32).contiguous()  # [1, H]
+        row = self._rows.get(token)
+        if row is None:
+            row = self.embed(torch.tensor([[token]]))[0].to(torch.float32).contiguous()  # [1, H]
+            if len(self._rows) < 8192:  # a packed embedding dequantizes a row in ~0.4 ms: once per token id
+                self._rows[token] = row
+        h = row.clone()
         d = self.head_dim
         rc = p0.lib.w4p_llama_decode(dims, arr, len(self.layers), p0.ffi.cast("float *", h.data_ptr()), pos,
                                      cos + pos * d, sin + pos * d)
         if rc:
             p0.check_rc(rc, "decode step")
         self.pos = pos + 1
-        return self.head(self._norm(h, self.norm_w, self.norm_eps))[0]
+        return self.head(h)[0]  # h holds the final norm's output
 
     # -- the step ----------------------------------------------------------------------------------
     def _norm(self, h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -424,6 +450,19 @@ class LeanDecoder:
         return int(torch.multinomial(probs, num_samples=1)[0, 0])
 
 
+def signature(model: nn.Module) -> tuple[Any, ...]:
+    """What the loop was built from: every module object and the address of its first tensor, with the model's
+    dtype and device. ``generate`` rebuilds the loop when this changed (layers swapped, weights moved or
+    replaced, as ``dequantized_model`` or ``.to()`` do)."""
+    out: list[Any] = []
+    for mod in model.modules():
+        t = next(iter(mod._buffers.values()), None) if mod._buffers else None
+        if t is None:
+            t = next(iter(mod._parameters.values()), None) if mod._parameters else None
+        out.append((id(mod), None if t is None else (t.data_ptr(), t.dtype, t.device.type)))
+    return tuple(out)
+
+
 def plan(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any, Any]:
     """(input_ids, generation config, streamer) when the lean loop can answer this generate call; else NotLean."""
     kw = dict(kwargs)
@@ -453,7 +492,8 @@ def plan(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tup
         if key in _OPTIONS or key.startswith("_") or key in ("cache_implementation", "compile_config",
                                                               "disable_compile", "generation_kwargs"):
             continue
-        if getattr(default, key, value) != value:
+        want = getattr(default, key, value)
+        if want != value and not (value in (None, False) and want in (None, False)):
             raise NotLean(f"generation option {key}={value!r}")
     if cfg.max_new_tokens is None and cfg.max_length is None:
         raise NotLean("no max_new_tokens or max_length")
@@ -478,14 +518,23 @@ def use_lean_decode(model: nn.Module) -> str:
     model.w4pack_decode = LEAN
 
     def generate(*args: Any, **kwargs: Any) -> Any:
+        nonlocal engine
         try:
+            if signature(model) != engine.signature:
+                engine = model._w4pack_lean = LeanDecoder(model)
             ids, cfg, streamer = plan(model, args, kwargs)
         except NotLean as exc:
             model.w4pack_decode = f"{EAGER} ({exc})"
             return inner(*args, **kwargs)
         model.w4pack_decode = LEAN
-        with torch.inference_mode():
-            return engine.generate(ids, cfg, streamer)
+        gc_was = gc.isenabled()
+        gc.disable()  # a collection over a loaded model's objects costs more than a decode step
+        try:
+            with torch.inference_mode():
+                return engine.generate(ids, cfg, streamer)
+        finally:
+            if gc_was:
+                gc.enable()
 
     model.generate = generate
     return LEAN
