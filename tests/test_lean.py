@@ -284,3 +284,30 @@ def test_stack_packed_is_lossless_and_refuses_mismatches() -> None:
     assert stack_packed([parts[0], pack(_layer(rng, 24, 96))]) is None  # N not a multiple of 16
     assert stack_packed([parts[0], pack(_layer(rng, 16, 64))]) is None  # K differs
     assert stack_packed([parts[0], pack(_layer(rng, 16, 96, zero="none"))]) is None  # zero modes differ
+
+
+def test_cache_grows_and_keeps_its_positions(models: dict[str, Path]) -> None:
+    """A sequence longer than the first reservation: the cache grows mid-sequence and keeps the positions."""
+    ref = load_model(models["plain"], compile=False)
+    lean = load_model(models["plain"])
+    engine = lean._w4pack_lean
+    engine._reserve(8)
+    assert engine.max_len == 256
+    kw = dict(GEN, max_new_tokens=300)
+    import w4pack.runtime.lean as lean_mod
+
+    real = lean_mod.LeanDecoder._reserve
+    sizes = []
+
+    def spy(self: LeanDecoder, total: int) -> None:
+        real(self, min(total, 64) if not sizes else total)  # the first reservation small, as for a long run
+        sizes.append(self.max_len)
+
+    lean_mod.LeanDecoder._reserve = spy  # type: ignore[method-assign]
+    try:
+        engine.max_len = 0
+        got = lean.generate(_ids(), **kw)
+    finally:
+        lean_mod.LeanDecoder._reserve = real  # type: ignore[method-assign]
+    assert max(sizes) > 256 and sizes[0] == 256
+    assert torch.equal(got, ref.generate(_ids(), **kw))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import threading
 from typing import Any
 
 import torch
@@ -277,14 +278,20 @@ class LeanDecoder:
 
     # -- state -------------------------------------------------------------------------------------
     def _reserve(self, total: int) -> None:
-        """KV cache and rotary tables for ``total`` positions (kept for later calls that fit)."""
+        """KV cache and rotary tables for at least ``total`` positions, kept for later calls that fit. The cache
+        grows geometrically and keeps what it holds (the positions before ``self.pos``)."""
         if total <= self.max_len:
             return
-        size = max(total, 256)
+        size = max(total, 256, 2 * self.max_len)
         size = (size + 255) // 256 * 256
+        keep = min(self.pos, self.max_len)
         for L in self.layers:
-            L.k = torch.zeros(self.n_kv, size, self.head_dim)
-            L.v = torch.zeros(self.n_kv, size, self.head_dim)
+            k = torch.zeros(self.n_kv, size, self.head_dim)
+            v = torch.zeros(self.n_kv, size, self.head_dim)
+            if keep:
+                k[:, :keep].copy_(L.k[:, :keep])
+                v[:, :keep].copy_(L.v[:, :keep])
+            L.k, L.v = k, v
         pos = torch.arange(size).unsqueeze(0)
         dummy = torch.empty(1, dtype=torch.float32)
         with torch.inference_mode():
@@ -414,7 +421,7 @@ class LeanDecoder:
         out = [int(v) for v in ids.tolist()]
         self.pos = 0
         if new_max > 0:
-            self._reserve(t_in + new_max)
+            self._reserve(t_in + min(new_max, 1024))  # longer runs grow the cache as they go
             logits = self.forward(ids)
             for i in range(new_max):
                 tok = self._pick(logits, cfg)
@@ -517,7 +524,19 @@ def use_lean_decode(model: nn.Module) -> str:
     model._w4pack_lean = engine
     model.w4pack_decode = LEAN
 
+    busy = threading.Lock()
+
     def generate(*args: Any, **kwargs: Any) -> Any:
+        nonlocal engine
+        if not busy.acquire(blocking=False):  # one loop state per model: a concurrent call goes to transformers
+            model.w4pack_decode = f"{EAGER} (another generate call on this model is running)"
+            return inner(*args, **kwargs)
+        try:
+            return lean_call(args, kwargs)
+        finally:
+            busy.release()
+
+    def lean_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         nonlocal engine
         try:
             if signature(model) != engine.signature:
