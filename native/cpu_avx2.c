@@ -30,6 +30,9 @@ static INL T2 void load_params_half(const struct w4p_cpu_layer *L, int tile, int
             s[q] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * col)));
             __m128i z8 = _mm_loadl_epi64((const __m128i *)(p + 128 + col));
             zm[q] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(z8));
+        } else if (L->pkind == W4P_PK_F16F16) {
+            s[q] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * col)));
+            zm[q] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 128 + 2 * col)));
         } else {
             s[q] = _mm256_loadu_ps((const float *)p + col);
             zm[q] = _mm256_loadu_ps((const float *)p + 64 + col);

@@ -57,6 +57,11 @@ static INL T512 void load_params(const struct w4p_cpu_layer *L, int tile, int bl
             s[q] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32 * q)));
             zm[q] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 128 + 16 * q))));
         }
+    } else if (L->pkind == W4P_PK_F16F16) {
+        for (int q = 0; q < 4; q++) {
+            s[q] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32 * q)));
+            zm[q] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 128 + 32 * q)));
+        }
     } else {
         for (int q = 0; q < 4; q++) {
             s[q] = _mm512_loadu_ps((const float *)p + 16 * q);

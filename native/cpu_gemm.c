@@ -82,6 +82,11 @@ void w4p_block_params(const struct w4p_cpu_layer *L, int tile, int blk, float *s
             s[i] = w4p_half_to_float(((const uint16_t *)p)[i]);
             zm[i] = (float)p[128 + i];
         }
+    } else if (L->pkind == W4P_PK_F16F16) {
+        for (int i = 0; i < W4P_TILE; i++) {
+            s[i] = w4p_half_to_float(((const uint16_t *)p)[i]);
+            zm[i] = w4p_half_to_float(((const uint16_t *)p)[W4P_TILE + i]);
+        }
     } else {
         memcpy(s, p, 4 * W4P_TILE);
         memcpy(zm, p + 4 * W4P_TILE, 4 * W4P_TILE);

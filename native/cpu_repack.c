@@ -144,6 +144,9 @@ static void repack_params(const w4p_packed_desc *d, struct w4p_cpu_layer *L) {
                 if (L->pkind == W4P_PK_F16U8) {
                     ((uint16_t *)p)[i] = ((const uint16_t *)d->scales)[at];
                     p[128 + i] = (uint8_t)(d->zero_mode == W4P_ZERO_INT ? ((const uint8_t *)d->zeros)[at] : implicit_z);
+                } else if (L->pkind == W4P_PK_F16F16) {
+                    ((uint16_t *)p)[i] = ((const uint16_t *)d->scales)[at];
+                    ((uint16_t *)p)[W4P_TILE + i] = ((const uint16_t *)d->mins)[at];
                 } else {
                     float s = w4p_load_float(d->scales, d->scale_dtype, at);
                     float zm; /* the minimum (zero mode float) or the integer zero point, exact as a float */
@@ -179,9 +182,15 @@ int w4p_cpu_layer_create(const w4p_packed_desc *d, w4p_cpu_layer **out) {
     L->nt = (d->n + W4P_TILE - 1) / W4P_TILE;
     L->ab = largest_block(L->group_size, d->kp);
     L->nblk = d->kp / L->ab;
-    L->pkind = (d->scale_dtype == W4P_DT_F16 && d->zero_mode != W4P_ZERO_FLOAT && d->storage_bits == 4)
-                   ? W4P_PK_F16U8 : W4P_PK_F32;
-    L->param_stride = L->pkind == W4P_PK_F16U8 ? 192 : 512;
+    /* the smallest exact form of the parameters: fp16 stays fp16 (widened to fp32 exactly by the kernels),
+       zero points that fit a byte stay bytes (8-bit int zeros are uint16 and keep fp32) */
+    if (d->scale_dtype == W4P_DT_F16 && d->zero_mode == W4P_ZERO_FLOAT)
+        L->pkind = W4P_PK_F16F16;
+    else if (d->scale_dtype == W4P_DT_F16 && (d->storage_bits == 4 || d->zero_mode == W4P_ZERO_NONE))
+        L->pkind = W4P_PK_F16U8;
+    else
+        L->pkind = W4P_PK_F32;
+    L->param_stride = L->pkind == W4P_PK_F16U8 ? 192 : L->pkind == W4P_PK_F16F16 ? 256 : 512;
     if (d->perm) {
         L->perm = malloc(sizeof(int32_t) * (size_t)d->k);
         uint8_t *seen = calloc((size_t)d->k, 1);

@@ -8,7 +8,9 @@
  *     k = 8c+b, its high nibble k = 8c+b+4. So `w & 0x0f0f0f0f` gives the codes of k 0..3 and
  *     `(w >> 4) & 0x0f0f0f0f` those of k 4..7, one per byte: exactly the u8 operand of vpdpbusd/sdot.
  *   - 8-bit layers are two such nibble planes (plane 0 low nibbles, plane 1 high nibbles; q = lo + 16 hi).
- *   - params[tile][gp]: kind F16U8: 64 fp16 scales then 64 u8 zero points (192 bytes);
+ *   - params[tile][gp]: kind F16U8: 64 fp16 scales then 64 u8 zero points (192 bytes; fp16 scales with
+ *     4-bit int zeros, or no zeros); kind F16F16: 64 fp16 scales then 64 fp16 minima (256 bytes; zero mode
+ *     float with fp16 scales, e.g. GGUF Q4_1: half the bytes of F32, which a memory-bound GEMV reads);
  *     kind F32: 64 fp32 scales s then 64 fp32 values (512 bytes): the zero point z as a float (zero modes
  *     none / int, w = s*(q - z)) or the minimum m (zero mode float, w = s*q + m). z is kept rather than
  *     o = -s*z because the kernels subtract it from the integer code before any rounding (see cpu_gemm.c).
@@ -26,6 +28,7 @@
 #define W4P_TILE 64
 #define W4P_PK_F16U8 0
 #define W4P_PK_F32 1
+#define W4P_PK_F16F16 2
 #define W4P_RMAX 4 /* activation rows per register tile */
 #define W4P_MCHUNK 64 /* activation rows per work item: a tile's weights stay in cache across them */
 

@@ -104,6 +104,35 @@ int w4p_gptq_unpack_codes(const int32_t *qweight, int64_t ldq, int32_t rows, int
 int w4p_gptq_pack_layout_v1(const int32_t *qweight, int64_t ldq, int32_t n, int32_t k, const int32_t *perm,
                             int32_t *out, int threads);
 
+/* ---- one decode step of a llama-family model (cpu_decode.c) ---------------------------------------
+   For each layer, at one position `pos` (batch 1, float32 hidden state h[hidden], updated in place):
+     x = rmsnorm(h) * ln1;  [q|k|v] = qkv(x);  rotary on q and k (cos/sin: the rows of position pos,
+     head_dim values each, rotate-half convention);  k, v -> the cache at pos;
+     a = softmax(q . K[0..pos] * scaling) . V[0..pos] per head (head h reads KV head h / (n_heads / n_kv));
+     h += o(a);  x = rmsnorm(h) * ln2;  [g|u] = gate_up(x);  h += down(silu(g) * u).
+   Each projection is one to three packed layers (q/k/v and gate/up stacked along N where they can be) run by
+   w4p_cpu_gemm. */
+typedef struct {
+    /* each projection: up to 3 packed layers writing consecutive output columns (NULL after the last) */
+    const w4p_cpu_layer *qkv[3], *o[3], *gate_up[3], *down[3];
+    const void *qkv_bias[3], *o_bias[3], *gate_up_bias[3], *down_bias[3]; /* [n] or NULL */
+    int qkv_bias_dtype[3], o_bias_dtype[3], gate_up_bias_dtype[3], down_bias_dtype[3];
+    const float *ln1, *ln2;   /* RMSNorm weights [hidden] */
+    float eps1, eps2;
+    float *k_cache, *v_cache; /* [n_kv][max_len][head_dim] */
+} w4p_llama_layer;
+
+typedef struct {
+    int hidden, n_heads, n_kv, head_dim, inter, max_len;
+    float scaling;
+    int precision, isa, threads;
+    const float *final_norm; /* [hidden] or NULL: after the last layer h = rmsnorm(h) * final_norm */
+    float final_eps;
+} w4p_llama_dims;
+
+int w4p_llama_decode(const w4p_llama_dims *dims, const w4p_llama_layer *layers, int n_layers, float *h,
+                     int pos, const float *cos, const float *sin);
+
 /* Read `bytes` of buf as fast as the CPU can (benchmark of the memory read bandwidth); returns a checksum. */
 uint64_t w4p_cpu_read_stream(const void *buf, size_t bytes);
 

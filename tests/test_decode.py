@@ -40,10 +40,12 @@ def test_compile_wanted(monkeypatch: pytest.MonkeyPatch) -> None:
     assert compile_wanted("cuda", True)  # an explicit argument wins over the environment
 
 
-def test_cpu_load_stays_eager(packed: Path) -> None:
-    model = load_model(packed, device="cpu")
-    assert decode_mode(model) == "eager"
+def test_cpu_load_decodes_lean_not_compiled(packed: Path) -> None:
+    model = load_model(packed, device="cpu")  # the lean loop (tests/test_lean.py), never transformers' compile
+    assert decode_mode(model) == "lean"
     assert model.generation_config.cache_implementation != "static"
+    eager = load_model(packed, device="cpu", compile=False)
+    assert decode_mode(eager) == "eager"
 
 
 def _forced_compile(model: object, backend: object) -> None:

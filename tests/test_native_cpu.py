@@ -125,6 +125,9 @@ CASES = [
     (64, 256, 6, 16, "none", False, "float32"),      # Q6_K style: groups of 16
     (36, 192, 6, 32, "int", False, "float16"),
     (70, 256, 6, 16, "float", True, "float32"),
+    # fp16 parameters kept as fp16 in the CPU layout (kinds F16F16 and F16U8 of cpu_repack.c)
+    (72, 320, 8, 32, "none", False, "float16"),      # Q8_0 style (a GGUF token table / tied head)
+    (90, 192, 4, 32, "float", True, "float16"),      # act-order + fp16 minima
 ]
 
 
@@ -482,3 +485,16 @@ def test_thread_pool_survives_fork() -> None:
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 0
     assert rel(y, true_reference(layer, x64)) < 2e-6
+
+
+@pytest.mark.parametrize("bits,zero_mode,stride16", [(4, "float", 256), (8, "none", 192), (4, "int", 192)])
+def test_fp16_parameters_stay_half_width(bits: int, zero_mode: str, stride16: int) -> None:
+    """fp16 scales (and fp16 minima, byte-sized zero points) are kept at their width in the CPU layout: a
+    memory-bound GEMV reads them once per group, so fp32 copies cost a sixth of a 4-bit layer's bytes."""
+    n, k, gs = 128, 256, 32
+    sizes = {}
+    for sdt in ("float16", "float32"):
+        layer = make_layer(n, k, bits, gs, zero_mode, False, sdt, seed=3)
+        sizes[sdt] = CpuPackedLinear(pack(layer), threads=1).nbytes
+    tiles, groups = n // 64, k // gs
+    assert sizes["float32"] - sizes["float16"] == tiles * groups * (512 - stride16)

@@ -42,8 +42,9 @@ from .extras import needs_extras
 @click.option("--window", default=None, type=click.IntRange(2, 1 << 20),
               help="Perplexity window in tokens (default: model context, at most 1024).")
 @click.option("--eager", is_flag=True,
-              help="CUDA: decode eagerly instead of through the static cache and the compiled step (the default, "
-                   "whose first run spends tens of seconds compiling; also $W4PACK_COMPILE=0).")
+              help="Decode with transformers' own eager generate: on CUDA instead of the static cache and the "
+                   "compiled step (whose first run spends tens of seconds compiling; also $W4PACK_COMPILE=0), on "
+                   "the CPU instead of w4pack's lean decode loop (also $W4PACK_LEAN=0).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @needs_extras("run", torch="hf")
 def run(path: Path, prompt: str | None, ppl_file: Path | None, device: str, max_new_tokens: int, precision: str,
@@ -111,6 +112,6 @@ def run(path: Path, prompt: str | None, ppl_file: Path | None, device: str, max_
         begin()
         click.echo("")
         rate = f"{doc['tokens_per_s']} tokens/s" if doc["tokens_per_s"] is not None else "n/a tokens/s"
-        mode = f"{doc['precision']}, {doc['decode']}" if doc["device"].startswith("cuda") else doc["precision"]
+        mode = f"{doc['precision']}, {doc['decode']}"
         click.echo(f"[{doc['new_tokens']} tokens on {doc['device']} ({mode}): {rate} decode, "
                    f"first token {doc['prefill_s'] * 1000:.0f} ms, load {doc['load_s']:.2f} s]", err=True)

@@ -20,19 +20,29 @@ from ..errors import W4PackError
 COMPILED = "compiled"
 EAGER = "eager"
 ENV = "W4PACK_COMPILE"
+LEAN_ENV = "W4PACK_LEAN"
+_OFF = ("0", "false", "no", "off")
 
 
 def compile_wanted(device: Any, compile: bool | None) -> bool:
     """The decode mode a load asks for: an explicit ``compile`` wins, then $W4PACK_COMPILE (0/1), then CUDA."""
     if compile is not None:
         return bool(compile)
-    if os.environ.get(ENV, "").strip().lower() in ("0", "false", "no", "off"):
+    if os.environ.get(ENV, "").strip().lower() in _OFF:
         return False
     return str(device).startswith("cuda")  # transformers compiles the step on accelerators only
 
 
+def lean_wanted(compile: bool | None) -> bool:
+    """Whether a CPU load decodes through the lean loop (``w4pack.runtime.lean``): yes unless ``compile`` is
+    given (False: transformers' eager generate, True: its compiled step) or $W4PACK_LEAN is 0."""
+    if compile is not None:
+        return False
+    return os.environ.get(LEAN_ENV, "").strip().lower() not in _OFF
+
+
 def decode_mode(model: Any) -> str:
-    """"compiled", "eager", or "eager (why the compiled step was given up)"."""
+    """"compiled", "lean" (CPU), "eager", or "eager (why the compiled step or the lean loop was not used)"."""
     return getattr(model, "w4pack_decode", EAGER)
 
 

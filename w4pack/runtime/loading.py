@@ -451,7 +451,9 @@ def load_model(path: str | os.PathLike[str], device: Any = "cpu", dtype: Any = N
     dequantize or "fast" int8 activations). Peak memory: the packed layers plus the unquantized tensors in
     ``dtype``, built one tensor at a time. ``compile``: decode through the static cache and transformers'
     compiled step (default on CUDA unless $W4PACK_COMPILE=0; a failure falls back to eager with a warning:
-    ``w4pack.runtime.decode``).
+    ``w4pack.runtime.decode``). On the CPU, ``generate`` runs the lean decode loop by default
+    (``w4pack.runtime.lean``: llama-family float32 models, batch 1; anything else is transformers' generate);
+    ``compile=False`` or $W4PACK_LEAN=0 keeps transformers' eager generate.
 
     Example::
 
@@ -462,7 +464,8 @@ def load_model(path: str | os.PathLike[str], device: Any = "cpu", dtype: Any = N
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .decode import compile_wanted, use_compiled_decode
+    from .decode import compile_wanted, lean_wanted, use_compiled_decode
+    from .lean import use_lean_decode
     from .torch_module import PRECISIONS, W4Linear
 
     if precision not in PRECISIONS:
@@ -510,6 +513,8 @@ def load_model(path: str | os.PathLike[str], device: Any = "cpu", dtype: Any = N
     attach_save_pretrained(model)
     if compile_wanted(dev, compile):
         use_compiled_decode(model)
+    elif dev.type == "cpu" and lean_wanted(compile):
+        use_lean_decode(model)
     model.eval()
     model.requires_grad_(False)
     return model
