@@ -5,13 +5,11 @@ import io
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from rtn_helper import MemorySource, rtn_quantize
+from rtn_helper import write_random_llama_gptq
 
 from w4pack.cli import main
-from w4pack.formats import get_format
 from w4pack.progress import Progress
 
 
@@ -41,13 +39,9 @@ def test_bar_is_tqdm_and_only_where_wanted(tty: bool, enabled: bool | None, draw
 
 
 def _gptq_folder(tmp_path: Path) -> Path:
-    rng = np.random.default_rng(0)
-    layers = {f"model.layers.0.mlp.{p}": rtn_quantize(rng.normal(0, 0.1, (64, 64)).astype(np.float32), name=p)
-              for p in ("gate_proj", "up_proj", "down_proj")}
-    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
-              "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 32}
     src = tmp_path / "gptq"
-    get_format("gptq").write(MemorySource(config, layers, {}), src)
+    write_random_llama_gptq(src, seed=0, std=0.1, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=4, vocab_size=32)
     return src
 
 
@@ -62,7 +56,7 @@ def test_convert_json_stdout_is_the_document_alone(tty: bool, tmp_path: Path, ca
     rc = main(["convert", str(src), str(tmp_path / "out"), "--json"])
     cap = capsys.readouterr()
     assert rc == 0, cap.err
-    assert json.loads(cap.out)["layers"] == 3
+    assert json.loads(cap.out)["layers"] == 7
     if tty:
         assert "packing: 100%|" in cap.err, cap.err
     else:
