@@ -9,19 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import fixture_dir
-from w4pack.cli import main
+from conftest import cli_one_line as _cli, fixture_dir
 from w4pack.store.safetensors import SafetensorsFile, write_safetensors
 
 LAYER = "model.layers.0.mlp.down_proj"
-
-
-def _cli(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str]:
-    capsys.readouterr()
-    rc = main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and err.count("\n") == 1, err
-    return rc, err
 
 
 def _damaged(tmp_path: Path, family: str, case: str, leaf: str, rename: str | None) -> Path:
