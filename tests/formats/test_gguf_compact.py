@@ -98,6 +98,9 @@ def test_hostile_compact_arrays_are_refused_naming_the_tensor() -> None:
     bad = dict(arrays, qdense=arrays["qdense"][:, :-1])
     assert "m.layer.qdense" in _expand_error(meta, bad) and "expected uint8" in _expand_error(meta, bad)
     assert "dense_codes on a 4-bit" in C.check_storage(dict(meta, bits=4, storage_bits=4))
+    # a super-block straddling the last real group and the padding: its factor cannot be both
+    assert meta["num_groups"] == meta["padded_groups"] == 16 and st["scales"]["super_groups"] == 16
+    assert "does not divide the layer's 15 groups" in C.check_storage(dict(meta, num_groups=15))
 
 
 @pytest.fixture(scope="module")

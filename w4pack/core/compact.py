@@ -110,8 +110,11 @@ def check_storage(meta: dict[str, Any]) -> str | None:
         if meta["scale_dtype"] != "float32":
             return f"storage.{s} on a layer with {meta['scale_dtype']} scales (only float32 ones are products)"
         sg = st[s]["super_groups"]
-        if meta["group_size"] == -1 or meta["padded_groups"] % sg:
-            return f"storage.{s}.super_groups {sg} does not divide the layer's {meta['padded_groups']} groups"
+        if meta["group_size"] == -1 or meta["padded_groups"] % sg or meta["num_groups"] % sg:
+            # S | G too: a factor row shared by real and padded groups would have to be zero as padding (expand)
+            # and non-zero for its real groups (LAYOUT.md §8); the writer never splits a super-block so
+            return (f"storage.{s}.super_groups {sg} does not divide the layer's {meta['num_groups']} groups "
+                    f"({meta['padded_groups']} padded)")
     return None
 
 
