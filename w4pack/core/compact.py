@@ -181,9 +181,12 @@ def compact(meta: dict[str, Any], tensors: dict[str, np.ndarray], spec: dict[str
     st: dict[str, Any] = {}
     n, _k = meta["shape"]
     g = meta["num_groups"]
-    if spec.get("dense_codes") and meta["bits"] in _DENSE_BITS:
+    fields = _fields(tensors["qweight"], meta["storage_bits"]) if spec.get("dense_codes") and \
+        meta["bits"] in _DENSE_BITS else None
+    # a field past the code range (a PackedLayer not made by layout.pack) would lose its high bits: stays as is
+    if fields is not None and int(fields.max(initial=0)) < 1 << meta["bits"]:
         out.pop("qweight")
-        out["qdense"] = pack_bits(_fields(tensors["qweight"], meta["storage_bits"]), meta["bits"])
+        out["qdense"] = pack_bits(fields, meta["bits"])
         st["dense_codes"] = True
     for s in ("scales", "mins"):
         sp = spec.get(s)
