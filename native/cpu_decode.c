@@ -16,6 +16,7 @@
 #pragma GCC optimize("fp-contract=off")
 #include "w4p_cpu_internal.h"
 
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -151,6 +152,13 @@ int w4p_llama_decode(const w4p_llama_dims *D, const w4p_llama_layer *layers, int
         w4p_set_error("bad dimensions: hidden %d, heads %d, kv heads %d, head_dim %d, intermediate %d, "
                       "max_len %d, layers %d", D->hidden, D->n_heads, D->n_kv, D->head_dim, D->inter,
                       D->max_len, n_layers);
+        return W4P_EINVAL;
+    }
+    /* the widths below are ints (and the C API takes any int): a product past INT_MAX would wrap, pass the
+       shape check against a layer of the wrapped width and then index q/k/v far past their buffers */
+    if ((int64_t)(D->n_heads + 2 * (int64_t)D->n_kv) * D->head_dim > INT_MAX || 2 * (int64_t)D->inter > INT_MAX) {
+        w4p_set_error("dimensions too large: %d heads + 2 x %d kv heads of %d, intermediate %d", D->n_heads,
+                      D->n_kv, D->head_dim, D->inter);
         return W4P_EINVAL;
     }
     if (pos < 0 || pos >= D->max_len) {

@@ -127,6 +127,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # ---------------------------------------------------------------------------------------------------------------
 # skip reasons say what would enable the test
+def cli_one_line(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str]:
+    """(exit status, stderr) of the CLI run in-process; stderr must be exactly one line and no traceback (the
+    project's rule for every failure)."""
+    from w4pack.cli import main
+
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    return rc, err
+
+
 # ---------------------------------------------------------------------------------------------------------------
 _EMPTY_SET = "got empty parameter set"
 #: module -> what installs it, for pytest.importorskip's "could not import 'X'"

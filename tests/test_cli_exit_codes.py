@@ -8,15 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import cli_one_line as _cli
 from w4pack.cli import main
-
-
-def _cli(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str]:
-    capsys.readouterr()
-    rc = main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and err.count("\n") == 1, err
-    return rc, err
 
 
 def test_unknown_format_names_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

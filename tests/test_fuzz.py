@@ -293,3 +293,18 @@ def test_replay_reruns_a_recorded_finding_on_this_tree(tmp_path: Path) -> None:
     doc = json.loads(r.stdout)
     assert doc["fixed"] == 1 and doc["replayed"][0]["now"] == [], r.stdout + r.stderr
     assert r.returncode == 0
+
+
+@pytest.mark.parametrize("summary,says", [
+    ({"findings": [{"reader": "bogus", "index": 0, "target": "t", "mutation": "append 1 byte", "spec": {},
+                    "findings": [{"cls": "traceback", "command": "inspect"}]}]}, "unknown reader 'bogus'"),
+    ([1, 2], "not a fuzz summary"),
+    ({"findings": [{"reader": "gptq"}]}, "not a fuzz summary"),
+])
+def test_replay_refuses_a_file_that_is_not_a_summary(tmp_path: Path, summary: Any, says: str) -> None:
+    """--replay of a JSON file that is not fuzz.py's summary: one line naming it, exit 2, no traceback."""
+    (tmp_path / "s.json").write_text(json.dumps(summary))
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "fuzz.py"), "--replay", str(tmp_path / "s.json"),
+                        "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr and str(tmp_path / "s.json") in \
+        r.stderr, r.stderr

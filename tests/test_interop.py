@@ -92,6 +92,22 @@ def _dequantizing_config(transformers: Any) -> Any:
     return transformers.CompressedTensorsConfig(run_compressed=False)
 
 
+def _transformers_matches_canonical(out: Path, src: Any, torch: Any, transformers: Any, ids: list[list[int]]) -> None:
+    """transformers (+ compressed-tensors, dequantizing) loads ``out``: each layer's weight is our canonical layer's
+    and the logits over ``ids`` are the float reference model's (same argmax)."""
+    peer = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                             quantization_config=_dequantizing_config(transformers))
+    for name, layer in src._layers.items():
+        got = peer.get_submodule(name).weight.detach().float().numpy()
+        np.testing.assert_allclose(got, layer.dequantize(np.float32), rtol=2e-3, atol=1e-6, err_msg=name)
+    ref = _float_reference(src, torch, transformers)
+    tokens = torch.tensor(ids)
+    with torch.no_grad():
+        a, b = peer(tokens).logits, ref(tokens).logits
+    assert (a - b).abs().max() / b.abs().max() < 5e-3
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
 def test_compressed_tensors_output_in_transformers(tmp_path: Path) -> None:
     """Symmetric layers (what GPTQ/AWQ-sym sources give): transformers loads the folder through compressed-tensors,
     which decompresses every layer itself; weights and logits must be the canonical ones."""
@@ -104,17 +120,7 @@ def test_compressed_tensors_output_in_transformers(tmp_path: Path) -> None:
     get_format("compressed-tensors").write(src, out)
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == \
         "compressed-tensors"
-    peer = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
-                                                             quantization_config=_dequantizing_config(transformers))
-    for name, layer in src._layers.items():
-        got = peer.get_submodule(name).weight.detach().float().numpy()
-        np.testing.assert_allclose(got, layer.dequantize(np.float32), rtol=2e-3, atol=1e-6, err_msg=name)
-    ref = _float_reference(src, torch, transformers)
-    ids = torch.tensor([[1, 5, 9, 33, 60, 7]])
-    with torch.no_grad():
-        a, b = peer(ids).logits, ref(ids).logits
-    assert (a - b).abs().max() / b.abs().max() < 5e-3
-    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    _transformers_matches_canonical(out, src, torch, transformers, [[1, 5, 9, 33, 60, 7]])
 
 
 def test_compressed_tensors_asymmetric_output_in_transformers(tmp_path: Path) -> None:
@@ -136,17 +142,7 @@ def test_compressed_tensors_asymmetric_output_in_transformers(tmp_path: Path) ->
     get_format("compressed-tensors").write(src, out)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert [g["weights"]["symmetric"] for g in qc["config_groups"].values()] == [False]
-    peer = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
-                                                             quantization_config=_dequantizing_config(transformers))
-    for name, layer in src._layers.items():
-        got = peer.get_submodule(name).weight.detach().float().numpy()
-        np.testing.assert_allclose(got, layer.dequantize(np.float32), rtol=2e-3, atol=1e-6, err_msg=name)
-    ref = _float_reference(src, torch, transformers)
-    ids = torch.tensor([[1, 5, 9, 33, 60, 7], [1, 80, 2, 44, 13, 95]])
-    with torch.no_grad():
-        a, b = peer(ids).logits, ref(ids).logits
-    assert (a - b).abs().max() / b.abs().max() < 5e-3
-    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    _transformers_matches_canonical(out, src, torch, transformers, [[1, 5, 9, 33, 60, 7], [1, 80, 2, 44, 13, 95]])
 
 
 def test_compressed_tensors_asymmetric_output_equals_its_own_writer(tmp_path: Path) -> None:

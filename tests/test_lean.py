@@ -22,7 +22,7 @@ from w4pack.core.layout import pack  # noqa: E402
 from w4pack.loading import load_model  # noqa: E402
 from w4pack.native import cpu as ncpu  # noqa: E402
 from w4pack.runtime.decode import decode_mode  # noqa: E402
-from w4pack.runtime.lean import LeanDecoder, stack_packed  # noqa: E402
+from w4pack.runtime.lean import LeanDecoder, NotLean, stack_packed  # noqa: E402
 
 if not ncpu.available():
     pytest.skip("the native CPU module is not built (make native)", allow_module_level=True)
@@ -258,6 +258,16 @@ def test_opt_out_and_unsupported_models(models: dict[str, Path], monkeypatch: py
     monkeypatch.delenv("W4PACK_LEAN")
     bf16 = load_model(models["plain"], dtype="bfloat16")
     assert decode_mode(bf16).startswith("eager (") and "float32" in decode_mode(bf16)
+
+
+def test_rotary_narrower_than_the_heads_is_not_lean(models: dict[str, Path]) -> None:
+    """Rotary tables narrower than head_dim (partial rotary): the native step would read head_dim values per
+    position past each row, so the loop is not built (transformers' generate answers, and says why)."""
+    model = load_model(models["plain"], compile=False)
+    rot = model.model.rotary_emb
+    rot.inv_freq = rot.inv_freq[: rot.inv_freq.shape[0] // 2].clone()
+    with pytest.raises(NotLean, match="rotary embedding of 8 dimensions on heads of 16"):
+        LeanDecoder(model)
 
 
 def _layer(rng: np.random.Generator, n: int, k: int, gs: int = 32, bits: int = 4,

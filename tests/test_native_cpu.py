@@ -498,3 +498,23 @@ def test_fp16_parameters_stay_half_width(bits: int, zero_mode: str, stride16: in
         sizes[sdt] = CpuPackedLinear(pack(layer), threads=1).nbytes
     tiles, groups = n // 64, k // gs
     assert sizes["float32"] - sizes["float16"] == tiles * groups * (512 - stride16)
+
+
+@pytest.mark.parametrize("heads,kv,head_dim,inter", [
+    (65536, 1, 65536, 8),      # heads x head_dim wraps to 0 in an int
+    (1, 1, 1 << 30, 8),        # (heads + 2 kv heads) x head_dim wraps
+])
+def test_llama_decode_refuses_dimensions_that_overflow_an_int(heads: int, kv: int, head_dim: int,
+                                                              inter: int) -> None:
+    """w4p_llama_decode's widths are ints: a product past INT_MAX is refused, not wrapped (a wrapped width can
+    match a real layer's and then index q/k/v past their buffers). No layer is needed to see the check."""
+    ffi, lib = cpu.ffi, cpu.lib
+    dims = ffi.new("w4p_llama_dims *")
+    dims.hidden, dims.n_heads, dims.n_kv, dims.head_dim = 8, heads, kv, head_dim
+    dims.inter, dims.max_len, dims.scaling, dims.threads = inter, 4, 1.0, 1
+    layers = ffi.new("w4p_llama_layer[]", 1)
+    h = np.zeros(8, np.float32)
+    rot = np.zeros(16, np.float32)  # not read: no layer runs
+    fp = lambda a: ffi.cast("float *", a.ctypes.data)  # noqa: E731
+    rc = lib.w4p_llama_decode(dims, layers, 0, fp(h), 0, fp(rot), fp(rot))
+    assert rc != 0 and "too large" in ffi.string(lib.w4p_last_error()).decode()

@@ -265,3 +265,13 @@ def test_plot_bench_writes_the_png_and_refuses_empty_input(tmp_path):
     (tmp_path / "e.jsonl").write_text(json.dumps({"kind": "bandwidth"}) + "\n")
     r = subprocess.run([sys.executable, tool, str(tmp_path / "e.jsonl")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no gemm records" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("line", ["[1, 2]", "7", '"gemm"'])
+def test_plot_bench_refuses_a_line_that_is_not_an_object(tmp_path, line):
+    """A JSON line that parses but is not a record is bad input: one line naming the file and line, exit 2."""
+    (tmp_path / "r.jsonl").write_text(json.dumps({"kind": "run"}) + "\n" + line + "\n")
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_bench.py"), str(tmp_path / "r.jsonl")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and f"{tmp_path / 'r.jsonl'}:2: a JSON" in r.stderr, \
+        r.stderr

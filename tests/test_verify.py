@@ -380,6 +380,16 @@ def test_help_states_the_checks_as_the_code_makes_them(capsys: pytest.CaptureFix
     assert "TOML quant-table --against source needs" in out and "hf://" in out and "reruns with --seed" in out
 
 
+def _packed_and_source_copy(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(packed folder, a copy of its GPTQ source to damage, that copy's safetensors file)."""
+    good = fixture_dir("gptq", "ag_b4_asym_g64")
+    packed = tmp_path / "packed"
+    assert main(["convert", str(good), str(packed)]) == 0
+    src = tmp_path / "src"
+    shutil.copytree(good, src)
+    return packed, src, next(src.glob("*.safetensors"))
+
+
 @pytest.mark.parametrize("drop,rc,needle", [
     ((".qweight", ".qzeros", ".scales", ".g_idx"), 3, "the source holds no quantized layers"),
     ((".qweight",), 2, "layer model.layers.0.mlp.down_proj has qzeros, scales, g_idx but no qweight"),
@@ -390,12 +400,7 @@ def test_against_a_source_convert_refuses_exits_as_convert(tmp_path: Path, capsy
     layer, whose other tensors were carried as floats), and verify --against reported a difference (1)."""
     from w4pack.store.safetensors import SafetensorsFile
 
-    good = fixture_dir("gptq", "ag_b4_asym_g64")
-    packed = tmp_path / "packed"
-    assert main(["convert", str(good), str(packed)]) == 0
-    src = tmp_path / "src"
-    shutil.copytree(good, src)
-    st = next(src.glob("*.safetensors"))
+    packed, src, st = _packed_and_source_copy(tmp_path)
     with SafetensorsFile(st) as f:
         items = [(k, np.array(f.get(k)), f.dtype_name(k)) for k in f.keys() if not k.endswith(drop)]
     write_safetensors(st, items)
@@ -417,12 +422,7 @@ def test_unreadable_source_is_bad_input_exit_2(as_json: bool, tmp_path: Path,
     item 10)."""
     from w4pack.store.safetensors import SafetensorsFile
 
-    good = fixture_dir("gptq", "ag_b4_asym_g64")
-    packed = tmp_path / "packed"
-    assert main(["convert", str(good), str(packed)]) == 0
-    src = tmp_path / "src"
-    shutil.copytree(good, src)
-    st = next(src.glob("*.safetensors"))
+    packed, src, st = _packed_and_source_copy(tmp_path)
     with SafetensorsFile(st) as f:
         tname = next(k for k in f.keys() if k.endswith(".scales"))
         assert f.dtype_name(tname) == "float16"

@@ -1576,10 +1576,17 @@ def replay(a: argparse.Namespace) -> int:
     """Rerun recorded findings by their specs; report which still give a finding on this tree."""
     try:
         doc = json.loads(a.replay.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        groups = replay_groups(doc, a.per_class)
+        unknown = sorted({str(rec["reader"]) for _, rec in groups} - set(READERS))
+        if unknown:
+            raise ValueError(f"unknown reader {unknown[0]!r} (known: {', '.join(READERS)})")
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         print(f"fuzz: error: {a.replay}: cannot read a summary: {exc}", file=sys.stderr)
         return 2
-    groups = replay_groups(doc, a.per_class)
+    except (AttributeError, KeyError, TypeError) as exc:
+        print(f"fuzz: error: {a.replay}: not a fuzz summary (findings[].reader/index/target/mutation/spec/findings"
+              f"[].cls/command): {type(exc).__name__} {exc}", file=sys.stderr)
+        return 2
     readers = sorted({rec["reader"] for _, rec in groups}, key=READERS.index)
     a.out = a.out.resolve()
     a.out.mkdir(parents=True, exist_ok=True)

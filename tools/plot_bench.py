@@ -39,6 +39,8 @@ def read_records(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
             rec = json.loads(line)
         except json.JSONDecodeError as exc:
             raise BenchDataError(f"{path}:{no}: not a JSON line ({exc.msg})") from None
+        if not isinstance(rec, dict):
+            raise BenchDataError(f"{path}:{no}: a JSON {type(rec).__name__}, not a record (an object)")
         if rec.get("kind") == "run":
             head, rows = rec, {}
         elif rec.get("kind") == "gemm":

@@ -423,43 +423,8 @@ def test_smollm2_tokenizer_rebuilt_from_tokenizer_json(smollm2: tuple[Path, Path
         assert keys[key][1] == smollm2_reader.fields[key].types[0].name, key
 
 
-def test_gguf_without_tokenizer_warns(tmp_path: Path) -> None:
-    layer = CanonicalLayer(codes=np.zeros((32, 64), np.uint8), scales=np.ones((32, 2), np.float16), bits=4,
-                           group_size=32).validate()
-
-    class One(Source):
-        config = {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 4, "hidden_size": 64}
-        info = {"format": "memory"}
-        path = Path("memory")
-
-        def layer_names(self) -> list[str]:
-            return [LAYER]
-
-        def read_layer(self, name: str) -> CanonicalLayer:
-            return layer.replace(name=name)
-
-        def passthrough_names(self) -> list[str]:
-            return []
-
-        def read_tensor(self, name: str) -> TensorData:
-            raise KeyError(name)
-
-    with pytest.warns(UserWarning, match="no tokenizer embedded"):
-        GGUF.write(One(), tmp_path / "x.gguf")
-    t = tensors_by_name(tmp_path / "x.gguf")["blk.0.ffn_down.weight"]
-    assert t.tensor_type == Q.Q4_0 and np.array_equal(gguf.quants.dequantize(t.data, t.tensor_type),
-                                                      layer.dequantize())
-
-
-def test_bpe_tokenizer_without_merges_is_not_embedded(tmp_path: Path) -> None:
-    """A byte-level BPE tokenizer.json with no merges: gguf's writer refuses the empty merges array (a traceback
-    before) and llama.cpp cannot load a BPE vocabulary without it, so the file is written without a tokenizer and
-    the warning says why."""
-    layer = CanonicalLayer(codes=np.zeros((32, 64), np.uint8), scales=np.ones((32, 2), np.float16), bits=4,
-                           group_size=32).validate()
-    tok = tmp_path / "tokenizer.json"
-    tok.write_text(json.dumps({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": []},
-                               "added_tokens": []}))
+def _one_layer_source(layer: CanonicalLayer, side: list[Path] | None = None) -> Source:
+    """A llama source of the one layer LAYER and nothing else (no tensors; ``side``: its side files)."""
 
     class One(Source):
         config = {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 4, "hidden_size": 64}
@@ -479,10 +444,32 @@ def test_bpe_tokenizer_without_merges_is_not_embedded(tmp_path: Path) -> None:
             raise KeyError(name)
 
         def side_files(self) -> list[Path]:
-            return [tok]
+            return list(side or [])
 
+    return One()
+
+
+def test_gguf_without_tokenizer_warns(tmp_path: Path) -> None:
+    layer = CanonicalLayer(codes=np.zeros((32, 64), np.uint8), scales=np.ones((32, 2), np.float16), bits=4,
+                           group_size=32).validate()
+    with pytest.warns(UserWarning, match="no tokenizer embedded"):
+        GGUF.write(_one_layer_source(layer), tmp_path / "x.gguf")
+    t = tensors_by_name(tmp_path / "x.gguf")["blk.0.ffn_down.weight"]
+    assert t.tensor_type == Q.Q4_0 and np.array_equal(gguf.quants.dequantize(t.data, t.tensor_type),
+                                                      layer.dequantize())
+
+
+def test_bpe_tokenizer_without_merges_is_not_embedded(tmp_path: Path) -> None:
+    """A byte-level BPE tokenizer.json with no merges: gguf's writer refuses the empty merges array (a traceback
+    before) and llama.cpp cannot load a BPE vocabulary without it, so the file is written without a tokenizer and
+    the warning says why."""
+    layer = CanonicalLayer(codes=np.zeros((32, 64), np.uint8), scales=np.ones((32, 2), np.float16), bits=4,
+                           group_size=32).validate()
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text(json.dumps({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": []},
+                               "added_tokens": []}))
     with pytest.warns(UserWarning, match="no tokenizer embedded.*no BPE merges"):
-        GGUF.write(One(), tmp_path / "x.gguf")
+        GGUF.write(_one_layer_source(layer, [tok]), tmp_path / "x.gguf")
     reader = gguf.GGUFReader(str(tmp_path / "x.gguf"))
     assert "tokenizer.ggml.model" not in reader.fields and "blk.0.ffn_down.weight" in tensors_by_name(
         tmp_path / "x.gguf")

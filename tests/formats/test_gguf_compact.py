@@ -78,6 +78,18 @@ def test_parameters_that_are_not_products_stay_in_the_runtime_form() -> None:
     assert all(_same_bytes(back[s], packed.tensors[s]) for s in packed.tensors)
 
 
+def test_codes_past_their_range_are_not_stored_densely() -> None:
+    """A packed layer whose 8-bit fields hold a value past its 5-bit codes (made by hand, not by layout.pack) keeps
+    its qweight: packed densely, the high bits would be lost and expand would give another layer."""
+    rng = np.random.default_rng(5)
+    packed = pack(gq.decode("Q5_0", random_blocks(rng, "Q5_0", 16, 64), 16, 64).validate())
+    qw = packed.tensors["qweight"].copy()
+    qw.view(np.uint8)[0, 0] = 200
+    tensors = dict(packed.tensors, qweight=qw)
+    st, arrays = C.compact(packed.meta, tensors, gq.STORAGE["Q5_0"])
+    assert st is None and "qdense" not in arrays and _same_bytes(arrays["qweight"], qw)
+
+
 def _expand_error(meta: dict, arrays: dict) -> str:
     with pytest.raises(BadInputError) as exc:
         C.expand(meta, arrays, "m.layer")
@@ -98,6 +110,9 @@ def test_hostile_compact_arrays_are_refused_naming_the_tensor() -> None:
     bad = dict(arrays, qdense=arrays["qdense"][:, :-1])
     assert "m.layer.qdense" in _expand_error(meta, bad) and "expected uint8" in _expand_error(meta, bad)
     assert "dense_codes on a 4-bit" in C.check_storage(dict(meta, bits=4, storage_bits=4))
+    # a super-block straddling the last real group and the padding: its factor cannot be both
+    assert meta["num_groups"] == meta["padded_groups"] == 16 and st["scales"]["super_groups"] == 16
+    assert "does not divide the layer's 15 groups" in C.check_storage(dict(meta, num_groups=15))
 
 
 @pytest.fixture(scope="module")

@@ -9,19 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import fixture_dir
-from w4pack.cli import main
+from conftest import cli_one_line as _cli, fixture_dir
 from w4pack.store.safetensors import SafetensorsFile, write_safetensors
 
 LAYER = "model.layers.0.mlp.down_proj"
-
-
-def _cli(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str]:
-    capsys.readouterr()
-    rc = main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and err.count("\n") == 1, err
-    return rc, err
 
 
 def _damaged(tmp_path: Path, family: str, case: str, leaf: str, rename: str | None) -> Path:
@@ -71,3 +62,19 @@ def test_names_of_another_layout_stay_unknown(tmp_path: Path, capsys: pytest.Cap
         (f"{LAYER}.biases", np.zeros((8, 1), np.float16), "F16")], {})
     rc, err = _cli(capsys, "inspect", src)
     assert rc == 3 and "cannot tell which format" in err
+
+
+@pytest.mark.parametrize("tensors,says", [
+    ({"qweight": np.zeros((3, 5), np.int32), "scales": np.zeros((7, 11), np.float16)},
+     "layer (top level) has qweight [3, 5], scales [7, 11], shapes that fit neither"),
+    ({"qweight": np.zeros((3, 5), np.int32), "qzeros": np.zeros((1, 5), np.int32)},
+     "layer (top level) has qweight, qzeros but no scales"),
+])
+def test_tensor_names_without_a_module_are_bad_input_not_a_crash(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], tensors: dict[str, np.ndarray], says: str) -> None:
+    """Top-level names ("qweight", no dot) belong to module "": the message names the layer without a KeyError."""
+    src = tmp_path / "top"
+    src.mkdir()
+    write_safetensors(src / "model.safetensors", [(k, a, None) for k, a in tensors.items()], {})
+    rc, err = _cli(capsys, "inspect", src)
+    assert rc == 2 and says in err and "KeyError" not in err, err

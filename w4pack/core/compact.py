@@ -110,8 +110,11 @@ def check_storage(meta: dict[str, Any]) -> str | None:
         if meta["scale_dtype"] != "float32":
             return f"storage.{s} on a layer with {meta['scale_dtype']} scales (only float32 ones are products)"
         sg = st[s]["super_groups"]
-        if meta["group_size"] == -1 or meta["padded_groups"] % sg:
-            return f"storage.{s}.super_groups {sg} does not divide the layer's {meta['padded_groups']} groups"
+        if meta["group_size"] == -1 or meta["padded_groups"] % sg or meta["num_groups"] % sg:
+            # S | G too: a factor row shared by real and padded groups would have to be zero as padding (expand)
+            # and non-zero for its real groups (LAYOUT.md §8); the writer never splits a super-block so
+            return (f"storage.{s}.super_groups {sg} does not divide the layer's {meta['num_groups']} groups "
+                    f"({meta['padded_groups']} padded)")
     return None
 
 
@@ -178,9 +181,12 @@ def compact(meta: dict[str, Any], tensors: dict[str, np.ndarray], spec: dict[str
     st: dict[str, Any] = {}
     n, _k = meta["shape"]
     g = meta["num_groups"]
-    if spec.get("dense_codes") and meta["bits"] in _DENSE_BITS:
+    fields = _fields(tensors["qweight"], meta["storage_bits"]) if spec.get("dense_codes") and \
+        meta["bits"] in _DENSE_BITS else None
+    # a field past the code range (a PackedLayer not made by layout.pack) would lose its high bits: stays as is
+    if fields is not None and int(fields.max(initial=0)) < 1 << meta["bits"]:
         out.pop("qweight")
-        out["qdense"] = pack_bits(_fields(tensors["qweight"], meta["storage_bits"]), meta["bits"])
+        out["qdense"] = pack_bits(fields, meta["bits"])
         st["dense_codes"] = True
     for s in ("scales", "mins"):
         sp = spec.get(s)

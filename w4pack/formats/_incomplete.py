@@ -23,6 +23,11 @@ _FAMILIES: tuple[tuple[str, tuple[str, ...], frozenset[str], tuple[str, ...]], .
 )
 
 
+def _full(mod: str, leaf: str) -> str:
+    """The tensor name of ``leaf`` in module ``mod`` ("" for a name without a dot: just the leaf)."""
+    return f"{mod}.{leaf}" if mod else leaf
+
+
 def _layers(names: Iterable[str]) -> dict[str, set[str]]:
     """Module prefix -> the suffixes (after the last dot) of its tensors."""
     out: dict[str, set[str]] = {}
@@ -49,8 +54,8 @@ def missing_member(names: Iterable[str]) -> tuple[str, str] | None:
             missing = [m for m in required if m not in leaves]
             if missing:
                 others = sorted(leaves - set(members) - {"bias"})
-                extra = f" (it also holds {', '.join(f'{mod}.{o}' for o in others[:4])})" if others else ""
-                return mod, (f"layer {mod} has {', '.join(has)} but no {', '.join(missing)}: a damaged {fam} "
+                extra = f" (it also holds {', '.join(_full(mod, o) for o in others[:4])})" if others else ""
+                return mod, (f"layer {mod or '(top level)'} has {', '.join(has)} but no {', '.join(missing)}: a damaged {fam} "
                              f"checkpoint{extra}")
     return None
 
@@ -63,8 +68,8 @@ def _problem(file: str, names: dict[str, tuple[int, ...]]) -> BadInputError | No
         return BadInputError(found[1], file=file)
     for mod, leaves in sorted(_layers(names).items()):
         if "qweight" in leaves and "scales" in leaves:
-            desc = ", ".join(f"{m} {list(names[f'{mod}.{m}'])}" for m in _FAMILIES[0][1] if m in leaves)
-            return BadInputError(f"layer {mod} has {desc}, shapes that fit neither GPTQ (qweight packs rows, as many "
+            desc = ", ".join(f"{m} {list(names[_full(mod, m)])}" for m in _FAMILIES[0][1] if m in leaves)
+            return BadInputError(f"layer {mod or '(top level)'} has {desc}, shapes that fit neither GPTQ (qweight packs rows, as many "
                                  "columns as scales) nor AWQ (qweight packs columns)", file=file)
     return None
 

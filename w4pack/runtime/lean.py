@@ -258,6 +258,10 @@ class LeanDecoder:
         self.scaling = float(attn0.scaling)
         if self.n_heads % self.n_kv:
             raise NotLean("attention heads are not a multiple of the KV heads")
+        with torch.inference_mode():  # the native step reads head_dim cos/sin values per position
+            rot_dim = int(rot(torch.empty(1), torch.zeros(1, 1, dtype=torch.long))[0].shape[-1])
+        if rot_dim != self.head_dim:
+            raise NotLean(f"rotary embedding of {rot_dim} dimensions on heads of {self.head_dim}")
         q_n, kv_n = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         if self.layers[0].qkv.sizes != [q_n, kv_n, kv_n]:
             raise NotLean(f"q/k/v widths {self.layers[0].qkv.sizes} do not match the heads")
