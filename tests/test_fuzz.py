@@ -300,6 +300,8 @@ def test_replay_reruns_a_recorded_finding_on_this_tree(tmp_path: Path) -> None:
                     "findings": [{"cls": "traceback", "command": "inspect"}]}]}, "unknown reader 'bogus'"),
     ([1, 2], "not a fuzz summary"),
     ({"findings": [{"reader": "gptq"}]}, "not a fuzz summary"),
+    ({"findings": [{"reader": "gptq", "mutation": "append 8 json bytes",
+                    "findings": [{"cls": "inconsistent", "command": "convert"}]}]}, "KeyError 'index'"),
 ])
 def test_replay_refuses_a_file_that_is_not_a_summary(tmp_path: Path, summary: Any, says: str) -> None:
     """--replay of a JSON file that is not fuzz.py's summary: one line naming it, exit 2, no traceback."""

@@ -1577,6 +1577,8 @@ def replay(a: argparse.Namespace) -> int:
     try:
         doc = json.loads(a.replay.read_text())
         groups = replay_groups(doc, a.per_class)
+        for _, rec in groups:  # every key the rerun reads, checked before anything runs
+            _ = (rec["index"], rec["spec"], rec["target"])
         unknown = sorted({str(rec["reader"]) for _, rec in groups} - set(READERS))
         if unknown:
             raise ValueError(f"unknown reader {unknown[0]!r} (known: {', '.join(READERS)})")

@@ -45,7 +45,8 @@ def read_records(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
             head, rows = rec, {}
         elif rec.get("kind") == "gemm":
             try:
-                rows[(int(rec["K"]), int(rec["N"]), int(rec["M"]))] = rec
+                rec = {**rec, "K": int(rec["K"]), "N": int(rec["N"]), "M": int(rec["M"])}
+                rows[(rec["K"], rec["N"], rec["M"])] = rec
             except (KeyError, TypeError, ValueError):
                 raise BenchDataError(f"{path}:{no}: gemm record without integer K, N and M") from None
     if not rows:

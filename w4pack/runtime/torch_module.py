@@ -113,7 +113,8 @@ class W4Linear(nn.Module):
     def __init__(self, meta: dict[str, Any], *, has_bias: bool | None = None, device: Any = None,
                  precision: str = "exact", threads: int | None = None, persistent: bool = True):
         super().__init__()
-        self.meta = {k: v for k, v in meta.items() if k not in ("tensors", "source")}
+        # "storage" describes the on-disk form; the module holds the runtime tensors that form expands to
+        self.meta = {k: v for k, v in meta.items() if k not in ("tensors", "source", "storage")}
         if has_bias is None:
             has_bias = "bias" in (meta.get("tensors") or {})
         if has_bias and not self.meta.get("bias_dtype"):
