@@ -397,6 +397,8 @@ NEON_CASES = [
     (70, 300, 4, 32, "none", True, "bfloat16", 2, "bfloat16"),
     (80, 256, 8, 128, "float", False, "float32", 5, "float32"),
     (40, 130, 3, -1, "int", False, "float16", 1, "float16"),
+    (72, 320, 4, 32, "float", False, "float16", 2, "float32"),   # fp16 scales and minima (GGUF Q4_1)
+    (48, 192, 8, 32, "none", False, "float16", 1, "float16"),    # 8-bit codes, fp16 scales (GGUF Q8_0)
 ]
 _DT_CODE = {"float16": 1, "bfloat16": 2, "float32": 3}
 _ZERO_CODE = {"none": 0, "int": 1, "float": 2}
