@@ -31,13 +31,13 @@ import torch
 from torch import nn
 
 
-__all__ = ["LeanDecoder", "NotLean", "use_lean_decode", "LEAN", "stack_packed"]
+__all__ = ["LeanDecoder", "NotLean", "use_lean_decode", "remove_lean_decode", "LEAN", "stack_packed", "walk"]
 
 LEAN = "lean"
 #: model types whose decoder layer is llama's (checked module by module as well)
 _FAMILY = ("llama", "mistral", "qwen2")
 #: generation options the loop implements; any other option that differs from its default goes to transformers
-_OPTIONS = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
+_OPTIONS = {"max_new_tokens", "max_length", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
             "pad_token_id", "bos_token_id", "use_cache", "transformers_version", "_from_model_config"}
 
 
@@ -190,86 +190,273 @@ def _rms(norm: nn.Module) -> tuple[torch.Tensor, float]:
     return w.detach(), float(eps)
 
 
+class LayerSpec:
+    """The modules and constants of one llama decoder layer, as found in the model (nothing built yet)."""
+
+    __slots__ = ("ln1", "eps1", "ln2", "eps2", "qkv", "o", "gate_up", "down", "act")
+
+    def __init__(self, ln1: tuple[torch.Tensor, float], ln2: tuple[torch.Tensor, float], qkv: list[nn.Module],
+                 o: nn.Module, gate_up: list[nn.Module], down: nn.Module, act: Any):
+        (self.ln1, self.eps1), (self.ln2, self.eps2) = ln1, ln2
+        self.qkv, self.o, self.gate_up, self.down, self.act = qkv, o, gate_up, down, act
+
+
+class ModelSpec:
+    """What a lean loop needs from a llama-family model, device and dtype aside: the embedding, the layers'
+    modules, the final norm, the head, the rotary module and the attention dimensions."""
+
+    embed: nn.Module
+    norm_w: torch.Tensor
+    norm_eps: float
+    head: nn.Module
+    rot: nn.Module
+    layers: list[LayerSpec]
+    head_dim: int
+    n_heads: int
+    n_kv: int
+    scaling: float
+    hidden: int
+
+
+def walk(model: nn.Module) -> ModelSpec:
+    """The model's llama structure, or NotLean with the reason (architecture only: the device and dtype are the
+    caller's to check). Shared by the CPU loop and the CUDA graph loop (``lean_cuda``)."""
+    cfg = model.config
+    mtype = getattr(cfg, "model_type", "")
+    if mtype not in _FAMILY:
+        raise NotLean(f"model type {mtype!r} is not one the lean loop runs ({', '.join(_FAMILY)})")
+    if getattr(cfg, "sliding_window", None) and (getattr(cfg, "use_sliding_window", True) or mtype != "qwen2"):
+        if mtype == "mistral" or any(t == "sliding_attention" for t in getattr(cfg, "layer_types", None) or []):
+            raise NotLean("sliding-window attention")
+    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
+        raise NotLean("pretraining_tp > 1")
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if base is None or layers is None or not hasattr(base, "embed_tokens") or not hasattr(base, "norm"):
+        raise NotLean(f"{type(model).__name__} has no model.layers / embed_tokens / norm")
+    spec = ModelSpec()
+    spec.embed = base.embed_tokens
+    spec.norm_w, spec.norm_eps = _rms(base.norm)
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        raise NotLean("no lm_head")
+    spec.head = head
+    rot = getattr(base, "rotary_emb", None)
+    rope_type = str(getattr(rot, "rope_type", ""))
+    if rot is None or "dynamic" in rope_type or rope_type == "longrope":
+        raise NotLean(f"rotary embedding {rope_type or 'missing'}: angles change with the sequence length")
+    spec.rot = rot
+    spec.layers = []
+    for i, dl in enumerate(layers):
+        attn, mlp = getattr(dl, "self_attn", None), getattr(dl, "mlp", None)
+        names = ("q_proj", "k_proj", "v_proj", "o_proj")
+        if attn is None or mlp is None or not all(hasattr(attn, n) for n in names) or not all(
+                hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            raise NotLean(f"layer {i} is not a llama decoder layer (self_attn q/k/v/o, mlp gate/up/down)")
+        if any(hasattr(attn, n) for n in ("q_norm", "k_norm")):
+            raise NotLean("attention with q/k norms")
+        if getattr(attn, "sliding_window", None):
+            raise NotLean("sliding-window attention")
+        extra = {n for n, _ in dl.named_children()} - {"self_attn", "mlp", "input_layernorm",
+                                                       "post_attention_layernorm"}
+        if extra:
+            raise NotLean(f"decoder layer {i} has extra modules {sorted(extra)}")
+        spec.layers.append(LayerSpec(_rms(dl.input_layernorm), _rms(dl.post_attention_layernorm),
+                                     [attn.q_proj, attn.k_proj, attn.v_proj], attn.o_proj,
+                                     [mlp.gate_proj, mlp.up_proj], mlp.down_proj, mlp.act_fn))
+    if not spec.layers:
+        raise NotLean("the model has no decoder layers")
+    attn0 = layers[0].self_attn
+    spec.head_dim = int(attn0.head_dim)
+    spec.n_heads = int(cfg.num_attention_heads)
+    spec.n_kv = int(getattr(cfg, "num_key_value_heads", None) or spec.n_heads)
+    spec.scaling = float(attn0.scaling)
+    spec.hidden = int(cfg.hidden_size)
+    if spec.n_heads % spec.n_kv:
+        raise NotLean("attention heads are not a multiple of the KV heads")
+    buf = next(iter(rot.buffers()), None)
+    dev = buf.device if buf is not None else torch.device("cpu")
+    with torch.inference_mode():  # both loops read head_dim cos/sin values per position
+        rot_dim = int(rot(torch.empty(1, device=dev), torch.zeros(1, 1, dtype=torch.long, device=dev))[0].shape[-1])
+    if rot_dim != spec.head_dim:
+        raise NotLean(f"rotary embedding of {rot_dim} dimensions on heads of {spec.head_dim}")
+    return spec
+
+
+def _out_features(mod: nn.Module) -> int:
+    return int(getattr(mod, "out_features", 0) or mod.weight.shape[0])
+
+
 class _Layer:
+    """One layer as a loop runs it: norms, projections (callables x [M, K] -> [M, N]), activation, KV cache."""
+
     __slots__ = ("ln1", "eps1", "qkv", "o", "ln2", "eps2", "gate_up", "down", "act", "k", "v")
 
 
-class LeanDecoder:
-    """The lean decode loop of one loaded model (batch 1); ``generate`` mirrors transformers' greedy/sampled
+class LoopBase:
+    """The llama arithmetic shared by the CPU loop and the CUDA graph loop: RMSNorm, rotary embedding, the
+    prompt's forward pass over the KV cache, and transformers' token selection. Subclasses build ``layers``
+    (``_Layer`` with projection callables), ``head``, the caches ``L.k``/``L.v`` [KVH, max_len, D] and the
+    rotary tables ``cos``/``sin`` [max_len, D], all in ``dtype``."""
+
+    layers: list[_Layer]
+    head: Any
+    cos: torch.Tensor
+    sin: torch.Tensor
+    dtype: torch.dtype = torch.float32
+
+    def _init_spec(self, spec: ModelSpec) -> None:
+        self.embed = spec.embed
+        self.norm_w, self.norm_eps = spec.norm_w, spec.norm_eps
+        self.rot = spec.rot
+        self.head_dim, self.n_heads, self.n_kv = spec.head_dim, spec.n_heads, spec.n_kv
+        self.scaling, self.hidden = spec.scaling, spec.hidden
+        self.max_len = 0
+        self.pos = 0
+
+    def _check_widths(self, qkv_sizes: list[int]) -> None:
+        q_n, kv_n = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        if qkv_sizes != [q_n, kv_n, kv_n]:
+            raise NotLean(f"q/k/v widths {qkv_sizes} do not match the heads")
+
+    def _rope_tables(self, size: int, device: Any = "cpu") -> None:
+        """cos/sin [size, head_dim] from the model's own rotary module, in the loop's dtype (as transformers'
+        rotary module returns them for hidden states of that dtype)."""
+        pos = torch.arange(size, device=device).unsqueeze(0)
+        dummy = torch.empty(1, dtype=self.dtype, device=device)
+        with torch.inference_mode():
+            cos, sin = self.rot(dummy, pos)
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+
+    # -- the arithmetic ------------------------------------------------------------------------------
+    @staticmethod
+    def _norm(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """transformers' RMSNorm: in float32, back to the input dtype, then times the weight."""
+        x = h.to(torch.float32)
+        var = x.pow(2).mean(-1, keepdim=True)
+        return w * (x * torch.rsqrt(var + eps)).to(h.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [M, heads, D]; cos/sin [M, 1, D]: x·cos + rotate_half(x)·sin, as transformers computes it."""
+        half = self.head_dim // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return (x * cos) + (rot * sin)
+
+    @staticmethod
+    def _softmax(s: torch.Tensor) -> torch.Tensor:
+        """Attention weights as transformers' eager attention computes them: softmax in float32, then the
+        scores' dtype (no-ops for a float32 model)."""
+        return torch.softmax(s, dim=-1, dtype=torch.float32).to(s.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Run the tokens ``ids`` [M] from the current position (eagerly: the prompt, or one token of a loop
+        without a faster step); returns the last position's logits [vocab]."""
+        m = int(ids.shape[0])
+        p0 = self.pos
+        self._reserve(p0 + m)
+        h = self.embed(ids.view(1, m))[0].to(self.dtype).contiguous()  # [M, H]
+        cos = self.cos[p0:p0 + m].unsqueeze(1)
+        sin = self.sin[p0:p0 + m].unsqueeze(1)
+        nh, nkv, d = self.n_heads, self.n_kv, self.head_dim
+        g = nh // nkv
+        qn, kvn = nh * d, nkv * d
+        t = p0 + m
+        mask = None
+        if m > 1:
+            key_pos = torch.arange(t, device=h.device)
+            q_pos = torch.arange(p0, t, device=h.device)
+            mask = (key_pos[None, :] > q_pos[:, None])  # [M, T]: True where the key is in the future
+        for L in self.layers:
+            x = self._norm(h, L.ln1, L.eps1)
+            qkv = L.qkv(x)
+            qk = self._rope(qkv[:, :qn + kvn].view(m, nh + nkv, d), cos, sin)
+            L.k[:, p0:t].copy_(qk[:, nh:].transpose(0, 1))
+            L.v[:, p0:t].copy_(qkv[:, qn + kvn:].view(m, nkv, d).transpose(0, 1))
+            kc, vc = L.k[:, :t], L.v[:, :t]
+            if m == 1:
+                q = qk[0, :nh].view(nkv, g, d)
+                s = torch.matmul(q, kc.transpose(1, 2)) * self.scaling  # [KVH, G, T]
+                o = torch.matmul(self._softmax(s), vc).reshape(1, qn)
+            else:
+                q = qk[:, :nh].reshape(m, nkv, g, d).permute(1, 2, 0, 3)  # [KVH, G, M, D]
+                s = torch.matmul(q, kc.unsqueeze(1).transpose(2, 3)) * self.scaling  # [KVH, G, M, T]
+                s = s.masked_fill(mask, float("-inf"))
+                o = torch.matmul(self._softmax(s), vc.unsqueeze(1))  # [KVH, G, M, D]
+                o = o.permute(2, 0, 1, 3).reshape(m, qn)
+            h = h + L.o(o)
+            x = self._norm(h, L.ln2, L.eps2)
+            gu = L.gate_up(x)
+            inter = gu.shape[-1] // 2
+            a = (L.act(gu[:, :inter]) * gu[:, inter:])
+            h = h + L.down(a)
+        self.pos = t
+        last = self._norm(h[-1:], self.norm_w, self.norm_eps)
+        return self.head(last)[0]
+
+    @staticmethod
+    def _limits(cfg: Any, t_in: int) -> tuple[int, list[int], int]:
+        """(new tokens at most, end-of-sequence ids, new tokens before an end may be chosen) of ``cfg``."""
+        new_max = cfg.max_new_tokens if cfg.max_new_tokens is not None else cfg.max_length - t_in
+        eos = cfg.eos_token_id
+        eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else sorted({int(e) for e in eos}))
+        return int(new_max), eos_ids, int(cfg.min_new_tokens or 0) if eos_ids else 0
+
+    @staticmethod
+    def _suppress(logits: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+        """transformers' MinNewTokensLengthLogitsProcessor: the end ids' scores set to -inf (on a copy)."""
+        out = logits.clone()
+        ids = [e for e in eos_ids if 0 <= e < out.shape[-1]]
+        if ids:
+            out[ids] = -float("inf")
+        return out
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, cfg: Any) -> int:
+        """transformers' selection: argmax, or temperature -> top-k -> top-p -> softmax -> one multinomial draw."""
+        scores = logits.to(torch.float32).unsqueeze(0)
+        if not cfg.do_sample:
+            return int(torch.argmax(scores, dim=-1))
+        if cfg.temperature is not None and cfg.temperature != 1.0:
+            scores = scores / cfg.temperature
+        if cfg.top_k is not None and cfg.top_k != 0:
+            k = min(max(int(cfg.top_k), 1), scores.shape[-1])
+            kth = torch.topk(scores, k)[0][..., -1, None]
+            scores = scores.masked_fill(scores < kth, -float("inf"))
+        if cfg.top_p is not None and cfg.top_p < 1.0:
+            sorted_logits, sorted_idx = torch.sort(scores, descending=False)
+            cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            remove = cum <= (1 - cfg.top_p)
+            remove[..., -1:] = 0
+            scores = scores.masked_fill(remove.scatter(1, sorted_idx, remove), -float("inf"))
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, num_samples=1)[0, 0])
+
+
+class LeanDecoder(LoopBase):
+    """The lean CPU decode loop of one loaded model (batch 1); ``generate`` mirrors transformers' greedy/sampled
     generate for the options in ``_OPTIONS``."""
 
     def __init__(self, model: nn.Module):
         self.model = model
-        cfg = model.config
-        mtype = getattr(cfg, "model_type", "")
-        if mtype not in _FAMILY:
-            raise NotLean(f"model type {mtype!r} is not one the lean loop runs ({', '.join(_FAMILY)})")
         first = next(model.parameters(), None)
+        spec = walk(model)
         if first is None or first.dtype != torch.float32 or first.device.type != "cpu":
             raise NotLean("the lean loop runs float32 models on the CPU")
-        if getattr(cfg, "sliding_window", None) and (getattr(cfg, "use_sliding_window", True) or mtype != "qwen2"):
-            if mtype == "mistral" or any(t == "sliding_attention" for t in getattr(cfg, "layer_types", None) or []):
-                raise NotLean("sliding-window attention")
-        if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
-            raise NotLean("pretraining_tp > 1")
-        base = getattr(model, "model", None)
-        layers = getattr(base, "layers", None)
-        if base is None or layers is None or not hasattr(base, "embed_tokens") or not hasattr(base, "norm"):
-            raise NotLean(f"{type(model).__name__} has no model.layers / embed_tokens / norm")
-        self.embed = base.embed_tokens
-        self.norm_w, self.norm_eps = _rms(base.norm)
-        head = getattr(model, "lm_head", None)
-        if head is None:
-            raise NotLean("no lm_head")
-        self.head = _Proj([head], stack=False)
-        rot = getattr(base, "rotary_emb", None)
-        rope_type = str(getattr(rot, "rope_type", ""))
-        if rot is None or "dynamic" in rope_type or rope_type == "longrope":
-            raise NotLean(f"rotary embedding {rope_type or 'missing'}: angles change with the sequence length")
-        self.rot = rot
+        self._init_spec(spec)
+        self.head = _Proj([spec.head], stack=False)
         self.layers: list[_Layer] = []
-        for i, dl in enumerate(layers):
-            attn, mlp = getattr(dl, "self_attn", None), getattr(dl, "mlp", None)
-            names = ("q_proj", "k_proj", "v_proj", "o_proj")
-            if attn is None or mlp is None or not all(hasattr(attn, n) for n in names) or not all(
-                    hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-                raise NotLean(f"layer {i} is not a llama decoder layer (self_attn q/k/v/o, mlp gate/up/down)")
-            if any(hasattr(attn, n) for n in ("q_norm", "k_norm")):
-                raise NotLean("attention with q/k norms")
-            if getattr(attn, "sliding_window", None):
-                raise NotLean("sliding-window attention")
-            extra = {n for n, _ in dl.named_children()} - {"self_attn", "mlp", "input_layernorm",
-                                                           "post_attention_layernorm"}
-            if extra:
-                raise NotLean(f"decoder layer {i} has extra modules {sorted(extra)}")
+        for ls in spec.layers:
             L = _Layer()
-            L.ln1, L.eps1 = _rms(dl.input_layernorm)
-            L.ln2, L.eps2 = _rms(dl.post_attention_layernorm)
-            L.qkv = _Proj([attn.q_proj, attn.k_proj, attn.v_proj], stack=True)
-            L.o = _Proj([attn.o_proj], stack=False)
-            L.gate_up = _Proj([mlp.gate_proj, mlp.up_proj], stack=True)
-            L.down = _Proj([mlp.down_proj], stack=False)
-            L.act = mlp.act_fn
+            L.ln1, L.eps1, L.ln2, L.eps2 = ls.ln1, ls.eps1, ls.ln2, ls.eps2
+            L.qkv = _Proj(ls.qkv, stack=True)
+            L.o = _Proj([ls.o], stack=False)
+            L.gate_up = _Proj(ls.gate_up, stack=True)
+            L.down = _Proj([ls.down], stack=False)
+            L.act = ls.act
             self.layers.append(L)
-        attn0 = layers[0].self_attn
-        self.head_dim = int(attn0.head_dim)
-        self.n_heads = int(cfg.num_attention_heads)
-        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
-        self.scaling = float(attn0.scaling)
-        if self.n_heads % self.n_kv:
-            raise NotLean("attention heads are not a multiple of the KV heads")
-        with torch.inference_mode():  # the native step reads head_dim cos/sin values per position
-            rot_dim = int(rot(torch.empty(1), torch.zeros(1, 1, dtype=torch.long))[0].shape[-1])
-        if rot_dim != self.head_dim:
-            raise NotLean(f"rotary embedding of {rot_dim} dimensions on heads of {self.head_dim}")
-        q_n, kv_n = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        if self.layers[0].qkv.sizes != [q_n, kv_n, kv_n]:
-            raise NotLean(f"q/k/v widths {self.layers[0].qkv.sizes} do not match the heads")
+        self._check_widths(self.layers[0].qkv.sizes)
         self.vocab = int(self.head.out_features)
-        self.hidden = int(cfg.hidden_size)
-        self.inter = self.layers[0].gate_up.out_features // 2 if self.layers else 0
-        self.max_len = 0
-        self.pos = 0
+        self.inter = self.layers[0].gate_up.out_features // 2
         # one native call per token when every projection is a native kernel of one precision and thread count
         projs = [p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)]
         self.native = bool(projs) and all(p.native for p in projs) and len(
@@ -296,11 +483,7 @@ class LeanDecoder:
                 k[:, :keep].copy_(L.k[:, :keep])
                 v[:, :keep].copy_(L.v[:, :keep])
             L.k, L.v = k, v
-        pos = torch.arange(size).unsqueeze(0)
-        dummy = torch.empty(1, dtype=torch.float32)
-        with torch.inference_mode():
-            cos, sin = self.rot(dummy, pos)
-        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # [size, head_dim]
+        self._rope_tables(size)  # [size, head_dim]
         self.max_len = size
         if self.native:
             self._describe()
@@ -356,70 +539,14 @@ class LeanDecoder:
         self.pos = pos + 1
         return self.head(h)[0]  # h holds the final norm's output
 
-    # -- the step ----------------------------------------------------------------------------------
-    def _norm(self, h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        var = h.pow(2).mean(-1, keepdim=True)
-        return w * (h * torch.rsqrt(var + eps))
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [M, heads, D]; cos/sin [M, 1, D]: x·cos + rotate_half(x)·sin, as transformers computes it."""
-        half = self.head_dim // 2
-        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return (x * cos) + (rot * sin)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Run the tokens ``ids`` [M] from the current position; returns the last position's logits [vocab]."""
-        m = int(ids.shape[0])
-        p0 = self.pos
-        self._reserve(p0 + m)
-        h = self.embed(ids.view(1, m))[0].to(torch.float32).contiguous()  # [M, H]
-        cos = self.cos[p0:p0 + m].unsqueeze(1)
-        sin = self.sin[p0:p0 + m].unsqueeze(1)
-        nh, nkv, d = self.n_heads, self.n_kv, self.head_dim
-        g = nh // nkv
-        qn, kvn = nh * d, nkv * d
-        t = p0 + m
-        mask = None
-        if m > 1:
-            key_pos = torch.arange(t)
-            q_pos = torch.arange(p0, t)
-            mask = (key_pos[None, :] > q_pos[:, None])  # [M, T]: True where the key is in the future
-        for L in self.layers:
-            x = self._norm(h, L.ln1, L.eps1)
-            qkv = L.qkv(x)
-            qk = self._rope(qkv[:, :qn + kvn].view(m, nh + nkv, d), cos, sin)
-            L.k[:, p0:t].copy_(qk[:, nh:].transpose(0, 1))
-            L.v[:, p0:t].copy_(qkv[:, qn + kvn:].view(m, nkv, d).transpose(0, 1))
-            kc, vc = L.k[:, :t], L.v[:, :t]
-            if m == 1:
-                q = qk[0, :nh].view(nkv, g, d)
-                s = torch.matmul(q, kc.transpose(1, 2)) * self.scaling  # [KVH, G, T]
-                o = torch.matmul(torch.softmax(s, dim=-1), vc).reshape(1, qn)
-            else:
-                q = qk[:, :nh].reshape(m, nkv, g, d).permute(1, 2, 0, 3)  # [KVH, G, M, D]
-                s = torch.matmul(q, kc.unsqueeze(1).transpose(2, 3)) * self.scaling  # [KVH, G, M, T]
-                s = s.masked_fill(mask, float("-inf"))
-                o = torch.matmul(torch.softmax(s, dim=-1), vc.unsqueeze(1))  # [KVH, G, M, D]
-                o = o.permute(2, 0, 1, 3).reshape(m, qn)
-            h = h + L.o(o)
-            x = self._norm(h, L.ln2, L.eps2)
-            gu = L.gate_up(x)
-            inter = gu.shape[-1] // 2
-            a = (L.act(gu[:, :inter]) * gu[:, inter:])
-            h = h + L.down(a)
-        self.pos = t
-        last = self._norm(h[-1:], self.norm_w, self.norm_eps)
-        return self.head(last)[0]
-
     # -- generation --------------------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor, cfg: Any, streamer: Any = None) -> torch.Tensor:
         """Greedy or sampled continuation of ``input_ids`` [1, T] under generation config ``cfg`` (already
         checked by ``plan``); returns [1, T + new] like transformers."""
         ids = input_ids[0].to(torch.long)
         t_in = int(ids.shape[0])
-        new_max = cfg.max_new_tokens if cfg.max_new_tokens is not None else cfg.max_length - t_in
-        eos = cfg.eos_token_id
-        eos_set = set() if eos is None else ({int(eos)} if isinstance(eos, int) else {int(e) for e in eos})
+        new_max, eos_ids, min_new = self._limits(cfg, t_in)
+        eos_set = set(eos_ids)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         out = [int(v) for v in ids.tolist()]
@@ -428,7 +555,7 @@ class LeanDecoder:
             self._reserve(t_in + min(new_max, 1024))  # longer runs grow the cache as they go
             logits = self.forward(ids)
             for i in range(new_max):
-                tok = self._pick(logits, cfg)
+                tok = self._pick(self._suppress(logits, eos_ids) if i < min_new else logits, cfg)
                 out.append(tok)
                 if streamer is not None:
                     streamer.put(torch.tensor([tok]))
@@ -439,26 +566,6 @@ class LeanDecoder:
             streamer.end()
         return torch.tensor([out], dtype=input_ids.dtype)
 
-    @staticmethod
-    def _pick(logits: torch.Tensor, cfg: Any) -> int:
-        """transformers' selection: argmax, or temperature -> top-k -> top-p -> softmax -> one multinomial draw."""
-        scores = logits.to(torch.float32).unsqueeze(0)
-        if not cfg.do_sample:
-            return int(torch.argmax(scores, dim=-1))
-        if cfg.temperature is not None and cfg.temperature != 1.0:
-            scores = scores / cfg.temperature
-        if cfg.top_k is not None and cfg.top_k != 0:
-            k = min(max(int(cfg.top_k), 1), scores.shape[-1])
-            kth = torch.topk(scores, k)[0][..., -1, None]
-            scores = scores.masked_fill(scores < kth, -float("inf"))
-        if cfg.top_p is not None and cfg.top_p < 1.0:
-            sorted_logits, sorted_idx = torch.sort(scores, descending=False)
-            cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-            remove = cum <= (1 - cfg.top_p)
-            remove[..., -1:] = 0
-            scores = scores.masked_fill(remove.scatter(1, sorted_idx, remove), -float("inf"))
-        probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, num_samples=1)[0, 0])
 
 
 def signature(model: nn.Module) -> tuple[Any, ...]:
@@ -511,15 +618,26 @@ def plan(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tup
     return ids, cfg, streamer
 
 
+def build_engine(model: nn.Module) -> "LoopBase":
+    """The lean loop for the model's device: the native CPU loop, or on CUDA the CUDA-graph loop
+    (``w4pack.runtime.lean_cuda``); NotLean with the reason when the model is not one it runs."""
+    first = next(model.parameters(), None)
+    if first is not None and first.device.type == "cuda":
+        from .lean_cuda import GraphDecoder
+
+        return GraphDecoder(model)
+    return LeanDecoder(model)
+
+
 def use_lean_decode(model: nn.Module) -> str:
-    """Answer ``model.generate`` with the lean loop where it can (batch 1, llama family); returns the decode mode
-    ("lean", or "eager (why not)")."""
+    """Answer ``model.generate`` with the lean loop where it can (batch 1, llama family; the CPU loop or, for a
+    model on CUDA, the CUDA-graph loop); returns the decode mode ("lean", or "eager (why not)")."""
     from .decode import EAGER
 
     if getattr(model, "_w4pack_generate", None) is not None:
         return model.w4pack_decode
     try:
-        engine = LeanDecoder(model)
+        engine = build_engine(model)
     except NotLean as exc:
         model.w4pack_decode = f"{EAGER} ({exc})"
         return model.w4pack_decode
@@ -544,7 +662,7 @@ def use_lean_decode(model: nn.Module) -> str:
         nonlocal engine
         try:
             if signature(model) != engine.signature:
-                engine = model._w4pack_lean = LeanDecoder(model)
+                engine = model._w4pack_lean = build_engine(model)
             ids, cfg, streamer = plan(model, args, kwargs)
         except NotLean as exc:
             model.w4pack_decode = f"{EAGER} ({exc})"
@@ -561,3 +679,16 @@ def use_lean_decode(model: nn.Module) -> str:
 
     model.generate = generate
     return LEAN
+
+
+def remove_lean_decode(model: nn.Module) -> None:
+    """Undo ``use_lean_decode``: transformers' generate again, the loop (its caches, graphs and stacked
+    weights) released. For benchmarks that time several decode modes on one model."""
+    inner = getattr(model, "_w4pack_generate", None)
+    if inner is None or getattr(model, "_w4pack_lean", None) is None:
+        return
+    model.__dict__.pop("generate", None)
+    if model.generate != inner:
+        model.generate = inner
+    for attr in ("_w4pack_generate", "_w4pack_lean", "w4pack_decode"):
+        model.__dict__.pop(attr, None)
