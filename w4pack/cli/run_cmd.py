@@ -45,11 +45,16 @@ from .extras import needs_extras
               help="Decode with transformers' own eager generate: on CUDA instead of the static cache and the "
                    "compiled step (whose first run spends tens of seconds compiling; also $W4PACK_COMPILE=0), on "
                    "the CPU instead of w4pack's lean decode loop (also $W4PACK_LEAN=0).")
+@click.option("--engine", type=click.Choice(["auto", "lean", "compiled", "eager"]), default="auto",
+              show_default=True,
+              help="How generate decodes: auto (CPU: the lean loop, CUDA: the compiled step), lean (w4pack's "
+                   "loop; on CUDA one CUDA graph per token, opt-in: llama-family models, batch 1), compiled "
+                   "or eager (transformers').")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @needs_extras("run", torch="hf")
 def run(path: Path, prompt: str | None, ppl_file: Path | None, device: str, max_new_tokens: int, precision: str,
         dtype: str | None, temperature: float, seed: int | None, chat: bool, threads: int | None,
-        window: int | None, eager: bool, as_json: bool) -> None:
+        window: int | None, eager: bool, engine: str, as_json: bool) -> None:
     """Load the packed checkpoint PATH and generate from --prompt, or score --perplexity FILE.
 
     The tokenizer comes from PATH; quantized layers run w4pack's kernels (CPU or CUDA). Reports tokens/s.
@@ -65,6 +70,8 @@ def run(path: Path, prompt: str | None, ppl_file: Path | None, device: str, max_
 
     if (prompt is None) == (ppl_file is None):
         raise BadInputError("give exactly one of --prompt TEXT or --perplexity FILE")
+    if eager and engine not in ("auto", "eager"):
+        raise BadInputError(f"--eager contradicts --engine {engine}")
     device = check_device(device)  # a usage error now, not torch's RuntimeError after the model is read
     if device == "cpu":  # likewise a bad $W4PACK_ISA / $W4PACK_THREADS, before the model is read
         from ..native.cpu import check_environment
@@ -105,7 +112,8 @@ def run(path: Path, prompt: str | None, ppl_file: Path | None, device: str, max_
 
     doc = generate(path, prompt, device=device, max_new_tokens=max_new_tokens, precision=precision,
                    temperature=temperature, seed=seed, dtype=dtype, chat=chat, threads=threads,
-                   compile=False if eager else None, on_text=on_text, loading=loading_then_prompt)
+                   compile=False if eager else None, on_text=on_text, loading=loading_then_prompt,
+                   engine=engine)
     if as_json:
         emit_json(doc)
     else:

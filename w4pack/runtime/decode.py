@@ -19,9 +19,29 @@ from ..errors import W4PackError
 
 COMPILED = "compiled"
 EAGER = "eager"
+#: decode engines ``load_model(engine=...)`` / ``w4pack run --engine`` take ("auto": the device's default)
+ENGINES = ("auto", "lean", COMPILED, EAGER)
 ENV = "W4PACK_COMPILE"
 LEAN_ENV = "W4PACK_LEAN"
 _OFF = ("0", "false", "no", "off")
+
+
+def resolve_engine(engine: str | None, compile: bool | None) -> bool | None | str:
+    """``compile`` as the rest of this module reads it (None: the device's default, True, False), or "lean".
+
+    ``engine``: "auto" (or None), "lean" (w4pack's lean loop: the CPU default; on CUDA the CUDA-graph loop,
+    opt-in until measured), "compiled" (= ``compile=True``) or "eager" (= ``compile=False``). Giving both
+    ``engine`` and ``compile`` is an error unless they agree."""
+    from ..errors import BadInputError
+
+    if engine is None or engine == "auto":
+        return compile
+    if engine not in ENGINES:
+        raise BadInputError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    want: bool | str = {"lean": "lean", COMPILED: True, EAGER: False}[engine]
+    if compile is not None and compile is not want:
+        raise BadInputError(f"engine={engine!r} contradicts compile={compile}")
+    return want
 
 
 def compile_wanted(device: Any, compile: bool | None) -> bool:
@@ -42,7 +62,7 @@ def lean_wanted(compile: bool | None) -> bool:
 
 
 def decode_mode(model: Any) -> str:
-    """"compiled", "lean" (CPU), "eager", or "eager (why the compiled step or the lean loop was not used)"."""
+    """"compiled", "lean", "eager", or "eager (why the compiled step or the lean loop was not used)"."""
     return getattr(model, "w4pack_decode", EAGER)
 
 

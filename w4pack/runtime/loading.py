@@ -443,7 +443,7 @@ def _leftover_meta(model: Any) -> list[str]:
 
 def load_model(path: str | os.PathLike[str], device: Any = "cpu", dtype: Any = None, precision: str = "exact",
                threads: int | None = None, attn_implementation: str | None = None,
-               compile: bool | None = None) -> Any:
+               compile: bool | None = None, engine: str | None = None) -> Any:
     """A transformers causal LM whose quantized layers run w4pack's native kernels.
 
     ``device``: "cpu" or "cuda[:i]"; ``dtype``: activations and unquantized weights (float32, float16 or
@@ -453,7 +453,9 @@ def load_model(path: str | os.PathLike[str], device: Any = "cpu", dtype: Any = N
     compiled step (default on CUDA unless $W4PACK_COMPILE=0; a failure falls back to eager with a warning:
     ``w4pack.runtime.decode``). On the CPU, ``generate`` runs the lean decode loop by default
     (``w4pack.runtime.lean``: llama-family float32 models, batch 1; anything else is transformers' generate);
-    ``compile=False`` or $W4PACK_LEAN=0 keeps transformers' eager generate.
+    ``compile=False`` or $W4PACK_LEAN=0 keeps transformers' eager generate. ``engine``: "auto" (the above),
+    "lean", "compiled" or "eager"; "lean" on CUDA decodes through w4pack's CUDA-graph loop
+    (``w4pack.runtime.lean_cuda``, opt-in: not yet measured against the compiled default).
 
     Example::
 
@@ -464,12 +466,13 @@ def load_model(path: str | os.PathLike[str], device: Any = "cpu", dtype: Any = N
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .decode import compile_wanted, lean_wanted, use_compiled_decode
+    from .decode import compile_wanted, lean_wanted, resolve_engine, use_compiled_decode
     from .lean import use_lean_decode
     from .torch_module import PRECISIONS, W4Linear
 
     if precision not in PRECISIONS:
         raise BadInputError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    chosen = resolve_engine(engine, compile)
     dev = torch.device(check_device(device))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UnsupportedError("device cuda was asked for but torch sees no CUDA device")
@@ -511,9 +514,11 @@ def load_model(path: str | os.PathLike[str], device: Any = "cpu", dtype: Any = N
         model.w4pack_path = str(ckpt.path)
         model.w4pack_quantization = dict(ckpt.config["quantization_config"])
     attach_save_pretrained(model)
-    if compile_wanted(dev, compile):
+    if chosen == "lean":
+        use_lean_decode(model)
+    elif compile_wanted(dev, chosen):  # type: ignore[arg-type]
         use_compiled_decode(model)
-    elif dev.type == "cpu" and lean_wanted(compile):
+    elif dev.type == "cpu" and lean_wanted(chosen):  # type: ignore[arg-type]
         use_lean_decode(model)
     model.eval()
     model.requires_grad_(False)

@@ -55,14 +55,15 @@ Status = Callable[[], AbstractContextManager[Any]]
 
 
 def _load(target: Any, device: str, precision: str, dtype: Any, threads: int | None,
-          compile: bool | None = False, status: Status | None = None) -> tuple[Any, Any, str]:
+          compile: bool | None = False, status: Status | None = None,
+          engine: str | None = None) -> tuple[Any, Any, str]:
     if isinstance(target, (str, os.PathLike)):
         from .loading import load_model, load_tokenizer
 
         path = str(target)
         with (status or nullcontext)():
             model = load_model(path, device=device, dtype=dtype, precision=precision, threads=threads,
-                               compile=compile)
+                               compile=compile, engine=engine)
             return model, load_tokenizer(path), path
     model, tok = target
     return model, tok, str(getattr(model, "w4pack_path", "<model>"))
@@ -82,12 +83,14 @@ def generate(target: Any, prompt: str, *, device: str = "cpu", max_new_tokens: i
              precision: str = "exact", temperature: float = 0.0, seed: int | None = None, dtype: Any = None,
              chat: bool = False, threads: int | None = None, top_p: float | None = None,
              compile: bool | None = None, on_text: Callable[[str], None] | None = None,
-             loading: Status | None = None) -> dict[str, Any]:
+             loading: Status | None = None, engine: str | None = None) -> dict[str, Any]:
     """Greedy (temperature 0) or sampled continuation of ``prompt``; returns text, token ids and timings.
 
     ``target``: a w4pack folder or a (model, tokenizer) pair. ``chat`` wraps the prompt in the tokenizer's chat
     template (instruct models). ``seed`` makes sampling repeatable. ``compile``: on CUDA, decode through the
     static cache and the compiled step (default; the first call pays the compile) or eagerly (False).
+    ``engine``: "auto", "lean", "compiled" or "eager" (``load_model``); "lean" on CUDA is w4pack's
+    CUDA-graph loop.
     ``on_text`` receives the completion piece by piece while it is generated (the CLI streams it); ``loading``
     is entered while a folder is loaded.
     """
@@ -98,7 +101,7 @@ def generate(target: Any, prompt: str, *, device: str = "cpu", max_new_tokens: i
     if temperature < 0:
         raise BadInputError(f"temperature must be >= 0, got {temperature}")
     t0 = time.perf_counter()
-    model, tok, path = _load(target, device, precision, dtype, threads, compile, loading)
+    model, tok, path = _load(target, device, precision, dtype, threads, compile, loading, engine)
     load_s = time.perf_counter() - t0
     dev = next(model.parameters()).device
     if chat:

@@ -1,0 +1,215 @@
+"""w4pack.runtime.lean_cuda: the CUDA-graph decode loop.
+
+Its step is plain torch code: run eagerly on the CPU in float32 (``graphs=False``, the same code minus the
+capture) it must decode what transformers decodes (same greedy tokens, same seeded samples, logits to float
+rounding), over the stacked, fused and per-module projections, across attention buckets. Capture and replay
+are checked where a CUDA device is present (marked gpu). The loop falls back with the reason for models and
+calls it does not run."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from test_lean import GEN, _ids, _write  # noqa: E402  (the CPU loop's models and inputs)
+
+from w4pack.errors import BadInputError  # noqa: E402
+from w4pack.loading import load_model  # noqa: E402
+from w4pack.runtime import lean  # noqa: E402
+from w4pack.runtime.decode import decode_mode  # noqa: E402
+from w4pack.runtime.lean import NotLean, plan, remove_lean_decode, use_lean_decode  # noqa: E402
+from w4pack.runtime.lean_cuda import BUCKET, GraphDecoder  # noqa: E402
+from w4pack.runtime.run import dequantized_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("lean_cuda")
+    return {
+        "plain": _write(tmp, "plain", max_position_embeddings=1024),
+        "fused": _write(tmp, "fused", fuse="qkv,gate-up", seed=6),
+        "odd": _write(tmp, "odd", seed=7, act_order=True, attention_bias=True, num_attention_heads=4,
+                      num_key_value_heads=2, sym=False, intermediate_size=224),
+    }
+
+
+def _generate(engine: GraphDecoder, ids: torch.Tensor, **kw: object) -> torch.Tensor:
+    got_ids, cfg, streamer = plan(engine.model, (ids,), dict(kw))
+    with torch.inference_mode():
+        return engine.generate(got_ids, cfg, streamer)
+
+
+@pytest.mark.parametrize("name", ["plain", "fused", "odd", "float"])
+def test_greedy_tokens_match_transformers(models: dict[str, Path], name: str) -> None:
+    model = load_model(models["odd" if name == "float" else name], compile=False)
+    if name == "float":
+        dequantized_model(model)  # nn.Linear layers: stacked by concatenating their weights
+    engine = GraphDecoder(model)
+    assert not engine.graphs and engine.device.type == "cpu"
+    if name in ("plain", "float"):
+        assert all(L.qkv.stacked and L.gate_up.stacked for L in engine.layers)
+    if name == "fused":
+        assert all(len(L.qkv.calls) == 1 and not L.qkv.stacked for L in engine.layers)
+    for seed in range(2):
+        ids = _ids(5 + seed, seed)
+        assert torch.equal(_generate(engine, ids, **GEN), model.generate(ids, **GEN)), seed
+
+
+def test_step_logits_match_transformers_forward(models: dict[str, Path]) -> None:
+    for name in ("plain", "odd"):
+        model = load_model(models[name], compile=False)
+        engine = GraphDecoder(model)
+        ids = _ids(9, 4)[0]
+        with torch.inference_mode():
+            want = model(ids.unsqueeze(0)).logits[0]
+            engine.pos = 0
+            engine._reserve(16)
+            got = [engine.forward(ids[:4]).clone()] + [engine.step(int(t)).clone() for t in ids[4:]]
+        ref = want[3:]
+        rel = (torch.stack(got) - ref).abs().amax(-1) / ref.abs().amax(-1)
+        assert float(rel.max()) < 1e-5, (name, rel)
+
+
+def test_long_run_crosses_buckets_and_grows_the_cache(models: dict[str, Path]) -> None:
+    model = load_model(models["plain"], compile=False)
+    engine = GraphDecoder(model)
+    kw = dict(GEN, max_new_tokens=2 * BUCKET + 20)
+    ids = _ids()
+    want = model.generate(ids, **kw)
+    engine.first_reserve = 100  # the run must grow the cache mid-sequence, keeping its positions
+    buckets = []
+    real = engine.bucket
+
+    def spy(pos: int) -> int:
+        b = real(pos)
+        if not buckets or buckets[-1] != b:
+            buckets.append(b)
+        return b
+
+    engine.bucket = spy  # type: ignore[method-assign]
+    assert torch.equal(_generate(engine, ids, **kw), want)
+    assert buckets == [BUCKET, 2 * BUCKET, 4 * BUCKET] and engine.max_len == 4 * BUCKET
+
+
+def test_min_new_tokens_eos_and_streaming_match_transformers(models: dict[str, Path]) -> None:
+    model = load_model(models["plain"], compile=False)
+    engine = GraphDecoder(model)
+    free = model.generate(_ids(), **GEN)[0, 7:].tolist()
+    eos = free[2]
+    for extra in ({"eos_token_id": eos}, {"eos_token_id": [eos, 79], "min_new_tokens": 6}):
+        kw = dict(GEN, **extra)
+        want = model.generate(_ids(), **kw)
+
+        class Sink:
+            got: list[list[int]] = []
+
+            def put(self, v: torch.Tensor) -> None:
+                self.got.append(v.reshape(-1).tolist())
+
+            def end(self) -> None:
+                self.got.append(["end"])  # type: ignore[list-item]
+
+        sink = Sink()
+        sink.got = []
+        got = _generate(engine, _ids(), streamer=sink, **kw)
+        assert torch.equal(got, want), extra
+        assert [t for part in sink.got[1:-1] for t in part] == got[0, 7:].tolist() and sink.got[-1] == ["end"]
+    assert want.shape[1] > 7 + free.index(eos) + 1  # min_new_tokens kept it going past the first end
+
+
+def test_seeded_sampling_draws_what_transformers_draws(models: dict[str, Path]) -> None:
+    model = load_model(models["plain"], compile=False)
+    engine = GraphDecoder(model)
+    for extra in ({"top_k": 0, "top_p": 0.9}, {"top_k": 20, "top_p": None, "min_new_tokens": 4,
+                                                "eos_token_id": 5}):
+        kw = dict(max_new_tokens=10, do_sample=True, temperature=0.8, pad_token_id=0, **extra)
+        torch.manual_seed(11)
+        want = model.generate(_ids(), **kw)
+        torch.manual_seed(11)
+        assert torch.equal(_generate(engine, _ids(), **kw), want), extra
+
+
+def test_models_and_calls_it_does_not_run_give_the_reason(models: dict[str, Path],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    model = load_model(models["plain"], compile=False)
+    with pytest.raises(NotLean, match="CUDA graphs need a model on a CUDA device"):
+        GraphDecoder(model, graphs=True)
+    with pytest.raises(NotLean, match="float16, bfloat16 or float32"):
+        GraphDecoder(load_model(models["plain"], compile=False).to(torch.float64))
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)
+    with pytest.raises(NotLean, match="model type 'gpt2'"):
+        GraphDecoder(transformers.GPT2LMHeadModel(cfg))
+    # through generate: the CUDA loop (run eagerly here) answers batch 1, transformers the rest, with the reason
+    monkeypatch.setattr(lean, "build_engine", lambda m: GraphDecoder(m, graphs=False))
+    assert use_lean_decode(model) == "lean" and isinstance(model._w4pack_lean, GraphDecoder)
+    ref = load_model(models["plain"], compile=False)
+    two = torch.cat([_ids(), _ids(seed=1)])
+    assert torch.equal(model.generate(two, **GEN), ref.generate(two, **GEN))
+    assert decode_mode(model).startswith("eager (") and "one sequence" in decode_mode(model)
+    kw = dict(GEN, num_beams=2)
+    assert torch.equal(model.generate(_ids(), **kw), ref.generate(_ids(), **kw))
+    assert "num_beams" in decode_mode(model)
+    assert torch.equal(model.generate(_ids(), **GEN), ref.generate(_ids(), **GEN))
+    assert decode_mode(model) == "lean"
+    remove_lean_decode(model)
+    assert decode_mode(model) == "eager" and "generate" not in model.__dict__
+
+
+def test_engine_option(models: dict[str, Path]) -> None:
+    assert decode_mode(load_model(models["plain"], engine="lean")) == "lean"
+    assert decode_mode(load_model(models["plain"], engine="eager")) == "eager"
+    assert decode_mode(load_model(models["plain"], engine="auto")) == "lean"  # the CPU default
+    with pytest.raises(BadInputError, match="engine must be one of"):
+        load_model(models["plain"], engine="graphs")
+    with pytest.raises(BadInputError, match="contradicts"):
+        load_model(models["plain"], engine="lean", compile=True)
+
+
+def test_cli_refuses_eager_with_another_engine(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    from w4pack.cli import main
+
+    assert main(["run", str(models["plain"]), "--prompt", "x", "--eager", "--engine", "lean"]) == 2
+    err = capsys.readouterr().err
+    assert "--eager contradicts --engine lean" in err and len(err.strip().splitlines()) == 1
+
+
+# -- on a GPU: capture and replay ------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["plain", "fused", "odd"])
+def test_graph_replay_matches_the_eager_step(models: dict[str, Path], name: str) -> None:
+    """The captured step decodes what the same step run eagerly decodes, token for token, and transformers'
+    float16 generate agrees on the tokens; crossing a bucket captures a second graph."""
+    model = load_model(models[name], device="cuda", dtype="float16", engine="lean")
+    assert decode_mode(model) == "lean"
+    graphed = model._w4pack_lean
+    assert isinstance(graphed, GraphDecoder) and graphed.graphs
+    eager = GraphDecoder(model, graphs=False)
+    ids = _ids().cuda()
+    kw = dict(GEN, max_new_tokens=BUCKET + 8)
+    got = model.generate(ids, **kw)
+    assert graphed.captures == 2  # the first bucket, then the second when the sequence reached it
+    assert torch.equal(got, _generate(eager, ids, **kw))
+    again = model.generate(ids, **kw)
+    assert torch.equal(again, got) and graphed.captures == 2  # replayed, not recaptured
+    ref = load_model(models[name], device="cuda", dtype="float16", engine="eager")
+    short = dict(GEN, max_new_tokens=12)
+    assert torch.equal(model.generate(ids, **short), ref.generate(ids, **short))
+
+
+@pytest.mark.gpu
+def test_graph_logits_match_transformers_float16(models: dict[str, Path]) -> None:
+    model = load_model(models["plain"], device="cuda", dtype="float16", engine="eager")
+    engine = GraphDecoder(model)
+    ids = _ids(9, 4)[0].cuda()
+    with torch.inference_mode():
+        want = model(ids.unsqueeze(0)).logits[0].float()
+        engine.pos = 0
+        engine._reserve(16)
+        got = [engine.forward(ids[:4]).float()] + [engine.step(int(t)).float().clone() for t in ids[4:]]
+    ref = want[3:]
+    rel = (torch.stack(got) - ref).abs().amax(-1) / ref.abs().amax(-1)
+    assert float(rel.max()) < 2e-2, rel
+    assert engine.captures == 1

@@ -1,0 +1,324 @@
+"""The lean CUDA decode loop: a llama-family step of torch ops captured whole into CUDA graphs, batch 1.
+
+Why: transformers' static-cache compiled step (``w4pack.runtime.decode``) captures the layers, but its
+per-token loop (input preparation, cache bookkeeping, logits processors, stopping criteria) runs in Python
+between replays: about 1.4 ms of a 4.7 ms step on Llama-2-7B shapes on an H200. This loop captures
+everything a token needs (embedding, every layer, final norm, head, argmax, the next position) into one
+graph per attention length, so a greedy token costs one ``replay()`` and a 8-byte read:
+
+* the step reads its token id and position from device buffers and writes the next ones (argmax of the
+  logits, position + 1), so replays chain without the host; the host only reads each token back (a
+  pinned copy that overlaps the next replay) for streaming and the end-of-sequence check;
+* q/k/v and gate/up run as one packed GEMM each (``stack_packed``, the same stacking as the CPU loop; the
+  packed layers run ``W4Linear``'s CUDA path, whose kernels capture cleanly), float ``nn.Linear`` layers are
+  stacked by concatenating their weights;
+* the KV cache is preallocated per layer; attention reads a fixed number of positions ("bucket": 256, 512,
+  ... up to the cache) and masks those after the current position, so the graph never changes shape. One
+  graph per bucket is captured when the sequence first reaches it (all share one memory pool);
+* the rotary rows are gathered from tables computed once, by the position buffer.
+
+The step is ordinary torch code: on the CPU (float32, no capture) it runs eagerly, which is how the tests
+check its arithmetic against transformers. Sampling (temperature, top-k, top-p) runs transformers'
+selection on the captured logits outside the graph. What the loop does not run (other architectures,
+batch > 1, other generate options) is answered by transformers' generate with the reason
+(``use_lean_decode``). Opt-in (``engine="lean"``) until it has been measured on a GPU.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .lean import LayerSpec, LoopBase, NotLean, _Layer, _out_features, signature, stack_packed, walk
+
+__all__ = ["GraphDecoder", "BUCKET"]
+
+#: the shortest attention length a graph covers; longer ones double
+BUCKET = 256
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class _Linear:
+    """x [M, K] -> [M, sum N] for the rows of one or more model projections: one module call (a fused packed
+    layer, a packed layer stacked from several, or float weights concatenated), else one call per module.
+    The stacked copies live here, not in the model (transformers' generate keeps using the originals)."""
+
+    def __init__(self, mods: list[nn.Module], stack: bool, device: torch.device, dtype: torch.dtype):
+        from .torch_module import W4Linear, W4SliceLinear
+
+        self.sizes = [_out_features(m) for m in mods]
+        self.out_features = sum(self.sizes)
+        self.calls: list[Any] = list(mods)
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self.stacked = False
+        first = mods[0]
+        if len(mods) == 1:
+            return
+        if all(isinstance(m, W4SliceLinear) for m in mods) and len({id(m.fused) for m in mods}) == 1:
+            fused = first.fused
+            rows = [tuple(fused.parts[m.index]["rows"]) for m in mods]
+            if rows[0][0] == 0 and rows[-1][1] == fused.out_features and all(
+                    a[1] == b[0] for a, b in zip(rows, rows[1:])):
+                self.calls = [fused]
+                return
+        if not stack:
+            return
+        if all(type(m) is W4Linear for m in mods) and len({(m.precision, m.threads) for m in mods}) == 1:
+            packed = stack_packed([m.packed_layer() for m in mods])
+            if packed is not None:
+                mod = W4Linear.from_packed(packed, device=device, precision=first.precision, threads=first.threads)
+                mod.prepare(device, dtype)  # kernel, parameter copies and workspace before any capture
+                self.calls = [mod]
+                self.stacked = True
+        elif all(type(m) is nn.Linear for m in mods) and len({m.weight.dtype for m in mods}) == 1 and len(
+                {m.bias is None for m in mods}) == 1:
+            with torch.no_grad():
+                self.weight = torch.cat([m.weight.detach() for m in mods], dim=0).contiguous()
+                if first.bias is not None:
+                    self.bias = torch.cat([m.bias.detach() for m in mods], dim=0).contiguous()
+            self.calls = []
+            self.stacked = True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        if len(self.calls) == 1:
+            return self.calls[0](x)
+        return torch.cat([m(x) for m in self.calls], dim=-1)
+
+
+class GraphDecoder(LoopBase):
+    """The lean CUDA loop of one loaded model (batch 1). ``graphs``: capture the step into CUDA graphs (the
+    default on CUDA); False runs the same step eagerly (on the CPU: the tests)."""
+
+    #: new tokens a call reserves cache for up front (the cache grows past it, recapturing the graphs)
+    first_reserve = 4096
+
+    def __init__(self, model: nn.Module, graphs: bool | None = None):
+        self.model = model
+        spec = walk(model)
+        first = next(model.parameters(), None)
+        if first is None or first.dtype not in _DTYPES:
+            raise NotLean(f"the lean loop runs float16, bfloat16 or float32 models, not "
+                          f"{None if first is None else first.dtype}")
+        devices = {t.device for t in list(model.parameters()) + list(model.buffers()) if not t.is_meta}
+        if len(devices) != 1:
+            raise NotLean(f"the model is spread over {len(devices)} devices")
+        self.device = first.device
+        if graphs is None:
+            graphs = self.device.type == "cuda"
+        if graphs and self.device.type != "cuda":
+            raise NotLean("CUDA graphs need a model on a CUDA device")
+        self.graphs = bool(graphs)
+        self.dtype = first.dtype
+        self._init_spec(spec)
+        with torch.inference_mode():
+            self.head = _Linear([spec.head], stack=False, device=self.device, dtype=self.dtype)
+            self.layers = [self._layer(ls) for ls in spec.layers]
+        self._check_widths(self.layers[0].qkv.sizes)
+        self.vocab = int(self.head.out_features)
+        with torch.inference_mode():  # the step's inputs and outputs: fixed addresses for every graph
+            self.tok = torch.zeros(1, dtype=torch.long, device=self.device)
+            self.pos_t = torch.zeros(1, dtype=torch.long, device=self.device)
+            self.logits = torch.zeros(self.vocab, dtype=self.dtype, device=self.device)
+            self.bias = torch.zeros(self.vocab, dtype=torch.float32, device=self.device)  # min_new_tokens
+            self.key_pos = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._graphs: dict[int, Any] = {}
+        self._pool: Any = None
+        self._host: torch.Tensor | None = None
+        self.captures = 0  # graphs captured so far (tests, benchmarks)
+        self.signature = signature(model)
+
+    def _layer(self, ls: LayerSpec) -> _Layer:
+        L = _Layer()
+        L.ln1, L.eps1, L.ln2, L.eps2 = ls.ln1, ls.eps1, ls.ln2, ls.eps2
+        L.qkv = _Linear(ls.qkv, stack=True, device=self.device, dtype=self.dtype)
+        L.o = _Linear([ls.o], stack=False, device=self.device, dtype=self.dtype)
+        L.gate_up = _Linear(ls.gate_up, stack=True, device=self.device, dtype=self.dtype)
+        L.down = _Linear([ls.down], stack=False, device=self.device, dtype=self.dtype)
+        L.act = ls.act
+        return L
+
+    # -- state -------------------------------------------------------------------------------------
+    def _reserve(self, total: int) -> None:
+        """KV cache and rotary tables for at least ``total`` positions (multiples of BUCKET, growing
+        geometrically, keeping the positions before ``self.pos``). A new cache has new addresses, so the
+        graphs captured over the old one are dropped."""
+        if total <= self.max_len:
+            return
+        size = max(total, BUCKET, 2 * self.max_len)
+        size = (size + BUCKET - 1) // BUCKET * BUCKET
+        keep = min(self.pos, self.max_len)
+        self._graphs.clear()
+        with torch.inference_mode():
+            for L in self.layers:
+                k = torch.zeros(self.n_kv, size, self.head_dim, dtype=self.dtype, device=self.device)
+                v = torch.zeros_like(k)
+                if keep:
+                    k[:, :keep].copy_(L.k[:, :keep])
+                    v[:, :keep].copy_(L.v[:, :keep])
+                L.k, L.v = k, v
+            self._rope_tables(size, self.device)
+            self.key_pos = torch.arange(size, device=self.device)
+        self.max_len = size
+
+    def bucket(self, pos: int) -> int:
+        """The attention length of the graph that runs position ``pos``: the smallest BUCKET·2^i above it
+        (at most the cache)."""
+        b = BUCKET
+        while b <= pos:
+            b *= 2
+        return min(b, self.max_len)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def _step(self, bucket: int) -> None:
+        """One token: reads ``tok`` and ``pos_t``, writes its K/V at that position, ``logits``, and the next
+        inputs (``tok`` = argmax(logits + bias), ``pos_t`` + 1). Attends to the first ``bucket`` positions
+        with those after ``pos_t`` masked. Fixed shapes and no host reads: capturable as it stands."""
+        nh, nkv, d = self.n_heads, self.n_kv, self.head_dim
+        g = nh // nkv
+        qn, kvn = nh * d, nkv * d
+        pos = self.pos_t
+        h = self.embed(self.tok.view(1, 1))[0].to(self.dtype)  # [1, H]
+        cos = self.cos.index_select(0, pos).unsqueeze(1)  # [1, 1, D]
+        sin = self.sin.index_select(0, pos).unsqueeze(1)
+        future = self.key_pos[:bucket] > pos  # [bucket]: keys not yet written for this token
+        for L in self.layers:
+            x = self._norm(h, L.ln1, L.eps1)
+            qkv = L.qkv(x)
+            qk = self._rope(qkv[:, :qn + kvn].view(1, nh + nkv, d), cos, sin)
+            L.k.index_copy_(1, pos, qk[:, nh:].transpose(0, 1))
+            L.v.index_copy_(1, pos, qkv[:, qn + kvn:].view(1, nkv, d).transpose(0, 1))
+            q = qk[0, :nh].view(nkv, g, d)
+            s = torch.matmul(q, L.k[:, :bucket].transpose(1, 2)) * self.scaling  # [KVH, G, bucket]
+            s = s.masked_fill(future, float("-inf"))
+            o = torch.matmul(self._softmax(s), L.v[:, :bucket]).reshape(1, qn)
+            h = h + L.o(o)
+            x = self._norm(h, L.ln2, L.eps2)
+            gu = L.gate_up(x)
+            inter = gu.shape[-1] // 2
+            h = h + L.down(L.act(gu[:, :inter]) * gu[:, inter:])
+        last = self._norm(h, self.norm_w, self.norm_eps)
+        self.logits.copy_(self.head(last)[0])
+        self.tok.copy_(torch.argmax(self.logits.to(torch.float32) + self.bias).view(1))
+        self.pos_t.add_(1)
+
+    def _capture(self, bucket: int) -> Any:
+        """Record the step for ``bucket`` at the current inputs. The warm-up run (on a side stream, as CUDA
+        graph capture requires) writes the K/V of the current position, which the replay rewrites with the
+        same values; the token and position it advances are put back."""
+        saved = (self.tok.clone(), self.pos_t.clone())
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._step(bucket)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.tok.copy_(saved[0])
+        self.pos_t.copy_(saved[1])
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._step(bucket)
+        self._graphs[bucket] = graph
+        self.captures += 1
+        return graph
+
+    def launch(self) -> None:
+        """Enqueue one step at position ``self.pos`` (graph replay, or the eager step) and advance."""
+        self._reserve(self.pos + 1)
+        b = self.bucket(self.pos)
+        if self.graphs:
+            graph = self._graphs.get(b)
+            if graph is None:
+                graph = self._capture(b)
+            graph.replay()
+        else:
+            self._step(b)
+        self.pos += 1
+
+    def step(self, token: int) -> torch.Tensor:
+        """One token at the current position; the logits [vocab] (the loop's buffer: read before the next)."""
+        with torch.inference_mode():
+            self.tok.fill_(int(token))
+            self.pos_t.fill_(self.pos)
+            self.launch()
+        return self.logits
+
+    # -- generation --------------------------------------------------------------------------------
+    def generate(self, input_ids: torch.Tensor, cfg: Any, streamer: Any = None) -> torch.Tensor:
+        """Greedy or sampled continuation of ``input_ids`` [1, T] under ``cfg`` (checked by ``plan``); returns
+        [1, T + new] on the input's device, like transformers."""
+        ids = input_ids[0].to(device=self.device, dtype=torch.long)
+        t_in = int(ids.shape[0])
+        new_max, eos_ids, min_new = self._limits(cfg, t_in)
+        eos_set = set(eos_ids)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        out = [int(v) for v in input_ids[0].tolist()]
+        self.pos = 0
+        if new_max > 0:
+            self._reserve(t_in + min(new_max, self.first_reserve))  # longer runs grow it (and recapture)
+            logits = self.forward(ids)  # the prompt, eagerly
+            first = self._pick(self._suppress(logits, eos_ids) if min_new > 0 else logits, cfg)
+            self.bias.zero_()
+            masked = [e for e in eos_ids if 0 <= e < self.vocab]
+            if min_new > 1 and masked and not cfg.do_sample:
+                self.bias[masked] = -float("inf")
+            self.tok.fill_(first)
+            self.pos_t.fill_(self.pos)
+            step = self._greedy if not cfg.do_sample else self._sampled
+            for tok in step(first, new_max, min_new, eos_ids, cfg):
+                out.append(tok)
+                if streamer is not None:
+                    streamer.put(torch.tensor([tok]))
+                if tok in eos_set or len(out) - t_in == new_max:
+                    break
+        if streamer is not None:
+            streamer.end()
+        return torch.tensor([out], dtype=input_ids.dtype, device=input_ids.device)
+
+    def _greedy(self, first: int, new_max: int, min_new: int, eos_ids: list[int], cfg: Any) -> Any:
+        """Tokens 0, 1, ... of a greedy run: each step feeds the next on the device. On CUDA token i is read
+        back while step i + 1 already runs (one step at most past an end token, whose output is dropped)."""
+        yield first
+
+        def enqueue(i: int) -> None:  # the step that produces new token i (i >= 1)
+            if i == min_new and min_new > 1:
+                self.bias.zero_()  # stream-ordered: from this step on an end token may be chosen
+            self.launch()
+
+        if self.device.type != "cuda":
+            for i in range(1, new_max):
+                enqueue(i)
+                yield int(self.tok)
+            return
+        if self._host is None:
+            self._host = torch.empty(2, dtype=torch.long, pin_memory=True)
+        host = self._host
+        events = [torch.cuda.Event(), torch.cuda.Event()]
+
+        def enqueue_read(i: int) -> None:
+            enqueue(i)
+            host[i % 2:i % 2 + 1].copy_(self.tok, non_blocking=True)
+            events[i % 2].record()
+
+        if new_max > 1:
+            enqueue_read(1)
+        for i in range(1, new_max):
+            if i + 1 < new_max:
+                enqueue_read(i + 1)
+            events[i % 2].synchronize()
+            yield int(host[i % 2])
+
+    def _sampled(self, first: int, new_max: int, min_new: int, eos_ids: list[int], cfg: Any) -> Any:
+        """Tokens of a sampled run: transformers' selection on each step's logits, written back as the next
+        step's input."""
+        yield first
+        for i in range(1, new_max):
+            self.launch()
+            tok = self._pick(self._suppress(self.logits, eos_ids) if i < min_new else self.logits, cfg)
+            self.tok.fill_(tok)
+            yield tok
