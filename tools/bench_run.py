@@ -9,12 +9,15 @@ timed again with the same embeddings, norms and inputs.
 
 Method: ``generate`` with greedy decoding, ``min_new_tokens = max_new_tokens``, prompt of 16 random tokens; the
 decode rate is batch x (N - 1) / (t(N tokens) - t(1 token)), each time the median of ``--repeats`` runs after a
-warm-up, so prefill is excluded. Two modes per model, both transformers' own: ``eager`` (one Python pass per
-token, every kernel launched from Python) and ``compiled`` (``cache_implementation="static"``: transformers
-compiles the decode step with torch.compile, mode reduce-overhead, i.e. CUDA graphs; what ``w4pack run`` and
-``load_model`` use on CUDA by default). The warm-up of the compiled mode includes its compile for each batch.
+warm-up, so prefill is excluded. Three modes per model: transformers' ``eager`` (one Python pass per token,
+every kernel launched from Python) and ``compiled`` (``cache_implementation="static"``: transformers compiles
+the decode step with torch.compile, mode reduce-overhead, i.e. CUDA graphs; what ``w4pack run`` and
+``load_model`` use on CUDA by default), and w4pack's ``lean`` loop (``w4pack.runtime.lean_cuda`` on CUDA: the
+whole step, head and argmax included, one CUDA graph per token; ``load_model(engine="lean")``). The lean loop
+runs batch 1 only; other batches are skipped for it. The warm-up of the compiled mode includes its compile for
+each batch, the lean mode's its graph capture.
 
-    python tools/bench_run.py --device cuda --shapes llama2-7b --batches 1,16,64 --modes eager,compiled
+    python tools/bench_run.py --device cuda --shapes llama2-7b --batches 1,16,64 --modes eager,compiled,lean
 """
 from __future__ import annotations
 
@@ -89,13 +92,51 @@ def swap_to_w4(model: Any, shape: str, device: str, precision: str) -> int:
     return count
 
 
+def _extra(mode: str) -> dict[str, Any]:
+    """generate's arguments for a mode (the lean loop is installed on the model instead: ``lean_mode``)."""
+    if mode == "compiled":
+        return {"cache_implementation": "static"}
+    return {} if mode == "lean" else {"disable_compile": True}
+
+
+class lean_mode:
+    """``with lean_mode(model, mode):`` the model's generate is w4pack's lean loop while inside (mode "lean")."""
+
+    def __init__(self, model: Any, mode: str):
+        self.model, self.on = model, mode == "lean"
+
+    def __enter__(self) -> "lean_mode":
+        if self.on:
+            from w4pack.runtime.lean import use_lean_decode
+
+            got = use_lean_decode(self.model)
+            if got != "lean":
+                raise SystemExit(f"the lean loop does not run this model: {got}")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.on:
+            import gc
+
+            import torch
+
+            from w4pack.runtime.lean import remove_lean_decode
+
+            remove_lean_decode(self.model)
+            gc.collect()  # the loop's graphs, caches and stacked weights
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
 def decode_rate(model: Any, batch: int, new_tokens: int, repeats: int, mode: str = "eager") -> dict[str, Any]:
     import torch
+
+    from w4pack.runtime.decode import decode_mode
 
     dev = next(model.parameters()).device
     ids = torch.randint(3, model.config.vocab_size, (batch, 16), device=dev)
     # the static cache of the longest run is made first; shorter runs reuse it (same shapes: no recompile)
-    extra: dict[str, Any] = {"cache_implementation": "static"} if mode == "compiled" else {"disable_compile": True}
+    extra = _extra(mode)
 
     def timed(n: int) -> float:
         if dev.type == "cuda":
@@ -114,7 +155,8 @@ def decode_rate(model: Any, batch: int, new_tokens: int, repeats: int, mode: str
     t1 = statistics.median(timed(1) for _ in range(repeats))
     tn = statistics.median(timed(new_tokens) for _ in range(repeats))
     rate = batch * (new_tokens - 1) / max(tn - t1, 1e-9)
-    return {"mode": mode, "batch": batch, "new_tokens": new_tokens, "warmup_s": round(warm, 1),
+    return {"mode": mode, "decode": decode_mode(model) if mode == "lean" else mode, "batch": batch,
+            "new_tokens": new_tokens, "warmup_s": round(warm, 1),
             "prefill_s": round(t1, 4), "total_s": round(tn, 4), "decode_tokens_per_s": round(rate, 1),
             "ms_per_step": round((tn - t1) / (new_tokens - 1) * 1000, 3)}
 
@@ -126,7 +168,7 @@ def profile_steps(model: Any, batch: int, new_tokens: int, mode: str, top: int =
 
     dev = next(model.parameters()).device
     ids = torch.randint(3, model.config.vocab_size, (batch, 16), device=dev)
-    extra: dict[str, Any] = {"cache_implementation": "static"} if mode == "compiled" else {"disable_compile": True}
+    extra = _extra(mode)
 
     def gen(n: int) -> None:
         with torch.inference_mode():
@@ -167,12 +209,23 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _batches(batches: list[int], mode: str) -> list[int]:
+    """The batch sizes a mode runs: the lean loop decodes one sequence (others would time transformers)."""
+    if mode != "lean":
+        return batches
+    skipped = [b for b in batches if b != 1]
+    if skipped:
+        print(f"lean mode: batch 1 only, skipping batches {skipped}", flush=True)
+    return [b for b in batches if b == 1]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shapes", default="smollm2,llama2-7b")
     ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--modes", default="eager,compiled", help="eager, compiled or both (comma-separated)")
+    ap.add_argument("--modes", default="eager,compiled,lean",
+                    help="eager, compiled and/or lean (comma-separated; lean runs batch 1 only)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--precision", default="exact", choices=["exact", "fast"])
@@ -184,8 +237,8 @@ def main() -> int:
 
     dtype = torch.float16 if args.device.startswith("cuda") else torch.float32
     modes = [m for m in args.modes.split(",") if m]
-    if not set(modes) <= {"eager", "compiled"}:
-        ap.error("--modes takes eager and/or compiled")
+    if not set(modes) <= {"eager", "compiled", "lean"}:
+        ap.error("--modes takes eager, compiled and/or lean")
     torch._dynamo.config.cache_size_limit = 64  # one compiled step per model, batch and mode
     results = []
     for shape in args.shapes.split(","):
@@ -193,19 +246,23 @@ def main() -> int:
         row: dict[str, Any] = {"shape": shape, "device": args.device, "dtype": str(dtype), "float": [], "w4": []}
         batches = [int(x) for x in args.batches.split(",")]
         for mode in modes:
-            for b in batches:
-                row["float"].append(decode_rate(model, b, args.new_tokens, args.repeats, mode))
-                print(json.dumps({"shape": shape, "model": "float", **row["float"][-1]}), flush=True)
-            if args.profile and args.device.startswith("cuda"):
-                print("float model, " + profile_steps(model, batches[0], args.new_tokens, mode), flush=True)
+            with lean_mode(model, mode):
+                for b in _batches(batches, mode):
+                    row["float"].append(decode_rate(model, b, args.new_tokens, args.repeats, mode))
+                    print(json.dumps({"shape": shape, "model": "float", **row["float"][-1]}), flush=True)
+                if args.profile and args.device.startswith("cuda"):
+                    print("float model, " + profile_steps(model, 1 if mode == "lean" else batches[0], args.new_tokens,
+                                                        mode), flush=True)
         row["w4_layers"] = swap_to_w4(model, shape, args.device, args.precision)
         torch._dynamo.reset()
         for mode in modes:
-            for b in batches:
-                row["w4"].append(decode_rate(model, b, args.new_tokens, args.repeats, mode))
-                print(json.dumps({"shape": shape, "model": "w4", **row["w4"][-1]}), flush=True)
-            if args.profile and args.device.startswith("cuda"):
-                print("w4 model, " + profile_steps(model, batches[0], args.new_tokens, mode), flush=True)
+            with lean_mode(model, mode):
+                for b in _batches(batches, mode):
+                    row["w4"].append(decode_rate(model, b, args.new_tokens, args.repeats, mode))
+                    print(json.dumps({"shape": shape, "model": "w4", **row["w4"][-1]}), flush=True)
+                if args.profile and args.device.startswith("cuda"):
+                    print("w4 model, " + profile_steps(model, 1 if mode == "lean" else batches[0], args.new_tokens,
+                                                     mode), flush=True)
         results.append(row)
         del model
         if args.device.startswith("cuda"):

@@ -37,8 +37,8 @@ LEAN = "lean"
 #: model types whose decoder layer is llama's (checked module by module as well)
 _FAMILY = ("llama", "mistral", "qwen2")
 #: generation options the loop implements; any other option that differs from its default goes to transformers
-_OPTIONS = {"max_new_tokens", "max_length", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
-            "pad_token_id", "bos_token_id", "use_cache", "transformers_version", "_from_model_config"}
+_OPTIONS = {"max_new_tokens", "max_length", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
+            "eos_token_id", "pad_token_id", "bos_token_id", "use_cache", "transformers_version", "_from_model_config"}
 
 
 class NotLean(Exception):
