@@ -158,6 +158,28 @@ def test_models_and_calls_it_does_not_run_give_the_reason(models: dict[str, Path
     assert decode_mode(model) == "eager" and "generate" not in model.__dict__
 
 
+def test_a_failed_capture_runs_the_step_eagerly_and_says_why(models: dict[str, Path],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    model = load_model(models["plain"], compile=False)
+    ref = load_model(models["plain"], compile=False)
+    engine = GraphDecoder(model, graphs=False)
+    engine.graphs = True  # as on CUDA; the capture fails the way an uncapturable op makes it fail
+
+    def fail(bucket: int) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing\nsecond line")
+
+    monkeypatch.setattr(engine, "_capture", fail)
+    monkeypatch.setattr(lean, "build_engine", lambda m: engine)
+    use_lean_decode(model)
+    with pytest.warns(RuntimeWarning, match="could not capture"):
+        got = model.generate(_ids(), **GEN)
+    assert torch.equal(got, ref.generate(_ids(), **GEN))
+    assert not engine.graphs
+    mode = decode_mode(model)
+    assert mode.startswith("lean (eager step: CUDA graph capture failed: RuntimeError: operation not permitted")
+    assert "second line" not in mode
+
+
 def test_engine_option(models: dict[str, Path]) -> None:
     assert decode_mode(load_model(models["plain"], engine="lean")) == "lean"
     assert decode_mode(load_model(models["plain"], engine="eager")) == "eager"

@@ -674,6 +674,8 @@ def use_lean_decode(model: nn.Module) -> str:
             with torch.inference_mode():
                 return engine.generate(ids, cfg, streamer)
         finally:
+            if getattr(engine, "note", ""):
+                model.w4pack_decode = f"{LEAN} ({engine.note})"
             if gc_was:
                 gc.enable()
 

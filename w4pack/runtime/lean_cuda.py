@@ -129,6 +129,7 @@ class GraphDecoder(LoopBase):
         self._pool: Any = None
         self._host: torch.Tensor | None = None
         self.captures = 0  # graphs captured so far (tests, benchmarks)
+        self.note = ""  # why the step runs eagerly after all (a failed capture), for decode_mode
         self.signature = signature(model)
 
     def _layer(self, ls: LayerSpec) -> _Layer:
@@ -230,14 +231,34 @@ class GraphDecoder(LoopBase):
         """Enqueue one step at position ``self.pos`` (graph replay, or the eager step) and advance."""
         self._reserve(self.pos + 1)
         b = self.bucket(self.pos)
-        if self.graphs:
-            graph = self._graphs.get(b)
-            if graph is None:
+        graph = self._graphs.get(b) if self.graphs else None
+        if self.graphs and graph is None:
+            try:
                 graph = self._capture(b)
+            except (KeyboardInterrupt, MemoryError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - any capture failure: the same step, eagerly, from now on
+                self._no_graphs(exc)
+        if graph is not None:
             graph.replay()
         else:
             self._step(b)
         self.pos += 1
+
+    def _no_graphs(self, exc: BaseException) -> None:
+        """Capture failed: run the step eagerly for good (same arithmetic, launched from Python), say why once.
+        The warm-up put the inputs back before capturing, so the eager step continues where the graph would."""
+        import warnings
+
+        from .decode import _one_line
+
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise exc  # still inside a capture (ours or a caller's): nothing sane to fall back to
+        self.graphs = False
+        self._graphs.clear()
+        self.note = f"eager step: CUDA graph capture failed: {_one_line(exc)}"
+        warnings.warn(f"the lean loop could not capture its step into a CUDA graph ({_one_line(exc)}); running "
+                      "the step eagerly from now on", RuntimeWarning, stacklevel=4)
 
     def step(self, token: int) -> torch.Tensor:
         """One token at the current position; the logits [vocab] (the loop's buffer: read before the next)."""
