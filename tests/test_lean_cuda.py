@@ -58,6 +58,16 @@ def test_greedy_tokens_match_transformers(models: dict[str, Path], name: str) ->
         assert torch.equal(_generate(engine, ids, **GEN), model.generate(ids, **GEN)), seed
 
 
+def test_traced_step_decodes_the_same(models: dict[str, Path]) -> None:
+    """fuse: the step goes through torch.compile whole (fullgraph: no graph break, the buffer writes traced);
+    the "eager" backend runs dynamo's graph without Inductor, so this needs no compiler."""
+    model = load_model(models["plain"], compile=False)
+    engine = GraphDecoder(model, fuse="eager")
+    kw = dict(GEN, max_new_tokens=BUCKET + 4)  # two buckets: one traced graph each
+    assert torch.equal(_generate(engine, _ids(), **kw), model.generate(_ids(), **kw))
+    assert engine._compiled is not None
+
+
 def test_step_logits_match_transformers_forward(models: dict[str, Path]) -> None:
     for name in ("plain", "odd"):
         model = load_model(models[name], compile=False)
@@ -216,9 +226,20 @@ def test_graph_replay_matches_the_eager_step(models: dict[str, Path], name: str)
     assert torch.equal(got, _generate(eager, ids, **kw))
     again = model.generate(ids, **kw)
     assert torch.equal(again, got) and graphed.captures == 2  # replayed, not recaptured
-    ref = load_model(models[name], device="cuda", dtype="float16", engine="eager")
+    ref = load_model(models[name], device="cuda", dtype="float16", engine="eager", attn_implementation="eager")
     short = dict(GEN, max_new_tokens=12)
     assert torch.equal(model.generate(ids, **short), ref.generate(ids, **short))
+
+
+@pytest.mark.gpu
+def test_fused_graph_matches_the_unfused_one(models: dict[str, Path]) -> None:
+    """Inductor's fused step, captured, decodes the tokens the unfused captured step decodes."""
+    model = load_model(models["plain"], device="cuda", dtype="float16", engine="eager")
+    plain, fused = GraphDecoder(model), GraphDecoder(model, fuse=True)
+    ids = _ids().cuda()
+    kw = dict(GEN, max_new_tokens=24)
+    assert torch.equal(_generate(fused, ids, **kw), _generate(plain, ids, **kw))
+    assert fused.captures == 1 and fused.graphs
 
 
 @pytest.mark.gpu

@@ -13,11 +13,13 @@ warm-up, so prefill is excluded. Three modes per model: transformers' ``eager`` 
 every kernel launched from Python) and ``compiled`` (``cache_implementation="static"``: transformers compiles
 the decode step with torch.compile, mode reduce-overhead, i.e. CUDA graphs; what ``w4pack run`` and
 ``load_model`` use on CUDA by default), and w4pack's ``lean`` loop (``w4pack.runtime.lean_cuda`` on CUDA: the
-whole step, head and argmax included, one CUDA graph per token; ``load_model(engine="lean")``). The lean loop
-runs batch 1 only; other batches are skipped for it. The warm-up of the compiled mode includes its compile for
-each batch, the lean mode's its graph capture.
+whole step, head and argmax included, one CUDA graph per token; ``load_model(engine="lean")``) and
+``lean_fused`` (the same loop with its step compiled by Inductor before the capture: $W4PACK_LEAN_FUSE=1). The
+lean modes run batch 1 only; other batches are skipped for them. The warm-up of the compiled modes includes
+their compile for each batch, the lean modes' their graph capture.
 
-    python tools/bench_run.py --device cuda --shapes llama2-7b --batches 1,16,64 --modes eager,compiled,lean
+    python tools/bench_run.py --device cuda --shapes llama2-7b --batches 1,16,64 \
+        --modes eager,compiled,lean,lean_fused
 """
 from __future__ import annotations
 
@@ -92,24 +94,39 @@ def swap_to_w4(model: Any, shape: str, device: str, precision: str) -> int:
     return count
 
 
+#: modes that install w4pack's lean loop (the second with its step compiled by Inductor)
+LEAN_MODES = ("lean", "lean_fused")
+
+
 def _extra(mode: str) -> dict[str, Any]:
     """generate's arguments for a mode (the lean loop is installed on the model instead: ``lean_mode``)."""
     if mode == "compiled":
         return {"cache_implementation": "static"}
-    return {} if mode == "lean" else {"disable_compile": True}
+    return {} if mode in LEAN_MODES else {"disable_compile": True}
 
 
 class lean_mode:
-    """``with lean_mode(model, mode):`` the model's generate is w4pack's lean loop while inside (mode "lean")."""
+    """``with lean_mode(model, mode):`` the model's generate is w4pack's lean loop while inside (the lean modes)."""
 
     def __init__(self, model: Any, mode: str):
-        self.model, self.on = model, mode == "lean"
+        self.model, self.on, self.fuse = model, mode in LEAN_MODES, mode == "lean_fused"
 
     def __enter__(self) -> "lean_mode":
         if self.on:
-            from w4pack.runtime.lean import use_lean_decode
+            import os
 
-            got = use_lean_decode(self.model)
+            from w4pack.runtime.lean import use_lean_decode
+            from w4pack.runtime.lean_cuda import FUSE_ENV
+
+            before = os.environ.get(FUSE_ENV)
+            os.environ[FUSE_ENV] = "1" if self.fuse else "0"
+            try:
+                got = use_lean_decode(self.model)
+            finally:
+                if before is None:
+                    os.environ.pop(FUSE_ENV, None)
+                else:
+                    os.environ[FUSE_ENV] = before
             if got != "lean":
                 raise SystemExit(f"the lean loop does not run this model: {got}")
         return self
@@ -155,7 +172,7 @@ def decode_rate(model: Any, batch: int, new_tokens: int, repeats: int, mode: str
     t1 = statistics.median(timed(1) for _ in range(repeats))
     tn = statistics.median(timed(new_tokens) for _ in range(repeats))
     rate = batch * (new_tokens - 1) / max(tn - t1, 1e-9)
-    return {"mode": mode, "decode": decode_mode(model) if mode == "lean" else mode, "batch": batch,
+    return {"mode": mode, "decode": decode_mode(model) if mode in LEAN_MODES else mode, "batch": batch,
             "new_tokens": new_tokens, "warmup_s": round(warm, 1),
             "prefill_s": round(t1, 4), "total_s": round(tn, 4), "decode_tokens_per_s": round(rate, 1),
             "ms_per_step": round((tn - t1) / (new_tokens - 1) * 1000, 3)}
@@ -211,7 +228,7 @@ def table(results: list[dict[str, Any]]) -> str:
 
 def _batches(batches: list[int], mode: str) -> list[int]:
     """The batch sizes a mode runs: the lean loop decodes one sequence (others would time transformers)."""
-    if mode != "lean":
+    if mode not in LEAN_MODES:
         return batches
     skipped = [b for b in batches if b != 1]
     if skipped:
@@ -224,8 +241,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shapes", default="smollm2,llama2-7b")
     ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--modes", default="eager,compiled,lean",
-                    help="eager, compiled and/or lean (comma-separated; lean runs batch 1 only)")
+    ap.add_argument("--modes", default="eager,compiled,lean,lean_fused",
+                    help="eager, compiled, lean and/or lean_fused (comma-separated; the lean modes run batch 1 only)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--precision", default="exact", choices=["exact", "fast"])
@@ -237,8 +254,8 @@ def main() -> int:
 
     dtype = torch.float16 if args.device.startswith("cuda") else torch.float32
     modes = [m for m in args.modes.split(",") if m]
-    if not set(modes) <= {"eager", "compiled", "lean"}:
-        ap.error("--modes takes eager, compiled and/or lean")
+    if not set(modes) <= {"eager", "compiled", *LEAN_MODES}:
+        ap.error("--modes takes eager, compiled, lean and/or lean_fused")
     torch._dynamo.config.cache_size_limit = 64  # one compiled step per model, batch and mode
     results = []
     for shape in args.shapes.split(","):
@@ -251,8 +268,8 @@ def main() -> int:
                     row["float"].append(decode_rate(model, b, args.new_tokens, args.repeats, mode))
                     print(json.dumps({"shape": shape, "model": "float", **row["float"][-1]}), flush=True)
                 if args.profile and args.device.startswith("cuda"):
-                    print("float model, " + profile_steps(model, 1 if mode == "lean" else batches[0], args.new_tokens,
-                                                        mode), flush=True)
+                    first = 1 if mode in LEAN_MODES else batches[0]
+                    print("float model, " + profile_steps(model, first, args.new_tokens, mode), flush=True)
         row["w4_layers"] = swap_to_w4(model, shape, args.device, args.precision)
         torch._dynamo.reset()
         for mode in modes:
@@ -261,8 +278,8 @@ def main() -> int:
                     row["w4"].append(decode_rate(model, b, args.new_tokens, args.repeats, mode))
                     print(json.dumps({"shape": shape, "model": "w4", **row["w4"][-1]}), flush=True)
                 if args.profile and args.device.startswith("cuda"):
-                    print("w4 model, " + profile_steps(model, 1 if mode == "lean" else batches[0], args.new_tokens,
-                                                     mode), flush=True)
+                    first = 1 if mode in LEAN_MODES else batches[0]
+                    print("w4 model, " + profile_steps(model, first, args.new_tokens, mode), flush=True)
         results.append(row)
         del model
         if args.device.startswith("cuda"):

@@ -32,7 +32,10 @@ from torch import nn
 
 from .lean import LayerSpec, LoopBase, NotLean, _Layer, _out_features, signature, stack_packed, walk
 
-__all__ = ["GraphDecoder", "BUCKET"]
+__all__ = ["GraphDecoder", "BUCKET", "FUSE_ENV"]
+
+#: 1: compile the step with torch.compile (Inductor, no CUDA graphs of its own) before capturing it
+FUSE_ENV = "W4PACK_LEAN_FUSE"
 
 #: the shortest attention length a graph covers; longer ones double
 BUCKET = 256
@@ -91,12 +94,15 @@ class _Linear:
 
 class GraphDecoder(LoopBase):
     """The lean CUDA loop of one loaded model (batch 1). ``graphs``: capture the step into CUDA graphs (the
-    default on CUDA); False runs the same step eagerly (on the CPU: the tests)."""
+    default on CUDA); False runs the same step eagerly (on the CPU: the tests). ``fuse``: run the step through
+    ``torch.compile`` (Inductor fuses the norms, rotary and attention glue into a few kernels; the packed GEMMs
+    stay the ``w4pack::linear`` op) and capture that; a string names the compile backend (tests: "eager");
+    default $W4PACK_LEAN_FUSE (off). A graph of unfused torch ops launches ~35 small kernels per layer."""
 
     #: new tokens a call reserves cache for up front (the cache grows past it, recapturing the graphs)
     first_reserve = 4096
 
-    def __init__(self, model: nn.Module, graphs: bool | None = None):
+    def __init__(self, model: nn.Module, graphs: bool | None = None, fuse: bool | str | None = None):
         self.model = model
         spec = walk(model)
         first = next(model.parameters(), None)
@@ -112,6 +118,12 @@ class GraphDecoder(LoopBase):
         if graphs and self.device.type != "cuda":
             raise NotLean("CUDA graphs need a model on a CUDA device")
         self.graphs = bool(graphs)
+        if fuse is None:
+            import os
+
+            fuse = os.environ.get(FUSE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+        self.fuse: str | None = ("inductor" if fuse is True else str(fuse)) if fuse else None
+        self._compiled: Any = None
         self.dtype = first.dtype
         self._init_spec(spec)
         with torch.inference_mode():
@@ -206,6 +218,16 @@ class GraphDecoder(LoopBase):
         self.tok.copy_(torch.argmax(self.logits.to(torch.float32) + self.bias).view(1))
         self.pos_t.add_(1)
 
+    def _run_step(self, bucket: int) -> None:
+        """The step as configured: the torch ops as written, or their ``torch.compile``d form (compiled on its
+        first call for each bucket: the bucket is a constant of the traced graph)."""
+        if not self.fuse:
+            self._step(bucket)
+            return
+        if self._compiled is None:
+            self._compiled = torch.compile(self._step, backend=self.fuse, fullgraph=True, dynamic=False)
+        self._compiled(bucket)
+
     def _capture(self, bucket: int) -> Any:
         """Record the step for ``bucket`` at the current inputs. The warm-up run (on a side stream, as CUDA
         graph capture requires) writes the K/V of the current position, which the replay rewrites with the
@@ -214,7 +236,7 @@ class GraphDecoder(LoopBase):
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._step(bucket)
+            self._run_step(bucket)  # also compiles a fused step, outside the capture
         torch.cuda.current_stream(self.device).wait_stream(side)
         self.tok.copy_(saved[0])
         self.pos_t.copy_(saved[1])
@@ -222,7 +244,7 @@ class GraphDecoder(LoopBase):
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._step(bucket)
+            self._run_step(bucket)
         self._graphs[bucket] = graph
         self.captures += 1
         return graph
@@ -242,7 +264,7 @@ class GraphDecoder(LoopBase):
         if graph is not None:
             graph.replay()
         else:
-            self._step(b)
+            self._run_step(b)
         self.pos += 1
 
     def _no_graphs(self, exc: BaseException) -> None:
