@@ -68,6 +68,31 @@ def test_traced_step_decodes_the_same(models: dict[str, Path]) -> None:
     assert engine._compiled is not None
 
 
+def test_a_step_that_does_not_compile_runs_unfused_and_says_why(models: dict[str, Path]) -> None:
+    model = load_model(models["plain"], compile=False)
+
+    def broken(gm: object, example_inputs: object) -> object:
+        raise RuntimeError("no working C++ compiler\nsecond line")
+
+    engine = GraphDecoder(model, fuse=broken)  # type: ignore[arg-type]
+    with pytest.warns(RuntimeWarning, match="could not compile its step"):
+        got = _generate(engine, _ids(), **GEN)
+    assert torch.equal(got, model.generate(_ids(), **GEN))
+    assert engine.fuse is None and engine.note.startswith("unfused step: torch.compile failed:")
+    assert "no working C++ compiler" in engine.note and "second line" not in engine.note
+
+
+def test_fuse_defaults_to_graphs_unless_the_environment_says(models: dict[str, Path],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    model = load_model(models["plain"], compile=False)
+    monkeypatch.delenv("W4PACK_LEAN_FUSE", raising=False)
+    assert GraphDecoder(model).fuse is None  # no graphs (the CPU): nothing to fuse for
+    monkeypatch.setenv("W4PACK_LEAN_FUSE", "1")
+    assert GraphDecoder(model).fuse == "inductor"
+    monkeypatch.setenv("W4PACK_LEAN_FUSE", "0")
+    assert GraphDecoder(model, graphs=False).fuse is None
+
+
 def test_step_logits_match_transformers_forward(models: dict[str, Path]) -> None:
     for name in ("plain", "odd"):
         model = load_model(models[name], compile=False)
@@ -211,13 +236,15 @@ def test_cli_refuses_eager_with_another_engine(models: dict[str, Path], capsys: 
 # -- on a GPU: capture and replay ------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["plain", "fused", "odd"])
-def test_graph_replay_matches_the_eager_step(models: dict[str, Path], name: str) -> None:
-    """The captured step decodes what the same step run eagerly decodes, token for token, and transformers'
-    float16 generate agrees on the tokens; crossing a bucket captures a second graph."""
+def test_graph_replay_matches_the_eager_step(models: dict[str, Path], name: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The captured (unfused) step decodes what the same step run eagerly decodes, token for token, and
+    transformers' float16 generate agrees on the tokens; crossing a bucket captures a second graph."""
+    monkeypatch.setenv("W4PACK_LEAN_FUSE", "0")
     model = load_model(models[name], device="cuda", dtype="float16", engine="lean")
     assert decode_mode(model) == "lean"
     graphed = model._w4pack_lean
-    assert isinstance(graphed, GraphDecoder) and graphed.graphs
+    assert isinstance(graphed, GraphDecoder) and graphed.graphs and graphed.fuse is None
     eager = GraphDecoder(model, graphs=False)
     ids = _ids().cuda()
     kw = dict(GEN, max_new_tokens=BUCKET + 8)
@@ -226,26 +253,37 @@ def test_graph_replay_matches_the_eager_step(models: dict[str, Path], name: str)
     assert torch.equal(got, _generate(eager, ids, **kw))
     again = model.generate(ids, **kw)
     assert torch.equal(again, got) and graphed.captures == 2  # replayed, not recaptured
+    assert decode_mode(model) == "lean"
     ref = load_model(models[name], device="cuda", dtype="float16", engine="eager", attn_implementation="eager")
     short = dict(GEN, max_new_tokens=12)
     assert torch.equal(model.generate(ids, **short), ref.generate(ids, **short))
 
 
 @pytest.mark.gpu
-def test_fused_graph_matches_the_unfused_one(models: dict[str, Path]) -> None:
-    """Inductor's fused step, captured, decodes the tokens the unfused captured step decodes."""
+def test_fused_graph_matches_the_fused_step_run_eagerly(models: dict[str, Path],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor's step (the CUDA default), captured, decodes what the same compiled step decodes uncaptured,
+    and its logits follow transformers' to float16 rounding."""
+    monkeypatch.delenv("W4PACK_LEAN_FUSE", raising=False)
     model = load_model(models["plain"], device="cuda", dtype="float16", engine="eager")
-    plain, fused = GraphDecoder(model), GraphDecoder(model, fuse=True)
+    fused, fused_eager = GraphDecoder(model), GraphDecoder(model, graphs=False, fuse=True)
+    assert fused.fuse == "inductor" and fused.graphs
     ids = _ids().cuda()
     kw = dict(GEN, max_new_tokens=24)
-    assert torch.equal(_generate(fused, ids, **kw), _generate(plain, ids, **kw))
-    assert fused.captures == 1 and fused.graphs
+    assert torch.equal(_generate(fused, ids, **kw), _generate(fused_eager, ids, **kw))
+    assert fused.captures == 1 and fused.graphs and fused.fuse and not fused.note
+    _logits_follow_transformers(model, fused)
 
 
 @pytest.mark.gpu
 def test_graph_logits_match_transformers_float16(models: dict[str, Path]) -> None:
     model = load_model(models["plain"], device="cuda", dtype="float16", engine="eager")
-    engine = GraphDecoder(model)
+    engine = GraphDecoder(model, fuse=False)
+    _logits_follow_transformers(model, engine)
+    assert engine.captures == 1
+
+
+def _logits_follow_transformers(model: torch.nn.Module, engine: GraphDecoder) -> None:
     ids = _ids(9, 4)[0].cuda()
     with torch.inference_mode():
         want = model(ids.unsqueeze(0)).logits[0].float()
@@ -255,4 +293,3 @@ def test_graph_logits_match_transformers_float16(models: dict[str, Path]) -> Non
     ref = want[3:]
     rel = (torch.stack(got) - ref).abs().amax(-1) / ref.abs().amax(-1)
     assert float(rel.max()) < 2e-2, rel
-    assert engine.captures == 1

@@ -14,7 +14,8 @@ every kernel launched from Python) and ``compiled`` (``cache_implementation="sta
 the decode step with torch.compile, mode reduce-overhead, i.e. CUDA graphs; what ``w4pack run`` and
 ``load_model`` use on CUDA by default), and w4pack's ``lean`` loop (``w4pack.runtime.lean_cuda`` on CUDA: the
 whole step, head and argmax included, one CUDA graph per token; ``load_model(engine="lean")``) and
-``lean_fused`` (the same loop with its step compiled by Inductor before the capture: $W4PACK_LEAN_FUSE=1). The
+``lean_fused`` (the same loop with its step compiled by Inductor before the capture, the loop's default;
+``lean`` sets $W4PACK_LEAN_FUSE=0). The
 lean modes run batch 1 only; other batches are skipped for them. The warm-up of the compiled modes includes
 their compile for each batch, the lean modes' their graph capture.
 

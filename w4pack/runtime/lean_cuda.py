@@ -15,7 +15,9 @@ graph per attention length, so a greedy token costs one ``replay()`` and a 8-byt
 * the KV cache is preallocated per layer; attention reads a fixed number of positions ("bucket": 256, 512,
   ... up to the cache) and masks those after the current position, so the graph never changes shape. One
   graph per bucket is captured when the sequence first reaches it (all share one memory pool);
-* the rotary rows are gathered from tables computed once, by the position buffer.
+* the rotary rows are gathered from tables computed once, by the position buffer;
+* before capture the step is compiled by ``torch.compile`` (Inductor, without its own CUDA graphs), which fuses
+  the norm, rotary and attention glue; the packed GEMMs stay the ``w4pack::linear`` custom op.
 
 The step is ordinary torch code: on the CPU (float32, no capture) it runs eagerly, which is how the tests
 check its arithmetic against transformers. Sampling (temperature, top-k, top-p) runs transformers'
@@ -34,7 +36,8 @@ from .lean import LayerSpec, LoopBase, NotLean, _Layer, _out_features, signature
 
 __all__ = ["GraphDecoder", "BUCKET", "FUSE_ENV"]
 
-#: 1: compile the step with torch.compile (Inductor, no CUDA graphs of its own) before capturing it
+#: 0/1: capture the step as written, or compiled by torch.compile (Inductor, no CUDA graphs of its own; the default
+#: with graphs)
 FUSE_ENV = "W4PACK_LEAN_FUSE"
 
 #: the shortest attention length a graph covers; longer ones double
@@ -97,7 +100,8 @@ class GraphDecoder(LoopBase):
     default on CUDA); False runs the same step eagerly (on the CPU: the tests). ``fuse``: run the step through
     ``torch.compile`` (Inductor fuses the norms, rotary and attention glue into a few kernels; the packed GEMMs
     stay the ``w4pack::linear`` op) and capture that; a string names the compile backend (tests: "eager");
-    default $W4PACK_LEAN_FUSE (off). A graph of unfused torch ops launches ~35 small kernels per layer."""
+    default $W4PACK_LEAN_FUSE (0/1), else on with graphs: a graph of unfused torch ops launches ~35 small
+    kernels per layer. A step that fails to compile runs unfused, with one warning."""
 
     #: new tokens a call reserves cache for up front (the cache grows past it, recapturing the graphs)
     first_reserve = 4096
@@ -121,8 +125,9 @@ class GraphDecoder(LoopBase):
         if fuse is None:
             import os
 
-            fuse = os.environ.get(FUSE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-        self.fuse: str | None = ("inductor" if fuse is True else str(fuse)) if fuse else None
+            env = os.environ.get(FUSE_ENV, "").strip().lower()
+            fuse = env in ("1", "true", "yes", "on") if env else self.graphs
+        self.fuse: Any = "inductor" if fuse is True else (fuse or None)  # a torch.compile backend
         self._compiled: Any = None
         self.dtype = first.dtype
         self._init_spec(spec)
@@ -221,12 +226,30 @@ class GraphDecoder(LoopBase):
     def _run_step(self, bucket: int) -> None:
         """The step as configured: the torch ops as written, or their ``torch.compile``d form (compiled on its
         first call for each bucket: the bucket is a constant of the traced graph)."""
-        if not self.fuse:
-            self._step(bucket)
-            return
-        if self._compiled is None:
-            self._compiled = torch.compile(self._step, backend=self.fuse, fullgraph=True, dynamic=False)
-        self._compiled(bucket)
+        if self.fuse:
+            try:
+                if self._compiled is None:
+                    self._compiled = torch.compile(self._step, backend=self.fuse, fullgraph=True, dynamic=False)
+                self._compiled(bucket)
+                return
+            except (KeyboardInterrupt, MemoryError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - no working compiler here: the same step unfused
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise
+                self._no_fuse(exc)
+        self._step(bucket)
+
+    def _no_fuse(self, exc: BaseException) -> None:
+        """Compiling the step failed (before it ran: the inputs are untouched): unfused from now on."""
+        import warnings
+
+        from .decode import _one_line
+
+        self.fuse, self._compiled = None, None
+        self.note = f"unfused step: torch.compile failed: {_one_line(exc)}"
+        warnings.warn(f"the lean loop could not compile its step ({_one_line(exc)}); running it unfused "
+                      f"(set {FUSE_ENV}=0 to skip the attempt)", RuntimeWarning, stacklevel=5)
 
     def _capture(self, bucket: int) -> Any:
         """Record the step for ``bucket`` at the current inputs. The warm-up run (on a side stream, as CUDA
