@@ -284,6 +284,31 @@ def test_smollm2_on_cuda_same_tokens_batched_and_graph_captured(smollm2: Path) -
     assert torch.allclose(static, eager, atol=1e-4, rtol=1e-4)
 
 
+def test_cli_engine_picks_the_decode_path(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    common = ("run", str(tiny), "--prompt", "The lamp was lit", "--max-new-tokens", "5", "--json")
+    docs = {}
+    for engine in ("eager", "lean"):
+        rc, out, _err = _cli(capsys, *common, "--engine", engine)
+        assert rc == 0
+        docs[engine] = json.loads(out)
+        assert docs[engine]["decode"] == engine
+    assert docs["eager"]["token_ids"] == docs["lean"]["token_ids"]
+
+
+@pytest.mark.gpu
+def test_cli_lean_engine_on_cuda(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """run --engine lean on CUDA decodes through the CUDA-graph loop (fused q/k/v, tied head) and gives the
+    tokens transformers' eager generate gives on the same device and dtype."""
+    common = ("run", str(tiny), "--prompt", "The lamp was lit", "--max-new-tokens", "8", "--device", "cuda",
+              "--dtype", "float32", "--json")
+    rc, out, _err = _cli(capsys, *common, "--engine", "lean")
+    assert rc == 0
+    lean_doc = json.loads(out)
+    assert lean_doc["decode"] == "lean" and lean_doc["new_tokens"] == 8
+    rc, out, _err = _cli(capsys, *common, "--engine", "eager")
+    assert rc == 0 and json.loads(out)["token_ids"] == lean_doc["token_ids"]
+
+
 def test_cuda_without_a_device_is_unsupported(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present (this checks the error on a machine without one)")
