@@ -19,6 +19,10 @@ raises ``NotLean`` with the reason for anything else; ``use_lean_decode`` then l
 place and records the reason (``decode_mode``). A ``generate`` call that asks for something the loop does not do
 (batch > 1, beams, a padding mask, output scores, other processors) is answered by transformers' generate, and the
 reason is recorded the same way.
+
+The model walk (``walk``: the checks and their reasons), the llama arithmetic of the prompt pass and the token
+selection (``LoopBase``), the layer stacking and the ``generate`` wrapper are shared with the CUDA-graph loop
+(``w4pack.runtime.lean_cuda``), which ``use_lean_decode`` picks for a model on CUDA.
 """
 from __future__ import annotations
 
