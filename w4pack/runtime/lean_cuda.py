@@ -169,6 +169,8 @@ class GraphDecoder(LoopBase):
         size = max(total, BUCKET, 2 * self.max_len)
         size = (size + BUCKET - 1) // BUCKET * BUCKET
         keep = min(self.pos, self.max_len)
+        if self._graphs and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no replay of a graph we drop is still running
         self._graphs.clear()
         with torch.inference_mode():
             for L in self.layers:
