@@ -174,6 +174,10 @@ def test_models_and_calls_it_does_not_run_give_the_reason(models: dict[str, Path
         GraphDecoder(model, graphs=True)
     with pytest.raises(NotLean, match="float16, bfloat16 or float32"):
         GraphDecoder(load_model(models["plain"], compile=False).to(torch.float64))
+    partial = load_model(models["plain"], compile=False)  # the shared walk's checks, e.g. partial rotary
+    partial.model.rotary_emb.inv_freq = partial.model.rotary_emb.inv_freq[:4].clone()
+    with pytest.raises(NotLean, match="rotary embedding of 8 dimensions on heads of 16"):
+        GraphDecoder(partial)
     cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)
     with pytest.raises(NotLean, match="model type 'gpt2'"):
         GraphDecoder(transformers.GPT2LMHeadModel(cfg))
