@@ -321,3 +321,13 @@ def test_cache_grows_and_keeps_its_positions(models: dict[str, Path]) -> None:
         lean_mod.LeanDecoder._reserve = real  # type: ignore[method-assign]
     assert max(sizes) > 256 and sizes[0] == 256
     assert torch.equal(got, ref.generate(_ids(), **kw))
+
+
+def test_min_new_tokens_keeps_going_past_an_end_as_transformers_does(models: dict[str, Path]) -> None:
+    ref = load_model(models["plain"], compile=False)
+    lean = load_model(models["plain"])
+    free = ref.generate(_ids(), **GEN)[0, 7:].tolist()
+    kw = dict(GEN, eos_token_id=free[1], min_new_tokens=5)
+    want = ref.generate(_ids(), **kw)
+    assert torch.equal(lean.generate(_ids(), **kw), want) and decode_mode(lean) == "lean"
+    assert want.shape[1] >= 7 + 5
