@@ -23,7 +23,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `w4pack run` does: torch's spinning threads hurt
+# as `w4pack run` does: torch's spinning threads hurt. llama.cpp runs in a child process without it: ggml's own
+# OpenMP barriers slept under PASSIVE and it decoded at half its speed (49 against 100 tok/s on SmolLM2)
+# (set in main(), never in the child, which imports this module too)
+_OUR_OMP_POLICY = "OMP_WAIT_POLICY" not in os.environ
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -84,6 +87,31 @@ def transformers_runner(model: Any, ids: Any, tokens: int) -> Callable[[], dict[
 
 def llama_cpp_runner(gguf: Path, prompt: str, tokens: int, threads: int,
                      extra_bufts: bool) -> Callable[[], dict[str, float]]:
+    """llama.cpp in a child process of its own (the environment the user gave, not this process's OpenMP
+    policy), kept alive across runs; each run() asks it for one decode and reads back its figures."""
+    import subprocess
+
+    env = dict(os.environ)
+    if _OUR_OMP_POLICY:
+        env.pop("OMP_WAIT_POLICY", None)
+    argv = [sys.executable, str(Path(__file__).resolve()), "--llama-child", str(gguf), "--threads", str(threads),
+            "--tokens", str(tokens), "--prompt", prompt] + (["--llama-extra-bufts"] if extra_bufts else [])
+    child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+    def run() -> dict[str, float]:
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write("run\n")
+        child.stdin.flush()
+        line = child.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the llama.cpp child process exited ({child.wait()})")
+        return json.loads(line)
+
+    return run
+
+
+def llama_child(gguf: Path, prompt: str, tokens: int, threads: int, extra_bufts: bool) -> int:
+    """The child side: load the GGUF once, then one greedy decode per "run" line on stdin, figures on stdout."""
     import numpy as np
     import llama_cpp
     import llama_cpp.llama as llama_mod
@@ -104,8 +132,9 @@ def llama_cpp_runner(gguf: Path, prompt: str, tokens: int, threads: int,
     llm = Llama(model_path=str(gguf), n_ctx=512, n_threads=threads, n_threads_batch=threads, n_batch=512,
                 logits_all=False, verbose=False)
     prompt_ids = llm.tokenize(prompt.encode("utf-8"), add_bos=False)
-
-    def run() -> dict[str, float]:
+    for line in sys.stdin:
+        if line.strip() != "run":
+            continue
         llm.reset()
         llm.eval(prompt_ids)
         times = []
@@ -113,9 +142,8 @@ def llama_cpp_runner(gguf: Path, prompt: str, tokens: int, threads: int,
             tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))  # greedy, end-of-text ignored
             times.append(time.perf_counter())
             llm.eval([tok])
-        return _figures(times)
-
-    return run
+        print(json.dumps(_figures(times)), flush=True)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,7 +159,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="let llama.cpp use its extra CPU buffer types (AMX, weight repacking); off by default "
                          "because its AMX path crashes on VMs that report AMX")
     ap.add_argument("--json", type=Path, help="write the table and every run here")
+    ap.add_argument("--llama-child", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.llama_child:
+        return llama_child(args.llama_child, args.prompt, args.tokens, args.threads, args.llama_extra_bufts)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
     import torch
 
