@@ -373,3 +373,19 @@ def test_a_library_warning_is_not_printed_above_the_error(tmp_path: Path) -> Non
     proc = subprocess.run([sys.executable, "-c", _LIBRARY_WARNS, str(tmp_path / "ck")], capture_output=True,
                           text=True, env=env, timeout=120)
     assert proc.returncode == 2 and proc.stderr == f"w4pack: error: {tmp_path / 'ck'}: not valid JSON\n", proc.stderr
+
+
+def test_own_warning_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """w4pack's own notices print as one "warning:" line, not Python's two-line form with the source file, line
+    and code (found by the fuzzer: a GPTQ folder without its quantize_config.json)."""
+    import shutil
+
+    from conftest import fixtures_root
+
+    if fixtures_root() is None:
+        pytest.skip("peer fixtures not found (set W4PACK_FIXTURES or place shared/fixtures beside the checkout)")
+    src = tmp_path / "src"
+    shutil.copytree(fixtures_root() / "gptq" / "gm_b4_sym_g128_descact_v2", src)
+    (src / "quantize_config.json").unlink()
+    rc, err = _cli(capsys, "inspect", src)
+    assert rc == 0 and err.startswith("warning: ") and "checkpoint_format" in err and ".py:" not in err, err

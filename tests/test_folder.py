@@ -98,3 +98,17 @@ def test_side_json_that_is_not_an_object_is_refused_for_every_output(tmp_path: P
         convert(src, tmp_path / "out", to=to, show_progress=False)
     assert str(src / "generation_config.json") in str(ei.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_repeated_json_key_is_bad_input(tmp_path: Path) -> None:
+    """Python keeps a repeated key's last value, other parsers its first: such a file means two things."""
+    from w4pack.errors import BadInputError
+    from w4pack.store.folder import read_json, read_side_json
+
+    p = tmp_path / "config.json"
+    p.write_text('{"model_type": "llama", "rms_norm_eps": 1e-5, "x": {"a": 1, "a": 2}}')
+    with pytest.raises(BadInputError, match="key 'a' appears twice") as exc:
+        read_side_json(p)
+    assert exc.value.exit_code == 2 and str(p) in exc.value.one_line()
+    p.write_text('{"a": {"a": 1}, "b": [{"a": 1}, {"a": 2}]}')  # the same key in different objects is fine
+    assert read_json(p)["b"][1] == {"a": 2}

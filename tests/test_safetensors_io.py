@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -223,3 +224,24 @@ def test_data_section_must_end_at_the_file_end(tmp_path: Path, capsys: pytest.Ca
     n, _sha = write_safetensors(tmp_path / "w.safetensors", [("x", np.arange(3, dtype=np.float32), None)])
     with SafetensorsFile(tmp_path / "w.safetensors") as f:
         assert f.get("x").tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("header,says", [
+    ({"": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, "blank name"),
+    ('{"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
+     '"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', "names this tensor twice"),
+])
+def test_blank_or_repeated_tensor_names_are_refused(tmp_path: Path, header: Any, says: str) -> None:
+    import json
+    import struct
+
+    from w4pack.errors import BadInputError
+    from w4pack.store.safetensors import SafetensorsFile
+
+    text = (header if isinstance(header, str) else json.dumps(header)).encode()
+    text += b" " * (-len(text) % 8)
+    p = tmp_path / "m.safetensors"
+    p.write_bytes(struct.pack("<Q", len(text)) + text + b"\0" * 4)
+    with pytest.raises(BadInputError, match=says) as exc:
+        SafetensorsFile(p)
+    assert str(p) in exc.value.one_line()

@@ -78,3 +78,18 @@ def test_tensor_names_without_a_module_are_bad_input_not_a_crash(
     write_safetensors(src / "model.safetensors", [(k, a, None) for k, a in tensors.items()], {})
     rc, err = _cli(capsys, "inspect", src)
     assert rc == 2 and says in err and "KeyError" not in err, err
+
+
+def test_a_quant_method_that_is_not_a_name_is_bad_input(tmp_path: Path) -> None:
+    """config.json's quantization_config.quant_method set to 0: the config is damaged (exit 2, naming it), not a
+    format w4pack cannot tell (exit 3)."""
+    import json
+
+    from w4pack.errors import BadInputError
+    from w4pack.formats import detect
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama",
+                                                      "quantization_config": {"quant_method": 0, "bits": 4}}))
+    with pytest.raises(BadInputError, match="quant_method is 0") as exc:
+        detect(tmp_path)
+    assert exc.value.exit_code == 2 and "config.json" in exc.value.one_line()

@@ -170,7 +170,9 @@ def _only_ours(show: Any) -> Any:
         while frame is not None and frame.f_code.co_filename == warnings.__file__:
             frame = frame.f_back  # warnings' own Python frames; the issuing code is the first frame above them
         if frame is None or os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
-            show(message, category, filename, lineno, file, line)
+            # one line, as the errors are: Python's own form adds the source file, line and code beneath it
+            text = " ".join(str(message).split("\n"))
+            click.echo(f"warning: {text}", err=True)
 
     return showwarning
 

@@ -103,6 +103,12 @@ def _declared_method(p: Path) -> str | None:
     doc = read_json(cfg)
     q = (doc.get("quantization_config") or doc.get("compression_config")) if isinstance(doc, dict) else None
     method = q.get("quant_method") if isinstance(q, dict) else None
+    if isinstance(q, dict) and "quant_method" in q and not (isinstance(method, str) and method.strip()):
+        from ..errors import BadInputError
+        from ..store.folder import brief
+
+        key = "quantization_config" if doc.get("quantization_config") else "compression_config"
+        raise BadInputError(f"{key}.quant_method is {brief(method)}, not the name of a method", file=str(cfg))
     return str(method) if method else None
 
 

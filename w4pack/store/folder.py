@@ -20,7 +20,10 @@ def read_json(path: Path) -> Any:
     """Parse a JSON file; a missing, unreadable, malformed or hostile file is bad input naming the file."""
     try:
         with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
+            return json.load(fh, object_pairs_hook=unique_keys)
+    except DuplicateKeyError as exc:
+        raise BadInputError(f"key {brief(exc.key)} appears twice in one object (readers disagree on which "
+                            "value holds)", file=str(path)) from None
     except FileNotFoundError:
         raise BadInputError("file is missing", file=str(path)) from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, or an integer too long to convert
@@ -29,6 +32,23 @@ def read_json(path: Path) -> Any:
         raise BadInputError("not valid JSON: nested too deeply", file=str(path)) from None
     except OSError as exc:
         raise BadInputError(f"cannot read: {exc.strerror}", file=str(path)) from None
+
+
+class DuplicateKeyError(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object without repeated keys: Python keeps the last value, other parsers the first, so a
+    repeated key could mean one thing to validate and another to a loader."""
+    doc: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in doc:
+            raise DuplicateKeyError(k)
+        doc[k] = v
+    return doc
 
 
 def read_side_json(path: Path) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing import Any, BinaryIO, Iterable
 import numpy as np
 
 from ..errors import BadInputError, IOFailure, UnsupportedError
-from .folder import brief, is_json_int
+from .folder import DuplicateKeyError, unique_keys, brief, is_json_int
 
 __all__ = ["SafetensorsFile", "SourceChanged", "write_safetensors", "DTYPES", "dtype_to_st", "MAX_HEADER"]
 
@@ -152,7 +152,10 @@ class SafetensorsFile:
             self.close()
             raise SourceChanged(label, f"header of {hlen} bytes ended after {len(raw)}")
         try:
-            header = json.loads(raw.decode("utf-8"))
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
+        except DuplicateKeyError as exc:
+            self.close()
+            raise BadInputError("header names this tensor twice", file=label, tensor=brief(exc.key)) from None
         except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, or an integer too long to convert
             self.close()
             raise BadInputError(f"header is not valid JSON ({exc})", file=label) from None
@@ -172,6 +175,9 @@ class SafetensorsFile:
         spans = []
         self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         for name, info in header.items():
+            if not name.strip():
+                self.close()
+                raise BadInputError(f"a tensor has the blank name {name!r}", file=label)
             if not isinstance(info, dict) or not all(k in info for k in ("dtype", "shape", "data_offsets")):
                 self.close()
                 raise BadInputError("header entry lacks dtype/shape/data_offsets", file=label, tensor=name)
