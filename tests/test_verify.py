@@ -523,3 +523,32 @@ def test_against_catches_a_model_file_edit_even_when_re_signed(tmp_path: Path,
     capsys.readouterr()
     rc, text, _ = run_cli(str(out), "--against", str(src), capsys=capsys)
     assert rc == 1 and "rms_norm_eps" in text, text
+
+
+def test_against_a_source_whose_head_contradicts_its_config(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """config.json's vocab_size no longer matches the AWQ source's float embedding and head: convert refuses the source (2),
+    and verify --against must too, rather than report the packed checkpoint different (1). The shape comes from
+    the file's header, not its data (found by the fuzzer's 30-minute run)."""
+    import json
+    import shutil
+
+    from conftest import fixtures_root
+
+    if fixtures_root() is None:
+        pytest.skip("peer fixtures not found (set W4PACK_FIXTURES or place shared/fixtures beside the checkout)")
+    src = tmp_path / "src"
+    shutil.copytree(fixtures_root() / "awq" / "tiny_llama_gemm_g128", src)
+    packed = tmp_path / "packed"
+    assert main(["convert", str(src), str(packed)]) == 0
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["vocab_size"] *= 2
+    (src / "config.json").write_text(json.dumps(cfg))
+    results = []
+    for argv in (["convert", str(src), str(tmp_path / "out")],
+                 ["verify", str(packed), "--against", str(src), "--threads", "1"]):
+        capsys.readouterr()
+        code = main(argv)
+        err = capsys.readouterr().err
+        results.append((code, err.count("\n"), "the llama model of config.json needs [2000, 256]" in err))
+    assert results == [(2, 1, True), (2, 1, True)], results

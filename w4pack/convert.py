@@ -169,9 +169,9 @@ def source_problems(target: type[Format], source: Source, label: str) -> list[W4
 def _cheap_shape(source: Source, name: str) -> tuple[int, ...] | None:
     """A pass-through tensor's shape when it costs no more than reading a norm: from where its bytes lie, else by
     reading a 1-D tensor (norm weights are small); None for a large tensor the writer will read anyway."""
-    span = source.tensor_span(name)
-    if span is not None:
-        return tuple(span[4])
+    shape = source.tensor_shape(name)
+    if shape is not None:
+        return shape
     parts = name.split(".")
     if len(parts) > 1 and "norm" in parts[-2]:
         return tuple(source.read_tensor(name).array.shape)

@@ -359,6 +359,9 @@ class AWQSource(Source):
     def passthrough_names(self) -> list[str]:
         return list(self._passthrough)
 
+    def tensor_shape(self, name: str) -> tuple[int, ...] | None:
+        return tuple(self.store.info(name)[1])
+
     def read_tensor(self, name: str) -> TensorData:
         dt, _shape = self.store.info(name)
         return TensorData(self.store.read_copy(name), dt)

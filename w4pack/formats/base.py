@@ -112,6 +112,12 @@ class Source(abc.ABC):
         verbatim, so a writer can copy them file to file; None: the writer copies read_tensor(name)."""
         return None
 
+    def tensor_shape(self, name: str) -> tuple[int, ...] | None:
+        """A pass-through tensor's shape from the file's header, without reading its data; None where the reader
+        cannot say without reading it (checks then read it, or leave it to the writer)."""
+        span = self.tensor_span(name)
+        return None if span is None else tuple(span[4])
+
     def embedding_names(self) -> list[str]:
         """The layers of ``layer_names`` that are token embeddings kept packed (role "embedding"): looked up,
         not multiplied. A writer whose format cannot hold them gets them dequantized (formats/embeddings.py)."""

@@ -305,6 +305,11 @@ class CompressedTensorsSource(Source):
         """Before each layer or tensor: the shards' pages read so far leave our resident memory."""
         self.store.release_all()
 
+    def tensor_shape(self, name: str) -> tuple[int, ...] | None:
+        if name not in self.tensor_file:
+            raise BadInputError("no such tensor", file=str(self.path), tensor=name)
+        return tuple(self.store.info(name)[1])
+
     def read_tensor(self, name: str) -> TensorData:
         if name not in self.tensor_file:
             raise BadInputError("no such tensor", file=str(self.path), tensor=name)
