@@ -17,6 +17,7 @@ from .formats._incomplete import missing_member
 from .store.folder import read_side_json
 from .store.names import is_side_file
 from .core.arch import architecture_problem, tensor_problem
+from .core.layout import group_structure
 
 __all__ = ["convert", "plan", "source_problems"]
 
@@ -107,6 +108,11 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
             reason = None if own_check else target.capabilities.check(layer)
             if reason:
                 after.append((f"{name}: {to} cannot express {reason}", EXIT_UNSUPPORTED))
+            elif target.name == "w4pack":
+                try:  # what packing refuses (a group size, g_idx that are not permuted groups), as the writer would
+                    group_structure(layer)
+                except W4PackError as exc:
+                    after.append((f"{name}: {exc.message}", exc.exit_code))
         if own_check:
             after.extend((p, EXIT_UNSUPPORTED) for p in target.check_writable(source))
         if not target.single_file:  # the writers copy the side files, refusing a JSON one that is not an object

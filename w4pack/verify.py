@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from .core.arch import architecture_problem
+from .core.layout import group_structure
 from .core.canonical import CanonicalLayer
 from .store.checkpoint import Checkpoint
 from .core.dtypes import to_float64
@@ -332,6 +333,7 @@ class _SourceLayers:
 
     def _read_layer(self, name: str) -> CanonicalLayer:
         layer = self.source.read_layer(name)
+        group_structure(layer)  # what packing refuses, convert refuses: so does verify --against (2 or 3, not 1)
         self.shapes[name] = (layer.out_features, layer.in_features)
         return layer
 

@@ -152,13 +152,22 @@ def main(argv: list[str] | None = None) -> int:
         # not raised at all, other libraries' warnings are dropped; w4pack's own notices still show (_only_ours)
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.showwarning = _only_ours(warnings.showwarning)
-            return _run(argv, debug)
+            fmt, warnings.formatwarning = warnings.formatwarning, _one_line_warning  # catch_warnings keeps neither
+            try:
+                return _run(argv, debug)
+            finally:
+                warnings.formatwarning = fmt
     except KeyboardInterrupt:  # between the handlers below, or while one of them prints
         click.echo(_sigint.INTERRUPTED, err=True)
         return _sigint.EXIT_INTERRUPTED
 
 
 _PACKAGE = str(Path(__file__).resolve().parent.parent) + os.sep
+
+
+def _one_line_warning(message: Any, category: Any, filename: str, lineno: int, line: Any = None) -> str:
+    """One line, as the errors are: Python's own form adds the source file, line and code beneath the message."""
+    return "warning: " + " ".join(str(message).split("\n")) + "\n"
 
 
 def _only_ours(show: Any) -> Any:
@@ -170,9 +179,7 @@ def _only_ours(show: Any) -> Any:
         while frame is not None and frame.f_code.co_filename == warnings.__file__:
             frame = frame.f_back  # warnings' own Python frames; the issuing code is the first frame above them
         if frame is None or os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
-            # one line, as the errors are: Python's own form adds the source file, line and code beneath it
-            text = " ".join(str(message).split("\n"))
-            click.echo(f"warning: {text}", err=True)
+            show(message, category, filename, lineno, file, line)
 
     return showwarning
 
