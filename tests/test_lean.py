@@ -331,3 +331,32 @@ def test_min_new_tokens_keeps_going_past_an_end_as_transformers_does(models: dic
     want = ref.generate(_ids(), **kw)
     assert torch.equal(lean.generate(_ids(), **kw), want) and decode_mode(lean) == "lean"
     assert want.shape[1] >= 7 + 5
+
+
+def test_logits_survive_the_next_step(models: dict[str, Path]) -> None:
+    """A packed head (W4Linear) writes its output into a buffer it reuses: what step() and forward() return must
+    still hold that step's logits after the next call."""
+    model = load_model(models["plain"], compile=False)
+    engine = LeanDecoder(model)
+    real = engine.head
+
+    class ReusingHead(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.buf: torch.Tensor | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = real(x)
+            if self.buf is None or self.buf.shape != y.shape:
+                self.buf = torch.empty_like(y)
+            return self.buf.copy_(y)
+
+    ids = _ids(9, 4)[0]
+    with torch.inference_mode():
+        engine.pos = 0
+        want = [engine.forward(ids[:4]).clone()] + [engine.step(int(t)).clone() for t in ids[4:7]]
+        engine.head = ReusingHead()
+        engine.pos = 0
+        got = [engine.forward(ids[:4])] + [engine.step(int(t)) for t in ids[4:7]]
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

@@ -395,7 +395,7 @@ class LoopBase:
             h = h + L.down(a)
         self.pos = t
         last = self._norm(h[-1:], self.norm_w, self.norm_eps)
-        return self.head(last)[0]
+        return self.head(last)[0].clone()  # a packed head writes into a buffer the next call reuses
 
     @staticmethod
     def _limits(cfg: Any, t_in: int) -> tuple[int, list[int], int]:
@@ -541,7 +541,7 @@ class LeanDecoder(LoopBase):
         if rc:
             p0.check_rc(rc, "decode step")
         self.pos = pos + 1
-        return self.head(h)[0]  # h holds the final norm's output
+        return self.head(h)[0].clone()  # h holds the final norm's output; the head's buffer is reused
 
     # -- generation --------------------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor, cfg: Any, streamer: Any = None) -> torch.Tensor:
