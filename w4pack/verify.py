@@ -352,10 +352,10 @@ class _SourceLayers:
         emb = set(self.source.embedding_names())
         metas = {n: {"shape": list(s), "role": "embedding" if n in emb else "linear"} for n, s in self.shapes.items()}
         fused = getattr(self.source, "fused", None) or {}
-        from .convert import _cheap_shape
+        from .convert import cheap_shape
 
         return architecture_problem(self.source.config or {}, metas, fused if isinstance(fused, dict) else {},
-                                    set(self.source.passthrough_names()), lambda t: _cheap_shape(self.source, t))
+                                    set(self.source.passthrough_names()), lambda t: cheap_shape(self.source, t))
 
     def dense(self, name: str) -> tuple[np.ndarray, str] | None:
         """(array, dtype name) of the source's pass-through ``<name>.weight``: where a format that cannot hold a

