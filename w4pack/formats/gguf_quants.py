@@ -34,7 +34,7 @@ from ..core.canonical import CanonicalLayer
 from ..core.compact import super_scales
 from ..errors import BadInputError
 
-__all__ = ["BlockType", "TYPES", "QK_K", "IQ4_NL_VALUES", "decode", "encode", "super_scales", "is_packable",
+__all__ = ["BlockType", "TYPES", "QK_K", "IQ4_NL_VALUES", "IQ4_CODEBOOK", "decode", "encode", "super_scales", "is_packable",
            "why_not_packable", "STORAGE", "storage_spec", "source_type"]
 
 QK_K = 256
@@ -71,8 +71,12 @@ def _sub(per: int, bits: int, offset: int) -> dict[str, int]:
     return {"super_groups": per, "bits": bits, "offset": offset}
 
 
+#: the 8-bit codes an IQ4 layer's 4-bit indices stand for (kvalues_iq4nl + 128), in index order
+IQ4_CODEBOOK: list[int] = [int(v) + 128 for v in IQ4_NL_VALUES]
+
 #: the compact storage (docs/LAYOUT.md §8) of each type's layers: what the block itself stores, so that a packed
-#: folder is no larger than the GGUF (codes at their own width, fp16 d/dmin per 256 weights times the sub-scales)
+#: folder is no larger than the GGUF (codes at their own width or as 4-bit codebook indices, fp16 d/dmin per 256
+#: weights times the sub-scales)
 STORAGE: dict[str, dict] = {
     "Q2_K": {"dense_codes": True, "scales": _sub(16, 4, 0), "mins": _sub(16, 4, 0)},
     "Q3_K": {"dense_codes": True, "scales": _sub(16, 6, -32)},
@@ -81,7 +85,8 @@ STORAGE: dict[str, dict] = {
     "Q6_K": {"dense_codes": True, "scales": _sub(16, 8, -128)},
     "Q5_0": {"dense_codes": True},
     "Q5_1": {"dense_codes": True},
-    "IQ4_XS": {"scales": _sub(8, 6, -32)},
+    "IQ4_NL": {"codebook": IQ4_CODEBOOK},
+    "IQ4_XS": {"codebook": IQ4_CODEBOOK, "scales": _sub(8, 6, -32)},
 }
 
 
