@@ -15,7 +15,8 @@ Q6_K     256    210        6       16     none       d·sc·(q − 32)          
 Q5_0     32     22         5       32     none       d·(q − 16)             (scale stays fp16)
 Q5_1     32     24         5       32     float      d·q + m                (scale and minimum stay fp16)
 IQ4_NL   32     18         8       32     none       d·kv[q]                (code kv[q] + 128: the 4-bit index is
-IQ4_XS   256    136        8       32     none       d·(ls − 32)·kv[q]       widened to its 8-bit codebook value)
+IQ4_XS   256    136        8       32     none       d·(ls − 32)·kv[q]       widened to its 8-bit codebook value;
+                                                                            on disk it stays the 4-bit index)
 =======  =====  =========  ======  =====  =========  ============================================================
 
 A float-minimum layer's minimum is ``−dmin·m`` (canonical ``W = s·q + m``). llama.cpp and gguf-py compute
