@@ -35,6 +35,8 @@ def pack_bits(values: np.ndarray, bits: int) -> np.ndarray:
     v = np.asarray(values, dtype=np.uint8)
     lead, f = v.shape[:-1], v.shape[-1]
     assert f % 8 == 0, f
+    if bits == 4:  # the same stream, byte-wise: value 2i in the low nibble of byte i, 2i+1 in the high
+        return np.ascontiguousarray(v[..., 0::2] | (v[..., 1::2] << np.uint8(4)))
     shifts = (np.arange(8, dtype=np.uint64) * np.uint64(bits))
     acc = np.bitwise_or.reduce(v.reshape(*lead, f // 8, 8).astype(np.uint64) << shifts, axis=-1)
     by = acc.astype("<u8")[..., None].view(np.uint8)[..., :bits]
@@ -46,6 +48,8 @@ def unpack_bits(packed: np.ndarray, bits: int) -> np.ndarray:
     p = np.asarray(packed, dtype=np.uint8)
     lead, nb = p.shape[:-1], p.shape[-1]
     assert nb % bits == 0, (nb, bits)
+    if bits == 4:
+        return np.stack([p & np.uint8(15), p >> np.uint8(4)], axis=-1).reshape(*lead, nb * 2)
     chunks = np.zeros((*lead, nb // bits, 8), dtype=np.uint8)
     chunks[..., :bits] = p.reshape(*lead, nb // bits, bits)
     acc = chunks.view("<u8")[..., 0]
@@ -69,9 +73,10 @@ def _qweight(fields: np.ndarray, storage_bits: int) -> np.ndarray:
     return np.ascontiguousarray(fields).view("<i4").astype(np.int32, copy=False)
 
 
-def real_fields(meta: dict[str, Any]) -> np.ndarray:
-    """bool [Np/16, 16·Kp]: which storage fields of an 8-bit ``qweight`` (in ``_fields`` order) hold a real code
-    (row n < N, packed column k' < K), the rest being padding (LAYOUT.md §3.2).
+def _field_masks(meta: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """(bool [16·Kp] real in a full stripe, bool [16·Kp] real in the last stripe) of an 8-bit ``qweight``'s
+    storage fields in ``_fields`` order. Padding (LAYOUT.md §3.2) lies only in columns k' ≥ K and, as
+    Np = 16·ceil(N/16), in rows of the last stripe; every other stripe's mask is the first.
 
     Field f of a stripe is byte f of its words: f = 1024·kb + 32·lane + 8·j + elem (§3.3 with storage_bits 8,
     word 256·kb + 8·lane + 2·j + elem div 4, byte elem mod 4), lane = 4·gid + tid, elem = 4·kh + 2·rh + e, at
@@ -79,17 +84,35 @@ def real_fields(meta: dict[str, Any]) -> np.ndarray:
     n, k = meta["shape"]
     np_, kp = meta["padded_shape"]
     # axes in field order: kb, gid, tid, j, kh, rh, e
-    kb = np.arange(kp // 64).reshape(-1, 1, 1, 1, 1, 1, 1)
-    gid = np.arange(8).reshape(1, -1, 1, 1, 1, 1, 1)
-    tid = np.arange(4).reshape(1, 1, -1, 1, 1, 1, 1)
-    j = np.arange(4).reshape(1, 1, 1, -1, 1, 1, 1)
-    kh = np.arange(2).reshape(1, 1, 1, 1, -1, 1, 1)
-    rh = np.arange(2).reshape(1, 1, 1, 1, 1, -1, 1)
-    e = np.arange(2).reshape(1, 1, 1, 1, 1, 1, -1)
-    col = np.broadcast_to(64 * kb + 16 * j + 8 * kh + 2 * tid + e, (kp // 64, 8, 4, 4, 2, 2, 2)).reshape(-1)
-    row = np.broadcast_to(8 * rh + gid, (kp // 64, 8, 4, 4, 2, 2, 2)).reshape(-1)
-    rows = 16 * np.arange(np_ // 16)[:, None] + row[None, :]
-    return (rows < n) & (col < k)[None, :]
+    kb, gid, tid, j, kh, rh, e = np.ix_(np.arange(kp // 64), np.arange(8), np.arange(4), np.arange(4),
+                                        np.arange(2), np.arange(2), np.arange(2))
+    full = (kp // 64, 8, 4, 4, 2, 2, 2)
+    col = np.broadcast_to(64 * kb + 16 * j + 8 * kh + 2 * tid + e, full).reshape(-1)
+    row = np.broadcast_to(8 * rh + gid, full).reshape(-1)
+    cols_ok = col < k
+    return cols_ok, cols_ok & (np_ - 16 + row < n)
+
+
+def real_fields(meta: dict[str, Any]) -> np.ndarray:
+    """bool [Np/16, 16·Kp]: which storage fields of an 8-bit ``qweight`` (in ``_fields`` order) hold a real code
+    (row n < N, packed column k' < K); the rest are padding (LAYOUT.md §3.2)."""
+    cols_ok, last = _field_masks(meta)
+    out = np.repeat(cols_ok[None, :], meta["padded_shape"][0] // 16, axis=0)
+    out[-1] = last
+    return out
+
+
+def _padding(arr: np.ndarray, meta: dict[str, Any], value: int | None = None) -> bool:
+    """Whether any padding field of ``arr`` [Np/16, 16·Kp] (fields in ``_fields`` order) is non-zero; with
+    ``value``, set every padding field to it instead (in place) and return False. Touches only the padding."""
+    cols_ok, last = _field_masks(meta)
+    pad_cols = np.flatnonzero(~cols_ok)
+    pad_last = np.flatnonzero(~last)
+    if value is not None:
+        arr[:-1, pad_cols] = value
+        arr[-1, pad_last] = value
+        return False
+    return bool(arr[:-1, pad_cols].any() or arr[-1, pad_last].any())
 
 
 def check_codebook(meta: dict[str, Any]) -> str | None:
@@ -232,14 +255,13 @@ def _codebook_indices(meta: dict[str, Any], qweight: np.ndarray, cb: list[int]) 
     if check_codebook(dict(meta, storage={"codebook": cb})) is not None:
         return None
     fields = _fields(qweight, 8)
-    real = real_fields(meta)
-    if fields[~real].any():
+    if _padding(fields, meta):
         return None
     lut = np.full(256, 255, dtype=np.uint8)
     lut[np.asarray(cb, dtype=np.int64)] = np.arange(len(cb), dtype=np.uint8)
     idx = lut[fields]
-    idx[~real] = 0
-    if (idx == 255).any():
+    _padding(idx, meta, 0)
+    if int(idx.max(initial=0)) == 255:
         return None
     return pack_bits(idx, 4)
 
@@ -295,15 +317,14 @@ def _codebook_expand(meta: dict[str, Any], qindex: np.ndarray, cb: list[int], la
     """``qindex`` -> the runtime 8-bit ``qweight``: real field = cb[index], padding field = 0. Refuses an index
     past the codebook and a non-zero index in the padding (as §3.2 refuses non-zero padding)."""
     idx = unpack_bits(qindex, 4)
-    real = real_fields(meta)
-    if idx[~real].any():
+    if _padding(idx, meta):
         raise BadInputError("padding (rows past the layer's shape, columns past its in_features) holds a "
                             "non-zero codebook index", tensor=label)
     top = int(idx.max(initial=0))
     if top >= len(cb):
         raise BadInputError(f"codebook index {top} past the manifest's {len(cb)}-entry codebook", tensor=label)
     fields = np.asarray(cb, dtype=np.uint8)[idx]
-    fields[~real] = 0
+    _padding(fields, meta, 0)
     return _qweight(fields, 8)
 
 
