@@ -240,8 +240,9 @@ def iq4_blocks(rng: np.random.Generator, qtype: str, n: int, k: int) -> np.ndarr
     return b.reshape(n, -1)
 
 
-#: (GGUF tensor, shape [N, K], type): N = 40 (the head) is not a multiple of 16, ffn_down's K = 480 not of 64
-IQ4_TENSORS = [("blk.0.attn_q.weight", (256, 256), "IQ4_XS"), ("blk.0.attn_k.weight", (128, 256), "IQ4_NL"),
+#: (GGUF tensor, shape [N, K], type): N = 40 (the head, the embedding) is not a multiple of 16, ffn_down's
+#: K = 480 not of 64; the embedding stays packed as a layer of role "embedding"
+IQ4_TENSORS = [("token_embd.weight", (40, 256), "IQ4_NL"), ("blk.0.attn_q.weight", (256, 256), "IQ4_XS"), ("blk.0.attn_k.weight", (128, 256), "IQ4_NL"),
                ("blk.0.attn_v.weight", (128, 256), "IQ4_XS"), ("blk.0.attn_output.weight", (256, 256), "IQ4_NL"),
                ("blk.0.ffn_gate.weight", (480, 256), "IQ4_XS"), ("blk.0.ffn_up.weight", (480, 256), "IQ4_NL"),
                ("blk.0.ffn_down.weight", (256, 480), "IQ4_NL"), ("output.weight", (40, 256), "IQ4_XS")]
@@ -264,7 +265,6 @@ def make_iq4_gguf(path: Path, seed: int = 0) -> dict[str, np.ndarray]:
     w.add_rope_freq_base(10000.0)
     w.add_file_type(30)  # MOSTLY_IQ4_XS
     w.add_quantization_version(2)
-    w.add_tensor("token_embd.weight", rng.normal(0, 0.05, (40, 256)).astype(np.float16))
     deq: dict[str, np.ndarray] = {}
     for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
         w.add_tensor(name, np.ones(256, np.float32))
@@ -396,7 +396,7 @@ def test_iq4_gguf_takes_its_gguf_bytes_verifies_and_round_trips(iq4, tmp_path: P
     src, w4, deq = iq4
     ck = open_checkpoint(w4)
     gbytes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(src)).tensors}
-    hf = {"blk.0.attn_q.weight": "model.layers.0.self_attn.q_proj", "blk.0.attn_k.weight":
+    hf = {"token_embd.weight": "model.embed_tokens", "blk.0.attn_q.weight": "model.layers.0.self_attn.q_proj", "blk.0.attn_k.weight":
           "model.layers.0.self_attn.k_proj", "blk.0.attn_v.weight": "model.layers.0.self_attn.v_proj",
           "blk.0.attn_output.weight": "model.layers.0.self_attn.o_proj", "blk.0.ffn_gate.weight":
           "model.layers.0.mlp.gate_proj", "blk.0.ffn_up.weight": "model.layers.0.mlp.up_proj",
@@ -416,7 +416,7 @@ def test_iq4_gguf_takes_its_gguf_bytes_verifies_and_round_trips(iq4, tmp_path: P
     res = CliRunner().invoke(cli, ["validate", str(w4), "--deep"])
     assert res.exit_code == 0 and "unpack" in res.output, res.output
     rep = verify(w4, against=src, show_progress=False)
-    assert rep.ok and all(c.exact for c in rep.layers) and len(rep.layers) == 8, rep.summary()
+    assert rep.ok and all(c.exact for c in rep.layers) and len(rep.layers) == 9, rep.summary()
     convert(w4, tmp_path / "back.gguf", to="gguf", show_progress=False)
     assert (tmp_path / "back.gguf").read_bytes() == src.read_bytes()
     convert(w4, tmp_path / "again", show_progress=False)  # w4pack -> w4pack keeps the codebook storage
