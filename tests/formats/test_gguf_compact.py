@@ -364,8 +364,8 @@ def test_hostile_codebook_storage_is_refused_naming_the_tensor() -> None:
     err = _expand_error(meta, {s: a for s, a in arrays.items() if s != "qindex"})
     assert "m.layer.qindex" in err and "missing" in err, err
     for cb, why in [(st["codebook"][:15] + [st["codebook"][0]], "lists a code twice"),
-                    (st["codebook"][:15] + [256], "entry 256 is outside the 8-bit codes 0..255"),
-                    (st["codebook"][:15] + [-1], "entry -1 is outside"),
+                    (st["codebook"][:15] + [256], "entry 256 is not one of the layer's 8-bit codes 0..255"),
+                    (st["codebook"][:15] + [-1], "entry -1 is not one of"),
                     (st["codebook"] + [0], "1 to 16 codes"), ([], "1 to 16 codes")]:
         assert why in C.check_storage(dict(meta, storage=dict(st, codebook=cb))), cb
         err = _expand_error(dict(meta, storage=dict(st, codebook=cb)), arrays)

@@ -131,7 +131,7 @@ def check_codebook(meta: dict[str, Any]) -> str | None:
     top = (1 << meta["bits"]) - 1
     for v in cb:
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= top:
-            return f"storage.codebook entry {v!r} is outside the {meta['bits']}-bit codes 0..{top}"
+            return f"storage.codebook entry {v!r} is not one of the layer's {meta['bits']}-bit codes 0..{top}"
     if len(set(cb)) != len(cb):
         return "storage.codebook lists a code twice"
     return None
