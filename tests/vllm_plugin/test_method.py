@@ -280,25 +280,31 @@ def test_apply_compiled_and_graphed_bit_identical_on_cuda(dtype):
                 assert torch.equal(static_y, eager)
 
 
+@pytest.mark.parametrize("qtype", ["Q6_K", "IQ4_XS"])
 @pytest.mark.parametrize("cls,tp", [(RowParallelLinear, 2), (ColumnParallelLinear, 2)])
-def test_compact_storage_is_expanded_before_the_split(cls, tp):
-    """A layer stored compactly (docs/LAYOUT.md §8: a Q6_K layer's dense codes and int8 sub-scales) reaches the
-    engine as its compact tensors; the method expands them, then splits, and computes the layer's product."""
+def test_compact_storage_is_expanded_before_the_split(cls, tp, qtype):
+    """A layer stored compactly (docs/LAYOUT.md §8: a Q6_K layer's dense codes and int8 sub-scales, an IQ4_XS
+    layer's 4-bit codebook indices and 6-bit sub-scales) reaches the engine as its compact tensors; the method
+    expands them, then splits, and computes the layer's product."""
     from w4pack.core.compact import compact
     from w4pack.formats import gguf_quants as gq
 
-    rng = _seed("compact", cls.__name__, tp)
+    rng = _seed("compact", cls.__name__, tp, qtype)
     n, k = 64, 512
-    raw = np.zeros((n, k // 256, 210), np.uint8)
-    raw[..., :192] = rng.integers(0, 256, (n, k // 256, 192), dtype=np.uint8)
-    sc = rng.integers(-127, 128, (n, k // 256, 16))
-    sc[..., 0] = -128
-    raw[..., 192:208] = sc.astype(np.int8).view(np.uint8)
-    raw[..., 208:210] = (rng.uniform(1e-4, 1e-3, (n, k // 256)).astype("<f2"))[..., None].view(np.uint8)
-    layer = gq.decode("Q6_K", raw.reshape(n, -1), n, k).validate()
+    if qtype == "Q6_K":
+        raw = np.zeros((n, k // 256, 210), np.uint8)
+        raw[..., :192] = rng.integers(0, 256, (n, k // 256, 192), dtype=np.uint8)
+        sc = rng.integers(-127, 128, (n, k // 256, 16))
+        sc[..., 0] = -128
+        raw[..., 192:208] = sc.astype(np.int8).view(np.uint8)
+        raw[..., 208:210] = (rng.uniform(1e-4, 1e-3, (n, k // 256)).astype("<f2"))[..., None].view(np.uint8)
+    else:  # random indices and 6-bit sub-scales, a weight-like fp16 d
+        raw = rng.integers(0, 256, (n, k // 256, 136), dtype=np.uint8)
+        raw[..., 0:2] = (rng.uniform(1e-4, 1e-3, (n, k // 256)).astype("<f2"))[..., None].view(np.uint8)
+    layer = gq.decode(qtype, raw.reshape(n, -1), n, k).validate()
     packed = pack(layer)
-    st, arrays = compact(packed.meta, packed.tensors, gq.STORAGE["Q6_K"])
-    assert st and "qdense" in arrays and "scales_q" in arrays
+    st, arrays = compact(packed.meta, packed.tensors, gq.STORAGE[qtype])
+    assert st and ("qdense" if qtype == "Q6_K" else "qindex") in arrays and "scales_q" in arrays
     meta = dict(packed.meta, storage=st)
     stored = PackedLayer(meta=meta, tensors=arrays)
     plan = LayerPlan("mlp.x", [LayerPart("mlp.x", _meta("mlp.x", stored), None, None, None)])

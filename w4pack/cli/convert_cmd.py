@@ -33,7 +33,7 @@ from .extras import needs_extras
                    "loaders without packed embeddings, such as vLLM; the folder grows by the table's float size).")
 @click.option("--expanded", is_flag=True,
               help="w4pack output: store every layer in the runtime form (float32 scales, codes in their 4/8-bit "
-                   "fields) instead of the compact form kept for GGUF K-quant and 5-bit layers (docs/LAYOUT.md "
+                   "fields) instead of the compact form kept for GGUF K-quant, 5-bit and IQ4 layers (docs/LAYOUT.md "
                    "section 8); the folder grows, loading skips the expansion.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
 @click.option("--dry-run", is_flag=True,

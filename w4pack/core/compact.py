@@ -1,9 +1,11 @@
 """Compact storage of a packed layer (docs/LAYOUT.md §8): on disk only, expanded bit-exactly on read.
 
 A layer read from a GGUF K-quant has float32 scales (and minima) that are exact products ``d·L`` of an fp16
-super-block factor and a small integer, and codes of 2, 3, 5 or 6 bits in 4- or 8-bit fields. Stored as they run
-(the layout's runtime form), a Q4_K layer takes 1.33× its GGUF bytes and a Q6_K layer 1.52×. The compact form
-stores what the GGUF stores: the fp16 factors, the integers at their own width, the codes densely bit-packed.
+super-block factor and a small integer, and codes of 2, 3, 5 or 6 bits in 4- or 8-bit fields; an IQ4 layer's
+8-bit codes take only the 16 values of its codebook. Stored as they run (the layout's runtime form), a Q4_K
+layer takes 1.33× its GGUF bytes, a Q6_K layer 1.52× and an IQ4_XS layer 1.94×. The compact form stores what
+the GGUF stores: the fp16 factors, the integers at their own width, the codes densely bit-packed, and codebook
+codes as their 4-bit index into the codebook the manifest lists.
 ``expand`` rebuilds the runtime tensors (``qweight``, ``scales``, ``mins``) exactly, so every consumer past the
 storage layer (kernels, loader, tensor-parallel slicing, the vLLM plugin) sees the layer it always saw.
 
@@ -17,12 +19,14 @@ import numpy as np
 
 from ..errors import BadInputError
 
-__all__ = ["COMPACT_SUFFIXES", "stored_suffixes", "expected_shapes", "pack_bits", "unpack_bits", "compact",
+__all__ = ["COMPACT_SUFFIXES", "CODEBOOK_MAX", "real_fields", "check_codebook", "stored_suffixes", "expected_shapes", "pack_bits", "unpack_bits", "compact",
            "expand", "super_split", "super_scales", "check_storage"]
 
 #: tensors that replace ``qweight`` / ``scales`` / ``mins`` in the compact form
-COMPACT_SUFFIXES = ("qdense", "scales_d", "scales_q", "mins_d", "mins_q")
+COMPACT_SUFFIXES = ("qdense", "qindex", "scales_d", "scales_q", "mins_d", "mins_q")
 _DENSE_BITS = (2, 3, 5, 6)
+#: at most this many codebook entries: an index is 4 bits
+CODEBOOK_MAX = 16
 
 
 def pack_bits(values: np.ndarray, bits: int) -> np.ndarray:
@@ -31,6 +35,8 @@ def pack_bits(values: np.ndarray, bits: int) -> np.ndarray:
     v = np.asarray(values, dtype=np.uint8)
     lead, f = v.shape[:-1], v.shape[-1]
     assert f % 8 == 0, f
+    if bits == 4:  # the same stream, byte-wise: value 2i in the low nibble of byte i, 2i+1 in the high
+        return np.ascontiguousarray(v[..., 0::2] | (v[..., 1::2] << np.uint8(4)))
     shifts = (np.arange(8, dtype=np.uint64) * np.uint64(bits))
     acc = np.bitwise_or.reduce(v.reshape(*lead, f // 8, 8).astype(np.uint64) << shifts, axis=-1)
     by = acc.astype("<u8")[..., None].view(np.uint8)[..., :bits]
@@ -42,6 +48,8 @@ def unpack_bits(packed: np.ndarray, bits: int) -> np.ndarray:
     p = np.asarray(packed, dtype=np.uint8)
     lead, nb = p.shape[:-1], p.shape[-1]
     assert nb % bits == 0, (nb, bits)
+    if bits == 4:
+        return np.stack([p & np.uint8(15), p >> np.uint8(4)], axis=-1).reshape(*lead, nb * 2)
     chunks = np.zeros((*lead, nb // bits, 8), dtype=np.uint8)
     chunks[..., :bits] = p.reshape(*lead, nb // bits, bits)
     acc = chunks.view("<u8")[..., 0]
@@ -65,6 +73,70 @@ def _qweight(fields: np.ndarray, storage_bits: int) -> np.ndarray:
     return np.ascontiguousarray(fields).view("<i4").astype(np.int32, copy=False)
 
 
+def _field_masks(meta: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """(bool [16·Kp] real in a full stripe, bool [16·Kp] real in the last stripe) of an 8-bit ``qweight``'s
+    storage fields in ``_fields`` order. Padding (LAYOUT.md §3.2) lies only in columns k' ≥ K and, as
+    Np = 16·ceil(N/16), in rows of the last stripe; every other stripe's mask is the first.
+
+    Field f of a stripe is byte f of its words: f = 1024·kb + 32·lane + 8·j + elem (§3.3 with storage_bits 8,
+    word 256·kb + 8·lane + 2·j + elem div 4, byte elem mod 4), lane = 4·gid + tid, elem = 4·kh + 2·rh + e, at
+    row 16·nb + 8·rh + gid and column 64·kb + 16·j + 8·kh + 2·tid + e."""
+    n, k = meta["shape"]
+    np_, kp = meta["padded_shape"]
+    # axes in field order: kb, gid, tid, j, kh, rh, e
+    kb, gid, tid, j, kh, rh, e = np.ix_(np.arange(kp // 64), np.arange(8), np.arange(4), np.arange(4),
+                                        np.arange(2), np.arange(2), np.arange(2))
+    full = (kp // 64, 8, 4, 4, 2, 2, 2)
+    col = np.broadcast_to(64 * kb + 16 * j + 8 * kh + 2 * tid + e, full).reshape(-1)
+    row = np.broadcast_to(8 * rh + gid, full).reshape(-1)
+    cols_ok = col < k
+    return cols_ok, cols_ok & (np_ - 16 + row < n)
+
+
+def real_fields(meta: dict[str, Any]) -> np.ndarray:
+    """bool [Np/16, 16·Kp]: which storage fields of an 8-bit ``qweight`` (in ``_fields`` order) hold a real code
+    (row n < N, packed column k' < K); the rest are padding (LAYOUT.md §3.2)."""
+    cols_ok, last = _field_masks(meta)
+    out = np.repeat(cols_ok[None, :], meta["padded_shape"][0] // 16, axis=0)
+    out[-1] = last
+    return out
+
+
+def _padding(arr: np.ndarray, meta: dict[str, Any], value: int | None = None) -> bool:
+    """Whether any padding field of ``arr`` [Np/16, 16·Kp] (fields in ``_fields`` order) is non-zero; with
+    ``value``, set every padding field to it instead (in place) and return False. Touches only the padding."""
+    cols_ok, last = _field_masks(meta)
+    pad_cols = np.flatnonzero(~cols_ok)
+    pad_last = np.flatnonzero(~last)
+    if value is not None:
+        arr[:-1, pad_cols] = value
+        arr[-1, pad_last] = value
+        return False
+    return bool(arr[:-1, pad_cols].any() or arr[-1, pad_last].any())
+
+
+def check_codebook(meta: dict[str, Any]) -> str | None:
+    """Why the layer's ``storage.codebook`` is not a usable codebook for it, or None (also None without one)."""
+    st = meta.get("storage") or {}
+    if "codebook" not in st:
+        return None
+    cb = st["codebook"]
+    if meta["storage_bits"] != 8:
+        return (f"storage.codebook on a layer with storage_bits {meta['storage_bits']} (only 8-bit fields are "
+                "stored as codebook indices)")
+    if st.get("dense_codes"):
+        return "storage.codebook and storage.dense_codes together (both replace qweight)"
+    if not isinstance(cb, list) or not 1 <= len(cb) <= CODEBOOK_MAX:
+        return f"storage.codebook must list 1 to {CODEBOOK_MAX} codes"
+    top = (1 << meta["bits"]) - 1
+    for v in cb:
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= top:
+            return f"storage.codebook entry {v!r} is not one of the layer's {meta['bits']}-bit codes 0..{top}"
+    if len(set(cb)) != len(cb):
+        return "storage.codebook lists a code twice"
+    return None
+
+
 def stored_suffixes(meta: dict[str, Any], runtime: list[str]) -> list[str]:
     """The tensor suffixes a layer stores, from its runtime suffixes (layout.tensor_suffixes) and ``storage``."""
     st = meta.get("storage") or {}
@@ -72,6 +144,8 @@ def stored_suffixes(meta: dict[str, Any], runtime: list[str]) -> list[str]:
     for s in runtime:
         if s == "qweight" and st.get("dense_codes"):
             out.append("qdense")
+        elif s == "qweight" and "codebook" in st:
+            out.append("qindex")
         elif s in ("scales", "mins") and s in st:
             out += [f"{s}_d", f"{s}_q"]
         else:
@@ -87,6 +161,8 @@ def expected_shapes(meta: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], np
     out: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
     if st.get("dense_codes"):
         out["qdense"] = ((np_ // 16, 2 * kp * meta["bits"]), np.dtype(np.uint8))
+    if "codebook" in st:  # 16·Kp fields per stripe, 4 bits each
+        out["qindex"] = ((np_ // 16, 8 * kp), np.dtype(np.uint8))
     for s in ("scales", "mins"):
         if s in st:
             spec = st[s]
@@ -102,6 +178,9 @@ def check_storage(meta: dict[str, Any]) -> str | None:
         return None
     if st.get("dense_codes") and meta["bits"] not in _DENSE_BITS:
         return f"dense_codes on a {meta['bits']}-bit layer (only 2-, 3-, 5- and 6-bit codes are stored densely)"
+    why = check_codebook(meta)
+    if why:
+        return why
     for s in ("scales", "mins"):
         if s not in st:
             continue
@@ -170,12 +249,29 @@ def super_split(vals: np.ndarray, lo: int, hi: int, per: int, n: int, g: int
     return dd, LL
 
 
+def _codebook_indices(meta: dict[str, Any], qweight: np.ndarray, cb: list[int]) -> np.ndarray | None:
+    """``qindex`` of an 8-bit ``qweight`` under codebook ``cb`` (LAYOUT.md §8), or None where that would not
+    expand back to exactly ``qweight``: a real field whose code is not in ``cb``, or padding that is not zero."""
+    if check_codebook(dict(meta, storage={"codebook": cb})) is not None:
+        return None
+    fields = _fields(qweight, 8)
+    if _padding(fields, meta):
+        return None
+    lut = np.full(256, 255, dtype=np.uint8)
+    lut[np.asarray(cb, dtype=np.int64)] = np.arange(len(cb), dtype=np.uint8)
+    idx = lut[fields]
+    _padding(idx, meta, 0)
+    if int(idx.max(initial=0)) == 255:
+        return None
+    return pack_bits(idx, 4)
+
+
 def compact(meta: dict[str, Any], tensors: dict[str, np.ndarray], spec: dict[str, Any]
             ) -> tuple[dict[str, Any] | None, dict[str, np.ndarray]]:
     """Runtime tensors -> (the ``storage`` entry, tensors with the compact ones in place of what they replace).
 
-    ``spec``: ``{"dense_codes": bool, "scales": {"super_groups", "bits", "offset"}, "mins": {...}}`` (any part
-    may be absent). A part that does not fit the layer exactly (parameters that are not such products) is left
+    ``spec``: ``{"dense_codes": bool, "codebook": [codes], "scales": {"super_groups", "bits", "offset"},
+    "mins": {...}}`` (any part may be absent; the codebook only for 8-bit fields and only without dense codes). A part that does not fit the layer exactly (parameters that are not such products) is left
     in the runtime form; the result expands back to exactly ``tensors``."""
     out = dict(tensors)
     st: dict[str, Any] = {}
@@ -188,6 +284,13 @@ def compact(meta: dict[str, Any], tensors: dict[str, np.ndarray], spec: dict[str
         out.pop("qweight")
         out["qdense"] = pack_bits(fields, meta["bits"])
         st["dense_codes"] = True
+    cb = spec.get("codebook")
+    if cb is not None and not st.get("dense_codes"):
+        got = _codebook_indices(meta, tensors["qweight"], [int(v) for v in cb])
+        if got is not None:
+            out.pop("qweight")
+            out["qindex"] = got
+            st["codebook"] = [int(v) for v in cb]
     for s in ("scales", "mins"):
         sp = spec.get(s)
         if sp is None or s not in tensors or meta["scale_dtype"] != "float32" or meta["group_size"] == -1:
@@ -210,13 +313,32 @@ def compact(meta: dict[str, Any], tensors: dict[str, np.ndarray], spec: dict[str
     return (st or None), out
 
 
+def _codebook_expand(meta: dict[str, Any], qindex: np.ndarray, cb: list[int], label: str) -> np.ndarray:
+    """``qindex`` -> the runtime 8-bit ``qweight``: real field = cb[index], padding field = 0. Refuses an index
+    past the codebook and a non-zero index in the padding (as §3.2 refuses non-zero padding)."""
+    idx = unpack_bits(qindex, 4)
+    if _padding(idx, meta):
+        raise BadInputError("padding (rows past the layer's shape, columns past its in_features) holds a "
+                            "non-zero codebook index", tensor=label)
+    top = int(idx.max(initial=0))
+    if top >= len(cb):
+        raise BadInputError(f"codebook index {top} past the manifest's {len(cb)}-entry codebook", tensor=label)
+    fields = np.asarray(cb, dtype=np.uint8)[idx]
+    _padding(fields, meta, 0)
+    return _qweight(fields, 8)
+
+
 def expand(meta: dict[str, Any], tensors: dict[str, np.ndarray], name: str = "") -> dict[str, np.ndarray]:
     """Compact tensors -> the runtime ones (``qweight``, ``scales``, ``mins``), bit-exactly; other tensors are
-    passed on. Refuses (naming the tensor) a wrong shape or dtype, a non-finite factor and padding that is not
-    zero. Sub-scales and codes cannot be out of range: their stored width is their range."""
+    passed on. Refuses (naming the tensor) a wrong shape or dtype, a non-finite factor, padding that is not
+    zero, a codebook index past the codebook and a codebook unfit for the layer (naming the layer). Sub-scales
+    and dense codes cannot be out of range: their stored width is their range."""
     st = meta.get("storage") or {}
     if not st:
         return tensors
+    why = check_codebook(meta)
+    if why:
+        raise BadInputError(why, tensor=name or None)
     out = {k: v for k, v in tensors.items() if k not in COMPACT_SUFFIXES}
     want = expected_shapes(meta)
     n, _k = meta["shape"]
@@ -235,6 +357,8 @@ def expand(meta: dict[str, Any], tensors: dict[str, np.ndarray], name: str = "")
     if st.get("dense_codes"):
         fields = unpack_bits(tensors["qdense"], meta["bits"])
         out["qweight"] = _qweight(fields, meta["storage_bits"])
+    if "codebook" in st:
+        out["qweight"] = _codebook_expand(meta, tensors["qindex"], st["codebook"], tname("qindex"))
     for s in ("scales", "mins"):
         if s not in st:
             continue

@@ -15,7 +15,8 @@ Q6_K     256    210        6       16     none       d·sc·(q − 32)          
 Q5_0     32     22         5       32     none       d·(q − 16)             (scale stays fp16)
 Q5_1     32     24         5       32     float      d·q + m                (scale and minimum stay fp16)
 IQ4_NL   32     18         8       32     none       d·kv[q]                (code kv[q] + 128: the 4-bit index is
-IQ4_XS   256    136        8       32     none       d·(ls − 32)·kv[q]       widened to its 8-bit codebook value)
+IQ4_XS   256    136        8       32     none       d·(ls − 32)·kv[q]       widened to its 8-bit codebook value;
+                                                                            on disk it stays the 4-bit index)
 =======  =====  =========  ======  =====  =========  ============================================================
 
 A float-minimum layer's minimum is ``−dmin·m`` (canonical ``W = s·q + m``). llama.cpp and gguf-py compute
@@ -34,7 +35,7 @@ from ..core.canonical import CanonicalLayer
 from ..core.compact import super_scales
 from ..errors import BadInputError
 
-__all__ = ["BlockType", "TYPES", "QK_K", "IQ4_NL_VALUES", "decode", "encode", "super_scales", "is_packable",
+__all__ = ["BlockType", "TYPES", "QK_K", "IQ4_NL_VALUES", "IQ4_CODEBOOK", "decode", "encode", "super_scales", "is_packable",
            "why_not_packable", "STORAGE", "storage_spec", "source_type"]
 
 QK_K = 256
@@ -71,8 +72,12 @@ def _sub(per: int, bits: int, offset: int) -> dict[str, int]:
     return {"super_groups": per, "bits": bits, "offset": offset}
 
 
+#: the 8-bit codes an IQ4 layer's 4-bit indices stand for (kvalues_iq4nl + 128), in index order
+IQ4_CODEBOOK: list[int] = [int(v) + 128 for v in IQ4_NL_VALUES]
+
 #: the compact storage (docs/LAYOUT.md §8) of each type's layers: what the block itself stores, so that a packed
-#: folder is no larger than the GGUF (codes at their own width, fp16 d/dmin per 256 weights times the sub-scales)
+#: folder is no larger than the GGUF (codes at their own width or as 4-bit codebook indices, fp16 d/dmin per 256
+#: weights times the sub-scales)
 STORAGE: dict[str, dict] = {
     "Q2_K": {"dense_codes": True, "scales": _sub(16, 4, 0), "mins": _sub(16, 4, 0)},
     "Q3_K": {"dense_codes": True, "scales": _sub(16, 6, -32)},
@@ -81,7 +86,8 @@ STORAGE: dict[str, dict] = {
     "Q6_K": {"dense_codes": True, "scales": _sub(16, 8, -128)},
     "Q5_0": {"dense_codes": True},
     "Q5_1": {"dense_codes": True},
-    "IQ4_XS": {"scales": _sub(8, 6, -32)},
+    "IQ4_NL": {"codebook": IQ4_CODEBOOK},
+    "IQ4_XS": {"codebook": IQ4_CODEBOOK, "scales": _sub(8, 6, -32)},
 }
 
 

@@ -97,7 +97,7 @@ def write_packed(source: Source, out: Path, *, force: bool = False, max_shard_si
                  show_progress: bool | None = None, on_layer: Any = None, expanded: bool = False) -> Path:
     """Stream ``source`` into a w4pack checkpoint: a layer or two in memory at a time, no shard buffered.
 
-    A layer read from a GGUF K-quant or 5-bit type (directly or through an earlier w4pack folder) is stored in
+    A layer read from a GGUF K-quant, 5-bit or IQ4 type (directly or through an earlier w4pack folder) is stored in
     the compact form of its type (gguf_quants.STORAGE), so the folder is no larger than the GGUF; ``expanded``
     stores every layer in the runtime form instead."""
     from ..progress import Progress

@@ -64,7 +64,7 @@ def _stored_dtype(suffix: str, meta: dict[str, Any]) -> torch.dtype:
         return torch.uint8 if meta["storage_bits"] == 4 else torch.uint16
     if suffix in ("scales_d", "mins_d"):  # the compact storage (docs/LAYOUT.md §8)
         return torch.float16
-    if suffix in ("qdense", "scales_q", "mins_q"):
+    if suffix in ("qdense", "qindex", "scales_q", "mins_q"):
         return torch.uint8
     return torch.int32  # qweight, perm
 
