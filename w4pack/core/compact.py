@@ -29,18 +29,29 @@ _DENSE_BITS = (2, 3, 5, 6)
 CODEBOOK_MAX = 16
 
 
+def _spans(bits: int) -> list[tuple[int, int, int]]:
+    """(value i of 8, byte j of ``bits``, bit offset of the value's bit 0 in byte j, negative when the value
+    started in byte j-1): every (value, byte) pair that shares bits, for pack_bits / unpack_bits."""
+    out = []
+    for i in range(8):
+        start, end = bits * i, bits * i + bits - 1
+        for j in range(start // 8, end // 8 + 1):
+            out.append((i, j, start - 8 * j))
+    return out
+
+
 def pack_bits(values: np.ndarray, bits: int) -> np.ndarray:
     """uint8 values [..., F] (F % 8 == 0, each < 2**bits) -> uint8 [..., F·bits/8]: value i at bits
-    bits·i … bits·i+bits−1 of the little-endian bit stream of the row (LSB first)."""
+    bits·i … bits·i+bits−1 of the little-endian bit stream of the row (LSB first). Byte-wise over groups of 8
+    values (``bits`` bytes each), so memory stays a small multiple of the codes' own bytes."""
     v = np.asarray(values, dtype=np.uint8)
     lead, f = v.shape[:-1], v.shape[-1]
     assert f % 8 == 0, f
-    if bits == 4:  # the same stream, byte-wise: value 2i in the low nibble of byte i, 2i+1 in the high
-        return np.ascontiguousarray(v[..., 0::2] | (v[..., 1::2] << np.uint8(4)))
-    shifts = (np.arange(8, dtype=np.uint64) * np.uint64(bits))
-    acc = np.bitwise_or.reduce(v.reshape(*lead, f // 8, 8).astype(np.uint64) << shifts, axis=-1)
-    by = acc.astype("<u8")[..., None].view(np.uint8)[..., :bits]
-    return np.ascontiguousarray(by).reshape(*lead, f // 8 * bits)
+    g = v.reshape(*lead, f // 8, 8)
+    out = np.zeros((*lead, f // 8, bits), dtype=np.uint8)
+    for i, j, off in _spans(bits):
+        out[..., j] |= (g[..., i] << np.uint8(off)) if off >= 0 else (g[..., i] >> np.uint8(-off))
+    return out.reshape(*lead, f // 8 * bits)
 
 
 def unpack_bits(packed: np.ndarray, bits: int) -> np.ndarray:
@@ -48,14 +59,12 @@ def unpack_bits(packed: np.ndarray, bits: int) -> np.ndarray:
     p = np.asarray(packed, dtype=np.uint8)
     lead, nb = p.shape[:-1], p.shape[-1]
     assert nb % bits == 0, (nb, bits)
-    if bits == 4:
-        return np.stack([p & np.uint8(15), p >> np.uint8(4)], axis=-1).reshape(*lead, nb * 2)
-    chunks = np.zeros((*lead, nb // bits, 8), dtype=np.uint8)
-    chunks[..., :bits] = p.reshape(*lead, nb // bits, bits)
-    acc = chunks.view("<u8")[..., 0]
-    shifts = (np.arange(8, dtype=np.uint64) * np.uint64(bits))
-    vals = (acc[..., None] >> shifts) & np.uint64((1 << bits) - 1)
-    return vals.astype(np.uint8).reshape(*lead, nb // bits * 8)
+    g = p.reshape(*lead, nb // bits, bits)
+    out = np.zeros((*lead, nb // bits, 8), dtype=np.uint8)
+    for i, j, off in _spans(bits):
+        out[..., i] |= (g[..., j] >> np.uint8(off)) if off >= 0 else (g[..., j] << np.uint8(-off))
+    out &= np.uint8((1 << bits) - 1)
+    return out.reshape(*lead, nb // bits * 8)
 
 
 def _fields(qweight: np.ndarray, storage_bits: int) -> np.ndarray:
@@ -204,31 +213,37 @@ def super_scales(vals: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.nda
     scanning from the extreme sub-scale down: the group of largest magnitude takes the widest integer (negative
     first), which is what llama.cpp's reference quantizers write (Q4_K: largest scale 63; Q6_K: -128), so those
     blocks come back byte for byte; other blocks come back with the same values."""
-    ext_i = np.abs(vals).argmax(axis=-1)[..., None]
-    ext = np.take_along_axis(vals, ext_i, axis=-1)[..., 0]
+    lead, gsz = vals.shape[:-1], vals.shape[-1]
+    v = vals.reshape(-1, gsz)
+    ext = np.take_along_axis(v, np.abs(v).argmax(axis=-1)[:, None], axis=-1)[:, 0]
     d = np.zeros(ext.shape, dtype=np.float16)
     # an all-zero super-block: d = +0, and a negative zero product needs a negative integer
-    neg0 = np.signbit(vals)
+    neg0 = np.signbit(v)
     L = np.where(neg0, -1 if lo < 0 else 0, 0).astype(np.int64)
     done = ext == 0
-    if (done[..., None] & neg0).any() and lo >= 0:
+    if (done[:, None] & neg0).any() and lo >= 0:
         return None
-    cands = sorted((v for v in range(lo, hi + 1) if v), key=lambda v: (-abs(v), v))
+    todo = np.flatnonzero(~done)  # each candidate is tried on the blocks still open, so cost falls as they close
+    cands = sorted((c for c in range(lo, hi + 1) if c), key=lambda c: (-abs(c), c))
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         for c in cands:
-            if done.all():
+            if todo.size == 0:
                 break
-            dc = (ext / c).astype(np.float16)
+            e, vv, nz = ext[todo], v[todo], neg0[todo]
+            dc = (e / c).astype(np.float16)
             d64 = dc.astype(np.float64)
-            q = np.rint(np.where(d64[..., None] != 0, vals / d64[..., None], np.nan)) + 0.0  # integers: no -0
-            ok = (~done) & np.isfinite(d64) & (d64 * c == ext)
-            prod = d64[..., None] * q
-            ok &= np.all(np.isfinite(q) & (q >= lo) & (q <= hi) & (prod == vals)
-                         & (np.signbit(prod) == neg0), axis=-1)  # the same zeros too, not just equal values
-            d[ok] = dc[ok]
-            L[ok] = q[ok].astype(np.int64)
-            done |= ok
-    return (d, L) if done.all() else None
+            q = np.rint(np.where(d64[:, None] != 0, vv / d64[:, None], np.nan)) + 0.0  # integers: no -0
+            prod = d64[:, None] * q
+            ok = np.isfinite(d64) & (d64 * c == e) & np.all(
+                np.isfinite(q) & (q >= lo) & (q <= hi) & (prod == vv)
+                & (np.signbit(prod) == nz), axis=-1)  # the same zeros too, not just equal values
+            hit = todo[ok]
+            d[hit] = dc[ok]
+            L[hit] = q[ok].astype(np.int64)
+            todo = todo[~ok]
+    if todo.size:
+        return None
+    return d.reshape(lead), L.reshape(*lead, gsz)
 
 
 def super_split(vals: np.ndarray, lo: int, hi: int, per: int, n: int, g: int
