@@ -1,6 +1,6 @@
 """GGUF files written by llama.cpp's own quantizer (tests/data/llama_quantize, made by tools/make_llama_quants.py):
 every K-quant and IQ4 tensor packed losslessly, verified bit-identical, written back byte for byte, run through
-the W4Linear kernels to the float model's logits, and (K-quants) stored in the GGUF's own size.
+the W4Linear kernels to the float model's logits, and stored in the GGUF's own size.
 
 The other GGUF tests read files that gguf-py or w4pack wrote; these read llama.cpp's, with its recipes' type mixes
 and its quantizers' choices of scales (the ones people download). They need neither llama_cpp nor the tool, except
@@ -39,8 +39,6 @@ RECIPES: dict[str, tuple[str, dict[str, list[str] | int]]] = {
     "IQ4_XS": ("MOSTLY_IQ4_XS", {"Q6_K": ["output"], "IQ4_XS": 15}),
     "IQ4_NL": ("MOSTLY_IQ4_NL", {"Q6_K": ["output"], "IQ4_NL": 15}),
 }
-K_QUANT_FILES = [f for f in RECIPES if not f.startswith("IQ4")]
-IQ4_FILES = [f for f in RECIPES if f.startswith("IQ4")]
 NORMS = ["output_norm"] + [f"blk.{i}.{n}" for i in (0, 1) for n in ("attn_norm", "ffn_norm")]
 
 #: GGUF tensor -> transformers name, written out here so that the float reference does not use w4pack's own map
@@ -103,12 +101,11 @@ def gguf_tensor_bytes(path: Path) -> int:
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
 
 
-GROWTH: dict[str, list[str]] = {}
-
-
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every committed file converted once (about 0.2 s each); convert's growth warnings kept in GROWTH."""
+    """Every committed file converted once (about 0.2 s each). convert's growth warning is silenced: on files
+    this small the folder's JSON (manifest, index, safetensors header: 45 kB) is 8-13% of the weights, though the
+    tensor bytes equal the GGUF's (test_folder_is_the_gguf_size)."""
     import warnings
 
     from w4pack.convert import GrowthWarning
@@ -116,10 +113,9 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("llamaq")
     out = {}
     for ftype in RECIPES:
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always", GrowthWarning)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GrowthWarning)
             convert(path_of(ftype), d / ftype, show_progress=False)
-        GROWTH[ftype] = [str(w.message) for w in seen if issubclass(w.category, GrowthWarning)]
         out[ftype] = d / ftype
     return out
 
@@ -193,25 +189,10 @@ def test_back_to_gguf_keeps_every_tensor_and_key(ftype: str, converted: dict[str
     assert back.read_bytes() == src.read_bytes()
 
 
-@pytest.mark.parametrize("ftype", K_QUANT_FILES)
-def test_k_quant_folder_is_the_gguf_size(ftype: str, converted: dict[str, Path]) -> None:
-    """The shards' tensor bytes within 5% of the GGUF's (in fact equal: the compact storage is the blocks' own)."""
-    ratio = shard_tensor_bytes(converted[ftype]) / gguf_tensor_bytes(path_of(ftype))
-    assert abs(ratio - 1) <= 0.05, (ftype, ratio)
-
-
-@pytest.mark.parametrize("ftype", IQ4_FILES)
-def test_iq4_folder_grows_no_more_than_today(ftype: str, converted: dict[str, Path]) -> None:
-    """IQ4 layers keep 8-bit codebook values today: x1.83 (IQ4_NL) and x1.88 (IQ4_XS) of the GGUF's tensor bytes.
-    The bound records that and catches anything worse; lower it when the codebook storage lands."""
-    ratio = shard_tensor_bytes(converted[ftype]) / gguf_tensor_bytes(path_of(ftype))
-    assert ratio <= 1.9, (ftype, ratio)
-    assert len(GROWTH[ftype]) == 1 and "is larger than the source" in GROWTH[ftype][0], GROWTH[ftype]  # said
-
-
-@pytest.mark.xfail(strict=True, reason="IQ4 codebook storage lands in branch h33iq")
-@pytest.mark.parametrize("ftype", IQ4_FILES)
-def test_iq4_folder_is_the_gguf_size(ftype: str, converted: dict[str, Path]) -> None:
+@pytest.mark.parametrize("ftype", list(RECIPES))
+def test_folder_is_the_gguf_size(ftype: str, converted: dict[str, Path]) -> None:
+    """The shards' tensor bytes within 5% of the GGUF's; in fact equal, as the compact storage keeps each
+    block's own fields at their own widths (IQ4 included: 4-bit codebook indices)."""
     ratio = shard_tensor_bytes(converted[ftype]) / gguf_tensor_bytes(path_of(ftype))
     assert abs(ratio - 1) <= 0.05, (ftype, ratio)
 
