@@ -259,3 +259,30 @@ def test_plot_bench_refuses_a_line_that_is_not_an_object(tmp_path, line):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and f"{tmp_path / 'r.jsonl'}:2: a JSON" in r.stderr, \
         r.stderr
+
+
+def test_smollm2_widening_keeps_the_model_s_function(tmp_path):
+    """tools/smollm2_llama_quant.py widens a llama (hidden and query heads, zero padded, norms rescaled) without
+    changing its logits: here the committed tiny llama.cpp file, 256 -> 512 wide, 4 -> 8 query heads on 2 kv
+    heads (the inserted heads after each group's own, their q rows and o_proj columns zero)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    gguf = pytest.importorskip("gguf")
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import smollm2_llama_quant as tool
+    finally:
+        sys.path.pop(0)
+    src = ROOT / "tests" / "data" / "llama_quantize" / "tiny-Q6_K.gguf"
+    wide = tmp_path / "wide.gguf"
+    assert tool.write_float(src, wide, 512) == 256
+    r = gguf.GGUFReader(str(wide))
+    assert r.fields["llama.embedding_length"].contents() == 512
+    assert r.fields["llama.attention.head_count"].contents() == 8
+    t = {x.name: np.asarray(x.data) for x in r.tensors}
+    q = t["blk.0.attn_q.weight"].reshape(8, 64, 512)
+    o = t["blk.0.attn_output.weight"].reshape(512, 8, 64)
+    assert [bool(q[h].any()) for h in range(8)] == [True, True, False, False] * 2
+    assert [bool(o[:, h].any()) for h in range(8)] == [True, True, False, False] * 2
+    assert not o[256:].any() and not t["token_embd.weight"][:, 256:].any()
+    assert tool.float_check(src, wide) < 1e-5

@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""GGUF files quantized by llama.cpp's own quantizer, as test data for the K-quant readers.
+
+    python tools/make_llama_quants.py [--out tests/data/llama_quantize] [--types Q4_K_M,Q2_K,...]
+
+A tiny llama (seeded random weights; every matrix width a multiple of 256, so llama.cpp's recipes choose their
+K-quants and never the fallbacks that a 576-wide model like SmolLM2 takes) is written as an all-float32 GGUF with
+gguf-py, then quantized by llama.cpp (``llama_model_quantize`` from llama-cpp-python) to each type. The float32
+file is not kept: it is a pure function of ``SEED`` and regenerated on every run.
+
+Needs llama-cpp-python (``import llama_cpp``) and gguf; the tests read the committed outputs with neither
+llama_cpp nor this script.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "tests" / "data" / "llama_quantize"
+
+SEED = 33
+#: the tiny model: hidden 256 (head_dim 64, 4 query heads sharing 2 key/value heads), intermediate 256, two layers
+#: (llama.cpp's _M recipes give the last layer's attn_v and ffn_down the larger type), vocabulary 128: about 0.85 M
+#: weights, so each file is 0.4-0.7 MB
+HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, VOCAB, CONTEXT = 256, 256, 2, 4, 2, 128, 256
+HEAD_DIM = HIDDEN // HEADS
+EPS = 1e-5
+
+#: the llama.cpp file types made, in order (name -> LLAMA_FTYPE_MOSTLY_<name>)
+#: (Q5_0 and Q5_1 are left out: gguf-py quantizes those itself, so the other tests already have them, and the set
+#: stays under 5 MB)
+TYPES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL")
+
+
+def tiny_llama_tensors(seed: int = SEED) -> dict[str, np.ndarray]:
+    """GGUF tensor name -> float32 array of the tiny llama (q/k rows in GGUF's rotary order: random weights, so
+    the permutation changes nothing statistically). Norm weights near 1, matrices N(0, 0.02) with a few larger
+    outliers per row, as trained weights have, so that the quantizers' scale searches have something to do."""
+    rng = np.random.default_rng(seed)
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        w = rng.normal(0.0, 0.02, (rows, cols))
+        idx = rng.integers(0, cols, (rows, 2))
+        np.put_along_axis(w, idx, rng.normal(0.0, 0.08, (rows, 2)), axis=1)
+        return w.astype(np.float32)
+
+    def norm() -> np.ndarray:
+        return rng.normal(1.0, 0.1, HIDDEN).astype(np.float32)
+
+    t: dict[str, np.ndarray] = {"token_embd.weight": mat(VOCAB, HIDDEN)}
+    for i in range(LAYERS):
+        b = f"blk.{i}."
+        t[b + "attn_norm.weight"] = norm()
+        t[b + "attn_q.weight"] = mat(HEADS * HEAD_DIM, HIDDEN)
+        t[b + "attn_k.weight"] = mat(KV_HEADS * HEAD_DIM, HIDDEN)
+        t[b + "attn_v.weight"] = mat(KV_HEADS * HEAD_DIM, HIDDEN)
+        t[b + "attn_output.weight"] = mat(HIDDEN, HEADS * HEAD_DIM)
+        t[b + "ffn_norm.weight"] = norm()
+        t[b + "ffn_gate.weight"] = mat(INTERMEDIATE, HIDDEN)
+        t[b + "ffn_up.weight"] = mat(INTERMEDIATE, HIDDEN)
+        t[b + "ffn_down.weight"] = mat(HIDDEN, INTERMEDIATE)
+    t["output_norm.weight"] = norm()
+    t["output.weight"] = mat(VOCAB, HIDDEN)
+    return t
+
+
+def write_tiny_f32(path: Path, seed: int = SEED) -> None:
+    """The tiny llama as an all-float32 GGUF with the metadata llama.cpp's loader and w4pack's reader need."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_name(f"w4pack tiny llama seed {seed}")
+    w.add_block_count(LAYERS)
+    w.add_context_length(CONTEXT)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(INTERMEDIATE)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_layer_norm_rms_eps(EPS)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(VOCAB)
+    w.add_file_type(0)  # LLAMA_FTYPE_ALL_F32
+    for name, arr in tiny_llama_tensors(seed).items():
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+_QUIET = None
+
+
+def _quiet_llama_log() -> None:
+    """Drop llama.cpp's per-tensor log lines (hundreds per file); failures still come back as a status."""
+    global _QUIET
+    import llama_cpp
+
+    if _QUIET is None:
+        _QUIET = llama_cpp.llama_log_callback(lambda level, text, user: None)
+        llama_cpp.llama_log_set(_QUIET, ctypes.c_void_p(0))
+
+
+def llama_quantize(src: Path, dst: Path, ftype: str, threads: int = 1, quiet: bool = True) -> None:
+    """llama.cpp's own quantizer (what ``llama-quantize SRC DST FTYPE`` runs): default parameters, no imatrix."""
+    import llama_cpp
+
+    if quiet:
+        _quiet_llama_log()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = threads
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0 or not dst.is_file():
+        raise SystemExit(f"llama_model_quantize {src} -> {dst} ({ftype}) failed with status {rc}")
+
+
+def llama_cpp_version() -> str:
+    """llama-cpp-python's version and the bundled libllama's, for the provenance note."""
+    import llama_cpp
+
+    lib = llama_cpp.llama_version() if callable(getattr(llama_cpp, "llama_version", None)) else b"?"
+    return f"llama-cpp-python {llama_cpp.__version__} (libllama {lib.decode() if isinstance(lib, bytes) else lib})"
+
+
+def tensor_types(path: Path) -> dict[str, int]:
+    import gguf
+
+    counts: dict[str, int] = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def make(out: Path, types: list[str], seed: int = SEED) -> list[Path]:
+    """Write ``tiny-<TYPE>.gguf`` for each type into out (each written beside its place, then renamed)."""
+    out.mkdir(parents=True, exist_ok=True)
+    made = []
+    with tempfile.TemporaryDirectory(prefix="w4pack-llamaq-") as tmp:
+        src = Path(tmp) / "tiny-F32.gguf"
+        write_tiny_f32(src, seed)
+        for ft in types:
+            dst = out / f"tiny-{ft}.gguf"
+            part = dst.with_name(dst.name + ".partial")  # beside its place, so the rename cannot cross devices
+            llama_quantize(src, part, ft)
+            part.replace(dst)
+            made.append(dst)
+    return made
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--types", default=",".join(TYPES), help="comma-separated llama.cpp file types")
+    ap.add_argument("--seed", type=int, default=SEED)
+    a = ap.parse_args(argv)
+    print(llama_cpp_version())
+    for p in make(a.out, [t.strip() for t in a.types.split(",") if t.strip()], a.seed):
+        print(f"{p}: {p.stat().st_size} bytes; tensors by type: {tensor_types(p)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
