@@ -15,6 +15,7 @@ from .sources import open_source, source_format as _source_format
 from .formats.base import Format, Source
 from .formats._incomplete import missing_member
 from .store.folder import read_side_json
+from .store.sizes import tensor_bytes
 from .store.names import is_side_file
 from .core.arch import architecture_problem, tensor_problem
 from .core.layout import group_structure
@@ -216,16 +217,8 @@ class GrowthWarning(UserWarning):
     """A conversion wrote more bytes than the source holds (tensors carried unquantized, wider scales)."""
 
 
-def _local_size(src: str | Path) -> int | None:
-    """Bytes of a local source (a file, or every file under a folder); None for a Hub source."""
-    if str(src).startswith("hf:"):
-        return None
-    p = Path(src)
-    if p.is_file():
-        return p.stat().st_size
-    if p.is_dir():
-        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
-    return None
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 10_000_000 else f"{n / 1e6:.3f} MB"
 
 
 def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, to: str = "w4pack",
@@ -284,13 +277,14 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
     result = {"source": str(src), "source_format": info.get("format"), "output": str(out), "format": to,
               "layers": n_layers, "passthrough": n_pass, "bytes": size, "seconds": round(seconds, 3),
               "notes": info.get("notes", [])}
-    src_size = _local_size(src)
-    if src_size is not None:
-        result["source_bytes"] = src_size
-        if size > src_size:
-            msg = (f"{out}: the output ({size / 1e6:.1f} MB) is larger than the source {src} "
-                   f"({src_size / 1e6:.1f} MB, x{size / max(src_size, 1):.2f}); see the notes for tensors "
-                   "carried unquantized")
+    src_size = tensor_bytes(src)
+    out_size = tensor_bytes(out_path)
+    if src_size is not None and out_size is not None:
+        result["source_tensor_bytes"], result["tensor_bytes"] = src_size, out_size
+        if out_size > src_size:
+            msg = (f"{out}: the output's tensors ({_mb(out_size)}) are larger than those of the source {src} "
+                   f"({_mb(src_size)}, x{out_size / max(src_size, 1):.2f}); see the notes for tensors "
+                   "carried unquantized or widened")
             result["warnings"] = [msg]
             warnings.warn(msg, GrowthWarning, stacklevel=2)
     if fuse:

@@ -581,15 +581,21 @@ def make_kquant_gguf(path: Path, seed: int = 0) -> dict[str, np.ndarray]:
 
 def test_k_quants_pack_losslessly_verify_and_round_trip(tmp_path: Path) -> None:
     """A Q4_K_M-style GGUF: every linear layer packed (none dequantized), each equal to gguf-py's dequantization,
-    verify --against the GGUF bit-identical, the growth over the source warned with sizes, and written back as
-    the same file byte for byte."""
+    verify --against the GGUF bit-identical, stored at the GGUF's tensor bytes (the runtime form, larger, warned
+    with sizes), and written back as the same file byte for byte."""
+    import warnings
+
     from w4pack.convert import GrowthWarning
     from w4pack.verify import verify
 
     src = tmp_path / "k.gguf"
     deq = make_kquant_gguf(src)
-    with pytest.warns(GrowthWarning, match=r"MB\) is larger than the source"):
+    with warnings.catch_warnings():  # stored compact: the GGUF's own tensor bytes, no growth
+        warnings.simplefilter("error", GrowthWarning)
         res = convert(src, tmp_path / "w4", show_progress=False)
+    with pytest.warns(GrowthWarning, match=r"MB\) are larger than those of the source .*x1\.\d\d"):
+        grown = convert(src, tmp_path / "w4x", show_progress=False, expanded=True)  # the runtime form
+    assert grown["tensor_bytes"] > grown["source_tensor_bytes"]
     ck = open_checkpoint(tmp_path / "w4")
     assert len(ck.layers) == 8 and sorted(ck.passthrough) == sorted(
         ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
@@ -605,7 +611,8 @@ def test_k_quants_pack_losslessly_verify_and_round_trip(tmp_path: Path) -> None:
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), name
     notes = " | ".join(ck.manifest["source"]["notes"])
     assert "Q4_K: 5 packed losslessly" in notes and "Q6_K: 3 packed losslessly" in notes
-    assert res["bytes"] > res["source_bytes"] == src.stat().st_size
+    gguf_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(src)).tensors)
+    assert res["tensor_bytes"] == res["source_tensor_bytes"] == gguf_bytes
     rep = verify(tmp_path / "w4", against=src, show_progress=False)
     assert rep.ok and all(c.exact for c in rep.layers), rep.summary()
     convert(tmp_path / "w4", tmp_path / "back.gguf", to="gguf", show_progress=False)
@@ -620,7 +627,10 @@ def test_inspect_shows_how_each_type_is_carried(tmp_path: Path) -> None:
     assert "problem" not in res.output  # 6-bit layers are writable
     res = CliRunner().invoke(cli, ["convert", str(tmp_path / "k.gguf"), str(tmp_path / "w4")])
     assert res.exit_code == 0, res.output
-    assert "warning: " in res.stderr and "is larger than the source" in res.stderr
+    assert "warning: " not in res.stderr  # compact: the GGUF's tensor bytes
+    res = CliRunner().invoke(cli, ["convert", "--expanded", str(tmp_path / "k.gguf"), str(tmp_path / "w4x")])
+    assert res.exit_code == 0, res.output
+    assert "warning: " in res.stderr and "are larger than those of the source" in res.stderr
 
 
 def test_codebook_types_are_refused_for_packing_by_name(tmp_path: Path) -> None:
