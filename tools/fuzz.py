@@ -21,6 +21,7 @@ Usage::
     python tools/fuzz.py --reader gguf --seed 1 --index 17           # replay one mutation
     python tools/fuzz.py --reader gptq --seed 1 --runs 20 --list     # show the plan, run nothing
     python tools/fuzz.py --replay out/fuzz/summary.json --per-class  # rerun recorded findings on this tree
+    python tools/fuzz.py --reader w4pack --targets llama- --minutes 20   # only llama.cpp's K-quant/IQ4 files
 """
 from __future__ import annotations
 
@@ -59,6 +60,10 @@ PACKED_FROM = (("awq/tiny_llama_gemm_g128", []), ("awq/tiny_llama_gemm_g128", ["
                ("toml/decoder_toml_inline_asym_g64", []), ("gptq/ag_b3_asym_g64", []),
                ("gptq/ag_b8_asym_g64_descact", []))
 SKIP_NAMES = {"case.json", "README.md", "truth"}
+#: GGUFs written by llama.cpp's own quantizer (tests/data/llama_quantize): the K-quant and IQ4 blocks the
+#: fixtures lack, fuzzed as GGUF sources and, converted, as packed folders in the compact storage (LAYOUT.md §8)
+LLAMA_QUANTS = REPO / "tests" / "data" / "llama_quantize"
+LLAMA_TYPES = ("Q4_K_M", "Q3_K_M", "Q2_K", "Q6_K", "IQ4_XS", "IQ4_NL")
 
 
 def fixtures_root() -> Path | None:
@@ -76,7 +81,7 @@ class Target:
     """One fuzzable input: what the commands read (``entry``, relative to the case folder) and how."""
     reader: str
     name: str                    # e.g. "gptq/ag_b4_asym_g64" or "w4pack/awq/tiny_llama_gemm_g128+fuse"
-    fixture: Path                # the fixture case folder
+    fixture: Path                # the fixture case folder, or one test-data file
     entry: str                   # path inside the copied case folder that commands are given
     base: str | None = None      # TOML: base weights inside the copied case folder (--base)
     convert_opts: tuple[str, ...] = ()   # w4pack targets: options of the baseline conversion
@@ -92,7 +97,7 @@ def targets_for(reader: str, root: Path) -> list[Target]:
                 fam = case.split("/")[0]
                 out.append(Target("w4pack", "w4pack/" + tag, root / case, "packed", base=_toml_base(fam),
                                   convert_opts=tuple(opts)))
-        return out
+        return out + [Target("w4pack", f"w4pack/gguf/llama-{q}", f, "packed") for q, f in _llama_quants()]
     fam = FAMILY[reader]
     for case in sorted(p for p in (root / fam).iterdir() if (p / "case.json").exists()) if (root / fam).is_dir() else []:
         if reader == "gguf":
@@ -101,7 +106,13 @@ def targets_for(reader: str, root: Path) -> list[Target]:
             out.append(Target(reader, f"{fam}/{case.name}", case, "quant_dir", base="base_weights_fp16.safetensors"))
         else:
             out.append(Target(reader, f"{fam}/{case.name}", case, "."))
+    if reader == "gguf":
+        out += [Target("gguf", f"gguf/llama-{q}", f, "tensors.gguf") for q, f in _llama_quants()]
     return out
+
+
+def _llama_quants() -> list[tuple[str, Path]]:
+    return [(q, LLAMA_QUANTS / f"tiny-{q}.gguf") for q in LLAMA_TYPES if (LLAMA_QUANTS / f"tiny-{q}.gguf").is_file()]
 
 
 def _toml_base(family: str) -> str | None:
@@ -111,6 +122,10 @@ def _toml_base(family: str) -> str | None:
 def copy_source(t: Target, dst: Path) -> None:
     """The fixture's input files (not its truth/ or case.json) into ``dst``."""
     dst.mkdir(parents=True)
+    if t.fixture.is_file():  # one file of the repository's test data, under the name the commands are given
+        shutil.copyfile(t.fixture, dst / (t.entry if t.reader != "w4pack" else _src_entry(t)))
+        (dst / (t.entry if t.reader != "w4pack" else _src_entry(t))).chmod(0o644)
+        return
     for p in sorted(t.fixture.iterdir()):
         if p.name in SKIP_NAMES or p.name == "gptq_fakequant_weights_fp16.safetensors":
             continue
@@ -621,7 +636,8 @@ INTERESTING = re.compile(r"^(bits|wbits|w_bit|group_size|groupsize|q_group_size|
                          r"vocab_size|intermediate_size|num_attention_heads|num_key_value_heads|head_dim|"
                          r"tie_word_embeddings|rope_theta|rope_parameters|hidden_act|weight_map|file|size|sha256|"
                          r"rows|fused|passthrough|side_files|layers|tile|layout|format_version|dynamic|"
-                         r"true_sequential|model_type|torch_dtype|dtype|eos_token_id|bos_token_id)$")
+                         r"true_sequential|model_type|torch_dtype|dtype|eos_token_id|bos_token_id|storage|codebook|super_groups|"
+                         r"dense_codes|offset)$")
 
 
 def m_json_field(path: Path, c: Chooser) -> Mutation:
@@ -1468,6 +1484,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--list", action="store_true", help="print the planned mutations, run no command")
     ap.add_argument("--target", help="with --spec: the target to mutate (e.g. gguf/q4_0_random_in256_out128)")
+    ap.add_argument("--targets", metavar="REGEX", default=None,
+                    help="fuzz only the targets whose name matches (e.g. 'llama-' for llama.cpp's K-quant files)")
     ap.add_argument("--spec", type=json.loads, help="with --target: an explicit mutation spec (JSON, as recorded)")
     ap.add_argument("--replay", type=Path, default=None,
                     help="rerun the findings recorded in this summary.json on the current tree")
@@ -1484,6 +1502,11 @@ def main(argv: list[str] | None = None) -> int:
     a.out = a.out.resolve()
     a.out.mkdir(parents=True, exist_ok=True)
     fz = Fuzz(a.out, a.seed, readers, a.timeout, a.mem_mb)
+    if a.targets:
+        fz.targets = {r: [t for t in tl if re.search(a.targets, t.name)] for r, tl in fz.targets.items()}
+        for r, tl in fz.targets.items():
+            if not tl:
+                ap.error(f"--targets {a.targets!r}: no target of reader {r} matches")
     if a.list:
         for r in readers:
             for i in range(a.runs or 10):
