@@ -244,15 +244,64 @@ def test_w4linear_experts_equal_the_float_model(ftype: str, converted: dict[str,
     assert torch.equal(seqs[0], seqs[1]), seqs
 
 
-def test_the_committed_moe_files_are_what_the_tool_makes(tmp_path: Path) -> None:
-    """llama.cpp's quantizer is deterministic: the tool regenerates every committed MoE file byte for byte
-    (tests/data/llama_quantize/README.md, provenance)."""
-    pytest.importorskip("llama_cpp", reason="pip install llama-cpp-python to regenerate the llama.cpp-made files")
+def _tool():
+    """tools/make_llama_quants.py as a module."""
     sys.path.insert(0, str(REPO / "tools"))
     try:
         import make_llama_quants
     finally:
         sys.path.pop(0)
+    return make_llama_quants
+
+
+def _with_no_vocab(src: Path, dst: Path) -> None:
+    """A copy of src with ``tokenizer.ggml.model = "none"`` (llama.cpp's no-vocabulary type: it refuses to load a
+    file without the key), every other key and tensor as they are."""
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), arch=field(r, "general.architecture"))
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    w.add_tokenizer_model("none")
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("ftype", list(RECIPES))
+def test_llama_cpp_runs_the_file_as_w4pack_does(ftype: str, converted: dict[str, Path], tmp_path: Path) -> None:
+    """llama.cpp itself evaluating its own file gives w4pack's logits (on CPU it rounds the activations to 8
+    bits for K-quant dot products: about 1% of the largest logit here) and the same argmax: the metadata,
+    expert order and routing are read as llama.cpp means them, not only as this file's float reference does."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="pip install llama-cpp-python to compare with llama.cpp")
+    torch = pytest.importorskip("torch")
+    from w4pack.loading import load_model
+
+    _tool()._quiet_llama_log()
+    lc_file = tmp_path / "novocab.gguf"
+    _with_no_vocab(path_of(ftype), lc_file)
+    ids = np.random.default_rng(7).integers(0, 128, 24).tolist()
+    llm = llama_cpp.Llama(model_path=str(lc_file), n_ctx=64, logits_all=True, n_threads=1, verbose=False)
+    llm.eval(ids)
+    theirs = np.array(llm.scores[: len(ids)], dtype=np.float32)
+    packed = load_model(converted[ftype], device="cpu", precision="exact")
+    with torch.no_grad():
+        ours = packed(torch.tensor([ids])).logits[0].float().numpy()
+    rel = float(np.abs(theirs - ours).max() / np.abs(ours).max())
+    assert rel < 0.05, (ftype, rel)
+    assert np.array_equal(theirs.argmax(-1), ours.argmax(-1)), ftype
+
+
+def test_the_committed_moe_files_are_what_the_tool_makes(tmp_path: Path) -> None:
+    """llama.cpp's quantizer is deterministic: the tool regenerates every committed MoE file byte for byte
+    (tests/data/llama_quantize/README.md, provenance)."""
+    pytest.importorskip("llama_cpp", reason="pip install llama-cpp-python to regenerate the llama.cpp-made files")
+    make_llama_quants = _tool()
     made = make_llama_quants.make(tmp_path, list(RECIPES), make_llama_quants.MOE_SEED, moe=True)
     assert [p.name for p in made] == [path_of(f).name for f in RECIPES]
     for p in made:
