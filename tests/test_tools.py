@@ -286,3 +286,30 @@ def test_smollm2_widening_keeps_the_model_s_function(tmp_path):
     assert [bool(o[:, h].any()) for h in range(8)] == [True, True, False, False] * 2
     assert not o[256:].any() and not t["token_embd.weight"][:, 256:].any()
     assert tool.float_check(src, wide) < 1e-5
+
+
+def _fixtures_or_skip() -> None:
+    if not (os.environ.get("W4PACK_FIXTURES") or (ROOT.parent / "shared" / "fixtures").is_dir()):
+        pytest.skip("fixtures not found: set W4PACK_FIXTURES or place shared/fixtures beside the checkout")
+
+
+def test_fuzz_refuses_a_bad_targets_regex_in_one_line(tmp_path):
+    """--targets takes a regular expression: one that does not compile is a usage error (exit 2), no traceback."""
+    _fixtures_or_skip()
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "fuzz.py"), "--targets", "(", "--list",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--targets" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_fuzz_targets_keeps_only_the_readers_that_match(tmp_path):
+    """--targets with the default --reader all fuzzes the readers that have a matching target (llama.cpp's files:
+    gguf and w4pack) instead of refusing because the other readers have none; a regex nothing matches is refused."""
+    _fixtures_or_skip()
+    tool = [sys.executable, str(ROOT / "tools" / "fuzz.py"), "--out", str(tmp_path), "--list", "--runs", "2"]
+    r = subprocess.run([*tool, "--targets", "llama-Q4_K"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    plans = [json.loads(line) for line in r.stdout.splitlines()]
+    assert sorted({p["reader"] for p in plans}) == ["gguf", "w4pack"], plans
+    assert {p["target"] for p in plans} == {"gguf/llama-Q4_K_M", "w4pack/gguf/llama-Q4_K_M"}, plans
+    r = subprocess.run([*tool, "--targets", "no-such-target"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "no target" in r.stderr and "Traceback" not in r.stderr, r.stderr
