@@ -313,3 +313,20 @@ def test_fuzz_targets_keeps_only_the_readers_that_match(tmp_path):
     assert {p["target"] for p in plans} == {"gguf/llama-Q4_K_M", "w4pack/gguf/llama-Q4_K_M"}, plans
     r = subprocess.run([*tool, "--targets", "no-such-target"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "no target" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("tool,args", [("make_llama_quants", ["--types", "Q4_K_M,BOGUS", "--moe-types", ""]),
+                                       ("make_llama_quants", ["--types", "", "--moe-types", "Q9_K"]),
+                                       ("smollm2_llama_quant", ["--ftype", "BOGUS"])])
+def test_llama_quant_tools_refuse_an_unknown_file_type_first(tmp_path, tool, args):
+    """An unknown llama.cpp file type is a usage error (exit 2, naming it) before any file is written or any
+    model read, not an AttributeError from llama_cpp after the float model was built."""
+    pytest.importorskip("llama_cpp", reason="pip install llama-cpp-python to run the llama.cpp quantizing tools")
+    pytest.importorskip("gguf")
+    out = tmp_path / "out"
+    where = ["--out", str(out)] if tool == "make_llama_quants" else [str(out)]
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / f"{tool}.py"), *where, *args],
+                       capture_output=True, text=True, timeout=60)
+    bad = "BOGUS" if any("BOGUS" in a for a in args) else "Q9_K"
+    assert r.returncode == 2 and f"unknown llama.cpp file type '{bad}'" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not out.exists(), r.stderr

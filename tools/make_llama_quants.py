@@ -136,6 +136,32 @@ def _quiet_llama_log() -> None:
         llama_cpp.llama_log_set(_QUIET, ctypes.c_void_p(0))
 
 
+_FTYPE = "LLAMA_FTYPE_MOSTLY_"
+
+
+def ftype_value(name: str) -> int:
+    """llama.cpp's ``LLAMA_FTYPE_MOSTLY_<name>``. ValueError naming the known types for a name it lacks, so that
+    the tools can refuse a typo before they build (minutes) or write anything."""
+    import llama_cpp
+
+    value = getattr(llama_cpp, _FTYPE + name, None)
+    if not isinstance(value, int):
+        known = sorted(k[len(_FTYPE):] for k in dir(llama_cpp) if k.startswith(_FTYPE))
+        raise ValueError(f"unknown llama.cpp file type {name!r} (known: {', '.join(known)})")
+    return value
+
+
+def check_ftypes(ap: argparse.ArgumentParser, names: list[str]) -> None:
+    """Exit 2 (argparse's usage error) for a file type llama.cpp lacks, or without llama-cpp-python."""
+    try:
+        for name in names:
+            ftype_value(name)
+    except ImportError:
+        ap.error("needs llama-cpp-python (pip install llama-cpp-python)")
+    except ValueError as exc:
+        ap.error(str(exc))
+
+
 def llama_quantize(src: Path, dst: Path, ftype: str, threads: int = 1, quiet: bool = True) -> None:
     """llama.cpp's own quantizer (what ``llama-quantize SRC DST FTYPE`` runs): default parameters, no imatrix."""
     import llama_cpp
@@ -143,7 +169,7 @@ def llama_quantize(src: Path, dst: Path, ftype: str, threads: int = 1, quiet: bo
     if quiet:
         _quiet_llama_log()
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.ftype = ftype_value(ftype)
     params.nthread = threads
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0 or not dst.is_file():
@@ -194,12 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--moe-seed", type=int, default=MOE_SEED)
     a = ap.parse_args(argv)
-    print(llama_cpp_version())
 
     def listed(text: str) -> list[str]:
         return [t.strip() for t in text.split(",") if t.strip()]
 
-    made = make(a.out, listed(a.types), a.seed) + make(a.out, listed(a.moe_types), a.moe_seed, moe=True)
+    types, moe_types = listed(a.types), listed(a.moe_types)
+    check_ftypes(ap, types + moe_types)
+    print(llama_cpp_version())
+    made = make(a.out, types, a.seed) + make(a.out, moe_types, a.moe_seed, moe=True)
     for p in made:
         print(f"{p}: {p.stat().st_size} bytes; tensors by type: {tensor_types(p)}")
     return 0

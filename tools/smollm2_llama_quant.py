@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO / "tools"))
 import gguf  # noqa: E402
 
 from get_smollm2 import smollm2_gguf  # noqa: E402
-from make_llama_quants import llama_quantize  # noqa: E402
+from make_llama_quants import check_ftypes, llama_quantize  # noqa: E402
 
 SAMPLE = REPO / "tests" / "data" / "ppl_sample.txt"
 HEAD_DIM = 64
@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ftype", default="Q4_K_M")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
+    check_ftypes(ap, [a.ftype])  # before the minutes of dequantizing and widening
     a.workdir.mkdir(parents=True, exist_ok=True)
     tag = f"smollm2-{a.hidden}"
     rows: list[tuple[str, str]] = []
