@@ -330,3 +330,17 @@ def test_llama_quant_tools_refuse_an_unknown_file_type_first(tmp_path, tool, arg
     bad = "BOGUS" if any("BOGUS" in a for a in args) else "Q9_K"
     assert r.returncode == 2 and f"unknown llama.cpp file type '{bad}'" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not out.exists(), r.stderr
+
+
+@pytest.mark.parametrize("tool,args", [("make_llama_quants", ["--types", "Q4_K_M", "--moe-types", ""]),
+                                       ("smollm2_llama_quant", [])])
+def test_llama_quant_tools_refuse_an_output_that_is_a_file(tmp_path, tool, args):
+    """The output folder given as an existing file: a usage error naming it (exit 2), not FileExistsError."""
+    pytest.importorskip("llama_cpp", reason="pip install llama-cpp-python to run the llama.cpp quantizing tools")
+    pytest.importorskip("gguf")
+    out = tmp_path / "a-file"
+    out.write_text("x")
+    where = ["--out", str(out)] if tool == "make_llama_quants" else [str(out)]
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / f"{tool}.py"), *where, *args],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"{out} is a file" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -226,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
 
     types, moe_types = listed(a.types), listed(a.moe_types)
     check_ftypes(ap, types + moe_types)
+    if a.out.exists() and not a.out.is_dir():
+        ap.error(f"--out {a.out} is a file, not a folder")
     print(llama_cpp_version())
     made = make(a.out, types, a.seed) + make(a.out, moe_types, a.moe_seed, moe=True)
     for p in made:

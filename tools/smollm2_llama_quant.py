@@ -214,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
     check_ftypes(ap, [a.ftype])  # before the minutes of dequantizing and widening
+    if a.workdir.exists() and not a.workdir.is_dir():
+        ap.error(f"WORKDIR {a.workdir} is a file, not a folder")
     a.workdir.mkdir(parents=True, exist_ok=True)
     tag = f"smollm2-{a.hidden}"
     rows: list[tuple[str, str]] = []
