@@ -636,8 +636,8 @@ INTERESTING = re.compile(r"^(bits|wbits|w_bit|group_size|groupsize|q_group_size|
                          r"vocab_size|intermediate_size|num_attention_heads|num_key_value_heads|head_dim|"
                          r"tie_word_embeddings|rope_theta|rope_parameters|hidden_act|weight_map|file|size|sha256|"
                          r"rows|fused|passthrough|side_files|layers|tile|layout|format_version|dynamic|"
-                         r"true_sequential|model_type|torch_dtype|dtype|eos_token_id|bos_token_id|storage|codebook|super_groups|"
-                         r"dense_codes|offset)$")
+                         r"true_sequential|model_type|torch_dtype|dtype|eos_token_id|bos_token_id|storage|codebook|"
+                         r"super_groups|dense_codes|offset)$")
 
 
 def m_json_field(path: Path, c: Chooser) -> Mutation:
