@@ -344,3 +344,24 @@ def test_llama_quant_tools_refuse_an_output_that_is_a_file(tmp_path, tool, args)
     r = subprocess.run([sys.executable, str(ROOT / "tools" / f"{tool}.py"), *where, *args],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and f"{out} is a file" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_make_llama_quants_leaves_no_partial_file_when_llama_cpp_fails(tmp_path, monkeypatch):
+    """A quantization that fails part-way (llama.cpp returned an error after writing some bytes) leaves neither
+    the type's file nor its ``.partial`` in the output folder (tests/data/llama_quantize in normal use)."""
+    pytest.importorskip("gguf")
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import make_llama_quants as tool
+    finally:
+        sys.path.pop(0)
+
+    def failing(src, dst, ftype, threads=1, quiet=True):
+        dst.write_bytes(b"GGUF half written")
+        raise SystemExit(f"llama_model_quantize {src} -> {dst} ({ftype}) failed with status 1")
+
+    monkeypatch.setattr(tool, "llama_quantize", failing)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match="failed with status 1"):
+        tool.make(out, ["Q4_K_M"])
+    assert sorted(p.name for p in out.iterdir()) == []

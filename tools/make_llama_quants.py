@@ -205,8 +205,11 @@ def make(out: Path, types: list[str], seed: int = SEED, moe: bool = False) -> li
         for ft in types:
             dst = out / f"{stem}-{ft}.gguf"
             part = dst.with_name(dst.name + ".partial")  # beside its place, so the rename cannot cross devices
-            llama_quantize(src, part, ft)
-            part.replace(dst)
+            try:
+                llama_quantize(src, part, ft)
+                part.replace(dst)
+            finally:
+                part.unlink(missing_ok=True)  # a failed run leaves nothing half written in the data folder
             made.append(dst)
     return made
 
