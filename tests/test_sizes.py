@@ -64,3 +64,15 @@ def test_convert_does_not_call_side_files_growth(tmp_path: Path) -> None:
         res = convert(LLAMA_Q, tmp_path / "out", show_progress=False)
     assert res["bytes"] > LLAMA_Q.stat().st_size  # the whole folder, side files included
     assert res["tensor_bytes"] == res["source_tensor_bytes"] == tensor_bytes(LLAMA_Q)
+
+
+def test_a_folder_counts_one_kind_of_weight_file(tmp_path: Path) -> None:
+    """Safetensors weights shipped again as a pickle (pytorch_model.bin, original/consolidated.pth) count once."""
+    a = np.arange(64, dtype=np.float32) + 1
+    _st(tmp_path / "model.safetensors", {"w": a})
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x" * 999)
+    (tmp_path / "original").mkdir()
+    (tmp_path / "original" / "consolidated.pth").write_bytes(b"y" * 777)
+    assert tensor_bytes(tmp_path) == a.nbytes
+    (tmp_path / "model.safetensors").unlink()
+    assert tensor_bytes(tmp_path) == 999 + 777
