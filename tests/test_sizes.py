@@ -76,3 +76,20 @@ def test_a_folder_counts_one_kind_of_weight_file(tmp_path: Path) -> None:
     assert tensor_bytes(tmp_path) == a.nbytes
     (tmp_path / "model.safetensors").unlink()
     assert tensor_bytes(tmp_path) == 999 + 777
+
+
+def test_toml_tables_count_their_base_weights() -> None:
+    """TOML tables hold scales and zeros only (a few kB of .npy); the codes come from --base's fp16 weights,
+    so the source is both, and the packed output is far smaller than it, not 'larger than the source'."""
+    import tempfile
+
+    from conftest import fixture_dir
+
+    case = fixture_dir("toml", "decoder_toml_inline_asym_g64")
+    with warnings.catch_warnings(), tempfile.TemporaryDirectory() as tmp:
+        warnings.simplefilter("error", GrowthWarning)
+        res = convert(case / "quant_dir", Path(tmp) / "o", base=case / "base_weights_fp16.safetensors",
+                      show_progress=False)
+    base = tensor_bytes(case / "base_weights_fp16.safetensors")
+    assert res["source_tensor_bytes"] == tensor_bytes(case / "quant_dir") + base
+    assert res["tensor_bytes"] < base
