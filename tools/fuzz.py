@@ -63,7 +63,7 @@ SKIP_NAMES = {"case.json", "README.md", "truth"}
 #: GGUFs written by llama.cpp's own quantizer (tests/data/llama_quantize): the K-quant and IQ4 blocks the
 #: fixtures lack, fuzzed as GGUF sources and, converted, as packed folders in the compact storage (LAYOUT.md §8)
 LLAMA_QUANTS = REPO / "tests" / "data" / "llama_quantize"
-LLAMA_TYPES = ("Q4_K_M", "Q3_K_M", "Q2_K", "Q6_K", "IQ4_XS", "IQ4_NL")
+LLAMA_TYPES = ("Q4_K_M", "Q3_K_M", "Q2_K", "Q6_K", "IQ4_XS", "IQ4_NL", "moe-Q4_K_M")
 
 
 def fixtures_root() -> Path | None:
