@@ -287,25 +287,30 @@ def test_a_quantized_router_and_from_pretrained(tmp_path: Path) -> None:
 # -------------------------------------------------------------------------------------------------
 # GGUF: stacked ffn_*_exps split into per-expert layers and stacked back
 # -------------------------------------------------------------------------------------------------
-def _write_moe_gguf(root: Path) -> tuple[Path, dict[str, np.ndarray]]:
-    """A tiny Qwen3-MoE GGUF (experts and attention Q4_0 by gguf-py's own quantizer, the rest F32) and gguf-py's
-    dequantization of every tensor under the transformers (Hub) names."""
+def _write_moe_gguf(root: Path, model_type: str = "qwen3_moe") -> tuple[Path, dict[str, np.ndarray]]:
+    """A tiny Qwen3-MoE (or Qwen2-MoE) GGUF laid out as llama.cpp's converter writes it (experts and attention
+    Q4_0 by gguf-py's own quantizer, the rest F32; Qwen2-MoE's shared-expert gate [1, H] as a 1-D [H] tensor)
+    and gguf-py's dequantization of every tensor under the transformers (Hub) names and shapes."""
     gguf = pytest.importorskip("gguf", reason="GGUF tests need gguf: pip install 'w4pack[gguf]'")
     from w4pack.formats._hf_names import hf_to_gguf
 
-    model = _float_model("qwen3_moe", 7)
+    arch = model_type.replace("_", "")
+    model = _float_model(model_type, 7)
     sd = _hub_state_dict(model, root / "float")
     c = model.config
-    w = gguf.GGUFWriter(str(root / "moe.gguf"), arch="qwen3moe")
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w = gguf.GGUFWriter(str(root / "moe.gguf"), arch=arch)
     for key, val in (("block_count", c.num_hidden_layers), ("context_length", c.max_position_embeddings),
                      ("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
                      ("attention.head_count", c.num_attention_heads), ("attention.head_count_kv",
-                     c.num_key_value_heads), ("attention.key_length", c.head_dim), ("attention.value_length",
-                     c.head_dim), ("expert_count", c.num_experts), ("expert_used_count", c.num_experts_per_tok),
-                     ("expert_feed_forward_length", c.moe_intermediate_size), ("vocab_size", c.vocab_size)):
-        w.add_uint32(f"qwen3moe.{key}", int(val))
-    w.add_float32("qwen3moe.attention.layer_norm_rms_epsilon", float(c.rms_norm_eps))
-    w.add_float32("qwen3moe.rope.freq_base", float(c.rope_parameters["rope_theta"]))
+                     c.num_key_value_heads), ("attention.key_length", head_dim), ("attention.value_length",
+                     head_dim), ("expert_count", c.num_experts), ("expert_used_count", c.num_experts_per_tok),
+                     ("expert_feed_forward_length", c.moe_intermediate_size), ("vocab_size", c.vocab_size),
+                     ("expert_shared_feed_forward_length", getattr(c, "shared_expert_intermediate_size", 0))):
+        if val:
+            w.add_uint32(f"{arch}.{key}", int(val))
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", float(c.rms_norm_eps))
+    w.add_float32(f"{arch}.rope.freq_base", float(c.rope_parameters["rope_theta"]))
     q4 = gguf.GGMLQuantizationType.Q4_0
     ref: dict[str, np.ndarray] = {}
 
@@ -328,7 +333,11 @@ def _write_moe_gguf(root: Path) -> tuple[Path, dict[str, np.ndarray]]:
             w.add_tensor(gname, data, raw_dtype=q4)
             ref[name] = gguf.quants.dequantize(data, q4)
         else:
-            w.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
+            if name.endswith("shared_expert_gate.weight"):  # llama.cpp: ffn_gate_inp_shexp is {n_embd}, 1-D
+                assert arr.shape == (1, c.hidden_size), arr.shape
+                w.add_tensor(gname, np.ascontiguousarray(arr[0], dtype=np.float32))
+            else:
+                w.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
             ref[name] = arr
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -370,3 +379,40 @@ def test_gguf_stacked_experts_read_run_and_write_back(tmp_path: Path) -> None:
     for name, t in ta.items():
         assert tb[name].tensor_type == t.tensor_type and list(tb[name].shape) == list(t.shape), name
         assert np.asarray(tb[name].data).tobytes() == np.asarray(t.data).tobytes(), name
+
+
+def test_gguf_qwen2_moe_shared_expert_gate_runs_and_writes_back(tmp_path: Path) -> None:
+    """llama.cpp stores Qwen2-MoE's shared-expert gate ``ffn_gate_inp_shexp`` 1-D ([H], as in the Hub's
+    Qwen1.5-MoE GGUFs); transformers' ``mlp.shared_expert_gate`` is nn.Linear(H, 1), weight [1, H]. The folder
+    holds transformers' shape, so the model loads and runs; the way back writes llama.cpp's 1-D tensor again
+    with every tensor's bytes, and a GPTQ source's [1, H] gate is written 1-D too. (The source lacks the
+    general.file_type keys w4pack's writer adds, so the files differ in those.)"""
+    gguf = pytest.importorskip("gguf", reason="GGUF tests need gguf: pip install 'w4pack[gguf]'")
+    path, ref = _write_moe_gguf(tmp_path, "qwen2_moe")
+    src = open_source(path)
+    gate = "model.layers.0.mlp.shared_expert_gate.weight"
+    assert src.config["shared_expert_intermediate_size"] == 64
+    assert src.read_tensor(gate).array.shape == (1, 64)
+    out = tmp_path / "w4"
+    convert(path, out)
+    with open_checkpoint(out) as ck:
+        assert np.array_equal(np.asarray(ck.tensor(gate)), ref[gate])
+    model = load_model(out)
+    x = torch.randint(3, 96, (1, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got, want = model(x).logits, _reference(tmp_path / "ref")(x).logits
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    back = tmp_path / "back.gguf"
+    convert(out, back, to="gguf")
+    a, b = gguf.GGUFReader(str(path)), gguf.GGUFReader(str(back))
+    assert [t.name for t in b.tensors] == [t.name for t in a.tensors]
+    for ta, tb in zip(a.tensors, b.tensors):  # the gate 1-D again; every tensor's bytes as they were
+        assert (tb.tensor_type, list(tb.shape)) == (ta.tensor_type, list(ta.shape)), ta.name
+        assert np.asarray(tb.data).tobytes() == np.asarray(ta.data).tobytes(), ta.name
+    gptq, _ref = write_moe_gptq(tmp_path / "g", "qwen2_moe", seed=3, sym=True)  # sym: GGUF Q4_0 holds it
+    convert(gptq, tmp_path / "g" / "w4")
+    convert(tmp_path / "g" / "w4", tmp_path / "g" / "out.gguf", to="gguf")
+    shexp = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "g" / "out.gguf")).tensors
+             if t.name.endswith("ffn_gate_inp_shexp.weight")}
+    assert sorted(shexp) == ["blk.0.ffn_gate_inp_shexp.weight", "blk.1.ffn_gate_inp_shexp.weight"]
+    assert all(list(t.shape) == [64] for t in shexp.values()), {n: list(t.shape) for n, t in shexp.items()}

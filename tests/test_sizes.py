@@ -46,7 +46,7 @@ def test_a_folder_counts_weight_files_only_and_follows_links(tmp_path: Path) -> 
     (snap / "tokenizer.json").write_text(json.dumps({"v": list(range(50_000))}))
     (snap / "config.json").write_text("{}")
     np.save(snap / "extra.npy", np.ones(9, dtype=np.float64))
-    assert tensor_bytes(snap) == a.nbytes + (snap / "extra.npy").stat().st_size
+    assert tensor_bytes(snap) == a.nbytes  # the .npy is not the kind this folder keeps its weights in
 
 
 def test_a_damaged_gguf_counts_as_its_size_and_hub_addresses_as_unknown(tmp_path: Path) -> None:
@@ -64,3 +64,32 @@ def test_convert_does_not_call_side_files_growth(tmp_path: Path) -> None:
         res = convert(LLAMA_Q, tmp_path / "out", show_progress=False)
     assert res["bytes"] > LLAMA_Q.stat().st_size  # the whole folder, side files included
     assert res["tensor_bytes"] == res["source_tensor_bytes"] == tensor_bytes(LLAMA_Q)
+
+
+def test_a_folder_counts_one_kind_of_weight_file(tmp_path: Path) -> None:
+    """Safetensors weights shipped again as a pickle (pytorch_model.bin, original/consolidated.pth) count once."""
+    a = np.arange(64, dtype=np.float32) + 1
+    _st(tmp_path / "model.safetensors", {"w": a})
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x" * 999)
+    (tmp_path / "original").mkdir()
+    (tmp_path / "original" / "consolidated.pth").write_bytes(b"y" * 777)
+    assert tensor_bytes(tmp_path) == a.nbytes
+    (tmp_path / "model.safetensors").unlink()
+    assert tensor_bytes(tmp_path) == 999 + 777
+
+
+def test_toml_tables_count_their_base_weights() -> None:
+    """TOML tables hold scales and zeros only (a few kB of .npy); the codes come from --base's fp16 weights,
+    so the source is both, and the packed output is far smaller than it, not 'larger than the source'."""
+    import tempfile
+
+    from conftest import fixture_dir
+
+    case = fixture_dir("toml", "decoder_toml_inline_asym_g64")
+    with warnings.catch_warnings(), tempfile.TemporaryDirectory() as tmp:
+        warnings.simplefilter("error", GrowthWarning)
+        res = convert(case / "quant_dir", Path(tmp) / "o", base=case / "base_weights_fp16.safetensors",
+                      show_progress=False)
+    base = tensor_bytes(case / "base_weights_fp16.safetensors")
+    assert res["source_tensor_bytes"] == tensor_bytes(case / "quant_dir") + base
+    assert res["tensor_bytes"] < base

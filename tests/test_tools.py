@@ -286,3 +286,82 @@ def test_smollm2_widening_keeps_the_model_s_function(tmp_path):
     assert [bool(o[:, h].any()) for h in range(8)] == [True, True, False, False] * 2
     assert not o[256:].any() and not t["token_embd.weight"][:, 256:].any()
     assert tool.float_check(src, wide) < 1e-5
+
+
+def _fixtures_or_skip() -> None:
+    if not (os.environ.get("W4PACK_FIXTURES") or (ROOT.parent / "shared" / "fixtures").is_dir()):
+        pytest.skip("fixtures not found: set W4PACK_FIXTURES or place shared/fixtures beside the checkout")
+
+
+def test_fuzz_refuses_a_bad_targets_regex_in_one_line(tmp_path):
+    """--targets takes a regular expression: one that does not compile is a usage error (exit 2), no traceback."""
+    _fixtures_or_skip()
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "fuzz.py"), "--targets", "(", "--list",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--targets" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_fuzz_targets_keeps_only_the_readers_that_match(tmp_path):
+    """--targets with the default --reader all fuzzes the readers that have a matching target (llama.cpp's files:
+    gguf and w4pack) instead of refusing because the other readers have none; a regex nothing matches is refused."""
+    _fixtures_or_skip()
+    tool = [sys.executable, str(ROOT / "tools" / "fuzz.py"), "--out", str(tmp_path), "--list", "--runs", "2"]
+    r = subprocess.run([*tool, "--targets", "llama-Q4_K"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    plans = [json.loads(line) for line in r.stdout.splitlines()]
+    assert sorted({p["reader"] for p in plans}) == ["gguf", "w4pack"], plans
+    assert {p["target"] for p in plans} == {"gguf/llama-Q4_K_M", "w4pack/gguf/llama-Q4_K_M"}, plans
+    r = subprocess.run([*tool, "--targets", "no-such-target"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "no target" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("tool,args", [("make_llama_quants", ["--types", "Q4_K_M,BOGUS", "--moe-types", ""]),
+                                       ("make_llama_quants", ["--types", "", "--moe-types", "Q9_K"]),
+                                       ("smollm2_llama_quant", ["--ftype", "BOGUS"])])
+def test_llama_quant_tools_refuse_an_unknown_file_type_first(tmp_path, tool, args):
+    """An unknown llama.cpp file type is a usage error (exit 2, naming it) before any file is written or any
+    model read, not an AttributeError from llama_cpp after the float model was built."""
+    pytest.importorskip("llama_cpp", reason="pip install llama-cpp-python to run the llama.cpp quantizing tools")
+    pytest.importorskip("gguf")
+    out = tmp_path / "out"
+    where = ["--out", str(out)] if tool == "make_llama_quants" else [str(out)]
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / f"{tool}.py"), *where, *args],
+                       capture_output=True, text=True, timeout=60)
+    bad = "BOGUS" if any("BOGUS" in a for a in args) else "Q9_K"
+    assert r.returncode == 2 and f"unknown llama.cpp file type '{bad}'" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not out.exists(), r.stderr
+
+
+@pytest.mark.parametrize("tool,args", [("make_llama_quants", ["--types", "Q4_K_M", "--moe-types", ""]),
+                                       ("smollm2_llama_quant", [])])
+def test_llama_quant_tools_refuse_an_output_that_is_a_file(tmp_path, tool, args):
+    """The output folder given as an existing file: a usage error naming it (exit 2), not FileExistsError."""
+    pytest.importorskip("llama_cpp", reason="pip install llama-cpp-python to run the llama.cpp quantizing tools")
+    pytest.importorskip("gguf")
+    out = tmp_path / "a-file"
+    out.write_text("x")
+    where = ["--out", str(out)] if tool == "make_llama_quants" else [str(out)]
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / f"{tool}.py"), *where, *args],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"{out} is a file" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_make_llama_quants_leaves_no_partial_file_when_llama_cpp_fails(tmp_path, monkeypatch):
+    """A quantization that fails part-way (llama.cpp returned an error after writing some bytes) leaves neither
+    the type's file nor its ``.partial`` in the output folder (tests/data/llama_quantize in normal use)."""
+    pytest.importorskip("gguf")
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import make_llama_quants as tool
+    finally:
+        sys.path.pop(0)
+
+    def failing(src, dst, ftype, threads=1, quiet=True):
+        dst.write_bytes(b"GGUF half written")
+        raise SystemExit(f"llama_model_quantize {src} -> {dst} ({ftype}) failed with status 1")
+
+    monkeypatch.setattr(tool, "llama_quantize", failing)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match="failed with status 1"):
+        tool.make(out, ["Q4_K_M"])
+    assert sorted(p.name for p in out.iterdir()) == []

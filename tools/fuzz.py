@@ -63,7 +63,7 @@ SKIP_NAMES = {"case.json", "README.md", "truth"}
 #: GGUFs written by llama.cpp's own quantizer (tests/data/llama_quantize): the K-quant and IQ4 blocks the
 #: fixtures lack, fuzzed as GGUF sources and, converted, as packed folders in the compact storage (LAYOUT.md §8)
 LLAMA_QUANTS = REPO / "tests" / "data" / "llama_quantize"
-LLAMA_TYPES = ("Q4_K_M", "Q3_K_M", "Q2_K", "Q6_K", "IQ4_XS", "IQ4_NL")
+LLAMA_TYPES = ("Q4_K_M", "Q3_K_M", "Q2_K", "Q6_K", "IQ4_XS", "IQ4_NL", "moe-Q4_K_M")
 
 
 def fixtures_root() -> Path | None:
@@ -636,8 +636,8 @@ INTERESTING = re.compile(r"^(bits|wbits|w_bit|group_size|groupsize|q_group_size|
                          r"vocab_size|intermediate_size|num_attention_heads|num_key_value_heads|head_dim|"
                          r"tie_word_embeddings|rope_theta|rope_parameters|hidden_act|weight_map|file|size|sha256|"
                          r"rows|fused|passthrough|side_files|layers|tile|layout|format_version|dynamic|"
-                         r"true_sequential|model_type|torch_dtype|dtype|eos_token_id|bos_token_id|storage|codebook|super_groups|"
-                         r"dense_codes|offset)$")
+                         r"true_sequential|model_type|torch_dtype|dtype|eos_token_id|bos_token_id|storage|codebook|"
+                         r"super_groups|dense_codes|offset)$")
 
 
 def m_json_field(path: Path, c: Chooser) -> Mutation:
@@ -1470,6 +1470,14 @@ def print_table(table: dict[str, dict[str, int]]) -> None:
         print("  ".join(v.ljust(w[i]) if i == 0 else v.rjust(w[i]) for i, v in enumerate(x)))
 
 
+def _regex(text: str) -> re.Pattern[str]:
+    """--targets: a regular expression that compiles (a bad one is a usage error, exit 2, not a traceback)."""
+    try:
+        return re.compile(text)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"not a regular expression: {exc}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reader", default="all", choices=[*READERS, "all"])
@@ -1484,8 +1492,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--list", action="store_true", help="print the planned mutations, run no command")
     ap.add_argument("--target", help="with --spec: the target to mutate (e.g. gguf/q4_0_random_in256_out128)")
-    ap.add_argument("--targets", metavar="REGEX", default=None,
-                    help="fuzz only the targets whose name matches (e.g. 'llama-' for llama.cpp's K-quant files)")
+    ap.add_argument("--targets", metavar="REGEX", default=None, type=_regex,
+                    help="fuzz only the targets whose name matches, and only the readers that have one (e.g. "
+                         "'llama-' for llama.cpp's K-quant files)")
     ap.add_argument("--spec", type=json.loads, help="with --target: an explicit mutation spec (JSON, as recorded)")
     ap.add_argument("--replay", type=Path, default=None,
                     help="rerun the findings recorded in this summary.json on the current tree")
@@ -1503,10 +1512,11 @@ def main(argv: list[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     fz = Fuzz(a.out, a.seed, readers, a.timeout, a.mem_mb)
     if a.targets:
-        fz.targets = {r: [t for t in tl if re.search(a.targets, t.name)] for r, tl in fz.targets.items()}
-        for r, tl in fz.targets.items():
-            if not tl:
-                ap.error(f"--targets {a.targets!r}: no target of reader {r} matches")
+        fz.targets = {r: [t for t in tl if a.targets.search(t.name)] for r, tl in fz.targets.items()}
+        fz.targets = {r: tl for r, tl in fz.targets.items() if tl}  # a reader without a match is not fuzzed
+        if not fz.targets:
+            ap.error(f"--targets {a.targets.pattern!r}: no target matches (readers: {', '.join(readers)})")
+        readers = [r for r in readers if r in fz.targets]
     if a.list:
         for r in readers:
             for i in range(a.runs or 10):

@@ -45,7 +45,9 @@ sys.path.insert(0, str(REPO / "tools"))
 import gguf  # noqa: E402
 
 from get_smollm2 import smollm2_gguf  # noqa: E402
-from make_llama_quants import llama_quantize  # noqa: E402
+from make_llama_quants import check_ftypes, llama_quantize  # noqa: E402
+
+from w4pack.store.sizes import tensor_bytes  # noqa: E402
 
 SAMPLE = REPO / "tests" / "data" / "ppl_sample.txt"
 HEAD_DIM = 64
@@ -187,17 +189,6 @@ def float_check(orig: Path, wide: Path) -> float:
     return float(((a - b).abs().amax(-1) / a.abs().amax(-1)).max())
 
 
-def shard_tensor_bytes(folder: Path) -> int:
-    import struct
-
-    total = 0
-    for p in folder.glob("*.safetensors"):
-        with p.open("rb") as f:
-            (hlen,) = struct.unpack("<Q", f.read(8))
-        total += p.stat().st_size - 8 - hlen
-    return total
-
-
 def _w4(*args: object) -> str:
     env_py = [sys.executable, "-m", "w4pack"]
     res = subprocess.run([*env_py, *map(str, args)], capture_output=True, text=True, cwd=REPO)
@@ -213,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ftype", default="Q4_K_M")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
+    check_ftypes(ap, [a.ftype])  # before the minutes of dequantizing and widening
+    if a.workdir.exists() and not a.workdir.is_dir():
+        ap.error(f"WORKDIR {a.workdir} is a file, not a folder")
     a.workdir.mkdir(parents=True, exist_ok=True)
     tag = f"smollm2-{a.hidden}"
     rows: list[tuple[str, str]] = []
@@ -256,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     row("packed layers", f"{len(man['layers'])} ({sum(1 for m in man['layers'].values() if m.get('storage'))} "
         f"stored compact); pass-through tensors {len(plan['passthrough'])}")
     folder_bytes = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
-    shard = shard_tensor_bytes(folder)
+    shard = tensor_bytes(folder)
     row("size: GGUF file / folder (all files)", f"{q.stat().st_size:,} / {folder_bytes:,} B "
         f"(x{folder_bytes / q.stat().st_size:.4f})")
     row("size: GGUF tensor bytes / shards' tensor bytes", f"{gguf_tensor_bytes:,} / {shard:,} B "

@@ -278,8 +278,11 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
               "layers": n_layers, "passthrough": n_pass, "bytes": size, "seconds": round(seconds, 3),
               "notes": info.get("notes", [])}
     src_size = tensor_bytes(src)
+    base = read_opts.get("base")
+    if src_size is not None and base is not None:  # TOML tables: the codes come from the base weights
+        src_size += tensor_bytes(base) or 0
     out_size = tensor_bytes(out_path)
-    if src_size is not None and out_size is not None:
+    if src_size and out_size is not None:
         result["source_tensor_bytes"], result["tensor_bytes"] = src_size, out_size
         if out_size > src_size:
             msg = (f"{out}: the output's tensors ({_mb(out_size)}) are larger than those of the source {src} "

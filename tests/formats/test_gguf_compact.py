@@ -242,7 +242,8 @@ def iq4_blocks(rng: np.random.Generator, qtype: str, n: int, k: int) -> np.ndarr
 
 #: (GGUF tensor, shape [N, K], type): N = 40 (the head, the embedding) is not a multiple of 16, ffn_down's
 #: K = 480 not of 64; the embedding stays packed as a layer of role "embedding"
-IQ4_TENSORS = [("token_embd.weight", (40, 256), "IQ4_NL"), ("blk.0.attn_q.weight", (256, 256), "IQ4_XS"), ("blk.0.attn_k.weight", (128, 256), "IQ4_NL"),
+IQ4_TENSORS = [("token_embd.weight", (40, 256), "IQ4_NL"), ("blk.0.attn_q.weight", (256, 256), "IQ4_XS"),
+               ("blk.0.attn_k.weight", (128, 256), "IQ4_NL"),
                ("blk.0.attn_v.weight", (128, 256), "IQ4_XS"), ("blk.0.attn_output.weight", (256, 256), "IQ4_NL"),
                ("blk.0.ffn_gate.weight", (480, 256), "IQ4_XS"), ("blk.0.ffn_up.weight", (480, 256), "IQ4_NL"),
                ("blk.0.ffn_down.weight", (256, 480), "IQ4_NL"), ("output.weight", (40, 256), "IQ4_XS")]
@@ -396,11 +397,11 @@ def test_iq4_gguf_takes_its_gguf_bytes_verifies_and_round_trips(iq4, tmp_path: P
     src, w4, deq = iq4
     ck = open_checkpoint(w4)
     gbytes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(src)).tensors}
-    hf = {"token_embd.weight": "model.embed_tokens", "blk.0.attn_q.weight": "model.layers.0.self_attn.q_proj", "blk.0.attn_k.weight":
-          "model.layers.0.self_attn.k_proj", "blk.0.attn_v.weight": "model.layers.0.self_attn.v_proj",
-          "blk.0.attn_output.weight": "model.layers.0.self_attn.o_proj", "blk.0.ffn_gate.weight":
-          "model.layers.0.mlp.gate_proj", "blk.0.ffn_up.weight": "model.layers.0.mlp.up_proj",
-          "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj", "output.weight": "lm_head"}
+    hf = {"token_embd.weight": "model.embed_tokens", "output.weight": "lm_head",
+          **{f"blk.0.{g}.weight": f"model.layers.0.{m}" for g, m in [
+              ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+              ("attn_output", "self_attn.o_proj"), ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
+              ("ffn_down", "mlp.down_proj")]}}
     assert sorted(ck.layers) == sorted(hf.values())
     for g, (n, k), qt in IQ4_TENSORS:
         meta = ck.manifest["layers"][hf[g]]

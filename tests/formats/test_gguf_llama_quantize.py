@@ -120,7 +120,8 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_the_set_is_small() -> None:
-    sizes = {p.name: p.stat().st_size for p in DATA.glob("*.gguf")}
+    """The dense files (the tiny Mixtral's tiny-moe-*.gguf are test_gguf_llama_quantize_moe's)."""
+    sizes = {p.name: p.stat().st_size for p in DATA.glob("*.gguf") if not p.name.startswith("tiny-moe-")}
     assert sorted(sizes) == sorted(path_of(f).name for f in RECIPES), sizes
     assert max(sizes.values()) < 750_000 and sum(sizes.values()) < 4_500_000, sizes
 

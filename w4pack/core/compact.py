@@ -19,8 +19,8 @@ import numpy as np
 
 from ..errors import BadInputError
 
-__all__ = ["COMPACT_SUFFIXES", "CODEBOOK_MAX", "real_fields", "check_codebook", "stored_suffixes", "expected_shapes", "pack_bits", "unpack_bits", "compact",
-           "expand", "super_split", "super_scales", "check_storage"]
+__all__ = ["COMPACT_SUFFIXES", "CODEBOOK_MAX", "real_fields", "check_codebook", "stored_suffixes", "expected_shapes",
+           "pack_bits", "unpack_bits", "compact", "expand", "super_split", "super_scales", "check_storage"]
 
 #: tensors that replace ``qweight`` / ``scales`` / ``mins`` in the compact form
 COMPACT_SUFFIXES = ("qdense", "qindex", "scales_d", "scales_q", "mins_d", "mins_q")
@@ -286,8 +286,9 @@ def compact(meta: dict[str, Any], tensors: dict[str, np.ndarray], spec: dict[str
     """Runtime tensors -> (the ``storage`` entry, tensors with the compact ones in place of what they replace).
 
     ``spec``: ``{"dense_codes": bool, "codebook": [codes], "scales": {"super_groups", "bits", "offset"},
-    "mins": {...}}`` (any part may be absent; the codebook only for 8-bit fields and only without dense codes). A part that does not fit the layer exactly (parameters that are not such products) is left
-    in the runtime form; the result expands back to exactly ``tensors``."""
+    "mins": {...}}`` (any part may be absent; the codebook only for 8-bit fields and only without dense codes).
+    A part that does not fit the layer exactly (parameters that are not such products, codes outside the
+    codebook) is left in the runtime form; the result expands back to exactly ``tensors``."""
     out = dict(tensors)
     st: dict[str, Any] = {}
     n, _k = meta["shape"]

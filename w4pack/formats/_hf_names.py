@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["ARCHS", "gguf_to_hf", "hf_to_gguf", "is_linear", "is_embedding", "permutes_qk", "build_config",
-           "config_to_metadata"]
+__all__ = ["ARCHS", "gguf_to_hf", "hf_to_gguf", "is_linear", "is_embedding", "is_row_vector", "permutes_qk",
+           "build_config", "config_to_metadata"]
 
 #: GGUF architecture -> (transformers model_type, class name, whether llama.cpp permuted q/k rows for rotary)
 ARCHS: dict[str, tuple[str, str, bool]] = {
@@ -50,6 +50,10 @@ _MOE_BLOCK = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+#: block tensors that llama.cpp stores 1-D ([N]) where transformers has a one-row matrix ([1, N]): Qwen2-MoE's
+#: shared-expert gate is ``nn.Linear(hidden, 1)`` (weight [1, H]) and llama.cpp's converter writes it as
+#: {n_embd}. The reader gives it transformers' shape and the writer llama.cpp's: the values are the same.
+_ROW_VECTORS = frozenset({"ffn_gate_inp_shexp"})
 _BLOCK_REV = {v: k for k, v in _BLOCK.items()}
 _GLOBAL_REV = {v: k for k, v in _GLOBAL.items()}
 _GGUF_BLK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
@@ -92,6 +96,12 @@ def hf_to_gguf(name: str) -> str | None:
     if kind in ("weight", "bias") and mod in _GLOBAL_REV:
         return f"{_GLOBAL_REV[mod]}.{kind}"
     return None
+
+
+def is_row_vector(gguf_name: str) -> bool:
+    """True for a GGUF weight stored 1-D whose transformers parameter is [1, N] (``_ROW_VECTORS``)."""
+    m = _GGUF_BLK.match(gguf_name)
+    return m is not None and m.group(2) in _ROW_VECTORS and m.group(3) == "weight"
 
 
 def is_linear(hf_module: str) -> bool:

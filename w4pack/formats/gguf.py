@@ -479,6 +479,8 @@ class GGUFSource(Source):
         arr, dt = self._decode_tensor(gname)
         if expert is not None:  # one expert of a stacked tensor that is not packed (e.g. F16 experts)
             arr = arr[expert]
+        if arr.ndim == 1 and names.is_row_vector(gname):  # llama.cpp's [N] is transformers' [1, N]
+            arr = arr.reshape(1, -1)
         if arr.ndim >= 1:
             perm = self._qk_perm(name[: -len(".weight")] if name.endswith(".weight") else name, arr.shape[0])
             if perm is not None:
@@ -865,6 +867,8 @@ class _Payloads:
             if perm is not None:
                 arr = np.ascontiguousarray(arr[perm])
         gname = _gguf_name(tname)
+        if arr.ndim == 2 and arr.shape[0] == 1 and names.is_row_vector(gname):
+            arr = arr.reshape(-1)  # transformers' [1, N], written 1-D as llama.cpp's converter does
         if kind == "tensor" and dt == "float32" and self.original_types:
             if self.first_pass or gname in self.requant:
                 data = self.exact_requant(gname, arr)

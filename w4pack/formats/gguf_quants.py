@@ -35,8 +35,8 @@ from ..core.canonical import CanonicalLayer
 from ..core.compact import super_scales
 from ..errors import BadInputError
 
-__all__ = ["BlockType", "TYPES", "QK_K", "IQ4_NL_VALUES", "IQ4_CODEBOOK", "decode", "encode", "super_scales", "is_packable",
-           "why_not_packable", "STORAGE", "storage_spec", "source_type"]
+__all__ = ["BlockType", "TYPES", "QK_K", "IQ4_NL_VALUES", "IQ4_CODEBOOK", "decode", "encode", "super_scales",
+           "is_packable", "why_not_packable", "STORAGE", "storage_spec", "source_type"]
 
 QK_K = 256
 #: IQ4_NL / IQ4_XS codebook (ggml's kvalues_iq4nl)

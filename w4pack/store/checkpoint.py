@@ -545,7 +545,8 @@ class Checkpoint:
             tensors[suffix] = arr
         if meta.get("storage"):
             # the compact form on disk becomes the runtime tensors here, so nothing past this reader sees it
-            first = meta["tensors"].get("qdense") or meta["tensors"].get("qindex") or next(iter(meta["tensors"].values()))
+            tnames = meta["tensors"]
+            first = tnames.get("qdense") or tnames.get("qindex") or next(iter(tnames.values()))
             try:
                 tensors = _compact.expand(meta, tensors, name)
             except BadInputError as exc:

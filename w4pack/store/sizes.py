@@ -41,15 +41,22 @@ def _file_tensor_bytes(p: Path) -> int:
 
 
 def tensor_bytes(path: str | os.PathLike[str]) -> int | None:
-    """Tensor bytes of a local file or folder (its weight files, recursively); None for a Hub address or a path
-    that is neither."""
+    """Tensor bytes of a local file or folder; None for a Hub address or a path that is neither.
+
+    In a folder, the weight files of one kind are counted: safetensors where there are any (a Hub repository
+    often ships the same weights again as ``pytorch_model.bin`` or ``original/*.pth``, which no reader reads
+    beside them), else GGUF, else the pickles and ``.npy`` tables. Counting both would hide real growth."""
     if str(path).startswith("hf:"):
         return None
     p = Path(path)
     if p.is_file():
         return _file_tensor_bytes(p)
-    if p.is_dir():
-        # links count as their targets: a Hub cache snapshot is a folder of links into its blobs
-        return sum(_file_tensor_bytes(f) for f in sorted(p.rglob("*"))
-                   if f.is_file() and f.suffix.lower() in WEIGHT_SUFFIXES)
-    return None
+    if not p.is_dir():
+        return None
+    # links count as their targets: a Hub cache snapshot is a folder of links into its blobs
+    files = [f for f in sorted(p.rglob("*")) if f.is_file() and f.suffix.lower() in WEIGHT_SUFFIXES]
+    for kind in (".safetensors", ".gguf"):
+        chosen = [f for f in files if f.suffix.lower() == kind]
+        if chosen:
+            return sum(_file_tensor_bytes(f) for f in chosen)
+    return sum(_file_tensor_bytes(f) for f in files)
