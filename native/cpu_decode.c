@@ -7,7 +7,7 @@
  * a few loops over a few thousand floats, and the GEMMs are called directly (w4p_cpu_gemm: the same kernels,
  * ISA dispatch and thread pool as every other call).
  *
- * The arithmetic follows transformers' llama modules operation by operation (no fused multiply-adds where
+ * The arithmetic follows transformers' llama (and qwen3: per-head q/k norms) modules operation by operation (no fused multiply-adds where
  * transformers rounds a product before adding): rmsnorm = w * (h * 1/sqrt(mean(h^2) + eps)), rotary =
  * q*cos + rotate_half(q)*sin, softmax with the maximum subtracted, silu(x) = x / (1 + exp(-x)). Sums
  * (the mean of squares in double, the attention dot products in 16 float lanes) differ from torch's own
@@ -184,6 +184,10 @@ int w4p_llama_decode(const w4p_llama_dims *D, const w4p_llama_layer *layers, int
         rmsnorm(h, L->ln1, L->eps1, hid, x);
         if ((rc = gemm(L->qkv, L->qkv_bias, L->qkv_bias_dtype, x, qkv, D))) break;
         float *q = qkv, *k = qkv + qn, *v = qkv + qn + kvn;
+        if (L->q_norm) /* rmsnorm reads every value before it writes it: in place is safe */
+            for (int j = 0; j < nh; j++) rmsnorm(q + (size_t)j * d, L->q_norm, L->q_eps, d, q + (size_t)j * d);
+        if (L->k_norm)
+            for (int j = 0; j < nkv; j++) rmsnorm(k + (size_t)j * d, L->k_norm, L->k_eps, d, k + (size_t)j * d);
         rope(q, nh, d, cos, sin, tmp);
         rope(k, nkv, d, cos, sin, tmp);
         for (int j = 0; j < nkv; j++) {

@@ -106,7 +106,8 @@ int w4p_gptq_pack_layout_v1(const int32_t *qweight, int64_t ldq, int32_t n, int3
 
 /* ---- one decode step of a llama-family model (cpu_decode.c) ---------------------------------------
    For each layer, at one position `pos` (batch 1, float32 hidden state h[hidden], updated in place):
-     x = rmsnorm(h) * ln1;  [q|k|v] = qkv(x);  rotary on q and k (cos/sin: the rows of position pos,
+     x = rmsnorm(h) * ln1;  [q|k|v] = qkv(x);  where q_norm / k_norm are given (qwen3), each query / key head
+     = rmsnorm(head) * q_norm / k_norm over head_dim;  rotary on q and k (cos/sin: the rows of position pos,
      head_dim values each, rotate-half convention);  k, v -> the cache at pos;
      a = softmax(q . K[0..pos] * scaling) . V[0..pos] per head (head h reads KV head h / (n_heads / n_kv));
      h += o(a);  x = rmsnorm(h) * ln2;  [g|u] = gate_up(x);  h += down(silu(g) * u).
@@ -120,6 +121,8 @@ typedef struct {
     const float *ln1, *ln2;   /* RMSNorm weights [hidden] */
     float eps1, eps2;
     float *k_cache, *v_cache; /* [n_kv][max_len][head_dim] */
+    const float *q_norm, *k_norm; /* per-head RMSNorm weights [head_dim] before the rotary, or NULL (none) */
+    float q_eps, k_eps;
 } w4p_llama_layer;
 
 typedef struct {

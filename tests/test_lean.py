@@ -14,11 +14,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from rtn_helper import write_random_llama_gptq  # noqa: E402
+from rtn_helper import MemorySource, quantize_model, write_random_llama_gptq  # noqa: E402
 
 from w4pack.convert import convert  # noqa: E402
 from w4pack.core.canonical import CanonicalLayer  # noqa: E402
 from w4pack.core.layout import pack  # noqa: E402
+from w4pack.formats import get_format  # noqa: E402
 from w4pack.loading import load_model  # noqa: E402
 from w4pack.native import cpu as ncpu  # noqa: E402
 from w4pack.runtime.decode import decode_mode  # noqa: E402
@@ -40,6 +41,30 @@ def _write(tmp: Path, name: str, fuse: str | None = None, **cfg: object) -> Path
     return tmp / name
 
 
+def _write_qwen3(tmp: Path) -> Path:
+    """A Qwen3 model (per-head q/k RMSNorms with random weights, head_dim 16 apart from hidden / heads, biases
+    off), RTN-quantized to GPTQ and converted."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(8)
+    cfg = Qwen3Config(hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=80, max_position_embeddings=256,
+                      eos_token_id=None, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+            elif "q_norm" in name or "k_norm" in name:  # not all ones: the norms' weights must matter
+                p.uniform_(0.5, 1.5)
+    layers, tensors = quantize_model(model, group_size=32)
+    conf = model.config.to_dict()
+    conf["architectures"] = ["Qwen3ForCausalLM"]
+    get_format("gptq").write(MemorySource(conf, layers, tensors), tmp / "qwen3-gptq")
+    convert(tmp / "qwen3-gptq", tmp / "qwen3")
+    return tmp / "qwen3"
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("lean")
@@ -49,6 +74,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         # act-order, biases on q/k/v/o, head_dim 24, asymmetric codes (int zeros), untied 8-bit-free head
         "odd": _write(tmp, "odd", seed=7, act_order=True, attention_bias=True, hidden_size=96,
                       num_attention_heads=4, num_key_value_heads=2, sym=False, intermediate_size=224),
+        "qwen3": _write_qwen3(tmp),
     }
 
 
@@ -57,7 +83,7 @@ def _ids(n: int = 7, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 80, (1, n), generator=g)
 
 
-@pytest.mark.parametrize("name", ["plain", "fused", "odd"])
+@pytest.mark.parametrize("name", ["plain", "fused", "odd", "qwen3"])
 @pytest.mark.parametrize("precision", ["exact", "fast"])
 def test_greedy_tokens_match_transformers(models: dict[str, Path], name: str, precision: str) -> None:
     ref = load_model(models[name], precision=precision, compile=False)
@@ -74,7 +100,7 @@ def test_greedy_tokens_match_transformers(models: dict[str, Path], name: str, pr
         assert decode_mode(lean) == "lean"
 
 
-@pytest.mark.parametrize("name", ["plain", "odd"])
+@pytest.mark.parametrize("name", ["plain", "odd", "qwen3"])
 def test_step_logits_match_transformers_forward(models: dict[str, Path], name: str) -> None:
     model = load_model(models[name], compile=False)
     engine = LeanDecoder(model)
@@ -95,7 +121,7 @@ def _numpy_reference(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
     cfg = model.config
     base = model.model
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = cfg.hidden_size // nh
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
     theta = cfg.rope_parameters["rope_theta"]
 
     def w(mod: torch.nn.Module) -> tuple[np.ndarray, np.ndarray | None]:
@@ -108,7 +134,10 @@ def _numpy_reference(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
         return y + b if b is not None else y
 
     def norm(x: np.ndarray, mod: torch.nn.Module) -> np.ndarray:
-        return mod.weight.double().numpy() * x / np.sqrt((x * x).mean() + mod.variance_epsilon)
+        return mod.weight.double().numpy() * x / np.sqrt((x * x).mean(-1, keepdims=True) + mod.variance_epsilon)
+
+    def heads(x: np.ndarray, mod: torch.nn.Module | None) -> np.ndarray:  # qwen3's per-head q/k norms
+        return x if mod is None else norm(x, mod)
 
     inv = 1.0 / theta ** (np.arange(0, d, 2) / d)
 
@@ -124,8 +153,8 @@ def _numpy_reference(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
         for li, layer in enumerate(base.layers):
             at = layer.self_attn
             x = norm(h, layer.input_layernorm)
-            q = rope(lin(x, at.q_proj).reshape(nh, d), pos)
-            k = rope(lin(x, at.k_proj).reshape(nkv, d), pos)
+            q = rope(heads(lin(x, at.q_proj).reshape(nh, d), getattr(at, "q_norm", None)), pos)
+            k = rope(heads(lin(x, at.k_proj).reshape(nkv, d), getattr(at, "k_norm", None)), pos)
             v = lin(x, at.v_proj).reshape(nkv, d)
             caches[li][0].append(k)
             caches[li][1].append(v)
@@ -149,10 +178,11 @@ def _isas() -> list[str]:
 
 
 @pytest.mark.parametrize("isa", _isas())
-def test_native_step_matches_numpy_reference(models: dict[str, Path], isa: str,
+@pytest.mark.parametrize("name", ["odd", "qwen3"])
+def test_native_step_matches_numpy_reference(models: dict[str, Path], isa: str, name: str,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("W4PACK_ISA", isa)
-    model = load_model(models["odd"], compile=False, threads=2)
+    model = load_model(models[name], compile=False, threads=2)
     engine = LeanDecoder(model)
     assert engine.native
     ids = _ids(6, 9)[0].tolist()

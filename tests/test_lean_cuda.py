@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_lean import GEN, _ids, _write  # noqa: E402  (the CPU loop's models and inputs)
+from test_lean import GEN, _ids, _write, _write_qwen3  # noqa: E402  (the CPU loop's models and inputs)
 
 from w4pack.errors import BadInputError  # noqa: E402
 from w4pack.loading import load_model  # noqa: E402
@@ -33,6 +33,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "fused": _write(tmp, "fused", fuse="qkv,gate-up", seed=6),
         "odd": _write(tmp, "odd", seed=7, act_order=True, attention_bias=True, num_attention_heads=4,
                       num_key_value_heads=2, sym=False, intermediate_size=224),
+        "qwen3": _write_qwen3(tmp),
     }
 
 
@@ -42,7 +43,7 @@ def _generate(engine: GraphDecoder, ids: torch.Tensor, **kw: object) -> torch.Te
         return engine.generate(got_ids, cfg, streamer)
 
 
-@pytest.mark.parametrize("name", ["plain", "fused", "odd", "float"])
+@pytest.mark.parametrize("name", ["plain", "fused", "odd", "float", "qwen3"])
 def test_greedy_tokens_match_transformers(models: dict[str, Path], name: str) -> None:
     model = load_model(models["odd" if name == "float" else name], compile=False)
     if name == "float":

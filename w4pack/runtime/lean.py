@@ -14,7 +14,8 @@ again or more. This loop runs the same arithmetic with the fewest Python and tor
   draw), so a seeded run draws the same tokens.
 
 What it runs: float32 models whose decoder layers are llama's (llama, mistral without a sliding window, qwen2
-without sliding layers): RMSNorm, rotary attention with grouped KV heads, a gated SiLU MLP. ``LeanDecoder.build``
+and qwen3 without sliding layers): RMSNorm, rotary attention with grouped KV heads (qwen3: each query and key
+head RMS-normalized before the rotary), a gated SiLU MLP. ``LeanDecoder.build``
 raises ``NotLean`` with the reason for anything else; ``use_lean_decode`` then leaves transformers' generate in
 place and records the reason (``decode_mode``). A ``generate`` call that asks for something the loop does not do
 (batch > 1, beams, a padding mask, output scores, other processors) is answered by transformers' generate, and the
@@ -39,7 +40,7 @@ __all__ = ["LeanDecoder", "NotLean", "use_lean_decode", "remove_lean_decode", "L
 
 LEAN = "lean"
 #: model types whose decoder layer is llama's (checked module by module as well)
-_FAMILY = ("llama", "mistral", "qwen2")
+_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 #: generation options the loop implements; any other option that differs from its default goes to transformers
 _OPTIONS = {"max_new_tokens", "max_length", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
             "eos_token_id", "pad_token_id", "bos_token_id", "use_cache", "transformers_version", "_from_model_config"}
@@ -197,12 +198,14 @@ def _rms(norm: nn.Module) -> tuple[torch.Tensor, float]:
 class LayerSpec:
     """The modules and constants of one llama decoder layer, as found in the model (nothing built yet)."""
 
-    __slots__ = ("ln1", "eps1", "ln2", "eps2", "qkv", "o", "gate_up", "down", "act")
+    __slots__ = ("ln1", "eps1", "ln2", "eps2", "qkv", "o", "gate_up", "down", "act", "qn", "kn")
 
     def __init__(self, ln1: tuple[torch.Tensor, float], ln2: tuple[torch.Tensor, float], qkv: list[nn.Module],
-                 o: nn.Module, gate_up: list[nn.Module], down: nn.Module, act: Any):
+                 o: nn.Module, gate_up: list[nn.Module], down: nn.Module, act: Any,
+                 qn: tuple[torch.Tensor, float] | None = None, kn: tuple[torch.Tensor, float] | None = None):
         (self.ln1, self.eps1), (self.ln2, self.eps2) = ln1, ln2
         self.qkv, self.o, self.gate_up, self.down, self.act = qkv, o, gate_up, down, act
+        self.qn, self.kn = qn, kn  # qwen3's per-head query / key RMSNorms (weight [head_dim], eps), or None
 
 
 class ModelSpec:
@@ -229,7 +232,8 @@ def walk(model: nn.Module) -> ModelSpec:
     mtype = getattr(cfg, "model_type", "")
     if mtype not in _FAMILY:
         raise NotLean(f"model type {mtype!r} is not one the lean loop runs ({', '.join(_FAMILY)})")
-    if getattr(cfg, "sliding_window", None) and (getattr(cfg, "use_sliding_window", True) or mtype != "qwen2"):
+    if getattr(cfg, "sliding_window", None) and (getattr(cfg, "use_sliding_window", True)
+                                                  or mtype not in ("qwen2", "qwen3")):
         if mtype == "mistral" or any(t == "sliding_attention" for t in getattr(cfg, "layer_types", None) or []):
             raise NotLean("sliding-window attention")
     if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
@@ -257,8 +261,15 @@ def walk(model: nn.Module) -> ModelSpec:
         if attn is None or mlp is None or not all(hasattr(attn, n) for n in names) or not all(
                 hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
             raise NotLean(f"layer {i} is not a llama decoder layer (self_attn q/k/v/o, mlp gate/up/down)")
+        qn = kn = None
         if any(hasattr(attn, n) for n in ("q_norm", "k_norm")):
-            raise NotLean("attention with q/k norms")
+            if not all(hasattr(attn, n) for n in ("q_norm", "k_norm")):
+                raise NotLean(f"layer {i} normalizes only one of its queries and keys")
+            qn, kn = _rms(attn.q_norm), _rms(attn.k_norm)
+            if qn[0].dim() != 1 or kn[0].dim() != 1 or qn[0].numel() != kn[0].numel() or \
+                    qn[0].numel() != int(attn.head_dim):
+                raise NotLean(f"layer {i}: q/k norms of {qn[0].numel()}/{kn[0].numel()} values on heads of "
+                              f"{int(attn.head_dim)}")
         if getattr(attn, "sliding_window", None):
             raise NotLean("sliding-window attention")
         extra = {n for n, _ in dl.named_children()} - {"self_attn", "mlp", "input_layernorm",
@@ -267,7 +278,7 @@ def walk(model: nn.Module) -> ModelSpec:
             raise NotLean(f"decoder layer {i} has extra modules {sorted(extra)}")
         spec.layers.append(LayerSpec(_rms(dl.input_layernorm), _rms(dl.post_attention_layernorm),
                                      [attn.q_proj, attn.k_proj, attn.v_proj], attn.o_proj,
-                                     [mlp.gate_proj, mlp.up_proj], mlp.down_proj, mlp.act_fn))
+                                     [mlp.gate_proj, mlp.up_proj], mlp.down_proj, mlp.act_fn, qn, kn))
     if not spec.layers:
         raise NotLean("the model has no decoder layers")
     attn0 = layers[0].self_attn
@@ -294,7 +305,7 @@ def _out_features(mod: nn.Module) -> int:
 class _Layer:
     """One layer as a loop runs it: norms, projections (callables x [M, K] -> [M, N]), activation, KV cache."""
 
-    __slots__ = ("ln1", "eps1", "qkv", "o", "ln2", "eps2", "gate_up", "down", "act", "k", "v")
+    __slots__ = ("ln1", "eps1", "qkv", "o", "ln2", "eps2", "gate_up", "down", "act", "k", "v", "qn", "kn")
 
 
 class LoopBase:
@@ -340,6 +351,15 @@ class LoopBase:
         var = x.pow(2).mean(-1, keepdim=True)
         return w * (x * torch.rsqrt(var + eps)).to(h.dtype)
 
+    def _qk(self, L: _Layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The projected queries and keys of ``qkv`` [M, ...] as heads [M, heads + kv heads, D]: each head
+        normalized first where the model has q/k norms (qwen3), then rotated."""
+        m, nh, d = qkv.shape[0], self.n_heads, self.head_dim
+        qk = qkv[:, :(nh + self.n_kv) * d].view(m, nh + self.n_kv, d)
+        if L.qn is not None:
+            qk = torch.cat((self._norm(qk[:, :nh], *L.qn), self._norm(qk[:, nh:], *L.kn)), dim=1)
+        return self._rope(qk, cos, sin)
+
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [M, heads, D]; cos/sin [M, 1, D]: x·cos + rotate_half(x)·sin, as transformers computes it."""
         half = self.head_dim // 2
@@ -373,7 +393,7 @@ class LoopBase:
         for L in self.layers:
             x = self._norm(h, L.ln1, L.eps1)
             qkv = L.qkv(x)
-            qk = self._rope(qkv[:, :qn + kvn].view(m, nh + nkv, d), cos, sin)
+            qk = self._qk(L, qkv, cos, sin)
             L.k[:, p0:t].copy_(qk[:, nh:].transpose(0, 1))
             L.v[:, p0:t].copy_(qkv[:, qn + kvn:].view(m, nkv, d).transpose(0, 1))
             kc, vc = L.k[:, :t], L.v[:, :t]
@@ -452,6 +472,8 @@ class LeanDecoder(LoopBase):
         for ls in spec.layers:
             L = _Layer()
             L.ln1, L.eps1, L.ln2, L.eps2 = ls.ln1, ls.eps1, ls.ln2, ls.eps2
+            L.qn = None if ls.qn is None else (ls.qn[0].contiguous(), ls.qn[1])
+            L.kn = None if ls.kn is None else (ls.kn[0].contiguous(), ls.kn[1])
             L.qkv = _Proj(ls.qkv, stack=True)
             L.o = _Proj([ls.o], stack=False)
             L.gate_up = _Proj(ls.gate_up, stack=True)
@@ -516,6 +538,10 @@ class LeanDecoder(LoopBase):
             d.ln1 = ffi.cast("const float *", L.ln1.data_ptr())
             d.ln2 = ffi.cast("const float *", L.ln2.data_ptr())
             d.eps1, d.eps2 = L.eps1, L.eps2
+            if L.qn is not None:
+                d.q_norm = ffi.cast("const float *", L.qn[0].data_ptr())
+                d.k_norm = ffi.cast("const float *", L.kn[0].data_ptr())
+                d.q_eps, d.k_eps = L.qn[1], L.kn[1]
             d.k_cache = ffi.cast("float *", L.k.data_ptr())
             d.v_cache = ffi.cast("float *", L.v.data_ptr())
         self._desc = (dims, arr, ffi.cast("const float *", self.cos.data_ptr()),

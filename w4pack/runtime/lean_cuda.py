@@ -152,6 +152,7 @@ class GraphDecoder(LoopBase):
     def _layer(self, ls: LayerSpec) -> _Layer:
         L = _Layer()
         L.ln1, L.eps1, L.ln2, L.eps2 = ls.ln1, ls.eps1, ls.ln2, ls.eps2
+        L.qn, L.kn = ls.qn, ls.kn
         L.qkv = _Linear(ls.qkv, stack=True, device=self.device, dtype=self.dtype)
         L.o = _Linear([ls.o], stack=False, device=self.device, dtype=self.dtype)
         L.gate_up = _Linear(ls.gate_up, stack=True, device=self.device, dtype=self.dtype)
@@ -208,7 +209,7 @@ class GraphDecoder(LoopBase):
         for L in self.layers:
             x = self._norm(h, L.ln1, L.eps1)
             qkv = L.qkv(x)
-            qk = self._rope(qkv[:, :qn + kvn].view(1, nh + nkv, d), cos, sin)
+            qk = self._qk(L, qkv, cos, sin)
             L.k.index_copy_(1, pos, qk[:, nh:].transpose(0, 1))
             L.v.index_copy_(1, pos, qkv[:, qn + kvn:].view(1, nkv, d).transpose(0, 1))
             q = qk[0, :nh].view(nkv, g, d)
