@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Decode tokens/s of a whole model through transformers: W4Linear (native kernels) against the float model.
 
-Shapes: ``smollm2`` (SmolLM2-135M: hidden 576, 30 layers, 9/3 heads, vocab 49152) and ``llama2-7b`` (hidden 4096,
-32 layers, 32 heads, intermediate 11008, vocab 32000), with random weights: the float model is built first and
+Shapes: ``smollm2`` (SmolLM2-135M: hidden 576, 30 layers, 9/3 heads, vocab 49152), ``llama2-7b`` (hidden 4096,
+32 layers, 32 heads, intermediate 11008, vocab 32000) and ``qwen3-0.6b`` (Qwen3-0.6B: hidden 1024, 28 layers,
+16/8 heads of 128 with q/k norms, intermediate 3072, vocab 151936), with random weights: the float model is built first and
 timed, then every Linear except the head is swapped for a W4Linear of the same shape (random 4-bit codes, group
 128 or 32, integer zeros; one random layer per shape, copied per module so each layer reads its own weights) and
 timed again with the same embeddings, norms and inputs.
@@ -42,6 +43,9 @@ SHAPES = {
                     num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, group_size=32),
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=32, vocab_size=32000, tie_word_embeddings=False, group_size=128),
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       tie_word_embeddings=True, group_size=128),
 }
 
 
@@ -60,10 +64,11 @@ def _random_packed(n: int, k: int, group_size: int, seed: int) -> Any:
 
 def build_float(shape: str, device: str, dtype: Any) -> Any:
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = {k: v for k, v in SHAPES[shape].items() if k != "group_size"}
-    cfg = LlamaConfig(**spec, max_position_embeddings=4096, eos_token_id=None, bos_token_id=1, pad_token_id=0)
+    cfg = AutoConfig.for_model(spec.pop("model_type", "llama"), **spec, max_position_embeddings=4096,
+                               eos_token_id=None, bos_token_id=1, pad_token_id=0)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
