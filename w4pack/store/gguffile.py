@@ -237,8 +237,8 @@ def _alignment(meta: dict[str, GGUFValue], label: str) -> int:
 
 def _check_tensors(raw: list[_RawInfo], data_start: int, size: int, align: int,
                    label: str) -> dict[str, GGUFTensorInfo]:
-    """Each tensor's type known, size computed without overflow, offset aligned, data inside the data section,
-    no two tensors overlapping, and nothing but padding after the last one."""
+    """Each tensor's type known, no dimension 0, size computed without overflow, offset aligned, data inside the
+    data section, no two tensors overlapping, and nothing but padding between them and after the last one."""
     types = _type_table()
     data_len = size - data_start
     out: dict[str, GGUFTensorInfo] = {}
@@ -250,6 +250,8 @@ def _check_tensors(raw: list[_RawInfo], data_start: int, size: int, align: int,
             raise BadInputError(f"unknown tensor type {r.type_id}; this gguf package cannot read it", file=label,
                                 tensor=r.name)
         tname, block, type_size = spec
+        if any(d == 0 for d in r.dims):  # no writer stores an empty weight; a zeroed count hides what follows
+            raise BadInputError(f"dimensions {list(r.dims)} include 0: an empty tensor", file=label, tensor=r.name)
         row = r.dims[0] if r.dims else 1
         if row % block:
             raise BadInputError(f"row length {row} is not a multiple of the {tname} block size {block}",
@@ -267,6 +269,12 @@ def _check_tensors(raw: list[_RawInfo], data_start: int, size: int, align: int,
         if b.start < a.start + a.n_bytes:
             raise BadInputError(f"data overlaps tensor {a.name}'s (offsets {a.start - data_start} and "
                                 f"{b.start - data_start})", file=label, tensor=b.name)
+        # writers place each tensor right after the previous one, padded to the alignment: a wider gap means the
+        # tensor's type or dimensions say fewer bytes than it holds (it would be read as other values)
+        if b.start - (a.start + a.n_bytes) >= align:
+            raise BadInputError(f"{b.start - a.start - a.n_bytes} unused bytes after its data, before tensor "
+                                f"{b.name}'s: its type ({a.type_name}) or dimensions {list(a.dims)} are wrong",
+                                file=label, tensor=a.name)
     if spans:
         # gguf-py and llama.cpp pad every tensor to the alignment, so the last one ends the file; bytes left over
         # mean the header announced fewer tensors than the file holds (or the data section is shifted)
