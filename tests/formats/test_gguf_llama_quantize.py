@@ -7,7 +7,6 @@ and its quantizers' choices of scales (the ones people download). They need neit
 the one that regenerates the files."""
 from __future__ import annotations
 
-import struct
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 
 from w4pack.checkpoint import open_checkpoint
 from w4pack.convert import convert
+from w4pack.store.sizes import tensor_bytes
 from w4pack.verify import verify
 
 gguf = pytest.importorskip("gguf", reason="pip install gguf (the [gguf] extra) to read and write GGUF")
@@ -89,12 +89,7 @@ def dequantized(path: Path) -> dict[str, np.ndarray]:
 
 def shard_tensor_bytes(folder: Path) -> int:
     """Bytes of tensor data in the folder's safetensors shards (each file less its JSON header)."""
-    total = 0
-    for p in folder.glob("*.safetensors"):
-        with p.open("rb") as f:
-            (hlen,) = struct.unpack("<Q", f.read(8))
-        total += p.stat().st_size - 8 - hlen
-    return total
+    return tensor_bytes(folder)
 
 
 def gguf_tensor_bytes(path: Path) -> int:
@@ -105,18 +100,40 @@ def gguf_tensor_bytes(path: Path) -> int:
 def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Every committed file converted once (about 0.2 s each). No growth warning: the tensor bytes equal the
     GGUF's (test_folder_is_the_gguf_size); the folder's JSON side files are not weights."""
+    return convert_each(tmp_path_factory.mktemp("llamaq"), {f: path_of(f) for f in RECIPES})
+
+
+def convert_each(d: Path, sources: dict[str, Path]) -> dict[str, Path]:
+    """Each source converted into ``d/<key>``, a growth warning an error (the tensor bytes are the GGUF's)."""
     import warnings
 
     from w4pack.convert import GrowthWarning
 
-    d = tmp_path_factory.mktemp("llamaq")
     out = {}
-    for ftype in RECIPES:
+    for key, src in sources.items():
         with warnings.catch_warnings():
             warnings.simplefilter("error", GrowthWarning)
-            convert(path_of(ftype), d / ftype, show_progress=False)
-        out[ftype] = d / ftype
+            convert(src, d / key, show_progress=False)
+        out[key] = d / key
     return out
+
+
+def assert_mix(types: dict[str, str], mix: dict[str, list[str] | int], ftype: str) -> None:
+    """The recipe's named tensors have their types, and every other non-F32 tensor the recipe's bulk type."""
+    named = {n: q for q, ns in mix.items() if isinstance(ns, list) for n in ns}
+    for n, q in named.items():
+        assert types[n] == q, (ftype, n, types[n])
+    rest = [q for n, q in types.items() if q != "F32" and n not in named]
+    (bulk, count), = [(q, c) for q, c in mix.items() if isinstance(c, int)]
+    assert rest == [bulk] * count, (ftype, sorted(set(rest)))
+
+
+def assert_same_tensors(a: "gguf.GGUFReader", b: "gguf.GGUFReader", ftype: str) -> None:
+    """b holds a's tensors in a's order, each with its type, shape and bytes."""
+    assert [t.name for t in b.tensors] == [t.name for t in a.tensors]
+    for ta, tb in zip(a.tensors, b.tensors):
+        assert (tb.tensor_type, list(tb.shape)) == (ta.tensor_type, list(ta.shape)), ta.name
+        assert np.asarray(tb.data).tobytes() == np.asarray(ta.data).tobytes(), (ftype, ta.name)
 
 
 def test_the_set_is_small() -> None:
@@ -134,12 +151,7 @@ def test_tensor_types_are_llama_cpps_recipe(ftype: str) -> None:
     assert field(r, "general.file_type") == gguf.LlamaFileType[want_ftype].value
     types = {t.name[: -len(".weight")]: t.tensor_type.name for t in r.tensors}
     assert sorted(n for n, q in types.items() if q == "F32") == sorted(NORMS)
-    named = {n: q for q, ns in mix.items() if isinstance(ns, list) for n in ns}
-    for n, q in named.items():
-        assert types[n] == q, (ftype, n, types[n])
-    rest = [q for n, q in types.items() if q != "F32" and n not in named]
-    (bulk, count), = [(q, c) for q, c in mix.items() if isinstance(c, int)]
-    assert rest == [bulk] * count, (ftype, sorted(set(rest)))
+    assert_mix(types, mix, ftype)
 
 
 @pytest.mark.parametrize("ftype", list(RECIPES))
@@ -178,10 +190,7 @@ def test_back_to_gguf_keeps_every_tensor_and_key(ftype: str, converted: dict[str
     back = tmp_path / "back.gguf"
     convert(converted[ftype], back, to="gguf", show_progress=False)
     a, b = gguf.GGUFReader(str(src)), gguf.GGUFReader(str(back))
-    assert [t.name for t in b.tensors] == [t.name for t in a.tensors]
-    for ta, tb in zip(a.tensors, b.tensors):
-        assert (tb.tensor_type, list(tb.shape)) == (ta.tensor_type, list(ta.shape)), ta.name
-        assert np.asarray(tb.data).tobytes() == np.asarray(ta.data).tobytes(), (ftype, ta.name)
+    assert_same_tensors(a, b, ftype)
     keys = [k for k in a.fields if not k.startswith("GGUF.")]
     assert [k for k in b.fields if not k.startswith("GGUF.")] == keys
     for k in keys:

@@ -21,8 +21,8 @@ from w4pack.verify import verify
 
 gguf = pytest.importorskip("gguf", reason="pip install gguf (the [gguf] extra) to read and write GGUF")
 
-from test_gguf_llama_quantize import (DATA, REPO, field, gguf_tensor_bytes,  # noqa: E402
-                                      reverse_permute, shard_tensor_bytes)
+from test_gguf_llama_quantize import (DATA, REPO, assert_mix, assert_same_tensors, convert_each,  # noqa: E402
+                                      field, gguf_tensor_bytes, reverse_permute, shard_tensor_bytes)
 
 LAYERS, EXPERTS = 2, 4
 #: per file: llama's file type and the tensor types llama.cpp's recipe chose, as in test_gguf_llama_quantize
@@ -78,18 +78,7 @@ def dequantized(path: Path) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Every committed MoE file converted once, with no growth warning (the tensor bytes are the GGUF's)."""
-    import warnings
-
-    from w4pack.convert import GrowthWarning
-
-    d = tmp_path_factory.mktemp("llamaq-moe")
-    out = {}
-    for ftype in RECIPES:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", GrowthWarning)
-            convert(path_of(ftype), d / ftype, show_progress=False)
-        out[ftype] = d / ftype
-    return out
+    return convert_each(tmp_path_factory.mktemp("llamaq-moe"), {f: path_of(f) for f in RECIPES})
 
 
 def test_the_moe_set_is_small() -> None:
@@ -116,12 +105,7 @@ def test_tensor_types_are_llama_cpps_recipe(ftype: str) -> None:
         assert types[n] in ("Q4_K", "Q6_K") and len(tensors[n].shape) == 3, (n, types[n])
         assert list(tensors[n].shape) == [256, 256, EXPERTS], n  # GGUF's dims: cols, rows, experts
     assert list(tensors["blk.0.ffn_gate_inp"].shape) == [256, EXPERTS]
-    named = {n: q for q, ns in mix.items() if isinstance(ns, list) for n in ns}
-    for n, q in named.items():
-        assert types[n] == q, (ftype, n, types[n])
-    rest = [q for n, q in types.items() if q != "F32" and n not in named]
-    (bulk, count), = [(q, c) for q, c in mix.items() if isinstance(c, int)]
-    assert rest == [bulk] * count, (ftype, sorted(set(rest)))
+    assert_mix(types, mix, ftype)
 
 
 @pytest.mark.parametrize("ftype", list(RECIPES))
@@ -164,10 +148,7 @@ def test_back_to_gguf_is_the_same_file(ftype: str, converted: dict[str, Path], t
     back = tmp_path / "back.gguf"
     convert(converted[ftype], back, to="gguf", show_progress=False)
     a, b = gguf.GGUFReader(str(src)), gguf.GGUFReader(str(back))
-    assert [t.name for t in b.tensors] == [t.name for t in a.tensors]
-    for ta, tb in zip(a.tensors, b.tensors):
-        assert (tb.tensor_type, list(tb.shape)) == (ta.tensor_type, list(ta.shape)), ta.name
-        assert np.asarray(tb.data).tobytes() == np.asarray(ta.data).tobytes(), (ftype, ta.name)
+    assert_same_tensors(a, b, ftype)
     assert back.read_bytes() == src.read_bytes()
 
 
