@@ -17,6 +17,7 @@ from w4pack.core import compact as C
 from w4pack.core.layout import PackedLayer, pack, unpack
 from w4pack.errors import BadInputError
 from w4pack.formats import gguf_quants as gq
+from w4pack.verify import verify
 
 gguf = pytest.importorskip("gguf", reason="pip install gguf (the [gguf] extra) to read and write GGUF")
 
@@ -131,8 +132,6 @@ def _gguf_quant_bytes(path: Path) -> int:
 def test_small_kquant_gguf_is_stored_compact_verifies_and_round_trips(kq: tuple[Path, Path], tmp_path: Path) -> None:
     """Every K-quant layer compact; the layers take exactly the GGUF's bytes; validate --deep and verify --against
     pass bit-identical; back to GGUF byte for byte; --expanded and a re-conversion keep the same layers."""
-    from w4pack.verify import verify
-
     src, w4 = kq
     ck = open_checkpoint(w4)
     assert all(m.get("storage") for m in ck.manifest["layers"].values())
@@ -142,10 +141,20 @@ def test_small_kquant_gguf_is_stored_compact_verifies_and_round_trips(kq: tuple[
     assert size - small_files <= 1.03 * src.stat().st_size, (size, small_files, src.stat().st_size)
     res = CliRunner().invoke(cli, ["inspect", str(w4)])
     assert res.exit_code == 0 and "8 layers stored compact on disk" in res.output, res.output
+    _deep_checks_and_round_trips(src, w4, ck, tmp_path, grows=1.3)
+
+
+def _deep_checks_and_round_trips(src: Path, w4: Path, ck, tmp_path: Path, *, grows: float,
+                                 layers: int | None = None, runtime: set[str] | None = None) -> None:
+    """A compact folder converted from GGUF ``src``: validate --deep and verify --against pass (``layers`` of them
+    when given), it converts back to the same GGUF byte for byte and to w4pack with the same manifest, and
+    ``--expanded`` writes the runtime form (``grows`` times the quantized bytes at least; its tensors ``runtime``
+    when given) with tensors identical to what the compact form expands to."""
     res = CliRunner().invoke(cli, ["validate", str(w4), "--deep"])
     assert res.exit_code == 0 and "unpack" in res.output, res.output
     rep = verify(w4, against=src, show_progress=False)
-    assert rep.ok and all(c.exact for c in rep.layers), rep.summary()
+    assert rep.ok and all(c.exact for c in rep.layers) and (layers is None or len(rep.layers) == layers), \
+        rep.summary()
     convert(w4, tmp_path / "back.gguf", to="gguf", show_progress=False)
     assert (tmp_path / "back.gguf").read_bytes() == src.read_bytes()
     convert(w4, tmp_path / "again", show_progress=False)  # w4pack -> w4pack keeps the compact form
@@ -154,10 +163,11 @@ def test_small_kquant_gguf_is_stored_compact_verifies_and_round_trips(kq: tuple[
     assert res.exit_code == 0, res.output
     wide = open_checkpoint(tmp_path / "wide")
     assert not any(m.get("storage") for m in wide.manifest["layers"].values())
-    assert wide.summary()["quantized_bytes"] > 1.3 * ck.summary()["quantized_bytes"]
+    assert wide.summary()["quantized_bytes"] > grows * ck.summary()["quantized_bytes"]
     for name in ck.layers:
         a, b = ck.packed(name), wide.packed(name)
         assert a.meta["tensors"].keys() == b.meta["tensors"].keys()
+        assert runtime is None or b.meta["tensors"].keys() == runtime
         assert all(_same_bytes(a.tensors[s], b.tensors[s]) for s in b.tensors), name
 
 
@@ -392,8 +402,6 @@ def test_iq4_gguf_takes_its_gguf_bytes_verifies_and_round_trips(iq4, tmp_path: P
     """Every IQ4 layer stored as codebook indices; with N a multiple of 16 and K of 64 a layer takes exactly its
     GGUF tensor's bytes; dequantization is gguf-py's; validate --deep and verify --against pass bit-identical;
     back to GGUF byte for byte; --expanded writes the runtime form with the same tensors once read."""
-    from w4pack.verify import verify
-
     src, w4, deq = iq4
     ck = open_checkpoint(w4)
     gbytes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(src)).tensors}
@@ -414,23 +422,7 @@ def test_iq4_gguf_takes_its_gguf_bytes_verifies_and_round_trips(iq4, tmp_path: P
         if "attn_q" not in g and "attn_k" not in g:  # q/k rows are un-permuted for rotary (test_gguf checks)
             got = ck.layer(hf[g]).dequantize(np.float64).astype(np.float32)
             assert np.array_equal(got.view(np.uint32), deq[g].view(np.uint32)), g
-    res = CliRunner().invoke(cli, ["validate", str(w4), "--deep"])
-    assert res.exit_code == 0 and "unpack" in res.output, res.output
-    rep = verify(w4, against=src, show_progress=False)
-    assert rep.ok and all(c.exact for c in rep.layers) and len(rep.layers) == 9, rep.summary()
-    convert(w4, tmp_path / "back.gguf", to="gguf", show_progress=False)
-    assert (tmp_path / "back.gguf").read_bytes() == src.read_bytes()
-    convert(w4, tmp_path / "again", show_progress=False)  # w4pack -> w4pack keeps the codebook storage
-    assert open_checkpoint(tmp_path / "again").manifest["layers"] == ck.manifest["layers"]
-    res = CliRunner().invoke(cli, ["convert", str(src), str(tmp_path / "wide"), "--expanded"])
-    assert res.exit_code == 0, res.output
-    wide = open_checkpoint(tmp_path / "wide")
-    assert not any(m.get("storage") for m in wide.manifest["layers"].values())
-    assert wide.summary()["quantized_bytes"] > 1.8 * ck.summary()["quantized_bytes"]
-    for name in ck.layers:
-        a, b = ck.packed(name), wide.packed(name)
-        assert a.meta["tensors"].keys() == b.meta["tensors"].keys() == {"qweight", "scales"}
-        assert all(_same_bytes(a.tensors[s], b.tensors[s]) for s in b.tensors), name
+    _deep_checks_and_round_trips(src, w4, ck, tmp_path, grows=1.8, layers=9, runtime={"qweight", "scales"})
 
 
 def test_hostile_qindex_in_a_folder_exits_2_naming_it(iq4, tmp_path: Path,
