@@ -542,22 +542,29 @@ def kquant_blocks(rng: np.random.Generator, qtype: str, n: int, k: int) -> np.nd
     return b.reshape(n, -1)
 
 
-def make_kquant_gguf(path: Path, seed: int = 0) -> dict[str, np.ndarray]:
-    """A one-block llama in the Q4_K_M mix (Q4_K matrices, Q6_K for attn_v / ffn_down / output); returns gguf-py's
-    dequantization of each quantized tensor."""
-    rng = np.random.default_rng(seed)
+def one_block_llama_writer(path: Path, name: str, *, ffn: int, file_type: int) -> Any:
+    """A gguf-py writer holding the metadata of a one-block llama (hidden 256, 4 heads on 2 KV heads), ready for
+    the caller's tensors."""
     w = gguf.GGUFWriter(str(path), arch="llama")
-    w.add_name("w4pack k-quants")
+    w.add_name(name)
     w.add_block_count(1)
     w.add_context_length(128)
     w.add_embedding_length(256)
-    w.add_feed_forward_length(512)
+    w.add_feed_forward_length(ffn)
     w.add_head_count(4)
     w.add_head_count_kv(2)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
-    w.add_file_type(15)  # MOSTLY_Q4_K_M
+    w.add_file_type(file_type)
     w.add_quantization_version(2)
+    return w
+
+
+def make_kquant_gguf(path: Path, seed: int = 0) -> dict[str, np.ndarray]:
+    """A one-block llama in the Q4_K_M mix (Q4_K matrices, Q6_K for attn_v / ffn_down / output); returns gguf-py's
+    dequantization of each quantized tensor."""
+    rng = np.random.default_rng(seed)
+    w = one_block_llama_writer(path, "w4pack k-quants", ffn=512, file_type=15)  # MOSTLY_Q4_K_M
     deq: dict[str, np.ndarray] = {}
     w.add_tensor("token_embd.weight", rng.normal(0, 0.05, (32, 256)).astype(np.float16))
     for name, shape, qt in [("blk.0.attn_norm.weight", (256,), Q.F32), ("blk.0.attn_q.weight", (256, 256), Q.Q4_K),

@@ -21,7 +21,7 @@ from w4pack.verify import verify
 
 gguf = pytest.importorskip("gguf", reason="pip install gguf (the [gguf] extra) to read and write GGUF")
 
-from test_gguf import make_kquant_gguf  # noqa: E402  (tests/formats, on the path as pytest collects it)
+from test_gguf import make_kquant_gguf, one_block_llama_writer  # noqa: E402  (tests/formats, on the path as pytest collects it)
 from test_gguf_quants import random_blocks  # noqa: E402
 
 
@@ -264,18 +264,7 @@ def make_iq4_gguf(path: Path, seed: int = 0) -> dict[str, np.ndarray]:
     dequantization of each."""
     Q = gguf.GGMLQuantizationType
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), arch="llama")
-    w.add_name("w4pack iq4")
-    w.add_block_count(1)
-    w.add_context_length(128)
-    w.add_embedding_length(256)
-    w.add_feed_forward_length(480)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_file_type(30)  # MOSTLY_IQ4_XS
-    w.add_quantization_version(2)
+    w = one_block_llama_writer(path, "w4pack iq4", ffn=480, file_type=30)  # MOSTLY_IQ4_XS
     deq: dict[str, np.ndarray] = {}
     for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
         w.add_tensor(name, np.ones(256, np.float32))
