@@ -352,6 +352,15 @@ def _write_moe_gguf(root: Path, model_type: str = "qwen3_moe") -> tuple[Path, di
     return root / "moe.gguf", ref
 
 
+def _assert_runs_like_the_reference(out: Path, ref: Path) -> None:
+    """The packed folder ``out`` loads and gives the float reference model's (at ``ref``) logits."""
+    model = load_model(out)
+    x = torch.randint(3, 96, (1, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got, want = model(x).logits, _reference(ref)(x).logits
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+
+
 def test_gguf_stacked_experts_read_run_and_write_back(tmp_path: Path) -> None:
     gguf = pytest.importorskip("gguf", reason="GGUF tests need gguf: pip install 'w4pack[gguf]'")
     path, ref = _write_moe_gguf(tmp_path)
@@ -365,11 +374,7 @@ def test_gguf_stacked_experts_read_run_and_write_back(tmp_path: Path) -> None:
     assert "model.layers.0.mlp.gate.weight" in src.passthrough_names()
     out = tmp_path / "w4"
     convert(path, out)
-    model = load_model(out)
-    x = torch.randint(3, 96, (1, 10), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        got, want = model(x).logits, _reference(tmp_path / "ref")(x).logits
-    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    _assert_runs_like_the_reference(out, tmp_path / "ref")
     back = tmp_path / "back.gguf"
     convert(out, back, to="gguf")
     a, b = gguf.GGUFReader(str(path)), gguf.GGUFReader(str(back))
@@ -397,11 +402,7 @@ def test_gguf_qwen2_moe_shared_expert_gate_runs_and_writes_back(tmp_path: Path) 
     convert(path, out)
     with open_checkpoint(out) as ck:
         assert np.array_equal(np.asarray(ck.tensor(gate)), ref[gate])
-    model = load_model(out)
-    x = torch.randint(3, 96, (1, 10), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        got, want = model(x).logits, _reference(tmp_path / "ref")(x).logits
-    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    _assert_runs_like_the_reference(out, tmp_path / "ref")
     back = tmp_path / "back.gguf"
     convert(out, back, to="gguf")
     a, b = gguf.GGUFReader(str(path)), gguf.GGUFReader(str(back))
