@@ -123,8 +123,9 @@ def copy_source(t: Target, dst: Path) -> None:
     """The fixture's input files (not its truth/ or case.json) into ``dst``."""
     dst.mkdir(parents=True)
     if t.fixture.is_file():  # one file of the repository's test data, under the name the commands are given
-        shutil.copyfile(t.fixture, dst / (t.entry if t.reader != "w4pack" else _src_entry(t)))
-        (dst / (t.entry if t.reader != "w4pack" else _src_entry(t))).chmod(0o644)
+        entry = dst / (t.entry if t.reader != "w4pack" else _src_entry(t))
+        shutil.copyfile(t.fixture, entry)
+        entry.chmod(0o644)
         return
     for p in sorted(t.fixture.iterdir()):
         if p.name in SKIP_NAMES or p.name == "gptq_fakequant_weights_fp16.safetensors":
