@@ -7,11 +7,11 @@
  * a few loops over a few thousand floats, and the GEMMs are called directly (w4p_cpu_gemm: the same kernels,
  * ISA dispatch and thread pool as every other call).
  *
- * The arithmetic follows transformers' llama (and qwen3: per-head q/k norms) modules operation by operation (no fused multiply-adds where
- * transformers rounds a product before adding): rmsnorm = w * (h * 1/sqrt(mean(h^2) + eps)), rotary =
- * q*cos + rotate_half(q)*sin, softmax with the maximum subtracted, silu(x) = x / (1 + exp(-x)). Sums
- * (the mean of squares in double, the attention dot products in 16 float lanes) differ from torch's own
- * reductions by float rounding only.
+ * The arithmetic follows transformers' llama (and qwen3: per-head q/k norms) modules operation by operation
+ * (no fused multiply-adds where transformers rounds a product before adding):
+ * rmsnorm = w * (h * 1/sqrt(mean(h^2) + eps)), rotary = q*cos + rotate_half(q)*sin, softmax with the maximum
+ * subtracted, silu(x) = x / (1 + exp(-x)). Sums (the mean of squares in double, the attention dot products in
+ * 16 float lanes) differ from torch's own reductions by float rounding only.
  */
 #pragma GCC optimize("fp-contract=off")
 #include "w4p_cpu_internal.h"

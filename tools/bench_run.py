@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Decode tokens/s of a whole model through transformers: W4Linear (native kernels) against the float model.
 
-Shapes: ``smollm2`` (SmolLM2-135M: hidden 576, 30 layers, 9/3 heads, vocab 49152), ``llama2-7b`` (hidden 4096,
-32 layers, 32 heads, intermediate 11008, vocab 32000) and ``qwen3-0.6b`` (Qwen3-0.6B: hidden 1024, 28 layers,
-16/8 heads of 128 with q/k norms, intermediate 3072, vocab 151936), with random weights: the float model is built first and
-timed, then every Linear except the head is swapped for a W4Linear of the same shape (random 4-bit codes, group
-128 or 32, integer zeros; one random layer per shape, copied per module so each layer reads its own weights) and
-timed again with the same embeddings, norms and inputs.
+Shapes: ``smollm2`` (SmolLM2-135M: hidden 576, 30 layers, 9/3 heads, vocab 49152), ``llama2-7b`` (hidden 4096, 32
+layers, 32 heads, intermediate 11008, vocab 32000) and ``qwen3-0.6b`` (Qwen3-0.6B: hidden 1024, 28 layers, 16/8 heads of
+128 with q/k norms, intermediate 3072, vocab 151936), with random weights: the float model is built first and timed,
+then every Linear except the head is swapped for a W4Linear of the same shape (random 4-bit codes, group 128 or 32,
+integer zeros; one random layer per shape, copied per module so each layer reads its own weights) and timed again with
+the same embeddings, norms and inputs.
 
 Method: ``generate`` with greedy decoding, ``min_new_tokens = max_new_tokens``, prompt of 16 random tokens; the
 decode rate is batch x (N - 1) / (t(N tokens) - t(1 token)), each time the median of ``--repeats`` runs after a

@@ -13,13 +13,12 @@ again or more. This loop runs the same arithmetic with the fewest Python and tor
 * greedy and sampled selection follow transformers' processors (temperature, top-k, top-p, then one multinomial
   draw), so a seeded run draws the same tokens.
 
-What it runs: float32 models whose decoder layers are llama's (llama, mistral without a sliding window, qwen2
-and qwen3 without sliding layers): RMSNorm, rotary attention with grouped KV heads (qwen3: each query and key
-head RMS-normalized before the rotary), a gated SiLU MLP. ``LeanDecoder.build``
-raises ``NotLean`` with the reason for anything else; ``use_lean_decode`` then leaves transformers' generate in
-place and records the reason (``decode_mode``). A ``generate`` call that asks for something the loop does not do
-(batch > 1, beams, a padding mask, output scores, other processors) is answered by transformers' generate, and the
-reason is recorded the same way.
+What it runs: float32 models whose decoder layers are llama's (llama, mistral without a sliding window, qwen2 and qwen3
+without sliding layers): RMSNorm, rotary attention with grouped KV heads (qwen3: each query and key head RMS-normalized
+before the rotary), a gated SiLU MLP. ``LeanDecoder.build`` raises ``NotLean`` with the reason for anything else;
+``use_lean_decode`` then leaves transformers' generate in place and records the reason (``decode_mode``). A ``generate``
+call that asks for something the loop does not do (batch > 1, beams, a padding mask, output scores, other processors) is
+answered by transformers' generate, and the reason is recorded the same way.
 
 The model walk (``walk``: the checks and their reasons), the llama arithmetic of the prompt pass and the token
 selection (``LoopBase``), the layer stacking and the ``generate`` wrapper are shared with the CUDA-graph loop
