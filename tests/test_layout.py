@@ -155,3 +155,19 @@ def test_unpack_rejects_nonzero_padding(field):
     bad[field][0, 21] = 1  # padded row n >= N
     with pytest.raises(BadInputError, match=f"x.{field}.*padding past the recorded shape"):
         unpack(type(packed)(meta=packed.meta, tensors=bad), name="x")
+
+
+@pytest.mark.parametrize("sdt", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("field", ["scales", "mins"])
+def test_unpack_rejects_negative_zero_in_padding(sdt, field):
+    """Section 3.2: padded scales and minima are +0, every bit zero; -0.0 is refused at every width (float32
+    compared numerically once, and let it through)."""
+    rng = np.random.default_rng(13)
+    packed = pack(random_layer(rng, 20, 64, 4, 32, "float", False, sdt))
+    bad = dict(packed.tensors)
+    arr = bad[field].copy()
+    arr.view(np.uint16 if arr.dtype.itemsize == 2 else np.uint32)[0, 25] = 0x8000 if arr.dtype.itemsize == 2 \
+        else 0x80000000  # -0.0 in padded row 25 >= N = 20
+    bad[field] = arr
+    with pytest.raises(BadInputError, match=f"x.{field}.*padding past the recorded shape"):
+        unpack(type(packed)(meta=packed.meta, tensors=bad), name="x")

@@ -254,7 +254,8 @@ def _check_pad(arr: np.ndarray, rows: int, cols: int, label: str) -> None:
     """Padding must be zero (section 3.2): a non-zero pad most often means a recorded shape that is too small,
     which would otherwise drop real rows or columns without a word."""
     a = np.asarray(arr)
-    a = a.view(np.uint16) if a.dtype.itemsize == 2 and a.dtype.kind == "f" else a
+    if a.dtype.kind == "f":  # compared bit for bit: -0.0 is not the +0 the spec asks for, at any width
+        a = a.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
     if a[rows:].any() or a[:rows, cols:].any():
         raise BadInputError(f"padding past the recorded shape holds non-zero values (rows from {rows} or "
                             f"columns from {cols}); the manifest's shape may be wrong", tensor=label)
