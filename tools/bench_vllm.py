@@ -106,7 +106,7 @@ def prepare(work: Path) -> tuple[Path, Path]:
 
     packed, floatdir = work / "smollm2-w4", work / "smollm2-bf16"
     if not (packed / "w4pack.json").exists():
-        convert(smollm2_gguf(), packed, force=True, float_embeddings=True)  # vLLM loads a float token table
+        convert(smollm2_gguf(), packed, force=True)  # the Q8_0 token table stays packed; the head is tied to it
     if not (floatdir / "config.json").exists():
         import shutil
 

@@ -84,8 +84,8 @@ def main() -> None:
                 [py, "tools/get_smollm2.py"], capture=True).strip().splitlines()[-1]
     packed, fused = WORK / "smollm2-w4", WORK / "smollm2-w4-fused"
     step("convert SmolLM2's GGUF -> w4pack", [*w4, "convert", gguf, packed])
-    step("convert it again with fused q/k/v and gate/up projections and the token table as float32 (what vLLM "
-         "loads)", [*w4, "convert", gguf, fused, "--fuse", "qkv,gate-up", "--float-embeddings"])
+    step("convert it again with fused q/k/v and gate/up projections and the token table as exact float32",
+         [*w4, "convert", gguf, fused, "--fuse", "qkv,gate-up", "--float-embeddings"])
     step("inspect the packed SmolLM2", [*w4, "inspect", packed])
     step("verify it on CPU against the GGUF (all layers bit-exact, native GEMM vs float64; 5 worst shown)",
          [*w4, "verify", packed, "--against", gguf, "--limit", "5"])

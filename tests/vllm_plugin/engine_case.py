@@ -27,7 +27,11 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), max_model_len=spec.get("max_model_len", 512),
               tensor_parallel_size=spec.get("tp", 1), enforce_eager=spec.get("enforce_eager", True), seed=0,
-              skip_tokenizer_init=spec.get("prompts") is None)
+              skip_tokenizer_init=spec.get("prompts") is None,
+              # on the CPU backend this is the share of host memory the engine insists is free at start: the
+              # default (0.92) fails whenever other processes hold a few GiB; the KV cache is sized by
+              # VLLM_CPU_KVCACHE_SPACE either way
+              gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.5))
     load_s = time.perf_counter() - t0
     greedy = SamplingParams(max_tokens=spec.get("max_tokens", 24), temperature=0.0, ignore_eos=True,
                             detokenize=spec.get("prompts") is not None)

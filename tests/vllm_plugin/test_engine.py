@@ -64,8 +64,9 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     except RuntimeError as exc:
         pytest.skip(f"SmolLM2 GGUF not available: {exc}")
     tmp = tmp_path_factory.mktemp("smollm2")
-    # vLLM has no packed embeddings: the GGUF's Q8_0 token table is dequantized exactly (float32)
-    convert(gguf, tmp / "w4", float_embeddings=True)
+    # "plain" keeps the GGUF's Q8_0 token table packed, with the head tied to it; the fused copy stores it as
+    # exact float32 (--float-embeddings), so both of vLLM's embedding paths are served
+    convert(gguf, tmp / "w4")
     convert(gguf, tmp / "w4-fused", fuse="qkv,gate-up", float_embeddings=True)
     return {"plain": tmp / "w4", "fused": tmp / "w4-fused"}
 
@@ -148,6 +149,26 @@ def test_act_order_uneven_groups_tp1_and_tp2(act_order_llama, tmp_path):
     assert tp1["tokens"] == want
     tp2 = _engine(tmp_path, spec, tp=2)
     assert tp2["tokens"] == tp1["tokens"]
+
+
+# -- llama.cpp's own K-quant file: packed embedding and packed (untied) head ---------------------------
+def test_k_quant_gguf_with_packed_embedding_and_head_tp1_and_tp2(tmp_path):
+    """tiny-Q4_K_M.gguf as llama.cpp wrote it (Q4_K token table, Q6_K output head, compact storage), converted
+    with nothing dequantized: the engine serves the embedding and the head packed, split by vocabulary rows at
+    TP=2, with the greedy tokens of w4pack's runner."""
+    from w4pack.checkpoint import Checkpoint
+    from w4pack.convert import convert
+
+    convert(REPO / "tests" / "data" / "llama_quantize" / "tiny-Q4_K_M.gguf", tmp_path / "w4")
+    with Checkpoint(tmp_path / "w4") as ckpt:
+        assert ckpt.manifest["layers"]["model.embed_tokens"]["role"] == "embedding"
+        assert "lm_head" in ckpt.manifest["layers"]
+    prompts = [[1, 2, 3, 4], [5, 77, 100], [9]]
+    want = _reference_tokens(tmp_path / "w4", prompts, 16)
+    spec = {"model": str(tmp_path / "w4"), "prompts": None, "token_prompts": prompts, "max_tokens": 16,
+            "max_model_len": 128}
+    assert _engine(tmp_path, spec, tp=1)["tokens"] == want
+    assert _engine(tmp_path, spec, tp=2)["tokens"] == want
 
 
 # -- every public fixture model -------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from test_layout import random_layer
-from w4pack.errors import BadInputError
+from w4pack.errors import BadInputError, UnsupportedError
 from w4pack.layout import PackedLayer, pack, unpack
 from w4pack.vllm.method import PackedLinearMethod
 from w4pack.vllm.plan import LayerPart, LayerPlan
@@ -321,3 +321,129 @@ def test_compact_storage_is_expanded_before_the_split(cls, tp, qtype):
             served = _serve(cls, plan, {"mlp.x": stored}, rank, tp, [n // tp], k, "cpu")
             got = served.method.apply(served, torch.from_numpy(x)).float()
             _close(got, want[:, rank * n // tp:(rank + 1) * n // tp], "cpu")
+
+
+# -- token embeddings and output heads (vLLM's VocabParallelEmbedding / ParallelLMHead) ----------------------
+class VocabParallelEmbedding(nn.Module):
+    """vLLM's vocabulary split: the vocabulary padded to a multiple of 64, the padded rows dealt out evenly, each
+    rank owning the real rows that fall in its share (possibly fewer than its partition)."""
+
+    def __init__(self, vocab: int, dim: int, rank: int, size: int):
+        super().__init__()
+        padded = -(-vocab // 64) * 64
+        assert padded % size == 0
+        per = padded // size
+        self.shard_indices = type("ShardIndices", (), {"org_vocab_start_index": min(rank * per, vocab),
+                                                       "org_vocab_end_index": min((rank + 1) * per, vocab)})()
+        self.org_vocab_size, self.embedding_dim, self.num_embeddings_per_partition = vocab, dim, per
+        self.num_added_embeddings, self.tp_rank, self.tp_size = 0, rank, size
+        self.params_dtype = torch.float32
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    pass
+
+
+def _serve_vocab(cls, name: str, packed: PackedLayer, role: str | None, rank: int, size: int,
+                 head: nn.Module | None = None) -> nn.Module:
+    meta = dict(_meta(name, packed), role=role) if role else _meta(name, packed)
+    vocab, dim = (int(v) for v in packed.meta["shape"])
+    layer = cls(vocab, dim, rank, size)
+    method = PackedLinearMethod(LayerPlan(name, [LayerPart(name, meta)]), precision="exact", threads=1)
+    method.create_weights(layer, dim, [layer.num_embeddings_per_partition], dim,
+                          layer.num_embeddings_per_partition * size, torch.float32)
+    if head is not None:  # vLLM ties the head while it builds the model, before any weight is loaded
+        head.method.tie_weights(head, layer)
+    for suffix, arr in packed.tensors.items():
+        t = torch.from_numpy(np.ascontiguousarray(arr).view(np.int16) if arr.dtype == np.uint16 else
+                             np.ascontiguousarray(arr))
+        param = getattr(layer, suffix)
+        param.weight_loader(param, t.view(torch.uint16) if arr.dtype == np.uint16 else t)
+    method.process_weights_after_loading(layer)
+    layer.method = method
+    return layer
+
+
+@pytest.mark.parametrize("bits,mode", [(4, "int"), (4, "float"), (8, "none"), (6, "float")])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_packed_embedding_and_head_split_by_vocabulary(bits, mode, tp):
+    """200 tokens: vLLM pads the vocabulary to 256, so the last rank's share is partly padding (at tp 4 it holds 8
+    real rows of 64). Every rank looks up exactly the canonical float32 rows of the tokens it owns, its logits
+    are the full head's for those tokens and zero on the padding, and the ranks' logits, gathered and trimmed as
+    vLLM does, are the full head's."""
+    rng = _seed("vocab", bits, mode, tp)
+    vocab, dim = 200, 96
+    packed = pack(random_layer(rng, vocab, dim, bits, 32, mode, False, "float16"))
+    w32 = unpack(packed).dequantize(np.float32)
+    w64 = unpack(packed).dequantize(np.float64)
+    x = rng.standard_normal((5, dim)).astype(np.float32)
+    gathered = []
+    for rank in range(tp):
+        emb = _serve_vocab(VocabParallelEmbedding, "model.embed_tokens", packed, "embedding", rank, tp)
+        head = _serve_vocab(ParallelLMHead, "lm_head", packed, None, rank, tp)
+        lo, hi = emb.shard_indices.org_vocab_start_index, emb.shard_indices.org_vocab_end_index
+        ids = torch.arange(lo, hi)[torch.from_numpy(rng.permutation(hi - lo))]
+        rows = emb.method.embedding(emb, ids - lo)  # vLLM hands each rank its own, masked, ids
+        assert rows.dtype == torch.float32
+        assert np.array_equal(rows.numpy(), w32[ids.numpy()])
+        logits = head.method.apply(head, torch.from_numpy(x))
+        assert logits.shape == (5, head.num_embeddings_per_partition)
+        _close(logits[:, :hi - lo], x.astype(np.float64) @ w64[lo:hi].T, "cpu")
+        assert not logits[:, hi - lo:].any()
+        gathered.append(logits)
+    _close(torch.cat(gathered, dim=-1)[:, :vocab], x.astype(np.float64) @ w64.T, "cpu")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_head_tied_to_the_packed_embedding(tp):
+    from w4pack.vllm.method import TiedHeadMethod
+
+    rng = _seed("tied", tp)
+    packed = pack(random_layer(rng, 128, 64, 8, 32, "none", False, "float16"))
+    w64 = unpack(packed).dequantize(np.float64)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    for rank in range(tp):
+        head = ParallelLMHead(128, 64, rank, tp)
+        head.method = TiedHeadMethod("lm_head")
+        head.method.create_weights(head, 64, [head.num_embeddings_per_partition], 64, 128, torch.float32)
+        emb = _serve_vocab(VocabParallelEmbedding, "model.embed_tokens", packed, "embedding", rank, tp, head=head)
+        assert emb.w4pack[0].serves_head
+        head.method.process_weights_after_loading(head)
+        lo, hi = head.shard_indices.org_vocab_start_index, head.shard_indices.org_vocab_end_index
+        _close(head.method.apply(head, torch.from_numpy(x)), x.astype(np.float64) @ w64[lo:hi].T, "cpu")
+
+
+def test_untied_head_missing_from_the_checkpoint_is_refused():
+    from w4pack.vllm.method import TiedHeadMethod
+
+    head = ParallelLMHead(128, 64, 0, 1)
+    method = TiedHeadMethod("lm_head")
+    method.create_weights(head, 64, [128], 64, 128, torch.float32)
+    with pytest.raises(BadInputError, match="tensor lm_head: the checkpoint has no output head of its own"):
+        method.process_weights_after_loading(head)
+
+
+def test_added_vocabulary_refused():
+    packed = pack(random_layer(_seed("added"), 64, 32, 4, 32, "int", False))
+    layer = VocabParallelEmbedding(64, 32, 0, 1)
+    layer.num_added_embeddings = 8
+    method = PackedLinearMethod(LayerPlan("e", [LayerPart("e", dict(_meta("e", packed), role="embedding"))]))
+    method.create_weights(layer, 32, [64], 32, 64, torch.float32)
+    for suffix, arr in packed.tensors.items():
+        getattr(layer, suffix).weight_loader(getattr(layer, suffix), torch.from_numpy(np.ascontiguousarray(arr)))
+    with pytest.raises(UnsupportedError, match="added"):
+        method.process_weights_after_loading(layer)
+
+
+def test_packed_experts_refused_in_the_engine_process(tmp_path):
+    """A packed MoE checkpoint is refused when vLLM reads the config (one line, before any worker starts)."""
+    from pathlib import Path
+
+    from w4pack.convert import convert
+    from w4pack.vllm.plan import CheckpointPlan
+
+    src = Path(__file__).resolve().parents[1] / "data" / "llama_quantize" / "tiny-moe-Q4_K_M.gguf"
+    convert(src, tmp_path / "w4", show_progress=False)
+    with pytest.raises(UnsupportedError, match=r"tensor model\.layers\.0\..*experts\.0\..*: 24 packed "
+                                               r"mixture-of-experts layers"):
+        CheckpointPlan.from_folder(tmp_path / "w4")

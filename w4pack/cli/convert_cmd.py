@@ -30,7 +30,7 @@ from .extras import needs_extras
               help="Fuse projections into one packed layer: qkv, gate-up or qkv,gate-up (w4pack output only).")
 @click.option("--float-embeddings", is_flag=True,
               help="Dequantize a quantized token embedding exactly to float32 instead of keeping it packed (for "
-                   "loaders without packed embeddings, such as vLLM; the folder grows by the table's float size).")
+                   "loaders that read only float embeddings; the folder grows by the table's float size).")
 @click.option("--expanded", is_flag=True,
               help="w4pack output: store every layer in the runtime form (float32 scales, codes in their 4/8-bit "
                    "fields) instead of the compact form kept for GGUF K-quant, 5-bit and IQ4 layers (docs/LAYOUT.md "

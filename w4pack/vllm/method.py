@@ -25,11 +25,11 @@ from torch import nn
 from ..errors import BadInputError, UnsupportedError
 from ..core.compact import expand
 from ..core.layout import PackedLayer
-from ..runtime.torch_module import PRECISIONS, W4Linear
+from ..runtime.torch_module import PRECISIONS, W4Embedding, W4Linear
 from ..runtime.tp import column_slice, row_parallel, stack_blockers, stack_rows
 from .plan import LayerPart, LayerPlan
 
-__all__ = ["PackedLinearMethod", "is_qkv", "layer_partition", "precision_from_env"]
+__all__ = ["PackedLinearMethod", "TiedHeadMethod", "is_qkv", "layer_partition", "precision_from_env"]
 
 #: stored dtype of each packed tensor, by the manifest's names
 _SCALE_TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -44,9 +44,12 @@ def precision_from_env() -> str:
 
 
 def layer_partition(layer: nn.Module) -> tuple[str, int, int]:
-    """(kind, tp_rank, tp_size) of an engine linear layer; kind is column, row or replicated."""
+    """(kind, tp_rank, tp_size) of an engine layer; kind is column, row, replicated or vocab (a token embedding or
+    output head split by vocabulary rows, each rank's share padded to the engine's partition size)."""
     names = {c.__name__ for c in type(layer).__mro__}
     rank, size = int(getattr(layer, "tp_rank", 0)), int(getattr(layer, "tp_size", 1))
+    if "VocabParallelEmbedding" in names:
+        return "vocab", rank, size
     if "RowParallelLinear" in names:
         return "row", rank, size
     if "ColumnParallelLinear" in names:
@@ -54,7 +57,7 @@ def layer_partition(layer: nn.Module) -> tuple[str, int, int]:
     if "ReplicatedLinear" in names:
         return "replicated", 0, 1
     raise UnsupportedError(f"w4pack cannot serve a {type(layer).__name__} layer (column-parallel, row-parallel "
-                           "and replicated linear layers are supported)", tensor=getattr(layer, "prefix", None))
+                           "and replicated linear layers, token embeddings and output heads are supported)", tensor=getattr(layer, "prefix", None))
 
 
 def _stored_dtype(suffix: str, meta: dict[str, Any]) -> torch.dtype:
@@ -160,8 +163,12 @@ class PackedLinearMethod:
                 del layer._parameters[suffix]
         layer.w4pack_loaded = None
 
-        pad = 0
-        if kind == "row":
+        pad = out_pad = 0
+        if kind == "vocab":
+            (p, packed), = full
+            lo, hi, out_pad = _vocab_rows(layer, p)
+            pieces = [column_slice(packed, lo, hi, name=p.name) if (lo, hi) != (0, p.shape[0]) else packed]
+        elif kind == "row":
             (p, packed), = full
             shard = row_parallel(packed, size, rank, name=p.name)
             if rank == 0 and p.extra_bias is not None and not own_bias:  # the engine adds a bias once, after the sum: so do we
@@ -178,14 +185,21 @@ class PackedLinearMethod:
             if len(pieces) > 1 and not stack_blockers(pieces):
                 pieces = [stack_rows(pieces, name=self.plan.prefix)]
         threads = self.threads if self.threads is not None else _threads()
-        mods = [W4Linear.from_packed(pc, device=device, precision=self.precision, threads=threads)
-                for pc in pieces]
-        if device.type == "cuda":
-            dtype = getattr(layer, "params_dtype", torch.float16)
-            for m in mods:
-                m.prepare(device, dtype if dtype in (torch.float16, torch.bfloat16) else None)
+        dtype = getattr(layer, "params_dtype", torch.float16)
+        if kind == "vocab" and self.plan.parts[0].meta.get("role") == "embedding":
+            emb = W4Embedding(pieces[0].meta, dtype=dtype, device="meta", precision=self.precision, threads=threads)
+            emb.load_packed(pieces[0], device=device)
+            emb.serves_head = bool(getattr(layer, "w4pack_serves_head", False))
+            mods = [emb.prepare(device, dtype)]
+        else:
+            mods = [W4Linear.from_packed(pc, device=device, precision=self.precision, threads=threads)
+                    for pc in pieces]
+            if device.type == "cuda":
+                for m in mods:
+                    m.prepare(device, dtype if dtype in (torch.float16, torch.bfloat16) else None)
         layer.w4pack = nn.ModuleList(mods)
         layer.w4pack_input_pad = pad
+        layer.w4pack_output_pad = out_pad
 
     # -- apply -----------------------------------------------------------------------------------
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -194,16 +208,55 @@ class PackedLinearMethod:
             x = torch.nn.functional.pad(x, (0, pad))
         mods = layer.w4pack
         if len(mods) == 1:
-            y = mods[0].forward(x)
+            y = mods[0].linear(x)
         else:
-            y = torch.cat([m.forward(x) for m in mods], dim=-1)
+            y = torch.cat([m.linear(x) for m in mods], dim=-1)
+        out_pad = getattr(layer, "w4pack_output_pad", 0)
+        if out_pad:  # the engine's vocabulary padding: logits it cuts off before sampling
+            y = torch.nn.functional.pad(y, (0, out_pad))
         if bias is not None:
             y = y + bias
         return y
 
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of a packed token embedding (the rank's vocabulary share; the engine masks other ranks' ids)."""
+        return layer.w4pack[0](ids)
+
+
+class TiedHeadMethod:
+    """The output head of a model whose head is tied to a packed token embedding: the logits are the native GEMM
+    over the embedding's own packed weights (no second copy). Nothing is loaded for the head itself."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+
+    def create_weights(self, layer: nn.Module, *args: Any, **extra: Any) -> None:
+        layer.w4pack_tied = None
+
+    def tie_weights(self, layer: nn.Module, embed_tokens: nn.Module) -> nn.Module:
+        ours, theirs = layer.shard_indices, embed_tokens.shard_indices
+        if (ours.org_vocab_start_index, ours.org_vocab_end_index, layer.num_embeddings_per_partition) != \
+                (theirs.org_vocab_start_index, theirs.org_vocab_end_index, embed_tokens.num_embeddings_per_partition):
+            raise UnsupportedError("the output head is tied to the packed token embedding but the engine splits "
+                                   "their vocabularies differently", tensor=self.prefix)
+        layer.w4pack_tied = embed_tokens
+        embed_tokens.w4pack_serves_head = True
+        return layer
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if getattr(layer, "w4pack_tied", None) is None:
+            raise BadInputError("the checkpoint has no output head of its own (packed or float), and the model "
+                                "does not tie it to the token embedding", tensor=self.prefix)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return PackedLinearMethod.apply(self, layer.w4pack_tied, x, bias)  # type: ignore[arg-type]
+
 
 def _full_sizes(layer: nn.Module, kind: str, tp_size: int, partition_sizes: list[int]) -> list[int]:
-    """The unsharded output rows of each part the engine expects (k/v of a QKV layer may be replicated)."""
+    """The unsharded output rows of each part the engine expects (k/v of a QKV layer may be replicated; a
+    vocabulary layer's partitions are padded, its checkpoint rows are the vocabulary)."""
+    if kind == "vocab":
+        return [int(layer.org_vocab_size)]
     if kind != "column":
         return [int(s) for s in partition_sizes]
     reps = _kv_replicas(layer)
@@ -238,6 +291,20 @@ def _rank_rows(layer: nn.Module, kind: str, rank: int, size: int, part: LayerPar
         r = rank // reps if (is_qkv(layer) and idx > 0) else rank
         out.append((lo + r * per, lo + (r + 1) * per))
     return out
+
+
+def _vocab_rows(layer: nn.Module, part: LayerPart) -> tuple[int, int, int]:
+    """(first row, end row, padding) of the vocabulary share this rank serves: vLLM pads each rank's share of
+    an embedding or head to its partition size and trims the padded logits before sampling."""
+    if int(getattr(layer, "num_added_embeddings", 0) or 0):
+        raise UnsupportedError("a vocabulary with added (LoRA) tokens on a packed embedding or head",
+                               tensor=part.name)
+    idx = layer.shard_indices
+    lo, hi = int(idx.org_vocab_start_index), int(idx.org_vocab_end_index)
+    if hi <= lo:
+        raise UnsupportedError(f"tensor-parallel size {int(getattr(layer, 'tp_size', 1))} leaves this rank none "
+                               f"of the {part.shape[0]} vocabulary rows", tensor=part.name)
+    return lo, hi, int(layer.num_embeddings_per_partition) - (hi - lo)
 
 
 def _even_out_biases(pieces: list[PackedLayer]) -> None:

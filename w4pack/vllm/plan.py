@@ -70,11 +70,11 @@ class CheckpointPlan:
             _check_config(ckpt)
             layers = {name: {k: v for k, v in meta.items() if k != "source"}
                       for name, meta in ckpt.manifest["layers"].items()}
-            for name, meta in layers.items():
-                if meta.get("role") == "embedding":
-                    raise UnsupportedError("a packed token embedding, which the vLLM plugin does not run; convert "
-                                           "the source again with --float-embeddings (it is then stored as exact "
-                                           "float32)", file=str(ckpt.path), tensor=name)
+            experts = [name for name in layers if ".experts." in name]
+            if experts:
+                raise UnsupportedError(f"{len(experts)} packed mixture-of-experts layers, which the vLLM plugin "
+                                       "does not serve yet (it serves dense models; `w4pack run` runs this one)",
+                                       file=str(ckpt.path), tensor=experts[0])
             biases = {}
             for name, meta in layers.items():
                 tname = meta["tensors"].get("bias")
@@ -97,6 +97,22 @@ class CheckpointPlan:
         self.fused = {new: [dict(p, name=ren(p["name"]) or p["name"]) for p in parts]
                       for name, parts in self.fused.items() if (new := ren(name)) is not None}
         self.passthrough = {new for t in self.passthrough if (new := ren(t)) is not None}
+
+    @property
+    def embedding(self) -> str | None:
+        """The packed token embedding's name, if the checkpoint keeps one packed."""
+        return next((name for name, meta in self.layers.items() if meta.get("role") == "embedding"), None)
+
+    def embedding_for(self, rows: int, dim: int) -> str | None:
+        """The packed token embedding of shape [rows, dim], if any: vLLM's models build their token embedding
+        without a module prefix, so it is found by its role and shape."""
+        name = self.embedding
+        return name if name is not None and self.layers[name]["shape"] == [rows, dim] else None
+
+    def ties_head(self, prefix: str) -> bool:
+        """Whether the engine's output head ``prefix`` can only be the packed embedding, tied: the checkpoint
+        stores no head of its own, packed or float."""
+        return self.embedding is not None and prefix not in self.layers and f"{prefix}.weight" not in self.passthrough
 
     # -- per engine layer ------------------------------------------------------------------------
     def plan(self, prefix: str, merged: Iterable[str] | None, shard_ids: list[Any] | None) -> LayerPlan | None:

@@ -9,18 +9,27 @@ from typing import Any
 
 import torch
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 from ..errors import BadInputError, UnsupportedError
 from ..schema import validate_quantization_config
-from .method import PackedLinearMethod, is_qkv, precision_from_env
+from .method import PackedLinearMethod, TiedHeadMethod, is_qkv, precision_from_env
 from .plan import CheckpointPlan, resolve_model_path
 
-__all__ = ["W4PackConfig", "W4PackLinearMethod"]
+__all__ = ["W4PackConfig", "W4PackLinearMethod", "W4PackTiedHeadMethod", "W4PackVocabMethod"]
 
 
 class W4PackLinearMethod(PackedLinearMethod, LinearMethodBase):
     """``PackedLinearMethod`` as a vLLM ``LinearMethodBase``."""
+
+
+class W4PackVocabMethod(PackedLinearMethod, QuantizeMethodBase):
+    """A packed token embedding (``embedding``) or output head (``apply``), split by vocabulary rows."""
+
+
+class W4PackTiedHeadMethod(TiedHeadMethod, QuantizeMethodBase):
+    """An output head tied to the packed token embedding."""
 
 
 class W4PackConfig(QuantizationConfig):
@@ -64,10 +73,19 @@ class W4PackConfig(QuantizationConfig):
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Any:
         if self.checkpoint is None:
             raise BadInputError("the w4pack manifest was not read (maybe_update_config was not called)")
+        if isinstance(layer, VocabParallelEmbedding):  # token embedding, or output head (ParallelLMHead)
+            if not prefix and not isinstance(layer, ParallelLMHead):
+                prefix = self.checkpoint.embedding_for(layer.org_vocab_size, layer.embedding_dim) or ""
+            if prefix in self.checkpoint.layers:
+                return W4PackVocabMethod(self.checkpoint.plan(prefix, None, None), precision=self.precision)
+            if isinstance(layer, ParallelLMHead) and self.checkpoint.ties_head(prefix):
+                return W4PackTiedHeadMethod(prefix)
+            return None
         if not isinstance(layer, LinearBase):
             if prefix in self.checkpoint.layers:
                 raise UnsupportedError(f"the checkpoint stores {type(layer).__name__} {prefix!r} packed; the vLLM "
-                                       "plugin packs linear layers only (keep it unquantized at convert time)",
+                                       "plugin serves packed linear layers, token embeddings and output heads only "
+                                       "(keep it unquantized at convert time)",
                                        file=self.checkpoint.path, tensor=prefix)
             return None
         parent, _, leaf = prefix.rpartition(".")
