@@ -29,6 +29,8 @@ from w4pack.layout import pack
 
 REPO = Path(__file__).resolve().parent.parent
 LLAMA_QUANTIZE = REPO / "tests" / "data" / "llama_quantize"
+#: a few sources are a little smaller than their packed form (padding, the bf16/fp16 kept); convert says so
+quiet_growth = pytest.mark.filterwarnings("ignore:.*larger than those of the source")
 
 
 def _read_all(folder: Path) -> dict[str, sr.SpecLayer]:
@@ -106,10 +108,6 @@ def _check_against_truth(layer: sr.SpecLayer, t: dict[str, np.ndarray], zeros_ke
     np.testing.assert_array_equal(sr.dequantize(layer), ref)
 
 
-#: a few sources are a little smaller than their packed form (padding, the bf16/fp16 kept); convert says so
-quiet_growth = pytest.mark.filterwarnings("ignore:.*larger than those of the source")
-
-
 @quiet_growth
 @pytest.mark.parametrize("case", FIXTURE_CASES)
 def test_fixture_reads_as_its_truth(case: str, tmp_path: Path) -> None:
@@ -150,7 +148,15 @@ _EXPERT = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
 _STORAGE = {"Q2_K": ("dense_codes", (16, 4, 0), (16, 4, 0)), "Q3_K": ("dense_codes", (16, 6, -32), None),
             "Q4_K": (None, (8, 6, 0), (8, 6, 0)), "Q5_K": ("dense_codes", (8, 6, 0), (8, 6, 0)),
             "Q6_K": ("dense_codes", (16, 8, -128), None), "IQ4_NL": ("codebook", None, None),
-            "IQ4_XS": ("codebook", (8, 6, -32), None)}
+            "IQ4_XS": ("codebook", (8, 6, -32), None), "Q4_0": (None, None, None), "Q4_1": (None, None, None),
+            "Q8_0": (None, None, None), "Q5_0": ("dense_codes", None, None), "Q5_1": ("dense_codes", None, None)}
+#: FORMAT.md §6: the layer each GGUF type becomes (bits, group size, zero mode, scale dtype)
+_GGUF_LAYER = {"Q4_0": (4, 32, "none", "float16"), "Q4_1": (4, 32, "float", "float16"),
+               "Q8_0": (8, 32, "none", "float16"), "Q5_0": (5, 32, "none", "float16"),
+               "Q5_1": (5, 32, "float", "float16"),"Q2_K": (2, 16, "float", "float32"), "Q3_K": (3, 16, "none", "float32"),
+               "Q4_K": (4, 32, "float", "float32"), "Q5_K": (5, 32, "float", "float32"),
+               "Q6_K": (6, 16, "none", "float32"), "IQ4_NL": (8, 32, "none", "float16"),
+               "IQ4_XS": (8, 32, "none", "float32")}
 
 
 def _hf_names(gguf_name: str, n_experts: int) -> list[str]:
@@ -172,15 +178,42 @@ def _unpermute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-@pytest.mark.parametrize("file", GGUF_FILES)
+def _small_block_gguf(path: Path) -> None:
+    """A llama GGUF whose linear weights are gguf-py's own Q4_0, Q4_1, Q8_0, Q5_0 and Q5_1 quantizations of random
+    data, with odd head counts' worth of rows (the 32-wide types that llama.cpp's K-quant recipes never pick here)."""
+    import gguf
+
+    rng = np.random.default_rng(5)
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_uint32("llama.attention.head_count", 3)
+    w.add_uint32("llama.attention.head_count_kv", 1)
+    w.add_uint32("llama.block_count", 1)
+    kinds = {"attn_q": ("Q5_0", 96), "attn_k": ("Q5_1", 32), "attn_v": ("Q8_0", 32), "ffn_up": ("Q4_0", 48),
+             "ffn_down": ("Q4_1", 80)}
+    for part, (qtype, rows) in kinds.items():
+        x = rng.normal(0, 0.05, size=(rows, 160)).astype(np.float32)
+        qt = gguf.GGMLQuantizationType[qtype]
+        w.add_tensor(f"blk.0.{part}.weight", gguf.quants.quantize(x, qt), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@quiet_growth
+@pytest.mark.parametrize("file", GGUF_FILES + ["gguf-py small blocks"])
 def test_llama_cpp_gguf_dequantizes_as_gguf_py(file: str, tmp_path: Path) -> None:
     gguf = pytest.importorskip("gguf")
     from gguf.quants import dequantize as gguf_dequantize
 
+    src = LLAMA_QUANTIZE / file
+    if not file.endswith(".gguf"):
+        src = tmp_path / "small.gguf"
+        _small_block_gguf(src)
     dst = tmp_path / "packed"
-    convert(str(LLAMA_QUANTIZE / file), str(dst), show_progress=False)
+    convert(str(src), str(dst), show_progress=False)
     layers = _read_all(dst)
-    reader = gguf.GGUFReader(str(LLAMA_QUANTIZE / file))
+    reader = gguf.GGUFReader(str(src))
 
     def meta(key: str) -> int:
         return int(reader.fields[key].parts[-1][0])
@@ -204,6 +237,7 @@ def test_llama_cpp_gguf_dequantizes_as_gguf_py(file: str, tmp_path: Path) -> Non
             got = got64.astype(np.float32)
             assert got.shape == ref.shape, name
             np.testing.assert_array_equal(got, ref, err_msg=f"{file}: {name} ({t.name}, {qtype})")
+            assert (layer.bits, layer.group_size, layer.zero_mode, layer.scale_dtype) == _GGUF_LAYER[qtype], name
             codes_key, scales_spec, mins_spec = _STORAGE[qtype]
             st = layer.storage
             assert (codes_key in st) if codes_key else not ({"dense_codes", "codebook"} & set(st)), (name, st)
@@ -411,3 +445,19 @@ def test_reader_refuses_an_unknown_layout_version(small_folder: Path) -> None:
     path.write_text(json.dumps(man))
     with pytest.raises(sr.SpecError, match="unknown layout"):
         _read_all(small_folder)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_reader_refuses_negative_zero_in_padded_scales(dtype: str, tmp_path: Path) -> None:
+    """LAYOUT.md §3.2: padding is +0, every bit; a −0.0 in a padded row is refused."""
+    rng = np.random.default_rng(11)
+    layer, _truth = _random_layer(rng, 4, "none", dtype, False, -1, 20, 64)
+    packed = pack(layer.replace(name="blk.proj"))
+    scales = packed.tensors["scales"].copy()
+    scales[0, 25] = -0.0                                 # row 25 >= N = 20
+    packed.tensors["scales"] = scales
+    dst = tmp_path / "packed"
+    with w4pack.CheckpointWriter(dst, config={"model_type": "custom"}) as w:
+        w.add_layer("blk.proj", packed)
+    with pytest.raises(sr.SpecError, match="padding"):
+        _read_all(dst)
