@@ -153,7 +153,8 @@ _STORAGE = {"Q2_K": ("dense_codes", (16, 4, 0), (16, 4, 0)), "Q3_K": ("dense_cod
 #: FORMAT.md §6: the layer each GGUF type becomes (bits, group size, zero mode, scale dtype)
 _GGUF_LAYER = {"Q4_0": (4, 32, "none", "float16"), "Q4_1": (4, 32, "float", "float16"),
                "Q8_0": (8, 32, "none", "float16"), "Q5_0": (5, 32, "none", "float16"),
-               "Q5_1": (5, 32, "float", "float16"),"Q2_K": (2, 16, "float", "float32"), "Q3_K": (3, 16, "none", "float32"),
+               "Q5_1": (5, 32, "float", "float16"), "Q2_K": (2, 16, "float", "float32"),
+               "Q3_K": (3, 16, "none", "float32"),
                "Q4_K": (4, 32, "float", "float32"), "Q5_K": (5, 32, "float", "float32"),
                "Q6_K": (6, 16, "none", "float32"), "IQ4_NL": (8, 32, "none", "float16"),
                "IQ4_XS": (8, 32, "none", "float32")}
@@ -180,7 +181,8 @@ def _unpermute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
 
 def _small_block_gguf(path: Path) -> None:
     """A llama GGUF whose linear weights are gguf-py's own Q4_0, Q4_1, Q8_0, Q5_0 and Q5_1 quantizations of random
-    data, with odd head counts' worth of rows (the 32-wide types that llama.cpp's K-quant recipes never pick here)."""
+    data (the 32-wide types llama.cpp's K-quant recipes never pick for the tiny model), K = 160 (padded), 3
+    query heads and 1 key/value head (rotary rows)."""
     import gguf
 
     rng = np.random.default_rng(5)
@@ -353,6 +355,9 @@ def _fp16_products(rng: np.random.Generator, n: int, g: int, s: int, b: int, o: 
     return vals.astype(np.float32), vals.astype(np.float64)
 
 
+#: IQ4's codebook as w4pack writes it (LAYOUT.md §8): kvalues_iq4nl + 128, in index order
+_IQ4_CODES = [1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241]
+
 # (bits, zero mode, group size, N, K, storage spec): K-quant-like, dense 2/3/5/6-bit codes, codebooks; shapes
 # with row and column padding (N % 16, K % 64 != 0) and, where S allows, padded groups
 _COMPACT_CASES = [
@@ -364,8 +369,7 @@ _COMPACT_CASES = [
                                "mins": {"super_groups": 3, "bits": 6, "offset": 0}}),
     (5, "float", 32, 33, 100, {"dense_codes": True, "scales": {"super_groups": 1, "bits": 6, "offset": 0},
                                "mins": {"super_groups": 1, "bits": 6, "offset": 0}}),
-    (8, "none", 32, 45, 130, {"codebook": [1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241],
-                              "scales": {"super_groups": 1, "bits": 6, "offset": -32}}),
+    (8, "none", 32, 45, 130, {"codebook": _IQ4_CODES, "scales": {"super_groups": 1, "bits": 6, "offset": -32}}),
     (6, "int", 16, 7, 70, {"codebook": [63, 0, 17, 5, 40], "dense_codes": False}),
     (5, "none", 48, 29, 160, {"codebook": [3, 31, 9]}),
 ]
