@@ -2,8 +2,10 @@
 
 Sources used: docs/LAYOUT.md, docs/FORMAT.md, schemas/*.json and README.md -- nothing under w4pack/ or
 native/. It exists to prove that those documents are enough for a stranger to read a checkpoint bit for bit:
-tests/test_spec_reader.py compares what it reads with independent ground truth. It depends only on numpy,
-json and struct (safetensors files are parsed by hand, so BF16 needs no special path).
+tests/test_spec_reader.py compares what it reads with independent ground truth. It depends only on numpy and
+the standard library (json, struct, hashlib): safetensors files are parsed by hand, so BF16 needs no special path.
+Two checks follow the docs as clarified after it was first written (padding compared bit for bit, tensors looked
+up through the manifest's names); the ambiguities that prompted them are in the commits that fixed the docs.
 
 Entry points: ``read_checkpoint(folder)`` yields one ``SpecLayer`` (the logical layer of LAYOUT.md §1) per
 packed layer of the manifest; ``dequantize(layer)`` evaluates LAYOUT.md §1 in float64.
