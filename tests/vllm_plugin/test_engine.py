@@ -151,6 +151,30 @@ def test_act_order_uneven_groups_tp1_and_tp2(act_order_llama, tmp_path):
     assert tp2["tokens"] == tp1["tokens"]
 
 
+def _engine_fails(tmp: Path, folder: Path, max_len: int) -> str:
+    """An engine that must refuse ``folder``: its output (stdout and stderr), after checking it made nothing."""
+    spec_path, result_path = tmp / "spec.json", tmp / "result.json"
+    spec_path.write_text(json.dumps({"model": str(folder), "prompts": None, "token_prompts": [[1, 2]],
+                                     "max_model_len": max_len}))
+    proc = subprocess.run([sys.executable, str(HERE / "engine_case.py"), str(spec_path), str(result_path)],
+                          env=_env(tmp), capture_output=True, text=True, timeout=CASE_TIMEOUT)
+    assert proc.returncode != 0 and not result_path.exists()
+    return proc.stdout + proc.stderr
+
+
+def _tp1_and_tp2_generate_as_w4pack_run(tmp: Path, folder: Path, prompts: list[list[int]], n: int, max_len: int,
+                                        end_token: int | None = None) -> None:
+    """The engine at TP=1 and TP=2 gives the greedy tokens of w4pack's runner: all ``n``, or up to and including
+    ``end_token`` where the runner stops at it (the engine is told to ignore it and goes on)."""
+    want = _reference_tokens(folder, prompts, n)
+    assert all(len(w) == n or w[-1] == end_token for w in want)
+    spec = {"model": str(folder), "prompts": None, "token_prompts": prompts, "max_tokens": n,
+            "max_model_len": max_len}
+    for tp in (1, 2):
+        got = _engine(tmp, spec, tp=tp)["tokens"]
+        assert [g[:len(w)] for g, w in zip(got, want)] == want, tp
+
+
 # -- llama.cpp's own K-quant file: packed embedding and packed (untied) head ---------------------------
 def test_k_quant_gguf_with_packed_embedding_and_head_tp1_and_tp2(tmp_path):
     """tiny-Q4_K_M.gguf as llama.cpp wrote it (Q4_K token table, Q6_K output head, compact storage), converted
@@ -163,12 +187,47 @@ def test_k_quant_gguf_with_packed_embedding_and_head_tp1_and_tp2(tmp_path):
     with Checkpoint(tmp_path / "w4") as ckpt:
         assert ckpt.manifest["layers"]["model.embed_tokens"]["role"] == "embedding"
         assert "lm_head" in ckpt.manifest["layers"]
-    prompts = [[1, 2, 3, 4], [5, 77, 100], [9]]
-    want = _reference_tokens(tmp_path / "w4", prompts, 16)
-    spec = {"model": str(tmp_path / "w4"), "prompts": None, "token_prompts": prompts, "max_tokens": 16,
-            "max_model_len": 128}
-    assert _engine(tmp_path, spec, tp=1)["tokens"] == want
-    assert _engine(tmp_path, spec, tp=2)["tokens"] == want
+    _tp1_and_tp2_generate_as_w4pack_run(tmp_path, tmp_path / "w4", [[1, 2, 3, 4], [5, 77, 100], [9]], 16, 128)
+
+
+# -- llama.cpp's tiny Mixtral: packed experts (Q4_K / Q6_K, compact storage) ----------------------------
+def test_k_quant_mixtral_experts_tp1_and_tp2(tmp_path):
+    """tiny-moe-Q4_K_M.gguf (4 experts, top 2, stacked 3-D expert tensors in the GGUF): every expert served
+    packed through vLLM's MoE block, split over the intermediate rows at TP=2, with the greedy tokens of
+    w4pack's runner. vLLM's Mixtral builds its token embedding without the quantization config, so the table
+    is stored float (--float-embeddings); the head stays packed."""
+    from w4pack.convert import convert
+
+    convert(REPO / "tests" / "data" / "llama_quantize" / "tiny-moe-Q4_K_M.gguf", tmp_path / "w4",
+            float_embeddings=True)
+    _tp1_and_tp2_generate_as_w4pack_run(tmp_path, tmp_path / "w4", [[1, 2, 3, 4], [5, 77, 100], [9]], 16, 128)
+
+
+def test_gptq_qwen2_moe_with_shared_expert_tp1_and_tp2(tmp_path):
+    """A tiny Qwen2-MoE (4 experts, top 2, a shared expert and its gate; head 64 wide, one kv head) quantized to
+    GPTQ by the project's test helper and converted: the routed experts through vLLM's MoE block, the shared
+    expert as a merged gate/up layer, the kv head replicated at TP=2. Greedy tokens are w4pack's runner's up to
+    the model's end token (where the runner stops and the engine, told to ignore it, goes on)."""
+    from test_moe import write_moe_gptq
+
+    from w4pack.convert import convert
+
+    gptq, _ref = write_moe_gptq(tmp_path / "src", "qwen2_moe", seed=5, hidden_size=128, num_attention_heads=2,
+                                num_key_value_heads=1)
+    convert(gptq, tmp_path / "w4")
+    _tp1_and_tp2_generate_as_w4pack_run(tmp_path, tmp_path / "w4", [[1, 2, 3, 4], [5, 77, 90], [9, 10]], 12, 64,
+                                        end_token=2)
+
+
+def test_packed_embedding_refused_where_the_model_cannot_take_it(tmp_path):
+    """The same Mixtral with its token table packed: one line naming the table and the way out."""
+    from w4pack.convert import convert
+
+    convert(REPO / "tests" / "data" / "llama_quantize" / "tiny-moe-Q4_K_M.gguf", tmp_path / "w4")
+    out = _engine_fails(tmp_path, tmp_path / "w4", 128)
+    assert "tensor model.embed_tokens: this model's vLLM implementation builds its token embedding without the " \
+           "quantization config" in out
+    assert "--float-embeddings" in out
 
 
 # -- every public fixture model -------------------------------------------------------------------------
@@ -258,11 +317,5 @@ def test_bad_checkpoint_refused_before_loading(act_order_llama, tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["intermediate_size"] = 640
     (bad / "config.json").write_text(json.dumps(cfg))
-    spec_path, result_path = tmp_path / "spec.json", tmp_path / "result.json"
-    spec_path.write_text(json.dumps({"model": str(bad), "prompts": None, "token_prompts": [[1, 2]],
-                                     "max_model_len": 256}))
-    proc = subprocess.run([sys.executable, str(HERE / "engine_case.py"), str(spec_path), str(result_path)],
-                          env=_env(tmp_path), capture_output=True, text=True, timeout=CASE_TIMEOUT)
-    assert proc.returncode != 0 and not result_path.exists()
     assert "model.layers.0.mlp.gate_proj: the checkpoint's output rows [576, 576] do not match the model's " \
-           "[640, 640]" in proc.stdout + proc.stderr
+           "[640, 640]" in _engine_fails(tmp_path, bad, 256)

@@ -434,16 +434,3 @@ def test_added_vocabulary_refused():
     with pytest.raises(UnsupportedError, match="added"):
         method.process_weights_after_loading(layer)
 
-
-def test_packed_experts_refused_in_the_engine_process(tmp_path):
-    """A packed MoE checkpoint is refused when vLLM reads the config (one line, before any worker starts)."""
-    from pathlib import Path
-
-    from w4pack.convert import convert
-    from w4pack.vllm.plan import CheckpointPlan
-
-    src = Path(__file__).resolve().parents[1] / "data" / "llama_quantize" / "tiny-moe-Q4_K_M.gguf"
-    convert(src, tmp_path / "w4", show_progress=False)
-    with pytest.raises(UnsupportedError, match=r"tensor model\.layers\.0\..*experts\.0\..*: 24 packed "
-                                               r"mixture-of-experts layers"):
-        CheckpointPlan.from_folder(tmp_path / "w4")

@@ -57,7 +57,8 @@ def layer_partition(layer: nn.Module) -> tuple[str, int, int]:
     if "ReplicatedLinear" in names:
         return "replicated", 0, 1
     raise UnsupportedError(f"w4pack cannot serve a {type(layer).__name__} layer (column-parallel, row-parallel "
-                           "and replicated linear layers, token embeddings and output heads are supported)", tensor=getattr(layer, "prefix", None))
+                           "and replicated linear layers, token embeddings and output heads are supported)",
+                           tensor=getattr(layer, "prefix", None))
 
 
 def _stored_dtype(suffix: str, meta: dict[str, Any]) -> torch.dtype:

@@ -70,11 +70,6 @@ class CheckpointPlan:
             _check_config(ckpt)
             layers = {name: {k: v for k, v in meta.items() if k != "source"}
                       for name, meta in ckpt.manifest["layers"].items()}
-            experts = [name for name in layers if ".experts." in name]
-            if experts:
-                raise UnsupportedError(f"{len(experts)} packed mixture-of-experts layers, which the vLLM plugin "
-                                       "does not serve yet (it serves dense models; `w4pack run` runs this one)",
-                                       file=str(ckpt.path), tensor=experts[0])
             biases = {}
             for name, meta in layers.items():
                 tname = meta["tensors"].get("bias")
@@ -141,6 +136,29 @@ class CheckpointPlan:
         ids = shard_ids if shard_ids is not None else list(range(len(names)))
         return LayerPlan(prefix, [LayerPart(n, self.layers[n], sid, None, self.biases.get(n))
                                   for n, sid in zip(names, ids)])
+
+    def moe_plan(self, prefix: str, leaves: tuple[str, str, str], num_experts: int) -> Any:
+        """The packed experts behind engine MoE block ``prefix`` (``MoEPlan``), None when they are stored float.
+
+        ``leaves``: the checkpoint's names of each expert's gate, up and down projections (``w1``, ``w3``, ``w2``
+        for Mixtral; ``gate_proj``, ``up_proj``, ``down_proj`` for Qwen-MoE), under ``prefix.<expert>.``."""
+        from .moe import MoEPlan, SHARDS
+
+        names = [{s: f"{prefix}.{e}.{leaf}" for s, leaf in zip(SHARDS, leaves)} for e in range(num_experts)]
+        flat = [n for ex in names for n in ex.values()]
+        present = [n for n in flat if n in self.layers]
+        fused = [n for e in range(num_experts) if (n := f"{prefix}.{e}.gate_up_proj") in self.layers]
+        if fused:
+            raise UnsupportedError("experts whose gate and up projections were fused (--fuse gate-up); convert the "
+                                   "source again without fusing them", file=self.path, tensor=fused[0])
+        if not present:
+            return None
+        if len(present) != len(flat):
+            missing = next(n for n in flat if n not in self.layers)
+            raise UnsupportedError(f"{len(present)} of the {len(flat)} expert projections of {prefix} are packed and "
+                                   "the rest not: the engine runs an MoE block all packed or all float",
+                                   file=self.path, tensor=missing)
+        return MoEPlan(prefix, [{s: LayerPart(n, self.layers[n], s) for s, n in ex.items()} for ex in names])
 
     def _require_float(self, prefix: str, names: list[str]) -> None:
         missing = [n for n in names if f"{n}.weight" not in self.passthrough]

@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -15,9 +17,10 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from ..errors import BadInputError, UnsupportedError
 from ..schema import validate_quantization_config
 from .method import PackedLinearMethod, TiedHeadMethod, is_qkv, precision_from_env
+from .moe import PackedMoEMethod
 from .plan import CheckpointPlan, resolve_model_path
 
-__all__ = ["W4PackConfig", "W4PackLinearMethod", "W4PackTiedHeadMethod", "W4PackVocabMethod"]
+__all__ = ["W4PackConfig", "W4PackLinearMethod", "W4PackMoEMethod", "W4PackTiedHeadMethod", "W4PackVocabMethod"]
 
 
 class W4PackLinearMethod(PackedLinearMethod, LinearMethodBase):
@@ -30,6 +33,17 @@ class W4PackVocabMethod(PackedLinearMethod, QuantizeMethodBase):
 
 class W4PackTiedHeadMethod(TiedHeadMethod, QuantizeMethodBase):
     """An output head tied to the packed token embedding."""
+
+
+class W4PackMoEMethod(PackedMoEMethod, FusedMoEMethodBase):
+    """``PackedMoEMethod`` as a vLLM ``FusedMoEMethodBase`` (it routes and runs the experts itself)."""
+
+    def __init__(self, plan: Any, moe: Any, *, precision: str | None = None):
+        PackedMoEMethod.__init__(self, plan, precision=precision)
+        FusedMoEMethodBase.__init__(self, moe)
+
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
+        return None  # no vLLM MoE kernel runs these experts
 
 
 class W4PackConfig(QuantizationConfig):
@@ -66,6 +80,21 @@ class W4PackConfig(QuantizationConfig):
     def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
         self.checkpoint = CheckpointPlan.from_folder(resolve_model_path(model_name, revision))
 
+    def _check_embedding_asked(self, layer: torch.nn.Module, prefix: str) -> None:
+        """Some of vLLM's models (Mixtral) build their token embedding without the quantization config, so it can
+        only load a float table: refuse a packed one with the way out, when the first decoder layer is built
+        (the embedding is built before it), rather than with a loader error about unknown tensors."""
+        name = self.checkpoint.embedding
+        if name is None or getattr(self, "_embedding_asked", False) or ".layers." not in prefix:
+            return
+        from vllm.distributed import get_pp_group
+
+        if get_pp_group().is_first_rank:
+            raise UnsupportedError("this model's vLLM implementation builds its token embedding without the "
+                                   "quantization config, so it cannot take a packed one; convert the source again "
+                                   "with --float-embeddings (stored as exact float32)",
+                                   file=self.checkpoint.path, tensor=name)
+
     def apply_vllm_mapper(self, hf_to_vllm_mapper: Any) -> None:
         if self.checkpoint is not None:
             self.checkpoint.rename(hf_to_vllm_mapper._map_name)
@@ -73,10 +102,17 @@ class W4PackConfig(QuantizationConfig):
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Any:
         if self.checkpoint is None:
             raise BadInputError("the w4pack manifest was not read (maybe_update_config was not called)")
+        self._check_embedding_asked(layer, prefix)
+        if isinstance(layer, RoutedExperts):
+            leaves = (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)
+            moe = self.checkpoint.moe_plan(prefix, leaves, layer.global_num_experts)
+            return None if moe is None else W4PackMoEMethod(moe, layer.moe_config, precision=self.precision)
         if isinstance(layer, VocabParallelEmbedding):  # token embedding, or output head (ParallelLMHead)
             if not prefix and not isinstance(layer, ParallelLMHead):
                 prefix = self.checkpoint.embedding_for(layer.org_vocab_size, layer.embedding_dim) or ""
             if prefix in self.checkpoint.layers:
+                if prefix == self.checkpoint.embedding:
+                    self._embedding_asked = True
                 return W4PackVocabMethod(self.checkpoint.plan(prefix, None, None), precision=self.precision)
             if isinstance(layer, ParallelLMHead) and self.checkpoint.ties_head(prefix):
                 return W4PackTiedHeadMethod(prefix)
