@@ -519,6 +519,8 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
     """
     folder = Path(path)
     _check_repo_id(repo_id)
+    if not os.path.lexists(folder):
+        raise BadInputError("does not exist", file=str(folder))
     if not folder.is_dir():
         raise BadInputError("not a folder (push takes a w4pack checkpoint folder)", file=str(folder))
     if create_pr and revision and "/" in revision:

@@ -9,7 +9,7 @@ import click
 
 from ..store.checkpoint import open_checkpoint
 from ..errors import BadInputError
-from . import check_format_name, detect_source, emit_json
+from . import check_format_name, detect_source, emit_json, plural
 from .extras import needs_extras
 
 
@@ -24,10 +24,6 @@ def _human(n: int) -> str:
 def natural_key(name: str) -> list[Any]:
     """Sort key that orders model.layers.2 before model.layers.10 (digit runs compare as numbers)."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def source_label(fmt: str | None, version: Any) -> str:

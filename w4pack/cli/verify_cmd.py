@@ -7,7 +7,7 @@ import click
 
 from ..errors import EXIT_OK, EXIT_VERIFY
 from ..verify import CUDA_TOLERANCE, FAST_FLOAT_BOUND, TOLERANCE
-from . import check_format_name, detect_source, emit_json
+from . import check_format_name, detect_source, emit_json, require_packed
 from .extras import needs_extras
 
 
@@ -47,6 +47,7 @@ def verify(packed: Path, against: str | None, src_format: str | None, base: Path
     """
     from ..verify import verify as run_verify
 
+    require_packed(packed, "verify")
     src_format = check_format_name(src_format, "--from")
     if against is not None and src_format is None:
         src_format = detect_source(against)

@@ -69,8 +69,11 @@ def detect(path: str | Path) -> str:
         from ._incomplete import raise_incomplete_quantized
 
         raise_incomplete_quantized(p)
-    raise UnsupportedError("cannot tell which format this is; name it with --from "
-                           f"({', '.join(sorted(formats))})", file=str(p))
+    from ..store.gguffile import folder_not_file_hint
+
+    hint = folder_not_file_hint(p) if p.is_dir() else ""
+    raise UnsupportedError("cannot tell which format this is" + (hint or "; name it with --from "
+                           f"({', '.join(sorted(formats))})"), file=str(p))
 
 
 #: JSON files whose content decides which format a folder is: when one is malformed, detection fails because of it
