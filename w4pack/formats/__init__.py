@@ -66,9 +66,10 @@ def detect(path: str | Path) -> str:
             return name
     _raise_broken_file(p)
     if _declared_method(p) is None:
-        from ._incomplete import raise_incomplete_quantized
+        from ._incomplete import raise_float_only, raise_incomplete_quantized
 
         raise_incomplete_quantized(p)
+        raise_float_only(p)
     from ..store.gguffile import folder_not_file_hint
 
     hint = folder_not_file_hint(p) if p.is_dir() else ""
