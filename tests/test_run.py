@@ -380,3 +380,10 @@ def test_a_tokenizer_of_another_model_is_named(tiny: Path, tmp_path: Path) -> No
     with pytest.raises(BadInputError, match="the tokenizer files belong to another model"):
         perplexity((model, other), text="hello there")
     assert generate((model, load_tokenizer(tiny)), "hello", max_new_tokens=2)["new_tokens"] == 2
+
+
+def test_an_empty_prompt_is_a_usage_error(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Was "activations hold no rows (M = 0)", the GEMM's complaint about the empty batch it was handed."""
+    rc, out, err = _cli(capsys, "run", str(tiny), "--prompt", "", "--max-new-tokens", "2")
+    assert rc == 2 and out == "" and err.strip() == \
+        "w4pack: error: the prompt gives no tokens: give some text to continue (--prompt)", err

@@ -552,3 +552,13 @@ def test_against_a_source_whose_head_contradicts_its_config(tmp_path: Path,
         err = capsys.readouterr().err
         results.append((code, err.count("\n"), "the llama model of config.json needs [2000, 256]" in err))
     assert results == [(2, 1, True), (2, 1, True)], results
+
+
+def test_a_negative_seed_is_a_usage_error(good: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Was numpy's ValueError at the first layer, printed as "unexpected ValueError ... this is a bug"."""
+    for bad in (-1, 1.5, True):
+        with pytest.raises(BadInputError, match="seed must be a whole number >= 0"):
+            verify(good, seed=bad, threads=1)  # type: ignore[arg-type]
+    rc, out, err = run_cli(str(good), "--seed", "-1", capsys=capsys)
+    assert rc == 2 and out == "" and "unexpected" not in err and "--seed" in err
+    assert verify(good, seed=0, threads=1).ok

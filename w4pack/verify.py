@@ -444,6 +444,9 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
         raise BadInputError(f"precision must be 'exact' or 'fast', got {precision!r}")
     if not ms or any(int(m) < 1 for m in ms):
         raise BadInputError(f"activation rows must be >= 1, got {list(ms)}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        # numpy's generator takes only non-negative integers (its own ValueError read as a bug in w4pack)
+        raise BadInputError(f"seed must be a whole number >= 0, got {seed!r}")
     t0 = time.perf_counter()
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")

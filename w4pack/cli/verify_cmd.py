@@ -29,7 +29,7 @@ from .extras import needs_extras
                    f"unrounded float64 reference. --device cuda: {CUDA_TOLERANCE:.0e} (fp16 activations).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads (default: $W4PACK_THREADS, else all cores).")
-@click.option("--seed", type=int, default=None,
+@click.option("--seed", type=click.IntRange(min=0), default=None,
               help="Seed of the random activations (default: a fresh one; the summary line prints it, so a failure "
                    "reruns with --seed).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Show only the N worst layers.")

@@ -125,6 +125,8 @@ def generate(target: Any, prompt: str, *, device: str = "cpu", max_new_tokens: i
         enc = tok(text, return_tensors="pt", add_special_tokens=False)
     else:
         enc = tok(prompt, return_tensors="pt")
+    if enc["input_ids"].numel() == 0:  # an empty prompt with a tokenizer that adds no BOS
+        raise BadInputError("the prompt gives no tokens: give some text to continue (--prompt)")
     _check_token_ids(enc["input_ids"], model, path)
     enc = {k: v.to(dev) for k, v in enc.items()}
     n_prompt = int(enc["input_ids"].shape[1])
