@@ -142,3 +142,17 @@ def test_convert_help_gives_examples_and_exit_codes(capsys: pytest.CaptureFixtur
     assert "Examples:" in out and "w4pack convert model.Q4_0.gguf ./model-w4" in out
     assert "--to gguf" in out and "--dry-run" in out.split("Options:")[0]
     assert "Exit 0 ok, 2 bad input or usage" in out and "4 I/O failure or DST exists without" in out
+
+
+def test_from_and_to_help_name_every_format(capsys: pytest.CaptureFixture[str]) -> None:
+    """--from said only "Source format (default: detected)": a user had to provoke an error to learn the names."""
+    from w4pack.cli import FORMAT_NAMES
+    from w4pack.formats import REGISTRY, get_format
+
+    get_format("w4pack")  # fills the registry
+    assert sorted(FORMAT_NAMES.split(", ")) == sorted(REGISTRY)
+    for cmd in ("convert", "inspect", "verify"):
+        rc, out, _ = _cli(capsys, cmd, "--help")
+        assert rc == 0 and "--from FMT" in out
+        flat = " ".join(out.split()).replace("compressed- tensors", "compressed-tensors")
+        assert all(name in flat for name in FORMAT_NAMES.split(", ")), (cmd, flat)

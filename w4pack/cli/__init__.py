@@ -90,6 +90,10 @@ def emit_json(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=2, default=str))
 
 
+#: the format names --from and --to take, for the help texts (the registry is imported only when a command runs)
+FORMAT_NAMES = "w4pack, gptq, gptq-v2, awq, toml, compressed-tensors, gguf"
+
+
 def plural(n: int, word: str) -> str:
     """"1 shard", "2 shards": the summary lines count things that are often one (a small model's shard)."""
     return f"{n} {word}" if n == 1 else f"{n} {word}s"

@@ -10,17 +10,18 @@ import click
 
 from ..convert import MIN_SHARD_SIZE
 from ..errors import BadInputError
-from . import check_format_name, detect_source, emit_json, plural
+from . import FORMAT_NAMES, check_format_name, detect_source, emit_json, plural
 from .extras import needs_extras
 
 
 @click.command()
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--from", "src_format", default=None, help="Source format (default: detected).")
-@click.option("--to", "to", default=None,
-              help="Target format: w4pack (default), gptq, gptq-v2, awq, toml, compressed-tensors, gguf. With gguf, "
-                   "DST is one file (e.g. model.gguf), not a folder.")
+@click.option("--from", "src_format", default=None, metavar="FMT",
+              help=f"Source format when detection cannot tell: {FORMAT_NAMES} (default: detected).")
+@click.option("--to", "to", default=None, metavar="FMT",
+              help=f"Target format: {FORMAT_NAMES} (default: w4pack). With gguf, DST is one file (e.g. model.gguf), "
+                   "not a folder.")
 @click.option("--base", type=click.Path(path_type=Path), default=None,
               help="fp16/bf16/fp32 base model (folder or .safetensors): only for TOML+NumPy quant-table "
                    "sources, whose codes are rebuilt from it.")

@@ -7,7 +7,7 @@ import click
 
 from ..errors import EXIT_OK, EXIT_VERIFY
 from ..verify import CUDA_TOLERANCE, FAST_FLOAT_BOUND, TOLERANCE
-from . import check_format_name, detect_source, emit_json, require_packed
+from . import FORMAT_NAMES, check_format_name, detect_source, emit_json, require_packed
 from .extras import needs_extras
 
 
@@ -16,7 +16,8 @@ from .extras import needs_extras
 @click.option("--against", "against", default=None, metavar="SRC",
               help="Source checkpoint (any supported format; a path or hf://owner/name[@rev][/file], as convert "
                    "takes): every layer must unpack to the same bits, a fused layer part by part.")
-@click.option("--from", "src_format", default=None, help="Format of --against when detection cannot tell.")
+@click.option("--from", "src_format", default=None, metavar="FMT",
+              help=f"Format of --against when detection cannot tell: {FORMAT_NAMES}.")
 @click.option("--base", type=click.Path(path_type=Path), default=None,
               help="Original fp16 model (folder or .safetensors): report each layer's quantization error. Also the "
                    "base model that a TOML quant-table --against source needs (as convert --base).")
