@@ -123,7 +123,8 @@ def test_format_names_are_case_insensitive_and_echoed_as_the_formats_own(tmp_pat
 
 def test_summary_lines_count_in_the_singular_and_dry_run_says_it_would_succeed(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Were "converted 1 layers", "(1 quantized layers, 1 shards", and a dry run that ended without a verdict."""
+    """Were "converted 1 layers", "(1 quantized layers, 1 shards", "OK: 1 layers", and a dry run that ended without
+    a verdict."""
     src = fixture_dir("gptq", "ag_b4_sym_g128")  # one quantized layer
     rc, out, err = _cli(capsys, "convert", src, tmp_path / "o", "--dry-run")
     assert rc == 0, err
@@ -133,6 +134,8 @@ def test_summary_lines_count_in_the_singular_and_dry_run_says_it_would_succeed(
     assert rc == 0 and out.startswith("converted 1 layer (gptq -> w4pack)"), out
     rc, out, err = _cli(capsys, "validate", tmp_path / "o")
     assert rc == 0 and "(1 quantized layer, 1 shard;" in out, out
+    rc, out, err = _cli(capsys, "verify", tmp_path / "o", "--against", src)
+    assert rc == 0 and "OK: 1 layer, 0 failed" in out, out
 
 
 def test_convert_help_gives_examples_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:

@@ -120,7 +120,7 @@ class VerifyReport:
     def summary(self) -> str:
         n = len(self.layers)
         bad = len(self.failed_layers)
-        parts = [f"{'OK' if self.ok else 'FAILED'}: {n} layers, {bad} failed"]
+        parts = [f"{'OK' if self.ok else 'FAILED'}: {n} layer{'' if n == 1 else 's'}, {bad} failed"]
         parts.append("structure " + ("ok" if self.structure_ok else f"FAILED ({self.structure_error})"))
         parts.append(f"seed {self.seed}")  # printed so that a failure can be rerun with --seed
         if self.against:
