@@ -224,7 +224,17 @@ class _BaseWeights:
             raise BadInputError("base model does not exist", file=str(p))
         if p.is_dir() and not ((p / INDEX_NAME).is_file() or any(p.glob("*.safetensors"))):
             raise BadInputError("base model holds no .safetensors weights", file=str(p))
+        self.path = p
         self.store = open_tensors(p, pickles="none")
+
+    def require_any(self, layers: list[str], fused: dict[str, list[tuple[str, int, int]]]) -> None:
+        """Refuse a base that holds the float weight of no layer at all (a quantized checkpoint, another model):
+        that is the wrong --base (bad input, exit 2), not every layer failing verification (exit 1)."""
+        wanted = [m for name in layers for m in [name, *(part for part, _lo, _hi in fused.get(name) or [])]]
+        if wanted and not any(f"{m}.weight" in self.store for m in wanted):
+            raise BadInputError(f"base model holds no float weight of the checkpoint's quantized layers (no "
+                                f"{wanted[0]}.weight, ...): --base takes the original unquantized model",
+                                file=str(self.path))
 
     def weight(self, layer: str) -> tuple[np.ndarray, str] | None:
         name = f"{layer}.weight"
@@ -489,6 +499,7 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
         if base is not None:
             report.checks.append("quant-error")
             base_w = _BaseWeights(base)
+            base_w.require_any(list(ck.layers), fused)
         rng = np.random.default_rng(seed)
         tol = TOLERANCE[precision] if device == "cpu" else max(TOLERANCE[precision], CUDA_TOLERANCE)
         with Progress(len(ck.layers), "verify", enabled=show_progress) as bar:
