@@ -387,3 +387,14 @@ def test_an_empty_prompt_is_a_usage_error(tiny: Path, capsys: pytest.CaptureFixt
     rc, out, err = _cli(capsys, "run", str(tiny), "--prompt", "", "--max-new-tokens", "2")
     assert rc == 2 and out == "" and err.strip() == \
         "w4pack: error: the prompt gives no tokens: give some text to continue (--prompt)", err
+
+
+def test_seed_without_temperature_is_pointed_out(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--seed alone was silently ignored: a user expecting varied, repeatable samples got greedy output."""
+    rc, out, err = _cli(capsys, "run", str(tiny), "--prompt", "keeper", "--max-new-tokens", "2", "--seed", "3",
+                        "--json")
+    assert rc == 0 and json.loads(out)["sampling"] == "greedy"
+    assert "warning: --seed has no effect with greedy decoding (--temperature 0)" in err
+    rc, out, err = _cli(capsys, "run", str(tiny), "--prompt", "keeper", "--max-new-tokens", "2", "--seed", "3",
+                        "--temperature", "0.7", "--json")
+    assert rc == 0 and "warning" not in err

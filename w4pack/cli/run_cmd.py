@@ -72,6 +72,9 @@ def run(path: Path, prompt: str | None, ppl_file: Path | None, device: str, max_
         raise BadInputError("give exactly one of --prompt TEXT or --perplexity FILE")
     if eager and engine not in ("auto", "eager"):
         raise BadInputError(f"--eager contradicts --engine {engine}")
+    if seed is not None and temperature == 0 and prompt is not None:  # not an error: greedy output is the same
+        click.echo("warning: --seed has no effect with greedy decoding (--temperature 0); give --temperature above 0 "
+                   "to sample", err=True)
     require_packed(path, "run")
     device = check_device(device)  # a usage error now, not torch's RuntimeError after the model is read
     if device == "cpu":  # likewise a bad $W4PACK_ISA / $W4PACK_THREADS, before the model is read
