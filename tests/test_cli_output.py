@@ -159,3 +159,13 @@ def test_from_and_to_help_name_every_format(capsys: pytest.CaptureFixture[str]) 
         assert rc == 0 and "--from FMT" in out
         flat = " ".join(out.split()).replace("compressed- tensors", "compressed-tensors")
         assert all(name in flat for name in FORMAT_NAMES.split(", ")), (cmd, flat)
+
+
+def test_verify_limit_says_it_shapes_only_the_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--limit said "Show only the N worst layers", yet --json (rightly, for scripts) lists them all: say so."""
+    rc, out, _ = _cli(capsys, "verify", "--help")
+    assert rc == 0 and "--json lists every layer" in " ".join(out.split())
+    ck = _twelve_layers(tmp_path / "ck")
+    rc, out, err = _cli(capsys, "verify", ck, "--limit", "2", "--json", "--threads", "1")
+    assert rc == 0, err
+    assert len(json.loads(out)["layers"]) == 12

@@ -33,7 +33,7 @@ from .extras import needs_extras
 @click.option("--seed", type=click.IntRange(min=0), default=None,
               help="Seed of the random activations (default: a fresh one; the summary line prints it, so a failure "
                    "reruns with --seed).")
-@click.option("--limit", type=click.IntRange(min=1), default=None, help="Show only the N worst layers.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Show only the N worst layers in the table (--json lists every layer).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @needs_extras("verify")
 def verify(packed: Path, against: str | None, src_format: str | None, base: Path | None, device: str,
