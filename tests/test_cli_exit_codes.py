@@ -396,3 +396,97 @@ def test_own_warning_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     err = r.stderr
     assert r.returncode == 0 and err.count("\n") == 1, err
     assert err.startswith("warning: ") and "checkpoint_format" in err and ".py:" not in err, err
+
+
+# -- errors that say what to do next (a first-time user's mistakes) ------------------------------------------------
+def test_a_missing_path_says_it_does_not_exist(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Was "not a folder (a w4pack checkpoint is a model folder)" for a path that is not there at all."""
+    gone = tmp_path / "typo"
+    for argv in (["validate", gone], ["verify", gone], ["run", gone, "--prompt", "hi"],
+                 ["push", gone, "me/x", "--dry-run"]):
+        rc, err = _cli(capsys, *argv)
+        assert rc == 2 and err.strip() == f"w4pack: error: {gone}: does not exist", (argv, err)
+
+
+def test_a_source_given_where_a_packed_folder_is_needed_says_convert_first(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Was "not a folder" (a GGUF file) or "no w4pack.json" (a GPTQ folder): true, but not what to do."""
+    from conftest import fixture_dir
+
+    gptq = fixture_dir("gptq", "ag_b4_sym_g128")
+    gguf = fixture_dir("gguf", "q4_1_exact_in512_out256") / "tensors.gguf"
+    for src, fmt in ((gptq, "gptq"), (gguf, "gguf")):
+        for argv in (["validate", src], ["verify", src], ["run", src, "--prompt", "hi"],
+                     ["push", src, "me/x", "--dry-run"]):
+            rc, err = _cli(capsys, *argv)
+            assert rc == 2 and f"{src}: a {fmt} checkpoint, not a packed w4pack folder" in err, (argv, err)
+            assert f"w4pack convert {src} OUT_DIR, then w4pack {argv[0]} OUT_DIR" in err, err
+    rc, err = _cli(capsys, "verify", gptq)
+    assert f"then w4pack verify OUT_DIR --against {gptq}" in err
+    rc, err = _cli(capsys, "push", gptq, "me/x", "--dry-run")
+    assert "then w4pack push OUT_DIR me/x" in err
+    (tmp_path / "empty").mkdir()  # not a checkpoint of any format: the reader's own line, unchanged
+    rc, err = _cli(capsys, "validate", tmp_path / "empty")
+    assert rc == 2 and "no w4pack.json" in err and "w4pack convert" not in err
+
+
+def test_a_wrong_from_names_the_format_detected(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Was the wrong reader's complaint alone ("header length ... exceeds the file: truncated or not safetensors"
+    for a GGUF read with --from awq), which sends the user after a corrupt file instead of the option."""
+    from conftest import fixture_dir
+
+    gguf = fixture_dir("gguf", "q4_1_exact_in512_out256") / "tensors.gguf"
+    gptq = fixture_dir("gptq", "ag_b4_sym_g128")
+    awq = fixture_dir("awq", "tiny_llama_gemm_g128")
+    for argv, named, found in ((["convert", gguf, tmp_path / "o", "--from", "awq"], "awq", "gguf"),
+                               (["convert", gptq, tmp_path / "o", "--from", "w4pack", "--dry-run"], "w4pack", "gptq"),
+                               (["convert", gptq, tmp_path / "o", "--from", "compressed-tensors"],
+                                "compressed-tensors", "gptq"),
+                               (["inspect", awq, "--from", "gptq"], "gptq", "awq"),
+                               (["verify", tmp_path, "--against", awq, "--from", "gptq"], "gptq", "awq")):
+        if argv[0] == "verify":  # a packed checkpoint to verify
+            from w4pack.convert import convert
+
+            convert(_demo_checkpoint(tmp_path / "gptq"), tmp_path / "packed", show_progress=False)
+            argv[1] = tmp_path / "packed"
+        rc, err = _cli(capsys, *argv)
+        assert rc in (2, 3) and f"(detected format: {found}; drop --from {named}, or pass --from {found})" in err, \
+            (argv, err)
+    assert not (tmp_path / "o").exists()
+    # one family: the GPTQ reader takes v1 and v2 alike, so --from gptq-v2 on a v1 folder is no mistake
+    capsys.readouterr()
+    assert main(["convert", str(gptq), str(tmp_path / "o"), "--from", "gptq-v2", "--dry-run"]) == 0
+
+
+def test_a_folder_holding_a_gguf_file_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A GGUF model is one file; a user who passes the folder it came in was told to name a format with --from,
+    and with --from gguf "not a file"."""
+    from conftest import fixture_dir
+
+    folder = fixture_dir("gguf", "q4_1_exact_in512_out256")
+    rc, err = _cli(capsys, "inspect", folder)
+    assert rc == 3 and f"a GGUF model is one file: pass {folder / 'tensors.gguf'}" in err and "--from" not in err
+    rc, err = _cli(capsys, "convert", folder, tmp_path / "o", "--from", "gguf")
+    assert rc == 2 and f"pass {folder / 'tensors.gguf'}" in err
+    two = tmp_path / "two"
+    two.mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        (two / name).write_bytes((folder / "tensors.gguf").read_bytes())
+    rc, err = _cli(capsys, "inspect", two)
+    assert rc == 3 and "pass one of the 2 in it (a.gguf, b.gguf)" in err
+
+
+def test_an_output_named_like_a_gguf_file_needs_to_gguf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Was a w4pack *folder* called model.gguf: the default target is w4pack, and the .gguf name says otherwise."""
+    from conftest import fixture_dir
+
+    src = fixture_dir("gguf", "q4_1_exact_in512_out256") / "tensors.gguf"
+    for dry in ([], ["--dry-run"]):
+        rc, err = _cli(capsys, "convert", src, tmp_path / "model.gguf", *dry)
+        assert rc == 2 and "named like a GGUF file" in err and "add --to gguf" in err
+    assert not (tmp_path / "model.gguf").exists()
+    capsys.readouterr()
+    assert main(["convert", str(src), str(tmp_path / "model.gguf"), "--to", "gguf"]) == 0
+    assert (tmp_path / "model.gguf").is_file()
+    assert main(["convert", str(src), str(tmp_path / "dir.gguf"), "--to", "w4pack"]) == 0
+    assert (tmp_path / "dir.gguf" / "w4pack.json").is_file()

@@ -119,3 +119,53 @@ def test_format_names_are_case_insensitive_and_echoed_as_the_formats_own(tmp_pat
     rc, out, _ = _cli(capsys, "convert", src, tmp_path / "out", "--to", "GPTQ", "--json")
     assert rc == 0, out
     assert json.loads(out)["format"] == "gptq"
+
+
+def test_summary_lines_count_in_the_singular_and_dry_run_says_it_would_succeed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Were "converted 1 layers", "(1 quantized layers, 1 shards", "OK: 1 layers", and a dry run that ended without
+    a verdict."""
+    src = fixture_dir("gptq", "ag_b4_sym_g128")  # one quantized layer
+    rc, out, err = _cli(capsys, "convert", src, tmp_path / "o", "--dry-run")
+    assert rc == 0, err
+    assert out.splitlines()[-1] == "dry run: the conversion would succeed; nothing was written"
+    assert not (tmp_path / "o").exists()
+    rc, out, err = _cli(capsys, "convert", src, tmp_path / "o")
+    assert rc == 0 and out.startswith("converted 1 layer (gptq -> w4pack)"), out
+    rc, out, err = _cli(capsys, "validate", tmp_path / "o")
+    assert rc == 0 and "(1 quantized layer, 1 shard;" in out, out
+    rc, out, err = _cli(capsys, "verify", tmp_path / "o", "--against", src)
+    assert rc == 0 and "OK: 1 layer, 0 failed" in out, out
+
+
+def test_convert_help_gives_examples_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    """convert, the command a newcomer runs first, was the one whose --help had neither."""
+    rc, out, _ = _cli(capsys, "convert", "--help")
+    assert rc == 0
+    assert "Examples:" in out and "w4pack convert model.Q4_0.gguf ./model-w4" in out
+    assert "--to gguf" in out and "--dry-run" in out.split("Options:")[0]
+    assert "Exit 0 ok, 2 bad input or usage" in out and "4 I/O failure or DST exists without" in out
+
+
+def test_from_and_to_help_name_every_format(capsys: pytest.CaptureFixture[str]) -> None:
+    """--from said only "Source format (default: detected)": a user had to provoke an error to learn the names."""
+    from w4pack.cli import FORMAT_NAMES
+    from w4pack.formats import REGISTRY, get_format
+
+    get_format("w4pack")  # fills the registry
+    assert sorted(FORMAT_NAMES.split(", ")) == sorted(REGISTRY)
+    for cmd in ("convert", "inspect", "verify"):
+        rc, out, _ = _cli(capsys, cmd, "--help")
+        assert rc == 0 and "--from FMT" in out
+        flat = " ".join(out.split()).replace("compressed- tensors", "compressed-tensors")
+        assert all(name in flat for name in FORMAT_NAMES.split(", ")), (cmd, flat)
+
+
+def test_verify_limit_says_it_shapes_only_the_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--limit said "Show only the N worst layers", yet --json (rightly, for scripts) lists them all: say so."""
+    rc, out, _ = _cli(capsys, "verify", "--help")
+    assert rc == 0 and "--json lists every layer" in " ".join(out.split())
+    ck = _twelve_layers(tmp_path / "ck")
+    rc, out, err = _cli(capsys, "verify", ck, "--limit", "2", "--json", "--threads", "1")
+    assert rc == 0, err
+    assert len(json.loads(out)["layers"]) == 12

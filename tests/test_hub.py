@@ -500,3 +500,13 @@ def test_convert_gguf_from_hf_picks_the_named_file(hub, tmp_path: Path, monkeypa
     got = resolve_source(f"hf://w4org/ggufs@{sha}/tiny.Q4_0.gguf")  # cached: no request, the file itself
     assert got.is_file() and got.read_bytes() == gguf and len(hub.requests) == mark
     assert validate_checkpoint(tmp_path / "w4")["num_layers"] == 1
+
+
+def test_a_malformed_hub_spec_is_shown_as_typed(capsys: pytest.CaptureFixture[str]) -> None:  # noqa: D103
+    """convert's SRC is a Path, which collapses hf://x to hf:/x: the error showed 'hf:/foo', not what was typed."""
+    from w4pack.cli import main
+
+    capsys.readouterr()
+    assert main(["convert", "hf://only-one-part", "unused-out"]) == 2
+    err = capsys.readouterr().err
+    assert "'hf://only-one-part' is not a Hub source" in err and "hf:/only" not in err.replace("hf://", "")

@@ -358,3 +358,43 @@ def test_perplexity_shows_loading_and_windows_on_a_terminal(tiny: Path, capsys: 
     rc, out, err = _cli(capsys, "run", str(tiny), "--perplexity", str(SAMPLE), "--json")
     assert rc == 0 and json.loads(out)["window"] == 128  # stdout: the JSON document alone
     assert f"loading {tiny}" in err and "scoring windows: " in err
+
+
+def test_a_tokenizer_of_another_model_is_named(tiny: Path, tmp_path: Path) -> None:
+    """Was torch's "unexpected IndexError: index out of range in self" from inside the forward: the ids of a
+    larger vocabulary (here the characters from id 200 on, the model has 112 rows) do not fit the embedding."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from w4pack.errors import BadInputError
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab.update({chr(i): 200 + i for i in range(32, 127)})
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    other = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                    pad_token="<pad>")
+    model = load_model(tiny)
+    with pytest.raises(BadInputError, match=r"token id \d+, but the model's vocabulary has 112 tokens"):
+        generate((model, other), "hello", max_new_tokens=2)
+    with pytest.raises(BadInputError, match="the tokenizer files belong to another model"):
+        perplexity((model, other), text="hello there")
+    assert generate((model, load_tokenizer(tiny)), "hello", max_new_tokens=2)["new_tokens"] == 2
+
+
+def test_an_empty_prompt_is_a_usage_error(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Was "activations hold no rows (M = 0)", the GEMM's complaint about the empty batch it was handed."""
+    rc, out, err = _cli(capsys, "run", str(tiny), "--prompt", "", "--max-new-tokens", "2")
+    assert rc == 2 and out == "" and err.strip() == \
+        "w4pack: error: the prompt gives no tokens: give some text to continue (--prompt)", err
+
+
+def test_seed_without_temperature_is_pointed_out(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--seed alone was silently ignored: a user expecting varied, repeatable samples got greedy output."""
+    rc, out, err = _cli(capsys, "run", str(tiny), "--prompt", "keeper", "--max-new-tokens", "2", "--seed", "3",
+                        "--json")
+    assert rc == 0 and json.loads(out)["sampling"] == "greedy"
+    assert "warning: --seed has no effect with greedy decoding (--temperature 0)" in err
+    rc, out, err = _cli(capsys, "run", str(tiny), "--prompt", "keeper", "--max-new-tokens", "2", "--seed", "3",
+                        "--temperature", "0.7", "--json")
+    assert rc == 0 and "warning" not in err

@@ -552,3 +552,36 @@ def test_against_a_source_whose_head_contradicts_its_config(tmp_path: Path,
         err = capsys.readouterr().err
         results.append((code, err.count("\n"), "the llama model of config.json needs [2000, 256]" in err))
     assert results == [(2, 1, True), (2, 1, True)], results
+
+
+def test_a_negative_seed_is_a_usage_error(good: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Was numpy's ValueError at the first layer, printed as "unexpected ValueError ... this is a bug"."""
+    for bad in (-1, 1.5, True):
+        with pytest.raises(BadInputError, match="seed must be a whole number >= 0"):
+            verify(good, seed=bad, threads=1)  # type: ignore[arg-type]
+    rc, out, err = run_cli(str(good), "--seed", "-1", capsys=capsys)
+    assert rc == 2 and out == "" and "unexpected" not in err and "--seed" in err
+    assert verify(good, seed=0, threads=1).ok
+
+
+def test_a_base_without_any_layer_weight_is_bad_input(tmp_path: Path, good: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """--base given a quantized checkpoint (or another model) was "FAILED: every layer failed" (exit 1), each line
+    "no weight for this layer in the base model": the wrong --base, reported as a failed verification."""
+    other = tmp_path / "other"
+    other.mkdir()
+    write_safetensors(other / "model.safetensors", [("model.layers.0.mlp.down_proj.qweight",
+                                                     np.zeros((8, 8), np.int32), None)], metadata={"format": "pt"})
+    with pytest.raises(BadInputError, match="base model holds no float weight of the checkpoint's quantized layers"):
+        verify(good, base=other, threads=1, seed=1)
+    rc, out, err = run_cli(str(good), "--base", str(other), "--threads", "1", capsys=capsys)
+    assert rc == 2 and out == "" and f"{other}: base model holds no float weight" in err
+    assert "--base takes the original unquantized model" in err
+    # a base holding some of the layers is still a verification: the missing ones fail, exit 1
+    some = tmp_path / "some"
+    some.mkdir()
+    name = next(iter(LAYERS))
+    w = layers()[name].dequantize(np.float64).astype(np.float16)
+    write_safetensors(some / "model.safetensors", [(f"{name}.weight", w, None)], metadata={"format": "pt"})
+    rep = verify(good, base=some, threads=1, seed=1)
+    assert not rep.ok and [c.name for c in rep.failed_layers] == sorted(set(LAYERS) - {name})

@@ -519,6 +519,8 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
     """
     folder = Path(path)
     _check_repo_id(repo_id)
+    if not os.path.lexists(folder):
+        raise BadInputError("does not exist", file=str(folder))
     if not folder.is_dir():
         raise BadInputError("not a folder (push takes a w4pack checkpoint folder)", file=str(folder))
     if create_pr and revision and "/" in revision:
@@ -702,7 +704,10 @@ def parse_hub_spec(spec: str) -> tuple[str, str | None, str | None]:
     """``hf://owner/name[@rev][/path]`` -> (repo_id, revision, path). ``hf:/`` (a Path-collapsed ``//``) too."""
     m = _SPEC.match(str(spec))
     if not m:
-        raise BadInputError(f"{spec!r} is not a Hub source; use hf://owner/name[@revision][/path]")
+        shown = str(spec)
+        if shown.startswith("hf:/") and not shown.startswith("hf://"):
+            shown = "hf://" + shown[len("hf:/"):]  # as the user typed it, not as the Path collapsed it
+        raise BadInputError(f"{shown!r} is not a Hub source; use hf://owner/name[@revision][/path]")
     repo_id = f"{m.group('owner')}/{m.group('name')}"
     _check_repo_id(repo_id)
     rev = m.group("rev")

@@ -6,7 +6,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from .errors import BadInputError
+from .errors import BadInputError, W4PackError
 from .formats import detect, get_format
 from .formats.base import Source
 
@@ -35,11 +35,11 @@ def open_source(src: str | Path, fmt: str | None = None, **options: Any) -> Sour
     """Open a path or an hf:// spec for reading; a Hub source records its origin (spec, base model and license
     from the source's card) in ``info`` for the manifest and model card."""
     if not is_hub_spec(src):
-        return get_format(fmt or detect(src)).open(Path(src), **options)
+        return _open_as(fmt, Path(src), options)
     from .hub import card_metadata, parse_hub_spec
 
     local = local_path(src)
-    source = get_format(fmt or detect(local)).open(local, **options)
+    source = _open_as(fmt, local, options)
     repo_id, rev, _sub = parse_hub_spec(str(src))
     meta: dict[str, Any] = {}
     with contextlib.suppress(BadInputError):
@@ -53,3 +53,32 @@ def open_source(src: str | Path, fmt: str | None = None, **options: Any) -> Sour
     if meta.get("license") and "license" not in info:
         info["license"] = str(meta["license"])
     return source
+
+
+#: names of one family: the reader of either takes both (GPTQ v1/v2 are told apart by the tensors)
+_SAME_FAMILY = ({"gptq", "gptq-v2"},)
+
+
+def _open_as(fmt: str | None, path: Path, options: dict[str, Any]) -> Source:
+    """The reader of ``fmt`` (else the detected format) on ``path``. When a named format's reader refuses the
+    input and detection recognises it as another format, the error says so: "header length exceeds the file" is
+    what the safetensors reader of --from awq says about a GGUF file, and the mistake to fix is the --from."""
+    name = fmt or detect(path)
+    try:
+        return get_format(name).open(path, **options)
+    except W4PackError as exc:
+        if fmt is not None:
+            _name_the_detected_format(exc, path, get_format(name).name)
+        raise
+
+
+def _name_the_detected_format(exc: W4PackError, path: Path, named: str) -> None:
+    """Append "detected format: gguf; ..." to ``exc`` when detection finds a format other than ``named``."""
+    try:
+        found = detect(path)
+    except W4PackError:
+        return
+    if found == named or any({found, named} <= fam for fam in _SAME_FAMILY):
+        return
+    exc.message += f" (detected format: {found}; drop --from {named}, or pass --from {found})"
+    exc.args = (exc.one_line(),)

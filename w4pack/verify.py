@@ -120,7 +120,7 @@ class VerifyReport:
     def summary(self) -> str:
         n = len(self.layers)
         bad = len(self.failed_layers)
-        parts = [f"{'OK' if self.ok else 'FAILED'}: {n} layers, {bad} failed"]
+        parts = [f"{'OK' if self.ok else 'FAILED'}: {n} layer{'' if n == 1 else 's'}, {bad} failed"]
         parts.append("structure " + ("ok" if self.structure_ok else f"FAILED ({self.structure_error})"))
         parts.append(f"seed {self.seed}")  # printed so that a failure can be rerun with --seed
         if self.against:
@@ -224,7 +224,17 @@ class _BaseWeights:
             raise BadInputError("base model does not exist", file=str(p))
         if p.is_dir() and not ((p / INDEX_NAME).is_file() or any(p.glob("*.safetensors"))):
             raise BadInputError("base model holds no .safetensors weights", file=str(p))
+        self.path = p
         self.store = open_tensors(p, pickles="none")
+
+    def require_any(self, layers: list[str], fused: dict[str, list[tuple[str, int, int]]]) -> None:
+        """Refuse a base that holds the float weight of no layer at all (a quantized checkpoint, another model):
+        that is the wrong --base (bad input, exit 2), not every layer failing verification (exit 1)."""
+        wanted = [m for name in layers for m in [name, *(part for part, _lo, _hi in fused.get(name) or [])]]
+        if wanted and not any(f"{m}.weight" in self.store for m in wanted):
+            raise BadInputError(f"base model holds no float weight of the checkpoint's quantized layers (no "
+                                f"{wanted[0]}.weight, ...): --base takes the original unquantized model",
+                                file=str(self.path))
 
     def weight(self, layer: str) -> tuple[np.ndarray, str] | None:
         name = f"{layer}.weight"
@@ -444,6 +454,9 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
         raise BadInputError(f"precision must be 'exact' or 'fast', got {precision!r}")
     if not ms or any(int(m) < 1 for m in ms):
         raise BadInputError(f"activation rows must be >= 1, got {list(ms)}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        # numpy's generator takes only non-negative integers (its own ValueError read as a bug in w4pack)
+        raise BadInputError(f"seed must be a whole number >= 0, got {seed!r}")
     t0 = time.perf_counter()
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")
@@ -486,6 +499,7 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
         if base is not None:
             report.checks.append("quant-error")
             base_w = _BaseWeights(base)
+            base_w.require_any(list(ck.layers), fused)
         rng = np.random.default_rng(seed)
         tol = TOLERANCE[precision] if device == "cpu" else max(TOLERANCE[precision], CUDA_TOLERANCE)
         with Progress(len(ck.layers), "verify", enabled=show_progress) as bar:

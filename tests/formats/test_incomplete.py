@@ -53,8 +53,8 @@ def test_a_layer_missing_a_tensor_is_bad_input(tmp_path: Path, capsys: pytest.Ca
 
 
 def test_names_of_another_layout_stay_unknown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A packed weight with scales and biases beside it (MLX) or a plain fp16 model are layouts w4pack does not
-    read: still "cannot tell which format" (3), whatever "scales" suggests."""
+    """A packed weight with scales and biases beside it (MLX) is a layout w4pack does not read: still "cannot tell
+    which format" (3), whatever "scales" suggests."""
     src = tmp_path / "mlx"
     src.mkdir()
     write_safetensors(src / "model.safetensors", [
@@ -93,3 +93,22 @@ def test_a_quant_method_that_is_not_a_name_is_bad_input(tmp_path: Path) -> None:
     with pytest.raises(BadInputError, match="quant_method is 0") as exc:
         detect(tmp_path)
     assert exc.value.exit_code == 2 and "config.json" in exc.value.one_line()
+
+
+def test_an_unquantized_model_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A plain float model (the base model, downloaded by mistake) was "cannot tell which format; name it with
+    --from", which no --from can satisfy; still unsupported (3), now saying what the folder is and what to do."""
+    import json
+
+    src = tmp_path / "fp16"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    write_safetensors(src / "model.safetensors", [
+        (f"{LAYER}.weight", np.zeros((8, 8), np.float16), "F16"), ("model.norm.weight", np.ones(8, np.float16), "F16"),
+        ("model.layers.0.self_attn.rotary_emb.inv_freq", np.ones(4, np.float32), "F32")], {})
+    for argv in (["inspect", src], ["convert", src, tmp_path / "out"], ["convert", src / "model.safetensors",
+                                                                         tmp_path / "out", "--dry-run"]):
+        rc, err = _cli(capsys, *argv)
+        assert rc == 3 and "no quantized layers: every tensor is a plain float weight" in err, err
+        assert "quantize the model first" in err and "--from" not in err
+    assert not (tmp_path / "out").exists()

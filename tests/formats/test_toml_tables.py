@@ -475,3 +475,18 @@ def test_decoder_documents_cover_every_decoder_layer(tmp_path: Path) -> None:
     (src / "quant_dir" / "decoder-1.toml").unlink()
     with pytest.raises(BadInputError, match="decoder-1.toml and after are missing"):
         open_source(src / "quant_dir", "toml", base=src / "base_weights_fp16.safetensors")
+
+
+def test_a_folder_with_the_tables_one_level_down_names_them(capsys: pytest.CaptureFixture[str]) -> None:
+    """GPTQ-for-LLaMa's export sits in a sub-folder beside the base weights. Given the folder above, detection said
+    "name it with --from" (and, base weights being float, would now say "unquantized model"), and --from toml said
+    "no quant tables here": each now names the sub-folder to pass."""
+    from conftest import cli_one_line
+
+    case = fixture_dir("toml", "quant_toml_asym_actorder_observer")
+    rc, err = cli_one_line(capsys, "inspect", case)
+    assert rc == 3 and f"the quant tables are in {case / 'quant_dir'}: pass that folder (with --base)" in err, err
+    assert "unquantized" not in err
+    rc, err = cli_one_line(capsys, "inspect", case, "--from", "toml", "--base", case / "base_weights_fp16.safetensors")
+    assert rc == 2 and f"no quant.toml or decoder-N.toml quant tables here; the quant tables are in " \
+                       f"{case / 'quant_dir'}" in err, err

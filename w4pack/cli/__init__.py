@@ -25,7 +25,8 @@ from .. import _sigint
 from .._version import __version__
 from ..errors import EXIT_BAD_INPUT, EXIT_IO, BadInputError, UnsupportedError, W4PackError
 
-__all__ = ["cli", "main", "emit_json", "check_format_name", "detect_source", "check_endpoint"]
+__all__ = ["cli", "main", "emit_json", "check_format_name", "detect_source", "check_endpoint", "require_packed",
+           "plural"]
 
 #: command name -> "module:function"
 COMMANDS: dict[str, str] = {
@@ -89,6 +90,15 @@ def emit_json(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=2, default=str))
 
 
+#: the format names --from and --to take, for the help texts (the registry is imported only when a command runs)
+FORMAT_NAMES = "w4pack, gptq, gptq-v2, awq, toml, compressed-tensors, gguf"
+
+
+def plural(n: int, word: str) -> str:
+    """"1 shard", "2 shards": the summary lines count things that are often one (a small model's shard)."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def check_format_name(name: str | None, option: str) -> str | None:
     """The format's own name for ``--from``/``--to`` (names are case-insensitive: ``--to GPTQ`` is gptq); an
     unknown one is a usage error (exit 2) naming the option, not unsupported input (3)."""
@@ -124,6 +134,29 @@ def detect_source(path: str | os.PathLike[str]) -> str | None:
                 raise BadInputError(f"not a GGUF file: it starts with {magic!r}, not b'GGUF' (truncated, or saved in "
                                     "another format)", file=str(p)) from None
         raise
+
+
+def require_packed(path: str | os.PathLike[str], command: str, rest: str = "") -> None:
+    """validate, verify, run and push take a packed w4pack folder. A path that is a checkpoint of another format
+    (a GGUF file, a GPTQ folder) is bad input either way (exit 2), but the line says what to do, convert it first,
+    instead of "not a folder" or "no w4pack.json"; anything else is left to the checkpoint reader's own error.
+    ``rest``: the command's other arguments, for the suggested command line."""
+    from ..formats import detect
+    from ..store.names import MANIFEST_NAME
+
+    p = Path(path)
+    if (p / MANIFEST_NAME).is_file() or not os.path.lexists(p):
+        return
+    try:
+        found = detect(p)
+    except W4PackError:
+        return
+    if found != "w4pack":
+        article = "an" if found[0] in "aeiou" else "a"
+        rest = f" --against {p}" if command == "verify" else (f" {rest}" if rest else "")
+        raise BadInputError(f"{article} {found} checkpoint, not a packed w4pack folder; {command} takes the output "
+                            f"of convert: w4pack convert {p} OUT_DIR, then w4pack {command} OUT_DIR{rest}",
+                            file=str(p))
 
 
 def check_endpoint(endpoint: str | None) -> None:

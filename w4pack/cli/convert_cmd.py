@@ -9,17 +9,19 @@ from typing import Any
 import click
 
 from ..convert import MIN_SHARD_SIZE
-from . import check_format_name, detect_source, emit_json
+from ..errors import BadInputError
+from . import FORMAT_NAMES, check_format_name, detect_source, emit_json, plural
 from .extras import needs_extras
 
 
 @click.command()
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--from", "src_format", default=None, help="Source format (default: detected).")
-@click.option("--to", "to", default="w4pack", show_default=True,
-              help="Target format: w4pack, gptq, gptq-v2, awq, toml, compressed-tensors, gguf. With gguf, DST is "
-                   "one file (e.g. model.gguf), not a folder.")
+@click.option("--from", "src_format", default=None, metavar="FMT",
+              help=f"Source format when detection cannot tell: {FORMAT_NAMES} (default: detected).")
+@click.option("--to", "to", default=None, metavar="FMT",
+              help=f"Target format: {FORMAT_NAMES} (default: w4pack). With gguf, DST is one file (e.g. model.gguf), "
+                   "not a folder.")
 @click.option("--base", type=click.Path(path_type=Path), default=None,
               help="fp16/bf16/fp32 base model (folder or .safetensors): only for TOML+NumPy quant-table "
                    "sources, whose codes are rebuilt from it.")
@@ -41,16 +43,30 @@ from .extras import needs_extras
                    "at; write nothing. Exits with the code the real run would give.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @needs_extras("convert")
-def convert(src: Path, dst: Path, src_format: str | None, to: str, base: Path | None, max_shard_size: str,
+def convert(src: Path, dst: Path, src_format: str | None, to: str | None, base: Path | None, max_shard_size: str,
             fuse: str | None, float_embeddings: bool, expanded: bool, force: bool, dry_run: bool, as_json: bool) -> int:
     """Convert the checkpoint SRC into DST, losslessly.
 
-    Streams layer by layer; DST appears only when complete and is never replaced without --force.
+    SRC is a folder or file in any supported format (detected; --from names it) or hf://owner/name[@rev][/file].
+    Streams layer by layer; DST appears only when complete and is never replaced without --force. A layer the
+    target cannot hold exactly stops the conversion before anything is written.
+
+    \b
+    Examples:
+      w4pack convert ./llama-gptq ./llama-w4              GPTQ (or AWQ, ...) folder -> packed w4pack folder
+      w4pack convert model.Q4_0.gguf ./model-w4           a GGUF file -> packed folder (tokenizer exported)
+      w4pack convert ./llama-w4 ./llama-ct --to compressed-tensors
+      w4pack convert ./llama-w4 out.gguf --to gguf        one GGUF file
+      w4pack convert ./llama-gptq ./llama-w4 --dry-run    what would be written, and what would stop it
+
+    Exit 0 ok, 2 bad input or usage (one line naming the file and tensor), 3 unsupported input (a layer the
+    target cannot hold, a source no reader recognises; the line says a way out), 4 I/O failure or DST exists without
+    --force, 130 interrupted.
     """
     from ..convert import convert as do_convert, plan
 
     src_format = check_format_name(src_format, "--from")
-    to = check_format_name(to, "--to") or to
+    to = check_format_name(to, "--to") or _default_target(dst)
     src_format = src_format or detect_source(src)
     opts: dict[str, Any] = {"base": base} if base is not None else {}
     if fuse:
@@ -77,10 +93,19 @@ def convert(src: Path, dst: Path, src_format: str | None, to: str, base: Path | 
     if as_json:
         emit_json(result)
     else:
-        click.echo(f"converted {result['layers']} layers ({result['source_format']} -> {to}), "
+        click.echo(f"converted {plural(result['layers'], 'layer')} ({result['source_format']} -> {to}), "
                    f"{result['passthrough']} pass-through tensors, {result['bytes'] / 1e6:.1f} MB in "
                    f"{result['seconds']:.2f}s -> {result['output']}")
     return 0
+
+
+def _default_target(dst: Path) -> str:
+    """w4pack, the default target, writes a folder: a DST named like a GGUF file without --to gguf is almost
+    certainly a missing --to, and a folder called model.gguf is not what was asked for (exit 2, nothing written)."""
+    if dst.suffix.lower() == ".gguf":
+        raise BadInputError(f"{dst} is named like a GGUF file, but the default output is a w4pack folder: add --to "
+                            "gguf for a GGUF file, or --to w4pack for a folder of that name")
+    return "w4pack"
 
 
 def _print_plan(src: Path, dst: Path, to: str, doc: dict[str, Any]) -> None:
@@ -100,6 +125,8 @@ def _print_plan(src: Path, dst: Path, to: str, doc: dict[str, Any]) -> None:
         click.echo(f"  cannot write: {p}")
     if doc["exit_code"]:
         click.echo(f"dry run: the conversion would fail (exit {doc['exit_code']}); nothing was written")
+    else:
+        click.echo("dry run: the conversion would succeed; nothing was written")
 
 
 #: "model.layers.3.mlp.up_proj: reason": a problem about one layer (the formats' and convert's own wording)

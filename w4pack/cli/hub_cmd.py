@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from . import check_endpoint, emit_json
+from . import check_endpoint, emit_json, plural, require_packed
 from .extras import needs_extras
 
 _ENDPOINT_HELP = "Hub URL (default: $HF_ENDPOINT or https://huggingface.co)."
@@ -46,6 +46,8 @@ def push(path: Path, repo_id: str, private: bool, revision: str | None, commit_m
     from ..hub import push as do_push
 
     check_endpoint(endpoint)
+    if not no_validate:
+        require_packed(path, "push", repo_id)
     result = do_push(path, repo_id, private=private, revision=revision, commit_message=commit_message,
                      create_pr=create_pr, endpoint=endpoint, token=token, dry_run=dry_run,
                      validate=not no_validate)
@@ -98,5 +100,5 @@ def pull(repo_id: str, dest: Path, revision: str | None, endpoint: str | None, t
     if as_json:
         emit_json(doc)
     else:
-        click.echo(f"pulled {repo_id} ({doc['revision']}) into {out}: {doc['layers']} quantized layers, "
-                   f"{doc['shards']} shards, {doc['total_size'] / 1e6:.1f} MB, validated")
+        click.echo(f"pulled {repo_id} ({doc['revision']}) into {out}: {plural(doc['layers'], 'quantized layer')}, "
+                   f"{plural(doc['shards'], 'shard')}, {doc['total_size'] / 1e6:.1f} MB, validated")

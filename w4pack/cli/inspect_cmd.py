@@ -9,7 +9,7 @@ import click
 
 from ..store.checkpoint import open_checkpoint
 from ..errors import BadInputError
-from . import check_format_name, detect_source, emit_json
+from . import FORMAT_NAMES, check_format_name, detect_source, emit_json, plural
 from .extras import needs_extras
 
 
@@ -24,10 +24,6 @@ def _human(n: int) -> str:
 def natural_key(name: str) -> list[Any]:
     """Sort key that orders model.layers.2 before model.layers.10 (digit runs compare as numbers)."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def source_label(fmt: str | None, version: Any) -> str:
@@ -45,8 +41,8 @@ def source_label(fmt: str | None, version: Any) -> str:
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @click.option("--layers", "show_layers", is_flag=True, help="List every quantized layer.")
-@click.option("--from", "src_format", default=None,
-              help="Source format when detection cannot tell (as convert --from; default: detected).")
+@click.option("--from", "src_format", default=None, metavar="FMT",
+              help=f"Source format when detection cannot tell: {FORMAT_NAMES} (default: detected).")
 @click.option("--base", type=click.Path(path_type=Path), default=None,
               help="fp16/bf16/fp32 base model folder or file (needed by TOML+NumPy quant tables, as convert --base).")
 @needs_extras("inspect")

@@ -15,7 +15,7 @@ import click
 # it only takes effect when set before torch loads, which is the case here (torch is imported by run()).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from . import emit_json
+from . import emit_json, plural, require_packed
 from .extras import needs_extras
 
 
@@ -72,6 +72,10 @@ def run(path: Path, prompt: str | None, ppl_file: Path | None, device: str, max_
         raise BadInputError("give exactly one of --prompt TEXT or --perplexity FILE")
     if eager and engine not in ("auto", "eager"):
         raise BadInputError(f"--eager contradicts --engine {engine}")
+    if seed is not None and temperature == 0 and prompt is not None:  # not an error: greedy output is the same
+        click.echo("warning: --seed has no effect with greedy decoding (--temperature 0); give --temperature above 0 "
+                   "to sample", err=True)
+    require_packed(path, "run")
     device = check_device(device)  # a usage error now, not torch's RuntimeError after the model is read
     if device == "cpu":  # likewise a bad $W4PACK_ISA / $W4PACK_THREADS, before the model is read
         from ..native.cpu import check_environment
@@ -84,7 +88,7 @@ def run(path: Path, prompt: str | None, ppl_file: Path | None, device: str, max_
         if as_json:
             emit_json(doc)
         else:
-            click.echo(f"perplexity {doc['perplexity']:.4f} over {doc['scored_tokens']} tokens "
+            click.echo(f"perplexity {doc['perplexity']:.4f} over {plural(doc['scored_tokens'], 'token')} "
                        f"(window {doc['window']}) on {doc['device']}, {doc['tokens_per_s']} tokens/s")
         return
     on_text = None

@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from ..store.checkpoint import validate_checkpoint
-from . import emit_json
+from . import emit_json, plural, require_packed
 
 
 @click.command()
@@ -21,11 +21,12 @@ def validate(path: Path, as_json: bool, no_checksums: bool, deep: bool) -> None:
     the ones config.json's architecture needs. Exits 0 when valid (warnings, e.g. an older manifest, on
     stderr); 2 with one line naming the file and tensor when not.
     """
+    require_packed(path, "validate")
     report = validate_checkpoint(path, checksums=not no_checksums, deep=deep)
     for line in report["warnings"]:  # an older manifest, an architecture w4pack cannot check: still valid
         click.echo(f"warning: {path}: {line}", err=True)
     if as_json:
         emit_json({"valid": True, **report})
     else:
-        click.echo(f"{path}: valid w4pack checkpoint ({report['num_layers']} quantized layers, "
-                   f"{len(report['shards'])} shards; checked {', '.join(report['checks'])})")
+        click.echo(f"{path}: valid w4pack checkpoint ({plural(report['num_layers'], 'quantized layer')}, "
+                   f"{plural(len(report['shards']), 'shard')}; checked {', '.join(report['checks'])})")

@@ -7,7 +7,7 @@ import click
 
 from ..errors import EXIT_OK, EXIT_VERIFY
 from ..verify import CUDA_TOLERANCE, FAST_FLOAT_BOUND, TOLERANCE
-from . import check_format_name, detect_source, emit_json
+from . import FORMAT_NAMES, check_format_name, detect_source, emit_json, require_packed
 from .extras import needs_extras
 
 
@@ -16,7 +16,8 @@ from .extras import needs_extras
 @click.option("--against", "against", default=None, metavar="SRC",
               help="Source checkpoint (any supported format; a path or hf://owner/name[@rev][/file], as convert "
                    "takes): every layer must unpack to the same bits, a fused layer part by part.")
-@click.option("--from", "src_format", default=None, help="Format of --against when detection cannot tell.")
+@click.option("--from", "src_format", default=None, metavar="FMT",
+              help=f"Format of --against when detection cannot tell: {FORMAT_NAMES}.")
 @click.option("--base", type=click.Path(path_type=Path), default=None,
               help="Original fp16 model (folder or .safetensors): report each layer's quantization error. Also the "
                    "base model that a TOML quant-table --against source needs (as convert --base).")
@@ -29,10 +30,10 @@ from .extras import needs_extras
                    f"unrounded float64 reference. --device cuda: {CUDA_TOLERANCE:.0e} (fp16 activations).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads (default: $W4PACK_THREADS, else all cores).")
-@click.option("--seed", type=int, default=None,
+@click.option("--seed", type=click.IntRange(min=0), default=None,
               help="Seed of the random activations (default: a fresh one; the summary line prints it, so a failure "
                    "reruns with --seed).")
-@click.option("--limit", type=click.IntRange(min=1), default=None, help="Show only the N worst layers.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Show only the N worst layers in the table (--json lists every layer).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @needs_extras("verify")
 def verify(packed: Path, against: str | None, src_format: str | None, base: Path | None, device: str,
@@ -47,6 +48,7 @@ def verify(packed: Path, against: str | None, src_format: str | None, base: Path
     """
     from ..verify import verify as run_verify
 
+    require_packed(packed, "verify")
     src_format = check_format_name(src_format, "--from")
     if against is not None and src_format is None:
         src_format = detect_source(against)

@@ -65,12 +65,19 @@ def detect(path: str | Path) -> str:
         if name in formats and formats[name].detect(p):
             return name
     _raise_broken_file(p)
+    from ..store.gguffile import folder_not_file_hint
+    from ..store.tables import tables_below_hint
+
+    # the checkpoint a user meant may lie one step away: the GGUF file in the folder, the tables in its sub-folder
+    hint = (folder_not_file_hint(p) or tables_below_hint(p)) if p.is_dir() else ""
     if _declared_method(p) is None:
-        from ._incomplete import raise_incomplete_quantized
+        from ._incomplete import raise_float_only, raise_incomplete_quantized
 
         raise_incomplete_quantized(p)
-    raise UnsupportedError("cannot tell which format this is; name it with --from "
-                           f"({', '.join(sorted(formats))})", file=str(p))
+        if not hint:  # base weights beside quant tables are float too, and not the mistake
+            raise_float_only(p)
+    raise UnsupportedError("cannot tell which format this is" + (hint or "; name it with --from "
+                           f"({', '.join(sorted(formats))})"), file=str(p))
 
 
 #: JSON files whose content decides which format a folder is: when one is malformed, detection fails because of it

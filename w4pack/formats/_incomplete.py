@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
-from ..errors import BadInputError
+from ..errors import BadInputError, UnsupportedError
 
-__all__ = ["raise_incomplete_quantized", "missing_member"]
+__all__ = ["raise_incomplete_quantized", "missing_member", "raise_float_only"]
 
 #: a family of per-layer tensor suffixes: (name, members, members that only this family uses, required members)
 _FAMILIES: tuple[tuple[str, tuple[str, ...], frozenset[str], tuple[str, ...]], ...] = (
@@ -82,3 +82,20 @@ def raise_incomplete_quantized(path: Path) -> None:
         err = _problem(file, names)
         if err is not None:
             raise err
+
+
+#: the tensor leaves of an unquantized model: a folder whose every tensor is one of these has no quantized layer
+_FLOAT_LEAVES = frozenset({"weight", "bias", "inv_freq"})
+
+
+def raise_float_only(path: Path) -> None:
+    """Raise "unsupported" saying so when ``path`` holds only plain float tensors (``*.weight``, ``*.bias``): an
+    unquantized model, which w4pack does not quantize; --from, which the generic answer suggests, cannot help."""
+    from ..store.tensors import safetensors_names
+
+    files = safetensors_names(path)
+    names = [n for per_file in files.values() for n in per_file]
+    if names and all(n.rpartition(".")[2] in _FLOAT_LEAVES for n in names):
+        raise UnsupportedError("no quantized layers: every tensor is a plain float weight (an unquantized model); "
+                               "w4pack converts checkpoints that are already quantized (by GPTQ or AWQ tools, "
+                               "llm-compressor, llama.cpp): quantize the model first", file=str(path))

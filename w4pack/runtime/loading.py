@@ -543,8 +543,10 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, TypeError) as exc:
         why = " ".join(str(exc).split())  # transformers' messages span lines; the CLI prints one
-        raise BadInputError(f"no usable tokenizer in the folder; copy the original model's tokenizer files "
-                            f"(tokenizer.json, tokenizer_config.json) into it ({why})", file=str(path)) from None
+        raise BadInputError(f"no usable tokenizer in the folder; put the original model's tokenizer files "
+                            f"(tokenizer.json, tokenizer_config.json) beside the source's weights and convert again "
+                            f"(convert copies and checksums them; a file copied into a packed folder makes it "
+                            f"invalid) ({why})", file=str(path)) from None
 
 
 # -------------------------------------------------------------------------------------------------

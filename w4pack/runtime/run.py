@@ -79,6 +79,19 @@ def _model_precision(model: Any, asked: str) -> str:
     return found.pop() if len(found) == 1 else asked
 
 
+def _check_token_ids(ids: Any, model: Any, path: str) -> None:
+    """Token ids past the model's embedding table mean the tokenizer belongs to another model (a different
+    vocabulary): one line that says so, instead of torch's "index out of range in self" from deep in the forward."""
+    emb = model.get_input_embeddings()
+    rows = getattr(emb, "num_embeddings", None) or getattr(model.config, "vocab_size", None)
+    if rows is None or ids.numel() == 0:
+        return
+    top = int(ids.max())
+    if top >= int(rows):
+        raise BadInputError(f"the tokenizer gives token id {top}, but the model's vocabulary has {int(rows)} tokens: "
+                            "the tokenizer files belong to another model", file=path)
+
+
 def generate(target: Any, prompt: str, *, device: str = "cpu", max_new_tokens: int = 32,
              precision: str = "exact", temperature: float = 0.0, seed: int | None = None, dtype: Any = None,
              chat: bool = False, threads: int | None = None, top_p: float | None = None,
@@ -112,6 +125,9 @@ def generate(target: Any, prompt: str, *, device: str = "cpu", max_new_tokens: i
         enc = tok(text, return_tensors="pt", add_special_tokens=False)
     else:
         enc = tok(prompt, return_tensors="pt")
+    if enc["input_ids"].numel() == 0:  # an empty prompt with a tokenizer that adds no BOS
+        raise BadInputError("the prompt gives no tokens: give some text to continue (--prompt)")
+    _check_token_ids(enc["input_ids"], model, path)
     enc = {k: v.to(dev) for k, v in enc.items()}
     n_prompt = int(enc["input_ids"].shape[1])
     kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "pad_token_id": tok.pad_token_id
@@ -187,6 +203,7 @@ def perplexity(target: Any, text_file: str | os.PathLike[str] | None = None, *, 
     ids = tok(text, return_tensors="pt")["input_ids"][0]
     if ids.numel() < 2:
         raise BadInputError("the text has fewer than two tokens", file=str(text_file) if text_file else None)
+    _check_token_ids(ids, model, path)
     ctx = getattr(model.config, "max_position_embeddings", 1024) or 1024
     win = int(window or min(ctx, 1024))
     if win < 2:

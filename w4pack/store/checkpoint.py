@@ -426,6 +426,8 @@ class Checkpoint:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         root = self.path
+        if not os.path.lexists(root):
+            raise BadInputError("does not exist", file=str(root))
         if not root.is_dir():
             raise BadInputError("not a folder (a w4pack checkpoint is a model folder)", file=str(root))
         if (root / INCOMPLETE_MARKER).exists():

@@ -77,6 +77,26 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
+def gguf_files_in(folder: Path) -> list[Path]:
+    """The GGUF files directly inside ``folder`` (sorted; [] for a file or an unreadable folder): a GGUF model is
+    one file, and a user who passes the folder it was downloaded into is told which file to pass instead."""
+    try:
+        return sorted(p for p in Path(folder).iterdir() if p.suffix.lower() == ".gguf" and is_gguf(p))
+    except OSError:
+        return []
+
+
+def folder_not_file_hint(folder: Path) -> str:
+    """"; pass the file: FOLDER/x.gguf" (or the list of them) when ``folder`` holds GGUF files, else ""."""
+    found = gguf_files_in(folder)
+    if not found:
+        return ""
+    if len(found) == 1:
+        return f"; a GGUF model is one file: pass {found[0]}"
+    shown = ", ".join(p.name for p in found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+    return f"; a GGUF model is one file: pass one of the {len(found)} in it ({shown})"
+
+
 @dataclass(frozen=True)
 class GGUFValue:
     """One metadata value: its GGUF type name, the item type name of an ARRAY, and the Python value (as gguf-py's
@@ -299,14 +319,16 @@ class GGUFFile:
         except FileNotFoundError:
             raise BadInputError("file does not exist", file=label) from None
         except IsADirectoryError:
-            raise BadInputError("not a file (expected a .gguf file)", file=label) from None
+            raise BadInputError("a folder, not a file (expected a .gguf file)" + folder_not_file_hint(self.path),
+                                file=label) from None
         except OSError as exc:
             raise BadInputError(f"cannot open: {exc.strerror or exc}", file=label) from None
         self._fd = fd
         try:
             st = os.fstat(fd)
             if stat.S_ISDIR(st.st_mode):
-                raise BadInputError("not a file (expected a .gguf file)", file=label)
+                raise BadInputError("a folder, not a file (expected a .gguf file)" + folder_not_file_hint(self.path),
+                                    file=label)
             if not stat.S_ISREG(st.st_mode):
                 raise BadInputError("not a regular file (a FIFO, device or socket cannot be read as GGUF)",
                                     file=label)

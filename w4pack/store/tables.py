@@ -89,7 +89,8 @@ def table_documents(path: Path) -> tuple[Path, list[Path], str]:
             files = [p for _i, p in sorted(found)]
             _check_contiguous(path, sorted(i for i, _p in found))
     if not files:
-        raise BadInputError(f"no {QUANT_TOML} or decoder-N.toml quant tables here", file=str(path))
+        raise BadInputError(f"no {QUANT_TOML} or decoder-N.toml quant tables here" + tables_below_hint(path),
+                            file=str(path))
     variant = QUANT_TOML if files[0].name == QUANT_TOML else "decoder-N.toml"
     return folder, files, variant
 
@@ -113,6 +114,17 @@ def has_table_documents(path: Path) -> bool:
     if not path.is_dir():
         return False
     return (path / QUANT_TOML).is_file() or any(DECODER_RE.match(p.name) for p in path.iterdir())
+
+
+def tables_below_hint(path: Path) -> str:
+    """"; the quant tables are in FOLDER/quant_dir: pass that folder" when a sub-folder of ``path`` holds them (how
+    GPTQ-for-LLaMa's export is usually laid out beside the base weights), else ""."""
+    try:
+        subs = sorted(p for p in Path(path).iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:
+        return ""
+    found = [d for d in subs if has_table_documents(d)]
+    return f"; the quant tables are in {found[0]}: pass that folder (with --base)" if found else ""
 
 
 def npy_beside(folder: Path, rel: str, key: str) -> Path:
