@@ -505,6 +505,26 @@ def test_precision_fast_through_from_pretrained(tmp_path: Path) -> None:
         W4PackConfig(precision="turbo")
 
 
+def test_a_dequantized_model_saves_its_float_weights(tmp_path: Path) -> None:
+    """dequantized_model gives a float model: save_pretrained writes float weights, not the packed folder it was
+    loaded from (a float copy made that way once held the packed tensors, and vLLM refused it)."""
+    from safetensors import safe_open
+
+    from w4pack.runtime.run import dequantized_model
+
+    src, _layers, _ref = _write(tmp_path, "qwen2", "gptq")
+    convert(src, tmp_path / "w4")
+    model = dequantized_model(load_model(tmp_path / "w4"))
+    model.config.quantization_config = None
+    model.save_pretrained(tmp_path / "float")
+    keys = set()
+    for f in (tmp_path / "float").glob("*.safetensors"):
+        with safe_open(str(f), "np") as st:
+            keys |= set(st.keys())
+    assert "model.layers.0.self_attn.q_proj.weight" in keys and not any(k.endswith(".qweight") for k in keys)
+    assert not (tmp_path / "float" / "w4pack.json").exists()
+
+
 @pytest.mark.parametrize("how", ["from_pretrained", "load_model"])
 def test_save_pretrained_writes_the_packed_folder(tmp_path: Path, how: str) -> None:
     from transformers import AutoModelForCausalLM

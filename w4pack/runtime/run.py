@@ -288,4 +288,6 @@ def dequantized_model(model: Any, dtype: Any = None) -> Any:
         parent_name, _, attr = name.rpartition(".")
         delattr(model.get_submodule(parent_name) if parent_name else model, attr)
     model.requires_grad_(False)
+    # the model is float now: its save_pretrained is transformers' own again, not the packed folder's copy
+    model.__dict__.pop("save_pretrained", None)
     return model
