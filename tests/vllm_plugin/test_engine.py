@@ -93,6 +93,15 @@ def test_smollm2_tokens_and_perplexity_match_w4pack_run(smollm2, smollm2_referen
     assert abs(got["perplexity"] / ref["perplexity"] - 1) < 0.005, (got["perplexity"], ref["perplexity"])
 
 
+def test_smollm2_all_packed_in_bfloat16(smollm2, tmp_path):
+    """Every linear layer, the token table and the tied head packed, in bfloat16: no vLLM float GEMM runs, so
+    nothing of vLLM's asks Linux for the AMX state its CPU attention uses; the plugin does (before, the first
+    attention call died of SIGILL on CPUs with AMX)."""
+    got = _engine(tmp_path, {"model": str(smollm2["plain"]), "dtype": "bfloat16", "prompts": PROMPTS[:2],
+                             "max_tokens": 8})
+    assert [len(t) for t in got["tokens"]] == [8, 8]
+
+
 def test_smollm2_fused_checkpoint_compiled(smollm2, smollm2_reference, tmp_path):
     """The --fuse'd checkpoint, with vLLM's torch.compile path (the custom op traced as one node)."""
     got = _engine(tmp_path, {"model": str(smollm2["fused"]), "prompts": PROMPTS, "max_tokens": 24,

@@ -349,6 +349,18 @@ def _check_native(device: torch.device, prefix: str) -> None:
             raise UnsupportedError("the w4pack CPU extension is not built; reinstall w4pack (pip install .)",
                                    tensor=prefix)
         cpu.check_environment()
+        _allow_amx()
     else:
         raise UnsupportedError(f"w4pack serves packed layers on cpu and cuda devices, not {device.type}",
                                tensor=prefix)
+
+
+def _allow_amx() -> None:
+    """Ask Linux for the AMX tile state on behalf of vLLM-CPU's attention kernels.
+
+    Those kernels use AMX on CPUs that have it but never request it: oneDNN does, the first time vLLM's own
+    float GEMMs run. A model whose every linear layer, embedding and head is packed runs no oneDNN GEMM, and its
+    first attention call died of SIGILL (bfloat16). The request is per process and idempotent."""
+    init = getattr(getattr(torch._C, "_cpu", None), "_init_amx", None)
+    if init is not None:
+        init()
