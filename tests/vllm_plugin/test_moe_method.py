@@ -122,6 +122,23 @@ def test_experts_nobody_chose_are_not_run():
     assert sorted(set(calls)) == [1, 3]
 
 
+def test_apply_traced_by_torch_compile_fullgraph():
+    """vLLM-CPU compiles the model with ``fullgraph=True`` and, unlike on CUDA, traces into the MoE block down to
+    this method: the routed loop (data-dependent shapes) must be one opaque node, with the eager result, for
+    any routing and for an empty batch (the graph is traced once, with dynamic token counts)."""
+    rng = _seed("compile")
+    experts = _experts(rng, 4, 64, 64)
+    layer, method = _serve(experts, 0, 1)
+    compiled = torch.compile(lambda x, w, i: method.apply(layer, x, w, i) * 2.0, fullgraph=True, backend="eager",
+                             dynamic=True)
+    for tokens in (5, 3, 0):
+        x = torch.from_numpy(rng.standard_normal((tokens, 64)).astype(np.float32))
+        ids = torch.from_numpy(np.array([rng.choice(4, 2, replace=False) for _ in range(tokens)],
+                                        dtype=np.int32).reshape(tokens, 2))
+        w = torch.from_numpy(rng.random((tokens, 2)).astype(np.float32))
+        torch.testing.assert_close(compiled(x, w, ids), method.apply(layer, x, w, ids) * 2.0, rtol=0, atol=0)
+
+
 def test_wrong_shape_dtype_and_options_refused():
     rng = _seed("refuse")
     experts = _experts(rng, 2, 64, 64)
