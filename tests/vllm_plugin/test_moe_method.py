@@ -17,7 +17,7 @@ from torch import nn
 from test_layout import random_layer
 from w4pack.errors import BadInputError, UnsupportedError
 from w4pack.layout import PackedLayer, pack, unpack
-from w4pack.vllm.moe import MoEPlan, PackedMoEMethod
+from w4pack.vllm.moe import MoEPlan, PackedMoEMethod, plan_for_layer
 from w4pack.vllm.plan import CheckpointPlan, LayerPart
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "llama_quantize"
@@ -171,6 +171,36 @@ def test_moe_plan_from_a_converted_mixtral(tmp_path):
     del plan.layers[f"{prefix}.2.w2"]
     with pytest.raises(UnsupportedError, match=rf"tensor {prefix}.2.w2: 11 of the 12 expert projections"):
         plan.moe_plan(prefix, ("w1", "w3", "w2"), 4)
+
+
+def _engine_layer(global_experts: int, logical: int, *, use_ep: bool = False, eplb: bool = False,
+                  up: str | None = "w3") -> SimpleNamespace:
+    """The attributes of vLLM's RoutedExperts that plan_for_layer reads."""
+    par = SimpleNamespace(tp_rank=0, tp_size=1, use_ep=use_ep, enable_eplb=eplb)
+    return SimpleNamespace(moe_config=SimpleNamespace(moe_parallel_config=par, num_logical_experts=logical),
+                           global_num_experts=global_experts, ckpt_gate_proj_name="w1", ckpt_up_proj_name=up,
+                           ckpt_down_proj_name="w2")
+
+
+def test_plan_refusals_name_the_real_reason(tmp_path):
+    """Refused with the reason, not a misleading count of missing projections: expert parallelism and EPLB
+    (whose redundant copies the engine counts as experts), a block without up projections, and a non-zero expert
+    bias, which vLLM's expert loader would skip without a word (every output silently wrong)."""
+    from w4pack.convert import convert
+
+    convert(DATA / "tiny-moe-Q4_K_M.gguf", tmp_path / "w4", show_progress=False)
+    plan = CheckpointPlan.from_folder(tmp_path / "w4")
+    prefix = "model.layers.0.block_sparse_moe.experts"
+    assert len(plan_for_layer(plan, _engine_layer(4, 4), prefix).experts) == 4
+    for layer in (_engine_layer(6, 4, use_ep=True, eplb=True), _engine_layer(4, 4, use_ep=True)):
+        with pytest.raises(UnsupportedError, match=rf"tensor {prefix}: expert parallelism or EPLB"):
+            plan_for_layer(plan, layer, prefix)
+    assert plan_for_layer(plan, _engine_layer(6, 4, eplb=True), "model.layers.0.float_block.experts") is None
+    with pytest.raises(UnsupportedError, match=rf"tensor {prefix}.0.w1: experts without an up projection"):
+        plan_for_layer(plan, _engine_layer(4, 4, up=None), prefix)
+    plan.biases[f"{prefix}.3.w2"] = np.array([0.0, 0.5], dtype=np.float32)
+    with pytest.raises(UnsupportedError, match=rf"tensor {prefix}.3.w2: the expert projection has a non-zero bias"):
+        plan_for_layer(plan, _engine_layer(4, 4), prefix)
 
 
 @pytest.mark.gpu

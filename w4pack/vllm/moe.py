@@ -35,7 +35,7 @@ from ..runtime.tp import column_slice, row_parallel, stack_blockers, stack_rows
 from .method import _check_native, _device_of, _stored_dtype, _threads, _to_numpy, precision_from_env
 from .plan import LayerPart
 
-__all__ = ["MoEPlan", "PackedMoEMethod"]
+__all__ = ["MoEPlan", "PackedMoEMethod", "plan_for_layer"]
 
 #: the engine's shard ids: gate, up (both into w13) and down (w2)
 SHARDS = ("w1", "w3", "w2")
@@ -68,6 +68,24 @@ class MoEPlan:
                     if suffix != "bias" and suffix not in out:
                         out.append(suffix)
         return out
+
+
+def plan_for_layer(checkpoint: Any, layer: nn.Module, prefix: str) -> MoEPlan | None:
+    """The ``MoEPlan`` of engine ``RoutedExperts`` layer ``prefix`` (None when its experts are stored float).
+
+    Expert parallelism and EPLB are refused first: there the engine counts physical experts (redundant copies
+    included) and places them by rank, which the checkpoint's per-expert layers say nothing about. The plan
+    covers the checkpoint's (logical) experts."""
+    cfg = layer.moe_config
+    par = cfg.moe_parallel_config
+    leaves = (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)
+    logical = int(getattr(cfg, "num_logical_experts", None) or layer.global_num_experts)
+    plan = checkpoint.moe_plan(prefix, leaves, logical)
+    if plan is not None and (par.use_ep or getattr(par, "enable_eplb", False)
+                             or int(layer.global_num_experts) != logical):
+        raise UnsupportedError("expert parallelism or EPLB (each rank holding some experts, or redundant copies) "
+                               "on packed experts; serve them with tensor parallelism", tensor=prefix)
+    return plan
 
 
 class PackedMoEMethod:

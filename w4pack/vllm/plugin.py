@@ -17,7 +17,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from ..errors import BadInputError, UnsupportedError
 from ..schema import validate_quantization_config
 from .method import PackedLinearMethod, TiedHeadMethod, is_qkv, precision_from_env
-from .moe import PackedMoEMethod
+from .moe import PackedMoEMethod, plan_for_layer
 from .plan import CheckpointPlan, resolve_model_path
 
 __all__ = ["W4PackConfig", "W4PackLinearMethod", "W4PackMoEMethod", "W4PackTiedHeadMethod", "W4PackVocabMethod"]
@@ -104,8 +104,7 @@ class W4PackConfig(QuantizationConfig):
             raise BadInputError("the w4pack manifest was not read (maybe_update_config was not called)")
         self._check_embedding_asked(layer, prefix)
         if isinstance(layer, RoutedExperts):
-            leaves = (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)
-            moe = self.checkpoint.moe_plan(prefix, leaves, layer.global_num_experts)
+            moe = plan_for_layer(self.checkpoint, layer, prefix)
             return None if moe is None else W4PackMoEMethod(moe, layer.moe_config, precision=self.precision)
         if isinstance(layer, VocabParallelEmbedding):  # token embedding, or output head (ParallelLMHead)
             if not prefix and not isinstance(layer, ParallelLMHead):
