@@ -104,6 +104,27 @@ class CheckpointPlan:
         name = self.embedding
         return name if name is not None and self.layers[name]["shape"] == [rows, dim] else None
 
+    def unasked_embedding_error(self, prefix: str, seen: list[tuple[int, int]]) -> Exception | None:
+        """The error for engine layer ``prefix`` when the packed token embedding was never asked for, else None.
+
+        vLLM builds the token embedding before its decoder layers: reaching the first layer of the embedding's
+        own stack (``<parent>.layers.``; not a vision tower's ``layers``) unasked means the model built it
+        without the quantization config, or (``seen``: the shapes of the unnamed token embeddings it did build
+        with it) built it with another shape than the checkpoint's."""
+        name = self.embedding
+        if name is None:
+            return None
+        parent = name.rpartition(".")[0]
+        if not prefix.startswith(f"{parent}.layers." if parent else "layers."):
+            return None
+        shape = list(self.layers[name]["shape"])
+        if seen:
+            return BadInputError(f"the checkpoint's token embedding is {shape}, the model's is {list(seen[0])}",
+                                 file=self.path, tensor=name)
+        return UnsupportedError("this model's vLLM implementation builds its token embedding without the "
+                                "quantization config, so it cannot take a packed one; convert the source again "
+                                "with --float-embeddings (stored as exact float32)", file=self.path, tensor=name)
+
     def ties_head(self, prefix: str) -> bool:
         """Whether the engine's output head ``prefix`` can only be the packed embedding, tied: the checkpoint
         stores no head of its own, packed or float."""
