@@ -91,12 +91,14 @@ def _reference(experts: list[dict[str, PackedLayer]], x: np.ndarray, ids: np.nda
     return out
 
 
+@pytest.mark.parametrize("inter", [128, 96])
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_routed_tokens_sum_to_the_float_block(tp):
+def test_routed_tokens_sum_to_the_float_block(tp, inter):
     """8 experts, top 2, 7 tokens: each rank runs its share of every expert (down act-order on half of them, so
-    row-parallel shards get padding inputs), and the ranks' sums add up to the float64 MoE block."""
-    rng = _seed("moe", tp)
-    experts = _experts(rng, 8, 96, 128)
+    row-parallel shards get padding inputs), and the ranks' sums add up to the float64 MoE block. Intermediate
+    96 at TP 4 gives each rank 24 rows: gate/up cut inside a 16-row stripe, down inside a 32-channel group."""
+    rng = _seed("moe", tp) if inter == 128 else _seed("moe", tp, inter)
+    experts = _experts(rng, 8, 96, inter)
     x = rng.standard_normal((7, 96)).astype(np.float32)
     ids = np.stack([rng.choice(8, 2, replace=False) for _ in range(7)]).astype(np.int64)
     w = rng.random((7, 2)).astype(np.float32)
