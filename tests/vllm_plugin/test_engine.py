@@ -212,6 +212,20 @@ def test_k_quant_mixtral_experts_tp1_and_tp2(tmp_path):
     _tp1_and_tp2_generate_as_w4pack_run(tmp_path, tmp_path / "w4", [[1, 2, 3, 4], [5, 77, 100], [9]], 16, 128)
 
 
+def test_k_quant_mixtral_experts_compiled(tmp_path):
+    """The same Mixtral on vLLM-CPU's torch.compile path (fullgraph, traced into the MoE block down to the plugin's
+    method): the routed experts are one opaque custom op, and the tokens are w4pack's runner's."""
+    from w4pack.convert import convert
+
+    convert(REPO / "tests" / "data" / "llama_quantize" / "tiny-moe-Q4_K_M.gguf", tmp_path / "w4",
+            float_embeddings=True)
+    prompts = [[1, 2, 3, 4], [5, 77, 100], [9]]
+    want = _reference_tokens(tmp_path / "w4", prompts, 16)
+    got = _engine(tmp_path, {"model": str(tmp_path / "w4"), "prompts": None, "token_prompts": prompts,
+                             "max_tokens": 16, "max_model_len": 128, "enforce_eager": False})
+    assert got["tokens"] == want
+
+
 def test_gptq_qwen2_moe_with_shared_expert_tp1_and_tp2(tmp_path):
     """A tiny Qwen2-MoE (4 experts, top 2, a shared expert and its gate; head 64 wide, one kv head) quantized to
     GPTQ by the project's test helper and converted: the routed experts through vLLM's MoE block, the shared

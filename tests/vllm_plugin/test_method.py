@@ -434,3 +434,45 @@ def test_added_vocabulary_refused():
     with pytest.raises(UnsupportedError, match="added"):
         method.process_weights_after_loading(layer)
 
+
+
+def test_config_tying_a_head_the_checkpoint_stores_packed_keeps_that_head():
+    """tie_word_embeddings with a packed head in the checkpoint: vLLM asks the head's method to tie it to the
+    (packed, weight-less) embedding while it builds the model; the checkpoint's own head is kept and served, as
+    w4pack run keeps it."""
+    rng = _seed("own head")
+    table = pack(random_layer(rng, 128, 64, 4, 32, "int", False, "float16"))
+    own = pack(random_layer(rng, 128, 64, 4, 32, "float", False, "float16"))
+    head = ParallelLMHead(128, 64, 0, 1)
+    method = PackedLinearMethod(LayerPlan("lm_head", [LayerPart("lm_head", _meta("lm_head", own))]),
+                                precision="exact", threads=1)
+    method.create_weights(head, 64, [128], 64, 128, torch.float32)
+    emb = _serve_vocab(VocabParallelEmbedding, "model.embed_tokens", table, "embedding", 0, 1)
+    assert method.tie_weights(head, emb) is head and "weight" not in head._parameters
+    for suffix, arr in own.tensors.items():
+        getattr(head, suffix).weight_loader(getattr(head, suffix), torch.from_numpy(np.ascontiguousarray(arr)))
+    method.process_weights_after_loading(head)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    _close(method.apply(head, torch.from_numpy(x)), x.astype(np.float64) @ unpack(own).dequantize(np.float64).T,
+           "cpu")
+
+
+def test_unasked_packed_embedding_refused_with_the_real_reason():
+    """The packed table never asked for by the time its own decoder stack is built: a model that builds it
+    without the quantization config (the --float-embeddings way out), or one that built an unnamed table of
+    another shape (the shapes). A vision tower's layers, built before the language model, are not its stack."""
+    from w4pack.vllm.plan import CheckpointPlan
+
+    name = "language_model.model.embed_tokens"
+    plan = CheckpointPlan(path="ckpt", layers={name: {"role": "embedding", "shape": [200, 64], "tensors": {}}},
+                          fused={}, passthrough=set())
+    assert plan.unasked_embedding_error("vision_tower.encoder.layers.0.self_attn.qkv_proj", []) is None
+    assert plan.unasked_embedding_error("language_model.lm_head", []) is None
+    err = plan.unasked_embedding_error("language_model.model.layers.0.self_attn.qkv_proj", [])
+    assert isinstance(err, UnsupportedError) and "--float-embeddings" in str(err) and name in str(err)
+    err = plan.unasked_embedding_error("language_model.model.layers.0.self_attn.qkv_proj", [(256, 64)])
+    assert isinstance(err, BadInputError)
+    assert f"tensor {name}: the checkpoint's token embedding is [200, 64], the model's is [256, 64]" in str(err)
+    plain = CheckpointPlan(path="ckpt", layers={"model.embed_tokens": {"role": "embedding", "shape": [200, 64],
+                                                                       "tensors": {}}}, fused={}, passthrough=set())
+    assert isinstance(plain.unasked_embedding_error("model.layers.0.mlp.gate_up_proj", []), UnsupportedError)

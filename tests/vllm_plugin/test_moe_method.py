@@ -17,7 +17,7 @@ from torch import nn
 from test_layout import random_layer
 from w4pack.errors import BadInputError, UnsupportedError
 from w4pack.layout import PackedLayer, pack, unpack
-from w4pack.vllm.moe import MoEPlan, PackedMoEMethod
+from w4pack.vllm.moe import MoEPlan, PackedMoEMethod, plan_for_layer
 from w4pack.vllm.plan import CheckpointPlan, LayerPart
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "llama_quantize"
@@ -91,12 +91,14 @@ def _reference(experts: list[dict[str, PackedLayer]], x: np.ndarray, ids: np.nda
     return out
 
 
+@pytest.mark.parametrize("inter", [128, 96])
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_routed_tokens_sum_to_the_float_block(tp):
+def test_routed_tokens_sum_to_the_float_block(tp, inter):
     """8 experts, top 2, 7 tokens: each rank runs its share of every expert (down act-order on half of them, so
-    row-parallel shards get padding inputs), and the ranks' sums add up to the float64 MoE block."""
-    rng = _seed("moe", tp)
-    experts = _experts(rng, 8, 96, 128)
+    row-parallel shards get padding inputs), and the ranks' sums add up to the float64 MoE block. Intermediate
+    96 at TP 4 gives each rank 24 rows: gate/up cut inside a 16-row stripe, down inside a 32-channel group."""
+    rng = _seed("moe", tp) if inter == 128 else _seed("moe", tp, inter)
+    experts = _experts(rng, 8, 96, inter)
     x = rng.standard_normal((7, 96)).astype(np.float32)
     ids = np.stack([rng.choice(8, 2, replace=False) for _ in range(7)]).astype(np.int64)
     w = rng.random((7, 2)).astype(np.float32)
@@ -120,6 +122,23 @@ def test_experts_nobody_chose_are_not_run():
     ids = torch.tensor([[1, 3], [3, 1], [1, 3]])
     method.apply(layer, x, torch.full((3, 2), 0.5), ids)
     assert sorted(set(calls)) == [1, 3]
+
+
+def test_apply_traced_by_torch_compile_fullgraph():
+    """vLLM-CPU compiles the model with ``fullgraph=True`` and, unlike on CUDA, traces into the MoE block down to
+    this method: the routed loop (data-dependent shapes) must be one opaque node, with the eager result, for
+    any routing and for an empty batch (the graph is traced once, with dynamic token counts)."""
+    rng = _seed("compile")
+    experts = _experts(rng, 4, 64, 64)
+    layer, method = _serve(experts, 0, 1)
+    compiled = torch.compile(lambda x, w, i: method.apply(layer, x, w, i) * 2.0, fullgraph=True, backend="eager",
+                             dynamic=True)
+    for tokens in (5, 3, 0):
+        x = torch.from_numpy(rng.standard_normal((tokens, 64)).astype(np.float32))
+        ids = torch.from_numpy(np.array([rng.choice(4, 2, replace=False) for _ in range(tokens)],
+                                        dtype=np.int32).reshape(tokens, 2))
+        w = torch.from_numpy(rng.random((tokens, 2)).astype(np.float32))
+        torch.testing.assert_close(compiled(x, w, ids), method.apply(layer, x, w, ids) * 2.0, rtol=0, atol=0)
 
 
 def test_wrong_shape_dtype_and_options_refused():
@@ -154,6 +173,36 @@ def test_moe_plan_from_a_converted_mixtral(tmp_path):
     del plan.layers[f"{prefix}.2.w2"]
     with pytest.raises(UnsupportedError, match=rf"tensor {prefix}.2.w2: 11 of the 12 expert projections"):
         plan.moe_plan(prefix, ("w1", "w3", "w2"), 4)
+
+
+def _engine_layer(global_experts: int, logical: int, *, use_ep: bool = False, eplb: bool = False,
+                  up: str | None = "w3") -> SimpleNamespace:
+    """The attributes of vLLM's RoutedExperts that plan_for_layer reads."""
+    par = SimpleNamespace(tp_rank=0, tp_size=1, use_ep=use_ep, enable_eplb=eplb)
+    return SimpleNamespace(moe_config=SimpleNamespace(moe_parallel_config=par, num_logical_experts=logical),
+                           global_num_experts=global_experts, ckpt_gate_proj_name="w1", ckpt_up_proj_name=up,
+                           ckpt_down_proj_name="w2")
+
+
+def test_plan_refusals_name_the_real_reason(tmp_path):
+    """Refused with the reason, not a misleading count of missing projections: expert parallelism and EPLB
+    (whose redundant copies the engine counts as experts), a block without up projections, and a non-zero expert
+    bias, which vLLM's expert loader would skip without a word (every output silently wrong)."""
+    from w4pack.convert import convert
+
+    convert(DATA / "tiny-moe-Q4_K_M.gguf", tmp_path / "w4", show_progress=False)
+    plan = CheckpointPlan.from_folder(tmp_path / "w4")
+    prefix = "model.layers.0.block_sparse_moe.experts"
+    assert len(plan_for_layer(plan, _engine_layer(4, 4), prefix).experts) == 4
+    for layer in (_engine_layer(6, 4, use_ep=True, eplb=True), _engine_layer(4, 4, use_ep=True)):
+        with pytest.raises(UnsupportedError, match=rf"tensor {prefix}: expert parallelism or EPLB"):
+            plan_for_layer(plan, layer, prefix)
+    assert plan_for_layer(plan, _engine_layer(6, 4, eplb=True), "model.layers.0.float_block.experts") is None
+    with pytest.raises(UnsupportedError, match=rf"tensor {prefix}.0.w1: experts without an up projection"):
+        plan_for_layer(plan, _engine_layer(4, 4, up=None), prefix)
+    plan.biases[f"{prefix}.3.w2"] = np.array([0.0, 0.5], dtype=np.float32)
+    with pytest.raises(UnsupportedError, match=rf"tensor {prefix}.3.w2: the expert projection has a non-zero bias"):
+        plan_for_layer(plan, _engine_layer(4, 4), prefix)
 
 
 @pytest.mark.gpu

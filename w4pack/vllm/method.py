@@ -223,6 +223,12 @@ class PackedLinearMethod:
         """Rows of a packed token embedding (the rank's vocabulary share; the engine masks other ranks' ids)."""
         return layer.w4pack[0](ids)
 
+    def tie_weights(self, layer: nn.Module, embed_tokens: nn.Module) -> nn.Module:
+        """A config that ties the head (``tie_word_embeddings``) while the checkpoint stores a packed head of its
+        own: the head stays the checkpoint's, as in ``w4pack run`` (vLLM's default would share a float
+        ``weight`` that a packed embedding does not have)."""
+        return layer
+
 
 class TiedHeadMethod:
     """The output head of a model whose head is tied to a packed token embedding: the logits are the native GEMM

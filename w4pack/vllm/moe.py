@@ -11,10 +11,15 @@ checkpoint tensor to our loader with its expert id and shard id; nothing is stac
 * **apply**: vLLM's router has chosen ``topk_ids``/``topk_weights``; each expert runs on the tokens routed to it,
   ``down(act(gate(x)) · up(x)) · weight`` summed per token, in expert order. The engine all-reduces the ranks'
   sums afterwards. While a CUDA graph is being captured no host sync is allowed, so there every expert runs on
-  every token with its routing weight (zero where not chosen): the same sum, more work.
+  every token with its routing weight (zero where not chosen): the same sum, more work. Traced by
+  ``torch.compile`` (vLLM-CPU calls the MoE block without its own opaque op, and compiles with ``fullgraph``),
+  the routed loop is the custom op ``w4pack::moe_experts``: one opaque node, since the loop's shapes depend on
+  the routing.
 """
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +35,7 @@ from ..runtime.tp import column_slice, row_parallel, stack_blockers, stack_rows
 from .method import _check_native, _device_of, _stored_dtype, _threads, _to_numpy, precision_from_env
 from .plan import LayerPart
 
-__all__ = ["MoEPlan", "PackedMoEMethod"]
+__all__ = ["MoEPlan", "PackedMoEMethod", "plan_for_layer"]
 
 #: the engine's shard ids: gate, up (both into w13) and down (w2)
 SHARDS = ("w1", "w3", "w2")
@@ -39,6 +44,11 @@ _ACTIVATIONS = {
     "gelu": torch.nn.functional.gelu,
     "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
 }
+
+
+# Engine MoE layers by handle, so the custom op (which takes only tensors and scalars) can find their experts.
+_LAYERS: "weakref.WeakValueDictionary[int, nn.Module]" = weakref.WeakValueDictionary()
+_NEXT_HANDLE = itertools.count(1)
 
 
 @dataclass
@@ -58,6 +68,24 @@ class MoEPlan:
                     if suffix != "bias" and suffix not in out:
                         out.append(suffix)
         return out
+
+
+def plan_for_layer(checkpoint: Any, layer: nn.Module, prefix: str) -> MoEPlan | None:
+    """The ``MoEPlan`` of engine ``RoutedExperts`` layer ``prefix`` (None when its experts are stored float).
+
+    Expert parallelism and EPLB are refused first: there the engine counts physical experts (redundant copies
+    included) and places them by rank, which the checkpoint's per-expert layers say nothing about. The plan
+    covers the checkpoint's (logical) experts."""
+    cfg = layer.moe_config
+    par = cfg.moe_parallel_config
+    leaves = (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)
+    logical = int(getattr(cfg, "num_logical_experts", None) or layer.global_num_experts)
+    plan = checkpoint.moe_plan(prefix, leaves, logical)
+    if plan is not None and (par.use_ep or getattr(par, "enable_eplb", False)
+                             or int(layer.global_num_experts) != logical):
+        raise UnsupportedError("expert parallelism or EPLB (each rank holding some experts, or redundant copies) "
+                               "on packed experts; serve them with tensor parallelism", tensor=prefix)
+    return plan
 
 
 class PackedMoEMethod:
@@ -148,6 +176,8 @@ class PackedMoEMethod:
         layer.w4pack_w2 = nn.ModuleList(w2)
         layer.w4pack_w2_pad = pads
         layer.w4pack_act = _ACTIVATIONS[getattr(layer.moe_config.activation, "value", layer.moe_config.activation)]
+        layer.w4pack_handle = next(_NEXT_HANDLE)
+        _LAYERS[layer.w4pack_handle] = layer
 
     def _packed(self, part: LayerPart, tensors: dict[str, torch.Tensor]) -> PackedLayer:
         missing = [s for s in part.meta["tensors"] if s != "bias" and s not in tensors]
@@ -163,19 +193,11 @@ class PackedMoEMethod:
     # -- apply -----------------------------------------------------------------------------------
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               shared_experts: Any = None, shared_experts_input: torch.Tensor | None = None) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        if x.shape[0] == 0:
-            return out
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            for e in range(len(layer.w4pack_w2)):  # no host sync: every expert, weighted (0 where not chosen)
-                weight = (topk_weights * (topk_ids == e)).sum(dim=-1, keepdim=True)
-                out += self._expert(layer, e, x) * weight.to(out.dtype)
-            return out
-        for e in torch.unique(topk_ids).tolist():
-            rows, slot = (topk_ids == e).nonzero(as_tuple=True)
-            y = self._expert(layer, int(e), x[rows])
-            out.index_add_(0, rows, y * topk_weights[rows, slot].unsqueeze(-1).to(y.dtype))
-        return out
+        if torch.compiler.is_compiling():
+            # traced graphs see one opaque node: the routed loop reads the routing on the host (data-dependent
+            # shapes, which a fullgraph trace refuses)
+            return torch.ops.w4pack.moe_experts(x, topk_weights, topk_ids, layer.w4pack_handle)
+        return _routed(layer, x, topk_weights, topk_ids)
 
     @staticmethod
     def _expert(layer: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -188,3 +210,35 @@ class PackedMoEMethod:
             a = torch.nn.functional.pad(a, (0, pad))
         return layer.w4pack_w2[e].linear(a)
 
+
+def _routed(layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Σ over each token's chosen experts of weight · expert(x), each expert run once on the tokens routed to it."""
+    out = torch.zeros_like(x)
+    if x.shape[0] == 0:
+        return out
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        for e in range(len(layer.w4pack_w2)):  # no host sync: every expert, weighted (0 where not chosen)
+            weight = (topk_weights * (topk_ids == e)).sum(dim=-1, keepdim=True)
+            out += PackedMoEMethod._expert(layer, e, x) * weight.to(out.dtype)
+        return out
+    for e in torch.unique(topk_ids).tolist():
+        rows, slot = (topk_ids == e).nonzero(as_tuple=True)
+        y = PackedMoEMethod._expert(layer, int(e), x[rows])
+        out.index_add_(0, rows, y * topk_weights[rows, slot].unsqueeze(-1).to(y.dtype))
+    return out
+
+
+@torch.library.custom_op("w4pack::moe_experts", mutates_args=())
+def _moe_experts_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    handle: int) -> torch.Tensor:
+    """The routed experts of engine MoE layer ``handle`` on ``x`` (``_routed``), as one opaque node."""
+    layer = _LAYERS.get(handle)
+    if layer is None:
+        raise RuntimeError(f"w4pack::moe_experts: MoE layer {handle} no longer exists")
+    return _routed(layer, x, topk_weights, topk_ids)
+
+
+@_moe_experts_op.register_fake
+def _moe_experts_fake(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      handle: int) -> torch.Tensor:
+    return torch.empty_like(x)

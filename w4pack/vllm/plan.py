@@ -104,6 +104,27 @@ class CheckpointPlan:
         name = self.embedding
         return name if name is not None and self.layers[name]["shape"] == [rows, dim] else None
 
+    def unasked_embedding_error(self, prefix: str, seen: list[tuple[int, int]]) -> Exception | None:
+        """The error for engine layer ``prefix`` when the packed token embedding was never asked for, else None.
+
+        vLLM builds the token embedding before its decoder layers: reaching the first layer of the embedding's
+        own stack (``<parent>.layers.``; not a vision tower's ``layers``) unasked means the model built it
+        without the quantization config, or (``seen``: the shapes of the unnamed token embeddings it did build
+        with it) built it with another shape than the checkpoint's."""
+        name = self.embedding
+        if name is None:
+            return None
+        parent = name.rpartition(".")[0]
+        if not prefix.startswith(f"{parent}.layers." if parent else "layers."):
+            return None
+        shape = list(self.layers[name]["shape"])
+        if seen:
+            return BadInputError(f"the checkpoint's token embedding is {shape}, the model's is {list(seen[0])}",
+                                 file=self.path, tensor=name)
+        return UnsupportedError("this model's vLLM implementation builds its token embedding without the "
+                                "quantization config, so it cannot take a packed one; convert the source again "
+                                "with --float-embeddings (stored as exact float32)", file=self.path, tensor=name)
+
     def ties_head(self, prefix: str) -> bool:
         """Whether the engine's output head ``prefix`` can only be the packed embedding, tied: the checkpoint
         stores no head of its own, packed or float."""
@@ -137,27 +158,39 @@ class CheckpointPlan:
         return LayerPlan(prefix, [LayerPart(n, self.layers[n], sid, None, self.biases.get(n))
                                   for n, sid in zip(names, ids)])
 
-    def moe_plan(self, prefix: str, leaves: tuple[str, str, str], num_experts: int) -> Any:
+    def moe_plan(self, prefix: str, leaves: tuple[str, str, str | None], num_experts: int) -> Any:
         """The packed experts behind engine MoE block ``prefix`` (``MoEPlan``), None when they are stored float.
 
         ``leaves``: the checkpoint's names of each expert's gate, up and down projections (``w1``, ``w3``, ``w2``
-        for Mixtral; ``gate_proj``, ``up_proj``, ``down_proj`` for Qwen-MoE), under ``prefix.<expert>.``."""
+        for Mixtral; ``gate_proj``, ``up_proj``, ``down_proj`` for Qwen-MoE), under ``prefix.<expert>.``; up is
+        None for a block without gating (refused when packed). ``num_experts``: the checkpoint's (logical)
+        experts."""
         from .moe import MoEPlan, SHARDS
 
-        names = [{s: f"{prefix}.{e}.{leaf}" for s, leaf in zip(SHARDS, leaves)} for e in range(num_experts)]
-        flat = [n for ex in names for n in ex.values()]
-        present = [n for n in flat if n in self.layers]
         fused = [n for e in range(num_experts) if (n := f"{prefix}.{e}.gate_up_proj") in self.layers]
         if fused:
             raise UnsupportedError("experts whose gate and up projections were fused (--fuse gate-up); convert the "
                                    "source again without fusing them", file=self.path, tensor=fused[0])
+        known = [leaf for leaf in leaves if leaf is not None]
+        present = [n for e in range(num_experts) for leaf in known if (n := f"{prefix}.{e}.{leaf}") in self.layers]
         if not present:
             return None
+        if leaves[1] is None:
+            raise UnsupportedError("experts without an up projection (a non-gated activation); packed experts run "
+                                   "gated ones only", file=self.path, tensor=present[0])
+        names = [{s: f"{prefix}.{e}.{leaf}" for s, leaf in zip(SHARDS, leaves)} for e in range(num_experts)]
+        flat = [n for ex in names for n in ex.values()]
         if len(present) != len(flat):
             missing = next(n for n in flat if n not in self.layers)
             raise UnsupportedError(f"{len(present)} of the {len(flat)} expert projections of {prefix} are packed and "
                                    "the rest not: the engine runs an MoE block all packed or all float",
                                    file=self.path, tensor=missing)
+        biased = next((n for n in flat if n in self.biases), None)
+        if biased is not None:
+            # the engine's experts have no bias (checked against the model at create) and its loader skips
+            # expert biases without a word: dropping one would change every output silently
+            raise UnsupportedError("the expert projection has a non-zero bias; the engine's MoE block runs "
+                                   "bias-free experts", file=self.path, tensor=biased)
         return MoEPlan(prefix, [{s: LayerPart(n, self.layers[n], s) for s, n in ex.items()} for ex in names])
 
     def _require_float(self, prefix: str, names: list[str]) -> None:

@@ -17,7 +17,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from ..errors import BadInputError, UnsupportedError
 from ..schema import validate_quantization_config
 from .method import PackedLinearMethod, TiedHeadMethod, is_qkv, precision_from_env
-from .moe import PackedMoEMethod
+from .moe import PackedMoEMethod, plan_for_layer
 from .plan import CheckpointPlan, resolve_model_path
 
 __all__ = ["W4PackConfig", "W4PackLinearMethod", "W4PackMoEMethod", "W4PackTiedHeadMethod", "W4PackVocabMethod"]
@@ -82,18 +82,18 @@ class W4PackConfig(QuantizationConfig):
 
     def _check_embedding_asked(self, layer: torch.nn.Module, prefix: str) -> None:
         """Some of vLLM's models (Mixtral) build their token embedding without the quantization config, so it can
-        only load a float table: refuse a packed one with the way out, when the first decoder layer is built
-        (the embedding is built before it), rather than with a loader error about unknown tensors."""
-        name = self.checkpoint.embedding
-        if name is None or getattr(self, "_embedding_asked", False) or ".layers." not in prefix:
+        only load a float table: refuse a packed one with the way out, when the first layer of its decoder
+        stack is built (the embedding is built before it), rather than with a loader error about unknown
+        tensors (``CheckpointPlan.unasked_embedding_error``)."""
+        if getattr(self, "_embedding_asked", False):
+            return
+        error = self.checkpoint.unasked_embedding_error(prefix, getattr(self, "_embedding_seen", []))
+        if error is None:
             return
         from vllm.distributed import get_pp_group
 
         if get_pp_group().is_first_rank:
-            raise UnsupportedError("this model's vLLM implementation builds its token embedding without the "
-                                   "quantization config, so it cannot take a packed one; convert the source again "
-                                   "with --float-embeddings (stored as exact float32)",
-                                   file=self.checkpoint.path, tensor=name)
+            raise error
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper: Any) -> None:
         if self.checkpoint is not None:
@@ -104,12 +104,14 @@ class W4PackConfig(QuantizationConfig):
             raise BadInputError("the w4pack manifest was not read (maybe_update_config was not called)")
         self._check_embedding_asked(layer, prefix)
         if isinstance(layer, RoutedExperts):
-            leaves = (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)
-            moe = self.checkpoint.moe_plan(prefix, leaves, layer.global_num_experts)
+            moe = plan_for_layer(self.checkpoint, layer, prefix)
             return None if moe is None else W4PackMoEMethod(moe, layer.moe_config, precision=self.precision)
         if isinstance(layer, VocabParallelEmbedding):  # token embedding, or output head (ParallelLMHead)
             if not prefix and not isinstance(layer, ParallelLMHead):
                 prefix = self.checkpoint.embedding_for(layer.org_vocab_size, layer.embedding_dim) or ""
+                if not prefix:  # an unnamed table of another shape: said when the decoder's layers are built
+                    self._embedding_seen = getattr(self, "_embedding_seen", []) + \
+                        [(int(layer.org_vocab_size), int(layer.embedding_dim))]
             if prefix in self.checkpoint.layers:
                 if prefix == self.checkpoint.embedding:
                     self._embedding_asked = True
