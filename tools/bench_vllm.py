@@ -76,7 +76,8 @@ def run_engine(spec: dict[str, Any], work: Path) -> dict[str, Any]:
 
 
 def w4pack_run(packed: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """transformers' generate over W4Linear (the CPU kernels, exact path), one thread, same prompt and counts."""
+    """``load_model``'s generate (the CPU kernels, exact path), one thread, same prompt and counts: w4pack's lean
+    decode loop for the single stream, transformers' generate for the batch (the loop runs batch 1 only)."""
     import torch
 
     from w4pack.loading import load_model, load_tokenizer
@@ -159,7 +160,7 @@ def main() -> None:
                                                                       args.work),
         "vLLM, float copy (bf16 weights, oneDNN)": run_engine(dict(common, name="float", model=str(floatdir)),
                                                                args.work),
-        "w4pack run (transformers loop, fp32, 1 thread)": w4pack_run(packed, args),
+        "w4pack run (fp32, 1 thread; lean loop single, transformers batched)": w4pack_run(packed, args),
     }
     base = rows["vLLM, float copy (bf16 weights, oneDNN)"]
     print(f"SmolLM2-135M on this CPU; single stream {args.tokens} tokens, batch {args.batch} x {args.batch_tokens}; "
