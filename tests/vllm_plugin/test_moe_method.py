@@ -124,6 +124,25 @@ def test_experts_nobody_chose_are_not_run():
     assert sorted(set(calls)) == [1, 3]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_sums_in_float32_and_rounds_once(dtype):
+    """Top 4 of 6 experts in bf16/fp16: each expert's output (in the model dtype, as the kernel gives it) times its
+    weight is summed in float32 and rounded once, not rounded at each of the four additions."""
+    rng = _seed("half", str(dtype))
+    experts = _experts(rng, 6, 64, 64)
+    layer, method = _serve(experts, 0, 1)
+    x = torch.from_numpy(rng.standard_normal((9, 64)).astype(np.float32)).to(dtype)
+    ids = torch.from_numpy(np.stack([rng.choice(6, 4, replace=False) for _ in range(9)]))
+    w = torch.from_numpy(rng.random((9, 4)).astype(np.float32))
+    want = torch.zeros(9, 64)
+    for e in range(6):  # expert by expert, each on the tokens that chose it, as the method runs them
+        rows, slot = (ids == e).nonzero(as_tuple=True)
+        if len(rows):
+            want[rows] += method._expert(layer, e, x[rows]).float() * w[rows, slot].unsqueeze(-1)
+    got = method.apply(layer, x, w, ids)
+    assert got.dtype == dtype and torch.equal(got, want.to(dtype))
+
+
 def test_apply_traced_by_torch_compile_fullgraph():
     """vLLM-CPU compiles the model with ``fullgraph=True`` and, unlike on CUDA, traces into the MoE block down to
     this method: the routed loop (data-dependent shapes) must be one opaque node, with the eager result, for

@@ -212,20 +212,23 @@ class PackedMoEMethod:
 
 
 def _routed(layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """Σ over each token's chosen experts of weight · expert(x), each expert run once on the tokens routed to it."""
-    out = torch.zeros_like(x)
+    """Σ over each token's chosen experts of weight · expert(x), each expert run once on the tokens routed to it.
+
+    The weighted sum is formed in float32 and rounded to the model's dtype once, as vLLM's own MoE kernels do
+    (summed in fp16 or bf16, each of top-k additions would round)."""
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     if x.shape[0] == 0:
-        return out
+        return acc.to(x.dtype)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         for e in range(len(layer.w4pack_w2)):  # no host sync: every expert, weighted (0 where not chosen)
-            weight = (topk_weights * (topk_ids == e)).sum(dim=-1, keepdim=True)
-            out += PackedMoEMethod._expert(layer, e, x) * weight.to(out.dtype)
-        return out
+            weight = (topk_weights.float() * (topk_ids == e)).sum(dim=-1, keepdim=True)
+            acc += PackedMoEMethod._expert(layer, e, x).float() * weight
+        return acc.to(x.dtype)
     for e in torch.unique(topk_ids).tolist():
         rows, slot = (topk_ids == e).nonzero(as_tuple=True)
         y = PackedMoEMethod._expert(layer, int(e), x[rows])
-        out.index_add_(0, rows, y * topk_weights[rows, slot].unsqueeze(-1).to(y.dtype))
-    return out
+        acc.index_add_(0, rows, y.float() * topk_weights[rows, slot].unsqueeze(-1).float())
+    return acc.to(x.dtype)
 
 
 @torch.library.custom_op("w4pack::moe_experts", mutates_args=())
