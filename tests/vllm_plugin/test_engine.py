@@ -226,17 +226,20 @@ def test_k_quant_mixtral_experts_compiled(tmp_path):
     assert got["tokens"] == want
 
 
-def test_gptq_qwen2_moe_with_shared_expert_tp1_and_tp2(tmp_path):
-    """A tiny Qwen2-MoE (4 experts, top 2, a shared expert and its gate; head 64 wide, one kv head) quantized to
-    GPTQ by the project's test helper and converted: the routed experts through vLLM's MoE block, the shared
-    expert as a merged gate/up layer, the kv head replicated at TP=2. Greedy tokens are w4pack's runner's up to
-    the model's end token (where the runner stops and the engine, told to ignore it, goes on)."""
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe"])
+def test_gptq_qwen_moe_tp1_and_tp2(model_type, tmp_path):
+    """Tiny Qwen2-MoE (with a shared expert and its gate) and Qwen3-MoE (per-head q/k norms, normalized top-k):
+    4 experts, top 2, heads 64 wide, one kv head, quantized to GPTQ by the project's test helper and converted.
+    The routed experts run through vLLM's MoE block, Qwen2's shared expert as a merged gate/up layer, the kv
+    head is replicated at TP=2. Greedy tokens are w4pack's runner's up to the model's end token (where the
+    runner stops and the engine, told to ignore it, goes on)."""
     from test_moe import write_moe_gptq
 
     from w4pack.convert import convert
 
-    gptq, _ref = write_moe_gptq(tmp_path / "src", "qwen2_moe", seed=5, hidden_size=128, num_attention_heads=2,
-                                num_key_value_heads=1)
+    extra = {"head_dim": 64} if model_type == "qwen3_moe" else {}
+    gptq, _ref = write_moe_gptq(tmp_path / "src", model_type, seed=5, hidden_size=128, num_attention_heads=2,
+                                num_key_value_heads=1, **extra)
     convert(gptq, tmp_path / "w4")
     _tp1_and_tp2_generate_as_w4pack_run(tmp_path, tmp_path / "w4", [[1, 2, 3, 4], [5, 77, 90], [9, 10]], 12, 64,
                                         end_token=2)

@@ -345,13 +345,16 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 def _serve_vocab(cls, name: str, packed: PackedLayer, role: str | None, rank: int, size: int,
-                 head: nn.Module | None = None) -> nn.Module:
+                 head: nn.Module | None = None, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> nn.Module:
     meta = dict(_meta(name, packed), role=role) if role else _meta(name, packed)
     vocab, dim = (int(v) for v in packed.meta["shape"])
     layer = cls(vocab, dim, rank, size)
+    layer.params_dtype = dtype
     method = PackedLinearMethod(LayerPlan(name, [LayerPart(name, meta)]), precision="exact", threads=1)
-    method.create_weights(layer, dim, [layer.num_embeddings_per_partition], dim,
-                          layer.num_embeddings_per_partition * size, torch.float32)
+    with torch.device(device):
+        method.create_weights(layer, dim, [layer.num_embeddings_per_partition], dim,
+                              layer.num_embeddings_per_partition * size, dtype)
     if head is not None:  # vLLM ties the head while it builds the model, before any weight is loaded
         head.method.tie_weights(head, layer)
     for suffix, arr in packed.tensors.items():
@@ -476,3 +479,28 @@ def test_unasked_packed_embedding_refused_with_the_real_reason():
     plain = CheckpointPlan(path="ckpt", layers={"model.embed_tokens": {"role": "embedding", "shape": [200, 64],
                                                                        "tensors": {}}}, fused={}, passthrough=set())
     assert isinstance(plain.unasked_embedding_error("model.layers.0.mlp.gate_up_proj", []), UnsupportedError)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_packed_embedding_and_head_on_cuda(dtype):
+    """The vocabulary split on CUDA, in the model's half dtype: rows are the canonical float32 rows cast once,
+    logits the float64 head's within the kernels' tolerance, padding logits zero."""
+    rng = _seed("vocab-cuda", str(dtype))
+    vocab, dim = 200, 128
+    packed = pack(random_layer(rng, vocab, dim, 4, 64, "float", False, "float16"))
+    w32 = unpack(packed).dequantize(np.float32)
+    w64 = unpack(packed).dequantize(np.float64)
+    x = rng.standard_normal((5, dim)).astype(np.float32)
+    for rank in range(2):
+        emb = _serve_vocab(VocabParallelEmbedding, "model.embed_tokens", packed, "embedding", rank, 2, device="cuda",
+                           dtype=dtype)
+        head = _serve_vocab(ParallelLMHead, "lm_head", packed, None, rank, 2, device="cuda", dtype=dtype)
+        lo, hi = emb.shard_indices.org_vocab_start_index, emb.shard_indices.org_vocab_end_index
+        ids = torch.arange(lo, hi, device="cuda")
+        rows = emb.method.embedding(emb, ids - lo)
+        assert rows.dtype == dtype and torch.equal(rows.cpu(), torch.from_numpy(w32[lo:hi]).to(dtype))
+        logits = head.method.apply(head, torch.from_numpy(x).to("cuda", dtype))
+        assert logits.shape == (5, head.num_embeddings_per_partition) and logits.dtype == dtype
+        _close(logits[:, :hi - lo], x.astype(np.float64) @ w64[lo:hi].T, "cuda")
+        assert not logits[:, hi - lo:].any()
