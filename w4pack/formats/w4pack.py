@@ -109,7 +109,8 @@ def write_packed(source: Source, out: Path, *, force: bool = False, max_shard_si
     # sources that know where a pass-through tensor's bytes lie let the writer copy them in the kernel
     with CheckpointWriter(out, force=force, max_shard_size=max_shard_size, config=source.config,
                           source=source.info, show_progress=show_progress, header_hint=hint + 4096,
-                          label=str(getattr(source, "path", "") or "") or None, check_architecture=True) as writer:
+                          label=str(getattr(source, "path", "") or "") or None, check_architecture=True,
+                          card=_model_card) as writer:
         with Progress(len(names) + len(passthrough), "packing", enabled=show_progress) as bar, \
                 ThreadPoolExecutor(1, thread_name_prefix="w4pack-write") as io:
             # two-stage pipeline: layer i+1 is read and packed here while the thread writes layer i
@@ -151,3 +152,10 @@ def write_packed(source: Source, out: Path, *, force: bool = False, max_shard_si
             if is_side_file(p.name):
                 writer.add_side_file(p)
     return Path(out)
+
+
+def _model_card(folder: Any, name: str) -> str:
+    """The Hugging Face model card of a new packed folder (``w4pack push`` updates the same card)."""
+    from ..hub import model_card
+
+    return model_card(folder, name=name)

@@ -24,7 +24,7 @@ import re
 import shutil
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -148,13 +148,17 @@ class CheckpointWriter:
     def __init__(self, out_dir: str | os.PathLike[str], *, force: bool = False,
                  max_shard_size: int | str = DEFAULT_MAX_SHARD, config: dict[str, Any] | None = None,
                  source: dict[str, Any] | None = None, show_progress: bool | None = None,
-                 header_hint: int | None = None, label: str | None = None, check_architecture: bool = False):
+                 header_hint: int | None = None, label: str | None = None, check_architecture: bool = False,
+                 card: Callable[[Path, str], str] | None = None):
         """``header_hint``: bytes of header to reserve in each shard (e.g. from ``header_bytes_hint``), so
         that shards need no rewrite; without it the reservation starts small and grows. ``check_architecture``:
         before anything is moved into place, refuse what validate's architecture check would (convert asks, so it
         never writes what validate refuses; a caller assembling a partial folder on purpose does not);
-        ``label``: what that error names (the source being converted; default the output's config.json)."""
+        ``label``: what that error names (the source being converted; default the output's config.json);
+        ``card``: makes the model card (README.md) from the finished folder's JSON files and the output's name,
+        written before the folder moves into place."""
         self.target = Path(out_dir).absolute()
+        self.card = card
         self.force = force
         self.max_shard = parse_size(max_shard_size, "max shard size")
         if self.max_shard < 1024:
@@ -347,6 +351,11 @@ class CheckpointWriter:
                     _write_bytes(self.tmp / fname, raw)
                 except OSError as exc:
                     raise write_failure(exc, self.target / fname) from None
+            if self.card is not None:  # not checksummed: a card describes the model and is meant to be edited
+                try:
+                    _write_bytes(self.tmp / CARD_NAME, self.card(self.tmp, self.target.name).encode("utf-8"))
+                except OSError as exc:
+                    raise write_failure(exc, self.target / CARD_NAME) from None
             os.unlink(self.tmp / INCOMPLETE_MARKER)
             _fsync_dir(self.tmp)
             move_into_place(self.tmp, self.target, self.force)
