@@ -147,18 +147,11 @@ class PackedLinearMethod:
         full: list[tuple[LayerPart, PackedLayer]] = []
         for p in self.plan.parts:
             tensors = loaded.get(p.shard if len(self.plan.parts) > 1 else next(iter(loaded), None)) or {}
-            missing = [s for s in p.meta["tensors"] if s != "bias" and s not in tensors]
-            if missing:
-                raise BadInputError("the engine loaded no data for this tensor", tensor=f"{p.name}.{missing[0]}")
-            arrays = {s: _to_numpy(t) for s, t in tensors.items()}
-            meta = {k: v for k, v in p.meta.items() if k not in ("tensors", "storage")}
-            if p.meta.get("storage"):  # compact on disk: the runtime tensors, exactly as the storage layer makes them
-                arrays = expand(p.meta, arrays, p.name)
-            meta["bias_dtype"] = None
+            packed = packed_part(p, tensors)
             if p.extra_bias is not None and not own_bias:
-                arrays["bias"] = np.asarray(p.extra_bias)
-                meta["bias_dtype"] = p.meta.get("bias_dtype")
-            full.append((p, PackedLayer(meta=meta, tensors=arrays)))
+                packed.tensors["bias"] = np.asarray(p.extra_bias)
+                packed.meta["bias_dtype"] = p.meta.get("bias_dtype")
+            full.append((p, packed))
         for suffix in getattr(layer, "w4pack_params", []):
             if suffix in layer._parameters:
                 del layer._parameters[suffix]
@@ -193,11 +186,7 @@ class PackedLinearMethod:
             emb.serves_head = bool(getattr(layer, "w4pack_serves_head", False))
             mods = [emb.prepare(device, dtype)]
         else:
-            mods = [W4Linear.from_packed(pc, device=device, precision=self.precision, threads=threads)
-                    for pc in pieces]
-            if device.type == "cuda":
-                for m in mods:
-                    m.prepare(device, dtype if dtype in (torch.float16, torch.bfloat16) else None)
+            mods = linear_modules(pieces, device, dtype, self.precision, threads)
         layer.w4pack = nn.ModuleList(mods)
         layer.w4pack_input_pad = pad
         layer.w4pack_output_pad = out_pad
@@ -257,6 +246,31 @@ class TiedHeadMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return PackedLinearMethod.apply(self, layer.w4pack_tied, x, bias)  # type: ignore[arg-type]
+
+
+def packed_part(part: LayerPart, tensors: dict[str, torch.Tensor]) -> PackedLayer:
+    """One checkpoint layer as the engine loaded it, in the runtime form (compact storage expanded exactly as the
+    storage layer expands it), without a bias: the engine's own bias parameter carries the checkpoint's."""
+    missing = [s for s in part.meta["tensors"] if s != "bias" and s not in tensors]
+    if missing:
+        raise BadInputError("the engine loaded no data for this tensor", tensor=f"{part.name}.{missing[0]}")
+    arrays = {s: _to_numpy(t) for s, t in tensors.items()}
+    meta = {k: v for k, v in part.meta.items() if k not in ("tensors", "storage")}
+    if part.meta.get("storage"):
+        arrays = expand(part.meta, arrays, part.name)
+    meta["bias_dtype"] = None
+    return PackedLayer(meta=meta, tensors=arrays)
+
+
+def linear_modules(pieces: list[PackedLayer], device: torch.device, dtype: torch.dtype, precision: str,
+                   threads: int) -> list[W4Linear]:
+    """A ``W4Linear`` per packed piece; on CUDA prepared now for the model dtype, so that graph capture
+    allocates nothing."""
+    mods = [W4Linear.from_packed(pc, device=device, precision=precision, threads=threads) for pc in pieces]
+    if device.type == "cuda":
+        for m in mods:
+            m.prepare(device, dtype if dtype in (torch.float16, torch.bfloat16) else None)
+    return mods
 
 
 def _full_sizes(layer: nn.Module, kind: str, tp_size: int, partition_sizes: list[int]) -> list[int]:

@@ -23,16 +23,13 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from ..core.compact import expand
-from ..core.layout import PackedLayer
 from ..errors import BadInputError, UnsupportedError
-from ..runtime.torch_module import W4Linear
 from ..runtime.tp import column_slice, row_parallel, stack_blockers, stack_rows
-from .method import _check_native, _device_of, _stored_dtype, _threads, _to_numpy, precision_from_env
+from .method import (_check_native, _device_of, _stored_dtype, _threads, linear_modules, packed_part,
+                     precision_from_env)
 from .plan import LayerPart
 
 __all__ = ["MoEPlan", "PackedMoEMethod", "plan_for_layer"]
@@ -153,7 +150,7 @@ class PackedMoEMethod:
         dtype = getattr(layer, "params_dtype", torch.float16)
         w13, w2, pads = [], [], []
         for e, parts in enumerate(self.plan.experts):
-            full = {s: self._packed(parts[s], loaded.get((e, s)) or {}) for s in SHARDS}
+            full = {s: packed_part(parts[s], loaded.get((e, s)) or {}) for s in SHARDS}
             inter = parts["w1"].shape[0]
             lo, hi = rank * inter // size, (rank + 1) * inter // size
             pieces = [column_slice(full[s], lo, hi, name=parts[s].name) if size > 1 else full[s]
@@ -161,11 +158,7 @@ class PackedMoEMethod:
             if not stack_blockers(pieces):
                 pieces = [stack_rows(pieces, name=f"{self.plan.prefix}.{e}")]
             shard = row_parallel(full["w2"], size, rank, name=parts["w2"].name)
-            mods = [W4Linear.from_packed(p, device=device, precision=self.precision, threads=threads)
-                    for p in pieces + [shard.packed]]
-            if device.type == "cuda":
-                for m in mods:
-                    m.prepare(device, dtype if dtype in (torch.float16, torch.bfloat16) else None)
+            mods = linear_modules(pieces + [shard.packed], device, dtype, self.precision, threads)
             w13.append(nn.ModuleList(mods[:-1]))
             w2.append(mods[-1])
             pads.append(int(shard.input_pad))
@@ -178,17 +171,6 @@ class PackedMoEMethod:
         layer.w4pack_act = _ACTIVATIONS[getattr(layer.moe_config.activation, "value", layer.moe_config.activation)]
         layer.w4pack_handle = next(_NEXT_HANDLE)
         _LAYERS[layer.w4pack_handle] = layer
-
-    def _packed(self, part: LayerPart, tensors: dict[str, torch.Tensor]) -> PackedLayer:
-        missing = [s for s in part.meta["tensors"] if s != "bias" and s not in tensors]
-        if missing:
-            raise BadInputError("the engine loaded no data for this tensor", tensor=f"{part.name}.{missing[0]}")
-        arrays: dict[str, np.ndarray] = {s: _to_numpy(t) for s, t in tensors.items()}
-        meta = {k: v for k, v in part.meta.items() if k not in ("tensors", "storage")}
-        if part.meta.get("storage"):  # compact on disk: the runtime tensors, as the storage layer makes them
-            arrays = expand(part.meta, arrays, part.name)
-        meta["bias_dtype"] = None
-        return PackedLayer(meta=meta, tensors=arrays)
 
     # -- apply -----------------------------------------------------------------------------------
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
