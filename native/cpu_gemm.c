@@ -159,6 +159,8 @@ typedef struct {
     int8_t *xq;
     float *xs;
     int32_t *xsum;
+    uint16_t *xb; /* AMX: bf16 pieces [ceil16(m)][pieces][kp], or NULL */
+    int pieces;
 } prep_ctx;
 
 static void prep_row(void *vctx, int64_t m) {
@@ -181,6 +183,9 @@ static void prep_row(void *vctx, int64_t m) {
         P->cvt(row, P->x_dtype, xf, k);
     }
     for (int i = k; i < kp; i++) xf[i] = 0.0f;
+#if defined(__x86_64__)
+    if (P->xb) w4p_bf16_pieces_avx512(xf, kp, P->pieces, P->xb + (size_t)m * P->pieces * kp, (size_t)kp);
+#endif
     if (P->precision == W4P_PREC_FAST)
         for (int b = 0; b < L->nblk; b++)
             P->quant(xf + (size_t)b * ab, ab, P->xq + m * kp + (size_t)b * ab, &P->xs[m * L->nblk + b],
@@ -211,6 +216,9 @@ static w4p_tile_fn pick_kernel(int isa) {
     case W4P_ISA_AVX2: return w4p_tile_avx2;
     case W4P_ISA_AVX512: return w4p_tile_avx512;
     case W4P_ISA_AVX512VNNI: return w4p_tile_avx512vnni;
+#endif
+#if defined(__x86_64__)
+    case W4P_ISA_AMX: return w4p_tile_amx;
 #endif
 #if defined(__aarch64__)
     case W4P_ISA_NEON: return w4p_tile_neon;
@@ -291,9 +299,9 @@ static int gemm_rows(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t
                      void *y, int y_dtype, int64_t ldy, const float *bias32, int precision, int isa,
                      w4p_tile_fn fn, int threads) {
     const size_t kp = (size_t)L->kp, nblk = (size_t)L->nblk;
-    prep_ctx P = {L, x, x_dtype, ldx, precision, w4p_cvt_generic, w4p_quant_generic, NULL, NULL, NULL, NULL};
+    prep_ctx P = {L, x, x_dtype, ldx, precision, w4p_cvt_generic, w4p_quant_generic, NULL, NULL, NULL, NULL, NULL, 0};
 #if defined(__x86_64__) || defined(__i386__)
-    if (isa == W4P_ISA_AVX512 || isa == W4P_ISA_AVX512VNNI) {
+    if (isa == W4P_ISA_AVX512 || isa == W4P_ISA_AVX512VNNI || isa == W4P_ISA_AMX) {
         P.cvt = w4p_cvt_avx512;
         P.quant = w4p_quant_avx512;
     } else if (isa == W4P_ISA_AVX2) {
@@ -308,6 +316,23 @@ static int gemm_rows(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t
         P.xs = malloc((size_t)m * nblk * sizeof(float));
         P.xsum = malloc((size_t)m * nblk * sizeof(int32_t));
     }
+#if defined(__x86_64__)
+    /* AMX: exact, and the first work item has enough rows (items are W4P_MCHUNK rows; only the last is shorter) */
+    const int64_t mpad = (m + 15) / 16 * 16;
+    if (isa == W4P_ISA_AMX && precision == W4P_PREC_EXACT && w4p_amx_layer_ok(L) &&
+        m >= W4P_AMX_MIN_ROWS) {
+        /* pieces that hold the activations exactly: fp32 3, fp16 2, bf16 1 (bits of significand / 8) */
+        P.pieces = x_dtype == W4P_DT_BF16 ? 1 : x_dtype == W4P_DT_F16 ? 2 : 3;
+        const size_t row = (size_t)P.pieces * kp;
+        if (posix_memalign((void **)&P.xb, 64, (size_t)mpad * row * sizeof(uint16_t))) P.xb = NULL;
+        if (!P.xb) {
+            w4p_set_error("out of memory for M=%lld activations", (long long)m);
+            rc = W4P_ENOMEM;
+            goto done;
+        }
+        memset(P.xb + (size_t)m * row, 0, (size_t)(mpad - m) * row * sizeof(uint16_t));
+    }
+#endif
     if (!P.xf || (precision == W4P_PREC_FAST && (!P.xq || !P.xs || !P.xsum))) {
         w4p_set_error("out of memory for M=%lld activations", (long long)m);
         rc = W4P_ENOMEM;
@@ -316,7 +341,7 @@ static int gemm_rows(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t
 
     w4p_parallel_for(m, m >= 8 ? threads : 1, prep_row, &P);
 
-    w4p_job job = {L, m, precision, P.xq, P.xs, P.xsum, P.xf, y, y_dtype, ldy, bias32};
+    w4p_job job = {L, m, precision, P.xq, P.xs, P.xsum, P.xf, y, y_dtype, ldy, bias32, P.xb, P.pieces};
     run_ctx R = {&job, fn, (m + W4P_MCHUNK - 1) / W4P_MCHUNK};
     w4p_parallel_for((int64_t)L->nt * R.mchunks, threads, run_item, &R);
 done:
@@ -324,6 +349,7 @@ done:
     free(P.xq);
     free(P.xs);
     free(P.xsum);
+    free(P.xb);
     return rc;
 }
 

@@ -67,6 +67,10 @@ typedef struct {
     int y_dtype;
     int64_t ldy;
     const float *bias; /* [nt*64] fp32 or NULL */
+    /* exact on the AMX path: the activations as `pieces` bf16 rows summing to them exactly,
+       [ceil16(m)][pieces][kp] (rows past m are zero), or NULL where the AMX kernel does not run */
+    const uint16_t *xb;
+    int pieces;
 } w4p_job;
 
 /* A tile kernel computes output columns tile*64 .. tile*64+63 for activation rows m0 .. m1-1. */
@@ -77,6 +81,14 @@ void w4p_tile_scalar(const w4p_job *job, int tile, int64_t m0, int64_t m1);
 void w4p_tile_avx2(const w4p_job *job, int tile, int64_t m0, int64_t m1);
 void w4p_tile_avx512(const w4p_job *job, int tile, int64_t m0, int64_t m1);
 void w4p_tile_avx512vnni(const w4p_job *job, int tile, int64_t m0, int64_t m1);
+#endif
+#if defined(__x86_64__)
+/* AMX (cpu_amx.c): exact work items of at least W4P_AMX_MIN_ROWS rows on layers w4p_amx_layer_ok accepts;
+   every other item goes to w4p_tile_avx512vnni */
+#define W4P_AMX_MIN_ROWS 8
+void w4p_tile_amx(const w4p_job *job, int tile, int64_t m0, int64_t m1);
+int w4p_amx_layer_ok(const struct w4p_cpu_layer *L);
+void w4p_bf16_pieces_avx512(const float *x, int n, int pieces, uint16_t *dst, size_t stride);
 #endif
 #if defined(__aarch64__)
 void w4p_tile_neon(const w4p_job *job, int tile, int64_t m0, int64_t m1);

@@ -38,8 +38,9 @@ const char *w4p_last_error(void);
 #define W4P_ISA_AVX512 4
 #define W4P_ISA_AVX512VNNI 8
 #define W4P_ISA_NEON 16
+#define W4P_ISA_AMX 32 /* AVX-512 VNNI, plus AMX bf16 tiles for exact GEMMs of many rows */
 int w4p_cpu_isa_available(void);
-/* The path the dispatcher picks (honours W4PACK_ISA=scalar|avx2|avx512|neon). */
+/* The path the dispatcher picks (honours W4PACK_ISA=scalar|avx2|avx512|amx|neon). */
 int w4p_cpu_isa_selected(void);
 const char *w4p_cpu_isa_name(int isa);
 

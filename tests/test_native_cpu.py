@@ -21,7 +21,7 @@ if not cpu.available():  # pragma: no cover
 
 from w4pack.native import CpuPackedLinear, cpu_linear, gemm, isa_info  # noqa: E402
 
-ALL_ISAS = ["scalar", "avx2", "avx512novnni", "avx512vnni", "neon"]
+ALL_ISAS = ["scalar", "avx2", "avx512novnni", "avx512vnni", "amx", "neon"]
 
 
 def isa_or_skip(isa: str) -> str:
@@ -269,6 +269,76 @@ def test_exact_with_scales_over_eight_decades(isa: str, wide: tuple) -> None:
         assert rel(y, ref) <= 1e-5, (isa, wide, m, rel(y, ref))
         yf = lin.forward(x, precision="fast", out_dtype="float32", isa=isa, threads=1)
         assert rel(yf, fast_reference(layer, packed, x64)) <= 1e-5, (isa, wide, m, "fast")
+
+
+# ---- the AMX path: exact work items of 8 rows or more on bf16 tiles (cpu_amx.c) ----------------------------
+AMX_CASES = [
+    (196, 576, 4, 64, "int", False, "float16"),
+    (70, 300, 4, 32, "none", True, "float16"),
+    (96, 384, 3, 128, "int", True, "bfloat16"),
+    (64, 256, 2, 64, "none", False, "float32"),
+    (33, 130, 4, -1, "int", False, "float16"),    # per-channel: activation blocks of 64, two k-steps of tiles
+    (300, 640, 4, 128, "int", True, "float32"),
+]
+
+
+@pytest.mark.parametrize("amx_case", AMX_CASES, ids=[_ids(c) for c in AMX_CASES])
+def test_amx_tiles_against_float64(amx_case: tuple) -> None:
+    """Row counts around the 16-row tile and the 64-row work item, every activation dtype (three, two and one
+    bf16 pieces), 1 and 2 threads: within fp32 dot-product accuracy of float64, and the same bits on both."""
+    isa_or_skip("amx")
+    n, k, bits, gs, zm, act, sdt = amx_case
+    layer = make_layer(n, k, bits, gs, zm, act, sdt, seed=n * 7 + k)
+    lin = CpuPackedLinear(pack(layer), threads=1)
+    for m in (8, 16, 17, 63, 64, 65, 130):
+        for dt in ("float32", "float16", "bfloat16"):
+            x, x64 = activations(m, k, dt, seed=m)
+            ref = true_reference(layer, x64)
+            y = lin.forward(x, precision="exact", out_dtype="float32", isa="amx", threads=1)
+            assert rel(y, ref) < 2e-6, (m, dt, rel(y, ref))
+            assert np.array_equal(y, lin.forward(x, precision="exact", out_dtype="float32", isa="amx", threads=2))
+
+
+@pytest.mark.parametrize("variant", LARGE_VARIANTS, ids=["-".join(map(str, v)) for v in LARGE_VARIANTS])
+def test_amx_keeps_accuracy_with_large_scales(variant: tuple) -> None:
+    """Groups of weights that are exactly zero under scales up to 65536, at row counts the AMX kernel takes
+    (8-bit and minima layers go to the VNNI kernel of the same path, and are held to the same bound)."""
+    isa_or_skip("amx")
+    zero_mode, bits, sdt = variant
+    for s in (16.0, 65536.0, 300.3):
+        lin = CpuPackedLinear(pack(layer := large_scale_layer(s, zero_mode, bits, sdt)), threads=1)
+        for m in (8, 33):
+            x, x64 = activations(m, 128, "float32", seed=m)
+            y = lin.forward(x, precision="exact", out_dtype="float32", isa="amx", threads=1)
+            assert rel(y, true_reference(layer, x64)) <= 1e-5, (variant, s, m)
+
+
+def test_amx_splits_activations_into_exact_pieces() -> None:
+    """Activations whose low significand bits matter: x = 1 + 2^-20 style values against integer weights give a
+    result that one or two bf16 pieces would round away (2^-20 relative), so only an exact split passes."""
+    isa_or_skip("amx")
+    layer = make_layer(64, 256, 4, 64, "int", False, "float32", seed=5)
+    lin = CpuPackedLinear(pack(layer), threads=1)
+    rng = np.random.default_rng(1)
+    x = (1.0 + rng.integers(1, 1 << 23, (16, 256)) * 2.0 ** -23).astype(np.float32)
+    x *= rng.choice([-1.0, 1.0], x.shape).astype(np.float32)
+    ref = true_reference(layer, x.astype(np.float64))
+    y = lin.forward(x, precision="exact", out_dtype="float32", isa="amx", threads=1)
+    vnni = lin.forward(x, precision="exact", out_dtype="float32", isa="avx512vnni", threads=1)
+    assert rel(y, ref) <= 2 * max(rel(vnni, ref), 1e-7), (rel(y, ref), rel(vnni, ref))
+
+
+def test_amx_passes_non_finite_activations_through() -> None:
+    """inf and NaN sit in the first bf16 piece alone: the outputs they reach are non-finite as on VNNI."""
+    isa_or_skip("amx")
+    layer = make_layer(64, 256, 4, 64, "int", False, "float32", seed=6)
+    lin = CpuPackedLinear(pack(layer), threads=1)
+    x, _ = activations(16, 256, "float32", seed=3)
+    x[2, 10], x[5, 100] = np.inf, np.nan
+    y = lin.forward(x, precision="exact", out_dtype="float32", isa="amx", threads=1)
+    vnni = lin.forward(x, precision="exact", out_dtype="float32", isa="avx512vnni", threads=1)
+    assert np.array_equal(np.isfinite(y), np.isfinite(vnni)) and not np.isfinite(y[[2, 5]]).any()
+    assert np.isfinite(np.delete(y, [2, 5], axis=0)).all()
 
 
 def test_output_dtypes_round_the_fp32_result(case: tuple) -> None:

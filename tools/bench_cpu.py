@@ -91,6 +91,15 @@ def make_layer(n: int, k: int, seed: int = 0) -> CanonicalLayer:
                           group_size=GROUP, zero_mode="int", zeros=rng.integers(0, 16, (n, g)).astype(np.int32))
 
 
+def torch_bf16(x: np.ndarray) -> Any:
+    """The activations as a torch bfloat16 tensor (how bf16 reaches the kernels), or None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)
+
+
 def copies_for(nbytes: int, cold_bytes: int) -> int:
     return max(2, -(-cold_bytes // max(nbytes, 1)))
 
@@ -103,14 +112,29 @@ def bench_w4pack(layer: CanonicalLayer, ms: list[int], threads: int, cold: int, 
     lins = [first] + [CpuPackedLinear(packed, threads=threads) for _ in range(copies_for(first.nbytes, cold) - 1)]
     rows = []
     k = layer.in_features
+    # exact on AMX takes its activations as bf16 pieces (fp16: two, bf16: one, fp32: three); beside it, the same
+    # call on the AVX-512 VNNI kernel (what runs where AMX is missing)
+    amx = "amx" in isa_info()["available"]
+    variants = [("fast", "float16", None), ("exact", "float16", None)]
+    if amx:
+        variants += [("exact", "float16", "avx512vnni"), ("exact", "bfloat16", None), ("exact", "float32", None),
+                     ("exact", "float32", "avx512vnni")]
     for m in ms:
-        x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float16)
-        for prec in ("fast", "exact"):
+        x16 = np.random.default_rng(m).standard_normal((m, k)).astype(np.float16)
+        for prec, dt, isa in variants:
+            x = x16.astype(np.float32) if dt == "float32" else (
+                torch_bf16(x16) if dt == "bfloat16" else x16)
+            if x is None:
+                continue
+
             def run_pass() -> None:
                 for lin in lins:
-                    lin.forward(x, precision=prec)
+                    lin.forward(x, precision=prec, isa=isa)
             r = measure(run_pass, len(lins), args.samples, args.max_foreign, args.budget)
-            rows.append(dict(r, impl=f"w4pack {prec} (fp16 act.)", m=m, bytes=first.nbytes, copies=len(lins)))
+            act = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[dt]
+            path = f", {isa} kernel" if isa else (", amx" if amx and prec == "exact" and m >= 8 else "")
+            rows.append(dict(r, impl=f"w4pack {prec}{path} ({act} act.)", m=m, bytes=first.nbytes,
+                             copies=len(lins)))
     del lins
     rows.append({"impl": "w4pack repack at load", "m": None, "seconds": repack_s, "bytes": first.nbytes,
                  "note": "one-off"})

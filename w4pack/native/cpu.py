@@ -26,7 +26,7 @@ __all__ = ["CpuPackedLinear", "isa_info", "available", "ISA_CODES", "PRECISIONS"
            "check_environment", "check_rc"]
 
 #: instruction-set path name -> W4P_ISA_* code ("avx512" means "with VNNI where present")
-ISA_CODES = {"scalar": 1, "avx2": 2, "avx512novnni": 4, "avx512vnni": 8, "neon": 16}
+ISA_CODES = {"scalar": 1, "avx2": 2, "avx512novnni": 4, "avx512vnni": 8, "neon": 16, "amx": 32}
 PRECISIONS = {"exact": 0, "fast": 1}
 _DT = {"float16": 1, "bfloat16": 2, "float32": 3}
 _ZERO = {"none": 0, "int": 1, "float": 2}

@@ -1,0 +1,225 @@
+/*
+ * The AMX path (x86-64, AMX-TILE + AMX-BF16, with AVX-512 BF16/VBMI): exact-precision GEMM for work items
+ * of many activation rows, on bf16 tile matrix multiplies; everything else is the AVX-512 VNNI path.
+ *
+ * Exact needs the products of the true weights with the fp32 activations, accumulated in fp32 (cpu_gemm.c).
+ * Both operands are made exact in bf16:
+ *   - weights: q - z is a small integer (|q - z| <= 16 for codes of at most 4 bits with 0 <= z <= 16), and
+ *     every integer of magnitude <= 256 is a bf16;
+ *   - activations: each fp32 row is split into bf16 pieces x = x1 + x2 + x3 (x1 = bf16(x), x2 = bf16(x - x1),
+ *     x3 = x - x1 - x2): three pieces hold the 24-bit significand exactly, two suffice for fp16 inputs (11 bits)
+ *     and one for bf16 inputs. cpu_gemm.c prepares the pieces once per call (w4p_bf16_pieces_avx512).
+ * A product of two bf16 values has at most 16 significant bits, so it is exact in fp32, and the tile unit
+ * accumulates them in fp32: per activation block, C = sum over pieces and k of (q - z)*x_p, then y += s*C as
+ * in the other paths. The result is an fp32 dot product of the true weights with the true activations, in
+ * another order of summation (it is not bit-identical to the VNNI path, but within the same bound). The tile
+ * unit treats bf16 subnormals as zero: pieces below 2^-126 in magnitude (activations below about 2^-110) are
+ * dropped.
+ *
+ * Tiles (palette 1, every tile 16 rows x 64 bytes): tmm0..3 = C for the four 16-column quarters of the
+ * 64-column tile, tmm4..6 = the activation pieces (16 rows x 32 k), tmm7 = one weight tile (16 pairs of k x 16
+ * columns, the VNNI-pair order of TDPBF16PS). Per activation block the weights of the 64 columns are decoded
+ * once into bf16 tiles in L1 (16 KiB for a block of 128) and read by every group of 16 rows of the work item.
+ * Decoding a tile row (two k of 16 columns) is one masked byte permute of the CPU layout's nibble bytes
+ * (cpu_repack.c: `w & 0x0f0f0f0f` holds k 0..3 of a column, `(w >> 4) & 0x0f0f0f0f` k 4..7), one add of the
+ * per-column offset 16 - z and one 16-bit table lookup giving bf16(q - z).
+ *
+ * Linux gives a process the tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM); cpu_dispatch.c asks
+ * once and offers this path only when granted.
+ */
+#include "w4p_cpu_internal.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#include <string.h>
+
+#define TAMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,fma,f16c,avx2")))
+#define INL inline __attribute__((always_inline))
+
+/* The tile configuration of palette 1 (64 bytes, the layout LDTILECFG reads). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg;
+
+#define KSTEP 32 /* k per bf16 tile */
+#define MAX_KSTEPS (128 / KSTEP)
+
+/* Whether the AMX kernel computes this layer: codes of at most 4 bits in one plane, integer zero points (zero
+ * modes none / int, checked per block by the kernel) and activation blocks of whole bf16 tiles. */
+int w4p_amx_layer_ok(const struct w4p_cpu_layer *L) {
+    return L->planes == 1 && L->bits <= 4 && L->zero_mode != W4P_ZERO_FLOAT && L->ab % KSTEP == 0 && L->ab <= 128;
+}
+
+/* Split n fp32 values (n a multiple of 16) into `pieces` bf16 rows dst[p*stride + i] whose sum is x exactly. */
+TAMX void w4p_bf16_pieces_avx512(const float *x, int n, int pieces, uint16_t *dst, size_t stride) {
+    for (int i = 0; i < n; i += 16) {
+        __m512 r = _mm512_loadu_ps(x + i);
+        const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(r), _mm512_set1_ps(__builtin_inff()), _CMP_LT_OQ);
+        for (int p = 0; p < pieces; p++) {
+            __m256i h = (__m256i)_mm512_cvtneps_pbh(r);
+            if (p) h = _mm256_maskz_mov_epi16(finite, h); /* inf and NaN live in the first piece alone */
+            _mm256_storeu_si256((__m256i *)(dst + (size_t)p * stride + i), h);
+            const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            r = _mm512_sub_ps(r, back);
+        }
+    }
+}
+
+/* The per-column offsets 16 - z of one 16-column quarter, as the 32 16-bit lanes of a tile row (two k per
+ * column); 0 when some z is not an integer in [0, 16] (the kernel then leaves the work item to VNNI). */
+static INL TAMX int zero_offsets(const __m512 z, __m512i *off) {
+    const __m512 zr = _mm512_roundscale_ps(z, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __mmask16 ok = _mm512_cmp_ps_mask(zr, z, _CMP_EQ_OQ) &
+                         _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_GE_OQ) &
+                         _mm512_cmp_ps_mask(z, _mm512_set1_ps(16.0f), _CMP_LE_OQ);
+    if (ok != 0xFFFF) return 0;
+    const __m512i o = _mm512_sub_epi32(_mm512_set1_epi32(16), _mm512_cvtps_epi32(zr));
+    *off = _mm512_or_si512(o, _mm512_slli_epi32(o, 16));
+    return 1;
+}
+
+/* Scales and zero points of (tile, block) as four vectors of 16 floats each. */
+static INL TAMX void block_params(const struct w4p_cpu_layer *L, int tile, int blk, __m512 s[4], __m512 z[4]) {
+    const uint8_t *p = w4p_tile_params(L, tile, w4p_block_group(L, blk));
+    for (int q = 0; q < 4; q++) {
+        if (L->pkind == W4P_PK_F16U8) {
+            s[q] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32 * q)));
+            z[q] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 128 + 16 * q))));
+        } else { /* W4P_PK_F32 (F16F16 holds minima, which this path does not take) */
+            s[q] = _mm512_loadu_ps((const float *)p + 16 * q);
+            z[q] = _mm512_loadu_ps((const float *)p + 64 + 16 * q);
+        }
+    }
+}
+
+/* bf16(i - 16) for i = 0 .. 31 */
+static INL TAMX __m512i value_table(void) {
+    uint16_t t[32];
+    for (int i = 0; i < 32; i++) t[i] = w4p_float_to_bf16((float)(i - 16));
+    return _mm512_loadu_si512((const void *)t);
+}
+
+/* Weight tiles of block b: bt[ks][q] = the 16 x 32 bf16 tile of k-step ks and column quarter q. */
+static INL TAMX void decode_block(const struct w4p_cpu_layer *L, int tile, int b, const __m512i off[4],
+                                  const __m512i table, uint16_t (*bt)[4][16 * 32]) {
+    /* byte permutes of one nibble vector (16 columns x 4 k): rows (k0, k1) and (k2, k3) of a column */
+    const __m512i i01 = _mm512_set1_epi32(0x00010000), i23 = _mm512_set1_epi32(0x00030002);
+    const __m512i col = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(0x00040004));
+    const __m512i idx01 = _mm512_add_epi8(i01, col), idx23 = _mm512_add_epi8(i23, col);
+    const __mmask64 even = 0x5555555555555555ull;
+    const __m512i nib = _mm512_set1_epi32(0x0f0f0f0f);
+    const int cpb = L->ab / 8;
+    const uint32_t *w0 = w4p_tile_words(L, tile, 0) + (size_t)b * cpb * W4P_TILE;
+    for (int c = 0; c < cpb; c++) {
+        const int ks = c / 4, r0 = 4 * (c % 4);
+        for (int q = 0; q < 4; q++) {
+            const __m512i w = _mm512_loadu_si512((const void *)(w0 + (size_t)c * W4P_TILE + 16 * q));
+            const __m512i lo = _mm512_and_si512(w, nib), hi = _mm512_and_si512(_mm512_srli_epi32(w, 4), nib);
+            uint16_t *dst = bt[ks][q] + (size_t)r0 * 32;
+            const __m512i rows[4] = {_mm512_maskz_permutexvar_epi8(even, idx01, lo),
+                                     _mm512_maskz_permutexvar_epi8(even, idx23, lo),
+                                     _mm512_maskz_permutexvar_epi8(even, idx01, hi),
+                                     _mm512_maskz_permutexvar_epi8(even, idx23, hi)};
+            for (int r = 0; r < 4; r++)
+                _mm512_store_si512((void *)(dst + 32 * r),
+                                   _mm512_permutexvar_epi16(_mm512_add_epi16(rows[r], off[q]), table));
+        }
+    }
+}
+
+/* C[q] += sum over pieces of A_p x B(ks, q), for one group of 16 rows */
+#define W4P_AMX_STEP(Q)                                                                                            \
+    do {                                                                                                           \
+        _tile_loadd(7, bt[ks][Q], 64);                                                                             \
+        _tile_dpbf16ps(Q, 4, 7);                                                                                   \
+        if (P > 1) _tile_dpbf16ps(Q, 5, 7);                                                                        \
+        if (P > 2) _tile_dpbf16ps(Q, 6, 7);                                                                        \
+    } while (0)
+
+static INL TAMX void row_group(const w4p_job *J, int b, int64_t m, int nks, const int P,
+                               uint16_t (*bt)[4][16 * 32], float (*cb)[16][16]) {
+    const struct w4p_cpu_layer *L = J->L;
+    const size_t stride = (size_t)P * L->kp * 2; /* bytes from one row's piece to the next row's */
+    const uint16_t *a = J->xb + (size_t)m * P * L->kp + (size_t)b * L->ab;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int ks = 0; ks < nks; ks++) {
+        _tile_loadd(4, a + KSTEP * ks, stride);
+        if (P > 1) _tile_loadd(5, a + L->kp + KSTEP * ks, stride);
+        if (P > 2) _tile_loadd(6, a + 2 * (size_t)L->kp + KSTEP * ks, stride);
+        W4P_AMX_STEP(0);
+        W4P_AMX_STEP(1);
+        W4P_AMX_STEP(2);
+        W4P_AMX_STEP(3);
+    }
+    _tile_stored(0, cb[0], 64);
+    _tile_stored(1, cb[1], 64);
+    _tile_stored(2, cb[2], 64);
+    _tile_stored(3, cb[3], 64);
+}
+
+static INL TAMX void tile_pieces(const w4p_job *J, int tile, int64_t m0, int64_t m1, const int P) {
+    const struct w4p_cpu_layer *L = J->L;
+    float y[W4P_MCHUNK][W4P_TILE] __attribute__((aligned(64)));
+    uint16_t bt[MAX_KSTEPS][4][16 * 32] __attribute__((aligned(64)));
+    float cb[4][16][16] __attribute__((aligned(64)));
+    __m512 s[4], z[4];
+    __m512i off[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    /* every block's zero points must be integers in [0, 16]; else VNNI computes the whole item */
+    for (int b = 0; b < L->nblk; b++) {
+        block_params(L, tile, b, s, z);
+        for (int q = 0; q < 4; q++)
+            if (!zero_offsets(z[q], &off[q])) {
+                w4p_tile_avx512vnni(J, tile, m0, m1);
+                return;
+            }
+    }
+    const int64_t rows = m1 - m0;
+    memset(y, 0, sizeof(float) * W4P_TILE * (size_t)rows);
+    tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+    const __m512i table = value_table();
+    const int nks = L->ab / KSTEP;
+    for (int b = 0; b < L->nblk; b++) {
+        block_params(L, tile, b, s, z);
+        for (int q = 0; q < 4; q++) zero_offsets(z[q], &off[q]);
+        decode_block(L, tile, b, off, table, bt);
+        for (int64_t m = m0; m < m1; m += 16) {
+            /* rows past m1 are the next item's or the zero padding of the pieces buffer: computed, not kept */
+            row_group(J, b, m, nks, P, bt, cb);
+            const int n = m1 - m < 16 ? (int)(m1 - m) : 16;
+            for (int r = 0; r < n; r++)
+                for (int q = 0; q < 4; q++) {
+                    float *yr = &y[m - m0 + r][16 * q];
+                    _mm512_store_ps(yr, _mm512_fmadd_ps(s[q], _mm512_load_ps(cb[q][r]), _mm512_load_ps(yr)));
+                }
+        }
+    }
+    _tile_release();
+    for (int64_t m = m0; m < m1; m++) w4p_store_row(J, m, tile, y[m - m0]);
+}
+
+TAMX void w4p_tile_amx(const w4p_job *J, int tile, int64_t m0, int64_t m1) {
+    if (!J->xb || m1 - m0 < W4P_AMX_MIN_ROWS) {
+        w4p_tile_avx512vnni(J, tile, m0, m1);
+        return;
+    }
+    switch (J->pieces) {
+    case 1: tile_pieces(J, tile, m0, m1, 1); break;
+    case 2: tile_pieces(J, tile, m0, m1, 2); break;
+    default: tile_pieces(J, tile, m0, m1, 3); break;
+    }
+}
+
+#endif
