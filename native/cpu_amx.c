@@ -1,6 +1,6 @@
 /*
  * The AMX path (x86-64, AMX-TILE + AMX-BF16, with AVX-512 BF16/VBMI): exact-precision GEMM for work items
- * of many activation rows, on bf16 tile matrix multiplies; everything else is the AVX-512 VNNI path.
+ * of several activation rows (w4p_amx_min_rows), on bf16 tile matrix multiplies; everything else is the AVX-512 VNNI path.
  *
  * Exact needs the products of the true weights with the fp32 activations, accumulated in fp32 (cpu_gemm.c).
  * Both operands are made exact in bf16:
@@ -142,8 +142,8 @@ static INL TAMX void decode_block(const struct w4p_cpu_layer *L, int tile, int b
 static INL TAMX void row_group(const w4p_job *J, int b, int64_t m, int nks, const int P,
                                uint16_t (*bt)[4][16 * 32], float (*cb)[16][16]) {
     const struct w4p_cpu_layer *L = J->L;
-    const size_t stride = (size_t)P * L->kp * 2; /* bytes from one row's piece to the next row's */
-    const uint16_t *a = J->xb + (size_t)m * P * L->kp + (size_t)b * L->ab;
+    const size_t stride = w4p_amx_row(P, L->kp) * 2; /* bytes from one row's piece to the next row's */
+    const uint16_t *a = J->xb + (size_t)m * w4p_amx_row(P, L->kp) + (size_t)b * L->ab;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -211,7 +211,7 @@ static INL TAMX void tile_pieces(const w4p_job *J, int tile, int64_t m0, int64_t
 }
 
 TAMX void w4p_tile_amx(const w4p_job *J, int tile, int64_t m0, int64_t m1) {
-    if (!J->xb || m1 - m0 < W4P_AMX_MIN_ROWS) {
+    if (!J->xb || m1 - m0 < w4p_amx_min_rows(J->pieces)) {
         w4p_tile_avx512vnni(J, tile, m0, m1);
         return;
     }

@@ -159,7 +159,7 @@ typedef struct {
     int8_t *xq;
     float *xs;
     int32_t *xsum;
-    uint16_t *xb; /* AMX: bf16 pieces [ceil16(m)][pieces][kp], or NULL */
+    uint16_t *xb; /* AMX: bf16 pieces, rows of w4p_amx_row(pieces, kp) values, or NULL */
     int pieces;
 } prep_ctx;
 
@@ -184,7 +184,7 @@ static void prep_row(void *vctx, int64_t m) {
     }
     for (int i = k; i < kp; i++) xf[i] = 0.0f;
 #if defined(__x86_64__)
-    if (P->xb) w4p_bf16_pieces_avx512(xf, kp, P->pieces, P->xb + (size_t)m * P->pieces * kp, (size_t)kp);
+    if (P->xb) w4p_bf16_pieces_avx512(xf, kp, P->pieces, P->xb + (size_t)m * w4p_amx_row(P->pieces, kp), (size_t)kp);
 #endif
     if (P->precision == W4P_PREC_FAST)
         for (int b = 0; b < L->nblk; b++)
@@ -261,7 +261,7 @@ int w4p_cpu_gemm(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t m, 
         if (force && *force && strcmp(force, "auto") && strcmp(force, w4p_cpu_isa_name(isa)) &&
             !(!strcmp(force, "avx512") && (isa == W4P_ISA_AVX512 || isa == W4P_ISA_AVX512VNNI))) {
             w4p_set_error("W4PACK_ISA=%s is not a path this CPU can run (available bit set %d; names: scalar, "
-                          "avx2, avx512, avx512vnni, avx512novnni, neon)", force, avail);
+                          "avx2, avx512, avx512vnni, avx512novnni, amx, neon)", force, avail);
             return W4P_EUNSUPPORTED;
         }
     }
@@ -317,13 +317,13 @@ static int gemm_rows(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t
         P.xsum = malloc((size_t)m * nblk * sizeof(int32_t));
     }
 #if defined(__x86_64__)
-    /* AMX: exact, and the first work item has enough rows (items are W4P_MCHUNK rows; only the last is shorter) */
+    /* AMX: exact, and the first work item has enough rows (items are W4P_MCHUNK rows; only the last is shorter).
+       Pieces that hold the activations exactly: fp32 3, fp16 2, bf16 1 (bits of significand / 8). */
     const int64_t mpad = (m + 15) / 16 * 16;
-    if (isa == W4P_ISA_AMX && precision == W4P_PREC_EXACT && w4p_amx_layer_ok(L) &&
-        m >= W4P_AMX_MIN_ROWS) {
-        /* pieces that hold the activations exactly: fp32 3, fp16 2, bf16 1 (bits of significand / 8) */
-        P.pieces = x_dtype == W4P_DT_BF16 ? 1 : x_dtype == W4P_DT_F16 ? 2 : 3;
-        const size_t row = (size_t)P.pieces * kp;
+    const int pieces = x_dtype == W4P_DT_BF16 ? 1 : x_dtype == W4P_DT_F16 ? 2 : 3;
+    if (isa == W4P_ISA_AMX && precision == W4P_PREC_EXACT && w4p_amx_layer_ok(L) && m >= w4p_amx_min_rows(pieces)) {
+        P.pieces = pieces;
+        const size_t row = w4p_amx_row(P.pieces, (int)kp);
         if (posix_memalign((void **)&P.xb, 64, (size_t)mpad * row * sizeof(uint16_t))) P.xb = NULL;
         if (!P.xb) {
             w4p_set_error("out of memory for M=%lld activations", (long long)m);

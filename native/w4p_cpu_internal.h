@@ -68,7 +68,7 @@ typedef struct {
     int64_t ldy;
     const float *bias; /* [nt*64] fp32 or NULL */
     /* exact on the AMX path: the activations as `pieces` bf16 rows summing to them exactly,
-       [ceil16(m)][pieces][kp] (rows past m are zero), or NULL where the AMX kernel does not run */
+       rows of w4p_amx_row(pieces, kp) values, ceil16(m) of them (rows past m are zero), or NULL where the AMX kernel does not run */
     const uint16_t *xb;
     int pieces;
 } w4p_job;
@@ -83,12 +83,16 @@ void w4p_tile_avx512(const w4p_job *job, int tile, int64_t m0, int64_t m1);
 void w4p_tile_avx512vnni(const w4p_job *job, int tile, int64_t m0, int64_t m1);
 #endif
 #if defined(__x86_64__)
-/* AMX (cpu_amx.c): exact work items of at least W4P_AMX_MIN_ROWS rows on layers w4p_amx_layer_ok accepts;
-   every other item goes to w4p_tile_avx512vnni */
-#define W4P_AMX_MIN_ROWS 8
+/* AMX (cpu_amx.c): exact work items of at least w4p_amx_min_rows rows on layers w4p_amx_layer_ok accepts;
+   every other item goes to w4p_tile_avx512vnni. A tile multiply costs the same for 1 row as for 16, so fewer
+   rows go to VNNI: from 4 rows the tiles win with one or two bf16 pieces, from 6 with three. */
+static inline int64_t w4p_amx_min_rows(int pieces) { return pieces > 2 ? 6 : 4; }
 void w4p_tile_amx(const w4p_job *job, int tile, int64_t m0, int64_t m1);
 int w4p_amx_layer_ok(const struct w4p_cpu_layer *L);
 void w4p_bf16_pieces_avx512(const float *x, int n, int pieces, uint16_t *dst, size_t stride);
+/* bf16 values from one activation row's pieces to the next row's: one cache line more than the pieces, so the
+   16 rows of a tile load do not all fall into the same L1 sets when pieces * kp is a multiple of 4 KiB */
+static inline size_t w4p_amx_row(int pieces, int kp) { return (size_t)pieces * (size_t)kp + 32; }
 #endif
 #if defined(__aarch64__)
 void w4p_tile_neon(const w4p_job *job, int tile, int64_t m0, int64_t m1);

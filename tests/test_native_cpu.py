@@ -271,7 +271,7 @@ def test_exact_with_scales_over_eight_decades(isa: str, wide: tuple) -> None:
         assert rel(yf, fast_reference(layer, packed, x64)) <= 1e-5, (isa, wide, m, "fast")
 
 
-# ---- the AMX path: exact work items of 8 rows or more on bf16 tiles (cpu_amx.c) ----------------------------
+# ---- the AMX path: exact work items of several rows on bf16 tiles (cpu_amx.c) ----------------------------
 AMX_CASES = [
     (196, 576, 4, 64, "int", False, "float16"),
     (70, 300, 4, 32, "none", True, "float16"),
@@ -284,13 +284,13 @@ AMX_CASES = [
 
 @pytest.mark.parametrize("amx_case", AMX_CASES, ids=[_ids(c) for c in AMX_CASES])
 def test_amx_tiles_against_float64(amx_case: tuple) -> None:
-    """Row counts around the 16-row tile and the 64-row work item, every activation dtype (three, two and one
+    """Row counts around the tiles' threshold, the 16-row tile and the 64-row work item, every activation dtype (three, two and one
     bf16 pieces), 1 and 2 threads: within fp32 dot-product accuracy of float64, and the same bits on both."""
     isa_or_skip("amx")
     n, k, bits, gs, zm, act, sdt = amx_case
     layer = make_layer(n, k, bits, gs, zm, act, sdt, seed=n * 7 + k)
     lin = CpuPackedLinear(pack(layer), threads=1)
-    for m in (8, 16, 17, 63, 64, 65, 130):
+    for m in (3, 4, 5, 6, 8, 16, 17, 63, 64, 65, 130):  # from 4 (6 for fp32) rows on tiles, fewer on VNNI
         for dt in ("float32", "float16", "bfloat16"):
             x, x64 = activations(m, k, dt, seed=m)
             ref = true_reference(layer, x64)
@@ -307,8 +307,8 @@ def test_amx_keeps_accuracy_with_large_scales(variant: tuple) -> None:
     zero_mode, bits, sdt = variant
     for s in (16.0, 65536.0, 300.3):
         lin = CpuPackedLinear(pack(layer := large_scale_layer(s, zero_mode, bits, sdt)), threads=1)
-        for m in (8, 33):
-            x, x64 = activations(m, 128, "float32", seed=m)
+        for m, dt in ((6, "float32"), (4, "bfloat16"), (33, "float16")):
+            x, x64 = activations(m, 128, dt, seed=m)
             y = lin.forward(x, precision="exact", out_dtype="float32", isa="amx", threads=1)
             assert rel(y, true_reference(layer, x64)) <= 1e-5, (variant, s, m)
 
