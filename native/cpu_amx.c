@@ -5,7 +5,8 @@
  * Exact needs the products of the true weights with the fp32 activations, accumulated in fp32 (cpu_gemm.c).
  * Both operands are made exact in bf16:
  *   - weights: q - z is a small integer (|q - z| <= 16 for codes of at most 4 bits with 0 <= z <= 16), and
- *     every integer of magnitude <= 256 is a bf16;
+ *     every integer of magnitude <= 256 is a bf16; float minima are rewritten with an integer zero point and a
+ *     small remainder (virtual_zero);
  *   - activations: each fp32 row is split into bf16 pieces x = x1 + x2 + x3 (x1 = bf16(x), x2 = bf16(x - x1),
  *     x3 = x - x1 - x2): three pieces hold the 24-bit significand exactly, two suffice for fp16 inputs (11 bits)
  *     and one for bf16 inputs. cpu_gemm.c prepares the pieces once per call (w4p_bf16_pieces_avx512).
@@ -49,7 +50,21 @@ typedef struct {
 /* Whether the AMX kernel computes this layer: codes of at most 4 bits in one plane, integer zero points (zero
  * modes none / int, checked per block by the kernel) and activation blocks of whole bf16 tiles. */
 int w4p_amx_layer_ok(const struct w4p_cpu_layer *L) {
-    return L->planes == 1 && L->bits <= 4 && L->zero_mode != W4P_ZERO_FLOAT && L->ab % KSTEP == 0 && L->ab <= 128;
+    return L->planes == 1 && L->bits <= 4 && L->ab % KSTEP == 0 && L->ab <= 128;
+}
+
+/* Per activation block of `ab` values, the sum of the row's values (float minima: y += r*sum). Summed in double:
+   its error then comes from the one rounding to fp32. */
+TAMX void w4p_block_sums_avx512(const float *x, int nblk, int ab, float *out) {
+    for (int b = 0; b < nblk; b++) {
+        __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+        for (int i = 0; i < ab; i += 16) {
+            const __m512 v = _mm512_loadu_ps(x + (size_t)b * ab + i);
+            a0 = _mm512_add_pd(a0, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+            a1 = _mm512_add_pd(a1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+        }
+        out[b] = (float)_mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+    }
 }
 
 /* Split n fp32 values (n a multiple of 16) into `pieces` bf16 rows dst[p*stride + i] whose sum is x exactly. */
@@ -80,18 +95,35 @@ static INL TAMX int zero_offsets(const __m512 z, __m512i *off) {
     return 1;
 }
 
-/* Scales and zero points of (tile, block) as four vectors of 16 floats each. */
+/* Scales and zero points (or minima) of (tile, block) as four vectors of 16 floats each. */
 static INL TAMX void block_params(const struct w4p_cpu_layer *L, int tile, int blk, __m512 s[4], __m512 z[4]) {
     const uint8_t *p = w4p_tile_params(L, tile, w4p_block_group(L, blk));
     for (int q = 0; q < 4; q++) {
         if (L->pkind == W4P_PK_F16U8) {
             s[q] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32 * q)));
             z[q] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 128 + 16 * q))));
-        } else { /* W4P_PK_F32 (F16F16 holds minima, which this path does not take) */
+        } else if (L->pkind == W4P_PK_F16F16) {
+            s[q] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32 * q)));
+            z[q] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 128 + 32 * q)));
+        } else {
             s[q] = _mm512_loadu_ps((const float *)p + 16 * q);
             z[q] = _mm512_loadu_ps((const float *)p + 64 + 16 * q);
         }
     }
+}
+
+/* Float minima w = s*q + m as w = s*(q - z) + r: z = round(-m/s) clamped to [0, 16] (a zero in the middle of
+ * the code range puts it there; NaN from s = 0 gives 0) and r = fma(s, z, m), so q - z is a small integer as
+ * for int zeros and y += s*sum((q - z)*x) + r*sum(x). Unclamped, |r| <= |s|/2 and r is exact (Sterbenz: s*z is
+ * within a factor two of -m); clamped, s*(q - z) and r have the same sign. Either way neither term is much
+ * larger than the weights, so nothing cancels into noise (the reason exact forms each weight on the other
+ * paths), and a weight that is exactly zero under a large scale gives q = z and r = 0. */
+static INL TAMX void virtual_zero(__m512 s, __m512 *zm, __m512 *r) {
+    __m512 t = _mm512_div_ps(*zm, s);
+    t = _mm512_roundscale_ps(_mm512_sub_ps(_mm512_setzero_ps(), t), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 z = _mm512_min_ps(_mm512_max_ps(t, _mm512_setzero_ps()), _mm512_set1_ps(16.0f));
+    *r = _mm512_fmadd_ps(s, z, *zm);
+    *zm = z;
 }
 
 /* bf16(i - 16) for i = 0 .. 31 */
@@ -168,10 +200,11 @@ static INL TAMX void tile_pieces(const w4p_job *J, int tile, int64_t m0, int64_t
     float y[W4P_MCHUNK][W4P_TILE] __attribute__((aligned(64)));
     uint16_t bt[MAX_KSTEPS][4][16 * 32] __attribute__((aligned(64)));
     float cb[4][16][16] __attribute__((aligned(64)));
-    __m512 s[4], z[4];
+    __m512 s[4], z[4], r[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     __m512i off[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    const int minima = L->zero_mode == W4P_ZERO_FLOAT;
     /* every block's zero points must be integers in [0, 16]; else VNNI computes the whole item */
-    for (int b = 0; b < L->nblk; b++) {
+    for (int b = 0; b < L->nblk && !minima; b++) {
         block_params(L, tile, b, s, z);
         for (int q = 0; q < 4; q++)
             if (!zero_offsets(z[q], &off[q])) {
@@ -193,17 +226,24 @@ static INL TAMX void tile_pieces(const w4p_job *J, int tile, int64_t m0, int64_t
     const int nks = L->ab / KSTEP;
     for (int b = 0; b < L->nblk; b++) {
         block_params(L, tile, b, s, z);
-        for (int q = 0; q < 4; q++) zero_offsets(z[q], &off[q]);
+        for (int q = 0; q < 4; q++) {
+            if (minima) virtual_zero(s[q], &z[q], &r[q]);
+            zero_offsets(z[q], &off[q]);
+        }
         decode_block(L, tile, b, off, table, bt);
         for (int64_t m = m0; m < m1; m += 16) {
             /* rows past m1 are the next item's or the zero padding of the pieces buffer: computed, not kept */
             row_group(J, b, m, nks, P, bt, cb);
             const int n = m1 - m < 16 ? (int)(m1 - m) : 16;
-            for (int r = 0; r < n; r++)
+            for (int i = 0; i < n; i++) {
+                const __m512 sx = minima ? _mm512_set1_ps(J->xsumf[(m + i) * L->nblk + b]) : _mm512_setzero_ps();
                 for (int q = 0; q < 4; q++) {
-                    float *yr = &y[m - m0 + r][16 * q];
-                    _mm512_store_ps(yr, _mm512_fmadd_ps(s[q], _mm512_load_ps(cb[q][r]), _mm512_load_ps(yr)));
+                    float *yr = &y[m - m0 + i][16 * q];
+                    __m512 v = _mm512_fmadd_ps(s[q], _mm512_load_ps(cb[q][i]), _mm512_load_ps(yr));
+                    if (minima) v = _mm512_fmadd_ps(r[q], sx, v);
+                    _mm512_store_ps(yr, v);
                 }
+            }
         }
     }
     _tile_release();

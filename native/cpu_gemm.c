@@ -161,6 +161,7 @@ typedef struct {
     int32_t *xsum;
     uint16_t *xb; /* AMX: bf16 pieces, rows of w4p_amx_row(pieces, kp) values, or NULL */
     int pieces;
+    float *xsumf; /* AMX with float minima: per-block activation sums [m][nblk], or NULL */
 } prep_ctx;
 
 static void prep_row(void *vctx, int64_t m) {
@@ -185,6 +186,7 @@ static void prep_row(void *vctx, int64_t m) {
     for (int i = k; i < kp; i++) xf[i] = 0.0f;
 #if defined(__x86_64__)
     if (P->xb) w4p_bf16_pieces_avx512(xf, kp, P->pieces, P->xb + (size_t)m * w4p_amx_row(P->pieces, kp), (size_t)kp);
+    if (P->xsumf) w4p_block_sums_avx512(xf, L->nblk, ab, P->xsumf + m * L->nblk);
 #endif
     if (P->precision == W4P_PREC_FAST)
         for (int b = 0; b < L->nblk; b++)
@@ -299,7 +301,7 @@ static int gemm_rows(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t
                      void *y, int y_dtype, int64_t ldy, const float *bias32, int precision, int isa,
                      w4p_tile_fn fn, int threads) {
     const size_t kp = (size_t)L->kp, nblk = (size_t)L->nblk;
-    prep_ctx P = {L, x, x_dtype, ldx, precision, w4p_cvt_generic, w4p_quant_generic, NULL, NULL, NULL, NULL, NULL, 0};
+    prep_ctx P = {L, x, x_dtype, ldx, precision, w4p_cvt_generic, w4p_quant_generic, NULL, NULL, NULL, NULL, NULL, 0, NULL};
 #if defined(__x86_64__) || defined(__i386__)
     if (isa == W4P_ISA_AVX512 || isa == W4P_ISA_AVX512VNNI || isa == W4P_ISA_AMX) {
         P.cvt = w4p_cvt_avx512;
@@ -331,6 +333,11 @@ static int gemm_rows(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t
             goto done;
         }
         memset(P.xb + (size_t)m * row, 0, (size_t)(mpad - m) * row * sizeof(uint16_t));
+        if (L->zero_mode == W4P_ZERO_FLOAT && !(P.xsumf = malloc((size_t)m * nblk * sizeof(float)))) {
+            w4p_set_error("out of memory for M=%lld activations", (long long)m);
+            rc = W4P_ENOMEM;
+            goto done;
+        }
     }
 #endif
     if (!P.xf || (precision == W4P_PREC_FAST && (!P.xq || !P.xs || !P.xsum))) {
@@ -341,7 +348,7 @@ static int gemm_rows(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t
 
     w4p_parallel_for(m, m >= 8 ? threads : 1, prep_row, &P);
 
-    w4p_job job = {L, m, precision, P.xq, P.xs, P.xsum, P.xf, y, y_dtype, ldy, bias32, P.xb, P.pieces};
+    w4p_job job = {L, m, precision, P.xq, P.xs, P.xsum, P.xf, y, y_dtype, ldy, bias32, P.xb, P.pieces, P.xsumf};
     run_ctx R = {&job, fn, (m + W4P_MCHUNK - 1) / W4P_MCHUNK};
     w4p_parallel_for((int64_t)L->nt * R.mchunks, threads, run_item, &R);
 done:
@@ -350,6 +357,7 @@ done:
     free(P.xs);
     free(P.xsum);
     free(P.xb);
+    free(P.xsumf);
     return rc;
 }
 

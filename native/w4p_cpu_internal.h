@@ -71,6 +71,7 @@ typedef struct {
        rows of w4p_amx_row(pieces, kp) values, ceil16(m) of them (rows past m are zero), or NULL where the AMX kernel does not run */
     const uint16_t *xb;
     int pieces;
+    const float *xsumf; /* AMX, float minima: per row and activation block, the sum of the activations [m][nblk] */
 } w4p_job;
 
 /* A tile kernel computes output columns tile*64 .. tile*64+63 for activation rows m0 .. m1-1. */
@@ -90,6 +91,7 @@ static inline int64_t w4p_amx_min_rows(int pieces) { return pieces > 2 ? 6 : 4; 
 void w4p_tile_amx(const w4p_job *job, int tile, int64_t m0, int64_t m1);
 int w4p_amx_layer_ok(const struct w4p_cpu_layer *L);
 void w4p_bf16_pieces_avx512(const float *x, int n, int pieces, uint16_t *dst, size_t stride);
+void w4p_block_sums_avx512(const float *x, int nblk, int ab, float *out);
 /* bf16 values from one activation row's pieces to the next row's: one cache line more than the pieces, so the
    16 rows of a tile load do not all fall into the same L1 sets when pieces * kp is a multiple of 4 KiB */
 static inline size_t w4p_amx_row(int pieces, int kp) { return (size_t)pieces * (size_t)kp + 32; }

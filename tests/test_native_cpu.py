@@ -279,6 +279,9 @@ AMX_CASES = [
     (64, 256, 2, 64, "none", False, "float32"),
     (33, 130, 4, -1, "int", False, "float16"),    # per-channel: activation blocks of 64, two k-steps of tiles
     (300, 640, 4, 128, "int", True, "float32"),
+    (130, 256, 4, 128, "float", False, "float16"),   # float minima (GGUF Q4_1 style): fp16 scale and minimum
+    (100, 448, 4, 64, "float", True, "bfloat16"),
+    (90, 192, 4, 32, "float", True, "float32"),
 ]
 
 
@@ -311,6 +314,36 @@ def test_amx_keeps_accuracy_with_large_scales(variant: tuple) -> None:
             x, x64 = activations(m, 128, dt, seed=m)
             y = lin.forward(x, precision="exact", out_dtype="float32", isa="amx", threads=1)
             assert rel(y, true_reference(layer, x64)) <= 1e-5, (variant, s, m)
+
+
+@pytest.mark.parametrize("sdt", ["float16", "float32"])
+def test_amx_minima_far_from_the_codes(sdt: str) -> None:
+    """Float minima whose virtual zero point round(-m/s) falls outside [0, 16] (every weight of the group
+    positive, or every one below -16 scales), scales of zero, and minima that cancel a large scale exactly:
+    the rewrite s*(q - z) + r stays within exact's bound of float64 for all of them."""
+    isa_or_skip("amx")
+    n, k, gs = 64, 256, 64
+    rng = np.random.default_rng(9)
+    codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    s = (rng.random((n, k // gs)) * 0.05 + 0.01).astype(np.float32)
+    kind = rng.integers(0, 5, s.shape)
+    m = np.where(kind == 0, s * rng.uniform(0.5, 40, s.shape),            # all weights positive: z clamps to 0
+         np.where(kind == 1, -s * rng.uniform(17, 60, s.shape),          # all below -s: z clamps to 16
+         np.where(kind == 2, -s * rng.integers(0, 16, s.shape), -s * rng.uniform(0, 15, s.shape))))
+    s[kind == 3] = 0.0                                                     # a scale of zero: w = m
+    big = kind == 4
+    s[big] *= 65536.0
+    m[big] = -s[big] * 7                                                   # weights s*(q - 7): exact zeros at q = 7
+    store = (lambda v: v.astype(np.float16)) if sdt == "float16" else (lambda v: v.astype(np.float32))
+    layer = CanonicalLayer(codes=codes, scales=store(s), bits=4, group_size=gs, zero_mode="float",
+                           zeros=store(m.astype(np.float32)), scale_dtype=sdt)
+    lin = CpuPackedLinear(pack(layer), threads=1)
+    for rows, dt in ((16, "float32"), (8, "bfloat16"), (40, "float16")):
+        x, x64 = activations(rows, k, dt, seed=rows)
+        ref = true_reference(layer, x64)
+        y = lin.forward(x, precision="exact", out_dtype="float32", isa="amx", threads=1)
+        vnni = lin.forward(x, precision="exact", out_dtype="float32", isa="avx512vnni", threads=1)
+        assert rel(y, ref) <= 1e-5 and rel(y, ref) <= 4 * rel(vnni, ref) + 1e-7, (rows, dt, rel(y, ref), rel(vnni, ref))
 
 
 def test_amx_splits_activations_into_exact_pieces() -> None:
