@@ -4,8 +4,8 @@
  *
  * Exact needs the products of the true weights with the fp32 activations, accumulated in fp32 (cpu_gemm.c).
  * Both operands are made exact in bf16:
- *   - weights: q - z is a small integer (|q - z| <= 16 for codes of at most 4 bits with 0 <= z <= 16), and
- *     every integer of magnitude <= 256 is a bf16; float minima are rewritten with an integer zero point and a
+ *   - weights: q - z is a small integer (|q - z| <= 16 for codes of at most 4 bits with 0 <= z <= 16, <= 256
+ *     for 8-bit storage), and every integer of magnitude <= 256 is a bf16; float minima are rewritten with an integer zero point and a
  *     small remainder (virtual_zero);
  *   - activations: each fp32 row is split into bf16 pieces x = x1 + x2 + x3 (x1 = bf16(x), x2 = bf16(x - x1),
  *     x3 = x - x1 - x2): three pieces hold the 24-bit significand exactly, two suffice for fp16 inputs (11 bits)
@@ -23,7 +23,8 @@
  * once into bf16 tiles in L1 (16 KiB for a block of 128) and read by every group of 16 rows of the work item.
  * Decoding a tile row (two k of 16 columns) is one masked byte permute of the CPU layout's nibble bytes
  * (cpu_repack.c: `w & 0x0f0f0f0f` holds k 0..3 of a column, `(w >> 4) & 0x0f0f0f0f` k 4..7), one add of the
- * per-column offset 16 - z and one 16-bit table lookup giving bf16(q - z).
+ * per-column offset 16 - z and one 16-bit table lookup giving bf16(q - z); 8-bit storage first joins the two
+ * nibble planes into whole bytes and converts q - z through fp32.
  *
  * Linux gives a process the tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM); cpu_dispatch.c asks
  * once and offers this path only when granted.
@@ -50,7 +51,7 @@ typedef struct {
 /* Whether the AMX kernel computes this layer: codes of at most 4 bits in one plane, integer zero points (zero
  * modes none / int, checked per block by the kernel) and activation blocks of whole bf16 tiles. */
 int w4p_amx_layer_ok(const struct w4p_cpu_layer *L) {
-    return L->planes == 1 && L->bits <= 4 && L->ab % KSTEP == 0 && L->ab <= 128;
+    return L->ab % KSTEP == 0 && L->ab <= 128;
 }
 
 /* Per activation block of `ab` values, the sum of the row's values (float minima: y += r*sum). Summed in double:
@@ -82,15 +83,21 @@ TAMX void w4p_bf16_pieces_avx512(const float *x, int n, int pieces, uint16_t *ds
     }
 }
 
-/* The per-column offsets 16 - z of one 16-column quarter, as the 32 16-bit lanes of a tile row (two k per
- * column); 0 when some z is not an integer in [0, 16] (the kernel then leaves the work item to VNNI). */
-static INL TAMX int zero_offsets(const __m512 z, __m512i *off) {
+/* The largest zero point the kernel takes: q - z must stay a bf16 integer (|q - z| <= 256) and, for 4-bit
+ * storage, an index of the 32-entry table (q + 16 - z in [0, 31]). */
+static INL int zero_max(const struct w4p_cpu_layer *L) { return L->planes == 2 ? 256 : 16; }
+
+/* Per column of one 16-column quarter, as the 32 16-bit lanes of a tile row (two k per column): 16 - z for
+ * 4-bit storage (added before the table lookup), z for 8-bit storage (subtracted); 0 when some z is not an
+ * integer in [0, zmax] (the kernel then leaves the work item to VNNI). */
+static INL TAMX int zero_offsets(const __m512 z, const int zmax, __m512i *off) {
     const __m512 zr = _mm512_roundscale_ps(z, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __mmask16 ok = _mm512_cmp_ps_mask(zr, z, _CMP_EQ_OQ) &
                          _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_GE_OQ) &
-                         _mm512_cmp_ps_mask(z, _mm512_set1_ps(16.0f), _CMP_LE_OQ);
+                         _mm512_cmp_ps_mask(z, _mm512_set1_ps((float)zmax), _CMP_LE_OQ);
     if (ok != 0xFFFF) return 0;
-    const __m512i o = _mm512_sub_epi32(_mm512_set1_epi32(16), _mm512_cvtps_epi32(zr));
+    const __m512i zi = _mm512_cvtps_epi32(zr);
+    const __m512i o = zmax == 16 ? _mm512_sub_epi32(_mm512_set1_epi32(16), zi) : zi;
     *off = _mm512_or_si512(o, _mm512_slli_epi32(o, 16));
     return 1;
 }
@@ -112,16 +119,16 @@ static INL TAMX void block_params(const struct w4p_cpu_layer *L, int tile, int b
     }
 }
 
-/* Float minima w = s*q + m as w = s*(q - z) + r: z = round(-m/s) clamped to [0, 16] (a zero in the middle of
+/* Float minima w = s*q + m as w = s*(q - z) + r: z = round(-m/s) clamped to [0, zmax] (a zero in the middle of
  * the code range puts it there; NaN from s = 0 gives 0) and r = fma(s, z, m), so q - z is a small integer as
  * for int zeros and y += s*sum((q - z)*x) + r*sum(x). Unclamped, |r| <= |s|/2 and r is exact (Sterbenz: s*z is
  * within a factor two of -m); clamped, s*(q - z) and r have the same sign. Either way neither term is much
  * larger than the weights, so nothing cancels into noise (the reason exact forms each weight on the other
  * paths), and a weight that is exactly zero under a large scale gives q = z and r = 0. */
-static INL TAMX void virtual_zero(__m512 s, __m512 *zm, __m512 *r) {
+static INL TAMX void virtual_zero(__m512 s, const int zmax, __m512 *zm, __m512 *r) {
     __m512 t = _mm512_div_ps(*zm, s);
     t = _mm512_roundscale_ps(_mm512_sub_ps(_mm512_setzero_ps(), t), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 z = _mm512_min_ps(_mm512_max_ps(t, _mm512_setzero_ps()), _mm512_set1_ps(16.0f));
+    const __m512 z = _mm512_min_ps(_mm512_max_ps(t, _mm512_setzero_ps()), _mm512_set1_ps((float)zmax));
     *r = _mm512_fmadd_ps(s, z, *zm);
     *zm = z;
 }
@@ -143,21 +150,36 @@ static INL TAMX void decode_block(const struct w4p_cpu_layer *L, int tile, int b
     const __m512i idx01 = _mm512_add_epi8(i01, col), idx23 = _mm512_add_epi8(i23, col);
     const __mmask64 even = 0x5555555555555555ull;
     const __m512i nib = _mm512_set1_epi32(0x0f0f0f0f);
-    const int cpb = L->ab / 8;
+    const int cpb = L->ab / 8, two = L->planes == 2;
     const uint32_t *w0 = w4p_tile_words(L, tile, 0) + (size_t)b * cpb * W4P_TILE;
+    const uint32_t *w1 = two ? w4p_tile_words(L, tile, 1) + (size_t)b * cpb * W4P_TILE : w0;
     for (int c = 0; c < cpb; c++) {
         const int ks = c / 4, r0 = 4 * (c % 4);
         for (int q = 0; q < 4; q++) {
             const __m512i w = _mm512_loadu_si512((const void *)(w0 + (size_t)c * W4P_TILE + 16 * q));
-            const __m512i lo = _mm512_and_si512(w, nib), hi = _mm512_and_si512(_mm512_srli_epi32(w, 4), nib);
+            __m512i lo = _mm512_and_si512(w, nib), hi = _mm512_and_si512(_mm512_srli_epi32(w, 4), nib);
+            if (two) { /* whole 8-bit codes: plane 1 holds the high nibbles of the same k */
+                const __m512i v = _mm512_loadu_si512((const void *)(w1 + (size_t)c * W4P_TILE + 16 * q));
+                lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(v, nib), 4));
+                hi = _mm512_or_si512(hi, _mm512_andnot_si512(nib, v));
+            }
             uint16_t *dst = bt[ks][q] + (size_t)r0 * 32;
             const __m512i rows[4] = {_mm512_maskz_permutexvar_epi8(even, idx01, lo),
                                      _mm512_maskz_permutexvar_epi8(even, idx23, lo),
                                      _mm512_maskz_permutexvar_epi8(even, idx01, hi),
                                      _mm512_maskz_permutexvar_epi8(even, idx23, hi)};
-            for (int r = 0; r < 4; r++)
-                _mm512_store_si512((void *)(dst + 32 * r),
-                                   _mm512_permutexvar_epi16(_mm512_add_epi16(rows[r], off[q]), table));
+            for (int r = 0; r < 4; r++) {
+                __m512i v;
+                if (two) { /* q - z in [-256, 255]: through fp32, exact */
+                    const __m512i d = _mm512_sub_epi16(rows[r], off[q]);
+                    const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(d)));
+                    const __m512 e = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(d, 1)));
+                    v = (__m512i)_mm512_cvtne2ps_pbh(e, a);
+                } else {
+                    v = _mm512_permutexvar_epi16(_mm512_add_epi16(rows[r], off[q]), table);
+                }
+                _mm512_store_si512((void *)(dst + 32 * r), v);
+            }
         }
     }
 }
@@ -202,12 +224,12 @@ static INL TAMX void tile_pieces(const w4p_job *J, int tile, int64_t m0, int64_t
     float cb[4][16][16] __attribute__((aligned(64)));
     __m512 s[4], z[4], r[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     __m512i off[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-    const int minima = L->zero_mode == W4P_ZERO_FLOAT;
-    /* every block's zero points must be integers in [0, 16]; else VNNI computes the whole item */
+    const int minima = L->zero_mode == W4P_ZERO_FLOAT, zmax = zero_max(L);
+    /* every block's zero points must be integers in [0, zmax]; else VNNI computes the whole item */
     for (int b = 0; b < L->nblk && !minima; b++) {
         block_params(L, tile, b, s, z);
         for (int q = 0; q < 4; q++)
-            if (!zero_offsets(z[q], &off[q])) {
+            if (!zero_offsets(z[q], zmax, &off[q])) {
                 w4p_tile_avx512vnni(J, tile, m0, m1);
                 return;
             }
@@ -227,8 +249,8 @@ static INL TAMX void tile_pieces(const w4p_job *J, int tile, int64_t m0, int64_t
     for (int b = 0; b < L->nblk; b++) {
         block_params(L, tile, b, s, z);
         for (int q = 0; q < 4; q++) {
-            if (minima) virtual_zero(s[q], &z[q], &r[q]);
-            zero_offsets(z[q], &off[q]);
+            if (minima) virtual_zero(s[q], zmax, &z[q], &r[q]);
+            zero_offsets(z[q], zmax, &off[q]);
         }
         decode_block(L, tile, b, off, table, bt);
         for (int64_t m = m0; m < m1; m += 16) {
@@ -251,7 +273,7 @@ static INL TAMX void tile_pieces(const w4p_job *J, int tile, int64_t m0, int64_t
 }
 
 TAMX void w4p_tile_amx(const w4p_job *J, int tile, int64_t m0, int64_t m1) {
-    if (!J->xb || m1 - m0 < w4p_amx_min_rows(J->pieces)) {
+    if (!J->xb || m1 - m0 < w4p_amx_min_rows(J->L, J->pieces)) {
         w4p_tile_avx512vnni(J, tile, m0, m1);
         return;
     }

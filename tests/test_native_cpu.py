@@ -282,6 +282,13 @@ AMX_CASES = [
     (130, 256, 4, 128, "float", False, "float16"),   # float minima (GGUF Q4_1 style): fp16 scale and minimum
     (100, 448, 4, 64, "float", True, "bfloat16"),
     (90, 192, 4, 32, "float", True, "float32"),
+    # 8-bit storage: whole codes from two nibble planes, q - z up to 256 in magnitude
+    (80, 512, 8, 128, "int", False, "float16"),
+    (72, 320, 8, 32, "none", False, "float16"),      # Q8_0 style (a GGUF token table / tied head)
+    (48, 200, 8, -1, "none", False, "bfloat16"),
+    (48, 320, 5, 32, "float", False, "float32"),     # Q5_K style float minima
+    (36, 192, 6, 32, "int", True, "float16"),
+    (64, 256, 6, 16, "none", False, "float32"),      # groups of 16: blocks smaller than a tile, VNNI
 ]
 
 
