@@ -35,7 +35,7 @@
 #include <immintrin.h>
 #include <string.h>
 
-#define TAMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,fma,f16c,avx2")))
+#define TAMX __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,fma,f16c,avx2")))
 #define INL inline __attribute__((always_inline))
 
 /* The tile configuration of palette 1 (64 bytes, the layout LDTILECFG reads). */
@@ -272,7 +272,110 @@ static INL TAMX void tile_pieces(const w4p_job *J, int tile, int64_t m0, int64_t
     for (int64_t m = m0; m < m1; m++) w4p_store_row(J, m, tile, y[m - m0]);
 }
 
+/* ---- fast: int8 activations times unsigned codes (TDPBSUD), exact int32 sums ------------------------------- */
+
+/* Code tiles of block b: ct[ks][q] = k-step ks (64 k, or the whole block when it is shorter) of column quarter q,
+ * row r holding for each of the 16 columns the codes of k = 4r .. 4r+3 (TDPBSUD's B order): exactly the layout's
+ * `w & 0x0f0f0f0f` (even rows) and `(w >> 4) & 0x0f0f0f0f` (odd rows); 8-bit storage joins the planes. */
+static INL TAMX void decode_codes(const struct w4p_cpu_layer *L, int tile, int b, uint8_t (*ct)[4][16 * 64]) {
+    const __m512i nib = _mm512_set1_epi32(0x0f0f0f0f);
+    const int cpb = L->ab / 8, two = L->planes == 2;
+    const uint32_t *w0 = w4p_tile_words(L, tile, 0) + (size_t)b * cpb * W4P_TILE;
+    const uint32_t *w1 = two ? w4p_tile_words(L, tile, 1) + (size_t)b * cpb * W4P_TILE : w0;
+    for (int c = 0; c < cpb; c++) {
+        const int ks = c / 8, row = 2 * (c % 8);
+        for (int q = 0; q < 4; q++) {
+            const __m512i w = _mm512_loadu_si512((const void *)(w0 + (size_t)c * W4P_TILE + 16 * q));
+            __m512i lo = _mm512_and_si512(w, nib), hi = _mm512_and_si512(_mm512_srli_epi32(w, 4), nib);
+            if (two) {
+                const __m512i v = _mm512_loadu_si512((const void *)(w1 + (size_t)c * W4P_TILE + 16 * q));
+                lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(v, nib), 4));
+                hi = _mm512_or_si512(hi, _mm512_andnot_si512(nib, v));
+            }
+            _mm512_store_si512((void *)(ct[ks][q] + 64 * row), lo);
+            _mm512_store_si512((void *)(ct[ks][q] + 64 * (row + 1)), hi);
+        }
+    }
+}
+
+#define W4P_AMX_FAST_STEP(Q)                                                                                       \
+    do {                                                                                                           \
+        _tile_loadd(7, ct[ks][Q], 64);                                                                             \
+        _tile_dpbsud(Q, 4, 7);                                                                                     \
+    } while (0)
+
+/* The fast path's per-block arithmetic, operation for operation as the VNNI kernel's (cpu_avx512.c fast_block),
+ * on the same exact integer sums: the two paths give the same bits. */
+static INL TAMX void tile_fast(const w4p_job *J, int tile, int64_t m0, int64_t m1) {
+    const struct w4p_cpu_layer *L = J->L;
+    float y[W4P_MCHUNK][W4P_TILE] __attribute__((aligned(64)));
+    uint8_t ct[2][4][16 * 64] __attribute__((aligned(64)));
+    int32_t cb[4][16][16] __attribute__((aligned(64)));
+    const int kst = L->ab < 64 ? L->ab : 64, nks = L->ab / kst, nblk = L->nblk;
+    const int minima = L->zero_mode == W4P_ZERO_FLOAT;
+    memset(y, 0, sizeof(float) * W4P_TILE * (size_t)(m1 - m0));
+    tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 4; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    cfg.colsb[4] = (uint16_t)kst; /* activations: 16 rows of kst int8 */
+    cfg.rows[4] = 16;
+    cfg.colsb[7] = 64; /* codes: kst/4 rows of 16 columns x 4 k */
+    cfg.rows[7] = (uint8_t)(kst / 4);
+    _tile_loadconfig(&cfg);
+    for (int b = 0; b < nblk; b++) {
+        __m512 s[4], zm[4];
+        block_params(L, tile, b, s, zm);
+        decode_codes(L, tile, b, ct);
+        for (int64_t m = m0; m < m1; m += 16) {
+            const int8_t *a = J->xq + m * L->kp + (size_t)b * L->ab;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int ks = 0; ks < nks; ks++) {
+                _tile_loadd(4, a + kst * ks, L->kp);
+                W4P_AMX_FAST_STEP(0);
+                W4P_AMX_FAST_STEP(1);
+                W4P_AMX_FAST_STEP(2);
+                W4P_AMX_FAST_STEP(3);
+            }
+            _tile_stored(0, cb[0], 64);
+            _tile_stored(1, cb[1], 64);
+            _tile_stored(2, cb[2], 64);
+            _tile_stored(3, cb[3], 64);
+            const int n = m1 - m < 16 ? (int)(m1 - m) : 16;
+            for (int i = 0; i < n; i++) {
+                const __m512 xs = _mm512_set1_ps(J->xs[(m + i) * nblk + b]);
+                const __m512 as = _mm512_set1_ps((float)J->xsum[(m + i) * nblk + b]);
+                for (int q = 0; q < 4; q++) {
+                    const __m512 d = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)cb[q][i]));
+                    __m512 t;
+                    if (minima) {
+                        const __m512 pr = _mm512_mul_ps(s[q], d);
+                        t = _mm512_add_ps(_mm512_fmadd_ps(zm[q], as, pr), _mm512_fmsub_ps(s[q], d, pr));
+                    } else {
+                        t = _mm512_mul_ps(s[q], _mm512_fnmadd_ps(zm[q], as, d));
+                    }
+                    float *yr = &y[m - m0 + i][16 * q];
+                    _mm512_store_ps(yr, _mm512_fmadd_ps(t, xs, _mm512_load_ps(yr)));
+                }
+            }
+        }
+    }
+    _tile_release();
+    for (int64_t m = m0; m < m1; m++) w4p_store_row(J, m, tile, y[m - m0]);
+}
+
 TAMX void w4p_tile_amx(const w4p_job *J, int tile, int64_t m0, int64_t m1) {
+    if (J->precision == W4P_PREC_FAST) {
+        if (J->xq_padded && m1 - m0 >= W4P_AMX_FAST_MIN_ROWS) tile_fast(J, tile, m0, m1);
+        else w4p_tile_avx512vnni(J, tile, m0, m1);
+        return;
+    }
     if (!J->xb || m1 - m0 < w4p_amx_min_rows(J->L, J->pieces)) {
         w4p_tile_avx512vnni(J, tile, m0, m1);
         return;

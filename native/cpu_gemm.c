@@ -313,8 +313,11 @@ static int gemm_rows(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t
 #endif
     int rc = W4P_OK;
     if (posix_memalign((void **)&P.xf, 64, (size_t)m * kp * sizeof(float))) P.xf = NULL;
+    /* the AMX fast kernel loads whole 16-row tiles of int8 activations: rows past m exist and are zero */
+    const int64_t mq = isa == W4P_ISA_AMX ? (m + 15) / 16 * 16 : m;
     if (precision == W4P_PREC_FAST) {
-        if (posix_memalign((void **)&P.xq, 64, (size_t)m * kp)) P.xq = NULL;
+        if (posix_memalign((void **)&P.xq, 64, (size_t)mq * kp)) P.xq = NULL;
+        else memset(P.xq + (size_t)m * kp, 0, (size_t)(mq - m) * kp);
         P.xs = malloc((size_t)m * nblk * sizeof(float));
         P.xsum = malloc((size_t)m * nblk * sizeof(int32_t));
     }
@@ -348,7 +351,7 @@ static int gemm_rows(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t
 
     w4p_parallel_for(m, m >= 8 ? threads : 1, prep_row, &P);
 
-    w4p_job job = {L, m, precision, P.xq, P.xs, P.xsum, P.xf, y, y_dtype, ldy, bias32, P.xb, P.pieces, P.xsumf};
+    w4p_job job = {L, m, precision, P.xq, P.xs, P.xsum, P.xf, y, y_dtype, ldy, bias32, P.xb, P.pieces, P.xsumf, isa == W4P_ISA_AMX};
     run_ctx R = {&job, fn, (m + W4P_MCHUNK - 1) / W4P_MCHUNK};
     w4p_parallel_for((int64_t)L->nt * R.mchunks, threads, run_item, &R);
 done:

@@ -72,6 +72,7 @@ typedef struct {
     const uint16_t *xb;
     int pieces;
     const float *xsumf; /* AMX, float minima: per row and activation block, the sum of the activations [m][nblk] */
+    int xq_padded;      /* fast: xq has ceil16(m) rows, the rows past m zero (AMX reads whole 16-row tiles) */
 } w4p_job;
 
 /* A tile kernel computes output columns tile*64 .. tile*64+63 for activation rows m0 .. m1-1. */
@@ -88,6 +89,7 @@ void w4p_tile_avx512vnni(const w4p_job *job, int tile, int64_t m0, int64_t m1);
    every other item goes to w4p_tile_avx512vnni. A tile multiply costs the same for 1 row as for 16, so fewer
    rows go to VNNI: from 4 rows the tiles win with one or two bf16 pieces, from 6 with three, and from 8 for
    8-bit storage (whose weight decoding costs more). */
+#define W4P_AMX_FAST_MIN_ROWS 8 /* fast precision: int8 tiles from this many rows */
 static inline int64_t w4p_amx_min_rows(const struct w4p_cpu_layer *L, int pieces) {
     return L->planes == 2 ? 8 : pieces > 2 ? 6 : 4;
 }

@@ -353,6 +353,24 @@ def test_amx_minima_far_from_the_codes(sdt: str) -> None:
         assert rel(y, ref) <= 1e-5 and rel(y, ref) <= 4 * rel(vnni, ref) + 1e-7, (rows, dt, rel(y, ref), rel(vnni, ref))
 
 
+FAST_ROWS = (7, 8, 16, 17, 64, 65, 130)
+
+
+def test_amx_fast_gives_the_vnni_bits(case: tuple) -> None:
+    """Fast on int8 tiles (from 8 rows) forms the same exact integer sums as VNNI and applies the same per-block
+    arithmetic, so every output bit agrees, for every layer of the matrix (all bit widths, zero modes,
+    group sizes including 16, act-order) and row counts around the tiles."""
+    isa_or_skip("amx")
+    layer, packed, lin = case
+    for m in FAST_ROWS:
+        for dt in ("float32", "bfloat16"):
+            x, x64 = activations(m, layer.in_features, dt, seed=m + 1)
+            y = lin.forward(x, precision="fast", out_dtype="float32", isa="amx", threads=1)
+            assert np.array_equal(y, lin.forward(x, precision="fast", out_dtype="float32", isa="avx512vnni",
+                                                 threads=1)), (m, dt)
+            assert rel(y, fast_reference(layer, packed, x64)) < 2e-6, (m, dt)
+
+
 def test_amx_splits_activations_into_exact_pieces() -> None:
     """Activations whose low significand bits matter: x = 1 + 2^-20 style values against integer weights give a
     result that one or two bf16 pieces would round away (2^-20 relative), so only an exact split passes."""
