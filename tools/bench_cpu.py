@@ -112,13 +112,13 @@ def bench_w4pack(layer: CanonicalLayer, ms: list[int], threads: int, cold: int, 
     lins = [first] + [CpuPackedLinear(packed, threads=threads) for _ in range(copies_for(first.nbytes, cold) - 1)]
     rows = []
     k = layer.in_features
-    # exact on AMX takes its activations as bf16 pieces (fp16: two, bf16: one, fp32: three); beside it, the same
-    # call on the AVX-512 VNNI kernel (what runs where AMX is missing)
+    # on AMX, exact takes its activations as bf16 pieces (fp16: two, bf16: one, fp32: three) and fast runs int8
+    # tiles; beside each, the same call on the AVX-512 VNNI kernel (what runs where AMX is missing)
     amx = "amx" in isa_info()["available"]
     variants = [("fast", "float16", None), ("exact", "float16", None)]
     if amx:
-        variants += [("exact", "float16", "avx512vnni"), ("exact", "bfloat16", None), ("exact", "float32", None),
-                     ("exact", "float32", "avx512vnni")]
+        variants += [("fast", "float16", "avx512vnni"), ("exact", "float16", "avx512vnni"),
+                     ("exact", "bfloat16", None), ("exact", "float32", None), ("exact", "float32", "avx512vnni")]
     for m in ms:
         x16 = np.random.default_rng(m).standard_normal((m, k)).astype(np.float16)
         for prec, dt, isa in variants:
@@ -132,7 +132,7 @@ def bench_w4pack(layer: CanonicalLayer, ms: list[int], threads: int, cold: int, 
                     lin.forward(x, precision=prec, isa=isa)
             r = measure(run_pass, len(lins), args.samples, args.max_foreign, args.budget)
             act = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[dt]
-            path = f", {isa} kernel" if isa else (", amx" if amx and prec == "exact" and m >= 8 else "")
+            path = f", {isa} kernel" if isa else (", amx" if amx and m >= (4 if prec == "exact" else 8) else "")
             rows.append(dict(r, impl=f"w4pack {prec}{path} ({act} act.)", m=m, bytes=first.nbytes,
                              copies=len(lins)))
     del lins
