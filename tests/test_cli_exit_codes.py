@@ -245,6 +245,50 @@ def test_tensor_in_two_files_without_an_index(tmp_path: Path, capsys: pytest.Cap
     assert rc == 2 and "tensor w: defined in two shards, a.safetensors and b.safetensors" in err, err
 
 
+def _demo_packed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    """The demo's GPTQ checkpoint (tools/make_demo_checkpoint.py) packed into several shards."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    src = tmp_path / "gptq"
+    subprocess.run([sys.executable, str(repo / "tools" / "make_demo_checkpoint.py"), str(src)], check=True,
+                   capture_output=True)
+    packed = tmp_path / "packed"
+    assert main(["convert", str(src), str(packed), "--max-shard-size", "200KB"]) == 0
+    capsys.readouterr()
+    return packed
+
+
+@pytest.mark.parametrize("command", ["convert", "verify-against", "run"])
+def test_packed_tensor_in_two_shards_is_refused_by_every_reader(command: str, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A packed folder whose shard holds a tensor the index places in another shard is bad input for every
+    command that reads it, not only for validate and inspect (which open every shard header up front): convert,
+    verify --against and run open shards as they need them."""
+    import json
+
+    packed = _demo_packed(tmp_path, capsys)
+    wmap = json.loads((packed / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = sorted(set(wmap.values()))
+    assert len(shards) > 1
+    tname, listed, extra = "model.norm.weight", wmap["model.norm.weight"], shards[0]
+    if extra == listed:
+        extra = shards[-1]
+    _shard_with_extra(packed / extra, packed / listed, tname)
+    if command == "convert":
+        argv = ["convert", packed, tmp_path / "out"]
+    elif command == "verify-against":
+        argv = ["verify", _demo_packed(tmp_path / "other", capsys), "--against", packed]
+    else:
+        pytest.importorskip("transformers")
+        argv = ["run", packed, "--prompt", "hi", "--max-new-tokens", "1"]
+    rc, err = _cli(capsys, *argv)
+    assert rc == 2 and f"tensor {tname}: defined in two shards" in err, err
+    assert listed in err and extra in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_library_warnings_stay_off_the_error_line(tmp_path: Path) -> None:
     """numpy's "overflow encountered in cast" (here: GGUF export checking −scale·zero in fp16) is not printed above
     the one-line error (item 11); W4PACK_DEBUG=1 still shows it."""
