@@ -534,3 +534,19 @@ def test_an_output_named_like_a_gguf_file_needs_to_gguf(tmp_path: Path, capsys: 
     assert (tmp_path / "model.gguf").is_file()
     assert main(["convert", str(src), str(tmp_path / "dir.gguf"), "--to", "w4pack"]) == 0
     assert (tmp_path / "dir.gguf" / "w4pack.json").is_file()
+
+
+def test_debug_shows_the_traceback_and_keeps_the_exit_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """W4PACK_DEBUG=1 adds the traceback; the status stays the documented one (an uncaught exception would exit 1,
+    "verification failed"), and W4PACK_DEBUG=0 is off like the project's other 0/1 switches."""
+    missing = tmp_path / "missing"
+    monkeypatch.setenv("W4PACK_DEBUG", "1")
+    capsys.readouterr()
+    rc = main(["validate", str(missing)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback (most recent call last)" in err and "BadInputError" in err, err
+    assert err.rstrip("\n").splitlines()[-1] == f"w4pack: error: {missing}: does not exist", err
+    monkeypatch.setenv("W4PACK_DEBUG", "0")
+    rc, err = _cli(capsys, "validate", missing)
+    assert rc == 2 and err == f"w4pack: error: {missing}: does not exist\n"
