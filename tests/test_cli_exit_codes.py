@@ -474,6 +474,29 @@ def test_a_source_given_where_a_packed_folder_is_needed_says_convert_first(
     assert rc == 2 and "no w4pack.json" in err and "w4pack convert" not in err
 
 
+def test_a_folder_holding_gguf_files_names_the_file_to_convert(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The folder a GGUF file was downloaded into, given to validate/verify/run/push, was answered "no w4pack.json";
+    as convert does for such a folder, the line names the file (README: "answered with the file to pass")."""
+    import shutil
+
+    data = Path(__file__).resolve().parent / "data" / "llama_quantize"
+    one = tmp_path / "download"
+    one.mkdir()
+    shutil.copy(data / "tiny-Q4_K_M.gguf", one)
+    gguf = one / "tiny-Q4_K_M.gguf"
+    for argv in (["validate", one], ["verify", one], ["run", one, "--prompt", "hi"], ["push", one, "me/x", "--dry-run"]):
+        rc, err = _cli(capsys, *argv)
+        assert rc == 2 and f"{one}: a folder holding a GGUF file, not a packed w4pack folder" in err, (argv, err)
+        assert f"w4pack convert {gguf} OUT_DIR, then w4pack {argv[0]} OUT_DIR" in err, err
+    rc, err = _cli(capsys, "verify", one)
+    assert f"then w4pack verify OUT_DIR --against {gguf}" in err
+    rc, err = _cli(capsys, "validate", data)
+    n = len(list(data.glob("*.gguf")))
+    assert rc == 2 and f"{data}: a folder holding {n} GGUF files (tiny-IQ4_NL.gguf, " in err, err
+    assert f"w4pack convert {data / 'FILE.gguf'} OUT_DIR" in err
+
+
 def test_a_wrong_from_names_the_format_detected(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Was the wrong reader's complaint alone ("header length ... exceeds the file: truncated or not safetensors"
     for a GGUF read with --from awq), which sends the user after a corrupt file instead of the option."""

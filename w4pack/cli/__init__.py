@@ -144,19 +144,31 @@ def require_packed(path: str | os.PathLike[str], command: str, rest: str = "") -
     from ..formats import detect
     from ..store.names import MANIFEST_NAME
 
+    from ..store.gguffile import gguf_files_in
+
     p = Path(path)
     if (p / MANIFEST_NAME).is_file() or not os.path.lexists(p):
         return
     try:
         found = detect(p)
     except W4PackError:
+        found = None
+    what, source = f"{found} checkpoint", p
+    if found is None and p.is_dir():  # a folder a GGUF file was downloaded into: the model is the file
+        ggufs = gguf_files_in(p)
+        if not ggufs:
+            return
+        if len(ggufs) == 1:
+            what, source = "folder holding a GGUF file", ggufs[0]
+        else:
+            shown = ", ".join(g.name for g in ggufs[:4]) + (f" and {len(ggufs) - 4} more" if len(ggufs) > 4 else "")
+            what, source = f"folder holding {len(ggufs)} GGUF files ({shown})", p / "FILE.gguf"
+    elif found is None or found == "w4pack":
         return
-    if found != "w4pack":
-        article = "an" if found[0] in "aeiou" else "a"
-        rest = f" --against {p}" if command == "verify" else (f" {rest}" if rest else "")
-        raise BadInputError(f"{article} {found} checkpoint, not a packed w4pack folder; {command} takes the output "
-                            f"of convert: w4pack convert {p} OUT_DIR, then w4pack {command} OUT_DIR{rest}",
-                            file=str(p))
+    article = "an" if what[0] in "aeiou" else "a"
+    rest = f" --against {source}" if command == "verify" else (f" {rest}" if rest else "")
+    raise BadInputError(f"{article} {what}, not a packed w4pack folder; {command} takes the output of convert: "
+                        f"w4pack convert {source} OUT_DIR, then w4pack {command} OUT_DIR{rest}", file=str(p))
 
 
 def check_endpoint(endpoint: str | None) -> None:
