@@ -383,9 +383,9 @@ def _card_metadata(facts: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]
     return meta
 
 
-def _card_body(folder: Path, facts: dict[str, Any], repo_id: str | None) -> str:
+def _card_body(folder: Path, facts: dict[str, Any], repo_id: str | None, name: str | None = None) -> str:
     manifest, source, config = facts["manifest"], facts["source"], facts["config"]
-    name = repo_id or folder.name
+    name = repo_id or name or folder.name
     layout = manifest.get("layout") or {}
     base = _hub_id(source.get("base_model") or _notes_value(source, "base_model"))
     lines = [CARD_BEGIN, f"# {name}", ""]
@@ -428,22 +428,25 @@ def _card_body(folder: Path, facts: dict[str, Any], repo_id: str | None) -> str:
     if notes:
         lines += ["Conversion notes:", ""] + [f"- {n}" for n in notes] + [""]
     lines += _verify_section(manifest.get("verify"))
-    lines += _use_section(name)
+    lines += _use_section(name, repo_id)
     return "\n".join(lines) + "\n"
 
 
-def _use_section(name: str) -> list[str]:
+def _use_section(name: str, repo_id: str | None) -> list[str]:
     """How to install w4pack and load the model. w4pack is not on the package index: it installs from a clone of its
     repository or a wheel built there, and transformers needs the "w4pack" quantization method registered (an
-    unknown quant_method only warns and leaves random weights), which ``import w4pack`` does."""
+    unknown quant_method only warns and leaves random weights), which ``import w4pack`` does. ``w4pack pull`` is
+    shown only with the repository id (push renders the card with it): a folder's name is no repository id, and
+    ``w4pack pull NAME`` would be refused."""
     local = f"./{name.split('/')[-1]}"
+    pull = [f"w4pack pull {repo_id} {local}"] if repo_id else []
     return ["## Use", "",
             "w4pack is not on the Python package index: install it from a clone of its repository "
             "(`pip install '.[hf]'`, which builds its CPU kernels with a C compiler) or from a wheel built there "
             "with `make wheel` (`pip install 'w4pack-<version>-<tags>.whl[hf]'`, no compiler needed). The `[hf]` "
             "extra brings torch and transformers; on a machine without a GPU install the CPU build of torch first "
             "(`pip install torch --index-url https://download.pytorch.org/whl/cpu`).", "",
-            "```bash", f"w4pack pull {name} {local}", f"w4pack validate {local}",
+            "```bash", *pull, f"w4pack validate {local}",
             f"w4pack run {local} --prompt 'Hello'", "```", "",
             "In Python, `import w4pack` registers its quantization method with transformers (without it "
             "transformers does not know `quant_method: w4pack`):", "",
@@ -468,7 +471,7 @@ def model_card(checkpoint: str | os.PathLike[str], *, repo_id: str | None = None
     facts = _card_facts(folder)
     old_meta, old_body = _existing_card(folder)
     meta = _card_metadata(facts, old_meta)
-    body = _card_body(folder, facts, repo_id or name)
+    body = _card_body(folder, facts, repo_id, name)
     begin = _CARD_BEGIN_RE.search(old_body)
     if begin and CARD_END in old_body[begin.end():]:
         head, rest = old_body[:begin.start()], old_body[begin.end():]
