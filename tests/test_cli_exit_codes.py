@@ -245,6 +245,50 @@ def test_tensor_in_two_files_without_an_index(tmp_path: Path, capsys: pytest.Cap
     assert rc == 2 and "tensor w: defined in two shards, a.safetensors and b.safetensors" in err, err
 
 
+def _demo_packed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    """The demo's GPTQ checkpoint (tools/make_demo_checkpoint.py) packed into several shards."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    src = tmp_path / "gptq"
+    subprocess.run([sys.executable, str(repo / "tools" / "make_demo_checkpoint.py"), str(src)], check=True,
+                   capture_output=True)
+    packed = tmp_path / "packed"
+    assert main(["convert", str(src), str(packed), "--max-shard-size", "200KB"]) == 0
+    capsys.readouterr()
+    return packed
+
+
+@pytest.mark.parametrize("command", ["convert", "verify-against", "run"])
+def test_packed_tensor_in_two_shards_is_refused_by_every_reader(command: str, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A packed folder whose shard holds a tensor the index places in another shard is bad input for every
+    command that reads it, not only for validate and inspect (which open every shard header up front): convert,
+    verify --against and run open shards as they need them."""
+    import json
+
+    packed = _demo_packed(tmp_path, capsys)
+    wmap = json.loads((packed / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = sorted(set(wmap.values()))
+    assert len(shards) > 1
+    tname, listed, extra = "model.norm.weight", wmap["model.norm.weight"], shards[0]
+    if extra == listed:
+        extra = shards[-1]
+    _shard_with_extra(packed / extra, packed / listed, tname)
+    if command == "convert":
+        argv = ["convert", packed, tmp_path / "out"]
+    elif command == "verify-against":
+        argv = ["verify", _demo_packed(tmp_path / "other", capsys), "--against", packed]
+    else:
+        pytest.importorskip("transformers")
+        argv = ["run", packed, "--prompt", "hi", "--max-new-tokens", "1"]
+    rc, err = _cli(capsys, *argv)
+    assert rc == 2 and f"tensor {tname}: defined in two shards" in err, err
+    assert listed in err and extra in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_library_warnings_stay_off_the_error_line(tmp_path: Path) -> None:
     """numpy's "overflow encountered in cast" (here: GGUF export checking −scale·zero in fp16) is not printed above
     the one-line error (item 11); W4PACK_DEBUG=1 still shows it."""
@@ -430,6 +474,29 @@ def test_a_source_given_where_a_packed_folder_is_needed_says_convert_first(
     assert rc == 2 and "no w4pack.json" in err and "w4pack convert" not in err
 
 
+def test_a_folder_holding_gguf_files_names_the_file_to_convert(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The folder a GGUF file was downloaded into, given to validate/verify/run/push, was answered "no w4pack.json";
+    as convert does for such a folder, the line names the file (README: "answered with the file to pass")."""
+    import shutil
+
+    data = Path(__file__).resolve().parent / "data" / "llama_quantize"
+    one = tmp_path / "download"
+    one.mkdir()
+    shutil.copy(data / "tiny-Q4_K_M.gguf", one)
+    gguf = one / "tiny-Q4_K_M.gguf"
+    for argv in (["validate", one], ["verify", one], ["run", one, "--prompt", "hi"], ["push", one, "me/x", "--dry-run"]):
+        rc, err = _cli(capsys, *argv)
+        assert rc == 2 and f"{one}: a folder holding a GGUF file, not a packed w4pack folder" in err, (argv, err)
+        assert f"w4pack convert {gguf} OUT_DIR, then w4pack {argv[0]} OUT_DIR" in err, err
+    rc, err = _cli(capsys, "verify", one)
+    assert f"then w4pack verify OUT_DIR --against {gguf}" in err
+    rc, err = _cli(capsys, "validate", data)
+    n = len(list(data.glob("*.gguf")))
+    assert rc == 2 and f"{data}: a folder holding {n} GGUF files (tiny-IQ4_NL.gguf, " in err, err
+    assert f"w4pack convert {data / 'FILE.gguf'} OUT_DIR" in err
+
+
 def test_a_wrong_from_names_the_format_detected(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Was the wrong reader's complaint alone ("header length ... exceeds the file: truncated or not safetensors"
     for a GGUF read with --from awq), which sends the user after a corrupt file instead of the option."""
@@ -490,3 +557,19 @@ def test_an_output_named_like_a_gguf_file_needs_to_gguf(tmp_path: Path, capsys: 
     assert (tmp_path / "model.gguf").is_file()
     assert main(["convert", str(src), str(tmp_path / "dir.gguf"), "--to", "w4pack"]) == 0
     assert (tmp_path / "dir.gguf" / "w4pack.json").is_file()
+
+
+def test_debug_shows_the_traceback_and_keeps_the_exit_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """W4PACK_DEBUG=1 adds the traceback; the status stays the documented one (an uncaught exception would exit 1,
+    "verification failed"), and W4PACK_DEBUG=0 is off like the project's other 0/1 switches."""
+    missing = tmp_path / "missing"
+    monkeypatch.setenv("W4PACK_DEBUG", "1")
+    capsys.readouterr()
+    rc = main(["validate", str(missing)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback (most recent call last)" in err and "BadInputError" in err, err
+    assert err.rstrip("\n").splitlines()[-1] == f"w4pack: error: {missing}: does not exist", err
+    monkeypatch.setenv("W4PACK_DEBUG", "0")
+    rc, err = _cli(capsys, "validate", missing)
+    assert rc == 2 and err == f"w4pack: error: {missing}: does not exist\n"

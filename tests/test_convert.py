@@ -371,3 +371,44 @@ def test_inspect_exits_as_convert_for_a_broken_side_file(tmp_path):
     _one_line_error(run_cli("convert", src, tmp_path / "out"), 2, want)
     _one_line_error(run_cli("inspect", src), 2, want)
     assert not (tmp_path / "out").exists()
+
+
+_QUANTS = Path(__file__).resolve().parent / "data" / "llama_quantize"
+
+
+def _demo_gptq(tmp_path: Path) -> Path:
+    """tools/make_demo_checkpoint.py's 4-bit GPTQ checkpoint (group 64: no GGUF block)."""
+    src = tmp_path / "demo-gptq"
+    subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "tools" / "make_demo_checkpoint.py"),
+                    str(src)], check=True, capture_output=True)
+    return src
+
+
+@pytest.mark.parametrize("source,target", [
+    ("tiny-Q4_K_M.gguf", "gptq"), ("tiny-Q4_K_M.gguf", "gptq-v2"), ("tiny-Q4_K_M.gguf", "awq"),
+    ("tiny-Q4_K_M.gguf", "toml"), ("tiny-Q4_K_M.gguf", "compressed-tensors"), ("tiny-Q6_K.gguf", "awq"),
+    ("demo", "gguf")])
+def test_every_refusal_names_a_way_out_that_works(source: str, target: str, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """README: a writer refuses what its format cannot hold exactly, "exit 3, naming the layer and a way out".
+    Each refusal names one, and every target it names converts the same source (AWQ suggested --to gptq for
+    6-bit layers, which GPTQ refuses too; GGUF, GPTQ, TOML and compressed-tensors named none)."""
+    import re
+
+    from conftest import cli_one_line
+    from w4pack.cli import main
+
+    pytest.importorskip("gguf", reason="install the gguf package: pip install -e '.[test]'")
+    src = _demo_gptq(tmp_path) if source == "demo" else _QUANTS / source
+    dst = tmp_path / ("out.gguf" if target == "gguf" else "out")
+    rc, err = cli_one_line(capsys, "convert", src, dst, "--to", target)
+    assert rc == 3 and "way out: " in err, err
+    way_out = err.split("way out: ", 1)[1]
+    targets = re.findall(r"--to ([\w-]+)", way_out.split(")", 1)[0])
+    assert targets, err
+    for i, other in enumerate(targets):
+        out = tmp_path / (f"w{i}.gguf" if other == "gguf" else f"w{i}")
+        capsys.readouterr()
+        rc = main(["convert", str(src), str(out), "--to", other])
+        err2 = capsys.readouterr().err
+        assert rc == 0, f"the way out of {err!r}, --to {other}, fails too: {err2}"

@@ -420,6 +420,28 @@ def test_source_patterns_pick_only_what_the_format_needs() -> None:
     assert {"*.toml", "*.npy", "*.safetensors"} <= set(pats) and target is None
 
 
+def test_several_gguf_files_are_answered_with_a_spec_that_works(hub, tmp_path: Path, capfd,  # noqa: ANN001
+                                                                 monkeypatch) -> None:
+    """A repository of several GGUF files: the line names the source to type, with the repository, revision and
+    folder given (it said "hf://owner/name/..."); converting that works and prints nothing on stderr (the Hub
+    client's "Repo card metadata block was not found" for a card without front matter stayed on stderr)."""
+    gguf = (Path(__file__).resolve().parent / "data" / "llama_quantize" / "tiny-Q4_K_M.gguf").read_bytes()
+    hub.add_repo(f"{USER}/ggufs", {"sub/a.gguf": gguf, "sub/b.gguf": gguf, "README.md": b"no front matter\n"})
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    monkeypatch.setenv("W4PACK_CACHE", str(tmp_path / "cache"))
+    rc, out, err = _cli(["convert", f"hf://{USER}/ggufs@main/sub", str(tmp_path / "x")], capfd)
+    named = f"hf://{USER}/ggufs@main/sub/a.gguf"
+    assert rc == 2 and f"name one: {named} (others: sub/b.gguf)" in err, err
+    rc, out, err = _cli(["convert", named, str(tmp_path / "x")], capfd)
+    assert rc == 0 and err == "", err
+
+    from w4pack.errors import BadInputError
+    from w4pack.hub import _source_patterns
+
+    with pytest.raises(BadInputError, match=r"name one: hf://o/n@v1/a\.gguf \(others: b\.gguf\)"):
+        _source_patterns(["a.gguf", "b.gguf"], None, spec="hf://o/n@v1")
+
+
 def test_convert_from_hf_uses_only_needed_files(hub, ckpt: Path, tmp_path: Path, capfd,  # noqa: ANN001
                                                 monkeypatch) -> None:
     from w4pack.checkpoint import validate_checkpoint
@@ -513,7 +535,7 @@ def test_convert_gguf_from_hf_picks_the_named_file(hub, tmp_path: Path, monkeypa
     hub.add_repo("w4org/ggufs", {"tiny.Q4_0.gguf": gguf, "tiny.copy.gguf": gguf, "README.md": b"# ggufs\n"})
     monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
     rc, out, err = _cli(["convert", "hf://w4org/ggufs", str(tmp_path / "x")], capfd)
-    assert rc == 2 and "name one: hf://owner/name/" in err and hub.count("resolve") == 0
+    assert rc == 2 and "name one: hf://w4org/ggufs/tiny.Q4_0.gguf " in err and hub.count("resolve") == 0
     rc, out, err = _cli(["convert", "hf://w4org/ggufs/tiny.Q4_0.gguf", str(tmp_path / "w4"), "--json"], capfd)
     assert rc == 0, err
     fetched = {r.path.rsplit("/", 1)[-1] for r in hub.requests if r.route == "resolve"}

@@ -66,7 +66,7 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
     problem, 0 when none). Usage mistakes raise exactly as convert raises them; with ``dst``, an existing DST
     without ``force`` is an ``output_problems`` entry (the real run refuses it)."""
     from .store.atomic import check_output
-    from .fuse import FusedSource
+    from .fuse import FusedSource, for_target as unfused_for
 
     options = dict(options)
     float_embeddings = bool(options.pop("float_embeddings", False))
@@ -91,7 +91,7 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
         n_source = len(source.layer_names())
         if fuse:
             source = FusedSource(source, fuse)
-        source = embeddings.for_target(source, target, keep_packed=not float_embeddings)
+        source = unfused_for(embeddings.for_target(source, target, keep_packed=not float_embeddings), target)
         names = source.layer_names()
         before.extend((exc.one_line(), exc.exit_code) for exc in source_problems(target, source, str(src)))
         own_check = target.own_layer_checks
@@ -238,7 +238,7 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
         convert("llama-gptq-v1/", "llama-w4/", source_options={"v1_zeros": "carry"})
     """
     t0 = time.perf_counter()
-    from .fuse import FusedSource
+    from .fuse import FusedSource, for_target as unfused_for
     from .progress import step
 
     options = dict(options)
@@ -255,7 +255,7 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
     with source:
         if fuse:
             source = FusedSource(source, fuse)
-        source = embeddings.for_target(source, target, keep_packed=not float_embeddings)
+        source = unfused_for(embeddings.for_target(source, target, keep_packed=not float_embeddings), target)
         problems = source_problems(target, source, str(src))  # before anything is written, not at the end
         if problems:
             raise problems[0]

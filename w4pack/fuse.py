@@ -17,9 +17,10 @@ import numpy as np
 
 from .core.canonical import CanonicalLayer
 from .errors import BadInputError, UnsupportedError
-from .formats.base import Source, TensorData
+from .formats.base import Format, Source, TensorData
 
-__all__ = ["FUSIONS", "parse_fuse", "plan_fusion", "fuse_layers", "FusedSource", "fusion_blockers"]
+__all__ = ["FUSIONS", "parse_fuse", "plan_fusion", "fuse_layers", "FusedSource", "fusion_blockers", "split_fused",
+           "UnfusedSource", "for_target"]
 
 #: fusion kind -> (parts in order, fused module name)
 FUSIONS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -167,3 +168,73 @@ class FusedSource(Source):
 
     def close(self) -> None:
         self.inner.close()
+
+
+def split_fused(layer: CanonicalLayer, part: str, rows: list[int]) -> CanonicalLayer:
+    """Part ``part`` of a fused layer: its rows ``[start, end)`` of codes, scales, zero points and bias (the columns'
+    group structure is shared by every part, so it is the fused layer's)."""
+    a, b = int(rows[0]), int(rows[1])
+    if not 0 <= a < b <= layer.out_features:
+        raise BadInputError(f"fused part {part} has rows [{a}, {b}) outside the fused layer's {layer.out_features}",
+                            tensor=layer.name or None)
+    return layer.replace(codes=layer.codes[a:b].copy(), scales=layer.scales[a:b].copy(),
+                         zeros=None if layer.zeros is None else layer.zeros[a:b].copy(),
+                         bias=None if layer.bias is None else layer.bias[a:b].copy(),
+                         g_idx=None if layer.g_idx is None else layer.g_idx.copy(), name=part).validate()
+
+
+class UnfusedSource(Source):
+    """A fused source (a ``--fuse``d w4pack checkpoint) as its original layers, for a format that stores no fusion:
+    its loaders build q/k/v and gate/up, and a ``qkv_proj`` the model lacks would not load. One fused layer is held
+    at a time (its parts are read one after the other)."""
+
+    def __init__(self, inner: Source):
+        self.inner = inner
+        self.config = inner.config
+        self.path = getattr(inner, "path", Path("."))
+        self.fused = inner.fused_layers()
+        self._of = {p["name"]: (fused, p["rows"]) for fused, parts in self.fused.items() for p in parts}
+        self._held: tuple[str, CanonicalLayer] | None = None
+        self.info = dict(inner.info)
+        self.info["notes"] = list(inner.info.get("notes") or []) + [
+            f"{len(self.fused)} fused layer(s) written as their {len(self._of)} parts"]
+
+    def layer_names(self) -> list[str]:
+        out: list[str] = []
+        for name in self.inner.layer_names():
+            out.extend([p["name"] for p in self.fused[name]] if name in self.fused else [name])
+        return out
+
+    def read_layer(self, name: str) -> CanonicalLayer:
+        if name not in self._of:
+            return self.inner.read_layer(name)
+        fused, rows = self._of[name]
+        if self._held is None or self._held[0] != fused:
+            self._held = (fused, self.inner.read_layer(fused).replace(name=fused))
+        return split_fused(self._held[1], name, rows)
+
+    def embedding_names(self) -> list[str]:
+        return self.inner.embedding_names()
+
+    def passthrough_names(self) -> list[str]:
+        return self.inner.passthrough_names()
+
+    def read_tensor(self, name: str) -> TensorData:
+        return self.inner.read_tensor(name)
+
+    def tensor_span(self, name: str) -> Any:
+        return self.inner.tensor_span(name)
+
+    def side_files(self) -> list[Path]:
+        return self.inner.side_files()
+
+    def close(self) -> None:
+        self._held = None
+        self.inner.close()
+
+
+def for_target(source: Source, target: type[Format]) -> Source:
+    """``source`` as ``target`` can write it: unchanged when the format stores fusions or there are none."""
+    if target.stores_fused or not source.fused_layers():
+        return source
+    return UnfusedSource(source)

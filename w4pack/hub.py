@@ -265,6 +265,21 @@ def card_metadata(folder: Path) -> dict[str, Any]:
     return _existing_card(folder)[0]
 
 
+@contextlib.contextmanager
+def _quiet_card_parser() -> Iterator[None]:
+    """huggingface_hub logs "Repo card metadata block was not found" for a card without front matter (common on
+    the Hub): a library's notice on stderr, which the CLI keeps off (one line per error, nothing on success)."""
+    import logging
+
+    log = logging.getLogger("huggingface_hub.repocard")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def _existing_card(folder: Path) -> tuple[dict[str, Any], str]:
     """Metadata and body of README.md in ``folder`` (parsed by huggingface_hub's ModelCard)."""
     from huggingface_hub import ModelCard
@@ -274,7 +289,8 @@ def _existing_card(folder: Path) -> tuple[dict[str, Any], str]:
         return {}, ""
     text = p.read_text(encoding="utf-8")
     try:
-        card = ModelCard(text, ignore_metadata_errors=True)
+        with _quiet_card_parser():
+            card = ModelCard(text, ignore_metadata_errors=True)
     except Exception as exc:  # noqa: BLE001 - yaml errors and the like
         raise BadInputError(f"cannot read the existing model card's front matter: {exc}", file=str(p)) from None
     return card.data.to_dict(), card.text
@@ -367,9 +383,9 @@ def _card_metadata(facts: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]
     return meta
 
 
-def _card_body(folder: Path, facts: dict[str, Any], repo_id: str | None) -> str:
+def _card_body(folder: Path, facts: dict[str, Any], repo_id: str | None, name: str | None = None) -> str:
     manifest, source, config = facts["manifest"], facts["source"], facts["config"]
-    name = repo_id or folder.name
+    name = repo_id or name or folder.name
     layout = manifest.get("layout") or {}
     base = _hub_id(source.get("base_model") or _notes_value(source, "base_model"))
     lines = [CARD_BEGIN, f"# {name}", ""]
@@ -412,22 +428,25 @@ def _card_body(folder: Path, facts: dict[str, Any], repo_id: str | None) -> str:
     if notes:
         lines += ["Conversion notes:", ""] + [f"- {n}" for n in notes] + [""]
     lines += _verify_section(manifest.get("verify"))
-    lines += _use_section(name)
+    lines += _use_section(name, repo_id)
     return "\n".join(lines) + "\n"
 
 
-def _use_section(name: str) -> list[str]:
+def _use_section(name: str, repo_id: str | None) -> list[str]:
     """How to install w4pack and load the model. w4pack is not on the package index: it installs from a clone of its
     repository or a wheel built there, and transformers needs the "w4pack" quantization method registered (an
-    unknown quant_method only warns and leaves random weights), which ``import w4pack`` does."""
+    unknown quant_method only warns and leaves random weights), which ``import w4pack`` does. ``w4pack pull`` is
+    shown only with the repository id (push renders the card with it): a folder's name is no repository id, and
+    ``w4pack pull NAME`` would be refused."""
     local = f"./{name.split('/')[-1]}"
+    pull = [f"w4pack pull {repo_id} {local}"] if repo_id else []
     return ["## Use", "",
             "w4pack is not on the Python package index: install it from a clone of its repository "
             "(`pip install '.[hf]'`, which builds its CPU kernels with a C compiler) or from a wheel built there "
             "with `make wheel` (`pip install 'w4pack-<version>-<tags>.whl[hf]'`, no compiler needed). The `[hf]` "
             "extra brings torch and transformers; on a machine without a GPU install the CPU build of torch first "
             "(`pip install torch --index-url https://download.pytorch.org/whl/cpu`).", "",
-            "```bash", f"w4pack pull {name} {local}", f"w4pack validate {local}",
+            "```bash", *pull, f"w4pack validate {local}",
             f"w4pack run {local} --prompt 'Hello'", "```", "",
             "In Python, `import w4pack` registers its quantization method with transformers (without it "
             "transformers does not know `quant_method: w4pack`):", "",
@@ -452,7 +471,7 @@ def model_card(checkpoint: str | os.PathLike[str], *, repo_id: str | None = None
     facts = _card_facts(folder)
     old_meta, old_body = _existing_card(folder)
     meta = _card_metadata(facts, old_meta)
-    body = _card_body(folder, facts, repo_id or name)
+    body = _card_body(folder, facts, repo_id, name)
     begin = _CARD_BEGIN_RE.search(old_body)
     if begin and CARD_END in old_body[begin.end():]:
         head, rest = old_body[:begin.start()], old_body[begin.end():]
@@ -730,10 +749,13 @@ def _cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "w4pack"
 
 
-def _source_patterns(names: list[str], sub: str | None, kinds: list[Any] | None = None) -> tuple[list[str], str | None]:
+def _source_patterns(names: list[str], sub: str | None, kinds: list[Any] | None = None, *,
+                     spec: str = "hf://owner/name") -> tuple[list[str], str | None]:
     """allow_patterns for the files a source needs, and the file to open when the source is one file (``sub``
     naming a file, or the one file of a single-file format such as GGUF). ``kinds``: the formats' declarations
-    (w4pack.formats.hub_files, the default): of the kinds present, those of the lowest rank are fetched."""
+    (w4pack.formats.hub_files, the default): of the kinds present, those of the lowest rank are fetched.
+    ``spec``: the source as the user wrote it without the sub-path (``hf://owner/name[@rev]``), to which a
+    refusal of several single files appends the one to name."""
     prefix = f"{sub}/" if sub else ""
     if sub and sub in names:  # a single file (one GGUF of many, one .pt)
         return [sub] + list(_SOURCE_ALWAYS), sub
@@ -753,7 +775,7 @@ def _source_patterns(names: list[str], sub: str | None, kinds: list[Any] | None 
             found = [n for n in inside if fnmatch.fnmatch(n, prefix + kind.marker)]
             if len(found) > 1:
                 raise BadInputError(f"the repository holds {len(found)} {kind.what} files; name one: "
-                                    f"hf://owner/name/{found[0]} (others: {', '.join(found[1:4])}"
+                                    f"{spec}/{found[0]} (others: {', '.join(found[1:4])}"
                                     f"{', ...' if len(found) > 4 else ''})")
             pats.append(found[0])
             target = found[0]
@@ -790,7 +812,10 @@ def resolve_source(spec: str, *, endpoint: str | None = None, token: str | None 
         info = _retrying(lambda: api.model_info(repo_id, revision=rev or "main"))
     sha = info.sha
     names = sorted(s.rfilename for s in (info.siblings or []))
-    patterns, target = _source_patterns(names, sub)
+    from urllib.parse import quote
+
+    base = f"hf://{repo_id}" + (f"@{quote(rev, safe='')}" if rev else "")
+    patterns, target = _source_patterns(names, sub, spec=base)
     root = cache / sha / variant
     key = json.dumps({"patterns": sorted(patterns), "target": target})
     done = root / marker

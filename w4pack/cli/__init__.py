@@ -5,7 +5,7 @@ command with heavy dependencies (torch, transformers) costs nothing to the other
 Exit codes: 0 ok, 1 verification failed, 2 bad input or usage, 3 unsupported input, 4 I/O, network or CUDA
 kernel failure (an existing output without --force included), 130 interrupted (Ctrl-C at any point, during the
 imports too: see w4pack._sigint). Library warnings (numpy's overflow, torch's notices) are not printed, so an error
-stays one line; w4pack's own notices are; W4PACK_DEBUG=1 shows everything, with tracebacks.
+stays one line; w4pack's own notices are; W4PACK_DEBUG=1 shows everything, with tracebacks (same exit codes).
 """
 from __future__ import annotations
 
@@ -144,19 +144,31 @@ def require_packed(path: str | os.PathLike[str], command: str, rest: str = "") -
     from ..formats import detect
     from ..store.names import MANIFEST_NAME
 
+    from ..store.gguffile import gguf_files_in
+
     p = Path(path)
     if (p / MANIFEST_NAME).is_file() or not os.path.lexists(p):
         return
     try:
         found = detect(p)
     except W4PackError:
+        found = None
+    what, source = f"{found} checkpoint", p
+    if found is None and p.is_dir():  # a folder a GGUF file was downloaded into: the model is the file
+        ggufs = gguf_files_in(p)
+        if not ggufs:
+            return
+        if len(ggufs) == 1:
+            what, source = "folder holding a GGUF file", ggufs[0]
+        else:
+            shown = ", ".join(g.name for g in ggufs[:4]) + (f" and {len(ggufs) - 4} more" if len(ggufs) > 4 else "")
+            what, source = f"folder holding {len(ggufs)} GGUF files ({shown})", p / "FILE.gguf"
+    elif found is None or found == "w4pack":
         return
-    if found != "w4pack":
-        article = "an" if found[0] in "aeiou" else "a"
-        rest = f" --against {p}" if command == "verify" else (f" {rest}" if rest else "")
-        raise BadInputError(f"{article} {found} checkpoint, not a packed w4pack folder; {command} takes the output "
-                            f"of convert: w4pack convert {p} OUT_DIR, then w4pack {command} OUT_DIR{rest}",
-                            file=str(p))
+    article = "an" if what[0] in "aeiou" else "a"
+    rest = f" --against {source}" if command == "verify" else (f" {rest}" if rest else "")
+    raise BadInputError(f"{article} {what}, not a packed w4pack folder; {command} takes the output of convert: "
+                        f"w4pack convert {source} OUT_DIR, then w4pack {command} OUT_DIR{rest}", file=str(p))
 
 
 def check_endpoint(endpoint: str | None) -> None:
@@ -176,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: map every error to one line on stderr and a documented exit code."""
     try:
         _sigint.release()  # from here a Ctrl-C is a KeyboardInterrupt, which the commands clean up after
-        debug = bool(os.environ.get("W4PACK_DEBUG"))
+        debug = debug_enabled()
         if debug:
             return _run(argv, debug)
         import numpy as np
@@ -217,13 +229,27 @@ def _only_ours(show: Any) -> Any:
     return showwarning
 
 
+def debug_enabled() -> bool:
+    """$W4PACK_DEBUG set to anything but empty or "0" (``W4PACK_DEBUG=0`` turns it off, as the other switches)."""
+    return os.environ.get("W4PACK_DEBUG", "").strip() not in ("", "0")
+
+
+def _traceback() -> None:
+    """W4PACK_DEBUG: the traceback of the exception being handled, on stderr, above the one-line error. The exit
+    status stays the documented one: an uncaught exception would exit 1, which means "verification failed"."""
+    import traceback
+
+    traceback.print_exc(file=sys.stderr)
+    sys.stderr.flush()
+
+
 def _run(argv: list[str] | None, debug: bool) -> int:
     try:
         rv = cli.main(args=argv, prog_name="w4pack", standalone_mode=False)
         return int(rv or 0) if isinstance(rv, int) else 0
     except W4PackError as exc:
         if debug:
-            raise
+            _traceback()
         click.echo(f"w4pack: error: {exc.one_line()}", err=True)
         return exc.exit_code
     except BrokenPipe:
@@ -252,13 +278,13 @@ def _run(argv: list[str] | None, debug: bool) -> int:
         return _sigint.EXIT_INTERRUPTED
     except OSError as exc:
         if debug:
-            raise
+            _traceback()
         where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
         click.echo(f"w4pack: error: {where}{exc.strerror or exc}", err=True)
         return EXIT_IO
     except Exception as exc:  # noqa: BLE001 - last line of defence: one line, no traceback
         if debug:
-            raise
+            _traceback()
         click.echo(f"w4pack: error: unexpected {type(exc).__name__}: {exc} "
                    "(this is a bug or an input w4pack does not understand; W4PACK_DEBUG=1 shows a traceback)",
                    err=True)

@@ -40,7 +40,8 @@ from ..store.shards import ShardWriter
 from ..store import TensorStore, open_tensors
 from ..store.names import SIDE_FILES
 from ..store.tensors import pt_files
-from .base import PICKLE_FILES, SAFETENSORS_FILES, Capabilities, Format, Source, TensorData
+from ._bitpack import STREAM_BITS
+from .base import PICKLE_FILES, SAFETENSORS_FILES, WAY_OUT, Capabilities, Format, Source, TensorData
 
 __all__ = [
     "AWQFormat", "AWQSource", "open_store",
@@ -557,21 +558,23 @@ class AWQCapabilities(Capabilities):
                          act_order=False, scale_dtypes=("float16", "bfloat16", "float32"))
         self.version = version
 
+    def way_out(self, layer: CanonicalLayer) -> str:
+        """GPTQ holds what AWQ refuses only for integer zeros and GPTQ's bit widths; w4pack holds everything."""
+        if layer.zero_mode == "float":
+            return ("of AWQ's layouts only GEMVFast stores float minima, and only the Python API writes it: "
+                    f"convert(..., to='awq', version='gemv_fast'); from the command line: {WAY_OUT}")
+        if layer.bits in STREAM_BITS:
+            return f"--to gptq or {WAY_OUT}"
+        return WAY_OUT
+
     def check(self, layer: CanonicalLayer) -> str | None:
         reason = super().check(layer)
         if reason:
-            if layer.zero_mode == "float":
-                reason += (" (of AWQ's layouts only GEMVFast stores float minima, and only the Python API writes it: "
-                           "convert(..., to='awq', version='gemv_fast'); from the command line: --to w4pack)")
-            if layer.act_order:
-                reason += " (way out: --to gptq or --to w4pack)"
-            if layer.bits != 4:
-                reason += " (way out: --to gptq or --to w4pack)"
             return reason
         n, k, g = layer.out_features, layer.in_features, layer.group_size
         geff = k if g == -1 else g
         if layer.name.rsplit(".", 1)[-1] in ("lm_head", "embed_out", "output"):
-            return "a quantized output head (AWQ loaders keep it in fp16; way out: --to gptq or --to w4pack)"
+            return f"a quantized output head (AWQ loaders keep it in fp16; way out: {self.way_out(layer)})"
         if layer.zero_mode == "int" and int(layer.zeros.max()) > 15:
             return "a zero point of 16 (AWQ stores 4-bit zeros; way out: --to gptq-v2 or --to w4pack)"
         if layer.scale_dtype == "float32" and not _fp16_exact(layer.scales):
@@ -579,21 +582,22 @@ class AWQCapabilities(Capabilities):
         if layer.zero_mode == "float" and layer.scale_dtype == "float32" and not _fp16_exact(layer.zeros):
             return "float32 minima that fp16 cannot hold exactly (way out: --to w4pack)"
         if k % geff:
-            return f"in_features {k} not a multiple of group size {g} (AWQ has no short last group)"
+            return (f"in_features {k} not a multiple of group size {g} (AWQ has no short last group; "
+                    f"way out: {self.way_out(layer)})")
         if self.version == "marlin":
             if layer.zero_mode == "int" and np.any(layer.zeros != 8):
                 return "asymmetric zeros (Marlin is symmetric: zero 8 only; way out: version gemm)"
             if n % 64 or k % 16:
-                return f"shape [{n}, {k}] (Marlin needs out % 64 == 0 and in % 16 == 0)"
+                return f"shape [{n}, {k}] (Marlin needs out % 64 == 0 and in % 16 == 0; way out: version gemm)"
         if self.version == "gemm" and n % 8:
-            return f"out_features {n} not a multiple of 8 (GEMM packs 8 outputs per word)"
+            return f"out_features {n} not a multiple of 8 (GEMM packs 8 outputs per word; way out: {WAY_OUT})"
         if self.version in ("gemv", "gemv_fast"):
             if zeros_width(k, geff) is None:
-                return f"group size {g} (GEMV kernels take 32, 64 or >= 128)"
+                return f"group size {g} (GEMV kernels take 32, 64 or >= 128; way out: version gemm)"
             if self.version == "gemv" and k % 8:
-                return f"in_features {k} not a multiple of 8 (GEMV packs 8 inputs per word)"
+                return f"in_features {k} not a multiple of 8 (GEMV packs 8 inputs per word; way out: version gemm)"
             if self.version == "gemv_fast" and (n % 4 or k % 64):
-                return f"shape [{n}, {k}] (GEMVFast needs out % 4 == 0 and in % 64 == 0)"
+                return f"shape [{n}, {k}] (GEMVFast needs out % 4 == 0 and in % 64 == 0; way out: version gemm)"
         return None
 
 

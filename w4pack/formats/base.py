@@ -17,7 +17,7 @@ from ..core.canonical import CanonicalLayer
 from ..errors import W4PackError
 from ..core.layout import PackedLayer
 
-__all__ = ["Source", "Format", "Capabilities", "TensorData", "HubFiles"]
+__all__ = ["Source", "Format", "Capabilities", "TensorData", "HubFiles", "WAY_OUT"]
 
 
 @dataclass
@@ -47,6 +47,10 @@ SAFETENSORS_FILES = HubFiles("*.safetensors", ("*.safetensors",))
 PICKLE_FILES = HubFiles("*.pt", ("*.pt",), rank=2)
 
 
+#: the target that holds every layer a reader yields, named by every writer's refusal
+WAY_OUT = "--to w4pack"
+
+
 @dataclass
 class Capabilities:
     """What a format can express; ``check`` names the first reason a layer cannot be written."""
@@ -59,6 +63,12 @@ class Capabilities:
     notes: list[str] = field(default_factory=list)
 
     def check(self, layer: CanonicalLayer) -> str | None:
+        """The first reason ``layer`` cannot be written, ending in a way out (a target that holds it), or None."""
+        reason = self.limit(layer)
+        return None if reason is None else f"{reason} (way out: {self.way_out(layer)})"
+
+    def limit(self, layer: CanonicalLayer) -> str | None:
+        """The first of the declared limits (bits, zero mode, group size, act-order, scale dtype) ``layer`` exceeds."""
         if layer.bits not in self.bits:
             return f"{layer.bits}-bit layers (supported: {self.bits})"
         if layer.zero_mode not in self.zero_modes:
@@ -70,6 +80,11 @@ class Capabilities:
         if layer.scale_dtype not in self.scale_dtypes:
             return f"{layer.scale_dtype} scales (supported: {self.scale_dtypes})"
         return None
+
+    def way_out(self, layer: CanonicalLayer) -> str:
+        """Where a refused layer can go instead: the w4pack format holds every layer any reader yields (bits 2-8,
+        every zero mode, act-order); a format that knows a closer target names it too."""
+        return WAY_OUT
 
 
 class Source(abc.ABC):

@@ -31,7 +31,7 @@ from ..store.folder import brief, copy_side_files, is_json_int, read_json, side_
 from ..store import open_tensors
 from ..store.names import SIDE_FILES
 from ..store.shards import ShardWriter
-from .base import Capabilities, Format, Source, TensorData
+from .base import WAY_OUT, Capabilities, Format, Source, TensorData
 
 __all__ = ["CompressedTensorsFormat", "CompressedTensorsSource", "pack_rows", "unpack_rows"]
 
@@ -553,8 +553,8 @@ def _layer_tensors(name: str, layer: CanonicalLayer) -> tuple[tuple[Any, ...], _
     n, k, b = layer.out_features, layer.in_features, layer.bits
     sym = layer.zero_mode == "none"
     if not sym and int(layer.zeros.max()) > (1 << b) - 1:
-        raise UnsupportedError(f"zero point {1 << b} does not fit the signed {b}-bit range of compressed-tensors",
-                               tensor=name)
+        raise UnsupportedError(f"zero point {1 << b} does not fit the signed {b}-bit range of compressed-tensors "
+                               f"(way out: {WAY_OUT})", tensor=name)
     if layer.group_size == -1:
         strategy = "channel"
         if _strategy_hint(layer) == "tensor" and np.all(layer.scales == layer.scales.reshape(-1)[0]) and \

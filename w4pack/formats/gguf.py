@@ -44,7 +44,7 @@ from ..store.singlefile import AtomicFile
 from . import _experts as experts
 from . import _hf_names as names
 from . import gguf_quants
-from .base import Capabilities, Format, HubFiles, Source, TensorData
+from .base import WAY_OUT, Capabilities, Format, HubFiles, Source, TensorData
 
 __all__ = ["GGUFFormat", "GGUFMeta", "GGUFSource", "GGUFWarning", "tokenizer_metadata", "decode_q4_0", "decode_q4_1",
            "decode_q8_0", "encode_layer", "rotary_row_permutation", "write_gguf"]
@@ -168,7 +168,8 @@ def encode_layer(layer: CanonicalLayer) -> tuple[str, np.ndarray]:
 
     def no(why: str) -> UnsupportedError:
         return UnsupportedError(f"GGUF cannot hold this layer exactly: {why} "
-                                "(Q4_0/Q4_1/Q8_0 are blocks of 32 with fp16 scales)", tensor=layer.name or None)
+                                f"(Q4_0/Q4_1/Q8_0 are blocks of 32 with fp16 scales; way out: {WAY_OUT})",
+                                tensor=layer.name or None)
 
     if layer.group_size != BLOCK:
         raise no(f"group size {layer.group_size}, GGUF blocks are 32")

@@ -45,7 +45,7 @@ from ..store import open_tensors
 from ..store.names import PT_SUFFIXES, SIDE_FILES
 from ..store.shards import PlannedShards, ShardEntry
 from ._bitpack import STREAM_BITS, pack_last, unpack_last
-from .base import PICKLE_FILES, SAFETENSORS_FILES, Capabilities, Format, Source, TensorData
+from .base import PICKLE_FILES, SAFETENSORS_FILES, WAY_OUT, Capabilities, Format, Source, TensorData
 
 __all__ = ["GPTQFormat", "GPTQv2Format", "GPTQSource", "GPTQWarning", "write_gptq", "V1", "V2"]
 
@@ -723,18 +723,18 @@ class GPTQCapabilities(Capabilities):
 
     def check(self, layer: CanonicalLayer) -> str | None:
         if layer.zero_mode == "float":
-            return ("float-minimum zero points (w = s*q + m): GPTQ stores integer zero points only; keep this "
-                    "layer in w4pack or a format with minima (GGUF Q4_1)")
+            return ("float-minimum zero points (w = s*q + m): GPTQ stores integer zero points only (way out: "
+                    f"{WAY_OUT}, or --to gguf where the layer has GGUF Q4_1's blocks of 32 and fp16 factors)")
         reason = super().check(layer)
         if reason:
             return reason
         b = layer.bits
         if (layer.in_features * b) % 32:
             return (f"K={layer.in_features} in_features: {b}-bit qweight needs K*{b} to be a multiple of 32 "
-                    "(whole int32 words per column)")
+                    f"(whole int32 words per column; way out: {WAY_OUT})")
         if (layer.out_features * b) % 32:
             return (f"N={layer.out_features} out_features: {b}-bit qzeros need N*{b} to be a multiple of 32 "
-                    "(whole int32 words per group)")
+                    f"(whole int32 words per group; way out: {WAY_OUT})")
         if layer.zero_mode == "int":
             z = layer.zeros
             hi = (1 << b) - 1
@@ -744,13 +744,14 @@ class GPTQCapabilities(Capabilities):
                     vals = sorted({int(v) for v in np.unique(z[(z < 1) | (z > hi)])})
                     return (f"zero point(s) {vals} in {bad} group(s): GPTQ v1 stores zero-1, so a zero of 0 (or "
                             f"{1 << b}) becomes a field that readers decode differently (masking kernels read 0, "
-                            "GPTQModel's loader borrows from the neighbouring field); write --to gptq-v2 "
-                            "(checkpoint_format='gptq_v2') instead")
+                            "GPTQModel's loader borrows from the neighbouring field; way out: "
+                            + (f"{WAY_OUT})" if np.any(z > hi) else
+                               "--to gptq-v2, checkpoint_format='gptq_v2' in the Python API)"))
             else:
                 bad = int(np.count_nonzero(z > hi))
                 if bad:
-                    return (f"zero point {1 << b} in {bad} group(s): a {b}-bit GPTQ v2 field holds 0..{hi}; "
-                            "keep this layer in w4pack")
+                    return (f"zero point {1 << b} in {bad} group(s): a {b}-bit GPTQ v2 field holds 0..{hi} "
+                            f"(way out: {WAY_OUT})")
         return None
 
 

@@ -460,10 +460,14 @@ def _table_weight(layer: CanonicalLayer) -> tuple[np.ndarray, str]:
 
 
 class TomlCapabilities(Capabilities):
+    def limit(self, layer: CanonicalLayer) -> str | None:
+        reason = super().limit(layer)
+        if reason and layer.zero_mode == "float":
+            reason += " (the tables store integer zeros)"
+        return reason
+
     def check(self, layer: CanonicalLayer) -> str | None:
         reason = super().check(layer)
-        if reason and layer.zero_mode == "float":
-            reason += " (the tables store integer zeros; way out: --to w4pack)"
         if reason is None and not np.all(to_float32(layer.scales, layer.scale_dtype) > 0):
             # the reader refuses them: GPTQ's quantizer makes every scale positive (a GGUF block's may not be)
             reason = "scales that are not all positive (the tables hold GPTQ scales, always > 0; way out: --to w4pack)"

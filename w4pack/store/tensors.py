@@ -75,6 +75,10 @@ class TensorStore:
         f = self._st.get(path)
         if f is None and path in self._lazy:
             f = self._st[path] = SafetensorsFile(path)
+            # the shard may hold a tensor the index places in another shard: refused here, when the shard is
+            # first opened, so every reader (convert, loading, verify --against) sees it, not only check_index
+            for name in f.keys():
+                self._no_second_copy(name, path)
         return f
 
     def in_file(self, name: str) -> bool:
