@@ -1,6 +1,6 @@
 /*
  * The AMX path (x86-64, AMX-TILE + AMX-BF16, with AVX-512 BF16/VBMI): exact-precision GEMM for work items
- * of several activation rows (w4p_amx_min_rows), on bf16 tile matrix multiplies; everything else is the AVX-512 VNNI path.
+ * of several activation rows (W4P_AMX_MIN_ROWS), on bf16 tile matrix multiplies; everything else is the AVX-512 VNNI path.
  *
  * Exact needs the products of the true weights with the fp32 activations, accumulated in fp32 (cpu_gemm.c).
  * Both operands are made exact in bf16:
@@ -46,6 +46,9 @@ typedef struct {
 } tilecfg;
 
 #define KSTEP 32 /* k per bf16 tile */
+/* Software prefetch distance in a tile's word stream (bytes), as the VNNI kernel's: at few rows the decoding is
+ * bound by memory, and the hardware prefetcher alone left about half the read bandwidth unused */
+#define W4P_AMX_PREFETCH 3072
 #define MAX_KSTEPS (128 / KSTEP)
 
 /* Whether the AMX kernel computes this layer: codes of at most 4 bits in one plane, integer zero points (zero
@@ -156,6 +159,8 @@ static INL TAMX void decode_block(const struct w4p_cpu_layer *L, int tile, int b
     for (int c = 0; c < cpb; c++) {
         const int ks = c / 4, r0 = 4 * (c % 4);
         for (int q = 0; q < 4; q++) {
+            _mm_prefetch((const char *)(w0 + (size_t)c * W4P_TILE + 16 * q) + W4P_AMX_PREFETCH, _MM_HINT_T0);
+            if (two) _mm_prefetch((const char *)(w1 + (size_t)c * W4P_TILE + 16 * q) + W4P_AMX_PREFETCH, _MM_HINT_T0);
             const __m512i w = _mm512_loadu_si512((const void *)(w0 + (size_t)c * W4P_TILE + 16 * q));
             __m512i lo = _mm512_and_si512(w, nib), hi = _mm512_and_si512(_mm512_srli_epi32(w, 4), nib);
             if (two) { /* whole 8-bit codes: plane 1 holds the high nibbles of the same k */
@@ -285,6 +290,8 @@ static INL TAMX void decode_codes(const struct w4p_cpu_layer *L, int tile, int b
     for (int c = 0; c < cpb; c++) {
         const int ks = c / 8, row = 2 * (c % 8);
         for (int q = 0; q < 4; q++) {
+            _mm_prefetch((const char *)(w0 + (size_t)c * W4P_TILE + 16 * q) + W4P_AMX_PREFETCH, _MM_HINT_T0);
+            if (two) _mm_prefetch((const char *)(w1 + (size_t)c * W4P_TILE + 16 * q) + W4P_AMX_PREFETCH, _MM_HINT_T0);
             const __m512i w = _mm512_loadu_si512((const void *)(w0 + (size_t)c * W4P_TILE + 16 * q));
             __m512i lo = _mm512_and_si512(w, nib), hi = _mm512_and_si512(_mm512_srli_epi32(w, 4), nib);
             if (two) {
@@ -372,11 +379,11 @@ static INL TAMX void tile_fast(const w4p_job *J, int tile, int64_t m0, int64_t m
 
 TAMX void w4p_tile_amx(const w4p_job *J, int tile, int64_t m0, int64_t m1) {
     if (J->precision == W4P_PREC_FAST) {
-        if (J->xq_padded && m1 - m0 >= W4P_AMX_FAST_MIN_ROWS) tile_fast(J, tile, m0, m1);
+        if (J->xq_padded && m1 - m0 >= W4P_AMX_MIN_ROWS) tile_fast(J, tile, m0, m1);
         else w4p_tile_avx512vnni(J, tile, m0, m1);
         return;
     }
-    if (!J->xb || m1 - m0 < w4p_amx_min_rows(J->L, J->pieces)) {
+    if (!J->xb || m1 - m0 < W4P_AMX_MIN_ROWS) {
         w4p_tile_avx512vnni(J, tile, m0, m1);
         return;
     }

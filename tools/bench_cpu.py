@@ -132,10 +132,8 @@ def bench_w4pack(layer: CanonicalLayer, ms: list[int], threads: int, cold: int, 
                     lin.forward(x, precision=prec, isa=isa)
             r = measure(run_pass, len(lins), args.samples, args.max_foreign, args.budget)
             act = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[dt]
-            # the AMX kernels' row thresholds for this 4-bit layer (cpu_amx.c): exact 4, with fp32 activations 6;
-            # fast 8
-            tiles_from = 8 if prec == "fast" else (6 if dt == "float32" else 4)
-            path = f", {isa} kernel" if isa else (", amx" if amx and m >= tiles_from else "")
+            # the AMX kernels take work items from 8 rows (W4P_AMX_MIN_ROWS, w4p_cpu_internal.h)
+            path = f", {isa} kernel" if isa else (", amx" if amx and m >= 8 else "")
             rows.append(dict(r, impl=f"w4pack {prec}{path} ({act} act.)", m=m, bytes=first.nbytes,
                              copies=len(lins)))
     del lins
