@@ -27,6 +27,7 @@ import numpy as np
 
 from ..errors import BadInputError, IOFailure, UnsupportedError
 from .folder import DuplicateKeyError, unique_keys, brief, is_json_int
+from .names import tensor_name_problem
 
 __all__ = ["SafetensorsFile", "SourceChanged", "write_safetensors", "DTYPES", "dtype_to_st", "MAX_HEADER"]
 
@@ -175,9 +176,10 @@ class SafetensorsFile:
         spans = []
         self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         for name, info in header.items():
-            if not name.strip():
+            bad_name = tensor_name_problem(name)
+            if bad_name:
                 self.close()
-                raise BadInputError(f"a tensor has the blank name {name!r}", file=label)
+                raise BadInputError(bad_name, file=label)
             if not isinstance(info, dict) or not all(k in info for k in ("dtype", "shape", "data_offsets")):
                 self.close()
                 raise BadInputError("header entry lacks dtype/shape/data_offsets", file=label, tensor=name)
