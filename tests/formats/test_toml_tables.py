@@ -490,3 +490,41 @@ def test_a_folder_with_the_tables_one_level_down_names_them(capsys: pytest.Captu
     rc, err = cli_one_line(capsys, "inspect", case, "--from", "toml", "--base", case / "base_weights_fp16.safetensors")
     assert rc == 2 and f"no quant.toml or decoder-N.toml quant tables here; the quant tables are in " \
                        f"{case / 'quant_dir'}" in err, err
+
+
+# -- hostile documents the fuzzer's mutators do not write --------------------------------------
+def _convert_refused(q: Path, base: Path, out: Path, capsys: pytest.CaptureFixture[str], *needles: str) -> str:
+    rc = main(["convert", str(q), str(out), "--base", str(base)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("w4pack: error: "), err
+    assert "unexpected" not in err and str(q / "quant.toml") in err, err
+    for needle in needles:
+        assert needle in err, err
+    assert not out.exists()
+    return err
+
+
+def test_quoted_and_dotted_tables_of_one_layer_are_refused(table_copy: tuple[Path, Path], tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """``["a.b"]`` and ``[a.b]`` are two valid TOML tables with one layer name: the second used to replace the
+    first silently (here an 8-bit symmetric table for a 4-bit asymmetric layer)."""
+    q, base = table_copy
+    with open(q / "quant.toml", "a") as fh:
+        fh.write(f'\n[{LAYER}]\nwbits = 8\ngroupsize = 64\nsym = true\nscale = "{LAYER}.scale.npy"\n'
+                 f'group_ids = "{LAYER}.group_ids.npy"\n')
+    _bad(lambda: TOML.open(q, base=base), "quant.toml", f"tensor {LAYER}", "two tables")
+    _convert_refused(q, base, tmp_path / "out", capsys, f"tensor {LAYER}", "two tables")
+
+
+@pytest.mark.parametrize("tail,needle", [
+    ("\n[x]\nwbits = 4\nscale = " + "[" * 50000 + "]" * 50000 + "\n", "nested too deeply"),
+    ("\n[" + ".".join(["a"] * 5000) + "]\nwbits = 4\n", "nested more than 64 levels"),
+])
+def test_deeply_nested_documents_are_one_line(table_copy: tuple[Path, Path], tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str], tail: str, needle: str) -> None:
+    """Arrays nested 50000 deep (tomllib recurses) and tables nested 5000 deep (the layer walk) used to end in
+    "unexpected RecursionError" without naming the document."""
+    q, base = table_copy
+    with open(q / "quant.toml", "a") as fh:
+        fh.write(tail)
+    _convert_refused(q, base, tmp_path / "out", capsys, needle)

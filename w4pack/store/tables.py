@@ -35,6 +35,8 @@ def read_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
         raise BadInputError(f"not valid TOML: {exc}", file=str(path)) from None
+    except RecursionError:  # tomllib parses nested arrays and inline tables recursively: "a = " + "[" * 50000
+        raise BadInputError("not valid TOML: arrays or inline tables nested too deeply", file=str(path)) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise BadInputError(f"cannot read: {exc}", file=str(path)) from None
 
