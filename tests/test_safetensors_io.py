@@ -248,3 +248,12 @@ def test_blank_repeated_or_broken_tensor_names_are_refused(tmp_path: Path, heade
     with pytest.raises(BadInputError, match=says) as exc:
         SafetensorsFile(p)
     assert str(p) in exc.value.one_line()
+
+
+def test_header_nested_past_the_bound_is_refused(tmp_path: Path) -> None:
+    """An extra key nested 900 deep parsed or not depending on the caller's stack depth (inspect accepted what a
+    deeper reader refused); the bound on nesting decides the same everywhere."""
+    deep = b"[" * 900 + b"]" * 900
+    p = _raw_file(tmp_path / "deep.safetensors",
+                  b'{"a": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4], "x": ' + deep + b"}}", b"\0" * 4)
+    _refused(p, "nested more than")

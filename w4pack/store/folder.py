@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import BadInputError, IOFailure
 
-__all__ = ["read_json", "read_side_json", "write_json", "member", "brief", "is_json_int", "link_target_allowed", "side_file",
+__all__ = ["read_json", "read_side_json", "nesting", "MAX_JSON_DEPTH", "write_json", "member", "brief", "is_json_int", "link_target_allowed", "side_file",
            "side_files"]
 
 
@@ -20,7 +20,7 @@ def read_json(path: Path) -> Any:
     """Parse a JSON file; a missing, unreadable, malformed or hostile file is bad input naming the file."""
     try:
         with open(path, encoding="utf-8") as fh:
-            return json.load(fh, object_pairs_hook=unique_keys)
+            doc = json.load(fh, object_pairs_hook=unique_keys)
     except DuplicateKeyError as exc:
         raise BadInputError(f"key {brief(exc.key)} appears twice in one object (readers disagree on which "
                             "value holds)", file=str(path)) from None
@@ -32,6 +32,34 @@ def read_json(path: Path) -> Any:
         raise BadInputError("not valid JSON: nested too deeply", file=str(path)) from None
     except OSError as exc:
         raise BadInputError(f"cannot read: {exc.strerror}", file=str(path)) from None
+    depth = nesting(doc)
+    if depth > MAX_JSON_DEPTH:
+        raise BadInputError(f"JSON nested {depth} levels deep (more than {MAX_JSON_DEPTH}; a model's JSON files nest "
+                            "a few levels)", file=str(path))
+    return doc
+
+
+#: how deep a JSON document may nest. Python's parser stops near its recursion limit, which depends on how deep the
+#: caller's stack already is: a config.json nested 976 levels read here but not where the model card reads it again
+#: (an "unexpected RecursionError" after every tensor was written). A fixed bound decides the same everywhere.
+MAX_JSON_DEPTH = 128
+
+
+def nesting(doc: Any) -> int:
+    """How many arrays and objects deep ``doc`` nests (a scalar: 0), walked without recursion."""
+    deepest = 0
+    stack = [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
 
 
 class DuplicateKeyError(ValueError):

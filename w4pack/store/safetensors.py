@@ -26,7 +26,7 @@ from typing import Any, BinaryIO, Iterable
 import numpy as np
 
 from ..errors import BadInputError, IOFailure, UnsupportedError
-from .folder import DuplicateKeyError, unique_keys, brief, is_json_int
+from .folder import MAX_JSON_DEPTH, DuplicateKeyError, unique_keys, brief, is_json_int, nesting
 from .names import tensor_name_problem
 
 __all__ = ["SafetensorsFile", "SourceChanged", "write_safetensors", "DTYPES", "dtype_to_st", "MAX_HEADER"]
@@ -166,6 +166,10 @@ class SafetensorsFile:
         if not isinstance(header, dict):
             self.close()
             raise BadInputError("header is not a JSON object", file=label)
+        if nesting(header) > MAX_JSON_DEPTH:  # (the parser's own limit depends on the caller's stack depth)
+            self.close()
+            raise BadInputError(f"header is not valid JSON for safetensors (nested more than {MAX_JSON_DEPTH} "
+                                "levels deep)", file=label)
         meta = header.pop("__metadata__", None) or {}
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             self.close()
