@@ -820,3 +820,26 @@ def test_quantization_config_must_say_what_the_manifest_implies(tmp_path: Path) 
             entry["size"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
     (out / "w4pack.json").write_text(json.dumps(manifest, indent=2))
     assert cli_main(["validate", str(out)]) == 2
+
+
+@pytest.mark.parametrize("value", [True, "LlamaForCausalLM", [5], [""], {"a": 1}])
+def test_config_architectures_not_a_list_of_names_is_one_line(packed_llama, tmp_path, value):
+    """Fuzz seed 20261205, w4pack #12: ``"architectures": true`` in a re-signed config.json ended inspect and
+    validate --deep in "unexpected TypeError" (the summary takes the list's first class name, as vLLM does). The
+    reader now refuses it naming config.json, and convert refuses such a source before writing anything, so it
+    never writes what the reader refuses."""
+    folder = tmp_path / "ck"
+    shutil.copytree(packed_llama["plain"], folder)
+    _edit_json(folder / "config.json", lambda d: d.update(architectures=value))
+    _resign(folder)
+    for args in (("inspect", str(folder)), ("validate", "--deep", str(folder))):
+        rc, err = _cli(*args)
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and f"{folder / 'config.json'}: architectures must be a list" in lines[0], err
+    src = tmp_path / "src"
+    shutil.copytree(packed_llama["src"], src)
+    (src / "config.json").chmod(0o644)
+    _edit_json(src / "config.json", lambda d: d.update(architectures=value))
+    rc, err = _cli("convert", str(src), str(tmp_path / "out"))
+    assert rc == 2 and "config.json: architectures must be a list" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()

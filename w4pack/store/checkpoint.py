@@ -33,7 +33,7 @@ from .atomic import check_output, is_disk_full, make_temp_dir, move_into_place, 
 from ..core.canonical import CanonicalLayer
 from ..core.dtypes import dtype_name_of
 from ..errors import BadInputError, IOFailure
-from .folder import member as _safe_member, read_json as _read_json, read_side_json, side_file
+from .folder import brief, member as _safe_member, read_json as _read_json, read_side_json, side_file
 from ..core.layout import LAYOUT_NAME, LAYOUT_VERSION, TILE_K, TILE_N, PackedLayer, pack, tensor_suffixes, unpack
 from ..progress import Progress
 from .shards import ShardStream
@@ -54,6 +54,7 @@ __all__ = [
     "validate_checkpoint",
     "parse_size",
     "check_layer_name",
+    "config_problem",
 ]
 
 DEFAULT_MAX_SHARD = 2 * 1024**3
@@ -99,6 +100,20 @@ def check_layer_name(name: str, file: str | None = None) -> None:
                             "'_', '.' and '-', not start with '.' or '-', and be at most "
                             f"{rule['maxLength']} characters", file=file,
                             tensor=repr(name) if isinstance(name, str) and not name.isprintable() else str(name))
+
+
+def config_problem(config: dict[str, Any]) -> str | None:
+    """What is wrong with the keys of config.json that loaders act on before any weight, or None:
+    ``architectures`` (vLLM and w4pack's summary take the first class name of the list) and ``model_type``
+    (transformers' AutoConfig key). ``"architectures": true`` used to end inspect and validate in "unexpected
+    TypeError"; carried into a checkpoint, it would stop vLLM before the first layer."""
+    arch = config.get("architectures")
+    if arch is not None and (not isinstance(arch, list) or not all(isinstance(a, str) and a for a in arch)):
+        return f"architectures must be a list of model class names, got {brief(arch)}"
+    mtype = config.get("model_type")
+    if mtype is not None and not isinstance(mtype, str):
+        return f"model_type must be a string, got {brief(mtype)}"
+    return None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -168,6 +183,9 @@ class CheckpointWriter:
         self.label = label
         self._check_arch = check_architecture
         check_output(self.target, force)
+        problem = config_problem(self.config)  # what the reader would refuse is not written
+        if problem:
+            raise BadInputError(f"config.json: {problem}", file=label or str(self.target / CONFIG_NAME))
         parent = self.target.parent
         tmp = None
         try:
@@ -457,6 +475,9 @@ class Checkpoint:
         if not isinstance(self.config, dict) or "quantization_config" not in self.config:
             raise BadInputError("config.json has no quantization_config", file=str(root / CONFIG_NAME))
         validate_quantization_config(self.config["quantization_config"], file=str(root / CONFIG_NAME))
+        problem = config_problem(self.config)
+        if problem:
+            raise BadInputError(problem, file=str(root / CONFIG_NAME))
         ipath = root / INDEX_NAME
         index = _read_json(ipath)
         if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
