@@ -843,3 +843,19 @@ def test_config_architectures_not_a_list_of_names_is_one_line(packed_llama, tmp_
     rc, err = _cli("convert", str(src), str(tmp_path / "out"))
     assert rc == 2 and "config.json: architectures must be a list" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_source_path_of_non_utf8_bytes_is_written_as_unicode_text(tmp_path):
+    """A base model path with a byte that is not UTF-8 reaches Python as a lone surrogate (PEP 383); written as is,
+    the manifest held "\\udcff", which strict JSON parsers (and now w4pack's own reader) refuse."""
+    rng = np.random.default_rng(0)
+    with CheckpointWriter(tmp_path / "ck", config={"model_type": "llama"},
+                          source={"format": "toml", "base_model": "/models/base\udcff/w.safetensors",
+                                  "notes": ["from \udcff"], "where": "x\udcffy"}) as w:
+        w.add_layer("model.layers.0.mlp.down_proj", random_layer(rng, 64, 128, 4, 32, "int", False))
+    doc = json.loads((tmp_path / "ck" / MANIFEST_NAME).read_text(encoding="utf-8"))
+    text = json.dumps(doc["source"], ensure_ascii=False)
+    text.encode("utf-8")  # no lone surrogate left anywhere in the source record
+    assert doc["source"]["base_model"] == "/models/base\\udcff/w.safetensors"
+    assert "where=x\\udcffy" in doc["source"]["notes"]
+    validate_checkpoint(tmp_path / "ck")

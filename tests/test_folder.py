@@ -145,3 +145,36 @@ def test_json_nested_past_the_bound_is_refused_wherever_it_is_read(tmp_path: Pat
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert f"{src / 'config.json'}: JSON nested 901 levels deep" in lines[0], proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_json_string_that_is_not_unicode_is_refused(tmp_path: Path) -> None:
+    """JSON may spell a lone surrogate (``"\\udcff"``) and Python's parser keeps it; Hugging Face's Rust loaders and
+    strict parsers refuse it. A config.json holding one used to convert, and its output carried it on."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from w4pack.store.folder import read_json
+
+    p = tmp_path / "doc.json"
+    p.write_text('{"emoji": "\\ud83d\\ude00", "a": ["\\u00ff"]}')  # a surrogate pair is one character
+    assert read_json(p)["emoji"] == "\U0001F600"
+    for text in ('{"a": ["x\\udcffy"]}', '{"k\\ud800": 1}'):
+        p.write_text(text)
+        with pytest.raises(BadInputError, match="not valid Unicode") as exc:
+            read_json(p)
+        assert str(p) in exc.value.one_line() and exc.value.exit_code == 2
+        exc.value.one_line().encode("utf-8")
+
+    src = tmp_path / "src"
+    shutil.copytree(fixture_dir("awq", "tiny_llama_gemm_g128"), src)
+    (src / "config.json").chmod(0o644)
+    config = json.loads((src / "config.json").read_text())
+    config["_name_or_path"] = "model\udcff"
+    (src / "config.json").write_text(json.dumps(config))
+    proc = subprocess.run([sys.executable, "-m", "w4pack", "convert", str(src), str(tmp_path / "out")],
+                          capture_output=True, text=True)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "config.json" in lines[0] and "not valid Unicode" in lines[0]
+    assert not (tmp_path / "out").exists()

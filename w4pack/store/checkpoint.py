@@ -432,15 +432,22 @@ _SOURCE_KEYS = ("format", "version", "path", "bits", "notes", "quirks", "base_mo
 
 
 def _clean_source(src: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {"format": str(src.get("format") or "unknown")}
+    out: dict[str, Any] = {"format": _text(src.get("format") or "unknown")}
     for key in _SOURCE_KEYS[1:]:
         if key in src and src[key] is not None:
             val = src[key]
-            out[key] = [str(v) for v in val] if key in ("notes", "quirks") else (int(val) if key == "bits" else str(val))
+            out[key] = [_text(v) for v in val] if key in ("notes", "quirks") else (int(val) if key == "bits" else _text(val))
     extra = {k: v for k, v in src.items() if k not in _SOURCE_KEYS}
     if extra:
-        out.setdefault("notes", []).extend(f"{k}={v}" for k, v in sorted(extra.items()))
+        out.setdefault("notes", []).extend(_text(f"{k}={v}") for k, v in sorted(extra.items()))
     return out
+
+
+def _text(value: Any) -> str:
+    """``str(value)`` as Unicode text: a path of non-UTF-8 bytes (the base model of TOML tables) reaches Python as
+    lone surrogates (PEP 383), which JSON can only spell as an escape strict parsers refuse; such a character is
+    written as its escape sequence (``\\udcff``) instead."""
+    return str(value).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # ---------------------------------------------------------------------------------------------

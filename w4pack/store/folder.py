@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import BadInputError, IOFailure
 
-__all__ = ["read_json", "read_side_json", "nesting", "MAX_JSON_DEPTH", "write_json", "member", "brief", "is_json_int", "link_target_allowed", "side_file",
+__all__ = ["read_json", "read_side_json", "nesting", "json_problem", "MAX_JSON_DEPTH", "write_json", "member", "brief", "is_json_int", "link_target_allowed", "side_file",
            "side_files"]
 
 
@@ -32,10 +32,9 @@ def read_json(path: Path) -> Any:
         raise BadInputError("not valid JSON: nested too deeply", file=str(path)) from None
     except OSError as exc:
         raise BadInputError(f"cannot read: {exc.strerror}", file=str(path)) from None
-    depth = nesting(doc)
-    if depth > MAX_JSON_DEPTH:
-        raise BadInputError(f"JSON nested {depth} levels deep (more than {MAX_JSON_DEPTH}; a model's JSON files nest "
-                            "a few levels)", file=str(path))
+    problem = json_problem(doc)
+    if problem:
+        raise BadInputError(problem, file=str(path))
     return doc
 
 
@@ -47,19 +46,46 @@ MAX_JSON_DEPTH = 128
 
 def nesting(doc: Any) -> int:
     """How many arrays and objects deep ``doc`` nests (a scalar: 0), walked without recursion."""
-    deepest = 0
+    return _walk(doc)[0]
+
+
+def json_problem(doc: Any) -> str | None:
+    """What makes a parsed JSON document unfit for a model folder although Python parsed it, or None: nesting past
+    MAX_JSON_DEPTH, or a string (key or value) holding a lone surrogate. JSON may spell one (``"\\udcff"``) and
+    Python's parser keeps it, but it is no Unicode text: the reference safetensors library, Hugging Face's Rust
+    tokenizers and strict parsers refuse it, and copied on it would make an output they cannot read (I-JSON,
+    RFC 7493, forbids it)."""
+    depth, bad = _walk(doc)
+    if depth > MAX_JSON_DEPTH:
+        return f"JSON nested {depth} levels deep (more than {MAX_JSON_DEPTH}; a model's JSON files nest a few levels)"
+    if bad is not None:
+        return (f"string {ascii(bad)[:80]} is not valid Unicode (a \\ud800-\\udfff escape that is not half of a "
+                "surrogate pair)")
+    return None
+
+
+def _walk(doc: Any) -> tuple[int, str | None]:
+    """(depth, the first string that cannot be encoded as UTF-8 or None), without recursion."""
+    deepest, bad = 0, None
     stack = [(doc, 1)]
     while stack:
         node, depth = stack.pop()
+        if isinstance(node, str):
+            if bad is None:
+                try:
+                    node.encode("utf-8")
+                except UnicodeEncodeError:
+                    bad = node
+            continue
         if isinstance(node, dict):
-            children: Any = node.values()
+            children: Any = [*node.keys(), *node.values()]
         elif isinstance(node, list):
             children = node
         else:
             continue
         deepest = max(deepest, depth)
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-    return deepest
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list, str)))
+    return deepest, bad
 
 
 class DuplicateKeyError(ValueError):
