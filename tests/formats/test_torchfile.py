@@ -103,3 +103,18 @@ def test_tensor_name_that_is_not_unicode_is_refused(tmp_path: Path) -> None:
     text = exc.value.one_line()
     assert "dump.pt" in text and "not valid Unicode" in text and "\\udcff" in text, text
     text.encode("utf-8")  # the message itself prints anywhere
+
+
+def test_fifo_named_like_a_torch_file_is_one_line_exit_2(tmp_path: Path) -> None:
+    """A FIFO called model.pt was "cannot tell which format" (exit 3) to inspect and "does not exist" to convert
+    --from awq; it is bad input that says what it is, as a FIFO called .safetensors already was."""
+    import os
+
+    fifo = tmp_path / "model.pt"
+    os.mkfifo(fifo)
+    for args in (("inspect", fifo), ("convert", fifo, tmp_path / "out", "--from", "awq")):
+        proc = _cli(*args)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert f"{fifo}: not a regular file" in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists()

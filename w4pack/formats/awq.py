@@ -707,7 +707,8 @@ class AWQFormat(Format):
         try:
             store = open_store(path)
         except BadInputError:
-            if path.is_file() and path.suffix != ".safetensors" or (path.is_dir() and pt_files(folder)):
+            if (path.exists() and not path.is_dir() and path.suffix != ".safetensors"
+                    or (path.is_dir() and pt_files(folder))):
                 raise  # a hostile or broken pickle: say so now rather than "unknown format"
             return False
         try:

@@ -112,7 +112,9 @@ def load_state_dict(path: Path) -> StateDict:
         raise UnsupportedError("reading .pt/.bin checkpoints needs torch (pip install 'w4pack[torch]')",
                                file=label) from None
     if not Path(path).is_file():
-        raise BadInputError("file does not exist", file=label)
+        raise BadInputError("file does not exist" if not os.path.lexists(path) else
+                            "not a regular file (a FIFO, device, socket or broken link cannot be read as a torch file)",
+                            file=label)
     before = _identity(label)
     try:
         # torch warns on stderr about a pickle protocol it did not write or a beta tensor layout before it refuses
