@@ -257,3 +257,14 @@ def test_header_nested_past_the_bound_is_refused(tmp_path: Path) -> None:
     p = _raw_file(tmp_path / "deep.safetensors",
                   b'{"a": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4], "x": ' + deep + b"}}", b"\0" * 4)
     _refused(p, "nested more than")
+
+
+def test_control_characters_in_a_tensor_name_keep_the_error_on_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A safetensors name may hold a newline (the reference library accepts it); named in an error, it split the
+    one line in two. Every character that is not printable is written as its escape."""
+    p = _raw_file(tmp_path / "nl.safetensors",
+                  b'{"a\\nb\\u0000c": {"dtype": "F8_E4M3", "shape": [1], "data_offsets": [0, 1]}}      ', b"\0")
+    assert main(["inspect", str(p)]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{p}: tensor a\\nb\\x00c: dtype 'F8_E4M3' is not supported" in err, err
