@@ -86,6 +86,11 @@ def table_documents(path: Path) -> tuple[Path, list[Path], str]:
         folder = path
         if (path / QUANT_TOML).is_file():
             files = [path / QUANT_TOML]
+            other = sorted(p.name for p in path.iterdir() if DECODER_RE.match(p.name))
+            if other:  # two sets of tables for one model: reading either would silently ignore the other
+                raise BadInputError(f"holds both {QUANT_TOML} and {other[0]}: two sets of quant tables, and which "
+                                    f"one is the model cannot be told; keep one, or name the document to read",
+                                    file=str(path))
         else:
             found = [(int(m.group(1)), p) for p in path.iterdir() if (m := DECODER_RE.match(p.name)) and p.is_file()]
             files = [p for _i, p in sorted(found)]
