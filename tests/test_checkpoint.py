@@ -859,3 +859,45 @@ def test_source_path_of_non_utf8_bytes_is_written_as_unicode_text(tmp_path):
     assert doc["source"]["base_model"] == "/models/base\\udcff/w.safetensors"
     assert "where=x\\udcffy" in doc["source"]["notes"]
     validate_checkpoint(tmp_path / "ck")
+
+
+def _limited_cli(*args: str) -> subprocess.CompletedProcess:
+    """The CLI under a 2 GiB address-space limit: a memory blowup fails fast instead of taking the machine."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "w4pack", *args], capture_output=True, text=True, env=env,
+                          timeout=300, preexec_fn=limit)
+
+
+def test_num_hidden_layers_no_model_has_is_refused_without_a_blowup(packed_llama, tmp_path):
+    """``"num_hidden_layers": 1000000000`` (or a GGUF's llama.block_count) made the architecture check list 7·10^9
+    modules: gigabytes and "unexpected MemoryError" after a minute, from one edited number. Refused by name now,
+    in the packed reader and among a source's problems, before any table is built."""
+    import struct
+
+    folder = tmp_path / "ck"
+    shutil.copytree(packed_llama["plain"], folder)
+    _edit_json(folder / "config.json", lambda d: d.update(num_hidden_layers=10**9))
+    _resign(folder)
+    src = tmp_path / "src"
+    shutil.copytree(packed_llama["src"], src)
+    (src / "config.json").chmod(0o644)
+    _edit_json(src / "config.json", lambda d: d.update(num_hidden_layers=10**9))
+    gguf = tmp_path / "bc.gguf"
+    raw = bytearray((REPO / "tests" / "data" / "llama_quantize" / "tiny-Q4_K_M.gguf").read_bytes())
+    at = raw.find(b"llama.block_count") + len(b"llama.block_count")
+    assert struct.unpack_from("<II", raw, at) == (4, 2)  # a UINT32 value of 2
+    struct.pack_into("<I", raw, at + 4, 10**9)
+    gguf.write_bytes(bytes(raw))
+    for args, where in (((("validate", "--deep", str(folder)), f"{folder / 'config.json'}: ")),
+                        (("inspect", str(src)), f"{src}: config.json: "),
+                        (("convert", str(src), str(tmp_path / "out")), f"{src}: config.json: "),
+                        (("convert", str(gguf), str(tmp_path / "out")), f"{gguf}: the config its metadata gives: ")):
+        p = _limited_cli(*args)
+        assert p.returncode == 2 and f"{where}num_hidden_layers 1000000000 is more than any model has" in p.stderr, \
+            (args, p.stderr)
+        assert "unexpected" not in p.stderr and (args[0] == "inspect" or len(p.stderr.strip().splitlines()) == 1)
+    assert not (tmp_path / "out").exists()

@@ -163,7 +163,9 @@ def source_problems(target: type[Format], source: Source, label: str) -> list[W4
     problems: list[W4PackError] = []
     bad_config = config_problem(source.config or {})  # every writer copies config.json; the packed reader refuses it
     if bad_config:
-        problems.append(BadInputError(f"config.json: {bad_config}", file=label))
+        # (a GGUF file's config is made from its metadata: llama.block_count is num_hidden_layers)
+        where = "the config its metadata gives" if Path(label).suffix.lower() == ".gguf" else "config.json"
+        problems.append(BadInputError(f"{where}: {bad_config}", file=label))
     orphan = missing_member(source.passthrough_names())
     if orphan:  # a layer that lost its qweight: its other tensors would be carried as floats, the layer dropped
         problems.append(BadInputError(orphan[1], file=label))

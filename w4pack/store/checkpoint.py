@@ -38,7 +38,7 @@ from ..core.layout import LAYOUT_NAME, LAYOUT_VERSION, TILE_K, TILE_N, PackedLay
 from ..progress import Progress
 from .shards import ShardStream
 from .names import CARD_NAME, CONFIG_NAME, INCOMPLETE_MARKER, INDEX_NAME, MANIFEST_NAME, SIDE_FILES, shard_names
-from ..core.arch import architecture_problem, needed_linears
+from ..core.arch import MAX_DECODER_LAYERS, architecture_problem, needed_linears
 from ..core import compact as _compact
 from .tensors import TensorStore
 from ..schema import load_schema, validate_manifest, validate_quantization_config
@@ -104,15 +104,20 @@ def check_layer_name(name: str, file: str | None = None) -> None:
 
 def config_problem(config: dict[str, Any]) -> str | None:
     """What is wrong with the keys of config.json that loaders act on before any weight, or None:
-    ``architectures`` (vLLM and w4pack's summary take the first class name of the list) and ``model_type``
-    (transformers' AutoConfig key). ``"architectures": true`` used to end inspect and validate in "unexpected
-    TypeError"; carried into a checkpoint, it would stop vLLM before the first layer."""
+    ``architectures`` (vLLM and w4pack's summary take the first class name of the list), ``model_type``
+    (transformers' AutoConfig key) and ``num_hidden_layers`` (a loader builds that many decoder layers).
+    ``"architectures": true`` used to end inspect and validate in "unexpected TypeError" and would stop vLLM
+    before the first layer; ``"num_hidden_layers": 1000000000`` made the architecture check take gigabytes."""
     arch = config.get("architectures")
     if arch is not None and (not isinstance(arch, list) or not all(isinstance(a, str) and a for a in arch)):
         return f"architectures must be a list of model class names, got {brief(arch)}"
     mtype = config.get("model_type")
     if mtype is not None and not isinstance(mtype, str):
         return f"model_type must be a string, got {brief(mtype)}"
+    layers = config.get("num_hidden_layers")
+    if isinstance(layers, int) and not isinstance(layers, bool) and layers > MAX_DECODER_LAYERS:
+        return (f"num_hidden_layers {layers} is more than any model has (at most {MAX_DECODER_LAYERS}); a loader "
+                "would build that many decoder layers")
     return None
 
 
