@@ -404,6 +404,9 @@ class AWQSource(Source):
         if len(shape) != ndim:
             raise BadInputError(f"expected a {ndim}-D tensor, got shape {list(shape)}", file=self.store.file_of(name),
                                 tensor=name)
+        if 0 in shape:  # the unpackers' shapes are derived from the row count: an empty layer is no layer
+            raise BadInputError(f"empty tensor of shape {list(shape)}: a quantized layer has rows and columns",
+                                file=self.store.file_of(name), tensor=name)
         return self.store.read_copy(name), dt
 
     def _bad(self, name: str, msg: str) -> BadInputError:
