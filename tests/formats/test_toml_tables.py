@@ -540,3 +540,23 @@ def test_quant_toml_beside_decoder_documents_is_refused(table_copy: tuple[Path, 
     _bad(lambda: TOML.open(q, base=base), str(q), "holds both quant.toml and decoder-0.toml")
     _convert_refused(q, base, tmp_path / "out", capsys, "two sets of quant tables")
     assert TOML.open(q / "quant.toml", base=base).layer_names()
+
+
+@pytest.mark.parametrize("shape", [(0, 256), (4, 0)])
+def test_empty_base_weight_is_one_line(tmp_path: Path, shape: tuple[int, int],
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A base weight with a zero dimension (and tables of matching empty arrays) ended in "unexpected ValueError:
+    zero-size array to reduction operation minimum"; it names the base tensor now."""
+    layer = "model.layers.0.mlp.down_proj"
+    q = tmp_path / "q"
+    q.mkdir()
+    write_safetensors(tmp_path / "base.safetensors", [(f"{layer}.weight", np.zeros(shape, np.float16), None)])
+    groups = (0, 4) if shape[0] == 0 else (4, 0)
+    np.save(q / "s.npy", np.zeros(groups, np.float32))
+    np.save(q / "z.npy", np.zeros(groups, np.float32))
+    (q / "quant.toml").write_text(f'["{layer}"]\nwbits = 4\ngroupsize = 64\nscale = "s.npy"\nzero = "z.npy"\n')
+    rc = main(["convert", str(q), str(tmp_path / "out"), "--base", str(tmp_path / "base.safetensors")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "unexpected" not in err, err
+    assert f"base.safetensors: tensor {layer}.weight: base weight is empty" in err, err
+    assert not (tmp_path / "out").exists()

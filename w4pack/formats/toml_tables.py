@@ -314,6 +314,9 @@ class TomlTablesSource(Source):
         if wdt not in FLOAT_DTYPES or len(wshape) != 2:
             raise BadInputError(f"base weight must be a 2-D fp16/bf16/fp32 tensor, got {wdt} {list(wshape)}",
                                 file=self.base.file_of(wname), tensor=wname)
+        if 0 in wshape:  # the tables' arrays would be empty too, and their range checks have nothing to take
+            raise BadInputError(f"base weight is empty (shape {list(wshape)}): a quantized layer has rows and "
+                                "columns", file=self.base.file_of(wname), tensor=wname)
         n, k = wshape
         scale, sdt = self._scales(t, n, k)
         zero_mode, zeros = self._zeros(t, n, t.groups(k))
