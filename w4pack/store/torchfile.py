@@ -164,7 +164,7 @@ def load_state_dict(path: Path) -> StateDict:
                                 "(save it with .to_dense())", file=label, tensor=key)
         if str(val.dtype).removeprefix("torch.") not in TORCH_DTYPES:
             raise UnsupportedError(f"dtype {val.dtype} is not supported", file=label, tensor=key)
-        if _overlaps_itself(val):
+        if val.numel() and _overlaps_itself(val):
             raise BadInputError(f"shape {list(val.shape)} with strides {list(val.stride())} reuses its "
                                 f"storage's elements: its {val.numel()} elements lie in {_storage_elements(val)} "
                                 "stored ones (an expanded or overlapping view); save it with .contiguous()",
