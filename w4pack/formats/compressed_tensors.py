@@ -31,6 +31,7 @@ from ..store.folder import brief, copy_side_files, is_json_int, read_json, side_
 from ..store import open_tensors
 from ..store.names import SIDE_FILES
 from ..store.shards import ShardWriter
+from ._patterns import backtracking
 from .base import Capabilities, Format, Source, TensorData
 
 __all__ = ["CompressedTensorsFormat", "CompressedTensorsSource", "pack_rows", "unpack_rows"]
@@ -106,66 +107,18 @@ def _matches(name: str, target: str) -> bool:
 def _check_patterns(targets: list[str], key: str, label: str) -> None:
     """Every ``re:`` target must compile: a broken pattern is the config's fault, not a crash at match time. And it
     must match in time: Python's engine backtracks, so ``re:(.*.*)*!`` takes minutes on one module name and a few
-    dozen bytes of config.json would hang every command (see _backtracking)."""
+    dozen bytes of config.json would hang every command (see _patterns.backtracking)."""
     for t in targets:
         if t.startswith("re:"):
             try:
-                parsed = _sre_parser.parse(t[3:])
                 re.compile(t[3:])
             except re.error as exc:
                 raise BadInputError(f"{key}: {brief(t)} is not a valid regular expression ({exc})",
                                     file=label) from None
-            risk = _backtracking(parsed)
+            risk = backtracking(t[3:])
             if risk:
                 raise BadInputError(f"{key}: {brief(t)} {risk}: matching it against a module name can take "
                                     "exponential time; write the pattern without it", file=label)
-
-
-#: the parser behind re.compile (re._parser since Python 3.11, sre_parse before)
-try:
-    from re import _parser as _sre_parser  # type: ignore[attr-defined]
-    from re import _constants as _sre_constants  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - Python < 3.11
-    import sre_constants as _sre_constants  # type: ignore[no-redef]
-    import sre_parse as _sre_parser  # type: ignore[no-redef]
-
-_REPEATS = {_sre_constants.MAX_REPEAT, _sre_constants.MIN_REPEAT} | (
-    {_sre_constants.POSSESSIVE_REPEAT} if hasattr(_sre_constants, "POSSESSIVE_REPEAT") else set())
-#: unbounded repetitions a pattern may hold: ".*" k times backtracks over n^k splits of an n-character name
-MAX_UNBOUNDED_REPEATS = 3
-
-
-def _backtracking(parsed: Any) -> str | None:
-    """Why a parsed ``re:`` pattern may backtrack catastrophically, or None: a repetition or alternatives inside a
-    repetition (``(a+)+``, ``(ab|a.)*``: exponential in the name's length) or more than MAX_UNBOUNDED_REPEATS
-    unbounded repetitions (polynomial of that degree). compressed-tensors' own patterns (``re:.*lm_head``,
-    ``re:.*self_attn.(q|k|v)_proj$``) use neither."""
-    unbounded = 0
-    stack: list[tuple[Any, bool]] = [(parsed, False)]
-    while stack:
-        pattern, in_repeat = stack.pop()
-        for op, av in pattern:
-            if op in _REPEATS:
-                lo, hi, sub = av
-                if in_repeat and hi > 1:
-                    return "nests a repetition inside a repetition"
-                unbounded += hi == _sre_constants.MAXREPEAT
-                stack.append((sub, in_repeat or hi > 1))
-            elif op is _sre_constants.BRANCH:
-                if in_repeat:
-                    return "repeats a choice of alternatives"
-                stack.extend((b, in_repeat) for b in av[1])
-            elif op is _sre_constants.SUBPATTERN:
-                stack.append((av[-1], in_repeat))
-            elif op in (_sre_constants.ASSERT, _sre_constants.ASSERT_NOT):
-                stack.append((av[1], in_repeat))
-            elif op is getattr(_sre_constants, "ATOMIC_GROUP", None):
-                stack.append((av, in_repeat))
-            elif op is _sre_constants.GROUPREF_EXISTS:
-                stack.extend((b, in_repeat) for b in av[1:] if b is not None)
-    if unbounded > MAX_UNBOUNDED_REPEATS:
-        return f"has {unbounded} unbounded repetitions (at most {MAX_UNBOUNDED_REPEATS})"
-    return None
 
 
 def _check_weights(w: dict[str, Any], key: str, label: str) -> None:
