@@ -835,7 +835,8 @@ def test_config_architectures_not_a_list_of_names_is_one_line(packed_llama, tmp_
     for args in (("inspect", str(folder)), ("validate", "--deep", str(folder))):
         rc, err = _cli(*args)
         lines = err.strip().splitlines()
-        assert rc == 2 and len(lines) == 1 and f"{folder / 'config.json'}: architectures must be a list" in lines[0], err
+        assert rc == 2 and len(lines) == 1, err
+        assert f"{folder / 'config.json'}: architectures must be a list" in lines[0], err
     src = tmp_path / "src"
     shutil.copytree(packed_llama["src"], src)
     (src / "config.json").chmod(0o644)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["DECODER_LINEARS", "DECODER_NORMS", "MAX_DECODER_LAYERS", "needed_linears", "needed_tensors", "tensor_problem",
-           "architecture_problem"]
+__all__ = ["DECODER_LINEARS", "DECODER_NORMS", "MAX_DECODER_LAYERS", "needed_linears", "needed_tensors",
+           "tensor_problem", "architecture_problem"]
 
 #: model_type -> the Linear modules of one decoder layer (under ``model.layers.<i>.``) and their shape rule:
 #: "q" [heads*head_dim, hidden], "kv" [kv_heads*head_dim, hidden], "o" [hidden, heads*head_dim],

@@ -441,7 +441,8 @@ def _clean_source(src: dict[str, Any]) -> dict[str, Any]:
     for key in _SOURCE_KEYS[1:]:
         if key in src and src[key] is not None:
             val = src[key]
-            out[key] = [_text(v) for v in val] if key in ("notes", "quirks") else (int(val) if key == "bits" else _text(val))
+            out[key] = ([_text(v) for v in val] if key in ("notes", "quirks")
+                        else int(val) if key == "bits" else _text(val))
     extra = {k: v for k, v in src.items() if k not in _SOURCE_KEYS}
     if extra:
         out.setdefault("notes", []).extend(_text(f"{k}={v}") for k, v in sorted(extra.items()))
