@@ -820,3 +820,85 @@ def test_quantization_config_must_say_what_the_manifest_implies(tmp_path: Path) 
             entry["size"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
     (out / "w4pack.json").write_text(json.dumps(manifest, indent=2))
     assert cli_main(["validate", str(out)]) == 2
+
+
+@pytest.mark.parametrize("value", [True, "LlamaForCausalLM", [5], [""], {"a": 1}])
+def test_config_architectures_not_a_list_of_names_is_one_line(packed_llama, tmp_path, value):
+    """Fuzz seed 20261205, w4pack #12: ``"architectures": true`` in a re-signed config.json ended inspect and
+    validate --deep in "unexpected TypeError" (the summary takes the list's first class name, as vLLM does). The
+    reader now refuses it naming config.json, and convert refuses such a source before writing anything, so it
+    never writes what the reader refuses."""
+    folder = tmp_path / "ck"
+    shutil.copytree(packed_llama["plain"], folder)
+    _edit_json(folder / "config.json", lambda d: d.update(architectures=value))
+    _resign(folder)
+    for args in (("inspect", str(folder)), ("validate", "--deep", str(folder))):
+        rc, err = _cli(*args)
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1, err
+        assert f"{folder / 'config.json'}: architectures must be a list" in lines[0], err
+    src = tmp_path / "src"
+    shutil.copytree(packed_llama["src"], src)
+    (src / "config.json").chmod(0o644)
+    _edit_json(src / "config.json", lambda d: d.update(architectures=value))
+    rc, err = _cli("convert", str(src), str(tmp_path / "out"))
+    assert rc == 2 and "config.json: architectures must be a list" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_source_path_of_non_utf8_bytes_is_written_as_unicode_text(tmp_path):
+    """A base model path with a byte that is not UTF-8 reaches Python as a lone surrogate (PEP 383); written as is,
+    the manifest held "\\udcff", which strict JSON parsers (and now w4pack's own reader) refuse."""
+    rng = np.random.default_rng(0)
+    with CheckpointWriter(tmp_path / "ck", config={"model_type": "llama"},
+                          source={"format": "toml", "base_model": "/models/base\udcff/w.safetensors",
+                                  "notes": ["from \udcff"], "where": "x\udcffy"}) as w:
+        w.add_layer("model.layers.0.mlp.down_proj", random_layer(rng, 64, 128, 4, 32, "int", False))
+    doc = json.loads((tmp_path / "ck" / MANIFEST_NAME).read_text(encoding="utf-8"))
+    text = json.dumps(doc["source"], ensure_ascii=False)
+    text.encode("utf-8")  # no lone surrogate left anywhere in the source record
+    assert doc["source"]["base_model"] == "/models/base\\udcff/w.safetensors"
+    assert "where=x\\udcffy" in doc["source"]["notes"]
+    validate_checkpoint(tmp_path / "ck")
+
+
+def _limited_cli(*args: str) -> subprocess.CompletedProcess:
+    """The CLI under a 2 GiB address-space limit: a memory blowup fails fast instead of taking the machine."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "w4pack", *args], capture_output=True, text=True, env=env,
+                          timeout=300, preexec_fn=limit)
+
+
+def test_num_hidden_layers_no_model_has_is_refused_without_a_blowup(packed_llama, tmp_path):
+    """``"num_hidden_layers": 1000000000`` (or a GGUF's llama.block_count) made the architecture check list 7·10^9
+    modules: gigabytes and "unexpected MemoryError" after a minute, from one edited number. Refused by name now,
+    in the packed reader and among a source's problems, before any table is built."""
+    import struct
+
+    folder = tmp_path / "ck"
+    shutil.copytree(packed_llama["plain"], folder)
+    _edit_json(folder / "config.json", lambda d: d.update(num_hidden_layers=10**9))
+    _resign(folder)
+    src = tmp_path / "src"
+    shutil.copytree(packed_llama["src"], src)
+    (src / "config.json").chmod(0o644)
+    _edit_json(src / "config.json", lambda d: d.update(num_hidden_layers=10**9))
+    gguf = tmp_path / "bc.gguf"
+    raw = bytearray((REPO / "tests" / "data" / "llama_quantize" / "tiny-Q4_K_M.gguf").read_bytes())
+    at = raw.find(b"llama.block_count") + len(b"llama.block_count")
+    assert struct.unpack_from("<II", raw, at) == (4, 2)  # a UINT32 value of 2
+    struct.pack_into("<I", raw, at + 4, 10**9)
+    gguf.write_bytes(bytes(raw))
+    for args, where in (((("validate", "--deep", str(folder)), f"{folder / 'config.json'}: ")),
+                        (("inspect", str(src)), f"{src}: config.json: "),
+                        (("convert", str(src), str(tmp_path / "out")), f"{src}: config.json: "),
+                        (("convert", str(gguf), str(tmp_path / "out")), f"{gguf}: the config its metadata gives: ")):
+        p = _limited_cli(*args)
+        assert p.returncode == 2 and f"{where}num_hidden_layers 1000000000 is more than any model has" in p.stderr, \
+            (args, p.stderr)
+        assert "unexpected" not in p.stderr and (args[0] == "inspect" or len(p.stderr.strip().splitlines()) == 1)
+    assert not (tmp_path / "out").exists()

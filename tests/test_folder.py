@@ -112,3 +112,69 @@ def test_a_repeated_json_key_is_bad_input(tmp_path: Path) -> None:
     assert exc.value.exit_code == 2 and str(p) in exc.value.one_line()
     p.write_text('{"a": {"a": 1}, "b": [{"a": 1}, {"a": 2}]}')  # the same key in different objects is fine
     assert read_json(p)["b"][1] == {"a": 2}
+
+
+def test_json_nested_past_the_bound_is_refused_wherever_it_is_read(tmp_path: Path) -> None:
+    """Python's parser stops near its recursion limit, which depends on how deep the caller's stack is: a config.json
+    nested ~972 levels was read by convert, which wrote every shard and then died re-reading it for the model card
+    ("unexpected RecursionError"), and 900 levels converted. A fixed bound gives one answer at any stack depth,
+    before anything is written."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from w4pack.store.folder import MAX_JSON_DEPTH, read_json
+
+    p = tmp_path / "doc.json"
+    p.write_text("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH)
+    assert read_json(p) is not None
+    p.write_text("[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1))
+    with pytest.raises(BadInputError, match=f"nested {MAX_JSON_DEPTH + 1} levels deep") as exc:
+        read_json(p)
+    assert exc.value.exit_code == 2 and str(p) in exc.value.one_line()
+
+    src = tmp_path / "src"
+    shutil.copytree(fixture_dir("awq", "tiny_llama_gemm_g128"), src)
+    (src / "config.json").chmod(0o644)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(config)[:-1] + ', "x": ' + "[" * 900 + "]" * 900 + "}")
+    proc = subprocess.run([sys.executable, "-m", "w4pack", "convert", str(src), str(tmp_path / "out")],
+                          capture_output=True, text=True)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert f"{src / 'config.json'}: JSON nested 901 levels deep" in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_json_string_that_is_not_unicode_is_refused(tmp_path: Path) -> None:
+    """JSON may spell a lone surrogate (``"\\udcff"``) and Python's parser keeps it; Hugging Face's Rust loaders and
+    strict parsers refuse it. A config.json holding one used to convert, and its output carried it on."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from w4pack.store.folder import read_json
+
+    p = tmp_path / "doc.json"
+    p.write_text('{"emoji": "\\ud83d\\ude00", "a": ["\\u00ff"]}')  # a surrogate pair is one character
+    assert read_json(p)["emoji"] == "\U0001F600"
+    for text in ('{"a": ["x\\udcffy"]}', '{"k\\ud800": 1}'):
+        p.write_text(text)
+        with pytest.raises(BadInputError, match="not valid Unicode") as exc:
+            read_json(p)
+        assert str(p) in exc.value.one_line() and exc.value.exit_code == 2
+        exc.value.one_line().encode("utf-8")
+
+    src = tmp_path / "src"
+    shutil.copytree(fixture_dir("awq", "tiny_llama_gemm_g128"), src)
+    (src / "config.json").chmod(0o644)
+    config = json.loads((src / "config.json").read_text())
+    config["_name_or_path"] = "model\udcff"
+    (src / "config.json").write_text(json.dumps(config))
+    proc = subprocess.run([sys.executable, "-m", "w4pack", "convert", str(src), str(tmp_path / "out")],
+                          capture_output=True, text=True)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "config.json" in lines[0] and "not valid Unicode" in lines[0]
+    assert not (tmp_path / "out").exists()

@@ -252,6 +252,20 @@ def test_resign_recomputes_what_the_manifest_signs(tmp_path: Path) -> None:
     assert shard["size"] == 9 and shard["sha256"] == __import__("hashlib").sha256(b"new bytes").hexdigest()
 
 
+@pytest.mark.parametrize("name,invalid", [("README.md", False), ("config.json", True), ("w4pack.json", True)])
+def test_a_packed_folder_without_its_model_card_is_still_valid(tmp_path: Path, name: str, invalid: bool) -> None:
+    """Seed 20261205, w4pack #58: deleting README.md was judged "provably invalid", so validate accepting the folder
+    was reported as inconsistent. The manifest lists every file but the model card (docs/FORMAT.md §5), which
+    defines nothing: only deleting a listed file is a corruption to refuse."""
+    for f in ("README.md", "config.json", "w4pack.json"):
+        (tmp_path / f).write_text("{}")
+    t = fuzz.Target(reader="w4pack", name="w4pack/x", fixture=tmp_path, entry=".")
+    spec = {"scope": "folder", "mutator": "delete", "file": name, "resign": True}
+    m, _full = fuzz.apply_mutation(t, tmp_path, fuzz.random.Random(0), spec)
+    assert m.desc.startswith(f"delete {name}") and not (tmp_path / name).exists()
+    assert m.must_reject is invalid
+
+
 def test_plan_is_deterministic_and_replayable(tmp_path: Path) -> None:
     # the same seed gives the same mutations; a recorded spec replays the same mutation
     if fixtures_root() is None:

@@ -230,8 +230,11 @@ def test_data_section_must_end_at_the_file_end(tmp_path: Path, capsys: pytest.Ca
     ({"": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, "blank name"),
     ('{"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
      '"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', "names this tensor twice"),
+    # a lone surrogate escape: valid to Python's json, refused by the reference library; an output carrying it
+    # would be unreadable to every Hugging Face loader
+    ('{"t\\udcff": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', "not valid Unicode"),
 ])
-def test_blank_or_repeated_tensor_names_are_refused(tmp_path: Path, header: Any, says: str) -> None:
+def test_blank_repeated_or_broken_tensor_names_are_refused(tmp_path: Path, header: Any, says: str) -> None:
     import json
     import struct
 
@@ -245,3 +248,23 @@ def test_blank_or_repeated_tensor_names_are_refused(tmp_path: Path, header: Any,
     with pytest.raises(BadInputError, match=says) as exc:
         SafetensorsFile(p)
     assert str(p) in exc.value.one_line()
+
+
+def test_header_nested_past_the_bound_is_refused(tmp_path: Path) -> None:
+    """An extra key nested 900 deep parsed or not depending on the caller's stack depth (inspect accepted what a
+    deeper reader refused); the bound on nesting decides the same everywhere."""
+    deep = b"[" * 900 + b"]" * 900
+    p = _raw_file(tmp_path / "deep.safetensors",
+                  b'{"a": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4], "x": ' + deep + b"}}", b"\0" * 4)
+    _refused(p, "nested more than")
+
+
+def test_control_characters_in_a_tensor_name_keep_the_error_on_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A safetensors name may hold a newline (the reference library accepts it); named in an error, it split the
+    one line in two. Every character that is not printable is written as its escape."""
+    p = _raw_file(tmp_path / "nl.safetensors",
+                  b'{"a\\nb\\u0000c": {"dtype": "F8_E4M3", "shape": [1], "data_offsets": [0, 1]}}      ', b"\0")
+    assert main(["inspect", str(p)]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{p}: tensor a\\nb\\x00c: dtype 'F8_E4M3' is not supported" in err, err

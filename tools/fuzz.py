@@ -60,6 +60,8 @@ PACKED_FROM = (("awq/tiny_llama_gemm_g128", []), ("awq/tiny_llama_gemm_g128", ["
                ("toml/decoder_toml_inline_asym_g64", []), ("gptq/ag_b3_asym_g64", []),
                ("gptq/ag_b8_asym_g64_descact", []))
 SKIP_NAMES = {"case.json", "README.md", "truth"}
+#: the model card of a packed checkpoint (w4pack.store.names.CARD_NAME): not listed in the manifest
+CARD_NAME = "README.md"
 #: GGUFs written by llama.cpp's own quantizer (tests/data/llama_quantize): the K-quant and IQ4 blocks the
 #: fixtures lack, fuzzed as GGUF sources and, converted, as packed folders in the compact storage (LAYOUT.md §8)
 LLAMA_QUANTS = REPO / "tests" / "data" / "llama_quantize"
@@ -1184,8 +1186,12 @@ def apply_mutation(t: Target, case: Path, rng: random.Random, spec: dict[str, An
                 raise
             continue
         if packed:
-            if name == "delete" or (name == "stray" and c.record.get("what") != "stray-json"):
-                m.must_reject = True   # every file of a packed checkpoint is listed; nothing unlisted may appear
+            if ((name == "delete" and c.record.get("file") != CARD_NAME)
+                    or (name == "stray" and c.record.get("what") != "stray-json")):
+                # every file of a packed checkpoint is listed; nothing unlisted may appear. The model card is the
+                # exception (docs/FORMAT.md §5): it describes the model and defines nothing, so a folder without
+                # it is as valid as one with it
+                m.must_reject = True
             signed = signed_files(case)
             do = c.pick("resign", [True, True, True, True, False])
             touched = {rel} if rel else set()

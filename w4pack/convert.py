@@ -7,7 +7,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .store.checkpoint import parse_size
+from .store.checkpoint import config_problem, parse_size
 from .errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNSUPPORTED, BadInputError, W4PackError
 from .formats import get_format
 from .formats import embeddings
@@ -161,6 +161,11 @@ def source_problems(target: type[Format], source: Source, label: str) -> list[W4
     with that tensor at its initial value, and validate refuses such a packed folder. ``verify --against`` asks
     too, so it refuses a source as convert would."""
     problems: list[W4PackError] = []
+    bad_config = config_problem(source.config or {})  # every writer copies config.json; the packed reader refuses it
+    if bad_config:
+        # (a GGUF file's config is made from its metadata: llama.block_count is num_hidden_layers)
+        where = "the config its metadata gives" if Path(label).suffix.lower() == ".gguf" else "config.json"
+        problems.append(BadInputError(f"{where}: {bad_config}", file=label))
     orphan = missing_member(source.passthrough_names())
     if orphan:  # a layer that lost its qweight: its other tensors would be carried as floats, the layer dropped
         problems.append(BadInputError(orphan[1], file=label))

@@ -16,6 +16,7 @@ __all__ = [
     "EXIT_BAD_INPUT",
     "EXIT_UNSUPPORTED",
     "EXIT_IO",
+    "printable",
 ]
 
 EXIT_OK = 0
@@ -43,7 +44,16 @@ class W4PackError(Exception):
         if self.tensor:
             where.append(f"tensor {self.tensor}")
         prefix = ": ".join(where)
-        return f"{prefix}: {self.message}" if prefix else self.message
+        return printable(f"{prefix}: {self.message}" if prefix else self.message)
+
+
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable written as its escape (``\\n``, ``\\x00``,
+    ``\\udcff``): a file or tensor name is the input's to choose, and a newline in one (valid in a safetensors
+    header) split the one-line error in two; a lone surrogate cannot be written to a UTF-8 terminal at all."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 class BadInputError(W4PackError, ValueError):

@@ -601,3 +601,35 @@ def test_float_minima_refusal_says_what_the_command_line_can_do(tmp_path: Path) 
         AWQ.write(MemSource({"m.layers.0.q_proj": layer}), tmp_path / "gemm")
     text = str(ei.value)
     assert "version='gemv_fast'" in text and "Python API" in text and "from the command line: --to w4pack" in text
+
+
+_EMPTY_P = "model.layers.0.mlp.down_proj"
+#: layout -> tensors of one layer with a zero dimension (shapes consistent with each other, as a hostile writer makes)
+EMPTY_LAYERS: dict[str, list[tuple[str, Any]]] = {
+    "gemm": [("qweight", np.zeros((0, 2**37), np.int32)), ("qzeros", np.zeros((0, 2**37), np.int32)),
+             ("scales", np.zeros((0, 2**40), np.float16))],
+    "gemv": [("qweight", np.zeros((0, 64), np.int32)), ("qzeros", np.zeros((0, 1), np.int32)),
+             ("scales", np.zeros((0, 8), np.float16))],
+    "marlin": [("qweight", np.zeros((0, 512), np.int32)), ("scales", np.zeros((0, 256), np.float16))],
+    "gemm-no-columns": [("qweight", np.zeros((512, 0), np.int32)), ("qzeros", np.zeros((4, 0), np.int32)),
+                        ("scales", np.zeros((4, 0), np.float16))],
+}
+
+
+@pytest.mark.parametrize("layout", list(EMPTY_LAYERS))
+def test_empty_quantized_layer_is_one_line(tmp_path: Path, layout: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A layer whose tensors have a zero dimension (a few hundred bytes of header claiming [0, 2^40]) ended in
+    "unexpected ValueError: cannot reshape" or "ZeroDivisionError" for GEMM, GEMV and Marlin; every layout now
+    names the tensor and exits 2 before anything is written."""
+    from w4pack.cli import main
+    from w4pack.safetensors_io import write_safetensors
+
+    src = tmp_path / "src"
+    src.mkdir()
+    write_safetensors(src / "model.safetensors", [(f"{_EMPTY_P}.{s}", a, None) for s, a in EMPTY_LAYERS[layout]])
+    (src / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq", "bits": 4}}))
+    assert main(["convert", str(src), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unexpected" not in err and f"tensor {_EMPTY_P}" in err, err
+    assert "empty" in err and str(src / "model.safetensors") in err, err
+    assert not (tmp_path / "out").exists()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -546,3 +548,29 @@ def test_shard_symlinked_out_of_the_folder_is_refused(tmp_path: Path, capsys: py
     (work / "model-00001-of-00001.safetensors").rename(outside)
     (work / "model-00001-of-00001.safetensors").symlink_to(outside)
     _refused_one_line(work, tmp_path, capsys, "model.safetensors.index.json", "symbolic link out of the folder")
+
+
+@pytest.mark.parametrize("pattern,says", [
+    ("re:(.*.*)*!", "nests a repetition inside a repetition"),
+    ("re:(ab|a.)*!", "repeats a choice of alternatives"),
+    ("re:" + ".*" * 12 + "!", "has 12 unbounded repetitions"),
+])
+def test_backtracking_pattern_is_refused_not_run(tmp_path: Path, pattern: str, says: str) -> None:
+    """A few bytes of config.json made every command hang: Python's regex engine backtracks, and matching
+    ``re:(.*.*)*!`` against "model.layers.0.mlp.down_proj" takes longer than anyone waits. Such a pattern is refused
+    by name before any module is matched; compressed-tensors' own patterns still read."""
+    src = tmp_path / "src"
+    shutil.copytree(fixture_dir("compressed-tensors", "tiny_llama_w4a16_sym_g128"), src)
+    (src / "config.json").chmod(0o644)
+    doc = json.loads((src / "config.json").read_text())
+    doc["quantization_config"]["ignore"] = ["lm_head", "re:.*embed_tokens", pattern]
+    (src / "config.json").write_text(json.dumps(doc))
+    proc = subprocess.run([sys.executable, "-m", "w4pack", "convert", str(src), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert f"{src / 'config.json'}: ignore: " in lines[0] and says in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists()
+    doc["quantization_config"]["ignore"] = ["lm_head", "re:.*embed_tokens", r"re:.*self_attn.(q|k|v)_proj_x$"]
+    (src / "config.json").write_text(json.dumps(doc))
+    assert CT.open(src).layer_names()

@@ -687,3 +687,23 @@ def test_act_order_layer_without_g_idx_is_refused(tmp_path: Path, capsys: pytest
     err = capsys.readouterr().err
     assert rc == 2 and "desc_act" in err and "no g_idx" in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_backtracking_dynamic_pattern_is_refused_not_run(tmp_path: Path) -> None:
+    """GPTQModel's ``dynamic`` rules are regular expressions matched against every module name; ``-:(.*.*)*!``
+    made every command hang (Python's engine backtracks). Refused by name when the config is read."""
+    from conftest import fixture_dir
+
+    src = tmp_path / "src"
+    shutil.copytree(fixture_dir("gptq", "ag_b4_sym_g128"), src)
+    qc_path = src / "quantize_config.json"
+    qc_path.chmod(0o644)
+    qc = json.loads(qc_path.read_text())
+    qc["dynamic"] = {r"-:^lm_head$": {}, "-:(.*.*)*!": {}}
+    qc_path.write_text(json.dumps(qc))
+    proc = subprocess.run([sys.executable, "-m", "w4pack", "convert", str(src), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert str(qc_path) in lines[0] and "nests a repetition inside a repetition" in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists()

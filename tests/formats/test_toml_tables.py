@@ -490,3 +490,73 @@ def test_a_folder_with_the_tables_one_level_down_names_them(capsys: pytest.Captu
     rc, err = cli_one_line(capsys, "inspect", case, "--from", "toml", "--base", case / "base_weights_fp16.safetensors")
     assert rc == 2 and f"no quant.toml or decoder-N.toml quant tables here; the quant tables are in " \
                        f"{case / 'quant_dir'}" in err, err
+
+
+# -- hostile documents the fuzzer's mutators do not write --------------------------------------
+def _convert_refused(q: Path, base: Path, out: Path, capsys: pytest.CaptureFixture[str], *needles: str) -> str:
+    rc = main(["convert", str(q), str(out), "--base", str(base)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("w4pack: error: "), err
+    assert "unexpected" not in err and str(q) in err, err
+    for needle in needles:
+        assert needle in err, err
+    assert not out.exists()
+    return err
+
+
+def test_quoted_and_dotted_tables_of_one_layer_are_refused(table_copy: tuple[Path, Path], tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """``["a.b"]`` and ``[a.b]`` are two valid TOML tables with one layer name: the second used to replace the
+    first silently (here an 8-bit symmetric table for a 4-bit asymmetric layer)."""
+    q, base = table_copy
+    with open(q / "quant.toml", "a") as fh:
+        fh.write(f'\n[{LAYER}]\nwbits = 8\ngroupsize = 64\nsym = true\nscale = "{LAYER}.scale.npy"\n'
+                 f'group_ids = "{LAYER}.group_ids.npy"\n')
+    _bad(lambda: TOML.open(q, base=base), "quant.toml", f"tensor {LAYER}", "two tables")
+    _convert_refused(q, base, tmp_path / "out", capsys, f"tensor {LAYER}", "two tables")
+
+
+@pytest.mark.parametrize("tail,needle", [
+    ("\n[x]\nwbits = 4\nscale = " + "[" * 50000 + "]" * 50000 + "\n", "nested too deeply"),
+    ("\n[" + ".".join(["a"] * 5000) + "]\nwbits = 4\n", "nested more than 64 levels"),
+])
+def test_deeply_nested_documents_are_one_line(table_copy: tuple[Path, Path], tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str], tail: str, needle: str) -> None:
+    """Arrays nested 50000 deep (tomllib recurses) and tables nested 5000 deep (the layer walk) used to end in
+    "unexpected RecursionError" without naming the document."""
+    q, base = table_copy
+    with open(q / "quant.toml", "a") as fh:
+        fh.write(tail)
+    _convert_refused(q, base, tmp_path / "out", capsys, needle)
+
+
+def test_quant_toml_beside_decoder_documents_is_refused(table_copy: tuple[Path, Path], tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder with quant.toml and decoder-N.toml holds two sets of tables; quant.toml used to win silently and
+    the decoder documents were ignored. Naming one document still reads it."""
+    q, base = table_copy
+    d = fixture_dir("toml", "decoder_toml_inline_asym_g64")
+    shutil.copyfile(d / "quant_dir" / "decoder-0.toml", q / "decoder-0.toml")
+    _bad(lambda: TOML.open(q, base=base), str(q), "holds both quant.toml and decoder-0.toml")
+    _convert_refused(q, base, tmp_path / "out", capsys, "two sets of quant tables")
+    assert TOML.open(q / "quant.toml", base=base).layer_names()
+
+
+@pytest.mark.parametrize("shape", [(0, 256), (4, 0)])
+def test_empty_base_weight_is_one_line(tmp_path: Path, shape: tuple[int, int],
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A base weight with a zero dimension (and tables of matching empty arrays) ended in "unexpected ValueError:
+    zero-size array to reduction operation minimum"; it names the base tensor now."""
+    layer = "model.layers.0.mlp.down_proj"
+    q = tmp_path / "q"
+    q.mkdir()
+    write_safetensors(tmp_path / "base.safetensors", [(f"{layer}.weight", np.zeros(shape, np.float16), None)])
+    groups = (0, 4) if shape[0] == 0 else (4, 0)
+    np.save(q / "s.npy", np.zeros(groups, np.float32))
+    np.save(q / "z.npy", np.zeros(groups, np.float32))
+    (q / "quant.toml").write_text(f'["{layer}"]\nwbits = 4\ngroupsize = 64\nscale = "s.npy"\nzero = "z.npy"\n')
+    rc = main(["convert", str(q), str(tmp_path / "out"), "--base", str(tmp_path / "base.safetensors")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "unexpected" not in err, err
+    assert f"base.safetensors: tensor {layer}.weight: base weight is empty" in err, err
+    assert not (tmp_path / "out").exists()

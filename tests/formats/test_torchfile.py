@@ -68,3 +68,53 @@ def test_raw_protocol_4_pickle_is_one_line_without_torch_warning(tmp_path: Path)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "raw.pt" in lines[0] and "weights_only" in lines[0], proc.stderr
+
+
+def test_expanded_view_claiming_more_than_its_storage_is_refused(tmp_path: Path) -> None:
+    """A pickle holds storages: one element expanded to [2^20, 2^19] is a 1 TiB tensor in a file of a few bytes.
+    It used to load, and convert died copying it out ("unexpected RuntimeError ... can't allocate memory", or
+    allocated what the machine had); contiguous, transposed and sliced views still read."""
+    dump = _awq_dump(torch.zeros(8, 256, dtype=torch.float16))
+    dump["lm_head.weight"] = torch.zeros(1, dtype=torch.float16).expand(2**20, 2**19)
+    torch.save(dump, tmp_path / "dump.pt")
+    with pytest.raises(BadInputError) as exc:
+        load_state_dict(tmp_path / "dump.pt")
+    text = exc.value.one_line()
+    assert "dump.pt" in text and "tensor lm_head.weight" in text and "strides [0, 0]" in text, text
+    proc = _cli("convert", tmp_path / "dump.pt", tmp_path / "out")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "lm_head.weight" in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists()
+    base = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
+    fine = {"t": base.t(), "s": base[8:16, ::2], "c": base.clone()}
+    torch.save(fine, tmp_path / "fine.pt")
+    sd = load_state_dict(tmp_path / "fine.pt")
+    assert sorted(sd) == ["c", "s", "t"]
+
+
+def test_tensor_name_that_is_not_unicode_is_refused(tmp_path: Path) -> None:
+    """A pickle's string may hold a lone surrogate; carried into a safetensors header (as the escape \\udcff) it
+    made an output the reference library and Hugging Face loaders refuse."""
+    dump = _awq_dump(torch.zeros(8, 256, dtype=torch.float16))
+    dump["model.norm\udcff.weight"] = torch.ones(4, dtype=torch.float16)
+    torch.save(dump, tmp_path / "dump.pt")
+    with pytest.raises(BadInputError) as exc:
+        load_state_dict(tmp_path / "dump.pt")
+    text = exc.value.one_line()
+    assert "dump.pt" in text and "not valid Unicode" in text and "\\udcff" in text, text
+    text.encode("utf-8")  # the message itself prints anywhere
+
+
+def test_fifo_named_like_a_torch_file_is_one_line_exit_2(tmp_path: Path) -> None:
+    """A FIFO called model.pt was "cannot tell which format" (exit 3) to inspect and "does not exist" to convert
+    --from awq; it is bad input that says what it is, as a FIFO called .safetensors already was."""
+    import os
+
+    fifo = tmp_path / "model.pt"
+    os.mkfifo(fifo)
+    for args in (("inspect", fifo), ("convert", fifo, tmp_path / "out", "--from", "awq")):
+        proc = _cli(*args)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert f"{fifo}: not a regular file" in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists()

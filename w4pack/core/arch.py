@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["DECODER_LINEARS", "DECODER_NORMS", "needed_linears", "needed_tensors", "tensor_problem",
-           "architecture_problem"]
+__all__ = ["DECODER_LINEARS", "DECODER_NORMS", "MAX_DECODER_LAYERS", "needed_linears", "needed_tensors",
+           "tensor_problem", "architecture_problem"]
 
 #: model_type -> the Linear modules of one decoder layer (under ``model.layers.<i>.``) and their shape rule:
 #: "q" [heads*head_dim, hidden], "kv" [kv_heads*head_dim, hidden], "o" [hidden, heads*head_dim],
@@ -39,6 +39,9 @@ DECODER_NORMS: dict[str, tuple[tuple[str, str], ...]] = {
 _HEAD_DIM = {"qwen3": 128}
 #: config keys the shapes need
 _NEEDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads")
+#: more decoder layers than any model has (the largest have a few hundred): the tables below list every layer's
+#: modules, so a config claiming 10^9 layers would take gigabytes to describe before the first missing one is named
+MAX_DECODER_LAYERS = 1 << 16
 
 
 def _int(v: Any) -> int | None:
@@ -53,6 +56,8 @@ def _sizes(config: dict[str, Any]) -> tuple[str, dict[str, int]] | str:
     missing = [k for k in _NEEDS if _int(config.get(k)) is None]
     if missing:
         return f"config.json lacks {', '.join(missing)}"
+    if config["num_hidden_layers"] > MAX_DECODER_LAYERS:  # config_problem refuses such a config by name
+        return f"num_hidden_layers {config['num_hidden_layers']} is more than {MAX_DECODER_LAYERS}"
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     return model_type, {"layers": config["num_hidden_layers"], "hidden": hidden, "inter": config["intermediate_size"],
                         "heads": heads, "kv": _int(config.get("num_key_value_heads")) or heads,

@@ -405,6 +405,9 @@ class AWQSource(Source):
         if len(shape) != ndim:
             raise BadInputError(f"expected a {ndim}-D tensor, got shape {list(shape)}", file=self.store.file_of(name),
                                 tensor=name)
+        if 0 in shape:  # the unpackers' shapes are derived from the row count: an empty layer is no layer
+            raise BadInputError(f"empty tensor of shape {list(shape)}: a quantized layer has rows and columns",
+                                file=self.store.file_of(name), tensor=name)
         return self.store.read_copy(name), dt
 
     def _bad(self, name: str, msg: str) -> BadInputError:
@@ -711,7 +714,8 @@ class AWQFormat(Format):
         try:
             store = open_store(path)
         except BadInputError:
-            if path.is_file() and path.suffix != ".safetensors" or (path.is_dir() and pt_files(folder)):
+            if (path.exists() and not path.is_dir() and path.suffix != ".safetensors"
+                    or (path.is_dir() and pt_files(folder))):
                 raise  # a hostile or broken pickle: say so now rather than "unknown format"
             return False
         try:

@@ -31,6 +31,7 @@ from ..store.folder import brief, copy_side_files, is_json_int, read_json, side_
 from ..store import open_tensors
 from ..store.names import SIDE_FILES
 from ..store.shards import ShardWriter
+from ._patterns import backtracking
 from .base import WAY_OUT, Capabilities, Format, Source, TensorData
 
 __all__ = ["CompressedTensorsFormat", "CompressedTensorsSource", "pack_rows", "unpack_rows"]
@@ -104,7 +105,9 @@ def _matches(name: str, target: str) -> bool:
 
 
 def _check_patterns(targets: list[str], key: str, label: str) -> None:
-    """Every ``re:`` target must compile: a broken pattern is the config's fault, not a crash at match time."""
+    """Every ``re:`` target must compile: a broken pattern is the config's fault, not a crash at match time. And it
+    must match in time: Python's engine backtracks, so ``re:(.*.*)*!`` takes minutes on one module name and a few
+    dozen bytes of config.json would hang every command (see _patterns.backtracking)."""
     for t in targets:
         if t.startswith("re:"):
             try:
@@ -112,6 +115,10 @@ def _check_patterns(targets: list[str], key: str, label: str) -> None:
             except re.error as exc:
                 raise BadInputError(f"{key}: {brief(t)} is not a valid regular expression ({exc})",
                                     file=label) from None
+            risk = backtracking(t[3:])
+            if risk:
+                raise BadInputError(f"{key}: {brief(t)} {risk}: matching it against a module name can take "
+                                    "exponential time; write the pattern without it", file=label)
 
 
 def _check_weights(w: dict[str, Any], key: str, label: str) -> None:

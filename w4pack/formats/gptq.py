@@ -45,6 +45,7 @@ from ..store import open_tensors
 from ..store.names import PT_SUFFIXES, SIDE_FILES
 from ..store.shards import PlannedShards, ShardEntry
 from ._bitpack import STREAM_BITS, pack_last, unpack_last
+from ._patterns import backtracking
 from .base import PICKLE_FILES, SAFETENSORS_FILES, WAY_OUT, Capabilities, Format, Source, TensorData
 
 __all__ = ["GPTQFormat", "GPTQv2Format", "GPTQSource", "GPTQWarning", "write_gptq", "V1", "V2"]
@@ -107,10 +108,15 @@ def _check_config(doc: dict[str, Any], file: str, where: str = "") -> None:
         raise BadInputError(f"{where}dynamic must be an object of pattern: overrides, got {brief(dynamic)}", file=file)
     for pattern, overrides in dynamic.items():
         key = f"{where}dynamic[{brief(pattern)}]"
+        regex = pattern[2:] if pattern.startswith(("-:", "+:")) else pattern
         try:
-            re.compile(pattern[2:] if pattern.startswith(("-:", "+:")) else pattern)
+            re.compile(regex)
         except re.error as exc:
             raise BadInputError(f"{key}: not a valid regular expression ({exc})", file=file) from None
+        risk = backtracking(regex)
+        if risk:
+            raise BadInputError(f"{key}: the pattern {risk}: matching it against a module name can take "
+                                "exponential time; write the pattern without it", file=file)
         if not isinstance(overrides, dict):
             raise BadInputError(f"{key} must be an object of overrides, got {brief(overrides)}", file=file)
         _check_settings(overrides, file, f"{key}.")

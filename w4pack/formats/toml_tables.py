@@ -23,7 +23,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -96,17 +96,38 @@ def dump_toml(tables: dict[str, dict[str, Any]]) -> str:
 # ---------------------------------------------------------------------------------------------
 # reading
 # ---------------------------------------------------------------------------------------------
-def _flatten_tables(doc: dict[str, Any], prefix: str = "") -> dict[str, dict[str, Any]]:
-    """Layer tables by full name; unquoted keys (``[model.layers.0.q]``) nest, so walk down to ``wbits``."""
+#: how deep layer tables may nest ([model.layers.0.self_attn.q_proj] is 5): deeper is a hostile document
+MAX_TABLE_DEPTH = 64
+
+
+def _flatten_tables(doc: dict[str, Any], document: Path) -> dict[str, dict[str, Any]]:
+    """Layer tables by full name; unquoted keys (``[model.layers.0.q]``) nest, so walk down to ``wbits``.
+
+    A quoted and a dotted header (``["model.layers.0.q"]`` and ``[model.layers.0.q]``) are two valid TOML tables
+    with one full name: which one quantizes the layer cannot be told, so that is refused as a layer given twice.
+    The walk keeps its own stack: a document nesting tables thousands deep is one error, not a RecursionError."""
     out: dict[str, dict[str, Any]] = {}
-    for key, val in doc.items():
-        if not isinstance(val, dict):
-            continue
-        name = f"{prefix}.{key}" if prefix else key
-        if "wbits" in val:
-            out[name] = val
+    stack: list[tuple[str, Iterator[tuple[str, Any]]]] = [("", iter(doc.items()))]
+    while stack:  # depth first, in document order: the order the reader lists the layers in
+        prefix, items = stack[-1]
+        for key, val in items:
+            if not isinstance(val, dict):
+                continue
+            name = f"{prefix}.{key}" if prefix else key
+            if "wbits" in val:
+                if name in out:
+                    raise BadInputError("layer has two tables in this document (a quoted and a dotted header "
+                                        "naming it); which one holds cannot be told", file=str(document),
+                                        tensor=name if len(name) <= 200 else brief(name, 200))
+                out[name] = val
+            elif len(stack) >= MAX_TABLE_DEPTH:
+                raise BadInputError(f"tables nested more than {MAX_TABLE_DEPTH} levels deep (under {brief(name)}); "
+                                    "layer tables are a few levels deep", file=str(document))
+            else:
+                stack.append((name, iter(val.items())))
+                break
         else:
-            out.update(_flatten_tables(val, name))
+            stack.pop()
     return out
 
 
@@ -293,6 +314,9 @@ class TomlTablesSource(Source):
         if wdt not in FLOAT_DTYPES or len(wshape) != 2:
             raise BadInputError(f"base weight must be a 2-D fp16/bf16/fp32 tensor, got {wdt} {list(wshape)}",
                                 file=self.base.file_of(wname), tensor=wname)
+        if 0 in wshape:  # the tables' arrays would be empty too, and their range checks have nothing to take
+            raise BadInputError(f"base weight is empty (shape {list(wshape)}): a quantized layer has rows and "
+                                "columns", file=self.base.file_of(wname), tensor=wname)
         n, k = wshape
         scale, sdt = self._scales(t, n, k)
         zero_mode, zeros = self._zeros(t, n, t.groups(k))
@@ -414,7 +438,7 @@ def _read_tables(files: list[Path]) -> dict[str, LayerTable]:
     """Every layer table of the documents, parsed; a layer in two documents is refused."""
     tables: dict[str, LayerTable] = {}
     for f in files:
-        for name, raw in _flatten_tables(read_toml(f)).items():
+        for name, raw in _flatten_tables(read_toml(f), f).items():
             if name in tables:
                 raise BadInputError(f"layer appears twice (also in {tables[name].document.name})", file=str(f),
                                     tensor=name)

@@ -33,12 +33,12 @@ from .atomic import check_output, is_disk_full, make_temp_dir, move_into_place, 
 from ..core.canonical import CanonicalLayer
 from ..core.dtypes import dtype_name_of
 from ..errors import BadInputError, IOFailure
-from .folder import member as _safe_member, read_json as _read_json, read_side_json, side_file
+from .folder import brief, member as _safe_member, read_json as _read_json, read_side_json, side_file
 from ..core.layout import LAYOUT_NAME, LAYOUT_VERSION, TILE_K, TILE_N, PackedLayer, pack, tensor_suffixes, unpack
 from ..progress import Progress
 from .shards import ShardStream
 from .names import CARD_NAME, CONFIG_NAME, INCOMPLETE_MARKER, INDEX_NAME, MANIFEST_NAME, SIDE_FILES, shard_names
-from ..core.arch import architecture_problem, needed_linears
+from ..core.arch import MAX_DECODER_LAYERS, architecture_problem, needed_linears
 from ..core import compact as _compact
 from .tensors import TensorStore
 from ..schema import load_schema, validate_manifest, validate_quantization_config
@@ -54,6 +54,7 @@ __all__ = [
     "validate_checkpoint",
     "parse_size",
     "check_layer_name",
+    "config_problem",
 ]
 
 DEFAULT_MAX_SHARD = 2 * 1024**3
@@ -99,6 +100,25 @@ def check_layer_name(name: str, file: str | None = None) -> None:
                             "'_', '.' and '-', not start with '.' or '-', and be at most "
                             f"{rule['maxLength']} characters", file=file,
                             tensor=repr(name) if isinstance(name, str) and not name.isprintable() else str(name))
+
+
+def config_problem(config: dict[str, Any]) -> str | None:
+    """What is wrong with the keys of config.json that loaders act on before any weight, or None:
+    ``architectures`` (vLLM and w4pack's summary take the first class name of the list), ``model_type``
+    (transformers' AutoConfig key) and ``num_hidden_layers`` (a loader builds that many decoder layers).
+    ``"architectures": true`` used to end inspect and validate in "unexpected TypeError" and would stop vLLM
+    before the first layer; ``"num_hidden_layers": 1000000000`` made the architecture check take gigabytes."""
+    arch = config.get("architectures")
+    if arch is not None and (not isinstance(arch, list) or not all(isinstance(a, str) and a for a in arch)):
+        return f"architectures must be a list of model class names, got {brief(arch)}"
+    mtype = config.get("model_type")
+    if mtype is not None and not isinstance(mtype, str):
+        return f"model_type must be a string, got {brief(mtype)}"
+    layers = config.get("num_hidden_layers")
+    if isinstance(layers, int) and not isinstance(layers, bool) and layers > MAX_DECODER_LAYERS:
+        return (f"num_hidden_layers {layers} is more than any model has (at most {MAX_DECODER_LAYERS}); a loader "
+                "would build that many decoder layers")
+    return None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -168,6 +188,9 @@ class CheckpointWriter:
         self.label = label
         self._check_arch = check_architecture
         check_output(self.target, force)
+        problem = config_problem(self.config)  # what the reader would refuse is not written
+        if problem:
+            raise BadInputError(f"config.json: {problem}", file=label or str(self.target / CONFIG_NAME))
         parent = self.target.parent
         tmp = None
         try:
@@ -414,15 +437,23 @@ _SOURCE_KEYS = ("format", "version", "path", "bits", "notes", "quirks", "base_mo
 
 
 def _clean_source(src: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {"format": str(src.get("format") or "unknown")}
+    out: dict[str, Any] = {"format": _text(src.get("format") or "unknown")}
     for key in _SOURCE_KEYS[1:]:
         if key in src and src[key] is not None:
             val = src[key]
-            out[key] = [str(v) for v in val] if key in ("notes", "quirks") else (int(val) if key == "bits" else str(val))
+            out[key] = ([_text(v) for v in val] if key in ("notes", "quirks")
+                        else int(val) if key == "bits" else _text(val))
     extra = {k: v for k, v in src.items() if k not in _SOURCE_KEYS}
     if extra:
-        out.setdefault("notes", []).extend(f"{k}={v}" for k, v in sorted(extra.items()))
+        out.setdefault("notes", []).extend(_text(f"{k}={v}") for k, v in sorted(extra.items()))
     return out
+
+
+def _text(value: Any) -> str:
+    """``str(value)`` as Unicode text: a path of non-UTF-8 bytes (the base model of TOML tables) reaches Python as
+    lone surrogates (PEP 383), which JSON can only spell as an escape strict parsers refuse; such a character is
+    written as its escape sequence (``\\udcff``) instead."""
+    return str(value).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -457,6 +488,9 @@ class Checkpoint:
         if not isinstance(self.config, dict) or "quantization_config" not in self.config:
             raise BadInputError("config.json has no quantization_config", file=str(root / CONFIG_NAME))
         validate_quantization_config(self.config["quantization_config"], file=str(root / CONFIG_NAME))
+        problem = config_problem(self.config)
+        if problem:
+            raise BadInputError(problem, file=str(root / CONFIG_NAME))
         ipath = root / INDEX_NAME
         index = _read_json(ipath)
         if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):

@@ -6,21 +6,23 @@ is refused the same way everywhere.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 from ..errors import BadInputError, IOFailure
 
-__all__ = ["read_json", "read_side_json", "write_json", "member", "brief", "is_json_int", "link_target_allowed", "side_file",
-           "side_files"]
+__all__ = ["read_json", "read_side_json", "nesting", "json_problem", "MAX_JSON_DEPTH", "write_json", "member", "brief",
+           "is_json_int", "link_target_allowed", "side_file", "side_files"]
 
 
 def read_json(path: Path) -> Any:
     """Parse a JSON file; a missing, unreadable, malformed or hostile file is bad input naming the file."""
     try:
         with open(path, encoding="utf-8") as fh:
-            return json.load(fh, object_pairs_hook=unique_keys)
+            text = fh.read()
+        doc = json.loads(text, object_pairs_hook=unique_keys)
     except DuplicateKeyError as exc:
         raise BadInputError(f"key {brief(exc.key)} appears twice in one object (readers disagree on which "
                             "value holds)", file=str(path)) from None
@@ -32,6 +34,66 @@ def read_json(path: Path) -> Any:
         raise BadInputError("not valid JSON: nested too deeply", file=str(path)) from None
     except OSError as exc:
         raise BadInputError(f"cannot read: {exc.strerror}", file=str(path)) from None
+    # (UTF-8 text holds no surrogate, only a \udXXX escape makes one: the strings are walked only when one is there)
+    problem = json_problem(doc, strings=_SURROGATE_ESCAPE.search(text) is not None)
+    if problem:
+        raise BadInputError(problem, file=str(path))
+    return doc
+
+
+#: how deep a JSON document may nest. Python's parser stops near its recursion limit, which depends on how deep the
+#: caller's stack already is: a config.json nested 976 levels read here but not where the model card reads it again
+#: (an "unexpected RecursionError" after every tensor was written). A fixed bound decides the same everywhere.
+MAX_JSON_DEPTH = 128
+
+
+def nesting(doc: Any) -> int:
+    """How many arrays and objects deep ``doc`` nests (a scalar: 0), walked without recursion."""
+    return _walk(doc)[0]
+
+
+#: a JSON escape of a UTF-16 surrogate (half of a pair, or a lone one)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def json_problem(doc: Any, strings: bool = True) -> str | None:
+    """What makes a parsed JSON document unfit for a model folder although Python parsed it, or None: nesting past
+    MAX_JSON_DEPTH, or a string (key or value) holding a lone surrogate. JSON may spell one (``"\\udcff"``) and
+    Python's parser keeps it, but it is no Unicode text: the reference safetensors library, Hugging Face's Rust
+    tokenizers and strict parsers refuse it, and copied on it would make an output they cannot read (I-JSON,
+    RFC 7493, forbids it). ``strings=False``: the depth only (the caller knows no string can hold one)."""
+    depth, bad = _walk(doc, strings)
+    if depth > MAX_JSON_DEPTH:
+        return f"JSON nested {depth} levels deep (more than {MAX_JSON_DEPTH}; a model's JSON files nest a few levels)"
+    if bad is not None:
+        return (f"string {ascii(bad)[:80]} is not valid Unicode (a \\ud800-\\udfff escape that is not half of a "
+                "surrogate pair)")
+    return None
+
+
+def _walk(doc: Any, strings: bool = True) -> tuple[int, str | None]:
+    """(depth, the first string that cannot be encoded as UTF-8 or None; None unless ``strings``), without
+    recursion."""
+    deepest, bad = 0, None
+    stack = [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            if bad is None:
+                try:
+                    node.encode("utf-8")
+                except UnicodeEncodeError:
+                    bad = node
+            continue
+        if isinstance(node, dict):
+            children: Any = [*node.keys(), *node.values()]
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list, str) if strings else (dict, list)))
+    return deepest, bad
 
 
 class DuplicateKeyError(ValueError):

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 __all__ = ["INDEX_NAME", "PT_INDEX_NAME", "SINGLE_FILE", "CONFIG_NAME", "MANIFEST_NAME", "INCOMPLETE_MARKER",
-           "CARD_NAME", "SIDE_FILES", "OWN_FILES", "PT_SUFFIXES", "WEIGHT_SUFFIXES", "shard_names", "is_side_file"]
+           "CARD_NAME", "SIDE_FILES", "OWN_FILES", "PT_SUFFIXES", "WEIGHT_SUFFIXES", "shard_names", "is_side_file",
+           "tensor_name_problem"]
 
 #: tensor name -> shard file (Hugging Face convention); PT_INDEX_NAME for torch pickles
 INDEX_NAME = "model.safetensors.index.json"
@@ -41,3 +42,18 @@ def shard_names(total: int, *, single: bool = True) -> list[str]:
 def is_side_file(name: str) -> bool:
     """Whether a writer copies a source's side file ``name``: not a config, index, manifest, weights or hidden file."""
     return not (name in OWN_FILES or name.endswith(WEIGHT_SUFFIXES) or name.startswith("."))
+
+
+def tensor_name_problem(name: str) -> str | None:
+    """What makes ``name`` unusable as a tensor name, or None. A blank name names nothing; a name that is not valid
+    Unicode (a lone surrogate, which a JSON ``\\udcff`` escape or a pickle's string can carry) cannot be written as
+    UTF-8, so the reference safetensors library and every Hugging Face loader refuse it: carried through, it would
+    make an output that nothing else reads."""
+    if not name.strip():
+        return f"a tensor has the blank name {name!r}"
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (f"tensor name {ascii(name)[:80]} is not valid Unicode (character {exc.start} is a lone surrogate "
+                f"{ascii(name[exc.start])}): no UTF-8 file can hold it")
+    return None

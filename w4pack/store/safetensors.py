@@ -26,7 +26,8 @@ from typing import Any, BinaryIO, Iterable
 import numpy as np
 
 from ..errors import BadInputError, IOFailure, UnsupportedError
-from .folder import DuplicateKeyError, unique_keys, brief, is_json_int
+from .folder import MAX_JSON_DEPTH, DuplicateKeyError, unique_keys, brief, is_json_int, nesting
+from .names import tensor_name_problem
 
 __all__ = ["SafetensorsFile", "SourceChanged", "write_safetensors", "DTYPES", "dtype_to_st", "MAX_HEADER"]
 
@@ -165,6 +166,10 @@ class SafetensorsFile:
         if not isinstance(header, dict):
             self.close()
             raise BadInputError("header is not a JSON object", file=label)
+        if nesting(header) > MAX_JSON_DEPTH:  # (the parser's own limit depends on the caller's stack depth)
+            self.close()
+            raise BadInputError(f"header is not valid JSON for safetensors (nested more than {MAX_JSON_DEPTH} "
+                                "levels deep)", file=label)
         meta = header.pop("__metadata__", None) or {}
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             self.close()
@@ -175,9 +180,10 @@ class SafetensorsFile:
         spans = []
         self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         for name, info in header.items():
-            if not name.strip():
+            bad_name = tensor_name_problem(name)
+            if bad_name:
                 self.close()
-                raise BadInputError(f"a tensor has the blank name {name!r}", file=label)
+                raise BadInputError(bad_name, file=label)
             if not isinstance(info, dict) or not all(k in info for k in ("dtype", "shape", "data_offsets")):
                 self.close()
                 raise BadInputError("header entry lacks dtype/shape/data_offsets", file=label, tensor=name)

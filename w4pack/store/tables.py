@@ -35,6 +35,8 @@ def read_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
         raise BadInputError(f"not valid TOML: {exc}", file=str(path)) from None
+    except RecursionError:  # tomllib parses nested arrays and inline tables recursively: "a = " + "[" * 50000
+        raise BadInputError("not valid TOML: arrays or inline tables nested too deeply", file=str(path)) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise BadInputError(f"cannot read: {exc}", file=str(path)) from None
 
@@ -84,6 +86,11 @@ def table_documents(path: Path) -> tuple[Path, list[Path], str]:
         folder = path
         if (path / QUANT_TOML).is_file():
             files = [path / QUANT_TOML]
+            other = sorted(p.name for p in path.iterdir() if DECODER_RE.match(p.name))
+            if other:  # two sets of tables for one model: reading either would silently ignore the other
+                raise BadInputError(f"holds both {QUANT_TOML} and {other[0]}: two sets of quant tables, and which "
+                                    f"one is the model cannot be told; keep one, or name the document to read",
+                                    file=str(path))
         else:
             found = [(int(m.group(1)), p) for p in path.iterdir() if (m := DECODER_RE.match(p.name)) and p.is_file()]
             files = [p for _i, p in sorted(found)]

@@ -284,7 +284,7 @@ def open_tensors(path: Path, *, base_name: str | None = None, pickles: str = "an
 
 
 def _open_into(store: TensorStore, path: Path, base_name: str | None, pickles: str) -> None:
-    if path.is_file():
+    if path.is_file() or (os.path.lexists(path) and not path.is_dir()):  # a FIFO or device: the readers say so
         (store.add_pt if path.suffix in PT_SUFFIXES and pickles != "none" else store.add_safetensors)(path)
         return
     if not path.is_dir():

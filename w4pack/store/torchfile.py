@@ -20,6 +20,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..errors import BadInputError, UnsupportedError
+from .folder import brief
+from .names import tensor_name_problem
 from .safetensors import SourceChanged
 
 __all__ = ["TORCH_DTYPES", "StateDict", "load_state_dict", "dtype_name", "to_numpy", "read_tensor"]
@@ -81,6 +83,25 @@ def read_tensor(sd: StateDict, name: str) -> np.ndarray:
     return to_numpy(copy)
 
 
+def _overlaps_itself(t: Any) -> bool:
+    """Whether two elements of ``t`` are one element of its storage (a stride of 0 from ``expand``, or strides
+    that interleave). A pickle holds storages, not tensors: such a view of a few stored bytes can claim a
+    terabyte (``zeros(1).expand(2**20, 2**20)``), which a reader would allocate when it copies the tensor out. No
+    checkpoint writer saves one; contiguous, transposed and sliced views pass (dimensions sorted by stride must
+    each step past the extent of the smaller ones)."""
+    extent = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride < extent:
+            return True
+        extent = stride * size
+    return False
+
+
+def _storage_elements(t: Any) -> int:
+    """Elements of ``t``'s dtype its storage holds."""
+    return t.untyped_storage().nbytes() // max(1, t.element_size())
+
+
 def load_state_dict(path: Path) -> StateDict:
     """Name -> tensor from a torch.save file, memory-mapped when the file allows. A checkpoint that wraps
     its tensors one level down (``state_dict`` / ``model`` / ``module``) is unwrapped."""
@@ -91,7 +112,9 @@ def load_state_dict(path: Path) -> StateDict:
         raise UnsupportedError("reading .pt/.bin checkpoints needs torch (pip install 'w4pack[torch]')",
                                file=label) from None
     if not Path(path).is_file():
-        raise BadInputError("file does not exist", file=label)
+        raise BadInputError("file does not exist" if not os.path.lexists(path) else
+                            "not a regular file (a FIFO, device, socket or broken link cannot be read as a torch file)",
+                            file=label)
     before = _identity(label)
     try:
         # torch warns on stderr about a pickle protocol it did not write or a beta tensor layout before it refuses
@@ -126,7 +149,10 @@ def load_state_dict(path: Path) -> StateDict:
     check_unchanged(out)  # changed while torch read its index: what was loaded may be a mix
     for key, val in sd.items():
         if not isinstance(key, str):
-            raise BadInputError(f"state dict key {key!r} is not a string", file=label)
+            raise BadInputError(f"state dict key {brief(key)} is not a string", file=label)
+        bad_name = tensor_name_problem(key)
+        if bad_name:
+            raise BadInputError(bad_name, file=label)
         if not isinstance(val, torch.Tensor):
             raise BadInputError(f"entry is a {type(val).__name__}, not a tensor", file=label, tensor=key)
         if val.is_meta or val.device.type != "cpu":
@@ -138,5 +164,10 @@ def load_state_dict(path: Path) -> StateDict:
                                 "(save it with .to_dense())", file=label, tensor=key)
         if str(val.dtype).removeprefix("torch.") not in TORCH_DTYPES:
             raise UnsupportedError(f"dtype {val.dtype} is not supported", file=label, tensor=key)
+        if val.numel() and _overlaps_itself(val):
+            raise BadInputError(f"shape {list(val.shape)} with strides {list(val.stride())} reuses its "
+                                f"storage's elements: its {val.numel()} elements lie in {_storage_elements(val)} "
+                                "stored ones (an expanded or overlapping view); save it with .contiguous()",
+                                file=label, tensor=key)
         out[key] = val
     return out
