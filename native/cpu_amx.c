@@ -30,6 +30,7 @@
  * once and offers this path only when granted.
  */
 #include "w4p_cpu_internal.h"
+#include "w4p_avx512_fast.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -50,6 +51,19 @@ typedef struct {
  * bound by memory, and the hardware prefetcher alone left about half the read bandwidth unused */
 #define W4P_AMX_PREFETCH 3072
 #define MAX_KSTEPS (128 / KSTEP)
+
+/* This thread's tiles: tmm0..3 accumulators (16 x 64 bytes), tmm4..6 activations (16 rows of a_bytes), tmm7
+ * weights (b_rows x 64 bytes). Set per work item; the pool's threads each hold their own configuration. */
+static INL TAMX void configure_tiles(int a_bytes, int b_rows) {
+    tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = (uint16_t)(t >= 4 && t < 7 ? a_bytes : 64);
+        cfg.rows[t] = (uint8_t)(t == 7 ? b_rows : 16);
+    }
+    _tile_loadconfig(&cfg);
+}
 
 /* Whether the AMX kernel computes this layer: codes of at most 4 bits in one plane, integer zero points (zero
  * modes none / int, checked per block by the kernel) and activation blocks of whole bf16 tiles. */
@@ -143,6 +157,26 @@ static INL TAMX __m512i value_table(void) {
     return _mm512_loadu_si512((const void *)t);
 }
 
+/* The code bytes of chunk c of the tile (k 8c .. 8c+7), column quarter q: lo = k 0..3, hi = k 4..7 of each column, one byte
+ * per code (the layout's `w & 0x0f0f0f0f` and `(w >> 4) & 0x0f0f0f0f`; 8-bit storage ORs in plane 1's high
+ * nibbles, giving whole codes). The word stream is prefetched ahead, as on VNNI. */
+static INL TAMX void code_bytes(const struct w4p_cpu_layer *L, int tile, int c, int q, __m512i *lo, __m512i *hi) {
+    const __m512i nib = _mm512_set1_epi32(0x0f0f0f0f);
+    const int two = L->planes == 2;
+    const size_t at = (size_t)c * W4P_TILE + 16 * q;
+    const uint32_t *p0 = w4p_tile_words(L, tile, 0) + at, *p1 = w4p_tile_words(L, tile, two) + at;
+    _mm_prefetch((const char *)p0 + W4P_AMX_PREFETCH, _MM_HINT_T0);
+    if (two) _mm_prefetch((const char *)p1 + W4P_AMX_PREFETCH, _MM_HINT_T0);
+    const __m512i w = _mm512_loadu_si512((const void *)p0);
+    *lo = _mm512_and_si512(w, nib);
+    *hi = _mm512_and_si512(_mm512_srli_epi32(w, 4), nib);
+    if (two) { /* plane 1 holds the high nibbles of the same k */
+        const __m512i v = _mm512_loadu_si512((const void *)p1);
+        *lo = _mm512_or_si512(*lo, _mm512_slli_epi32(_mm512_and_si512(v, nib), 4));
+        *hi = _mm512_or_si512(*hi, _mm512_andnot_si512(nib, v));
+    }
+}
+
 /* Weight tiles of block b: bt[ks][q] = the 16 x 32 bf16 tile of k-step ks and column quarter q. */
 static INL TAMX void decode_block(const struct w4p_cpu_layer *L, int tile, int b, const __m512i off[4],
                                   const __m512i table, uint16_t (*bt)[4][16 * 32]) {
@@ -152,22 +186,12 @@ static INL TAMX void decode_block(const struct w4p_cpu_layer *L, int tile, int b
                                            _mm512_set1_epi32(0x00040004));
     const __m512i idx01 = _mm512_add_epi8(i01, col), idx23 = _mm512_add_epi8(i23, col);
     const __mmask64 even = 0x5555555555555555ull;
-    const __m512i nib = _mm512_set1_epi32(0x0f0f0f0f);
     const int cpb = L->ab / 8, two = L->planes == 2;
-    const uint32_t *w0 = w4p_tile_words(L, tile, 0) + (size_t)b * cpb * W4P_TILE;
-    const uint32_t *w1 = two ? w4p_tile_words(L, tile, 1) + (size_t)b * cpb * W4P_TILE : w0;
     for (int c = 0; c < cpb; c++) {
         const int ks = c / 4, r0 = 4 * (c % 4);
         for (int q = 0; q < 4; q++) {
-            _mm_prefetch((const char *)(w0 + (size_t)c * W4P_TILE + 16 * q) + W4P_AMX_PREFETCH, _MM_HINT_T0);
-            if (two) _mm_prefetch((const char *)(w1 + (size_t)c * W4P_TILE + 16 * q) + W4P_AMX_PREFETCH, _MM_HINT_T0);
-            const __m512i w = _mm512_loadu_si512((const void *)(w0 + (size_t)c * W4P_TILE + 16 * q));
-            __m512i lo = _mm512_and_si512(w, nib), hi = _mm512_and_si512(_mm512_srli_epi32(w, 4), nib);
-            if (two) { /* whole 8-bit codes: plane 1 holds the high nibbles of the same k */
-                const __m512i v = _mm512_loadu_si512((const void *)(w1 + (size_t)c * W4P_TILE + 16 * q));
-                lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(v, nib), 4));
-                hi = _mm512_or_si512(hi, _mm512_andnot_si512(nib, v));
-            }
+            __m512i lo, hi;
+            code_bytes(L, tile, b * cpb + c, q, &lo, &hi);
             uint16_t *dst = bt[ks][q] + (size_t)r0 * 32;
             const __m512i rows[4] = {_mm512_maskz_permutexvar_epi8(even, idx01, lo),
                                      _mm512_maskz_permutexvar_epi8(even, idx23, lo),
@@ -189,6 +213,22 @@ static INL TAMX void decode_block(const struct w4p_cpu_layer *L, int tile, int b
     }
 }
 
+/* the four accumulator tiles (tmm0..3: the 16-column quarters of the 64-column tile), zeroed / stored to cb */
+#define W4P_AMX_ZERO_C()                                                                                           \
+    do {                                                                                                           \
+        _tile_zero(0);                                                                                             \
+        _tile_zero(1);                                                                                             \
+        _tile_zero(2);                                                                                             \
+        _tile_zero(3);                                                                                             \
+    } while (0)
+#define W4P_AMX_STORE_C(cb)                                                                                        \
+    do {                                                                                                           \
+        _tile_stored(0, (cb)[0], 64);                                                                              \
+        _tile_stored(1, (cb)[1], 64);                                                                              \
+        _tile_stored(2, (cb)[2], 64);                                                                              \
+        _tile_stored(3, (cb)[3], 64);                                                                              \
+    } while (0)
+
 /* C[q] += sum over pieces of A_p x B(ks, q), for one group of 16 rows */
 #define W4P_AMX_STEP(Q)                                                                                            \
     do {                                                                                                           \
@@ -203,10 +243,7 @@ static INL TAMX void row_group(const w4p_job *J, int b, int64_t m, int nks, cons
     const struct w4p_cpu_layer *L = J->L;
     const size_t stride = w4p_amx_row(P, L->kp) * 2; /* bytes from one row's piece to the next row's */
     const uint16_t *a = J->xb + (size_t)m * w4p_amx_row(P, L->kp) + (size_t)b * L->ab;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    W4P_AMX_ZERO_C();
     for (int ks = 0; ks < nks; ks++) {
         _tile_loadd(4, a + KSTEP * ks, stride);
         if (P > 1) _tile_loadd(5, a + L->kp + KSTEP * ks, stride);
@@ -216,10 +253,7 @@ static INL TAMX void row_group(const w4p_job *J, int b, int64_t m, int nks, cons
         W4P_AMX_STEP(2);
         W4P_AMX_STEP(3);
     }
-    _tile_stored(0, cb[0], 64);
-    _tile_stored(1, cb[1], 64);
-    _tile_stored(2, cb[2], 64);
-    _tile_stored(3, cb[3], 64);
+    W4P_AMX_STORE_C(cb);
 }
 
 static INL TAMX void tile_pieces(const w4p_job *J, int tile, int64_t m0, int64_t m1, const int P) {
@@ -241,14 +275,7 @@ static INL TAMX void tile_pieces(const w4p_job *J, int tile, int64_t m0, int64_t
     }
     const int64_t rows = m1 - m0;
     memset(y, 0, sizeof(float) * W4P_TILE * (size_t)rows);
-    tilecfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
+    configure_tiles(64, 16);
     const __m512i table = value_table();
     const int nks = L->ab / KSTEP;
     for (int b = 0; b < L->nblk; b++) {
@@ -283,22 +310,12 @@ static INL TAMX void tile_pieces(const w4p_job *J, int tile, int64_t m0, int64_t
  * row r holding for each of the 16 columns the codes of k = 4r .. 4r+3 (TDPBSUD's B order): exactly the layout's
  * `w & 0x0f0f0f0f` (even rows) and `(w >> 4) & 0x0f0f0f0f` (odd rows); 8-bit storage joins the planes. */
 static INL TAMX void decode_codes(const struct w4p_cpu_layer *L, int tile, int b, uint8_t (*ct)[4][16 * 64]) {
-    const __m512i nib = _mm512_set1_epi32(0x0f0f0f0f);
-    const int cpb = L->ab / 8, two = L->planes == 2;
-    const uint32_t *w0 = w4p_tile_words(L, tile, 0) + (size_t)b * cpb * W4P_TILE;
-    const uint32_t *w1 = two ? w4p_tile_words(L, tile, 1) + (size_t)b * cpb * W4P_TILE : w0;
+    const int cpb = L->ab / 8;
     for (int c = 0; c < cpb; c++) {
         const int ks = c / 8, row = 2 * (c % 8);
         for (int q = 0; q < 4; q++) {
-            _mm_prefetch((const char *)(w0 + (size_t)c * W4P_TILE + 16 * q) + W4P_AMX_PREFETCH, _MM_HINT_T0);
-            if (two) _mm_prefetch((const char *)(w1 + (size_t)c * W4P_TILE + 16 * q) + W4P_AMX_PREFETCH, _MM_HINT_T0);
-            const __m512i w = _mm512_loadu_si512((const void *)(w0 + (size_t)c * W4P_TILE + 16 * q));
-            __m512i lo = _mm512_and_si512(w, nib), hi = _mm512_and_si512(_mm512_srli_epi32(w, 4), nib);
-            if (two) {
-                const __m512i v = _mm512_loadu_si512((const void *)(w1 + (size_t)c * W4P_TILE + 16 * q));
-                lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(v, nib), 4));
-                hi = _mm512_or_si512(hi, _mm512_andnot_si512(nib, v));
-            }
+            __m512i lo, hi;
+            code_bytes(L, tile, b * cpb + c, q, &lo, &hi);
             _mm512_store_si512((void *)(ct[ks][q] + 64 * row), lo);
             _mm512_store_si512((void *)(ct[ks][q] + 64 * (row + 1)), hi);
         }
@@ -311,8 +328,8 @@ static INL TAMX void decode_codes(const struct w4p_cpu_layer *L, int tile, int b
         _tile_dpbsud(Q, 4, 7);                                                                                     \
     } while (0)
 
-/* The fast path's per-block arithmetic, operation for operation as the VNNI kernel's (cpu_avx512.c fast_block),
- * on the same exact integer sums: the two paths give the same bits. */
+/* The fast path's per-block arithmetic is the VNNI kernel's (w4p_fast_term) on the same exact integer sums: the
+ * two kernels give the same bits. */
 static INL TAMX void tile_fast(const w4p_job *J, int tile, int64_t m0, int64_t m1) {
     const struct w4p_cpu_layer *L = J->L;
     float y[W4P_MCHUNK][W4P_TILE] __attribute__((aligned(64)));
@@ -321,28 +338,14 @@ static INL TAMX void tile_fast(const w4p_job *J, int tile, int64_t m0, int64_t m
     const int kst = L->ab < 64 ? L->ab : 64, nks = L->ab / kst, nblk = L->nblk;
     const int minima = L->zero_mode == W4P_ZERO_FLOAT;
     memset(y, 0, sizeof(float) * W4P_TILE * (size_t)(m1 - m0));
-    tilecfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 4; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    cfg.colsb[4] = (uint16_t)kst; /* activations: 16 rows of kst int8 */
-    cfg.rows[4] = 16;
-    cfg.colsb[7] = 64; /* codes: kst/4 rows of 16 columns x 4 k */
-    cfg.rows[7] = (uint8_t)(kst / 4);
-    _tile_loadconfig(&cfg);
+    configure_tiles(kst, kst / 4); /* activations: 16 rows of kst int8; codes: kst/4 rows of 16 columns x 4 k */
     for (int b = 0; b < nblk; b++) {
         __m512 s[4], zm[4];
         block_params(L, tile, b, s, zm);
         decode_codes(L, tile, b, ct);
         for (int64_t m = m0; m < m1; m += 16) {
             const int8_t *a = J->xq + m * L->kp + (size_t)b * L->ab;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+            W4P_AMX_ZERO_C();
             for (int ks = 0; ks < nks; ks++) {
                 _tile_loadd(4, a + kst * ks, L->kp);
                 W4P_AMX_FAST_STEP(0);
@@ -350,23 +353,14 @@ static INL TAMX void tile_fast(const w4p_job *J, int tile, int64_t m0, int64_t m
                 W4P_AMX_FAST_STEP(2);
                 W4P_AMX_FAST_STEP(3);
             }
-            _tile_stored(0, cb[0], 64);
-            _tile_stored(1, cb[1], 64);
-            _tile_stored(2, cb[2], 64);
-            _tile_stored(3, cb[3], 64);
+            W4P_AMX_STORE_C(cb);
             const int n = m1 - m < 16 ? (int)(m1 - m) : 16;
             for (int i = 0; i < n; i++) {
                 const __m512 xs = _mm512_set1_ps(J->xs[(m + i) * nblk + b]);
                 const __m512 as = _mm512_set1_ps((float)J->xsum[(m + i) * nblk + b]);
                 for (int q = 0; q < 4; q++) {
                     const __m512 d = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)cb[q][i]));
-                    __m512 t;
-                    if (minima) {
-                        const __m512 pr = _mm512_mul_ps(s[q], d);
-                        t = _mm512_add_ps(_mm512_fmadd_ps(zm[q], as, pr), _mm512_fmsub_ps(s[q], d, pr));
-                    } else {
-                        t = _mm512_mul_ps(s[q], _mm512_fnmadd_ps(zm[q], as, d));
-                    }
+                    const __m512 t = w4p_fast_term(s[q], zm[q], d, as, minima);
                     float *yr = &y[m - m0 + i][16 * q];
                     _mm512_store_ps(yr, _mm512_fmadd_ps(t, xs, _mm512_load_ps(yr)));
                 }

@@ -15,6 +15,7 @@
  */
 #if defined(__x86_64__) || defined(__i386__)
 #include "w4p_cpu_internal.h"
+#include "w4p_avx512_fast.h"
 
 #include <immintrin.h>
 #include <string.h>
@@ -151,9 +152,7 @@ static INL T512 void fast_block(const w4p_job *J, int tile, int b, int p, int64_
         for (int r = 0; r < R; r++)
             for (int q = 0; q < 4; q++) acc[r][q] = _mm512_add_epi32(acc[r][q], acc2[r][q]);
     /* Integer sums are exact in fp32 (|sum q*a| <= 255*127*128 < 2^24). 8-bit layers: plane 0's sum waits
-     * in `part` until plane 1 completes the whole codes. Int zeros: sum q*a - z*sum a is an integer below
-     * 2^24, so the FNMA is exact and only s*(...) rounds. Minima: s*acc + m*sum a, with the rounding error
-     * of s*acc (one FMA) added back, so the two terms cannot cancel into noise. */
+     * in `part` until plane 1 completes the whole codes; then w4p_fast_term (w4p_avx512_fast.h). */
     const int two = L->planes == 2, minima = L->zero_mode == W4P_ZERO_FLOAT;
     for (int r = 0; r < R; r++) {
         const __m512 xs = _mm512_set1_ps(J->xs[(m + r) * nblk + b]);
@@ -165,13 +164,7 @@ static INL T512 void fast_block(const w4p_job *J, int tile, int b, int p, int64_
                 continue;
             }
             if (two) d = _mm512_fmadd_ps(d, _mm512_set1_ps(16.0f), _mm512_load_ps(&part[r][16 * q]));
-            __m512 t;
-            if (minima) {
-                const __m512 pr = _mm512_mul_ps(s[q], d);
-                t = _mm512_add_ps(_mm512_fmadd_ps(zm[q], as, pr), _mm512_fmsub_ps(s[q], d, pr));
-            } else {
-                t = _mm512_mul_ps(s[q], _mm512_fnmadd_ps(zm[q], as, d));
-            }
+            const __m512 t = w4p_fast_term(s[q], zm[q], d, as, minima);
             __m512 yv = _mm512_load_ps(&y[r][16 * q]);
             _mm512_store_ps(&y[r][16 * q], _mm512_fmadd_ps(t, xs, yv));
         }
