@@ -1,6 +1,6 @@
 /*
  * The AMX path (x86-64, AMX-TILE + AMX-BF16, with AVX-512 BF16/VBMI): exact-precision GEMM for work items
- * of several activation rows (W4P_AMX_MIN_ROWS), on bf16 tile matrix multiplies; everything else is the AVX-512 VNNI path.
+ * of several activation rows (w4p_amx_min_rows), on bf16 tile matrix multiplies; everything else is the AVX-512 VNNI path.
  *
  * Exact needs the products of the true weights with the fp32 activations, accumulated in fp32 (cpu_gemm.c).
  * Both operands are made exact in bf16:
@@ -373,11 +373,11 @@ static INL TAMX void tile_fast(const w4p_job *J, int tile, int64_t m0, int64_t m
 
 TAMX void w4p_tile_amx(const w4p_job *J, int tile, int64_t m0, int64_t m1) {
     if (J->precision == W4P_PREC_FAST) {
-        if (J->xq_padded && m1 - m0 >= W4P_AMX_MIN_ROWS) tile_fast(J, tile, m0, m1);
+        if (J->xq_padded && m1 - m0 >= w4p_amx_min_rows(W4P_PREC_FAST, 0)) tile_fast(J, tile, m0, m1);
         else w4p_tile_avx512vnni(J, tile, m0, m1);
         return;
     }
-    if (!J->xb || m1 - m0 < W4P_AMX_MIN_ROWS) {
+    if (!J->xb || m1 - m0 < w4p_amx_min_rows(W4P_PREC_EXACT, J->pieces)) {
         w4p_tile_avx512vnni(J, tile, m0, m1);
         return;
     }

@@ -326,7 +326,7 @@ static int gemm_rows(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t
        Pieces that hold the activations exactly: fp32 3, fp16 2, bf16 1 (bits of significand / 8). */
     const int64_t mpad = (m + 15) / 16 * 16;
     const int pieces = x_dtype == W4P_DT_BF16 ? 1 : x_dtype == W4P_DT_F16 ? 2 : 3;
-    if (isa == W4P_ISA_AMX && precision == W4P_PREC_EXACT && w4p_amx_layer_ok(L) && m >= W4P_AMX_MIN_ROWS) {
+    if (isa == W4P_ISA_AMX && precision == W4P_PREC_EXACT && w4p_amx_layer_ok(L) && m >= w4p_amx_min_rows(precision, pieces)) {
         P.pieces = pieces;
         const size_t row = w4p_amx_row(P.pieces, (int)kp);
         if (posix_memalign((void **)&P.xb, 64, (size_t)mpad * row * sizeof(uint16_t))) P.xb = NULL;

@@ -85,10 +85,13 @@ void w4p_tile_avx512(const w4p_job *job, int tile, int64_t m0, int64_t m1);
 void w4p_tile_avx512vnni(const w4p_job *job, int tile, int64_t m0, int64_t m1);
 #endif
 #if defined(__x86_64__)
-/* AMX (cpu_amx.c): work items of at least W4P_AMX_MIN_ROWS rows (exact on layers w4p_amx_layer_ok accepts, fast
+/* AMX (cpu_amx.c): work items of at least w4p_amx_min_rows rows (exact on layers w4p_amx_layer_ok accepts, fast
    on every layer); every other item goes to w4p_tile_avx512vnni. A tile multiply costs the same for 1 row as for
-   16, and with weights read from memory VNNI stays ahead below 8 rows (docs/journal/2026-cpu-decode.md) */
-#define W4P_AMX_MIN_ROWS 8
+   16, and with weights read from memory VNNI stays ahead below 8 rows, below 16 for fast and for exact with fp32
+   activations (three bf16 pieces) (docs/journal/2026-cpu-decode.md) */
+static inline int64_t w4p_amx_min_rows(int precision, int pieces) {
+    return precision == W4P_PREC_FAST || pieces > 2 ? 16 : 8;
+}
 void w4p_tile_amx(const w4p_job *job, int tile, int64_t m0, int64_t m1);
 int w4p_amx_layer_ok(const struct w4p_cpu_layer *L);
 void w4p_bf16_pieces_avx512(const float *x, int n, int pieces, uint16_t *dst, size_t stride);

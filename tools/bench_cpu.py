@@ -132,8 +132,9 @@ def bench_w4pack(layer: CanonicalLayer, ms: list[int], threads: int, cold: int, 
                     lin.forward(x, precision=prec, isa=isa)
             r = measure(run_pass, len(lins), args.samples, args.max_foreign, args.budget)
             act = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[dt]
-            # the AMX kernels take work items from 8 rows (W4P_AMX_MIN_ROWS, w4p_cpu_internal.h)
-            path = f", {isa} kernel" if isa else (", amx" if amx and m >= 8 else "")
+            # the AMX kernels' row thresholds (w4p_amx_min_rows, w4p_cpu_internal.h)
+            tiles_from = 16 if prec == "fast" or dt == "float32" else 8
+            path = f", {isa} kernel" if isa else (", amx" if amx and m >= tiles_from else "")
             rows.append(dict(r, impl=f"w4pack {prec}{path} ({act} act.)", m=m, bytes=first.nbytes,
                              copies=len(lins)))
     del lins
