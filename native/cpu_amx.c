@@ -373,7 +373,7 @@ static INL TAMX void tile_fast(const w4p_job *J, int tile, int64_t m0, int64_t m
 
 TAMX void w4p_tile_amx(const w4p_job *J, int tile, int64_t m0, int64_t m1) {
     if (J->precision == W4P_PREC_FAST) {
-        if (J->xq_padded && m1 - m0 >= w4p_amx_min_rows(W4P_PREC_FAST, 0)) tile_fast(J, tile, m0, m1);
+        if (m1 - m0 >= w4p_amx_min_rows(W4P_PREC_FAST, 0)) tile_fast(J, tile, m0, m1);
         else w4p_tile_avx512vnni(J, tile, m0, m1);
         return;
     }

@@ -313,45 +313,39 @@ static int gemm_rows(const w4p_cpu_layer *L, const void *x, int x_dtype, int64_t
 #endif
     int rc = W4P_OK;
     if (posix_memalign((void **)&P.xf, 64, (size_t)m * kp * sizeof(float))) P.xf = NULL;
-    /* the AMX fast kernel loads whole 16-row tiles of int8 activations: rows past m exist and are zero */
-    const int64_t mq = isa == W4P_ISA_AMX ? (m + 15) / 16 * 16 : m;
+    /* the AMX kernels load whole 16-row tiles of activations: on that path the buffers they read have rows up to
+       the next multiple of 16, zero past m */
+    const int64_t mpad = isa == W4P_ISA_AMX ? (m + 15) / 16 * 16 : m;
     if (precision == W4P_PREC_FAST) {
-        if (posix_memalign((void **)&P.xq, 64, (size_t)mq * kp)) P.xq = NULL;
-        else memset(P.xq + (size_t)m * kp, 0, (size_t)(mq - m) * kp);
+        if (posix_memalign((void **)&P.xq, 64, (size_t)mpad * kp)) P.xq = NULL;
         P.xs = malloc((size_t)m * nblk * sizeof(float));
         P.xsum = malloc((size_t)m * nblk * sizeof(int32_t));
     }
+    size_t row = 0; /* AMX exact: bf16 values per activation row of pieces */
 #if defined(__x86_64__)
-    /* AMX: exact, and the first work item has enough rows (items are W4P_MCHUNK rows; only the last is shorter).
+    /* AMX exact, when the first work item has enough rows (items are W4P_MCHUNK rows; only the last is shorter).
        Pieces that hold the activations exactly: fp32 3, fp16 2, bf16 1 (bits of significand / 8). */
-    const int64_t mpad = (m + 15) / 16 * 16;
     const int pieces = x_dtype == W4P_DT_BF16 ? 1 : x_dtype == W4P_DT_F16 ? 2 : 3;
-    if (isa == W4P_ISA_AMX && precision == W4P_PREC_EXACT && w4p_amx_layer_ok(L) && m >= w4p_amx_min_rows(precision, pieces)) {
+    if (isa == W4P_ISA_AMX && precision == W4P_PREC_EXACT && w4p_amx_layer_ok(L) &&
+        m >= w4p_amx_min_rows(precision, pieces)) {
         P.pieces = pieces;
-        const size_t row = w4p_amx_row(P.pieces, (int)kp);
+        row = w4p_amx_row(pieces, (int)kp);
         if (posix_memalign((void **)&P.xb, 64, (size_t)mpad * row * sizeof(uint16_t))) P.xb = NULL;
-        if (!P.xb) {
-            w4p_set_error("out of memory for M=%lld activations", (long long)m);
-            rc = W4P_ENOMEM;
-            goto done;
-        }
-        memset(P.xb + (size_t)m * row, 0, (size_t)(mpad - m) * row * sizeof(uint16_t));
-        if (L->zero_mode == W4P_ZERO_FLOAT && !(P.xsumf = malloc((size_t)m * nblk * sizeof(float)))) {
-            w4p_set_error("out of memory for M=%lld activations", (long long)m);
-            rc = W4P_ENOMEM;
-            goto done;
-        }
+        if (L->zero_mode == W4P_ZERO_FLOAT) P.xsumf = malloc((size_t)m * nblk * sizeof(float));
     }
 #endif
-    if (!P.xf || (precision == W4P_PREC_FAST && (!P.xq || !P.xs || !P.xsum))) {
+    if (!P.xf || (precision == W4P_PREC_FAST && (!P.xq || !P.xs || !P.xsum)) ||
+        (P.pieces && (!P.xb || (L->zero_mode == W4P_ZERO_FLOAT && !P.xsumf)))) {
         w4p_set_error("out of memory for M=%lld activations", (long long)m);
         rc = W4P_ENOMEM;
         goto done;
     }
+    if (P.xq) memset(P.xq + (size_t)m * kp, 0, (size_t)(mpad - m) * kp);
+    if (P.xb) memset(P.xb + (size_t)m * row, 0, (size_t)(mpad - m) * row * sizeof(uint16_t));
 
     w4p_parallel_for(m, m >= 8 ? threads : 1, prep_row, &P);
 
-    w4p_job job = {L, m, precision, P.xq, P.xs, P.xsum, P.xf, y, y_dtype, ldy, bias32, P.xb, P.pieces, P.xsumf, isa == W4P_ISA_AMX};
+    w4p_job job = {L, m, precision, P.xq, P.xs, P.xsum, P.xf, y, y_dtype, ldy, bias32, P.xb, P.pieces, P.xsumf};
     run_ctx R = {&job, fn, (m + W4P_MCHUNK - 1) / W4P_MCHUNK};
     w4p_parallel_for((int64_t)L->nt * R.mchunks, threads, run_item, &R);
 done:

@@ -72,7 +72,7 @@ typedef struct {
     const uint16_t *xb;
     int pieces;
     const float *xsumf; /* AMX, float minima: per row and activation block, the sum of the activations [m][nblk] */
-    int xq_padded;      /* fast: xq has ceil16(m) rows, the rows past m zero (AMX reads whole 16-row tiles) */
+    /* fast on the AMX path: xq has ceil16(m) rows, zero past m (the int8 tiles are loaded 16 rows at a time) */
 } w4p_job;
 
 /* A tile kernel computes output columns tile*64 .. tile*64+63 for activation rows m0 .. m1-1. */
