@@ -1,4 +1,4 @@
-"""w4pack.runtime.decode: the compiled static-cache decode path and its eager fallback.
+"""w4pack.runtime.decode: the compiled static-cache decode path, its eager fallback, and the lean loop over it.
 
 transformers compiles the decode step only on accelerators; here its ``compile_config._compile_all_devices``
 makes it take the same path on the CPU, so the wrapper meets the real compiled call (and, with a backend that
@@ -17,7 +17,8 @@ from rtn_helper import write_random_llama_gptq  # noqa: E402
 
 from w4pack.convert import convert  # noqa: E402
 from w4pack.loading import load_model  # noqa: E402
-from w4pack.runtime.decode import compile_wanted, decode_mode, use_compiled_decode  # noqa: E402
+from w4pack.runtime.decode import (compile_wanted, decode_mode, remove_decode, use_compiled_decode,  # noqa: E402
+                                   use_decode)
 
 
 @pytest.fixture(scope="module")
@@ -116,20 +117,100 @@ def test_wrapping_twice_is_harmless(packed: Path) -> None:
     assert model.generate is first
 
 
+def _two() -> object:
+    return torch.tensor([[1, 17, 42, 5, 9], [3, 8, 60, 2, 11]])
+
+
+def test_default_on_cuda_is_lean_over_compiled(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # use_decode's CUDA default installed on a CPU model (the lean loop then is the CPU one; transformers'
+    # compile forced onto the CPU): batch 1 goes to the lean loop, the rest to the compiled step, each with
+    # transformers' eager tokens; a compile failure leaves the lean loop in place and the rest eager
+    monkeypatch.delenv("W4PACK_COMPILE", raising=False)
+    monkeypatch.delenv("W4PACK_LEAN", raising=False)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    ref = load_model(packed, device="cpu", compile=False)
+    one, two = ref.generate(_ids(), **kw), ref.generate(_two(), **kw)
+    model = load_model(packed, device="cpu", compile=False)
+    assert use_decode(model, "cuda", None) == "lean"
+    assert model.generation_config.cache_implementation == "static"
+    _forced_compile(model, "eager")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert torch.equal(model.generate(_ids(), **kw), one)
+        assert decode_mode(model) == "lean" and not hasattr(model, "_compiled_call")
+        assert torch.equal(model.generate(_two(), **kw), two)
+        mode = decode_mode(model)
+        assert mode.startswith("compiled (") and "one sequence" in mode, mode
+        assert hasattr(model, "_compiled_call"), "the batch did not reach transformers' compiled path"
+        assert torch.equal(model.generate(_ids(), **kw), one) and decode_mode(model) == "lean"
+
+    def broken_backend(gm: object, example_inputs: object) -> object:
+        raise RuntimeError("Cannot find a working triton installation")
+
+    _forced_compile(model, broken_backend)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True), torch.no_grad():
+        warnings.simplefilter("always")
+        assert torch.equal(model.generate(_two(), **kw), two)
+        assert decode_mode(model).startswith("eager (RuntimeError: Cannot find a working triton")
+        assert torch.equal(model.generate(_two(), **kw), two)
+        assert decode_mode(model).startswith("eager (") and "one sequence" in decode_mode(model)
+        assert torch.equal(model.generate(_ids(), **kw), one) and decode_mode(model) == "lean"
+    remove_decode(model)
+    assert "generate" not in model.__dict__ and decode_mode(model) == "eager"
+    assert model.generation_config.cache_implementation is None and not model.generation_config.disable_compile
+    with torch.no_grad():
+        assert torch.equal(model.generate(_two(), **kw), two)
+
+
+@pytest.mark.parametrize("device,chosen,env,want", [
+    ("cuda", None, {}, ("lean", True)),
+    ("cuda", None, {"W4PACK_LEAN": "0"}, ("compiled", True)),
+    ("cuda", None, {"W4PACK_COMPILE": "0"}, ("lean", False)),
+    ("cuda", True, {}, ("compiled", True)),
+    ("cuda", False, {}, ("eager", False)),
+    ("cuda", "lean", {}, ("lean", False)),
+    ("cpu", None, {}, ("lean", False)),
+    ("cpu", True, {}, ("compiled", True)),
+    ("cpu", None, {"W4PACK_LEAN": "off"}, ("eager", False)),
+])
+def test_use_decode_choice(packed: Path, monkeypatch: pytest.MonkeyPatch, device: str, chosen: object,
+                           env: dict, want: tuple) -> None:
+    monkeypatch.delenv("W4PACK_COMPILE", raising=False)
+    monkeypatch.delenv("W4PACK_LEAN", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    model = load_model(packed, device="cpu", compile=False)
+    mode = use_decode(model, device, chosen)
+    assert (mode, model.generation_config.cache_implementation == "static") == want
+    assert (getattr(model, "_w4pack_lean", None) is not None) == (mode == "lean")
+    if mode == "lean":  # what the loop declines goes to the layer under it
+        with torch.no_grad():
+            model.generate(_two(), max_new_tokens=2, do_sample=False, pad_token_id=0)
+        assert decode_mode(model).startswith(f"{'compiled' if want[1] else 'eager'} (")
+
+
 @pytest.mark.gpu
-def test_cuda_load_decodes_compiled_by_default(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_load_decodes_lean_over_compiled_by_default(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (run the gpu suite on a machine with one)")
     monkeypatch.delenv("W4PACK_COMPILE", raising=False)
+    monkeypatch.delenv("W4PACK_LEAN", raising=False)
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     eager_model = load_model(packed, device="cuda", dtype="float16", compile=False)
-    x = _ids().cuda()
+    x, xx = _ids().cuda(), _two().cuda()
     with torch.no_grad():
-        eager = eager_model.generate(x, **kw)
+        eager, eager2 = eager_model.generate(x, **kw), eager_model.generate(xx, **kw)
     model = load_model(packed, device="cuda", dtype="float16")
     assert model.generation_config.cache_implementation == "static"
     with torch.no_grad():
-        for _ in range(3):  # compile, record, replay
+        for _ in range(3):  # compile, capture, replay
             assert torch.equal(model.generate(x, **kw), eager)
-    assert decode_mode(model) == "compiled"
+            assert decode_mode(model) == "lean", decode_mode(model)
+            assert torch.equal(model.generate(xx, **kw), eager2)
+            assert decode_mode(model).startswith("compiled ("), decode_mode(model)
     assert hasattr(model, "_compiled_call")
+    only = load_model(packed, device="cuda", dtype="float16", engine="compiled")
+    with torch.no_grad():
+        assert torch.equal(only.generate(x, **kw), eager)
+    assert decode_mode(only) == "compiled"

@@ -289,7 +289,7 @@ def test_cli_engine_picks_the_decode_path(tiny: Path, capsys: pytest.CaptureFixt
 @pytest.mark.gpu
 def test_cli_lean_engine_on_cuda(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """run --engine lean on CUDA decodes through the CUDA-graph loop (fused q/k/v, tied head) and gives the
-    tokens transformers' eager generate gives on the same device and dtype."""
+    tokens transformers' eager generate gives on the same device and dtype; so does the default engine."""
     common = ("run", str(tiny), "--prompt", "The lamp was lit", "--max-new-tokens", "8", "--device", "cuda",
               "--dtype", "float32", "--json")
     rc, out, _err = _cli(capsys, *common, "--engine", "lean")
@@ -298,6 +298,8 @@ def test_cli_lean_engine_on_cuda(tiny: Path, capsys: pytest.CaptureFixture[str])
     assert lean_doc["decode"] == "lean" and lean_doc["new_tokens"] == 8
     rc, out, _err = _cli(capsys, *common, "--engine", "eager")
     assert rc == 0 and json.loads(out)["token_ids"] == lean_doc["token_ids"]
+    rc, out, _err = _cli(capsys, *common)  # the default on CUDA: the lean loop where it runs
+    assert rc == 0 and json.loads(out)["decode"] == "lean" and json.loads(out)["token_ids"] == lean_doc["token_ids"]
 
 
 def test_cuda_without_a_device_is_unsupported(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,11 +17,13 @@ the decode step with torch.compile, mode reduce-overhead, i.e. CUDA graphs; what
 whole step, head and argmax included, one CUDA graph per token; ``load_model(engine="lean")``) and
 ``lean_fused`` (the same loop with its step compiled by Inductor before the capture, the loop's default;
 ``lean`` sets $W4PACK_LEAN_FUSE=0). The
-lean modes run batch 1 only; other batches are skipped for them. The warm-up of the compiled modes includes
-their compile for each batch, the lean modes' their graph capture.
+lean modes run batch 1 only; other batches are skipped for them. ``auto`` is what ``load_model`` installs by
+default (``w4pack.runtime.decode.use_decode``: the fused lean loop where it runs, the compiled step for the other
+batches); its rows name the engine that answered. The warm-up of the compiled modes includes their compile for
+each batch, the lean modes' their graph capture.
 
     python tools/bench_run.py --device cuda --shapes llama2-7b --batches 1,16,64 \
-        --modes eager,compiled,lean,lean_fused
+        --modes eager,compiled,lean,lean_fused,auto
 """
 from __future__ import annotations
 
@@ -102,22 +104,32 @@ def swap_to_w4(model: Any, shape: str, device: str, precision: str) -> int:
 
 #: modes that install w4pack's lean loop (the second with its step compiled by Inductor)
 LEAN_MODES = ("lean", "lean_fused")
+#: load_model's default decode path (installed on the model, as the lean modes are)
+AUTO = "auto"
+MODES = ("eager", "compiled", *LEAN_MODES, AUTO)
 
 
 def _extra(mode: str) -> dict[str, Any]:
-    """generate's arguments for a mode (the lean loop is installed on the model instead: ``lean_mode``)."""
+    """generate's arguments for a mode (the lean loop and the default path are installed on the model instead:
+    ``lean_mode``)."""
     if mode == "compiled":
         return {"cache_implementation": "static"}
-    return {} if mode in LEAN_MODES else {"disable_compile": True}
+    return {} if mode in (*LEAN_MODES, AUTO) else {"disable_compile": True}
 
 
 class lean_mode:
-    """``with lean_mode(model, mode):`` the model's generate is w4pack's lean loop while inside (the lean modes)."""
+    """``with lean_mode(model, mode):`` the model's generate is w4pack's lean loop (the lean modes) or
+    ``load_model``'s default path (``auto``) while inside."""
 
     def __init__(self, model: Any, mode: str):
         self.model, self.on, self.fuse = model, mode in LEAN_MODES, mode == "lean_fused"
+        self.auto = mode == AUTO
 
     def __enter__(self) -> "lean_mode":
+        if self.auto:
+            from w4pack.runtime.decode import use_decode
+
+            use_decode(self.model, next(self.model.parameters()).device, None)
         if self.on:
             import os
 
@@ -138,14 +150,14 @@ class lean_mode:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.on:
+        if self.on or self.auto:
             import gc
 
             import torch
 
-            from w4pack.runtime.lean import remove_lean_decode
+            from w4pack.runtime.decode import remove_decode
 
-            remove_lean_decode(self.model)
+            remove_decode(self.model)
             gc.collect()  # the loop's graphs, caches and stacked weights
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -178,7 +190,7 @@ def decode_rate(model: Any, batch: int, new_tokens: int, repeats: int, mode: str
     t1 = statistics.median(timed(1) for _ in range(repeats))
     tn = statistics.median(timed(new_tokens) for _ in range(repeats))
     rate = batch * (new_tokens - 1) / max(tn - t1, 1e-9)
-    return {"mode": mode, "decode": decode_mode(model) if mode in LEAN_MODES else mode, "batch": batch,
+    return {"mode": mode, "decode": decode_mode(model) if mode in (*LEAN_MODES, AUTO) else mode, "batch": batch,
             "new_tokens": new_tokens, "warmup_s": round(warm, 1),
             "prefill_s": round(t1, 4), "total_s": round(tn, 4), "decode_tokens_per_s": round(rate, 1),
             "ms_per_step": round((tn - t1) / (new_tokens - 1) * 1000, 3)}
@@ -217,7 +229,7 @@ def profile_steps(model: Any, batch: int, new_tokens: int, mode: str, top: int =
 
 def table(results: list[dict[str, Any]]) -> str:
     """Medians side by side: each W4 rate against the float model's in the same mode and against compiled fp."""
-    lines = [f"{'shape':<10} {'batch':>5} {'mode':<9} {'float tok/s':>12} {'w4 tok/s':>10} {'w4/float':>9} "
+    lines = [f"{'shape':<10} {'batch':>5} {'mode':<13} {'float tok/s':>12} {'w4 tok/s':>10} {'w4/float':>9} "
              f"{'w4/float compiled':>18} {'w4 ms/step':>11}"]
     for row in results:
         fl = {(r["mode"], r["batch"]): r for r in row["float"]}
@@ -226,7 +238,8 @@ def table(results: list[dict[str, Any]]) -> str:
             fc = fl.get(("compiled", r["batch"]))
             ratio = f"{r['decode_tokens_per_s'] / f['decode_tokens_per_s']:.2f}x" if f else "-"
             ratio_c = f"{r['decode_tokens_per_s'] / fc['decode_tokens_per_s']:.2f}x" if fc else "-"
-            lines.append(f"{row['shape']:<10} {r['batch']:>5} {r['mode']:<9} "
+            mode = f"auto/{r['decode'].split()[0]}" if r["mode"] == AUTO else r["mode"]  # the engine that answered
+            lines.append(f"{row['shape']:<10} {r['batch']:>5} {mode:<13} "
                          f"{f['decode_tokens_per_s'] if f else '-':>12} {r['decode_tokens_per_s']:>10} {ratio:>9} "
                          f"{ratio_c:>18} {r['ms_per_step']:>11}")
     return "\n".join(lines)
@@ -248,7 +261,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="smollm2,llama2-7b")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--modes", default="eager,compiled,lean,lean_fused",
-                    help="eager, compiled, lean and/or lean_fused (comma-separated; the lean modes run batch 1 only)")
+                    help="eager, compiled, lean, lean_fused and/or auto (comma-separated; the lean modes run batch 1 "
+                         "only; auto is load_model's default)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--precision", default="exact", choices=["exact", "fast"])
@@ -260,8 +274,8 @@ def main() -> int:
 
     dtype = torch.float16 if args.device.startswith("cuda") else torch.float32
     modes = [m for m in args.modes.split(",") if m]
-    if not set(modes) <= {"eager", "compiled", *LEAN_MODES}:
-        ap.error("--modes takes eager, compiled, lean and/or lean_fused")
+    if not set(modes) <= set(MODES):
+        ap.error(f"--modes takes {', '.join(MODES)}")
     torch._dynamo.config.cache_size_limit = 64  # one compiled step per model, batch and mode
     results = []
     for shape in args.shapes.split(","):

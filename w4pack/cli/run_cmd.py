@@ -42,14 +42,14 @@ from .extras import needs_extras
 @click.option("--window", default=None, type=click.IntRange(2, 1 << 20),
               help="Perplexity window in tokens (default: model context, at most 1024).")
 @click.option("--eager", is_flag=True,
-              help="Decode with transformers' own eager generate: on CUDA instead of the static cache and the "
-                   "compiled step (whose first run spends tens of seconds compiling; also $W4PACK_COMPILE=0), on "
-                   "the CPU instead of w4pack's lean decode loop (also $W4PACK_LEAN=0).")
+              help="Decode with transformers' own eager generate instead of w4pack's lean decode loop and, on "
+                   "CUDA, transformers' compiled step (both spend tens of seconds compiling on their first CUDA "
+                   "run). $W4PACK_LEAN=0 and $W4PACK_COMPILE=0 drop one of the two.")
 @click.option("--engine", type=click.Choice(["auto", "lean", "compiled", "eager"]), default="auto",
               show_default=True,
-              help="How generate decodes: auto (CPU: the lean loop, CUDA: the compiled step), lean (w4pack's "
-                   "loop; on CUDA one CUDA graph per token, opt-in: llama-family models, batch 1), compiled "
-                   "or eager (transformers').")
+              help="How generate decodes: auto (w4pack's lean loop where it runs: llama-family models, batch 1, "
+                   "on CUDA one CUDA graph per token; other calls: on CUDA transformers' compiled step, on the "
+                   "CPU its eager generate), lean (the lean loop alone), compiled or eager (transformers').")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @needs_extras("run", torch="hf")
 def run(path: Path, prompt: str | None, ppl_file: Path | None, device: str, max_new_tokens: int, precision: str,

@@ -1,9 +1,13 @@
-"""How a loaded model decodes on CUDA: transformers' static cache with its compiled step, or eager.
+"""How a loaded model decodes on CUDA: w4pack's lean CUDA-graph loop where it runs, transformers' static cache
+with its compiled step under it, or eager.
 
 At batch 1 a decode step is a few hundred small kernels; launched one by one from Python they take longer than
 the weights take to read. transformers' static-cache path compiles the step (``torch.compile``, mode
-``reduce-overhead``: CUDA graphs), which removes that wall. W4Linear's op is capturable (its GEMM workspace is
-reserved when the layer is prepared, outside any graph pool), so the compiled path is the default on CUDA.
+``reduce-overhead``: CUDA graphs), which removes most of that wall but leaves its per-token Python loop between
+replays; w4pack's lean loop (``w4pack.runtime.lean_cuda``) replays the whole step, head and token choice
+included, as one graph. So the CUDA default is the lean loop for what it runs (llama-family models, batch 1),
+layered over the compiled step, which answers every other call. W4Linear's op is capturable (its GEMM
+workspace is reserved when the layer is prepared, outside any graph pool).
 
 Compiling can still fail on a given machine (no working Triton, an unsupported attention kernel, memory for the
 graphs). The first such failure switches the model to eager decoding for good, with one warning that says why,
@@ -29,9 +33,10 @@ _OFF = ("0", "false", "no", "off")
 def resolve_engine(engine: str | None, compile: bool | None) -> bool | None | str:
     """``compile`` as the rest of this module reads it (None: the device's default, True, False), or "lean".
 
-    ``engine``: "auto" (or None), "lean" (w4pack's lean loop: the CPU default; on CUDA the CUDA-graph loop,
-    opt-in until measured), "compiled" (= ``compile=True``) or "eager" (= ``compile=False``). Giving both
-    ``engine`` and ``compile`` is an error unless they agree."""
+    ``engine``: "auto" (or None: ``use_decode``'s default), "lean" (w4pack's lean loop alone: the CPU loop, on
+    CUDA the CUDA-graph loop, transformers' eager generate for what it does not run), "compiled" (= ``compile=
+    True``) or "eager" (= ``compile=False``). Giving both ``engine`` and ``compile`` is an error unless they
+    agree."""
     from ..errors import BadInputError
 
     if engine is None or engine == "auto":
@@ -54,16 +59,40 @@ def compile_wanted(device: Any, compile: bool | None) -> bool:
 
 
 def lean_wanted(compile: bool | None) -> bool:
-    """Whether a CPU load decodes through the lean loop (``w4pack.runtime.lean``): yes unless ``compile`` is
-    given (False: transformers' eager generate, True: its compiled step) or $W4PACK_LEAN is 0."""
+    """Whether a load decodes through the lean loop (``w4pack.runtime.lean``): yes unless ``compile`` is given
+    (False: transformers' eager generate, True: its compiled step) or $W4PACK_LEAN is 0."""
     if compile is not None:
         return False
     return os.environ.get(LEAN_ENV, "").strip().lower() not in _OFF
 
 
 def decode_mode(model: Any) -> str:
-    """"compiled", "lean", "eager", or "eager (why the compiled step or the lean loop was not used)"."""
+    """"lean", "compiled" or "eager", followed for the last call by why a faster mode did not answer it:
+    "compiled (batch 2)" (the lean loop declined, the compiled step ran), "eager (RuntimeError: ...)"."""
     return getattr(model, "w4pack_decode", EAGER)
+
+
+def fallback_mode(model: Any) -> str:
+    """The mode of what answers a call the lean loop declines: the compiled step if it is installed and has not
+    failed, else eager."""
+    return COMPILED if getattr(model, "_w4pack_compiled", False) else EAGER
+
+
+def use_decode(model: Any, device: Any, chosen: bool | None | str) -> str:
+    """Install the decode path ``resolve_engine``'s answer asks for on a loaded model; returns ``decode_mode``.
+
+    The default (``chosen`` None) is the lean loop over the compiled step on CUDA, and the lean loop over
+    transformers' eager generate on the CPU (where transformers compiles nothing). $W4PACK_LEAN=0 and
+    $W4PACK_COMPILE=0 remove one layer each."""
+    from .lean import use_lean_decode
+
+    if chosen == "lean":
+        return use_lean_decode(model)
+    if compile_wanted(device, chosen):  # type: ignore[arg-type]
+        use_compiled_decode(model)
+    if chosen is None and lean_wanted(None):
+        use_lean_decode(model)
+    return decode_mode(model)
 
 
 def use_compiled_decode(model: Any) -> None:
@@ -78,11 +107,12 @@ def use_compiled_decode(model: Any) -> None:
         return
     gen_cfg.cache_implementation = "static"
     model.w4pack_decode = COMPILED
+    model._w4pack_compiled = True
     inner = model.generate
     model._w4pack_generate = inner
 
     def generate(*args: Any, **kwargs: Any) -> Any:
-        if model.w4pack_decode != COMPILED:
+        if not model._w4pack_compiled:
             return inner(*args, **kwargs)
         try:
             return inner(*args, **kwargs)
@@ -98,10 +128,29 @@ def use_compiled_decode(model: Any) -> None:
     model.generate = generate
 
 
+def remove_decode(model: Any) -> None:
+    """Undo ``use_decode``: transformers' own generate and generation config again, the lean loop's graphs and
+    caches released. For benchmarks that time several decode modes on one model."""
+    from .lean import remove_lean_decode
+
+    remove_lean_decode(model)
+    inner = getattr(model, "_w4pack_generate", None)
+    if inner is not None:
+        model.__dict__.pop("generate", None)
+        if model.generate != inner:
+            model.generate = inner
+        gen_cfg = model.generation_config
+        gen_cfg.cache_implementation = None
+        gen_cfg.disable_compile = False
+    for attr in ("_w4pack_generate", "_w4pack_compiled", "w4pack_decode"):
+        model.__dict__.pop(attr, None)
+
+
 def _to_eager(model: Any, reason: str) -> None:
     gen_cfg = model.generation_config
     gen_cfg.cache_implementation = None
     gen_cfg.disable_compile = True
+    model._w4pack_compiled = False
     model.w4pack_decode = f"{EAGER} ({reason})"
 
 

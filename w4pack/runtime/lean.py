@@ -660,18 +660,21 @@ def build_engine(model: nn.Module) -> "LoopBase":
 
 def use_lean_decode(model: nn.Module) -> str:
     """Answer ``model.generate`` with the lean loop where it can (batch 1, llama family; the CPU loop or, for a
-    model on CUDA, the CUDA-graph loop); returns the decode mode ("lean", or "eager (why not)")."""
-    from .decode import EAGER
+    model on CUDA, the CUDA-graph loop); returns the decode mode ("lean", or "eager (why not)").
 
-    if getattr(model, "_w4pack_generate", None) is not None:
+    Installed over ``use_compiled_decode``'s wrapper, the calls the loop declines go to the compiled step
+    ("compiled (why not lean)")."""
+    from .decode import fallback_mode
+
+    if getattr(model, "_w4pack_lean", None) is not None:
         return model.w4pack_decode
     try:
         engine = build_engine(model)
     except NotLean as exc:
-        model.w4pack_decode = f"{EAGER} ({exc})"
+        model.w4pack_decode = f"{fallback_mode(model)} ({exc})"
         return model.w4pack_decode
     inner = model.generate
-    model._w4pack_generate = inner
+    model._w4pack_lean_inner = inner
     model._w4pack_lean = engine
     model.w4pack_decode = LEAN
 
@@ -680,7 +683,7 @@ def use_lean_decode(model: nn.Module) -> str:
     def generate(*args: Any, **kwargs: Any) -> Any:
         nonlocal engine
         if not busy.acquire(blocking=False):  # one loop state per model: a concurrent call goes to transformers
-            model.w4pack_decode = f"{EAGER} (another generate call on this model is running)"
+            model.w4pack_decode = f"{fallback_mode(model)} (another generate call on this model is running)"
             return inner(*args, **kwargs)
         try:
             return lean_call(args, kwargs)
@@ -694,7 +697,7 @@ def use_lean_decode(model: nn.Module) -> str:
                 engine = model._w4pack_lean = build_engine(model)
             ids, cfg, streamer = plan(model, args, kwargs)
         except NotLean as exc:
-            model.w4pack_decode = f"{EAGER} ({exc})"
+            model.w4pack_decode = f"{fallback_mode(model)} ({exc})"
             return inner(*args, **kwargs)
         model.w4pack_decode = LEAN
         gc_was = gc.isenabled()
@@ -713,13 +716,20 @@ def use_lean_decode(model: nn.Module) -> str:
 
 
 def remove_lean_decode(model: nn.Module) -> None:
-    """Undo ``use_lean_decode``: transformers' generate again, the loop (its caches, graphs and stacked
-    weights) released. For benchmarks that time several decode modes on one model."""
-    inner = getattr(model, "_w4pack_generate", None)
+    """Undo ``use_lean_decode``: what answered ``generate`` before it again (transformers' generate, or the
+    compiled step's wrapper), the loop (its caches, graphs and stacked weights) released. For benchmarks that
+    time several decode modes on one model."""
+    from .decode import COMPILED, fallback_mode
+
+    inner = getattr(model, "_w4pack_lean_inner", None)
     if inner is None or getattr(model, "_w4pack_lean", None) is None:
         return
     model.__dict__.pop("generate", None)
     if model.generate != inner:
         model.generate = inner
-    for attr in ("_w4pack_generate", "_w4pack_lean", "w4pack_decode"):
+    for attr in ("_w4pack_lean_inner", "_w4pack_lean"):
         model.__dict__.pop(attr, None)
+    if fallback_mode(model) == COMPILED:
+        model.w4pack_decode = COMPILED
+    elif getattr(model, "_w4pack_generate", None) is None:
+        model.__dict__.pop("w4pack_decode", None)

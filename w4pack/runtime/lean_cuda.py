@@ -23,7 +23,7 @@ The step is ordinary torch code: on the CPU (float32, no capture) it runs eagerl
 check its arithmetic against transformers. Sampling (temperature, top-k, top-p) runs transformers'
 selection on the captured logits outside the graph. What the loop does not run (other architectures,
 batch > 1, other generate options) is answered by transformers' generate with the reason
-(``use_lean_decode``). Opt-in (``engine="lean"``) until it has been measured on a GPU.
+(``use_lean_decode``): on CUDA by default its compiled static-cache step (``w4pack.runtime.decode``).
 """
 from __future__ import annotations
 

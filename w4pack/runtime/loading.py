@@ -449,13 +449,14 @@ def load_model(path: str | os.PathLike[str], device: Any = "cpu", dtype: Any = N
     ``device``: "cpu" or "cuda[:i]"; ``dtype``: activations and unquantized weights (float32, float16 or
     bfloat16; default float32 on CPU, float16 on CUDA); ``precision``: the CPU kernel path ("exact" fp32
     dequantize or "fast" int8 activations). Peak memory: the packed layers plus the unquantized tensors in
-    ``dtype``, built one tensor at a time. ``compile``: decode through the static cache and transformers'
-    compiled step (default on CUDA unless $W4PACK_COMPILE=0; a failure falls back to eager with a warning:
-    ``w4pack.runtime.decode``). On the CPU, ``generate`` runs the lean decode loop by default
-    (``w4pack.runtime.lean``: llama-family float32 models, batch 1; anything else is transformers' generate);
-    ``compile=False`` or $W4PACK_LEAN=0 keeps transformers' eager generate. ``engine``: "auto" (the above),
-    "lean", "compiled" or "eager"; "lean" on CUDA decodes through w4pack's CUDA-graph loop
-    (``w4pack.runtime.lean_cuda``, opt-in: not yet measured against the compiled default).
+    ``dtype``, built one tensor at a time. ``generate`` decodes through w4pack's lean loop where it runs
+    (llama-family models, batch 1: ``w4pack.runtime.lean`` on the CPU, its CUDA-graph form
+    ``w4pack.runtime.lean_cuda`` on CUDA); other calls go on CUDA to transformers' static cache and compiled
+    step (a failure falls back to eager with a warning: ``w4pack.runtime.decode``), on the CPU to
+    transformers' eager generate. ``compile``: True for the compiled step alone, False for eager alone;
+    $W4PACK_LEAN=0 and $W4PACK_COMPILE=0 drop the lean loop or the compiled step from the default. ``engine``:
+    "auto" (the default above), "lean" (the lean loop alone), "compiled" or "eager"; ``decode_mode(model)``
+    says which answered the last call and why a faster one did not.
 
     Example::
 
@@ -466,8 +467,7 @@ def load_model(path: str | os.PathLike[str], device: Any = "cpu", dtype: Any = N
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .decode import compile_wanted, lean_wanted, resolve_engine, use_compiled_decode
-    from .lean import use_lean_decode
+    from .decode import resolve_engine, use_decode
     from .torch_module import PRECISIONS, W4Linear
 
     if precision not in PRECISIONS:
@@ -514,12 +514,7 @@ def load_model(path: str | os.PathLike[str], device: Any = "cpu", dtype: Any = N
         model.w4pack_path = str(ckpt.path)
         model.w4pack_quantization = dict(ckpt.config["quantization_config"])
     attach_save_pretrained(model)
-    if chosen == "lean":
-        use_lean_decode(model)
-    elif compile_wanted(dev, chosen):  # type: ignore[arg-type]
-        use_compiled_decode(model)
-    elif dev.type == "cpu" and lean_wanted(chosen):  # type: ignore[arg-type]
-        use_lean_decode(model)
+    use_decode(model, dev, chosen)
     model.eval()
     model.requires_grad_(False)
     return model
