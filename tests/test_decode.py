@@ -214,3 +214,22 @@ def test_cuda_load_decodes_lean_over_compiled_by_default(packed: Path, monkeypat
     with torch.no_grad():
         assert torch.equal(only.generate(x, **kw), eager)
     assert decode_mode(only) == "compiled"
+
+
+def test_no_memory_for_the_lean_loop_leaves_the_layer_under_it(packed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from w4pack.runtime import lean
+
+    def no_memory(model: object) -> object:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    monkeypatch.delenv("W4PACK_COMPILE", raising=False)
+    monkeypatch.delenv("W4PACK_LEAN", raising=False)
+    monkeypatch.setattr(lean, "build_engine", no_memory)
+    model = load_model(packed, device="cpu", compile=False)
+    mode = use_decode(model, "cuda", None)
+    assert mode.startswith("compiled (no memory for the loop's stacked layers: CUDA out of memory."), mode
+    assert "more detail" not in mode and getattr(model, "_w4pack_lean", None) is None
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = load_model(packed, device="cpu", compile=False).generate(_ids(), **kw)
+        assert torch.equal(model.generate(_ids(), **kw), want)

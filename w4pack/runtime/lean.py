@@ -658,6 +658,18 @@ def build_engine(model: nn.Module) -> "LoopBase":
     return LeanDecoder(model)
 
 
+def _built(model: nn.Module) -> "LoopBase":
+    """``build_engine``, with running out of memory for the loop's stacked layers as one more reason not to run
+    it: the model stays usable through what answers generate without the loop."""
+    try:
+        return build_engine(model)
+    except torch.OutOfMemoryError as exc:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the half-built stacked layers
+        first = str(exc).strip().splitlines()
+        raise NotLean(f"no memory for the loop's stacked layers: {first[0][:160] if first else 'out of memory'}")
+
+
 def use_lean_decode(model: nn.Module) -> str:
     """Answer ``model.generate`` with the lean loop where it can (batch 1, llama family; the CPU loop or, for a
     model on CUDA, the CUDA-graph loop); returns the decode mode ("lean", or "eager (why not)").
@@ -669,7 +681,7 @@ def use_lean_decode(model: nn.Module) -> str:
     if getattr(model, "_w4pack_lean", None) is not None:
         return model.w4pack_decode
     try:
-        engine = build_engine(model)
+        engine = _built(model)
     except NotLean as exc:
         model.w4pack_decode = f"{fallback_mode(model)} ({exc})"
         return model.w4pack_decode
@@ -694,7 +706,7 @@ def use_lean_decode(model: nn.Module) -> str:
         nonlocal engine
         try:
             if signature(model) != engine.signature:
-                engine = model._w4pack_lean = build_engine(model)
+                engine = model._w4pack_lean = _built(model)
             ids, cfg, streamer = plan(model, args, kwargs)
         except NotLean as exc:
             model.w4pack_decode = f"{fallback_mode(model)} ({exc})"
