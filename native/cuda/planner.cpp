@@ -500,9 +500,11 @@ int describe_on(const DevInfo &di, int64_t m, int n, int k, int storage_bits, in
   if (rc) return rc;
   static const char *names[] = {"auto", "stream", "tiled", "ring", "bulk", "wgmma", "wgmma_ws", "wgmma_ss", "gemv"};
   const char *name = pl.kernel >= 0 && pl.kernel <= 8 ? names[pl.kernel] : "probe";
+  char cfg[16] = "";  // the gemv kernel's variant where W4P_CUDA_GEMV_CFG asks for one (A/B runs)
+  if (pl.kernel == W4P_CUDA_KERNEL_GEMV && gemv_cfg_env()) snprintf(cfg, sizeof cfg, " cfg=%d", gemv_cfg_env());
   if (pl.kernel == W4P_CUDA_KERNEL_GEMV)
-    snprintf(buf, len, "gemv blocks=%lld stripes=%d smem=%zu workspace=%zu", (long long)pl.W, pl.tiles, pl.smem,
-             pl.ws_total);
+    snprintf(buf, len, "gemv blocks=%lld stripes=%d smem=%zu workspace=%zu%s", (long long)pl.W, pl.tiles, pl.smem,
+             pl.ws_total, cfg);
   else if (pl.kernel == W4P_CUDA_KERNEL_BULK)
     snprintf(buf, len, "bulk unit=%d granule=%d stages=%d stripes=%d blocks=%lld smem=%zu workspace=%zu", pl.ct,
              pl.kg, pl.S, pl.qs, (long long)pl.W, pl.smem, pl.ws_total);

@@ -54,6 +54,12 @@ int gemv_env() {
   const char *e = getenv("W4P_CUDA_GEMV");
   return e && e[0] == '0' && e[1] == 0 ? 0 : 1;
 }
+// W4P_CUDA_GEMV_CFG=1..5: the gemv kernel's second form (kernel_gemv2.cu) in one of its variants instead of the
+// first form; 0 or unset: the first form (A/B runs and tests; read at each call)
+int gemv_cfg_env() {
+  const char *e = getenv("W4P_CUDA_GEMV_CFG");
+  return e && e[0] >= '0' && e[0] <= '5' && e[1] == 0 ? e[0] - '0' : 0;
+}
 // W4P_CUDA_BULK_CT=8|12|16: the bulk kernel's tiles per unit on 4-bit layers instead of the planner's choice
 // (sweeps and tests; read at each call)
 int bulk_ct_env() {
