@@ -508,6 +508,24 @@ def test_plan_for_gemv(monkeypatch):
         assert rc != 0 and "gemv kernel takes M = 1" in ffi.string(lib.w4p_cuda_last_error()).decode(), (m, kk, kw)
 
 
+def test_plan_for_gemv_variant_switch(monkeypatch):
+    # W4P_CUDA_GEMV_CFG=1..5 runs the gemv kernel's second form (A/B runs): the plan is the same (kernel, blocks,
+    # stripes, shared memory as planned; the launcher sizes the variant itself) and its description names the
+    # variant; unset, 0 or anything else: the first form, and the description is unchanged
+    ffi, lib = _lib_or_skip()
+    base = _describe_for(lib, ffi, H200, 1, 11008, 4096)
+    assert base["kernel"] == "gemv" and "cfg" not in base, base
+    for cfg in "12345":
+        monkeypatch.setenv("W4P_CUDA_GEMV_CFG", cfg)
+        d = _describe_for(lib, ffi, H200, 1, 11008, 4096)
+        assert d == {**base, "cfg": cfg}, d
+        assert _describe_for(lib, ffi, A100, 1, 196, 576, kernel="gemv")["cfg"] == cfg
+        assert "cfg" not in _describe_for(lib, ffi, H200, 2, 11008, 4096)  # (other kernels: no variant)
+    for junk in ("0", "6", "12", "x", ""):
+        monkeypatch.setenv("W4P_CUDA_GEMV_CFG", junk)
+        assert _describe_for(lib, ffi, H200, 1, 11008, 4096) == base, junk
+
+
 def test_plan_for_bulk_unit_granule_and_stages(monkeypatch):
     # the bulk kernel's unit (tiles per copy run), stream-K granule and stages, as measured best on an H200
     ffi, lib = _lib_or_skip()

@@ -138,7 +138,7 @@ __device__ __forceinline__ void gv2_chunk(float (&acc)[4], const Gv2Buf<ZM, TS, 
     for (int tt = 0; tt < TPS; ++tt) {
       const int u = first + tt;
       if (!FULL && TS > 1 && u >= nv) break;
-      const uint4 b01 = xb[2 * u], b23 = xb[2 * u + 1];
+      const uint4 b01 = xb[8 * u], b23 = xb[8 * u + 1];  // (a tile's 32 pair slots are 8 uint4)
       const uint32_t wd[4] = {b.w[u].x, b.w[u].y, b.w[u].z, b.w[u].w};
       const uint32_t bb[4][2] = {{b01.x, b01.y}, {b01.z, b01.w}, {b23.x, b23.y}, {b23.z, b23.w}};
 #pragma unroll

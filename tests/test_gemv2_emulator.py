@@ -1,0 +1,293 @@
+"""The gemv kernel's second form (native/cuda/kernel_gemv2.cu) emulated lane by lane in numpy, against the layout's
+float64 reference. No GPU: what this checks is the index and constant arithmetic the kernel does per lane (the
+activations' fragment-order staging, each lane's 16-byte word of a tile as the m16n8k16 A fragment, the chunk and
+group-segment walk, the scale / zero-point offsets through group_of's multiply-high, the folded variants' biased
+codes and per-segment corrections with the staged activation sums). A wrong nibble, row, constant or segment gives
+errors of order 1; the float64 emulation must agree to rounding. The folded variants trade exact (q - z) operands
+for a cancellation in fp32, so a second emulation rounds each MMA's sum into an fp32 accumulator (a model of the
+tensor core's, which may truncate instead) to bound that error on random and on all-positive activations."""
+from __future__ import annotations
+
+import re
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from w4pack.canonical import CanonicalLayer, default_g_idx
+from w4pack.dtypes import from_float32, to_float32
+from w4pack.layout import pack
+
+W, NT = 8, 256  # (the staging below is per pair; the warp count only changes the chunk walk)
+KERNEL = Path(__file__).resolve().parent.parent / "native" / "cuda" / "kernel_gemv2.cu"
+
+
+def fold_constants(dtype: str) -> tuple[float, float, float, float]:
+    """BLO, BHI, ZHI, RHI of the kernel's FoldK<T>, read from its source, so the emulation uses what the kernel
+    uses (a changed constant there fails here)."""
+    name = "half" if dtype == "float16" else "__nv_bfloat16"
+    m = re.search(r"struct FoldK<" + re.escape(name) + r"> \{\s*static constexpr float BLO = ([\d.]+)f, "
+                  r"BHI = ([\d.]+)f, ZHI = ([\d.]+)f, RHI = ([\d.]+)f;", KERNEL.read_text())
+    assert m, f"FoldK<{name}> not found in {KERNEL}"
+    return tuple(float(v) for v in m.groups())  # type: ignore[return-value]
+
+
+def random_layer(rng, n, k, gs, zero_mode, act_order, dtype):
+    g = 1 if gs == -1 else -(-k // gs)
+    codes = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
+    s32 = (rng.uniform(0.5, 1.5, size=(n, g)) * 0.02).astype(np.float32)
+    cast = (lambda a: a.astype(np.float16)) if dtype == "float16" else (lambda a: from_float32(a, "bfloat16"))
+    zeros = None
+    if zero_mode == "int":
+        zeros = rng.integers(0, 17, size=(n, g)).astype(np.int32)
+    elif zero_mode == "float":
+        zeros = cast((rng.uniform(-1, 1, size=(n, g)) * 0.1).astype(np.float32))
+    g_idx = default_g_idx(k, gs)
+    if act_order and gs != -1:
+        g_idx = g_idx[rng.permutation(k)].astype(np.int32)
+    return CanonicalLayer(codes=codes, scales=cast(s32), bits=4, group_size=gs, zero_mode=zero_mode, zeros=zeros,
+                          g_idx=g_idx, scale_dtype=dtype).validate()
+
+
+def act_bits_to_float(bits16: np.ndarray, dtype: str) -> np.ndarray:
+    """16-bit patterns of the activation dtype as float64."""
+    b = bits16.astype(np.uint16)
+    if dtype == "float16":
+        return b.view(np.float16).astype(np.float64)
+    return (b.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
+
+
+def float_to_act_bits(v: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "float16":
+        return np.asarray(v, dtype=np.float16).view(np.uint16)
+    return from_float32(np.asarray(v, dtype=np.float32), "bfloat16")
+
+
+def and_or(x, mask, bits):
+    return (x & np.uint32(mask)) | np.uint32(bits)
+
+
+def fragment_regs(words: np.ndarray, j: int, dtype: str, fold: bool, zlo, zhi):
+    """The four A registers of k16 slice j per lane, as (lo16, hi16) floats: fold_codes / dq_int of the kernel.
+    words: [32 lanes, 4] uint32; zlo / zhi: the zero point per lane's rows (exact mode)."""
+    x = words[:, j].astype(np.uint32)
+    if dtype == "float16":
+        y = x >> np.uint32(8)
+        raw = [and_or(x, 0x000F000F, 0x64006400), and_or(x, 0x00F000F0, 0x64006400),
+               and_or(y, 0x000F000F, 0x64006400), and_or(y, 0x00F000F0, 0x64006400)]
+    else:
+        raw = [and_or(x >> np.uint32(4 * i), 0x000F000F, 0x43004300) for i in range(4)]
+    regs = []
+    for i, r in enumerate(raw):
+        lo = act_bits_to_float(r & np.uint32(0xFFFF), dtype)
+        hi = act_bits_to_float(r >> np.uint32(16), dtype)
+        if not fold:  # dq_int: h - (magic + z), fp16 rows gid + 8: h / 16 - (64 + z); exact in the dtype
+            z = zhi if i & 1 else zlo
+            if dtype == "float16" and i & 1:
+                lo, hi = lo / 16 - (64 + z), hi / 16 - (64 + z)
+            else:
+                magic = 1024.0 if dtype == "float16" else 128.0
+                lo, hi = lo - (magic + z), hi - (magic + z)
+        regs.append((lo, hi))
+    return regs
+
+
+def a_matrix(regs) -> np.ndarray:
+    """m16n8k16's A (16 x 16) from the lanes' registers: a0 (gid, 2 tid + e), a1 (gid + 8, 2 tid + e),
+    a2 (gid, 2 tid + 8 + e), a3 (gid + 8, 2 tid + 8 + e)."""
+    a = np.zeros((16, 16))
+    lane = np.arange(32)
+    gid, tid = lane >> 2, lane & 3
+    for i, (lo, hi) in enumerate(regs):
+        row = gid + (8 if i & 1 else 0)
+        col = 2 * tid + (8 if i >= 2 else 0)
+        a[row, col] = lo
+        a[row, col + 1] = hi
+    return a
+
+
+def stage(x_bits: np.ndarray, K: int, KT: int, perm) -> np.ndarray:
+    """The kernel's staging loop: xs[((kb * 4 + t) * 4 + j) * 2 + hi] = the pair (k, k + 1), as 16-bit halves."""
+    xs = np.zeros((KT * 32, 2), dtype=np.uint16)
+    for c in range(KT * 32):
+        k = 2 * c
+        kb, r = k >> 6, k & 63
+        j, hi, t = r >> 4, (r >> 3) & 1, (r & 7) >> 1
+        for e in range(2):
+            kk = k + e
+            xs[((kb * 4 + t) * 4 + j) * 2 + hi, e] = x_bits[perm[kk] if perm is not None else kk] if kk < K else 0
+    return xs
+
+
+def b_vector(xs_f: np.ndarray, t0: int, u: int, j: int) -> np.ndarray:
+    """B's 16 values of slice j of the chunk's tile u as the kernel reads them: lane tid's uint4 pointer
+    xb = xs4 + 2 tid + 8 t0, then b01 = xb[8 u], b23 = xb[8 u + 1]; slice j's pair is (b01.x, b01.y), (b01.z, b01.w),
+    (b23.x, b23.y), (b23.z, b23.w); its first register holds k = 2 tid + e, its second k = 2 tid + 8 + e (every column
+    n the same token)."""
+    b = np.zeros(16)
+    for tid in range(4):
+        xb = 2 * tid + 8 * t0  # uint4 index: four 32-bit pair slots each
+        v = xb + 8 * u + (j >> 1)
+        slot = 4 * v + 2 * (j & 1)
+        b[2 * tid: 2 * tid + 2] = xs_f[slot]
+        b[2 * tid + 8: 2 * tid + 10] = xs_f[slot + 1]
+    return b
+
+
+def group_of(k: int, gmul: int) -> int:
+    return (k * gmul) >> 32
+
+
+def emulate(packed, x: np.ndarray, dtype: str, fold: bool, U: int, fp32: bool) -> np.ndarray:
+    """y [N] as the second form computes it (fp32: each MMA's sum rounded into an fp32 accumulator, the fp32
+    arithmetic after it in float32)."""
+    meta, t = packed.meta, packed.tensors
+    n, K = meta["shape"]
+    Np, Kp = meta["padded_shape"]
+    KT, NS, gs, zm = Kp // 64, Np // 16, meta["group_size"], meta["zero_mode"]
+    gmul = 0 if gs <= 0 else -(-(1 << 32) // gs)
+    qw = np.ascontiguousarray(t["qweight"]).view(np.uint32).reshape(NS, KT, 32, 4)
+    scales = act_bits_to_float(float_to_act_bits(to_float32(t["scales"], meta["scale_dtype"]), dtype), dtype)
+    if zm == "int":
+        zp = t["zeros"].astype(np.float64)  # (prepared in the activation dtype: small integers, exact)
+    elif zm == "float":
+        zp = act_bits_to_float(float_to_act_bits(to_float32(t["mins"], meta["scale_dtype"]), dtype), dtype)
+    perm = t.get("perm")
+    xs = stage(float_to_act_bits(x, dtype), K, KT, perm)
+    xs_f = act_bits_to_float(xs, dtype)  # [KT * 32, 2]
+    # the segment length (launch_gemv2_ts) and the staged sums of the folded variants
+    TS = U if gs <= 0 or gs % (64 * U) == 0 else 2 if (U > 2 and gs % 128 == 0) else 1 if gs % 64 == 0 else 0
+    HPS = 2 * TS if TS else 1
+    nseg = -(-KT // TS) if TS else 2 * KT
+    f32 = np.float32 if fp32 else np.float64
+    sxs = np.zeros(nseg, dtype=f32)
+    for e in range(nseg):
+        acc = [f32(0)] * 4
+        for hh in range(HPS):
+            hx = e * HPS + hh
+            kb, h = hx >> 1, hx & 1
+            if kb >= KT:
+                break
+            for tt in range(4):
+                base = (kb * 4 + tt) * 8 + 4 * h
+                for q in range(4):
+                    acc[q] = f32(acc[q] + f32(f32(xs_f[base + q, 0]) + f32(xs_f[base + q, 1])))
+        sxs[e] = f32(f32(acc[0] + acc[1]) + f32(acc[2] + acc[3]))
+    lane = np.arange(32)
+    gid = lane >> 2
+    y = np.zeros(Np)
+    spp = -(-KT // (W * U))
+    BLO, BHI, ZHI, RHI = fold_constants(dtype)
+    for s in range(NS):
+        red = np.zeros((W, 16), dtype=f32)
+        for wi in range(W):
+            acc_lo = np.zeros(8, dtype=f32)  # rows gid (lanes with tid 0 hold them)
+            acc_hi = np.zeros(8, dtype=f32)
+            for st in range(spp):
+                t0 = st * W * U + wi * U
+                nv = KT - t0
+                if nv <= 0:
+                    continue
+                nsegc = U // TS if TS else 2 * U
+                for g in range(nsegc):
+                    first = g * TS if TS else g // 2
+                    if first >= nv:
+                        break
+                    col = 64 * (t0 + first) if TS else 64 * t0 + 32 * g
+                    off_row = group_of(col, gmul)
+                    rows = 16 * s + gid  # per lane: the parameters at off and off + 8
+                    s_lo, s_hi = scales[off_row, rows], scales[off_row, rows + 8]
+                    z_lo = z_hi = np.full(32, 8.0)
+                    m_lo = m_hi = np.zeros(32)
+                    if zm == "int":
+                        z_lo, z_hi = zp[off_row, rows], zp[off_row, rows + 8]
+                    elif zm == "float":
+                        z_lo = z_hi = np.zeros(32)
+                        m_lo, m_hi = zp[off_row, rows], zp[off_row, rows + 8]
+                    d = np.zeros(16, dtype=f32)  # the segment's MMA sums, rows 0..15
+                    tiles = range(first, min(first + TS, nv)) if TS else [first]
+                    for u in tiles:
+                        kb = t0 + u
+                        halves = (0, 1) if TS else (g & 1,)
+                        for h in halves:
+                            for jj in range(2):
+                                j = 2 * h + jj
+                                if not fold and zm == "float":  # s q + m per weight, rounded to the dtype
+                                    regs = fragment_regs(qw[s, kb], j, dtype, False, np.zeros(32), np.zeros(32))
+                                    sc = [(s_lo, m_lo), (s_hi, m_hi), (s_lo, m_lo), (s_hi, m_hi)]
+                                    regs = [tuple(act_bits_to_float(float_to_act_bits(v * sc[i][0] + sc[i][1],
+                                                                                       dtype), dtype)
+                                                  for v in r) for i, r in enumerate(regs)]
+                                else:
+                                    regs = fragment_regs(qw[s, kb], j, dtype, fold, z_lo, z_hi)
+                                prod = a_matrix(regs) @ b_vector(xs_f, t0, u, j)
+                                d = (d + prod.astype(f32)).astype(f32)
+                    s_lo8, s_hi8 = s_lo[::4], s_hi[::4]  # (lanes tid == 0: one per row gid)
+                    if not fold and zm == "float":
+                        acc_lo = (acc_lo + d[:8]).astype(f32)
+                        acc_hi = (acc_hi + d[8:]).astype(f32)
+                    elif not fold:
+                        acc_lo = (acc_lo + f32(s_lo8) * d[:8]).astype(f32)
+                        acc_hi = (acc_hi + f32(s_hi8) * d[8:]).astype(f32)
+                    else:
+                        sxg = sxs[(t0 // TS + g) if TS else (2 * t0 + g)]
+                        c_lo = f32(BLO + z_lo[::4])
+                        c_hi = f32(BHI + ZHI * z_hi[::4])
+                        acc_lo = (acc_lo + f32(s_lo8) * (d[:8] - c_lo * sxg)).astype(f32)
+                        acc_hi = (acc_hi + f32(s_hi8 * RHI) * (d[8:] - c_hi * sxg)).astype(f32)
+                        if zm == "float":
+                            acc_lo = (acc_lo + f32(m_lo[::4]) * sxg).astype(f32)
+                            acc_hi = (acc_hi + f32(m_hi[::4]) * sxg).astype(f32)
+            red[wi, :8], red[wi, 8:] = acc_lo, acc_hi
+        v = np.zeros(16, dtype=f32)
+        for wi in range(W):  # in warp order
+            v = (v + red[wi]).astype(f32)
+        y[16 * s: 16 * s + 16] = v
+    return y[:n]
+
+
+CASES = [  # (dtype, zero mode, group size, act-order, n, k)
+    ("float16", "none", 128, False, 40, 1000), ("float16", "int", 32, True, 24, 700),
+    ("float16", "float", 64, False, 17, 576), ("float16", "none", -1, False, 33, 1100),
+    ("float16", "int", 96, False, 20, 640), ("float16", "none", 256, False, 16, 2100),
+    ("bfloat16", "none", 128, False, 40, 1000), ("bfloat16", "int", 128, True, 24, 900),
+    ("bfloat16", "float", 32, True, 18, 600), ("bfloat16", "int", 64, False, 16, 1300),
+]
+
+
+@pytest.mark.parametrize("dtype,zero_mode,gs,act_order,n,k", CASES)
+@pytest.mark.parametrize("fold,U", [(False, 4), (True, 4), (True, 2)])
+def test_second_form_matches_the_reference(dtype, zero_mode, gs, act_order, n, k, fold, U):
+    # float64 arithmetic after the MMA: agreement to rounding shows every index, nibble and constant is right
+    rng = np.random.default_rng(zlib.crc32(repr((dtype, zero_mode, gs, act_order, n, k)).encode()))
+    layer = random_layer(rng, n, k, gs, zero_mode, act_order, dtype)
+    x = rng.standard_normal(k).astype(np.float32)
+    x_act = act_bits_to_float(float_to_act_bits(x, dtype), dtype)  # the activations the kernel gets
+    ref = layer.dequantize(np.float64) @ x_act
+    y = emulate(pack(layer), x_act, dtype, fold, U, fp32=False)
+    err = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+    # exact: only per-weight rounding of s q + m (float minima) in the activation dtype
+    bound = 1e-12 if (fold or zero_mode != "float") else (2e-3 if dtype == "float16" else 2e-2)
+    assert err <= bound, (err, bound)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("positive", [False, True])
+def test_folded_cancellation_stays_inside_the_bound(dtype, positive):
+    # the folded variants' fp32 error (MMA sums rounded into fp32 per instruction) against the float64 reference,
+    # with the first form's exact operands as the baseline; all-positive activations are the worst case of the
+    # cancellation (sum(x) grows with the segment instead of as its square root)
+    rng = np.random.default_rng(zlib.crc32(repr(("cancel", dtype, positive)).encode()))
+    k = 2048
+    for gs, zm in ((128, "none"), (-1, "int")):
+        layer = random_layer(rng, 32, k, gs, zm, False, dtype)
+        x = rng.uniform(0, 1, k) if positive else rng.standard_normal(k)
+        x_act = act_bits_to_float(float_to_act_bits(x.astype(np.float32), dtype), dtype)
+        ref = layer.dequantize(np.float64) @ x_act
+        exact = emulate(pack(layer), x_act, dtype, False, 4, fp32=True)
+        folded = emulate(pack(layer), x_act, dtype, True, 4, fp32=True)
+        e_exact = np.linalg.norm(exact - ref) / np.linalg.norm(ref)
+        e_fold = np.linalg.norm(folded - ref) / np.linalg.norm(ref)
+        # the GPU tests' bound is 1e-3 after the output's rounding to fp16 (2^-11); leave it most of that
+        assert e_fold <= 2e-4, (gs, zm, e_fold, e_exact)
