@@ -365,3 +365,41 @@ def test_make_llama_quants_leaves_no_partial_file_when_llama_cpp_fails(tmp_path,
     with pytest.raises(SystemExit, match="failed with status 1"):
         tool.make(out, ["Q4_K_M"])
     assert sorted(p.name for p in out.iterdir()) == []
+
+
+def test_sass_loop_counts_the_common_path_per_tile():
+    # tools/cuda_sass_loop.py on a made-up SASS listing: the loop with the MMAs (not the staging loop before it);
+    # at each branch the side without a block barrier (a stripe's end), then with the MMAs (a tile computed, not
+    # skipped), then with the loads (the next step's weights, not "nothing left to load"); instructions per tile =
+    # that path / (MMAs / 4)
+    sass_loop = _tool("cuda_sass_loop")
+    text = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDS R2, [R3] ;
+        /*0020*/               @P0 BRA 0x10 ;
+        /*0030*/                   ISETP.GE.AND P1, PT, R4, R5, PT ;
+        /*0040*/               @P1 BRA 0x70 ;
+        /*0050*/                   LDG.E.128 R8, desc[UR4][R6.64] ;
+        /*0060*/                   LDG.E.128 R12, desc[UR4][R6.64+0x200] ;
+        /*0070*/               @P2 BRA 0xd0 ;
+        /*0080*/                   LOP3.LUT R16, R8, 0xf000f, RZ, 0xc0, !PT ;
+        /*0090*/                   HMMA.16816.F32 R20, R16, R18, R20 ;
+        /*00a0*/                   HMMA.16816.F32 R20, R16, R18, R20 ;
+        /*00b0*/                   HMMA.16816.F32 R20, R16, R18, R20 ;
+        /*00c0*/                   HMMA.16816.F32 R20, R16, R18, R20 ;
+        /*00d0*/               @P3 BRA 0x110 ;
+        /*00e0*/                   STS [R30], R20 ;
+        /*00f0*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0100*/                   LDS R31, [R30] ;
+        /*0110*/                   IADD3 R4, R4, 0x1, RZ ;
+        /*0120*/               @P4 BRA 0x30 ;
+        /*0130*/                   EXIT ;
+    """
+    ins = [(int(m.group(1), 16), (m.group(2) or "").strip(), m.group(3), m.group(4).strip())
+           for m in sass_loop.INS.finditer(text)]
+    lo, hi = sass_loop.main_loop(ins)
+    assert (ins[lo][0], ins[hi][0]) == (0x30, 0x120)
+    path = [ins[k][0] for k in sass_loop.hot_path(ins, lo, hi)]
+    want = [0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0x110, 0x120]
+    assert path == want, [hex(a) for a in path]
+    assert len(path) / (sum(ins[k][2].startswith("HMMA") for k in sass_loop.hot_path(ins, lo, hi)) / 4) == 13.0
