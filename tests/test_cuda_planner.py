@@ -509,21 +509,25 @@ def test_plan_for_gemv(monkeypatch):
 
 
 def test_plan_for_gemv_variant_switch(monkeypatch):
-    # W4P_CUDA_GEMV_CFG=1..5 runs the gemv kernel's second form (A/B runs): the plan is the same (kernel, blocks,
-    # stripes, shared memory as planned; the launcher sizes the variant itself) and its description names the
-    # variant; unset, 0 or anything else: the first form, and the description is unchanged
+    # the gemv kernel runs its second form's variant 3 unless W4P_CUDA_GEMV_CFG names another (0: the first form,
+    # 1..5: the second form's variants; A/B runs): the plan is the same (kernel, blocks, stripes, shared memory as
+    # planned; the launcher sizes the variant itself) and its description names the variant; anything else
+    # counts as unset
     ffi, lib = _lib_or_skip()
-    base = _describe_for(lib, ffi, H200, 1, 11008, 4096)
-    assert base["kernel"] == "gemv" and "cfg" not in base, base
+    monkeypatch.setenv("W4P_CUDA_GEMV_CFG", "0")
+    first = _describe_for(lib, ffi, H200, 1, 11008, 4096)
+    assert first["kernel"] == "gemv" and "cfg" not in first, first
     for cfg in "12345":
         monkeypatch.setenv("W4P_CUDA_GEMV_CFG", cfg)
         d = _describe_for(lib, ffi, H200, 1, 11008, 4096)
-        assert d == {**base, "cfg": cfg}, d
+        assert d == {**first, "cfg": cfg}, d
         assert _describe_for(lib, ffi, A100, 1, 196, 576, kernel="gemv")["cfg"] == cfg
         assert "cfg" not in _describe_for(lib, ffi, H200, 2, 11008, 4096)  # (other kernels: no variant)
-    for junk in ("0", "6", "12", "x", ""):
+    for junk in ("6", "12", "x", ""):
         monkeypatch.setenv("W4P_CUDA_GEMV_CFG", junk)
-        assert _describe_for(lib, ffi, H200, 1, 11008, 4096) == base, junk
+        assert _describe_for(lib, ffi, H200, 1, 11008, 4096) == {**first, "cfg": "3"}, junk
+    monkeypatch.delenv("W4P_CUDA_GEMV_CFG")
+    assert _describe_for(lib, ffi, H200, 1, 11008, 4096) == {**first, "cfg": "3"}
 
 
 def test_plan_for_bulk_unit_granule_and_stages(monkeypatch):
