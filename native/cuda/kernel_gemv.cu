@@ -199,7 +199,7 @@ cudaError_t launch_gemv_zm(const Params &p, const Plan &pl, cudaStream_t st) {
 
 }  // namespace
 
-// W4P_CUDA_GEMV_CFG=1..5: the second form's variants (kernel_gemv2.cu), for A/B runs; unset: this form
+// The second form (kernel_gemv2.cu) runs unless W4P_CUDA_GEMV_CFG=0 asks for this one (A/B runs)
 template <typename T> cudaError_t launch_gemv(const Params &p, const Plan &pl, cudaStream_t st) {
   if (const int cfg = gemv_cfg_env()) return launch_gemv2<T>(p, pl, st, cfg);
   return launch_gemv_zm<T>(p, pl, st);

@@ -1,5 +1,5 @@
-// gemv kernel, second form (M = 1, 4-bit; selected by W4P_CUDA_GEMV_CFG=1..5, for A/B runs against the first
-// form in kernel_gemv.cu, which "auto" keeps). Same work split and numerics contract as the first form: blocks of
+// gemv kernel, second form (M = 1, 4-bit; variant 3 runs by default, W4P_CUDA_GEMV_CFG=0..5 picks the first form
+// in kernel_gemv.cu or another variant for A/B runs). Same work split and numerics contract as the first form: blocks of
 // W warps own whole 16-row stripes summed in warp order, a stripe walked in steps of W * U tiles, warp w taking U
 // consecutive tiles (a "chunk") of each step, the activations staged once per block in shared memory in B-fragment
 // order. The first form was bound by its instructions per tile (docs/journal/2026-cuda.md, seventeenth session:
