@@ -403,3 +403,27 @@ def test_sass_loop_counts_the_common_path_per_tile():
     want = [0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0x110, 0x120]
     assert path == want, [hex(a) for a in path]
     assert len(path) / (sum(ins[k][2].startswith("HMMA") for k in sass_loop.hot_path(ins, lo, hi)) / 4) == 13.0
+
+
+def test_bench_run_auto_mode_installs_and_removes_the_default(monkeypatch):
+    # bench_run's "auto" rows time load_model's default decode path as installed, name the engine that answered,
+    # and leave the model as they found it for the next mode
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    bench = _tool("bench_run")
+    monkeypatch.setitem(bench.SHAPES, "tiny", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                                                   tie_word_embeddings=False, group_size=32))
+    monkeypatch.delenv("W4PACK_LEAN", raising=False)
+    model = bench.build_float("tiny", "cpu", torch.float32)
+    assert bench.swap_to_w4(model, "tiny", "cpu", "exact") == 14
+    rows = []
+    with bench.lean_mode(model, "auto"):
+        assert model.w4pack_decode == "lean"
+        for b in (1, 2):
+            rows.append(bench.decode_rate(model, b, 4, 1, "auto"))
+    assert rows[0]["decode"] == "lean" and rows[1]["decode"].startswith("eager (") and rows[1]["batch"] == 2
+    assert "generate" not in model.__dict__ and not hasattr(model, "_w4pack_lean")
+    assert bench.decode_rate(model, 1, 4, 1, "eager")["decode"] == "eager"
+    text = bench.table([{"shape": "tiny", "float": [], "w4": rows}])
+    assert "auto/lean" in text and "auto/eager" in text
