@@ -100,10 +100,9 @@ def generate(target: Any, prompt: str, *, device: str = "cpu", max_new_tokens: i
     """Greedy (temperature 0) or sampled continuation of ``prompt``; returns text, token ids and timings.
 
     ``target``: a w4pack folder or a (model, tokenizer) pair. ``chat`` wraps the prompt in the tokenizer's chat
-    template (instruct models). ``seed`` makes sampling repeatable. ``compile``: on CUDA, decode through the
-    static cache and the compiled step (default; the first call pays the compile) or eagerly (False).
-    ``engine``: "auto", "lean", "compiled" or "eager" (``load_model``); "lean" on CUDA is w4pack's
-    CUDA-graph loop.
+    template (instruct models). ``seed`` makes sampling repeatable. ``compile`` and ``engine`` choose how
+    ``generate`` decodes, as ``load_model`` takes them: by default w4pack's lean loop (on CUDA one graph per
+    token; the first call pays its compile), True transformers' compiled step alone, False its eager generate.
     ``on_text`` receives the completion piece by piece while it is generated (the CLI streams it); ``loading``
     is entered while a folder is loaded.
     """
