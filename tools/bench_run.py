@@ -106,7 +106,9 @@ def swap_to_w4(model: Any, shape: str, device: str, precision: str) -> int:
 LEAN_MODES = ("lean", "lean_fused")
 #: load_model's default decode path (installed on the model, as the lean modes are)
 AUTO = "auto"
-MODES = ("eager", "compiled", *LEAN_MODES, AUTO)
+#: modes whose generate is installed on the model (``lean_mode``) and whose rows name the engine that answered
+INSTALLED = (*LEAN_MODES, AUTO)
+MODES = ("eager", "compiled", *INSTALLED)
 
 
 def _extra(mode: str) -> dict[str, Any]:
@@ -114,7 +116,7 @@ def _extra(mode: str) -> dict[str, Any]:
     ``lean_mode``)."""
     if mode == "compiled":
         return {"cache_implementation": "static"}
-    return {} if mode in (*LEAN_MODES, AUTO) else {"disable_compile": True}
+    return {} if mode in INSTALLED else {"disable_compile": True}
 
 
 class lean_mode:
@@ -122,8 +124,7 @@ class lean_mode:
     ``load_model``'s default path (``auto``) while inside."""
 
     def __init__(self, model: Any, mode: str):
-        self.model, self.on, self.fuse = model, mode in LEAN_MODES, mode == "lean_fused"
-        self.auto = mode == AUTO
+        self.model, self.on, self.fuse, self.auto = model, mode in LEAN_MODES, mode == "lean_fused", mode == AUTO
 
     def __enter__(self) -> "lean_mode":
         if self.auto:
@@ -150,7 +151,7 @@ class lean_mode:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.on or self.auto:
+        if self.on or self.auto:  # (remove_decode undoes either)
             import gc
 
             import torch
@@ -190,7 +191,7 @@ def decode_rate(model: Any, batch: int, new_tokens: int, repeats: int, mode: str
     t1 = statistics.median(timed(1) for _ in range(repeats))
     tn = statistics.median(timed(new_tokens) for _ in range(repeats))
     rate = batch * (new_tokens - 1) / max(tn - t1, 1e-9)
-    return {"mode": mode, "decode": decode_mode(model) if mode in (*LEAN_MODES, AUTO) else mode, "batch": batch,
+    return {"mode": mode, "decode": decode_mode(model) if mode in INSTALLED else mode, "batch": batch,
             "new_tokens": new_tokens, "warmup_s": round(warm, 1),
             "prefill_s": round(t1, 4), "total_s": round(tn, 4), "decode_tokens_per_s": round(rate, 1),
             "ms_per_step": round((tn - t1) / (new_tokens - 1) * 1000, 3)}

@@ -68,7 +68,8 @@ def lean_wanted(compile: bool | None) -> bool:
 
 def decode_mode(model: Any) -> str:
     """"lean", "compiled" or "eager", followed for the last call by why a faster mode did not answer it:
-    "compiled (batch 2)" (the lean loop declined, the compiled step ran), "eager (RuntimeError: ...)"."""
+    "compiled (the lean loop decodes one sequence ...)" (the loop declined, the compiled step ran), "eager
+    (RuntimeError: ...)" (the compile failed)."""
     return getattr(model, "w4pack_decode", EAGER)
 
 
@@ -136,14 +137,20 @@ def remove_decode(model: Any) -> None:
     remove_lean_decode(model)
     inner = getattr(model, "_w4pack_generate", None)
     if inner is not None:
-        model.__dict__.pop("generate", None)
-        if model.generate != inner:
-            model.generate = inner
+        restore_generate(model, inner)
         gen_cfg = model.generation_config
         gen_cfg.cache_implementation = None
         gen_cfg.disable_compile = False
     for attr in ("_w4pack_generate", "_w4pack_compiled", "w4pack_decode"):
         model.__dict__.pop(attr, None)
+
+
+def restore_generate(model: Any, inner: Any) -> None:
+    """``model.generate`` is ``inner`` again: the class's method when a wrapper replaced it, else the wrapper it
+    was layered over."""
+    model.__dict__.pop("generate", None)
+    if model.generate != inner:
+        model.generate = inner
 
 
 def _to_eager(model: Any, reason: str) -> None:

@@ -731,14 +731,12 @@ def remove_lean_decode(model: nn.Module) -> None:
     """Undo ``use_lean_decode``: what answered ``generate`` before it again (transformers' generate, or the
     compiled step's wrapper), the loop (its caches, graphs and stacked weights) released. For benchmarks that
     time several decode modes on one model."""
-    from .decode import COMPILED, fallback_mode
+    from .decode import COMPILED, fallback_mode, restore_generate
 
     inner = getattr(model, "_w4pack_lean_inner", None)
     if inner is None or getattr(model, "_w4pack_lean", None) is None:
         return
-    model.__dict__.pop("generate", None)
-    if model.generate != inner:
-        model.generate = inner
+    restore_generate(model, inner)
     for attr in ("_w4pack_lean_inner", "_w4pack_lean"):
         model.__dict__.pop(attr, None)
     if fallback_mode(model) == COMPILED:
