@@ -405,6 +405,28 @@ def test_sass_loop_counts_the_common_path_per_tile():
     assert len(path) / (sum(ins[k][2].startswith("HMMA") for k in sass_loop.hot_path(ins, lo, hi)) / 4) == 13.0
 
 
+def test_sass_cmp_pairs_renamed_kernels_and_counts_removed_ones():
+    # tools/cuda_sass_cmp.py on two made-up builds: a renamed kernel pairs with its old name through --rename,
+    # kernels dropped on purpose (--removed) are counted, not failed; a changed byte or an unnamed loss still fails
+    cmp = _tool("cuda_sass_cmp")
+    old_v3 = "void gemv2_kernel<__half, 0, 2, Gv2Cfg<16, 2, 2, false> >(Params)"
+    before = {"90a": {old_v3: b"A" * 32, "void gemv2_kernel<__half, 0, 2, Gv2Cfg<16, 2, 2, true> >(Params)": b"B" * 16,
+                      "void bulk_kernel<__half>(Params)": b"C" * 16}}
+    after = {"90a": {"void gemv_kernel<__half, 0, 2>(Params)": b"A" * 32, "void bulk_kernel<__half>(Params)": b"C" * 16}}
+    renames = [cmp.rename_arg(r"gemv2_kernel<(.+), Gv2Cfg<16, 2, 2, false> >=gemv_kernel<\1>")]
+    removed = [r"Gv2Cfg<(?!16, 2, 2, false>)"]
+    lines, ok = cmp.compare(before, after, renames, removed)
+    assert ok and lines[-1] == "IDENTICAL", lines
+    assert "byte-identical 2; differing 0; only before 0; only after 0" in lines[1] and "removed as named 1" in lines[1]
+    assert not cmp.compare(before, after, renames)[1]  # the variant's loss not named: a difference
+    assert not cmp.compare(before, after, removed=removed)[1]  # not paired: one only before, one only after
+    changed = {"90a": {**after["90a"], "void gemv_kernel<__half, 0, 2>(Params)": b"A" * 31 + b"a"}}
+    lines, ok = cmp.compare(before, changed, renames, removed)
+    assert not ok and any(line.startswith("  DIFF void gemv_kernel<__half, 0, 2>") for line in lines), lines
+    with pytest.raises(Exception, match="REGEX=REPLACEMENT"):
+        cmp.rename_arg("no-equals-sign")
+
+
 def test_bench_run_auto_mode_installs_and_removes_the_default(monkeypatch):
     # bench_run's "auto" rows time load_model's default decode path as installed, name the engine that answered,
     # and leave the model as they found it for the next mode
