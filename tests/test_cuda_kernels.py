@@ -252,18 +252,15 @@ def gemv_ok() -> bool:
                                                     ("none", -1, False), ("int", 96, False), ("float", 32, True),
                                                     ("int", 128, True), ("none", 32, False), ("int", 256, False),
                                                     ("float", 512, False)])
-@pytest.mark.parametrize("cfg", ["0", "1", "2", "3", "4", "5"])
-def test_gemv_kernel(dtype_name, zero_mode, gs, act_order, cfg, monkeypatch):
+def test_gemv_kernel(dtype_name, zero_mode, gs, act_order):
     # whole stripes per block, summed in warp order: odd shapes (rows past N, K past the last full tile, fewer tiles
     # than a step, a stripe count under and over the grid), bias, an unaligned activation row (staged element by
     # element), the float64 reference, repeats and graph replays bit-identical (auto's choice: test_plan_for_gemv);
-    # for the first form (cfg 0) and each variant of the second (W4P_CUDA_GEMV_CFG, kernel_gemv2.cu: exact and
-    # folded, 8- and 16-warp blocks; groups of whole chunks, pairs of tiles, tiles and halves)
+    # every group segment length: whole chunks (per channel, groups of 128, 256, 512), tiles (64) and halves (32, 96)
     import torch
 
     if not gemv_ok():
         pytest.skip("the gemv kernel needs compute capability 8.0")
-    monkeypatch.setenv("W4P_CUDA_GEMV_CFG", cfg)
     rng = np.random.default_rng(zlib.crc32(repr(("gemv", dtype_name, zero_mode, gs, act_order)).encode()))
     tdt = torch.float16 if dtype_name == "float16" else torch.bfloat16
     for n, k in ((196, 576), (600, 1000), (17, 64), (4100, 2880), (9000, 4160), (40, 12000)):
@@ -272,7 +269,6 @@ def test_gemv_kernel(dtype_name, zero_mode, gs, act_order, cfg, monkeypatch):
         lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
         detail = lin.plan(1, kernel="gemv")["detail"]
         assert detail.startswith("gemv ") and f" stripes={-(-n // 16)} " in detail, detail
-        assert (f" cfg={cfg}" in detail) == (cfg != "0"), detail
         err = run_case(torch, rng, layer, 1, dtype_name, kernel="gemv", lin=lin)
         assert err <= tolerance(dtype_name), (n, k, err)
         wide = torch.randn(1, k + 3, device="cuda").to(tdt)
@@ -722,8 +718,7 @@ PDL_CHAIN = (  # (M, kernel, splits, env, a word of its plan): every sm_90 kerne
     # dependent launch: the bulk kernel's split sums through the workspace and its one-stripe units, wgmma_ws's
     # cluster and workspace split sums, wgmma_ss, stream-K, the plain grid, the gemv kernel (its activations staged
     # after the wait)
-    (1, "gemv", 0, {}, "gemv"), (1, "gemv", 0, {"W4P_CUDA_GEMV_CFG": "2"}, "cfg=2"),
-    (1, "gemv", 0, {"W4P_CUDA_GEMV_CFG": "4"}, "cfg=4"),
+    (1, "gemv", 0, {}, "gemv"),
     (1, "bulk", 0, {"W4P_CUDA_BULK_QS": "4"}, "stripes=4"), (8, "bulk", 0, {"W4P_CUDA_BULK_QS": "1"}, "stripes=1"),
     (16, "wgmma_ws", 3, {}, "sum=cluster"), (64, "wgmma_ws", 2, {"W4P_CUDA_CLUSTER": "0"}, "sum=workspace"),
     (128, "wgmma_ss", 0, {}, "wgmma_ss"), (200, "wgmma_ws", 0, {"W4P_CUDA_WS_RS": "2", "W4P_CUDA_WS_SK": "1"},

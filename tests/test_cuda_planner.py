@@ -508,26 +508,15 @@ def test_plan_for_gemv(monkeypatch):
         assert rc != 0 and "gemv kernel takes M = 1" in ffi.string(lib.w4p_cuda_last_error()).decode(), (m, kk, kw)
 
 
-def test_plan_for_gemv_variant_switch(monkeypatch):
-    # the gemv kernel runs its second form's variant 3 unless W4P_CUDA_GEMV_CFG names another (0: the first form,
-    # 1..5: the second form's variants; A/B runs): the plan is the same (kernel, blocks, stripes, shared memory as
-    # planned; the launcher sizes the variant itself) and its description names the variant; anything else
-    # counts as unset
+def test_plan_for_gemv_names_no_variant():
+    # one gemv kernel: the plan's description is its grid, stripes, shared memory and workspace, with no variant
+    # detail (the grid and memory of the planner's model: geometry.h), forced or taken by "auto"
     ffi, lib = _lib_or_skip()
-    monkeypatch.setenv("W4P_CUDA_GEMV_CFG", "0")
-    first = _describe_for(lib, ffi, H200, 1, 11008, 4096)
-    assert first["kernel"] == "gemv" and "cfg" not in first, first
-    for cfg in "12345":
-        monkeypatch.setenv("W4P_CUDA_GEMV_CFG", cfg)
-        d = _describe_for(lib, ffi, H200, 1, 11008, 4096)
-        assert d == {**first, "cfg": cfg}, d
-        assert _describe_for(lib, ffi, A100, 1, 196, 576, kernel="gemv")["cfg"] == cfg
-        assert "cfg" not in _describe_for(lib, ffi, H200, 2, 11008, 4096)  # (other kernels: no variant)
-    for junk in ("6", "12", "x", ""):
-        monkeypatch.setenv("W4P_CUDA_GEMV_CFG", junk)
-        assert _describe_for(lib, ffi, H200, 1, 11008, 4096) == {**first, "cfg": "3"}, junk
-    monkeypatch.delenv("W4P_CUDA_GEMV_CFG")
-    assert _describe_for(lib, ffi, H200, 1, 11008, 4096) == {**first, "cfg": "3"}
+    want = {"kernel": "gemv", "blocks": "396", "stripes": "688", "smem": "9216", "workspace": "65536"}
+    assert _describe_for(lib, ffi, H200, 1, 11008, 4096) == want
+    assert _describe_for(lib, ffi, H200, 1, 11008, 4096, kernel="gemv") == want
+    assert _describe_for(lib, ffi, A100, 1, 196, 576, kernel="gemv") == {
+        "kernel": "gemv", "blocks": "13", "stripes": "13", "smem": str(1024 + 9 * 128), "workspace": "65536"}
 
 
 def test_plan_for_bulk_unit_granule_and_stages(monkeypatch):

@@ -8,7 +8,6 @@ CUDA events; the reported time per call is the median over replays divided by th
 GB/s counts the bytes a call must move (int4 weights + scales [+ zeros] + activations in + outputs out).
 
 Usage: python tools/bench_gpu.py [--quick | --ms 1,4,16] [--sweep] [--shapes KxN,...] [--json OUT.jsonl]
-       python tools/bench_gpu.py --ms 1 --no-gemlite --gemv-cfgs 0,1,2,3,4,5   (the gemv variants, A/B)
        python tools/bench_gpu.py --floors [--shapes ...] [--ms ...]   (the bytes and FLOPs floors; no GPU)
 """
 from __future__ import annotations
@@ -444,10 +443,6 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="also time forced kernels / split counts")
     ap.add_argument("--variants", action="store_true",
                     help="with --sweep: also the wgmma kernel's tuning variants (W4P_CUDA_WGMMA_KP / _AS)")
-    ap.add_argument("--gemv-cfgs", default="",
-                    help="at M = 1: also time the gemv kernel forced in each of these W4P_CUDA_GEMV_CFG variants "
-                         "(e.g. 0,1,2,3,4,5; 0 is the first form), in turn, --gemv-rounds times")
-    ap.add_argument("--gemv-rounds", type=int, default=2, help="rounds of --gemv-cfgs (alternating A/B)")
     ap.add_argument("--json", type=Path, default=None, help="append one JSON line per measurement")
     ap.add_argument("--plot", type=Path, default=None,
                     help="write the speedup-over-cuBLAS plot (PNG) from this run's records (tools/plot_bench.py)")
@@ -521,12 +516,9 @@ def main() -> int:
             rec = {"kind": "gemm", "K": k, "N": n, "M": m, "w4pack_us": t_w4, "cublas_mm_us": t_mm,
                    "cublas_linear_us": t_lin, "tinygemm_us": t_tg, "gemlite_us": t_gl, "w4pack_gbs": gbs, "plan": plan}
             sweep = {}
-            if m == 1 and args.gemv_cfgs:  # the gemv kernel's variants, in turn (same layers, same run)
-                for r in range(args.gemv_rounds):
-                    for cfg in args.gemv_cfgs.split(","):
-                        sweep[f"gemv_cfg{cfg}_r{r}"] = measure_w4_env(lins, k, n, m, "gemv", 0,
-                                                                      {"W4P_CUDA_GEMV_CFG": cfg})
             if args.sweep:
+                if m == 1:  # the gemv kernel forced, also where "auto" takes bulk (its rule against bulk's)
+                    sweep["gemv"] = measure_w4(lins, k, n, m, "gemv")
                 if m <= 16:  # the block-split stream kernel against the ring and bulk kernels
                     sweep["stream"] = measure_w4(lins, k, n, m, "stream")
                     sweep["probe_bulk"] = measure_w4(lins, k, n, m, "probe_bulk")

@@ -1,29 +1,51 @@
 // gemv kernel (M = 1, 4-bit, group sizes that are multiples of 32 or per channel; sm_80 and newer). Blocks of
 // GV_W warps own whole 16-row stripes (block b: stripes b, b + grid, ...), so each stripe is summed inside its
 // block in warp order: no workspace, no counters, deterministic. A stripe is walked in steps of GV_W * GV_U
-// tiles, warp w taking GV_U consecutive tiles of each step, and every warp loads the next step's weights and
-// group parameters into registers (plain 16-byte loads) before it computes this one. Measured on an H200
-// (docs/journal/2026-cuda.md): the order in which the GPU as a whole requests the weights sets the read rate at this size:
-// whole stripes per block read a 117 MB layer in 29.9 us against 37.4 for the bulk kernel's copy engine and 39.7
-// for one contiguous range per warp (the stream-K order of the ring and bulk kernels). And the arithmetic per
-// tile must stay small: with the activations as 8 L1 loads per tile the kernel issued 137 instructions a tile
-// and ran at 57 us; here a lane's B fragments of a tile are two 16-byte shared-memory loads of the activations,
-// staged once per block in fragment order (gathered by act-order's permutation, zeros past K). Whole stripes
-// leave a partial last round of blocks where the stripes are few for the grid: "auto" takes the kernel only
-// where they fill the rounds (gemv_auto).
+// tiles, warp w taking GV_U consecutive tiles (a "chunk") of each step, and every warp loads the next step's
+// weights and group parameters into registers (plain 16-byte loads) before it computes this one. The
+// activations are staged once per block in shared memory in B-fragment order (gathered by act-order's
+// permutation, zeros past K), so a lane's B fragments of a tile are two 16-byte shared-memory loads.
+// Why this shape (docs/journal/2026-cuda.md): at M = 1 the order in which the GPU as a whole requests the
+// weights sets the read rate (whole stripes per block read a 117 MB layer on an H200 in 29.9 us against 37.4 for
+// the bulk kernel's copy engine and 39.7 for one contiguous range per warp), and the kernel is bound by its
+// instructions per tile, not by memory. So it issues few of them:
+//   * the group parameters once per group segment (GV_U tiles of one group; single tiles, or half tiles where
+//     groups end inside a tile), not once per tile, and the scale applied to the segment's MMA sums in fp32 once;
+//   * 32-bit offsets with immediate per-tile displacements instead of 64-bit address arithmetic per tile;
+//   * the double buffer as two named register sets (the loop body runs two steps), so no register copies;
+//   * a step-level test for the last partial chunk of a stripe instead of one branch per tile;
+//   * the first step's weights requested before the activations are staged (after the dependent-launch wait).
+// 16 warps x 2 tiles, two blocks per SM: on H100 it beat the earlier 8-warp x 4-tile kernel (parameters per tile,
+// three blocks per SM) on every measured shape. Whole stripes leave a partial last round of blocks where the
+// stripes are few for the grid: "auto" takes the kernel only where they fill the rounds (gemv_auto).
+// tests/test_gemv_emulator.py emulates it lane by lane (index, offset and segment arithmetic) without a GPU.
 #include "epilogue.cuh"
+#include <type_traits>
 #include "launch.cuh"
 
 namespace w4p {
 namespace {
 
-// one tile's group parameters as raw 16-bit values: scale, zero point or minimum (rows gid, gid + 8), for the
-// tile's two 32-wide halves where a group may end inside it (!G64)
-template <int ZM, bool G64> struct GvPar {
-  static constexpr int NH = G64 ? 1 : 2, NV = (ZM == 0 ? 2 : 4) * NH;
-  uint32_t v[NV];
+// launch bound per layer kind: one block fewer per SM where a chunk has more than one segment per tile (groups of
+// 64 columns or fewer: more parameters in registers), where the float minima are applied per weight and for bf16
+// with integer zero points; without it ptxas spills those (tools/cuda_sass_loop.py shows registers and stack per
+// kernel)
+template <typename T, int ZM, int TS> constexpr int gv_minb() {
+  constexpr bool heavy = TS <= 1 || ZM == 2 || (ZM == 1 && sizeof(T) == 2 && !std::is_same<T, half>::value);
+  return heavy && GV_B > 1 ? GV_B - 1 : GV_B;
+}
+
+template <int ZM, int TS> struct GvShape {
+  static constexpr int NSEG = TS ? GV_U / TS : 2 * GV_U;  // group segments per chunk
+  static constexpr int NV = ZM == 0 ? 2 : 4;              // raw 16-bit parameters per segment (rows gid, gid + 8)
 };
-__device__ __forceinline__ uint32_t ld_u16(const void *p) {
+// one step's registers: the chunk's weights (one 16-byte load per lane and tile) and its segments' parameters
+template <int ZM, int TS> struct GvBuf {
+  uint4 w[GV_U];
+  uint32_t par[GvShape<ZM, TS>::NSEG][GvShape<ZM, TS>::NV];
+};
+
+__device__ __forceinline__ uint32_t ld_u16g(const unsigned short *p) {
   unsigned short v;
   asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
   return v;
@@ -33,86 +55,126 @@ template <typename T> __device__ __forceinline__ T t_of(uint32_t raw) {
   return *reinterpret_cast<const T *>(&b);
 }
 
-template <typename T, int ZM, bool G64>
-__device__ __forceinline__ void gv_load(const Params &p, int s, int kb, bool ok, uint4 &w, GvPar<ZM, G64> &par,
-                                        int lane, int gid) {
-  w = ok ? ld_stream(reinterpret_cast<const uint4 *>(p.qw) + ((int64_t)s * p.KT + kb) * 32 + lane)
-         : make_uint4(0u, 0u, 0u, 0u);
-  const T *zp = (const T *)(ZM == 1 ? p.zeros : p.mins);
+// The loads of one chunk (stripe s, tiles t0 .. t0 + GV_U - 1, of which nv < GV_U are inside K unless FULL).
+// woff: the 32-bit index of the lane's 16 bytes of tile t0 in uint4 units.
+template <int ZM, int TS, bool FULL>
+__device__ __forceinline__ void gv_load(const Params &p, uint32_t woff, uint32_t poff, int t0, int nv,
+                                        GvBuf<ZM, TS> &b) {
+  using S = GvShape<ZM, TS>;
+  const uint4 *wp = reinterpret_cast<const uint4 *>(p.qw) + woff;
 #pragma unroll
-  for (int h = 0; h < GvPar<ZM, G64>::NH; ++h) {
-    const int64_t off = (int64_t)group_of(64 * kb + 32 * h, p.gmul) * p.Np + 16 * s + gid;
-    par.v[h * 2] = ok ? ld_u16((const T *)p.scales + off) : 0u;
-    par.v[h * 2 + 1] = ok ? ld_u16((const T *)p.scales + off + 8) : 0u;
+  for (int u = 0; u < GV_U; ++u) b.w[u] = FULL || u < nv ? ld_stream(wp + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
+  const unsigned short *sc = (const unsigned short *)p.scales;
+  const unsigned short *zp = (const unsigned short *)(ZM == 1 ? p.zeros : p.mins);
+#pragma unroll
+  for (int g = 0; g < S::NSEG; ++g) {
+    const int first = TS ? g * TS : g / 2;  // the segment's first tile in the chunk
+    const bool ok = FULL || first < nv;
+    const int col = TS ? 64 * (t0 + first) : 64 * t0 + 32 * g;
+    const uint32_t off = (uint32_t)group_of(col, p.gmul) * (uint32_t)p.Np + poff;
+    b.par[g][0] = ok ? ld_u16g(sc + off) : 0u;
+    b.par[g][1] = ok ? ld_u16g(sc + off + 8) : 0u;
     if (ZM != 0) {
-      par.v[2 * GvPar<ZM, G64>::NH + h * 2] = ok ? ld_u16(zp + off) : 0u;
-      par.v[2 * GvPar<ZM, G64>::NH + h * 2 + 1] = ok ? ld_u16(zp + off + 8) : 0u;
+      b.par[g][2] = ok ? ld_u16g(zp + off) : 0u;
+      b.par[g][3] = ok ? ld_u16g(zp + off + 8) : 0u;
     }
   }
 }
 
-// one tile: acc0 / acc2 (rows gid / gid + 8) += its products with the activations (b: this lane's 8 B pairs)
-template <typename T, int ZM, bool G64>
-__device__ __forceinline__ void gv_tile(float &acc0, float &acc2, const uint4 &w, const GvPar<ZM, G64> &par,
-                                        const uint4 &b01, const uint4 &b23, const ZC<T, 4> &zc_sym) {
+// One chunk: acc[0] / acc[2] (rows gid / gid + 8) += its products with the activations. xb: the lane's B pairs
+// of tile t0 (two uint4 per tile).
+template <typename T, int ZM, int TS, bool FULL>
+__device__ __forceinline__ void gv_chunk(float (&acc)[4], const GvBuf<ZM, TS> &b, const uint4 *xb, int nv,
+                                         const ZC<T, 4> &zc_sym) {
+  using S = GvShape<ZM, TS>;
   using T2 = typename Tr<T, 4>::T2;
-  constexpr int NH = GvPar<ZM, G64>::NH;
-  const uint32_t wd[4] = {w.x, w.y, w.z, w.w};
-  const uint32_t b[4][2] = {{b01.x, b01.y}, {b01.z, b01.w}, {b23.x, b23.y}, {b23.z, b23.w}};
-  float d[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // the tile's two 32-wide halves
+  constexpr int TPS = TS ? TS : 1;  // tiles per segment (a half-tile segment covers one tile's half)
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int ph = G64 ? 0 : h;
-    uint32_t a[4];
+  for (int g = 0; g < S::NSEG; ++g) {
+    const int first = TS ? g * TS : g / 2;
+    if (!FULL && first >= nv) break;
+    const uint32_t *pr = b.par[g];
+    float d[4] = {0.f, 0.f, 0.f, 0.f};  // the segment's MMA sums (one chain: two would cost four registers)
+    ZC<T, 4> zc = zc_sym;
+    T2 slo, shi, mlo, mhi;
+    if (ZM == 1) zc = zc_load<T>(t_of<T>(pr[2]), t_of<T>(pr[3]));
     if (ZM == 2) {
-      const T2 slo = bcast2(t_of<T>(par.v[2 * ph])), shi = bcast2(t_of<T>(par.v[2 * ph + 1]));
-      const T2 mlo = bcast2(t_of<T>(par.v[2 * NH + 2 * ph])), mhi = bcast2(t_of<T>(par.v[2 * NH + 2 * ph + 1]));
+      slo = bcast2(t_of<T>(pr[0]));
+      shi = bcast2(t_of<T>(pr[1]));
+      mlo = bcast2(t_of<T>(pr[2]));
+      mhi = bcast2(t_of<T>(pr[3]));
+    }
 #pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {
-        dq_float<T, 4>(wd, 2 * h + jj, slo, shi, mlo, mhi, a);
-        mma<T>(d[h], a, b[2 * h + jj][0], b[2 * h + jj][1]);
-      }
-    } else {
-      const ZC<T, 4> zc = ZM == 1 ? zc_load<T>(t_of<T>(par.v[2 * NH + 2 * ph]), t_of<T>(par.v[2 * NH + 2 * ph + 1]))
-                                  : zc_sym;
+    for (int tt = 0; tt < TPS; ++tt) {
+      const int u = first + tt;
+      if (!FULL && TS > 1 && u >= nv) break;
+      const uint4 b01 = xb[8 * u], b23 = xb[8 * u + 1];  // (a tile's 32 pair slots are 8 uint4)
+      const uint32_t wd[4] = {b.w[u].x, b.w[u].y, b.w[u].z, b.w[u].w};
+      const uint32_t bb[4][2] = {{b01.x, b01.y}, {b01.z, b01.w}, {b23.x, b23.y}, {b23.z, b23.w}};
 #pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {
-        dq_int<T, 4>(wd, 2 * h + jj, zc, a);
-        mma<T>(d[h], a, b[2 * h + jj][0], b[2 * h + jj][1]);
+      for (int h = 0; h < 2; ++h) {
+        if (TS == 0 && h != (g & 1)) continue;
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          const int j = 2 * h + jj;
+          uint32_t a[4];
+          if (ZM == 2)
+            dq_float<T, 4>(wd, j, slo, shi, mlo, mhi, a);
+          else
+            dq_int<T, 4>(wd, j, zc, a);
+          if (ZM == 2)
+            mma<T>(acc, a, bb[j][0], bb[j][1]);  // (scaled per weight: straight into the stripe's sums)
+          else
+            mma<T>(d, a, bb[j][0], bb[j][1]);
+        }
       }
     }
-  }
-  if constexpr (ZM == 2) {  // (scaled per weight)
-    acc0 += d[0][0] + d[1][0];
-    acc2 += d[0][2] + d[1][2];
-  } else if constexpr (G64) {
-    acc0 = fmaf(to_f(t_of<T>(par.v[0])), d[0][0] + d[1][0], acc0);
-    acc2 = fmaf(to_f(t_of<T>(par.v[1])), d[0][2] + d[1][2], acc2);
-  } else {
-    acc0 = fmaf(to_f(t_of<T>(par.v[0])), d[0][0], fmaf(to_f(t_of<T>(par.v[2])), d[1][0], acc0));
-    acc2 = fmaf(to_f(t_of<T>(par.v[1])), d[0][2], fmaf(to_f(t_of<T>(par.v[3])), d[1][2], acc2));
+    if (ZM == 2) continue;
+    const float dlo = d[0], dhi = d[2];
+    const float s_lo = to_f(t_of<T>(pr[0])), s_hi = to_f(t_of<T>(pr[1]));
+    acc[0] = fmaf(s_lo, dlo, acc[0]);
+    acc[2] = fmaf(s_hi, dhi, acc[2]);
   }
 }
 
-template <typename T, int ZM, bool G64>
-__global__ void __launch_bounds__(GV_W * 32, gv_minb(ZM, G64)) gemv_kernel(const Params p) {
+template <typename T, int ZM, int TS>
+__global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel(const Params p) {
+  constexpr int W = GV_W, U = GV_U, NT = W * 32;
+  using Buf = GvBuf<ZM, TS>;
   extern __shared__ __align__(16) unsigned char smem[];
-  float *red = reinterpret_cast<float *>(smem);                // [2][GV_W][16]
-  uint32_t *xs = reinterpret_cast<uint32_t *>(smem + GV_RED);  // [KT][4 tid][4 slices][2]: B pairs in fragment order
+  float *red = reinterpret_cast<float *>(smem);                // [2][W][16]
+  uint32_t *xs = reinterpret_cast<uint32_t *>(smem + GV_RED);  // [KT][4 tid][4 slices][2]: B pairs
   const int lane = threadIdx.x & 31, gid = lane >> 2, tid = lane & 3, wi = threadIdx.x >> 5;
   const int G = (int)gridDim.x, NS = p.Np / 16, KT = p.KT;
-  const int spp = (KT + GV_W * GV_U - 1) / (GV_W * GV_U);  // steps per stripe
+  const int spp = (KT + W * U - 1) / (W * U);  // steps per stripe
   const int nsteps = (int)blockIdx.x < NS ? (NS - (int)blockIdx.x + G - 1) / G * spp : 0;
 #if __CUDA_ARCH__ >= 900
-  // the first step's weights into L2 while the kernel before this one ends (pdl_start)
-  if (lane == 0 && nsteps > 0 && wi * GV_U < KT)
-    prefetch_l2(p.qw + ((int64_t)blockIdx.x * KT + wi * GV_U) * 128, 512u * (unsigned)min(GV_U, KT - wi * GV_U));
+  if (lane == 0 && nsteps > 0 && wi * U < KT)
+    prefetch_l2(p.qw + ((int64_t)blockIdx.x * KT + wi * U) * 128, 512u * (unsigned)min(U, KT - wi * U));
 #endif
   pdl_start(p);
-  // the activations in fragment order: pair (k, k + 1) of tile kb goes to slot ((kb * 4 + tid) * 4 + j) * 2 + hi
-  {
+  // the load cursor: stripe, step within it, steps loaded
+  int s_n = (int)blockIdx.x, st_n = 0, i_n = 0;
+  auto load = [&](Buf &b) {
+    if (i_n < nsteps) {
+      const int t0 = st_n * W * U + wi * U, nv = KT - t0;
+      const uint32_t woff = (uint32_t)(s_n * KT + t0) * 32u + (uint32_t)lane, poff = (uint32_t)(16 * s_n + gid);
+      if (nv >= U)
+        gv_load<ZM, TS, true>(p, woff, poff, t0, nv, b);
+      else if (nv > 0)
+        gv_load<ZM, TS, false>(p, woff, poff, t0, nv, b);
+    }
+    ++i_n;
+    if (++st_n == spp) {
+      st_n = 0;
+      s_n += G;
+    }
+  };
+  Buf A, B;
+  load(A);  // (weights do not depend on the previous kernel's output; requested before the staging below)
+  {  // the activations in fragment order: pair (k, k + 1) of tile kb goes to slot ((kb * 4 + tid) * 4 + j) * 2 + hi
     const T *x = (const T *)p.x;
-    for (int c = (int)threadIdx.x; c < KT * 32; c += GV_W * 32) {
+    for (int c = (int)threadIdx.x; c < KT * 32; c += NT) {
       const int k = 2 * c, kb = k >> 6, r = k & 63, j = r >> 4, hi = (r >> 3) & 1, t = (r & 7) >> 1;
       typename Tr<T, 4>::T2 pr;
       pr.x = k < p.K ? x[p.perm ? p.perm[k] : k] : from_f<T>(0.f);
@@ -122,87 +184,75 @@ __global__ void __launch_bounds__(GV_W * 32, gv_minb(ZM, G64)) gemv_kernel(const
   }
   __syncthreads();
   const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
-  uint4 w_cur[GV_U], w_nxt[GV_U];
-  GvPar<ZM, G64> p_cur[GV_U], p_nxt[GV_U];
-  int s = (int)blockIdx.x, st = 0;  // the computed step's stripe and step within it
-  int s_n = s, st_n = 0, i_n = 0;   // the loaded step's
-  auto load = [&](uint4 (&w)[GV_U], GvPar<ZM, G64> (&par)[GV_U]) {
-    const int t0 = st_n * GV_W * GV_U + wi * GV_U;
-#pragma unroll
-    for (int u = 0; u < GV_U; ++u)
-      gv_load<T, ZM, G64>(p, s_n, t0 + u, i_n < nsteps && t0 + u < KT, w[u], par[u], lane, gid);
-    ++i_n;
-    if (++st_n == spp) {
-      st_n = 0;
-      s_n += G;
-    }
-  };
-  load(w_cur, p_cur);
-  float acc0 = 0.f, acc2 = 0.f;
-  int buf = 0;
-  for (int i = 0; i < nsteps; ++i) {
-    load(w_nxt, p_nxt);
-    const int t0 = st * GV_W * GV_U + wi * GV_U;
-#pragma unroll
-    for (int u = 0; u < GV_U; ++u) {
-      if (t0 + u < KT) {
-        const uint4 *xb = reinterpret_cast<const uint4 *>(xs + ((t0 + u) * 4 + tid) * 8);
-        gv_tile<T, ZM, G64>(acc0, acc2, w_cur[u], p_cur[u], xb[0], xb[1], zc_sym);
-      }
-    }
+  const uint4 *xs4 = reinterpret_cast<const uint4 *>(xs) + 2 * tid;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  int s = (int)blockIdx.x, st = 0, buf = 0;
+  auto step = [&](const Buf &b) {
+    const int t0 = st * W * U + wi * U, nv = KT - t0;
+    const uint4 *xb = xs4 + t0 * 8;
+    if (nv >= U)
+      gv_chunk<T, ZM, TS, true>(acc, b, xb, nv, zc_sym);
+    else if (nv > 0)
+      gv_chunk<T, ZM, TS, false>(acc, b, xb, nv, zc_sym);
     if (++st == spp) {  // the stripe is done: its 16 sums over the warps, in warp order
       if (tid == 0) {
-        red[(buf * GV_W + wi) * 16 + gid] = acc0;
-        red[(buf * GV_W + wi) * 16 + gid + 8] = acc2;
+        red[(buf * W + wi) * 16 + gid] = acc[0];
+        red[(buf * W + wi) * 16 + gid + 8] = acc[2];
       }
       __syncthreads();  // (also: every thread has read the other buffer, written two stripes ago)
       const int row = 16 * s + (int)threadIdx.x;
       if (threadIdx.x < 16 && row < p.N) {
         float v = 0.f;
 #pragma unroll
-        for (int ww = 0; ww < GV_W; ++ww) v += red[(buf * GV_W + ww) * 16 + threadIdx.x];
+        for (int ww = 0; ww < W; ++ww) v += red[(buf * W + ww) * 16 + threadIdx.x];
         ((T *)p.y)[row] = from_f<T>(p.bias ? v + to_f(((const T *)p.bias)[row]) : v);
       }
       buf ^= 1;
-      acc0 = acc2 = 0.f;
+      acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
       st = 0;
       s += G;
     }
-#pragma unroll
-    for (int u = 0; u < GV_U; ++u) {
-      w_cur[u] = w_nxt[u];
-      p_cur[u] = p_nxt[u];
-    }
+  };
+  for (int i = 0; i < nsteps; i += 2) {  // two steps per pass: the buffers alternate by name, not by copy
+    load(B);
+    step(A);
+    if (i + 1 >= nsteps) break;
+    load(A);
+    step(B);
   }
 }
 
-template <typename T, int ZM, bool G64>
-cudaError_t launch_gemv_t(const Params &p, const Plan &pl, cudaStream_t st) {
-  auto fn = gemv_kernel<T, ZM, G64>;
-  cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pl.smem);
+template <typename T, int ZM, int TS> cudaError_t launch_gemv_t(const Params &p, const Plan &pl, cudaStream_t st) {
+  auto fn = gemv_kernel<T, ZM, TS>;
+  const size_t smem = gv_smem(p.KT);
+  cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e != cudaSuccess) return e;
   int dev = 0, sms = 0, per_sm = 0;
   if ((e = cudaGetDevice(&dev)) != cudaSuccess) return e;
   if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return e;
-  if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, GV_W * 32, pl.smem)) != cudaSuccess) return e;
+  if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, GV_W * 32, smem)) != cudaSuccess) return e;
   const int64_t grid = std::min<int64_t>(pl.tiles, (int64_t)sms * std::max(1, per_sm));
-  debug_occupancy(fn, "gemv", GV_W * 32, pl.smem);
-  return launch_ex(fn, dim3((unsigned)grid), GV_W * 32, pl.smem, st, 1, p);
+  debug_occupancy(fn, "gemv", GV_W * 32, smem);
+  return launch_ex(fn, dim3((unsigned)grid), GV_W * 32, smem, st, 1, p);
 }
-template <typename T>
-cudaError_t launch_gemv_zm(const Params &p, const Plan &pl, cudaStream_t st) {
-  const bool g64 = p.gs <= 0 || p.gs % 64 == 0;
-  if (p.zm == 1) return g64 ? launch_gemv_t<T, 1, true>(p, pl, st) : launch_gemv_t<T, 1, false>(p, pl, st);
-  if (p.zm == 2) return g64 ? launch_gemv_t<T, 2, true>(p, pl, st) : launch_gemv_t<T, 2, false>(p, pl, st);
-  return g64 ? launch_gemv_t<T, 0, true>(p, pl, st) : launch_gemv_t<T, 0, false>(p, pl, st);
+// the segment length: whole chunks where every group holds whole chunks (or per channel), else single tiles, or
+// 32-wide halves where groups end inside a tile
+template <typename T, int ZM> cudaError_t launch_gemv_ts(const Params &p, const Plan &pl, cudaStream_t st) {
+  static_assert(GV_U == 2, "segments of whole chunks, single tiles or halves: a longer chunk needs more lengths");
+  if (p.gs <= 0 || p.gs % (64 * GV_U) == 0) return launch_gemv_t<T, ZM, GV_U>(p, pl, st);
+  if (p.gs % 64 == 0) return launch_gemv_t<T, ZM, 1>(p, pl, st);
+  return launch_gemv_t<T, ZM, 0>(p, pl, st);
 }
 
 }  // namespace
 
-// The second form (kernel_gemv2.cu) runs unless W4P_CUDA_GEMV_CFG=0 asks for this one (A/B runs)
 template <typename T> cudaError_t launch_gemv(const Params &p, const Plan &pl, cudaStream_t st) {
-  if (const int cfg = gemv_cfg_env()) return launch_gemv2<T>(p, pl, st, cfg);
-  return launch_gemv_zm<T>(p, pl, st);
+  if ((uint64_t)(p.Np / 16) * (uint64_t)p.KT * 32u >= (1ull << 32) ||
+      (uint64_t)((p.Kp + (p.gs > 0 ? p.gs : p.Kp) - 1) / (p.gs > 0 ? p.gs : p.Kp)) * (uint64_t)p.Np >= (1ull << 32))
+    return cudaErrorInvalidValue;  // (32-bit offsets: layers of 2^37 weights; none exists)
+  if (p.zm == 1) return launch_gemv_ts<T, 1>(p, pl, st);
+  if (p.zm == 2) return launch_gemv_ts<T, 2>(p, pl, st);
+  return launch_gemv_ts<T, 0>(p, pl, st);
 }
 
 template cudaError_t launch_gemv<half>(const Params &p, const Plan &pl, cudaStream_t st);

@@ -17,7 +17,6 @@ template <typename T> cudaError_t launch_tiled(const Params &p, const Plan &pl, 
 template <typename T> cudaError_t launch_ring(const Params &p, const Plan &pl, int sbits, cudaStream_t st);
 template <typename T> cudaError_t launch_bulk(const Params &p, const Plan &pl, int sbits, cudaStream_t st);
 template <typename T> cudaError_t launch_gemv(const Params &p, const Plan &pl, cudaStream_t st);
-template <typename T> cudaError_t launch_gemv2(const Params &p, const Plan &pl, cudaStream_t st, int cfg);
 template <typename T> cudaError_t launch_wgmma(const Params &p, const Plan &pl, cudaStream_t st);
 template <typename T> cudaError_t launch_wgmma_ws(const Params &p, const Plan &pl, cudaStream_t st);
 template <typename T> cudaError_t launch_wgmma_ss(const Params &p, const Plan &pl, cudaStream_t st);

@@ -11,8 +11,8 @@ namespace w4p {
 
 // The gemv kernel's resident blocks (zero mode none's launch bound, and shared memory)
 int64_t gv_grid(const DevInfo &di, int KT, int gs) {
-  const size_t smem = (size_t)gv_smem(KT);
-  return (int64_t)di.sms * std::max(1, std::min(gv_minb(0, gs <= 0 || gs % 64 == 0),
+  const size_t smem = (size_t)gv_plan_smem(KT);
+  return (int64_t)di.sms * std::max(1, std::min(gv_plan_minb(0, gs <= 0 || gs % 64 == 0),
                                                 (int)(di.smem_sm / (smem + di.smem_reserved))));
 }
 // "auto" takes the gemv kernel where its whole-stripe blocks fill their rounds: at least one and a half rounds of

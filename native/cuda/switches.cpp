@@ -54,12 +54,6 @@ int gemv_env() {
   const char *e = getenv("W4P_CUDA_GEMV");
   return e && e[0] == '0' && e[1] == 0 ? 0 : 1;
 }
-// The gemv kernel's form: variant 3 of the second form (kernel_gemv2.cu) unless W4P_CUDA_GEMV_CFG names another:
-// 0 the first form (kernel_gemv.cu), 1..5 the second form's variants (A/B runs and tests; read at each call)
-int gemv_cfg_env() {
-  const char *e = getenv("W4P_CUDA_GEMV_CFG");
-  return e && e[0] >= '0' && e[0] <= '5' && e[1] == 0 ? e[0] - '0' : 3;
-}
 // W4P_CUDA_BULK_CT=8|12|16: the bulk kernel's tiles per unit on 4-bit layers instead of the planner's choice
 // (sweeps and tests; read at each call)
 int bulk_ct_env() {

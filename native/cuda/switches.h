@@ -14,7 +14,6 @@ int ws_tok256_ks();      // W4P_CUDA_WS_TOK_KS
 int ws_sk_env();         // W4P_CUDA_WS_SK
 int pdl_env();           // W4P_CUDA_PDL
 int gemv_env();          // W4P_CUDA_GEMV
-int gemv_cfg_env();      // W4P_CUDA_GEMV_CFG
 int bulk_ct_env();       // W4P_CUDA_BULK_CT
 int bulk_qs_env();       // W4P_CUDA_BULK_QS
 const char *bulk_granule_env();  // W4P_CUDA_BULK_GRANULE

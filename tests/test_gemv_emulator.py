@@ -1,11 +1,8 @@
-"""The gemv kernel's second form (native/cuda/kernel_gemv2.cu) emulated lane by lane in numpy, against the layout's
-float64 reference. No GPU: what this checks is the index and constant arithmetic the kernel does per lane (the
-activations' fragment-order staging, each lane's 16-byte word of a tile as the m16n8k16 A fragment, the chunk and
-group-segment walk, the scale / zero-point offsets through group_of's multiply-high, the folded variants' biased
-codes and per-segment corrections with the staged activation sums). A wrong nibble, row, constant or segment gives
-errors of order 1; the float64 emulation must agree to rounding. The folded variants trade exact (q - z) operands
-for a cancellation in fp32, so a second emulation rounds each MMA's sum into an fp32 accumulator (a model of the
-tensor core's, which may truncate instead) to bound that error on random and on all-positive activations."""
+"""The gemv kernel (native/cuda/kernel_gemv.cu) emulated lane by lane in numpy, against the layout's float64
+reference. No GPU: what this checks is the index and offset arithmetic the kernel does per lane (the activations'
+fragment-order staging, each lane's 16-byte word of a tile as the m16n8k16 A fragment, the chunk and group-segment
+walk, the scale / zero-point offsets through group_of's multiply-high, the stripe sum in warp order). A wrong
+nibble, row, offset or segment gives errors of order 1; the float64 emulation must agree to rounding."""
 from __future__ import annotations
 
 import re
@@ -19,18 +16,16 @@ from w4pack.canonical import CanonicalLayer, default_g_idx
 from w4pack.dtypes import from_float32, to_float32
 from w4pack.layout import pack
 
-W, NT = 8, 256  # (the staging below is per pair; the warp count only changes the chunk walk)
-KERNEL = Path(__file__).resolve().parent.parent / "native" / "cuda" / "kernel_gemv2.cu"
+GEOMETRY = Path(__file__).resolve().parent.parent / "native" / "cuda" / "geometry.h"
 
 
-def fold_constants(dtype: str) -> tuple[float, float, float, float]:
-    """BLO, BHI, ZHI, RHI of the kernel's FoldK<T>, read from its source, so the emulation uses what the kernel
-    uses (a changed constant there fails here)."""
-    name = "half" if dtype == "float16" else "__nv_bfloat16"
-    m = re.search(r"struct FoldK<" + re.escape(name) + r"> \{\s*static constexpr float BLO = ([\d.]+)f, "
-                  r"BHI = ([\d.]+)f, ZHI = ([\d.]+)f, RHI = ([\d.]+)f;", KERNEL.read_text())
-    assert m, f"FoldK<{name}> not found in {KERNEL}"
-    return tuple(float(v) for v in m.groups())  # type: ignore[return-value]
+def kernel_shape() -> tuple[int, int]:
+    """The kernel's warps per block and tiles per warp and step (GV_W, GV_U), read from geometry.h, so the
+    emulation walks the chunks as the kernel does (a changed shape there is emulated here)."""
+    src = GEOMETRY.read_text()
+    vals = [re.search(r"constexpr int " + name + r" = (\d+);", src) for name in ("GV_W", "GV_U")]
+    assert all(vals), f"GV_W / GV_U not found in {GEOMETRY}"
+    return int(vals[0].group(1)), int(vals[1].group(1))  # type: ignore[union-attr]
 
 
 def random_layer(rng, n, k, gs, zero_mode, act_order, dtype):
@@ -68,9 +63,9 @@ def and_or(x, mask, bits):
     return (x & np.uint32(mask)) | np.uint32(bits)
 
 
-def fragment_regs(words: np.ndarray, j: int, dtype: str, fold: bool, zlo, zhi):
-    """The four A registers of k16 slice j per lane, as (lo16, hi16) floats: fold_codes / dq_int of the kernel.
-    words: [32 lanes, 4] uint32; zlo / zhi: the zero point per lane's rows (exact mode)."""
+def fragment_regs(words: np.ndarray, j: int, dtype: str, zlo, zhi):
+    """The four A registers of k16 slice j per lane, as (lo16, hi16) floats: dq_int of the kernel.
+    words: [32 lanes, 4] uint32; zlo / zhi: the zero point per lane's rows."""
     x = words[:, j].astype(np.uint32)
     if dtype == "float16":
         y = x >> np.uint32(8)
@@ -82,13 +77,12 @@ def fragment_regs(words: np.ndarray, j: int, dtype: str, fold: bool, zlo, zhi):
     for i, r in enumerate(raw):
         lo = act_bits_to_float(r & np.uint32(0xFFFF), dtype)
         hi = act_bits_to_float(r >> np.uint32(16), dtype)
-        if not fold:  # dq_int: h - (magic + z), fp16 rows gid + 8: h / 16 - (64 + z); exact in the dtype
-            z = zhi if i & 1 else zlo
-            if dtype == "float16" and i & 1:
-                lo, hi = lo / 16 - (64 + z), hi / 16 - (64 + z)
-            else:
-                magic = 1024.0 if dtype == "float16" else 128.0
-                lo, hi = lo - (magic + z), hi - (magic + z)
+        z = zhi if i & 1 else zlo  # dq_int: h - (magic + z), fp16 rows gid + 8: h / 16 - (64 + z); exact
+        if dtype == "float16" and i & 1:
+            lo, hi = lo / 16 - (64 + z), hi / 16 - (64 + z)
+        else:
+            magic = 1024.0 if dtype == "float16" else 128.0
+            lo, hi = lo - (magic + z), hi - (magic + z)
         regs.append((lo, hi))
     return regs
 
@@ -139,9 +133,9 @@ def group_of(k: int, gmul: int) -> int:
     return (k * gmul) >> 32
 
 
-def emulate(packed, x: np.ndarray, dtype: str, fold: bool, U: int, fp32: bool) -> np.ndarray:
-    """y [N] as the second form computes it (fp32: each MMA's sum rounded into an fp32 accumulator, the fp32
-    arithmetic after it in float32)."""
+def emulate(packed, x: np.ndarray, dtype: str, W: int, U: int) -> np.ndarray:
+    """y [N] as the kernel computes it, in float64 after each MMA (so only a wrong index or offset can make it
+    differ from the reference beyond rounding), for blocks of W warps taking U tiles each per step."""
     meta, t = packed.meta, packed.tensors
     n, K = meta["shape"]
     Np, Kp = meta["padded_shape"]
@@ -156,34 +150,17 @@ def emulate(packed, x: np.ndarray, dtype: str, fold: bool, U: int, fp32: bool) -
     perm = t.get("perm")
     xs = stage(float_to_act_bits(x, dtype), K, KT, perm)
     xs_f = act_bits_to_float(xs, dtype)  # [KT * 32, 2]
-    # the segment length (launch_gemv2_ts) and the staged sums of the folded variants
-    TS = U if gs <= 0 or gs % (64 * U) == 0 else 2 if (U > 2 and gs % 128 == 0) else 1 if gs % 64 == 0 else 0
-    HPS = 2 * TS if TS else 1
-    nseg = -(-KT // TS) if TS else 2 * KT
-    f32 = np.float32 if fp32 else np.float64
-    sxs = np.zeros(nseg, dtype=f32)
-    for e in range(nseg):
-        acc = [f32(0)] * 4
-        for hh in range(HPS):
-            hx = e * HPS + hh
-            kb, h = hx >> 1, hx & 1
-            if kb >= KT:
-                break
-            for tt in range(4):
-                base = (kb * 4 + tt) * 8 + 4 * h
-                for q in range(4):
-                    acc[q] = f32(acc[q] + f32(f32(xs_f[base + q, 0]) + f32(xs_f[base + q, 1])))
-        sxs[e] = f32(f32(acc[0] + acc[1]) + f32(acc[2] + acc[3]))
+    # the segment length (launch_gemv_ts): whole chunks, single tiles, or halves where groups end inside a tile
+    TS = U if gs <= 0 or gs % (64 * U) == 0 else 1 if gs % 64 == 0 else 0
     lane = np.arange(32)
     gid = lane >> 2
     y = np.zeros(Np)
     spp = -(-KT // (W * U))
-    BLO, BHI, ZHI, RHI = fold_constants(dtype)
     for s in range(NS):
-        red = np.zeros((W, 16), dtype=f32)
+        red = np.zeros((W, 16))
         for wi in range(W):
-            acc_lo = np.zeros(8, dtype=f32)  # rows gid (lanes with tid 0 hold them)
-            acc_hi = np.zeros(8, dtype=f32)
+            acc_lo = np.zeros(8)  # rows gid (lanes with tid 0 hold them)
+            acc_hi = np.zeros(8)
             for st in range(spp):
                 t0 = st * W * U + wi * U
                 nv = KT - t0
@@ -203,9 +180,8 @@ def emulate(packed, x: np.ndarray, dtype: str, fold: bool, U: int, fp32: bool) -
                     if zm == "int":
                         z_lo, z_hi = zp[off_row, rows], zp[off_row, rows + 8]
                     elif zm == "float":
-                        z_lo = z_hi = np.zeros(32)
                         m_lo, m_hi = zp[off_row, rows], zp[off_row, rows + 8]
-                    d = np.zeros(16, dtype=f32)  # the segment's MMA sums, rows 0..15
+                    d = np.zeros(16)  # the segment's MMA sums, rows 0..15
                     tiles = range(first, min(first + TS, nv)) if TS else [first]
                     for u in tiles:
                         kb = t0 + u
@@ -213,36 +189,23 @@ def emulate(packed, x: np.ndarray, dtype: str, fold: bool, U: int, fp32: bool) -
                         for h in halves:
                             for jj in range(2):
                                 j = 2 * h + jj
-                                if not fold and zm == "float":  # s q + m per weight, rounded to the dtype
-                                    regs = fragment_regs(qw[s, kb], j, dtype, False, np.zeros(32), np.zeros(32))
+                                if zm == "float":  # s q + m per weight, rounded to the dtype
+                                    regs = fragment_regs(qw[s, kb], j, dtype, np.zeros(32), np.zeros(32))
                                     sc = [(s_lo, m_lo), (s_hi, m_hi), (s_lo, m_lo), (s_hi, m_hi)]
                                     regs = [tuple(act_bits_to_float(float_to_act_bits(v * sc[i][0] + sc[i][1],
                                                                                        dtype), dtype)
                                                   for v in r) for i, r in enumerate(regs)]
                                 else:
-                                    regs = fragment_regs(qw[s, kb], j, dtype, fold, z_lo, z_hi)
-                                prod = a_matrix(regs) @ b_vector(xs_f, t0, u, j)
-                                d = (d + prod.astype(f32)).astype(f32)
-                    s_lo8, s_hi8 = s_lo[::4], s_hi[::4]  # (lanes tid == 0: one per row gid)
-                    if not fold and zm == "float":
-                        acc_lo = (acc_lo + d[:8]).astype(f32)
-                        acc_hi = (acc_hi + d[8:]).astype(f32)
-                    elif not fold:
-                        acc_lo = (acc_lo + f32(s_lo8) * d[:8]).astype(f32)
-                        acc_hi = (acc_hi + f32(s_hi8) * d[8:]).astype(f32)
-                    else:
-                        sxg = sxs[(t0 // TS + g) if TS else (2 * t0 + g)]
-                        c_lo = f32(BLO + z_lo[::4])
-                        c_hi = f32(BHI + ZHI * z_hi[::4])
-                        acc_lo = (acc_lo + f32(s_lo8) * (d[:8] - c_lo * sxg)).astype(f32)
-                        acc_hi = (acc_hi + f32(s_hi8 * RHI) * (d[8:] - c_hi * sxg)).astype(f32)
-                        if zm == "float":
-                            acc_lo = (acc_lo + f32(m_lo[::4]) * sxg).astype(f32)
-                            acc_hi = (acc_hi + f32(m_hi[::4]) * sxg).astype(f32)
+                                    regs = fragment_regs(qw[s, kb], j, dtype, z_lo, z_hi)
+                                d = d + a_matrix(regs) @ b_vector(xs_f, t0, u, j)
+                    if zm == "float":  # (scaled per weight: straight into the stripe's sums)
+                        acc_lo, acc_hi = acc_lo + d[:8], acc_hi + d[8:]
+                    else:  # the scale once per segment (lanes tid == 0: one per row gid)
+                        acc_lo, acc_hi = acc_lo + s_lo[::4] * d[:8], acc_hi + s_hi[::4] * d[8:]
             red[wi, :8], red[wi, 8:] = acc_lo, acc_hi
-        v = np.zeros(16, dtype=f32)
+        v = np.zeros(16)
         for wi in range(W):  # in warp order
-            v = (v + red[wi]).astype(f32)
+            v = v + red[wi]
         y[16 * s: 16 * s + 16] = v
     return y[:n]
 
@@ -257,37 +220,17 @@ CASES = [  # (dtype, zero mode, group size, act-order, n, k)
 
 
 @pytest.mark.parametrize("dtype,zero_mode,gs,act_order,n,k", CASES)
-@pytest.mark.parametrize("fold,U", [(False, 4), (True, 4), (True, 2)])
-def test_second_form_matches_the_reference(dtype, zero_mode, gs, act_order, n, k, fold, U):
-    # float64 arithmetic after the MMA: agreement to rounding shows every index, nibble and constant is right
+def test_kernel_matches_the_reference(dtype, zero_mode, gs, act_order, n, k):
+    # float64 arithmetic after the MMA: agreement to rounding shows every index, nibble and offset is right
+    W, U = kernel_shape()
     rng = np.random.default_rng(zlib.crc32(repr((dtype, zero_mode, gs, act_order, n, k)).encode()))
     layer = random_layer(rng, n, k, gs, zero_mode, act_order, dtype)
     x = rng.standard_normal(k).astype(np.float32)
     x_act = act_bits_to_float(float_to_act_bits(x, dtype), dtype)  # the activations the kernel gets
     ref = layer.dequantize(np.float64) @ x_act
-    y = emulate(pack(layer), x_act, dtype, fold, U, fp32=False)
+    y = emulate(pack(layer), x_act, dtype, W, U)
     err = np.linalg.norm(y - ref) / np.linalg.norm(ref)
-    # exact: only per-weight rounding of s q + m (float minima) in the activation dtype
-    bound = 1e-12 if (fold or zero_mode != "float") else (2e-3 if dtype == "float16" else 2e-2)
+    # exact but for the per-weight rounding of s q + m (float minima) in the activation dtype
+    bound = 1e-12 if zero_mode != "float" else (2e-3 if dtype == "float16" else 2e-2)
     assert err <= bound, (err, bound)
 
-
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("positive", [False, True])
-def test_folded_cancellation_stays_inside_the_bound(dtype, positive):
-    # the folded variants' fp32 error (MMA sums rounded into fp32 per instruction) against the float64 reference,
-    # with the first form's exact operands as the baseline; all-positive activations are the worst case of the
-    # cancellation (sum(x) grows with the segment instead of as its square root)
-    rng = np.random.default_rng(zlib.crc32(repr(("cancel", dtype, positive)).encode()))
-    k = 2048
-    for gs, zm in ((128, "none"), (-1, "int")):
-        layer = random_layer(rng, 32, k, gs, zm, False, dtype)
-        x = rng.uniform(0, 1, k) if positive else rng.standard_normal(k)
-        x_act = act_bits_to_float(float_to_act_bits(x.astype(np.float32), dtype), dtype)
-        ref = layer.dequantize(np.float64) @ x_act
-        exact = emulate(pack(layer), x_act, dtype, False, 4, fp32=True)
-        folded = emulate(pack(layer), x_act, dtype, True, 4, fp32=True)
-        e_exact = np.linalg.norm(exact - ref) / np.linalg.norm(ref)
-        e_fold = np.linalg.norm(folded - ref) / np.linalg.norm(ref)
-        # the GPU tests' bound is 1e-3 after the output's rounding to fp16 (2^-11); leave it most of that
-        assert e_fold <= 2e-4, (gs, zm, e_fold, e_exact)
