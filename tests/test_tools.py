@@ -410,8 +410,8 @@ def test_sass_cmp_pairs_renamed_kernels_and_counts_removed_ones():
     # kernels dropped on purpose (--removed) are counted, not failed; a changed byte or an unnamed loss still fails
     cmp = _tool("cuda_sass_cmp")
     old_v3 = "void gemv2_kernel<__half, 0, 2, Gv2Cfg<16, 2, 2, false> >(Params)"
-    before = {"90a": {old_v3: b"A" * 32, "void gemv2_kernel<__half, 0, 2, Gv2Cfg<16, 2, 2, true> >(Params)": b"B" * 16,
-                      "void bulk_kernel<__half>(Params)": b"C" * 16}}
+    old_v4 = "void gemv2_kernel<__half, 0, 2, Gv2Cfg<16, 2, 2, true> >(Params)"
+    before = {"90a": {old_v3: b"A" * 32, old_v4: b"B" * 16, "void bulk_kernel<__half>(Params)": b"C" * 16}}
     after = {"90a": {"void gemv_kernel<__half, 0, 2>(Params)": b"A" * 32, "void bulk_kernel<__half>(Params)": b"C" * 16}}
     renames = [cmp.rename_arg(r"gemv2_kernel<(.+), Gv2Cfg<16, 2, 2, false> >=gemv_kernel<\1>")]
     removed = [r"Gv2Cfg<(?!16, 2, 2, false>)"]
