@@ -1,6 +1,6 @@
 // Kernel shapes shared by the kernels and the planner: warps, tiles, stages and shared-memory bytes per
-// block. Host and device code both read these, so the planner's sizes are the kernels' sizes (but for the gemv
-// grid: below). Plain C++ (no CUDA header): the host compiler builds the planner from it.
+// block. Host and device code both read these, so the planner's sizes are the kernels' sizes. Plain C++
+// (no CUDA header): the host compiler builds the planner from it.
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
@@ -74,13 +74,6 @@ constexpr int GV_U = 2;   // tiles per warp and step
 constexpr int GV_B = 2;   // blocks per SM asked of the compiler (one fewer for the heavier layer kinds)
 constexpr int GV_RED = 2 * GV_W * 16 * 4;  // the stripe sums' two buffers [2][GV_W][16] floats
 W4P_HD constexpr size_t gv_smem(int kt) { return (size_t)GV_RED + (size_t)kt * 128; }
-// The planner's model of the gemv grid: "auto"'s gemv rule (gemv_auto) was measured with the kernel's earlier
-// 8-warp blocks, three per SM (two for the heavier kinds) and 1 KiB of stripe sums, and its thresholds hold for
-// that grid until they are measured again with the kernel above; the launch takes its own grid from the kernel's
-// occupancy (so a plan's blocks and shared memory are the model's, not the launch's).
-constexpr int GV_PLAN_RED = 1024;
-W4P_HD constexpr int gv_plan_minb(int zm, bool g64) { return zm == 0 && g64 ? 3 : 2; }  // blocks per SM
-W4P_HD constexpr int gv_plan_smem(int kt) { return GV_PLAN_RED + kt * 128; }
 
 // wgmma kernel
 constexpr int WG_BM = 128;       // weight rows per block (two warpgroups)

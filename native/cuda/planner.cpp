@@ -55,7 +55,7 @@ Layer describe_layer(const DevInfo &di, int64_t m, int n, int k, int sbits, int 
   L.bulk_one = sbits == 4 && !L.bulk_big && L.nstripes <= L.sms * BBPS && m <= 8 &&
                bulk_two_stages_fit(sbits, (int)m, gs, BCT1, 1, L.bulk_budget);
   // the gemv kernel's activations staged in shared memory must fit a block
-  L.gemv_ok = sbits == 4 && m == 1 && di.cc >= 80 && L.stream_ok && di.fits((size_t)gv_plan_smem(L.KT));
+  L.gemv_ok = sbits == 4 && m == 1 && di.cc >= 80 && L.stream_ok && di.fits((size_t)gv_smem(L.KT));
   L.wg_tma = di.tma && !no_tma_env();
   // A forced height (W4P_CUDA_WS_ROWS / _RS) keeps its own rule for auto's kernel choice and turns the others off;
   // the 256-token tile is off where a height is forced or W4P_CUDA_WS_TOK=128
@@ -200,7 +200,7 @@ int refuse(const Layer &L, int kind) {
   if (kind == W4P_CUDA_KERNEL_GEMV && !L.gemv_ok)
     return fail(W4P_EUNSUPPORTED, "the gemv kernel takes M = 1, 4-bit layers, compute capability 8.0 or newer (this "
                 "device: %d.%d), a group size that is a multiple of 32 or per channel, and K up to %d (m=%lld, k=%d)",
-                di.cc / 10, di.cc % 10, (di.smem_block - di.smem_reserved - GV_PLAN_RED) / 128 * 64, (long long)L.m,
+                di.cc / 10, di.cc % 10, (di.smem_block - di.smem_reserved - GV_RED) / 128 * 64, (long long)L.m,
                 L.k);
   if (kind == W4P_CUDA_KERNEL_BULK && !L.bulk_ok)
     return fail(W4P_EUNSUPPORTED, "the bulk kernel needs compute capability 9.0 or newer (this device: %d.%d), "
@@ -210,12 +210,12 @@ int refuse(const Layer &L, int kind) {
 
 size_t gather_bytes(const Layer &L) { return (((size_t)L.m * L.kp * 2 + 255) / 256) * 256; }
 
-// gemv: whole stripes per block, as many blocks as the SMs hold (launch bound and shared memory, of the planner's
-// model: geometry.h; the launch takes the blocks per SM and shared memory from the kernel's occupancy), at most one
+// gemv: whole stripes per block, as many blocks as the SMs hold (zero mode none's launch bound and shared memory;
+// the launch takes the blocks per SM from the kernel's occupancy: one fewer for the heavier kinds), at most one
 // per stripe
 int plan_gemv(const Layer &L, Plan *pl) {
   pl->W = std::min<int64_t>(L.nstripes, gv_grid(L.di, L.KT, L.gs));
-  pl->smem = (size_t)gv_plan_smem(L.KT);
+  pl->smem = (size_t)gv_smem(L.KT);
   pl->tiles = L.nstripes;
   pl->pdl = L.di.cc >= 90;
   pl->ws_total = COUNTER_BYTES;

@@ -9,23 +9,21 @@
 
 namespace w4p {
 
-// The gemv kernel's resident blocks (zero mode none's launch bound, and shared memory)
+// The gemv kernel's resident blocks: its launch bound (zero mode none's) and shared memory
 int64_t gv_grid(const DevInfo &di, int KT, int gs) {
-  const size_t smem = (size_t)gv_plan_smem(KT);
-  return (int64_t)di.sms * std::max(1, std::min(gv_plan_minb(0, gs <= 0 || gs % 64 == 0),
-                                                (int)(di.smem_sm / (smem + di.smem_reserved))));
+  (void)gs;
+  const size_t smem = (size_t)gv_smem(KT);
+  return (int64_t)di.sms * std::max(1, std::min(GV_B, (int)(di.smem_sm / (smem + di.smem_reserved))));
 }
-// "auto" takes the gemv kernel where its whole-stripe blocks fill their rounds: at least one and a half rounds of
-// stripes, the rounds 85% full or more on average (stripes >= 0.85 x rounds x blocks), and short stripes (K up to
-// 6144). The grid is zero mode none's (three blocks per SM; int and float layers run two, so their rule is
-// evaluated for a grid they do not launch: measured with zero mode none only). Measured on an H200 at M = 1
-// (docs/journal/2026-cuda.md, 396 blocks): 4096x11008 (688 stripes of 64 tiles) 12.1 against 13.6 us for the bulk kernel and
-// 4096x12288 (768) 12.3 against 15.1; level on 8192x28672 (1792 stripes of 128 tiles, 45.2 against 44.5);
-// behind where the stripes take 0.65 of a second round: 28672x8192 (512 stripes) 59.4 against 45.2, 11008x4096
-// (256) 17.5 against 13.5, 4096x4096 (256) 7.6 against 6.8.
+// "auto" takes the gemv kernel where its whole-stripe blocks fill their rounds: the stripes at least 85% of the
+// rounds' blocks (stripes >= 0.85 x rounds x blocks), one round or more. A block sums whole stripes, so a round
+// costs as much however few of its blocks have work; the bulk kernel splits K instead and keeps every SM busy, at
+// a lower rate per byte. The grid is zero mode none's (int and float layers of the heavier kinds run one block
+// per SM: their rule is evaluated for a grid they do not launch, as measured with zero mode none only).
+// Measured on an H200 against the bulk kernel at M = 1 (docs/journal/2026-cuda.md, section 9).
 bool gemv_auto(const DevInfo &di, int ns, int KT, int gs) {
   const int64_t g = gv_grid(di, KT, gs), rounds = (ns + g - 1) / g;
-  return KT <= 96 && 2 * (int64_t)ns >= 3 * g && (double)ns >= 0.85 * (double)(rounds * g);
+  return (double)ns >= GEMV_FULL * (double)(rounds * g);
 }
 
 // The tiles the busiest of W blocks gets when the bulk kernel's stream-K granule is a whole unit of ct tiles
