@@ -471,8 +471,9 @@ def _describe_for(lib, ffi, dev, m, n, k, bits=4, gs=128, kernel="auto", splits=
 
 def test_plan_for_gemv(monkeypatch):
     # the gemv kernel: M = 1, 4-bit, group sizes that are multiples of 32 or per channel, compute capability 8.0+;
-    # "auto" takes it on compute capability 9.0 where its blocks of whole stripes (264 on an H200: two per SM)
-    # fill their rounds 85% full (stripes >= 0.85 x rounds x blocks), however long the stripes
+    # "auto" takes it on compute capability 9.0 where every SM gets a block of whole stripes (stripes >= 0.85 x
+    # SMs) and, on layers of 2^25 weights or more, its rounds of blocks (264 on an H200: two per SM) are 70% full
+    # (stripes >= 0.7 x rounds x blocks), however long the stripes
     ffi, lib = _lib_or_skip()
 
     def auto(m, n, kk, dev=H200, **kw):
@@ -489,15 +490,19 @@ def test_plan_for_gemv(monkeypatch):
         monkeypatch.setenv("W4P_CUDA_GEMV", "0")
         assert auto(1, n, kk)["kernel"] == "bulk"
         monkeypatch.delenv("W4P_CUDA_GEMV")
-    # one round 97% full, long stripes (172 and 448 tiles) included: gemv
-    for n, kk in ((4096, 4096), (4096, 11008), (28672, 8192), (8192, 28672), (22016, 4096)):
+    # one round 97% full, long stripes (172 and 448 tiles) included; four rounds 85% full; small layers of fewer
+    # stripes than blocks (128, 192, 396) where every SM gets one: gemv
+    for n, kk in ((4096, 4096), (4096, 11008), (28672, 8192), (8192, 28672), (22016, 4096), (14336, 4096),
+                  (2048, 8192), (3072, 8192), (6336, 4096)):
         assert auto(1, n, kk)["kernel"] == "gemv", (n, kk)
-    # 64 stripes; a second round 50% full (396 stripes); 73% (384); four rounds 85% short (896): the bulk kernel
-    for n, kk in ((1024, 4096), (6336, 4096), (6144, 4096), (14336, 4096)):
+    # 64 stripes for 132 SMs; 2^26 weights in two rounds 61% full: the bulk kernel
+    for n, kk in ((1024, 4096), (1024, 8192), (5120, 13824)):
         assert auto(1, n, kk)["kernel"] == "bulk", (n, kk)
-    # the edges: one round 85% full (224 and 225 stripes), two rounds (448 and 449)
-    assert auto(1, 224 * 16, 4096)["kernel"] == "bulk" and auto(1, 225 * 16, 4096)["kernel"] == "gemv"
-    assert auto(1, 448 * 16, 4096)["kernel"] == "bulk" and auto(1, 449 * 16, 4096)["kernel"] == "gemv"
+    # the edges: 0.85 x 132 SMs (112 and 113 stripes); two rounds 70% full on 2^25 weights or more (369 and 370
+    # stripes), not below 2^25
+    assert auto(1, 112 * 16, 4096)["kernel"] == "bulk" and auto(1, 113 * 16, 4096)["kernel"] == "gemv"
+    assert auto(1, 369 * 16, 8192)["kernel"] == "bulk" and auto(1, 370 * 16, 8192)["kernel"] == "gemv"
+    assert auto(1, 369 * 16, 4096)["kernel"] == "gemv"  # (2^24.5 weights)
     # forced: any 4-bit layer at M = 1 that fits, on compute capability 8.0 and newer; one block per stripe at most
     d = _describe_for(lib, ffi, A100, 1, 196, 576, kernel="gemv")
     assert d["kernel"] == "gemv" and d["blocks"] == "13" and d["smem"] == str(2048 + 9 * 128), d

@@ -78,9 +78,10 @@ struct Choice {
 bool undecided(const Choice &c) { return c.kind == W4P_CUDA_KERNEL_AUTO; }
 bool sm90_4bit(const Layer &L) { return L.di.cc == 90 && L.sbits == 4; }
 
-// gemv at M = 1 on sm_90 where its whole-stripe blocks fill the SMs (gemv_auto)
+// gemv at M = 1 on sm_90 where its whole-stripe blocks fill the SMs and their rounds (gemv_auto)
 void step_gemv(const Layer &L, Choice &c) {
-  if (undecided(c) && L.gemv_ok && L.di.cc == 90 && gemv_env() != 0 && gemv_auto(L.di, L.nstripes, L.KT, L.gs))
+  if (undecided(c) && L.gemv_ok && L.di.cc == 90 && gemv_env() != 0 &&
+      gemv_auto(L.di, L.nstripes, L.KT, L.gs, L.weights))
     c.kind = W4P_CUDA_KERNEL_GEMV;
 }
 

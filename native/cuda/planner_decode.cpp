@@ -15,15 +15,18 @@ int64_t gv_grid(const DevInfo &di, int KT, int gs) {
   const size_t smem = (size_t)gv_smem(KT);
   return (int64_t)di.sms * std::max(1, std::min(GV_B, (int)(di.smem_sm / (smem + di.smem_reserved))));
 }
-// "auto" takes the gemv kernel where its whole-stripe blocks fill their rounds: the stripes at least 85% of the
-// rounds' blocks (stripes >= 0.85 x rounds x blocks), one round or more. A block sums whole stripes, so a round
-// costs as much however few of its blocks have work; the bulk kernel splits K instead and keeps every SM busy, at
-// a lower rate per byte. The grid is zero mode none's (int and float layers of the heavier kinds run one block
-// per SM: their rule is evaluated for a grid they do not launch, as measured with zero mode none only).
-// Measured on an H200 against the bulk kernel at M = 1 (docs/journal/2026-cuda.md, section 9).
-bool gemv_auto(const DevInfo &di, int ns, int KT, int gs) {
+// "auto" takes the gemv kernel where every SM gets a block (stripes >= GEMV_SMS x SMs) and, on layers of SIZE_L
+// weights or more, its rounds of blocks are GEMV_FULL full on average (stripes >= GEMV_FULL x rounds x blocks).
+// A block sums whole stripes: with fewer stripes than SMs some SMs idle, and a round costs as much however few of
+// its blocks have work, which counts where the stripes are long. The bulk kernel splits K instead and keeps every
+// SM busy, at a lower rate per byte and with a larger fixed cost per call, which dominates on small layers. The
+// grid is zero mode none's (the heavier kinds run one block per SM: their rule is evaluated for a grid they do
+// not launch, as measured with zero mode none only). Measured against the bulk kernel at M = 1
+// (docs/journal/2026-cuda.md, section 9).
+bool gemv_auto(const DevInfo &di, int ns, int KT, int gs, int64_t weights) {
   const int64_t g = gv_grid(di, KT, gs), rounds = (ns + g - 1) / g;
-  return (double)ns >= GEMV_FULL * (double)(rounds * g);
+  if ((double)ns < GEMV_SMS * (double)di.sms) return false;
+  return weights < SIZE_L || (double)ns >= GEMV_FULL * (double)(rounds * g);
 }
 
 // The tiles the busiest of W blocks gets when the bulk kernel's stream-K granule is a whole unit of ct tiles
