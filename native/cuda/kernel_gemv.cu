@@ -6,18 +6,18 @@
 // activations are staged once per block in shared memory in B-fragment order (gathered by act-order's
 // permutation, zeros past K), so a lane's B fragments of a tile are two 16-byte shared-memory loads.
 // Why this shape (docs/journal/2026-cuda.md): at M = 1 the order in which the GPU as a whole requests the
-// weights sets the read rate (whole stripes per block read a 117 MB layer on an H200 in 29.9 us against 37.4 for
-// the bulk kernel's copy engine and 39.7 for one contiguous range per warp), and the kernel is bound by its
-// instructions per tile, not by memory. So it issues few of them:
+// weights sets the read rate (whole stripes per block read faster than the bulk kernel's copy engine or one
+// contiguous range per warp: section 4), and the kernel is bound by its instructions per tile, not by memory. So
+// it issues few of them:
 //   * the group parameters once per group segment (GV_U tiles of one group; single tiles, or half tiles where
 //     groups end inside a tile), not once per tile, and the scale applied to the segment's MMA sums in fp32 once;
 //   * 32-bit offsets with immediate per-tile displacements instead of 64-bit address arithmetic per tile;
 //   * the double buffer as two named register sets (the loop body runs two steps), so no register copies;
 //   * a step-level test for the last partial chunk of a stripe instead of one branch per tile;
 //   * the first step's weights requested before the activations are staged (after the dependent-launch wait).
-// 16 warps x 2 tiles, two blocks per SM: on H100 it beat the earlier 8-warp x 4-tile kernel (parameters per tile,
-// three blocks per SM) on every measured shape. Whole stripes leave a partial last round of blocks where the
-// stripes are few for the grid: "auto" takes the kernel only where they fill the rounds (gemv_auto).
+// 16 warps x 2 tiles, two blocks per SM: it beat the earlier 8-warp x 4-tile kernel (parameters per tile, three
+// blocks per SM) on every measured shape, H100 and H200 (section 9). Whole stripes leave SMs idle where the
+// stripes are fewer than the SMs, and a partial last round of blocks: "auto" weighs both (gemv_auto).
 // tests/test_gemv_emulator.py emulates it lane by lane (index, offset and segment arithmetic) without a GPU.
 #include "epilogue.cuh"
 #include <type_traits>
