@@ -81,7 +81,7 @@ bool sm90_4bit(const Layer &L) { return L.di.cc == 90 && L.sbits == 4; }
 // gemv at M = 1 on sm_90 where its whole-stripe blocks fill the SMs and their rounds (gemv_auto)
 void step_gemv(const Layer &L, Choice &c) {
   if (undecided(c) && L.gemv_ok && L.di.cc == 90 && gemv_env() != 0 &&
-      gemv_auto(L.di, L.nstripes, L.KT, L.gs, L.weights))
+      gemv_auto(L.di, L.nstripes, L.KT, L.weights))
     c.kind = W4P_CUDA_KERNEL_GEMV;
 }
 
@@ -201,8 +201,7 @@ int refuse(const Layer &L, int kind) {
   if (kind == W4P_CUDA_KERNEL_GEMV && !L.gemv_ok)
     return fail(W4P_EUNSUPPORTED, "the gemv kernel takes M = 1, 4-bit layers, compute capability 8.0 or newer (this "
                 "device: %d.%d), a group size that is a multiple of 32 or per channel, and K up to %d (m=%lld, k=%d)",
-                di.cc / 10, di.cc % 10, (di.smem_block - di.smem_reserved - GV_RED) / 128 * 64, (long long)L.m,
-                L.k);
+                di.cc / 10, di.cc % 10, (di.smem_block - di.smem_reserved - GV_RED) / 128 * 64, (long long)L.m, L.k);
   if (kind == W4P_CUDA_KERNEL_BULK && !L.bulk_ok)
     return fail(W4P_EUNSUPPORTED, "the bulk kernel needs compute capability 9.0 or newer (this device: %d.%d), "
                 "M <= %d and a group size that is a multiple of 32", di.cc / 10, di.cc % 10, BULK_MAX_M);
@@ -215,7 +214,7 @@ size_t gather_bytes(const Layer &L) { return (((size_t)L.m * L.kp * 2 + 255) / 2
 // the launch takes the blocks per SM from the kernel's occupancy: one fewer for the heavier kinds), at most one
 // per stripe
 int plan_gemv(const Layer &L, Plan *pl) {
-  pl->W = std::min<int64_t>(L.nstripes, gv_grid(L.di, L.KT, L.gs));
+  pl->W = std::min<int64_t>(L.nstripes, gv_grid(L.di, L.KT));
   pl->smem = (size_t)gv_smem(L.KT);
   pl->tiles = L.nstripes;
   pl->pdl = L.di.cc >= 90;

@@ -10,8 +10,7 @@
 namespace w4p {
 
 // The gemv kernel's resident blocks: its launch bound (zero mode none's) and shared memory
-int64_t gv_grid(const DevInfo &di, int KT, int gs) {
-  (void)gs;
+int64_t gv_grid(const DevInfo &di, int KT) {
   const size_t smem = (size_t)gv_smem(KT);
   return (int64_t)di.sms * std::max(1, std::min(GV_B, (int)(di.smem_sm / (smem + di.smem_reserved))));
 }
@@ -23,8 +22,8 @@ int64_t gv_grid(const DevInfo &di, int KT, int gs) {
 // grid is zero mode none's (the heavier kinds run one block per SM: their rule is evaluated for a grid they do
 // not launch, as measured with zero mode none only). Measured against the bulk kernel at M = 1
 // (docs/journal/2026-cuda.md, section 9).
-bool gemv_auto(const DevInfo &di, int ns, int KT, int gs, int64_t weights) {
-  const int64_t g = gv_grid(di, KT, gs), rounds = (ns + g - 1) / g;
+bool gemv_auto(const DevInfo &di, int ns, int KT, int64_t weights) {
+  const int64_t g = gv_grid(di, KT), rounds = (ns + g - 1) / g;
   if ((double)ns < GEMV_SMS * (double)di.sms) return false;
   return weights < SIZE_L || (double)ns >= GEMV_FULL * (double)(rounds * g);
 }
