@@ -270,6 +270,7 @@ def main() -> int:
     ap.add_argument("--json", dest="json_out", default=None, help="also write the results here")
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: after timing, profile one decode of each model at the first batch size (kernels)")
+    ap.add_argument("--profile-top", type=int, default=15, help="kernels listed per profile (by GPU time)")
     args = ap.parse_args()
     import torch
 
@@ -293,7 +294,8 @@ def main() -> int:
                         print(json.dumps({"shape": shape, "model": which, **row[which][-1]}), flush=True)
                     if args.profile and args.device.startswith("cuda"):
                         first = 1 if mode in LEAN_MODES else batches[0]
-                        print(f"{which} model, " + profile_steps(model, first, args.new_tokens, mode), flush=True)
+                        split = profile_steps(model, first, args.new_tokens, mode, args.profile_top)
+                        print(f"{which} model, {split}", flush=True)
 
         measure("float")
         row["w4_layers"] = swap_to_w4(model, shape, args.device, args.precision)
