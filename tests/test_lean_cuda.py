@@ -59,14 +59,51 @@ def test_greedy_tokens_match_transformers(models: dict[str, Path], name: str) ->
         assert torch.equal(_generate(engine, ids, **GEN), model.generate(ids, **GEN)), seed
 
 
+@pytest.mark.parametrize("name", ["plain", "odd", "qwen3"])
+def test_sdpa_attention_decodes_what_transformers_decodes(models: dict[str, Path], name: str) -> None:
+    """attn="sdpa": one scaled_dot_product_attention call per layer over the same bucket and mask; grouped
+    query heads ("odd": 4 heads on 2 kv heads) ride as a kv head's queries. Same tokens, logits to rounding."""
+    model = load_model(models[name], compile=False)
+    engine = GraphDecoder(model, attn="sdpa")
+    assert engine.attn == "sdpa"
+    for seed in range(2):
+        ids = _ids(5 + seed, seed)
+        assert torch.equal(_generate(engine, ids, **GEN), model.generate(ids, **GEN)), seed
+    ids = _ids(9, 4)[0]
+    with torch.inference_mode():
+        want = model(ids.unsqueeze(0)).logits[0][3:]
+        engine.pos = 0
+        engine._reserve(16)
+        got = [engine.forward(ids[:4]).clone()] + [engine.step(int(t)).clone() for t in ids[4:]]
+    rel = (torch.stack(got) - want).abs().amax(-1) / want.abs().amax(-1)
+    assert float(rel.max()) < 1e-5, rel
+
+
+def test_attention_follows_the_environment_and_refuses_unknown_values(models: dict[str, Path],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    model = load_model(models["plain"], compile=False)
+    monkeypatch.delenv("W4PACK_LEAN_ATTN", raising=False)
+    assert GraphDecoder(model).attn == "matmul"
+    monkeypatch.setenv("W4PACK_LEAN_ATTN", "SDPA")
+    assert GraphDecoder(model).attn == "sdpa"
+    assert GraphDecoder(model, attn="matmul").attn == "matmul"  # the argument wins
+    monkeypatch.setenv("W4PACK_LEAN_ATTN", "flash")
+    with pytest.raises(BadInputError, match="W4PACK_LEAN_ATTN='flash'.*matmul or sdpa"):
+        GraphDecoder(model)
+
+
 def test_traced_step_decodes_the_same(models: dict[str, Path]) -> None:
     """fuse: the step goes through torch.compile whole (fullgraph: no graph break, the buffer writes traced);
     the "eager" backend runs dynamo's graph without Inductor, so this needs no compiler."""
     model = load_model(models["plain"], compile=False)
     engine = GraphDecoder(model, fuse="eager")
     kw = dict(GEN, max_new_tokens=BUCKET + 4)  # two buckets: one traced graph each
-    assert torch.equal(_generate(engine, _ids(), **kw), model.generate(_ids(), **kw))
+    want = model.generate(_ids(), **kw)
+    assert torch.equal(_generate(engine, _ids(), **kw), want)
     assert engine._compiled is not None
+    sdpa = GraphDecoder(model, fuse="eager", attn="sdpa")  # (the attention call traces whole too)
+    assert torch.equal(_generate(sdpa, _ids(), **kw), want)
+    assert sdpa._compiled is not None and sdpa.fuse == "eager"
 
 
 def test_a_step_that_does_not_compile_runs_unfused_and_says_why(models: dict[str, Path]) -> None:
@@ -281,11 +318,32 @@ def test_fused_graph_matches_the_fused_step_run_eagerly(models: dict[str, Path],
 
 
 @pytest.mark.gpu
-def test_graph_logits_match_transformers_float16(models: dict[str, Path]) -> None:
+@pytest.mark.parametrize("attn", ["matmul", "sdpa"])
+def test_graph_logits_match_transformers_float16(models: dict[str, Path], attn: str) -> None:
     model = load_model(models["plain"], device="cuda", dtype="float16", engine="eager")
-    engine = GraphDecoder(model, fuse=False)
+    engine = GraphDecoder(model, fuse=False, attn=attn)
     _logits_follow_transformers(model, engine)
     assert engine.captures == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["plain", "odd"])
+def test_fused_sdpa_graph_decodes_what_the_matmul_graph_decodes(models: dict[str, Path], name: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """$W4PACK_LEAN_ATTN=sdpa under Inductor and capture (the bench's A/B of the two): the same greedy tokens
+    as the default attention, across a bucket, and logits that follow transformers'."""
+    monkeypatch.delenv("W4PACK_LEAN_FUSE", raising=False)
+    model = load_model(models[name], device="cuda", dtype="float16", engine="eager")
+    monkeypatch.setenv("W4PACK_LEAN_ATTN", "sdpa")
+    sdpa = GraphDecoder(model)
+    monkeypatch.delenv("W4PACK_LEAN_ATTN")
+    plain = GraphDecoder(model)
+    assert (sdpa.attn, plain.attn) == ("sdpa", "matmul") and sdpa.fuse == "inductor" and sdpa.graphs
+    ids = _ids().cuda()
+    kw = dict(GEN, max_new_tokens=BUCKET + 8)
+    assert torch.equal(_generate(sdpa, ids, **kw), _generate(plain, ids, **kw))
+    assert sdpa.captures == 2 and not sdpa.note
+    _logits_follow_transformers(model, GraphDecoder(model, attn="sdpa"))
 
 
 def _logits_follow_transformers(model: torch.nn.Module, engine: GraphDecoder) -> None:

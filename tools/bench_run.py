@@ -20,7 +20,8 @@ whole step, head and argmax included, one CUDA graph per token; ``load_model(eng
 lean modes run batch 1 only; other batches are skipped for them. ``auto`` is what ``load_model`` installs by
 default (``w4pack.runtime.decode.use_decode``: the fused lean loop where it runs, the compiled step for the other
 batches); its rows name the engine that answered. The warm-up of the compiled modes includes their compile for
-each batch, the lean modes' their graph capture.
+each batch, the lean modes' their graph capture. The lean loop's attention follows $W4PACK_LEAN_ATTN (``matmul``
+or ``sdpa``); its rows name the one it ran (``attn``).
 
     python tools/bench_run.py --device cuda --shapes llama2-7b --batches 1,16,64 \
         --modes eager,compiled,lean,lean_fused,auto
@@ -191,7 +192,9 @@ def decode_rate(model: Any, batch: int, new_tokens: int, repeats: int, mode: str
     t1 = statistics.median(timed(1) for _ in range(repeats))
     tn = statistics.median(timed(new_tokens) for _ in range(repeats))
     rate = batch * (new_tokens - 1) / max(tn - t1, 1e-9)
-    return {"mode": mode, "decode": decode_mode(model) if mode in INSTALLED else mode, "batch": batch,
+    lean = getattr(model, "_w4pack_lean", None) if mode in INSTALLED else None
+    return {"mode": mode, "decode": decode_mode(model) if mode in INSTALLED else mode,
+            **({"attn": lean.attn} if hasattr(lean, "attn") else {}), "batch": batch,
             "new_tokens": new_tokens, "warmup_s": round(warm, 1),
             "prefill_s": round(t1, 4), "total_s": round(tn, 4), "decode_tokens_per_s": round(rate, 1),
             "ms_per_step": round((tn - t1) / (new_tokens - 1) * 1000, 3)}

@@ -14,7 +14,9 @@ graph per attention length, so a greedy token costs one ``replay()`` and a 8-byt
   stacked by concatenating their weights;
 * the KV cache is preallocated per layer; attention reads a fixed number of positions ("bucket": 256, 512,
   ... up to the cache) and masks those after the current position, so the graph never changes shape. One
-  graph per bucket is captured when the sequence first reaches it (all share one memory pool);
+  graph per bucket is captured when the sequence first reaches it (all share one memory pool). It runs as
+  transformers' eager attention does (two batched products around a float32 softmax) or, with
+  $W4PACK_LEAN_ATTN=sdpa, as one ``scaled_dot_product_attention`` call (``ATTENTION``);
 * the rotary rows are gathered from tables computed once, by the position buffer;
 * before capture the step is compiled by ``torch.compile`` (Inductor, without its own CUDA graphs), which fuses
   the norm, rotary and attention glue; the packed GEMMs stay the ``w4pack::linear`` custom op.
@@ -30,15 +32,23 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ..errors import BadInputError
 from .lean import LayerSpec, LoopBase, NotLean, _Layer, _out_features, signature, stack_packed, walk
 
-__all__ = ["GraphDecoder", "BUCKET", "FUSE_ENV"]
+__all__ = ["GraphDecoder", "BUCKET", "FUSE_ENV", "ATTN_ENV", "ATTENTION"]
 
 #: 0/1: capture the step as written, or compiled by torch.compile (Inductor, no CUDA graphs of its own; the default
 #: with graphs)
 FUSE_ENV = "W4PACK_LEAN_FUSE"
+
+#: how the step attends: "matmul" (two batched products around a float32 softmax, as transformers' eager
+#: attention; the default) or "sdpa" (torch's scaled_dot_product_attention: one fused kernel where the device
+#: has one, over the same keys and mask)
+ATTN_ENV = "W4PACK_LEAN_ATTN"
+ATTENTION = ("matmul", "sdpa")
 
 #: the shortest attention length a graph covers; longer ones double
 BUCKET = 256
@@ -101,12 +111,14 @@ class GraphDecoder(LoopBase):
     ``torch.compile`` (Inductor fuses the norms, rotary and attention glue into a few kernels; the packed GEMMs
     stay the ``w4pack::linear`` op) and capture that; a string names the compile backend (tests: "eager");
     default $W4PACK_LEAN_FUSE (0/1), else on with graphs: a graph of unfused torch ops launches ~35 small
-    kernels per layer. A step that fails to compile runs unfused, with one warning."""
+    kernels per layer. A step that fails to compile runs unfused, with one warning. ``attn``: one of
+    ``ATTENTION``, default $W4PACK_LEAN_ATTN, else "matmul"."""
 
     #: new tokens a call reserves cache for up front (the cache grows past it, recapturing the graphs)
     first_reserve = 4096
 
-    def __init__(self, model: nn.Module, graphs: bool | None = None, fuse: bool | str | None = None):
+    def __init__(self, model: nn.Module, graphs: bool | None = None, fuse: bool | str | None = None,
+                 attn: str | None = None):
         self.model = model
         spec = walk(model)
         first = next(model.parameters(), None)
@@ -128,6 +140,13 @@ class GraphDecoder(LoopBase):
             env = os.environ.get(FUSE_ENV, "").strip().lower()
             fuse = env in ("1", "true", "yes", "on") if env else self.graphs
         self.fuse: Any = "inductor" if fuse is True else (fuse or None)  # a torch.compile backend
+        if attn is None:
+            import os
+
+            attn = os.environ.get(ATTN_ENV, "").strip().lower() or "matmul"
+        if attn not in ATTENTION:
+            raise BadInputError(f"{ATTN_ENV}={attn!r}: the lean loop attends by {' or '.join(ATTENTION)}")
+        self.attn = attn
         self._compiled: Any = None
         self.dtype = first.dtype
         self._init_spec(spec)
@@ -206,6 +225,9 @@ class GraphDecoder(LoopBase):
         cos = self.cos.index_select(0, pos).unsqueeze(1)  # [1, 1, D]
         sin = self.sin.index_select(0, pos).unsqueeze(1)
         future = self.key_pos[:bucket] > pos  # [bucket]: keys not yet written for this token
+        if self.attn == "sdpa":  # (an additive mask made once a step, not once a layer)
+            amask = torch.zeros(bucket, dtype=self.dtype, device=self.device).masked_fill(future, float("-inf"))
+            amask = amask.view(1, 1, 1, bucket)
         for L in self.layers:
             x = self._norm(h, L.ln1, L.eps1)
             qkv = L.qkv(x)
@@ -213,9 +235,14 @@ class GraphDecoder(LoopBase):
             L.k.index_copy_(1, pos, qk[:, nh:].transpose(0, 1))
             L.v.index_copy_(1, pos, qkv[:, qn + kvn:].view(1, nkv, d).transpose(0, 1))
             q = qk[0, :nh].view(nkv, g, d)
-            s = torch.matmul(q, L.k[:, :bucket].transpose(1, 2)) * self.scaling  # [KVH, G, bucket]
-            s = s.masked_fill(future, float("-inf"))
-            o = torch.matmul(self._softmax(s), L.v[:, :bucket]).reshape(1, qn)
+            if self.attn == "sdpa":  # a kv head's G query heads as its G queries
+                o = F.scaled_dot_product_attention(q.unsqueeze(0), L.k[:, :bucket].unsqueeze(0),
+                                                   L.v[:, :bucket].unsqueeze(0), attn_mask=amask,
+                                                   scale=self.scaling).reshape(1, qn)
+            else:
+                s = torch.matmul(q, L.k[:, :bucket].transpose(1, 2)) * self.scaling  # [KVH, G, bucket]
+                s = s.masked_fill(future, float("-inf"))
+                o = torch.matmul(self._softmax(s), L.v[:, :bucket]).reshape(1, qn)
             h = h + L.o(o)
             x = self._norm(h, L.ln2, L.eps2)
             gu = L.gate_up(x)
