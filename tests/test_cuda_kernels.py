@@ -281,6 +281,67 @@ def test_gemv_kernel(dtype_name, zero_mode, gs, act_order):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("zero_mode,gs,act_order", [("int", 128, False), ("none", 32, True), ("float", 64, False),
+                                                    ("none", -1, False), ("int", 96, True)])
+def test_gemv_normed(dtype_name, zero_mode, gs, act_order):
+    # forward_normed: transformers' RMSNorm of the row (float32 root mean square, rounded, times the weight,
+    # rounded) folded into the gemv kernel's staging, plus a residual added before the output's rounding; against
+    # the float64 reference of the norm computed by torch, odd shapes (K past the last tile, rows past N), the
+    # layer's own bias with and without a residual, repeats and graph replays bit-identical
+    import torch
+
+    if not gemv_ok():
+        pytest.skip("the gemv kernel needs compute capability 8.0")
+    rng = np.random.default_rng(zlib.crc32(repr(("normed", dtype_name, zero_mode, gs, act_order)).encode()))
+    tdt = torch.float16 if dtype_name == "float16" else torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(int(rng.integers(1 << 30)))
+    for n, k in ((196, 576), (600, 1000), (17, 64), (4100, 2880), (40, 12000)):
+        layer = random_layer(rng, n, k, gs=gs, zero_mode=zero_mode, act_order=act_order, scale_dtype=dtype_name,
+                             bias=True)
+        lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
+        assert lin.normed_ok()
+        h = (torch.randn(1, k, device="cuda", generator=gen) * 3 + 0.5).to(tdt)
+        w = (torch.rand(k, device="cuda", generator=gen) + 0.5).to(tdt)
+        res = torch.randn(n, device="cuda", generator=gen).to(tdt)
+        eps = 1e-5
+        h32 = h.float()
+        xn = w * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(tdt)  # transformers' RMSNorm
+        own = to_float64(layer.bias, layer.bias_dtype)
+        for residual, extra in ((None, 0.0), (res, res.double().cpu().numpy())):
+            ref = reference(layer, xn.double().cpu().numpy(), own) + extra
+            got = lin.forward_normed(h, w, eps, residual=residual)
+            assert got.shape == (1, n) and got.dtype == tdt
+            assert rel_err(got, ref) <= tolerance(dtype_name), (n, k, residual is None)
+
+        class Normed:  # the call as _repeats_and_replays makes it
+            def forward(self, x, out=None):
+                return lin.forward_normed(x, w, eps, residual=res, out=out)
+
+        _repeats_and_replays(torch, Normed(), h, 2, 2)
+
+
+@pytest.mark.gpu
+def test_gemv_normed_refuses_what_it_cannot_run():
+    import torch
+
+    from w4pack.errors import BadInputError
+
+    rng = np.random.default_rng(11)
+    lin8 = cuda.CudaPackedLinear(pack(random_layer(rng, 64, 256, bits=8)), "cuda")
+    assert not lin8.normed_ok()  # (8-bit storage: the gemv kernel takes 4-bit layers)
+    lin = cuda.CudaPackedLinear(pack(random_layer(rng, 64, 256)), "cuda")
+    h = torch.randn(1, 256, device="cuda", dtype=torch.float16)
+    w = torch.ones(256, device="cuda", dtype=torch.float16)
+    with pytest.raises(BadInputError, match="one row of 256"):
+        lin.forward_normed(torch.randn(2, 256, device="cuda", dtype=torch.float16), w, 1e-6)
+    with pytest.raises(BadInputError, match="norm_weight"):
+        lin.forward_normed(h, w[:100], 1e-6)
+    with pytest.raises(BadInputError, match="residual"):
+        lin.forward_normed(h, w, 1e-6, residual=torch.zeros(63, device="cuda", dtype=torch.float16))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype_name,zero_mode,gs,act_order", [("float16", "int", 128, False),
                                                                ("bfloat16", "float", 32, True),
                                                                ("float16", "none", -1, False),

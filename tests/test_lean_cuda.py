@@ -92,6 +92,20 @@ def test_attention_follows_the_environment_and_refuses_unknown_values(models: di
         GraphDecoder(model)
 
 
+def test_fold_is_off_by_default_and_never_on_the_cpu(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step calls each projection through normed / add; with folding off (the default, and always off the
+    GPU) those are the norm, the projection and the residual add as separate ops: the tokens stay transformers'."""
+    model = load_model(models["odd"], compile=False)
+    monkeypatch.delenv("W4PACK_LEAN_FOLD", raising=False)
+    assert (GraphDecoder(model).fold, GraphDecoder(model).folded) == (False, 0)
+    monkeypatch.setenv("W4PACK_LEAN_FOLD", "1")
+    engine = GraphDecoder(model)
+    assert (engine.fold, engine.folded) == (False, 0)  # (W4Linear.fold_ok: CUDA only)
+    assert not any(lin.fold for L in engine.layers for lin in (L.qkv, L.o, L.gate_up, L.down))
+    ids = _ids(6, 1)
+    assert torch.equal(_generate(engine, ids, **GEN), model.generate(ids, **GEN))
+
+
 def test_traced_step_decodes_the_same(models: dict[str, Path]) -> None:
     """fuse: the step goes through torch.compile whole (fullgraph: no graph break, the buffer writes traced);
     the "eager" backend runs dynamo's graph without Inductor, so this needs no compiler."""
@@ -356,3 +370,28 @@ def _logits_follow_transformers(model: torch.nn.Module, engine: GraphDecoder) ->
     ref = want[3:]
     rel = (torch.stack(got) - ref).abs().amax(-1) / ref.abs().amax(-1)
     assert float(rel.max()) < 2e-2, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["plain", "fused", "odd"])
+def test_folded_step_follows_the_unfolded_one(models: dict[str, Path], name: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """fold=True: every packed projection folds (the norms into q/k/v and gate/up, the residual adds into o and
+    down), captured plain and through Inductor; logits follow transformers' to float16 rounding and the greedy
+    tokens are the unfolded loop's."""
+    monkeypatch.delenv("W4PACK_LEAN_FOLD", raising=False)
+    model = load_model(models[name], device="cuda", dtype="float16", engine="eager")
+    n_layers = model.config.num_hidden_layers
+    plain = GraphDecoder(model, fuse=False)
+    folded = GraphDecoder(model, fuse=False, fold=True)
+    assert (plain.folded, folded.folded, folded.fold) == (0, 4 * n_layers, True)
+    ids = _ids().cuda()
+    kw = dict(GEN, max_new_tokens=12)
+    want = _generate(plain, ids, **kw)
+    assert torch.equal(_generate(folded, ids, **kw), want)
+    assert folded.captures == 1 and not folded.note
+    _logits_follow_transformers(model, GraphDecoder(model, fuse=False, fold=True))
+    inductor = GraphDecoder(model, fold=True)
+    assert inductor.fuse == "inductor"
+    assert torch.equal(_generate(inductor, ids, **kw), want)
+    assert inductor.captures == 1 and not inductor.note

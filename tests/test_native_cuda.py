@@ -24,14 +24,14 @@ def test_header_declares_the_cuda_entry_points():
     names = cuda.entry_points()
     assert names == ["w4p_cuda_abi_version", "w4p_cuda_last_error", "w4p_cuda_device_count", "w4p_cuda_plan",
                      "w4p_cuda_plan_for", "w4p_cuda_plan_describe", "w4p_cuda_plan_describe_for", "w4p_cuda_gemm",
-                     "w4p_cuda_dequantize"]
+                     "w4p_cuda_gemm_normed", "w4p_cuda_dequantize"]
 
 
 def test_library_loads_and_resolves_every_entry_point():
     ffi, lib = _lib_or_skip()
     for name in cuda.entry_points():
         assert getattr(lib, name) is not None  # raises AttributeError on an undefined symbol
-    assert lib.w4p_cuda_abi_version() == 1
+    assert lib.w4p_cuda_abi_version() == cuda.CUDA_ABI == 2
 
 
 def test_device_count_reports_cleanly():
@@ -56,6 +56,13 @@ def test_bad_arguments_come_back_as_codes():
     rc = lib.w4p_cuda_gemm(0, ffi.NULL, 3, 1, 16, 64, ffi.NULL, 64, ffi.NULL, 16, ffi.NULL, 4, 128, 0,
                            ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, 0, 0, 0)
     assert rc == lib.W4P_EUNSUPPORTED
+    one = ffi.new("char[16]")
+    rc = lib.w4p_cuda_gemm_normed(0, ffi.NULL, 1, 16, 64, one, one, ffi.NULL, 4, 128, 0, ffi.NULL, ffi.NULL,
+                                  ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, 1e-6, ffi.NULL, 0)
+    assert rc == lib.W4P_EINVAL and "norm_weight is required" in ffi.string(lib.w4p_cuda_last_error()).decode()
+    rc = lib.w4p_cuda_gemm_normed(0, ffi.NULL, 1, 16, 64, one, one, ffi.NULL, 4, 128, 0, ffi.NULL, ffi.NULL,
+                                  ffi.NULL, ffi.NULL, ffi.NULL, one, float("nan"), ffi.NULL, 0)
+    assert rc == lib.W4P_EINVAL and "norm_eps" in ffi.string(lib.w4p_cuda_last_error()).decode()
 
 
 def test_library_plans_as_the_host_planner(monkeypatch):

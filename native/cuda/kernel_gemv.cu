@@ -137,7 +137,10 @@ __device__ __forceinline__ void gv_chunk(float (&acc)[4], const GvBuf<ZM, TS> &b
   }
 }
 
-template <typename T, int ZM, int TS>
+// NORM: the activation row is first RMS-normalized as transformers' RMSNorm does (p.nw, p.neps): in fp32 by the
+// row's root mean square, rounded to T, times the norm weight, rounded to T. Every block reduces the whole row
+// (it stages the whole row anyway), so the norm costs no kernel of its own.
+template <typename T, int ZM, int TS, bool NORM>
 __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel(const Params p) {
   constexpr int W = GV_W, U = GV_U, NT = W * 32;
   using Buf = GvBuf<ZM, TS>;
@@ -174,11 +177,34 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
   load(A);  // (weights do not depend on the previous kernel's output; requested before the staging below)
   {  // the activations in fragment order: pair (k, k + 1) of tile kb goes to slot ((kb * 4 + tid) * 4 + j) * 2 + hi
     const T *x = (const T *)p.x;
+    float rms = 1.f;
+    if (NORM) {  // 1 / the row's root mean square, the same in every thread (warp sums added in warp order)
+      float ss = 0.f;
+      for (int k = (int)threadIdx.x; k < p.K; k += NT) {
+        const float v = to_f(x[k]);
+        ss = fmaf(v, v, ss);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      if (lane == 0) red[wi] = ss;  // (red's first stripe sums are written after the staging barrier below)
+      __syncthreads();
+      float tot = 0.f;
+#pragma unroll
+      for (int ww = 0; ww < W; ++ww) tot += red[ww];
+      rms = rsqrtf(tot / (float)p.K + p.neps);
+    }
+    auto act = [&](int k) -> T {
+      if (k >= p.K) return from_f<T>(0.f);
+      const int kk = p.perm ? p.perm[k] : k;
+      if (!NORM) return x[kk];
+      const T h = from_f<T>(to_f(x[kk]) * rms);
+      return from_f<T>(to_f(((const T *)p.nw)[kk]) * to_f(h));
+    };
     for (int c = (int)threadIdx.x; c < KT * 32; c += NT) {
       const int k = 2 * c, kb = k >> 6, r = k & 63, j = r >> 4, hi = (r >> 3) & 1, t = (r & 7) >> 1;
       typename Tr<T, 4>::T2 pr;
-      pr.x = k < p.K ? x[p.perm ? p.perm[k] : k] : from_f<T>(0.f);
-      pr.y = k + 1 < p.K ? x[p.perm ? p.perm[k + 1] : k + 1] : from_f<T>(0.f);
+      pr.x = act(k);
+      pr.y = act(k + 1);
       xs[((kb * 4 + t) * 4 + j) * 2 + hi] = as_u32(pr);
     }
   }
@@ -223,7 +249,7 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
 }
 
 template <typename T, int ZM, int TS> cudaError_t launch_gemv_t(const Params &p, const Plan &pl, cudaStream_t st) {
-  auto fn = gemv_kernel<T, ZM, TS>;
+  auto fn = p.nw ? gemv_kernel<T, ZM, TS, true> : gemv_kernel<T, ZM, TS, false>;
   const size_t smem = gv_smem(p.KT);
   cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e != cudaSuccess) return e;

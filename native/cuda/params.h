@@ -27,6 +27,8 @@ struct Params {
   int cl;                // wgmma_ws, wgmma_ss with splits: launched as clusters of the S splits (cluster_reduce)
   int sk;                // wgmma_ws stream-K: its output tiles (over a grid of resident blocks); 0 otherwise
   int pdl;               // bulk, wgmma_ws, wgmma_ss: launched with programmatic dependent launch (pdl_start)
+  const void *nw;        // gemv: RMSNorm weight [K] applied to x first (w4p_cuda_gemm_normed), or null
+  float neps;            // gemv: that norm's epsilon
 };
 
 }  // namespace w4p

@@ -38,7 +38,7 @@ from torch import nn
 from ..errors import BadInputError
 from .lean import LayerSpec, LoopBase, NotLean, _Layer, _out_features, signature, stack_packed, walk
 
-__all__ = ["GraphDecoder", "BUCKET", "FUSE_ENV", "ATTN_ENV", "ATTENTION"]
+__all__ = ["GraphDecoder", "BUCKET", "FUSE_ENV", "ATTN_ENV", "ATTENTION", "FOLD_ENV"]
 
 #: 0/1: capture the step as written, or compiled by torch.compile (Inductor, no CUDA graphs of its own; the default
 #: with graphs)
@@ -49,6 +49,10 @@ FUSE_ENV = "W4PACK_LEAN_FUSE"
 #: has one, over the same keys and mask)
 ATTN_ENV = "W4PACK_LEAN_ATTN"
 ATTENTION = ("matmul", "sdpa")
+
+#: 0/1: fold each layer's RMSNorms into the following projection's kernel and its residual adds into the
+#: o / down projections' (``W4Linear.fold``: packed layers the gemv kernel runs, fp16/bf16 on CUDA); off by default
+FOLD_ENV = "W4PACK_LEAN_FOLD"
 
 #: the shortest attention length a graph covers; longer ones double
 BUCKET = 256
@@ -69,6 +73,7 @@ class _Linear:
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self.stacked = False
+        self.fold = False  # normed / add run as one W4Linear.fold kernel (set by the decoder: may_fold)
         first = mods[0]
         if len(mods) == 1:
             return
@@ -97,12 +102,34 @@ class _Linear:
             self.calls = []
             self.stacked = True
 
+        self.fold = False  # normed / add run as one W4Linear.fold kernel (set by the decoder: may_fold)
+
+    def may_fold(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Turn folding on where the one module is a packed layer whose kernel folds (``W4Linear.fold_ok``)."""
+        from .torch_module import W4Linear
+
+        mod = self.calls[0] if self.weight is None and len(self.calls) == 1 else None
+        self.fold = isinstance(mod, W4Linear) and mod.fold_ok(device, dtype)
+        return self.fold
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         if len(self.calls) == 1:
             return self.calls[0](x)
         return torch.cat([m(x) for m in self.calls], dim=-1)
+
+    def normed(self, h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """self(RMSNorm(h)): one kernel where folding is on, else the norm, then the projection."""
+        if self.fold:
+            return self.calls[0].fold(h, w, eps)
+        return self(LoopBase._norm(h, w, eps))
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + self(x): the residual as the kernel's bias where folding is on (one rounding)."""
+        if self.fold:
+            return self.calls[0].fold(x, residual=residual)
+        return residual + self(x)
 
 
 class GraphDecoder(LoopBase):
@@ -112,13 +139,15 @@ class GraphDecoder(LoopBase):
     stay the ``w4pack::linear`` op) and capture that; a string names the compile backend (tests: "eager");
     default $W4PACK_LEAN_FUSE (0/1), else on with graphs: a graph of unfused torch ops launches ~35 small
     kernels per layer. A step that fails to compile runs unfused, with one warning. ``attn``: one of
-    ``ATTENTION``, default $W4PACK_LEAN_ATTN, else "matmul"."""
+    ``ATTENTION``, default $W4PACK_LEAN_ATTN, else "matmul". ``fold``: fold the norms and residual adds into the
+    packed projections' kernels where they can (``FOLD_ENV``; default $W4PACK_LEAN_FOLD, else off); ``folded``
+    counts the projections that do."""
 
     #: new tokens a call reserves cache for up front (the cache grows past it, recapturing the graphs)
     first_reserve = 4096
 
     def __init__(self, model: nn.Module, graphs: bool | None = None, fuse: bool | str | None = None,
-                 attn: str | None = None):
+                 attn: str | None = None, fold: bool | None = None):
         self.model = model
         spec = walk(model)
         first = next(model.parameters(), None)
@@ -147,12 +176,21 @@ class GraphDecoder(LoopBase):
         if attn not in ATTENTION:
             raise BadInputError(f"{ATTN_ENV}={attn!r}: the lean loop attends by {' or '.join(ATTENTION)}")
         self.attn = attn
+        if fold is None:
+            import os
+
+            fold = os.environ.get(FOLD_ENV, "").strip().lower() in ("1", "true", "yes", "on")
         self._compiled: Any = None
         self.dtype = first.dtype
         self._init_spec(spec)
         with torch.inference_mode():
             self.head = _Linear([spec.head], stack=False, device=self.device, dtype=self.dtype)
             self.layers = [self._layer(ls) for ls in spec.layers]
+        self.folded = 0
+        if fold:
+            for L in self.layers:
+                self.folded += sum(lin.may_fold(self.device, self.dtype) for lin in (L.qkv, L.o, L.gate_up, L.down))
+        self.fold = self.folded > 0
         self._check_widths(self.layers[0].qkv.sizes)
         self.vocab = int(self.head.out_features)
         with torch.inference_mode():  # the step's inputs and outputs: fixed addresses for every graph
@@ -229,8 +267,7 @@ class GraphDecoder(LoopBase):
             amask = torch.zeros(bucket, dtype=self.dtype, device=self.device).masked_fill(future, float("-inf"))
             amask = amask.view(1, 1, 1, bucket)
         for L in self.layers:
-            x = self._norm(h, L.ln1, L.eps1)
-            qkv = L.qkv(x)
+            qkv = L.qkv.normed(h, L.ln1, L.eps1)
             qk = self._qk(L, qkv, cos, sin)
             L.k.index_copy_(1, pos, qk[:, nh:].transpose(0, 1))
             L.v.index_copy_(1, pos, qkv[:, qn + kvn:].view(1, nkv, d).transpose(0, 1))
@@ -243,11 +280,10 @@ class GraphDecoder(LoopBase):
                 s = torch.matmul(q, L.k[:, :bucket].transpose(1, 2)) * self.scaling  # [KVH, G, bucket]
                 s = s.masked_fill(future, float("-inf"))
                 o = torch.matmul(self._softmax(s), L.v[:, :bucket]).reshape(1, qn)
-            h = h + L.o(o)
-            x = self._norm(h, L.ln2, L.eps2)
-            gu = L.gate_up(x)
+            h = L.o.add(o, h)
+            gu = L.gate_up.normed(h, L.ln2, L.eps2)
             inter = gu.shape[-1] // 2
-            h = h + L.down(L.act(gu[:, :inter]) * gu[:, inter:])
+            h = L.down.add(L.act(gu[:, :inter]) * gu[:, inter:], h)
         last = self._norm(h, self.norm_w, self.norm_eps)
         self.logits.copy_(self.head(last)[0])
         self.tok.copy_(torch.argmax(self.logits.to(torch.float32) + self.bias).view(1))

@@ -218,6 +218,36 @@ class W4Linear(nn.Module):
         # on a 30-layer model); CUDA graph capture records the kernel launch either way
         return self._run(x, self.precision)
 
+    def fold_ok(self, device: Any, dtype: torch.dtype) -> bool:
+        """Whether ``fold`` runs on ``device`` for ``dtype`` activations: CUDA, fp16/bf16, and a layer the gemv
+        kernel takes (the norm is folded into its staging). Asked eagerly, before any trace or capture."""
+        dev = _normalize_device(device)
+        if dev.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+            return False
+        return bool(self._kernel(dev).normed_ok())
+
+    def fold(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+        """One row (M = 1) through one kernel with its decoder-layer neighbours folded in: y = RMSNorm(x) @ W.T
+        (+ bias) + residual. norm_weight None: no norm; residual None: nothing added. The norm is transformers'
+        RMSNorm arithmetic, the residual added in fp32 before the output's one rounding. Only where
+        ``fold_ok``; a decode step calls it to spare the norm and residual-add kernels of each layer."""
+        if torch.compiler.is_compiling():
+            return torch.ops.w4pack.linear_fold(x, self.qweight, self.handle, self.out_features, norm_weight,
+                                                float(eps), residual)
+        return self._run_fold(x, norm_weight, eps, residual)
+
+    def _run_fold(self, x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
+                  residual: torch.Tensor | None) -> torch.Tensor:
+        kernel = self._kernel(x.device)
+        if norm_weight is not None:
+            return kernel.forward_normed(x, norm_weight, eps, residual=residual)
+        if residual is None:
+            return kernel.forward(x)
+        bias = residual.reshape(self.out_features)
+        own = kernel.prepare(_cuda_dtype_name(x.dtype, self.meta["scale_dtype"])).get("bias")
+        return kernel.forward(x, bias=bias if own is None else bias + own)
+
     # -- kernels ---------------------------------------------------------------------------------
     def _kernel(self, device: torch.device) -> Any:
         """The native kernel object for ``device``, built on first use and after the buffers moved."""
@@ -326,6 +356,22 @@ def _w4_linear_op(x: torch.Tensor, qweight: torch.Tensor, handle: int, out_featu
 @_w4_linear_op.register_fake
 def _w4_linear_fake(x: torch.Tensor, qweight: torch.Tensor, handle: int, out_features: int,
                     precision: str) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+@torch.library.custom_op("w4pack::linear_fold", mutates_args=())
+def _w4_fold_op(x: torch.Tensor, qweight: torch.Tensor, handle: int, out_features: int,
+                norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None) -> torch.Tensor:
+    """y = RMSNorm(x) @ W.T (+ bias) + residual in one kernel launch (``W4Linear.fold``)."""
+    mod = _HANDLES.get(handle)
+    if mod is None:
+        raise RuntimeError(f"w4pack::linear_fold: module {handle} no longer exists")
+    return mod._run_fold(x, norm_weight, eps, residual)
+
+
+@_w4_fold_op.register_fake
+def _w4_fold_fake(x: torch.Tensor, qweight: torch.Tensor, handle: int, out_features: int,
+                  norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
 
 
