@@ -206,8 +206,9 @@ int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k,
    RMSNorm computes it (x / sqrt(mean(x^2) + norm_eps) in fp32, rounded to dtype, times norm_weight [k] in
    dtype, rounded again), applied while the kernel stages x, so a decode step needs no norm kernel of its own.
    bias [n] or NULL (a residual to add, at M = 1). The other arguments as w4p_cuda_gemm's; x and y are
-   contiguous rows. W4P_EUNSUPPORTED where the gemv kernel does not run the layer (8-bit storage, a group size
-   that is not a multiple of 32): w4p_cuda_plan with kernel W4P_CUDA_KERNEL_GEMV and m = 1 says so up front. */
+   contiguous rows, y not overlapping x. W4P_EUNSUPPORTED where the gemv kernel does not run the layer (8-bit
+   storage, a group size it does not take, compute capability below 8.0, a row too long for its shared memory):
+   w4p_cuda_plan with kernel W4P_CUDA_KERNEL_GEMV and m = 1 says so up front. */
 int w4p_cuda_gemm_normed(int device, void *stream, int dtype, int n, int k, const void *x, void *y,
                          const int32_t *qweight, int storage_bits, int group_size, int zero_mode, const void *scales,
                          const void *zeros, const void *mins, const int32_t *perm, const void *bias,

@@ -319,6 +319,12 @@ def test_gemv_normed(dtype_name, zero_mode, gs, act_order):
                 return lin.forward_normed(x, w, eps, residual=res, out=out)
 
         _repeats_and_replays(torch, Normed(), h, 2, 2)
+    # a quiet row with a large epsilon: the epsilon sets most of the scale (dropped or misplaced, it shows)
+    h = (torch.randn(1, k, device="cuda", generator=gen) * 1e-2).to(tdt)
+    h32, eps = h.float(), 1e-3
+    xn = w * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(tdt)
+    ref = reference(layer, xn.double().cpu().numpy(), to_float64(layer.bias, layer.bias_dtype))
+    assert rel_err(lin.forward_normed(h, w, eps), ref) <= tolerance(dtype_name)
 
 
 @pytest.mark.gpu

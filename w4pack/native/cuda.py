@@ -405,9 +405,10 @@ class CudaPackedLinear:
     def forward_normed(self, x: Any, norm_weight: Any, eps: float, residual: Any = None, out: Any = None) -> Any:
         """y[1, N] = RMSNorm(x[1, K]) · Wᵀ + residual, one gemv launch: the norm as transformers' RMSNorm
         computes it (x / sqrt(mean(x²) + eps) in fp32, rounded to x's dtype, times ``norm_weight``, rounded),
-        applied while the kernel stages x. residual: [N] or [1, N] added to the output in fp32 before its one
-        rounding (in a decoder layer, the residual stream), or None for the layer's own bias. Why: at M = 1
-        every gemv block stages the whole row, so the norm costs no kernel of its own. ``normed_ok`` first."""
+        applied while the kernel stages x. residual: [N] or [1, N] added to the output in fp32 before its
+        rounding (in a decoder layer, the residual stream; the layer's own bias, if any, is summed into it first,
+        in x's dtype), or None for the layer's own bias alone. y must not alias x. Why: at M = 1 every gemv
+        block stages the whole row, so the norm costs no kernel of its own. ``normed_ok`` first."""
         import torch
 
         if not isinstance(x, torch.Tensor) or x.device != self.device:

@@ -102,14 +102,17 @@ class _Linear:
             self.calls = []
             self.stacked = True
 
-        self.fold = False  # normed / add run as one W4Linear.fold kernel (set by the decoder: may_fold)
-
-    def may_fold(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Turn folding on where the one module is a packed layer whose kernel folds (``W4Linear.fold_ok``)."""
+    def may_fold(self, device: torch.device, dtype: torch.dtype, norm: torch.Tensor | None = None) -> bool:
+        """Turn folding on where the one module is a packed layer that folds (``W4Linear.fold_ok``): with the
+        RMSNorm of weight ``norm`` (which must then be a [K] vector of the model's dtype on its device), or with
+        the residual add only (``norm`` None)."""
         from .torch_module import W4Linear
 
         mod = self.calls[0] if self.weight is None and len(self.calls) == 1 else None
-        self.fold = isinstance(mod, W4Linear) and mod.fold_ok(device, dtype)
+        ok = isinstance(mod, W4Linear)
+        if ok and norm is not None:
+            ok = norm.dtype == dtype and norm.device == device and tuple(norm.shape) == (mod.in_features,)
+        self.fold = bool(ok and mod.fold_ok(device, dtype, norm=norm is not None))
         return self.fold
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -189,7 +192,10 @@ class GraphDecoder(LoopBase):
         self.folded = 0
         if fold:
             for L in self.layers:
-                self.folded += sum(lin.may_fold(self.device, self.dtype) for lin in (L.qkv, L.o, L.gate_up, L.down))
+                self.folded += sum((L.qkv.may_fold(self.device, self.dtype, L.ln1),
+                                    L.o.may_fold(self.device, self.dtype),
+                                    L.gate_up.may_fold(self.device, self.dtype, L.ln2),
+                                    L.down.may_fold(self.device, self.dtype)))
         self.fold = self.folded > 0
         self._check_widths(self.layers[0].qkv.sizes)
         self.vocab = int(self.head.out_features)

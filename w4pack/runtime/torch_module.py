@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -218,20 +218,22 @@ class W4Linear(nn.Module):
         # on a 30-layer model); CUDA graph capture records the kernel launch either way
         return self._run(x, self.precision)
 
-    def fold_ok(self, device: Any, dtype: torch.dtype) -> bool:
-        """Whether ``fold`` runs on ``device`` for ``dtype`` activations: CUDA, fp16/bf16, and a layer the gemv
-        kernel takes (the norm is folded into its staging). Asked eagerly, before any trace or capture."""
+    def fold_ok(self, device: Any, dtype: torch.dtype, norm: bool = True) -> bool:
+        """Whether ``fold`` runs on ``device`` for ``dtype`` activations: CUDA, fp16/bf16, and, with a norm
+        (``norm``), a layer the gemv kernel takes (the norm is folded into its staging). Asked eagerly, before
+        any trace or capture."""
         dev = _normalize_device(device)
         if dev.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
             return False
-        return bool(self._kernel(dev).normed_ok())
+        return not norm or bool(self._kernel(dev).normed_ok())
 
     def fold(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
              residual: torch.Tensor | None = None) -> torch.Tensor:
         """One row (M = 1) through one kernel with its decoder-layer neighbours folded in: y = RMSNorm(x) @ W.T
         (+ bias) + residual. norm_weight None: no norm; residual None: nothing added. The norm is transformers'
-        RMSNorm arithmetic, the residual added in fp32 before the output's one rounding. Only where
-        ``fold_ok``; a decode step calls it to spare the norm and residual-add kernels of each layer."""
+        RMSNorm arithmetic; the residual (plus the layer's own bias, if any, summed first in x's dtype) is added
+        in fp32 before the output's rounding. Only where ``fold_ok``; a decode step calls it to spare the norm
+        and residual-add kernels of each layer."""
         if torch.compiler.is_compiling():
             return torch.ops.w4pack.linear_fold(x, self.qweight, self.handle, self.out_features, norm_weight,
                                                 float(eps), residual)
@@ -359,9 +361,10 @@ def _w4_linear_fake(x: torch.Tensor, qweight: torch.Tensor, handle: int, out_fea
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+# (typing.Optional: the schema inference of older torch releases, e.g. vLLM's, reads no PEP 604 unions)
 @torch.library.custom_op("w4pack::linear_fold", mutates_args=())
 def _w4_fold_op(x: torch.Tensor, qweight: torch.Tensor, handle: int, out_features: int,
-                norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None) -> torch.Tensor:
+                norm_weight: Optional[torch.Tensor], eps: float, residual: Optional[torch.Tensor]) -> torch.Tensor:
     """y = RMSNorm(x) @ W.T (+ bias) + residual in one kernel launch (``W4Linear.fold``)."""
     mod = _HANDLES.get(handle)
     if mod is None:
@@ -371,7 +374,7 @@ def _w4_fold_op(x: torch.Tensor, qweight: torch.Tensor, handle: int, out_feature
 
 @_w4_fold_op.register_fake
 def _w4_fold_fake(x: torch.Tensor, qweight: torch.Tensor, handle: int, out_features: int,
-                  norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None) -> torch.Tensor:
+                  norm_weight: Optional[torch.Tensor], eps: float, residual: Optional[torch.Tensor]) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
 
 
