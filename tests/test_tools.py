@@ -449,3 +449,30 @@ def test_bench_run_auto_mode_installs_and_removes_the_default(monkeypatch):
     assert bench.decode_rate(model, 1, 4, 1, "eager")["decode"] == "eager"
     text = bench.table([{"shape": "tiny", "float": [], "w4": rows}])
     assert "auto/lean" in text and "auto/eager" in text
+
+
+def test_bench_run_variants_parse_set_and_tabulate(monkeypatch):
+    # --variants: each a set of environment variables, set while its run installs and times the loop, then
+    # restored; the table names each row's variant and round, and matches it with the float row of the same
+    bench = _tool("bench_run")
+    got = bench.parse_variants("base; W4PACK_LEAN_ATTN=sdpa ;W4PACK_LEAN_ATTN=sdpa,W4PACK_LEAN_FOLD=1;")
+    assert got == [("base", {}), ("W4PACK_LEAN_ATTN=sdpa", {"W4PACK_LEAN_ATTN": "sdpa"}),
+                   ("W4PACK_LEAN_ATTN=sdpa,W4PACK_LEAN_FOLD=1", {"W4PACK_LEAN_ATTN": "sdpa", "W4PACK_LEAN_FOLD": "1"})]
+    with pytest.raises(ValueError, match="'fold' is not VAR=VALUE"):
+        bench.parse_variants("base;fold")
+    monkeypatch.setenv("W4PACK_LEAN_ATTN", "matmul")
+    monkeypatch.delenv("W4PACK_LEAN_FOLD", raising=False)
+    with bench.environment({"W4PACK_LEAN_ATTN": "sdpa", "W4PACK_LEAN_FOLD": "1"}):
+        assert os.environ["W4PACK_LEAN_ATTN"] == "sdpa" and os.environ["W4PACK_LEAN_FOLD"] == "1"
+    assert os.environ["W4PACK_LEAN_ATTN"] == "matmul" and "W4PACK_LEAN_FOLD" not in os.environ
+
+    def row(mode, rate, variant=None, rnd=None):
+        r = {"mode": mode, "decode": "lean", "batch": 1, "decode_tokens_per_s": rate, "ms_per_step": 1000 / rate}
+        return {**r, "variant": variant, "round": rnd} if variant else r
+
+    text = bench.table([{"shape": "tiny", "float": [row("compiled", 100.0), row("auto", 150.0, "base", 1),
+                                                    row("auto", 160.0, "x=1", 1)],
+                         "w4": [row("compiled", 200.0), row("auto", 300.0, "base", 1), row("auto", 320.0, "x=1", 1)]}])
+    lines = text.splitlines()
+    assert any("auto/lean [base] #1" in ln and "150.0" in ln and "2.00x" in ln and "3.00x" in ln for ln in lines)
+    assert any("auto/lean [x=1] #1" in ln and "160.0" in ln and "3.20x" in ln for ln in lines), text

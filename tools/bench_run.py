@@ -22,7 +22,9 @@ default (``w4pack.runtime.decode.use_decode``: the fused lean loop where it runs
 batches); its rows name the engine that answered. The warm-up of the compiled modes includes their compile for
 each batch, the lean modes' their graph capture. The lean loop's attention follows $W4PACK_LEAN_ATTN (``matmul``
 or ``sdpa``) and its folding $W4PACK_LEAN_FOLD; its rows name the attention it ran (``attn``) and the projections
-that folded (``folded``).
+that folded (``folded``). ``--variants`` times such settings against each other in one process: every installed
+mode once per variant, the variants in turn for ``--rounds`` rounds, so drift between calls or machines does not
+enter the comparison (rows carry ``variant`` and ``round``).
 
     python tools/bench_run.py --device cuda --shapes llama2-7b --batches 1,16,64 \
         --modes eager,compiled,lean,lean_fused,auto
@@ -232,18 +234,62 @@ def profile_steps(model: Any, batch: int, new_tokens: int, mode: str, top: int =
     return "\n".join(lines)
 
 
+def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
+    """``--variants``: ``base;VAR=VALUE,VAR=VALUE;...`` as (name, environment) pairs; "base" sets nothing."""
+    out = []
+    for item in (part.strip() for part in text.split(";")):
+        if not item:
+            continue
+        env: dict[str, str] = {}
+        if item != "base":
+            for pair in item.split(","):
+                var, sep, value = pair.partition("=")
+                if not sep or not var.strip():
+                    raise ValueError(f"--variants: {pair!r} is not VAR=VALUE")
+                env[var.strip()] = value.strip()
+        out.append((item, env))
+    return out
+
+
+class environment:
+    """``with environment(env):`` the variables set (the lean loop reads its options when installed), then
+    restored."""
+
+    def __init__(self, env: dict[str, str]):
+        import os
+
+        self.env, self.saved = env, {var: os.environ.get(var) for var in env}
+
+    def __enter__(self) -> "environment":
+        import os
+
+        os.environ.update(self.env)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import os
+
+        for var, value in self.saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+
+
 def table(results: list[dict[str, Any]]) -> str:
     """Medians side by side: each W4 rate against the float model's in the same mode and against compiled fp."""
     lines = [f"{'shape':<10} {'batch':>5} {'mode':<13} {'float tok/s':>12} {'w4 tok/s':>10} {'w4/float':>9} "
              f"{'w4/float compiled':>18} {'w4 ms/step':>11}"]
     for row in results:
-        fl = {(r["mode"], r["batch"]): r for r in row["float"]}
+        fl = {(r["mode"], r["batch"], r.get("variant"), r.get("round")): r for r in row["float"]}
         for r in row["w4"]:
-            f = fl.get((r["mode"], r["batch"]))
-            fc = fl.get(("compiled", r["batch"]))
+            f = fl.get((r["mode"], r["batch"], r.get("variant"), r.get("round")))
+            fc = fl.get(("compiled", r["batch"], None, None))
             ratio = f"{r['decode_tokens_per_s'] / f['decode_tokens_per_s']:.2f}x" if f else "-"
             ratio_c = f"{r['decode_tokens_per_s'] / fc['decode_tokens_per_s']:.2f}x" if fc else "-"
             mode = f"auto/{r['decode'].split()[0]}" if r["mode"] == AUTO else r["mode"]  # the engine that answered
+            if r.get("variant"):
+                mode += f" [{r['variant']}] #{r['round']}"
             lines.append(f"{row['shape']:<10} {r['batch']:>5} {mode:<13} "
                          f"{f['decode_tokens_per_s'] if f else '-':>12} {r['decode_tokens_per_s']:>10} {ratio:>9} "
                          f"{ratio_c:>18} {r['ms_per_step']:>11}")
@@ -275,7 +321,16 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: after timing, profile one decode of each model at the first batch size (kernels)")
     ap.add_argument("--profile-top", type=int, default=15, help="kernels listed per profile (by GPU time)")
+    ap.add_argument("--variants", default="",
+                    help="environment variants of the installed modes (lean, lean_fused, auto), ';'-separated, each "
+                         "'base' or VAR=VALUE[,VAR=VALUE], e.g. 'base;W4PACK_LEAN_ATTN=sdpa;W4PACK_LEAN_FOLD=1': "
+                         "those modes are timed once per variant, in turn, --rounds times (an A/B in one process)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of the variants in turn (with --variants)")
     args = ap.parse_args()
+    try:
+        variants = parse_variants(args.variants)
+    except ValueError as exc:
+        ap.error(str(exc))
     import torch
 
     dtype = torch.float16 if args.device.startswith("cuda") else torch.float32
@@ -292,14 +347,18 @@ def main() -> int:
         def measure(which: str) -> None:
             """Every mode and batch of the model as it is now (float, then with its layers swapped to W4)."""
             for mode in modes:
-                with lean_mode(model, mode):
-                    for b in _batches(batches, mode):
-                        row[which].append(decode_rate(model, b, args.new_tokens, args.repeats, mode))
-                        print(json.dumps({"shape": shape, "model": which, **row[which][-1]}), flush=True)
-                    if args.profile and args.device.startswith("cuda"):
-                        first = 1 if mode in LEAN_MODES else batches[0]
-                        split = profile_steps(model, first, args.new_tokens, mode, args.profile_top)
-                        print(f"{which} model, {split}", flush=True)
+                runs = [(name, env, r + 1) for r in range(max(1, args.rounds)) for name, env in variants] \
+                    if variants and mode in INSTALLED else [("", {}, 0)]
+                for i, (name, env, rnd) in enumerate(runs):
+                    with environment(env), lean_mode(model, mode):
+                        for b in _batches(batches, mode):
+                            got = decode_rate(model, b, args.new_tokens, args.repeats, mode)
+                            row[which].append({**got, **({"variant": name, "round": rnd} if name else {})})
+                            print(json.dumps({"shape": shape, "model": which, **row[which][-1]}), flush=True)
+                        if args.profile and args.device.startswith("cuda") and i == len(runs) - 1:
+                            first = 1 if mode in LEAN_MODES else batches[0]
+                            split = profile_steps(model, first, args.new_tokens, mode, args.profile_top)
+                            print(f"{which} model, {split}", flush=True)
 
         measure("float")
         row["w4_layers"] = swap_to_w4(model, shape, args.device, args.precision)
