@@ -202,17 +202,24 @@ int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k,
                   const int32_t *qweight, int storage_bits, int group_size, int zero_mode,
                   const void *scales, const void *zeros, const void *mins, const int32_t *perm,
                   const void *bias, void *workspace, size_t workspace_bytes, int kernel, int splits);
-/* y[:n] = RMSNorm(x[:k]) . W^T (+ bias) for one row (M = 1) through the gemv kernel: the norm as transformers'
-   RMSNorm computes it (x / sqrt(mean(x^2) + norm_eps) in fp32, rounded to dtype, times norm_weight [k] in
-   dtype, rounded again), applied while the kernel stages x, so a decode step needs no norm kernel of its own.
-   bias [n] or NULL (a residual to add, at M = 1). The other arguments as w4p_cuda_gemm's; x and y are
-   contiguous rows, y not overlapping x. W4P_EUNSUPPORTED where the gemv kernel does not run the layer (8-bit
-   storage, a group size it does not take, compute capability below 8.0, a row too long for its shared memory):
-   w4p_cuda_plan with kernel W4P_CUDA_KERNEL_GEMV and m = 1 says so up front. */
-int w4p_cuda_gemm_normed(int device, void *stream, int dtype, int n, int k, const void *x, void *y,
-                         const int32_t *qweight, int storage_bits, int group_size, int zero_mode, const void *scales,
-                         const void *zeros, const void *mins, const int32_t *perm, const void *bias,
-                         const void *norm_weight, float norm_eps, void *workspace, size_t workspace_bytes);
+/* One row (M = 1) through the gemv kernel with what precedes the GEMM in a decoder layer applied to x while the
+   kernel stages it (prologue), so a decode step needs no kernel of its own for it:
+     W4P_ROW_PLAIN    y = x . W^T (+ bias);
+     W4P_ROW_RMSNORM  y = RMSNorm(x) . W^T (+ bias), the norm as transformers' RMSNorm computes it:
+                      x / sqrt(mean(x^2) + norm_eps) in fp32, rounded to dtype, times norm_weight [k], rounded;
+     W4P_ROW_SWIGLU   x holds 2k values [gate | up]; y = (silu(gate) * up) . W^T (+ bias), silu in fp32 rounded
+                      to dtype, times up, rounded (transformers' act_fn(gate) * up).
+   bias [n] or NULL (in a decoder layer, the residual stream to add). The other arguments as w4p_cuda_gemm's; x
+   and y are contiguous rows, y not overlapping x. W4P_EUNSUPPORTED where the gemv kernel does not run the layer
+   (8-bit storage, a group size it does not take, compute capability below 8.0, a row too long for its shared
+   memory): w4p_cuda_plan with kernel W4P_CUDA_KERNEL_GEMV and m = 1 says so up front. */
+#define W4P_ROW_PLAIN 0
+#define W4P_ROW_RMSNORM 1
+#define W4P_ROW_SWIGLU 2
+int w4p_cuda_gemm_row(int device, void *stream, int dtype, int n, int k, const void *x, void *y,
+                      const int32_t *qweight, int storage_bits, int group_size, int zero_mode, const void *scales,
+                      const void *zeros, const void *mins, const int32_t *perm, const void *bias, int prologue,
+                      const void *norm_weight, float norm_eps, void *workspace, size_t workspace_bytes);
 /* W[n][k] (row stride ldw, original column order: act-order undone) = the layer's weights in dtype, one
    rounding from fp32. For dense GEMMs at large M and for checks. */
 int w4p_cuda_dequantize(int device, void *stream, int dtype, int n, int k, const int32_t *qweight,

@@ -284,67 +284,80 @@ def test_gemv_kernel(dtype_name, zero_mode, gs, act_order):
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 @pytest.mark.parametrize("zero_mode,gs,act_order", [("int", 128, False), ("none", 32, True), ("float", 64, False),
                                                     ("none", -1, False), ("int", 96, True)])
-def test_gemv_normed(dtype_name, zero_mode, gs, act_order):
-    # forward_normed: transformers' RMSNorm of the row (float32 root mean square, rounded, times the weight,
-    # rounded) folded into the gemv kernel's staging, plus a residual added before the output's rounding; against
-    # the float64 reference of the norm computed by torch, odd shapes (K past the last tile, rows past N), the
-    # layer's own bias with and without a residual, repeats and graph replays bit-identical
+def test_gemv_row_prologues(dtype_name, zero_mode, gs, act_order):
+    # forward_row: transformers' RMSNorm of the row (float32 root mean square, rounded, times the weight, rounded)
+    # or the SwiGLU of [gate | up] (silu in float32, rounded, times up, rounded) applied in the gemv kernel's
+    # staging, plus a residual added before the output's rounding; against the float64 reference of what torch
+    # computes for them, odd shapes (K past the last tile, rows past N), the layer's own bias with and without a
+    # residual, a quiet row where the epsilon sets the scale, repeats and graph replays bit-identical
     import torch
 
     if not gemv_ok():
         pytest.skip("the gemv kernel needs compute capability 8.0")
-    rng = np.random.default_rng(zlib.crc32(repr(("normed", dtype_name, zero_mode, gs, act_order)).encode()))
+    rng = np.random.default_rng(zlib.crc32(repr(("row", dtype_name, zero_mode, gs, act_order)).encode()))
     tdt = torch.float16 if dtype_name == "float16" else torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(int(rng.integers(1 << 30)))
+
+    def rmsnorm(h, w, eps):  # LlamaRMSNorm
+        h32 = h.float()
+        return w * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(tdt)
+
+    def swiglu(gu, k):
+        return torch.nn.functional.silu(gu[:, :k]) * gu[:, k:]
+
     for n, k in ((196, 576), (600, 1000), (17, 64), (4100, 2880), (40, 12000)):
         layer = random_layer(rng, n, k, gs=gs, zero_mode=zero_mode, act_order=act_order, scale_dtype=dtype_name,
                              bias=True)
         lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
-        assert lin.normed_ok()
+        assert lin.row_ok()
         h = (torch.randn(1, k, device="cuda", generator=gen) * 3 + 0.5).to(tdt)
         w = (torch.rand(k, device="cuda", generator=gen) + 0.5).to(tdt)
+        gu = (torch.randn(1, 2 * k, device="cuda", generator=gen) * 2).to(tdt)
         res = torch.randn(n, device="cuda", generator=gen).to(tdt)
-        eps = 1e-5
-        h32 = h.float()
-        xn = w * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(tdt)  # transformers' RMSNorm
         own = to_float64(layer.bias, layer.bias_dtype)
-        for residual, extra in ((None, 0.0), (res, res.double().cpu().numpy())):
-            ref = reference(layer, xn.double().cpu().numpy(), own) + extra
-            got = lin.forward_normed(h, w, eps, residual=residual)
-            assert got.shape == (1, n) and got.dtype == tdt
-            assert rel_err(got, ref) <= tolerance(dtype_name), (n, k, residual is None)
+        eps = 1e-5
+        cases = (("rmsnorm", h, dict(norm_weight=w, eps=eps), rmsnorm(h, w, eps)), ("swiglu", gu, {}, swiglu(gu, k)),
+                 ("plain", h, {}, h))
+        for prologue, x, kw, xf in cases:
+            for residual, extra in ((None, 0.0), (res, res.double().cpu().numpy())):
+                ref = reference(layer, xf.double().cpu().numpy(), own) + extra
+                got = lin.forward_row(x, prologue, residual=residual, **kw)
+                assert got.shape == (1, n) and got.dtype == tdt
+                assert rel_err(got, ref) <= tolerance(dtype_name), (n, k, prologue, residual is None)
 
-        class Normed:  # the call as _repeats_and_replays makes it
-            def forward(self, x, out=None):
-                return lin.forward_normed(x, w, eps, residual=res, out=out)
+            class Row:  # the call as _repeats_and_replays makes it
+                def forward(self, x, out=None, prologue=prologue, kw=kw):
+                    return lin.forward_row(x, prologue, residual=res, out=out, **kw)
 
-        _repeats_and_replays(torch, Normed(), h, 2, 2)
+            _repeats_and_replays(torch, Row(), x, 2, 2)
     # a quiet row with a large epsilon: the epsilon sets most of the scale (dropped or misplaced, it shows)
     h = (torch.randn(1, k, device="cuda", generator=gen) * 1e-2).to(tdt)
-    h32, eps = h.float(), 1e-3
-    xn = w * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(tdt)
-    ref = reference(layer, xn.double().cpu().numpy(), to_float64(layer.bias, layer.bias_dtype))
-    assert rel_err(lin.forward_normed(h, w, eps), ref) <= tolerance(dtype_name)
+    ref = reference(layer, rmsnorm(h, w, 1e-3).double().cpu().numpy(), to_float64(layer.bias, layer.bias_dtype))
+    assert rel_err(lin.forward_row(h, "rmsnorm", w, 1e-3), ref) <= tolerance(dtype_name)
 
 
 @pytest.mark.gpu
-def test_gemv_normed_refuses_what_it_cannot_run():
+def test_gemv_row_refuses_what_it_cannot_run():
     import torch
 
     from w4pack.errors import BadInputError
 
     rng = np.random.default_rng(11)
     lin8 = cuda.CudaPackedLinear(pack(random_layer(rng, 64, 256, bits=8)), "cuda")
-    assert not lin8.normed_ok()  # (8-bit storage: the gemv kernel takes 4-bit layers)
+    assert not lin8.row_ok()  # (8-bit storage: the gemv kernel takes 4-bit layers)
     lin = cuda.CudaPackedLinear(pack(random_layer(rng, 64, 256)), "cuda")
     h = torch.randn(1, 256, device="cuda", dtype=torch.float16)
     w = torch.ones(256, device="cuda", dtype=torch.float16)
     with pytest.raises(BadInputError, match="one row of 256"):
-        lin.forward_normed(torch.randn(2, 256, device="cuda", dtype=torch.float16), w, 1e-6)
+        lin.forward_row(torch.randn(2, 256, device="cuda", dtype=torch.float16), "rmsnorm", w, 1e-6)
+    with pytest.raises(BadInputError, match="one row of 512"):
+        lin.forward_row(h, "swiglu")
     with pytest.raises(BadInputError, match="norm_weight"):
-        lin.forward_normed(h, w[:100], 1e-6)
+        lin.forward_row(h, "rmsnorm", w[:100], 1e-6)
     with pytest.raises(BadInputError, match="residual"):
-        lin.forward_normed(h, w, 1e-6, residual=torch.zeros(63, device="cuda", dtype=torch.float16))
+        lin.forward_row(h, "rmsnorm", w, 1e-6, residual=torch.zeros(63, device="cuda", dtype=torch.float16))
+    with pytest.raises(BadInputError, match="prologue 'gelu'"):
+        lin.forward_row(h, "gelu")
 
 
 @pytest.mark.gpu

@@ -376,9 +376,9 @@ def _logits_follow_transformers(model: torch.nn.Module, engine: GraphDecoder) ->
 @pytest.mark.parametrize("name", ["plain", "fused", "odd"])
 def test_folded_step_follows_the_unfolded_one(models: dict[str, Path], name: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """fold=True: every packed projection folds (the norms into q/k/v and gate/up, the residual adds into o and
-    down), captured plain and through Inductor; logits follow transformers' to float16 rounding and the greedy
-    tokens are the unfolded loop's."""
+    """fold=True: every packed projection folds (the norms into q/k/v and gate/up, the SwiGLU into down, the
+    residual adds into o and down), captured plain and through Inductor; logits follow transformers' to float16
+    rounding and the greedy tokens are the unfolded loop's."""
     monkeypatch.delenv("W4PACK_LEAN_FOLD", raising=False)
     model = load_model(models[name], device="cuda", dtype="float16", engine="eager")
     n_layers = model.config.num_hidden_layers
@@ -387,7 +387,7 @@ def test_folded_step_follows_the_unfolded_one(models: dict[str, Path], name: str
     # "odd" has a permutation per projection (act-order): q/k/v and gate/up stay separate calls, unfolded
     per_layer = {"plain": 4, "fused": 4, "odd": 2}[name]
     assert (plain.folded, folded.folded, folded.fold) == (0, per_layer * n_layers, True)
-    assert all(L.o.fold and L.down.fold for L in folded.layers)
+    assert all(L.o.fold and L.down.fold and L.down.swiglu for L in folded.layers)  # (llama: SiLU)
     ids = _ids().cuda()
     kw = dict(GEN, max_new_tokens=12)
     want = _generate(plain, ids, **kw)

@@ -24,7 +24,7 @@ def test_header_declares_the_cuda_entry_points():
     names = cuda.entry_points()
     assert names == ["w4p_cuda_abi_version", "w4p_cuda_last_error", "w4p_cuda_device_count", "w4p_cuda_plan",
                      "w4p_cuda_plan_for", "w4p_cuda_plan_describe", "w4p_cuda_plan_describe_for", "w4p_cuda_gemm",
-                     "w4p_cuda_gemm_normed", "w4p_cuda_dequantize"]
+                     "w4p_cuda_gemm_row", "w4p_cuda_dequantize"]
 
 
 def test_library_loads_and_resolves_every_entry_point():
@@ -57,12 +57,16 @@ def test_bad_arguments_come_back_as_codes():
                            ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, 0, 0, 0)
     assert rc == lib.W4P_EUNSUPPORTED
     one = ffi.new("char[16]")
-    rc = lib.w4p_cuda_gemm_normed(0, ffi.NULL, 1, 16, 64, one, one, ffi.NULL, 4, 128, 0, ffi.NULL, ffi.NULL,
-                                  ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, 1e-6, ffi.NULL, 0)
-    assert rc == lib.W4P_EINVAL and "norm_weight is required" in ffi.string(lib.w4p_cuda_last_error()).decode()
-    rc = lib.w4p_cuda_gemm_normed(0, ffi.NULL, 1, 16, 64, one, one, ffi.NULL, 4, 128, 0, ffi.NULL, ffi.NULL,
-                                  ffi.NULL, ffi.NULL, ffi.NULL, one, float("nan"), ffi.NULL, 0)
-    assert rc == lib.W4P_EINVAL and "norm_eps" in ffi.string(lib.w4p_cuda_last_error()).decode()
+
+    def row(prologue, norm_weight, eps):
+        return lib.w4p_cuda_gemm_row(0, ffi.NULL, 1, 16, 64, one, one, ffi.NULL, 4, 128, 0, ffi.NULL, ffi.NULL,
+                                     ffi.NULL, ffi.NULL, ffi.NULL, prologue, norm_weight, eps, ffi.NULL, 0)
+
+    last = lambda: ffi.string(lib.w4p_cuda_last_error()).decode()  # noqa: E731
+    assert row(lib.W4P_ROW_RMSNORM, ffi.NULL, 1e-6) == lib.W4P_EINVAL and "norm_weight is required" in last()
+    assert row(lib.W4P_ROW_RMSNORM, one, float("nan")) == lib.W4P_EINVAL and "norm_eps" in last()
+    assert row(3, ffi.NULL, 0.0) == lib.W4P_EINVAL and "prologue 3" in last()
+    assert (lib.W4P_ROW_PLAIN, lib.W4P_ROW_RMSNORM, lib.W4P_ROW_SWIGLU) == tuple(cuda.PROLOGUES.values())
 
 
 def test_library_plans_as_the_host_planner(monkeypatch):

@@ -65,8 +65,8 @@ int w4p_cuda_plan_describe(int device, int64_t m, int n, int k, int storage_bits
 static int gemm_impl(int device, void *stream, int dtype, int64_t m, int n, int k, const void *x, int64_t ldx,
                      void *y, int64_t ldy, const int32_t *qweight, int storage_bits, int group_size, int zero_mode,
                      const void *scales, const void *zeros, const void *mins, const int32_t *perm, const void *bias,
-                     void *workspace, size_t workspace_bytes, int kernel, int splits, const void *norm_weight,
-                     float norm_eps) {
+                     void *workspace, size_t workspace_bytes, int kernel, int splits, int prologue,
+                     const void *norm_weight, float norm_eps) {
   if (m < 1 || n < 1 || k < 1) return fail(W4P_EINVAL, "bad shape m=%lld n=%d k=%d", (long long)m, n, k);
   if (dtype != W4P_DT_F16 && dtype != W4P_DT_BF16) return fail(W4P_EUNSUPPORTED, "dtype %d: fp16 or bf16 only", dtype);
   if (storage_bits != 4 && storage_bits != 8) return fail(W4P_EINVAL, "storage_bits must be 4 or 8, got %d", storage_bits);
@@ -149,6 +149,7 @@ static int gemm_impl(int device, void *stream, int dtype, int64_t m, int n, int 
   p.sink = 0x9E3779B9u;
   p.probe = kernel == W4P_CUDA_PROBE_BULK || kernel == W4P_CUDA_PROBE_WS || kernel == W4P_CUDA_PROBE_SS ? 1 : 0;
   p.kg = pl.kg;
+  p.pro = prologue;
   p.nw = norm_weight;
   p.neps = norm_eps;
 
@@ -167,18 +168,22 @@ int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k, 
                   const void *scales, const void *zeros, const void *mins, const int32_t *perm, const void *bias,
                   void *workspace, size_t workspace_bytes, int kernel, int splits) {
   return gemm_impl(device, stream, dtype, m, n, k, x, ldx, y, ldy, qweight, storage_bits, group_size, zero_mode,
-                   scales, zeros, mins, perm, bias, workspace, workspace_bytes, kernel, splits, nullptr, 0.f);
+                   scales, zeros, mins, perm, bias, workspace, workspace_bytes, kernel, splits, W4P_ROW_PLAIN,
+                   nullptr, 0.f);
 }
 
-int w4p_cuda_gemm_normed(int device, void *stream, int dtype, int n, int k, const void *x, void *y,
-                         const int32_t *qweight, int storage_bits, int group_size, int zero_mode, const void *scales,
-                         const void *zeros, const void *mins, const int32_t *perm, const void *bias,
-                         const void *norm_weight, float norm_eps, void *workspace, size_t workspace_bytes) {
-  if (!norm_weight) return fail(W4P_EINVAL, "norm_weight is required");
-  if (!(norm_eps >= 0.f)) return fail(W4P_EINVAL, "norm_eps must be a non-negative number");
-  return gemm_impl(device, stream, dtype, 1, n, k, x, k, y, n, qweight, storage_bits, group_size, zero_mode, scales,
-                   zeros, mins, perm, bias, workspace, workspace_bytes, W4P_CUDA_KERNEL_GEMV, 0, norm_weight,
-                   norm_eps);
+int w4p_cuda_gemm_row(int device, void *stream, int dtype, int n, int k, const void *x, void *y,
+                      const int32_t *qweight, int storage_bits, int group_size, int zero_mode, const void *scales,
+                      const void *zeros, const void *mins, const int32_t *perm, const void *bias, int prologue,
+                      const void *norm_weight, float norm_eps, void *workspace, size_t workspace_bytes) {
+  if (prologue != W4P_ROW_PLAIN && prologue != W4P_ROW_RMSNORM && prologue != W4P_ROW_SWIGLU)
+    return fail(W4P_EINVAL, "prologue %d: W4P_ROW_PLAIN, W4P_ROW_RMSNORM or W4P_ROW_SWIGLU", prologue);
+  if (prologue == W4P_ROW_RMSNORM && !norm_weight) return fail(W4P_EINVAL, "norm_weight is required");
+  if (prologue == W4P_ROW_RMSNORM && !(norm_eps >= 0.f))
+    return fail(W4P_EINVAL, "norm_eps must be a non-negative number");
+  return gemm_impl(device, stream, dtype, 1, n, k, x, prologue == W4P_ROW_SWIGLU ? 2 * (int64_t)k : k, y, n,
+                   qweight, storage_bits, group_size, zero_mode, scales, zeros, mins, perm, bias, workspace,
+                   workspace_bytes, W4P_CUDA_KERNEL_GEMV, 0, prologue, norm_weight, norm_eps);
 }
 
 int w4p_cuda_dequantize(int device, void *stream, int dtype, int n, int k, const int32_t *qweight, int storage_bits,

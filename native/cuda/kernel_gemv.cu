@@ -137,10 +137,12 @@ __device__ __forceinline__ void gv_chunk(float (&acc)[4], const GvBuf<ZM, TS> &b
   }
 }
 
-// NORM: the activation row is first RMS-normalized as transformers' RMSNorm does (p.nw, p.neps): in fp32 by the
-// row's root mean square, rounded to T, times the norm weight, rounded to T. Every block reduces the whole row
-// (it stages the whole row anyway), so the norm costs no kernel of its own.
-template <typename T, int ZM, int TS, bool NORM>
+// PRO, what is applied to the activation row while it is staged (p.pro; a decode layer's neighbours of the GEMM,
+// so they cost no kernel of their own): W4P_ROW_RMSNORM as transformers' RMSNorm (p.nw, p.neps): in fp32 by the
+// row's root mean square, rounded to T, times the norm weight, rounded to T; every block reduces the whole row (it
+// stages the whole row anyway). W4P_ROW_SWIGLU: x holds [gate (K) | up (K)], staged as silu(gate) rounded to T,
+// times up, rounded to T (transformers' act_fn(gate_proj(x)) * up_proj(x) in eager arithmetic).
+template <typename T, int ZM, int TS, int PRO>
 __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel(const Params p) {
   constexpr int W = GV_W, U = GV_U, NT = W * 32;
   using Buf = GvBuf<ZM, TS>;
@@ -178,7 +180,7 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
   {  // the activations in fragment order: pair (k, k + 1) of tile kb goes to slot ((kb * 4 + tid) * 4 + j) * 2 + hi
     const T *x = (const T *)p.x;
     float rms = 1.f;
-    if (NORM) {  // 1 / the row's root mean square, the same in every thread (warp sums added in warp order)
+    if (PRO == W4P_ROW_RMSNORM) {  // 1 / the row's root mean square, the same in every thread (warp sums added in warp order)
       float ss = 0.f;
       for (int k = (int)threadIdx.x; k < p.K; k += NT) {
         const float v = to_f(x[k]);
@@ -196,9 +198,16 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
     auto act = [&](int k) -> T {
       if (k >= p.K) return from_f<T>(0.f);
       const int kk = p.perm ? p.perm[k] : k;
-      if (!NORM) return x[kk];
-      const T h = from_f<T>(to_f(x[kk]) * rms);
-      return from_f<T>(to_f(((const T *)p.nw)[kk]) * to_f(h));
+      if (PRO == W4P_ROW_RMSNORM) {
+        const T h = from_f<T>(to_f(x[kk]) * rms);
+        return from_f<T>(to_f(((const T *)p.nw)[kk]) * to_f(h));
+      }
+      if (PRO == W4P_ROW_SWIGLU) {
+        const float g = to_f(x[kk]);
+        const T a = from_f<T>(g / (1.f + expf(-g)));
+        return from_f<T>(to_f(a) * to_f(x[p.K + kk]));
+      }
+      return x[kk];
     };
     for (int c = (int)threadIdx.x; c < KT * 32; c += NT) {
       const int k = 2 * c, kb = k >> 6, r = k & 63, j = r >> 4, hi = (r >> 3) & 1, t = (r & 7) >> 1;
@@ -249,7 +258,9 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
 }
 
 template <typename T, int ZM, int TS> cudaError_t launch_gemv_t(const Params &p, const Plan &pl, cudaStream_t st) {
-  auto fn = p.nw ? gemv_kernel<T, ZM, TS, true> : gemv_kernel<T, ZM, TS, false>;
+  auto fn = p.pro == W4P_ROW_RMSNORM  ? gemv_kernel<T, ZM, TS, W4P_ROW_RMSNORM>
+            : p.pro == W4P_ROW_SWIGLU ? gemv_kernel<T, ZM, TS, W4P_ROW_SWIGLU>
+                                      : gemv_kernel<T, ZM, TS, W4P_ROW_PLAIN>;
   const size_t smem = gv_smem(p.KT);
   cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e != cudaSuccess) return e;

@@ -27,8 +27,9 @@ struct Params {
   int cl;                // wgmma_ws, wgmma_ss with splits: launched as clusters of the S splits (cluster_reduce)
   int sk;                // wgmma_ws stream-K: its output tiles (over a grid of resident blocks); 0 otherwise
   int pdl;               // bulk, wgmma_ws, wgmma_ss: launched with programmatic dependent launch (pdl_start)
-  const void *nw;        // gemv: RMSNorm weight [K] applied to x first (w4p_cuda_gemm_normed), or null
-  float neps;            // gemv: that norm's epsilon
+  int pro;               // gemv: W4P_ROW_* applied to x while staged (w4p_cuda_gemm_row), 0 none
+  const void *nw;        // gemv, W4P_ROW_RMSNORM: the norm weight [K]
+  float neps;            // gemv, W4P_ROW_RMSNORM: its epsilon
 };
 
 }  // namespace w4p

@@ -20,7 +20,8 @@ from ..errors import BadInputError, UnsupportedError, W4PackError
 from ..layout import PackedLayer, padded_shape
 
 __all__ = ["CudaPackedLinear", "gemm", "gemm_cuda", "available", "unavailable_reason", "library_path",
-           "header_path", "entry_points", "CudaKernelError", "KERNELS", "CUDA_ABI"]
+           "header_path", "entry_points", "CudaKernelError", "KERNELS", "CUDA_ABI",
+           "PROLOGUES"]
 
 _HERE = Path(__file__).resolve().parent
 _LIBDIR = _HERE.parent / "_lib"
@@ -43,8 +44,10 @@ KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "ring": 3, "bulk": 4, "wgmma": 5,
 #: M = 1024 where measured ahead on an H200, docs/journal/2026-cuda.md): below it
 #: the stream kernel (weights read once, split-K), above it dequantize + cuBLAS beats the mma.sync tiled kernel
 DENSE_MIN_M = 33
-#: the library's ABI version this module speaks (w4p_cuda_abi_version; 2 added w4p_cuda_gemm_normed)
+#: the library's ABI version this module speaks (w4p_cuda_abi_version; 2 added w4p_cuda_gemm_row)
 CUDA_ABI = 2
+#: forward_row's prologues: what the gemv kernel applies to the row while staging it (W4P_ROW_*)
+PROLOGUES = {"plain": 0, "rmsnorm": 1, "swiglu": 2}
 _DT = {"float16": 1, "bfloat16": 2}
 _ZERO = {"none": 0, "int": 1, "float": 2}
 _W4P_ENODEVICE = -4
@@ -238,7 +241,7 @@ class CudaPackedLinear:
         self.perm = torch.from_numpy(np.ascontiguousarray(t["perm"], dtype=np.int32)).to(dev) if "perm" in t else None
         self._by_dtype: dict[str, dict[str, Any]] = {}
         self._plans: dict[tuple[int, str, bool, int, int], tuple[int, int, int]] = {}
-        self._normed: bool | None = None  # normed_ok, asked once
+        self._row_ok: bool | None = None  # row_ok, asked once
         default = dtypes if dtypes is not None else (
             ("bfloat16",) if self.scale_dtype == "bfloat16" else ("float16",))
         for name in default:
@@ -391,35 +394,45 @@ class CudaPackedLinear:
 
     __call__ = forward
 
-    def normed_ok(self) -> bool:
-        """Whether ``forward_normed`` runs this layer: the gemv kernel takes it (4-bit storage, its group sizes,
+    def row_ok(self) -> bool:
+        """Whether ``forward_row`` runs this layer: the gemv kernel takes it (4-bit storage, its group sizes,
         compute capability 8.0 or newer), asked of the planner once."""
-        if self._normed is None:
+        if self._row_ok is None:
             try:
                 self._plan(1, "float16", True, KERNELS["gemv"], 0)
-                self._normed = True
+                self._row_ok = True
             except W4PackError:
-                self._normed = False
-        return self._normed
+                self._row_ok = False
+        return self._row_ok
 
-    def forward_normed(self, x: Any, norm_weight: Any, eps: float, residual: Any = None, out: Any = None) -> Any:
-        """y[1, N] = RMSNorm(x[1, K]) · Wᵀ + residual, one gemv launch: the norm as transformers' RMSNorm
-        computes it (x / sqrt(mean(x²) + eps) in fp32, rounded to x's dtype, times ``norm_weight``, rounded),
-        applied while the kernel stages x. residual: [N] or [1, N] added to the output in fp32 before its
-        rounding (in a decoder layer, the residual stream; the layer's own bias, if any, is summed into it first,
-        in x's dtype), or None for the layer's own bias alone. y must not alias x. Why: at M = 1 every gemv
-        block stages the whole row, so the norm costs no kernel of its own. ``normed_ok`` first."""
+    def forward_row(self, x: Any, prologue: str = "plain", norm_weight: Any = None, eps: float = 0.0,
+                    residual: Any = None, out: Any = None) -> Any:
+        """y[1, N] = f(x) · Wᵀ + residual for one row, one gemv launch, with f applied while the kernel stages x
+        (``PROLOGUES``): "rmsnorm", transformers' RMSNorm (x / sqrt(mean(x²) + eps) in fp32, rounded to x's
+        dtype, times ``norm_weight``, rounded); "swiglu", x = [gate | up] of 2K values and f = silu(gate) · up
+        (silu in fp32, rounded, times up, rounded); "plain", f = identity. residual: N values added to the
+        output in fp32 before its rounding (in a decoder layer, the residual stream; the layer's own bias, if
+        any, is summed into it first, in x's dtype), or None for the layer's own bias alone. y must not alias x.
+        Why: at M = 1 every gemv block stages the whole row, so the decoder layer's norm or activation costs no
+        kernel of its own. ``row_ok`` first."""
         import torch
 
+        if prologue not in PROLOGUES:
+            raise BadInputError(f"prologue {prologue!r}: one of {', '.join(PROLOGUES)}")
         if not isinstance(x, torch.Tensor) or x.device != self.device:
             raise BadInputError(f"x must be a torch tensor on {self.device}")
         dtype_name = _torch_dtype_name(torch, x.dtype)
-        if x.numel() != self.k or x.shape[-1] != self.k:
-            raise BadInputError(f"forward_normed takes one row of {self.k} features, got {list(x.shape)}")
-        if tuple(norm_weight.shape) != (self.k,) or norm_weight.dtype != x.dtype or norm_weight.device != x.device:
-            raise BadInputError(f"norm_weight must be {x.dtype} [{self.k}] on {x.device}")
+        width = 2 * self.k if prologue == "swiglu" else self.k
+        if x.numel() != width or x.shape[-1] != width:
+            raise BadInputError(f"forward_row ({prologue}) takes one row of {width} features, got {list(x.shape)}")
+        nw = None
+        if prologue == "rmsnorm":
+            if norm_weight is None or tuple(norm_weight.shape) != (self.k,) or norm_weight.dtype != x.dtype or \
+                    norm_weight.device != x.device:
+                raise BadInputError(f"norm_weight must be {x.dtype} [{self.k}] on {x.device}")
+            nw = norm_weight.contiguous()
         lead = tuple(x.shape[:-1])
-        x1 = x.reshape(self.k).contiguous()
+        x1 = x.reshape(width).contiguous()
         params = self.prepare(dtype_name)
         if residual is None:
             b = params.get("bias")
@@ -435,19 +448,18 @@ class CudaPackedLinear:
             if out.dtype != x.dtype or out.device != x.device or out.numel() != self.n or not out.is_contiguous():
                 raise BadInputError(f"out must be contiguous {x.dtype} with {self.n} values on {x.device}")
             y = out.view(self.n)
-        nw = norm_weight.contiguous()
         _, _, need = self._plan(1, dtype_name, True, KERNELS["gemv"], 0)
         stream = torch.cuda.current_stream(self.device)
         ws = _workspace(torch, self.device, need)
         ffi, lib = _load()
         vp = lambda tensor: ffi.NULL if tensor is None else ffi.cast("void *", tensor.data_ptr())  # noqa: E731
-        rc = lib.w4p_cuda_gemm_normed(
+        rc = lib.w4p_cuda_gemm_row(
             self.device.index, ffi.cast("void *", stream.cuda_stream), _DT[dtype_name], self.n, self.k, vp(x1), vp(y),
             ffi.cast("int32_t *", self.qweight.data_ptr()), self.storage_bits, self.group_size, _ZERO[self.zero_mode],
             vp(params["scales"]), vp(params.get("zeros")), vp(params.get("mins")),
             ffi.NULL if self.perm is None else ffi.cast("int32_t *", self.perm.data_ptr()),
-            vp(b), vp(nw), float(eps), vp(ws), ws.numel())
-        _check(rc, "w4p_cuda_gemm_normed")
+            vp(b), PROLOGUES[prologue], vp(nw), float(eps), vp(ws), ws.numel())
+        _check(rc, "w4p_cuda_gemm_row")
         return y.reshape(*lead, self.n)
 
 

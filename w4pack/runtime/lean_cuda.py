@@ -59,6 +59,17 @@ BUCKET = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def _is_silu(act: Any) -> bool:
+    """The activation is SiLU (torch's module or transformers' ``SiLUActivation``): the one the gemv folds."""
+    if isinstance(act, nn.SiLU):
+        return True
+    try:
+        from transformers.activations import SiLUActivation
+    except ImportError:  # pragma: no cover - transformers is what loads these models
+        return False
+    return type(act) is SiLUActivation
+
+
 class _Linear:
     """x [M, K] -> [M, sum N] for the rows of one or more model projections: one module call (a fused packed
     layer, a packed layer stacked from several, or float weights concatenated), else one call per module.
@@ -74,6 +85,7 @@ class _Linear:
         self.bias: torch.Tensor | None = None
         self.stacked = False
         self.fold = False  # normed / add run as one W4Linear.fold kernel (set by the decoder: may_fold)
+        self.swiglu = False  # add folds the SwiGLU of its [gate | up] input too (may_fold)
         first = mods[0]
         if len(mods) == 1:
             return
@@ -102,17 +114,19 @@ class _Linear:
             self.calls = []
             self.stacked = True
 
-    def may_fold(self, device: torch.device, dtype: torch.dtype, norm: torch.Tensor | None = None) -> bool:
+    def may_fold(self, device: torch.device, dtype: torch.dtype, norm: torch.Tensor | None = None,
+                 swiglu: bool = False) -> bool:
         """Turn folding on where the one module is a packed layer that folds (``W4Linear.fold_ok``): with the
-        RMSNorm of weight ``norm`` (which must then be a [K] vector of the model's dtype on its device), or with
-        the residual add only (``norm`` None)."""
+        RMSNorm of weight ``norm`` (which must then be a [K] vector of the model's dtype on its device), with the
+        SwiGLU (``swiglu``: ``add`` then takes [gate | up]), or with the residual add alone."""
         from .torch_module import W4Linear
 
         mod = self.calls[0] if self.weight is None and len(self.calls) == 1 else None
         ok = isinstance(mod, W4Linear)
         if ok and norm is not None:
             ok = norm.dtype == dtype and norm.device == device and tuple(norm.shape) == (mod.in_features,)
-        self.fold = bool(ok and mod.fold_ok(device, dtype, norm=norm is not None))
+        self.fold = bool(ok and mod.fold_ok(device, dtype, row=norm is not None or swiglu))
+        self.swiglu = self.fold and swiglu
         return self.fold
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,6 +147,13 @@ class _Linear:
         if self.fold:
             return self.calls[0].fold(x, residual=residual)
         return residual + self(x)
+
+    def swiglu_add(self, gu: torch.Tensor, act: Any, residual: torch.Tensor) -> torch.Tensor:
+        """residual + self(act(gate) * up) of gu = [gate | up]: one kernel where the SwiGLU folds."""
+        if self.swiglu:
+            return self.calls[0].fold(gu, residual=residual, swiglu=True)
+        inter = gu.shape[-1] // 2
+        return self.add(act(gu[:, :inter]) * gu[:, inter:], residual)
 
 
 class GraphDecoder(LoopBase):
@@ -195,7 +216,7 @@ class GraphDecoder(LoopBase):
                 self.folded += sum((L.qkv.may_fold(self.device, self.dtype, L.ln1),
                                     L.o.may_fold(self.device, self.dtype),
                                     L.gate_up.may_fold(self.device, self.dtype, L.ln2),
-                                    L.down.may_fold(self.device, self.dtype)))
+                                    L.down.may_fold(self.device, self.dtype, swiglu=_is_silu(L.act))))
         self.fold = self.folded > 0
         self._check_widths(self.layers[0].qkv.sizes)
         self.vocab = int(self.head.out_features)
@@ -288,8 +309,7 @@ class GraphDecoder(LoopBase):
                 o = torch.matmul(self._softmax(s), L.v[:, :bucket]).reshape(1, qn)
             h = L.o.add(o, h)
             gu = L.gate_up.normed(h, L.ln2, L.eps2)
-            inter = gu.shape[-1] // 2
-            h = L.down.add(L.act(gu[:, :inter]) * gu[:, inter:], h)
+            h = L.down.swiglu_add(gu, L.act, h)
         last = self._norm(h, self.norm_w, self.norm_eps)
         self.logits.copy_(self.head(last)[0])
         self.tok.copy_(torch.argmax(self.logits.to(torch.float32) + self.bias).view(1))

@@ -218,32 +218,35 @@ class W4Linear(nn.Module):
         # on a 30-layer model); CUDA graph capture records the kernel launch either way
         return self._run(x, self.precision)
 
-    def fold_ok(self, device: Any, dtype: torch.dtype, norm: bool = True) -> bool:
-        """Whether ``fold`` runs on ``device`` for ``dtype`` activations: CUDA, fp16/bf16, and, with a norm
-        (``norm``), a layer the gemv kernel takes (the norm is folded into its staging). Asked eagerly, before
+    def fold_ok(self, device: Any, dtype: torch.dtype, row: bool = True) -> bool:
+        """Whether ``fold`` runs on ``device`` for ``dtype`` activations: CUDA, fp16/bf16, and, for a norm or the
+        SwiGLU (``row``), a layer the gemv kernel takes (they are applied in its staging). Asked eagerly, before
         any trace or capture."""
         dev = _normalize_device(device)
         if dev.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
             return False
-        return not norm or bool(self._kernel(dev).normed_ok())
+        return not row or bool(self._kernel(dev).row_ok())
 
     def fold(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
-        """One row (M = 1) through one kernel with its decoder-layer neighbours folded in: y = RMSNorm(x) @ W.T
-        (+ bias) + residual. norm_weight None: no norm; residual None: nothing added. The norm is transformers'
-        RMSNorm arithmetic; the residual (plus the layer's own bias, if any, summed first in x's dtype) is added
-        in fp32 before the output's rounding. Only where ``fold_ok``; a decode step calls it to spare the norm
-        and residual-add kernels of each layer."""
+             residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
+        """One row (M = 1) through one kernel with its decoder-layer neighbours folded in: y = f(x) @ W.T (+ bias)
+        + residual, f = RMSNorm with ``norm_weight`` (transformers' arithmetic), or with ``swiglu`` silu(gate) *
+        up of x = [gate | up] (2 in_features values), else nothing. residual None: nothing added; else it (plus
+        the layer's own bias, if any, summed first in x's dtype) is added in fp32 before the output's rounding.
+        Only where ``fold_ok``; a decode step calls it to spare the norm, activation and residual-add kernels
+        of each layer."""
         if torch.compiler.is_compiling():
             return torch.ops.w4pack.linear_fold(x, self.qweight, self.handle, self.out_features, norm_weight,
-                                                float(eps), residual)
-        return self._run_fold(x, norm_weight, eps, residual)
+                                                float(eps), residual, bool(swiglu))
+        return self._run_fold(x, norm_weight, eps, residual, swiglu)
 
     def _run_fold(self, x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
-                  residual: torch.Tensor | None) -> torch.Tensor:
+                  residual: torch.Tensor | None, swiglu: bool = False) -> torch.Tensor:
         kernel = self._kernel(x.device)
         if norm_weight is not None:
-            return kernel.forward_normed(x, norm_weight, eps, residual=residual)
+            return kernel.forward_row(x, "rmsnorm", norm_weight, eps, residual=residual)
+        if swiglu:
+            return kernel.forward_row(x, "swiglu", residual=residual)
         if residual is None:
             return kernel.forward(x)
         bias = residual.reshape(self.out_features)
@@ -364,17 +367,19 @@ def _w4_linear_fake(x: torch.Tensor, qweight: torch.Tensor, handle: int, out_fea
 # (typing.Optional: the schema inference of older torch releases, e.g. vLLM's, reads no PEP 604 unions)
 @torch.library.custom_op("w4pack::linear_fold", mutates_args=())
 def _w4_fold_op(x: torch.Tensor, qweight: torch.Tensor, handle: int, out_features: int,
-                norm_weight: Optional[torch.Tensor], eps: float, residual: Optional[torch.Tensor]) -> torch.Tensor:
-    """y = RMSNorm(x) @ W.T (+ bias) + residual in one kernel launch (``W4Linear.fold``)."""
+                norm_weight: Optional[torch.Tensor], eps: float, residual: Optional[torch.Tensor],
+                swiglu: bool) -> torch.Tensor:
+    """y = f(x) @ W.T (+ bias) + residual in one kernel launch (``W4Linear.fold``)."""
     mod = _HANDLES.get(handle)
     if mod is None:
         raise RuntimeError(f"w4pack::linear_fold: module {handle} no longer exists")
-    return mod._run_fold(x, norm_weight, eps, residual)
+    return mod._run_fold(x, norm_weight, eps, residual, swiglu)
 
 
 @_w4_fold_op.register_fake
 def _w4_fold_fake(x: torch.Tensor, qweight: torch.Tensor, handle: int, out_features: int,
-                  norm_weight: Optional[torch.Tensor], eps: float, residual: Optional[torch.Tensor]) -> torch.Tensor:
+                  norm_weight: Optional[torch.Tensor], eps: float, residual: Optional[torch.Tensor],
+                  swiglu: bool) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
 
 
