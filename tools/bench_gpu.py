@@ -333,6 +333,16 @@ def smoke() -> int:
     rng = np.random.default_rng(0)
     worst = 0.0
     sm90a = torch.cuda.get_device_capability() == (9, 0)
+
+    def off(y, ref: np.ndarray, what: str) -> bool:
+        """Whether y misses the float64 reference (reported); the worst error so far is kept."""
+        nonlocal worst
+        err = float(np.linalg.norm(y.double().cpu().numpy() - ref) / np.linalg.norm(ref))
+        worst = max(worst, err)
+        if not err <= 1e-3:
+            print(f"smoke FAILED: {what}: rel err {err:.2e}")
+        return not err <= 1e-3
+
     # the last layer for the wgmma_ws, wgmma_ss and bulk kernels: K = 2048 makes every token tile refill its stages (K = 576
     # refills only the 128-token tile's), which is what racecheck has to see
     for bits, zm, gs, k in ((4, "int", 64, 576), (8, "float", 32, 576), (4, "none", -1, 576), (4, "int", 128, 2048)):
@@ -393,11 +403,24 @@ def smoke() -> int:
             else:
                 y = lin.forward(x, kernel=kernel, splits=splits)
             ref = x.double().cpu().numpy() @ w64.T + layer.bias.astype(np.float64)
-            err = float(np.linalg.norm(y.double().cpu().numpy() - ref) / np.linalg.norm(ref))
-            worst = max(worst, err)
-            if not err <= 1e-3:
-                print(f"smoke FAILED: bits={bits} zero={zm} gs={gs} M={m} {kernel}: rel err {err:.2e}")
+            if off(y, ref, f"bits={bits} zero={zm} gs={gs} M={m} {kernel}"):
                 return 1
+        if bits == 4 and torch.cuda.get_device_capability() >= (8, 0):
+            # the gemv kernel's row prologues (w4p_cuda_gemm_row): the norm's block reduction shares memory
+            res = torch.randn(n, device="cuda", dtype=torch.float16)
+            nw = (torch.rand(k, device="cuda") + 0.5).half()
+            for prologue in ("rmsnorm", "swiglu"):
+                x = torch.randn(1, 2 * k if prologue == "swiglu" else k, device="cuda", dtype=torch.float16)
+                if prologue == "rmsnorm":
+                    x32 = x.float()
+                    xf = nw * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).half()
+                    y = lin.forward_row(x, "rmsnorm", nw, 1e-5, residual=res)
+                else:
+                    xf = F.silu(x[:, :k]) * x[:, k:]
+                    y = lin.forward_row(x, "swiglu", residual=res)
+                ref = xf.double().cpu().numpy() @ w64.T + layer.bias.astype(np.float64) + res.double().cpu().numpy()
+                if off(y, ref, f"zero={zm} gs={gs} gemv {prologue}"):
+                    return 1
     torch.cuda.synchronize()
     print(f"smoke ok (worst relative error {worst:.2e})")
     return 0
