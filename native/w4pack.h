@@ -209,6 +209,7 @@ int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k,
                       x / sqrt(mean(x^2) + norm_eps) in fp32, rounded to dtype, times norm_weight [k], rounded;
      W4P_ROW_SWIGLU   x holds 2k values [gate | up]; y = (silu(gate) * up) . W^T (+ bias), silu in fp32 rounded
                       to dtype, times up, rounded (transformers' act_fn(gate) * up).
+   norm_weight and norm_eps are read for W4P_ROW_RMSNORM only; another prologue value is W4P_EINVAL.
    bias [n] or NULL (in a decoder layer, the residual stream to add). The other arguments as w4p_cuda_gemm's; x
    and y are contiguous rows, y not overlapping x. W4P_EUNSUPPORTED where the gemv kernel does not run the layer
    (8-bit storage, a group size it does not take, compute capability below 8.0, a row too long for its shared

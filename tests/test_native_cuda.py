@@ -34,6 +34,20 @@ def test_library_loads_and_resolves_every_entry_point():
     assert lib.w4p_cuda_abi_version() == cuda.CUDA_ABI == 2
 
 
+def test_a_library_missing_a_declared_entry_point_is_refused_at_load(tmp_path, monkeypatch):
+    # a build of another revision with the same ABI version: refused with the name it lacks, not an
+    # AttributeError at the first call
+    _lib_or_skip()
+    text = cuda.header_path().read_text().replace("int w4p_cuda_abi_version(void);",
+                                                  "int w4p_cuda_abi_version(void);\nint w4p_cuda_not_built(void);")
+    header = tmp_path / "w4pack.h"
+    header.write_text(text)
+    monkeypatch.setattr(cuda, "header_path", lambda: header)
+    monkeypatch.setattr(cuda, "_state", {})
+    with pytest.raises(cuda.UnsupportedError, match="has no w4p_cuda_not_built .rebuild with `make cuda`"):
+        cuda._load()
+
+
 def test_device_count_reports_cleanly():
     ffi, lib = _lib_or_skip()
     count = ffi.new("int *")

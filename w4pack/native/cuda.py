@@ -110,6 +110,9 @@ def _load() -> tuple[Any, Any]:
             if lib.w4p_cuda_abi_version() != CUDA_ABI:
                 raise OSError(f"{path}: ABI version {lib.w4p_cuda_abi_version()} != {CUDA_ABI} "
                               "(rebuild with `make cuda`)")
+            for name in entry_points():  # (a build of another revision of the same version lacks some)
+                if not hasattr(lib, name):
+                    raise OSError(f"{path} has no {name} (rebuild with `make cuda`)")
         except (OSError, ImportError, AttributeError) as exc:
             _state["error"] = f"CUDA library unavailable: {exc}"
             raise UnsupportedError(_state["error"]) from None

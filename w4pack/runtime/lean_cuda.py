@@ -117,16 +117,17 @@ class _Linear:
     def may_fold(self, device: torch.device, dtype: torch.dtype, norm: torch.Tensor | None = None,
                  swiglu: bool = False) -> bool:
         """Turn folding on where the one module is a packed layer that folds (``W4Linear.fold_ok``): with the
-        RMSNorm of weight ``norm`` (which must then be a [K] vector of the model's dtype on its device), with the
-        SwiGLU (``swiglu``: ``add`` then takes [gate | up]), or with the residual add alone."""
+        RMSNorm of weight ``norm`` (which must then be a [K] vector of the model's dtype on its device), or with
+        the residual add, and the SwiGLU of ``swiglu_add``'s [gate | up] input too where ``swiglu`` and the gemv
+        kernel runs the layer."""
         from .torch_module import W4Linear
 
         mod = self.calls[0] if self.weight is None and len(self.calls) == 1 else None
         ok = isinstance(mod, W4Linear)
         if ok and norm is not None:
             ok = norm.dtype == dtype and norm.device == device and tuple(norm.shape) == (mod.in_features,)
-        self.fold = bool(ok and mod.fold_ok(device, dtype, row=norm is not None or swiglu))
-        self.swiglu = self.fold and swiglu
+        self.fold = bool(ok and mod.fold_ok(device, dtype, row=norm is not None))
+        self.swiglu = bool(self.fold and swiglu and mod.fold_ok(device, dtype, row=True))
         return self.fold
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
