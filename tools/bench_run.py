@@ -32,12 +32,14 @@ enter the comparison (rows carry ``variant`` and ``round``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -136,20 +138,11 @@ class lean_mode:
 
             use_decode(self.model, next(self.model.parameters()).device, None)
         if self.on:
-            import os
-
             from w4pack.runtime.lean import use_lean_decode
             from w4pack.runtime.lean_cuda import FUSE_ENV
 
-            before = os.environ.get(FUSE_ENV)
-            os.environ[FUSE_ENV] = "1" if self.fuse else "0"
-            try:
+            with environment({FUSE_ENV: "1" if self.fuse else "0"}):
                 got = use_lean_decode(self.model)
-            finally:
-                if before is None:
-                    os.environ.pop(FUSE_ENV, None)
-                else:
-                    os.environ[FUSE_ENV] = before
             if got != "lean":
                 raise SystemExit(f"the lean loop does not run this model: {got}")
         return self
@@ -251,25 +244,16 @@ def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
     return out
 
 
-class environment:
+@contextlib.contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
     """``with environment(env):`` the variables set (the lean loop reads its options when installed), then
     restored."""
-
-    def __init__(self, env: dict[str, str]):
-        import os
-
-        self.env, self.saved = env, {var: os.environ.get(var) for var in env}
-
-    def __enter__(self) -> "environment":
-        import os
-
-        os.environ.update(self.env)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        import os
-
-        for var, value in self.saved.items():
+    saved = {var: os.environ.get(var) for var in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for var, value in saved.items():
             if value is None:
                 os.environ.pop(var, None)
             else:

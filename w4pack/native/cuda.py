@@ -91,6 +91,11 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
 
+def _ptr(ffi: Any, tensor: Any) -> Any:
+    """A torch tensor's device address as the void * the entry points take (NULL for None)."""
+    return ffi.NULL if tensor is None else ffi.cast("void *", tensor.data_ptr())
+
+
 def _load() -> tuple[Any, Any]:
     """(ffi, lib), loaded once; raises UnsupportedError with the reason when the library is missing."""
     with _lock:
@@ -317,6 +322,21 @@ class CudaPackedLinear:
         # dequantize + cuBLAS, keep it; where it falls back on the tiled kernel, the dense path is faster
         return self._plan(m, "float16", True, KERNELS["auto"], 0)[0] == KERNELS["tiled"]
 
+    def _layer_args(self, ffi: Any, params: dict[str, Any]) -> tuple[Any, ...]:
+        """qweight, storage_bits, group_size, zero_mode, scales, zeros, mins, perm: the layer's arguments, in the
+        order every GEMM and dequantize entry point takes them."""
+        return (ffi.cast("int32_t *", self.qweight.data_ptr()), self.storage_bits, self.group_size,
+                _ZERO[self.zero_mode], _ptr(ffi, params["scales"]), _ptr(ffi, params.get("zeros")),
+                _ptr(ffi, params.get("mins")),
+                ffi.NULL if self.perm is None else ffi.cast("int32_t *", self.perm.data_ptr()))
+
+    def residual_bias(self, residual: Any, dtype_name: str) -> Any:
+        """The bias input that adds ``residual`` (N values) at M = 1: it, plus the layer's own bias where there
+        is one (summed in the activations' dtype)."""
+        own = self.prepare(dtype_name).get("bias")
+        b = residual.reshape(self.n).contiguous()
+        return b if own is None else b + own
+
     def dequantize(self, dtype: Any = None) -> Any:
         """The dense weight W [N, K] (original column order) in fp16/bf16 on the device, freshly computed."""
         import torch
@@ -326,13 +346,10 @@ class CudaPackedLinear:
         params = self.prepare(dtype_name)
         w = torch.empty((self.n, self.k), dtype=dtype, device=self.device)
         ffi, lib = _load()
-        vp = lambda tensor: ffi.NULL if tensor is None else ffi.cast("void *", tensor.data_ptr())  # noqa: E731
         stream = torch.cuda.current_stream(self.device)
         rc = lib.w4p_cuda_dequantize(
             self.device.index, ffi.cast("void *", stream.cuda_stream), _DT[dtype_name], self.n, self.k,
-            ffi.cast("int32_t *", self.qweight.data_ptr()), self.storage_bits, self.group_size,
-            _ZERO[self.zero_mode], vp(params["scales"]), vp(params.get("zeros")), vp(params.get("mins")),
-            ffi.NULL if self.perm is None else ffi.cast("int32_t *", self.perm.data_ptr()), vp(w), w.stride(0))
+            *self._layer_args(ffi, params), _ptr(ffi, w), w.stride(0))
         _check(rc, "w4p_cuda_dequantize")
         return w
 
@@ -384,14 +401,10 @@ class CudaPackedLinear:
         stream = torch.cuda.current_stream(self.device)
         ws = _workspace(torch, self.device, need)
         ffi, lib = _load()
-        vp = lambda tensor: ffi.NULL if tensor is None else ffi.cast("void *", tensor.data_ptr())  # noqa: E731
         rc = lib.w4p_cuda_gemm(
             self.device.index, ffi.cast("void *", stream.cuda_stream), _DT[dtype_name], m, self.n, self.k,
-            vp(x2), x2.stride(0), vp(y), y.stride(0),
-            ffi.cast("int32_t *", self.qweight.data_ptr()), self.storage_bits, self.group_size, _ZERO[self.zero_mode],
-            vp(params["scales"]), vp(params.get("zeros")), vp(params.get("mins")),
-            ffi.NULL if self.perm is None else ffi.cast("int32_t *", self.perm.data_ptr()),
-            vp(b), vp(ws), ws.numel(), kcode, splits)
+            _ptr(ffi, x2), x2.stride(0), _ptr(ffi, y), y.stride(0), *self._layer_args(ffi, params),
+            _ptr(ffi, b), _ptr(ffi, ws), ws.numel(), kcode, splits)
         _check(rc, "w4p_cuda_gemm")
         return y.reshape(*lead, self.n)
 
@@ -442,9 +455,7 @@ class CudaPackedLinear:
         else:
             if residual.numel() != self.n or residual.dtype != x.dtype or residual.device != x.device:
                 raise BadInputError(f"residual must be {x.dtype} with {self.n} values on {x.device}")
-            b = residual.reshape(self.n).contiguous()
-            if params.get("bias") is not None:
-                b = b + params["bias"]
+            b = self.residual_bias(residual, dtype_name)
         if out is None:
             y = torch.empty(self.n, dtype=x.dtype, device=x.device)
         else:
@@ -455,13 +466,10 @@ class CudaPackedLinear:
         stream = torch.cuda.current_stream(self.device)
         ws = _workspace(torch, self.device, need)
         ffi, lib = _load()
-        vp = lambda tensor: ffi.NULL if tensor is None else ffi.cast("void *", tensor.data_ptr())  # noqa: E731
         rc = lib.w4p_cuda_gemm_row(
-            self.device.index, ffi.cast("void *", stream.cuda_stream), _DT[dtype_name], self.n, self.k, vp(x1), vp(y),
-            ffi.cast("int32_t *", self.qweight.data_ptr()), self.storage_bits, self.group_size, _ZERO[self.zero_mode],
-            vp(params["scales"]), vp(params.get("zeros")), vp(params.get("mins")),
-            ffi.NULL if self.perm is None else ffi.cast("int32_t *", self.perm.data_ptr()),
-            vp(b), PROLOGUES[prologue], vp(nw), float(eps), vp(ws), ws.numel())
+            self.device.index, ffi.cast("void *", stream.cuda_stream), _DT[dtype_name], self.n, self.k,
+            _ptr(ffi, x1), _ptr(ffi, y), *self._layer_args(ffi, params), _ptr(ffi, b), PROLOGUES[prologue],
+            _ptr(ffi, nw), float(eps), _ptr(ffi, ws), ws.numel())
         _check(rc, "w4p_cuda_gemm_row")
         return y.reshape(*lead, self.n)
 

@@ -29,6 +29,7 @@ batch > 1, other generate options) is answered by transformers' generate with th
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -189,21 +190,15 @@ class GraphDecoder(LoopBase):
             raise NotLean("CUDA graphs need a model on a CUDA device")
         self.graphs = bool(graphs)
         if fuse is None:
-            import os
-
             env = os.environ.get(FUSE_ENV, "").strip().lower()
             fuse = env in ("1", "true", "yes", "on") if env else self.graphs
         self.fuse: Any = "inductor" if fuse is True else (fuse or None)  # a torch.compile backend
         if attn is None:
-            import os
-
             attn = os.environ.get(ATTN_ENV, "").strip().lower() or "matmul"
         if attn not in ATTENTION:
             raise BadInputError(f"{ATTN_ENV}={attn!r}: the lean loop attends by {' or '.join(ATTENTION)}")
         self.attn = attn
         if fold is None:
-            import os
-
             fold = os.environ.get(FOLD_ENV, "").strip().lower() in ("1", "true", "yes", "on")
         self._compiled: Any = None
         self.dtype = first.dtype

@@ -249,9 +249,8 @@ class W4Linear(nn.Module):
             return kernel.forward_row(x, "swiglu", residual=residual)
         if residual is None:
             return kernel.forward(x)
-        bias = residual.reshape(self.out_features)
-        own = kernel.prepare(_cuda_dtype_name(x.dtype, self.meta["scale_dtype"])).get("bias")
-        return kernel.forward(x, bias=bias if own is None else bias + own)
+        dtype_name = _cuda_dtype_name(x.dtype, self.meta["scale_dtype"])
+        return kernel.forward(x, bias=kernel.residual_bias(residual, dtype_name))
 
     # -- kernels ---------------------------------------------------------------------------------
     def _kernel(self, device: torch.device) -> Any:
