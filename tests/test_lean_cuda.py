@@ -363,8 +363,9 @@ def test_graph_logits_match_transformers_float16(models: dict[str, Path], attn: 
 @pytest.mark.parametrize("name", ["plain", "odd"])
 def test_fused_sdpa_graph_decodes_what_the_matmul_graph_decodes(models: dict[str, Path], name: str,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """$W4PACK_LEAN_ATTN=sdpa under Inductor and capture (the bench's A/B of the two): the same greedy tokens
-    as the default attention, across a bucket, and logits that follow transformers'."""
+    """$W4PACK_LEAN_ATTN=sdpa under Inductor and capture (the bench's A/B of the two): across a bucket, every
+    greedy token is an argmax of the default attention's logits on the same tokens, to float16 rounding, and
+    the logits follow transformers'."""
     monkeypatch.delenv("W4PACK_LEAN_FUSE", raising=False)
     model = load_model(models[name], device="cuda", dtype="float16", engine="eager")
     monkeypatch.setenv("W4PACK_LEAN_ATTN", "sdpa")
@@ -374,20 +375,38 @@ def test_fused_sdpa_graph_decodes_what_the_matmul_graph_decodes(models: dict[str
     assert (sdpa.attn, plain.attn) == ("sdpa", "matmul") and sdpa.fuse == "inductor" and sdpa.graphs
     ids = _ids().cuda()
     kw = dict(GEN, max_new_tokens=BUCKET + 8)
-    assert torch.equal(_generate(sdpa, ids, **kw), _generate(plain, ids, **kw))
-    assert sdpa.captures == 2 and not sdpa.note
+    got = _generate(sdpa, ids, **kw)
+    assert got.shape[1] == ids.shape[1] + BUCKET + 8 and sdpa.captures == 2 and not sdpa.note
+    _greedy_by_rounding(plain, got[0], ids.shape[1])
     _logits_follow_transformers(model, GraphDecoder(model, attn="sdpa"))
+
+
+def _forced_logits(engine: GraphDecoder, ids: torch.Tensor, prefix: int) -> torch.Tensor:
+    """[len(ids) - prefix + 1, vocab] float32: the logits after ids[:prefix], then after each further token."""
+    with torch.inference_mode():
+        engine.pos = 0
+        engine._reserve(len(ids))
+        got = [engine.forward(ids[:prefix]).float()] + [engine.step(int(t)).float().clone() for t in ids[prefix:]]
+    return torch.stack(got)
+
+
+def _greedy_by_rounding(ref: GraphDecoder, seq: torch.Tensor, prompt: int, tol: float = 2e-2) -> None:
+    """Each token of ``seq`` past the prompt is an argmax of ``ref``'s logits on the same tokens to within
+    ``tol`` of their largest magnitude: greedy decoding by a loop that rounds differently (a kernel that sums
+    in another order) may pick another of near-equal logits, and from there decode another text."""
+    logits = _forced_logits(ref, seq[:-1], prompt)  # logits[i] chooses seq[prompt + i]
+    chosen = logits.gather(1, seq[prompt:].unsqueeze(1)).squeeze(1)
+    best, scale = logits.amax(1), logits.abs().amax(1)
+    gap = (best - chosen) / scale
+    assert float(gap.max()) <= tol, (int(gap.argmax()), float(gap.max()))
 
 
 def _logits_follow_transformers(model: torch.nn.Module, engine: GraphDecoder) -> None:
     ids = _ids(9, 4)[0].cuda()
     with torch.inference_mode():
         want = model(ids.unsqueeze(0)).logits[0].float()
-        engine.pos = 0
-        engine._reserve(16)
-        got = [engine.forward(ids[:4]).float()] + [engine.step(int(t)).float().clone() for t in ids[4:]]
     ref = want[3:]
-    rel = (torch.stack(got) - ref).abs().amax(-1) / ref.abs().amax(-1)
+    rel = (_forced_logits(engine, ids, 4) - ref).abs().amax(-1) / ref.abs().amax(-1)
     assert float(rel.max()) < 2e-2, rel
 
 
@@ -396,8 +415,9 @@ def _logits_follow_transformers(model: torch.nn.Module, engine: GraphDecoder) ->
 def test_folded_step_follows_the_unfolded_one(models: dict[str, Path], name: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """fold=True: every packed projection folds (the norms into q/k/v and gate/up, the SwiGLU into down, the
-    residual adds into o and down), captured plain and through Inductor; logits follow transformers' to float16
-    rounding and the greedy tokens are the unfolded loop's."""
+    residual adds into o and down), captured plain and through Inductor; logits follow transformers' and the
+    unfolded loop's to float16 rounding, and every greedy token is an argmax of the unfolded loop's logits to
+    that rounding (the kernels sum the norm in another order, so near-equal logits may swap)."""
     monkeypatch.delenv("W4PACK_LEAN_FOLD", raising=False)
     model = load_model(models[name], device="cuda", dtype="float16", engine="eager")
     n_layers = model.config.num_hidden_layers
@@ -408,12 +428,17 @@ def test_folded_step_follows_the_unfolded_one(models: dict[str, Path], name: str
     assert (plain.folded, folded.folded, folded.fold) == (0, per_layer * n_layers, True)
     assert all(L.o.fold and L.down.fold and L.down.swiglu for L in folded.layers)  # (llama: SiLU)
     ids = _ids().cuda()
-    kw = dict(GEN, max_new_tokens=12)
-    want = _generate(plain, ids, **kw)
-    assert torch.equal(_generate(folded, ids, **kw), want)
+    kw = dict(GEN, max_new_tokens=24)
+    got = _generate(folded, ids, **kw)
     assert folded.captures == 1 and not folded.note
+    _greedy_by_rounding(plain, got[0], ids.shape[1])
+    seq = _ids(32, 9)[0].cuda()
+    want, have = _forced_logits(plain, seq, 4), _forced_logits(folded, seq, 4)
+    rel = (have - want).abs().amax(-1) / want.abs().amax(-1)
+    assert float(rel.max()) < 2e-2, rel
     _logits_follow_transformers(model, GraphDecoder(model, fuse=False, fold=True))
     inductor = GraphDecoder(model, fold=True)
     assert inductor.fuse == "inductor"
-    assert torch.equal(_generate(inductor, ids, **kw), want)
+    got = _generate(inductor, ids, **kw)
     assert inductor.captures == 1 and not inductor.note
+    _greedy_by_rounding(plain, got[0], ids.shape[1])
