@@ -23,13 +23,6 @@
 #include <type_traits>
 #include "launch.cuh"
 
-// W4P_GEMV_EARLY=1 (a build define, W4P_CUDA_DEFINES=-DW4P_GEMV_EARLY=1): both register sets are filled before
-// the activations are staged, and each is refilled as soon as its step is computed. A variant to A/B against
-// the default on a GPU (docs/journal/2026-cuda.md, section 10); the default build does not contain it.
-#ifndef W4P_GEMV_EARLY
-#define W4P_GEMV_EARLY 0
-#endif
-
 namespace w4p {
 namespace {
 
@@ -184,9 +177,6 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
   };
   Buf A, B;
   load(A);  // (weights do not depend on the previous kernel's output; requested before the staging below)
-#if W4P_GEMV_EARLY
-  load(B);  // the second step's too: on short stripes its latency would otherwise follow the staging's
-#endif
   {  // the activations in fragment order: pair (k, k + 1) of tile kb goes to slot ((kb * 4 + tid) * 4 + j) * 2 + hi
     const T *x = (const T *)p.x;
     float rms = 1.f;
@@ -258,15 +248,6 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
       s += G;
     }
   };
-#if W4P_GEMV_EARLY
-  for (int i = 0; i < nsteps; i += 2) {  // two steps per pass, each buffer refilled as soon as it is consumed
-    step(A);
-    load(A);
-    if (i + 1 >= nsteps) break;
-    step(B);
-    load(B);
-  }
-#else
   for (int i = 0; i < nsteps; i += 2) {  // two steps per pass: the buffers alternate by name, not by copy
     load(B);
     step(A);
@@ -274,7 +255,6 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
     load(A);
     step(B);
   }
-#endif
 }
 
 template <typename T, int ZM, int TS> cudaError_t launch_gemv_t(const Params &p, const Plan &pl, cudaStream_t st) {
