@@ -125,6 +125,45 @@ def test_what_folds_where_the_gemv_cannot_run_the_layer(models: dict[str, Path],
     assert fl.layers[0].down.may_fold(cuda, half) is False  # (a float nn.Linear)
 
 
+def test_prefetch_is_off_by_default_and_never_on_the_cpu(models: dict[str, Path],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """$W4PACK_LEAN_PREFETCH: MiB of the next projection's weights each gemv launch asks into L2; 0 by default,
+    a whole number or a clear error, and nothing prefetches off CUDA (the tokens stay transformers')."""
+    model = load_model(models["plain"], compile=False)
+    monkeypatch.delenv("W4PACK_LEAN_PREFETCH", raising=False)
+    assert (GraphDecoder(model).prefetch, GraphDecoder(model).prefetched) == (0, 0)
+    monkeypatch.setenv("W4PACK_LEAN_PREFETCH", "8")
+    engine = GraphDecoder(model)
+    assert (engine.prefetch, engine.prefetched) == (8, 0)
+    assert not any(lin.pf for L in engine.layers for lin in (L.qkv, L.o, L.gate_up, L.down))
+    ids = _ids(6, 1)
+    assert torch.equal(_generate(engine, ids, **GEN), model.generate(ids, **GEN))
+    monkeypatch.setenv("W4PACK_LEAN_PREFETCH", "8MB")
+    with pytest.raises(BadInputError, match="W4PACK_LEAN_PREFETCH='8MB'.*MiB"):
+        GraphDecoder(model)
+
+
+def test_what_prefetches(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """may_prefetch: a packed projection the gemv kernel runs prefetches the next packed projection's weights,
+    up to the limit; not where the gemv kernel cannot run it, nor to or from float or split projections."""
+    model = load_model(models["plain"], compile=False)
+    L = GraphDecoder(model).layers[0]
+    cpu, half = torch.device("cpu"), torch.float16
+    for gemv_runs in (False, True):
+        monkeypatch.setattr(L.qkv.calls[0], "fold_ok", lambda device, dtype, row=True, ok=gemv_runs: ok or not row)
+        assert L.qkv.may_prefetch(L.o, 1 << 20, cpu, half) is gemv_runs
+    w = L.o.calls[0].qweight
+    size = w.numel() * w.element_size()
+    assert L.qkv.pf["prefetch"] is w and L.qkv.pf["prefetch_bytes"] == size
+    assert L.qkv.may_prefetch(L.o, 1000, cpu, half) and L.qkv.pf["prefetch_bytes"] == 1000 < size
+    assert L.qkv.may_prefetch(L.o, 0, cpu, half) is False
+    fl = GraphDecoder(dequantized_model(load_model(models["plain"], compile=False))).layers[0]
+    assert L.qkv.may_prefetch(fl.o, 1 << 20, cpu, half) is False  # (to a float nn.Linear)
+    odd = GraphDecoder(load_model(models["odd"], compile=False)).layers[0]
+    assert len(odd.qkv.calls) == 3 and odd.qkv.may_prefetch(odd.o, 1 << 20, cpu, half) is False  # (split)
+    assert odd.down.may_prefetch(odd.qkv, 1 << 20, cpu, half) is False
+
+
 def test_traced_step_decodes_the_same(models: dict[str, Path]) -> None:
     """fuse: the step goes through torch.compile whole (fullgraph: no graph break, the buffer writes traced);
     the "eager" backend runs dynamo's graph without Inductor, so this needs no compiler."""
@@ -442,3 +481,32 @@ def test_folded_step_follows_the_unfolded_one(models: dict[str, Path], name: str
     got = _generate(inductor, ids, **kw)
     assert inductor.captures == 1 and not inductor.note
     _greedy_by_rounding(plain, got[0], ids.shape[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["plain", "fused"])
+@pytest.mark.parametrize("fold", [False, True])
+def test_prefetching_step_follows_the_plain_one(models: dict[str, Path], name: str, fold: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """prefetch: every projection but the last asks the next one's weights into L2 (its gemv launch, through
+    W4Linear.fold), folded or not, captured plain and through Inductor: the logits are those of the loop without
+    it to float16 rounding (the prefetch changes no bit; the gemv kernel may run a projection that the default
+    plan gives another kernel) and the greedy tokens are its argmaxes to that rounding."""
+    monkeypatch.delenv("W4PACK_LEAN_PREFETCH", raising=False)
+    model = load_model(models[name], device="cuda", dtype="float16", engine="eager")
+    n_layers = model.config.num_hidden_layers
+    plain = GraphDecoder(model, fuse=False, fold=fold)
+    pre = GraphDecoder(model, fuse=False, fold=fold, prefetch=1)
+    assert (plain.prefetched, pre.prefetched, pre.prefetch) == (0, 4 * n_layers - 1, 1)
+    assert pre.layers[-1].down.pf == {} and pre.layers[0].qkv.pf["prefetch"] is pre.layers[0].o.calls[0].qweight
+    seq = _ids(32, 9)[0].cuda()
+    want, have = _forced_logits(plain, seq, 4), _forced_logits(pre, seq, 4)
+    rel = (have - want).abs().amax(-1) / want.abs().amax(-1)
+    assert float(rel.max()) < 2e-2, rel
+    ids = _ids().cuda()
+    kw = dict(GEN, max_new_tokens=24)
+    for engine in (pre, GraphDecoder(model, fold=fold, prefetch=1)):
+        got = _generate(engine, ids, **kw)
+        assert engine.captures == 1 and not engine.note and engine.graphs
+        _greedy_by_rounding(plain, got[0], ids.shape[1])
+    _logits_follow_transformers(model, GraphDecoder(model, fuse=False, fold=fold, prefetch=1))

@@ -39,7 +39,7 @@ from torch import nn
 from ..errors import BadInputError
 from .lean import LayerSpec, LoopBase, NotLean, _Layer, _out_features, signature, stack_packed, walk
 
-__all__ = ["GraphDecoder", "BUCKET", "FUSE_ENV", "ATTN_ENV", "ATTENTION", "FOLD_ENV"]
+__all__ = ["GraphDecoder", "BUCKET", "FUSE_ENV", "ATTN_ENV", "ATTENTION", "FOLD_ENV", "PREFETCH_ENV"]
 
 #: 0/1: capture the step as written, or compiled by torch.compile (Inductor, no CUDA graphs of its own; the default
 #: with graphs)
@@ -54,6 +54,10 @@ ATTENTION = ("matmul", "sdpa")
 #: 0/1: fold each layer's RMSNorms into the following projection's kernel and its residual adds into the
 #: o / down projections' (``W4Linear.fold``: packed layers the gemv kernel runs, fp16/bf16 on CUDA); off by default
 FOLD_ENV = "W4PACK_LEAN_FOLD"
+
+#: MiB (0: off, the default): each packed projection's gemv kernel asks up to this many bytes of the next
+#: projection's weights into L2 as it finishes, so they are read while the kernels between the two run
+PREFETCH_ENV = "W4PACK_LEAN_PREFETCH"
 
 #: the shortest attention length a graph covers; longer ones double
 BUCKET = 256
@@ -87,6 +91,7 @@ class _Linear:
         self.stacked = False
         self.fold = False  # normed / add run as one W4Linear.fold kernel (set by the decoder: may_fold)
         self.swiglu = False  # add folds the SwiGLU of its [gate | up] input too (may_fold)
+        self.pf: dict[str, Any] = {}  # W4Linear.fold's prefetch of the next projection (may_prefetch)
         first = mods[0]
         if len(mods) == 1:
             return
@@ -131,9 +136,25 @@ class _Linear:
         self.swiglu = bool(self.fold and swiglu and mod.fold_ok(device, dtype, row=True))
         return self.fold
 
+    def may_prefetch(self, after: "_Linear", limit: int, device: torch.device, dtype: torch.dtype) -> bool:
+        """Have this projection's kernel prefetch up to ``limit`` bytes of ``after``'s packed weights into L2,
+        where both are one packed layer and the gemv kernel runs this one (the prefetch rides its launch)."""
+        from .torch_module import W4Linear
+
+        mine = self.calls[0] if self.weight is None and len(self.calls) == 1 else None
+        nxt = after.calls[0] if after.weight is None and len(after.calls) == 1 else None
+        if not (isinstance(mine, W4Linear) and isinstance(nxt, W4Linear) and limit > 0) or \
+                not mine.fold_ok(device, dtype, row=True) or nxt.qweight.device != device:
+            return False
+        size = nxt.qweight.numel() * nxt.qweight.element_size()
+        self.pf = {"prefetch": nxt.qweight, "prefetch_bytes": min(size, limit)}
+        return True
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
             return torch.nn.functional.linear(x, self.weight, self.bias)
+        if self.pf:
+            return self.calls[0].fold(x, **self.pf)
         if len(self.calls) == 1:
             return self.calls[0](x)
         return torch.cat([m(x) for m in self.calls], dim=-1)
@@ -141,19 +162,19 @@ class _Linear:
     def normed(self, h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """self(RMSNorm(h)): one kernel where folding is on, else the norm, then the projection."""
         if self.fold:
-            return self.calls[0].fold(h, w, eps)
+            return self.calls[0].fold(h, w, eps, **self.pf)
         return self(LoopBase._norm(h, w, eps))
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + self(x): the residual as the kernel's bias where folding is on (one rounding)."""
         if self.fold:
-            return self.calls[0].fold(x, residual=residual)
+            return self.calls[0].fold(x, residual=residual, **self.pf)
         return residual + self(x)
 
     def swiglu_add(self, gu: torch.Tensor, act: Any, residual: torch.Tensor) -> torch.Tensor:
         """residual + self(act(gate) * up) of gu = [gate | up]: one kernel where the SwiGLU folds."""
         if self.swiglu:
-            return self.calls[0].fold(gu, residual=residual, swiglu=True)
+            return self.calls[0].fold(gu, residual=residual, swiglu=True, **self.pf)
         inter = gu.shape[-1] // 2
         return self.add(act(gu[:, :inter]) * gu[:, inter:], residual)
 
@@ -173,7 +194,7 @@ class GraphDecoder(LoopBase):
     first_reserve = 4096
 
     def __init__(self, model: nn.Module, graphs: bool | None = None, fuse: bool | str | None = None,
-                 attn: str | None = None, fold: bool | None = None):
+                 attn: str | None = None, fold: bool | None = None, prefetch: int | None = None):
         self.model = model
         spec = walk(model)
         first = next(model.parameters(), None)
@@ -214,6 +235,17 @@ class GraphDecoder(LoopBase):
                                     L.gate_up.may_fold(self.device, self.dtype, L.ln2),
                                     L.down.may_fold(self.device, self.dtype, swiglu=_is_silu(L.act))))
         self.fold = self.folded > 0
+        if prefetch is None:
+            env = os.environ.get(PREFETCH_ENV, "").strip() or "0"
+            if not env.isdigit():
+                raise BadInputError(f"{PREFETCH_ENV}={env!r}: a whole number of MiB (0: off)")
+            prefetch = int(env)
+        self.prefetch = max(0, int(prefetch))  # MiB
+        self.prefetched = 0  # projections whose kernel prefetches the next one's weights
+        if self.prefetch and self.device.type == "cuda":
+            chain = [p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)]
+            for a, b in zip(chain, chain[1:]):
+                self.prefetched += a.may_prefetch(b, self.prefetch << 20, self.device, self.dtype)
         self._check_widths(self.layers[0].qkv.sizes)
         self.vocab = int(self.head.out_features)
         with torch.inference_mode():  # the step's inputs and outputs: fixed addresses for every graph
