@@ -22,7 +22,8 @@ def _cuda_present() -> bool:
 @pytest.mark.skipif(_cuda_present(), reason="a CUDA device is present (this checks the message on a machine without one)")
 @pytest.mark.parametrize("tool,args", [("profile_gpu", ["--shape", "256x128", "--m", "4"]),
                                        ("ws_trace", ["--configs", "256x128:4"]),
-                                       ("read_order", ["--shapes", "256x128"])])
+                                       ("read_order", ["--shapes", "256x128"]),
+                                       ("bench_lean_instances", ["--loops", "base,fold=1"])])
 def test_gpu_tools_without_a_device_say_so(tool, args):
     r = subprocess.run([sys.executable, str(ROOT / "tools" / f"{tool}.py"), *args],
                        capture_output=True, text=True, timeout=120)
@@ -476,3 +477,20 @@ def test_bench_run_variants_parse_set_and_tabulate(monkeypatch):
     lines = text.splitlines()
     assert any("auto/lean [base] #1" in ln and "150.0" in ln and "2.00x" in ln and "3.00x" in ln for ln in lines)
     assert any("auto/lean [x=1] #1" in ln and "160.0" in ln and "3.20x" in ln for ln in lines), text
+
+
+def test_bench_lean_instances_reads_its_loops():
+    # --loops: "base" or settings joined by "+", each a GraphDecoder keyword with its value read; anything else
+    # is refused naming the part
+    bench = _tool("bench_lean_instances")
+    got = bench.parse_loops("base, fuse=0 ,fold=1+prefetch=24,attn=sdpa+fuse=1,")
+    assert got == [("base", {}), ("fuse=0", {"fuse": False}), ("fold=1+prefetch=24", {"fold": True, "prefetch": 24}),
+                   ("attn=sdpa+fuse=1", {"attn": "sdpa", "fuse": True})]
+    with pytest.raises(ValueError, match="'fold' is not one of"):
+        bench.parse_loops("base,fold")
+    with pytest.raises(ValueError, match="'depth=2' is not one of"):
+        bench.parse_loops("depth=2")
+    with pytest.raises(ValueError, match="'prefetch=lots'.*not a number"):
+        bench.parse_loops("prefetch=lots")
+    with pytest.raises(ValueError, match="names no loop"):
+        bench.parse_loops(" , ")
