@@ -144,24 +144,36 @@ def test_prefetch_is_off_by_default_and_never_on_the_cpu(models: dict[str, Path]
 
 
 def test_what_prefetches(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """may_prefetch: a packed projection the gemv kernel runs prefetches the next packed projection's weights,
-    up to the limit; not where the gemv kernel cannot run it, nor to or from float or split projections."""
+    """may_prefetch: a packed projection whose gemv launch can carry it (W4Linear.prefetch_ok, asked for a plain
+    call or not) prefetches the next packed projection's weights, up to the limit; not otherwise, nor to or from
+    float or split projections; a refusal clears what an earlier call set."""
     model = load_model(models["plain"], compile=False)
     L = GraphDecoder(model).layers[0]
     cpu, half = torch.device("cpu"), torch.float16
-    for gemv_runs in (False, True):
-        monkeypatch.setattr(L.qkv.calls[0], "fold_ok", lambda device, dtype, row=True, ok=gemv_runs: ok or not row)
-        assert L.qkv.may_prefetch(L.o, 1 << 20, cpu, half) is gemv_runs
+    asked = []
+
+    def ok_unless_plain(device, dtype, plain=False):
+        asked.append(plain)
+        return not plain
+
+    for runs in (False, True):
+        monkeypatch.setattr(L.qkv.calls[0], "prefetch_ok", lambda device, dtype, plain=False, ok=runs: ok)
+        assert L.qkv.may_prefetch(L.o, 1 << 20, cpu, half, plain=True) is runs
     w = L.o.calls[0].qweight
     size = w.numel() * w.element_size()
     assert L.qkv.pf["prefetch"] is w and L.qkv.pf["prefetch_bytes"] == size
-    assert L.qkv.may_prefetch(L.o, 1000, cpu, half) and L.qkv.pf["prefetch_bytes"] == 1000 < size
-    assert L.qkv.may_prefetch(L.o, 0, cpu, half) is False
+    assert L.qkv.may_prefetch(L.o, 1000, cpu, half, plain=True) and L.qkv.pf["prefetch_bytes"] == 1000 < size
+    assert L.qkv.may_prefetch(L.o, 0, cpu, half, plain=True) is False and L.qkv.pf == {}
+    monkeypatch.setattr(L.qkv.calls[0], "prefetch_ok", ok_unless_plain)
+    assert L.qkv.may_prefetch(L.o, 1 << 20, cpu, half, plain=False) is True
+    assert L.qkv.may_prefetch(L.o, 1 << 20, cpu, half, plain=True) is False and asked == [False, True]
     fl = GraphDecoder(dequantized_model(load_model(models["plain"], compile=False))).layers[0]
-    assert L.qkv.may_prefetch(fl.o, 1 << 20, cpu, half) is False  # (to a float nn.Linear)
+    assert L.qkv.may_prefetch(fl.o, 1 << 20, cpu, half, plain=False) is False  # (to a float nn.Linear)
     odd = GraphDecoder(load_model(models["odd"], compile=False)).layers[0]
-    assert len(odd.qkv.calls) == 3 and odd.qkv.may_prefetch(odd.o, 1 << 20, cpu, half) is False  # (split)
-    assert odd.down.may_prefetch(odd.qkv, 1 << 20, cpu, half) is False
+    monkeypatch.setattr(odd.down.calls[0], "prefetch_ok", lambda device, dtype, plain=False: True)
+    assert odd.down.may_prefetch(odd.o, 1 << 20, cpu, half, plain=True) is True  # (the patch lets it through)
+    assert len(odd.qkv.calls) == 3 and odd.down.may_prefetch(odd.qkv, 1 << 20, cpu, half, plain=True) is False
+    assert odd.qkv.may_prefetch(odd.o, 1 << 20, cpu, half, plain=True) is False  # (from a split projection)
 
 
 def test_traced_step_decodes_the_same(models: dict[str, Path]) -> None:
@@ -488,17 +500,25 @@ def test_folded_step_follows_the_unfolded_one(models: dict[str, Path], name: str
 @pytest.mark.parametrize("fold", [False, True])
 def test_prefetching_step_follows_the_plain_one(models: dict[str, Path], name: str, fold: bool,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """prefetch: every projection but the last asks the next one's weights into L2 (its gemv launch, through
-    W4Linear.fold), folded or not, captured plain and through Inductor: the logits are those of the loop without
-    it to float16 rounding (the prefetch changes no bit; the gemv kernel may run a projection that the default
-    plan gives another kernel) and the greedy tokens are its argmaxes to that rounding."""
+    """prefetch: on compute capability 9.0 every projection but the last whose gemv launch carries it asks the
+    next one's weights into L2 (through W4Linear.fold): a folded norm or SwiGLU's always, a plain call's where
+    "auto" runs the gemv kernel anyway; folded or not, captured plain and through Inductor, the logits are those
+    of the loop without it to float16 rounding (no bit changes but where the folded residual add moves from
+    "auto"'s call to the gemv kernel's) and the greedy tokens are its argmaxes to that rounding."""
     monkeypatch.delenv("W4PACK_LEAN_PREFETCH", raising=False)
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the bulk L2 prefetch needs compute capability 9.0")
     model = load_model(models[name], device="cuda", dtype="float16", engine="eager")
-    n_layers = model.config.num_hidden_layers
     plain = GraphDecoder(model, fuse=False, fold=fold)
     pre = GraphDecoder(model, fuse=False, fold=fold, prefetch=1)
-    assert (plain.prefetched, pre.prefetched, pre.prefetch) == (0, 4 * n_layers - 1, 1)
-    assert pre.layers[-1].down.pf == {} and pre.layers[0].qkv.pf["prefetch"] is pre.layers[0].o.calls[0].qweight
+    dev = torch.device("cuda", torch.cuda.current_device())
+    chain = [(p, row) for L in pre.layers for p, row in ((L.qkv, L.qkv.fold), (L.o, False), (L.gate_up, L.gate_up.fold),
+                                                        (L.down, L.down.swiglu))]
+    want = [row or p.calls[0]._kernel(dev).auto_is_gemv() for p, row in chain[:-1]]
+    assert plain.prefetched == 0 and pre.prefetch == 1 and pre.prefetched == sum(want) > 0
+    assert [bool(p.pf) for p, _ in chain] == want + [False]
+    if fold:  # (the folded norms and SwiGLU: three a layer at least)
+        assert pre.prefetched >= 3 * len(pre.layers) - 1
     seq = _ids(32, 9)[0].cuda()
     want, have = _forced_logits(plain, seq, 4), _forced_logits(pre, seq, 4)
     rel = (have - want).abs().amax(-1) / want.abs().amax(-1)

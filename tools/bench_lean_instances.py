@@ -96,7 +96,8 @@ def main() -> int:
     ap.add_argument("--shape", default="llama2-7b", choices=sorted(bench_run.SHAPES))
     ap.add_argument("--loops", default="base,base,base", help="the loops to build (see the module's help)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=64, help="graph replays per timing")
+    ap.add_argument("--steps", type=int, default=64,
+                    help="graph replays per timing (from position 16, inside the first attention bucket)")
     ap.add_argument("--repeats", type=int, default=3, help="timings per cell (median)")
     ap.add_argument("--profile", action="store_true", help="then list each loop's kernels (us per step)")
     ap.add_argument("--profile-top", type=int, default=14)
@@ -105,6 +106,10 @@ def main() -> int:
         loops = parse_loops(args.loops)
     except ValueError as exc:
         ap.error(str(exc))
+    from w4pack.runtime.lean_cuda import BUCKET
+
+    if not 1 <= args.steps <= BUCKET - 16 - 4:  # (a replay past the bucket would capture a graph while timed)
+        ap.error(f"--steps takes 1 to {BUCKET - 20}")
     import torch
 
     from w4pack.native import cuda

@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
 #if __CUDA_ARCH__ >= 900
   if constexpr (PF) {
     if (wi == 0) {  // a slice of the next weights per block, requested as the block finishes
-      const int64_t per = (p.pfb / G + 4095) & ~(int64_t)4095;
+      const int64_t per = ((p.pfb + G - 1) / G + 4095) & ~(int64_t)4095;
       const int64_t lo = (int64_t)blockIdx.x * per, hi = min(lo + per, p.pfb);
       for (int64_t o = lo + (int64_t)lane * GV_PF; o < hi; o += 32 * GV_PF)
         prefetch_l2((const unsigned char *)p.pf + o, (unsigned)min((int64_t)GV_PF, hi - o));

@@ -422,6 +422,17 @@ class CudaPackedLinear:
                 self._row_ok = False
         return self._row_ok
 
+    def prefetch_ok(self) -> bool:
+        """Whether ``forward_row``'s prefetch does anything: ``row_ok`` on a device with the bulk L2 prefetch
+        (compute capability 9.0 or newer; elsewhere the kernel ignores the range)."""
+        import torch
+
+        return self.row_ok() and torch.cuda.get_device_capability(self.device) >= (9, 0)
+
+    def auto_is_gemv(self) -> bool:
+        """Whether "auto" runs one row through the gemv kernel (``forward_row`` always does)."""
+        return self._plan(1, "float16", True, KERNELS["auto"], 0)[0] == KERNELS["gemv"]
+
     def forward_row(self, x: Any, prologue: str = "plain", norm_weight: Any = None, eps: float = 0.0,
                     residual: Any = None, out: Any = None, prefetch: Any = None, prefetch_bytes: int = 0) -> Any:
         """y[1, N] = f(x) · Wᵀ + residual for one row, one gemv launch, with f applied while the kernel stages x

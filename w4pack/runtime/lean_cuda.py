@@ -136,15 +136,18 @@ class _Linear:
         self.swiglu = bool(self.fold and swiglu and mod.fold_ok(device, dtype, row=True))
         return self.fold
 
-    def may_prefetch(self, after: "_Linear", limit: int, device: torch.device, dtype: torch.dtype) -> bool:
+    def may_prefetch(self, after: "_Linear", limit: int, device: torch.device, dtype: torch.dtype,
+                     plain: bool) -> bool:
         """Have this projection's kernel prefetch up to ``limit`` bytes of ``after``'s packed weights into L2,
-        where both are one packed layer and the gemv kernel runs this one (the prefetch rides its launch)."""
+        where both are one packed layer and this one's gemv launch can carry it (``W4Linear.prefetch_ok``;
+        ``plain``: this projection's call has neither a folded norm nor a SwiGLU)."""
         from .torch_module import W4Linear
 
+        self.pf = {}
         mine = self.calls[0] if self.weight is None and len(self.calls) == 1 else None
         nxt = after.calls[0] if after.weight is None and len(after.calls) == 1 else None
         if not (isinstance(mine, W4Linear) and isinstance(nxt, W4Linear) and limit > 0) or \
-                not mine.fold_ok(device, dtype, row=True) or nxt.qweight.device != device:
+                nxt.qweight.device != device or not mine.prefetch_ok(device, dtype, plain=plain):
             return False
         size = nxt.qweight.numel() * nxt.qweight.element_size()
         self.pf = {"prefetch": nxt.qweight, "prefetch_bytes": min(size, limit)}
@@ -243,9 +246,11 @@ class GraphDecoder(LoopBase):
         self.prefetch = max(0, int(prefetch))  # MiB
         self.prefetched = 0  # projections whose kernel prefetches the next one's weights
         if self.prefetch and self.device.type == "cuda":
-            chain = [p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)]
-            for a, b in zip(chain, chain[1:]):
-                self.prefetched += a.may_prefetch(b, self.prefetch << 20, self.device, self.dtype)
+            # (plain: the call has no folded norm or SwiGLU, so asking for the prefetch must not change its kernel)
+            chain = [pp for L in self.layers for pp in ((L.qkv, not L.qkv.fold), (L.o, True),
+                                                        (L.gate_up, not L.gate_up.fold), (L.down, not L.down.swiglu))]
+            for (a, plain), (b, _) in zip(chain, chain[1:]):
+                self.prefetched += a.may_prefetch(b, self.prefetch << 20, self.device, self.dtype, plain)
         self._check_widths(self.layers[0].qkv.sizes)
         self.vocab = int(self.head.out_features)
         with torch.inference_mode():  # the step's inputs and outputs: fixed addresses for every graph

@@ -227,6 +227,15 @@ class W4Linear(nn.Module):
             return False
         return not row or bool(self._kernel(dev).row_ok())
 
+    def prefetch_ok(self, device: Any, dtype: torch.dtype, plain: bool = False) -> bool:
+        """Whether ``fold``'s prefetch runs: ``fold_ok(row=True)`` on a device with the bulk L2 prefetch (compute
+        capability 9.0 or newer). ``plain``, for a call with neither norm nor SwiGLU: also that "auto" takes the
+        gemv kernel for one row anyway, so asking for the prefetch does not change the kernel."""
+        if not self.fold_ok(device, dtype, row=True):
+            return False
+        kernel = self._kernel(_normalize_device(device))
+        return bool(kernel.prefetch_ok() and (not plain or kernel.auto_is_gemv()))
+
     def fold(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
              residual: torch.Tensor | None = None, swiglu: bool = False, prefetch: torch.Tensor | None = None,
              prefetch_bytes: int = 0) -> torch.Tensor:
