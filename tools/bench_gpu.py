@@ -13,7 +13,6 @@ Usage: python tools/bench_gpu.py [--quick | --ms 1,4,16] [--sweep] [--shapes KxN
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import math
@@ -26,12 +25,16 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from w4pack.layout import LAYOUT_NAME, LAYOUT_VERSION, PackedLayer  # noqa: E402
 from w4pack.native import cuda as w4cuda  # noqa: E402
+
+# planner switches the native side reads at each plan (W4P_CUDA_*), set for a block and restored after
+from bench_run import environment as planner_switches  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 12288), (8192, 28672), (28672, 8192)]  # K x N
 MS = [1, 4, 8, 16, 32, 64, 128, 256, 1024]
@@ -185,21 +188,6 @@ def measure_w4(lins, k, n, m, kernel="auto", splits=0) -> float:
     x = torch.randn(m, k, device="cuda", dtype=torch.float16)
     ys = [torch.empty(m, n, device="cuda", dtype=torch.float16) for _ in range(2)]
     return time_graph(lambda i: lins[i].forward(x, out=ys[i & 1], kernel=kernel, splits=splits), len(lins))
-
-
-@contextlib.contextmanager
-def planner_switches(env: dict[str, str]):
-    """Planner switches the native side reads at each plan (W4P_CUDA_*), set for the block and restored after."""
-    saved = {var: os.environ.get(var) for var in env}
-    try:
-        os.environ.update(env)
-        yield
-    finally:
-        for var, value in saved.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
 
 
 def measure_w4_env(lins, k, n, m, kernel: str, splits: int, env: dict[str, str]) -> float:

@@ -269,11 +269,14 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
 #endif
 }
 
-template <typename T, int ZM, int TS, bool PF>
-cudaError_t launch_gemv_t(const Params &p, const Plan &pl, cudaStream_t st) {
-  auto fn = p.pro == W4P_ROW_RMSNORM  ? gemv_kernel<T, ZM, TS, W4P_ROW_RMSNORM, PF>
-            : p.pro == W4P_ROW_SWIGLU ? gemv_kernel<T, ZM, TS, W4P_ROW_SWIGLU, PF>
-                                      : gemv_kernel<T, ZM, TS, W4P_ROW_PLAIN, PF>;
+template <typename T, int ZM, int TS, bool PF> auto gemv_for(int pro) {
+  return pro == W4P_ROW_RMSNORM  ? gemv_kernel<T, ZM, TS, W4P_ROW_RMSNORM, PF>
+         : pro == W4P_ROW_SWIGLU ? gemv_kernel<T, ZM, TS, W4P_ROW_SWIGLU, PF>
+                                 : gemv_kernel<T, ZM, TS, W4P_ROW_PLAIN, PF>;
+}
+
+template <typename T, int ZM, int TS> cudaError_t launch_gemv_t(const Params &p, const Plan &pl, cudaStream_t st) {
+  auto fn = p.pf ? gemv_for<T, ZM, TS, true>(p.pro) : gemv_for<T, ZM, TS, false>(p.pro);
   const size_t smem = gv_smem(p.KT);
   cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e != cudaSuccess) return e;
@@ -289,11 +292,9 @@ cudaError_t launch_gemv_t(const Params &p, const Plan &pl, cudaStream_t st) {
 // 32-wide halves where groups end inside a tile
 template <typename T, int ZM> cudaError_t launch_gemv_ts(const Params &p, const Plan &pl, cudaStream_t st) {
   static_assert(GV_U == 2, "segments of whole chunks, single tiles or halves: a longer chunk needs more lengths");
-  const bool pf = p.pf != nullptr;
-  if (p.gs <= 0 || p.gs % (64 * GV_U) == 0)
-    return pf ? launch_gemv_t<T, ZM, GV_U, true>(p, pl, st) : launch_gemv_t<T, ZM, GV_U, false>(p, pl, st);
-  if (p.gs % 64 == 0) return pf ? launch_gemv_t<T, ZM, 1, true>(p, pl, st) : launch_gemv_t<T, ZM, 1, false>(p, pl, st);
-  return pf ? launch_gemv_t<T, ZM, 0, true>(p, pl, st) : launch_gemv_t<T, ZM, 0, false>(p, pl, st);
+  if (p.gs <= 0 || p.gs % (64 * GV_U) == 0) return launch_gemv_t<T, ZM, GV_U>(p, pl, st);
+  if (p.gs % 64 == 0) return launch_gemv_t<T, ZM, 1>(p, pl, st);
+  return launch_gemv_t<T, ZM, 0>(p, pl, st);
 }
 
 }  // namespace
