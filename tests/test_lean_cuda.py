@@ -530,3 +530,51 @@ def test_prefetching_step_follows_the_plain_one(models: dict[str, Path], name: s
         assert engine.captures == 1 and not engine.note and engine.graphs
         _greedy_by_rounding(plain, got[0], ids.shape[1])
     _logits_follow_transformers(model, GraphDecoder(model, fuse=False, fold=fold, prefetch=1))
+
+
+def test_arena_is_off_by_default_and_never_on_the_cpu(models: dict[str, Path],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """arena: off unless asked; asked on the CPU (whose kernels hold their own repacked copies) it moves nothing."""
+    monkeypatch.delenv("W4PACK_LEAN_ARENA", raising=False)
+    model = load_model(models["plain"], compile=False)
+    assert GraphDecoder(model).arena_bytes == 0
+    monkeypatch.setenv("W4PACK_LEAN_ARENA", "1")
+    engine = GraphDecoder(model)
+    assert engine.arena_bytes == 0 and engine._arena is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["plain", "fused", "odd"])
+def test_arena_step_is_the_plain_step_bit_for_bit(models: dict[str, Path], name: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """arena: the packed projections' codes and parameters move into one allocation in the step's order (the
+    model's own o / down modules are copied first, so its buffers stay where they were); the same kernels read
+    the same values, so the captured step's logits and tokens are the plain loop's bit for bit, folded or not."""
+    monkeypatch.delenv("W4PACK_LEAN_ARENA", raising=False)
+    model = load_model(models[name], device="cuda", dtype="float16", engine="eager")
+    mine = {n: b.data_ptr() for n, b in model.named_buffers()}
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for fold in (False, True):
+        plain = GraphDecoder(model, fuse=False, fold=fold)
+        moved = GraphDecoder(model, fuse=False, fold=fold, arena=True)
+        assert moved.arena_bytes > 0 and moved.folded == plain.folded
+        lo, hi = moved._arena.data_ptr(), moved._arena.data_ptr() + moved.arena_bytes
+        last, placed = lo - 1, 0
+        for L in moved.layers:
+            for p in (L.qkv, L.o, L.gate_up, L.down):
+                if len(p.calls) != 1:  # (the odd model's act-order q / k / v: three calls, left in place)
+                    continue
+                placed += 1
+                k = p.calls[0]._kernel(dev)
+                assert p.calls[0].qweight.data_ptr() == k.qweight.data_ptr()
+                assert last < k.qweight.data_ptr() < hi and k.qweight.data_ptr() % 256 == 0
+                assert lo <= k.prepare("float16")["scales"].data_ptr() < hi
+                last = k.qweight.data_ptr()
+        assert placed >= 3 * len(moved.layers)
+        assert {n: b.data_ptr() for n, b in model.named_buffers()} == mine
+        seq = _ids(32, 9)[0].cuda()
+        assert torch.equal(_forced_logits(plain, seq, 4), _forced_logits(moved, seq, 4)), fold
+        ids = _ids().cuda()
+        kw = dict(GEN, max_new_tokens=24)
+        assert torch.equal(_generate(moved, ids, **kw), _generate(plain, ids, **kw)), fold
+        assert moved.captures == 1 and not moved.note

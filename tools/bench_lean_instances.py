@@ -13,8 +13,8 @@ Each timing replays the captured step ``--steps`` times from position 16 (the gr
 sampling), between two CUDA events; the cell is the median of ``--repeats`` such runs, in ms per step.
 
 Loops (``--loops``, comma-separated; each ``base`` or settings joined by ``+``): ``fuse=0|1`` (Inductor before
-the capture; default 1), ``attn=matmul|sdpa``, ``fold=0|1``, ``prefetch=MiB``, e.g.
-``base,base,base,fuse=0,fold=1,prefetch=24``.
+the capture; default 1), ``attn=matmul|sdpa``, ``fold=0|1``, ``prefetch=MiB``, ``arena=0|1``, e.g.
+``base,base,base,fuse=0,fold=1,prefetch=24,arena=1``.
 
     python tools/bench_lean_instances.py --shape llama2-7b --loops base,base,base,prefetch=24 --profile
 """
@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 #: the GraphDecoder keyword each setting sets, and how its value is read
-SETTINGS = {"fuse": lambda v: v == "1", "attn": str, "fold": lambda v: v == "1", "prefetch": int}
+SETTINGS = {"fuse": lambda v: v == "1", "attn": str, "fold": lambda v: v == "1", "prefetch": int,
+            "arena": lambda v: v == "1"}
 
 
 def parse_loops(text: str) -> list[tuple[str, dict[str, Any]]]:
