@@ -134,7 +134,8 @@ def main() -> int:
             decs.append(dec)
             _replay(dec, 1)  # compile and capture now, not inside the first timing
             print(f"loop {i} ({name}): fuse={dec.fuse} attn={dec.attn} folded={dec.folded} "
-                  f"prefetched={dec.prefetched} captures={dec.captures}{' note=' + dec.note if dec.note else ''}",
+                  f"prefetched={dec.prefetched} arena_mib={dec.arena_bytes >> 20} captures={dec.captures}"
+                  f"{' note=' + dec.note if dec.note else ''}",
                   flush=True)
         cells: list[list[float]] = [[] for _ in decs]
         for r in range(args.rounds):
