@@ -24,8 +24,9 @@ each batch, the lean modes' their graph capture. The lean loop's attention follo
 or ``sdpa``), its folding $W4PACK_LEAN_FOLD, its prefetch $W4PACK_LEAN_PREFETCH and its arena $W4PACK_LEAN_ARENA;
 its rows name the attention it ran (``attn``), the projections that folded (``folded``), those whose kernel
 prefetched the next one's weights (``prefetched``) and the arena's size (``arena_mib``). ``--variants`` times such
-settings against each other in one process: every installed mode once per variant, the variants in turn for ``--rounds`` rounds, so drift between calls or machines does not
-enter the comparison (rows carry ``variant`` and ``round``).
+settings against each other in one process: every installed mode once per variant, the variants in turn for
+``--rounds`` rounds, so drift between calls or machines does not enter the comparison (rows carry ``variant`` and
+``round``).
 
     python tools/bench_run.py --device cuda --shapes llama2-7b --batches 1,16,64 \
         --modes eager,compiled,lean,lean_fused,auto
