@@ -184,10 +184,25 @@ def test_traced_step_decodes_the_same(models: dict[str, Path]) -> None:
     kw = dict(GEN, max_new_tokens=BUCKET + 4)  # two buckets: one traced graph each
     want = model.generate(_ids(), **kw)
     assert torch.equal(_generate(engine, _ids(), **kw), want)
-    assert engine._compiled is not None
+    assert sorted(engine._compiled) == [BUCKET, 2 * BUCKET] and not engine.note
     sdpa = GraphDecoder(model, fuse="eager", attn="sdpa")  # (the attention call traces whole too)
     assert torch.equal(_generate(sdpa, _ids(), **kw), want)
-    assert sdpa._compiled is not None and sdpa.fuse == "eager"
+    assert sorted(sdpa._compiled) == [BUCKET, 2 * BUCKET] and sdpa.fuse == "eager"
+
+
+def test_many_loops_in_one_process_all_compile(models: dict[str, Path]) -> None:
+    """Each loop and bucket compiles its own copy of the step: loops built one after another in one process (a
+    server, a benchmark's variants) stay compiled past dynamo's recompile limit of one function (8)."""
+    import torch._dynamo
+
+    model = load_model(models["plain"], compile=False)
+    limit = int(torch._dynamo.config.recompile_limit)
+    kw = dict(GEN, max_new_tokens=3)
+    want = model.generate(_ids(), **kw)
+    for i in range(limit + 2):
+        engine = GraphDecoder(model, fuse="eager")
+        assert torch.equal(_generate(engine, _ids(), **kw), want), i
+        assert engine.fuse == "eager" and not engine.note and list(engine._compiled) == [BUCKET], (i, engine.note)
 
 
 def test_a_step_that_does_not_compile_runs_unfused_and_says_why(models: dict[str, Path]) -> None:
@@ -515,7 +530,7 @@ def test_prefetching_step_follows_the_plain_one(models: dict[str, Path], name: s
     chain = [(p, row) for L in pre.layers for p, row in ((L.qkv, L.qkv.fold), (L.o, False), (L.gate_up, L.gate_up.fold),
                                                         (L.down, L.down.swiglu))]
     want = [row or p.calls[0]._kernel(dev).auto_is_gemv() for p, row in chain[:-1]]
-    assert plain.prefetched == 0 and pre.prefetch == 1 and pre.prefetched == sum(want) > 0
+    assert plain.prefetched == 0 and pre.prefetch == 1 and pre.prefetched == sum(want)
     assert [bool(p.pf) for p, _ in chain] == want + [False]
     if fold:  # (the folded norms and SwiGLU: three a layer at least)
         assert pre.prefetched >= 3 * len(pre.layers) - 1
@@ -570,7 +585,7 @@ def test_arena_step_is_the_plain_step_bit_for_bit(models: dict[str, Path], name:
                 assert last < k.qweight.data_ptr() < hi and k.qweight.data_ptr() % 256 == 0
                 assert lo <= k.prepare("float16")["scales"].data_ptr() < hi
                 last = k.qweight.data_ptr()
-        assert placed >= 3 * len(moved.layers)
+        assert placed >= 2 * len(moved.layers)  # (o and down: one call each in every model)
         assert {n: b.data_ptr() for n, b in model.named_buffers()} == mine
         seq = _ids(32, 9)[0].cuda()
         assert torch.equal(_forced_logits(plain, seq, 4), _forced_logits(moved, seq, 4)), fold

@@ -283,7 +283,7 @@ class GraphDecoder(LoopBase):
         self.attn = attn
         if fold is None:
             fold = os.environ.get(FOLD_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-        self._compiled: Any = None
+        self._compiled: dict[int, Any] = {}  # bucket -> the compiled step (_own_step)
         self.dtype = first.dtype
         self._init_spec(spec)
         with torch.inference_mode():
@@ -420,9 +420,11 @@ class GraphDecoder(LoopBase):
         first call for each bucket: the bucket is a constant of the traced graph)."""
         if self.fuse:
             try:
-                if self._compiled is None:
-                    self._compiled = torch.compile(self._step, backend=self.fuse, fullgraph=True, dynamic=False)
-                self._compiled(bucket)
+                fn = self._compiled.get(bucket)
+                if fn is None:
+                    fn = self._compiled[bucket] = torch.compile(self._own_step(bucket), backend=self.fuse,
+                                                                fullgraph=True, dynamic=False)
+                fn(bucket)
                 return
             except (KeyboardInterrupt, MemoryError):
                 raise
@@ -432,13 +434,27 @@ class GraphDecoder(LoopBase):
                 self._no_fuse(exc)
         self._step(bucket)
 
+    def _own_step(self, bucket: int) -> Any:
+        """``_step`` bound to this loop, with a code object of its own for ``bucket``. Dynamo keeps its compiled
+        graphs on the code object and counts every other loop or bucket it sees there as a recompile of the same
+        function: past ``torch._dynamo.config.recompile_limit`` (8) of them in one process, compiling fails and
+        loops built later would run unfused. One code object per (loop, bucket) compiles once and goes with its
+        loop."""
+        import types
+
+        fn = GraphDecoder._step
+        name = f"_step_{bucket}_{id(self):x}"
+        code = fn.__code__.replace(co_name=name, co_qualname=f"GraphDecoder.{name}")
+        return types.MethodType(types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__), self)
+
     def _no_fuse(self, exc: BaseException) -> None:
         """Compiling the step failed (before it ran: the inputs are untouched): unfused from now on."""
         import warnings
 
         from .decode import _one_line
 
-        self.fuse, self._compiled = None, None
+        self.fuse = None
+        self._compiled.clear()
         self.note = f"unfused step: torch.compile failed: {_one_line(exc)}"
         warnings.warn(f"the lean loop could not compile its step ({_one_line(exc)}); running it unfused "
                       f"(set {FUSE_ENV}=0 to skip the attempt)", RuntimeWarning, stacklevel=5)
