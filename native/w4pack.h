@@ -210,9 +210,6 @@ int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k,
      W4P_ROW_SWIGLU   x holds 2k values [gate | up]; y = (silu(gate) * up) . W^T (+ bias), silu in fp32 rounded
                       to dtype, times up, rounded (transformers' act_fn(gate) * up).
    norm_weight and norm_eps are read for W4P_ROW_RMSNORM only; another prologue value is W4P_EINVAL.
-   prefetch (16-byte aligned) or NULL: on sm_90 the kernel's blocks ask for prefetch_bytes (rounded down to 16)
-   from there into L2 as they finish, a hint with no effect on y; in a decode step, the next projection's
-   weights, which then arrive while the kernels between the two run.
    bias [n] or NULL (in a decoder layer, the residual stream to add). The other arguments as w4p_cuda_gemm's; x
    and y are contiguous rows, y not overlapping x. W4P_EUNSUPPORTED where the gemv kernel does not run the layer
    (8-bit storage, a group size it does not take, compute capability below 8.0, a row too long for its shared
@@ -223,8 +220,7 @@ int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k,
 int w4p_cuda_gemm_row(int device, void *stream, int dtype, int n, int k, const void *x, void *y,
                       const int32_t *qweight, int storage_bits, int group_size, int zero_mode, const void *scales,
                       const void *zeros, const void *mins, const int32_t *perm, const void *bias, int prologue,
-                      const void *norm_weight, float norm_eps, const void *prefetch, size_t prefetch_bytes,
-                      void *workspace, size_t workspace_bytes);
+                      const void *norm_weight, float norm_eps, void *workspace, size_t workspace_bytes);
 /* W[n][k] (row stride ldw, original column order: act-order undone) = the layer's weights in dtype, one
    rounding from fp32. For dense GEMMs at large M and for checks. */
 int w4p_cuda_dequantize(int device, void *stream, int dtype, int n, int k, const int32_t *qweight,

@@ -289,9 +289,7 @@ def test_gemv_row_prologues(dtype_name, zero_mode, gs, act_order):
     # or the SwiGLU of [gate | up] (silu in float32, rounded, times up, rounded) applied in the gemv kernel's
     # staging, plus a residual added before the output's rounding; against the float64 reference of what torch
     # computes for them, odd shapes (K past the last tile, rows past N), the layer's own bias with and without a
-    # residual, a quiet row where the epsilon sets the scale, repeats and graph replays bit-identical; a prefetch
-    # of other weights into L2 as the kernel finishes (whole, clipped, less than a block's slice, not a multiple of
-    # 16 bytes) leaves every output bit as it was
+    # residual, a quiet row where the epsilon sets the scale, repeats and graph replays bit-identical
     import torch
 
     if not gemv_ok():
@@ -307,8 +305,6 @@ def test_gemv_row_prologues(dtype_name, zero_mode, gs, act_order):
     def swiglu(gu, k):
         return torch.nn.functional.silu(gu[:, :k]) * gu[:, k:]
 
-    other = torch.randint(-2**31, 2**31 - 1, (3 << 20,), dtype=torch.int32, device="cuda", generator=gen)
-    prefetches = ((other, 12 << 20), (other, 1 << 40), (other, 1000), (other[4:], 5_000_003))
     for n, k in ((196, 576), (600, 1000), (17, 64), (4100, 2880), (40, 12000)):
         layer = random_layer(rng, n, k, gs=gs, zero_mode=zero_mode, act_order=act_order, scale_dtype=dtype_name,
                              bias=True)
@@ -328,9 +324,6 @@ def test_gemv_row_prologues(dtype_name, zero_mode, gs, act_order):
                 got = lin.forward_row(x, prologue, residual=residual, **kw)
                 assert got.shape == (1, n) and got.dtype == tdt
                 assert rel_err(got, ref) <= tolerance(dtype_name), (n, k, prologue, residual is None)
-                for pf, nb in prefetches:
-                    again = lin.forward_row(x, prologue, residual=residual, prefetch=pf, prefetch_bytes=nb, **kw)
-                    assert torch.equal(again, got), (n, k, prologue, nb)
 
             class Row:  # the call as _repeats_and_replays makes it
                 def forward(self, x, out=None, prologue=prologue, kw=kw):
@@ -365,10 +358,6 @@ def test_gemv_row_refuses_what_it_cannot_run():
         lin.forward_row(h, "rmsnorm", w, 1e-6, residual=torch.zeros(63, device="cuda", dtype=torch.float16))
     with pytest.raises(BadInputError, match="prologue 'gelu'"):
         lin.forward_row(h, "gelu")
-    raw = torch.zeros(4096, dtype=torch.uint8, device="cuda")
-    for bad in (raw[1:], raw.cpu(), raw.view(64, 64)[:, :32]):  # misaligned, another device, not contiguous
-        with pytest.raises(BadInputError, match="prefetch must be"):
-            lin.forward_row(h, "plain", prefetch=bad, prefetch_bytes=1024)
 
 
 @pytest.mark.gpu

@@ -13,10 +13,9 @@ Each timing replays the captured step ``--steps`` times from position 16 (the gr
 sampling), between two CUDA events; the cell is the median of ``--repeats`` such runs, in ms per step.
 
 Loops (``--loops``, comma-separated; each ``base`` or settings joined by ``+``): ``fuse=0|1`` (Inductor before
-the capture; default 1), ``attn=matmul|sdpa``, ``fold=0|1``, ``prefetch=MiB``, ``arena=0|1``, e.g.
-``base,base,base,fuse=0,fold=1,prefetch=24,arena=1``.
+the capture; default 1), ``attn=matmul|sdpa``, ``fold=0|1``, e.g. ``base,base,base,fuse=0,fold=1+attn=sdpa``.
 
-    python tools/bench_lean_instances.py --shape llama2-7b --loops base,base,base,prefetch=24 --profile
+    python tools/bench_lean_instances.py --shape llama2-7b --loops base,base,base,fold=1 --profile
 """
 from __future__ import annotations
 
@@ -30,9 +29,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
+
+
+def _flag(value: str) -> bool:
+    if value not in ("0", "1"):
+        raise ValueError(f"{value!r} is not 0 or 1")
+    return value == "1"
+
+
 #: the GraphDecoder keyword each setting sets, and how its value is read
-SETTINGS = {"fuse": lambda v: v == "1", "attn": str, "fold": lambda v: v == "1", "prefetch": int,
-            "arena": lambda v: v == "1"}
+SETTINGS = {"fuse": _flag, "attn": str, "fold": _flag}
 
 
 def parse_loops(text: str) -> list[tuple[str, dict[str, Any]]]:
@@ -49,8 +55,8 @@ def parse_loops(text: str) -> list[tuple[str, dict[str, Any]]]:
                     raise ValueError(f"--loops: {part!r} is not one of {', '.join(k + '=...' for k in SETTINGS)}")
                 try:
                     kw[key] = SETTINGS[key](value)
-                except ValueError:
-                    raise ValueError(f"--loops: {part!r}: {value!r} is not a number") from None
+                except ValueError as exc:
+                    raise ValueError(f"--loops: {part!r}: {exc}") from None
         loops.append((item, kw))
     if not loops:
         raise ValueError("--loops names no loop")
@@ -133,8 +139,7 @@ def main() -> int:
             dec._reserve(16 + args.steps + 8)
             decs.append(dec)
             _replay(dec, 1)  # compile and capture now, not inside the first timing
-            print(f"loop {i} ({name}): fuse={dec.fuse} attn={dec.attn} folded={dec.folded} "
-                  f"prefetched={dec.prefetched} arena_mib={dec.arena_bytes >> 20} captures={dec.captures}"
+            print(f"loop {i} ({name}): fuse={dec.fuse} attn={dec.attn} folded={dec.folded} captures={dec.captures}"
                   f"{' note=' + dec.note if dec.note else ''}",
                   flush=True)
         cells: list[list[float]] = [[] for _ in decs]

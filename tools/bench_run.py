@@ -21,12 +21,10 @@ lean modes run batch 1 only; other batches are skipped for them. ``auto`` is wha
 default (``w4pack.runtime.decode.use_decode``: the fused lean loop where it runs, the compiled step for the other
 batches); its rows name the engine that answered. The warm-up of the compiled modes includes their compile for
 each batch, the lean modes' their graph capture. The lean loop's attention follows $W4PACK_LEAN_ATTN (``matmul``
-or ``sdpa``), its folding $W4PACK_LEAN_FOLD, its prefetch $W4PACK_LEAN_PREFETCH and its arena $W4PACK_LEAN_ARENA;
-its rows name the attention it ran (``attn``), the projections that folded (``folded``), those whose kernel
-prefetched the next one's weights (``prefetched``) and the arena's size (``arena_mib``). ``--variants`` times such
-settings against each other in one process: every installed mode once per variant, the variants in turn for
-``--rounds`` rounds, so drift between calls or machines does not enter the comparison (rows carry ``variant`` and
-``round``).
+or ``sdpa``) and its folding $W4PACK_LEAN_FOLD; its rows name the attention it ran (``attn``) and the projections
+that folded (``folded``). ``--variants`` times such settings against each other in one process: every installed
+mode once per variant, the variants in turn for ``--rounds`` rounds, so drift between calls or machines does not
+enter the comparison (rows carry ``variant`` and ``round``).
 
     python tools/bench_run.py --device cuda --shapes llama2-7b --batches 1,16,64 \
         --modes eager,compiled,lean,lean_fused,auto
@@ -192,9 +190,7 @@ def decode_rate(model: Any, batch: int, new_tokens: int, repeats: int, mode: str
     rate = batch * (new_tokens - 1) / max(tn - t1, 1e-9)
     lean = getattr(model, "_w4pack_lean", None) if mode in INSTALLED else None
     return {"mode": mode, "decode": decode_mode(model) if mode in INSTALLED else mode,
-            **({"attn": lean.attn, "folded": lean.folded, "prefetched": lean.prefetched,
-                "arena_mib": lean.arena_bytes >> 20}
-               if hasattr(lean, "attn") else {}), "batch": batch,
+            **({"attn": lean.attn, "folded": lean.folded} if hasattr(lean, "attn") else {}), "batch": batch,
             "new_tokens": new_tokens, "warmup_s": round(warm, 1),
             "prefill_s": round(t1, 4), "total_s": round(tn, 4), "decode_tokens_per_s": round(rate, 1),
             "ms_per_step": round((tn - t1) / (new_tokens - 1) * 1000, 3)}

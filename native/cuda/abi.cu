@@ -66,7 +66,7 @@ static int gemm_impl(int device, void *stream, int dtype, int64_t m, int n, int 
                      void *y, int64_t ldy, const int32_t *qweight, int storage_bits, int group_size, int zero_mode,
                      const void *scales, const void *zeros, const void *mins, const int32_t *perm, const void *bias,
                      void *workspace, size_t workspace_bytes, int kernel, int splits, int prologue,
-                     const void *norm_weight, float norm_eps, const void *prefetch, size_t prefetch_bytes) {
+                     const void *norm_weight, float norm_eps) {
   if (m < 1 || n < 1 || k < 1) return fail(W4P_EINVAL, "bad shape m=%lld n=%d k=%d", (long long)m, n, k);
   if (dtype != W4P_DT_F16 && dtype != W4P_DT_BF16) return fail(W4P_EUNSUPPORTED, "dtype %d: fp16 or bf16 only", dtype);
   if (storage_bits != 4 && storage_bits != 8) return fail(W4P_EINVAL, "storage_bits must be 4 or 8, got %d", storage_bits);
@@ -152,8 +152,6 @@ static int gemm_impl(int device, void *stream, int dtype, int64_t m, int n, int 
   p.pro = prologue;
   p.nw = norm_weight;
   p.neps = norm_eps;
-  p.pfb = prefetch ? (int64_t)(prefetch_bytes & ~(size_t)15) : 0;
-  p.pf = p.pfb > 0 ? prefetch : nullptr;
 
   cudaStream_t st = (cudaStream_t)stream;
   e = dtype == W4P_DT_F16 ? launch_all<half>(p, pl, storage_bits, ws_gather, st)
@@ -171,24 +169,21 @@ int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k, 
                   void *workspace, size_t workspace_bytes, int kernel, int splits) {
   return gemm_impl(device, stream, dtype, m, n, k, x, ldx, y, ldy, qweight, storage_bits, group_size, zero_mode,
                    scales, zeros, mins, perm, bias, workspace, workspace_bytes, kernel, splits, W4P_ROW_PLAIN,
-                   nullptr, 0.f, nullptr, 0);
+                   nullptr, 0.f);
 }
 
 int w4p_cuda_gemm_row(int device, void *stream, int dtype, int n, int k, const void *x, void *y,
                       const int32_t *qweight, int storage_bits, int group_size, int zero_mode, const void *scales,
                       const void *zeros, const void *mins, const int32_t *perm, const void *bias, int prologue,
-                      const void *norm_weight, float norm_eps, const void *prefetch, size_t prefetch_bytes,
-                      void *workspace, size_t workspace_bytes) {
+                      const void *norm_weight, float norm_eps, void *workspace, size_t workspace_bytes) {
   if (prologue != W4P_ROW_PLAIN && prologue != W4P_ROW_RMSNORM && prologue != W4P_ROW_SWIGLU)
     return fail(W4P_EINVAL, "prologue %d: W4P_ROW_PLAIN, W4P_ROW_RMSNORM or W4P_ROW_SWIGLU", prologue);
   if (prologue == W4P_ROW_RMSNORM && !norm_weight) return fail(W4P_EINVAL, "norm_weight is required");
   if (prologue == W4P_ROW_RMSNORM && !(norm_eps >= 0.f))
     return fail(W4P_EINVAL, "norm_eps must be a non-negative number");
-  if ((uintptr_t)prefetch & 15) return fail(W4P_EINVAL, "prefetch must be 16-byte aligned");
   return gemm_impl(device, stream, dtype, 1, n, k, x, prologue == W4P_ROW_SWIGLU ? 2 * (int64_t)k : k, y, n,
                    qweight, storage_bits, group_size, zero_mode, scales, zeros, mins, perm, bias, workspace,
-                   workspace_bytes, W4P_CUDA_KERNEL_GEMV, 0, prologue, norm_weight, norm_eps, prefetch,
-                   prefetch_bytes);
+                   workspace_bytes, W4P_CUDA_KERNEL_GEMV, 0, prologue, norm_weight, norm_eps);
 }
 
 int w4p_cuda_dequantize(int device, void *stream, int dtype, int n, int k, const int32_t *qweight, int storage_bits,

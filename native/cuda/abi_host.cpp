@@ -2,7 +2,7 @@
 // Built into libw4p_cuda.so and, with the planner, into the planner's own library (no CUDA needed).
 #include "planner.h"
 
-#define W4P_CUDA_ABI 3
+#define W4P_CUDA_ABI 4
 
 using namespace w4p;
 

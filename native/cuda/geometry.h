@@ -74,7 +74,6 @@ constexpr int GV_U = 2;   // tiles per warp and step
 constexpr int GV_B = 2;   // blocks per SM asked of the compiler (one fewer for the heavier layer kinds)
 constexpr int GV_RED = 2 * GV_W * 16 * 4;  // the stripe sums' two buffers [2][GV_W][16] floats
 W4P_HD constexpr size_t gv_smem(int kt) { return (size_t)GV_RED + (size_t)kt * 128; }
-constexpr int GV_PF = 16384;  // bytes per L2 prefetch request of the next weights (Params::pf)
 
 // wgmma kernel
 constexpr int WG_BM = 128;       // weight rows per block (two warpgroups)

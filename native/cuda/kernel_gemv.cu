@@ -142,9 +142,7 @@ __device__ __forceinline__ void gv_chunk(float (&acc)[4], const GvBuf<ZM, TS> &b
 // row's root mean square, rounded to T, times the norm weight, rounded to T; every block reduces the whole row (it
 // stages the whole row anyway). W4P_ROW_SWIGLU: x holds [gate (K) | up (K)], staged as silu(gate) rounded to T,
 // times up, rounded to T (transformers' act_fn(gate_proj(x)) * up_proj(x) in eager arithmetic).
-// PF: the instance that asks [p.pf, p.pf + p.pfb) into L2 as its blocks finish (the plain instances carry no
-// code for it).
-template <typename T, int ZM, int TS, int PRO, bool PF>
+template <typename T, int ZM, int TS, int PRO>
 __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel(const Params p) {
   constexpr int W = GV_W, U = GV_U, NT = W * 32;
   using Buf = GvBuf<ZM, TS>;
@@ -257,26 +255,12 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
     load(A);
     step(B);
   }
-#if __CUDA_ARCH__ >= 900
-  if constexpr (PF) {
-    if (wi == 0) {  // a slice of the next weights per block, requested as the block finishes
-      const int64_t per = ((p.pfb + G - 1) / G + 4095) & ~(int64_t)4095;
-      const int64_t lo = (int64_t)blockIdx.x * per, hi = min(lo + per, p.pfb);
-      for (int64_t o = lo + (int64_t)lane * GV_PF; o < hi; o += 32 * GV_PF)
-        prefetch_l2((const unsigned char *)p.pf + o, (unsigned)min((int64_t)GV_PF, hi - o));
-    }
-  }
-#endif
-}
-
-template <typename T, int ZM, int TS, bool PF> auto gemv_for(int pro) {
-  return pro == W4P_ROW_RMSNORM  ? gemv_kernel<T, ZM, TS, W4P_ROW_RMSNORM, PF>
-         : pro == W4P_ROW_SWIGLU ? gemv_kernel<T, ZM, TS, W4P_ROW_SWIGLU, PF>
-                                 : gemv_kernel<T, ZM, TS, W4P_ROW_PLAIN, PF>;
 }
 
 template <typename T, int ZM, int TS> cudaError_t launch_gemv_t(const Params &p, const Plan &pl, cudaStream_t st) {
-  auto fn = p.pf ? gemv_for<T, ZM, TS, true>(p.pro) : gemv_for<T, ZM, TS, false>(p.pro);
+  auto fn = p.pro == W4P_ROW_RMSNORM  ? gemv_kernel<T, ZM, TS, W4P_ROW_RMSNORM>
+            : p.pro == W4P_ROW_SWIGLU ? gemv_kernel<T, ZM, TS, W4P_ROW_SWIGLU>
+                                      : gemv_kernel<T, ZM, TS, W4P_ROW_PLAIN>;
   const size_t smem = gv_smem(p.KT);
   cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e != cudaSuccess) return e;

@@ -30,8 +30,6 @@ struct Params {
   int pro;               // gemv: W4P_ROW_* applied to x while staged (w4p_cuda_gemm_row), 0 none
   const void *nw;        // gemv, W4P_ROW_RMSNORM: the norm weight [K]
   float neps;            // gemv, W4P_ROW_RMSNORM: its epsilon
-  const void *pf;        // gemv on sm_90: bytes [pf, pf + pfb) asked into L2 as the blocks finish, NULL none
-  int64_t pfb;           //   (the next projection's weights, read while the kernels between run)
 };
 
 }  // namespace w4p

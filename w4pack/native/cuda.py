@@ -44,9 +44,9 @@ KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "ring": 3, "bulk": 4, "wgmma": 5,
 #: M = 1024 where measured ahead on an H200, docs/journal/2026-cuda.md): below it
 #: the stream kernel (weights read once, split-K), above it dequantize + cuBLAS beats the mma.sync tiled kernel
 DENSE_MIN_M = 33
-#: the library's ABI version this module speaks (w4p_cuda_abi_version; 2 added w4p_cuda_gemm_row, 3 its
-#: prefetch of the next weights)
-CUDA_ABI = 3
+#: the library's ABI version this module speaks (w4p_cuda_abi_version; 2 added w4p_cuda_gemm_row, 3 a prefetch
+#: range to it, 4 took that out again)
+CUDA_ABI = 4
 #: forward_row's prologues: what the gemv kernel applies to the row while staging it (W4P_ROW_*)
 PROLOGUES = {"plain": 0, "rmsnorm": 1, "swiglu": 2}
 _DT = {"float16": 1, "bfloat16": 2}
@@ -422,28 +422,14 @@ class CudaPackedLinear:
                 self._row_ok = False
         return self._row_ok
 
-    def prefetch_ok(self) -> bool:
-        """Whether ``forward_row``'s prefetch does anything: ``row_ok`` on a device with the bulk L2 prefetch
-        (compute capability 9.0 or newer; elsewhere the kernel ignores the range)."""
-        import torch
-
-        return self.row_ok() and torch.cuda.get_device_capability(self.device) >= (9, 0)
-
-    def auto_is_gemv(self) -> bool:
-        """Whether "auto" runs one row through the gemv kernel (``forward_row`` always does)."""
-        return self._plan(1, "float16", True, KERNELS["auto"], 0)[0] == KERNELS["gemv"]
-
     def forward_row(self, x: Any, prologue: str = "plain", norm_weight: Any = None, eps: float = 0.0,
-                    residual: Any = None, out: Any = None, prefetch: Any = None, prefetch_bytes: int = 0) -> Any:
+                    residual: Any = None, out: Any = None) -> Any:
         """y[1, N] = f(x) · Wᵀ + residual for one row, one gemv launch, with f applied while the kernel stages x
         (``PROLOGUES``): "rmsnorm", transformers' RMSNorm (x / sqrt(mean(x²) + eps) in fp32, rounded to x's
         dtype, times ``norm_weight``, rounded); "swiglu", x = [gate | up] of 2K values and f = silu(gate) · up
         (silu in fp32, rounded, times up, rounded); "plain", f = identity. residual: N values added to the
         output in fp32 before its rounding (in a decoder layer, the residual stream; the layer's own bias, if
         any, is summed into it first, in x's dtype), or None for the layer's own bias alone. y must not alias x.
-        prefetch: a CUDA tensor on this device whose first ``prefetch_bytes`` bytes (at most its size) the kernel
-        asks into L2 as it finishes (sm_90; no effect on y): in a decode step the next projection's weights, read
-        from memory while the kernels between the two run instead of by that projection's kernel.
         Why: at M = 1 every gemv block stages the whole row, so the decoder layer's norm or activation costs no
         kernel of its own. ``row_ok`` first."""
         import torch
@@ -477,12 +463,6 @@ class CudaPackedLinear:
             if out.dtype != x.dtype or out.device != x.device or out.numel() != self.n or not out.is_contiguous():
                 raise BadInputError(f"out must be contiguous {x.dtype} with {self.n} values on {x.device}")
             y = out.view(self.n)
-        pf_bytes = 0
-        if prefetch is not None:
-            if not isinstance(prefetch, torch.Tensor) or prefetch.device != self.device or \
-                    not prefetch.is_contiguous() or prefetch.data_ptr() % 16:
-                raise BadInputError(f"prefetch must be a contiguous, 16-byte aligned torch tensor on {self.device}")
-            pf_bytes = max(0, min(int(prefetch_bytes), prefetch.numel() * prefetch.element_size()))
         _, _, need = self._plan(1, dtype_name, True, KERNELS["gemv"], 0)
         stream = torch.cuda.current_stream(self.device)
         ws = _workspace(torch, self.device, need)
@@ -490,8 +470,7 @@ class CudaPackedLinear:
         rc = lib.w4p_cuda_gemm_row(
             self.device.index, ffi.cast("void *", stream.cuda_stream), _DT[dtype_name], self.n, self.k,
             _ptr(ffi, x1), _ptr(ffi, y), *self._layer_args(ffi, params), _ptr(ffi, b), PROLOGUES[prologue],
-            _ptr(ffi, nw), float(eps), _ptr(ffi, prefetch if pf_bytes else None), pf_bytes, _ptr(ffi, ws),
-            ws.numel())
+            _ptr(ffi, nw), float(eps), _ptr(ffi, ws), ws.numel())
         _check(rc, "w4p_cuda_gemm_row")
         return y.reshape(*lead, self.n)
 

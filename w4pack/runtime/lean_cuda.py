@@ -39,7 +39,7 @@ from torch import nn
 from ..errors import BadInputError
 from .lean import LayerSpec, LoopBase, NotLean, _Layer, _out_features, signature, stack_packed, walk
 
-__all__ = ["GraphDecoder", "BUCKET", "FUSE_ENV", "ATTN_ENV", "ATTENTION", "FOLD_ENV", "PREFETCH_ENV", "ARENA_ENV"]
+__all__ = ["GraphDecoder", "BUCKET", "FUSE_ENV", "ATTN_ENV", "ATTENTION", "FOLD_ENV"]
 
 #: 0/1: capture the step as written, or compiled by torch.compile (Inductor, no CUDA graphs of its own; the default
 #: with graphs)
@@ -54,17 +54,6 @@ ATTENTION = ("matmul", "sdpa")
 #: 0/1: fold each layer's RMSNorms into the following projection's kernel and its residual adds into the
 #: o / down projections' (``W4Linear.fold``: packed layers the gemv kernel runs, fp16/bf16 on CUDA); off by default
 FOLD_ENV = "W4PACK_LEAN_FOLD"
-
-#: MiB (0: off, the default): each packed projection's gemv kernel asks up to this many bytes of the next
-#: projection's weights into L2 as it finishes, so they are read while the kernels between the two run
-PREFETCH_ENV = "W4PACK_LEAN_PREFETCH"
-
-#: 0/1: copy what the packed projections' kernels read (codes, scales, zero points) into one allocation, in the
-#: order the step reads them (``GraphDecoder(arena=)``: the model's own modules stay as they are); off by default
-ARENA_ENV = "W4PACK_LEAN_ARENA"
-
-#: the arena's slots start on multiples of this many bytes (the kernels' widest loads and bulk copies)
-_ARENA_ALIGN = 256
 
 #: the shortest attention length a graph covers; longer ones double
 BUCKET = 256
@@ -98,7 +87,6 @@ class _Linear:
         self.stacked = False
         self.fold = False  # normed / add run as one W4Linear.fold kernel (set by the decoder: may_fold)
         self.swiglu = False  # add folds the SwiGLU of its [gate | up] input too (may_fold)
-        self.pf: dict[str, Any] = {}  # W4Linear.fold's prefetch of the next projection (may_prefetch)
         first = mods[0]
         if len(mods) == 1:
             return
@@ -143,28 +131,9 @@ class _Linear:
         self.swiglu = bool(self.fold and swiglu and mod.fold_ok(device, dtype, row=True))
         return self.fold
 
-    def may_prefetch(self, after: "_Linear", limit: int, device: torch.device, dtype: torch.dtype,
-                     plain: bool) -> bool:
-        """Have this projection's kernel prefetch up to ``limit`` bytes of ``after``'s packed weights into L2,
-        where both are one packed layer and this one's gemv launch can carry it (``W4Linear.prefetch_ok``;
-        ``plain``: this projection's call has neither a folded norm nor a SwiGLU)."""
-        from .torch_module import W4Linear
-
-        self.pf = {}
-        mine = self.calls[0] if self.weight is None and len(self.calls) == 1 else None
-        nxt = after.calls[0] if after.weight is None and len(after.calls) == 1 else None
-        if not (isinstance(mine, W4Linear) and isinstance(nxt, W4Linear) and limit > 0) or \
-                nxt.qweight.device != device or not mine.prefetch_ok(device, dtype, plain=plain):
-            return False
-        size = nxt.qweight.numel() * nxt.qweight.element_size()
-        self.pf = {"prefetch": nxt.qweight, "prefetch_bytes": min(size, limit)}
-        return True
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        if self.pf:
-            return self.calls[0].fold(x, **self.pf)
         if len(self.calls) == 1:
             return self.calls[0](x)
         return torch.cat([m(x) for m in self.calls], dim=-1)
@@ -172,71 +141,21 @@ class _Linear:
     def normed(self, h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """self(RMSNorm(h)): one kernel where folding is on, else the norm, then the projection."""
         if self.fold:
-            return self.calls[0].fold(h, w, eps, **self.pf)
+            return self.calls[0].fold(h, w, eps)
         return self(LoopBase._norm(h, w, eps))
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + self(x): the residual as the kernel's bias where folding is on (one rounding)."""
         if self.fold:
-            return self.calls[0].fold(x, residual=residual, **self.pf)
+            return self.calls[0].fold(x, residual=residual)
         return residual + self(x)
 
     def swiglu_add(self, gu: torch.Tensor, act: Any, residual: torch.Tensor) -> torch.Tensor:
         """residual + self(act(gate) * up) of gu = [gate | up]: one kernel where the SwiGLU folds."""
         if self.swiglu:
-            return self.calls[0].fold(gu, residual=residual, swiglu=True, **self.pf)
+            return self.calls[0].fold(gu, residual=residual, swiglu=True)
         inter = gu.shape[-1] // 2
         return self.add(act(gu[:, :inter]) * gu[:, inter:], residual)
-
-
-def _arena(lins: list[_Linear], device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
-    """Move what the CUDA kernels of ``lins``' packed layers read into one new allocation, in ``lins``' order:
-    each layer's codes, then its scales, zero points or minimums in ``dtype``'s parameter copy. A layer the loop
-    does not own (the model's o, down or head) is replaced by a copy of its module first, so the model keeps its
-    buffers. Returns the arena (None: no packed layer), which the moved tensors are views of."""
-    import copy
-
-    from .torch_module import W4Linear, _cuda_dtype_name
-
-    slots: list[tuple[_Linear, W4Linear, Any, dict[str, Any]]] = []
-    for lin in lins:
-        mod = lin.calls[0] if lin.weight is None and len(lin.calls) == 1 else None
-        if not isinstance(mod, W4Linear) or mod.qweight.device != device or lin in [s[0] for s in slots]:
-            continue
-        kernel = mod._kernel(device)
-        params = kernel.prepare(_cuda_dtype_name(dtype, mod.meta["scale_dtype"]))
-        if not lin.stacked:  # the model's module: the loop's own copy, sharing the model's other buffers
-            mod = copy.copy(mod)  # (W4Linear.__setstate__: a new handle, no kernels)
-            mod._buffers = dict(mod._buffers)
-            kernel = copy.copy(kernel)
-            kernel._by_dtype = dict(kernel._by_dtype)
-            lin.calls = [mod]
-        slots.append((lin, mod, kernel, params))
-    if not slots:
-        return None
-
-    def size(t: torch.Tensor) -> int:
-        return -(-t.numel() * t.element_size() // _ARENA_ALIGN) * _ARENA_ALIGN
-
-    keys = ("scales", "zeros", "mins")
-    total = sum(size(k.qweight) + sum(size(p[n]) for n in keys if p.get(n) is not None) for _, _, k, p in slots)
-    arena = torch.empty(total, dtype=torch.uint8, device=device)
-    at = 0
-
-    def place(t: torch.Tensor) -> torch.Tensor:
-        nonlocal at
-        n = t.numel() * t.element_size()
-        view = arena[at:at + n].view(t.dtype).view(t.shape)
-        view.copy_(t)
-        at += size(t)
-        return view
-
-    for _, mod, kernel, params in slots:
-        kernel.qweight = mod._buffers["qweight"] = place(kernel.qweight)
-        name = next(n for n, v in kernel._by_dtype.items() if v is params)
-        kernel._by_dtype[name] = {n: place(v) if n in keys and v is not None else v for n, v in params.items()}
-        mod._prepared = {(str(device), kernel.qweight.data_ptr()): kernel}
-    return arena
 
 
 class GraphDecoder(LoopBase):
@@ -248,15 +167,13 @@ class GraphDecoder(LoopBase):
     kernels per layer. A step that fails to compile runs unfused, with one warning. ``attn``: one of
     ``ATTENTION``, default $W4PACK_LEAN_ATTN, else "matmul". ``fold``: fold the norms and residual adds into the
     packed projections' kernels where they can (``FOLD_ENV``; default $W4PACK_LEAN_FOLD, else off); ``folded``
-    counts the projections that do. ``prefetch`` (MiB, ``PREFETCH_ENV``) and ``arena`` (``ARENA_ENV``, CUDA
-    only; ``arena_bytes`` its size) place the packed weights for the memory system; both off by default."""
+    counts the projections that do."""
 
     #: new tokens a call reserves cache for up front (the cache grows past it, recapturing the graphs)
     first_reserve = 4096
 
     def __init__(self, model: nn.Module, graphs: bool | None = None, fuse: bool | str | None = None,
-                 attn: str | None = None, fold: bool | None = None, prefetch: int | None = None,
-                 arena: bool | None = None):
+                 attn: str | None = None, fold: bool | None = None):
         self.model = model
         spec = walk(model)
         first = next(model.parameters(), None)
@@ -297,27 +214,6 @@ class GraphDecoder(LoopBase):
                                     L.gate_up.may_fold(self.device, self.dtype, L.ln2),
                                     L.down.may_fold(self.device, self.dtype, swiglu=_is_silu(L.act))))
         self.fold = self.folded > 0
-        if arena is None:
-            arena = os.environ.get(ARENA_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-        self._arena = None  # (before the prefetch: that names the next projection's codes where they end up)
-        if arena and self.device.type == "cuda":
-            with torch.inference_mode():
-                order = [p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)] + [self.head]
-                self._arena = _arena(order, self.device, self.dtype)
-        self.arena_bytes = 0 if self._arena is None else int(self._arena.numel())
-        if prefetch is None:
-            env = os.environ.get(PREFETCH_ENV, "").strip() or "0"
-            if not env.isdigit():
-                raise BadInputError(f"{PREFETCH_ENV}={env!r}: a whole number of MiB (0: off)")
-            prefetch = int(env)
-        self.prefetch = max(0, int(prefetch))  # MiB
-        self.prefetched = 0  # projections whose kernel prefetches the next one's weights
-        if self.prefetch and self.device.type == "cuda":
-            # (plain: the call has no folded norm or SwiGLU, so asking for the prefetch must not change its kernel)
-            chain = [pp for L in self.layers for pp in ((L.qkv, not L.qkv.fold), (L.o, True),
-                                                        (L.gate_up, not L.gate_up.fold), (L.down, not L.down.swiglu))]
-            for (a, plain), (b, _) in zip(chain, chain[1:]):
-                self.prefetched += a.may_prefetch(b, self.prefetch << 20, self.device, self.dtype, plain)
         self._check_widths(self.layers[0].qkv.sizes)
         self.vocab = int(self.head.out_features)
         with torch.inference_mode():  # the step's inputs and outputs: fixed addresses for every graph
@@ -444,7 +340,7 @@ class GraphDecoder(LoopBase):
 
         fn = GraphDecoder._step
         name = f"_step_{bucket}_{id(self):x}"
-        code = fn.__code__.replace(co_name=name, co_qualname=f"GraphDecoder.{name}")
+        code = fn.__code__.replace(co_name=name)  # (a new code object: its dynamo cache starts empty)
         return types.MethodType(types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__), self)
 
     def _no_fuse(self, exc: BaseException) -> None:

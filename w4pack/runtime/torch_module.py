@@ -227,43 +227,26 @@ class W4Linear(nn.Module):
             return False
         return not row or bool(self._kernel(dev).row_ok())
 
-    def prefetch_ok(self, device: Any, dtype: torch.dtype, plain: bool = False) -> bool:
-        """Whether ``fold``'s prefetch runs: ``fold_ok(row=True)`` on a device with the bulk L2 prefetch (compute
-        capability 9.0 or newer). ``plain``, for a call with neither norm nor SwiGLU: also that "auto" takes the
-        gemv kernel for one row anyway, so asking for the prefetch does not change the kernel."""
-        if not self.fold_ok(device, dtype, row=True):
-            return False
-        kernel = self._kernel(_normalize_device(device))
-        return bool(kernel.prefetch_ok() and (not plain or kernel.auto_is_gemv()))
-
     def fold(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-             residual: torch.Tensor | None = None, swiglu: bool = False, prefetch: torch.Tensor | None = None,
-             prefetch_bytes: int = 0) -> torch.Tensor:
+             residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
         """One row (M = 1) through one kernel with its decoder-layer neighbours folded in: y = f(x) @ W.T (+ bias)
         + residual, f = RMSNorm with ``norm_weight`` (transformers' arithmetic), or with ``swiglu`` silu(gate) *
         up of x = [gate | up] (2 in_features values), else nothing. residual None: nothing added; else it (plus
         the layer's own bias, if any, summed first in x's dtype) is added in fp32 before the output's rounding.
         Only where ``fold_ok``; a decode step calls it to spare the norm, activation and residual-add kernels
-        of each layer. ``prefetch``: the first ``prefetch_bytes`` of this tensor (the next projection's packed
-        weights) are asked into L2 as the gemv kernel finishes (``CudaPackedLinear.forward_row``), where the
-        gemv kernel runs the layer."""
+        of each layer."""
         if torch.compiler.is_compiling():
             return torch.ops.w4pack.linear_fold(x, self.qweight, self.handle, self.out_features, norm_weight,
-                                                float(eps), residual, bool(swiglu), prefetch, int(prefetch_bytes))
-        return self._run_fold(x, norm_weight, eps, residual, swiglu, prefetch, prefetch_bytes)
+                                                float(eps), residual, bool(swiglu))
+        return self._run_fold(x, norm_weight, eps, residual, swiglu)
 
     def _run_fold(self, x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
-                  residual: torch.Tensor | None, swiglu: bool = False, prefetch: torch.Tensor | None = None,
-                  prefetch_bytes: int = 0) -> torch.Tensor:
+                  residual: torch.Tensor | None, swiglu: bool = False) -> torch.Tensor:
         kernel = self._kernel(x.device)
-        pf = dict(prefetch=prefetch, prefetch_bytes=prefetch_bytes) if prefetch is not None and prefetch_bytes > 0 \
-            else {}
         if norm_weight is not None:
-            return kernel.forward_row(x, "rmsnorm", norm_weight, eps, residual=residual, **pf)
+            return kernel.forward_row(x, "rmsnorm", norm_weight, eps, residual=residual)
         if swiglu:
-            return kernel.forward_row(x, "swiglu", residual=residual, **pf)
-        if pf and x.numel() == self.in_features and kernel.row_ok():
-            return kernel.forward_row(x, "plain", residual=residual, **pf)
+            return kernel.forward_row(x, "swiglu", residual=residual)
         if residual is None:
             return kernel.forward(x)
         dtype_name = _cuda_dtype_name(x.dtype, self.meta["scale_dtype"])
@@ -384,18 +367,18 @@ def _w4_linear_fake(x: torch.Tensor, qweight: torch.Tensor, handle: int, out_fea
 @torch.library.custom_op("w4pack::linear_fold", mutates_args=())
 def _w4_fold_op(x: torch.Tensor, qweight: torch.Tensor, handle: int, out_features: int,
                 norm_weight: Optional[torch.Tensor], eps: float, residual: Optional[torch.Tensor],
-                swiglu: bool, prefetch: Optional[torch.Tensor], prefetch_bytes: int) -> torch.Tensor:
+                swiglu: bool) -> torch.Tensor:
     """y = f(x) @ W.T (+ bias) + residual in one kernel launch (``W4Linear.fold``)."""
     mod = _HANDLES.get(handle)
     if mod is None:
         raise RuntimeError(f"w4pack::linear_fold: module {handle} no longer exists")
-    return mod._run_fold(x, norm_weight, eps, residual, swiglu, prefetch, prefetch_bytes)
+    return mod._run_fold(x, norm_weight, eps, residual, swiglu)
 
 
 @_w4_fold_op.register_fake
 def _w4_fold_fake(x: torch.Tensor, qweight: torch.Tensor, handle: int, out_features: int,
                   norm_weight: Optional[torch.Tensor], eps: float, residual: Optional[torch.Tensor],
-                  swiglu: bool, prefetch: Optional[torch.Tensor], prefetch_bytes: int) -> torch.Tensor:
+                  swiglu: bool) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
 
 
