@@ -30,7 +30,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 
-
 def _flag(value: str) -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"{value!r} is not 0 or 1")

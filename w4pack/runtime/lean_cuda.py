@@ -338,7 +338,7 @@ class GraphDecoder(LoopBase):
         loop."""
         import types
 
-        fn = GraphDecoder._step
+        fn = type(self)._step
         name = f"_step_{bucket}_{id(self):x}"
         code = fn.__code__.replace(co_name=name)  # (a new code object: its dynamo cache starts empty)
         return types.MethodType(types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__), self)
