@@ -126,7 +126,6 @@ def main() -> int:
         return 2
     from w4pack.runtime.lean_cuda import GraphDecoder
 
-    torch._dynamo.config.cache_size_limit = 64
     model = bench_run.build_float(args.shape, "cuda", torch.float16)
     bench_run.swap_to_w4(model, args.shape, "cuda", "exact")
     print(f"{torch.cuda.get_device_name()}, {args.shape}, {args.steps} replays a timing, median of {args.repeats}",
