@@ -226,6 +226,24 @@ int w4p_cuda_gemm_row(int device, void *stream, int dtype, int n, int k, const v
 int w4p_cuda_dequantize(int device, void *stream, int dtype, int n, int k, const int32_t *qweight,
                         int storage_bits, int group_size, int zero_mode, const void *scales,
                         const void *zeros, const void *mins, const int32_t *perm, void *w, int64_t ldw);
+/* One query token's attention over a layer's KV cache, in one launch (a batch-1 decode step's attention):
+     q, k = the token's queries and key, rotated by rows `pos` of cos/sin as transformers' apply_rotary_pos_emb
+            (x * cos + rotate_half(x) * sin in fp32, rounded to dtype); cos/sin NULL: used as they are;
+     k_cache[h][pos] = k, v_cache[h][pos] = v (stored);
+     out[q] = softmax(q . k_cache[q / G][0 .. pos] * scaling) . v_cache[q / G][0 .. pos], G = heads / kv_heads,
+            scores, softmax and sums in fp32, rounded to dtype once.
+   qkv: [heads + 2 * kv_heads][head_dim] (queries, keys, values); cos/sin: [max_len][head_dim]; pos: one int64
+   in device memory, so one captured graph serves every position (pos outside [0, max_len): out is NaN, nothing
+   stored); k_cache/v_cache: [kv_heads][max_len][head_dim]; out: [heads][head_dim]; all dtype W4P_DT_F16 or
+   W4P_DT_BF16, contiguous, 16-byte aligned. head_dim 64, 128 or 256; G at most 8 (else W4P_EUNSUPPORTED).
+   splits (1 to 64): blocks per kv head, each over an equal share of the keys, combined by the last to finish;
+   workspace: w4p_cuda_decode_attention_workspace bytes, zero-filled before its first use and left with its
+   counters at zero (one workspace per stream). */
+size_t w4p_cuda_decode_attention_workspace(int heads, int kv_heads, int head_dim, int splits);
+int w4p_cuda_decode_attention(int device, void *stream, int dtype, int heads, int kv_heads, int head_dim,
+                              const void *qkv, const void *cos, const void *sin, const int64_t *pos, void *k_cache,
+                              void *v_cache, int64_t max_len, float scaling, void *out, int splits, void *workspace,
+                              size_t workspace_bytes);
 /* W4P_CUDA_END */
 
 #ifdef __cplusplus

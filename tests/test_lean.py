@@ -41,14 +41,14 @@ def _write(tmp: Path, name: str, fuse: str | None = None, **cfg: object) -> Path
     return tmp / name
 
 
-def _write_qwen3(tmp: Path) -> Path:
-    """A Qwen3 model (per-head q/k RMSNorms with random weights, head_dim 16 apart from hidden / heads, biases
+def _write_qwen3(tmp: Path, head_dim: int = 16, folder: str = "qwen3") -> Path:
+    """A Qwen3 model (per-head q/k RMSNorms with random weights, head_dim apart from hidden / heads, biases
     off), RTN-quantized to GPTQ and converted."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     torch.manual_seed(8)
     cfg = Qwen3Config(hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=80, max_position_embeddings=256,
+                      num_key_value_heads=2, head_dim=head_dim, vocab_size=80, max_position_embeddings=256,
                       eos_token_id=None, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -60,9 +60,9 @@ def _write_qwen3(tmp: Path) -> Path:
     layers, tensors = quantize_model(model, group_size=32)
     conf = model.config.to_dict()
     conf["architectures"] = ["Qwen3ForCausalLM"]
-    get_format("gptq").write(MemorySource(conf, layers, tensors), tmp / "qwen3-gptq")
-    convert(tmp / "qwen3-gptq", tmp / "qwen3")
-    return tmp / "qwen3"
+    get_format("gptq").write(MemorySource(conf, layers, tensors), tmp / f"{folder}-gptq")
+    convert(tmp / f"{folder}-gptq", tmp / folder)
+    return tmp / folder
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "odd": _write(tmp, "odd", seed=7, act_order=True, attention_bias=True, num_attention_heads=4,
                       num_key_value_heads=2, sym=False, intermediate_size=224),
         "qwen3": _write_qwen3(tmp),
+        # head sizes the attention kernel takes: 64 (2 query heads per kv head), and 64 under q/k norms
+        "wide": _write(tmp, "wide", seed=9, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=320, max_position_embeddings=1024),
+        "qwen3-64": _write_qwen3(tmp, head_dim=64, folder="qwen3-64"),
     }
 
 
@@ -79,6 +83,19 @@ def test_sdpa_attention_decodes_what_transformers_decodes(models: dict[str, Path
     assert float(rel.max()) < 1e-5, rel
 
 
+@pytest.mark.parametrize("name", ["plain", "odd", "qwen3", "wide"])
+def test_kernel_attention_decodes_what_transformers_decodes(models: dict[str, Path], name: str) -> None:
+    """attn="kernel" off the GPU: the step calls ``w4pack::decode_attention``, whose torch reference runs here
+    (the kernel's own arithmetic is checked in test_attention.py); one graph length covers the whole cache."""
+    model = load_model(models[name], compile=False)
+    engine = GraphDecoder(model, attn="kernel")
+    assert engine.attn == "kernel"
+    for seed in range(2):
+        ids = _ids(5 + seed, seed)
+        assert torch.equal(_generate(engine, ids, **GEN), model.generate(ids, **GEN)), seed
+    assert engine.bucket(3) == engine.bucket(engine.max_len - 1) == engine.max_len
+
+
 def test_attention_follows_the_environment_and_refuses_unknown_values(models: dict[str, Path],
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     model = load_model(models["plain"], compile=False)
@@ -88,7 +105,7 @@ def test_attention_follows_the_environment_and_refuses_unknown_values(models: di
     assert GraphDecoder(model).attn == "sdpa"
     assert GraphDecoder(model, attn="matmul").attn == "matmul"  # the argument wins
     monkeypatch.setenv("W4PACK_LEAN_ATTN", "flash")
-    with pytest.raises(BadInputError, match="W4PACK_LEAN_ATTN='flash'.*matmul or sdpa"):
+    with pytest.raises(BadInputError, match="W4PACK_LEAN_ATTN='flash'.*matmul or sdpa or kernel"):
         GraphDecoder(model)
 
 
@@ -137,6 +154,9 @@ def test_traced_step_decodes_the_same(models: dict[str, Path]) -> None:
     sdpa = GraphDecoder(model, fuse="eager", attn="sdpa")  # (the attention call traces whole too)
     assert torch.equal(_generate(sdpa, _ids(), **kw), want)
     assert sorted(sdpa._compiled) == [BUCKET, 2 * BUCKET] and sdpa.fuse == "eager"
+    kern = GraphDecoder(model, fuse="eager", attn="kernel")  # (the op traces whole; one length for the cache)
+    assert torch.equal(_generate(kern, _ids(), **kw), want)
+    assert list(kern._compiled) == [kern.max_len] and kern.fuse == "eager"
 
 
 def test_many_loops_in_one_process_all_compile(models: dict[str, Path]) -> None:
@@ -394,6 +414,32 @@ def test_fused_sdpa_graph_decodes_what_the_matmul_graph_decodes(models: dict[str
     assert got.shape[1] == ids.shape[1] + BUCKET + 8 and sdpa.captures == 2 and not sdpa.note
     _greedy_by_rounding(plain, got[0], ids.shape[1])
     _logits_follow_transformers(model, GraphDecoder(model, attn="sdpa"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,new", [("wide", BUCKET + 8), ("qwen3-64", 40)])
+def test_kernel_attention_graph_decodes_what_the_matmul_graph_decodes(models: dict[str, Path], name: str, new: int,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """attn="kernel" under Inductor and capture: one graph for the whole cache; every greedy token is an argmax
+    of the default attention's logits on the same tokens, to float16 rounding, and the logits follow
+    transformers' (q/k norms included)."""
+    monkeypatch.delenv("W4PACK_LEAN_FUSE", raising=False)
+    model = load_model(models[name], device="cuda", dtype="float16", engine="eager")
+    kern, plain = GraphDecoder(model, attn="kernel"), GraphDecoder(model)
+    assert kern.attn == "kernel" and kern.fuse == "inductor" and kern.graphs
+    ids = _ids().cuda()
+    got = _generate(kern, ids, **dict(GEN, max_new_tokens=new))
+    assert got.shape[1] == ids.shape[1] + new and kern.captures == 1 and not kern.note
+    _greedy_by_rounding(plain, got[0], ids.shape[1])
+    _logits_follow_transformers(model, GraphDecoder(model, attn="kernel"))
+
+
+@pytest.mark.gpu
+def test_kernel_attention_falls_back_where_the_kernel_does_not_run(models: dict[str, Path]) -> None:
+    model = load_model(models["plain"], device="cuda", dtype="float16", engine="eager")  # head size 16
+    with pytest.warns(RuntimeWarning, match="head size 16.*attending by matmul"):
+        engine = GraphDecoder(model, attn="kernel")
+    assert engine.attn == "matmul"
 
 
 def _forced_logits(engine: GraphDecoder, ids: torch.Tensor, prefix: int) -> torch.Tensor:

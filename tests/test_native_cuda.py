@@ -24,14 +24,15 @@ def test_header_declares_the_cuda_entry_points():
     names = cuda.entry_points()
     assert names == ["w4p_cuda_abi_version", "w4p_cuda_last_error", "w4p_cuda_device_count", "w4p_cuda_plan",
                      "w4p_cuda_plan_for", "w4p_cuda_plan_describe", "w4p_cuda_plan_describe_for", "w4p_cuda_gemm",
-                     "w4p_cuda_gemm_row", "w4p_cuda_dequantize"]
+                     "w4p_cuda_gemm_row", "w4p_cuda_dequantize", "w4p_cuda_decode_attention_workspace",
+                     "w4p_cuda_decode_attention"]
 
 
 def test_library_loads_and_resolves_every_entry_point():
     ffi, lib = _lib_or_skip()
     for name in cuda.entry_points():
         assert getattr(lib, name) is not None  # raises AttributeError on an undefined symbol
-    assert lib.w4p_cuda_abi_version() == cuda.CUDA_ABI == 4
+    assert lib.w4p_cuda_abi_version() == cuda.CUDA_ABI == 5
 
 
 def test_a_library_missing_a_declared_entry_point_is_refused_at_load(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
-// The ABI's entry points that need a GPU (native/w4pack.h): device count, plan on a device, GEMM and
-// dequantization. The host-only ones are in abi_host.cpp.
+// The ABI's entry points that need a GPU (native/w4pack.h): device count, plan on a device, GEMM,
+// dequantization and decode attention. The host-only ones are in abi_host.cpp.
 #include <cuda_runtime.h>
 #include <string.h>
 #include "launch.h"
@@ -229,6 +229,55 @@ int w4p_cuda_dequantize(int device, void *stream, int dtype, int n, int k, const
     launch_dequant<__nv_bfloat16>(p, storage_bits, (__nv_bfloat16 *)w, ldw, blocks, st);
   e = cudaGetLastError();
   if (e != cudaSuccess) return fail(W4P_ECUDA, "dequantize launch failed: %s", cudaGetErrorString(e));
+  return W4P_OK;
+}
+
+int w4p_cuda_decode_attention(int device, void *stream, int dtype, int heads, int kv_heads, int head_dim,
+                              const void *qkv, const void *cos, const void *sin, const int64_t *pos, void *k_cache,
+                              void *v_cache, int64_t max_len, float scaling, void *out, int splits, void *workspace,
+                              size_t workspace_bytes) {
+  if (dtype != W4P_DT_F16 && dtype != W4P_DT_BF16) return fail(W4P_EUNSUPPORTED, "dtype %d: fp16 or bf16 only", dtype);
+  if (heads < 1 || kv_heads < 1 || heads % kv_heads)
+    return fail(W4P_EINVAL, "heads %d, kv_heads %d: heads must be a multiple of kv_heads", heads, kv_heads);
+  if (heads / kv_heads > 8)
+    return fail(W4P_EUNSUPPORTED, "%d query heads per kv head: the kernel takes at most 8", heads / kv_heads);
+  if (head_dim != 64 && head_dim != 128 && head_dim != 256)
+    return fail(W4P_EUNSUPPORTED, "head_dim %d: 64, 128 or 256", head_dim);
+  if (splits < 1 || splits > 64) return fail(W4P_EINVAL, "splits %d: 1 to 64", splits);
+  if (max_len < 1) return fail(W4P_EINVAL, "max_len %lld", (long long)max_len);
+  if (!qkv || !pos || !k_cache || !v_cache || !out) return fail(W4P_EINVAL, "qkv, pos, caches and out are required");
+  if (!cos != !sin) return fail(W4P_EINVAL, "cos and sin: both or neither");
+  const void *ptrs[] = {qkv, cos, sin, k_cache, v_cache, out};
+  for (const void *p : ptrs)
+    if ((uintptr_t)p & 15) return fail(W4P_EINVAL, "qkv, cos, sin, the caches and out must be 16-byte aligned");
+  if (workspace_bytes < w4p_cuda_decode_attention_workspace(heads, kv_heads, head_dim, splits) ||
+      (splits > 1 && !workspace))
+    return fail(W4P_EINVAL, "workspace of %zu bytes: %zu needed", workspace_bytes,
+                w4p_cuda_decode_attention_workspace(heads, kv_heads, head_dim, splits));
+  cudaError_t e = cudaSetDevice(device);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return fail(W4P_ENODEVICE, "cudaSetDevice(%d): %s", device, cudaGetErrorString(e));
+  }
+  AttnParams a{};
+  a.qkv = qkv;
+  a.cos = cos;
+  a.sin = sin;
+  a.pos = pos;
+  a.k_cache = k_cache;
+  a.v_cache = v_cache;
+  a.out = out;
+  a.ws = workspace;
+  a.ws_counters = attn_counter_bytes(kv_heads);
+  a.max_len = max_len;
+  a.heads = heads;
+  a.kv_heads = kv_heads;
+  a.head_dim = head_dim;
+  a.splits = splits;
+  a.scaling = scaling;
+  cudaStream_t st = (cudaStream_t)stream;
+  e = dtype == W4P_DT_F16 ? launch_decode_attention<half>(a, st) : launch_decode_attention<__nv_bfloat16>(a, st);
+  if (e != cudaSuccess) return fail(W4P_ECUDA, "decode attention launch failed: %s", cudaGetErrorString(e));
   return W4P_OK;
 }
 

@@ -25,6 +25,8 @@ template <typename T> cudaError_t launch_gather(const Params &p, T *xg, cudaStre
 // the dense [N][ldw] dequantized matrix
 template <typename T> void launch_dequant(const Params &p, int sbits, T *w, int64_t ldw, unsigned blocks,
                                           cudaStream_t st);
+// one token's attention over its KV cache (kernel_attention.cu)
+template <typename T> cudaError_t launch_decode_attention(const AttnParams &a, cudaStream_t st);
 // the plan's kernel (the gather first where the plan asks for it)
 template <typename T> cudaError_t launch_all(Params &p, const Plan &pl, int sbits, void *ws_gather, cudaStream_t st);
 

@@ -1,5 +1,6 @@
 // The arguments of every GEMM kernel, filled by the ABI (abi.cu) and the launch table. Plain C++.
 #pragma once
+#include <stddef.h>
 #include <stdint.h>
 
 namespace w4p {
@@ -31,5 +32,21 @@ struct Params {
   const void *nw;        // gemv, W4P_ROW_RMSNORM: the norm weight [K]
   float neps;            // gemv, W4P_ROW_RMSNORM: its epsilon
 };
+
+// The decode attention kernel's arguments (w4p_cuda_decode_attention).
+struct AttnParams {
+  const void *qkv;          // [heads + 2 kv_heads][head_dim]: queries, keys, values of the token
+  const void *cos, *sin;    // [max_len][head_dim] rotary tables, or NULL (q and k already rotated)
+  const int64_t *pos;       // the token's position (device memory)
+  void *k_cache, *v_cache;  // [kv_heads][max_len][head_dim]
+  void *out;                // [heads][head_dim]
+  void *ws;                 // counters [kv_heads], then the splits' partial results from byte ws_counters
+  size_t ws_counters;
+  int64_t max_len;
+  int heads, kv_heads, head_dim, splits;
+  float scaling;
+};
+// the workspace's counters region (its partial results start after it, 256-byte aligned)
+inline size_t attn_counter_bytes(int kv_heads) { return ((size_t)kv_heads * sizeof(unsigned) + 255) / 256 * 256; }
 
 }  // namespace w4p

@@ -21,7 +21,7 @@ from ..layout import PackedLayer, padded_shape
 
 __all__ = ["CudaPackedLinear", "gemm", "gemm_cuda", "available", "unavailable_reason", "library_path",
            "header_path", "entry_points", "CudaKernelError", "KERNELS", "CUDA_ABI",
-           "PROLOGUES"]
+           "PROLOGUES", "decode_attention"]
 
 _HERE = Path(__file__).resolve().parent
 _LIBDIR = _HERE.parent / "_lib"
@@ -45,8 +45,8 @@ KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "ring": 3, "bulk": 4, "wgmma": 5,
 #: the stream kernel (weights read once, split-K), above it dequantize + cuBLAS beats the mma.sync tiled kernel
 DENSE_MIN_M = 33
 #: the library's ABI version this module speaks (w4p_cuda_abi_version; 2 added w4p_cuda_gemm_row, 3 a prefetch
-#: range to it, 4 took that out again)
-CUDA_ABI = 4
+#: range to it, 4 took that out again, 5 added w4p_cuda_decode_attention)
+CUDA_ABI = 5
 #: forward_row's prologues: what the gemv kernel applies to the row while staging it (W4P_ROW_*)
 PROLOGUES = {"plain": 0, "rmsnorm": 1, "swiglu": 2}
 _DT = {"float16": 1, "bfloat16": 2}
@@ -164,11 +164,12 @@ def _check(rc: int, what: str) -> None:
 # past the graph's outputs. ``CudaPackedLinear.reserve_workspace`` sizes it before any capture. The price: w4pack
 # GEMMs on one device must not run concurrently on two streams (they may alternate freely).
 _workspaces: dict[int, Any] = {}
+_attn_workspaces: dict[int, Any] = {}  # the decode attention's own (its partial results would upset GEMM counters)
 _retired: list[Any] = []  # outgrown buffers stay allocated: a captured graph may still point at one
 
 
-def _workspace(torch: Any, device: Any, need: int) -> Any:
-    ws = _workspaces.get(device.index)
+def _workspace(torch: Any, device: Any, need: int, pool: dict[int, Any] = _workspaces) -> Any:
+    ws = pool.get(device.index)
     if ws is not None and ws.numel() >= need:
         return ws
     if torch.cuda.is_current_stream_capturing():
@@ -179,7 +180,7 @@ def _workspace(torch: Any, device: Any, need: int) -> Any:
     if ws is not None:
         _retired.append(ws)
     ws = torch.zeros(size, dtype=torch.uint8, device=device)
-    _workspaces[device.index] = ws
+    pool[device.index] = ws
     return ws
 
 
@@ -473,6 +474,54 @@ class CudaPackedLinear:
             _ptr(ffi, nw), float(eps), _ptr(ffi, ws), ws.numel())
         _check(rc, "w4p_cuda_gemm_row")
         return y.reshape(*lead, self.n)
+
+
+def attention_splits(device: Any, kv_heads: int) -> int:
+    """Blocks per kv head for the decode attention: about two blocks per multiprocessor in all."""
+    import torch
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(64, -(-2 * sms // kv_heads)))
+
+
+def decode_attention(qkv: Any, cos: Any, sin: Any, pos: Any, k_cache: Any, v_cache: Any, heads: int, kv_heads: int,
+                     scaling: float, splits: int = 0) -> Any:
+    """One token's attention through ``w4p_cuda_decode_attention`` (``w4pack.runtime.attention`` says what it
+    computes); returns [heads * head_dim]. splits: blocks per kv head (0: ``attention_splits``)."""
+    import torch
+
+    if k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
+        raise BadInputError(f"the caches must be [kv_heads, max_len, head_dim] alike, got {list(k_cache.shape)} "
+                            f"and {list(v_cache.shape)}")
+    kvh, max_len, d = (int(n) for n in k_cache.shape)
+    dev, dt = qkv.device, qkv.dtype
+    if kvh != kv_heads or qkv.numel() != (heads + 2 * kv_heads) * d:
+        raise BadInputError(f"qkv of {qkv.numel()} values and caches {list(k_cache.shape)} do not fit {heads} heads "
+                            f"over {kv_heads} kv heads")
+    tensors = {"qkv": qkv, "k_cache": k_cache, "v_cache": v_cache}
+    if cos is not None or sin is not None:
+        if cos is None or sin is None or cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != d or \
+                cos.shape[0] < max_len:
+            raise BadInputError(f"cos and sin must both be [max_len, {d}] (max_len >= {max_len})")
+        tensors.update(cos=cos, sin=sin)
+    for name, t in tensors.items():
+        if t.device != dev or t.dtype != dt or not t.is_contiguous():
+            raise BadInputError(f"{name} must be contiguous {dt} on {dev}")
+    if pos.device != dev or pos.dtype != torch.int64 or pos.numel() != 1:
+        raise BadInputError(f"pos must be one int64 on {dev}")
+    splits = splits or attention_splits(dev, kv_heads)
+    ffi, lib = _load()
+    need = lib.w4p_cuda_decode_attention_workspace(heads, kv_heads, d, splits)
+    ws = _workspace(torch, dev, need, _attn_workspaces) if need else None
+    out = torch.empty(heads * d, dtype=dt, device=dev)
+    stream = torch.cuda.current_stream(dev)
+    rc = lib.w4p_cuda_decode_attention(
+        dev.index, ffi.cast("void *", stream.cuda_stream), _DT[_torch_dtype_name(torch, dt)], heads, kv_heads, d,
+        _ptr(ffi, qkv), _ptr(ffi, cos), _ptr(ffi, sin), ffi.cast("int64_t *", pos.data_ptr()), _ptr(ffi, k_cache),
+        _ptr(ffi, v_cache), max_len, float(scaling), _ptr(ffi, out), splits, _ptr(ffi, ws),
+        0 if ws is None else ws.numel())
+    _check(rc, "w4p_cuda_decode_attention")
+    return out
 
 
 _layers: dict[tuple[int, str], tuple[weakref.ref, CudaPackedLinear]] = {}

@@ -15,8 +15,10 @@ graph per attention length, so a greedy token costs one ``replay()`` and a 8-byt
 * the KV cache is preallocated per layer; attention reads a fixed number of positions ("bucket": 256, 512,
   ... up to the cache) and masks those after the current position, so the graph never changes shape. One
   graph per bucket is captured when the sequence first reaches it (all share one memory pool). It runs as
-  transformers' eager attention does (two batched products around a float32 softmax) or, with
-  $W4PACK_LEAN_ATTN=sdpa, as one ``scaled_dot_product_attention`` call (``ATTENTION``);
+  transformers' eager attention does (two batched products around a float32 softmax), with
+  $W4PACK_LEAN_ATTN=sdpa as one ``scaled_dot_product_attention`` call, or with $W4PACK_LEAN_ATTN=kernel as one
+  ``w4pack::decode_attention`` op (rotary, cache write and attention in one launch over the positions written
+  so far: one graph serves the whole cache) (``ATTENTION``);
 * the rotary rows are gathered from tables computed once, by the position buffer;
 * before capture the step is compiled by ``torch.compile`` (Inductor, without its own CUDA graphs), which fuses
   the norm, rotary and attention glue; the packed GEMMs stay the ``w4pack::linear`` custom op.
@@ -37,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import BadInputError
+from .attention import decode_attention, kernel_reason
 from .lean import LayerSpec, LoopBase, NotLean, _Layer, _out_features, signature, stack_packed, walk
 
 __all__ = ["GraphDecoder", "BUCKET", "FUSE_ENV", "ATTN_ENV", "ATTENTION", "FOLD_ENV"]
@@ -46,10 +49,11 @@ __all__ = ["GraphDecoder", "BUCKET", "FUSE_ENV", "ATTN_ENV", "ATTENTION", "FOLD_
 FUSE_ENV = "W4PACK_LEAN_FUSE"
 
 #: how the step attends: "matmul" (two batched products around a float32 softmax, as transformers' eager
-#: attention; the default) or "sdpa" (torch's scaled_dot_product_attention: one fused kernel where the device
-#: has one, over the same keys and mask)
+#: attention; the default), "sdpa" (torch's scaled_dot_product_attention: one fused kernel where the device
+#: has one, over the same keys and mask) or "kernel" (``w4pack::decode_attention``: the token's rotary, cache
+#: write and attention in one CUDA launch; on CUDA "matmul", with a warning, where that kernel does not run)
 ATTN_ENV = "W4PACK_LEAN_ATTN"
-ATTENTION = ("matmul", "sdpa")
+ATTENTION = ("matmul", "sdpa", "kernel")
 
 #: 0/1: fold each layer's RMSNorms into the following projection's kernel and its residual adds into the
 #: o / down projections' (``W4Linear.fold``: packed layers the gemv kernel runs, fp16/bf16 on CUDA); off by default
@@ -203,6 +207,13 @@ class GraphDecoder(LoopBase):
         self._compiled: dict[int, Any] = {}  # bucket -> the compiled step (_own_step)
         self.dtype = first.dtype
         self._init_spec(spec)
+        if self.attn == "kernel" and self.device.type == "cuda":  # (elsewhere the op runs its torch reference)
+            why = kernel_reason(self.device, self.dtype, self.n_heads, self.n_kv, self.head_dim)
+            if why:
+                import warnings
+
+                warnings.warn(f"{ATTN_ENV}=kernel: {why}; attending by matmul", RuntimeWarning, stacklevel=2)
+                self.attn = "matmul"
         with torch.inference_mode():
             self.head = _Linear([spec.head], stack=False, device=self.device, dtype=self.dtype)
             self.layers = [self._layer(ls) for ls in spec.layers]
@@ -267,7 +278,9 @@ class GraphDecoder(LoopBase):
 
     def bucket(self, pos: int) -> int:
         """The attention length of the graph that runs position ``pos``: the smallest BUCKET·2^i above it
-        (at most the cache)."""
+        (at most the cache); the whole cache for the attention kernel, which reads the position itself."""
+        if self.attn == "kernel":
+            return self.max_len
         b = BUCKET
         while b <= pos:
             b *= 2
@@ -283,26 +296,30 @@ class GraphDecoder(LoopBase):
         qn, kvn = nh * d, nkv * d
         pos = self.pos_t
         h = self.embed(self.tok.view(1, 1))[0].to(self.dtype)  # [1, H]
-        cos = self.cos.index_select(0, pos).unsqueeze(1)  # [1, 1, D]
-        sin = self.sin.index_select(0, pos).unsqueeze(1)
-        future = self.key_pos[:bucket] > pos  # [bucket]: keys not yet written for this token
+        if self.attn != "kernel":  # (the op reads the rotary rows and the position itself)
+            cos = self.cos.index_select(0, pos).unsqueeze(1)  # [1, 1, D]
+            sin = self.sin.index_select(0, pos).unsqueeze(1)
+            future = self.key_pos[:bucket] > pos  # [bucket]: keys not yet written for this token
         if self.attn == "sdpa":  # (an additive mask made once a step, not once a layer)
             amask = torch.zeros(bucket, dtype=self.dtype, device=self.device).masked_fill(future, float("-inf"))
             amask = amask.view(1, 1, 1, bucket)
         for L in self.layers:
             qkv = L.qkv.normed(h, L.ln1, L.eps1)
-            qk = self._qk(L, qkv, cos, sin)
-            L.k.index_copy_(1, pos, qk[:, nh:].transpose(0, 1))
-            L.v.index_copy_(1, pos, qkv[:, qn + kvn:].view(1, nkv, d).transpose(0, 1))
-            q = qk[0, :nh].view(nkv, g, d)
-            if self.attn == "sdpa":  # a kv head's G query heads as its G queries
-                o = F.scaled_dot_product_attention(q.unsqueeze(0), L.k[:, :bucket].unsqueeze(0),
-                                                   L.v[:, :bucket].unsqueeze(0), attn_mask=amask,
-                                                   scale=self.scaling).reshape(1, qn)
+            if self.attn == "kernel":
+                o = self._attend_kernel(L, qkv, pos)
             else:
-                s = torch.matmul(q, L.k[:, :bucket].transpose(1, 2)) * self.scaling  # [KVH, G, bucket]
-                s = s.masked_fill(future, float("-inf"))
-                o = torch.matmul(self._softmax(s), L.v[:, :bucket]).reshape(1, qn)
+                qk = self._qk(L, qkv, cos, sin)
+                L.k.index_copy_(1, pos, qk[:, nh:].transpose(0, 1))
+                L.v.index_copy_(1, pos, qkv[:, qn + kvn:].view(1, nkv, d).transpose(0, 1))
+                q = qk[0, :nh].view(nkv, g, d)
+                if self.attn == "sdpa":  # a kv head's G query heads as its G queries
+                    o = F.scaled_dot_product_attention(q.unsqueeze(0), L.k[:, :bucket].unsqueeze(0),
+                                                       L.v[:, :bucket].unsqueeze(0), attn_mask=amask,
+                                                       scale=self.scaling).reshape(1, qn)
+                else:
+                    s = torch.matmul(q, L.k[:, :bucket].transpose(1, 2)) * self.scaling  # [KVH, G, bucket]
+                    s = s.masked_fill(future, float("-inf"))
+                    o = torch.matmul(self._softmax(s), L.v[:, :bucket]).reshape(1, qn)
             h = L.o.add(o, h)
             gu = L.gate_up.normed(h, L.ln2, L.eps2)
             h = L.down.swiglu_add(gu, L.act, h)
@@ -310,6 +327,17 @@ class GraphDecoder(LoopBase):
         self.logits.copy_(self.head(last)[0])
         self.tok.copy_(torch.argmax(self.logits.to(torch.float32) + self.bias).view(1))
         self.pos_t.add_(1)
+
+    def _attend_kernel(self, L: _Layer, qkv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The layer's attention as one ``w4pack::decode_attention`` (q/k norms, where the model has them,
+        applied first: the op rotates what it is given); o [1, heads * D]."""
+        nh, nkv, d = self.n_heads, self.n_kv, self.head_dim
+        if L.qn is not None:
+            qk = qkv[0, :(nh + nkv) * d].view(nh + nkv, d)
+            qk = torch.cat((self._norm(qk[:nh], *L.qn), self._norm(qk[nh:], *L.kn)))
+            qkv = torch.cat((qk.view(1, -1), qkv[:, (nh + nkv) * d:]), dim=1)
+        o = decode_attention(qkv.contiguous(), self.cos, self.sin, pos, L.k, L.v, nh, nkv, self.scaling)
+        return o.view(1, nh * d)
 
     def _run_step(self, bucket: int) -> None:
         """The step as configured: the torch ops as written, or their ``torch.compile``d form (compiled on its

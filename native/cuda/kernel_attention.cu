@@ -1,0 +1,285 @@
+// Decode attention: one query token of a llama-family layer against its KV cache, in one launch.
+//
+// Why: in a batch-1 decode step the attention is six small kernels a layer (rotary, two cache writes, two
+// batched products, softmax), each a launch and a round trip to memory for a few hundred KB. Here one block per
+// (kv head, split of the keys) rotates the new query and key, writes the new key and value into the cache, and
+// runs an online softmax over its keys; the last block of a kv head to finish combines the splits. The position
+// is read from device memory, so a captured graph serves every position and reads only the keys written so far.
+#include <math.h>
+#include "dequant.cuh"
+#include "launch.h"
+
+namespace w4p {
+namespace {
+
+constexpr int AT_THREADS = 128;   // four warps
+constexpr int AT_WARPS = AT_THREADS / 32;
+constexpr int AT_TK = 64;         // keys per tile of the online softmax
+
+__device__ __forceinline__ float lo_f(uint32_t w, half) { return __half2float(__ushort_as_half((unsigned short)w)); }
+__device__ __forceinline__ float hi_f(uint32_t w, half) { return __half2float(__ushort_as_half((unsigned short)(w >> 16))); }
+__device__ __forceinline__ float lo_f(uint32_t w, __nv_bfloat16) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float hi_f(uint32_t w, __nv_bfloat16) { return __uint_as_float(w & 0xffff0000u); }
+
+// a lane's EPL consecutive elements of a row (one 4-, 8- or 16-byte load) in fp32
+template <typename T, int EPL>
+__device__ __forceinline__ void load_row(const T *row, int lane, float (&v)[EPL]) {
+  uint32_t w[EPL / 2];
+  if constexpr (EPL == 2) {
+    w[0] = *reinterpret_cast<const uint32_t *>(row + lane * 2);
+  } else if constexpr (EPL == 4) {
+    const uint2 u = *reinterpret_cast<const uint2 *>(row + lane * 4);
+    w[0] = u.x, w[1] = u.y;
+  } else {
+    const uint4 u = *reinterpret_cast<const uint4 *>(row + lane * 8);
+    w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
+  }
+#pragma unroll
+  for (int i = 0; i < EPL / 2; ++i) {
+    v[2 * i] = lo_f(w[i], T());
+    v[2 * i + 1] = hi_f(w[i], T());
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// x[i] * cos[i] + rotate_half(x)[i] * sin[i] (transformers' apply_rotary_pos_emb) in fp32, rounded to T once;
+// without tables, x as it is
+template <typename T>
+__device__ __forceinline__ T rotate(const T *x, const T *cs, const T *sn, int i, int D) {
+  const float xi = to_f(x[i]);
+  if (!cs) return x[i];
+  const int h = D / 2;
+  const float other = i < h ? -to_f(x[i + h]) : to_f(x[i - h]);
+  return from_f<T>(xi * to_f(cs[i]) + other * to_f(sn[i]));
+}
+
+// grid (kv_heads, S); G = heads / kv_heads query heads share a kv head (GM: G rounded up to a power of two).
+// Split s owns keys [s * chunk, min((s + 1) * chunk, pos + 1)); the key at pos comes from this token's
+// projections (shared memory), the others from the cache. ws: counters [kv_heads] (left at zero), then per
+// (kv head, split, g): m, l and the unnormalized output [D], fp32.
+template <typename T, int EPL, int GM>
+__global__ void __launch_bounds__(AT_THREADS) decode_attention_kernel(const AttnParams a) {
+  constexpr int D = EPL * 32;
+  const int kvh = blockIdx.x, s = blockIdx.y, S = gridDim.y;
+  const int G = a.heads / a.kv_heads;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t pos = *a.pos;
+  const T *qkv = (const T *)a.qkv;
+  T *out = (T *)a.out;
+  if (pos < 0 || pos >= a.max_len) {  // nothing valid to attend: the output says so
+    for (int i = tid; i < G * D; i += AT_THREADS) out[(size_t)kvh * G * D + i] = from_f<T>(nanf(""));
+    return;
+  }
+  const int64_t keys = pos + 1;
+  int64_t chunk = (keys + S - 1) / S;
+  chunk = (chunk + 15) / 16 * 16;
+  const int64_t j0 = (int64_t)s * chunk, j1 = min(keys, j0 + chunk);
+
+  __shared__ __align__(16) float q_s[GM][D];
+  __shared__ __align__(16) T kn_s[D], vn_s[D];
+  __shared__ float p_s[GM][AT_TK];
+  __shared__ float m_s[GM], l_s[GM], alpha_s[GM];
+  __shared__ __align__(16) float red_s[AT_WARPS][GM][D];
+  __shared__ unsigned last_s;
+
+  const T *cs = a.cos ? (const T *)a.cos + pos * D : nullptr;
+  const T *sn = a.sin ? (const T *)a.sin + pos * D : nullptr;
+  const T *kx = qkv + (size_t)(a.heads + kvh) * D;
+  const T *vx = qkv + (size_t)(a.heads + a.kv_heads + kvh) * D;
+  for (int i = tid; i < G * D; i += AT_THREADS) {
+    const int g = i / D, d = i % D;
+    q_s[g][d] = to_f(rotate(qkv + (size_t)(kvh * G + g) * D, cs, sn, d, D));
+  }
+  for (int i = tid; i < D; i += AT_THREADS) {
+    kn_s[i] = rotate(kx, cs, sn, i, D);
+    vn_s[i] = vx[i];
+  }
+  if (tid < GM) {
+    m_s[tid] = -INFINITY;
+    l_s[tid] = 0.f;
+  }
+  __syncthreads();
+  T *kc = (T *)a.k_cache + (size_t)kvh * a.max_len * D;
+  T *vc = (T *)a.v_cache + (size_t)kvh * a.max_len * D;
+  if (j0 <= pos && pos < j1) {  // the block that attends to the new key stores it
+    for (int i = tid; i < D; i += AT_THREADS) {
+      kc[pos * D + i] = kn_s[i];
+      vc[pos * D + i] = vn_s[i];
+    }
+  }
+
+  float q[GM][EPL];
+#pragma unroll
+  for (int g = 0; g < GM; ++g)
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) q[g][e] = g < G ? q_s[g][lane * EPL + e] : 0.f;
+  float acc[GM][EPL];
+#pragma unroll
+  for (int g = 0; g < GM; ++g)
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) acc[g][e] = 0.f;
+
+  for (int64_t t0 = j0; t0 < j1; t0 += AT_TK) {
+    // scores: each warp a quarter of the tile's keys, one key row per warp load
+#pragma unroll 4
+    for (int jj = warp; jj < AT_TK; jj += AT_WARPS) {
+      const int64_t j = t0 + jj;
+      float dot[GM];
+      if (j < j1) {
+        float k[EPL];
+        load_row<T, EPL>(j == pos ? kn_s : kc + j * D, lane, k);
+#pragma unroll
+        for (int g = 0; g < GM; ++g) {
+          float v = 0.f;
+#pragma unroll
+          for (int e = 0; e < EPL; ++e) v = fmaf(q[g][e], k[e], v);
+          dot[g] = v;
+        }
+      } else {
+#pragma unroll
+        for (int g = 0; g < GM; ++g) dot[g] = 0.f;
+      }
+#pragma unroll
+      for (int g = 0; g < GM; ++g) {
+        if (g < G) {
+          const float v = warp_sum(dot[g]);
+          if (lane == 0) p_s[g][jj] = j < j1 ? v * a.scaling : -INFINITY;
+        }
+      }
+    }
+    __syncthreads();
+    // the online softmax's update: warp w the query heads g = w, w + 4, ...
+    for (int g = warp; g < G; g += AT_WARPS) {
+      const float s0 = p_s[g][lane], s1 = p_s[g][lane + 32];
+      const float m_old = m_s[g];
+      const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));  // finite: the tile has a key
+      const float p0 = __expf(s0 - m_new), p1 = __expf(s1 - m_new);
+      p_s[g][lane] = p0;
+      p_s[g][lane + 32] = p1;
+      const float sum = warp_sum(p0 + p1);
+      if (lane == 0) {
+        const float al = __expf(m_old - m_new);
+        alpha_s[g] = al;
+        l_s[g] = l_s[g] * al + sum;
+        m_s[g] = m_new;
+      }
+    }
+    __syncthreads();
+    // the values: each warp the same quarter of the keys, a lane EPL of the D dimensions
+#pragma unroll
+    for (int g = 0; g < GM; ++g) {
+      if (g < G) {
+        const float al = alpha_s[g];
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) acc[g][e] *= al;
+      }
+    }
+#pragma unroll 4
+    for (int jj = warp; jj < AT_TK; jj += AT_WARPS) {
+      const int64_t j = t0 + jj;
+      if (j < j1) {
+        float v[EPL];
+        load_row<T, EPL>(j == pos ? vn_s : vc + j * D, lane, v);
+#pragma unroll
+        for (int g = 0; g < GM; ++g) {
+          if (g < G) {
+            const float p = p_s[g][jj];
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) acc[g][e] = fmaf(p, v[e], acc[g][e]);
+          }
+        }
+      }
+    }
+    __syncthreads();  // p_s is rewritten by the next tile
+  }
+
+  // the four warps' partial outputs summed
+#pragma unroll
+  for (int g = 0; g < GM; ++g)
+    if (g < G)
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) red_s[warp][g][lane * EPL + e] = acc[g][e];
+  __syncthreads();
+  if (S == 1) {
+    for (int i = tid; i < G * D; i += AT_THREADS) {
+      const int g = i / D, d = i % D;
+      float o = 0.f;
+#pragma unroll
+      for (int w = 0; w < AT_WARPS; ++w) o += red_s[w][g][d];
+      out[(size_t)kvh * G * D + i] = from_f<T>(o / l_s[g]);
+    }
+    return;
+  }
+  unsigned *counter = (unsigned *)a.ws + kvh;
+  float *part = (float *)((char *)a.ws + a.ws_counters) + ((size_t)kvh * S + s) * G * (D + 2);
+  for (int i = tid; i < G * D; i += AT_THREADS) {
+    const int g = i / D, d = i % D;
+    float o = 0.f;
+#pragma unroll
+    for (int w = 0; w < AT_WARPS; ++w) o += red_s[w][g][d];
+    part[g * (D + 2) + 2 + d] = o;
+  }
+  if (tid < G) {
+    part[tid * (D + 2)] = m_s[tid];
+    part[tid * (D + 2) + 1] = l_s[tid];
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) last_s = atomicAdd(counter, 1u) == (unsigned)(S - 1);
+  __syncthreads();
+  if (!last_s) return;
+  __threadfence();
+  // the last block of this kv head: out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M)
+  const float *base = (const float *)((const char *)a.ws + a.ws_counters) + (size_t)kvh * S * G * (D + 2);
+  for (int i = tid; i < G * D; i += AT_THREADS) {
+    const int g = i / D, d = i % D;
+    float M = -INFINITY;
+    for (int t = 0; t < S; ++t) M = fmaxf(M, __ldcg(base + ((size_t)t * G + g) * (D + 2)));
+    float num = 0.f, den = 0.f;
+    for (int t = 0; t < S; ++t) {
+      const float *pt = base + ((size_t)t * G + g) * (D + 2);
+      const float m = __ldcg(pt);
+      if (m == -INFINITY) continue;  // a split without keys
+      const float w = __expf(m - M);
+      den = fmaf(__ldcg(pt + 1), w, den);
+      num = fmaf(__ldcg(pt + 2 + d), w, num);
+    }
+    out[(size_t)kvh * G * D + i] = from_f<T>(num / den);
+  }
+  if (tid == 0) *counter = 0u;
+}
+
+}  // namespace
+
+template <typename T>
+cudaError_t launch_decode_attention(const AttnParams &a, cudaStream_t st) {
+  const dim3 grid((unsigned)a.kv_heads, (unsigned)a.splits);
+  const int G = a.heads / a.kv_heads;
+  const int gm = G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8;
+  if (G > 8) return cudaErrorInvalidValue;
+  switch (a.head_dim * 16 + gm) {
+#define W4P_ATTN_CASE(D, GMV) \
+    case D * 16 + GMV: decode_attention_kernel<T, D / 32, GMV><<<grid, AT_THREADS, 0, st>>>(a); break;
+    W4P_ATTN_CASE(64, 1) W4P_ATTN_CASE(64, 2) W4P_ATTN_CASE(64, 4) W4P_ATTN_CASE(64, 8)
+    W4P_ATTN_CASE(128, 1) W4P_ATTN_CASE(128, 2) W4P_ATTN_CASE(128, 4) W4P_ATTN_CASE(128, 8)
+    W4P_ATTN_CASE(256, 1) W4P_ATTN_CASE(256, 2) W4P_ATTN_CASE(256, 4) W4P_ATTN_CASE(256, 8)
+#undef W4P_ATTN_CASE
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+template cudaError_t launch_decode_attention<half>(const AttnParams &, cudaStream_t);
+template cudaError_t launch_decode_attention<__nv_bfloat16>(const AttnParams &, cudaStream_t);
+
+}  // namespace w4p
