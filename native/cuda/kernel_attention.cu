@@ -63,14 +63,15 @@ __device__ __forceinline__ T rotate(const T *x, const T *cs, const T *sn, int i,
   return from_f<T>(xi * to_f(cs[i]) + other * to_f(sn[i]));
 }
 
-// grid (kv_heads, S); G = heads / kv_heads query heads share a kv head (GM: G rounded up to a power of two).
-// Split s owns keys [s * chunk, min((s + 1) * chunk, pos + 1)); the key at pos comes from this token's
-// projections (shared memory), the others from the cache. ws: counters [kv_heads] (left at zero), then per
-// (kv head, split, g): m, l and the unnormalized output [D], fp32.
+// grid (kv_heads, splits); G = heads / kv_heads query heads share a kv head (GM: G rounded up to a power of
+// two). The keys written so far are divided into S <= splits chunks of at least one tile (a short context
+// takes fewer blocks and, with one, no combine); split s owns keys [s * chunk, min((s + 1) * chunk, pos + 1)).
+// The key at pos comes from this token's projections (shared memory), the others from the cache. ws: counters
+// [kv_heads] (left at zero), then per (kv head, split, g): m, l and the unnormalized output [D], fp32.
 template <typename T, int EPL, int GM>
 __global__ void __launch_bounds__(AT_THREADS) decode_attention_kernel(const AttnParams a) {
   constexpr int D = EPL * 32;
-  const int kvh = blockIdx.x, s = blockIdx.y, S = gridDim.y;
+  const int kvh = blockIdx.x, s = blockIdx.y;
   const int G = a.heads / a.kv_heads;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t pos = *a.pos;
@@ -81,8 +82,10 @@ __global__ void __launch_bounds__(AT_THREADS) decode_attention_kernel(const Attn
     return;
   }
   const int64_t keys = pos + 1;
-  int64_t chunk = (keys + S - 1) / S;
-  chunk = (chunk + 15) / 16 * 16;
+  int64_t chunk = (keys + gridDim.y - 1) / gridDim.y;
+  chunk = max((chunk + 15) / 16 * 16, (int64_t)AT_TK);
+  const int S = (int)((keys + chunk - 1) / chunk);  // the splits with keys; the grid's others have none
+  if (s >= S) return;
   const int64_t j0 = (int64_t)s * chunk, j1 = min(keys, j0 + chunk);
 
   __shared__ __align__(16) float q_s[GM][D];
@@ -248,9 +251,7 @@ __global__ void __launch_bounds__(AT_THREADS) decode_attention_kernel(const Attn
     float num = 0.f, den = 0.f;
     for (int t = 0; t < S; ++t) {
       const float *pt = base + ((size_t)t * G + g) * (D + 2);
-      const float m = __ldcg(pt);
-      if (m == -INFINITY) continue;  // a split without keys
-      const float w = __expf(m - M);
+      const float w = __expf(__ldcg(pt) - M);
       den = fmaf(__ldcg(pt + 1), w, den);
       num = fmaf(__ldcg(pt + 2 + d), w, num);
     }
