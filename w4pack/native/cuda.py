@@ -8,6 +8,7 @@ converted once per activation dtype (exact when the checkpoint stores that dtype
 """
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import weakref
@@ -476,12 +477,17 @@ class CudaPackedLinear:
         return y.reshape(*lead, self.n)
 
 
-def attention_splits(device: Any, kv_heads: int) -> int:
-    """Blocks per kv head for the decode attention: about two blocks per multiprocessor in all."""
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
     import torch
 
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(64, -(-2 * sms // kv_heads)))
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def attention_splits(device: Any, kv_heads: int) -> int:
+    """Blocks per kv head for the decode attention: about two blocks per multiprocessor in all (a long
+    context's keys spread over the whole GPU)."""
+    return max(1, min(64, -(-2 * _multiprocessors(device.index) // kv_heads)))
 
 
 def decode_attention(qkv: Any, cos: Any, sin: Any, pos: Any, k_cache: Any, v_cache: Any, heads: int, kv_heads: int,
