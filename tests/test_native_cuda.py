@@ -83,6 +83,21 @@ def test_bad_arguments_come_back_as_codes():
     assert row(3, ffi.NULL, 0.0) == lib.W4P_EINVAL and "prologue 3" in last()
     assert (lib.W4P_ROW_PLAIN, lib.W4P_ROW_RMSNORM, lib.W4P_ROW_SWIGLU) == tuple(cuda.PROLOGUES.values())
 
+    def attn(dtype=1, heads=8, kv=2, d=64, cos=one, sin=one, splits=2, ws=one, ws_bytes=1 << 20):
+        return lib.w4p_cuda_decode_attention(0, ffi.NULL, dtype, heads, kv, d, one, cos, sin,
+                                             ffi.cast("int64_t *", one), one, one, 16, 0.125, one, splits, ws,
+                                             ws_bytes)
+
+    assert attn(dtype=3) == lib.W4P_EUNSUPPORTED and "fp16 or bf16" in last()
+    assert attn(heads=7) == lib.W4P_EINVAL and "multiple of kv_heads" in last()
+    assert attn(heads=18) == lib.W4P_EUNSUPPORTED and "at most 8" in last()
+    assert attn(d=96) == lib.W4P_EUNSUPPORTED and "head_dim 96" in last()
+    assert attn(splits=65) == lib.W4P_EINVAL and "splits 65" in last()
+    assert attn(sin=ffi.NULL) == lib.W4P_EINVAL and "both or neither" in last()
+    need = lib.w4p_cuda_decode_attention_workspace(8, 2, 64, 2)
+    assert need == 256 + 2 * 2 * 4 * 66 * 4 and lib.w4p_cuda_decode_attention_workspace(8, 2, 64, 1) == 0
+    assert attn(ws_bytes=need - 1) == lib.W4P_EINVAL and f"{need} needed" in last()
+
 
 def test_library_plans_as_the_host_planner(monkeypatch):
     # the planner compiled into the library (nvcc's host compiler) gives the golden H200 plans, as the host-only
