@@ -236,7 +236,7 @@ int w4p_cuda_dequantize(int device, void *stream, int dtype, int n, int k, const
    in device memory, so one captured graph serves every position (pos outside [0, max_len): out is NaN, nothing
    stored); k_cache/v_cache: [kv_heads][max_len][head_dim]; out: [heads][head_dim]; all dtype W4P_DT_F16 or
    W4P_DT_BF16, contiguous, 16-byte aligned. head_dim 64, 128 or 256; G at most 8 (else W4P_EUNSUPPORTED).
-   splits (1 to 64): blocks per kv head at most, sharing the keys in chunks of 64 or more, combined by the last
+   splits (1 to 64): blocks per kv head at most, sharing the keys in chunks of 32 or more, combined by the last
    to finish;
    workspace: w4p_cuda_decode_attention_workspace bytes, zero-filled before its first use and left with its
    counters at zero (one workspace per stream). */

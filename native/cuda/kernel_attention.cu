@@ -14,30 +14,36 @@ namespace {
 
 constexpr int AT_THREADS = 128;   // four warps
 constexpr int AT_WARPS = AT_THREADS / 32;
-constexpr int AT_TK = 64;         // keys per tile of the online softmax
 
 __device__ __forceinline__ float lo_f(uint32_t w, half) { return __half2float(__ushort_as_half((unsigned short)w)); }
 __device__ __forceinline__ float hi_f(uint32_t w, half) { return __half2float(__ushort_as_half((unsigned short)(w >> 16))); }
 __device__ __forceinline__ float lo_f(uint32_t w, __nv_bfloat16) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float hi_f(uint32_t w, __nv_bfloat16) { return __uint_as_float(w & 0xffff0000u); }
 
-// a lane's EPL consecutive elements of a row (one 4-, 8- or 16-byte load) in fp32
-template <typename T, int EPL>
-__device__ __forceinline__ void load_row(const T *row, int lane, float (&v)[EPL]) {
-  uint32_t w[EPL / 2];
+// a lane's EPL consecutive 16-bit elements of a row, as one 4-, 8- or 16-byte load
+template <int EPL> struct Raw { uint32_t w[EPL / 2]; };
+
+template <int EPL>
+__device__ __forceinline__ Raw<EPL> load_raw(const void *row, int lane) {
+  Raw<EPL> r;
   if constexpr (EPL == 2) {
-    w[0] = *reinterpret_cast<const uint32_t *>(row + lane * 2);
+    r.w[0] = reinterpret_cast<const uint32_t *>(row)[lane];
   } else if constexpr (EPL == 4) {
-    const uint2 u = *reinterpret_cast<const uint2 *>(row + lane * 4);
-    w[0] = u.x, w[1] = u.y;
+    const uint2 u = reinterpret_cast<const uint2 *>(row)[lane];
+    r.w[0] = u.x, r.w[1] = u.y;
   } else {
-    const uint4 u = *reinterpret_cast<const uint4 *>(row + lane * 8);
-    w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
+    const uint4 u = reinterpret_cast<const uint4 *>(row)[lane];
+    r.w[0] = u.x, r.w[1] = u.y, r.w[2] = u.z, r.w[3] = u.w;
   }
+  return r;
+}
+
+template <typename T, int EPL>
+__device__ __forceinline__ void widen(const Raw<EPL> &r, float (&v)[EPL]) {
 #pragma unroll
   for (int i = 0; i < EPL / 2; ++i) {
-    v[2 * i] = lo_f(w[i], T());
-    v[2 * i + 1] = hi_f(w[i], T());
+    v[2 * i] = lo_f(r.w[i], T());
+    v[2 * i + 1] = hi_f(r.w[i], T());
   }
 }
 
@@ -66,11 +72,15 @@ __device__ __forceinline__ T rotate(const T *x, const T *cs, const T *sn, int i,
 // grid (kv_heads, splits); G = heads / kv_heads query heads share a kv head (GM: G rounded up to a power of
 // two). The keys written so far are divided into S <= splits chunks of at least one tile (a short context
 // takes fewer blocks and, with one, no combine); split s owns keys [s * chunk, min((s + 1) * chunk, pos + 1)).
-// The key at pos comes from this token's projections (shared memory), the others from the cache. ws: counters
-// [kv_heads] (left at zero), then per (kv head, split, g): m, l and the unnormalized output [D], fp32.
+// A tile is KPW keys per warp, each warp's K and V rows loaded at once, before the scores need them (the first
+// tile's before the prologue): one memory round trip a tile. The key at pos comes from this token's projections
+// (shared memory), the others from the cache. ws: counters [kv_heads] (left at zero), then per (kv head,
+// split, g): m, l and the unnormalized output [D], fp32.
 template <typename T, int EPL, int GM>
 __global__ void __launch_bounds__(AT_THREADS) decode_attention_kernel(const AttnParams a) {
   constexpr int D = EPL * 32;
+  constexpr int KPW = EPL == 8 ? 8 : 16;  // (K and V rows in registers: 32 or 64 a lane)
+  constexpr int TK = KPW * AT_WARPS;
   const int kvh = blockIdx.x, s = blockIdx.y;
   const int G = a.heads / a.kv_heads;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -83,17 +93,32 @@ __global__ void __launch_bounds__(AT_THREADS) decode_attention_kernel(const Attn
   }
   const int64_t keys = pos + 1;
   int64_t chunk = (keys + gridDim.y - 1) / gridDim.y;
-  chunk = max((chunk + 15) / 16 * 16, (int64_t)AT_TK);
+  chunk = max((chunk + 15) / 16 * 16, (int64_t)TK);
   const int S = (int)((keys + chunk - 1) / chunk);  // the splits with keys; the grid's others have none
   if (s >= S) return;
   const int64_t j0 = (int64_t)s * chunk, j1 = min(keys, j0 + chunk);
 
   __shared__ __align__(16) float q_s[GM][D];
   __shared__ __align__(16) T kn_s[D], vn_s[D];
-  __shared__ float p_s[GM][AT_TK];
+  __shared__ float p_s[GM][TK];
   __shared__ float m_s[GM], l_s[GM], alpha_s[GM];
   __shared__ __align__(16) float red_s[AT_WARPS][GM][D];
   __shared__ unsigned last_s;
+
+  T *kc = (T *)a.k_cache + (size_t)kvh * a.max_len * D;
+  T *vc = (T *)a.v_cache + (size_t)kvh * a.max_len * D;
+  Raw<EPL> kr[KPW], vr[KPW];
+  auto load_tile = [&](int64_t t0) {  // this warp's rows of the tile from the cache (not the one at pos)
+#pragma unroll
+    for (int i = 0; i < KPW; ++i) {
+      const int64_t j = t0 + warp * KPW + i;
+      if (j < j1 && j != pos) {
+        kr[i] = load_raw<EPL>(kc + j * D, lane);
+        vr[i] = load_raw<EPL>(vc + j * D, lane);
+      }
+    }
+  };
+  load_tile(j0);
 
   const T *cs = a.cos ? (const T *)a.cos + pos * D : nullptr;
   const T *sn = a.sin ? (const T *)a.sin + pos * D : nullptr;
@@ -112,8 +137,6 @@ __global__ void __launch_bounds__(AT_THREADS) decode_attention_kernel(const Attn
     l_s[tid] = 0.f;
   }
   __syncthreads();
-  T *kc = (T *)a.k_cache + (size_t)kvh * a.max_len * D;
-  T *vc = (T *)a.v_cache + (size_t)kvh * a.max_len * D;
   if (j0 <= pos && pos < j1) {  // the block that attends to the new key stores it
     for (int i = tid; i < D; i += AT_THREADS) {
       kc[pos * D + i] = kn_s[i];
@@ -132,44 +155,49 @@ __global__ void __launch_bounds__(AT_THREADS) decode_attention_kernel(const Attn
 #pragma unroll
     for (int e = 0; e < EPL; ++e) acc[g][e] = 0.f;
 
-  for (int64_t t0 = j0; t0 < j1; t0 += AT_TK) {
-    // scores: each warp a quarter of the tile's keys, one key row per warp load
-#pragma unroll 4
-    for (int jj = warp; jj < AT_TK; jj += AT_WARPS) {
-      const int64_t j = t0 + jj;
-      float dot[GM];
-      if (j < j1) {
-        float k[EPL];
-        load_row<T, EPL>(j == pos ? kn_s : kc + j * D, lane, k);
+  for (int64_t t0 = j0; t0 < j1; t0 += TK) {
+    if (t0 != j0) load_tile(t0);
+    const int64_t w0 = t0 + warp * KPW;  // this warp's first key
+    if (w0 <= pos && pos < w0 + KPW) {
 #pragma unroll
-        for (int g = 0; g < GM; ++g) {
-          float v = 0.f;
-#pragma unroll
-          for (int e = 0; e < EPL; ++e) v = fmaf(q[g][e], k[e], v);
-          dot[g] = v;
+      for (int i = 0; i < KPW; ++i) {  // (a constant index: the rows stay in registers)
+        if (w0 + i == pos) {
+          kr[i] = load_raw<EPL>(kn_s, lane);
+          vr[i] = load_raw<EPL>(vn_s, lane);
         }
-      } else {
-#pragma unroll
-        for (int g = 0; g < GM; ++g) dot[g] = 0.f;
       }
+    }
+    // scores, one key row a warp step
+#pragma unroll
+    for (int i = 0; i < KPW; ++i) {
+      const bool valid = w0 + i < j1;
+      float k[EPL];
+      widen<T, EPL>(kr[i], k);
 #pragma unroll
       for (int g = 0; g < GM; ++g) {
         if (g < G) {
-          const float v = warp_sum(dot[g]);
-          if (lane == 0) p_s[g][jj] = j < j1 ? v * a.scaling : -INFINITY;
+          float v = 0.f;
+#pragma unroll
+          for (int e = 0; e < EPL; ++e) v = fmaf(q[g][e], k[e], v);
+          v = warp_sum(v);
+          if (lane == 0) p_s[g][warp * KPW + i] = valid ? v * a.scaling : -INFINITY;
         }
       }
     }
     __syncthreads();
     // the online softmax's update: warp w the query heads g = w, w + 4, ...
     for (int g = warp; g < G; g += AT_WARPS) {
-      const float s0 = p_s[g][lane], s1 = p_s[g][lane + 32];
+      float mx = -INFINITY;
+      for (int e = lane; e < TK; e += 32) mx = fmaxf(mx, p_s[g][e]);
       const float m_old = m_s[g];
-      const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));  // finite: the tile has a key
-      const float p0 = __expf(s0 - m_new), p1 = __expf(s1 - m_new);
-      p_s[g][lane] = p0;
-      p_s[g][lane + 32] = p1;
-      const float sum = warp_sum(p0 + p1);
+      const float m_new = fmaxf(m_old, warp_max(mx));  // finite: the tile has a key
+      float sum = 0.f;
+      for (int e = lane; e < TK; e += 32) {
+        const float p = __expf(p_s[g][e] - m_new);
+        p_s[g][e] = p;
+        sum += p;
+      }
+      sum = warp_sum(sum);
       if (lane == 0) {
         const float al = __expf(m_old - m_new);
         alpha_s[g] = al;
@@ -178,7 +206,7 @@ __global__ void __launch_bounds__(AT_THREADS) decode_attention_kernel(const Attn
       }
     }
     __syncthreads();
-    // the values: each warp the same quarter of the keys, a lane EPL of the D dimensions
+    // the values: this warp's rows, a lane EPL of the D dimensions
 #pragma unroll
     for (int g = 0; g < GM; ++g) {
       if (g < G) {
@@ -187,16 +215,15 @@ __global__ void __launch_bounds__(AT_THREADS) decode_attention_kernel(const Attn
         for (int e = 0; e < EPL; ++e) acc[g][e] *= al;
       }
     }
-#pragma unroll 4
-    for (int jj = warp; jj < AT_TK; jj += AT_WARPS) {
-      const int64_t j = t0 + jj;
-      if (j < j1) {
+#pragma unroll
+    for (int i = 0; i < KPW; ++i) {
+      if (w0 + i < j1) {
         float v[EPL];
-        load_row<T, EPL>(j == pos ? vn_s : vc + j * D, lane, v);
+        widen<T, EPL>(vr[i], v);
 #pragma unroll
         for (int g = 0; g < GM; ++g) {
           if (g < G) {
-            const float p = p_s[g][jj];
+            const float p = p_s[g][warp * KPW + i];
 #pragma unroll
             for (int e = 0; e < EPL; ++e) acc[g][e] = fmaf(p, v[e], acc[g][e]);
           }
