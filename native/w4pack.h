@@ -227,8 +227,8 @@ int w4p_cuda_dequantize(int device, void *stream, int dtype, int n, int k, const
                         int storage_bits, int group_size, int zero_mode, const void *scales,
                         const void *zeros, const void *mins, const int32_t *perm, void *w, int64_t ldw);
 /* One query token's attention over a layer's KV cache, in one launch (a batch-1 decode step's attention):
-     q, k = the token's queries and key, rotated by rows `pos` of cos/sin as transformers' apply_rotary_pos_emb
-            (x * cos + rotate_half(x) * sin in fp32, rounded to dtype); cos/sin NULL: used as they are;
+     q, k = the token's queries and key, rotated by rows `pos` of cos/sin: x * cos + rotate_half(x) * sin in fp32,
+            rounded to dtype once (transformers rounds in dtype after each operation); cos/sin NULL: as they are;
      k_cache[h][pos] = k, v_cache[h][pos] = v (stored);
      out[q] = softmax(q . k_cache[q / G][0 .. pos] * scaling) . v_cache[q / G][0 .. pos], G = heads / kv_heads,
             scores, softmax and sums in fp32, rounded to dtype once.
@@ -239,7 +239,7 @@ int w4p_cuda_dequantize(int device, void *stream, int dtype, int n, int k, const
    splits (1 to 64): blocks per kv head at most, sharing the keys in chunks of 32 or more, combined by the last
    to finish;
    workspace: w4p_cuda_decode_attention_workspace bytes, zero-filled before its first use and left with its
-   counters at zero (one workspace per stream). */
+   counters at zero; calls in flight at once need a workspace each. */
 size_t w4p_cuda_decode_attention_workspace(int heads, int kv_heads, int head_dim, int splits);
 int w4p_cuda_decode_attention(int device, void *stream, int dtype, int heads, int kv_heads, int head_dim,
                               const void *qkv, const void *cos, const void *sin, const int64_t *pos, void *k_cache,

@@ -120,12 +120,9 @@ def _check_kernel(heads: int, kv: int, d: int, max_len: int, pos: int, dtype: to
     want = reference(**b)
     tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
-    # the key and value at pos, nothing else
-    torch.testing.assert_close(a["k_cache"].float(), b["k_cache"].float(), rtol=tol, atol=tol)
-    assert torch.equal(a["v_cache"], b["v_cache"])
-    ks = a["k_cache"].clone()
-    ks[:, pos] = b["k_cache"][:, pos]
-    assert torch.equal(ks, b["k_cache"])
+    # the key and value at pos, nothing else; the key bit for bit (products of two 16-bit floats are exact in
+    # fp32, so the rotation rounds once either way)
+    assert torch.equal(a["k_cache"], b["k_cache"]) and torch.equal(a["v_cache"], b["v_cache"])
     again = cuda.decode_attention(**a, splits=splits)  # counters left at zero: the same result again
     assert torch.equal(again, got)
 
@@ -154,8 +151,8 @@ def test_kernel_replays_in_a_graph_at_positions_from_device_memory() -> None:
     from w4pack.native import cuda
 
     a = _inputs(32, 8, 128, 512, 0, torch.float16, "cuda", seed=5)
+    cuda.decode_attention(**a)  # the workspace, before capture (it stores row 0 of the caches)
     b = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
-    cuda.decode_attention(**a)  # the workspace, before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = cuda.decode_attention(**a)

@@ -58,8 +58,8 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// x[i] * cos[i] + rotate_half(x)[i] * sin[i] (transformers' apply_rotary_pos_emb) in fp32, rounded to T once;
-// without tables, x as it is
+// x[i] * cos[i] + rotate_half(x)[i] * sin[i] in fp32, rounded to T once (transformers' apply_rotary_pos_emb
+// rounds each product and the sum in the model's dtype); without tables, x as it is
 template <typename T>
 __device__ __forceinline__ T rotate(const T *x, const T *cs, const T *sn, int i, int D) {
   const float xi = to_f(x[i]);
@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(AT_THREADS) decode_attention_kernel(const Attn
 
   T *kc = (T *)a.k_cache + (size_t)kvh * a.max_len * D;
   T *vc = (T *)a.v_cache + (size_t)kvh * a.max_len * D;
-  Raw<EPL> kr[KPW], vr[KPW];
+  Raw<EPL> kr[KPW] = {}, vr[KPW] = {};  // (rows past the keys are scored and dropped: zeros, not garbage)
   auto load_tile = [&](int64_t t0) {  // this warp's rows of the tile from the cache (not the one at pos)
 #pragma unroll
     for (int i = 0; i < KPW; ++i) {

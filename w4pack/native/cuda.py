@@ -493,7 +493,8 @@ def attention_splits(device: Any, kv_heads: int) -> int:
 def decode_attention(qkv: Any, cos: Any, sin: Any, pos: Any, k_cache: Any, v_cache: Any, heads: int, kv_heads: int,
                      scaling: float, splits: int = 0) -> Any:
     """One token's attention through ``w4p_cuda_decode_attention`` (``w4pack.runtime.attention`` says what it
-    computes); returns [heads * head_dim]. splits: blocks per kv head (0: ``attention_splits``)."""
+    computes); returns [heads * head_dim]. splits: blocks per kv head (0: ``attention_splits``). The workspace
+    is one per device, as the GEMMs' is: calls on one device must not run concurrently on two streams."""
     import torch
 
     if k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
