@@ -448,6 +448,7 @@ def test_bench_run_auto_mode_installs_and_removes_the_default(monkeypatch):
     assert rows[0]["decode"] == "lean" and rows[1]["decode"].startswith("eager (") and rows[1]["batch"] == 2
     assert "generate" not in model.__dict__ and not hasattr(model, "_w4pack_lean")
     assert bench.decode_rate(model, 1, 4, 1, "eager")["decode"] == "eager"
+    assert bench.decode_rate(model, 1, 4, 1, "eager", prompt=40)["prompt"] == 40
     text = bench.table([{"shape": "tiny", "float": [], "w4": rows}])
     assert "auto/lean" in text and "auto/eager" in text
 

@@ -8,7 +8,8 @@ then every Linear except the head is swapped for a W4Linear of the same shape (r
 integer zeros; one random layer per shape, copied per module so each layer reads its own weights) and timed again with
 the same embeddings, norms and inputs.
 
-Method: ``generate`` with greedy decoding, ``min_new_tokens = max_new_tokens``, prompt of 16 random tokens; the
+Method: ``generate`` with greedy decoding, ``min_new_tokens = max_new_tokens``, prompt of ``--prompt`` random
+tokens (16; longer prompts time the attention over a longer cache); the
 decode rate is batch x (N - 1) / (t(N tokens) - t(1 token)), each time the median of ``--repeats`` runs after a
 warm-up, so prefill is excluded. Three modes per model: transformers' ``eager`` (one Python pass per token,
 every kernel launched from Python) and ``compiled`` (``cache_implementation="static"``: transformers compiles
@@ -161,13 +162,14 @@ class lean_mode:
                 torch.cuda.empty_cache()
 
 
-def decode_rate(model: Any, batch: int, new_tokens: int, repeats: int, mode: str = "eager") -> dict[str, Any]:
+def decode_rate(model: Any, batch: int, new_tokens: int, repeats: int, mode: str = "eager",
+                prompt: int = 16) -> dict[str, Any]:
     import torch
 
     from w4pack.runtime.decode import decode_mode
 
     dev = next(model.parameters()).device
-    ids = torch.randint(3, model.config.vocab_size, (batch, 16), device=dev)
+    ids = torch.randint(3, model.config.vocab_size, (batch, prompt), device=dev)
     # the static cache of the longest run is made first; shorter runs reuse it (same shapes: no recompile)
     extra = _extra(mode)
 
@@ -191,18 +193,18 @@ def decode_rate(model: Any, batch: int, new_tokens: int, repeats: int, mode: str
     lean = getattr(model, "_w4pack_lean", None) if mode in INSTALLED else None
     return {"mode": mode, "decode": decode_mode(model) if mode in INSTALLED else mode,
             **({"attn": lean.attn, "folded": lean.folded} if hasattr(lean, "attn") else {}), "batch": batch,
-            "new_tokens": new_tokens, "warmup_s": round(warm, 1),
+            "prompt": prompt, "new_tokens": new_tokens, "warmup_s": round(warm, 1),
             "prefill_s": round(t1, 4), "total_s": round(tn, 4), "decode_tokens_per_s": round(rate, 1),
             "ms_per_step": round((tn - t1) / (new_tokens - 1) * 1000, 3)}
 
 
-def profile_steps(model: Any, batch: int, new_tokens: int, mode: str, top: int = 15) -> str:
+def profile_steps(model: Any, batch: int, new_tokens: int, mode: str, top: int = 15, prompt: int = 16) -> str:
     """Where a decode step's time goes: GPU kernel time per step by kernel (torch.profiler), against wall time."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     dev = next(model.parameters()).device
-    ids = torch.randint(3, model.config.vocab_size, (batch, 16), device=dev)
+    ids = torch.randint(3, model.config.vocab_size, (batch, prompt), device=dev)
     extra = _extra(mode)
 
     def gen(n: int) -> None:
@@ -299,6 +301,7 @@ def main() -> int:
                     help="eager, compiled, lean, lean_fused and/or auto (comma-separated; the lean modes run batch 1 "
                          "only; auto is load_model's default)")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens before the timed decode")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--precision", default="exact", choices=["exact", "fast"])
     ap.add_argument("--json", dest="json_out", default=None, help="also write the results here")
@@ -321,6 +324,8 @@ def main() -> int:
     modes = [m for m in args.modes.split(",") if m]
     if not set(modes) <= set(MODES):
         ap.error(f"--modes takes {', '.join(MODES)}")
+    if args.prompt < 1 or args.new_tokens < 2:
+        ap.error("--prompt takes at least 1 token, --new-tokens at least 2")
     torch._dynamo.config.cache_size_limit = 64  # one compiled step per model, batch and mode
     results = []
     for shape in args.shapes.split(","):
@@ -336,12 +341,13 @@ def main() -> int:
                 for i, (name, env, rnd) in enumerate(runs):
                     with environment(env), lean_mode(model, mode):
                         for b in _batches(batches, mode):
-                            got = decode_rate(model, b, args.new_tokens, args.repeats, mode)
+                            got = decode_rate(model, b, args.new_tokens, args.repeats, mode, args.prompt)
                             row[which].append({**got, **({"variant": name, "round": rnd} if name else {})})
                             print(json.dumps({"shape": shape, "model": which, **row[which][-1]}), flush=True)
                         if args.profile and args.device.startswith("cuda") and i == len(runs) - 1:
                             first = 1 if mode in LEAN_MODES else batches[0]
-                            split = profile_steps(model, first, args.new_tokens, mode, args.profile_top)
+                            split = profile_steps(model, first, args.new_tokens, mode, args.profile_top,
+                                                  args.prompt)
                             print(f"{which} model, {split}", flush=True)
 
         measure("float")
