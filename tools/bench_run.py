@@ -21,11 +21,11 @@ whole step, head and argmax included, one CUDA graph per token; ``load_model(eng
 lean modes run batch 1 only; other batches are skipped for them. ``auto`` is what ``load_model`` installs by
 default (``w4pack.runtime.decode.use_decode``: the fused lean loop where it runs, the compiled step for the other
 batches); its rows name the engine that answered. The warm-up of the compiled modes includes their compile for
-each batch, the lean modes' their graph capture. The lean loop's attention follows $W4PACK_LEAN_ATTN (``matmul``
-or ``sdpa``) and its folding $W4PACK_LEAN_FOLD; its rows name the attention it ran (``attn``) and the projections
-that folded (``folded``). ``--variants`` times such settings against each other in one process: every installed
-mode once per variant, the variants in turn for ``--rounds`` rounds, so drift between calls or machines does not
-enter the comparison (rows carry ``variant`` and ``round``).
+each batch, the lean modes' their graph capture. The lean loop's attention follows $W4PACK_LEAN_ATTN (``matmul``,
+``sdpa`` or ``kernel``) and its folding $W4PACK_LEAN_FOLD; its rows name the attention it ran (``attn``) and the
+projections that folded (``folded``). ``--variants`` times such settings against each other in one process: every
+installed mode once per variant, the variants in turn for ``--rounds`` rounds, so drift between calls or machines
+does not enter the comparison (rows carry ``variant`` and ``round``).
 
     python tools/bench_run.py --device cuda --shapes llama2-7b --batches 1,16,64 \
         --modes eager,compiled,lean,lean_fused,auto

@@ -16,7 +16,9 @@ constexpr int AT_THREADS = 128;   // four warps
 constexpr int AT_WARPS = AT_THREADS / 32;
 
 __device__ __forceinline__ float lo_f(uint32_t w, half) { return __half2float(__ushort_as_half((unsigned short)w)); }
-__device__ __forceinline__ float hi_f(uint32_t w, half) { return __half2float(__ushort_as_half((unsigned short)(w >> 16))); }
+__device__ __forceinline__ float hi_f(uint32_t w, half) {
+  return __half2float(__ushort_as_half((unsigned short)(w >> 16)));
+}
 __device__ __forceinline__ float lo_f(uint32_t w, __nv_bfloat16) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float hi_f(uint32_t w, __nv_bfloat16) { return __uint_as_float(w & 0xffff0000u); }
 
