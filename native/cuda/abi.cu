@@ -18,6 +18,13 @@ bool gmul_of(int gs, int kp, unsigned *gmul) {
   *gmul = (unsigned)((two32 + (uint64_t)gs - 1) / (uint64_t)gs);
   return (gs & (gs - 1)) == 0 || (uint64_t)kp * (uint64_t)gs < two32;
 }
+// the calling thread's current device, or W4P_ENODEVICE with the reason
+int use_device(int device) {
+  const cudaError_t e = cudaSetDevice(device);
+  if (e == cudaSuccess) return W4P_OK;
+  cudaGetLastError();
+  return fail(W4P_ENODEVICE, "cudaSetDevice(%d): %s", device, cudaGetErrorString(e));
+}
 int set_gmul(Params *p, int gs, int k) {
   if (!gmul_of(gs, p->Kp, &p->gmul))
     return fail(W4P_EUNSUPPORTED, "group size %d with K = %d: K * group size must stay below 2^32", gs, k);
@@ -199,11 +206,7 @@ int w4p_cuda_dequantize(int device, void *stream, int dtype, int n, int k, const
   if ((zero_mode == 1 && !zeros) || (zero_mode == 2 && !mins)) return fail(W4P_EINVAL, "zeros/mins missing");
   if (ldw < k) return fail(W4P_EINVAL, "ldw %lld < k %d", (long long)ldw, k);
   if ((uintptr_t)qweight & 15) return fail(W4P_EINVAL, "qweight must be 16-byte aligned");
-  cudaError_t e = cudaSetDevice(device);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    return fail(W4P_ENODEVICE, "cudaSetDevice(%d): %s", device, cudaGetErrorString(e));
-  }
+  if (const int rc = use_device(device)) return rc;
   Params p{};
   memset(&p, 0, sizeof p);
   p.qw = reinterpret_cast<const uint32_t *>(qweight);
@@ -227,7 +230,7 @@ int w4p_cuda_dequantize(int device, void *stream, int dtype, int n, int k, const
     launch_dequant<half>(p, storage_bits, (half *)w, ldw, blocks, st);
   else
     launch_dequant<__nv_bfloat16>(p, storage_bits, (__nv_bfloat16 *)w, ldw, blocks, st);
-  e = cudaGetLastError();
+  const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return fail(W4P_ECUDA, "dequantize launch failed: %s", cudaGetErrorString(e));
   return W4P_OK;
 }
@@ -254,11 +257,7 @@ int w4p_cuda_decode_attention(int device, void *stream, int dtype, int heads, in
       (splits > 1 && !workspace))
     return fail(W4P_EINVAL, "workspace of %zu bytes: %zu needed", workspace_bytes,
                 w4p_cuda_decode_attention_workspace(heads, kv_heads, head_dim, splits));
-  cudaError_t e = cudaSetDevice(device);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    return fail(W4P_ENODEVICE, "cudaSetDevice(%d): %s", device, cudaGetErrorString(e));
-  }
+  if (const int rc = use_device(device)) return rc;
   AttnParams a{};
   a.qkv = qkv;
   a.cos = cos;
@@ -276,7 +275,8 @@ int w4p_cuda_decode_attention(int device, void *stream, int dtype, int heads, in
   a.splits = splits;
   a.scaling = scaling;
   cudaStream_t st = (cudaStream_t)stream;
-  e = dtype == W4P_DT_F16 ? launch_decode_attention<half>(a, st) : launch_decode_attention<__nv_bfloat16>(a, st);
+  const cudaError_t e =
+      dtype == W4P_DT_F16 ? launch_decode_attention<half>(a, st) : launch_decode_attention<__nv_bfloat16>(a, st);
   if (e != cudaSuccess) return fail(W4P_ECUDA, "decode attention launch failed: %s", cudaGetErrorString(e));
   return W4P_OK;
 }

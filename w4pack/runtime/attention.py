@@ -11,6 +11,7 @@ yardstick for the kernel.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -22,8 +23,10 @@ HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 8
 
 
+@functools.lru_cache(maxsize=None)
 def kernel_reason(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str:
-    """Why the CUDA kernel cannot run this attention ("" when it can)."""
+    """Why the CUDA kernel cannot run this attention ("" when it can); asked once per shape (the op asks it every
+    call, and the library's device query is not free)."""
     if device.type != "cuda":
         return f"the decode attention kernel runs on CUDA devices, not {device.type}"
     if dtype not in (torch.float16, torch.bfloat16):
@@ -51,7 +54,7 @@ def reference(qkv: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torc
               scaling: float) -> torch.Tensor:
     """The op's arithmetic in torch (any device and float dtype; fp32 or wider); stores the key and value in the
     caches and returns the output [heads * D]. Reads the position without a host sync (a mask, not a slice)."""
-    kvh, max_len, d = k_cache.shape
+    _, max_len, d = k_cache.shape
     g = heads // kv_heads
     acc = torch.promote_types(qkv.dtype, torch.float32)
     x = qkv.reshape(heads + 2 * kv_heads, d)
