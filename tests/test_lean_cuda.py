@@ -7,6 +7,7 @@ are checked where a CUDA device is present (marked gpu). The loop falls back wit
 calls it does not run."""
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -100,7 +101,7 @@ def test_attention_follows_the_environment_and_refuses_unknown_values(models: di
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     model = load_model(models["plain"], compile=False)
     monkeypatch.delenv("W4PACK_LEAN_ATTN", raising=False)
-    assert GraphDecoder(model).attn == "matmul"
+    assert GraphDecoder(model).attn == "matmul"  # (on the CPU; on CUDA "kernel" where it runs the model)
     monkeypatch.setenv("W4PACK_LEAN_ATTN", "SDPA")
     assert GraphDecoder(model).attn == "sdpa"
     assert GraphDecoder(model, attn="matmul").attn == "matmul"  # the argument wins
@@ -399,14 +400,14 @@ def test_graph_logits_match_transformers_float16(models: dict[str, Path], attn: 
 def test_fused_sdpa_graph_decodes_what_the_matmul_graph_decodes(models: dict[str, Path], name: str,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """$W4PACK_LEAN_ATTN=sdpa under Inductor and capture (the bench's A/B of the two): across a bucket, every
-    greedy token is an argmax of the default attention's logits on the same tokens, to float16 rounding, and
+    greedy token is an argmax of the matmul attention's logits on the same tokens, to float16 rounding, and
     the logits follow transformers'."""
     monkeypatch.delenv("W4PACK_LEAN_FUSE", raising=False)
     model = load_model(models[name], device="cuda", dtype="float16", engine="eager")
     monkeypatch.setenv("W4PACK_LEAN_ATTN", "sdpa")
     sdpa = GraphDecoder(model)
     monkeypatch.delenv("W4PACK_LEAN_ATTN")
-    plain = GraphDecoder(model)
+    plain = GraphDecoder(model, attn="matmul")
     assert (sdpa.attn, plain.attn) == ("sdpa", "matmul") and sdpa.fuse == "inductor" and sdpa.graphs
     ids = _ids().cuda()
     kw = dict(GEN, max_new_tokens=BUCKET + 8)
@@ -420,12 +421,13 @@ def test_fused_sdpa_graph_decodes_what_the_matmul_graph_decodes(models: dict[str
 @pytest.mark.parametrize("name,new", [("wide", BUCKET + 8), ("qwen3-64", 40)])
 def test_kernel_attention_graph_decodes_what_the_matmul_graph_decodes(models: dict[str, Path], name: str, new: int,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """attn="kernel" under Inductor and capture: one graph for the whole cache; every greedy token is an argmax
-    of the default attention's logits on the same tokens, to float16 rounding, and the logits follow
+    """The kernel attention, the CUDA default where it runs the model, under Inductor and capture: one graph for
+    the whole cache; every greedy token is an argmax of the matmul attention's logits on the same tokens, to float16 rounding, and the logits follow
     transformers' (q/k norms included)."""
     monkeypatch.delenv("W4PACK_LEAN_FUSE", raising=False)
     model = load_model(models[name], device="cuda", dtype="float16", engine="eager")
-    kern, plain = GraphDecoder(model, attn="kernel"), GraphDecoder(model)
+    monkeypatch.delenv("W4PACK_LEAN_ATTN", raising=False)
+    kern, plain = GraphDecoder(model), GraphDecoder(model, attn="matmul")
     assert kern.attn == "kernel" and kern.fuse == "inductor" and kern.graphs
     ids = _ids().cuda()
     got = _generate(kern, ids, **dict(GEN, max_new_tokens=new))
@@ -435,11 +437,17 @@ def test_kernel_attention_graph_decodes_what_the_matmul_graph_decodes(models: di
 
 
 @pytest.mark.gpu
-def test_kernel_attention_falls_back_where_the_kernel_does_not_run(models: dict[str, Path]) -> None:
+def test_kernel_attention_falls_back_where_the_kernel_does_not_run(models: dict[str, Path],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asked for by name, the kernel that cannot run the model warns; as the default it gives way silently."""
     model = load_model(models["plain"], device="cuda", dtype="float16", engine="eager")  # head size 16
     with pytest.warns(RuntimeWarning, match="head size 16.*attending by matmul"):
         engine = GraphDecoder(model, attn="kernel")
     assert engine.attn == "matmul"
+    monkeypatch.delenv("W4PACK_LEAN_ATTN", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert GraphDecoder(model).attn == "matmul"
 
 
 def _forced_logits(engine: GraphDecoder, ids: torch.Tensor, prefix: int) -> torch.Tensor:

@@ -200,6 +200,7 @@ __global__ void __launch_bounds__(AT_THREADS) decode_attention_kernel(const Attn
         sum += p;
       }
       sum = warp_sum(sum);
+      __syncwarp();  // every lane has read m_s[g] before lane 0 rewrites it
       if (lane == 0) {
         const float al = __expf(m_old - m_new);
         alpha_s[g] = al;

@@ -169,7 +169,8 @@ class GraphDecoder(LoopBase):
     stay the ``w4pack::linear`` op) and capture that; a string names the compile backend (tests: "eager");
     default $W4PACK_LEAN_FUSE (0/1), else on with graphs: a graph of unfused torch ops launches ~35 small
     kernels per layer. A step that fails to compile runs unfused, with one warning. ``attn``: one of
-    ``ATTENTION``, default $W4PACK_LEAN_ATTN, else "matmul". ``fold``: fold the norms and residual adds into the
+    ``ATTENTION``, default $W4PACK_LEAN_ATTN, else "kernel" on CUDA where the kernel runs the model (silently
+    "matmul" where it does not, and off the GPU); asked for by name where it cannot run, it warns. ``fold``: fold the norms and residual adds into the
     packed projections' kernels where they can (``FOLD_ENV``; default $W4PACK_LEAN_FOLD, else off); ``folded``
     counts the projections that do."""
 
@@ -198,7 +199,10 @@ class GraphDecoder(LoopBase):
             fuse = env in ("1", "true", "yes", "on") if env else self.graphs
         self.fuse: Any = "inductor" if fuse is True else (fuse or None)  # a torch.compile backend
         if attn is None:
-            attn = os.environ.get(ATTN_ENV, "").strip().lower() or "matmul"
+            attn = os.environ.get(ATTN_ENV, "").strip().lower() or None
+        asked = attn is not None
+        if attn is None:
+            attn = "kernel" if self.device.type == "cuda" else "matmul"
         if attn not in ATTENTION:
             raise BadInputError(f"{ATTN_ENV}={attn!r}: the lean loop attends by {' or '.join(ATTENTION)}")
         self.attn = attn
@@ -209,10 +213,11 @@ class GraphDecoder(LoopBase):
         self._init_spec(spec)
         if self.attn == "kernel" and self.device.type == "cuda":  # (elsewhere the op runs its torch reference)
             why = kernel_reason(self.device, self.dtype, self.n_heads, self.n_kv, self.head_dim)
-            if why:
+            if why and asked:
                 import warnings
 
                 warnings.warn(f"{ATTN_ENV}=kernel: {why}; attending by matmul", RuntimeWarning, stacklevel=2)
+            if why:
                 self.attn = "matmul"
         with torch.inference_mode():
             self.head = _Linear([spec.head], stack=False, device=self.device, dtype=self.dtype)
