@@ -13,6 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from w4pack.errors import BadInputError  # noqa: E402
 from w4pack.runtime.attention import decode_attention, kernel_reason, reference  # noqa: E402
 
 
@@ -98,6 +99,22 @@ def test_compiled_op_writes_the_callers_caches_without_copying_them() -> None:
     assert "decode_attention" in src and ".copy_(" not in src and "clone" not in src, src
 
 
+def test_attention_splits_follow_the_multiprocessors_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two blocks a multiprocessor in all by default, $W4PACK_ATTN_BLOCKS of them when set; 1 to 64 a kv head."""
+    from w4pack.native import cuda
+
+    monkeypatch.setattr(cuda, "_multiprocessors", lambda index: 132)
+    dev = torch.device("cuda", 0)
+    monkeypatch.delenv("W4PACK_ATTN_BLOCKS", raising=False)
+    assert [cuda.attention_splits(dev, kv) for kv in (32, 8, 1, 400)] == [9, 33, 64, 1]
+    monkeypatch.setenv("W4PACK_ATTN_BLOCKS", "4")
+    assert [cuda.attention_splits(dev, kv) for kv in (32, 8)] == [17, 64]
+    for bad in ("0", "17", "two"):
+        monkeypatch.setenv("W4PACK_ATTN_BLOCKS", bad)
+        with pytest.raises(BadInputError, match=f"W4PACK_ATTN_BLOCKS='{bad}'.*1 to 16"):
+            cuda.attention_splits(dev, 32)
+
+
 # -- the CUDA kernel ---------------------------------------------------------------------------------------
 
 def _cuda_or_skip() -> None:
@@ -178,7 +195,6 @@ def test_kernel_outside_the_cache_writes_nan_and_nothing_else() -> None:
 @pytest.mark.gpu
 def test_kernel_refuses_what_it_does_not_take() -> None:
     _cuda_or_skip()
-    from w4pack.errors import BadInputError
     from w4pack.native import cuda
 
     assert kernel_reason(torch.device("cuda"), torch.float16, 32, 8, 128) == ""

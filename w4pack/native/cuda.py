@@ -9,6 +9,7 @@ converted once per activation dtype (exact when the checkpoint stores that dtype
 from __future__ import annotations
 
 import functools
+import os
 import re
 import threading
 import weakref
@@ -484,10 +485,30 @@ def _multiprocessors(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
+#: blocks per multiprocessor the decode attention's launch aims at in all (default 2), for the bench's A/B
+ATTN_BLOCKS_ENV = "W4PACK_ATTN_BLOCKS"
+
+
 def attention_splits(device: Any, kv_heads: int) -> int:
-    """Blocks per kv head for the decode attention: about two blocks per multiprocessor in all (a long
-    context's keys spread over the whole GPU)."""
-    return max(1, min(64, -(-2 * _multiprocessors(device.index) // kv_heads)))
+    """Blocks per kv head for the decode attention: about two blocks per multiprocessor in all
+    ($W4PACK_ATTN_BLOCKS sets how many), so a long context's keys spread over the whole GPU; a short context
+    runs on fewer (the kernel gives every split at least a tile of keys)."""
+    per_sm = _blocks_per_sm(os.environ.get(ATTN_BLOCKS_ENV, ""))
+    return max(1, min(64, -(-per_sm * _multiprocessors(device.index) // kv_heads)))
+
+
+@functools.lru_cache(maxsize=8)
+def _blocks_per_sm(text: str) -> int:
+    if not text.strip():
+        return 2
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 16:
+        raise BadInputError(f"{ATTN_BLOCKS_ENV}={text!r}: give the decode attention's blocks per multiprocessor, "
+                            f"1 to 16")
+    return n
 
 
 def decode_attention(qkv: Any, cos: Any, sin: Any, pos: Any, k_cache: Any, v_cache: Any, heads: int, kv_heads: int,
