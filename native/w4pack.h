@@ -210,13 +210,16 @@ int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k,
      W4P_ROW_SWIGLU   x holds 2k values [gate | up]; y = (silu(gate) * up) . W^T (+ bias), silu in fp32 rounded
                       to dtype, times up, rounded (transformers' act_fn(gate) * up).
    norm_weight and norm_eps are read for W4P_ROW_RMSNORM only; another prologue value is W4P_EINVAL.
-   bias [n] or NULL (in a decoder layer, the residual stream to add). The other arguments as w4p_cuda_gemm's; x
+   bias [n] or NULL, added to the fp32 sum before its one rounding (a layer's own bias). With W4P_ROW_RESIDUAL
+   or'd into prologue, bias is a decoder layer's residual stream instead, added as the unfolded layer adds it:
+   y = round(round(f(x) . W^T) + bias), so folding the add changes no bit. The other arguments as w4p_cuda_gemm's; x
    and y are contiguous rows, y not overlapping x. W4P_EUNSUPPORTED where the gemv kernel does not run the layer
    (8-bit storage, a group size it does not take, compute capability below 8.0, a row too long for its shared
    memory): w4p_cuda_plan with kernel W4P_CUDA_KERNEL_GEMV and m = 1 says so up front. */
 #define W4P_ROW_PLAIN 0
 #define W4P_ROW_RMSNORM 1
 #define W4P_ROW_SWIGLU 2
+#define W4P_ROW_RESIDUAL 8
 int w4p_cuda_gemm_row(int device, void *stream, int dtype, int n, int k, const void *x, void *y,
                       const int32_t *qweight, int storage_bits, int group_size, int zero_mode, const void *scales,
                       const void *zeros, const void *mins, const int32_t *perm, const void *bias, int prologue,

@@ -126,19 +126,21 @@ def test_fold_is_off_by_default_and_never_on_the_cpu(models: dict[str, Path], mo
 
 def test_what_folds_where_the_gemv_cannot_run_the_layer(models: dict[str, Path],
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """may_fold: a layer the gemv kernel cannot run (fold_ok(row=True) False) still folds its residual add, but
-    neither a norm nor the SwiGLU; one it runs folds all three; float or split projections fold nothing."""
+    """may_fold: a layer the gemv kernel cannot run (fold_ok False) folds nothing (its residual add, too, stays
+    the unfolded add); one it runs folds the norm, the SwiGLU and the residual add; float or split projections
+    fold nothing."""
     model = load_model(models["plain"], compile=False)
     engine = GraphDecoder(model)
     L = engine.layers[0]
     cuda, half = torch.device("cuda", 0), torch.float16
     for gemv_runs in (False, True):
-        for lin in (L.qkv, L.down):
-            monkeypatch.setattr(lin.calls[0], "fold_ok", lambda device, dtype, row=True, ok=gemv_runs: ok or not row)
+        for lin in (L.qkv, L.o, L.down):
+            monkeypatch.setattr(lin.calls[0], "fold_ok", lambda device, dtype, ok=gemv_runs: ok)
         norm = torch.ones(L.qkv.calls[0].in_features, dtype=half)
         assert L.qkv.may_fold(cuda, half, norm.to("meta")) is False  # (the norm weight on another device)
         assert L.qkv.may_fold(norm.device, half, norm) is gemv_runs
-        assert L.down.may_fold(cuda, half, swiglu=True) is True and L.down.swiglu is gemv_runs
+        assert L.o.may_fold(cuda, half) is gemv_runs
+        assert L.down.may_fold(cuda, half, swiglu=True) is gemv_runs and L.down.swiglu is gemv_runs
     fl = GraphDecoder(dequantized_model(load_model(models["plain"], compile=False)))
     assert fl.layers[0].down.may_fold(cuda, half) is False  # (a float nn.Linear)
 

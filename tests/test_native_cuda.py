@@ -32,7 +32,7 @@ def test_library_loads_and_resolves_every_entry_point():
     ffi, lib = _lib_or_skip()
     for name in cuda.entry_points():
         assert getattr(lib, name) is not None  # raises AttributeError on an undefined symbol
-    assert lib.w4p_cuda_abi_version() == cuda.CUDA_ABI == 5
+    assert lib.w4p_cuda_abi_version() == cuda.CUDA_ABI == 6
 
 
 def test_a_library_missing_a_declared_entry_point_is_refused_at_load(tmp_path, monkeypatch):
@@ -81,7 +81,11 @@ def test_bad_arguments_come_back_as_codes():
     assert row(lib.W4P_ROW_RMSNORM, ffi.NULL, 1e-6) == lib.W4P_EINVAL and "norm_weight is required" in last()
     assert row(lib.W4P_ROW_RMSNORM, one, float("nan")) == lib.W4P_EINVAL and "norm_eps" in last()
     assert row(3, ffi.NULL, 0.0) == lib.W4P_EINVAL and "prologue 3" in last()
+    assert row(lib.W4P_ROW_RESIDUAL | 3, ffi.NULL, 0.0) == lib.W4P_EINVAL and "prologue 11" in last()
+    assert row(lib.W4P_ROW_RESIDUAL | lib.W4P_ROW_SWIGLU, ffi.NULL, 0.0) == lib.W4P_EINVAL
+    assert "needs the residual as bias" in last()
     assert (lib.W4P_ROW_PLAIN, lib.W4P_ROW_RMSNORM, lib.W4P_ROW_SWIGLU) == tuple(cuda.PROLOGUES.values())
+    assert lib.W4P_ROW_RESIDUAL == cuda._ROW_RESIDUAL
 
     def attn(dtype=1, heads=8, kv=2, d=64, cos=one, sin=one, splits=2, ws=one, ws_bytes=1 << 20):
         return lib.w4p_cuda_decode_attention(0, ffi.NULL, dtype, heads, kv, d, one, cos, sin,

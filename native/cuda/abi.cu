@@ -156,7 +156,8 @@ static int gemm_impl(int device, void *stream, int dtype, int64_t m, int n, int 
   p.sink = 0x9E3779B9u;
   p.probe = kernel == W4P_CUDA_PROBE_BULK || kernel == W4P_CUDA_PROBE_WS || kernel == W4P_CUDA_PROBE_SS ? 1 : 0;
   p.kg = pl.kg;
-  p.pro = prologue;
+  p.pro = prologue & ~W4P_ROW_RESIDUAL;
+  p.radd = (prologue & W4P_ROW_RESIDUAL) != 0;
   p.nw = norm_weight;
   p.neps = norm_eps;
 
@@ -183,12 +184,15 @@ int w4p_cuda_gemm_row(int device, void *stream, int dtype, int n, int k, const v
                       const int32_t *qweight, int storage_bits, int group_size, int zero_mode, const void *scales,
                       const void *zeros, const void *mins, const int32_t *perm, const void *bias, int prologue,
                       const void *norm_weight, float norm_eps, void *workspace, size_t workspace_bytes) {
-  if (prologue != W4P_ROW_PLAIN && prologue != W4P_ROW_RMSNORM && prologue != W4P_ROW_SWIGLU)
-    return fail(W4P_EINVAL, "prologue %d: W4P_ROW_PLAIN, W4P_ROW_RMSNORM or W4P_ROW_SWIGLU", prologue);
-  if (prologue == W4P_ROW_RMSNORM && !norm_weight) return fail(W4P_EINVAL, "norm_weight is required");
-  if (prologue == W4P_ROW_RMSNORM && !(norm_eps >= 0.f))
+  const int f = prologue & ~W4P_ROW_RESIDUAL;  // what is applied to x
+  if (f != W4P_ROW_PLAIN && f != W4P_ROW_RMSNORM && f != W4P_ROW_SWIGLU)
+    return fail(W4P_EINVAL, "prologue %d: W4P_ROW_PLAIN, W4P_ROW_RMSNORM or W4P_ROW_SWIGLU (| W4P_ROW_RESIDUAL)",
+                prologue);
+  if ((prologue & W4P_ROW_RESIDUAL) && !bias) return fail(W4P_EINVAL, "W4P_ROW_RESIDUAL needs the residual as bias");
+  if (f == W4P_ROW_RMSNORM && !norm_weight) return fail(W4P_EINVAL, "norm_weight is required");
+  if (f == W4P_ROW_RMSNORM && !(norm_eps >= 0.f))
     return fail(W4P_EINVAL, "norm_eps must be a non-negative number");
-  return gemm_impl(device, stream, dtype, 1, n, k, x, prologue == W4P_ROW_SWIGLU ? 2 * (int64_t)k : k, y, n,
+  return gemm_impl(device, stream, dtype, 1, n, k, x, f == W4P_ROW_SWIGLU ? 2 * (int64_t)k : k, y, n,
                    qweight, storage_bits, group_size, zero_mode, scales, zeros, mins, perm, bias, workspace,
                    workspace_bytes, W4P_CUDA_KERNEL_GEMV, 0, prologue, norm_weight, norm_eps);
 }

@@ -4,7 +4,7 @@
 #include "params.h"
 #include "planner.h"
 
-#define W4P_CUDA_ABI 5
+#define W4P_CUDA_ABI 6
 
 using namespace w4p;
 

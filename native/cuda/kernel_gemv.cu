@@ -240,7 +240,12 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
         float v = 0.f;
 #pragma unroll
         for (int ww = 0; ww < W; ++ww) v += red[(buf * W + ww) * 16 + threadIdx.x];
-        ((T *)p.y)[row] = from_f<T>(p.bias ? v + to_f(((const T *)p.bias)[row]) : v);
+        float o = v;
+        if (p.bias) {  // a layer's bias into the one rounding; a residual after it (p.radd)
+          const float b = to_f(((const T *)p.bias)[row]);
+          o = p.radd ? to_f(from_f<T>(v)) + b : v + b;
+        }
+        ((T *)p.y)[row] = from_f<T>(o);
       }
       buf ^= 1;
       acc[0] = acc[1] = acc[2] = acc[3] = 0.f;

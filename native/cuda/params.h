@@ -31,6 +31,7 @@ struct Params {
   int pro;               // gemv: W4P_ROW_* applied to x while staged (w4p_cuda_gemm_row), 0 none
   const void *nw;        // gemv, W4P_ROW_RMSNORM: the norm weight [K]
   float neps;            // gemv, W4P_ROW_RMSNORM: its epsilon
+  int radd;              // gemv, W4P_ROW_RESIDUAL: bias is a residual, added after the sum's rounding
 };
 
 // The decode attention kernel's arguments (w4p_cuda_decode_attention).

@@ -48,9 +48,10 @@ KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "ring": 3, "bulk": 4, "wgmma": 5,
 DENSE_MIN_M = 33
 #: the library's ABI version this module speaks (w4p_cuda_abi_version; 2 added w4p_cuda_gemm_row, 3 a prefetch
 #: range to it, 4 took that out again, 5 added w4p_cuda_decode_attention)
-CUDA_ABI = 5
+CUDA_ABI = 6
 #: forward_row's prologues: what the gemv kernel applies to the row while staging it (W4P_ROW_*)
 PROLOGUES = {"plain": 0, "rmsnorm": 1, "swiglu": 2}
+_ROW_RESIDUAL = 8  # W4P_ROW_RESIDUAL: the bias input is a residual, added after the product's rounding
 _DT = {"float16": 1, "bfloat16": 2}
 _ZERO = {"none": 0, "int": 1, "float": 2}
 _W4P_ENODEVICE = -4
@@ -334,13 +335,6 @@ class CudaPackedLinear:
                 _ptr(ffi, params.get("mins")),
                 ffi.NULL if self.perm is None else ffi.cast("int32_t *", self.perm.data_ptr()))
 
-    def residual_bias(self, residual: Any, dtype_name: str) -> Any:
-        """The bias input that adds ``residual`` (N values) at M = 1: it, plus the layer's own bias where there
-        is one (summed in the activations' dtype)."""
-        own = self.prepare(dtype_name).get("bias")
-        b = residual.reshape(self.n).contiguous()
-        return b if own is None else b + own
-
     def dequantize(self, dtype: Any = None) -> Any:
         """The dense weight W [N, K] (original column order) in fp16/bf16 on the device, freshly computed."""
         import torch
@@ -430,11 +424,12 @@ class CudaPackedLinear:
         """y[1, N] = f(x) · Wᵀ + residual for one row, one gemv launch, with f applied while the kernel stages x
         (``PROLOGUES``): "rmsnorm", transformers' RMSNorm (x / sqrt(mean(x²) + eps) in fp32, rounded to x's
         dtype, times ``norm_weight``, rounded); "swiglu", x = [gate | up] of 2K values and f = silu(gate) · up
-        (silu in fp32, rounded, times up, rounded); "plain", f = identity. residual: N values added to the
-        output in fp32 before its rounding (in a decoder layer, the residual stream; the layer's own bias, if
-        any, is summed into it first, in x's dtype), or None for the layer's own bias alone. y must not alias x.
-        Why: at M = 1 every gemv block stages the whole row, so the decoder layer's norm or activation costs no
-        kernel of its own. ``row_ok`` first."""
+        (silu in fp32, rounded, times up, rounded); "plain", f = identity. The layer's own bias, if any, is
+        summed before the product's rounding; residual (N values, in a decoder layer the residual stream) is
+        added after it, as the unfolded layer's ``residual + proj(x)`` adds it, so folding changes no bit (with an
+        own bias too, the add is a second kernel). y must not alias x. Why: at M = 1 every gemv block stages the
+        whole row, so the decoder layer's norm, activation and residual add cost no kernel of their own.
+        ``row_ok`` first."""
         import torch
 
         if prologue not in PROLOGUES:
@@ -454,12 +449,14 @@ class CudaPackedLinear:
         lead = tuple(x.shape[:-1])
         x1 = x.reshape(width).contiguous()
         params = self.prepare(dtype_name)
-        if residual is None:
-            b = params.get("bias")
-        else:
+        b, flags = params.get("bias"), 0
+        if residual is not None:
             if residual.numel() != self.n or residual.dtype != x.dtype or residual.device != x.device:
                 raise BadInputError(f"residual must be {x.dtype} with {self.n} values on {x.device}")
-            b = self.residual_bias(residual, dtype_name)
+            if b is not None:  # (one bias input: the own bias takes it, the residual a kernel of its own)
+                y = self.forward_row(x, prologue, norm_weight, eps, out=out)
+                return y.add_(residual.reshape(y.shape))
+            b, flags = residual.reshape(self.n).contiguous(), _ROW_RESIDUAL
         if out is None:
             y = torch.empty(self.n, dtype=x.dtype, device=x.device)
         else:
@@ -472,7 +469,7 @@ class CudaPackedLinear:
         ffi, lib = _load()
         rc = lib.w4p_cuda_gemm_row(
             self.device.index, ffi.cast("void *", stream.cuda_stream), _DT[dtype_name], self.n, self.k,
-            _ptr(ffi, x1), _ptr(ffi, y), *self._layer_args(ffi, params), _ptr(ffi, b), PROLOGUES[prologue],
+            _ptr(ffi, x1), _ptr(ffi, y), *self._layer_args(ffi, params), _ptr(ffi, b), PROLOGUES[prologue] | flags,
             _ptr(ffi, nw), float(eps), _ptr(ffi, ws), ws.numel())
         _check(rc, "w4p_cuda_gemm_row")
         return y.reshape(*lead, self.n)

@@ -121,18 +121,18 @@ class _Linear:
 
     def may_fold(self, device: torch.device, dtype: torch.dtype, norm: torch.Tensor | None = None,
                  swiglu: bool = False) -> bool:
-        """Turn folding on where the one module is a packed layer that folds (``W4Linear.fold_ok``): with the
-        RMSNorm of weight ``norm`` (which must then be a [K] vector of the model's dtype on its device), or with
-        the residual add, and the SwiGLU of ``swiglu_add``'s [gate | up] input too where ``swiglu`` and the gemv
-        kernel runs the layer."""
+        """Turn folding on where the one module is a packed layer that folds (``W4Linear.fold_ok``: the gemv
+        kernel runs it): with the RMSNorm of weight ``norm`` (which must then be a [K] vector of the model's dtype
+        on its device), or with the residual add, and the SwiGLU of ``swiglu_add``'s [gate | up] input too where
+        ``swiglu``."""
         from .torch_module import W4Linear
 
         mod = self.calls[0] if self.weight is None and len(self.calls) == 1 else None
         ok = isinstance(mod, W4Linear)
         if ok and norm is not None:
             ok = norm.dtype == dtype and norm.device == device and tuple(norm.shape) == (mod.in_features,)
-        self.fold = bool(ok and mod.fold_ok(device, dtype, row=norm is not None))
-        self.swiglu = bool(self.fold and swiglu and mod.fold_ok(device, dtype, row=True))
+        self.fold = bool(ok and mod.fold_ok(device, dtype))
+        self.swiglu = bool(self.fold and swiglu)
         return self.fold
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,7 +149,7 @@ class _Linear:
         return self(LoopBase._norm(h, w, eps))
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + self(x): the residual as the kernel's bias where folding is on (one rounding)."""
+        """residual + self(x): added in the projection's kernel where folding is on (the same bits)."""
         if self.fold:
             return self.calls[0].fold(x, residual=residual)
         return residual + self(x)

@@ -218,23 +218,23 @@ class W4Linear(nn.Module):
         # on a 30-layer model); CUDA graph capture records the kernel launch either way
         return self._run(x, self.precision)
 
-    def fold_ok(self, device: Any, dtype: torch.dtype, row: bool = True) -> bool:
-        """Whether ``fold`` runs on ``device`` for ``dtype`` activations: CUDA, fp16/bf16, and, for a norm or the
-        SwiGLU (``row``), a layer the gemv kernel takes (they are applied in its staging). Asked eagerly, before
-        any trace or capture."""
+    def fold_ok(self, device: Any, dtype: torch.dtype) -> bool:
+        """Whether ``fold`` runs on ``device`` for ``dtype`` activations: CUDA, fp16/bf16 and a layer the gemv
+        kernel takes (the norm and SwiGLU are applied in its staging, the residual in its epilogue). Asked
+        eagerly, before any trace or capture."""
         dev = _normalize_device(device)
         if dev.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
             return False
-        return not row or bool(self._kernel(dev).row_ok())
+        return bool(self._kernel(dev).row_ok())
 
     def fold(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
              residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
         """One row (M = 1) through one kernel with its decoder-layer neighbours folded in: y = f(x) @ W.T (+ bias)
         + residual, f = RMSNorm with ``norm_weight`` (transformers' arithmetic), or with ``swiglu`` silu(gate) *
-        up of x = [gate | up] (2 in_features values), else nothing. residual None: nothing added; else it (plus
-        the layer's own bias, if any, summed first in x's dtype) is added in fp32 before the output's rounding.
-        Only where ``fold_ok``; a decode step calls it to spare the norm, activation and residual-add kernels
-        of each layer."""
+        up of x = [gate | up] (2 in_features values), else nothing. The residual (None: nothing) is added after
+        the product's rounding, as the unfolded layer adds it: folding changes no bit of the output. Only where
+        ``fold_ok``; a decode step calls it to spare the norm, activation and residual-add kernels of each
+        layer."""
         if torch.compiler.is_compiling():
             return torch.ops.w4pack.linear_fold(x, self.qweight, self.handle, self.out_features, norm_weight,
                                                 float(eps), residual, bool(swiglu))
@@ -242,15 +242,8 @@ class W4Linear(nn.Module):
 
     def _run_fold(self, x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
                   residual: torch.Tensor | None, swiglu: bool = False) -> torch.Tensor:
-        kernel = self._kernel(x.device)
-        if norm_weight is not None:
-            return kernel.forward_row(x, "rmsnorm", norm_weight, eps, residual=residual)
-        if swiglu:
-            return kernel.forward_row(x, "swiglu", residual=residual)
-        if residual is None:
-            return kernel.forward(x)
-        dtype_name = _cuda_dtype_name(x.dtype, self.meta["scale_dtype"])
-        return kernel.forward(x, bias=kernel.residual_bias(residual, dtype_name))
+        prologue = "rmsnorm" if norm_weight is not None else "swiglu" if swiglu else "plain"
+        return self._kernel(x.device).forward_row(x, prologue, norm_weight, eps, residual=residual)
 
     # -- kernels ---------------------------------------------------------------------------------
     def _kernel(self, device: torch.device) -> Any:
