@@ -47,7 +47,7 @@ KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "ring": 3, "bulk": 4, "wgmma": 5,
 #: the stream kernel (weights read once, split-K), above it dequantize + cuBLAS beats the mma.sync tiled kernel
 DENSE_MIN_M = 33
 #: the library's ABI version this module speaks (w4p_cuda_abi_version; 2 added w4p_cuda_gemm_row, 3 a prefetch
-#: range to it, 4 took that out again, 5 added w4p_cuda_decode_attention)
+#: range to it, 4 took that out again, 5 added w4p_cuda_decode_attention, 6 W4P_ROW_RESIDUAL)
 CUDA_ABI = 6
 #: forward_row's prologues: what the gemv kernel applies to the row while staging it (W4P_ROW_*)
 PROLOGUES = {"plain": 0, "rmsnorm": 1, "swiglu": 2}
@@ -426,10 +426,10 @@ class CudaPackedLinear:
         dtype, times ``norm_weight``, rounded); "swiglu", x = [gate | up] of 2K values and f = silu(gate) · up
         (silu in fp32, rounded, times up, rounded); "plain", f = identity. The layer's own bias, if any, is
         summed before the product's rounding; residual (N values, in a decoder layer the residual stream) is
-        added after it, as the unfolded layer's ``residual + proj(x)`` adds it, so folding changes no bit (with an
-        own bias too, the add is a second kernel). y must not alias x. Why: at M = 1 every gemv block stages the
-        whole row, so the decoder layer's norm, activation and residual add cost no kernel of their own.
-        ``row_ok`` first."""
+        added after it, rounding as the unfolded layer's ``residual + proj(x)`` does (with an own bias too, the
+        add is a second kernel). y (``out``) must alias neither x nor residual. Why: at M = 1 every gemv block
+        stages the whole row, so the decoder layer's norm, activation and residual add cost no kernel of their
+        own. ``row_ok`` first."""
         import torch
 
         if prologue not in PROLOGUES:

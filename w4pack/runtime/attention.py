@@ -38,7 +38,10 @@ def kernel_reason(device: torch.device, dtype: torch.dtype, heads: int, kv_heads
                 f"{MAX_GROUP} query heads per kv head")
     from ..native import cuda
 
-    return cuda.unavailable_reason()
+    why = cuda.unavailable_reason()
+    if not why and torch.cuda.get_device_capability(device) < (8, 0):
+        why = "the decode attention kernel needs compute capability 8.0 or newer"
+    return why
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, acc: torch.dtype) -> torch.Tensor:

@@ -232,7 +232,7 @@ class W4Linear(nn.Module):
         """One row (M = 1) through one kernel with its decoder-layer neighbours folded in: y = f(x) @ W.T (+ bias)
         + residual, f = RMSNorm with ``norm_weight`` (transformers' arithmetic), or with ``swiglu`` silu(gate) *
         up of x = [gate | up] (2 in_features values), else nothing. The residual (None: nothing) is added after
-        the product's rounding, as the unfolded layer adds it: folding changes no bit of the output. Only where
+        the product's rounding, rounding as the unfolded layer's add does. Only where
         ``fold_ok``; a decode step calls it to spare the norm, activation and residual-add kernels of each
         layer."""
         if torch.compiler.is_compiling():
