@@ -212,10 +212,11 @@ int w4p_cuda_gemm(int device, void *stream, int dtype, int64_t m, int n, int k,
    norm_weight and norm_eps are read for W4P_ROW_RMSNORM only; another prologue value is W4P_EINVAL.
    bias [n] or NULL, added to the fp32 sum before its one rounding (a layer's own bias). With W4P_ROW_RESIDUAL
    or'd into prologue, bias is a decoder layer's residual stream instead, added as the unfolded layer adds it:
-   y = round(round(f(x) . W^T) + bias), so folding the add changes no bit. The other arguments as w4p_cuda_gemm's; x
-   and y are contiguous rows, y not overlapping x. W4P_EUNSUPPORTED where the gemv kernel does not run the layer
-   (8-bit storage, a group size it does not take, compute capability below 8.0, a row too long for its shared
-   memory): w4p_cuda_plan with kernel W4P_CUDA_KERNEL_GEMV and m = 1 says so up front. */
+   y = round(round(f(x) . W^T) + bias), the add rounding as an unfolded residual add does. The other arguments
+   as w4p_cuda_gemm's; x and y are contiguous rows, y not overlapping x. W4P_EUNSUPPORTED where the gemv kernel
+   does not run the layer (8-bit storage, a group size it does not take, compute capability below 8.0, a row
+   too long for its shared memory): w4p_cuda_plan with kernel W4P_CUDA_KERNEL_GEMV and m = 1 says so up
+   front. */
 #define W4P_ROW_PLAIN 0
 #define W4P_ROW_RMSNORM 1
 #define W4P_ROW_SWIGLU 2

@@ -424,8 +424,8 @@ def test_fused_sdpa_graph_decodes_what_the_matmul_graph_decodes(models: dict[str
 def test_kernel_attention_graph_decodes_what_the_matmul_graph_decodes(models: dict[str, Path], name: str, new: int,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel attention, the CUDA default where it runs the model, under Inductor and capture: one graph for
-    the whole cache; every greedy token is an argmax of the matmul attention's logits on the same tokens, to float16 rounding, and the logits follow
-    transformers' (q/k norms included)."""
+    the whole cache; every greedy token is an argmax of the matmul attention's logits on the same tokens, to
+    float16 rounding, and the logits follow transformers' (q/k norms included)."""
     monkeypatch.delenv("W4PACK_LEAN_FUSE", raising=False)
     model = load_model(models[name], device="cuda", dtype="float16", engine="eager")
     monkeypatch.delenv("W4PACK_LEAN_ATTN", raising=False)
