@@ -284,6 +284,21 @@ def test_cli_engine_picks_the_decode_path(tiny: Path, capsys: pytest.CaptureFixt
         docs[engine] = json.loads(out)
         assert docs[engine]["decode"] == engine
     assert docs["eager"]["token_ids"] == docs["lean"]["token_ids"]
+    assert "attention" not in docs["lean"]  # (the CPU loop attends one way)
+
+
+def test_lean_attention_names_the_cuda_loops_attention() -> None:
+    """Only where the lean loop answered and it is the CUDA loop (whose ``attn`` says how it attends)."""
+    from types import SimpleNamespace
+
+    from w4pack.runtime.run import lean_attention
+
+    cuda_loop = SimpleNamespace(_w4pack_lean=SimpleNamespace(attn="kernel"), w4pack_decode="lean")
+    assert lean_attention(cuda_loop) == {"attention": "kernel"}
+    cuda_loop.w4pack_decode = "compiled (the lean loop decodes one sequence at a time)"
+    assert lean_attention(cuda_loop) == {}
+    assert lean_attention(SimpleNamespace(_w4pack_lean=SimpleNamespace(), w4pack_decode="lean")) == {}
+    assert lean_attention(SimpleNamespace(w4pack_decode="eager")) == {}
 
 
 @pytest.mark.gpu
@@ -296,6 +311,7 @@ def test_cli_lean_engine_on_cuda(tiny: Path, capsys: pytest.CaptureFixture[str])
     assert rc == 0
     lean_doc = json.loads(out)
     assert lean_doc["decode"] == "lean" and lean_doc["new_tokens"] == 8
+    assert lean_doc["attention"] == "matmul"  # (head size 16: the kernel gives way)
     rc, out, _err = _cli(capsys, *common, "--engine", "eager")
     assert rc == 0 and json.loads(out)["token_ids"] == lean_doc["token_ids"]
     rc, out, _err = _cli(capsys, *common)  # the default on CUDA: the lean loop where it runs

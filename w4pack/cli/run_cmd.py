@@ -125,5 +125,7 @@ def run(path: Path, prompt: str | None, ppl_file: Path | None, device: str, max_
         click.echo("")
         rate = f"{doc['tokens_per_s']} tokens/s" if doc["tokens_per_s"] is not None else "n/a tokens/s"
         mode = f"{doc['precision']}, {doc['decode']}"
+        if "attention" in doc:
+            mode += f", {doc['attention']} attention"
         click.echo(f"[{doc['new_tokens']} tokens on {doc['device']} ({mode}): {rate} decode, "
                    f"first token {doc['prefill_s'] * 1000:.0f} ms, load {doc['load_s']:.2f} s]", err=True)

@@ -79,6 +79,13 @@ def _model_precision(model: Any, asked: str) -> str:
     return found.pop() if len(found) == 1 else asked
 
 
+def lean_attention(model: Any) -> dict[str, str]:
+    """{"attention": how the lean CUDA loop attended} where that loop answered the last call ("kernel",
+    "matmul" or "sdpa": the kernel gives way to matmul on models it does not run), else {}."""
+    attn = getattr(getattr(model, "_w4pack_lean", None), "attn", None)
+    return {"attention": attn} if isinstance(attn, str) and decode_mode(model) == "lean" else {}
+
+
 def _check_token_ids(ids: Any, model: Any, path: str) -> None:
     """Token ids past the model's embedding table mean the tokenizer belongs to another model (a different
     vocabulary): one line that says so, instead of torch's "index out of range in self" from deep in the forward."""
@@ -157,6 +164,7 @@ def generate(target: Any, prompt: str, *, device: str = "cpu", max_new_tokens: i
         "device": str(dev),
         "precision": _model_precision(model, precision),
         "decode": decode_mode(model),
+        **lean_attention(model),
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "prompt": prompt,
         "chat": chat,
