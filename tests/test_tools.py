@@ -468,16 +468,18 @@ def test_bench_run_variants_parse_set_and_tabulate(monkeypatch):
         assert os.environ["W4PACK_LEAN_ATTN"] == "sdpa" and os.environ["W4PACK_LEAN_FOLD"] == "1"
     assert os.environ["W4PACK_LEAN_ATTN"] == "matmul" and "W4PACK_LEAN_FOLD" not in os.environ
 
-    def row(mode, rate, variant=None, rnd=None):
-        r = {"mode": mode, "decode": "lean", "batch": 1, "decode_tokens_per_s": rate, "ms_per_step": 1000 / rate}
+    def row(mode, rate, variant=None, rnd=None, **more):
+        r = {"mode": mode, "decode": "lean", "batch": 1, "decode_tokens_per_s": rate, "ms_per_step": 1000 / rate,
+             **more}
         return {**r, "variant": variant, "round": rnd} if variant else r
 
     text = bench.table([{"shape": "tiny", "float": [row("compiled", 100.0), row("auto", 150.0, "base", 1),
                                                     row("auto", 160.0, "x=1", 1)],
-                         "w4": [row("compiled", 200.0), row("auto", 300.0, "base", 1), row("auto", 320.0, "x=1", 1)]}])
+                         "w4": [row("compiled", 200.0), row("auto", 300.0, "base", 1),
+                                row("auto", 320.0, "x=1", 1, attn="kernel")]}])
     lines = text.splitlines()
     assert any("auto/lean [base] #1" in ln and "150.0" in ln and "2.00x" in ln and "3.00x" in ln for ln in lines)
-    assert any("auto/lean [x=1] #1" in ln and "160.0" in ln and "3.20x" in ln for ln in lines), text
+    assert any("auto/lean:kernel [x=1] #1" in ln and "160.0" in ln and "3.20x" in ln for ln in lines), text
 
 
 def test_bench_lean_instances_reads_its_loops():

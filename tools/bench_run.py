@@ -274,6 +274,8 @@ def table(results: list[dict[str, Any]]) -> str:
             ratio = f"{r['decode_tokens_per_s'] / f['decode_tokens_per_s']:.2f}x" if f else "-"
             ratio_c = f"{r['decode_tokens_per_s'] / fc['decode_tokens_per_s']:.2f}x" if fc else "-"
             mode = f"auto/{r['decode'].split()[0]}" if r["mode"] == AUTO else r["mode"]  # the engine that answered
+            if r.get("attn"):
+                mode += f":{r['attn']}"  # (the lean CUDA loop's attention)
             if r.get("variant"):
                 mode += f" [{r['variant']}] #{r['round']}"
             lines.append(f"{row['shape']:<10} {r['batch']:>5} {mode:<13} "
