@@ -213,11 +213,11 @@ class GraphDecoder(LoopBase):
         self._init_spec(spec)
         if self.attn == "kernel" and self.device.type == "cuda":  # (elsewhere the op runs its torch reference)
             why = kernel_reason(self.device, self.dtype, self.n_heads, self.n_kv, self.head_dim)
-            if why and asked:
-                import warnings
-
-                warnings.warn(f"{ATTN_ENV}=kernel: {why}; attending by matmul", RuntimeWarning, stacklevel=2)
             if why:
+                if asked:
+                    import warnings
+
+                    warnings.warn(f"{ATTN_ENV}=kernel: {why}; attending by matmul", RuntimeWarning, stacklevel=2)
                 self.attn = "matmul"
         with torch.inference_mode():
             self.head = _Linear([spec.head], stack=False, device=self.device, dtype=self.dtype)
