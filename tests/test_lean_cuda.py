@@ -22,7 +22,7 @@ from w4pack.loading import load_model  # noqa: E402
 from w4pack.runtime import lean  # noqa: E402
 from w4pack.runtime.decode import decode_mode  # noqa: E402
 from w4pack.runtime.lean import NotLean, plan, remove_lean_decode, use_lean_decode  # noqa: E402
-from w4pack.runtime.lean_cuda import BUCKET, GraphDecoder  # noqa: E402
+from w4pack.runtime.lean_cuda import BUCKET, GraphDecoder, _Linear  # noqa: E402
 from w4pack.runtime.run import dequantized_model  # noqa: E402
 
 
@@ -110,15 +110,33 @@ def test_attention_follows_the_environment_and_refuses_unknown_values(models: di
         GraphDecoder(model)
 
 
-def test_fold_is_off_by_default_and_never_on_the_cpu(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The step calls each projection through normed / add; with folding off (the default, and always off the
-    GPU) those are the norm, the projection and the residual add as separate ops: the tokens stay transformers'."""
+def test_fold_is_on_by_default_but_never_on_the_cpu(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Folding is asked for by default ($W4PACK_LEAN_FOLD unset, empty or 1) and refused by 0; off the GPU no
+    projection folds (W4Linear.fold_ok: CUDA only), so normed / add stay the norm, the projection and the
+    residual add as separate ops and the tokens stay transformers'. A value that is neither is refused."""
     model = load_model(models["odd"], compile=False)
-    monkeypatch.delenv("W4PACK_LEAN_FOLD", raising=False)
-    assert (GraphDecoder(model).fold, GraphDecoder(model).folded) == (False, 0)
-    monkeypatch.setenv("W4PACK_LEAN_FOLD", "1")
+    seen: list[bool] = []
+    real = _Linear.may_fold
+
+    def spy(self: _Linear, *args: object, **kw: object) -> bool:
+        seen.append(True)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(_Linear, "may_fold", spy)
+    for env, asked in ((None, True), ("", True), ("1", True), ("on", True), ("0", False), ("off", False)):
+        if env is None:
+            monkeypatch.delenv("W4PACK_LEAN_FOLD", raising=False)
+        else:
+            monkeypatch.setenv("W4PACK_LEAN_FOLD", env)
+        seen.clear()
+        engine = GraphDecoder(model)
+        assert (engine.fold, engine.folded, bool(seen)) == (False, 0, asked), env
+    assert GraphDecoder(model, fold=True).folded == 0 and seen  # (the argument wins over the environment)
+    monkeypatch.setenv("W4PACK_LEAN_FOLD", "2")
+    with pytest.raises(BadInputError, match="W4PACK_LEAN_FOLD='2': set 1 .* 0 "):
+        GraphDecoder(model)
+    monkeypatch.delenv("W4PACK_LEAN_FOLD")
     engine = GraphDecoder(model)
-    assert (engine.fold, engine.folded) == (False, 0)  # (W4Linear.fold_ok: CUDA only)
     assert not any(lin.fold for L in engine.layers for lin in (L.qkv, L.o, L.gate_up, L.down))
     ids = _ids(6, 1)
     assert torch.equal(_generate(engine, ids, **GEN), model.generate(ids, **GEN))
@@ -492,8 +510,8 @@ def test_folded_step_follows_the_unfolded_one(models: dict[str, Path], name: str
     monkeypatch.delenv("W4PACK_LEAN_FOLD", raising=False)
     model = load_model(models[name], device="cuda", dtype="float16", engine="eager")
     n_layers = model.config.num_hidden_layers
-    plain = GraphDecoder(model, fuse=False)
-    folded = GraphDecoder(model, fuse=False, fold=True)
+    plain = GraphDecoder(model, fuse=False, fold=False)
+    folded = GraphDecoder(model, fuse=False)  # (the default folds)
     # "odd" has a permutation per projection (act-order): q/k/v and gate/up stay separate calls, unfolded
     per_layer = {"plain": 4, "fused": 4, "odd": 2}[name]
     assert (plain.folded, folded.folded, folded.fold) == (0, per_layer * n_layers, True)
