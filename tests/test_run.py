@@ -287,18 +287,35 @@ def test_cli_engine_picks_the_decode_path(tiny: Path, capsys: pytest.CaptureFixt
     assert "attention" not in docs["lean"]  # (the CPU loop attends one way)
 
 
-def test_lean_attention_names_the_cuda_loops_attention() -> None:
-    """Only where the lean loop answered and it is the CUDA loop (whose ``attn`` says how it attends)."""
+def test_lean_loop_facts_name_the_cuda_loops_attention_and_fold() -> None:
+    """Only where the lean loop answered and it is the CUDA loop (whose ``attn`` says how it attends and
+    ``folded`` how many projections fold)."""
     from types import SimpleNamespace
 
-    from w4pack.runtime.run import lean_attention
+    from w4pack.runtime.run import lean_loop_facts
 
-    cuda_loop = SimpleNamespace(_w4pack_lean=SimpleNamespace(attn="kernel"), w4pack_decode="lean")
-    assert lean_attention(cuda_loop) == {"attention": "kernel"}
+    cuda_loop = SimpleNamespace(_w4pack_lean=SimpleNamespace(attn="kernel", folded=96), w4pack_decode="lean")
+    assert lean_loop_facts(cuda_loop) == {"attention": "kernel", "folded": 96}
     cuda_loop.w4pack_decode = "compiled (the lean loop decodes one sequence at a time)"
-    assert lean_attention(cuda_loop) == {}
-    assert lean_attention(SimpleNamespace(_w4pack_lean=SimpleNamespace(), w4pack_decode="lean")) == {}
-    assert lean_attention(SimpleNamespace(w4pack_decode="eager")) == {}
+    assert lean_loop_facts(cuda_loop) == {}
+    assert lean_loop_facts(SimpleNamespace(_w4pack_lean=SimpleNamespace(), w4pack_decode="lean")) == {}
+    assert lean_loop_facts(SimpleNamespace(w4pack_decode="eager")) == {}
+
+
+def test_stats_line_names_the_lean_loops_attention_and_fold(tiny: Path, capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stats line carries what generate reports of the CUDA loop (stood in for here: the CPU has none), and
+    leaves the fold out where nothing folded."""
+    import w4pack.runtime.run as run_mod
+
+    def fake_generate(path: object, prompt: str, **kw: object) -> dict[str, object]:
+        return {"device": "cuda:0", "precision": "exact", "decode": "lean", "attention": "kernel", "folded": folded,
+                "new_tokens": 3, "tokens_per_s": 100.0, "prefill_s": 0.01, "load_s": 0.5}
+
+    monkeypatch.setattr(run_mod, "generate", fake_generate)
+    for folded, tail in ((96, "kernel attention, 96 projections folded)"), (0, "kernel attention)")):
+        rc, _out, err = _cli(capsys, "run", str(tiny), "--prompt", "x")
+        assert rc == 0 and f"(exact, lean, {tail}: 100.0 tokens/s" in err, err
 
 
 @pytest.mark.gpu
@@ -312,6 +329,7 @@ def test_cli_lean_engine_on_cuda(tiny: Path, capsys: pytest.CaptureFixture[str])
     lean_doc = json.loads(out)
     assert lean_doc["decode"] == "lean" and lean_doc["new_tokens"] == 8
     assert lean_doc["attention"] == "matmul"  # (head size 16: the kernel gives way)
+    assert lean_doc["folded"] == 0  # (float32: the gemv folds fp16 and bf16 only)
     rc, out, _err = _cli(capsys, *common, "--engine", "eager")
     assert rc == 0 and json.loads(out)["token_ids"] == lean_doc["token_ids"]
     rc, out, _err = _cli(capsys, *common)  # the default on CUDA: the lean loop where it runs

@@ -127,5 +127,7 @@ def run(path: Path, prompt: str | None, ppl_file: Path | None, device: str, max_
         mode = f"{doc['precision']}, {doc['decode']}"
         if "attention" in doc:
             mode += f", {doc['attention']} attention"
+        if doc.get("folded"):
+            mode += f", {doc['folded']} projections folded"
         click.echo(f"[{doc['new_tokens']} tokens on {doc['device']} ({mode}): {rate} decode, "
                    f"first token {doc['prefill_s'] * 1000:.0f} ms, load {doc['load_s']:.2f} s]", err=True)

@@ -79,11 +79,15 @@ def _model_precision(model: Any, asked: str) -> str:
     return found.pop() if len(found) == 1 else asked
 
 
-def lean_attention(model: Any) -> dict[str, str]:
-    """{"attention": how the lean CUDA loop attended} where that loop answered the last call ("kernel",
-    "matmul" or "sdpa": the kernel gives way to matmul on models it does not run), else {}."""
-    attn = getattr(getattr(model, "_w4pack_lean", None), "attn", None)
-    return {"attention": attn} if isinstance(attn, str) and decode_mode(model) == "lean" else {}
+def lean_loop_facts(model: Any) -> dict[str, Any]:
+    """{"attention": how the lean CUDA loop attended, "folded": its projections that took the norms and residual
+    adds into their kernels} where that loop answered the last call, else {}: the kernel gives way to matmul,
+    and the fold to separate kernels, on models they do not run, and users comparing speeds need to see which."""
+    lean = getattr(model, "_w4pack_lean", None)
+    attn = getattr(lean, "attn", None)
+    if not isinstance(attn, str) or decode_mode(model) != "lean":
+        return {}
+    return {"attention": attn, "folded": int(getattr(lean, "folded", 0))}
 
 
 def _check_token_ids(ids: Any, model: Any, path: str) -> None:
@@ -164,7 +168,7 @@ def generate(target: Any, prompt: str, *, device: str = "cpu", max_new_tokens: i
         "device": str(dev),
         "precision": _model_precision(model, precision),
         "decode": decode_mode(model),
-        **lean_attention(model),
+        **lean_loop_facts(model),
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "prompt": prompt,
         "chat": chat,
