@@ -23,7 +23,8 @@ def _cuda_present() -> bool:
 @pytest.mark.parametrize("tool,args", [("profile_gpu", ["--shape", "256x128", "--m", "4"]),
                                        ("ws_trace", ["--configs", "256x128:4"]),
                                        ("read_order", ["--shapes", "256x128"]),
-                                       ("bench_lean_instances", ["--loops", "base,fold=1"])])
+                                       ("bench_lean_instances", ["--loops", "base,fold=1"]),
+                                       ("bench_attention", ["--lengths", "16,64"])])
 def test_gpu_tools_without_a_device_say_so(tool, args):
     r = subprocess.run([sys.executable, str(ROOT / "tools" / f"{tool}.py"), *args],
                        capture_output=True, text=True, timeout=120)
@@ -32,6 +33,21 @@ def test_gpu_tools_without_a_device_say_so(tool, args):
     # "no CUDA device: ..." here; "CUDA library unavailable: ..." where nvcc did not build the library
     assert len(lines) == 1 and lines[0].startswith(f"{tool}: "), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_bench_attention_lengths_and_floor():
+    """The floor a table row is set against: the keys' and values' bytes at the copy rate (a 7B layer's 32 kv
+    heads of 128 at 4000 keys: 65.5 MB, 19.5 µs at 3350 GB/s)."""
+    bench = _tool("bench_attention")
+    assert bench.parse_lengths("16, 1500,,4000") == [16, 1500, 4000]
+    for bad in ("0", "x", "1.5", ","):
+        with pytest.raises(ValueError, match="--lengths"):
+            bench.parse_lengths(bad)
+    assert bench.kv_bytes(32, 128, 4000) == 65_536_000
+    assert bench.floor_us(bench.kv_bytes(32, 128, 4000), 3350.0) == pytest.approx(19.56, abs=0.01)
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_attention.py"), "--shapes", "llama9"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--shapes: llama9; choose from llama2-7b" in r.stderr, r.stderr
 
 
 def test_bench_gpu_floors_need_no_device():
