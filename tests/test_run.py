@@ -296,6 +296,8 @@ def test_lean_loop_facts_name_the_cuda_loops_attention_and_fold() -> None:
 
     cuda_loop = SimpleNamespace(_w4pack_lean=SimpleNamespace(attn="kernel", folded=96), w4pack_decode="lean")
     assert lean_loop_facts(cuda_loop) == {"attention": "kernel", "folded": 96}
+    cuda_loop.w4pack_decode = "lean (eager step: CUDA graph capture failed: x)"  # (the loop answered all the same)
+    assert lean_loop_facts(cuda_loop) == {"attention": "kernel", "folded": 96}
     cuda_loop.w4pack_decode = "compiled (the lean loop decodes one sequence at a time)"
     assert lean_loop_facts(cuda_loop) == {}
     assert lean_loop_facts(SimpleNamespace(_w4pack_lean=SimpleNamespace(), w4pack_decode="lean")) == {}

@@ -13,9 +13,10 @@ Each timing replays the captured step ``--steps`` times from position 16 (the gr
 sampling), between two CUDA events; the cell is the median of ``--repeats`` such runs, in ms per step.
 
 Loops (``--loops``, comma-separated; each ``base`` or settings joined by ``+``): ``fuse=0|1`` (Inductor before
-the capture; default 1), ``attn=matmul|sdpa|kernel``, ``fold=0|1``, e.g. ``base,base,base,fuse=0,fold=1+attn=sdpa``.
+the capture; default 1), ``attn=matmul|sdpa|kernel``, ``fold=0|1`` (default 1), e.g.
+``base,base,base,fuse=0,fold=0+attn=sdpa``.
 
-    python tools/bench_lean_instances.py --shape llama2-7b --loops base,base,base,fold=1 --profile
+    python tools/bench_lean_instances.py --shape llama2-7b --loops base,base,base,fold=0 --profile
 """
 from __future__ import annotations
 

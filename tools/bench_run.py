@@ -312,7 +312,7 @@ def main() -> int:
     ap.add_argument("--profile-top", type=int, default=15, help="kernels listed per profile (by GPU time)")
     ap.add_argument("--variants", default="",
                     help="environment variants of the installed modes (lean, lean_fused, auto), ';'-separated, each "
-                         "'base' or VAR=VALUE[,VAR=VALUE], e.g. 'base;W4PACK_LEAN_ATTN=sdpa;W4PACK_LEAN_FOLD=1': "
+                         "'base' or VAR=VALUE[,VAR=VALUE], e.g. 'base;W4PACK_LEAN_ATTN=sdpa;W4PACK_LEAN_FOLD=0': "
                          "those modes are timed once per variant, in turn, --rounds times (an A/B in one process)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the variants in turn (with --variants)")
     args = ap.parse_args()

@@ -67,12 +67,13 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _fold_setting() -> bool:
     """$W4PACK_LEAN_FOLD: unset or empty folds; a value that is neither on nor off is refused, since a typo
     would otherwise pick a default the user meant to change."""
-    env = os.environ.get(FOLD_ENV, "").strip().lower()
+    raw = os.environ.get(FOLD_ENV, "")
+    env = raw.strip().lower()
     if env in ("", "1", "true", "yes", "on"):
         return True
     if env in ("0", "false", "no", "off"):
         return False
-    raise BadInputError(f"{FOLD_ENV}={env!r}: set 1 to fold the norms and residual adds, 0 to keep them apart")
+    raise BadInputError(f"{FOLD_ENV}={raw!r}: set 1 to fold the norms and residual adds, 0 to keep them apart")
 
 
 def _is_silu(act: Any) -> bool:
@@ -181,9 +182,10 @@ class GraphDecoder(LoopBase):
     default $W4PACK_LEAN_FUSE (0/1), else on with graphs: a graph of unfused torch ops launches ~35 small
     kernels per layer. A step that fails to compile runs unfused, with one warning. ``attn``: one of
     ``ATTENTION``, default $W4PACK_LEAN_ATTN, else "kernel" on CUDA where the kernel runs the model (silently
-    "matmul" where it does not, and off the GPU); asked for by name where it cannot run, it warns. ``fold``: fold the norms and residual adds into the
-    packed projections' kernels where they can (default $W4PACK_LEAN_FOLD, 0 or 1, else on: three launches a
-    layer fewer); ``folded`` counts the projections that do."""
+    "matmul" where it does not, and off the GPU); asked for by name where it cannot run, it warns. ``fold``:
+    fold the norms and residual adds into the packed projections' kernels where they can, three launches a layer
+    fewer (default $W4PACK_LEAN_FOLD: 1 or unset on, 0 off, other values refused); ``folded`` counts the
+    projections that do."""
 
     #: new tokens a call reserves cache for up front (the cache grows past it, recapturing the graphs)
     first_reserve = 4096

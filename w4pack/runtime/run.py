@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from ..errors import BadInputError
 from .decode import decode_mode
+from .lean import LEAN
 
 __all__ = ["generate", "perplexity", "dequantized_model"]
 
@@ -85,9 +86,9 @@ def lean_loop_facts(model: Any) -> dict[str, Any]:
     and the fold to separate kernels, on models they do not run, and users comparing speeds need to see which."""
     lean = getattr(model, "_w4pack_lean", None)
     attn = getattr(lean, "attn", None)
-    if not isinstance(attn, str) or decode_mode(model) != "lean":
+    if not isinstance(attn, str) or decode_mode(model).split(" (")[0] != LEAN:  # ("lean (eager step: ...)" too)
         return {}
-    return {"attention": attn, "folded": int(getattr(lean, "folded", 0))}
+    return {"attention": attn, "folded": int(lean.folded)}
 
 
 def _check_token_ids(ids: Any, model: Any, path: str) -> None:
