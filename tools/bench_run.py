@@ -2,11 +2,12 @@
 """Decode tokens/s of a whole model through transformers: W4Linear (native kernels) against the float model.
 
 Shapes: ``smollm2`` (SmolLM2-135M: hidden 576, 30 layers, 9/3 heads, vocab 49152), ``llama2-7b`` (hidden 4096, 32
-layers, 32 heads, intermediate 11008, vocab 32000) and ``qwen3-0.6b`` (Qwen3-0.6B: hidden 1024, 28 layers, 16/8 heads of
-128 with q/k norms, intermediate 3072, vocab 151936), with random weights: the float model is built first and timed,
-then every Linear except the head is swapped for a W4Linear of the same shape (random 4-bit codes, group 128 or 32,
-integer zeros; one random layer per shape, copied per module so each layer reads its own weights) and timed again with
-the same embeddings, norms and inputs.
+layers, 32 heads, intermediate 11008, vocab 32000), ``llama3-8b`` (the same with 8 kv heads for the 32, intermediate
+14336, vocab 128256: grouped-query attention at 7B-class size) and ``qwen3-0.6b`` (Qwen3-0.6B: hidden 1024, 28
+layers, 16/8 heads of 128 with q/k norms, intermediate 3072, vocab 151936), with random weights: the float model is
+built first and timed, then every Linear except the head is swapped for a W4Linear of the same shape (random 4-bit
+codes, group 128 or 32, integer zeros; one random layer per shape, copied per module so each layer reads its own
+weights) and timed again with the same embeddings, norms and inputs.
 
 Method: ``generate`` with greedy decoding, ``min_new_tokens = max_new_tokens``, prompt of ``--prompt`` random
 tokens (16; longer prompts time the attention over a longer cache); the
@@ -52,6 +53,8 @@ SHAPES = {
                     num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, group_size=32),
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=32, vocab_size=32000, tie_word_embeddings=False, group_size=128),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, group_size=128),
     "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                        tie_word_embeddings=True, group_size=128),
