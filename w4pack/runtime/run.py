@@ -15,7 +15,6 @@ from typing import Any, Callable
 
 from ..errors import BadInputError
 from .decode import decode_mode
-from .lean import LEAN
 
 __all__ = ["generate", "perplexity", "dequantized_model"]
 
@@ -84,6 +83,8 @@ def lean_loop_facts(model: Any) -> dict[str, Any]:
     """{"attention": how the lean CUDA loop attended, "folded": its projections that took the norms and residual
     adds into their kernels} where that loop answered the last call, else {}: the kernel gives way to matmul,
     and the fold to separate kernels, on models they do not run, and users comparing speeds need to see which."""
+    from .lean import LEAN  # (torch: only where a model was loaded)
+
     lean = getattr(model, "_w4pack_lean", None)
     attn = getattr(lean, "attn", None)
     if not isinstance(attn, str) or decode_mode(model).split(" (")[0] != LEAN:  # ("lean (eager step: ...)" too)
