@@ -525,6 +525,30 @@ def test_against_catches_a_model_file_edit_even_when_re_signed(tmp_path: Path,
     assert rc == 1 and "rms_norm_eps" in text, text
 
 
+def test_against_a_source_with_a_side_file_convert_refuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The source's generation_config.json turned into a JSON list: convert refuses it (2), and verify --against
+    refuses it too, naming the file, instead of reporting the packed copy as differing (1) (found by
+    tools/fuzz.py)."""
+    import shutil
+
+    from w4pack.convert import convert
+
+    src = tmp_path / "src"
+    shutil.copytree(fixture_dir("awq", "tiny_llama_gemm_g128"), src)
+    out = tmp_path / "w4"
+    convert(src, out)
+    gen = src / "generation_config.json"
+    assert gen.is_file()
+    gen.write_text("[1, 2]")
+    results = []
+    for argv in (["convert", str(src), str(tmp_path / "again")], ["verify", str(out), "--against", str(src)]):
+        capsys.readouterr()
+        code = main(argv)
+        err = capsys.readouterr().err
+        results.append((code, err.count("\n"), f"{gen}: not a JSON object (a list)" in err))
+    assert results == [(2, 1, True)] * 2, results
+
+
 def test_against_a_source_whose_head_contradicts_its_config(tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """config.json's vocab_size no longer matches the AWQ source's float embedding and head: convert refuses the source (2),

@@ -699,7 +699,7 @@ def _compare_model_files(ck: Checkpoint, source: Any, problems: list[str]) -> No
     """The files besides the weights that define the model must say what the source's say: config.json (every key
     but those the converter writes itself), and the generation config and tokenizer files the source has. A
     manifest re-signed after an edit passes its own checksums; against the source the edit still shows."""
-    from .store.folder import read_json
+    from .store.folder import read_json, read_side_json
 
     cfg = ck.config
     for key, value in sorted((source.config or {}).items()):
@@ -716,8 +716,8 @@ def _compare_model_files(ck: Checkpoint, source: Any, problems: list[str]) -> No
             if side.name == "generation_config.json" or side.name.startswith(("tokenizer", "special_tokens")):
                 problems.append(f"{side.name} of the source is missing from the packed checkpoint")
             continue
-        if side.suffix == ".json":
-            same = read_json(side) == read_json(mine)
+        if side.suffix == ".json":  # (the source's as convert reads it: a file convert refuses is bad input here too)
+            same = read_side_json(side) == read_json(mine)
         else:
             same = side.read_bytes() == mine.read_bytes()
         if not same:

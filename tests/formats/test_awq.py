@@ -335,6 +335,31 @@ def test_inexact_scaled_zeros_stay_float(tmp_path: Path) -> None:
     np.testing.assert_array_equal(layer.dequantize(np.float32), layer.codes * s[:, g] + m[:, g])
 
 
+@pytest.mark.parametrize("version,member", [("gemv", "scales"), ("gemv_fast", "scales"), ("gemv_fast", "qzeros")])
+def test_non_finite_padding_is_refused(version: str, member: str, tmp_path: Path) -> None:
+    """GEMV and GEMVFast pad the groups to a width the kernels want; the padding is zeros and no reader uses it,
+    so a NaN or infinity there is damage: refused with the tensor and position, not dropped unseen."""
+    from safetensors.numpy import load_file, save_file
+
+    rng = np.random.default_rng(11)
+    name = "model.layers.0.mlp.up_proj"
+    AWQ.write(MemSource({name: random_layer(rng, 16, 256, 128)}), tmp_path / "out", version=version)
+    st = tmp_path / "out" / "model.safetensors"
+    tensors = load_file(str(st))
+    arr = tensors[f"{name}.{member}"].copy()
+    at = (3, 5) if version == "gemv" else (5, 3)  # (past the 2 groups: a column of GEMV's, a row of GEMVFast's)
+    with AWQ.open(tmp_path / "out") as sound:
+        assert sound.read_layer(name).group_size == 128  # zeros there: the layer reads
+    arr[at] = np.inf if member == "qzeros" else np.nan
+    tensors[f"{name}.{member}"] = arr
+    save_file(tensors, str(st), metadata={"format": "pt"})
+    with pytest.raises(BadInputError, match=rf"{member}: \[{at[0]}, {at[1]}\] is (nan|inf) in the padding past the "
+                       r"layer's 2 groups") as exc:
+        with AWQ.open(tmp_path / "out") as src:
+            src.read_layer(name)
+    assert "\n" not in str(exc.value)
+
+
 # -- refusals, up front ------------------------------------------------------------------------
 @pytest.mark.parametrize("change,match", [
     (dict(act_order=True), "act-order"),

@@ -112,3 +112,23 @@ def test_an_unquantized_model_says_so(tmp_path: Path, capsys: pytest.CaptureFixt
         assert rc == 3 and "no quantized layers: every tensor is a plain float weight" in err, err
         assert "quantize the model first" in err and "--from" not in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("rename", [None, "qweigh|"])
+def test_an_llm_awq_dump_missing_its_qweight_is_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          rename: str | None) -> None:
+    """llm-awq's .pt dumps (qweight, scales, scaled_zeros) are read from torch pickles: one whose qweight was lost
+    or renamed is named as damaged, as a safetensors checkpoint would be."""
+    torch = pytest.importorskip("torch")
+    src = tmp_path / "src"
+    shutil.copytree(fixture_dir("awq", "llm_awq_v2_2024_layer_g128_pt"), src)
+    (pt,) = sorted(src.glob("*.pt"))
+    sd = torch.load(pt, weights_only=True)
+    qweight = sd.pop(f"{LAYER}.qweight")
+    if rename:
+        sd[f"{LAYER}.{rename}"] = qweight
+    torch.save(sd, pt)
+    for argv in (["inspect", src], ["convert", src, tmp_path / "out"], ["inspect", pt]):
+        rc, err = _cli(capsys, *argv)
+        assert rc == 2 and f"{pt}: layer {LAYER} has scales, scaled_zeros but no qweight" in err, err
+    assert not (tmp_path / "out").exists()

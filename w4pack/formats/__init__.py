@@ -70,15 +70,26 @@ def detect(path: str | Path) -> str:
 
     # the checkpoint a user meant may lie one step away: the GGUF file in the folder, the tables in its sub-folder
     hint = (folder_not_file_hint(p) or tables_below_hint(p)) if p.is_dir() else ""
-    if _declared_method(p) is None:
+    declared = _declared_method(p)
+    if declared is None:
         from ._incomplete import raise_float_only, raise_incomplete_quantized
 
         raise_incomplete_quantized(p)
         if not hint:  # base weights beside quant tables are float too, and not the mistake
             raise_float_only(p)
+    elif not hint and declared.strip().lower() not in _READ_METHODS:
+        from ..store.folder import brief
+
+        cfg = (p if p.is_dir() else p.parent) / "config.json"
+        raise UnsupportedError(f"quant_method {brief(declared)} is not a method w4pack reads; if the tensors are "
+                               f"one of {', '.join(sorted(formats))}, name it with --from", file=str(cfg))
     raise UnsupportedError("cannot tell which format this is" + (hint or "; name it with --from "
                            f"({', '.join(sorted(formats))})"), file=str(p))
 
+
+#: the quant_method values of the configs the readers take (a folder declaring another is a method w4pack does not
+#: read; one declaring these that no reader recognised is a damaged checkpoint of that format, or a variant)
+_READ_METHODS = ("gptq", "awq", "llm-awq", "compressed-tensors", "w4pack")
 
 #: JSON files whose content decides which format a folder is: when one is malformed, detection fails because of it
 _DETECT_JSON = ("config.json", "quantize_config.json", "quant_config.json")

@@ -1,7 +1,7 @@
 """Why a folder whose tensor names look quantized was recognised by no format.
 
-Detection reads a layer's tensors (GPTQ: qweight beside scales; AWQ: qweight, qzeros, scales; compressed-tensors:
-weight_packed). A checkpoint that lost or renamed one of them is then recognised by none, and "unknown format"
+Detection reads a layer's tensors (GPTQ: qweight beside scales; AWQ: qweight, qzeros, scales; llm-awq's dumps:
+qweight, scales, scaled_zeros; compressed-tensors: weight_packed). A checkpoint that lost or renamed one of them is then recognised by none, and "unknown format"
 (exit 3) would send the user to --from for a file that is simply damaged. When the names clearly belong to a
 quantized layout, the damaged layer is bad input (exit 2), named with what it has and what it lacks.
 """
@@ -16,8 +16,8 @@ __all__ = ["raise_incomplete_quantized", "missing_member", "raise_float_only"]
 
 #: a family of per-layer tensor suffixes: (name, members, members that only this family uses, required members)
 _FAMILIES: tuple[tuple[str, tuple[str, ...], frozenset[str], tuple[str, ...]], ...] = (
-    ("GPTQ/AWQ", ("qweight", "qzeros", "scales", "g_idx"), frozenset({"qweight", "qzeros", "g_idx"}),
-     ("qweight", "scales")),
+    ("GPTQ/AWQ", ("qweight", "qzeros", "scales", "g_idx", "scaled_zeros"),
+     frozenset({"qweight", "qzeros", "g_idx", "scaled_zeros"}), ("qweight", "scales")),
     ("compressed-tensors", ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
      frozenset({"weight_packed", "weight_shape"}), ("weight_packed", "weight_scale")),
 )
@@ -75,10 +75,11 @@ def _problem(file: str, names: dict[str, tuple[int, ...]]) -> BadInputError | No
 
 
 def raise_incomplete_quantized(path: Path) -> None:
-    """Raise bad input for the first safetensors file at ``path`` holding a damaged quantized layer, if any."""
-    from ..store.tensors import safetensors_names
+    """Raise bad input for the first weights file at ``path`` (safetensors, then torch pickles: llm-awq's dumps)
+    holding a damaged quantized layer, if any."""
+    from ..store.tensors import pickle_names, safetensors_names
 
-    for file, names in safetensors_names(path).items():
+    for file, names in {**safetensors_names(path), **pickle_names(path)}.items():
         err = _problem(file, names)
         if err is not None:
             raise err

@@ -413,6 +413,16 @@ class AWQSource(Source):
     def _bad(self, name: str, msg: str) -> BadInputError:
         return BadInputError(msg, file=self.store.file_of(name), tensor=name)
 
+    def _check_padding(self, name: str, arr: np.ndarray, dtype: str, used: tuple[slice, slice], ng: int) -> None:
+        """The groups past the last, which AutoAWQ and llm-awq write as zeros and no reader uses: a NaN or an
+        infinity there is damage, refused rather than dropped unseen with the padding."""
+        bad = ~np.isfinite(to_float32(arr, dtype))
+        bad[used] = False
+        if bad.any():
+            r, c = (int(i) for i in np.argwhere(bad)[0])
+            raise self._bad(name, f"[{r}, {c}] is {float(to_float32(arr[r:r + 1, c:c + 1], dtype)[0, 0])} in the "
+                            f"padding past the layer's {ng} groups, which a sound checkpoint fills with zeros: damaged")
+
     def _group_size_unpadded(self, prefix: str, k: int, ng: int) -> int:
         g = self.group_hint
         if g is not None:
@@ -472,6 +482,7 @@ class AWQSource(Source):
             raise self._bad(f"{p}.qweight", f"GEMV shapes disagree: qweight {list(qw.shape)}, qzeros {list(qz.shape)}, "
                             f"scales {list(sc.shape)}")
         gs, ng = self._group_size_padded(p, k, sc.shape[1])
+        self._check_padding(f"{p}.scales", sc, sdt, (slice(None), slice(0, ng)), ng)
         codes = unpack_gemv(qw)
         zeros = np.ascontiguousarray(unpack_gemv(qz)[:, :ng])
         return CanonicalLayer(codes=codes, scales=np.ascontiguousarray(sc[:, :ng]), bits=4, group_size=gs,
@@ -507,6 +518,8 @@ class AWQSource(Source):
         if zdt != sdt:
             raise self._bad(zname, f"scaled zeros are {zdt} but scales are {sdt}")
         gs, ng = self._group_size_padded(p, k, sc.shape[0])
+        self._check_padding(f"{p}.scales", sc, sdt, (slice(0, ng), slice(None)), ng)
+        self._check_padding(zname, qz, zdt, (slice(0, ng), slice(None)), ng)
         codes = unpack_gemv_fast(qw)
         scales = np.ascontiguousarray(sc[:ng].T)
         mins = np.ascontiguousarray(qz[:ng].T)

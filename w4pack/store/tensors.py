@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BadInputError
+from ..errors import BadInputError, UnsupportedError
 from .folder import brief, member, read_json
 from .safetensors import DTYPES, SafetensorsFile, SourceChanged
 from .names import INDEX_NAME, PT_INDEX_NAME, PT_SUFFIXES
@@ -331,6 +331,27 @@ def first_unreadable(path: Path) -> BadInputError | None:
         except BadInputError as exc:
             return exc
     return None
+
+
+def pickle_names(path: Path) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Tensor names and shapes of every torch weights file at ``path`` that loads (``weights_only``), by file:
+    ``safetensors_names`` for llm-awq's ``.pt`` dumps. A file that does not load is left to the reader that
+    refused it, which names what is wrong."""
+    path = Path(path)
+    if path.is_dir():
+        files = pt_files(path)
+    elif path.is_file() and path.suffix in PT_SUFFIXES:
+        files = [path]
+    else:
+        return {}
+    out: dict[str, dict[str, tuple[int, ...]]] = {}
+    for p in files:
+        try:
+            sd = load_state_dict(p)
+        except (BadInputError, UnsupportedError):  # (no torch: nothing to list)
+            continue
+        out[str(p)] = {n: tuple(int(d) for d in getattr(t, "shape", ())) for n, t in sd.items()}
+    return out
 
 
 def safetensors_names(path: Path) -> dict[str, dict[str, tuple[int, ...]]]:
