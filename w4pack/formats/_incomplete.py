@@ -1,9 +1,10 @@
 """Why a folder whose tensor names look quantized was recognised by no format.
 
 Detection reads a layer's tensors (GPTQ: qweight beside scales; AWQ: qweight, qzeros, scales; llm-awq's dumps:
-qweight, scales, scaled_zeros; compressed-tensors: weight_packed). A checkpoint that lost or renamed one of them is then recognised by none, and "unknown format"
-(exit 3) would send the user to --from for a file that is simply damaged. When the names clearly belong to a
-quantized layout, the damaged layer is bad input (exit 2), named with what it has and what it lacks.
+qweight, scales, scaled_zeros; compressed-tensors: weight_packed). A checkpoint that lost or renamed one of them is
+then recognised by none, and "unknown format" (exit 3) would send the user to --from for a file that is simply
+damaged. When the names clearly belong to a quantized layout, the damaged layer is bad input (exit 2), named with
+what it has and what it lacks.
 """
 from __future__ import annotations
 
