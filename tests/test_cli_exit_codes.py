@@ -574,3 +574,24 @@ def test_debug_shows_the_traceback_and_keeps_the_exit_status(tmp_path: Path, mon
     monkeypatch.setenv("W4PACK_DEBUG", "0")
     rc, err = _cli(capsys, "validate", missing)
     assert rc == 2 and err == f"w4pack: error: {missing}: does not exist\n"
+
+
+def test_a_declared_method_whose_reader_refuses_the_folder_says_why(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """config.json declares gptq, but a mistyped field makes GPTQ's detection refuse the folder: the reader's own
+    error names the file and the field (2), not "cannot tell which format" (3) (found by tools/fuzz.py)."""
+    import json
+    import shutil
+
+    from conftest import fixture_dir
+
+    src = tmp_path / "src"
+    shutil.copytree(fixture_dir("gptq", "gm_tiny_llama_b4_g64_descact_sym_v1_sharded"), src)
+    qpath = src / "quantize_config.json"
+    doc = json.loads(qpath.read_text())
+    doc["checkpoint_format"] = 2147483648
+    qpath.write_text(json.dumps(doc))
+    for argv in (["inspect", src], ["convert", src, tmp_path / "out"]):
+        rc, err = _cli(capsys, *argv)
+        assert rc == 2 and f"{qpath}: checkpoint_format must be a string, got 2147483648" in err, err
+    assert not (tmp_path / "out").exists()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from ..errors import BadInputError, UnsupportedError
+from ..errors import BadInputError, UnsupportedError, W4PackError
 from .base import Capabilities, Format, HubFiles, Source, TensorData
 
 __all__ = ["REGISTRY", "get_format", "detect", "open_source", "hub_files", "Format", "Source", "Capabilities",
@@ -83,6 +83,8 @@ def detect(path: str | Path) -> str:
         cfg = (p if p.is_dir() else p.parent) / "config.json"
         raise UnsupportedError(f"quant_method {brief(declared)} is not a method w4pack reads; if the tensors are "
                                f"one of {', '.join(sorted(formats))}, name it with --from", file=str(cfg))
+    elif not hint:
+        _raise_reader_error(p, formats.get(_METHOD_FORMAT.get(declared.strip().lower(), declared.strip().lower())))
     raise UnsupportedError("cannot tell which format this is" + (hint or "; name it with --from "
                            f"({', '.join(sorted(formats))})"), file=str(p))
 
@@ -90,6 +92,25 @@ def detect(path: str | Path) -> str:
 #: the quant_method values of the configs the readers take (a folder declaring another is a method w4pack does not
 #: read; one declaring these that no reader recognised is a damaged checkpoint of that format, or a variant)
 _READ_METHODS = ("gptq", "awq", "llm-awq", "compressed-tensors", "w4pack")
+
+#: the reader of each of those methods, where its name differs
+_METHOD_FORMAT = {"llm-awq": "awq"}
+
+
+def _raise_reader_error(p: Path, fmt: type[Format] | None) -> None:
+    """A folder whose config.json declares a method a reader takes, refused by that reader's detection (a mistyped
+    field, a lost tensor): the reader's own error when it opens the folder names what is wrong (bad input, exit 2)
+    where "cannot tell which format" would send the user to --from."""
+    if fmt is None:
+        return
+    try:
+        with fmt.open(p):
+            pass
+    except BadInputError:
+        raise
+    except W4PackError:
+        return
+
 
 #: JSON files whose content decides which format a folder is: when one is malformed, detection fails because of it
 _DETECT_JSON = ("config.json", "quantize_config.json", "quant_config.json")
