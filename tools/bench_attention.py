@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
 
 #: (query heads, kv heads, head size) of the models whose attention the lean loop runs
 SHAPES = {
@@ -81,32 +82,6 @@ def copy_gbps(torch: Any, repeats: int) -> float:
     ms = statistics.median(times[1:])
     del src, dst
     return 2 * (1 << 30) / (ms * 1e6)
-
-
-def _graph_us(torch: Any, calls: list[Callable[[], Any]], repeats: int) -> float:
-    """µs a call of the calls captured in one graph, the median of ``repeats`` replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls:  # warm: the kernels' first-call set-up outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(times)
 
 
 def build_calls(torch: Any, shape: tuple[int, int, int], length: int, layers: int,
@@ -174,6 +149,8 @@ def main() -> int:
         why = "no CUDA device" if not torch.cuda.is_available() else cuda.unavailable_reason()
         print(f"bench_attention: {why}", file=sys.stderr)
         return 2
+    import bench_gpu  # (its graph timing: the calls captured in one graph, event-timed replays)
+
     dtype = getattr(torch, args.dtype)
     dev = torch.device("cuda", torch.cuda.current_device())
     gbps = copy_gbps(torch, 5)
@@ -192,7 +169,7 @@ def main() -> int:
                 cells: dict[str, list[float]] = {m: [] for m in calls}
                 for _ in range(args.rounds):
                     for m, fns in calls.items():
-                        cells[m].append(_graph_us(torch, fns, args.repeats))
+                        cells[m].append(bench_gpu.time_graph(lambda i, fns=fns: fns[i](), len(fns), args.repeats))
                 fl = floor_us(kv_bytes(kvh, d, length), gbps)
                 row = {"shape": name, "heads": heads, "kv_heads": kvh, "head_dim": d, "length": length,
                        "floor_us": round(fl, 2), **{f"{m}_us": [round(v, 2) for v in c] for m, c in cells.items()}}
