@@ -74,8 +74,9 @@ __device__ __forceinline__ T rotate(const T *x, const T *cs, const T *sn, int i,
 // grid (kv_heads, splits); G = heads / kv_heads query heads share a kv head (GM: G rounded up to a power of
 // two). The keys written so far are divided into S <= splits chunks of at least one tile (a short context
 // takes fewer blocks and, with one, no combine); split s owns keys [s * chunk, min((s + 1) * chunk, pos + 1)).
-// A tile is KPW keys per warp, each warp's K and V rows loaded at once, before the scores need them (the first
-// tile's before the prologue): one memory round trip a tile. The key at pos comes from this token's projections
+// A tile is KPW keys per warp, each warp's K and V rows in registers: the first tile's loaded before the
+// prologue, each next tile's K rows as soon as this tile's scores are done with theirs and its V rows as soon as
+// the values are, so a split's loads overlap its arithmetic instead of waiting a memory round trip a tile. The key at pos comes from this token's projections
 // (shared memory), the others from the cache. ws: counters [kv_heads] (left at zero), then per (kv head,
 // split, g): m, l and the unnormalized output [D], fp32.
 template <typename T, int EPL, int GM>
@@ -109,18 +110,17 @@ __global__ void __launch_bounds__(AT_THREADS) decode_attention_kernel(const Attn
 
   T *kc = (T *)a.k_cache + (size_t)kvh * a.max_len * D;
   T *vc = (T *)a.v_cache + (size_t)kvh * a.max_len * D;
-  Raw<EPL> kr[KPW] = {}, vr[KPW] = {};  // (rows past the keys are scored and dropped: zeros, not garbage)
-  auto load_tile = [&](int64_t t0) {  // this warp's rows of the tile from the cache (not the one at pos)
+  // (rows past the keys are scored and dropped; the first tile's are zeros, a later tile's the rows before)
+  Raw<EPL> kr[KPW] = {}, vr[KPW] = {};
+  auto load_rows = [&](Raw<EPL>(&r)[KPW], const T *c, int64_t t0) {  // this warp's rows of a tile, not pos's
 #pragma unroll
     for (int i = 0; i < KPW; ++i) {
       const int64_t j = t0 + warp * KPW + i;
-      if (j < j1 && j != pos) {
-        kr[i] = load_raw<EPL>(kc + j * D, lane);
-        vr[i] = load_raw<EPL>(vc + j * D, lane);
-      }
+      if (j < j1 && j != pos) r[i] = load_raw<EPL>(c + j * D, lane);
     }
   };
-  load_tile(j0);
+  load_rows(kr, kc, j0);
+  load_rows(vr, vc, j0);
 
   const T *cs = a.cos ? (const T *)a.cos + pos * D : nullptr;
   const T *sn = a.sin ? (const T *)a.sin + pos * D : nullptr;
@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(AT_THREADS) decode_attention_kernel(const Attn
     for (int e = 0; e < EPL; ++e) acc[g][e] = 0.f;
 
   for (int64_t t0 = j0; t0 < j1; t0 += TK) {
-    if (t0 != j0) load_tile(t0);
+    const bool more = t0 + TK < j1;
     const int64_t w0 = t0 + warp * KPW;  // this warp's first key
     if (w0 <= pos && pos < w0 + KPW) {
 #pragma unroll
@@ -186,6 +186,7 @@ __global__ void __launch_bounds__(AT_THREADS) decode_attention_kernel(const Attn
         }
       }
     }
+    if (more) load_rows(kr, kc, t0 + TK);  // the next tile's keys arrive while the softmax and values run
     __syncthreads();
     // the online softmax's update: warp w the query heads g = w, w + 4, ...
     for (int g = warp; g < G; g += AT_WARPS) {
@@ -233,6 +234,7 @@ __global__ void __launch_bounds__(AT_THREADS) decode_attention_kernel(const Attn
         }
       }
     }
+    if (more) load_rows(vr, vc, t0 + TK);  // and its values while its scores run
     __syncthreads();  // p_s is rewritten by the next tile
   }
 
