@@ -60,15 +60,60 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// Each lane's V partial sums (V a power of two, at most 32) summed over the warp, transposed: every step halves
+// the values a lane holds, keeping one half and adding the other half from the lane across, so V sums cost
+// V - 1 + (5 - log2 V) shuffles instead of 5 V. Afterwards v[0] of lane L holds sum j = L / (32 / V).
+template <int V>
+__device__ __forceinline__ void warp_sums(float (&v)[V], int lane) {
+  static_assert(V >= 1 && V <= 32 && (V & (V - 1)) == 0, "a power of two up to 32");
+#pragma unroll
+  for (int step = 0; step < 5; ++step) {
+    const int o = 16 >> step, n = V >> step;
+    if (n >= 2) {
+      // which half a lane keeps, chosen by bit masks: a select between two array elements would become a
+      // select between their addresses and put the array in local memory
+      const uint32_t up = 0u - (uint32_t)((lane & o) != 0);
+#pragma unroll
+      for (int j = 0; j < V / 2; ++j) {  // (a constant bound, so both loops unroll and v stays in registers)
+        if (j >= n / 2) break;
+        const uint32_t lo = __float_as_uint(v[j]), hi = __float_as_uint(v[j + n / 2]);
+        const float keep = __uint_as_float((lo & ~up) | (hi & up)), send = __uint_as_float((hi & ~up) | (lo & up));
+        v[j] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+      }
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+    }
+  }
+}
+
 // x[i] * cos[i] + rotate_half(x)[i] * sin[i] in fp32, rounded to T once (transformers' apply_rotary_pos_emb
-// rounds each product and the sum in the model's dtype); without tables, x as it is
+// rounds each product and the sum in the model's dtype); xo is x[i + D/2] where i is in the lower half (low),
+// else x[i - D/2]
 template <typename T>
-__device__ __forceinline__ T rotate(const T *x, const T *cs, const T *sn, int i, int D) {
-  const float xi = to_f(x[i]);
-  if (!cs) return x[i];
-  const int h = D / 2;
-  const float other = i < h ? -to_f(x[i + h]) : to_f(x[i - h]);
-  return from_f<T>(xi * to_f(cs[i]) + other * to_f(sn[i]));
+__device__ __forceinline__ T rotated(T xi, T xo, T c, T s, bool low) {
+  const float other = low ? -to_f(xo) : to_f(xo);
+  return from_f<T>(to_f(xi) * to_f(c) + other * to_f(s));
+}
+
+// The values one thread rotates (or copies, without tables): element i of a row of D, its partner and the
+// position's cos and sin, loaded together so a thread's several elements cost one memory round trip.
+template <typename T> struct RotIn {
+  T x, xo, c, s;
+};
+template <typename T, int D>
+__device__ __forceinline__ RotIn<T> rot_load(const T *row, const T *cs, const T *sn, int i) {
+  RotIn<T> r;
+  r.x = row[i];
+  if (cs) {
+    r.xo = row[i < D / 2 ? i + D / 2 : i - D / 2];
+    r.c = cs[i];
+    r.s = sn[i];
+  }
+  return r;
+}
+template <typename T, int D>
+__device__ __forceinline__ T rot_apply(const RotIn<T> &r, bool tables, int i) {
+  return tables ? rotated(r.x, r.xo, r.c, r.s, i < D / 2) : r.x;
 }
 
 // grid (kv_heads, splits); G = heads / kv_heads query heads share a kv head (GM: G rounded up to a power of
@@ -126,13 +171,36 @@ __global__ void __launch_bounds__(AT_THREADS) decode_attention_kernel(const Attn
   const T *sn = a.sin ? (const T *)a.sin + pos * D : nullptr;
   const T *kx = qkv + (size_t)(a.heads + kvh) * D;
   const T *vx = qkv + (size_t)(a.heads + a.kv_heads + kvh) * D;
-  for (int i = tid; i < G * D; i += AT_THREADS) {
-    const int g = i / D, d = i % D;
-    q_s[g][d] = to_f(rotate(qkv + (size_t)(kvh * G + g) * D, cs, sn, d, D));
-  }
-  for (int i = tid; i < D; i += AT_THREADS) {
-    kn_s[i] = rotate(kx, cs, sn, i, D);
-    vn_s[i] = vx[i];
+  {  // the queries and the new key rotated, the value copied: every load first, then every store
+    constexpr int QN = (GM * D + AT_THREADS - 1) / AT_THREADS, KN = (D + AT_THREADS - 1) / AT_THREADS;
+    RotIn<T> qi[QN], ki[KN];
+    T vi[KN];
+#pragma unroll
+    for (int n = 0; n < QN; ++n) {
+      const int i = tid + n * AT_THREADS;
+      if (i < G * D) qi[n] = rot_load<T, D>(qkv + (size_t)(kvh * G + i / D) * D, cs, sn, i % D);
+    }
+#pragma unroll
+    for (int n = 0; n < KN; ++n) {
+      const int i = tid + n * AT_THREADS;
+      if (i < D) {
+        ki[n] = rot_load<T, D>(kx, cs, sn, i);
+        vi[n] = vx[i];
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < QN; ++n) {
+      const int i = tid + n * AT_THREADS;
+      if (i < G * D) q_s[i / D][i % D] = to_f(rot_apply<T, D>(qi[n], cs != nullptr, i % D));
+    }
+#pragma unroll
+    for (int n = 0; n < KN; ++n) {
+      const int i = tid + n * AT_THREADS;
+      if (i < D) {
+        kn_s[i] = rot_apply<T, D>(ki[n], cs != nullptr, i);
+        vn_s[i] = vi[n];
+      }
+    }
   }
   if (tid < GM) {
     m_s[tid] = -INFINITY;
@@ -169,22 +237,27 @@ __global__ void __launch_bounds__(AT_THREADS) decode_attention_kernel(const Attn
         }
       }
     }
-    // scores, one key row a warp step
+    // scores: each lane's partial products of RC rows with the GM heads, summed over the warp together
+    constexpr int RC = KPW < 32 / GM ? KPW : 32 / GM, V = RC * GM, P = 32 / V;  // rows a chunk; lanes a sum
 #pragma unroll
-    for (int i = 0; i < KPW; ++i) {
-      const bool valid = w0 + i < j1;
-      float k[EPL];
-      widen<T, EPL>(kr[i], k);
+    for (int cc = 0; cc < KPW / RC; ++cc) {
+      const int c = cc * RC;
+      float sc[V];
 #pragma unroll
-      for (int g = 0; g < GM; ++g) {
-        if (g < G) {
+      for (int i = 0; i < RC; ++i) {
+        float k[EPL];
+        widen<T, EPL>(kr[c + i], k);
+#pragma unroll
+        for (int g = 0; g < GM; ++g) {
           float v = 0.f;
 #pragma unroll
           for (int e = 0; e < EPL; ++e) v = fmaf(q[g][e], k[e], v);
-          v = warp_sum(v);
-          if (lane == 0) p_s[g][warp * KPW + i] = valid ? v * a.scaling : -INFINITY;
+          sc[i * GM + g] = v;  // (zero past G: q is)
         }
       }
+      warp_sums<V>(sc, lane);
+      const int j = lane / P, i = c + j / GM, g = j % GM;
+      if (lane % P == 0 && g < G) p_s[g][warp * KPW + i] = w0 + i < j1 ? sc[0] * a.scaling : -INFINITY;
     }
     if (more) load_rows(kr, kc, t0 + TK);  // the next tile's keys arrive while the softmax and values run
     __syncthreads();
@@ -274,20 +347,54 @@ __global__ void __launch_bounds__(AT_THREADS) decode_attention_kernel(const Attn
   __syncthreads();
   if (!last_s) return;
   __threadfence();
-  // the last block of this kv head: out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M)
+  // the last block of this kv head: out = sum_s acc_s w_s / sum_s l_s w_s, w_s = e^(m_s - M). A warp per query
+  // head reads the splits' m and l at once (a lane two splits) and leaves the weights in shared memory (red_s:
+  // free once this block's part is written); then every output's sums over the splits run in split order, each
+  // thread's outputs side by side and splits unrolled, so the partial outputs' loads overlap.
   const float *base = (const float *)((const char *)a.ws + a.ws_counters) + (size_t)kvh * S * G * (D + 2);
-  for (int i = tid; i < G * D; i += AT_THREADS) {
-    const int g = i / D, d = i % D;
-    float M = -INFINITY;
-    for (int t = 0; t < S; ++t) M = fmaxf(M, __ldcg(base + ((size_t)t * G + g) * (D + 2)));
-    float num = 0.f, den = 0.f;
-    for (int t = 0; t < S; ++t) {
+  float *w_s = &red_s[0][0][0];  // [GM][64]: the splits' weights (splits <= 64)
+  for (int g = warp; g < G; g += AT_WARPS) {
+    float m[2], l[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int t = lane + 32 * h;
       const float *pt = base + ((size_t)t * G + g) * (D + 2);
-      const float w = __expf(__ldcg(pt) - M);
-      den = fmaf(__ldcg(pt + 1), w, den);
-      num = fmaf(__ldcg(pt + 2 + d), w, num);
+      m[h] = t < S ? __ldcg(pt) : -INFINITY;
+      l[h] = t < S ? __ldcg(pt + 1) : 0.f;
     }
-    out[(size_t)kvh * G * D + i] = from_f<T>(num / den);
+    const float M = warp_max(fmaxf(m[0], m[1]));  // finite: every split has a key
+    float den = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int t = lane + 32 * h;
+      const float w = t < S ? __expf(m[h] - M) : 0.f;
+      if (t < S) w_s[g * 64 + t] = w;
+      den = fmaf(l[h], w, den);
+    }
+    den = warp_sum(den);
+    if (lane == 0) l_s[g] = den;  // (l_s: this block's own sums are in the workspace already)
+  }
+  __syncthreads();
+  {
+    constexpr int QN = (GM * D + AT_THREADS - 1) / AT_THREADS;
+    float num[QN];
+#pragma unroll
+    for (int n = 0; n < QN; ++n) num[n] = 0.f;
+    constexpr int UNROLL = QN >= 8 ? 2 : 4;  // (16 partial-output loads in flight a thread at most: no spills)
+#pragma unroll UNROLL
+    for (int t = 0; t < S; ++t) {
+      const float *pt = base + (size_t)t * G * (D + 2) + 2;
+#pragma unroll
+      for (int n = 0; n < QN; ++n) {
+        const int i = tid + n * AT_THREADS;
+        if (i < G * D) num[n] = fmaf(__ldcg(pt + (i / D) * (D + 2) + i % D), w_s[(i / D) * 64 + t], num[n]);
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < QN; ++n) {
+      const int i = tid + n * AT_THREADS;
+      if (i < G * D) out[(size_t)kvh * G * D + i] = from_f<T>(num[n] / l_s[i / D]);
+    }
   }
   if (tid == 0) *counter = 0u;
 }
