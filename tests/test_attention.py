@@ -160,6 +160,18 @@ def test_kernel_without_rotary_and_at_long_positions() -> None:
     _cuda_or_skip()
     _check_kernel(32, 8, 128, 4096, 4000, torch.float16, 0, rotary=False)
     _check_kernel(32, 8, 128, 8192, 8191, torch.bfloat16, 5, seed=2)
+    # 64 splits with keys: the combine's lanes each take two (chunks of one tile, and of 32 keys at D = 256)
+    _check_kernel(32, 8, 128, 4096, 4095, torch.float16, 64, seed=3)
+    _check_kernel(16, 4, 256, 2048, 2047, torch.bfloat16, 64, seed=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,kv", [(12, 4), (20, 4), (24, 4)])
+def test_kernel_with_query_groups_that_are_not_powers_of_two(heads: int, kv: int) -> None:
+    """G = 3, 5, 6 run the instance of the next power of two, with the extra heads' sums computed and dropped."""
+    _cuda_or_skip()
+    for pos, splits in [(15, 0), (300, 0), (1023, 64)]:
+        _check_kernel(heads, kv, 128, 1024, pos, torch.float16, splits, seed=pos + heads)
 
 
 @pytest.mark.gpu

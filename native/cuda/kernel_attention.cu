@@ -14,6 +14,7 @@ namespace {
 
 constexpr int AT_THREADS = 128;   // four warps
 constexpr int AT_WARPS = AT_THREADS / 32;
+constexpr int AT_MAX_SPLITS = 64;  // blocks a kv head at most: the combine's lanes take two splits each
 
 __device__ __forceinline__ float lo_f(uint32_t w, half) { return __half2float(__ushort_as_half((unsigned short)w)); }
 __device__ __forceinline__ float hi_f(uint32_t w, half) {
@@ -98,7 +99,7 @@ __device__ __forceinline__ T rotated(T xi, T xo, T c, T s, bool low) {
 // The values one thread rotates (or copies, without tables): element i of a row of D, its partner and the
 // position's cos and sin, loaded together so a thread's several elements cost one memory round trip.
 template <typename T> struct RotIn {
-  T x, xo, c, s;
+  T x{}, xo{}, c{}, s{};
 };
 template <typename T, int D>
 __device__ __forceinline__ RotIn<T> rot_load(const T *row, const T *cs, const T *sn, int i) {
@@ -348,27 +349,32 @@ __global__ void __launch_bounds__(AT_THREADS) decode_attention_kernel(const Attn
   if (!last_s) return;
   __threadfence();
   // the last block of this kv head: out = sum_s acc_s w_s / sum_s l_s w_s, w_s = e^(m_s - M). A warp per query
-  // head reads the splits' m and l at once (a lane two splits) and leaves the weights in shared memory (red_s:
+  // head reads the splits' m and l at once (a lane AT_MAX_SPLITS / 32 of them) and leaves the weights in shared memory (red_s:
   // free once this block's part is written); then every output's sums over the splits run in split order, each
   // thread's outputs side by side and splits unrolled, so the partial outputs' loads overlap.
   const float *base = (const float *)((const char *)a.ws + a.ws_counters) + (size_t)kvh * S * G * (D + 2);
-  float *w_s = &red_s[0][0][0];  // [GM][64]: the splits' weights (splits <= 64)
+  static_assert(AT_MAX_SPLITS % 32 == 0 && AT_MAX_SPLITS <= AT_WARPS * D, "the weights fit red_s, whole lanes");
+  float *w_s = &red_s[0][0][0];  // [GM][AT_MAX_SPLITS]: the splits' weights
   for (int g = warp; g < G; g += AT_WARPS) {
-    float m[2], l[2];
+    constexpr int PL = AT_MAX_SPLITS / 32;  // splits a lane
+    float m[PL], l[PL];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < PL; ++h) {
       const int t = lane + 32 * h;
       const float *pt = base + ((size_t)t * G + g) * (D + 2);
       m[h] = t < S ? __ldcg(pt) : -INFINITY;
       l[h] = t < S ? __ldcg(pt + 1) : 0.f;
     }
-    const float M = warp_max(fmaxf(m[0], m[1]));  // finite: every split has a key
+    float mx = m[0];
+#pragma unroll
+    for (int h = 1; h < PL; ++h) mx = fmaxf(mx, m[h]);
+    const float M = warp_max(mx);  // finite: every split has a key
     float den = 0.f;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < PL; ++h) {
       const int t = lane + 32 * h;
       const float w = t < S ? __expf(m[h] - M) : 0.f;
-      if (t < S) w_s[g * 64 + t] = w;
+      if (t < S) w_s[g * AT_MAX_SPLITS + t] = w;
       den = fmaf(l[h], w, den);
     }
     den = warp_sum(den);
@@ -380,14 +386,14 @@ __global__ void __launch_bounds__(AT_THREADS) decode_attention_kernel(const Attn
     float num[QN];
 #pragma unroll
     for (int n = 0; n < QN; ++n) num[n] = 0.f;
-    constexpr int UNROLL = QN >= 8 ? 2 : 4;  // (16 partial-output loads in flight a thread at most: no spills)
+    constexpr int UNROLL = QN >= 8 ? 2 : 4;  // (fewer splits at once where a thread has many outputs: no spills)
 #pragma unroll UNROLL
     for (int t = 0; t < S; ++t) {
       const float *pt = base + (size_t)t * G * (D + 2) + 2;
 #pragma unroll
       for (int n = 0; n < QN; ++n) {
         const int i = tid + n * AT_THREADS;
-        if (i < G * D) num[n] = fmaf(__ldcg(pt + (i / D) * (D + 2) + i % D), w_s[(i / D) * 64 + t], num[n]);
+        if (i < G * D) num[n] = fmaf(__ldcg(pt + (i / D) * (D + 2) + i % D), w_s[(i / D) * AT_MAX_SPLITS + t], num[n]);
       }
     }
 #pragma unroll
@@ -406,7 +412,7 @@ cudaError_t launch_decode_attention(const AttnParams &a, cudaStream_t st) {
   const dim3 grid((unsigned)a.kv_heads, (unsigned)a.splits);
   const int G = a.heads / a.kv_heads;
   const int gm = G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8;
-  if (G > 8) return cudaErrorInvalidValue;
+  if (G > 8 || a.splits < 1 || a.splits > AT_MAX_SPLITS) return cudaErrorInvalidValue;
   switch (a.head_dim * 16 + gm) {
 #define W4P_ATTN_CASE(D, GMV) \
     case D * 16 + GMV: decode_attention_kernel<T, D / 32, GMV><<<grid, AT_THREADS, 0, st>>>(a); break;
