@@ -84,6 +84,30 @@ def test_invariants_rejected_with_clear_error(mutate, msg):
     assert "tensor t" in str(ei.value)
 
 
+@pytest.mark.parametrize("sdt", ["bfloat16", "float32"])
+@pytest.mark.parametrize("mode", ["int", "float"])
+def test_scales_whose_products_overflow_float32_refused(sdt, mode):
+    """A scale that is finite in its dtype but makes every GEMM of the layer overflow float32 is a damaged
+    value (found by fuzzing a bf16 per-tensor scale with one bit flipped: 0.0087 became 2.97e36)."""
+    layer = make(np.random.default_rng(5), mode=mode, sdt=sdt)
+    layer.scales[1, 2] = from_float32(np.array([3e36], np.float32), sdt)[0]
+    with pytest.raises(BadInputError, match=r"a scale of [0-9.]+e\+36: with 96 inputs the layer's products overflow") as ei:
+        layer.validate()
+    assert "tensor t" in str(ei.value)
+    if mode == "float":
+        ok = make(np.random.default_rng(5), mode=mode, sdt=sdt)
+        ok.zeros[0, 0] = from_float32(np.array([-3e37], np.float32), sdt)[0]
+        with pytest.raises(BadInputError, match=r"a float minimum of [0-9.]+e\+37"):
+            ok.validate()
+
+
+def test_large_but_plausible_scales_accepted():
+    """The bound leaves every trained model far inside: fp16's largest scale at the widest layers passes."""
+    layer = make(np.random.default_rng(6), k=4096, gs=128, sdt="float16")
+    layer.scales[:] = np.float16(65504)
+    layer.validate()
+
+
 def test_zero_16_allowed_for_v1_wraparound():
     layer = make(np.random.default_rng(4))
     layer.zeros[0, 0] = 16  # what AutoGPTQ's v1 readers decode for a stored -1

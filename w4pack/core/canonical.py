@@ -34,6 +34,7 @@ ZERO_MODES = ("none", "int", "float")
 ROLES = ("linear", "embedding")
 #: source code widths; 2-4 are stored in 4-bit fields, 5, 6 and 8 in 8-bit fields (docs/LAYOUT.md §5)
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def default_g_idx(in_features: int, group_size: int) -> np.ndarray:
@@ -128,7 +129,8 @@ class CanonicalLayer:
         if self.scales.shape != (n, expected_g):
             raise bad(f"scales shape {list(self.scales.shape)} != [N, G] = [{n}, {expected_g}] "
                       f"for K={k}, group_size={self.group_size}")
-        if not np.all(np.isfinite(to_float32(self.scales, self.scale_dtype))):
+        s32 = to_float32(self.scales, self.scale_dtype)
+        if not np.all(np.isfinite(s32)):
             raise bad("scales contain NaN or infinity")
         if self.g_idx is None or not isinstance(self.g_idx, np.ndarray) or self.g_idx.shape != (k,):
             raise bad(f"g_idx must be an int32 array of shape [{k}]")
@@ -155,6 +157,7 @@ class CanonicalLayer:
                 raise bad(f"float minima must share the scale dtype {self.scale_dtype}, got {self.zeros.dtype}")
             if not np.all(np.isfinite(to_float32(self.zeros, self.scale_dtype))):
                 raise bad("float minima contain NaN or infinity")
+        self._check_range(s32, bad)
         if self.bias is not None:
             if self.bias_dtype is None and isinstance(self.bias, np.ndarray):
                 self.bias_dtype = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32",
@@ -166,6 +169,24 @@ class CanonicalLayer:
             if not np.all(np.isfinite(to_float32(self.bias, self.bias_dtype))):
                 raise bad("bias contains NaN or infinity")
         return self
+
+    def _check_range(self, s32: np.ndarray, bad: Any) -> None:
+        """Refuse scales so large that the layer's products overflow float32 on inputs of unit size: finite in
+        their own dtype (bf16 reaches 3.4e38) but a damaged value, not a trained model's (whose weights are at
+        most a few units), and every GEMM of the layer would return infinities."""
+        if not s32.size:
+            return
+        smax = float(np.max(np.abs(s32)))
+        span = float(1 << self.bits)  # |q - z| <= 2^bits, zeros included
+        mmax = 0.0
+        if self.zero_mode == "float":
+            mmax = float(np.max(np.abs(to_float32(self.zeros, self.scale_dtype))))
+        bound = (smax * span + mmax) * float(self.codes.shape[1])
+        if bound > _F32_MAX:
+            big = "scale" if smax * span >= mmax else "float minimum"
+            val = smax if big == "scale" else mmax
+            raise bad(f"a {big} of {val:.3g}: with {self.codes.shape[1]} inputs the layer's products overflow "
+                      f"float32 (trained models' weights are a few units); the checkpoint is damaged")
 
     # -- numerics ------------------------------------------------------------------------------
     def dequantize(self, dtype: type = np.float32) -> np.ndarray:
