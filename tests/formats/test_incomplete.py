@@ -35,6 +35,8 @@ def _damaged(tmp_path: Path, family: str, case: str, leaf: str, rename: str | No
     ("awq", "gemm_g64_in576_out128", "scales", None, "has qweight, qzeros but no scales"),
     ("awq", "gemm_g64_in576_out128", "scales", "scalez", "has qweight, qzeros but no scales"),
     ("awq", "gemm_g64_in576_out128", "qweight", None, "has qzeros, scales but no qweight"),
+    # a symmetric layer (no qzeros) left with its scales alone: no name only GPTQ/AWQ use is left (fuzz seed 91206)
+    ("awq", "marlin_g128_in512_out256", "qweight", None, "has scales but no qweight"),
     ("gptq", "ag_b4_asym_g64", "scales", None, "has qweight, qzeros, g_idx but no scales"),
     ("gptq", "gm_b3_asym_g64_v1", "qweight", "qweights", "has qzeros, scales, g_idx but no qweight"),
     ("compressed-tensors", "asym_group64_in256_out384", "weight_packed", "packed",

@@ -45,8 +45,11 @@ def missing_member(names: Iterable[str]) -> tuple[str, str] | None:
     float tensors, and the layer silently dropped)."""
     layers = _layers(names)
     for fam, members, own, required in _FAMILIES:
-        if not any(own & leaves for leaves in layers.values()):
-            continue  # no name belongs to this family alone: "scales" or "weight_scale" is not enough
+        shared = set(members) - own
+        orphan = any(leaves & shared and leaves <= shared | {"bias"} for leaves in layers.values())
+        if not orphan and not any(own & leaves for leaves in layers.values()):
+            continue  # no name belongs to this family alone: "scales" or "weight_scale" beside a weight is not
+            # enough; a layer of nothing but them is (no layout keeps scales without the weights they scale)
         for mod in sorted(layers):
             leaves = layers[mod]
             has = [m for m in members if m in leaves]
