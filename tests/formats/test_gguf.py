@@ -25,6 +25,7 @@ from w4pack.convert import convert
 from w4pack.dtypes import to_float32
 from w4pack.errors import BadInputError, IOFailure, UnsupportedError
 from w4pack.formats import detect, get_format
+from w4pack.sources import open_source
 from w4pack.formats.base import Source, TensorData
 
 gguf = pytest.importorskip("gguf")
@@ -237,15 +238,63 @@ def test_dry_run_reports_passthrough_types(tmp_path: Path) -> None:
 
 
 # -- refusals ---------------------------------------------------------------------------------------------------
-def test_writer_refuses_layers_that_are_not_group_32(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("gs", [64, 128, -1])
+@pytest.mark.parametrize("mode,bits", [("none", 4), ("int", 4), ("float", 4), ("none", 8)])
+def test_groups_of_whole_blocks_are_written_exactly(gs: int, mode: str, bits: int) -> None:
+    """A group of 32·r columns (or a whole row) is r blocks carrying its scale and zero: llama.cpp's own
+    dequantization (gguf-py) gives the layer's weights bit for bit."""
+    rng = np.random.default_rng(gs + bits)
+    n, k = 8, 256
+    g = 1 if gs == -1 else k // gs
+    codes = rng.integers(0, 1 << bits, (n, k)).astype(np.uint8)
+    scales = (rng.integers(1, 64, (n, g)) / 256).astype(np.float16)  # with small zeros, -s·z stays an fp16
+    zeros = None
+    if mode == "int":
+        zeros = rng.integers(0, 16, (n, g)).astype(np.int32)
+    elif mode == "float":
+        zeros = (-rng.random((n, g))).astype(np.float16)
+    layer = CanonicalLayer(codes=codes, scales=scales, bits=bits, group_size=gs, zero_mode=mode, zeros=zeros,
+                           scale_dtype="float16").validate()
+    t, raw = encode_layer(layer)
+    assert t == {("none", 4): "Q4_0", ("int", 4): "Q4_1", ("float", 4): "Q4_1", ("none", 8): "Q8_0"}[mode, bits]
+    assert np.array_equal(gguf.quants.dequantize(raw, getattr(Q, t)), layer.dequantize())
+
+
+def test_a_group_128_checkpoint_goes_to_gguf_and_back(tmp_path: Path) -> None:
     case = fixture_dir("compressed-tensors", "tiny_llama_w4a16_sym_g128")
     convert(case, tmp_path / "w4", show_progress=False)
-    with pytest.raises(UnsupportedError, match="group size 128, GGUF blocks are 32") as exc:
+    convert(tmp_path / "w4", tmp_path / "x.gguf", to="gguf", show_progress=False)
+    src, back = open_source(tmp_path / "w4"), open_source(tmp_path / "x.gguf")
+    names = src.layer_names()
+    assert names and sorted(names) == sorted(back.layer_names())
+    for name in names:
+        a, b = src.read_layer(name), back.read_layer(name)
+        assert b.group_size == 32 and b.zero_mode == "none"
+        assert np.array_equal(a.dequantize(), b.dequantize()), name
+
+
+@pytest.mark.parametrize("change,why", [
+    (lambda L: L.replace(group_size=48, scales=np.repeat(L.scales, 2, axis=1), g_idx=None),
+     "group size 48, not a multiple of GGUF"),
+    (lambda L: L.replace(g_idx=L.g_idx[::-1].copy()), "act-order"),
+])
+def test_writer_refuses_what_blocks_cannot_hold(change: Any, why: str) -> None:
+    rng = np.random.default_rng(2)
+    base = CanonicalLayer(codes=rng.integers(0, 16, (8, 288)).astype(np.uint8), scales=np.full((8, 3), 0.5, np.float16),
+                          bits=4, group_size=96, zero_mode="none")
+    with pytest.raises(UnsupportedError, match=why):
+        encode_layer(change(base.validate()).validate())
+
+
+def test_writer_refusal_is_one_line_exit_3(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    case = fixture_dir("gptq", "ag_tiny_llama_b4_g64_descact_sym")
+    convert(case, tmp_path / "w4", show_progress=False)
+    with pytest.raises(UnsupportedError, match="act-order") as exc:
         convert(tmp_path / "w4", tmp_path / "x.gguf", to="gguf", show_progress=False)
     assert "more)" in str(exc.value) and "requantize" not in str(exc.value)
     rc = main(["convert", str(tmp_path / "w4"), str(tmp_path / "y.gguf"), "--to", "gguf"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 3 and len(err) == 1 and "group size 128" in err[0]
+    assert rc == 3 and len(err) == 1 and "act-order" in err[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w4"]
 
 

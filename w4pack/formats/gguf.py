@@ -171,20 +171,25 @@ def encode_layer(layer: CanonicalLayer) -> tuple[str, np.ndarray]:
                                 f"(Q4_0/Q4_1/Q8_0 are blocks of 32 with fp16 scales; way out: {WAY_OUT})",
                                 tensor=layer.name or None)
 
-    if layer.group_size != BLOCK:
-        raise no(f"group size {layer.group_size}, GGUF blocks are 32")
+    gs = layer.group_size
+    if gs != -1 and gs % BLOCK:
+        raise no(f"group size {gs}, not a multiple of GGUF's blocks of 32")
     if k % BLOCK:
         raise no(f"in_features {k} is not a multiple of 32")
     if layer.act_order:
         raise no("act-order (permuted g_idx)")
+    g = k // BLOCK
+    # a group of 32·r columns is r blocks, each carrying the group's scale (and zero): the same weights
+    grp = np.zeros(g, dtype=np.intp) if gs == -1 else (np.arange(g) * BLOCK) // gs
     d = _as_f16_exact(layer.scales, layer.scale_dtype)
     if d is None:
         raise no(f"{layer.scale_dtype} scales that are not fp16 values")
-    g = k // BLOCK
+    d = d[:, grp]
+    zeros = None if layer.zeros is None else layer.zeros[:, grp]
     codes = layer.codes.reshape(n, g, BLOCK)
     mid = 1 << (layer.bits - 1)
     if layer.bits == 8:
-        if layer.zero_mode == "float" or (layer.zero_mode == "int" and np.any(layer.zeros != 128)):
+        if layer.zero_mode == "float" or (layer.zero_mode == "int" and np.any(zeros != 128)):
             raise no("an 8-bit layer with zero points (Q8_0 is symmetric)")
         out = np.empty((n, g, 34), dtype=np.uint8)
         out[..., 0:2] = d.astype("<f2").reshape(n, g, 1).view(np.uint8)
@@ -193,17 +198,17 @@ def encode_layer(layer: CanonicalLayer) -> tuple[str, np.ndarray]:
     if layer.bits != 4:
         raise no(f"{layer.bits}-bit codes")
     qs = (codes[..., :16] | (codes[..., 16:] << 4)).astype(np.uint8)
-    if layer.zero_mode == "none" or (layer.zero_mode == "int" and np.all(layer.zeros == mid)):
+    if layer.zero_mode == "none" or (layer.zero_mode == "int" and np.all(zeros == mid)):
         out = np.empty((n, g, 18), dtype=np.uint8)
         out[..., 0:2] = d.astype("<f2").reshape(n, g, 1).view(np.uint8)
         out[..., 2:18] = qs
         return "Q4_0", out.reshape(n, g * 18)
     if layer.zero_mode == "float":
-        m = _as_f16_exact(layer.zeros, layer.scale_dtype)
+        m = _as_f16_exact(zeros, layer.scale_dtype)
         if m is None:
             raise no("float minima that are not fp16 values")
     else:  # integer zeros: w = s·(q − z) = s·q + (−s·z), exact only when −s·z is an fp16
-        sz = -(d.astype(np.float64) * layer.zeros.astype(np.float64))
+        sz = -(d.astype(np.float64) * zeros.astype(np.float64))
         m = sz.astype(np.float16)
         if not np.array_equal(m.astype(np.float64), sz):
             raise no("integer zero points whose −scale·zero is not an fp16 value (Q4_1 stores the minimum)")
