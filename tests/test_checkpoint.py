@@ -902,3 +902,24 @@ def test_num_hidden_layers_no_model_has_is_refused_without_a_blowup(packed_llama
             (args, p.stderr)
         assert "unexpected" not in p.stderr and (args[0] == "inspect" or len(p.stderr.strip().splitlines()) == 1)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("how", ["repeat", "range"])
+def test_a_damaged_permutation_names_its_file_and_tensor(tmp_path, how):
+    """Every runtime gathers the activations by perm: reading the layer checks it, where the file and tensor are
+    known (the native repacker's own check, reached first on the run path, named neither)."""
+    out = tmp_path / "ck"
+    write_model(out, max_shard="1GB")
+    name = "model.layers.1.mlp.down_proj"
+    tname = f"{name}.perm"
+    (shard,) = sorted(out.glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    start = json.loads(data[8:8 + n])[tname]["data_offsets"][0] + 8 + n
+    first = int.from_bytes(data[start:start + 4], "little")
+    bad = first if how == "repeat" else 10 ** 6
+    data[start + 4 * 7:start + 4 * 8] = bad.to_bytes(4, "little")
+    shard.write_bytes(bytes(data))
+    with pytest.raises(BadInputError, match="not a permutation of 0..129: entry 7") as exc:
+        open_checkpoint(out).packed(name)
+    assert exc.value.file == str(shard) and exc.value.tensor == tname

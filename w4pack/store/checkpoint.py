@@ -587,6 +587,8 @@ class Checkpoint:
             if want is not None and fdt != want:
                 raise BadInputError(f"stored as {fdt} but the manifest says {want}",
                                     file=str(self.path / self.weight_map[tname]), tensor=tname)
+            if suffix == "perm":  # checked here, where file and tensor are known: every runtime gathers by it
+                _check_perm(arr, self.path / self.weight_map[tname], tname)
             tensors[suffix] = arr
         if meta.get("storage"):
             # the compact form on disk becomes the runtime tensors here, so nothing past this reader sees it
@@ -909,3 +911,20 @@ def validate_checkpoint(path: str | os.PathLike[str], *, checksums: bool = True,
         out["checks"] = ["schema", "index", "headers", "shapes"] + contents + (["sha256"] if checksums else []) + \
             (["unpack"] if deep else [])
         return out
+
+
+def _check_perm(arr: np.ndarray, file: Path, tname: str) -> None:
+    """An act-order permutation must hold each of 0..K-1 once (a damaged one would gather the wrong columns, or
+    read outside the activations in a native kernel)."""
+    k = arr.shape[0] if arr.ndim == 1 else -1
+    if k < 0 or arr.dtype.kind not in "iu":
+        return  # the layer's own shape and dtype checks name what is wrong
+    if k and (int(arr.min()) < 0 or int(arr.max()) >= k or np.bincount(arr, minlength=k).max() != 1):
+        seen = np.zeros(k, dtype=bool)
+        for i, v in enumerate(arr.tolist()):
+            if not 0 <= v < k or seen[v]:
+                raise BadInputError(f"not a permutation of 0..{k - 1}: entry {i} = {v}"
+                                    + (" repeats an earlier one" if 0 <= v < k else " is out of range"),
+                                    file=str(file), tensor=tname)
+            seen[v] = True
+
