@@ -609,3 +609,16 @@ def test_a_base_without_any_layer_weight_is_bad_input(tmp_path: Path, good: Path
     write_safetensors(some / "model.safetensors", [(f"{name}.weight", w, None)], metadata={"format": "pt"})
     rep = verify(good, base=some, threads=1, seed=1)
     assert not rep.ok and [c.name for c in rep.failed_layers] == sorted(set(LAYERS) - {name})
+
+
+def test_a_base_of_another_model_is_bad_input(tmp_path: Path, good: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A base with every layer's name but none of their shapes is another model (a reviewer's run: exit 1, every
+    line "base weight has shape ..."): the wrong --base, exit 2."""
+    other = tmp_path / "other"
+    other.mkdir()
+    items = [(f"{name}.weight", np.ones((3, 5), np.float16), None) for name in LAYERS]
+    write_safetensors(other / "model.safetensors", items, metadata={"format": "pt"})
+    with pytest.raises(BadInputError, match="base model's weights are not this model's: no layer's has its shape"):
+        verify(good, base=other, threads=1, seed=1)
+    rc, out, err = run_cli(str(good), "--base", str(other), "--threads", "1", capsys=capsys)
+    assert rc == 2 and out == "" and "[3, 5]" in err and "--base takes the original" in err

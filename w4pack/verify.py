@@ -227,14 +227,22 @@ class _BaseWeights:
         self.path = p
         self.store = open_tensors(p, pickles="none")
 
-    def require_any(self, layers: list[str], fused: dict[str, list[tuple[str, int, int]]]) -> None:
-        """Refuse a base that holds the float weight of no layer at all (a quantized checkpoint, another model):
-        that is the wrong --base (bad input, exit 2), not every layer failing verification (exit 1)."""
-        wanted = [m for name in layers for m in [name, *(part for part, _lo, _hi in fused.get(name) or [])]]
-        if wanted and not any(f"{m}.weight" in self.store for m in wanted):
+    def require_any(self, shapes: dict[str, tuple[int, int]], fused: dict[str, list[tuple[str, int, int]]]) -> None:
+        """Refuse a base that holds the float weight of no layer at all, or none of the layer's shape (a quantized
+        checkpoint, another model): that is the wrong --base (bad input, exit 2), not every layer failing
+        verification (exit 1)."""
+        wanted = [(m, (hi - lo, k) if m != name else (n, k)) for name, (n, k) in shapes.items()
+                  for m, lo, hi in [(name, 0, n), *(fused.get(name) or [])]]
+        held = [(m, shape, self.store.info(f"{m}.weight")[1]) for m, shape in wanted if f"{m}.weight" in self.store]
+        if wanted and not held:
             raise BadInputError(f"base model holds no float weight of the checkpoint's quantized layers (no "
-                                f"{wanted[0]}.weight, ...): --base takes the original unquantized model",
+                                f"{wanted[0][0]}.weight, ...): --base takes the original unquantized model",
                                 file=str(self.path))
+        if held and not any(tuple(got) == want for _m, want, got in held):
+            m, want, got = held[0]
+            raise BadInputError(f"base model's weights are not this model's: no layer's has its shape ({m}.weight is "
+                                f"{list(got)}, the checkpoint's layer {list(want)}): --base takes the original "
+                                "unquantized model of this checkpoint", file=str(self.path))
 
     def weight(self, layer: str) -> tuple[np.ndarray, str] | None:
         name = f"{layer}.weight"
@@ -499,7 +507,8 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
         if base is not None:
             report.checks.append("quant-error")
             base_w = _BaseWeights(base)
-            base_w.require_any(list(ck.layers), fused)
+            base_w.require_any({name: tuple(int(v) for v in ck.manifest["layers"][name]["shape"])  # type: ignore[misc]
+                                for name in ck.layers}, fused)
         rng = np.random.default_rng(seed)
         tol = TOLERANCE[precision] if device == "cpu" else max(TOLERANCE[precision], CUDA_TOLERANCE)
         with Progress(len(ck.layers), "verify", enabled=show_progress) as bar:
