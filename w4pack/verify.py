@@ -149,8 +149,10 @@ class VerifyReport:
             worst_q = max(qs, key=lambda c: c.quant_error)
             mean_q = float(np.mean([c.quant_error for c in qs]))
             parts.append(f"quantization error mean {mean_q:.3e}, worst {worst_q.quant_error:.3e} at {worst_q.name}")
-        for p in self.problems[:3]:
-            parts.append(p)
+        if self.problems:  # what fails beyond the layers: counted, so "0 failed" above does not read as a pass
+            more = f" (and {len(self.problems) - 3} more)" if len(self.problems) > 3 else ""
+            parts.append(f"{len(self.problems)} other problem{'' if len(self.problems) == 1 else 's'}: "
+                         + "; ".join(self.problems[:3]) + more)
         return "; ".join(parts) + f" ({self.seconds:.1f} s)"
 
     def table(self, limit: int | None = None) -> str:
