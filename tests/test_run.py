@@ -170,6 +170,19 @@ def test_usage_errors_exit_2_with_one_line(tiny: Path, tmp_path: Path, capsys: p
         assert err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize("extra, says", [
+    (["--perplexity", str(SAMPLE), "--chat", "--max-new-tokens", "5", "--temperature", "1"],
+     "--max-new-tokens, --temperature, --chat apply to generation (--prompt) only, not --perplexity"),
+    (["--perplexity", str(SAMPLE), "--engine", "lean"], "--engine applies to generation (--prompt) only"),
+    (["--prompt", "x", "--window", "8"], "--window applies to --perplexity only, not --prompt"),
+])
+def test_options_of_the_other_mode_are_refused(extra: list[str], says: str, tiny: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Given to the mode that does not read them they were dropped without a word (a reviewer's runs)."""
+    rc, out, err = _cli(capsys, "run", str(tiny), *extra)
+    assert rc == 2 and out == "" and says in err and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("device", ["tpu", "cuda:abc", "cuda:-1", "meta", "CPU", " cpu", "cuda:"])
 def test_bad_device_is_a_usage_error(device: str, tiny: Path, tmp_path: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:

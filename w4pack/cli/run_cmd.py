@@ -19,6 +19,24 @@ from . import emit_json, plural, require_packed
 from .extras import needs_extras
 
 
+#: options that only one mode reads: given to the other, they would be dropped without a word
+_GENERATE_ONLY = ("max_new_tokens", "temperature", "seed", "chat", "eager", "engine")
+_PERPLEXITY_ONLY = ("window",)
+
+
+def _refuse_other_mode(ctx: click.Context, *, perplexity: bool) -> None:
+    """A usage error naming the options given on the command line that the chosen mode ignores."""
+    from ..errors import BadInputError
+
+    unused = _GENERATE_ONLY if perplexity else _PERPLEXITY_ONLY
+    given = [p for p in ctx.command.params if p.name in unused
+             and ctx.get_parameter_source(p.name) not in (None, click.core.ParameterSource.DEFAULT)]
+    if given:
+        opts = ", ".join(p.opts[0] for p in given)
+        mode, other = ("--perplexity", "generation (--prompt)") if perplexity else ("--prompt", "--perplexity")
+        raise BadInputError(f"{opts} {'applies' if len(given) == 1 else 'apply'} to {other} only, not {mode}")
+
+
 @click.command()
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--prompt", default=None, help="Text to continue (or to answer, with --chat).")
@@ -72,6 +90,7 @@ def run(path: Path, prompt: str | None, ppl_file: Path | None, device: str, max_
         raise BadInputError("give exactly one of --prompt TEXT or --perplexity FILE")
     if eager and engine not in ("auto", "eager"):
         raise BadInputError(f"--eager contradicts --engine {engine}")
+    _refuse_other_mode(click.get_current_context(), perplexity=ppl_file is not None)
     if seed is not None and temperature == 0 and prompt is not None:  # not an error: greedy output is the same
         click.echo("warning: --seed has no effect with greedy decoding (--temperature 0); give --temperature above 0 "
                    "to sample", err=True)
