@@ -555,3 +555,17 @@ def test_save_pretrained_writes_the_packed_folder(tmp_path: Path, how: str) -> N
         model.model.norm.weight.add_(1.0)
     with pytest.raises(UnsupportedError, match="model.norm.weight.*changed after loading"):
         model.save_pretrained(tmp_path / "changed")
+
+
+def test_a_folder_from_a_gguf_without_a_tokenizer_says_so(tmp_path: Path) -> None:
+    """llama.cpp's tiny test GGUFs hold no tokenizer: "put the original model's tokenizer files beside the
+    source's weights", followed by transformers' guesses about sentencepiece, fitted no single GGUF file."""
+    from w4pack.convert import convert
+    from w4pack.errors import BadInputError
+    from w4pack.loading import load_tokenizer
+
+    src = Path(__file__).resolve().parent / "data" / "llama_quantize" / "tiny-Q4_K_M.gguf"
+    convert(src, tmp_path / "w4", show_progress=False)
+    with pytest.raises(BadInputError, match="the GGUF this folder was converted from has none in its metadata") as e:
+        load_tokenizer(tmp_path / "w4")
+    assert "sentencepiece" not in str(e.value).lower()

@@ -537,11 +537,28 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, TypeError) as exc:
+        folder = Path(path)
+        if not any(folder.glob("tokenizer*")) and _gguf_without_tokenizer(folder):
+            # transformers' guesses (sentencepiece, tiktoken) say nothing useful here
+            raise BadInputError("no tokenizer: the GGUF this folder was converted from has none in its metadata; "
+                                "convert a GGUF that embeds one (llama.cpp's converters write it) or the original "
+                                "model's folder", file=str(path)) from None
         why = " ".join(str(exc).split())  # transformers' messages span lines; the CLI prints one
         raise BadInputError(f"no usable tokenizer in the folder; put the original model's tokenizer files "
                             f"(tokenizer.json, tokenizer_config.json) beside the source's weights and convert again "
                             f"(convert copies and checksums them; a file copied into a packed folder makes it "
                             f"invalid) ({why})", file=str(path)) from None
+
+
+def _gguf_without_tokenizer(folder: Path) -> bool:
+    """The folder's manifest says it came from a GGUF whose metadata held no tokenizer."""
+    import json
+
+    try:
+        notes = json.loads((folder / "w4pack.json").read_text())["source"]["notes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return any(isinstance(n, str) and n.startswith("no tokenizer in the GGUF metadata") for n in notes)
 
 
 # -------------------------------------------------------------------------------------------------
