@@ -574,3 +574,14 @@ def test_backtracking_pattern_is_refused_not_run(tmp_path: Path, pattern: str, s
     doc["quantization_config"]["ignore"] = ["lm_head", "re:.*embed_tokens", r"re:.*self_attn.(q|k|v)_proj_x$"]
     (src / "config.json").write_text(json.dumps(doc))
     assert CT.open(src).layer_names()
+
+
+def test_a_refusal_names_the_source_and_counts_the_other_layers(tmp_path: Path) -> None:
+    """The writer stopped at the first layer it cannot express ("tensor lm_head: ... 6-bit layers"), naming
+    neither the source nor how many more would fail, where the GPTQ writer says both."""
+    src = Path(__file__).resolve().parent.parent / "data" / "llama_quantize" / "tiny-Q4_K_M.gguf"
+    convert(src, tmp_path / "w4", show_progress=False)
+    with pytest.raises(UnsupportedError, match=r"cannot write compressed-tensors: lm_head: .*6-bit layers.*"
+                                               r"\(and \d+ more layer\(s\)\)") as exc:
+        convert(tmp_path / "w4", tmp_path / "ct", to="compressed-tensors", show_progress=False)
+    assert exc.value.file == str(tmp_path / "w4") and not (tmp_path / "ct").exists()

@@ -552,6 +552,14 @@ def _strategy_hint(layer: CanonicalLayer) -> str | None:
 _Items = list[tuple[str, np.ndarray, str | None]]
 
 
+def _unwritable(source: Source, name: str) -> bool:
+    try:
+        _layer_tensors(name, source.read_layer(name))
+    except UnsupportedError:
+        return True
+    return False
+
+
 def _layer_tensors(name: str, layer: CanonicalLayer) -> tuple[tuple[Any, ...], _Items]:
     """(scheme key, [(tensor name, array, dtype name)]) of one layer, or UnsupportedError."""
     reason = CompressedTensorsFormat.capabilities.check(layer)
@@ -681,8 +689,14 @@ class CompressedTensorsFormat(Format):
         with AtomicFolder(out, force=force) as tmp:
             with ShardWriter(tmp, parse_size(max_shard_size)) as shards, \
                     Progress(len(names) + len(passthrough), "writing", enabled=show_progress) as bar:
-                for name in names:
-                    key, items = _layer_tensors(name, source.read_layer(name))
+                for i, name in enumerate(names):
+                    try:
+                        key, items = _layer_tensors(name, source.read_layer(name))
+                    except UnsupportedError as exc:  # said once, with how many other layers share the fate
+                        rest = sum(1 for n in names[i + 1:] if _unwritable(source, n))
+                        more = f" (and {rest} more layer(s))" if rest else ""
+                        raise UnsupportedError(f"cannot write compressed-tensors: {name}: {exc.message}{more}",
+                                               file=str(getattr(source, "path", "") or "") or None) from None
                     schemes[name] = key
                     shards.add_group(items)
                     bar.update()
