@@ -34,15 +34,16 @@ def _check_request(src: str | Path, dst: str | Path | None, *, src_format: str |
     from .fuse import parse_fuse
 
     base = options.get("base")
+    target = get_format(to)
     if dst is not None:
         _refuse_overlap(src, dst, force)
         if base is not None:
             _refuse_overlap(base, dst, force, "base model")
+        _refuse_unwritable_path(Path(dst), target)
     size = parse_size(max_shard_size, "--max-shard-size")  # a bad size is a usage error before anything is read
     from .native.cpu import threads_from_env
 
     threads_from_env()  # (the packers' thread count: a bad $W4PACK_THREADS is refused here, not at the first layer)
-    target = get_format(to)
     if not target.single_file and size < MIN_SHARD_SIZE:  # one output file (GGUF): the size does not apply
         raise BadInputError(f"--max-shard-size {max_shard_size!r} is below the minimum, {MIN_SHARD_SIZE} bytes "
                             "(1KiB)")
@@ -85,24 +86,18 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
             check_output(Path(dst), force)
         except W4PackError as exc:
             output.append((f"{exc.one_line()} (the real run refuses it)", exc.exit_code))
-        if target.single_file and force and Path(dst).is_dir():
-            output.append((f"{dst}: GGUF output is a single file; give a path ending in .gguf", EXIT_BAD_INPUT))
     with open_source(src, src_format, **read_opts) as source:
         n_source = len(source.layer_names())
-        if fuse:
-            source = FusedSource(source, fuse)
-        source = unfused_for(embeddings.for_target(source, target, keep_packed=not float_embeddings), target)
+        fusing = FusedSource(source, fuse) if fuse else None
+        source = unfused_for(embeddings.for_target(fusing or source, target, keep_packed=not float_embeddings),
+                             target)
         names = source.layer_names()
         before.extend((exc.one_line(), exc.exit_code) for exc in source_problems(target, source, str(src)))
         own_check = target.own_layer_checks
-        layers = []
-        for name in names:
-            try:
-                layer = source.read_layer(name)
-            except W4PackError as exc:  # e.g. parts that cannot be fused: the real run stops at this layer
-                where = ", ".join(w for w in (exc.file, exc.tensor and f"tensor {exc.tensor}") if w)
-                after.append((f"{name}: {exc.message}" + (f" ({where})" if where else ""), exc.exit_code))
-                continue
+        layers: list[dict[str, Any]] = []
+
+        def describe(name: str, layer: Any) -> None:
+            """List a layer read, and what the real run would refuse about it."""
             layers.append({"name": name, "shape": [layer.out_features, layer.in_features], "bits": layer.bits,
                            "group_size": layer.group_size, "zero_mode": layer.zero_mode,
                            "act_order": bool(layer.act_order), "scale_dtype": layer.scale_dtype})
@@ -114,6 +109,27 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
                     group_structure(layer)
                 except W4PackError as exc:
                     after.append((f"{name}: {exc.message}", exc.exit_code))
+
+        unfused: set[str] = set()  # planned fusions that would not be made (parts that cannot be fused or read)
+        complete = True  # every layer read: the architecture check below needs them all
+        for name in names:
+            try:
+                layer = source.read_layer(name)
+            except W4PackError as exc:  # e.g. parts that cannot be fused: the real run stops at this layer
+                where = ", ".join(w for w in (exc.file, exc.tensor and f"tensor {exc.tensor}") if w)
+                after.append((f"{name}: {exc.message}" + (f" ({where})" if where else ""), exc.exit_code))
+                complete = False
+                if fusing is not None and name in fusing.plan:
+                    # the group stays its parts: listed (and checked) unfused, not dropped from the listing and
+                    # the counts; a part that cannot be read is the error above (the real run stops at it)
+                    unfused.add(name)
+                    for part in fusing.plan[name]:
+                        try:
+                            describe(part, fusing.inner.read_layer(part))
+                        except W4PackError:
+                            pass
+                continue
+            describe(name, layer)
         if own_check:
             after.extend((p, EXIT_UNSUPPORTED) for p in target.check_writable(source))
         if not target.single_file:  # the writers copy the side files, refusing a JSON one that is not an object
@@ -123,7 +139,7 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
                         read_side_json(side)
                     except W4PackError as exc:
                         after.append((exc.one_line(), exc.exit_code))
-        if target.name == "w4pack" and len(layers) == len(names):
+        if target.name == "w4pack" and complete:
             # the writer's last check (CheckpointWriter: what validate would refuse is not written)
             emb = set(source.embedding_names())
             metas = {m["name"]: {"shape": m["shape"], "role": "embedding" if m["name"] in emb else "linear"}
@@ -145,7 +161,7 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
             "max_shard_size": None if target.single_file else parse_size(max_shard_size, "--max-shard-size"),
             "layers": layers,
             "source_layers": n_source,
-            "fused": dict(source.plan) if isinstance(source, FusedSource) else {},
+            "fused": {k: v for k, v in fusing.plan.items() if k not in unfused} if fusing is not None else {},
             "passthrough": source.passthrough_names(),
             "side_files": [p.name for p in source.side_files()],
             "problems": [text for text, _ in before + after],  # what stops the conversion itself
@@ -201,6 +217,26 @@ def _refuse_writer_options(target: type[Format], options: dict[str, Any]) -> Non
                             "in source_options=")
 
 
+def _refuse_unwritable_path(dst: Path, target: type[Format]) -> None:
+    """Refuse, as a bad argument (exit 2) before anything is read, an output path that can never be written: an
+    existing folder where the target is one file (--force would not help: the writer refuses to replace a folder
+    with a file), or a path below a file (``notes.txt/out``: no folder can be made there). Left to the writer,
+    these were "output already exists; replace it with --force" and "cannot create a folder next to the
+    output: File exists" (exit 4)."""
+    if target.single_file and dst.is_dir():
+        raise BadInputError(f"is an existing folder, and {target.name.upper()} output is a single file: give a file "
+                            f"path (e.g. {dst / ('model.' + target.name)}), not a folder", file=str(dst))
+    for parent in dst.parents:
+        if not os.path.lexists(parent):
+            continue
+        if parent.is_dir():
+            return
+        what = (f"a symbolic link to {os.readlink(parent)!r}, which does not exist" if not parent.exists()
+                else "a file")
+        raise BadInputError(f"is {what}, not a folder: the output {str(dst)!r} cannot be created inside it; choose "
+                            "another output path", file=str(parent))
+
+
 def _refuse_overlap(src: str | Path, dst: str | Path, force: bool, what: str = "source") -> None:
     """Refuse an output that is the source or holds it: with --force the source would be deleted when the output is
     moved into place. An output folder inside the source folder is fine, new or (with --force) replaced: readers
@@ -219,7 +255,24 @@ def _refuse_overlap(src: str | Path, dst: str | Path, force: bool, what: str = "
 
 
 class GrowthWarning(UserWarning):
-    """A conversion wrote more bytes than the source holds (tensors carried unquantized, wider scales)."""
+    """A conversion wrote markedly more bytes than the source holds (tensors carried unquantized, wider scales)."""
+
+
+#: growth worth a warning: more than this share of the source's tensor bytes... Lossless repacks grow a little
+#: for layout alone (a zero point stored for a symmetric source, g_idx, per-channel copies of a per-tensor scale):
+#: at most about 3% on a real model (a GGUF Q8_0 or Q4_0 into GPTQ: one stored zero per 34 or 18 bytes), so 5%
+#: leaves them quiet; what the warning is for is far above it (a float32 scale in place of a float16 one per 32
+#: 4-bit weights +11%, the runtime form of K-quants +37% or more, a dequantized tensor x4 or x8 its packed size).
+GROWTH_SHARE = 0.05
+#: ...and more than this many bytes: on test-size tensors the same layout overheads reach 8% (a few KB)
+GROWTH_MIN_BYTES = 64 << 10
+
+
+def growth_is_notable(src_bytes: int, out_bytes: int) -> bool:
+    """Whether an output's tensor bytes grew enough over the source's to warn about (GROWTH_SHARE and
+    GROWTH_MIN_BYTES, both exceeded): growth from layout alone is expected and says nothing."""
+    grown = out_bytes - src_bytes
+    return grown > GROWTH_MIN_BYTES and grown > GROWTH_SHARE * src_bytes
 
 
 def _mb(n: int) -> str:
@@ -289,7 +342,7 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
     out_size = tensor_bytes(out_path)
     if src_size and out_size is not None:
         result["source_tensor_bytes"], result["tensor_bytes"] = src_size, out_size
-        if out_size > src_size:
+        if growth_is_notable(src_size, out_size):  # (so the ratio below reads x1.05 or more, never x1.00)
             msg = (f"{out}: the output's tensors ({_mb(out_size)}) are larger than those of the source {src} "
                    f"({_mb(src_size)}, x{out_size / max(src_size, 1):.2f}); see the notes for tensors "
                    "carried unquantized or widened")

@@ -26,7 +26,7 @@ from .._version import __version__
 from ..errors import EXIT_BAD_INPUT, EXIT_IO, BadInputError, UnsupportedError, W4PackError
 
 __all__ = ["cli", "main", "emit_json", "check_format_name", "detect_source", "check_endpoint", "require_packed",
-           "plural"]
+           "plural", "SourcePath"]
 
 #: command name -> "module:function"
 COMMANDS: dict[str, str] = {
@@ -110,6 +110,19 @@ def check_format_name(name: str | None, option: str) -> str | None:
         return get_format(name).name
     except UnsupportedError as exc:
         raise BadInputError(f"{option}: {exc.message}") from None
+
+
+class SourcePath(click.Path):
+    """A source argument: a local path, or an ``hf://`` spec checked as typed. The Path that click.Path makes
+    collapses ``//``, so an empty spec ``hf://`` became ``hf:``, a local name that "does not exist"; a malformed
+    spec is refused here with the Hub's own wording (exit 2) instead."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and value.startswith("hf:/"):
+            from ..hub import parse_hub_spec
+
+            parse_hub_spec(value)
+        return super().convert(value, param, ctx)
 
 
 def detect_source(path: str | os.PathLike[str]) -> str | None:

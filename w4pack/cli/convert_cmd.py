@@ -10,12 +10,12 @@ import click
 
 from ..convert import MIN_SHARD_SIZE
 from ..errors import BadInputError
-from . import FORMAT_NAMES, check_format_name, detect_source, emit_json, plural
+from . import FORMAT_NAMES, SourcePath, check_format_name, detect_source, emit_json, plural
 from .extras import needs_extras
 
 
 @click.command()
-@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("src", type=SourcePath(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option("--from", "src_format", default=None, metavar="FMT",
               help=f"Source format when detection cannot tell: {FORMAT_NAMES} (default: detected).")
@@ -34,7 +34,7 @@ from .extras import needs_extras
               help="Dequantize a quantized token embedding exactly to float32 instead of keeping it packed (for "
                    "loaders that read only float embeddings; the folder grows by the table's float size).")
 @click.option("--expanded", is_flag=True,
-              help="w4pack output: store every layer in the runtime form (float32 scales, codes in their 4/8-bit "
+              help="w4pack output only: store every layer in the runtime form (float32 scales, codes in their 4/8-bit "
                    "fields) instead of the compact form kept for GGUF K-quant, 5-bit and IQ4 layers (docs/LAYOUT.md "
                    "section 8); the folder grows, loading skips the expansion.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
@@ -67,6 +67,9 @@ def convert(src: Path, dst: Path, src_format: str | None, to: str | None, base: 
 
     src_format = check_format_name(src_format, "--from")
     to = check_format_name(to, "--to") or _default_target(dst)
+    if expanded and to != "w4pack":  # (the Python API lets other writers ignore it; the flag is w4pack's alone)
+        raise BadInputError(f"--expanded applies to w4pack output only, not {to}: drop --expanded, or convert with "
+                            "--to w4pack")
     src_format = src_format or detect_source(src)
     opts: dict[str, Any] = {"base": base} if base is not None else {}
     if fuse:

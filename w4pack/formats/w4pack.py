@@ -25,7 +25,9 @@ class W4PackSource(Source):
         self.ckpt = Checkpoint(path)
         self.config = {k: v for k, v in self.ckpt.config.items() if k != "quantization_config"}
         src = self.ckpt.manifest.get("source") or {}
-        self.info = {"format": "w4pack", "version": "1", "notes": [f"repacked from {src.get('format', 'unknown')}"]}
+        # the folder's own manifest version (the output's manifest records it as its source's)
+        self.info = {"format": "w4pack", "version": str(self.ckpt.format_version),
+                     "notes": [f"repacked from {src.get('format', 'unknown')}"]}
         #: fused projections of the manifest, carried over by write_packed (w4pack.fuse)
         self.fused = dict(self.ckpt.manifest.get("fused") or {})
         if src.get("base_model"):
