@@ -396,3 +396,29 @@ def test_cli_convert_force_killed_mid_replacement_loses_nothing(tmp_path, hook):
     assert proc.returncode == 0, proc.stderr
     assert _siblings(tmp_path) == ["a", "b", "dst"]  # the dead run's leftovers are gone
     validate_checkpoint(dst)
+
+
+def test_force_does_not_replace_a_folder_that_holds_no_checkpoint(tmp_path, monkeypatch):
+    """--force deleted a folder of notes and photos wholesale, and "convert SRC . --force" the working folder (a
+    reviewer's runs): it replaces earlier outputs, not any folder."""
+    foreign = tmp_path / "notes"
+    (foreign / "photos").mkdir(parents=True)
+    (foreign / "keep.txt").write_text("keep")
+    with pytest.raises(IOFailure, match=r"holds no checkpoint \(keep.txt, photos\)"):
+        atomic.check_output(foreign, force=True)
+    assert (foreign / "keep.txt").read_text() == "keep"
+    monkeypatch.chdir(foreign / "photos")
+    with pytest.raises(IOFailure, match="is the current folder or holds it"):
+        atomic.check_output(foreign, force=True)
+    with pytest.raises(IOFailure, match="is the current folder or holds it"):
+        atomic.check_output(Path("."), force=True)
+    # what --force is for: an earlier output, an empty folder, a model folder
+    write_model(tmp_path / "ck")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "README.md").write_text("card")
+    for ok in (tmp_path / "ck", empty, hf):
+        atomic.check_output(ok, force=True)

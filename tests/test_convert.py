@@ -57,6 +57,10 @@ def test_cli_convert_no_clobber_and_force(tmp_path):
     proc = run_cli("convert", src, dst)
     assert proc.returncode == 4 and "--force" in proc.stderr and "Traceback" not in proc.stderr
     assert (dst / "keep.txt").read_text() == "mine"
+    proc = run_cli("convert", src, dst, "--force")  # a folder holding no checkpoint is not --force's to delete
+    assert proc.returncode == 4 and "holds no checkpoint (keep.txt)" in proc.stderr
+    assert (dst / "keep.txt").read_text() == "mine"
+    (dst / "config.json").write_text("{}")  # an earlier model folder: replaced whole
     proc = run_cli("convert", src, dst, "--force", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["layers"] == 4

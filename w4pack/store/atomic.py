@@ -305,12 +305,43 @@ def check_output(target: Path, force: bool) -> None:
     renaming the finished folder over it fails only at the very end ("Not a directory"). An output that an
     interrupted --force run moved aside is put back first, so that it counts as existing."""
     recover(target, clean=False)
-    if not os.path.lexists(target) or force:
+    if not os.path.lexists(target):
+        return
+    if force:
+        if target.is_dir() and not target.is_symlink():
+            _refuse_foreign_folder(target)
         return
     if target.is_symlink() and not target.exists():
         raise IOFailure(f"output is a symbolic link to {os.readlink(target)!r}, which does not exist; remove the "
                         "link or choose another output (--force replaces the link itself)", file=str(target))
     raise IOFailure("output already exists; replace it with --force", file=str(target))
+
+
+#: what an earlier output (w4pack's, a GPTQ/AWQ/compressed-tensors folder, quant tables, a model download) holds
+_MODEL_NAMES = frozenset({"w4pack.json", "config.json", "quantize_config.json", "quant_config.json"})
+_MODEL_SUFFIXES = (".safetensors", ".safetensors.index.json", ".gguf", ".toml", ".npy", ".bin", ".pt", ".pth")
+
+
+def _refuse_foreign_folder(target: Path) -> None:
+    """--force replaces an earlier output, not any folder: refuse the folder this process works in (or one
+    holding it) and a non-empty folder holding nothing a checkpoint holds (replacing deletes all of it)."""
+    try:
+        here, there = Path.cwd().resolve(), target.resolve()
+    except OSError:
+        here = there = None
+    if here is not None and (here == there or there in here.parents):
+        raise IOFailure("is the current folder or holds it: --force would delete the folder you are working in; "
+                        "choose another output path", file=str(target))
+    try:
+        entries = sorted(os.listdir(target))
+    except OSError:
+        return  # the writer's own attempt names what is wrong
+    if entries and not any(e in _MODEL_NAMES or e.endswith(_MODEL_SUFFIXES) or e.startswith(".w4pack")
+                           for e in entries):
+        shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+        raise IOFailure(f"holds no checkpoint ({shown}): --force replaces an earlier output, not any folder, since "
+                        "replacing deletes everything in it; remove it yourself or choose another output path",
+                        file=str(target))
 
 
 def make_temp_dir(target: Path, tag: str = "tmp") -> Path:
