@@ -169,3 +169,19 @@ def test_verify_limit_says_it_shapes_only_the_table(tmp_path: Path, capsys: pyte
     rc, out, err = _cli(capsys, "verify", ck, "--limit", "2", "--json", "--threads", "1")
     assert rc == 0, err
     assert len(json.loads(out)["layers"]) == 12
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["inspect", ".", "--bogus"], "No such option '--bogus'"),
+    (["convert"], "Missing argument 'SRC'"),
+    (["verify", ".", "--precision", "bad"], "Invalid value for '--precision'"),
+    (["nosuchcmd"], "No such command 'nosuchcmd'"),
+])
+def test_usage_errors_are_one_line(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """click's own form was three lines (Usage, Try, Error) where the README promises one."""
+    from w4pack.cli import main
+
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("w4pack: error: ") and says in err, err
+    assert "--help)" in err

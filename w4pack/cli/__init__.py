@@ -281,8 +281,11 @@ def _run(argv: list[str] | None, debug: bool) -> int:
             return _sigint.EXIT_INTERRUPTED
         click.echo("w4pack: aborted", err=True)
         return EXIT_BAD_INPUT
-    except click.ClickException as exc:
-        exc.show()
+    except click.ClickException as exc:  # one line as every error (click's own form is Usage, Try and Error)
+        ctx = getattr(exc, "ctx", None)
+        see = f" (see: {ctx.command_path} --help)" if isinstance(exc, click.UsageError) and ctx is not None else ""
+        msg = " ".join(exc.format_message().split())
+        click.echo(f"w4pack: error: {msg}{see}", err=True)
         return EXIT_BAD_INPUT
     except click.exceptions.Exit as exc:
         return exc.exit_code
