@@ -226,15 +226,9 @@ def _refuse_unwritable_path(dst: Path, target: type[Format]) -> None:
     if target.single_file and dst.is_dir():
         raise BadInputError(f"is an existing folder, and {target.name.upper()} output is a single file: give a file "
                             f"path (e.g. {dst / ('model.' + target.name)}), not a folder", file=str(dst))
-    for parent in dst.parents:
-        if not os.path.lexists(parent):
-            continue
-        if parent.is_dir():
-            return
-        what = (f"a symbolic link to {os.readlink(parent)!r}, which does not exist" if not parent.exists()
-                else "a file")
-        raise BadInputError(f"is {what}, not a folder: the output {str(dst)!r} cannot be created inside it; choose "
-                            "another output path", file=str(parent))
+    from .store.atomic import refuse_path_below_file
+
+    refuse_path_below_file(dst)
 
 
 def _refuse_overlap(src: str | Path, dst: str | Path, force: bool, what: str = "source") -> None:

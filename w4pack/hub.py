@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ._version import __version__
-from .store.atomic import make_temp_dir, move_into_place, recover
+from .store.atomic import make_temp_dir, move_into_place, recover, refuse_foreign_folder, refuse_path_below_file
 from .store.checkpoint import CONFIG_NAME, INCOMPLETE_MARKER, MANIFEST_NAME, SIDE_FILES, validate_checkpoint
 from .errors import BadInputError, IOFailure, W4PackError
 
@@ -690,6 +690,9 @@ def pull(repo_id: str, dest: str | os.PathLike[str], *, revision: str | None = N
     recover(target, clean=False)  # a destination an interrupted --force pull moved aside is put back first
     if target.exists() and not force:
         raise IOFailure("destination already exists; replace it with --force", file=str(target))
+    if force and target.is_dir() and not target.is_symlink():
+        refuse_foreign_folder(target)  # (--force replaces an earlier download, not any folder)
+    refuse_path_below_file(target)
     ep = _endpoint(endpoint)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)

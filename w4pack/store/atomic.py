@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import IOFailure, W4PackError
+from ..errors import BadInputError, IOFailure, W4PackError
 
 __all__ = ["AtomicFolder", "write_json_atomic", "check_output", "make_temp_dir", "move_into_place",
            "write_failure", "is_disk_full", "output_of", "umask_mode", "recover", "exchange"]
@@ -309,7 +309,7 @@ def check_output(target: Path, force: bool) -> None:
         return
     if force:
         if target.is_dir() and not target.is_symlink():
-            _refuse_foreign_folder(target)
+            refuse_foreign_folder(target)
         return
     if target.is_symlink() and not target.exists():
         raise IOFailure(f"output is a symbolic link to {os.readlink(target)!r}, which does not exist; remove the "
@@ -322,7 +322,7 @@ _MODEL_NAMES = frozenset({"w4pack.json", "config.json", "quantize_config.json", 
 _MODEL_SUFFIXES = (".safetensors", ".safetensors.index.json", ".gguf", ".toml", ".npy", ".bin", ".pt", ".pth")
 
 
-def _refuse_foreign_folder(target: Path) -> None:
+def refuse_foreign_folder(target: Path) -> None:
     """--force replaces an earlier output, not any folder: refuse the folder this process works in (or one
     holding it) and a non-empty folder holding nothing a checkpoint holds (replacing deletes all of it)."""
     try:
@@ -342,6 +342,20 @@ def _refuse_foreign_folder(target: Path) -> None:
         raise IOFailure(f"holds no checkpoint ({shown}): --force replaces an earlier output, not any folder, since "
                         "replacing deletes everything in it; remove it yourself or choose another output path",
                         file=str(target))
+
+
+def refuse_path_below_file(dst: Path) -> None:
+    """Refuse (bad argument, exit 2) an output path below a file (``notes.txt/out``): no folder can be made there,
+    and the OS says only "File exists" or "Not a directory"."""
+    for parent in dst.parents:
+        if not os.path.lexists(parent):
+            continue
+        if parent.is_dir():
+            return
+        what = (f"a symbolic link to {os.readlink(parent)!r}, which does not exist" if not parent.exists()
+                else "a file")
+        raise BadInputError(f"is {what}, not a folder: the output {str(dst)!r} cannot be created inside it; choose "
+                            "another output path", file=str(parent))
 
 
 def make_temp_dir(target: Path, tag: str = "tmp") -> Path:
