@@ -148,8 +148,11 @@ def test_dry_run_lists_a_refused_fusion_unfused(tmp_path: Path, capsys: pytest.C
     quantized layers (34 in the source, 6 of them fused into 2)" and left layer 1's q/k/v out of its listing."""
     capsys.readouterr()
     rc = main(["convert", str(MOE_GGUF), str(tmp_path / "dd"), "--fuse", "qkv", "--dry-run", "--json"])
-    doc = json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
     assert rc == 3 == doc["exit_code"]  # the real run still stops at the refused fusion
+    # and the one error line on stderr, as inspect --json gives it
+    assert err.count("\n") == 1 and err.startswith("w4pack: error: model.layers.1.self_attn.qkv_proj: cannot fuse")
     names = [m["name"] for m in doc["layers"]]
     attn = [n for n in names if "self_attn" in n and "o_proj" not in n]
     assert attn == ["model.layers.0.self_attn.qkv_proj", "model.layers.1.self_attn.q_proj",

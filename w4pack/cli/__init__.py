@@ -26,7 +26,7 @@ from .._version import __version__
 from ..errors import EXIT_BAD_INPUT, EXIT_IO, BadInputError, UnsupportedError, W4PackError
 
 __all__ = ["cli", "main", "emit_json", "check_format_name", "detect_source", "check_endpoint", "require_packed",
-           "plural", "SourcePath"]
+           "plural", "SourcePath", "say_plan_error"]
 
 #: command name -> "module:function"
 COMMANDS: dict[str, str] = {
@@ -123,6 +123,19 @@ class SourcePath(click.Path):
 
             parse_hub_spec(value)
         return super().convert(value, param, ctx)
+
+
+def say_plan_error(path: str | os.PathLike[str], doc: dict[str, Any],
+                   where: str = "in the JSON's problems") -> None:
+    """A plan (inspect of a source, convert --dry-run) that convert would stop at: the usual one error line on
+    stderr beside the report (stdout, JSON or text), so a caller reading only stderr and the exit status learns
+    why."""
+    if not doc["exit_code"]:
+        return
+    probs = list(doc["problems"]) + list(doc.get("output_problems") or [])
+    more = f" (and {len(probs) - 1} more, {where})" if len(probs) > 1 else ""
+    first = probs[0] if probs else f"{path}: convert would stop here"
+    click.echo(f"w4pack: error: {first}{more}", err=True)
 
 
 def detect_source(path: str | os.PathLike[str]) -> str | None:

@@ -10,7 +10,7 @@ import click
 
 from ..convert import MIN_SHARD_SIZE
 from ..errors import BadInputError
-from . import FORMAT_NAMES, SourcePath, check_format_name, detect_source, emit_json, plural
+from . import FORMAT_NAMES, SourcePath, check_format_name, detect_source, emit_json, plural, say_plan_error
 from .extras import needs_extras
 
 
@@ -84,6 +84,7 @@ def convert(src: Path, dst: Path, src_format: str | None, to: str | None, base: 
             emit_json(doc)
         else:
             _print_plan(src, dst, to, doc)
+        say_plan_error(src, doc, "in the JSON's problems" if as_json else "listed above")
         return int(doc["exit_code"])
     from ..convert import GrowthWarning
 

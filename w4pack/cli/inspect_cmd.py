@@ -9,7 +9,7 @@ import click
 
 from ..store.checkpoint import open_checkpoint
 from ..errors import BadInputError
-from . import FORMAT_NAMES, SourcePath, check_format_name, detect_source, emit_json, plural
+from . import FORMAT_NAMES, SourcePath, check_format_name, detect_source, emit_json, plural, say_plan_error
 from .extras import needs_extras
 
 
@@ -35,17 +35,6 @@ def source_label(fmt: str | None, version: Any) -> str:
     if v.isdigit():
         return f"{fmt} (file format version {v})"
     return f"{fmt} {v}"
-
-
-def _say_why(path: Path, doc: dict[str, Any], where: str = "in the JSON's problems") -> None:
-    """A source convert would stop at: the usual one error line on stderr, with --json too (the report stays on
-    stdout), so a caller that reads only stderr and the exit status still learns why."""
-    if not doc["exit_code"]:
-        return
-    probs = doc["problems"]
-    more = f" (and {len(probs) - 1} more, {where})" if len(probs) > 1 else ""
-    first = probs[0] if probs else f"{path}: convert would stop here"
-    click.echo(f"w4pack: error: {first}{more}", err=True)
 
 
 @click.command()
@@ -79,7 +68,7 @@ def inspect(path: Path, as_json: bool, show_layers: bool, src_format: str | None
         doc = plan(path, src_format=fmt, **({"base": base} if base is not None else {}))
         if as_json:
             emit_json(doc)
-            _say_why(path, doc)
+            say_plan_error(path, doc)
             return int(doc["exit_code"])
         n_bad = doc["source_layers"] - len(doc["layers"])
         click.echo(f"{path}: {source_label(fmt or doc['source_format'], doc['source_info'].get('version'))} "
@@ -97,7 +86,7 @@ def inspect(path: Path, as_json: bool, show_layers: bool, src_format: str | None
             click.echo(f"  note: {note}")
         for problem in doc["problems"]:
             click.echo(f"  problem: {problem}")
-        _say_why(path, doc, "listed above")
+        say_plan_error(path, doc, "listed above")
         return int(doc["exit_code"])
     with open_checkpoint(path) as ck:
         ck.check_structure()
