@@ -32,7 +32,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from w4pack.formats.gguf import (  # noqa: E402
-    METADATA_NAME, decode_q4_0, decode_q4_1, decode_q8_0, encode_layer, tokenizer_metadata)
+    METADATA_NAME, GGUFWarning, decode_q4_0, decode_q4_1, decode_q8_0, encode_layer, tokenizer_metadata)
 
 GGUF = get_format("gguf")
 FAMILY = "gguf"
@@ -263,7 +263,8 @@ def test_groups_of_whole_blocks_are_written_exactly(gs: int, mode: str, bits: in
 def test_a_group_128_checkpoint_goes_to_gguf_and_back(tmp_path: Path) -> None:
     case = fixture_dir("compressed-tensors", "tiny_llama_w4a16_sym_g128")
     convert(case, tmp_path / "w4", show_progress=False)
-    convert(tmp_path / "w4", tmp_path / "x.gguf", to="gguf", show_progress=False)
+    with pytest.warns(GGUFWarning, match="carry the group's scale in each block: 14 at group size 128"):
+        convert(tmp_path / "w4", tmp_path / "x.gguf", to="gguf", show_progress=False)
     src, back = open_source(tmp_path / "w4"), open_source(tmp_path / "x.gguf")
     names = src.layer_names()
     assert names and sorted(names) == sorted(back.layer_names())

@@ -794,6 +794,7 @@ class _Payloads:
         self.original_types = original_types
         self.requant: dict[str, str] = {}  # gguf name -> type, for float tensors that re-encode exactly
         self.lost: Counter[str] = Counter()  # original types that could not be re-encoded exactly
+        self.spread: Counter[int] = Counter()  # group sizes above 32 whose scale each block of 32 repeats
         self.first_pass = True
         self.stacks = _expert_stacks(source)  # {ffn_*_exps name: per-expert layers}, docs/MOE.md
 
@@ -845,6 +846,8 @@ class _Payloads:
                     self.lost[src_type] += 1
                 return np.ascontiguousarray(layer.dequantize(np.float64).astype(np.float32)), None
         qt, data = encode_layer(layer)
+        if self.first_pass and layer.group_size != 32:
+            self.spread[layer.group_size] += 1
         return data, self.gguf.GGMLQuantizationType[qt]
 
     def __call__(self, kind: str, hf: str) -> tuple[np.ndarray, Any]:
@@ -1026,6 +1029,10 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
     if payloads.lost:
         notes.append("written as F32, not re-encodable exactly by gguf: "
                      + ", ".join(f"{c} {q}" for q, c in sorted(payloads.lost.items())))
+    if payloads.spread:  # (why the file is larger than the source: the growth warning's explanation)
+        notes.append("layers whose groups span several blocks of 32 carry the group's scale in each block: "
+                     + ", ".join(f"{c} at group size {'per channel' if g == -1 else g}"
+                                 for g, c in sorted(payloads.spread.items())))
     header = _header(source, saved, arch, kv, ftype, side, cfg, notes)
     with target as tmp:
         _emit(tmp, arch, header, plans, payloads, show_progress)
