@@ -696,7 +696,7 @@ class CompressedTensorsFormat(Format):
                         rest = sum(1 for n in names[i + 1:] if _unwritable(source, n))
                         more = f" (and {rest} more layer(s))" if rest else ""
                         raise UnsupportedError(f"cannot write compressed-tensors: {name}: {exc.message}{more}",
-                                               file=str(getattr(source, "path", "") or "") or None) from None
+                                               file=str(source.path) if getattr(source, "path", None) else None) from None
                     schemes[name] = key
                     shards.add_group(items)
                     bar.update()

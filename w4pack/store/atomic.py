@@ -34,7 +34,8 @@ from typing import Any, Callable
 from ..errors import BadInputError, IOFailure, W4PackError
 
 __all__ = ["AtomicFolder", "write_json_atomic", "check_output", "make_temp_dir", "move_into_place",
-           "write_failure", "is_disk_full", "output_of", "umask_mode", "recover", "exchange"]
+           "write_failure", "is_disk_full", "output_of", "umask_mode", "recover", "exchange", "refuse_foreign_folder",
+           "refuse_path_below_file"]
 
 MARKER = ".w4pack-incomplete"
 _TMP_TAG = ".w4pack-tmp-"
