@@ -563,3 +563,15 @@ def test_a_malformed_hub_spec_is_shown_as_typed(capsys: pytest.CaptureFixture[st
     assert main(["convert", "hf://only-one-part", "unused-out"]) == 2
     err = capsys.readouterr().err
     assert "'hf://only-one-part' is not a Hub source" in err and "hf:/only" not in err.replace("hf://", "")
+
+
+def test_the_card_is_written_with_the_umask_mode(tmp_path: Path) -> None:
+    """The card rewritten for a push was mkstemp's 0600, where convert's files follow the umask (0644 at 022):
+    unreadable to a teammate or a server running as another user."""
+    from w4pack.hub import _write_text_atomic
+    from w4pack.store.atomic import umask_mode
+
+    card = tmp_path / "README.md"
+    card.write_text("old")
+    _write_text_atomic(card, "new")
+    assert card.read_text() == "new" and card.stat().st_mode & 0o777 == umask_mode(0o666)

@@ -546,6 +546,9 @@ def test_save_pretrained_writes_the_packed_folder(tmp_path: Path, how: str) -> N
     listed = {f["file"] if isinstance(f, dict) else f for f in json.loads((tmp_path / "w4" / "w4pack.json")
                                                                            .read_text())["files"]}
     assert listed and all((out / n).is_file() for n in listed)  # config, index, side files: every covered file
+    from w4pack.store.atomic import umask_mode  # readable as convert's files are (was mkstemp's 0600)
+
+    assert {(out / n).stat().st_mode & 0o777 for n in listed} == {umask_mode(0o666)}
     assert w4pack.validate_checkpoint(out)["num_layers"] == len(json.loads((tmp_path / "w4" / "w4pack.json")
                                                                           .read_text())["layers"])
     again = AutoModelForCausalLM.from_pretrained(out)

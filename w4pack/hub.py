@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ._version import __version__
-from .store.atomic import make_temp_dir, move_into_place, recover, refuse_foreign_folder, refuse_path_below_file
+from .store.atomic import (make_temp_dir, move_into_place, recover, refuse_foreign_folder, refuse_path_below_file,
+                           umask_mode)
 from .store.checkpoint import CONFIG_NAME, INCOMPLETE_MARKER, MANIFEST_NAME, SIDE_FILES, validate_checkpoint
 from .errors import BadInputError, IOFailure, W4PackError
 
@@ -493,6 +494,7 @@ def model_card(checkpoint: str | os.PathLike[str], *, repo_id: str | None = None
 def _write_text_atomic(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.chmod(tmp, umask_mode(0o666))  # (mkstemp's 0600 would keep the card from other users)
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
             fh.write(text)
             fh.flush()

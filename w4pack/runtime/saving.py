@@ -19,6 +19,7 @@ from typing import Any
 
 from ..errors import BadInputError, UnsupportedError
 from ..store.checkpoint import Checkpoint, open_checkpoint, validate_checkpoint
+from ..store.atomic import umask_mode
 from ..store.names import CARD_NAME, MANIFEST_NAME, WEIGHT_SUFFIXES
 
 __all__ = ["attach_save_pretrained", "save_packed"]
@@ -69,6 +70,7 @@ def _copy_atomic(src: Path, dst: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", dir=dst.parent)
     os.close(fd)
     try:
+        os.chmod(tmp, umask_mode(0o666))  # (mkstemp's 0600 would keep the copy from other users)
         shutil.copyfile(src, tmp)
         os.replace(tmp, dst)
     except BaseException:
