@@ -572,3 +572,13 @@ def test_a_folder_from_a_gguf_without_a_tokenizer_says_so(tmp_path: Path) -> Non
     with pytest.raises(BadInputError, match="the GGUF this folder was converted from has none in its metadata") as e:
         load_tokenizer(tmp_path / "w4")
     assert "sentencepiece" not in str(e.value).lower()
+
+
+@pytest.mark.parametrize("threads", [0, -2, 2.5, True])
+def test_load_model_refuses_a_bad_thread_count_at_the_call(tmp_path: Path, threads: object) -> None:
+    """threads=0 loaded the model and failed only at the first forward."""
+    from w4pack.errors import BadInputError
+    from w4pack.loading import load_model
+
+    with pytest.raises(BadInputError, match="threads must be a whole number >= 1"):
+        load_model(tmp_path / "any", threads=threads)  # type: ignore[arg-type]

@@ -622,3 +622,21 @@ def test_a_base_of_another_model_is_bad_input(tmp_path: Path, good: Path, capsys
         verify(good, base=other, threads=1, seed=1)
     rc, out, err = run_cli(str(good), "--base", str(other), "--threads", "1", capsys=capsys)
     assert rc == 2 and out == "" and "[3, 5]" in err and "--base takes the original" in err
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"threads": 0}, "threads must be a whole number >= 1"),
+    ({"threads": -1}, "threads must be a whole number >= 1"),
+    ({"threads": 3.5}, "threads must be a whole number >= 1"),
+    ({"src_format": "gptq"}, "src_format names the format of against="),
+])
+def test_api_arguments_refused_at_the_call(good: Path, kw: dict, says: str) -> None:
+    """threads=0 came back as every layer failing ("GEMM failed: threads must be >= 1"), 3.5 passed, and a
+    src_format without against= was dropped: usage errors, refused before any check runs."""
+    with pytest.raises(BadInputError, match=says):
+        verify(good, seed=1, **kw)
+
+
+def test_cli_from_without_against_is_a_usage_error(good: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_cli(str(good), "--from", "gptq", capsys=capsys)
+    assert rc == 2 and out == "" and "--from names the format of --against" in err

@@ -540,7 +540,9 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
 
     Example::
 
-        w4pack.hub.push("llama-w4/", "me/llama-w4", private=True)
+        from w4pack.hub import push
+
+        push("llama-w4/", "me/llama-w4", private=True)
     """
     folder = Path(path)
     _check_repo_id(repo_id)

@@ -457,11 +457,18 @@ def verify(path: str | os.PathLike[str], *, against: str | os.PathLike[str] | No
 
     Example::
 
-        rep = w4pack.verify.verify("llama-w4/", against="llama-gptq/")
+        from w4pack.verify import verify
+
+        rep = verify("llama-w4/", against="llama-gptq/")
         print(rep.table()); assert rep.ok
     """
     if precision not in TOLERANCE:
         raise BadInputError(f"precision must be 'exact' or 'fast', got {precision!r}")
+    from .native.cpu import check_threads
+
+    check_threads(threads)
+    if src_format is not None and against is None:
+        raise BadInputError("src_format names the format of against=, which is not given")
     if not ms or any(int(m) < 1 for m in ms):
         raise BadInputError(f"activation rows must be >= 1, got {list(ms)}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):

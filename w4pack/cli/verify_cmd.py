@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from ..errors import EXIT_OK, EXIT_VERIFY
+from ..errors import EXIT_OK, EXIT_VERIFY, BadInputError
 from ..verify import CUDA_TOLERANCE, FAST_FLOAT_BOUND, TOLERANCE
 from . import FORMAT_NAMES, check_format_name, detect_source, emit_json, require_packed
 from .extras import needs_extras
@@ -51,6 +51,8 @@ def verify(packed: Path, against: str | None, src_format: str | None, base: Path
 
     require_packed(packed, "verify")
     src_format = check_format_name(src_format, "--from")
+    if src_format is not None and against is None:
+        raise BadInputError("--from names the format of --against, which is not given")
     if against is not None and src_format is None:
         src_format = detect_source(against)
     report = run_verify(packed, against=against, base=base, device=device, precision=precision,

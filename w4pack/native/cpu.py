@@ -102,6 +102,15 @@ def default_threads() -> int:
     return _DEFAULT_THREADS[0]
 
 
+def check_threads(threads: Any) -> None:
+    """A threads argument of the Python API: None or a whole number >= 1, refused at the call (as the CLI refuses
+    it) rather than at the first GEMM, where a verify would report it as every layer failing."""
+    if threads is None:
+        return
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or int(threads) < 1:
+        raise BadInputError(f"threads must be a whole number >= 1 (or None: every core), got {threads!r}")
+
+
 def threads_from_env() -> int | None:
     """$W4PACK_THREADS as a thread count (None when unset or empty); anything but a whole number >= 1 is refused
     (0 or a negative count used to mean one thread silently)."""

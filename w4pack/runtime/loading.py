@@ -472,6 +472,9 @@ def load_model(path: str | os.PathLike[str], device: Any = "cpu", dtype: Any = N
 
     if precision not in PRECISIONS:
         raise BadInputError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    from ..native.cpu import check_threads
+
+    check_threads(threads)
     chosen = resolve_engine(engine, compile)
     dev = torch.device(check_device(device))
     if dev.type == "cuda" and not torch.cuda.is_available():
