@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import struct
@@ -416,3 +417,29 @@ def test_every_refusal_names_a_way_out_that_works(source: str, target: str, tmp_
         rc = main(["convert", str(src), str(out), "--to", other])
         err2 = capsys.readouterr().err
         assert rc == 0, f"the way out of {err!r}, --to {other}, fails too: {err2}"
+
+
+@pytest.mark.parametrize("to, kw, says", [
+    ("awq", {"verison": "gemv"}, "the awq writer takes no option verison (it takes: version)"),
+    ("gptq", {"version": "v2"}, "the gptq writer takes no option version (it takes: checkpoint_format)"),
+    ("compressed-tensors", {"bogus": 1}, "the compressed-tensors writer takes no option bogus (it takes: none)"),
+    ("toml", {"weight": False}, "the toml writer takes no option weight (it takes: variant, weights)"),
+    ("gguf", {"bogus": 1}, "the gguf writer takes no option bogus"),
+])
+def test_every_writer_refuses_an_option_it_does_not_take(tmp_path, to, kw, says):
+    """A misspelt option (verison=) wrote AWQ GEMM without a word; only the w4pack writer refused one."""
+    src = tmp_path / "src"
+    write_model(src)
+    with pytest.raises(BadInputError, match=re.escape(says)):
+        convert(src, tmp_path / "out", to=to, show_progress=False, **kw)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family, case", [("awq", "gemm_g128_in512_out256"),
+                                          ("compressed-tensors", "sym_group128_in512_out256")])
+def test_every_reader_refuses_an_option_it_does_not_take(tmp_path, family, case):
+    from conftest import fixture_dir
+
+    with pytest.raises(BadInputError, match="reader takes no option bogus"):
+        convert(fixture_dir(family, case), tmp_path / "out", show_progress=False, source_options={"bogus": 1})
+    assert not (tmp_path / "out").exists()

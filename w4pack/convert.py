@@ -213,8 +213,9 @@ def _refuse_writer_options(target: type[Format], options: dict[str, Any]) -> Non
         return
     extra = sorted(k for k in options if k != "base" and k not in target.write_options)
     if extra:
-        raise BadInputError(f"the {target.name} writer takes no option {', '.join(extra)}; options for the reader go "
-                            "in source_options=")
+        takes = ", ".join(sorted(target.write_options)) or "none"
+        raise BadInputError(f"the {target.name} writer takes no option {', '.join(extra)} (it takes: {takes}); "
+                            "options for the reader go in source_options=")
 
 
 def _refuse_unwritable_path(dst: Path, target: type[Format]) -> None:

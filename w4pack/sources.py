@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import BadInputError, W4PackError
-from .formats import detect, get_format
+from .formats import check_read_options, detect, get_format
 from .formats.base import Source
 
 __all__ = ["is_hub_spec", "local_path", "source_format", "open_source"]
@@ -64,6 +64,7 @@ def _open_as(fmt: str | None, path: Path, options: dict[str, Any]) -> Source:
     input and detection recognises it as another format, the error says so: "header length exceeds the file" is
     what the safetensors reader of --from awq says about a GGUF file, and the mistake to fix is the --from."""
     name = fmt or detect(path)
+    check_read_options(get_format(name), options, path)
     try:
         return get_format(name).open(path, **options)
     except W4PackError as exc:

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import Any
 
 from ..errors import BadInputError, UnsupportedError, W4PackError
 from .base import Capabilities, Format, HubFiles, Source, TensorData
 
-__all__ = ["REGISTRY", "get_format", "detect", "open_source", "hub_files", "Format", "Source", "Capabilities",
+__all__ = ["REGISTRY", "get_format", "detect", "open_source", "check_read_options", "hub_files", "Format", "Source", "Capabilities",
            "TensorData", "HubFiles"]
 
 #: format name -> "module:Class"; modules are imported on first use so a broken optional
@@ -162,4 +163,16 @@ def open_source(path: str | Path, fmt: str | None = None, **options: object) -> 
         raise UnsupportedError("w4pack.formats.open_source opens local paths; open hf:// sources with "
                                "w4pack.sources.open_source", file=str(path))
     name = fmt or detect(path)
-    return get_format(name).open(Path(path), **options)
+    f = get_format(name)
+    check_read_options(f, options, path)
+    return f.open(Path(path), **options)
+
+
+def check_read_options(f: type[Format], options: dict[str, Any], path: str | Path) -> None:
+    """Refuse an option the reader does not take (a misspelt or misplaced one), rather than drop it; ``base`` is
+    the readers' own check (a quant-table reader takes it, the others say why not)."""
+    extra = sorted(k for k in options if k != "base" and f.read_options is not None and k not in f.read_options)
+    if extra:
+        takes = ", ".join(sorted(f.read_options or ())) or "none"
+        raise BadInputError(f"the {f.name} reader takes no option {', '.join(extra)} (it takes: {takes})",
+                            file=str(path))

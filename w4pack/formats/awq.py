@@ -695,6 +695,8 @@ def _not_converted(source: Source) -> list[str] | None:
 
 class AWQFormat(Format):
     name = "awq"
+    write_options = frozenset({"version"})
+    read_options = frozenset({"group_size"})
     description = "AWQ: AutoAWQ GEMM/GEMV/GEMVFast/Marlin safetensors, llm-awq .pt dumps (2023 and 2024 TinyChat)"
     capabilities = AWQCapabilities("gemm")
     hub_files = (SAFETENSORS_FILES, PICKLE_FILES)

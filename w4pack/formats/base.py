@@ -171,8 +171,10 @@ class Format(abc.ABC):
     #: its check_writable has rules beyond ``capabilities`` (AWQ's one group size, GGUF's block encodings):
     #: ``convert --dry-run`` then asks it rather than the capabilities alone
     own_layer_checks: bool = False
-    #: the writer options it takes; None: it ignores options meant for other formats
+    #: the writer options it takes (convert and Format.write refuse any other); None: not declared
     write_options: frozenset[str] | None = None
+    #: the reader options it takes besides ``base`` (open_source refuses any other); None: the reader checks them
+    read_options: frozenset[str] | None = None
     #: its reader rebuilds codes from the base model's weights (the ``base`` option: TOML quant tables)
     takes_base: bool = False
     #: the files its reader needs from a Hub repository (besides configs, card and tokenizer)

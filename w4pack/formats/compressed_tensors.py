@@ -627,6 +627,8 @@ def build_quantization_config(schemes: dict[str, tuple[Any, ...]], ignore: list[
 
 class CompressedTensorsFormat(Format):
     name = "compressed-tensors"
+    write_options: frozenset[str] = frozenset()
+    read_options: frozenset[str] = frozenset()
     description = "compressed-tensors pack-quantized (llm-compressor / vLLM)"
     capabilities = Capabilities(bits=(2, 3, 4, 8), zero_modes=("none", "int"), act_order=False,
                                 notes=["group strategy needs group_size dividing in_features",

@@ -1043,6 +1043,8 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
 
 class GGUFFormat(Format):
     name = "gguf"
+    write_options: frozenset[str] = frozenset()
+    read_options = frozenset({"export_tokenizer"})
     description = "GGUF (llama.cpp): Q4_0/Q4_1/Q8_0, Q5_0/Q5_1, K-quants, IQ4_NL/XS"
     capabilities = Capabilities(bits=(4, 8), zero_modes=("none", "int", "float"), group_sizes=(32,),
                                 act_order=False, scale_dtypes=("float16", "bfloat16", "float32"),

@@ -1007,6 +1007,7 @@ def _looks_gptq_tensors(path: Path) -> bool:
 
 class GPTQFormat(Format):
     name = "gptq"
+    write_options = frozenset({"checkpoint_format"})
     description = "GPTQ (AutoGPTQ, GPTQModel v1/v2, GPTQ-for-LLaMa): int32 qweight packed along K, qzeros, g_idx"
     capabilities = GPTQCapabilities(V1)
     hub_files = (SAFETENSORS_FILES, PICKLE_FILES)

@@ -500,6 +500,7 @@ class TomlCapabilities(Capabilities):
 
 class TomlTablesFormat(Format):
     name = "toml"
+    write_options = frozenset({"variant", "weights"})
     description = "GPTQ-for-LLaMa observer quant tables (quant.toml + .npy, or decoder-N.toml) + base weights"
     capabilities = TomlCapabilities(bits=(2, 3, 4, 8), zero_modes=("none", "int"), act_order=True)
     takes_base = True

@@ -67,6 +67,7 @@ class W4PackFormat(Format):
     packs_embeddings = True
     #: expanded=True: every layer in the runtime form, none in the compact storage (docs/LAYOUT.md §8)
     write_options = frozenset({"expanded"})
+    read_options: frozenset[str] = frozenset()
 
     @classmethod
     def source_problems(cls, source: Source, label: str) -> list[W4PackError]:
