@@ -233,10 +233,14 @@ class CanonicalLayer:
 
 
 def dequantize(layer: CanonicalLayer, dtype: type = np.float32) -> np.ndarray:
-    """W[n,k] = s[n,g[k]]·(q[n,k] − z[n,g[k]])  or  s[n,g[k]]·q[n,k] + m[n,g[k]]  (zero_mode 'float')."""
-    conv = to_float64 if np.dtype(dtype) == np.float64 else to_float32
+    """W[n,k] = s[n,g[k]]·(q[n,k] − z[n,g[k]])  or  s[n,g[k]]·q[n,k] + m[n,g[k]]  (zero_mode 'float').
+
+    In float32, the float64 values rounded once (docs/LAYOUT.md §1): float32 arithmetic gives that except for the
+    sum of a float-minimum layer with float32 scales, whose product may round too, so that one goes by float64."""
+    wide = np.dtype(dtype) == np.float64 or (layer.zero_mode == "float" and layer.scale_dtype == "float32")
+    conv = to_float64 if wide else to_float32
     s = conv(layer.scales, layer.scale_dtype)[:, layer.g_idx]
-    q = layer.codes.astype(dtype)
+    q = layer.codes.astype(np.float64 if wide else dtype)
     if layer.zero_mode == "float":
         m = conv(layer.zeros, layer.scale_dtype)[:, layer.g_idx]
         return (s * q + m).astype(dtype)
