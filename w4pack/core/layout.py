@@ -116,9 +116,11 @@ def group_structure(layer: CanonicalLayer) -> tuple[np.ndarray | None, int]:
         return None, gs
     perm = np.argsort(layer.g_idx, kind="stable").astype(np.int32)
     if not np.array_equal(layer.g_idx[perm], trivial):
-        raise BadInputError(f"g_idx contradicts group_size {gs}: its groups are not exactly {gs} columns each "
-                            "(last group may be short), so sorting K cannot give contiguous groups",
-                            tensor=layer.name or None)
+        # the values are well defined (W = s[g_idx[k]]·(q − z)), but this layout stores groups of group_size
+        # packed columns: unsupported (exit 3), not a damaged file
+        raise UnsupportedError(f"g_idx contradicts group_size {gs}: its groups are not exactly {gs} columns each "
+                               "(last group may be short), so sorting K cannot give contiguous groups, which the "
+                               "packed layout needs (docs/LAYOUT.md section 3.1)", tensor=layer.name or None)
     return perm, gs
 
 
