@@ -140,3 +140,10 @@ def test_float32_dequantize_is_the_float64_one_rounded_once(mode, sdt):
     layer.validate()
     assert np.array_equal(layer.dequantize(np.float32).view(np.uint32),
                           layer.dequantize(np.float64).astype(np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float16, np.uint8])
+def test_dequantize_refuses_a_dtype_it_does_not_give(dtype):
+    """dtype=np.int32 returned truncated integers without a word."""
+    with pytest.raises(BadInputError, match="float32 or float64 weights"):
+        make(np.random.default_rng(1)).validate().dequantize(dtype)

@@ -237,6 +237,9 @@ def dequantize(layer: CanonicalLayer, dtype: type = np.float32) -> np.ndarray:
 
     In float32, the float64 values rounded once (docs/LAYOUT.md §1): float32 arithmetic gives that except for the
     sum of a float-minimum layer with float32 scales, whose product may round too, so that one goes by float64."""
+    if np.dtype(dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise BadInputError(f"dequantize gives float32 or float64 weights, not {np.dtype(dtype)}",
+                            tensor=layer.name or None)
     wide = np.dtype(dtype) == np.float64 or (layer.zero_mode == "float" and layer.scale_dtype == "float32")
     conv = to_float64 if wide else to_float32
     s = conv(layer.scales, layer.scale_dtype)[:, layer.g_idx]

@@ -618,7 +618,7 @@ class Checkpoint:
             raise
 
     def dequantize(self, name: str, dtype: type = np.float32) -> np.ndarray:
-        """float32 [N, K] weights in the original input-channel order."""
+        """float32 (or ``dtype`` float64) [N, K] weights in the original input-channel order."""
         return self.layer(name).dequantize(dtype)
 
     def check_structure(self) -> None:
