@@ -552,7 +552,7 @@ class W4Embedding(W4Linear):
     Why: a GGUF stores its embedding quantized (often the model's largest tensor); widening it to float32 would
     double the folder and the memory. The rows come straight out of the layout v1 ``qweight`` (no second copy of
     the codes: a [16, K] table says where each code of a stripe's rows sits), with the canonical dequantization
-    in float32 (``s·(q − z)`` or ``s·q + m``, one rounding per operation exactly as ``canonical.dequantize``),
+    in float32 (``s·(q − z)`` or ``s·q + m``, rounded exactly as ``canonical.dequantize`` rounds them),
     then cast to the model's dtype, as a float embedding loaded from the same weights would be. Pure torch ops,
     so CPU, CUDA and ``torch.compile`` share it.
 
@@ -639,7 +639,11 @@ class W4Embedding(W4Linear):
         fdt = TORCH_FLOAT[m["scale_dtype"]]
         s = self.scales.view(fdt)[:, flat].t().to(torch.float32)[:, group]
         if m["zero_mode"] == "float":
-            w = s * q + self._buffers["mins"].view(fdt)[:, flat].t().to(torch.float32)[:, group]
+            mins = self._buffers["mins"].view(fdt)[:, flat].t()[:, group]
+            if m["scale_dtype"] == "float32":  # s·q may round in float32: the sum rounds once, as canonical's
+                w = (s.double() * q.double() + mins.double()).to(torch.float32)
+            else:
+                w = s * q + mins.to(torch.float32)
         else:
             if m["zero_mode"] == "int":  # 8-bit storage keeps zeros as int16 bits of uint16 values
                 z = (self._buffers["zeros"][:, flat].t().to(torch.int32) & 0xFFFF).to(torch.float32)[:, group]
