@@ -15,8 +15,8 @@ from .extras import needs_extras
 @click.argument("packed", type=click.Path(path_type=Path))
 @click.option("--against", "against", default=None, metavar="SRC",
               help="Source checkpoint (any supported format; a path or hf://owner/name[@rev][/file], as convert "
-                   "takes): every layer must unpack to the same bits, a fused layer part by part; pass-through tensors, "
-                   "config.json, the generation config and the tokenizer files must equal the source's.")
+                   "takes): every layer must unpack to the same bits, a fused layer part by part; pass-through "
+                   "tensors, config.json, the generation config and the tokenizer files must equal the source's.")
 @click.option("--from", "src_format", default=None, metavar="FMT",
               help=f"Format of --against when detection cannot tell: {FORMAT_NAMES}.")
 @click.option("--base", type=click.Path(path_type=Path), default=None,

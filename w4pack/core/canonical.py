@@ -232,15 +232,26 @@ class CanonicalLayer:
         return out
 
 
+def _products_exact(scales: np.ndarray, bits: int) -> bool:
+    """Every s·q (q < 2^bits) exact in float32: each float32 scale is zero or a normal number whose significand
+    ends in ``bits`` zero bits, so the product's significand fits 24 bits."""
+    u = np.ascontiguousarray(scales, dtype=np.float32).view(np.uint32)
+    mag = u & np.uint32(0x7FFFFFFF)
+    normal = (mag == 0) | ((mag >> np.uint32(23)) != 0)
+    return bool(np.all(normal & ((u & np.uint32((1 << bits) - 1)) == 0)))
+
+
 def dequantize(layer: CanonicalLayer, dtype: type = np.float32) -> np.ndarray:
     """W[n,k] = s[n,g[k]]·(q[n,k] − z[n,g[k]])  or  s[n,g[k]]·q[n,k] + m[n,g[k]]  (zero_mode 'float').
 
     In float32, the float64 values rounded once (docs/LAYOUT.md §1): float32 arithmetic gives that except for the
-    sum of a float-minimum layer with float32 scales, whose product may round too, so that one goes by float64."""
+    sum of a float-minimum layer whose float32 scales make s·q round too, so that one goes by float64 (K-quant
+    scales do not: their products are exact, and they stay in float32, half the memory)."""
     if np.dtype(dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise BadInputError(f"dequantize gives float32 or float64 weights, not {np.dtype(dtype)}",
                             tensor=layer.name or None)
-    wide = np.dtype(dtype) == np.float64 or (layer.zero_mode == "float" and layer.scale_dtype == "float32")
+    wide = np.dtype(dtype) == np.float64 or (layer.zero_mode == "float" and layer.scale_dtype == "float32"
+                                             and not _products_exact(layer.scales, layer.bits))
     conv = to_float64 if wide else to_float32
     s = conv(layer.scales, layer.scale_dtype)[:, layer.g_idx]
     q = layer.codes.astype(np.float64 if wide else dtype)

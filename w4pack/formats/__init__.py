@@ -11,8 +11,8 @@ from typing import Any
 from ..errors import BadInputError, UnsupportedError, W4PackError
 from .base import Capabilities, Format, HubFiles, Source, TensorData
 
-__all__ = ["REGISTRY", "get_format", "detect", "open_source", "check_read_options", "hub_files", "Format", "Source", "Capabilities",
-           "TensorData", "HubFiles"]
+__all__ = ["REGISTRY", "get_format", "detect", "open_source", "check_read_options", "hub_files", "Format", "Source",
+           "Capabilities", "TensorData", "HubFiles"]
 
 #: format name -> "module:Class"; modules are imported on first use so a broken optional
 #: dependency of one format does not break the others.

@@ -697,8 +697,9 @@ class CompressedTensorsFormat(Format):
                     except UnsupportedError as exc:  # said once, with how many other layers share the fate
                         rest = sum(1 for n in names[i + 1:] if _unwritable(source, n))
                         more = f" (and {rest} more layer(s))" if rest else ""
+                        where = getattr(source, "path", None)
                         raise UnsupportedError(f"cannot write compressed-tensors: {name}: {exc.message}{more}",
-                                               file=str(source.path) if getattr(source, "path", None) else None) from None
+                                               file=str(where) if where else None) from None
                     schemes[name] = key
                     shards.add_group(items)
                     bar.update()

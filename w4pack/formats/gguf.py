@@ -846,7 +846,7 @@ class _Payloads:
                     self.lost[src_type] += 1
                 return np.ascontiguousarray(layer.dequantize(np.float64).astype(np.float32)), None
         qt, data = encode_layer(layer)
-        if self.first_pass and layer.group_size != 32:
+        if self.first_pass and layer.group_size != BLOCK:
             self.spread[layer.group_size] += 1
         return data, self.gguf.GGMLQuantizationType[qt]
 
