@@ -513,3 +513,48 @@ def test_bench_lean_instances_reads_its_loops():
         bench.parse_loops("fold=yes")
     with pytest.raises(ValueError, match="names no loop"):
         bench.parse_loops(" , ")
+
+
+def test_gpu_ab_rotates_the_libraries_and_puts_the_installed_one_back(tmp_path, monkeypatch, capsys):
+    gpu_ab = _tool("gpu_ab")
+    libdir = tmp_path / "_lib"
+    monkeypatch.setattr(gpu_ab, "LIBDIR", libdir)
+    monkeypatch.setattr(gpu_ab, "LIB", libdir / "libw4p_cuda.so")
+    libdir.mkdir()
+    (libdir / "libw4p_cuda.so").write_bytes(b"installed")
+    a, b = tmp_path / "a.so", tmp_path / "b.so"
+    a.write_bytes(b"A")
+    b.write_bytes(b"B")
+    times = {b"A": [10.0, 11.0, 12.0], b"B": [8.0, 9.0, 7.0]}
+    order = []
+
+    def fake_run(lib, bench_args, timeout):
+        body = gpu_ab.LIB.read_bytes()  # the library under test is the one installed while it runs
+        order.append(body)
+        assert bench_args == ["--ms", "1"]
+        t = times[body].pop(0)
+        return [{"kind": "run", "gpu": "TestGPU"},
+                {"kind": "gemm", "K": 64, "N": 128, "M": 1, "w4pack_us": t, "cublas_mm_us": 30.0,
+                 "cublas_linear_us": 31.0}]
+
+    monkeypatch.setattr(gpu_ab, "run_one", fake_run)
+    out = tmp_path / "ab.jsonl"
+    assert gpu_ab.main([f"base={a}", f"new={b}", "--rounds", "3", "--json", str(out), "--", "--ms", "1"]) == 0
+    assert order == [b"A", b"B", b"B", b"A", b"A", b"B"]
+    assert (libdir / "libw4p_cuda.so").read_bytes() == b"installed"
+    text = capsys.readouterr().out
+    assert "| 64×128, 1 | 10.0 / 11.0 / 12.0 (**11.0**) | 8.0 / 9.0 / 7.0 (**8.0**) | 30.0 | 0.727 |" in text
+    assert "base 2.727x, new 3.750x" in text
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["lib"], r["round"]) for r in recs if r["kind"] == "gemm"] == [
+        ("base", 1), ("new", 1), ("new", 2), ("base", 2), ("base", 3), ("new", 3)]
+
+
+def test_gpu_ab_refuses_bad_library_specs(tmp_path):
+    gpu_ab = _tool("gpu_ab")
+    lib = tmp_path / "a.so"
+    lib.write_bytes(b"A")
+    for specs, msg in (([f"a={lib}"], "at least two"), ([f"a={lib}", f"a={lib}"], "named twice"),
+                       ([f"a={lib}", "b"], "NAME=PATH"), ([f"a={lib}", f"b={tmp_path / 'no.so'}"], "no such")):
+        with pytest.raises(SystemExit, match=msg):
+            gpu_ab.parse_libs(specs)

@@ -72,6 +72,14 @@ W4P_HDI int bulk_smem_bytes(int sb, int m, int gs, int ns, int ct, int qs = BQ) 
 constexpr int GV_W = 16;  // warps per block
 constexpr int GV_U = 2;   // tiles per warp and step
 constexpr int GV_B = 2;   // blocks per SM asked of the compiler (one fewer for the heavier layer kinds)
+// steps whose weights a warp holds in registers at once: the one it computes and GV_STAGES - 1 being loaded (2: a
+// double buffer; 3: loads two steps ahead, a third more registers). A build option (W4P_CUDA_DEFINES=
+// -DW4P_GV_STAGES=3) so both can be measured against each other on one machine.
+#ifndef W4P_GV_STAGES
+#define W4P_GV_STAGES 2
+#endif
+constexpr int GV_STAGES = W4P_GV_STAGES;
+static_assert(GV_STAGES == 2 || GV_STAGES == 3, "the gemv kernel's loop names two or three register buffers");
 constexpr int GV_RED = 2 * GV_W * 16 * 4;  // the stripe sums' two buffers [2][GV_W][16] floats
 W4P_HD constexpr size_t gv_smem(int kt) { return (size_t)GV_RED + (size_t)kt * 128; }
 

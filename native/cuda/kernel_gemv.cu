@@ -12,7 +12,8 @@
 //   * the group parameters once per group segment (GV_U tiles of one group; single tiles, or half tiles where
 //     groups end inside a tile), not once per tile, and the scale applied to the segment's MMA sums in fp32 once;
 //   * 32-bit offsets with immediate per-tile displacements instead of 64-bit address arithmetic per tile;
-//   * the double buffer as two named register sets (the loop body runs two steps), so no register copies;
+//   * the double buffer as two named register sets (the loop body runs two steps), so no register copies (three
+//     with GV_STAGES = 3: loads two steps ahead);
 //   * a step-level test for the last partial chunk of a stripe instead of one branch per tile;
 //   * the first step's weights requested before the activations are staged (after the dependent-launch wait).
 // 16 warps x 2 tiles, two blocks per SM: it beat the earlier 8-warp x 4-tile kernel (parameters per tile, three
@@ -30,9 +31,15 @@ namespace {
 // 64 columns or fewer: more parameters in registers), where the float minima are applied per weight and for bf16
 // with integer zero points; without it ptxas spills those (tools/cuda_sass_loop.py shows registers and stack per
 // kernel)
-template <typename T, int ZM, int TS> constexpr int gv_minb() {
+template <typename T, int ZM, int TS> W4P_HD constexpr int gv_minb() {
   constexpr bool heavy = TS <= 1 || ZM == 2 || (ZM == 1 && sizeof(T) == 2 && !std::is_same<T, half>::value);
   return heavy && GV_B > 1 ? GV_B - 1 : GV_B;
+}
+
+// register buffers of the layer kind: GV_STAGES, but two where a third does not fit the launch bound's registers
+// (fp16 with integer zero points at two blocks per SM spills with three)
+template <typename T, int ZM, int TS> W4P_HD constexpr int gv_stages() {
+  return GV_STAGES == 3 && ZM == 1 && gv_minb<T, ZM, TS>() == GV_B ? 2 : GV_STAGES;
 }
 
 template <int ZM, int TS> struct GvShape {
@@ -175,8 +182,10 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
       s_n += G;
     }
   };
-  Buf A, B;
+  Buf A, B, C;
   load(A);  // (weights do not depend on the previous kernel's output; requested before the staging below)
+  constexpr int STAGES = gv_stages<T, ZM, TS>();
+  if (STAGES == 3) load(B);
   {  // the activations in fragment order: pair (k, k + 1) of tile kb goes to slot ((kb * 4 + tid) * 4 + j) * 2 + hi
     const T *x = (const T *)p.x;
     float rms = 1.f;
@@ -253,12 +262,25 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
       s += G;
     }
   };
-  for (int i = 0; i < nsteps; i += 2) {  // two steps per pass: the buffers alternate by name, not by copy
-    load(B);
-    step(A);
-    if (i + 1 >= nsteps) break;
-    load(A);
-    step(B);
+  if (STAGES == 2) {
+    for (int i = 0; i < nsteps; i += 2) {  // two steps per pass: the buffers alternate by name, not by copy
+      load(B);
+      step(A);
+      if (i + 1 >= nsteps) break;
+      load(A);
+      step(B);
+    }
+  } else {
+    for (int i = 0; i < nsteps; i += 3) {  // three per pass: step i computes while i + 1 and i + 2 load
+      load(C);
+      step(A);
+      if (i + 1 >= nsteps) break;
+      load(A);
+      step(B);
+      if (i + 2 >= nsteps) break;
+      load(B);
+      step(C);
+    }
   }
 }
 
