@@ -172,17 +172,17 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
 
 def source_problems(target: type[Format], source: Source, label: str) -> list[W4PackError]:
     """What stops convert before anything is written, in the order it reports them: a quantized layer missing a
-    tensor (its other tensors left as pass-through), the target's own objections, then a tensor config.json's
-    architecture needs besides its linears (an embedding, a norm) that the source lacks: the output would load
-    with that tensor at its initial value, and validate refuses such a packed folder. ``verify --against`` asks
-    too, so it refuses a source as convert would."""
+    tensor or holding its qweight under another name (its other tensors left as pass-through), the target's own
+    objections, then a tensor config.json's architecture needs besides its linears (an embedding, a norm) that the
+    source lacks: the output would load with that tensor at its initial value, and validate refuses such a packed
+    folder. ``verify --against`` asks too, so it refuses a source as convert would."""
     problems: list[W4PackError] = []
     bad_config = config_problem(source.config or {})  # every writer copies config.json; the packed reader refuses it
     if bad_config:
         # (a GGUF file's config is made from its metadata: llama.block_count is num_hidden_layers)
         where = "the config its metadata gives" if Path(label).suffix.lower() == ".gguf" else "config.json"
         problems.append(BadInputError(f"{where}: {bad_config}", file=label))
-    orphan = missing_member(source.passthrough_names())
+    orphan = missing_member(source.passthrough_names(), source.tensor_info)
     if orphan:  # a layer that lost its qweight: its other tensors would be carried as floats, the layer dropped
         problems.append(BadInputError(orphan[1], file=label))
     problems.extend(target.source_problems(source, label))

@@ -363,6 +363,13 @@ class AWQSource(Source):
     def tensor_shape(self, name: str) -> tuple[int, ...] | None:
         return tuple(self.store.info(name)[1])
 
+    def tensor_info(self, name: str) -> tuple[str, tuple[int, ...]] | None:
+        try:
+            dt, shape = self.store.info(name)  # safetensors header or loaded pickle: no data read
+        except KeyError:  # a pickled dtype no reader takes (fp8, complex): not a packed weight
+            return None
+        return dt, tuple(shape)
+
     def read_tensor(self, name: str) -> TensorData:
         dt, _shape = self.store.info(name)
         return TensorData(self.store.read_copy(name), dt)

@@ -133,6 +133,18 @@ class Source(abc.ABC):
         span = self.tensor_span(name)
         return None if span is None else tuple(span[4])
 
+    def tensor_info(self, name: str) -> tuple[str, tuple[int, ...]] | None:
+        """A tensor's (dtype name, shape), as the safetensors reader spells the dtype ("int32", "bfloat16"), without
+        reading its data; None where the reader cannot say without reading it. Convert asks about pass-through
+        tensors that may be a damaged layer's (w4pack.formats._incomplete)."""
+        span = self.tensor_span(name)
+        if span is None:
+            return None
+        from ..store.safetensors import DTYPES
+
+        dt = DTYPES.get(span[3])
+        return (dt[1] if dt else str(span[3])), tuple(span[4])
+
     def embedding_names(self) -> list[str]:
         """The layers of ``layer_names`` that are token embeddings kept packed (role "embedding"): looked up,
         not multiplied. A writer whose format cannot hold them gets them dequantized (formats/embeddings.py)."""

@@ -22,7 +22,8 @@ from .safetensors import DTYPES, SafetensorsFile, SourceChanged
 from .names import INDEX_NAME, PT_INDEX_NAME, PT_SUFFIXES
 from .torchfile import StateDict, dtype_name as torch_dtype_name, load_state_dict, read_tensor
 
-__all__ = ["TensorStore", "open_tensors", "pt_files", "first_unreadable", "safetensors_names"]
+__all__ = ["TensorStore", "open_tensors", "pt_files", "first_unreadable", "safetensors_names", "safetensors_infos",
+           "pickle_names", "pickle_infos"]
 
 #: torch files in a model folder that hold no weights
 _NOT_WEIGHTS = ("training_args", "optimizer", "scheduler", "rng_state")
@@ -333,10 +334,19 @@ def first_unreadable(path: Path) -> BadInputError | None:
     return None
 
 
-def pickle_names(path: Path) -> dict[str, dict[str, tuple[int, ...]]]:
-    """Tensor names and shapes of every torch weights file at ``path`` that loads (``weights_only``), by file:
-    ``safetensors_names`` for llm-awq's ``.pt`` dumps. A file that does not load is left to the reader that
-    refused it, which names what is wrong."""
+def _torch_dtype(t: Any) -> str:
+    """The dtype name of a loaded tensor as the safetensors reader spells it ("int32", "bfloat16"); torch's own name
+    for a dtype no reader takes (an fp8, a complex): a name for a message, never matched."""
+    try:
+        return torch_dtype_name(t)
+    except (KeyError, AttributeError):
+        return str(getattr(t, "dtype", "")).removeprefix("torch.")
+
+
+def pickle_infos(path: Path) -> dict[str, dict[str, tuple[str, tuple[int, ...]]]]:
+    """Tensor names with their (dtype name, shape) of every torch weights file at ``path`` that loads
+    (``weights_only``), by file: ``safetensors_infos`` for llm-awq's ``.pt`` dumps. A file that does not load is left
+    to the reader that refused it, which names what is wrong."""
     path = Path(path)
     if path.is_dir():
         files = pt_files(path)
@@ -344,20 +354,21 @@ def pickle_names(path: Path) -> dict[str, dict[str, tuple[int, ...]]]:
         files = [path]
     else:
         return {}
-    out: dict[str, dict[str, tuple[int, ...]]] = {}
+    out: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
     for p in files:
         try:
             sd = load_state_dict(p)
         except (BadInputError, UnsupportedError):  # (no torch: nothing to list)
             continue
-        out[str(p)] = {n: tuple(int(d) for d in getattr(t, "shape", ())) for n, t in sd.items()}
+        out[str(p)] = {n: (_torch_dtype(t), tuple(int(d) for d in getattr(t, "shape", ()))) for n, t in sd.items()}
     return out
 
 
-def safetensors_names(path: Path) -> dict[str, dict[str, tuple[int, ...]]]:
-    """Tensor names and shapes of every readable safetensors file at ``path`` (the file, or the folder's
-    ``*.safetensors``), by file. Format detection asks when no format recognises a folder, to tell a damaged
-    quantized checkpoint (a layer missing a tensor) from a format w4pack does not know."""
+def safetensors_infos(path: Path) -> dict[str, dict[str, tuple[str, tuple[int, ...]]]]:
+    """Tensor names with their (dtype name, shape) of every readable safetensors file at ``path`` (the file, or the
+    folder's ``*.safetensors``), by file. Format detection asks when no format recognises a folder, to tell a
+    damaged quantized checkpoint (a layer missing a tensor, or holding it under another name) from a format w4pack
+    does not know."""
     path = Path(path)
     if path.is_dir():
         files = sorted(p for p in path.glob("*.safetensors") if p.is_file())
@@ -365,14 +376,26 @@ def safetensors_names(path: Path) -> dict[str, dict[str, tuple[int, ...]]]:
         files = [path]
     else:
         return {}
-    out: dict[str, dict[str, tuple[int, ...]]] = {}
+    out: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
     for p in files:
         try:
             f = SafetensorsFile(p)
         except BadInputError:
             continue
         try:
-            out[str(p)] = {n: f.info(n)[1] for n in f.keys()}
+            out[str(p)] = {n: f.info(n) for n in f.keys()}
         finally:
             f.close()
     return out
+
+
+def pickle_names(path: Path) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Tensor names and shapes of every torch weights file at ``path`` that loads, by file (``pickle_infos``
+    without the dtypes)."""
+    return {f: {n: shape for n, (_dt, shape) in infos.items()} for f, infos in pickle_infos(path).items()}
+
+
+def safetensors_names(path: Path) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Tensor names and shapes of every readable safetensors file at ``path``, by file (``safetensors_infos``
+    without the dtypes)."""
+    return {f: {n: shape for n, (_dt, shape) in infos.items()} for f, infos in safetensors_infos(path).items()}
