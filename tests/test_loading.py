@@ -582,3 +582,26 @@ def test_load_model_refuses_a_bad_thread_count_at_the_call(tmp_path: Path, threa
 
     with pytest.raises(BadInputError, match="threads must be a whole number >= 1"):
         load_model(tmp_path / "any", threads=threads)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("how", ["load_model", "from_pretrained"])
+def test_each_layer_knows_its_name_for_its_errors(tmp_path: Path, how: str) -> None:
+    """A layer fed the wrong width (a model edited by hand, a custom forward) names itself: the loaders give each
+    W4Linear its checkpoint name, the fused ones included (load_model fills modules it builds; from_pretrained
+    builds skeletons first)."""
+    from transformers import AutoModelForCausalLM
+
+    src, _layers, _ref = _write(tmp_path, "llama", "gptq")
+    convert(src, tmp_path / "w4", fuse="qkv")
+    manifest = json.loads((tmp_path / "w4" / "w4pack.json").read_text())
+    model = load_model(tmp_path / "w4") if how == "load_model" else \
+        AutoModelForCausalLM.from_pretrained(tmp_path / "w4")
+    named = {n: m.layer_name for n, m in model.named_modules() if isinstance(m, W4Linear)}
+    assert set(named) == set(manifest["layers"]) and all(named[n] == n for n in named), named
+    down = "model.layers.1.mlp.down_proj"
+    mod = model.get_submodule(down)
+    with pytest.raises(ValueError, match=f"^layer {down}: input has 3 features, the layer expects {mod.in_features}"):
+        mod(torch.randn(1, 3))
+    fused = next(iter(manifest["fused"]))
+    with pytest.raises(ValueError, match=f"^layer {fused}: input has 3 features"):
+        model.get_submodule(manifest["fused"][fused][0]["name"])(torch.randn(1, 3))

@@ -206,3 +206,62 @@ def test_deepcopy_gets_its_own_handle_and_weights() -> None:
     twin.qweight.zero_()  # all codes 0: a different layer
     assert torch.equal(mod(x), y)
     assert not torch.equal(twin(x), y)
+
+
+def test_errors_name_the_layer() -> None:
+    """A model runs dozens of W4Linear: a wrong input width or dtype, or a wrong precision, names the layer that
+    refused (the loader gives each its checkpoint name), and stays a ValueError (torch's convention)."""
+    layer = _layer(16, 64, group_size=32)
+    name = "model.layers.3.mlp.up_proj"
+    mod = W4Linear.from_canonical(layer, name=name)
+    assert mod.layer_name == name
+    cases = [(torch.randn(2, 32), "input has 32 features, the layer expects 64"),
+             (torch.randn(2, 64, dtype=torch.float64), "activations must be float16, bfloat16 or float32, got "
+                                                        "torch.float64")]
+    for x, says in cases:
+        with pytest.raises(ValueError) as exc:
+            mod(x)
+        assert str(exc.value).startswith(f"layer {name}: {says}"), exc.value
+    mod.precision = "sloppy"  # set after building: the kernel refuses it, and the layer is named
+    with pytest.raises(ValueError, match=f"^layer {name}: precision must be 'exact' or 'fast'"):
+        mod(torch.randn(2, 64))
+    with pytest.raises(ValueError, match=f"^layer {name}: precision must be one of"):
+        W4Linear.from_canonical(layer, name=name, precision="turbo")
+    # a copy keeps the name; a layer packed in memory without one says what it always said
+    import copy
+
+    with pytest.raises(ValueError, match=f"^layer {name}: input has 32"):
+        copy.deepcopy(mod)(torch.randn(2, 32))
+    anonymous = W4Linear.from_canonical(layer)
+    assert anonymous.layer_name is None
+    with pytest.raises(ValueError, match="^input has 32 features, the layer expects 64$"):
+        anonymous(torch.randn(2, 32))
+
+
+def test_the_name_comes_from_the_manifest_entry() -> None:
+    """A module built from a checkpoint's packed layer (whose manifest entry lists its tensors) knows its name
+    without being told; one built from the entry alone (the loaders' skeletons) too."""
+    packed = pack(_layer(16, 64, group_size=32))
+    name = "model.layers.0.self_attn.o_proj"
+    packed.meta["tensors"] = {s: f"{name}.{s}" for s in packed.tensors}
+    assert W4Linear.from_packed(packed).layer_name == name
+    assert W4Linear(packed.meta, device="meta").layer_name == name
+    assert W4Linear.from_packed(packed, name="given").layer_name == "given"
+    bad = dict(packed.tensors, scales=packed.tensors["scales"][:1])
+    from w4pack.errors import UnsupportedError
+    from w4pack.layout import PackedLayer
+
+    with pytest.raises(UnsupportedError, match=f"tensor {name}.scales: packed tensor"):
+        W4Linear.from_packed(PackedLayer(meta=packed.meta, tensors=bad))
+
+
+def test_embedding_errors_name_the_layer() -> None:
+    from w4pack.torch_module import W4Embedding
+
+    packed = pack(_layer(32, 64, group_size=32))
+    emb = W4Embedding(packed.meta, device="meta", name="model.embed_tokens")
+    emb.load_packed(packed)
+    with pytest.raises(IndexError, match="^layer model.embed_tokens: token id 32 is out of range"):
+        emb(torch.tensor([1, 32]))
+    with pytest.raises(TypeError, match="^layer model.embed_tokens: embedding indices must be integers"):
+        emb(torch.tensor([1.0]))

@@ -278,7 +278,7 @@ def _swap_embedding(model: Any, name: str, packed: Any, ckpt_path: Path, device:
         _fill_dequantized(model, name, packed, ckpt_path, device)
         return old
     try:
-        mod = W4Embedding.replacing(old, packed, device=device, precision=precision, threads=threads)
+        mod = W4Embedding.replacing(old, packed, device=device, precision=precision, threads=threads, name=name)
     except UnsupportedError as exc:
         raise BadInputError(exc.message, file=str(ckpt_path), tensor=name) from None
     _set_module(model, name, mod)
@@ -346,7 +346,7 @@ def swap_in_packed_layers(model: Any, ckpt: Checkpoint, *, device: Any, precisio
                 raise UnsupportedError(f"the model already has a module {attr!r} here; cannot place the fused layer",
                                        file=str(ckpt.path), tensor=name)
             mod = W4FusedLinear(packed.meta, parts, has_bias="bias" in packed.tensors, device="meta",
-                                precision=precision, threads=threads)
+                                precision=precision, threads=threads, name=name)
             mod.load_packed(packed, device=device)
             setattr(parent, attr, mod)
             for i, p in enumerate(parts):
@@ -358,7 +358,7 @@ def swap_in_packed_layers(model: Any, ckpt: Checkpoint, *, device: Any, precisio
             raise BadInputError(f"packed shape [{n}, {k}] does not match the model's Linear "
                                 f"[{old.out_features}, {old.in_features}]", file=str(ckpt.path), tensor=name)
         packed = _match_bias(packed, [(name, old.bias is not None, 0, n)], ckpt, name)
-        mod = W4Linear.from_packed(packed, device=device, precision=precision, threads=threads)
+        mod = W4Linear.from_packed(packed, device=device, precision=precision, threads=threads, name=name)
         _set_module(model, name, mod)
         out[name] = mod
     return out
@@ -723,20 +723,20 @@ def _swap_skeleton(model: Any, ckpt: Checkpoint) -> None:
             old = _embedding_at(model, name, ckpt.path)
             if type(old) is nn.Embedding:
                 _set_module(model, name, W4Embedding(meta, dtype=old.weight.dtype, padding_idx=old.padding_idx,
-                                                     device="meta", persistent=False))
+                                                     device="meta", persistent=False, name=name))
             continue  # a subclass gets its dequantized weight after loading (_fill_skeleton)
         if name not in fused and _holds_plain_weight(model, name):
             continue  # a quantized router: dequantized into its weight after loading (_fill_skeleton)
         if name in fused:
             for p in fused[name]:
                 _linear_at(model, p["name"], ckpt.path)
-            mod = W4FusedLinear(meta, fused[name], has_bias=has_bias, device="meta", persistent=False)
+            mod = W4FusedLinear(meta, fused[name], has_bias=has_bias, device="meta", persistent=False, name=name)
             _set_module(model, name, mod)
             for i, p in enumerate(fused[name]):
                 _set_module(model, p["name"], W4SliceLinear(mod, i))
         else:
             _linear_at(model, name, ckpt.path)
-            _set_module(model, name, W4Linear(meta, has_bias=has_bias, device="meta", persistent=False))
+            _set_module(model, name, W4Linear(meta, has_bias=has_bias, device="meta", persistent=False, name=name))
     if _tie_packed_head(model, model.config, skeleton=True) is not None:
         # the head now runs on the packed embedding: transformers must not tie (or report) float weights there
         tied = getattr(model, "all_tied_weights_keys", None)

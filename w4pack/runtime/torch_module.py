@@ -16,10 +16,11 @@ The dequantized float path (``dequantize()``) exists for references and tests; `
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import weakref
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -27,7 +28,7 @@ from torch import nn
 
 from ..core.canonical import CanonicalLayer
 from ..core.dtypes import FLOAT_DTYPES
-from ..errors import UnsupportedError
+from ..errors import BadInputError, UnsupportedError
 from ..core.layout import PackedLayer, pack, tensor_suffixes, unpack
 
 __all__ = ["W4Linear", "W4FusedLinear", "W4SliceLinear", "W4Experts", "W4Expert", "W4Embedding", "W4TiedHead",
@@ -108,11 +109,18 @@ class W4Linear(nn.Module):
     Build it with ``W4Linear.from_packed(packed)`` (from a checkpoint), ``W4Linear.from_canonical(layer)``, or
     ``W4Linear(meta, device="meta")`` for an empty skeleton that a loader fills. ``precision`` picks the CPU path:
     ``"exact"`` (fp32 dequantize, for verification) or ``"fast"`` (int8 activations); CUDA has one path.
+
+    ``name`` (``layer_name``) is the layer's name in its checkpoint; the loader passes it, and a manifest entry's
+    tensor names give it when not passed (None for a layer packed in memory). The errors a layer raises for a
+    wrong precision, an input of the wrong width or dtype start with it ("layer model.layers.3.mlp.up_proj:
+    input has ..."), so a user running a whole model can tell which layer refused; they stay ``ValueError``s.
     """
 
     def __init__(self, meta: dict[str, Any], *, has_bias: bool | None = None, device: Any = None,
-                 precision: str = "exact", threads: int | None = None, persistent: bool = True):
+                 precision: str = "exact", threads: int | None = None, persistent: bool = True,
+                 name: str | None = None):
         super().__init__()
+        self.layer_name = name if name is not None else _name_from_meta(meta)
         # "storage" describes the on-disk form; the module holds the runtime tensors that form expands to
         self.meta = {k: v for k, v in meta.items() if k not in ("tensors", "source", "storage")}
         if has_bias is None:
@@ -123,13 +131,31 @@ class W4Linear(nn.Module):
             self.meta.pop("bias_dtype", None)
         self.out_features, self.in_features = (int(v) for v in self.meta["shape"])
         if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+            raise ValueError(f"{self._where()}precision must be one of {PRECISIONS}, got {precision!r}")
         self.precision = precision
         self.threads = threads
         for suffix, (shape, dt) in _buffer_specs(self.meta, has_bias).items():
             self.register_buffer(suffix, torch.empty(shape, dtype=dt, device=device), persistent=persistent)
         self._prepared: dict[tuple[str, int], Any] = {}
         self._register()
+
+    def _where(self) -> str:
+        """"layer NAME: " to start a message about this layer with; "" where its name is not known."""
+        name = self.__dict__.get("layer_name")
+        return f"layer {name}: " if name else ""
+
+    @contextlib.contextmanager
+    def _naming_errors(self) -> Iterator[None]:
+        """The kernels' bad-input errors (an activation dtype they do not take, a precision set after building)
+        with this layer's name in front: they know the shapes, not which of a model's layers they serve."""
+        try:
+            yield
+        except BadInputError as exc:
+            where = self._where()
+            if where and not exc.message.startswith(where):
+                exc.message = where + exc.message
+                exc.args = (exc.one_line(),)
+            raise
 
     def _register(self) -> None:
         """A fresh handle: the custom op finds this module (and its prepared kernels) by it."""
@@ -151,15 +177,16 @@ class W4Linear(nn.Module):
     # -- construction ----------------------------------------------------------------------------
     @classmethod
     def from_packed(cls, packed: PackedLayer, *, device: Any = None, precision: str = "exact",
-                    threads: int | None = None) -> "W4Linear":
-        """Copy one packed layer (numpy, e.g. memory-mapped from a checkpoint) into a new module."""
+                    threads: int | None = None, name: str | None = None) -> "W4Linear":
+        """Copy one packed layer (numpy, e.g. memory-mapped from a checkpoint) into a new module; ``name``: the
+        layer's name (else its manifest entry's, if it has one), for the module's errors."""
         meta = dict(packed.meta)
         has_bias = "bias" in packed.tensors
         if has_bias and not meta.get("bias_dtype"):
             from ..core.dtypes import dtype_name_of
 
             meta["bias_dtype"] = dtype_name_of(np.asarray(packed.tensors["bias"]))
-        mod = cls(meta, has_bias=has_bias, device="meta", precision=precision, threads=threads)
+        mod = cls(meta, has_bias=has_bias, device="meta", precision=precision, threads=threads, name=name)
         mod.load_packed(packed, device=device)
         return mod
 
@@ -174,13 +201,15 @@ class W4Linear(nn.Module):
         if "bias" in self._buffers:
             suffixes = suffixes + ["bias"]
         for suffix in suffixes:
+            name = self.__dict__.get("layer_name")  # (absent from a module pickled before it had one)
+            tensor = f"{name}.{suffix}" if name else suffix
             if suffix not in packed.tensors:
-                raise UnsupportedError("packed layer lacks a tensor this module needs", tensor=suffix)
+                raise UnsupportedError("packed layer lacks a tensor this module needs", tensor=tensor)
             t = _to_bits_tensor(packed.tensors[suffix], suffix, self.meta)
             want = self._buffers[suffix]
             if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
                 raise UnsupportedError(f"packed tensor {list(t.shape)} {t.dtype} does not match the module's "
-                                       f"{list(want.shape)} {want.dtype}", tensor=suffix)
+                                       f"{list(want.shape)} {want.dtype}", tensor=tensor)
             self._buffers[suffix] = t.to(device) if device is not None else t
         self._prepared.clear()
 
@@ -210,7 +239,7 @@ class W4Linear(nn.Module):
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """y = x @ W.T (+ bias) with the native GEMM (``forward`` of a linear layer; a tied head's too)."""
         if x.shape[-1] != self.in_features:
-            raise ValueError(f"input has {x.shape[-1]} features, the layer expects {self.in_features}")
+            raise ValueError(f"{self._where()}input has {x.shape[-1]} features, the layer expects {self.in_features}")
         if torch.compiler.is_compiling():
             # traced graphs (torch.compile, torch.export) see one opaque custom-op node
             return torch.ops.w4pack.linear(x, self.qweight, self.handle, self.out_features, self.precision)
@@ -243,7 +272,8 @@ class W4Linear(nn.Module):
     def _run_fold(self, x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
                   residual: torch.Tensor | None, swiglu: bool = False) -> torch.Tensor:
         prologue = "rmsnorm" if norm_weight is not None else "swiglu" if swiglu else "plain"
-        return self._kernel(x.device).forward_row(x, prologue, norm_weight, eps, residual=residual)
+        with self._naming_errors():
+            return self._kernel(x.device).forward_row(x, prologue, norm_weight, eps, residual=residual)
 
     # -- kernels ---------------------------------------------------------------------------------
     def _kernel(self, device: torch.device) -> Any:
@@ -276,13 +306,14 @@ class W4Linear(nn.Module):
         kernel = self._kernel(x.device)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if x.device.type == "cpu":
-            y = kernel.forward(x2.contiguous(), precision=precision)
-        else:
-            # the CUDA kernels take fp16/bf16 activations: fp32 models run the GEMM in the scale dtype's
-            # 16-bit type (fp16 unless the checkpoint stores bf16 scales) and get fp32 back
-            half = TORCH_FLOAT[_cuda_dtype_name(x.dtype, self.meta["scale_dtype"])]
-            y = kernel.forward(x2.to(half).contiguous())
+        with self._naming_errors():
+            if x.device.type == "cpu":
+                y = kernel.forward(x2.contiguous(), precision=precision)
+            else:
+                # the CUDA kernels take fp16/bf16 activations: fp32 models run the GEMM in the scale dtype's
+                # 16-bit type (fp16 unless the checkpoint stores bf16 scales) and get fp32 back
+                half = TORCH_FLOAT[_cuda_dtype_name(x.dtype, self.meta["scale_dtype"])]
+                y = kernel.forward(x2.to(half).contiguous())
         y = y.to(dtype=x.dtype)
         return y.reshape(*lead, self.out_features)
 
@@ -300,6 +331,17 @@ class W4Linear(nn.Module):
         parts.append(f"bias={'bias' in self._buffers}")
         parts.append(f"precision={self.precision}")
         return ", ".join(parts)
+
+
+def _name_from_meta(meta: dict[str, Any]) -> str | None:
+    """The layer's name from a manifest entry's tensor names ("model.layers.0.mlp.up_proj.qweight"), or None."""
+    tensors = meta.get("tensors")
+    if not isinstance(tensors, dict) or not tensors:
+        return None
+    first = tensors.get("qweight") or next(iter(tensors.values()))
+    if not isinstance(first, str):
+        return None
+    return first.rpartition(".")[0] or None
 
 
 def _normalize_device(device: Any) -> torch.device:
@@ -574,14 +616,14 @@ class W4Embedding(W4Linear):
 
     @classmethod
     def replacing(cls, old: nn.Embedding, packed: PackedLayer, *, device: Any = None, precision: str = "exact",
-                  threads: int | None = None) -> "W4Embedding":
+                  threads: int | None = None, name: str | None = None) -> "W4Embedding":
         """The packed ``packed`` in place of ``old`` (its dtype and padding index; shapes must match)."""
         n, k = packed.meta["shape"]
         if (old.num_embeddings, old.embedding_dim) != (n, k):
             raise UnsupportedError(f"packed shape [{n}, {k}] does not match the model's embedding "
-                                   f"[{old.num_embeddings}, {old.embedding_dim}]")
+                                   f"[{old.num_embeddings}, {old.embedding_dim}]", tensor=name)
         mod = cls(packed.meta, dtype=old.weight.dtype, padding_idx=old.padding_idx, device="meta",
-                  precision=precision, threads=threads)
+                  precision=precision, threads=threads, name=name)
         mod.load_packed(packed, device=device)
         return mod
 
@@ -622,13 +664,13 @@ class W4Embedding(W4Linear):
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dequantized rows ``ids`` ([..., K], float32 values of ``canonical.dequantize`` cast to ``dtype``)."""
         if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-            raise TypeError(f"embedding indices must be integers, got {ids.dtype}")
+            raise TypeError(f"{self._where()}embedding indices must be integers, got {ids.dtype}")
         flat = ids.reshape(-1).to(device=self.qweight.device, dtype=torch.int64)
         if flat.device.type == "cpu" and flat.numel() and not torch.compiler.is_compiling():
             lo, hi = int(flat.min()), int(flat.max())
             if lo < 0 or hi >= self.num_embeddings:
-                raise IndexError(f"token id {lo if lo < 0 else hi} is out of range for an embedding of "
-                                 f"{self.num_embeddings} rows")
+                raise IndexError(f"{self._where()}token id {lo if lo < 0 else hi} is out of range for an "
+                                 f"embedding of {self.num_embeddings} rows")
         word, shift, group = self._tables(flat.device)
         m = self.meta
         stripe_words = self.qweight.shape[1]
