@@ -255,3 +255,20 @@ def test_disguised_qweight_fits() -> None:
     assert fit(scales=("float16", (8, 256)), qzeros=("float16", (8, 256)), x=("int16", (64, 512))) == "AWQ GEMVFast"
     assert fit(scales=("float16", (8, 256)), scaled_zeros=("float16", (8, 256)), x=("int16", (64, 512))) \
         == "AWQ GEMVFast"
+
+
+def test_only_the_disguised_layer_is_named_beside_another_layout(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A file of an AQLM-like layer (sorted first; 2-D scales, and int32 codes shaped as a GPTQ qweight of them
+    beside its codebooks) and one Marlin layer whose qweight was renamed: the error names the Marlin layer, not
+    the other ("has scales but no qweight" would misreport it)."""
+    other = "model.layers.0.a_proj"
+    tensors = {f"{other}.codes": (np.zeros((64, 256), np.int32), "int32"),
+               f"{other}.codebooks": (np.zeros((1, 256, 1, 8), np.float16), "float16"),
+               f"{other}.scales": (np.ones((8, 256), np.float16), "float16")}
+    tensors[f"{LAYER}.qw"] = (np.zeros((32, 512), np.int32), "int32")
+    tensors[f"{LAYER}.scales"] = (np.ones((4, 256), np.float16), "float16")
+    st = _write(tmp_path / "src", tensors)
+    rc, err = _cli(capsys, "inspect", tmp_path / "src")
+    assert rc == 2 and f"{st}: layer {LAYER} has scales but no qweight: its packed weights" in err, err
+    assert "a_proj" not in err

@@ -9,7 +9,7 @@ what it has and what it lacks.
 Names alone do not decide a layer that kept nothing but ``scales`` beside a renamed qweight (a symmetric AWQ-Marlin
 layer has no qzeros): other layouts keep ``scales`` beside tensors of their own (AQLM: ``codes``, ``codebooks``).
 There the unknown tensor's dtype and shape decide: an integer tensor shaped as the packed weights of a GPTQ or AWQ
-layer with those scales (``_QWEIGHT_FITS``) is that layer's qweight under another name; anything else stays unknown.
+layer with those scales (``_qweight_fits``) is that layer's qweight under another name; anything else stays unknown.
 """
 from __future__ import annotations
 
@@ -133,14 +133,14 @@ def missing_member(names: Iterable[str], info: TensorInfo | None = None) -> tupl
     for fam, members, own, required in _FAMILIES:
         shared = set(members) - own
         orphan = any(leaves & shared and leaves <= shared | {"bias"} for leaves in layers.values())
-        lone = fam == "GPTQ/AWQ" and any(
-            len(layers[mod] - set(members) - {"bias"}) == 1 for mod in disguised)  # scales + one tensor: its qweight
+        # scales (and other GPTQ/AWQ names that are not the family's own) beside one tensor shaped as its qweight
+        lone = sorted(m for m in disguised if fam == "GPTQ/AWQ" and len(layers[m] - set(members) - {"bias"}) == 1)
         mods = sorted(layers)
         if not orphan and not any(own & leaves for leaves in layers.values()):
             if not lone:
                 continue  # no name belongs to this family alone: "scales" or "weight_scale" beside a weight is not
                 # enough; a layer of nothing but them is (no layout keeps scales without the weights they scale)
-            mods = sorted(disguised)  # only the layers whose lone other tensor is shaped as their qweight
+            mods = lone  # only those layers: another's scales beside tensors of its own may be another layout
         for mod in mods:
             leaves = layers[mod]
             has = [m for m in members if m in leaves]
