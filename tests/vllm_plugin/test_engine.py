@@ -300,7 +300,7 @@ def test_openai_server_completions_and_chat(smollm2, smollm2_reference, tmp_path
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(smollm2["plain"]),
          "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-         "--max-model-len", "512", "--enforce-eager"],
+         "--max-model-len", "512", "--enforce-eager", "--gpu-memory-utilization", "0.5"],
         env=_env(tmp_path), stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
