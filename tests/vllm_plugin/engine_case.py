@@ -6,8 +6,12 @@ vLLM starts worker processes with ``spawn``, so each case runs as its own proces
 
 SPEC: {"model": folder, "tp": 1, "dtype": "float32", "max_model_len": 512,
        "prompts": [text, ...] | null, "token_prompts": [[id, ...], ...] | null, "max_tokens": 24,
-       "perplexity": {"token_ids": [...], "window": 256} | null}
+       "perplexity": {"token_ids": [...], "window": 256} | null, "engine_args": {other LLM() arguments}}
 RESULT: {"tokens": [[id, ...], ...], "perplexity": float | null, "nll": float | null, "load_s": float}
+
+SPEC {"configs": [{"model": folder, "quantization": name | null, ...}, ...]} only builds each engine's
+configuration, as ``LLM()`` does first in the calling process (no engine, no workers; where the plugin reads the
+checkpoint): RESULT {"errors": [message | null, ...]}, each one's error as the user sees it.
 """
 from __future__ import annotations
 
@@ -19,8 +23,26 @@ import sys
 import time
 
 
+def configs(spec: dict) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    errors = []
+    for case in spec["configs"]:
+        args = dict(dict(max_model_len=256, skip_tokenizer_init=True, gpu_memory_utilization=0.5), **case)
+        try:
+            EngineArgs(**args).create_engine_config()
+            errors.append(None)
+        except Exception as exc:  # noqa: BLE001 - what the user would see, whatever its type
+            errors.append(f"{type(exc).__name__}: {exc}")
+    with open(sys.argv[2], "w", encoding="utf-8") as fh:
+        json.dump({"errors": errors}, fh)
+    os._exit(0)
+
+
 def main() -> None:
     spec = json.loads(open(sys.argv[1], encoding="utf-8").read())
+    if "configs" in spec:
+        configs(spec)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -31,7 +53,7 @@ def main() -> None:
               # on the CPU backend this is the share of host memory the engine insists is free at start: the
               # default (0.92) fails whenever other processes hold a few GiB; the KV cache is sized by
               # VLLM_CPU_KVCACHE_SPACE either way
-              gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.5))
+              gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.5), **spec.get("engine_args", {}))
     load_s = time.perf_counter() - t0
     greedy = SamplingParams(max_tokens=spec.get("max_tokens", 24), temperature=0.0, ignore_eos=True,
                             detokenize=spec.get("prompts") is not None)

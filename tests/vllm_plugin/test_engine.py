@@ -160,11 +160,11 @@ def test_act_order_uneven_groups_tp1_and_tp2(act_order_llama, tmp_path):
     assert tp2["tokens"] == tp1["tokens"]
 
 
-def _engine_fails(tmp: Path, folder: Path, max_len: int) -> str:
+def _engine_fails(tmp: Path, folder: Path, max_len: int, **engine_args: object) -> str:
     """An engine that must refuse ``folder``: its output (stdout and stderr), after checking it made nothing."""
     spec_path, result_path = tmp / "spec.json", tmp / "result.json"
     spec_path.write_text(json.dumps({"model": str(folder), "prompts": None, "token_prompts": [[1, 2]],
-                                     "max_model_len": max_len}))
+                                     "max_model_len": max_len, "engine_args": engine_args}))
     proc = subprocess.run([sys.executable, str(HERE / "engine_case.py"), str(spec_path), str(result_path)],
                           env=_env(tmp), capture_output=True, text=True, timeout=CASE_TIMEOUT)
     assert proc.returncode != 0 and not result_path.exists()
@@ -345,3 +345,63 @@ def test_bad_checkpoint_refused_before_loading(act_order_llama, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     assert "model.layers.0.mlp.gate_proj: the checkpoint's output rows [576, 576] do not match the model's " \
            "[640, 640]" in _engine_fails(tmp_path, bad, 256)
+
+
+def _config_errors(tmp: Path, cases: list[dict]) -> list[str | None]:
+    """Build each case's engine configuration only (what ``LLM()`` does first, in the caller's process, and where
+    the plugin reads the checkpoint): no engine starts. Each case's error as the user sees it, or None."""
+    spec_path, result_path = tmp / "configs.json", tmp / "configs-result.json"
+    spec_path.write_text(json.dumps({"configs": cases}))
+    proc = subprocess.run([sys.executable, str(HERE / "engine_case.py"), str(spec_path), str(result_path)],
+                          env=_env(tmp), capture_output=True, text=True, timeout=CASE_TIMEOUT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return json.loads(result_path.read_text())["errors"]
+
+
+def test_damaged_folders_and_wrong_method_refused_before_any_worker(act_order_llama, tmp_path):
+    """Each refused while the configuration is built, in the caller's process, with one message naming the file
+    or the method and the way out. Before: a truncated shard died in the worker's safetensors loader (no file
+    named, under 200 lines of traceback), a manifest contradicting its tensors in the worker's weight loader,
+    quantization='w4pack' on an unquantized model with a TypeError about W4PackConfig's arguments, and on
+    another method's checkpoint with only "does not match"."""
+    import shutil
+
+    def damaged(name: str) -> Path:
+        shutil.copytree(act_order_llama, tmp_path / name)
+        return tmp_path / name
+
+    truncated = damaged("truncated")
+    shard = next(truncated.glob("model-*.safetensors"))
+    os.truncate(shard, shard.stat().st_size - 4096)
+    retyped = damaged("retyped")  # the manifest says bfloat16 scales, the shard holds float16
+    manifest = json.loads((retyped / "w4pack.json").read_text())
+    manifest["layers"]["model.layers.0.mlp.down_proj"]["scale_dtype"] = "bfloat16"
+    (retyped / "w4pack.json").write_text(json.dumps(manifest))
+    missing = damaged("missing")
+    next(missing.glob("model-*.safetensors")).unlink()
+    unquantized = tmp_path / "float"  # only config.json is read before the workers start
+    unquantized.mkdir()
+    cfg = json.loads((act_order_llama / "config.json").read_text())
+    del cfg["quantization_config"]
+    (unquantized / "config.json").write_text(json.dumps(cfg))
+    gptq = act_order_llama.parent / "gptq"
+
+    errors = _config_errors(tmp_path, [{"model": str(truncated)}, {"model": str(retyped)}, {"model": str(missing)},
+                                       {"model": str(unquantized), "quantization": "w4pack"},
+                                       {"model": str(gptq), "quantization": "w4pack"},
+                                       {"model": str(act_order_llama), "quantization": "w4pack"}])
+    for error, folder in zip(errors[:3], (truncated, retyped, missing)):
+        assert error and f"`w4pack validate {folder}` checks the whole folder" in error, error
+    assert f"{shard.name}: tensor" in errors[0] and "truncated" in errors[0]
+    assert "model.layers.0.mlp.down_proj.scales: dtype float16 contradicts the manifest" in errors[1]
+    assert "shard named in the manifest is missing" in errors[2]
+    assert "this model has no quantization_config in config.json (an unquantized model)" in errors[3]
+    assert "this is a 'gptq' checkpoint: convert it (w4pack convert SRC DST) and serve DST" in errors[4]
+    assert errors[5] is None  # the packed folder itself, named explicitly
+
+
+def test_lora_refused_with_the_reason(act_order_llama, tmp_path):
+    """vLLM's LoRA layers wrap every linear layer and stopped at "Unsupported base layer" on a packed one."""
+    out = _engine_fails(tmp_path, act_order_llama, 256, enable_lora=True)
+    assert "LoRA adapters (enable_lora / --enable-lora) are not supported on packed w4pack layers" in out
+    assert "Unsupported base layer" not in out

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import BadInputError, UnsupportedError
 
-__all__ = ["LayerPart", "LayerPlan", "CheckpointPlan", "resolve_model_path"]
+__all__ = ["LayerPart", "LayerPlan", "CheckpointPlan", "not_packed_message", "resolve_model_path"]
 
 PLAIN = None  #: shard key of a layer fed by one checkpoint layer
 
@@ -64,10 +64,25 @@ class CheckpointPlan:
 
     @classmethod
     def from_folder(cls, path: str | os.PathLike[str]) -> "CheckpointPlan":
+        try:
+            return cls._read(path)
+        except BadInputError as exc:  # the folder itself is damaged: say how to look at all of it
+            raise BadInputError(f"{exc.message}; `w4pack validate {path}` checks the whole folder (convert or "
+                                "download it again if it is damaged)", file=exc.file, tensor=exc.tensor) from None
+
+    @classmethod
+    def _read(cls, path: str | os.PathLike[str]) -> "CheckpointPlan":
         from ..store.checkpoint import Checkpoint
 
         with Checkpoint(path) as ckpt:
             _check_config(ckpt)
+            # what `w4pack validate --no-checksums` reads of the shards: their headers only (no data), so that a
+            # truncated shard, a tensor missing from it or one whose shape or dtype contradicts the manifest is
+            # refused here, naming the file, rather than deep in the engine's weight loader
+            ckpt.store.check_index()
+            for name in ckpt.layers:
+                ckpt.packed_shapes_ok(name)
+            ckpt.check_index_coverage()
             layers = {name: {k: v for k, v in meta.items() if k != "source"}
                       for name, meta in ckpt.manifest["layers"].items()}
             biases = {}
@@ -213,6 +228,18 @@ def _check_config(ckpt: Any) -> None:
         raise BadInputError(f"config.json says layout {qc.get('layout')} v{qc.get('layout_version')} but the "
                             f"manifest says {layout.get('name')} v{layout.get('version')}",
                             file=str(Path(ckpt.path) / "config.json"))
+
+
+def not_packed_message(method: str | None) -> str:
+    """The error for ``quantization="w4pack"`` on a model that ``w4pack convert`` did not write (``method``: the
+    quant_method its config.json names, None for an unquantized model)."""
+    head = "quantization='w4pack' serves folders written by `w4pack convert`"
+    if method is None:
+        return (f"{head}, and this model has no quantization_config in config.json (an unquantized model): w4pack "
+                "does not quantize, at load time or otherwise; quantize it with a GPTQ or AWQ tool, then convert "
+                "that (w4pack convert SRC DST) and serve DST")
+    return (f"{head}, and this is a {method!r} checkpoint: convert it (w4pack convert SRC DST) and serve DST, or drop "
+            f"the quantization argument to load it with vLLM's own {method!r} method")
 
 
 def resolve_model_path(model: str, revision: str | None = None) -> str:

@@ -18,7 +18,7 @@ from ..errors import BadInputError, UnsupportedError
 from ..schema import validate_quantization_config
 from .method import PackedLinearMethod, TiedHeadMethod, is_qkv, precision_from_env
 from .moe import PackedMoEMethod, plan_for_layer
-from .plan import CheckpointPlan, resolve_model_path
+from .plan import CheckpointPlan, not_packed_message, resolve_model_path
 
 __all__ = ["W4PackConfig", "W4PackLinearMethod", "W4PackMoEMethod", "W4PackTiedHeadMethod", "W4PackVocabMethod"]
 
@@ -49,7 +49,9 @@ class W4PackMoEMethod(PackedMoEMethod, FusedMoEMethodBase):
 class W4PackConfig(QuantizationConfig):
     """config.json's ``quantization_config`` plus the manifest it names (read in ``maybe_update_config``)."""
 
-    def __init__(self, quant_config: dict[str, Any]):
+    def __init__(self, quant_config: dict[str, Any] | None = None):
+        if quant_config is None:  # vLLM builds it so for `quantization="w4pack"` on a model without any
+            raise BadInputError(not_packed_message(None))
         super().__init__()
         self.quant_config = quant_config
         self.checkpoint: CheckpointPlan | None = None
@@ -71,6 +73,16 @@ class W4PackConfig(QuantizationConfig):
     @staticmethod
     def get_config_filenames() -> list[str]:
         return []  # the quantization_config in config.json is enough; the manifest is read from the model
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None,
+                                     hf_config: Any = None) -> str | None:
+        """vLLM asks every registered method first; w4pack claims nothing, but ``quantization="w4pack"`` on
+        another method's checkpoint is told what to do instead of only that the two names differ."""
+        method = (hf_quant_cfg or {}).get("quant_method")
+        if user_quant == "w4pack" and method != "w4pack":
+            raise BadInputError(not_packed_message(method))
+        return None
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "W4PackConfig":
@@ -102,6 +114,7 @@ class W4PackConfig(QuantizationConfig):
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Any:
         if self.checkpoint is None:
             raise BadInputError("the w4pack manifest was not read (maybe_update_config was not called)")
+        _refuse_lora(self.checkpoint.path)
         self._check_embedding_asked(layer, prefix)
         if isinstance(layer, RoutedExperts):
             moe = plan_for_layer(self.checkpoint, layer, prefix)
@@ -134,3 +147,17 @@ class W4PackConfig(QuantizationConfig):
         if plan is None:
             return UnquantizedLinearMethod()
         return W4PackLinearMethod(plan, precision=self.precision)
+
+
+def _refuse_lora(path: str) -> None:
+    """vLLM's LoRA layers wrap every linear layer of the model and look for a float ``weight`` or a GPTQ-style
+    ``qweight`` on it; on a packed layer they stopped at "Unsupported base layer" deep in the worker. Say so
+    before any layer is built."""
+    import vllm.config
+
+    current = getattr(vllm.config, "get_current_vllm_config_or_none", None)
+    config = current() if current is not None else None
+    if config is not None and getattr(config, "lora_config", None) is not None:
+        raise UnsupportedError("LoRA adapters (enable_lora / --enable-lora) are not supported on packed w4pack "
+                               "layers; serve the checkpoint without them, or merge the adapter into the float "
+                               "model before quantizing and converting it", file=path)
