@@ -134,7 +134,8 @@ def missing_member(names: Iterable[str], info: TensorInfo | None = None) -> tupl
         shared = set(members) - own
         orphan = any(leaves & shared and leaves <= shared | {"bias"} for leaves in layers.values())
         # scales (and other GPTQ/AWQ names that are not the family's own) beside one tensor shaped as its qweight
-        lone = sorted(m for m in disguised if fam == "GPTQ/AWQ" and len(layers[m] - set(members) - {"bias"}) == 1)
+        lone = [] if fam != "GPTQ/AWQ" else sorted(
+            m for m in disguised if len(layers[m] - set(members) - {"bias"}) == 1)
         mods = sorted(layers)
         if not orphan and not any(own & leaves for leaves in layers.values()):
             if not lone:
@@ -192,10 +193,9 @@ _FLOAT_LEAVES = frozenset({"weight", "bias", "inv_freq"})
 def raise_float_only(path: Path) -> None:
     """Raise "unsupported" saying so when ``path`` holds only plain float tensors (``*.weight``, ``*.bias``): an
     unquantized model, which w4pack does not quantize; --from, which the generic answer suggests, cannot help."""
-    from ..store.tensors import safetensors_names
+    from ..store.tensors import safetensors_infos
 
-    files = safetensors_names(path)
-    names = [n for per_file in files.values() for n in per_file]
+    names = [n for per_file in safetensors_infos(path).values() for n in per_file]
     if names and all(n.rpartition(".")[2] in _FLOAT_LEAVES for n in names):
         raise UnsupportedError("no quantized layers: every tensor is a plain float weight (an unquantized model); "
                                "w4pack converts checkpoints that are already quantized (by GPTQ or AWQ tools, "

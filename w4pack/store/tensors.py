@@ -22,8 +22,7 @@ from .safetensors import DTYPES, SafetensorsFile, SourceChanged
 from .names import INDEX_NAME, PT_INDEX_NAME, PT_SUFFIXES
 from .torchfile import StateDict, dtype_name as torch_dtype_name, load_state_dict, read_tensor
 
-__all__ = ["TensorStore", "open_tensors", "pt_files", "first_unreadable", "safetensors_names", "safetensors_infos",
-           "pickle_names", "pickle_infos"]
+__all__ = ["TensorStore", "open_tensors", "pt_files", "first_unreadable", "safetensors_infos", "pickle_infos"]
 
 #: torch files in a model folder that hold no weights
 _NOT_WEIGHTS = ("training_args", "optimizer", "scheduler", "rng_state")
@@ -388,14 +387,3 @@ def safetensors_infos(path: Path) -> dict[str, dict[str, tuple[str, tuple[int, .
             f.close()
     return out
 
-
-def pickle_names(path: Path) -> dict[str, dict[str, tuple[int, ...]]]:
-    """Tensor names and shapes of every torch weights file at ``path`` that loads, by file (``pickle_infos``
-    without the dtypes)."""
-    return {f: {n: shape for n, (_dt, shape) in infos.items()} for f, infos in pickle_infos(path).items()}
-
-
-def safetensors_names(path: Path) -> dict[str, dict[str, tuple[int, ...]]]:
-    """Tensor names and shapes of every readable safetensors file at ``path``, by file (``safetensors_infos``
-    without the dtypes)."""
-    return {f: {n: shape for n, (_dt, shape) in infos.items()} for f, infos in safetensors_infos(path).items()}
