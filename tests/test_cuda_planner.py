@@ -470,7 +470,7 @@ def _describe_for(lib, ffi, dev, m, n, k, bits=4, gs=128, kernel="auto", splits=
 
 
 def test_plan_for_gemv(monkeypatch):
-    # the gemv kernel: M = 1, 4-bit, group sizes that are multiples of 32 or per channel, compute capability 8.0+;
+    # the gemv kernel: M = 1 to 8, 4-bit, group sizes that are multiples of 32 or per channel, compute capability 8.0+;
     # "auto" takes it on compute capability 9.0 where every SM gets a block of whole stripes (stripes >= 0.85 x
     # SMs) and, on layers of 2^25 weights or more, its rounds of blocks (264 on an H200: two per SM) are 70% full
     # (stripes >= 0.7 x rounds x blocks), however long the stripes
@@ -507,11 +507,21 @@ def test_plan_for_gemv(monkeypatch):
     d = _describe_for(lib, ffi, A100, 1, 196, 576, kernel="gemv")
     assert d["kernel"] == "gemv" and d["blocks"] == "13" and d["smem"] == str(2048 + 9 * 128), d
     assert _describe_for(lib, ffi, H200, 1, 28672, 8192, kernel="gemv")["blocks"] == "264"
-    for m, n, kk, kw, dev in ((2, 4096, 4096, {}, H200), (1, 4096, 4096, {"bits": 8}, H200),
+    # several tokens: the rows staged one after the other, the stripe sums per token; the blocks per SM that hold it
+    d = _describe_for(lib, ffi, H200, 8, 4096, 4096, kernel="gemv")
+    assert d["blocks"] == "256" and d["smem"] == str(8 * (2048 + 64 * 128)), d  # (two per SM: 256 stripes)
+    d = _describe_for(lib, ffi, H200, 8, 28672, 11008, kernel="gemv")
+    assert d["blocks"] == "132" and d["smem"] == str(8 * (2048 + 172 * 128)), d  # (one per SM)
+    assert _describe_for(lib, ffi, H200, 3, 8192, 28672, kernel="gemv")["blocks"] == "132"
+    for m in (2, 3, 8):  # not auto's choice there yet
+        assert auto(m, 4096, 4096)["kernel"] != "gemv" and auto(m, 28672, 8192)["kernel"] != "gemv"
+    rc = _plan_for(lib, ffi, H200, 4, 8192, 28672, kernel="gemv")[0]  # 4 rows of 28672 do not fit a block
+    assert rc != 0 and "K up to 27904 at this M" in ffi.string(lib.w4p_cuda_last_error()).decode()
+    for m, n, kk, kw, dev in ((9, 4096, 4096, {}, H200), (1, 4096, 4096, {"bits": 8}, H200),
                               (1, 4096, 4096, {"gs": 16}, H200), (1, 4096, 4096, {}, (80, 75, 65536, 65536, 0)),
                               (1, 4096, 2 ** 17, {}, H200)):
         rc = _plan_for(lib, ffi, dev, m, n, kk, kernel="gemv", **kw)[0]
-        assert rc != 0 and "gemv kernel takes M = 1" in ffi.string(lib.w4p_cuda_last_error()).decode(), (m, kk, kw)
+        assert rc != 0 and "gemv kernel takes M <= 8" in ffi.string(lib.w4p_cuda_last_error()).decode(), (m, kk, kw)
 
 
 def test_plan_for_gemv_names_no_variant():

@@ -1,7 +1,8 @@
 """The gemv kernel (native/cuda/kernel_gemv.cu) emulated lane by lane in numpy, against the layout's float64
 reference. No GPU: what this checks is the index and offset arithmetic the kernel does per lane (the activations'
-fragment-order staging, each lane's 16-byte word of a tile as the m16n8k16 A fragment, the chunk and group-segment
-walk, the scale / zero-point offsets through group_of's multiply-high, the stripe sum in warp order). A wrong
+fragment-order staging, one row per token, each lane's 16-byte word of a tile as the m16n8k16 A fragment, the
+token row each lane reads as its B column, the chunk and group-segment walk, the scale / zero-point offsets
+through group_of's multiply-high, the stripe sums per token in warp order). A wrong
 nibble, row, offset or segment gives errors of order 1; the float64 emulation must agree to rounding."""
 from __future__ import annotations
 
@@ -114,18 +115,20 @@ def stage(x_bits: np.ndarray, K: int, KT: int, perm) -> np.ndarray:
     return xs
 
 
-def b_vector(xs_f: np.ndarray, t0: int, u: int, j: int) -> np.ndarray:
-    """B's 16 values of slice j of the chunk's tile u as the kernel reads them: lane tid's uint4 pointer
-    xb = xs4 + 2 tid + 8 t0, then b01 = xb[8 u], b23 = xb[8 u + 1]; slice j's pair is (b01.x, b01.y), (b01.z, b01.w),
-    (b23.x, b23.y), (b23.z, b23.w); its first register holds k = 2 tid + e, its second k = 2 tid + 8 + e (every column
-    n the same token)."""
-    b = np.zeros(16)
-    for tid in range(4):
-        xb = 2 * tid + 8 * t0  # uint4 index: four 32-bit pair slots each
-        v = xb + 8 * u + (j >> 1)
-        slot = 4 * v + 2 * (j & 1)
-        b[2 * tid: 2 * tid + 2] = xs_f[slot]
-        b[2 * tid + 8: 2 * tid + 10] = xs_f[slot + 1]
+def b_matrix(xs_f: np.ndarray, t0: int, u: int, j: int, m: int, KT: int) -> np.ndarray:
+    """B [16, 8] of slice j of the chunk's tile u as the kernel reads it: lane (gid, tid)'s uint4 pointer
+    xb = xs4 + 2 tid + 8 t0, where xs4 starts at token row min(gid, m - 1)'s staging (KT * 8 uint4 a row; row 0 for
+    every lane at M = 1), then b01 = xb[8 u], b23 = xb[8 u + 1]; slice j's pair is (b01.x, b01.y), (b01.z, b01.w),
+    (b23.x, b23.y), (b23.z, b23.w); its first register holds k = 2 tid + e, its second k = 2 tid + 8 + e, of column
+    n = gid."""
+    b = np.zeros((16, 8))
+    for gid in range(8):
+        for tid in range(4):
+            xb = 2 * tid + min(gid, m - 1) * KT * 8 + 8 * t0  # uint4 index: four 32-bit pair slots each
+            v = xb + 8 * u + (j >> 1)
+            slot = 4 * v + 2 * (j & 1)
+            b[2 * tid: 2 * tid + 2, gid] = xs_f[slot]
+            b[2 * tid + 8: 2 * tid + 10, gid] = xs_f[slot + 1]
     return b
 
 
@@ -134,8 +137,9 @@ def group_of(k: int, gmul: int) -> int:
 
 
 def emulate(packed, x: np.ndarray, dtype: str, W: int, U: int) -> np.ndarray:
-    """y [N] as the kernel computes it, in float64 after each MMA (so only a wrong index or offset can make it
-    differ from the reference beyond rounding), for blocks of W warps taking U tiles each per step."""
+    """y [M, N] for x [M, K] (M <= 8) as the kernel computes it, in float64 after each MMA (so only a wrong index or
+    offset can make it differ from the reference beyond rounding), for blocks of W warps taking U tiles each per
+    step."""
     meta, t = packed.meta, packed.tensors
     n, K = meta["shape"]
     Np, Kp = meta["padded_shape"]
@@ -148,19 +152,20 @@ def emulate(packed, x: np.ndarray, dtype: str, W: int, U: int) -> np.ndarray:
     elif zm == "float":
         zp = act_bits_to_float(float_to_act_bits(to_float32(t["mins"], meta["scale_dtype"]), dtype), dtype)
     perm = t.get("perm")
-    xs = stage(float_to_act_bits(x, dtype), K, KT, perm)
-    xs_f = act_bits_to_float(xs, dtype)  # [KT * 32, 2]
+    m = x.shape[0]
+    xs = np.concatenate([stage(float_to_act_bits(row, dtype), K, KT, perm) for row in x])  # the rows in turn
+    xs_f = act_bits_to_float(xs, dtype)  # [M * KT * 32, 2]
     # the segment length (launch_gemv_ts): whole chunks, single tiles, or halves where groups end inside a tile
     TS = U if gs <= 0 or gs % (64 * U) == 0 else 1 if gs % 64 == 0 else 0
     lane = np.arange(32)
     gid = lane >> 2
-    y = np.zeros(Np)
+    y = np.zeros((Np, 8))
     spp = -(-KT // (W * U))
     for s in range(NS):
-        red = np.zeros((W, 16))
+        red = np.zeros((W, 16, 8))
         for wi in range(W):
-            acc_lo = np.zeros(8)  # rows gid (lanes with tid 0 hold them)
-            acc_hi = np.zeros(8)
+            acc_lo = np.zeros((8, 8))  # rows gid, columns (tokens) 2 tid and 2 tid + 1 (lane (gid, tid) holds them)
+            acc_hi = np.zeros((8, 8))
             for st in range(spp):
                 t0 = st * W * U + wi * U
                 nv = KT - t0
@@ -181,7 +186,7 @@ def emulate(packed, x: np.ndarray, dtype: str, W: int, U: int) -> np.ndarray:
                         z_lo, z_hi = zp[off_row, rows], zp[off_row, rows + 8]
                     elif zm == "float":
                         m_lo, m_hi = zp[off_row, rows], zp[off_row, rows + 8]
-                    d = np.zeros(16)  # the segment's MMA sums, rows 0..15
+                    d = np.zeros((16, 8))  # the segment's MMA sums, rows 0..15, columns 0..7
                     tiles = range(first, min(first + TS, nv)) if TS else [first]
                     for u in tiles:
                         kb = t0 + u
@@ -197,38 +202,40 @@ def emulate(packed, x: np.ndarray, dtype: str, W: int, U: int) -> np.ndarray:
                                                   for v in r) for i, r in enumerate(regs)]
                                 else:
                                     regs = fragment_regs(qw[s, kb], j, dtype, z_lo, z_hi)
-                                d = d + a_matrix(regs) @ b_vector(xs_f, t0, u, j)
+                                d = d + a_matrix(regs) @ b_matrix(xs_f, t0, u, j, m, KT)
                     if zm == "float":  # (scaled per weight: straight into the stripe's sums)
                         acc_lo, acc_hi = acc_lo + d[:8], acc_hi + d[8:]
-                    else:  # the scale once per segment (lanes tid == 0: one per row gid)
-                        acc_lo, acc_hi = acc_lo + s_lo[::4] * d[:8], acc_hi + s_hi[::4] * d[8:]
+                    else:  # the scale once per segment (the lanes of row gid hold the same)
+                        acc_lo = acc_lo + s_lo[::4, None] * d[:8]
+                        acc_hi = acc_hi + s_hi[::4, None] * d[8:]
             red[wi, :8], red[wi, 8:] = acc_lo, acc_hi
-        v = np.zeros(16)
+        v = np.zeros((16, 8))
         for wi in range(W):  # in warp order
             v = v + red[wi]
         y[16 * s: 16 * s + 16] = v
-    return y[:n]
+    return y[:n, :m].T
 
 
-CASES = [  # (dtype, zero mode, group size, act-order, n, k)
-    ("float16", "none", 128, False, 40, 1000), ("float16", "int", 32, True, 24, 700),
-    ("float16", "float", 64, False, 17, 576), ("float16", "none", -1, False, 33, 1100),
-    ("float16", "int", 96, False, 20, 640), ("float16", "none", 256, False, 16, 2100),
-    ("bfloat16", "none", 128, False, 40, 1000), ("bfloat16", "int", 128, True, 24, 900),
-    ("bfloat16", "float", 32, True, 18, 600), ("bfloat16", "int", 64, False, 16, 1300),
+CASES = [  # (dtype, zero mode, group size, act-order, n, k, tokens)
+    ("float16", "none", 128, False, 40, 1000, 1), ("float16", "int", 32, True, 24, 700, 3),
+    ("float16", "float", 64, False, 17, 576, 8), ("float16", "none", -1, False, 33, 1100, 1),
+    ("float16", "int", 96, False, 20, 640, 5), ("float16", "none", 256, False, 16, 2100, 2),
+    ("bfloat16", "none", 128, False, 40, 1000, 7), ("bfloat16", "int", 128, True, 24, 900, 1),
+    ("bfloat16", "float", 32, True, 18, 600, 4), ("bfloat16", "int", 64, False, 16, 1300, 8),
 ]
 
 
-@pytest.mark.parametrize("dtype,zero_mode,gs,act_order,n,k", CASES)
-def test_kernel_matches_the_reference(dtype, zero_mode, gs, act_order, n, k):
+@pytest.mark.parametrize("dtype,zero_mode,gs,act_order,n,k,m", CASES)
+def test_kernel_matches_the_reference(dtype, zero_mode, gs, act_order, n, k, m):
     # float64 arithmetic after the MMA: agreement to rounding shows every index, nibble and offset is right
     W, U = kernel_shape()
-    rng = np.random.default_rng(zlib.crc32(repr((dtype, zero_mode, gs, act_order, n, k)).encode()))
+    rng = np.random.default_rng(zlib.crc32(repr((dtype, zero_mode, gs, act_order, n, k, m)).encode()))
     layer = random_layer(rng, n, k, gs, zero_mode, act_order, dtype)
-    x = rng.standard_normal(k).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
     x_act = act_bits_to_float(float_to_act_bits(x, dtype), dtype)  # the activations the kernel gets
-    ref = layer.dequantize(np.float64) @ x_act
+    ref = x_act @ layer.dequantize(np.float64).T
     y = emulate(pack(layer), x_act, dtype, W, U)
+    assert y.shape == (m, n)
     err = np.linalg.norm(y - ref) / np.linalg.norm(ref)
     # exact but for the per-weight rounding of s q + m (float minima) in the activation dtype
     bound = 1e-12 if zero_mode != "float" else (2e-3 if dtype == "float16" else 2e-2)

@@ -357,7 +357,7 @@ def smoke() -> int:
                      (300, "wgmma_ws:tok256", 1), (129, "wgmma_ws", 1),
                      (1, "bulk", 0), (4, "bulk", 0), (1, "bulk:tile", 0), (6, "bulk:tile", 2), (1, "bulk:quads", 0),
                      (4, "bulk:quads", 0), (8, "bulk:single", 3), (12, "wgmma_ss", 1), (100, "wgmma_ss", 1),
-                     (150, "wgmma_ss", 2), (300, "wgmma_ss", 1), (1, "gemv", 0))
+                     (150, "wgmma_ss", 2), (300, "wgmma_ss", 1), (1, "gemv", 0), (5, "gemv", 0), (8, "gemv", 0))
             # bulk: units of one stripe, each block owning whole stripes; ":tile": stream-K over single tiles
             # (W4P_CUDA_BULK_GRANULE; stripes shared by several blocks); ":quads": four-stripe units (the planner's
             # unit size), shared quads; ":single": one-stripe units forced (W4P_CUDA_BULK_QS)
@@ -380,7 +380,7 @@ def smoke() -> int:
             if torch.cuda.get_device_capability() >= (9, 0):
                 calls += ((1, "bulk", 0), (13, "bulk", 2), (6, "bulk", 3))
             if bits == 4 and torch.cuda.get_device_capability() >= (8, 0):
-                calls += ((1, "gemv", 0),)  # (13 stripes, 13 blocks: one step of 9 tiles each)
+                calls += ((1, "gemv", 0), (3, "gemv", 0))  # (13 stripes, 13 blocks: one step of 9 tiles each)
         for m, kernel, splits in calls:
             x = torch.randn(m, k, device="cuda", dtype=torch.float16)
             if ":" in kernel:
@@ -459,6 +459,8 @@ def main() -> int:
                     help="write the speedup-over-cuBLAS plot (PNG) from this run's records (tools/plot_bench.py)")
     ap.add_argument("--shapes", default="", help="comma list of KxN (default: the six Llama shapes)")
     ap.add_argument("--ms", default="", help="comma list of M (e.g. 1,4,16: the decode regime only)")
+    ap.add_argument("--also", default="", help="comma list of kernels timed forced beside auto at every point "
+                    "(e.g. gemv,bulk: an A/B of auto's choice); a point a kernel does not take is skipped with the reason")
     ap.add_argument("--no-gemlite", action="store_true", help="leave gemlite out (its autotuning takes minutes)")
     ap.add_argument("--gemlite-budget", type=float, default=GEMLITE_BUDGET_S,
                     help="seconds of gemlite autotuning after which it is left out of the rest of the run")
@@ -469,6 +471,7 @@ def main() -> int:
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s] or SHAPES
     ms = [int(v) for v in args.ms.split(",") if v] or ([1, 16, 64, 256] if args.quick else MS)
+    also = [v for v in args.also.split(",") if v]
     if args.floors:
         print_floors(shapes, ms)
         return 0
@@ -527,6 +530,11 @@ def main() -> int:
             rec = {"kind": "gemm", "K": k, "N": n, "M": m, "w4pack_us": t_w4, "cublas_mm_us": t_mm,
                    "cublas_linear_us": t_lin, "tinygemm_us": t_tg, "gemlite_us": t_gl, "w4pack_gbs": gbs, "plan": plan}
             sweep = {}
+            for kern in also:  # forced beside auto (--also), where the kernel takes this point
+                try:
+                    sweep[kern] = measure_w4(lins, k, n, m, kern)
+                except Exception as exc:  # noqa: BLE001 - a kernel that does not take this M or K
+                    print(f"{kern} at {k}x{n} M={m}: {exc}", file=sys.stderr)
             if args.sweep:
                 if m == 1:  # the gemv kernel forced, also where "auto" takes bulk (its rule against bulk's)
                     sweep["gemv"] = measure_w4(lins, k, n, m, "gemv")

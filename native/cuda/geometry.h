@@ -80,8 +80,10 @@ constexpr int GV_B = 2;   // blocks per SM asked of the compiler (one fewer for 
 #endif
 constexpr int GV_STAGES = W4P_GV_STAGES;
 static_assert(GV_STAGES == 2 || GV_STAGES == 3, "the gemv kernel's loop names two or three register buffers");
-constexpr int GV_RED = 2 * GV_W * 16 * 4;  // the stripe sums' two buffers [2][GV_W][16] floats
-W4P_HD constexpr size_t gv_smem(int kt) { return (size_t)GV_RED + (size_t)kt * 128; }
+constexpr int GV_MAX_M = 8;  // tokens: the MMA's eight B columns, one token each (M = 1 leaves seven idle)
+constexpr int GV_RED = 2 * GV_W * 16 * 4;  // the stripe sums' two buffers [2][GV_W][16] floats at M = 1
+// shared memory of an M-token call: the stripe sums [2][GV_W][16][m] and the m staged activation rows
+W4P_HD constexpr size_t gv_smem(int kt, int m = 1) { return (size_t)GV_RED * m + (size_t)kt * 128 * m; }
 
 // wgmma kernel
 constexpr int WG_BM = 128;       // weight rows per block (two warpgroups)

@@ -1,4 +1,4 @@
-// gemv kernel (M = 1, 4-bit, group sizes that are multiples of 32 or per channel; sm_80 and newer). Blocks of
+// gemv kernel (M = 1 to 8, 4-bit, group sizes that are multiples of 32 or per channel; sm_80 and newer). Blocks of
 // GV_W warps own whole 16-row stripes (block b: stripes b, b + grid, ...), so each stripe is summed inside its
 // block in warp order: no workspace, no counters, deterministic. A stripe is walked in steps of GV_W * GV_U
 // tiles, warp w taking GV_U consecutive tiles (a "chunk") of each step, and every warp loads the next step's
@@ -88,9 +88,9 @@ __device__ __forceinline__ void gv_load(const Params &p, uint32_t woff, uint32_t
   }
 }
 
-// One chunk: acc[0] / acc[2] (rows gid / gid + 8) += its products with the activations. xb: the lane's B pairs
-// of tile t0 (two uint4 per tile).
-template <typename T, int ZM, int TS, bool FULL>
+// One chunk: acc[0] / acc[2] (rows gid / gid + 8; with MT > 1 acc[1] / acc[3] too: the MMA's tokens 2 tid and
+// 2 tid + 1) += its products with the activations. xb: the lane's B pairs of tile t0 (two uint4 per tile).
+template <typename T, int ZM, int TS, int MT, bool FULL>
 __device__ __forceinline__ void gv_chunk(float (&acc)[4], const GvBuf<ZM, TS> &b, const uint4 *xb, int nv,
                                          const ZC<T, 4> &zc_sym) {
   using S = GvShape<ZM, TS>;
@@ -141,6 +141,10 @@ __device__ __forceinline__ void gv_chunk(float (&acc)[4], const GvBuf<ZM, TS> &b
     const float s_lo = to_f(t_of<T>(pr[0])), s_hi = to_f(t_of<T>(pr[1]));
     acc[0] = fmaf(s_lo, dlo, acc[0]);
     acc[2] = fmaf(s_hi, dhi, acc[2]);
+    if (MT > 1) {
+      acc[1] = fmaf(s_lo, d[1], acc[1]);
+      acc[3] = fmaf(s_hi, d[3], acc[3]);
+    }
   }
 }
 
@@ -149,13 +153,19 @@ __device__ __forceinline__ void gv_chunk(float (&acc)[4], const GvBuf<ZM, TS> &b
 // row's root mean square, rounded to T, times the norm weight, rounded to T; every block reduces the whole row (it
 // stages the whole row anyway). W4P_ROW_SWIGLU: x holds [gate (K) | up (K)], staged as silu(gate) rounded to T,
 // times up, rounded to T (transformers' act_fn(gate_proj(x)) * up_proj(x) in eager arithmetic).
-template <typename T, int ZM, int TS, int PRO>
+//
+// MT: the tokens a call may have, 1 or GV_MAX_M. With MT > 1 the p.M <= MT activation rows are staged one after
+// the other and lane (gid, tid) reads row min(gid, M - 1)'s B pairs: the MMA's column gid is token gid, so the
+// weights' loads and dequantization serve every token at once. No row prologues there (one-row decode only).
+template <typename T, int ZM, int TS, int PRO, int MT>
 __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel(const Params p) {
+  static_assert(MT == 1 || (MT == GV_MAX_M && PRO == W4P_ROW_PLAIN), "several tokens: plain rows only");
   constexpr int W = GV_W, U = GV_U, NT = W * 32;
   using Buf = GvBuf<ZM, TS>;
   extern __shared__ __align__(16) unsigned char smem[];
-  float *red = reinterpret_cast<float *>(smem);                // [2][W][16]
-  uint32_t *xs = reinterpret_cast<uint32_t *>(smem + GV_RED);  // [KT][4 tid][4 slices][2]: B pairs
+  const int M = MT == 1 ? 1 : (int)p.M;
+  float *red = reinterpret_cast<float *>(smem);                    // [2][W][16][M]
+  uint32_t *xs = reinterpret_cast<uint32_t *>(smem + GV_RED * M);  // [M][KT][4 tid][4 slices][2]: B pairs
   const int lane = threadIdx.x & 31, gid = lane >> 2, tid = lane & 3, wi = threadIdx.x >> 5;
   const int G = (int)gridDim.x, NS = p.Np / 16, KT = p.KT;
   const int spp = (KT + W * U - 1) / (W * U);  // steps per stripe
@@ -218,43 +228,68 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
       }
       return x[kk];
     };
-    for (int c = (int)threadIdx.x; c < KT * 32; c += NT) {
-      const int k = 2 * c, kb = k >> 6, r = k & 63, j = r >> 4, hi = (r >> 3) & 1, t = (r & 7) >> 1;
-      typename Tr<T, 4>::T2 pr;
-      pr.x = act(k);
-      pr.y = act(k + 1);
-      xs[((kb * 4 + t) * 4 + j) * 2 + hi] = as_u32(pr);
+    if (MT == 1) {
+      for (int c = (int)threadIdx.x; c < KT * 32; c += NT) {
+        const int k = 2 * c, kb = k >> 6, r = k & 63, j = r >> 4, hi = (r >> 3) & 1, t = (r & 7) >> 1;
+        typename Tr<T, 4>::T2 pr;
+        pr.x = act(k);
+        pr.y = act(k + 1);
+        xs[((kb * 4 + t) * 4 + j) * 2 + hi] = as_u32(pr);
+      }
+    } else {  // (the rows one after the other, the same order within each)
+      for (int m = 0; m < M; ++m) {
+        const T *xm = x + (int64_t)m * p.ldx;
+        uint32_t *xsm = xs + m * KT * 32;
+        auto at = [&](int k) -> T { return k < p.K ? xm[p.perm ? p.perm[k] : k] : from_f<T>(0.f); };
+        for (int c = (int)threadIdx.x; c < KT * 32; c += NT) {
+          const int k = 2 * c, kb = k >> 6, r = k & 63, j = r >> 4, hi = (r >> 3) & 1, t = (r & 7) >> 1;
+          typename Tr<T, 4>::T2 pr;
+          pr.x = at(k);
+          pr.y = at(k + 1);
+          xsm[((kb * 4 + t) * 4 + j) * 2 + hi] = as_u32(pr);
+        }
+      }
     }
   }
   __syncthreads();
   const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
-  const uint4 *xs4 = reinterpret_cast<const uint4 *>(xs) + 2 * tid;
+  const uint4 *xs4 = reinterpret_cast<const uint4 *>(xs) + 2 * tid + (MT == 1 ? 0 : min(gid, M - 1) * KT * 8);
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   int s = (int)blockIdx.x, st = 0, buf = 0;
   auto step = [&](const Buf &b) {
     const int t0 = st * W * U + wi * U, nv = KT - t0;
     const uint4 *xb = xs4 + t0 * 8;
     if (nv >= U)
-      gv_chunk<T, ZM, TS, true>(acc, b, xb, nv, zc_sym);
+      gv_chunk<T, ZM, TS, MT, true>(acc, b, xb, nv, zc_sym);
     else if (nv > 0)
-      gv_chunk<T, ZM, TS, false>(acc, b, xb, nv, zc_sym);
-    if (++st == spp) {  // the stripe is done: its 16 sums over the warps, in warp order
-      if (tid == 0) {
-        red[(buf * W + wi) * 16 + gid] = acc[0];
-        red[(buf * W + wi) * 16 + gid + 8] = acc[2];
+      gv_chunk<T, ZM, TS, MT, false>(acc, b, xb, nv, zc_sym);
+    if (++st == spp) {  // the stripe is done: its 16 sums (per token) over the warps, in warp order
+      if (MT == 1) {
+        if (tid == 0) {
+          red[(buf * W + wi) * 16 + gid] = acc[0];
+          red[(buf * W + wi) * 16 + gid + 8] = acc[2];
+        }
+      } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          if (2 * tid + h < M) {
+            red[((buf * W + wi) * 16 + gid) * M + 2 * tid + h] = acc[h];
+            red[((buf * W + wi) * 16 + gid + 8) * M + 2 * tid + h] = acc[2 + h];
+          }
       }
       __syncthreads();  // (also: every thread has read the other buffer, written two stripes ago)
-      const int row = 16 * s + (int)threadIdx.x;
-      if (threadIdx.x < 16 && row < p.N) {
+      const int r = MT == 1 ? (int)threadIdx.x : (int)threadIdx.x / M, tok = (int)threadIdx.x - r * M;
+      const int row = 16 * s + r;
+      if ((MT == 1 ? threadIdx.x < 16 : r < 16) && row < p.N) {
         float v = 0.f;
 #pragma unroll
-        for (int ww = 0; ww < W; ++ww) v += red[(buf * W + ww) * 16 + threadIdx.x];
+        for (int ww = 0; ww < W; ++ww) v += red[((buf * W + ww) * 16 + r) * M + tok];
         float o = v;
-        if (p.bias) {  // a layer's bias into the one rounding; a residual after it (p.radd)
+        if (p.bias) {  // a layer's bias into the one rounding; a residual after it (p.radd, M = 1)
           const float b = to_f(((const T *)p.bias)[row]);
           o = p.radd ? to_f(from_f<T>(v)) + b : v + b;
         }
-        ((T *)p.y)[row] = from_f<T>(o);
+        ((T *)p.y)[(int64_t)tok * p.ldy + row] = from_f<T>(o);
       }
       buf ^= 1;
       acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
@@ -285,10 +320,12 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
 }
 
 template <typename T, int ZM, int TS> cudaError_t launch_gemv_t(const Params &p, const Plan &pl, cudaStream_t st) {
-  auto fn = p.pro == W4P_ROW_RMSNORM  ? gemv_kernel<T, ZM, TS, W4P_ROW_RMSNORM>
-            : p.pro == W4P_ROW_SWIGLU ? gemv_kernel<T, ZM, TS, W4P_ROW_SWIGLU>
-                                      : gemv_kernel<T, ZM, TS, W4P_ROW_PLAIN>;
-  const size_t smem = gv_smem(p.KT);
+  if (p.M > 1 && (p.M > GV_MAX_M || p.pro != W4P_ROW_PLAIN || p.radd)) return cudaErrorInvalidValue;
+  auto fn = p.M > 1                   ? gemv_kernel<T, ZM, TS, W4P_ROW_PLAIN, GV_MAX_M>
+            : p.pro == W4P_ROW_RMSNORM ? gemv_kernel<T, ZM, TS, W4P_ROW_RMSNORM, 1>
+            : p.pro == W4P_ROW_SWIGLU  ? gemv_kernel<T, ZM, TS, W4P_ROW_SWIGLU, 1>
+                                       : gemv_kernel<T, ZM, TS, W4P_ROW_PLAIN, 1>;
+  const size_t smem = gv_smem(p.KT, (int)p.M);
   cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e != cudaSuccess) return e;
   int dev = 0, sms = 0, per_sm = 0;

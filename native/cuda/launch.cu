@@ -1,6 +1,6 @@
 // The launch table: a plan's kernel (planner.h) to its launcher (launch.h), each defined beside its kernel in
 // kernel_<name>.cu, after the activations' gather where the plan asks for it. The kernels (docs/CUDA.md, section
-// 4): gemv (M = 1), bulk (sm_90, M <= 16), ring (M <= 8), stream (M <= 32), wgmma_ws, wgmma_ss and wgmma
+// 4): gemv (M <= 8), bulk (sm_90, M <= 16), ring (M <= 8), stream (M <= 32), wgmma_ws, wgmma_ss and wgmma
 // (sm_90a, 4-bit), tiled (any M); the dense path (dequant) is the Python side's.
 #include <type_traits>
 #include "launch.h"

@@ -55,7 +55,7 @@ Layer describe_layer(const DevInfo &di, int64_t m, int n, int k, int sbits, int 
   L.bulk_one = sbits == 4 && !L.bulk_big && L.nstripes <= L.sms * BBPS && m <= 8 &&
                bulk_two_stages_fit(sbits, (int)m, gs, BCT1, 1, L.bulk_budget);
   // the gemv kernel's activations staged in shared memory must fit a block
-  L.gemv_ok = sbits == 4 && m == 1 && di.cc >= 80 && L.stream_ok && di.fits((size_t)gv_smem(L.KT));
+  L.gemv_ok = sbits == 4 && m <= GV_MAX_M && di.cc >= 80 && L.stream_ok && di.fits(gv_smem(L.KT, (int)m));
   L.wg_tma = di.tma && !no_tma_env();
   // A forced height (W4P_CUDA_WS_ROWS / _RS) keeps its own rule for auto's kernel choice and turns the others off;
   // the 256-token tile is off where a height is forced or W4P_CUDA_WS_TOK=128
@@ -80,7 +80,7 @@ bool sm90_4bit(const Layer &L) { return L.di.cc == 90 && L.sbits == 4; }
 
 // gemv at M = 1 on sm_90 where its whole-stripe blocks fill the SMs and their rounds (gemv_auto)
 void step_gemv(const Layer &L, Choice &c) {
-  if (undecided(c) && L.gemv_ok && L.di.cc == 90 && gemv_env() != 0 &&
+  if (undecided(c) && L.m == 1 && L.gemv_ok && L.di.cc == 90 && gemv_env() != 0 &&
       gemv_auto(L.di, L.nstripes, L.KT, L.weights))
     c.kind = W4P_CUDA_KERNEL_GEMV;
 }
@@ -199,9 +199,11 @@ int refuse(const Layer &L, int kind) {
     return fail(W4P_EUNSUPPORTED, "the ring kernel takes M <= 8 and at most %d row stripes (m=%lld, n=%d)",
                 MAX_COUNTERS * RQ, (long long)L.m, L.n);
   if (kind == W4P_CUDA_KERNEL_GEMV && !L.gemv_ok)
-    return fail(W4P_EUNSUPPORTED, "the gemv kernel takes M = 1, 4-bit layers, compute capability 8.0 or newer (this "
-                "device: %d.%d), a group size that is a multiple of 32 or per channel, and K up to %d (m=%lld, k=%d)",
-                di.cc / 10, di.cc % 10, (di.smem_block - di.smem_reserved - GV_RED) / 128 * 64, (long long)L.m, L.k);
+    return fail(W4P_EUNSUPPORTED, "the gemv kernel takes M <= %d, 4-bit layers, compute capability 8.0 or newer "
+                "(this device: %d.%d), a group size that is a multiple of 32 or per channel, and K up to %lld at this M "
+                "(its rows staged in shared memory) (m=%lld, k=%d)", GV_MAX_M, di.cc / 10, di.cc % 10,
+                L.m >= 1 && L.m <= GV_MAX_M ? ((di.smem_block - di.smem_reserved) / L.m - GV_RED) / 128 * 64 : 0ll,
+                (long long)L.m, L.k);
   if (kind == W4P_CUDA_KERNEL_BULK && !L.bulk_ok)
     return fail(W4P_EUNSUPPORTED, "the bulk kernel needs compute capability 9.0 or newer (this device: %d.%d), "
                 "M <= %d and a group size that is a multiple of 32", di.cc / 10, di.cc % 10, BULK_MAX_M);
@@ -214,8 +216,8 @@ size_t gather_bytes(const Layer &L) { return (((size_t)L.m * L.kp * 2 + 255) / 2
 // the launch takes the blocks per SM from the kernel's occupancy: one fewer for the heavier kinds), at most one
 // per stripe
 int plan_gemv(const Layer &L, Plan *pl) {
-  pl->W = std::min<int64_t>(L.nstripes, gv_grid(L.di, L.KT));
-  pl->smem = (size_t)gv_smem(L.KT);
+  pl->W = std::min<int64_t>(L.nstripes, gv_grid(L.di, L.KT, (int)L.m));
+  pl->smem = gv_smem(L.KT, (int)L.m);
   pl->tiles = L.nstripes;
   pl->pdl = L.di.cc >= 90;
   pl->ws_total = COUNTER_BYTES;

@@ -9,9 +9,9 @@
 
 namespace w4p {
 
-// The gemv kernel's resident blocks: its launch bound (zero mode none's) and shared memory
-int64_t gv_grid(const DevInfo &di, int KT) {
-  const size_t smem = (size_t)gv_smem(KT);
+// The gemv kernel's resident blocks at M tokens: its launch bound (zero mode none's) and shared memory
+int64_t gv_grid(const DevInfo &di, int KT, int m) {
+  const size_t smem = gv_smem(KT, m);
   return (int64_t)di.sms * std::max(1, std::min(GV_B, (int)(di.smem_sm / (smem + di.smem_reserved))));
 }
 // "auto" takes the gemv kernel where every SM gets a block (stripes >= GEMV_SMS x SMs) and, on layers of SIZE_L
@@ -23,7 +23,7 @@ int64_t gv_grid(const DevInfo &di, int KT) {
 // not launch, as measured with zero mode none only). Measured against the bulk kernel at M = 1
 // (docs/journal/2026-cuda.md, section 9).
 bool gemv_auto(const DevInfo &di, int ns, int KT, int64_t weights) {
-  const int64_t g = gv_grid(di, KT), rounds = (ns + g - 1) / g;
+  const int64_t g = gv_grid(di, KT, 1), rounds = (ns + g - 1) / g;
   if ((double)ns < GEMV_SMS * (double)di.sms) return false;
   return weights < SIZE_L || (double)ns >= GEMV_FULL * (double)(rounds * g);
 }
