@@ -287,7 +287,7 @@ def test_gemv_kernel(dtype_name, zero_mode, gs, act_order):
 def test_gemv_kernel_tokens(dtype_name, zero_mode, gs, act_order):
     # up to 8 tokens, one per MMA column: each token's row bit-identical to that row alone through the gemv kernel
     # (the columns do not mix, and the order of every sum is the one-token kernel's), against the float64 reference;
-    # rows of x and y strided and x unaligned, odd shapes (rows past N, K past the last full tile, a stripe count
+    # rows of x and y strided and x unaligned (staged element by element) or contiguous (16-byte loads), odd shapes (rows past N, K past the last full tile, a stripe count
     # under and over the grid, K = 12000 staged 8 times), repeats and graph replays bit-identical
     import torch
 
@@ -309,6 +309,8 @@ def test_gemv_kernel_tokens(dtype_name, zero_mode, gs, act_order):
         assert rel_err(out, ref) <= tolerance(dtype_name), (n, k, m)
         for i in range(m):
             assert torch.equal(out[i:i + 1], lin.forward(x[i:i + 1], kernel="gemv")), (n, k, m, i)
+        # aligned rows are staged 16 bytes a load (without act-order): the same values, the same outputs
+        assert torch.equal(lin.forward(x.contiguous(), kernel="gemv"), out), (n, k, m)
         _repeats_and_replays(torch, lin, x.contiguous(), 2, 2, kernel="gemv")
 
 

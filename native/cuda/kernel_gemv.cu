@@ -236,7 +236,21 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
         pr.y = act(k + 1);
         xs[((kb * 4 + t) * 4 + j) * 2 + hi] = as_u32(pr);
       }
-    } else {  // (the rows one after the other, the same order within each)
+    } else if (!p.perm && p.K % 8 == 0 && p.ldx % 8 == 0 && ((uintptr_t)x & 15) == 0) {
+      // (the rows one after the other, 16 bytes a load: 8 activations are the pairs t = 0..3 of one slice half,
+      // slots 8 apart; zeros past K)
+      // (one loop over all rows: a row of K = 4096 is one load per thread, and the loads of a loop unroll together)
+      for (int c = (int)threadIdx.x; c < M * KT * 8; c += NT) {
+        const int m = c / (KT * 8), k = 8 * (c - m * KT * 8), kb = k >> 6, r = k & 63, j = r >> 4, hi = (r >> 3) & 1;
+        const uint4 v =
+            k < p.K ? *reinterpret_cast<const uint4 *>(x + (int64_t)m * p.ldx + k) : make_uint4(0u, 0u, 0u, 0u);
+        uint32_t *d = xs + m * KT * 32 + (kb * 16 + j) * 2 + hi;
+        d[0] = v.x;
+        d[8] = v.y;
+        d[16] = v.z;
+        d[24] = v.w;
+      }
+    } else {  // (the rows one after the other, the same order within each, element by element)
       for (int m = 0; m < M; ++m) {
         const T *xm = x + (int64_t)m * p.ldx;
         uint32_t *xsm = xs + m * KT * 32;
