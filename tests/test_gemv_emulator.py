@@ -117,14 +117,14 @@ def stage(x_bits: np.ndarray, K: int, KT: int, perm) -> np.ndarray:
 
 def b_matrix(xs_f: np.ndarray, t0: int, u: int, j: int, m: int, KT: int) -> np.ndarray:
     """B [16, 8] of slice j of the chunk's tile u as the kernel reads it: lane (gid, tid)'s uint4 pointer
-    xb = xs4 + 2 tid + 8 t0, where xs4 starts at token row min(gid, m - 1)'s staging (KT * 8 uint4 a row; row 0 for
-    every lane at M = 1), then b01 = xb[8 u], b23 = xb[8 u + 1]; slice j's pair is (b01.x, b01.y), (b01.z, b01.w),
+    xb = xs4 + 2 tid + 8 t0, where xs4 starts at token row min(gid, m - 1)'s staging (KT * 8 + 1 uint4 a row: 16
+    bytes of padding; row 0 for every lane at M = 1), then b01 = xb[8 u], b23 = xb[8 u + 1]; slice j's pair is (b01.x, b01.y), (b01.z, b01.w),
     (b23.x, b23.y), (b23.z, b23.w); its first register holds k = 2 tid + e, its second k = 2 tid + 8 + e, of column
     n = gid."""
     b = np.zeros((16, 8))
     for gid in range(8):
         for tid in range(4):
-            xb = 2 * tid + min(gid, m - 1) * KT * 8 + 8 * t0  # uint4 index: four 32-bit pair slots each
+            xb = 2 * tid + min(gid, m - 1) * (KT * 8 + 1) + 8 * t0  # uint4 index: four 32-bit pair slots each
             v = xb + 8 * u + (j >> 1)
             slot = 4 * v + 2 * (j & 1)
             b[2 * tid: 2 * tid + 2, gid] = xs_f[slot]
@@ -153,8 +153,9 @@ def emulate(packed, x: np.ndarray, dtype: str, W: int, U: int) -> np.ndarray:
         zp = act_bits_to_float(float_to_act_bits(to_float32(t["mins"], meta["scale_dtype"]), dtype), dtype)
     perm = t.get("perm")
     m = x.shape[0]
-    xs = np.concatenate([stage(float_to_act_bits(row, dtype), K, KT, perm) for row in x])  # the rows in turn
-    xs_f = act_bits_to_float(xs, dtype)  # [M * KT * 32, 2]
+    pad = np.full((4 if m > 1 else 0, 2), 0xFFFF, dtype=np.uint16)  # (never read: NaN if it were)
+    xs = np.concatenate([np.concatenate([stage(float_to_act_bits(row, dtype), K, KT, perm), pad]) for row in x])
+    xs_f = act_bits_to_float(xs, dtype)  # [M * (KT * 32 + pad), 2]
     # the segment length (launch_gemv_ts): whole chunks, single tiles, or halves where groups end inside a tile
     TS = U if gs <= 0 or gs % (64 * U) == 0 else 1 if gs % 64 == 0 else 0
     lane = np.arange(32)

@@ -409,6 +409,18 @@ def smoke() -> int:
                 ref = xf.double().cpu().numpy() @ w64.T + layer.bias.astype(np.float64) + res.double().cpu().numpy()
                 if off(y, ref, f"zero={zm} gs={gs} gemv {prologue}"):
                     return 1
+    if torch.cuda.get_device_capability() >= (8, 0):
+        # the gemv kernel with several stripes per block (its stripe sums' two buffers reused), 1 and 8 tokens
+        n, k = 16 * 700, 256
+        layer = CanonicalLayer(codes=rng.integers(0, 16, size=(n, k), dtype=np.uint8),
+                               scales=rng.uniform(0.005, 0.02, size=(n, 2)).astype(np.float16), bits=4,
+                               group_size=128, zero_mode="none", g_idx=default_g_idx(k, 128)).validate()
+        lin = w4cuda.CudaPackedLinear(pack(layer), "cuda")
+        for m in (1, 8):
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            y = lin.forward(x, kernel="gemv")
+            if off(y, x.double().cpu().numpy() @ layer.dequantize(np.float64).T, f"gemv M={m} N={n}"):
+                return 1
     torch.cuda.synchronize()
     print(f"smoke ok (worst relative error {worst:.2e})")
     return 0

@@ -82,8 +82,13 @@ constexpr int GV_STAGES = W4P_GV_STAGES;
 static_assert(GV_STAGES == 2 || GV_STAGES == 3, "the gemv kernel's loop names two or three register buffers");
 constexpr int GV_MAX_M = 8;  // tokens: the MMA's eight B columns, one token each (M = 1 leaves seven idle)
 constexpr int GV_RED = 2 * GV_W * 16 * 4;  // the stripe sums' two buffers [2][GV_W][16] floats at M = 1
+// the staged activation rows' pitch in 32-bit slots at M > 1: 16 bytes past a row so that lanes gid and gid + 1,
+// which share a quarter-warp's 16-byte loads, read different banks (at M = 1 every lane reads the one row)
+W4P_HD constexpr int gv_pitch(int kt) { return kt * 32 + 4; }
 // shared memory of an M-token call: the stripe sums [2][GV_W][16][m] and the m staged activation rows
-W4P_HD constexpr size_t gv_smem(int kt, int m = 1) { return (size_t)GV_RED * m + (size_t)kt * 128 * m; }
+W4P_HD constexpr size_t gv_smem(int kt, int m = 1) {
+  return m == 1 ? (size_t)GV_RED + (size_t)kt * 128 : ((size_t)GV_RED + (size_t)gv_pitch(kt) * 4) * m;
+}
 
 // wgmma kernel
 constexpr int WG_BM = 128;       // weight rows per block (two warpgroups)

@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
   extern __shared__ __align__(16) unsigned char smem[];
   const int M = MT == 1 ? 1 : (int)p.M;
   float *red = reinterpret_cast<float *>(smem);                    // [2][W][16][M]
-  uint32_t *xs = reinterpret_cast<uint32_t *>(smem + GV_RED * M);  // [M][KT][4 tid][4 slices][2]: B pairs
+  uint32_t *xs = reinterpret_cast<uint32_t *>(smem + GV_RED * M);  // [M][KT][4 tid][4 slices][2] (+ pad): B pairs
   const int lane = threadIdx.x & 31, gid = lane >> 2, tid = lane & 3, wi = threadIdx.x >> 5;
   const int G = (int)gridDim.x, NS = p.Np / 16, KT = p.KT;
   const int spp = (KT + W * U - 1) / (W * U);  // steps per stripe
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
         const int m = c / (KT * 8), k = 8 * (c - m * KT * 8), kb = k >> 6, r = k & 63, j = r >> 4, hi = (r >> 3) & 1;
         const uint4 v =
             k < p.K ? *reinterpret_cast<const uint4 *>(x + (int64_t)m * p.ldx + k) : make_uint4(0u, 0u, 0u, 0u);
-        uint32_t *d = xs + m * KT * 32 + (kb * 16 + j) * 2 + hi;
+        uint32_t *d = xs + m * gv_pitch(KT) + (kb * 16 + j) * 2 + hi;
         d[0] = v.x;
         d[8] = v.y;
         d[16] = v.z;
@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
     } else {  // (the rows one after the other, the same order within each, element by element)
       for (int m = 0; m < M; ++m) {
         const T *xm = x + (int64_t)m * p.ldx;
-        uint32_t *xsm = xs + m * KT * 32;
+        uint32_t *xsm = xs + m * gv_pitch(KT);
         auto at = [&](int k) -> T { return k < p.K ? xm[p.perm ? p.perm[k] : k] : from_f<T>(0.f); };
         for (int c = (int)threadIdx.x; c < KT * 32; c += NT) {
           const int k = 2 * c, kb = k >> 6, r = k & 63, j = r >> 4, hi = (r >> 3) & 1, t = (r & 7) >> 1;
@@ -267,7 +267,7 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
   }
   __syncthreads();
   const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
-  const uint4 *xs4 = reinterpret_cast<const uint4 *>(xs) + 2 * tid + (MT == 1 ? 0 : min(gid, M - 1) * KT * 8);
+  const uint4 *xs4 = reinterpret_cast<const uint4 *>(xs) + 2 * tid + (MT == 1 ? 0 : min(gid, M - 1) * (KT * 8 + 1));
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   int s = (int)blockIdx.x, st = 0, buf = 0;
   auto step = [&](const Buf &b) {
