@@ -71,14 +71,17 @@ def test_plan_for_described_devices_auto(monkeypatch):
         assert ws >= 64 * 1024  # the tile counters at least
         return kind
 
-    # H200 (sm_90): gemv at M = 1 where its whole-stripe blocks fill their rounds (test_plan_for_gemv), bulk up to
-    # M = 4 everywhere else (up to 8 on large layers), stream otherwise up to 8, then wgmma_ws; tiled beyond
-    # (Python takes the dense path from DENSE_MIN_M on)
+    # H200 (sm_90): gemv at M = 1 where its whole-stripe blocks fill their rounds and at M = 2-8 below 2^26 weights
+    # where the staged rows leave its blocks per SM (test_plan_for_gemv), bulk up to M = 4 everywhere else (up to 8
+    # on large layers), stream otherwise up to 8, then wgmma_ws; tiled beyond (Python takes the dense path from
+    # DENSE_MIN_M on)
     for n, kk in ((28672, 8192), (8192, 28672), (4096, 4096), (11008, 4096), (196, 576)):
         for m in (1, 2, 4):
-            assert auto(H200, m, n, kk) == (k["gemv"] if m == 1 and n != 196 else k["bulk"]), (m, n, kk)
-    # bulk up to M = 8 on layers of 2^25 weights or more and on those of one-stripe units (at most 264 stripes),
-    # the stream kernel from M = 5 on the other ones
+            gemv = n != 196 and (m == 1 or n * kk < 2 ** 26)
+            assert auto(H200, m, n, kk) == (k["gemv"] if gemv else k["bulk"]), (m, n, kk)
+    # without the gemv kernel: bulk up to M = 8 on layers of 2^25 weights or more and on those of one-stripe units
+    # (at most 264 stripes), the stream kernel from M = 5 on the other ones
+    monkeypatch.setenv("W4P_CUDA_GEMV", "0")
     for n, kk in ((28672, 8192), (8192, 28672), (11008, 4096), (4096, 11008), (12288, 4096), (4096, 4096),
                   (4224, 2048), (196, 576)):
         for m in (5, 7, 8):
@@ -86,6 +89,7 @@ def test_plan_for_described_devices_auto(monkeypatch):
     assert auto(H200, 5, 4240, 4096) == k["stream"]  # 265 stripes
     assert auto(H200, 8, 6144, 4096) == k["stream"]
     assert auto(H200, 8, 4096, 4096, bits=8) == k["stream"]
+    monkeypatch.delenv("W4P_CUDA_GEMV")
     # the warp-specialized wgmma kernel from M = 9: up to 32 on every layer, up to 128 on layers of 2^25
     # weights or more, up to 256 on layers of 2^26 or more, and up to 512 on layers of 2^24 or more where its
     # blocks fit in one wave (past 256 only with the last 128-token tile more than half full)
@@ -194,7 +198,7 @@ def test_plan_for_without_tma_falls_back_to_wgmma(monkeypatch):
         rc, kind, _, _ = _plan_for(lib, ffi, H200, m, n, kk)
         assert rc == 0 and kind == k["wgmma"], (m, n, kk, kind)
     assert _plan_for(lib, ffi, H200, 192, 11008, 4096)[1] == k["tiled"]  # wgmma_ss's dense-path range: unchanged
-    assert _plan_for(lib, ffi, H200, 5, 6144, 4096)[1] == k["stream"]  # below the range: unchanged
+    assert _plan_for(lib, ffi, H200, 5, 6144, 4096)[1] == k["gemv"]  # below the range: unchanged
     assert _plan_for(lib, ffi, H200, 16, 4096, 4096, kernel="wgmma_ws")[1] == k["wgmma_ws"]  # forced: as asked
     monkeypatch.delenv("W4P_CUDA_NO_TMA")
     assert _plan_for(lib, ffi, H200, 16, 28672, 8192)[1] == k["wgmma_ws"]
@@ -482,7 +486,6 @@ def test_plan_for_gemv(monkeypatch):
     for n, kk in ((11008, 4096), (12288, 4096)):  # 688 and 768 stripes of 64 tiles
         d = auto(1, n, kk)
         assert d["kernel"] == "gemv" and d["blocks"] == "264" and d["stripes"] == str(n // 16), d
-        assert auto(2, n, kk)["kernel"] == "bulk"
         assert auto(1, n, kk, gs=32)["kernel"] == "gemv" and auto(1, n, kk, gs=-1)["kernel"] == "gemv"
         assert auto(1, n, kk, gs=48)["kernel"] != "gemv"
         assert auto(1, n, kk, bits=8)["kernel"] != "gemv"
@@ -513,8 +516,24 @@ def test_plan_for_gemv(monkeypatch):
     d = _describe_for(lib, ffi, H200, 8, 28672, 11008, kernel="gemv")
     assert d["blocks"] == "132" and d["smem"] == str(8 * (2048 + 172 * 128 + 16)), d  # (one per SM; rows padded)
     assert _describe_for(lib, ffi, H200, 3, 8192, 28672, kernel="gemv")["blocks"] == "132"
-    for m in (2, 3, 8):  # not auto's choice there yet
-        assert auto(m, 4096, 4096)["kernel"] != "gemv" and auto(m, 28672, 8192)["kernel"] != "gemv"
+    # auto at M = 2-8: where it takes gemv at M = 1, below 2^26 weights, and where the rows leave the blocks per SM
+    # it has at M = 1 (two: M * (K * 2 + 2064) bytes up to 115200 on an H200)
+    for n, kk in ((4096, 4096), (11008, 4096), (12288, 4096), (14336, 4096), (4224, 2048)):
+        for m in (2, 3, 5, 8):
+            assert auto(m, n, kk)["kernel"] == "gemv", (m, n, kk)
+    for m, want in ((2, "gemv"), (4, "gemv"), (5, "bulk"), (8, "bulk")):  # K = 11008: two blocks up to M = 4
+        assert auto(m, 4096, 11008)["kernel"] == want, m
+    for m, want in ((2, "gemv"), (3, "gemv"), (4, "bulk"), (6, "bulk")):  # K = 14336: up to M = 3
+        assert auto(m, 4096, 14336)["kernel"] == want, m
+    for n, kk in ((28672, 8192), (8192, 28672), (8192, 8192)):  # 2^26 weights and more: bulk
+        for m in (2, 4, 8):
+            assert auto(m, n, kk)["kernel"] == "bulk", (m, n, kk)
+    assert auto(2, 1024, 4096)["kernel"] == "bulk"  # 64 stripes: as at M = 1
+    assert auto(4, 4096, 4096, gs=48)["kernel"] != "gemv" and auto(4, 4096, 4096, dev=A100)["kernel"] != "gemv"
+    assert auto(9, 4096, 4096)["kernel"] == "wgmma_ws"
+    monkeypatch.setenv("W4P_CUDA_GEMV", "0")
+    assert auto(4, 4096, 4096)["kernel"] == "bulk"
+    monkeypatch.delenv("W4P_CUDA_GEMV")
     rc = _plan_for(lib, ffi, H200, 4, 8192, 28672, kernel="gemv")[0]  # 4 rows of 28672 do not fit a block
     assert rc != 0 and "K up to 27840 at this M" in ffi.string(lib.w4p_cuda_last_error()).decode()
     for m, n, kk, kw, dev in ((9, 4096, 4096, {}, H200), (1, 4096, 4096, {"bits": 8}, H200),
@@ -588,7 +607,7 @@ def test_plan_for_bulk_unit_granule_and_stages(monkeypatch):
         if stripes == "1":
             assert int(d["smem"]) <= dev[2] // 2 - dev[4], (dev, m, gs, d)
         want = "bulk" if m <= 4 or stripes == "1" else "stream"
-        want = "gemv" if m == 1 and dev == mid else want  # (sm_90 at M = 1: 256 stripes fill the gemv kernel's round)
+        want = "gemv" if dev == mid else want  # (sm_90: 256 stripes fill the gemv kernel's round, two blocks per SM)
         assert _describe_for(lib, ffi, dev, m, 4096, 4096, gs=gs)["kernel"] == want, (dev, m, gs)
     # the switches for sweeps and tests
     for ct in ("8", "12", "16"):
@@ -696,7 +715,7 @@ def test_every_auto_plan_is_legal_fits_and_fills_the_waves(dev):
                 if name == "ring":
                     assert m <= 8 and (gs == -1 or gs % 32 == 0), where
                 if name == "gemv":
-                    assert m == 1 and bits == 4 and cc >= 80, where
+                    assert m <= 8 and bits == 4 and cc >= 80, where
                 if name == "stream":
                     assert gs == -1 or gs % 32 == 0, where
                 # it fits: a block's shared memory (opt-in), the workspace's counters. (A "tiled" plan from

@@ -587,6 +587,7 @@ def main() -> int:
                     sweep["dense"] = measure_w4(lins, k, n, m, "dense")
                     if m <= 128:
                         sweep["stream"] = measure_w4(lins, k, n, m, "stream")
+            if sweep:
                 rec["sweep"] = sweep
             emit(rec)
             rows.append(rec)

@@ -9,6 +9,7 @@ namespace w4p {
 // decode kernels (planner_decode.cpp)
 int64_t gv_grid(const DevInfo &di, int KT, int m);
 bool gemv_auto(const DevInfo &di, int ns, int KT, int64_t weights);
+bool gemv_auto_tokens(const DevInfo &di, int m, int ns, int KT, int64_t weights);
 int64_t bulk_max_tiles(int nq, int KT, int ct, int64_t W);
 int bulk_ct(int sbits, int m, int np, int kp, int sms, bool large);
 int bulk_granule(int ct, bool large, bool single, int KT);
