@@ -238,8 +238,8 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
       }
     } else if (!p.perm && p.K % 8 == 0 && p.ldx % 8 == 0 && ((uintptr_t)x & 15) == 0) {
       // (the rows one after the other, 16 bytes a load: 8 activations are the pairs t = 0..3 of one slice half,
-      // slots 8 apart; zeros past K)
-      // (one loop over all rows: a row of K = 4096 is one load per thread, and the loads of a loop unroll together)
+      // slots 8 apart; zeros past K. One loop over all rows: a row of K = 4096 is one load per thread, and the
+      // loads of one loop unroll together)
       for (int c = (int)threadIdx.x; c < M * KT * 8; c += NT) {
         const int m = c / (KT * 8), k = 8 * (c - m * KT * 8), kb = k >> 6, r = k & 63, j = r >> 4, hi = (r >> 3) & 1;
         const uint4 v =
@@ -267,6 +267,7 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
   }
   __syncthreads();
   const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
+  // (the lane's token row: gv_pitch(KT) slots = KT * 8 + 1 uint4 a row)
   const uint4 *xs4 = reinterpret_cast<const uint4 *>(xs) + 2 * tid + (MT == 1 ? 0 : min(gid, M - 1) * (KT * 8 + 1));
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   int s = (int)blockIdx.x, st = 0, buf = 0;

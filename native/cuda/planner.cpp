@@ -204,8 +204,8 @@ int refuse(const Layer &L, int kind) {
     return fail(W4P_EUNSUPPORTED, "the gemv kernel takes M <= %d (m=%lld)", GV_MAX_M, (long long)L.m);
   if (kind == W4P_CUDA_KERNEL_GEMV && !L.gemv_ok)
     return fail(W4P_EUNSUPPORTED, "the gemv kernel takes M <= %d, 4-bit layers, compute capability 8.0 or newer "
-                "(this device: %d.%d), a group size that is a multiple of 32 or per channel, and K up to %lld at this M "
-                "(its rows staged in shared memory) (m=%lld, k=%d)", GV_MAX_M, di.cc / 10, di.cc % 10,
+                "(this device: %d.%d), a group size that is a multiple of 32 or per channel, and K up to %lld at "
+                "this M (its rows are staged in shared memory; m=%lld, k=%d)", GV_MAX_M, di.cc / 10, di.cc % 10,
                 L.m == 1 ? (di.smem_block - di.smem_reserved - GV_RED) / 128 * 64
                          : ((di.smem_block - di.smem_reserved) / L.m - GV_RED - 16) / 128 * 64,
                 (long long)L.m, L.k);
