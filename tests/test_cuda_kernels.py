@@ -287,21 +287,21 @@ def test_gemv_kernel(dtype_name, zero_mode, gs, act_order):
 def test_gemv_kernel_tokens(dtype_name, zero_mode, gs, act_order):
     # up to 8 tokens, one per MMA column: each token's row bit-identical to that row alone through the gemv kernel
     # (the columns do not mix, and the order of every sum is the one-token kernel's), against the float64 reference;
-    # rows of x and y strided and x unaligned (staged element by element) or contiguous (16-byte loads), odd shapes (rows past N, K past the last full tile, a stripe count
-    # under and over the grid, K = 12000 staged 8 times where a block's shared memory holds it: H100 and H200), no
-    # write past N, repeats and graph replays bit-identical
+    # rows of x and y strided and x unaligned (staged element by element) or contiguous (16-byte loads), odd shapes
+    # (rows past N, K past the last full tile, a stripe count under and over the grid, K = 12000 staged 8 times where
+    # a block's shared memory holds it: H100 and H200), no write past N, repeats and graph replays bit-identical
     import torch
 
     if not gemv_ok():
         pytest.skip("the gemv kernel needs compute capability 8.0")
     rng = np.random.default_rng(zlib.crc32(repr(("gemv-m", dtype_name, zero_mode, gs, act_order)).encode()))
     tdt = torch.float16 if dtype_name == "float16" else torch.bfloat16
+    optin = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
     for (n, k), m in zip(((196, 576), (600, 1000), (17, 64), (4100, 2880), (9000, 4160), (40, 12000)),
                          (2, 8, 3, 5, 8, 8)):
         layer = random_layer(rng, n, k, gs=gs, zero_mode=zero_mode, act_order=act_order, scale_dtype=dtype_name,
                              bias=True)
         lin = cuda.CudaPackedLinear(pack(layer), "cuda", dtypes=(dtype_name,))
-        optin = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
         if k == 12000 and optin < 8 * (2048 + 188 * 128 + 16):  # (sm_80 to sm_89: fewer rows of it fit)
             m = 2
         assert lin.plan(m, kernel="gemv")["detail"].startswith("gemv "), (n, k, m)

@@ -472,7 +472,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="", help="comma list of KxN (default: the six Llama shapes)")
     ap.add_argument("--ms", default="", help="comma list of M (e.g. 1,4,16: the decode regime only)")
     ap.add_argument("--also", default="", help="comma list of kernels timed forced beside auto at every point "
-                    "(e.g. gemv,bulk: an A/B of auto's choice); a point a kernel does not take is skipped with the reason")
+                    "(e.g. gemv,bulk: an A/B of auto's choice); a point a kernel does not take is skipped with the "
+                    "reason")
     ap.add_argument("--no-gemlite", action="store_true", help="leave gemlite out (its autotuning takes minutes)")
     ap.add_argument("--gemlite-budget", type=float, default=GEMLITE_BUDGET_S,
                     help="seconds of gemlite autotuning after which it is left out of the rest of the run")
