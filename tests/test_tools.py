@@ -61,6 +61,10 @@ def test_bench_gpu_floors_need_no_device():
             line.startswith("| 4096")}
     assert "**27.0** / 0.7" in rows["8192×28672"] and "29.0 / **91.0**" in rows["8192×28672"], r.stdout
     assert "**1.9** / 0.1" in rows["4096×4096"] and "2.4 / **6.5**" in rows["4096×4096"], r.stdout
+    # integer zero points add one byte per group of 128 and column: 8192×28672 reads 1.8 MB more
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_gpu.py"), "--floors", "--shapes", "8192x28672",
+                        "--ms", "1", "--zeros", "int"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "| 8192×28672 | **27.4** / 0.7 |" in r.stdout, r.stdout + r.stderr
 
 
 def _tool(name: str):

@@ -107,13 +107,14 @@ def w4_copies(packed: PackedLayer, copies: int) -> list[w4cuda.CudaPackedLinear]
     return out
 
 
-def w4_bytes(k: int, n: int, m: int) -> float:
-    return k * n / 2 + 2 * n * math.ceil(k / GS) + 2 * m * k + 2 * m * n
+def w4_bytes(k: int, n: int, m: int, zero_mode: str = "none") -> float:
+    zeros = n * math.ceil(k / GS) if zero_mode == "int" else 0  # one byte per group and column
+    return k * n / 2 + 2 * n * math.ceil(k / GS) + zeros + 2 * m * k + 2 * m * n
 
 
-def floors_us(k: int, n: int, m: int) -> tuple[float, float]:
+def floors_us(k: int, n: int, m: int, zero_mode: str = "none") -> tuple[float, float]:
     """The two floors of one call (us): its bytes at the measured read stream, its FLOPs at cuBLAS's rate."""
-    return w4_bytes(k, n, m) / (READ_BW_REF * 1e9) * 1e6, 2.0 * m * k * n / FLOPS_REF * 1e6
+    return w4_bytes(k, n, m, zero_mode) / (READ_BW_REF * 1e9) * 1e6, 2.0 * m * k * n / FLOPS_REF * 1e6
 
 
 _READ_KERNEL: list = []
@@ -170,16 +171,17 @@ def print_read_floors(shapes) -> None:
               flush=True)
 
 
-def print_floors(shapes, ms) -> None:
+def print_floors(shapes, ms, zero_mode: str = "none") -> None:
     """Markdown table of both floors per shape and M (no GPU needed): the larger one bounds any kernel."""
-    print(f"Floors (us): bytes (int4 weights + fp16 scales per {GS} + x in + y out) at {READ_BW_REF:.0f} GB/s / "
+    zeros = f" + 8-bit zero points per {GS}" if zero_mode == "int" else ""
+    print(f"Floors (us): bytes (int4 weights + fp16 scales per {GS}{zeros} + x in + y out) at {READ_BW_REF:.0f} GB/s / "
           f"FLOPs at {FLOPS_REF / 1e12:.0f} TFLOP/s; the larger one in bold")
     print("| K×N | " + " | ".join(f"M = {m}" for m in ms) + " |")
     print("|---|" + "---|" * len(ms))
     for k, n in shapes:
         cells = []
         for m in ms:
-            b, f = floors_us(k, n, m)
+            b, f = floors_us(k, n, m, zero_mode)
             cells.append(f"**{b:.1f}** / {f:.1f}" if b >= f else f"{b:.1f} / **{f:.1f}**")
         print(f"| {k}×{n} | " + " | ".join(cells) + " |")
 
@@ -453,7 +455,7 @@ def print_tables(head: str, tables) -> None:
                   f"{'-' if gl is None else f'{gl:.1f}'} | "
                   f"{sp:.2f}x | {'-' if tg is None else f'{best / tg:.2f}x'} | {'-' if gl is None else f'{best / gl:.2f}x'} | "
                   f"{r['w4pack_gbs']:.0f} | "
-                  f"{100 * r['w4pack_gbs'] / READ_BW_REF:.0f}% | {max(floors_us(k, n, r['M'])):.1f} | "
+                  f"{100 * r['w4pack_gbs'] / READ_BW_REF:.0f}% | {max(floors_us(k, n, r['M'], r.get('zero_mode', 'none'))):.1f} | "
                   f"{r['plan']['kernel']}/{r['plan']['splits']} |")
     print("\nGeometric-mean speedup of w4pack over cuBLAS fp16 across shapes")
     for m, v in geo.items():
@@ -474,6 +476,8 @@ def main() -> int:
     ap.add_argument("--also", default="", help="comma list of kernels timed forced beside auto at every point "
                     "(e.g. gemv,bulk: an A/B of auto's choice); a point a kernel does not take is skipped with the "
                     "reason")
+    ap.add_argument("--zeros", choices=("none", "int"), default="none",
+                    help="w4pack's layers with integer zero points (AWQ, asymmetric GPTQ) instead of symmetric ones")
     ap.add_argument("--no-gemlite", action="store_true", help="leave gemlite out (its autotuning takes minutes)")
     ap.add_argument("--gemlite-budget", type=float, default=GEMLITE_BUDGET_S,
                     help="seconds of gemlite autotuning after which it is left out of the rest of the run")
@@ -486,7 +490,7 @@ def main() -> int:
     ms = [int(v) for v in args.ms.split(",") if v] or ([1, 16, 64, 256] if args.quick else MS)
     also = [v for v in args.also.split(",") if v]
     if args.floors:
-        print_floors(shapes, ms)
+        print_floors(shapes, ms, args.zeros)
         return 0
     if not w4cuda.available():
         print(f"w4pack CUDA unavailable: {w4cuda.unavailable_reason()}", file=sys.stderr)
@@ -501,7 +505,8 @@ def main() -> int:
     _GEMLITE["budget"] = args.gemlite_budget
     props = torch.cuda.get_device_properties(0)
     head = (f"GPU {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
-            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, layout {LAYOUT_NAME} v{LAYOUT_VERSION}")
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, layout {LAYOUT_NAME} v{LAYOUT_VERSION}"
+            + (", integer zero points" if args.zeros == "int" else ""))
     print(head, flush=True)
     if args.plot and not args.json:
         args.json = args.plot.with_suffix(".jsonl")
@@ -529,7 +534,7 @@ def main() -> int:
 
     tables = []
     for k, n in shapes:
-        packed = random_packed(k, n)
+        packed = random_packed(k, n, zero_mode=args.zeros)
         lins = w4_copies(packed, n_copies(k * n / 2 * 1.03))
         rows = []
         for m in ms:
@@ -539,9 +544,10 @@ def main() -> int:
             t_tg = measure_tinygemm(k, n, m)
             t_gl = measure_gemlite(k, n, m)
             best = min(t_mm, t_lin)
-            gbs = w4_bytes(k, n, m) / (t_w4 * 1e-6) / 1e9
-            rec = {"kind": "gemm", "K": k, "N": n, "M": m, "w4pack_us": t_w4, "cublas_mm_us": t_mm,
-                   "cublas_linear_us": t_lin, "tinygemm_us": t_tg, "gemlite_us": t_gl, "w4pack_gbs": gbs, "plan": plan}
+            gbs = w4_bytes(k, n, m, args.zeros) / (t_w4 * 1e-6) / 1e9
+            rec = {"kind": "gemm", "K": k, "N": n, "M": m, "zero_mode": args.zeros, "w4pack_us": t_w4,
+                   "cublas_mm_us": t_mm, "cublas_linear_us": t_lin, "tinygemm_us": t_tg, "gemlite_us": t_gl,
+                   "w4pack_gbs": gbs, "plan": plan}
             sweep = {}
             for kern in also:  # forced beside auto (--also), where the kernel takes this point
                 try:
