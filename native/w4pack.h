@@ -161,7 +161,7 @@ uint64_t w4p_cpu_read_stream(const void *buf, size_t bytes);
    block); splits forces the split-K count */
 #define W4P_CUDA_KERNEL_WGMMA_SS 7
 /* GEMV (M = 1 to 8, 4-bit, group sizes that are multiples of 32 or per channel, sm_80+; auto's choice on compute
-   capability 9.0 at M = 1, and at M = 2-8 on layers under 2^26 weights where its staged rows fit two blocks per SM):
+   capability 9.0 at M = 1, and at M = 2-8 where its staged rows fit as many blocks per SM as at M = 1):
    blocks own whole 16-row stripes, weights through plain 16-byte loads, one token per MMA column */
 #define W4P_CUDA_KERNEL_GEMV 8
 /* probes (diagnostics for tools/bench_gpu.py; the output is not computed): copies only */

@@ -71,13 +71,13 @@ def test_plan_for_described_devices_auto(monkeypatch):
         assert ws >= 64 * 1024  # the tile counters at least
         return kind
 
-    # H200 (sm_90): gemv at M = 1 where its whole-stripe blocks fill their rounds and at M = 2-8 below 2^26 weights
-    # where the staged rows leave its blocks per SM (test_plan_for_gemv), bulk up to M = 4 everywhere else (up to 8
-    # on large layers), stream otherwise up to 8, then wgmma_ws; tiled beyond (Python takes the dense path from
-    # DENSE_MIN_M on)
+    # H200 (sm_90): gemv at M = 1 where its whole-stripe blocks fill their rounds and at M = 2-8 where the staged
+    # rows leave its blocks per SM (test_plan_for_gemv; two rows of K = 28672 do not), bulk up to M = 4 everywhere
+    # else (up to 8 on large layers), stream otherwise up to 8, then wgmma_ws; tiled beyond (Python takes the dense
+    # path from DENSE_MIN_M on)
     for n, kk in ((28672, 8192), (8192, 28672), (4096, 4096), (11008, 4096), (196, 576)):
         for m in (1, 2, 4):
-            gemv = n != 196 and (m == 1 or n * kk < 2 ** 26)
+            gemv = n != 196 and (m == 1 or kk < 28672)
             assert auto(H200, m, n, kk) == (k["gemv"] if gemv else k["bulk"]), (m, n, kk)
     # without the gemv kernel: bulk up to M = 8 on layers of 2^25 weights or more and on those of one-stripe units
     # (at most 264 stripes), the stream kernel from M = 5 on the other ones
@@ -516,8 +516,8 @@ def test_plan_for_gemv(monkeypatch):
     d = _describe_for(lib, ffi, H200, 8, 28672, 11008, kernel="gemv")
     assert d["blocks"] == "132" and d["smem"] == str(8 * (2048 + 172 * 128 + 16)), d  # (one per SM; rows padded)
     assert _describe_for(lib, ffi, H200, 3, 8192, 28672, kernel="gemv")["blocks"] == "132"
-    # auto at M = 2-8: where it takes gemv at M = 1, below 2^26 weights, and where the rows leave the blocks per SM
-    # it has at M = 1 (two: M * (K * 2 + 2064) bytes up to 115200 on an H200)
+    # auto at M = 2-8: where it takes gemv at M = 1 and where the rows leave the blocks per SM it has at M = 1
+    # (two: M * (K * 2 + 2064) bytes up to 115200 on an H200)
     for n, kk in ((4096, 4096), (11008, 4096), (12288, 4096), (14336, 4096), (4224, 2048)):
         for m in (2, 3, 5, 8):
             assert auto(m, n, kk)["kernel"] == "gemv", (m, n, kk)
@@ -525,9 +525,11 @@ def test_plan_for_gemv(monkeypatch):
         assert auto(m, 4096, 11008)["kernel"] == want, m
     for m, want in ((2, "gemv"), (3, "gemv"), (4, "bulk"), (6, "bulk")):  # K = 14336: up to M = 3
         assert auto(m, 4096, 14336)["kernel"] == want, m
-    for n, kk in ((28672, 8192), (8192, 28672), (8192, 8192)):  # 2^26 weights and more: bulk
-        for m in (2, 4, 8):
-            assert auto(m, n, kk)["kernel"] == "bulk", (m, n, kk)
+    for n in (28672, 8192):  # K = 8192: two blocks up to M = 6
+        for m, want in ((2, "gemv"), (4, "gemv"), (6, "gemv"), (7, "bulk"), (8, "bulk")):
+            assert auto(m, n, 8192)["kernel"] == want, (m, n)
+    for m in (2, 4, 8):  # K = 28672: one block per SM from M = 2
+        assert auto(m, 8192, 28672)["kernel"] == "bulk", m
     assert auto(2, 1024, 4096)["kernel"] == "bulk"  # 64 stripes: as at M = 1
     assert auto(4, 4096, 4096, gs=48)["kernel"] != "gemv" and auto(4, 4096, 4096, dev=A100)["kernel"] != "gemv"
     assert auto(9, 4096, 4096)["kernel"] == "wgmma_ws"

@@ -79,7 +79,7 @@ bool undecided(const Choice &c) { return c.kind == W4P_CUDA_KERNEL_AUTO; }
 bool sm90_4bit(const Layer &L) { return L.di.cc == 90 && L.sbits == 4; }
 
 // gemv on sm_90 at M = 1 where its whole-stripe blocks fill the SMs and their rounds (gemv_auto); at M = 2-8 also
-// below the 70B sizes where the staged rows leave its blocks per SM (gemv_auto_tokens)
+// where the staged rows leave its blocks per SM (gemv_auto_tokens)
 void step_gemv(const Layer &L, Choice &c) {
   if (undecided(c) && L.gemv_ok && L.di.cc == 90 && gemv_env() != 0 &&
       (L.m == 1 ? gemv_auto(L.di, L.nstripes, L.KT, L.weights)

@@ -28,14 +28,15 @@ bool gemv_auto(const DevInfo &di, int ns, int KT, int64_t weights) {
   return weights < SIZE_L || (double)ns >= GEMV_FULL * (double)(rounds * g);
 }
 
-// "auto" takes the gemv kernel at M = 2-8 (one token per MMA column) where it takes it at M = 1, on layers under
-// SIZE_XL, and where the staged rows leave it the resident blocks per SM it has at M = 1. Against the bulk kernel
-// (H100, docs/journal/2026-cuda.md section 17): 7-31% less time on the 7B shapes wherever that holds (4096x4096 at
-// M = 8 7.0 against 8.7 us, 4096x12288 13.8 against 18.2, 11008x4096 at M = 4 13.5 against 14.6); with one block
-// per SM fewer from level to 4-7% either way (11008x4096 at M = 8 16.6 against 16.2 us, 14336x4096 at M = 4 17.7
-// against 19.1); on the 70B shapes slower even with both blocks (8192x28672 at M = 2 53.8 against 48.8 us).
+// "auto" takes the gemv kernel at M = 2-8 (one token per MMA column) where it takes it at M = 1 and where the
+// staged rows leave it the resident blocks per SM it has at M = 1. Against the bulk kernel (H100,
+// docs/journal/2026-cuda.md sections 17 and 18): 7-31% less time on the 7B shapes wherever that holds (4096x4096
+// at M = 8 7.0 against 8.7 us, 4096x12288 13.8 against 18.2); 2-21% on the larger ones to M = 4 (8192x8192 at M = 2
+// 15.2 against 19.2 us, 8192x28672 47.1 against 48.8) and at M = 6 all but 8192x28672 (50.1 against 49.5); with
+// one block per SM fewer from level to 4-7% either way (11008x4096 at M = 8 16.6 against 16.2 us), and 15% behind
+// on 28672x8192 at M = 2 (57 against 49.5).
 bool gemv_auto_tokens(const DevInfo &di, int m, int ns, int KT, int64_t weights) {
-  return m >= 2 && m <= GV_MAX_M && weights < SIZE_XL && gv_grid(di, KT, m) == gv_grid(di, KT, 1) &&
+  return m >= 2 && m <= GV_MAX_M && gv_grid(di, KT, m) == gv_grid(di, KT, 1) &&
          gemv_auto(di, ns, KT, weights);
 }
 

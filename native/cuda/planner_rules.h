@@ -40,12 +40,10 @@ struct AutoRule {
 constexpr AutoRule AUTO_RULES[] = {
     {90, 90, 1, 1, "S M L XL", "gemv bulk", "gemv where every SM gets a block of stripes and, on L and XL, its rounds are 70% full",
      "journal 4 (gemv), 9"},
-    {90, 90, 2, 4, "S M L", "gemv bulk", "gemv as at M = 1 where the staged rows leave its blocks per SM; else the "
-     "copy engine's weight stream, stream-K over 2 blocks per SM", "journal 4 (bulk), 7, 17"},
-    {90, 90, 2, 4, "XL", "bulk", "the copy engine's weight stream, stream-K over 2 blocks per SM",
-     "journal 4 (bulk), 7, 17"},
+    {90, 90, 2, 4, "S M L XL", "gemv bulk", "gemv as at M = 1 where the staged rows leave its blocks per SM; else "
+     "the copy engine's weight stream, stream-K over 2 blocks per SM", "journal 4 (bulk), 7, 17, 18"},
     {90, 90, 5, 8, "L", "gemv bulk", "gemv as at M = 2-4; else bulk's balanced units", "journal 4 (bulk units), 17"},
-    {90, 90, 5, 8, "XL", "bulk", "16-tile units", "journal 4 (bulk units)"},
+    {90, 90, 5, 8, "XL", "gemv bulk", "gemv as at M = 2-4; else bulk's 16-tile units", "journal 4 (bulk units), 18"},
     {90, 90, 5, 8, "S M", "gemv bulk stream", "gemv as at M = 2-4; else bulk where every block owns a whole stripe "
      "(one-stripe units)", "journal 4 (one-stripe units), 17"},
     {90, 90, 9, 32, "S M L XL", "wgmma_ws", "split K to fill the SMs, 16+ K tiles a split, 2 in a cluster",

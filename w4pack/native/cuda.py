@@ -37,8 +37,8 @@ _LIBDIR = _HERE.parent / "_lib"
 #: the same range only where the driver lacks the TMA encoder); "wgmma_ss" (sm_90a, 4-bit, group sizes that are
 #: multiples of 64 or per channel: the tokens as wgmma's A operand, the weights dequantized into shared memory as
 #: its B operand, 256 rows per block); "gemv" (M = 1 to 8, 4-bit, sm_80+: blocks own whole stripes, plain 16-byte
-#: weight loads; auto's choice on compute capability 9.0 at M = 1, and at M = 2-8 on layers under 2^26 weights
-#: where its staged rows fit two blocks per SM); "dense" is the
+#: weight loads; auto's choice on compute capability 9.0 at M = 1, and at M = 2-8 where its staged rows fit as
+#: many blocks per SM as at M = 1); "dense" is the
 #: large-M path: dequantize to a temporary fp16/bf16 matrix with w4p_cuda_dequantize, then torch's GEMM (cuBLAS)
 KERNELS = {"auto": 0, "stream": 1, "tiled": 2, "ring": 3, "bulk": 4, "wgmma": 5, "wgmma_ws": 6, "wgmma_ss": 7, "gemv": 8,
            "dense": -1, "probe_load": 10,
