@@ -458,11 +458,12 @@ def print_tables(head: str, tables) -> None:
             gl = r["gemlite_us"]
             sp = best / r["w4pack_us"]
             geo.setdefault(r["M"], []).append(sp)
+            floor = max(floors_us(k, n, r["M"], r.get("zero_mode", "none")))
             print(f"| {r['M']} | {r['w4pack_us']:.1f} | {best:.1f} | {'-' if tg is None else f'{tg:.1f}'} | "
                   f"{'-' if gl is None else f'{gl:.1f}'} | "
                   f"{sp:.2f}x | {'-' if tg is None else f'{best / tg:.2f}x'} | {'-' if gl is None else f'{best / gl:.2f}x'} | "
                   f"{r['w4pack_gbs']:.0f} | "
-                  f"{100 * r['w4pack_gbs'] / READ_BW_REF:.0f}% | {max(floors_us(k, n, r['M'], r.get('zero_mode', 'none'))):.1f} | "
+                  f"{100 * r['w4pack_gbs'] / READ_BW_REF:.0f}% | {floor:.1f} | "
                   f"{r['plan']['kernel']}/{r['plan']['splits']} |")
     print("\nGeometric-mean speedup of w4pack over cuBLAS fp16 across shapes")
     for m, v in geo.items():
