@@ -345,6 +345,14 @@ entry()
 """
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """preexec_fn: a command started from a terminal has SIGINT at its default; a runner started in the background
+    (make under nohup, some CI shells) passes SIGINT on ignored, and Python then never raises KeyboardInterrupt."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_the_imports_is_one_line(tmp_path: Path) -> None:
     """Ctrl-C in the first tenth of a second (while w4pack and numpy import) is one line and 130, no traceback
     (item 11); inside a command it still reaches the command's clean-up (test above)."""
@@ -354,14 +362,16 @@ def test_ctrl_c_during_the_imports_is_one_line(tmp_path: Path) -> None:
     repo = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(repo)}
     proc = subprocess.run([sys.executable, "-c", _INTERRUPT_DURING_IMPORT, "convert", str(tmp_path / "src"),
-                           str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=120)
+                           str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=120,
+                          preexec_fn=_sigint_as_in_a_terminal)
     assert "numpy" not in proc.stdout
     assert proc.returncode == 130 and proc.stderr == "w4pack: interrupted; no output was left half-written\n", \
         (proc.returncode, proc.stderr[-800:])
     # a library user importing w4pack keeps Python's own KeyboardInterrupt
     lib = _INTERRUPT_DURING_IMPORT.replace("sys.argv = [", "sys.argv = ['x'] or [").replace(
         "from w4pack.cli import entry\nentry()", "try:\n    import w4pack\nexcept KeyboardInterrupt:\n    print('KI')")
-    proc = subprocess.run([sys.executable, "-c", lib], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", lib], capture_output=True, text=True, env=env, timeout=120,
+                          preexec_fn=_sigint_as_in_a_terminal)
     assert proc.stdout.strip() == "KI", (proc.returncode, proc.stdout, proc.stderr[-500:])
 
 
