@@ -120,3 +120,25 @@ def test_library_plans_as_the_host_planner(monkeypatch):
     want = (root / "tests" / "data" / "cuda_plans_h200.tsv").read_text().splitlines()
     assert tool.golden_rows(ffi, lib) == want
 
+
+
+@pytest.mark.parametrize("define", ["-DW4P_GV_STAGES=3", "-DW4P_GV_RING=4"])
+def test_the_gemv_kernels_build_options_compile_without_spills(define, tmp_path):
+    # the options CUDA.md offers for A/Bs are built only on demand: CI compiles them here, for the architecture
+    # they are measured on, so one that no longer builds or spills registers fails before a GPU call is spent
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        pytest.skip("nvcc is not installed")
+    import subprocess
+    from pathlib import Path
+    native = Path(__file__).resolve().parent.parent / "native"
+    r = subprocess.run([nvcc, "-O3", "-std=c++17", "-c", "-diag-suppress", "177", define,
+                        "-gencode=arch=compute_90a,code=sm_90a", f"-I{native}", "-Xptxas", "-v",
+                        str(native / "cuda" / "kernel_gemv.cu"), "-o", str(tmp_path / "gemv.o")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    kernels = r.stderr.count("Compiling entry function")
+    assert kernels >= 54, r.stderr[-2000:]
+    spills = [line for line in r.stderr.splitlines()
+              if "spill" in line and "0 bytes spill stores, 0 bytes spill loads" not in line]
+    assert not spills, spills[:4]

@@ -80,14 +80,32 @@ constexpr int GV_B = 2;   // blocks per SM asked of the compiler (one fewer for 
 #endif
 constexpr int GV_STAGES = W4P_GV_STAGES;
 static_assert(GV_STAGES == 2 || GV_STAGES == 3, "the gemv kernel's loop names two or three register buffers");
+// a ring of GV_RING steps per thread in shared memory instead of the register buffers (0: off): each thread
+// copies its weights and group parameters there with cp.async, GV_RING - 1 steps ahead of the one it computes,
+// so more bytes are in flight per SM than registers hold. A build option (W4P_CUDA_DEFINES=-DW4P_GV_RING=4).
+#ifndef W4P_GV_RING
+#define W4P_GV_RING 0
+#endif
+constexpr int GV_RING = W4P_GV_RING;
+static_assert(GV_RING == 0 || (GV_RING >= 3 && GV_RING <= 6 && GV_STAGES == 2), "a ring of 3-6 steps, or none");
 constexpr int GV_MAX_M = 8;  // tokens: the MMA's eight B columns, one token each (M = 1 leaves seven idle)
 constexpr int GV_RED = 2 * GV_W * 16 * 4;  // the stripe sums' two buffers [2][GV_W][16] floats at M = 1
 // the staged activation rows' pitch in 32-bit slots at M > 1: 16 bytes past a row so that lanes gid and gid + 1,
 // which share a quarter-warp's 16-byte loads, read different banks (at M = 1 every lane reads the one row)
 W4P_HD constexpr int gv_pitch(int kt) { return kt * 32 + 4; }
-// shared memory of an M-token call: the stripe sums [2][GV_W][16][m] and the m staged activation rows
-W4P_HD constexpr size_t gv_smem(int kt, int m = 1) {
-  return m == 1 ? (size_t)GV_RED + (size_t)kt * 128 : ((size_t)GV_RED + (size_t)gv_pitch(kt) * 4) * m;
+// the segment length in tiles a group size gives (0: half tiles, where groups end inside a tile)
+W4P_HD constexpr int gv_ts(int gs) { return gs <= 0 || gs % (64 * GV_U) == 0 ? GV_U : gs % 64 == 0 ? 1 : 0; }
+// the ring's bytes per block: per thread and step, GV_U 16-byte weight pieces and a 32-bit word per group
+// parameter (two per segment, four with zero points or minima; zm: 0 none, else int zeros or float minima)
+W4P_HD constexpr size_t gv_ring(int zm, int ts) {
+  return GV_RING == 0 ? 0
+                      : (size_t)GV_RING * GV_W * 32 *
+                            (size_t)(16 * GV_U + 4 * (ts ? GV_U / ts : 2 * GV_U) * (zm == 0 ? 2 : 4));
+}
+// shared memory of an M-token call: the stripe sums [2][GV_W][16][m] and the m staged activation rows (and the
+// ring, where it is built)
+W4P_HD constexpr size_t gv_smem(int kt, int m = 1, size_t ring = 0) {
+  return (m == 1 ? (size_t)GV_RED + (size_t)kt * 128 : ((size_t)GV_RED + (size_t)gv_pitch(kt) * 4) * m) + ring;
 }
 
 // wgmma kernel

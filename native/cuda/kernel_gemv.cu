@@ -88,6 +88,70 @@ __device__ __forceinline__ void gv_load(const Params &p, uint32_t woff, uint32_t
   }
 }
 
+// The ring (GV_RING > 0): thread t's step slot j holds its GV_U weight pieces at w[(j * GV_U + u) * NT + t] and
+// its parameter words at par[((j * NSEG + g) * NV + v) * NT + t] (consecutive threads, consecutive words: no bank
+// conflicts). A 16-bit parameter is copied as the aligned 32-bit word that holds it; which half it is does not
+// change along a stripe (the offsets differ by multiples of the even Np), so each lane keeps one shift per tensor.
+template <int ZM, int TS> struct GvRing {
+  using S = GvShape<ZM, TS>;
+  uint4 *w;
+  uint32_t *par;
+  static constexpr int NT = GV_W * 32;
+  __device__ __forceinline__ uint4 *wp(int j, int u) const { return w + (j * GV_U + u) * NT + threadIdx.x; }
+  __device__ __forceinline__ uint32_t *pp(int j, int g, int v) const {
+    return par + ((j * S::NSEG + g) * S::NV + v) * NT + threadIdx.x;
+  }
+};
+__device__ __forceinline__ const void *word_of(const unsigned short *p) {
+  return reinterpret_cast<const void *>(reinterpret_cast<uintptr_t>(p) & ~(uintptr_t)3);
+}
+__device__ __forceinline__ uint32_t half_shift(const void *base, int gid) {
+  return (((uint32_t)(reinterpret_cast<uintptr_t>(base) >> 1) + (uint32_t)gid) & 1u) ? 16u : 0u;
+}
+// gv_load's copies into ring slot j: the chunk's tiles inside K and the parameters of its segments inside K (the
+// rest is never read: gv_chunk stops at nv)
+template <int ZM, int TS>
+__device__ __forceinline__ void gv_ring_load(const Params &p, const GvRing<ZM, TS> &r, int j, uint32_t woff,
+                                             uint32_t poff, int t0, int nv) {
+  using S = GvShape<ZM, TS>;
+  const uint4 *wp = reinterpret_cast<const uint4 *>(p.qw) + woff;
+#pragma unroll
+  for (int u = 0; u < GV_U; ++u)
+    if (u < nv) cp_async16(r.wp(j, u), wp + 32 * u, true);
+  const unsigned short *sc = (const unsigned short *)p.scales;
+  const unsigned short *zp = (const unsigned short *)(ZM == 1 ? p.zeros : p.mins);
+#pragma unroll
+  for (int g = 0; g < S::NSEG; ++g) {
+    const int first = TS ? g * TS : g / 2;
+    if (first >= nv) break;
+    const int col = TS ? 64 * (t0 + first) : 64 * t0 + 32 * g;
+    const uint32_t off = (uint32_t)group_of(col, p.gmul) * (uint32_t)p.Np + poff;
+    cp_async4(r.pp(j, g, 0), word_of(sc + off));
+    cp_async4(r.pp(j, g, 1), word_of(sc + off + 8));
+    if (ZM != 0) {
+      cp_async4(r.pp(j, g, 2), word_of(zp + off));
+      cp_async4(r.pp(j, g, 3), word_of(zp + off + 8));
+    }
+  }
+}
+// ring slot j into the registers gv_chunk takes (the 16-bit values in the low halves)
+template <int ZM, int TS>
+__device__ __forceinline__ void gv_ring_get(const GvRing<ZM, TS> &r, int j, uint32_t sh_s, uint32_t sh_z,
+                                            GvBuf<ZM, TS> &b) {
+  using S = GvShape<ZM, TS>;
+#pragma unroll
+  for (int u = 0; u < GV_U; ++u) b.w[u] = *r.wp(j, u);
+#pragma unroll
+  for (int g = 0; g < S::NSEG; ++g) {
+    b.par[g][0] = *r.pp(j, g, 0) >> sh_s;
+    b.par[g][1] = *r.pp(j, g, 1) >> sh_s;
+    if (ZM != 0) {
+      b.par[g][2] = *r.pp(j, g, 2) >> sh_z;
+      b.par[g][3] = *r.pp(j, g, 3) >> sh_z;
+    }
+  }
+}
+
 // One chunk: acc[0] / acc[2] (rows gid / gid + 8; with MT > 1 acc[1] / acc[3] too: the MMA's tokens 2 tid and
 // 2 tid + 1) += its products with the activations. xb: the lane's B pairs of tile t0 (two uint4 per tile).
 template <typename T, int ZM, int TS, int MT, bool FULL>
@@ -192,10 +256,32 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
       s_n += G;
     }
   };
+  // the ring's copies of the next step into slot j (GV_RING > 0), one commit group per step, empty past the end
+  GvRing<ZM, TS> ring{reinterpret_cast<uint4 *>(smem + gv_smem(KT, M)),
+                      reinterpret_cast<uint32_t *>(smem + gv_smem(KT, M) + (size_t)GV_RING * GV_U * NT * 16)};
+  auto rload = [&](int j) {
+    if (i_n < nsteps) {
+      const int t0 = st_n * W * U + wi * U, nv = KT - t0;
+      if (nv > 0)
+        gv_ring_load<ZM, TS>(p, ring, j, (uint32_t)(s_n * KT + t0) * 32u + (uint32_t)lane,
+                             (uint32_t)(16 * s_n + gid), t0, nv);
+    }
+    cp_async_commit();
+    ++i_n;
+    if (++st_n == spp) {
+      st_n = 0;
+      s_n += G;
+    }
+  };
   Buf A, B, C;
-  load(A);  // (weights do not depend on the previous kernel's output; requested before the staging below)
   constexpr int STAGES = gv_stages<T, ZM, TS>();
-  if (STAGES == 3) load(B);
+  if (GV_RING > 0) {  // (weights do not depend on the previous kernel's output; requested before the staging below)
+#pragma unroll
+    for (int j = 0; j < GV_RING - 1; ++j) rload(j);
+  } else {
+    load(A);
+    if (STAGES == 3) load(B);
+  }
   {  // the activations in fragment order: pair (k, k + 1) of tile kb goes to slot ((kb * 4 + tid) * 4 + j) * 2 + hi
     const T *x = (const T *)p.x;
     float rms = 1.f;
@@ -312,7 +398,17 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
       s += G;
     }
   };
-  if (STAGES == 2) {
+  if (GV_RING > 0) {
+    const uint32_t sh_s = half_shift(p.scales, gid), sh_z = half_shift(ZM == 1 ? p.zeros : p.mins, gid);
+    int j = 0;  // the slot of step i; step i + GV_RING - 1 refills the slot step i - 1 was read from
+    for (int i = 0; i < nsteps; ++i) {
+      cp_async_wait_mem<GV_RING - 2>();  // (this thread's copies of step i have landed)
+      gv_ring_get<ZM, TS>(ring, j, sh_s, sh_z, A);
+      rload(j == 0 ? GV_RING - 1 : j - 1);
+      step(A);
+      j = j == GV_RING - 1 ? 0 : j + 1;
+    }
+  } else if (STAGES == 2) {
     for (int i = 0; i < nsteps; i += 2) {  // two steps per pass: the buffers alternate by name, not by copy
       load(B);
       step(A);
@@ -340,7 +436,7 @@ template <typename T, int ZM, int TS> cudaError_t launch_gemv_t(const Params &p,
             : p.pro == W4P_ROW_RMSNORM ? gemv_kernel<T, ZM, TS, W4P_ROW_RMSNORM, 1>
             : p.pro == W4P_ROW_SWIGLU  ? gemv_kernel<T, ZM, TS, W4P_ROW_SWIGLU, 1>
                                        : gemv_kernel<T, ZM, TS, W4P_ROW_PLAIN, 1>;
-  const size_t smem = gv_smem(p.KT, (int)p.M);
+  const size_t smem = gv_smem(p.KT, (int)p.M, gv_ring(ZM, TS));
   cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e != cudaSuccess) return e;
   int dev = 0, sms = 0, per_sm = 0;

@@ -54,8 +54,10 @@ Layer describe_layer(const DevInfo &di, int64_t m, int n, int k, int sbits, int 
   L.bulk_budget = std::min(di.smem_block, di.smem_sm / BBPS - di.smem_reserved);
   L.bulk_one = sbits == 4 && !L.bulk_big && L.nstripes <= L.sms * BBPS && m <= 8 &&
                bulk_two_stages_fit(sbits, (int)m, gs, BCT1, 1, L.bulk_budget);
-  // the gemv kernel's activations staged in shared memory must fit a block
-  L.gemv_ok = sbits == 4 && m <= GV_MAX_M && di.cc >= 80 && L.stream_ok && di.fits(gv_smem(L.KT, (int)m));
+  // the gemv kernel's activations staged in shared memory must fit a block (with a ring build's ring, the
+  // largest of the group size's: zero points or minima, which the planner is not told)
+  L.gemv_ok = sbits == 4 && m <= GV_MAX_M && di.cc >= 80 && L.stream_ok &&
+              di.fits(gv_smem(L.KT, (int)m, gv_ring(2, gv_ts(gs))));
   L.wg_tma = di.tma && !no_tma_env();
   // A forced height (W4P_CUDA_WS_ROWS / _RS) keeps its own rule for auto's kernel choice and turns the others off;
   // the 256-token tile is off where a height is forced or W4P_CUDA_WS_TOK=128
@@ -222,7 +224,7 @@ size_t gather_bytes(const Layer &L) { return (((size_t)L.m * L.kp * 2 + 255) / 2
 // per stripe
 int plan_gemv(const Layer &L, Plan *pl) {
   pl->W = std::min<int64_t>(L.nstripes, gv_grid(L.di, L.KT, (int)L.m));
-  pl->smem = gv_smem(L.KT, (int)L.m);
+  pl->smem = gv_smem(L.KT, (int)L.m, gv_ring(0, gv_ts(L.gs)));
   pl->tiles = L.nstripes;
   pl->pdl = L.di.cc >= 90;
   pl->ws_total = COUNTER_BYTES;

@@ -11,7 +11,7 @@ namespace w4p {
 
 // The gemv kernel's resident blocks at M tokens: its launch bound (zero mode none's) and shared memory
 int64_t gv_grid(const DevInfo &di, int KT, int m) {
-  const size_t smem = gv_smem(KT, m);
+  const size_t smem = gv_smem(KT, m, gv_ring(0, GV_U));
   return (int64_t)di.sms * std::max(1, std::min(GV_B, (int)(di.smem_sm / (smem + di.smem_reserved))));
 }
 // "auto" takes the gemv kernel where every SM gets a block (stripes >= GEMV_SMS x SMs) and, on layers of SIZE_L

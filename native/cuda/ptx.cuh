@@ -43,6 +43,14 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool va
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+// 4 bytes (cp.async's smallest copy; through L1, as .cg takes 16 only)
+__device__ __forceinline__ void cp_async4(void *smem, const void *gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(smem)), "l"(gmem));
+}
+// the wait as a compiler barrier too, for a thread that reads what it copied with no block barrier after the wait
+template <int N> __device__ __forceinline__ void cp_async_wait_mem() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 // A block barrier, or (nt > 0) named barrier 1 over threads 0..nt-1 where the others have left (wgmma_ws's
 // 256-row blocks and 256-token tile, whose producer warpgroup leaves before the epilogue)
