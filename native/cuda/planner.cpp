@@ -204,12 +204,13 @@ int refuse(const Layer &L, int kind) {
                 MAX_COUNTERS * RQ, (long long)L.m, L.n);
   if (kind == W4P_CUDA_KERNEL_GEMV && !L.gemv_ok && L.m > GV_MAX_M)
     return fail(W4P_EUNSUPPORTED, "the gemv kernel takes M <= %d (m=%lld)", GV_MAX_M, (long long)L.m);
+  const long long ring = (long long)gv_ring(2, gv_ts(L.gs));  // (a ring build's, as gemv_ok counts it)
   if (kind == W4P_CUDA_KERNEL_GEMV && !L.gemv_ok)
     return fail(W4P_EUNSUPPORTED, "the gemv kernel takes M <= %d, 4-bit layers, compute capability 8.0 or newer "
                 "(this device: %d.%d), a group size that is a multiple of 32 or per channel, and K up to %lld at "
                 "this M (its rows are staged in shared memory; m=%lld, k=%d)", GV_MAX_M, di.cc / 10, di.cc % 10,
-                L.m == 1 ? (di.smem_block - di.smem_reserved - GV_RED) / 128 * 64
-                         : ((di.smem_block - di.smem_reserved) / L.m - GV_RED - 16) / 128 * 64,
+                L.m == 1 ? (di.smem_block - di.smem_reserved - ring - GV_RED) / 128 * 64
+                         : ((di.smem_block - di.smem_reserved - ring) / L.m - GV_RED - 16) / 128 * 64,
                 (long long)L.m, L.k);
   if (kind == W4P_CUDA_KERNEL_BULK && !L.bulk_ok)
     return fail(W4P_EUNSUPPORTED, "the bulk kernel needs compute capability 9.0 or newer (this device: %d.%d), "
