@@ -67,6 +67,34 @@ def test_bench_gpu_floors_need_no_device():
     assert r.returncode == 0 and "| 8192×28672 | **27.4** / 0.7 |" in r.stdout, r.stdout + r.stderr
 
 
+def test_bench_gpu_floors_take_a_given_reference():
+    # on another GPU the H200's references misstate the floors: --read-bw / --tflops replace them (an H100's
+    # ~3000 GB/s puts a 70B layer's bytes at 40.4 us, not 27.0), and the header says which references it used
+    pytest.importorskip("torch")
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_gpu.py"), "--floors", "--shapes", "8192x28672",
+                        "--ms", "1,128", "--read-bw", "3000", "--tflops", "600"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "at 3000 GB/s / FLOPs at 600 TFLOP/s (given (--read-bw / --tflops))" in r.stdout, r.stdout
+    assert "| 8192×28672 | **40.4** / 0.8 | 43.5 / **100.2** |" in r.stdout, r.stdout
+
+
+def test_bench_gpu_tables_take_the_reference_in_use(capsys):
+    pytest.importorskip("torch")
+    bench_gpu = _tool("bench_gpu")
+    rows = [{"M": 1, "w4pack_us": 50.0, "cublas_mm_us": 117.0, "cublas_linear_us": 111.0, "tinygemm_us": None,
+             "gemlite_us": None, "w4pack_gbs": 2400.0, "plan": {"kernel": 8, "splits": 1}}]
+    saved = dict(bench_gpu.REF)
+    try:
+        bench_gpu.set_reference(3000.0, 600e12, "measured here")
+        bench_gpu.print_tables("head", [(8192, 28672, rows)])
+    finally:
+        bench_gpu.REF.update(saved)
+    out = capsys.readouterr().out
+    assert "| 1 | 50.0 | 111.0 | - | - | 2.22x | - | - | 2400 | 80% | 40.4 | 8/1 |" in out, out
+    assert "% of the 3000 GB/s read stream" in out and "references measured here" in out, out
+
+
 def _tool(name: str):
     """A script of tools/ imported as a module (its recorded-data paths need no device)."""
     import importlib

@@ -43,6 +43,26 @@ L2_PASS_BYTES = 240e6
 WARM_S = 0.02  # seconds of untimed graph replays before each measurement (time_graph)
 READ_BW_REF = 4494.0  # GB/s, best read stream measured on this H200 (gpu-baseline.md)
 FLOPS_REF = 661e12    # FLOP/s, cuBLAS fp16 dense GEMM measured on this H200 (gpu-baseline.md; datasheet ~990)
+# the floors' references in use: the H200's above, or those given or measured on another GPU (set_reference)
+REF = {"read_gbs": READ_BW_REF, "flops": FLOPS_REF, "source": "the H200's (gpu-baseline.md)"}
+
+
+def set_reference(read_gbs: float, flops: float, source: str) -> None:
+    """The read stream (GB/s) and fp16 GEMM rate (FLOP/s) the floors and "% read BW" are taken against."""
+    REF.update(read_gbs=float(read_gbs), flops=float(flops), source=source)
+
+
+def measure_reference(bw: dict[str, float]) -> tuple[float, float]:
+    """This GPU's own references, at no extra read: the best read stream of the run's load-only probes (w4pack's
+    loads of a 0.5 GB layer, read_bandwidth) and cuBLAS's fp16 rate on 8192^3."""
+    read_gbs = max(bw["probe_load_gbs"], bw["probe_bulk_gbs"])
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    c = torch.empty(n, n, device="cuda", dtype=torch.float16)
+    t_mm = time_graph(lambda i: torch.mm(a, b, out=c), 1, replays=10)
+    del a, b, c
+    return read_gbs, 2.0 * n**3 / (t_mm * 1e-6)
 
 
 _STREAM: list = []
@@ -121,7 +141,7 @@ def w4_bytes(k: int, n: int, m: int, zero_mode: str = "none") -> float:
 
 def floors_us(k: int, n: int, m: int, zero_mode: str = "none") -> tuple[float, float]:
     """The two floors of one call (us): its bytes at the measured read stream, its FLOPs at cuBLAS's rate."""
-    return w4_bytes(k, n, m, zero_mode) / (READ_BW_REF * 1e9) * 1e6, 2.0 * m * k * n / FLOPS_REF * 1e6
+    return w4_bytes(k, n, m, zero_mode) / (REF["read_gbs"] * 1e9) * 1e6, 2.0 * m * k * n / REF["flops"] * 1e6
 
 
 _READ_KERNEL: list = []
@@ -181,8 +201,8 @@ def print_read_floors(shapes) -> None:
 def print_floors(shapes, ms, zero_mode: str = "none") -> None:
     """Markdown table of both floors per shape and M (no GPU needed): the larger one bounds any kernel."""
     zeros = f" + 8-bit zero points per {GS}" if zero_mode == "int" else ""
-    print(f"Floors (us): bytes (int4 weights + fp16 scales per {GS}{zeros} + x in + y out) at {READ_BW_REF:.0f} GB/s / "
-          f"FLOPs at {FLOPS_REF / 1e12:.0f} TFLOP/s; the larger one in bold")
+    print(f"Floors (us): bytes (int4 weights + fp16 scales per {GS}{zeros} + x in + y out) at {REF['read_gbs']:.0f} "
+          f"GB/s / FLOPs at {REF['flops'] / 1e12:.0f} TFLOP/s ({REF['source']}); the larger one in bold")
     print("| K×N | " + " | ".join(f"M = {m}" for m in ms) + " |")
     print("|---|" + "---|" * len(ms))
     for k, n in shapes:
@@ -440,8 +460,8 @@ def print_tables(head: str, tables) -> None:
     print()
     print(head)
     print(f"Time per call (us, L2-cold, graph replay median); speedup over the faster cuBLAS fp16 layout; "
-          f"w4pack GB/s and % of the {READ_BW_REF:.0f} GB/s read stream; floor: the larger of the bytes at that "
-          f"stream and the FLOPs at {FLOPS_REF / 1e12:.0f} TFLOP/s (`--floors`)")
+          f"w4pack GB/s and % of the {REF['read_gbs']:.0f} GB/s read stream; floor: the larger of the bytes at that "
+          f"stream and the FLOPs at {REF['flops'] / 1e12:.0f} TFLOP/s (`--floors`), references {REF['source']}")
     pdl = os.environ.get("W4P_CUDA_PDL", "1")
     print("w4pack's sm_90 kernels " + ("run with programmatic dependent launch: a call's set-up overlaps the "
           "previous call's tail in these back-to-back graphs (W4P_CUDA_PDL=0 turns it off)" if pdl != "0" else
@@ -463,7 +483,7 @@ def print_tables(head: str, tables) -> None:
                   f"{'-' if gl is None else f'{gl:.1f}'} | "
                   f"{sp:.2f}x | {'-' if tg is None else f'{best / tg:.2f}x'} | {'-' if gl is None else f'{best / gl:.2f}x'} | "
                   f"{r['w4pack_gbs']:.0f} | "
-                  f"{100 * r['w4pack_gbs'] / READ_BW_REF:.0f}% | {floor:.1f} | "
+                  f"{100 * r['w4pack_gbs'] / REF['read_gbs']:.0f}% | {floor:.1f} | "
                   f"{r['plan']['kernel']}/{r['plan']['splits']} |")
     print("\nGeometric-mean speedup of w4pack over cuBLAS fp16 across shapes")
     for m, v in geo.items():
@@ -491,12 +511,21 @@ def main() -> int:
                     help="seconds of gemlite autotuning after which it is left out of the rest of the run")
     ap.add_argument("--smoke", action="store_true", help="only run a few small checked calls of every kernel")
     ap.add_argument("--floors", action="store_true", help="only print the bytes and FLOPs floors per shape (no GPU)")
+    ap.add_argument("--read-bw", type=float, default=None, metavar="GBS",
+                    help="the read stream (GB/s) for the floors and %% read BW (default: the H200's 4494 on an H200 "
+                    "and with --floors, else measured on this GPU: a plain read of 1 GiB)")
+    ap.add_argument("--tflops", type=float, default=None,
+                    help="the fp16 GEMM rate (TFLOP/s) for the FLOPs floor (default: the H200's 661 on an H200 and "
+                    "with --floors, else cuBLAS's 8192^3 measured on this GPU)")
     ap.add_argument("--read-floor", action="store_true",
                     help="only time a plain Triton read of each shape's M = 1 bytes against w4pack at M = 1")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s] or SHAPES
     ms = [int(v) for v in args.ms.split(",") if v] or ([1, 16, 64, 256] if args.quick else MS)
     also = [v for v in args.also.split(",") if v]
+    given = "given (--read-bw / --tflops)"
+    if args.read_bw is not None or args.tflops is not None:
+        set_reference(args.read_bw or READ_BW_REF, (args.tflops or FLOPS_REF / 1e12) * 1e12, given)
     if args.floors:
         print_floors(shapes, ms, args.zeros)
         return 0
@@ -526,13 +555,22 @@ def main() -> int:
             jf.flush()
 
     emit({"kind": "run", "gpu": props.name, "date": time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
-          "torch": torch.__version__, "command": "python tools/bench_gpu.py " + " ".join(sys.argv[1:])})
+          "torch": torch.__version__, "command": "python tools/bench_gpu.py " + " ".join(sys.argv[1:]),
+          "reference": dict(REF)})
     bw = read_bandwidth()
     emit({"kind": "bandwidth", **bw})
     print("bandwidth: torch uint8 copy_ (read+write, not a ceiling) {copy_rw_gbs:.0f} GB/s; w4pack layout load-only {probe_load_gbs:.0f} GB/s, "
           "load+dequant {probe_dequant_gbs:.0f} GB/s, bulk copies only {probe_bulk_gbs:.0f} GB/s, full GEMV (M=1) auto {auto_gbs:.0f} / stream {stream_gbs:.0f} / "
           "ring {ring_gbs:.0f} / bulk {bulk_gbs:.0f} GB/s of qweight".format(**bw),
           flush=True)
+    if "H200" not in props.name and (args.read_bw is None or args.tflops is None):
+        read_gbs, flops = measure_reference(bw)  # (another GPU: the H200's references would misstate its floors)
+        set_reference(args.read_bw or read_gbs, args.tflops * 1e12 if args.tflops else flops,
+                      "measured on this GPU (the load-only probes above, cuBLAS fp16 8192^3)"
+                      if args.read_bw is None and args.tflops is None else "measured and given")
+        print(f"references for the floors: read {REF['read_gbs']:.0f} GB/s, fp16 {REF['flops'] / 1e12:.0f} TFLOP/s "
+              f"({REF['source']})", flush=True)
+        emit({"kind": "reference", **REF})
 
     try:
         import marlin  # noqa: F401
