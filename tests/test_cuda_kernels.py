@@ -367,6 +367,14 @@ def test_gemv_row_prologues(dtype_name, zero_mode, gs, act_order):
                 assert rel_err(got, ref) <= tolerance(dtype_name), (n, k, prologue, residual is None)
                 if residual is not None:  # the unfolded layer's residual + proj(x), to the bit
                     assert torch.equal(got, lin.forward_row(x, prologue, **kw) + residual), (n, k, prologue)
+                # a row 2 bytes off 16-byte alignment is staged one pair a trip, an aligned one 8 values a load:
+                # the same values, so the same outputs to the bit
+                off = torch.empty(1, x.shape[1] + 1, device="cuda", dtype=tdt)[:, 1:]
+                off.copy_(x)
+                kw_off = dict(kw)
+                if "norm_weight" in kw:
+                    kw_off["norm_weight"] = torch.empty(k + 1, device="cuda", dtype=tdt)[1:].copy_(w)
+                assert torch.equal(lin.forward_row(off, prologue, residual=residual, **kw_off), got), (n, k, prologue)
 
             class Row:  # the call as _repeats_and_replays makes it
                 def forward(self, x, out=None, prologue=prologue, kw=kw):

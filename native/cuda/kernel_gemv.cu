@@ -314,7 +314,50 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
       }
       return x[kk];
     };
-    if (MT == 1) {
+    const bool vec = !p.perm && p.K % 8 == 0 && ((uintptr_t)x & 15) == 0 &&
+                     (PRO != W4P_ROW_RMSNORM || ((uintptr_t)p.nw & 15) == 0);
+    if (MT == 1 && vec) {
+      // 8 activations a load (pairs t = 0..3 of one slice half, slots 8 apart), each made as act() makes it;
+      // a quarter of the scalar loop's trips, each with one load in flight: the staging, during which only the
+      // first step's weights are requested, took time in proportion to K (it shows on the layers with long K)
+      auto act8 = [&](const T *v, const T *u, const T *w, int i) -> T {  // (x, up or norm weight at element i)
+        if (PRO == W4P_ROW_RMSNORM) return from_f<T>(to_f(w[i]) * to_f(from_f<T>(to_f(v[i]) * rms)));
+        if (PRO == W4P_ROW_SWIGLU) {
+          const float g = to_f(v[i]);
+          return from_f<T>(to_f(from_f<T>(g / (1.f + expf(-g)))) * to_f(u[i]));
+        }
+        return v[i];
+      };
+#pragma unroll 4
+      for (int c = (int)threadIdx.x; c < KT * 8; c += NT) {
+        const int k = 8 * c, kb = k >> 6, r = k & 63, j = r >> 4, hi = (r >> 3) & 1;
+        uint4 o = make_uint4(0u, 0u, 0u, 0u);
+        if (k < p.K) {
+          const uint4 v = *reinterpret_cast<const uint4 *>(x + k);
+          if (PRO == W4P_ROW_PLAIN) {
+            o = v;
+          } else {
+            const uint4 u = PRO == W4P_ROW_SWIGLU ? *reinterpret_cast<const uint4 *>(x + p.K + k)
+                                                  : *reinterpret_cast<const uint4 *>((const T *)p.nw + k);
+            const T *vt = reinterpret_cast<const T *>(&v), *ut = reinterpret_cast<const T *>(&u);
+            uint32_t w4[4];
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+              typename Tr<T, 4>::T2 pr;
+              pr.x = act8(vt, ut, ut, 2 * t);
+              pr.y = act8(vt, ut, ut, 2 * t + 1);
+              w4[t] = as_u32(pr);
+            }
+            o = make_uint4(w4[0], w4[1], w4[2], w4[3]);
+          }
+        }
+        uint32_t *d = xs + (kb * 16 + j) * 2 + hi;
+        d[0] = o.x;
+        d[8] = o.y;
+        d[16] = o.z;
+        d[24] = o.w;
+      }
+    } else if (MT == 1) {
       for (int c = (int)threadIdx.x; c < KT * 32; c += NT) {
         const int k = 2 * c, kb = k >> 6, r = k & 63, j = r >> 4, hi = (r >> 3) & 1, t = (r & 7) >> 1;
         typename Tr<T, 4>::T2 pr;
