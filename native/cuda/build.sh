@@ -37,8 +37,17 @@ tmp="$OUT.tmp.$$"
 echo "nvcc: building $(basename "$OUT") for sm_${ARCHS// /, sm_} + compute_$ptx PTX"
 # -compress-all: fatbinary compresses only large SASS images by default; one translation unit per kernel keeps
 # each under that size, and uncompressed they would double the library
-"$NVCC" -O3 -std=c++17 -shared -Xcompiler -fPIC -Xcompiler -fvisibility=hidden -cudart static -Xfatbin -compress-all \
-  --threads 0 -diag-suppress 177 $DEFINES "${GENCODE[@]}" -I"$ROOT/native" "${SRCS[@]}" -o "$tmp"
+build() {
+  "$NVCC" -O3 -std=c++17 -shared -Xcompiler -fPIC -Xcompiler -fvisibility=hidden -cudart static -Xfatbin -compress-all \
+    --threads "$1" -diag-suppress 177 $DEFINES "${GENCODE[@]}" -I"$ROOT/native" "${SRCS[@]}" -o "$tmp"
+}
+# (one parallel build here failed in its device link, "nvlink fatal: Could not read file /tmp/tmpxft_..._dlink.reg.c",
+# and passed when run again: a failed parallel build is retried once one job at a time before the error stands)
+if ! build 0; then
+  rm -f "$tmp"
+  echo "nvcc: the parallel build failed; building again one job at a time" >&2
+  build 1
+fi
 mv -f "$tmp" "$OUT"
 cp -f "$ROOT/native/w4pack.h" "$(dirname "$OUT")/w4pack.h"
 echo "$STAMP" > "$OUT.archs"
