@@ -317,11 +317,11 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
     const bool vec = !p.perm && p.K % 8 == 0 && ((uintptr_t)x & 15) == 0 &&
                      (PRO != W4P_ROW_RMSNORM || ((uintptr_t)p.nw & 15) == 0);
     if (MT == 1 && vec) {
-      // 8 activations a load (pairs t = 0..3 of one slice half, slots 8 apart), each made as act() makes it;
-      // a quarter of the scalar loop's trips, each with one load in flight: the staging, during which only the
-      // first step's weights are requested, took time in proportion to K (it shows on the layers with long K)
-      auto act8 = [&](const T *v, const T *u, const T *w, int i) -> T {  // (x, up or norm weight at element i)
-        if (PRO == W4P_ROW_RMSNORM) return from_f<T>(to_f(w[i]) * to_f(from_f<T>(to_f(v[i]) * rms)));
+      // 8 activations a load (pairs t = 0..3 of one slice half, slots 8 apart), each made as act() makes it. The
+      // staging runs while only the first step's weights are in flight, so its trips (in proportion to K) delay
+      // the main loop: this loop takes a quarter of the pair loop's
+      auto act8 = [&](const T *v, const T *u, int i) -> T {  // element i of x (v) and of the up half or norm weight
+        if (PRO == W4P_ROW_RMSNORM) return from_f<T>(to_f(u[i]) * to_f(from_f<T>(to_f(v[i]) * rms)));
         if (PRO == W4P_ROW_SWIGLU) {
           const float g = to_f(v[i]);
           return from_f<T>(to_f(from_f<T>(g / (1.f + expf(-g)))) * to_f(u[i]));
@@ -344,8 +344,8 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
 #pragma unroll
             for (int t = 0; t < 4; ++t) {
               typename Tr<T, 4>::T2 pr;
-              pr.x = act8(vt, ut, ut, 2 * t);
-              pr.y = act8(vt, ut, ut, 2 * t + 1);
+              pr.x = act8(vt, ut, 2 * t);
+              pr.y = act8(vt, ut, 2 * t + 1);
               w4[t] = as_u32(pr);
             }
             o = make_uint4(w4[0], w4[1], w4[2], w4[3]);
