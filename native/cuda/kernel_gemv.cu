@@ -62,6 +62,15 @@ template <typename T> __device__ __forceinline__ T t_of(uint32_t raw) {
   return *reinterpret_cast<const T *>(&b);
 }
 
+// Segment g of a chunk from tile t0: its first tile in the chunk, and the offset of its group parameters (row
+// poff) in the [groups][Np] tensors
+template <int TS> __device__ __forceinline__ int gv_seg_first(int g) { return TS ? g * TS : g / 2; }
+template <int TS>
+__device__ __forceinline__ uint32_t gv_seg_off(const Params &p, int t0, int g, uint32_t poff) {
+  const int col = TS ? 64 * (t0 + gv_seg_first<TS>(g)) : 64 * t0 + 32 * g;
+  return (uint32_t)group_of(col, p.gmul) * (uint32_t)p.Np + poff;
+}
+
 // The loads of one chunk (stripe s, tiles t0 .. t0 + GV_U - 1, of which nv < GV_U are inside K unless FULL).
 // woff: the 32-bit index of the lane's 16 bytes of tile t0 in uint4 units.
 template <int ZM, int TS, bool FULL>
@@ -75,10 +84,8 @@ __device__ __forceinline__ void gv_load(const Params &p, uint32_t woff, uint32_t
   const unsigned short *zp = (const unsigned short *)(ZM == 1 ? p.zeros : p.mins);
 #pragma unroll
   for (int g = 0; g < S::NSEG; ++g) {
-    const int first = TS ? g * TS : g / 2;  // the segment's first tile in the chunk
-    const bool ok = FULL || first < nv;
-    const int col = TS ? 64 * (t0 + first) : 64 * t0 + 32 * g;
-    const uint32_t off = (uint32_t)group_of(col, p.gmul) * (uint32_t)p.Np + poff;
+    const bool ok = FULL || gv_seg_first<TS>(g) < nv;
+    const uint32_t off = gv_seg_off<TS>(p, t0, g, poff);
     b.par[g][0] = ok ? ld_u16g(sc + off) : 0u;
     b.par[g][1] = ok ? ld_u16g(sc + off + 8) : 0u;
     if (ZM != 0) {
@@ -122,10 +129,8 @@ __device__ __forceinline__ void gv_ring_load(const Params &p, const GvRing<ZM, T
   const unsigned short *zp = (const unsigned short *)(ZM == 1 ? p.zeros : p.mins);
 #pragma unroll
   for (int g = 0; g < S::NSEG; ++g) {
-    const int first = TS ? g * TS : g / 2;
-    if (first >= nv) break;
-    const int col = TS ? 64 * (t0 + first) : 64 * t0 + 32 * g;
-    const uint32_t off = (uint32_t)group_of(col, p.gmul) * (uint32_t)p.Np + poff;
+    if (gv_seg_first<TS>(g) >= nv) break;
+    const uint32_t off = gv_seg_off<TS>(p, t0, g, poff);
     cp_async4(r.pp(j, g, 0), word_of(sc + off));
     cp_async4(r.pp(j, g, 1), word_of(sc + off + 8));
     if (ZM != 0) {
@@ -162,7 +167,7 @@ __device__ __forceinline__ void gv_chunk(float (&acc)[4], const GvBuf<ZM, TS> &b
   constexpr int TPS = TS ? TS : 1;  // tiles per segment (a half-tile segment covers one tile's half)
 #pragma unroll
   for (int g = 0; g < S::NSEG; ++g) {
-    const int first = TS ? g * TS : g / 2;
+    const int first = gv_seg_first<TS>(g);
     if (!FULL && first >= nv) break;
     const uint32_t *pr = b.par[g];
     float d[4] = {0.f, 0.f, 0.f, 0.f};  // the segment's MMA sums (one chain: two would cost four registers)
