@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -129,8 +131,6 @@ def test_the_gemv_kernels_build_options_compile_without_spills(define, tmp_path)
     nvcc = shutil.which("nvcc")
     if not nvcc:
         pytest.skip("nvcc is not installed")
-    import subprocess
-    from pathlib import Path
     native = Path(__file__).resolve().parent.parent / "native"
     r = subprocess.run([nvcc, "-O3", "-std=c++17", "-c", "-diag-suppress", "177", define,
                         "-gencode=arch=compute_90a,code=sm_90a", f"-I{native}", "-Xptxas", "-v",
