@@ -7,8 +7,8 @@
 // permutation, zeros past K), so a lane's B fragments of a tile are two 16-byte shared-memory loads.
 // Why this shape (docs/journal/2026-cuda.md): at M = 1 the order in which the GPU as a whole requests the
 // weights sets the read rate (whole stripes per block read faster than the bulk kernel's copy engine or one
-// contiguous range per warp: section 4), and the kernel is bound by its instructions per tile, not by memory. So
-// it issues few of them:
+// contiguous range per warp: section 4), and a warp's instructions per tile delay its next request (ncu: warps wait
+// mostly for the next step's weights, with about half the issue slots used: section 20). So it issues few of them:
 //   * the group parameters once per group segment (GV_U tiles of one group; single tiles, or half tiles where
 //     groups end inside a tile), not once per tile, and the scale applied to the segment's MMA sums in fp32 once;
 //   * 32-bit offsets with immediate per-tile displacements instead of 64-bit address arithmetic per tile;

@@ -14,30 +14,41 @@ int64_t gv_grid(const DevInfo &di, int KT, int m) {
   const size_t smem = gv_smem(KT, m, gv_ring(0, GV_U));
   return (int64_t)di.sms * std::max(1, std::min(GV_B, (int)(di.smem_sm / (smem + di.smem_reserved))));
 }
-// "auto" takes the gemv kernel where every SM gets a block (stripes >= GEMV_SMS x SMs) and, on layers of SIZE_L
-// weights or more, its rounds of blocks are GEMV_FULL full on average (stripes >= GEMV_FULL x rounds x blocks).
+// Whether the gemv kernel's whole-stripe blocks fill the GPU well enough: at least `sms` stripes per SM and, on
+// layers of SIZE_L weights or more, rounds of blocks `full` full on average (stripes >= full x rounds x blocks).
 // A block sums whole stripes: with fewer stripes than SMs some SMs idle, and a round costs as much however few of
 // its blocks have work, which counts where the stripes are long. The bulk kernel splits K instead and keeps every
-// SM busy, at a lower rate per byte and with a larger fixed cost per call, which dominates on small layers. The
-// grid is zero mode none's (the heavier kinds run one block per SM: their rule is evaluated for a grid they do
-// not launch, as measured with zero mode none only). Measured against the bulk kernel at M = 1
-// (docs/journal/2026-cuda.md, section 9).
-bool gemv_auto(const DevInfo &di, int ns, int KT, int64_t weights) {
+// SM busy, at a lower rate per byte and with a larger fixed cost per call. The grid is zero mode none's (the
+// heavier kinds run one block per SM: their rule is evaluated for a grid they do not launch, as measured with
+// zero mode none only).
+static bool gemv_fills(const DevInfo &di, int ns, int KT, int64_t weights, double sms, double full) {
   const int64_t g = gv_grid(di, KT, 1), rounds = (ns + g - 1) / g;
-  if ((double)ns < GEMV_SMS * (double)di.sms) return false;
-  return weights < SIZE_L || (double)ns >= GEMV_FULL * (double)(rounds * g);
+  if ((double)ns < sms * (double)di.sms) return false;
+  return weights < SIZE_L || (double)ns >= full * (double)(rounds * g);
 }
 
-// "auto" takes the gemv kernel at M = 2-8 (one token per MMA column) where it takes it at M = 1 and where the
-// staged rows leave it the resident blocks per SM it has at M = 1. Against the bulk kernel (H100,
+// "auto" takes the gemv kernel at M = 1 from 32 stripes on 132 SMs and, on L+, where its rounds are 60% full. With
+// the row staged 8 activations a load, gemv led bulk on every layer measured below the M = 2-8 thresholds, on an
+// H200 (journal section 20, us, gemv / bulk): 4096x512 2.9 / 3.2, 4096x1024 3.0-3.1 / 3.6, 8192x1024 5.0 / 5.9,
+// 14336x1024 7.7 / 8.4, 2048x1024 2.0 / 2.6, 13824x5120 (2^26 weights in two rounds 61% full) 17.0-17.4 /
+// 19.6-19.7. Fewer stripes were not measured.
+bool gemv_auto(const DevInfo &di, int ns, int KT, int64_t weights) {
+  return gemv_fills(di, ns, KT, weights, GEMV_SMS, GEMV_FULL);
+}
+
+// "auto" takes the gemv kernel at M = 2-8 (one token per MMA column) where its blocks fill the GPU by the M = 2-8
+// thresholds (set at M = 1 before that staging, journal section 9, and kept where the several-token rows were
+// measured) and the staged rows leave it the resident blocks per SM it has at M = 1. Against the bulk kernel (H100,
 // docs/journal/2026-cuda.md sections 17 and 18): 7-31% less time on the 7B shapes wherever that holds (4096x4096
 // at M = 8 7.0 against 8.7 us, 4096x12288 13.8 against 18.2); 2-21% on the larger ones to M = 4 (8192x8192 at M = 2
 // 15.2 against 19.2 us, 8192x28672 47.1 against 48.8) and at M = 6 all but 8192x28672 (50.1 against 49.5); with
 // one block per SM fewer from level to 4-7% either way (11008x4096 at M = 8 16.6 against 16.2 us), and 15% behind
-// on 28672x8192 at M = 2 (57 against 49.5).
+// on 28672x8192 at M = 2 (57 against 49.5). On the layers of fewer stripes that only the M = 1 rule takes (H200,
+// journal section 20), gemv led or was level at M = 2 (8192x1024 5.6 against 6.2 us), mixed at M = 4 and behind at
+// M = 8 on all but 2048x1024 (4096x512 4.6 against 3.9): they keep bulk from M = 2.
 bool gemv_auto_tokens(const DevInfo &di, int m, int ns, int KT, int64_t weights) {
   return m >= 2 && m <= GV_MAX_M && gv_grid(di, KT, m) == gv_grid(di, KT, 1) &&
-         gemv_auto(di, ns, KT, weights);
+         gemv_fills(di, ns, KT, weights, GEMV_TOK_SMS, GEMV_TOK_FULL);
 }
 
 // The tiles the busiest of W blocks gets when the bulk kernel's stream-K granule is a whole unit of ct tiles

@@ -23,8 +23,10 @@ constexpr int WG_AUTO_MAX_M = 256;  // wgmma kernels to M = 256 on XL; past it o
 constexpr int WIDE_AUTO_MAX_M = 512;  // wgmma_ws where one wave of blocks holds the grid, to M = 512 (journal 4)
 constexpr int SS_AUTO_MIN_M = 65;     // wgmma_ss in wgmma_ws's range from M = 65 (journal 4, wgmma_ss; 7 section 8)
 constexpr int SS_AUTO_DENSE_M = 160;  // wgmma_ss in the dense path's range from M = 160 (journal 4, wgmma_ss)
-constexpr double GEMV_SMS = 0.85;   // gemv at M = 1 from this many stripes per SM (journal 9)
-constexpr double GEMV_FULL = 0.7;   // and on L+ where its rounds of blocks are this full (journal 9)
+constexpr double GEMV_SMS = 0.24;   // gemv at M = 1 from this many stripes per SM (32 on 132 SMs; journal 20)
+constexpr double GEMV_FULL = 0.6;   // and on L+ where its rounds of blocks are this full (journal 20)
+constexpr double GEMV_TOK_SMS = 0.85;  // gemv at M = 2-8: the same, from this many stripes per SM (journal 9, 17)
+constexpr double GEMV_TOK_FULL = 0.7;  // and rounds this full on L+ (journal 9, 18)
 
 // The auto choice, 4-bit, group size 128 (other group sizes: the same or a kernel that takes them). Sizes: S
 // under 2^24 weights, M, L, XL as above. Kernels: the ones the planner may take in the row, by the row's
@@ -38,10 +40,11 @@ struct AutoRule {
   const char *bench;  // the measurement that set it
 };
 constexpr AutoRule AUTO_RULES[] = {
-    {90, 90, 1, 1, "S M L XL", "gemv bulk", "gemv where every SM gets a block of stripes and, on L and XL, its rounds are 70% full",
-     "journal 4 (gemv), 9"},
-    {90, 90, 2, 4, "S M L XL", "gemv bulk", "gemv as at M = 1 where the staged rows leave its blocks per SM; else "
-     "the copy engine's weight stream, stream-K over 2 blocks per SM", "journal 4 (bulk), 7, 17, 18"},
+    {90, 90, 1, 1, "S M L XL", "gemv bulk", "gemv from 0.24 stripes per SM and, on L and XL, where its rounds are 60% full",
+     "journal 4 (gemv), 9, 20"},
+    {90, 90, 2, 4, "S M L XL", "gemv bulk", "gemv where every SM gets a block of stripes, on L and XL rounds 70% full, "
+     "and the staged rows leave its blocks per SM; else the copy engine's weight stream, stream-K over 2 blocks per "
+     "SM", "journal 4 (bulk), 7, 17, 18"},
     {90, 90, 5, 8, "L", "gemv bulk", "gemv as at M = 2-4; else bulk's balanced units", "journal 4 (bulk units), 17"},
     {90, 90, 5, 8, "XL", "gemv bulk", "gemv as at M = 2-4; else bulk's 16-tile units", "journal 4 (bulk units), 18"},
     {90, 90, 5, 8, "S M", "gemv bulk stream", "gemv as at M = 2-4; else bulk where every block owns a whole stripe "
