@@ -477,7 +477,8 @@ def test_plan_for_gemv(monkeypatch):
     # the gemv kernel: M = 1 to 8, 4-bit, group sizes that are multiples of 32 or per channel, compute capability 8.0+;
     # "auto" takes it on compute capability 9.0 at M = 1 from 0.24 stripes per SM (32 on an H200) and, on layers of
     # 2^25 weights or more, where its rounds of blocks (264 on an H200: two per SM) are 60% full (stripes >= 0.6 x
-    # rounds x blocks), however long the stripes; at M = 2-8 from 0.85 stripes per SM and rounds 70% full
+    # rounds x blocks), however long the stripes; at M = 2 from 0.24 stripes per SM, at M = 3-8 from 0.85, and on
+    # those layers at M = 2-8 where its rounds are 70% full
     ffi, lib = _lib_or_skip()
 
     def auto(m, n, kk, dev=H200, **kw):
@@ -498,18 +499,22 @@ def test_plan_for_gemv(monkeypatch):
     for n, kk in ((4096, 4096), (4096, 11008), (28672, 8192), (8192, 28672), (22016, 4096), (14336, 4096),
                   (2048, 8192), (3072, 8192), (6336, 4096)):
         assert auto(1, n, kk)["kernel"] == "gemv", (n, kk)
-    # 32 and 64 stripes for 132 SMs; 2^26 weights in two rounds 61% full: gemv at M = 1, bulk at M = 2
-    for n, kk in ((512, 4096), (1024, 4096), (1024, 8192), (1024, 14336), (5120, 13824)):
-        assert auto(1, n, kk)["kernel"] == "gemv", (n, kk)
-        assert auto(2, n, kk)["kernel"] == "bulk", (n, kk)
+    # 32 and 64 stripes for 132 SMs: gemv at M = 1 and 2, bulk from M = 3; 2^26 weights in two rounds 61% full:
+    # gemv at M = 1, bulk from M = 2
+    for n, kk in ((512, 4096), (1024, 4096), (1024, 8192), (1024, 14336), (1024, 2048)):
+        assert auto(1, n, kk)["kernel"] == "gemv" and auto(2, n, kk)["kernel"] == "gemv", (n, kk)
+        assert auto(3, n, kk)["kernel"] == "bulk", (n, kk)
+    assert auto(1, 5120, 13824)["kernel"] == "gemv" and auto(2, 5120, 13824)["kernel"] == "bulk"
     # the edges at M = 1: 0.24 x 132 SMs (31 and 32 stripes); two rounds 60% full on 2^25 weights or more (316 and
     # 317 stripes), not below 2^25
     assert auto(1, 31 * 16, 4096)["kernel"] == "bulk" and auto(1, 32 * 16, 4096)["kernel"] == "gemv"
     assert auto(1, 316 * 16, 8192)["kernel"] == "bulk" and auto(1, 317 * 16, 8192)["kernel"] == "gemv"
     assert auto(1, 316 * 16, 4096)["kernel"] == "gemv"  # (2^24.3 weights)
-    # and at M = 2: 0.85 x 132 SMs (112 and 113 stripes); two rounds 70% full (369 and 370 stripes)
-    assert auto(2, 112 * 16, 4096)["kernel"] == "bulk" and auto(2, 113 * 16, 4096)["kernel"] == "gemv"
+    # at M = 2: 31 and 32 stripes again; two rounds 70% full (369 and 370 stripes)
+    assert auto(2, 31 * 16, 4096)["kernel"] == "bulk" and auto(2, 32 * 16, 4096)["kernel"] == "gemv"
     assert auto(2, 369 * 16, 8192)["kernel"] == "bulk" and auto(2, 370 * 16, 8192)["kernel"] == "gemv"
+    # and at M = 3: 0.85 x 132 SMs (112 and 113 stripes)
+    assert auto(3, 112 * 16, 4096)["kernel"] == "bulk" and auto(3, 113 * 16, 4096)["kernel"] == "gemv"
     # forced: any 4-bit layer at M = 1 that fits, on compute capability 8.0 and newer; one block per stripe at most
     d = _describe_for(lib, ffi, A100, 1, 196, 576, kernel="gemv")
     assert d["kernel"] == "gemv" and d["blocks"] == "13" and d["smem"] == str(2048 + 9 * 128), d
@@ -534,7 +539,7 @@ def test_plan_for_gemv(monkeypatch):
             assert auto(m, n, 8192)["kernel"] == want, (m, n)
     for m in (2, 4, 8):  # K = 28672: one block per SM from M = 2
         assert auto(m, 8192, 28672)["kernel"] == "bulk", m
-    assert auto(2, 1024, 4096)["kernel"] == "bulk"  # 64 stripes: as at M = 1
+    assert auto(4, 1024, 4096)["kernel"] == "bulk"  # 64 stripes: gemv at M = 1 and 2 only
     assert auto(4, 4096, 4096, gs=48)["kernel"] != "gemv" and auto(4, 4096, 4096, dev=A100)["kernel"] != "gemv"
     assert auto(9, 4096, 4096)["kernel"] == "wgmma_ws"
     monkeypatch.setenv("W4P_CUDA_GEMV", "0")

@@ -36,19 +36,21 @@ bool gemv_auto(const DevInfo &di, int ns, int KT, int64_t weights) {
   return gemv_fills(di, ns, KT, weights, GEMV_SMS, GEMV_FULL);
 }
 
-// "auto" takes the gemv kernel at M = 2-8 (one token per MMA column) where its blocks fill the GPU by the M = 2-8
-// thresholds (set at M = 1 before that staging, journal section 9, and kept where the several-token rows were
-// measured) and the staged rows leave it the resident blocks per SM it has at M = 1. Against the bulk kernel (H100,
-// docs/journal/2026-cuda.md sections 17 and 18): 7-31% less time on the 7B shapes wherever that holds (4096x4096
-// at M = 8 7.0 against 8.7 us, 4096x12288 13.8 against 18.2); 2-21% on the larger ones to M = 4 (8192x8192 at M = 2
-// 15.2 against 19.2 us, 8192x28672 47.1 against 48.8) and at M = 6 all but 8192x28672 (50.1 against 49.5); with
-// one block per SM fewer from level to 4-7% either way (11008x4096 at M = 8 16.6 against 16.2 us), and 15% behind
-// on 28672x8192 at M = 2 (57 against 49.5). On the layers of fewer stripes that only the M = 1 rule takes (H200,
-// journal section 20), gemv led or was level at M = 2 (8192x1024 5.6 against 6.2 us), mixed at M = 4 and behind at
-// M = 8 on all but 2048x1024 (4096x512 4.6 against 3.9): they keep bulk from M = 2.
+// "auto" takes the gemv kernel at M = 2-8 (one token per MMA column) where its blocks fill the GPU and the staged
+// rows leave it the resident blocks per SM it has at M = 1. Filling: at M = 2 from the M = 1 rule's stripes per SM,
+// at M = 3-8 from the older threshold (journal section 9), and on L+ rounds 70% full at M = 2-8. Against the bulk
+// kernel (H100, docs/journal/2026-cuda.md sections 17 and 18): 7-31% less time on the 7B shapes wherever that
+// holds (4096x4096 at M = 8 7.0 against 8.7 us, 4096x12288 13.8 against 18.2); 2-21% on the larger ones to M = 4
+// (8192x8192 at M = 2 15.2 against 19.2 us, 8192x28672 47.1 against 48.8) and at M = 6 all but 8192x28672 (50.1
+// against 49.5); with one block per SM fewer from level to 4-7% either way (11008x4096 at M = 8 16.6 against 16.2
+// us), and 15% behind on 28672x8192 at M = 2 (57 against 49.5). On the layers of fewer stripes (sections 20, 21),
+// at M = 2 gemv led or was level on both GPUs (H100: 4096x1024 3.4 against 3.8 us, 2048x1024 2.2 against 2.8,
+// 4096x512 3.3 both) except 13824x5120 (rounds 61% full: H100 21.0 against 19.8, H200 17.8 against 18.8), which
+// the 70% keeps on bulk; mixed at M = 4 and behind at M = 8 (H200, 4096x512 4.6 against 3.9): from M = 3 they
+// keep bulk.
 bool gemv_auto_tokens(const DevInfo &di, int m, int ns, int KT, int64_t weights) {
   return m >= 2 && m <= GV_MAX_M && gv_grid(di, KT, m) == gv_grid(di, KT, 1) &&
-         gemv_fills(di, ns, KT, weights, GEMV_TOK_SMS, GEMV_TOK_FULL);
+         gemv_fills(di, ns, KT, weights, m == 2 ? GEMV_SMS : GEMV_TOK_SMS, GEMV_TOK_FULL);
 }
 
 // The tiles the busiest of W blocks gets when the bulk kernel's stream-K granule is a whole unit of ct tiles

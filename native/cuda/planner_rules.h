@@ -25,7 +25,8 @@ constexpr int SS_AUTO_MIN_M = 65;     // wgmma_ss in wgmma_ws's range from M = 6
 constexpr int SS_AUTO_DENSE_M = 160;  // wgmma_ss in the dense path's range from M = 160 (journal 4, wgmma_ss)
 constexpr double GEMV_SMS = 0.24;   // gemv at M = 1 from this many stripes per SM (32 on 132 SMs; journal 20)
 constexpr double GEMV_FULL = 0.6;   // and on L+ where its rounds of blocks are this full (journal 20)
-constexpr double GEMV_TOK_SMS = 0.85;  // gemv at M = 2-8: the same, from this many stripes per SM (journal 9, 17)
+constexpr double GEMV_TOK_SMS = 0.85;  // gemv at M = 3-8: the same, from this many stripes per SM (M = 2: GEMV_SMS;
+                                       // journal 9, 17, 21)
 constexpr double GEMV_TOK_FULL = 0.7;  // and rounds this full on L+ (journal 9, 18)
 
 // The auto choice, 4-bit, group size 128 (other group sizes: the same or a kernel that takes them). Sizes: S
@@ -42,12 +43,14 @@ struct AutoRule {
 constexpr AutoRule AUTO_RULES[] = {
     {90, 90, 1, 1, "S M L XL", "gemv bulk", "gemv from 0.24 stripes per SM and, on L and XL, where its rounds are 60% full",
      "journal 4 (gemv), 9, 20"},
-    {90, 90, 2, 4, "S M L XL", "gemv bulk", "gemv where every SM gets a block of stripes, on L and XL rounds 70% full, "
-     "and the staged rows leave its blocks per SM; else the copy engine's weight stream, stream-K over 2 blocks per "
-     "SM", "journal 4 (bulk), 7, 17, 18"},
-    {90, 90, 5, 8, "L", "gemv bulk", "gemv as at M = 2-4; else bulk's balanced units", "journal 4 (bulk units), 17"},
-    {90, 90, 5, 8, "XL", "gemv bulk", "gemv as at M = 2-4; else bulk's 16-tile units", "journal 4 (bulk units), 18"},
-    {90, 90, 5, 8, "S M", "gemv bulk stream", "gemv as at M = 2-4; else bulk where every block owns a whole stripe "
+    {90, 90, 2, 2, "S M L XL", "gemv bulk", "gemv from 0.24 stripes per SM, on L and XL rounds 70% full, and where the "
+     "staged rows leave its blocks per SM; else the copy engine's weight stream, stream-K over 2 blocks per SM",
+     "journal 4 (bulk), 7, 17, 18, 21"},
+    {90, 90, 3, 4, "S M L XL", "gemv bulk", "gemv where every SM gets a block of stripes, on L and XL rounds 70% full, "
+     "and the staged rows leave its blocks per SM; else bulk as at M = 2", "journal 4 (bulk), 7, 17, 18"},
+    {90, 90, 5, 8, "L", "gemv bulk", "gemv as at M = 3-4; else bulk's balanced units", "journal 4 (bulk units), 17"},
+    {90, 90, 5, 8, "XL", "gemv bulk", "gemv as at M = 3-4; else bulk's 16-tile units", "journal 4 (bulk units), 18"},
+    {90, 90, 5, 8, "S M", "gemv bulk stream", "gemv as at M = 3-4; else bulk where every block owns a whole stripe "
      "(one-stripe units)", "journal 4 (one-stripe units), 17"},
     {90, 90, 9, 32, "S M L XL", "wgmma_ws", "split K to fill the SMs, 16+ K tiles a split, 2 in a cluster",
      "journal 4 (wgmma_ws splits)"},
