@@ -88,17 +88,6 @@ static_assert(GV_STAGES == 2 || GV_STAGES == 3, "the gemv kernel's loop names tw
 #endif
 constexpr int GV_RING = W4P_GV_RING;
 static_assert(GV_RING == 0 || (GV_RING >= 3 && GV_RING <= 6 && GV_STAGES == 2), "a ring of 3-6 steps, or none");
-// the stripe's end without a block barrier (1; 0: off): each warp stores its sums and counts itself in, and the
-// last of the block's warps to arrive adds them in warp order and writes y, so no warp waits for the others there
-// (ncu put 11% of the default kernel's warp samples at that barrier on 8192x28672); a warp waits only to reuse a
-// sums buffer not yet added. The same additions in the same order: the same bits. A build option
-// (W4P_CUDA_DEFINES=-DW4P_GV_ARRIVE=1).
-#ifndef W4P_GV_ARRIVE
-#define W4P_GV_ARRIVE 0
-#endif
-constexpr int GV_ARRIVE = W4P_GV_ARRIVE;
-static_assert(GV_ARRIVE == 0 || GV_ARRIVE == 1, "the stripe's end: a barrier (0) or arrivals (1)");
-constexpr int GV_SYNC = GV_ARRIVE ? 16 : 0;  // its counters: arrivals and completed sums per buffer (4 ints)
 constexpr int GV_MAX_M = 8;  // tokens: the MMA's eight B columns, one token each (M = 1 leaves seven idle)
 constexpr int GV_RED = 2 * GV_W * 16 * 4;  // the stripe sums' two buffers [2][GV_W][16] floats at M = 1
 // the staged activation rows' pitch in 32-bit slots at M > 1: 16 bytes past a row so that lanes gid and gid + 1,
@@ -114,10 +103,9 @@ W4P_HD constexpr size_t gv_ring(int zm, int ts) {
                             (size_t)(16 * GV_U + 4 * (ts ? GV_U / ts : 2 * GV_U) * (zm == 0 ? 2 : 4));
 }
 // shared memory of an M-token call: the stripe sums [2][GV_W][16][m] and the m staged activation rows (and the
-// arrival counters and the ring, where they are built)
+// ring, where it is built)
 W4P_HD constexpr size_t gv_smem(int kt, int m = 1, size_t ring = 0) {
-  return (m == 1 ? (size_t)GV_RED + (size_t)kt * 128 : ((size_t)GV_RED + (size_t)gv_pitch(kt) * 4) * m) + GV_SYNC +
-         ring;
+  return (m == 1 ? (size_t)GV_RED + (size_t)kt * 128 : ((size_t)GV_RED + (size_t)gv_pitch(kt) * 4) * m) + ring;
 }
 
 // wgmma kernel

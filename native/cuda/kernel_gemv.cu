@@ -278,12 +278,6 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
       s_n += G;
     }
   };
-  // the arrival counters (GV_ARRIVE): arrivals per sums buffer, then the stripes summed from each; zeroed before
-  // the staging's barrier below
-  int *sync_ctr = reinterpret_cast<int *>(smem + gv_smem(KT, M) - GV_SYNC);
-  if constexpr (GV_ARRIVE) {
-    if (threadIdx.x < 4) sync_ctr[threadIdx.x] = 0;
-  }
   Buf A, B, C;
   constexpr int STAGES = gv_stages<T, ZM, TS>();
   if (GV_RING > 0) {  // (weights do not depend on the previous kernel's output; requested before the staging below)
@@ -410,7 +404,7 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
   // (the lane's token row: gv_pitch(KT) slots = KT * 8 + 1 uint4 a row)
   const uint4 *xs4 = reinterpret_cast<const uint4 *>(xs) + 2 * tid + (MT == 1 ? 0 : min(gid, M - 1) * (KT * 8 + 1));
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  int s = (int)blockIdx.x, st = 0, buf = 0, q = 0;  // (q: the stripes this warp has ended)
+  int s = (int)blockIdx.x, st = 0, buf = 0;
   auto step = [&](const Buf &b) {
     const int t0 = st * W * U + wi * U, nv = KT - t0;
     const uint4 *xb = xs4 + t0 * 8;
@@ -419,13 +413,6 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
     else if (nv > 0)
       gv_chunk<T, ZM, TS, MT, false>(acc, b, xb, nv, zc_sym);
     if (++st == spp) {  // the stripe is done: its 16 sums (per token) over the warps, in warp order
-      if constexpr (GV_ARRIVE) {  // (buffer buf's last use was this warp's stripe q - 2: wait until it has been added)
-        volatile int *done = sync_ctr + 2;
-        if (lane == 0)
-          while (done[buf] < (q >> 1)) __nanosleep(32);
-        __syncwarp();
-        __threadfence_block();
-      }
       if (MT == 1) {
         if (tid == 0) {
           red[(buf * W + wi) * 16 + gid] = acc[0];
@@ -439,50 +426,19 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
             red[((buf * W + wi) * 16 + gid + 8) * M + 2 * tid + h] = acc[2 + h];
           }
       }
-      if constexpr (GV_ARRIVE) {  // count in; the last warp to arrive adds the sums and frees the buffer
-        __syncwarp();
-        int last = 0;
-        if (lane == 0) {
-          __threadfence_block();
-          last = atomicAdd(sync_ctr + buf, 1) == W - 1;
-          __threadfence_block();
-        }
-        last = __shfl_sync(0xffffffffu, last, 0);
-        __syncwarp();
-        if (last) {  // (as the barrier's threads below, entry e = r * M + tok a lane)
-          for (int e = lane; e < 16 * M; e += 32) {
-            const int r = MT == 1 ? e : e / M, tok = e - r * M, row = 16 * s + r;
-            if (row >= p.N) continue;
-            float v = 0.f;
+      __syncthreads();  // (also: every thread has read the other buffer, written two stripes ago)
+      const int r = MT == 1 ? (int)threadIdx.x : (int)threadIdx.x / M, tok = (int)threadIdx.x - r * M;
+      const int row = 16 * s + r;
+      if ((MT == 1 ? threadIdx.x < 16 : r < 16) && row < p.N) {
+        float v = 0.f;
 #pragma unroll
-            for (int ww = 0; ww < W; ++ww) v += red[((buf * W + ww) * 16 + r) * M + tok];
-            const float b = p.bias ? to_f(((const T *)p.bias)[row]) : 0.f;
-            const float o = !p.bias ? v : p.radd ? to_f(from_f<T>(v)) + b : v + b;
-            ((T *)p.y)[(int64_t)tok * p.ldy + row] = from_f<T>(o);
-          }
-          __syncwarp();
-          if (lane == 0) {
-            sync_ctr[buf] = 0;
-            __threadfence_block();
-            reinterpret_cast<volatile int *>(sync_ctr)[2 + buf] = (q >> 1) + 1;
-          }
+        for (int ww = 0; ww < W; ++ww) v += red[((buf * W + ww) * 16 + r) * M + tok];
+        float o = v;
+        if (p.bias) {  // a layer's bias into the one rounding; a residual after it (p.radd, M = 1)
+          const float b = to_f(((const T *)p.bias)[row]);
+          o = p.radd ? to_f(from_f<T>(v)) + b : v + b;
         }
-        ++q;
-      } else {
-        __syncthreads();  // (also: every thread has read the other buffer, written two stripes ago)
-        const int r = MT == 1 ? (int)threadIdx.x : (int)threadIdx.x / M, tok = (int)threadIdx.x - r * M;
-        const int row = 16 * s + r;
-        if ((MT == 1 ? threadIdx.x < 16 : r < 16) && row < p.N) {
-          float v = 0.f;
-#pragma unroll
-          for (int ww = 0; ww < W; ++ww) v += red[((buf * W + ww) * 16 + r) * M + tok];
-          float o = v;
-          if (p.bias) {  // a layer's bias into the one rounding; a residual after it (p.radd, M = 1)
-            const float b = to_f(((const T *)p.bias)[row]);
-            o = p.radd ? to_f(from_f<T>(v)) + b : v + b;
-          }
-          ((T *)p.y)[(int64_t)tok * p.ldy + row] = from_f<T>(o);
-        }
+        ((T *)p.y)[(int64_t)tok * p.ldy + row] = from_f<T>(o);
       }
       buf ^= 1;
       acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
