@@ -28,7 +28,7 @@ static bool gemv_fills(const DevInfo &di, int ns, int KT, int64_t weights, doubl
 }
 
 // "auto" takes the gemv kernel at M = 1 from 32 stripes on 132 SMs and, on L+, where its rounds are 60% full. With
-// the row staged 8 activations a load, gemv led bulk on every layer measured below the M = 2-8 thresholds, on an
+// the row staged 8 activations a load, gemv led bulk on every layer measured below the M = 3-8 threshold, on an
 // H200 (journal section 20, us, gemv / bulk): 4096x512 2.9 / 3.2, 4096x1024 3.0-3.1 / 3.6, 8192x1024 5.0 / 5.9,
 // 14336x1024 7.7 / 8.4, 2048x1024 2.0 / 2.6, 13824x5120 (2^26 weights in two rounds 61% full) 17.0-17.4 /
 // 19.6-19.7. Fewer stripes were not measured.

@@ -25,8 +25,7 @@ constexpr int SS_AUTO_MIN_M = 65;     // wgmma_ss in wgmma_ws's range from M = 6
 constexpr int SS_AUTO_DENSE_M = 160;  // wgmma_ss in the dense path's range from M = 160 (journal 4, wgmma_ss)
 constexpr double GEMV_SMS = 0.24;   // gemv at M = 1 from this many stripes per SM (32 on 132 SMs; journal 20)
 constexpr double GEMV_FULL = 0.6;   // and on L+ where its rounds of blocks are this full (journal 20)
-constexpr double GEMV_TOK_SMS = 0.85;  // gemv at M = 3-8: the same, from this many stripes per SM (M = 2: GEMV_SMS;
-                                       // journal 9, 17, 21)
+constexpr double GEMV_TOK_SMS = 0.85;  // gemv at M = 3-8 from this many stripes per SM (M = 2: GEMV_SMS; journal 9, 21)
 constexpr double GEMV_TOK_FULL = 0.7;  // and rounds this full on L+ (journal 9, 18)
 
 // The auto choice, 4-bit, group size 128 (other group sizes: the same or a kernel that takes them). Sizes: S
