@@ -1053,7 +1053,7 @@ def test_auto_plan_per_shape():
     # sm_90+: the bulk kernel up to M = 4 on every shape, to 8 on layers of 2^25 weights or more and on those
     # of one-stripe units (at most two stripes per SM); otherwise (and before sm_90) ring / stream as measured
     m1 = cuda.KERNELS["bulk"] if bulk_ok() else None
-    # (on sm_90 the gemv kernel first: at M = 1 and 2 from 32 stripes on 132 SMs, at M = 3-8 from 112, where its
+    # (on sm_90 the gemv kernel first: at M = 1 and 2 from 32 stripes on 132 SMs, at M = 3-8 from 113, where its
     # blocks fill their rounds and the staged rows leave its blocks per SM: test_cuda_planner.py)
     g1 = cuda.KERNELS["gemv"] if torch.cuda.get_device_capability() == (9, 0) else None
     assert auto(1, 28672, 8192) == (g1 or m1 or cuda.KERNELS["ring"])
