@@ -2,8 +2,7 @@
 reference. No GPU: what this checks is the index and offset arithmetic the kernel does per lane (the activations'
 fragment-order staging, one row per token, each lane's 16-byte word of a tile as the m16n8k16 A fragment, the
 token row each lane reads as its B column, the chunk and group-segment walk, the scale / zero-point offsets
-through group_of's multiply-high, the stripe sums per token in warp order; with the GV_FOLD build option, the
-segment activation sums read from the staged rows and each segment's index into them). A wrong
+through group_of's multiply-high, the stripe sums per token in warp order). A wrong
 nibble, row, offset or segment gives errors of order 1; the float64 emulation must agree to rounding."""
 from __future__ import annotations
 
@@ -65,10 +64,9 @@ def and_or(x, mask, bits):
     return (x & np.uint32(mask)) | np.uint32(bits)
 
 
-def fragment_regs(words: np.ndarray, j: int, dtype: str, zlo, zhi, biased: bool = False):
-    """The four A registers of k16 slice j per lane, as (lo16, hi16) floats: dq_int of the kernel (biased: dq_raw,
-    the biased codes as they are, GV_FOLD). words: [32 lanes, 4] uint32; zlo / zhi: the zero point per lane's
-    rows."""
+def fragment_regs(words: np.ndarray, j: int, dtype: str, zlo, zhi):
+    """The four A registers of k16 slice j per lane, as (lo16, hi16) floats: dq_int of the kernel.
+    words: [32 lanes, 4] uint32; zlo / zhi: the zero point per lane's rows."""
     x = words[:, j].astype(np.uint32)
     if dtype == "float16":
         y = x >> np.uint32(8)
@@ -80,9 +78,6 @@ def fragment_regs(words: np.ndarray, j: int, dtype: str, zlo, zhi, biased: bool 
     for i, r in enumerate(raw):
         lo = act_bits_to_float(r & np.uint32(0xFFFF), dtype)
         hi = act_bits_to_float(r >> np.uint32(16), dtype)
-        if biased:
-            regs.append((lo, hi))
-            continue
         z = zhi if i & 1 else zlo  # dq_int: h - (magic + z), fp16 rows gid + 8: h / 16 - (64 + z); exact
         if dtype == "float16" and i & 1:
             lo, hi = lo / 16 - (64 + z), hi / 16 - (64 + z)
@@ -141,28 +136,10 @@ def group_of(k: int, gmul: int) -> int:
     return (k * gmul) >> 32
 
 
-def segment_sums(xs_f: np.ndarray, m: int, KT: int, SW: int) -> np.ndarray:
-    """GV_FOLD's activation sums [M, segments of SW columns], read from the staged rows at the kernel's slots
-    (row pitch KT * 32 + 4 pair slots at M > 1), stopping at the last tile."""
-    nsg = -(-KT * 64 // SW)
-    pitch = KT * 32 + (4 if m > 1 else 0)
-    out = np.zeros((m, nsg))
-    for t in range(m):
-        for sg in range(nsg):
-            for q in range(SW // 2):
-                k = sg * SW + 2 * q
-                kb, r = k >> 6, k & 63
-                if kb >= KT:
-                    break
-                j, hi, tt = r >> 4, (r >> 3) & 1, (r & 7) >> 1
-                out[t, sg] += xs_f[t * pitch + ((kb * 4 + tt) * 4 + j) * 2 + hi].sum()
-    return out
-
-
-def emulate(packed, x: np.ndarray, dtype: str, W: int, U: int, fold: bool = False) -> np.ndarray:
+def emulate(packed, x: np.ndarray, dtype: str, W: int, U: int) -> np.ndarray:
     """y [M, N] for x [M, K] (M <= 8) as the kernel computes it, in float64 after each MMA (so only a wrong index or
     offset can make it differ from the reference beyond rounding), for blocks of W warps taking U tiles each per
-    step; fold: as built with -DW4P_GV_FOLD=1 (zero modes none and int)."""
+    step."""
     meta, t = packed.meta, packed.tensors
     n, K = meta["shape"]
     Np, Kp = meta["padded_shape"]
@@ -181,10 +158,6 @@ def emulate(packed, x: np.ndarray, dtype: str, W: int, U: int, fold: bool = Fals
     xs_f = act_bits_to_float(xs, dtype)  # [M * (KT * 32 + pad), 2]
     # the segment length (launch_gemv_ts): whole chunks, single tiles, or halves where groups end inside a tile
     TS = U if gs <= 0 or gs % (64 * U) == 0 else 1 if gs % 64 == 0 else 0
-    fold = fold and zm != "float"
-    SW = 64 * TS if TS else 32  # a segment's columns
-    sums = segment_sums(xs_f, m, KT, SW) if fold else None
-    tok = np.minimum(np.arange(8), m - 1)  # the token of each MMA column
     lane = np.arange(32)
     gid = lane >> 2
     y = np.zeros((Np, 8))
@@ -229,14 +202,8 @@ def emulate(packed, x: np.ndarray, dtype: str, W: int, U: int, fold: bool = Fals
                                                                                        dtype), dtype)
                                                   for v in r) for i, r in enumerate(regs)]
                                 else:
-                                    regs = fragment_regs(qw[s, kb], j, dtype, z_lo, z_hi, biased=fold)
+                                    regs = fragment_regs(qw[s, kb], j, dtype, z_lo, z_hi)
                                 d = d + a_matrix(regs) @ b_matrix(xs_f, t0, u, j, m, KT)
-                    if fold:  # sum (bias + q) x - (bias + z) sum x; fp16 rows gid + 8 hold 16 q
-                        half = dtype == "float16"
-                        bl, bh, sh = (1024.0, 64.0, 1 / 16) if half else (128.0, 128.0, 1.0)
-                        sx = sums[tok, 64 * t0 // SW + g]  # per column
-                        d[:8] = d[:8] - (bl + z_lo[::4, None]) * sx[None, :]
-                        d[8:] = d[8:] * sh - (bh + z_hi[::4, None]) * sx[None, :]
                     if zm == "float":  # (scaled per weight: straight into the stripe's sums)
                         acc_lo, acc_hi = acc_lo + d[:8], acc_hi + d[8:]
                     else:  # the scale once per segment (the lanes of row gid hold the same)
@@ -259,9 +226,8 @@ CASES = [  # (dtype, zero mode, group size, act-order, n, k, tokens)
 ]
 
 
-@pytest.mark.parametrize("fold", [False, True], ids=["plain", "fold"])
 @pytest.mark.parametrize("dtype,zero_mode,gs,act_order,n,k,m", CASES)
-def test_kernel_matches_the_reference(dtype, zero_mode, gs, act_order, n, k, m, fold):
+def test_kernel_matches_the_reference(dtype, zero_mode, gs, act_order, n, k, m):
     # float64 arithmetic after the MMA: agreement to rounding shows every index, nibble and offset is right
     W, U = kernel_shape()
     rng = np.random.default_rng(zlib.crc32(repr((dtype, zero_mode, gs, act_order, n, k, m)).encode()))
@@ -269,11 +235,10 @@ def test_kernel_matches_the_reference(dtype, zero_mode, gs, act_order, n, k, m, 
     x = rng.standard_normal((m, k)).astype(np.float32)
     x_act = act_bits_to_float(float_to_act_bits(x, dtype), dtype)  # the activations the kernel gets
     ref = x_act @ layer.dequantize(np.float64).T
-    y = emulate(pack(layer), x_act, dtype, W, U, fold=fold)
+    y = emulate(pack(layer), x_act, dtype, W, U)
     assert y.shape == (m, n)
     err = np.linalg.norm(y - ref) / np.linalg.norm(ref)
-    # exact but for the per-weight rounding of s q + m (float minima) in the activation dtype; the fold's sums
-    # cancel (bias + z) sum x, so float64 keeps them to about 1e-16 of the bias, far below 1e-10
-    bound = (1e-10 if fold else 1e-12) if zero_mode != "float" else (2e-3 if dtype == "float16" else 2e-2)
+    # exact but for the per-weight rounding of s q + m (float minima) in the activation dtype
+    bound = 1e-12 if zero_mode != "float" else (2e-3 if dtype == "float16" else 2e-2)
     assert err <= bound, (err, bound)
 

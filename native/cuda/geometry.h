@@ -88,15 +88,6 @@ static_assert(GV_STAGES == 2 || GV_STAGES == 3, "the gemv kernel's loop names tw
 #endif
 constexpr int GV_RING = W4P_GV_RING;
 static_assert(GV_RING == 0 || (GV_RING >= 3 && GV_RING <= 6 && GV_STAGES == 2), "a ring of 3-6 steps, or none");
-// the zero point folded out of the dequantization (0: off): the MMA takes the raw biased codes (fp16 1024 + q and
-// 1024 + 16 q, bf16 128 + q, all exact) and each group segment's sums drop (bias + z) times the segment's
-// activation sum, staged once per block beside the row. Four fewer half-precision operations per MMA, at the cost
-// of sums that cancel (rounding in fp32 near 2^-24 of bias times the activations, not zero). A build option
-// (W4P_CUDA_DEFINES=-DW4P_GV_FOLD=1); zero mode "float" keeps its per-weight path.
-#ifndef W4P_GV_FOLD
-#define W4P_GV_FOLD 0
-#endif
-constexpr bool GV_FOLD = W4P_GV_FOLD != 0;
 constexpr int GV_MAX_M = 8;  // tokens: the MMA's eight B columns, one token each (M = 1 leaves seven idle)
 constexpr int GV_RED = 2 * GV_W * 16 * 4;  // the stripe sums' two buffers [2][GV_W][16] floats at M = 1
 // the staged activation rows' pitch in 32-bit slots at M > 1: 16 bytes past a row so that lanes gid and gid + 1,
@@ -111,13 +102,10 @@ W4P_HD constexpr size_t gv_ring(int zm, int ts) {
                       : (size_t)GV_RING * GV_W * 32 *
                             (size_t)(16 * GV_U + 4 * (ts ? GV_U / ts : 2 * GV_U) * (zm == 0 ? 2 : 4));
 }
-// shared memory of an M-token call: the stripe sums [2][GV_W][16][m] and the m staged activation rows, then with
-// GV_FOLD the rows' segment sums [m][2 kt] (segments of 32 columns at the most), then the ring where it is built
-W4P_HD constexpr size_t gv_xsum_at(int kt, int m) {
-  return m == 1 ? (size_t)GV_RED + (size_t)kt * 128 : ((size_t)GV_RED + (size_t)gv_pitch(kt) * 4) * m;
-}
+// shared memory of an M-token call: the stripe sums [2][GV_W][16][m] and the m staged activation rows (and the
+// ring, where it is built)
 W4P_HD constexpr size_t gv_smem(int kt, int m = 1, size_t ring = 0) {
-  return gv_xsum_at(kt, m) + (GV_FOLD ? (size_t)m * kt * 8 : 0) + ring;
+  return (m == 1 ? (size_t)GV_RED + (size_t)kt * 128 : ((size_t)GV_RED + (size_t)gv_pitch(kt) * 4) * m) + ring;
 }
 
 // wgmma kernel

@@ -157,28 +157,11 @@ __device__ __forceinline__ void gv_ring_get(const GvRing<ZM, TS> &r, int j, uint
   }
 }
 
-// GV_FOLD's A registers of k16 slice j: the biased codes as they are (fp16: rows gid 1024 + q, rows gid + 8
-// 1024 + 16 q; bf16: 128 + q), no zero point subtracted
-template <typename T> __device__ __forceinline__ void dq_raw(const uint32_t *w, int j, uint32_t (&a)[4]) {
-  if constexpr (std::is_same<T, half>::value) {
-    uint32_t x = w[j];
-    a[0] = and_or(x, 0x000f000fu, 0x64006400u);
-    a[1] = and_or(x, 0x00f000f0u, 0x64006400u);
-    x >>= 8;
-    a[2] = and_or(x, 0x000f000fu, 0x64006400u);
-    a[3] = and_or(x, 0x00f000f0u, 0x64006400u);
-  } else {
-    Codes<T, 4>::get(w, j, a);
-  }
-}
-
 // One chunk: acc[0] / acc[2] (rows gid / gid + 8; with MT > 1 acc[1] / acc[3] too: the MMA's tokens 2 tid and
-// 2 tid + 1) += its products with the activations. xb: the lane's B pairs of tile t0 (two uint4 per tile). sx0 /
-// sx1 (GV_FOLD): the activation sums of the chunk's segments for tokens 2 tid / 2 tid + 1.
+// 2 tid + 1) += its products with the activations. xb: the lane's B pairs of tile t0 (two uint4 per tile).
 template <typename T, int ZM, int TS, int MT, bool FULL>
 __device__ __forceinline__ void gv_chunk(float (&acc)[4], const GvBuf<ZM, TS> &b, const uint4 *xb, int nv,
-                                         const ZC<T, 4> &zc_sym, const float *sx0, const float *sx1) {
-  constexpr bool FOLD = GV_FOLD && ZM != 2;
+                                         const ZC<T, 4> &zc_sym) {
   using S = GvShape<ZM, TS>;
   using T2 = typename Tr<T, 4>::T2;
   constexpr int TPS = TS ? TS : 1;  // tiles per segment (a half-tile segment covers one tile's half)
@@ -190,7 +173,7 @@ __device__ __forceinline__ void gv_chunk(float (&acc)[4], const GvBuf<ZM, TS> &b
     float d[4] = {0.f, 0.f, 0.f, 0.f};  // the segment's MMA sums (one chain: two would cost four registers)
     ZC<T, 4> zc = zc_sym;
     T2 slo, shi, mlo, mhi;
-    if (ZM == 1 && !FOLD) zc = zc_load<T>(t_of<T>(pr[2]), t_of<T>(pr[3]));
+    if (ZM == 1) zc = zc_load<T>(t_of<T>(pr[2]), t_of<T>(pr[3]));
     if (ZM == 2) {
       slo = bcast2(t_of<T>(pr[0]));
       shi = bcast2(t_of<T>(pr[1]));
@@ -213,8 +196,6 @@ __device__ __forceinline__ void gv_chunk(float (&acc)[4], const GvBuf<ZM, TS> &b
           uint32_t a[4];
           if (ZM == 2)
             dq_float<T, 4>(wd, j, slo, shi, mlo, mhi, a);
-          else if (FOLD)
-            dq_raw<T>(wd, j, a);
           else
             dq_int<T, 4>(wd, j, zc, a);
           if (ZM == 2)
@@ -225,19 +206,6 @@ __device__ __forceinline__ void gv_chunk(float (&acc)[4], const GvBuf<ZM, TS> &b
       }
     }
     if (ZM == 2) continue;
-    if (FOLD) {  // sum (bias + q) x = sum (q - z) x + (bias + z) sum x; fp16 rows gid + 8 hold 16 q: the sum / 16
-      constexpr bool H = std::is_same<T, half>::value;
-      constexpr float BL = H ? 1024.f : 128.f, BH = H ? 64.f : 128.f, SH = H ? 0.0625f : 1.f;
-      const float zlo = ZM == 1 ? to_f(t_of<T>(pr[2])) : 8.f, zhi = ZM == 1 ? to_f(t_of<T>(pr[3])) : 8.f;
-      const float s0 = sx0[g];
-      d[0] = fmaf(-(BL + zlo), s0, d[0]);
-      d[2] = fmaf(-(BH + zhi), s0, d[2] * SH);
-      if (MT > 1) {
-        const float s1 = sx1[g];
-        d[1] = fmaf(-(BL + zlo), s1, d[1]);
-        d[3] = fmaf(-(BH + zhi), s1, d[3] * SH);
-      }
-    }
     const float dlo = d[0], dhi = d[2];
     const float s_lo = to_f(t_of<T>(pr[0])), s_hi = to_f(t_of<T>(pr[1]));
     acc[0] = fmaf(s_lo, dlo, acc[0]);
@@ -432,32 +400,6 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
     }
   }
   __syncthreads();
-  // GV_FOLD: each row's activation sums per segment of SW columns, [M][KT * 64 / SW] floats, from the staged
-  // (rounded, prologued) values: warp per sum, a fixed lane order, so the same bits in every block and at any M
-  constexpr int SW = TS ? 64 * TS : 32;
-  float *xsum = reinterpret_cast<float *>(smem + gv_xsum_at(KT, M));
-  if constexpr (GV_FOLD && ZM != 2) {
-    using T2 = typename Tr<T, 4>::T2;
-    const int nsg = (KT * 64 + SW - 1) / SW;  // (a last segment past the last tile adds zeros)
-    for (int c = wi; c < M * nsg; c += W) {
-      const int m = c / nsg, sg = c - m * nsg;
-      float v = 0.f;
-#pragma unroll
-      for (int q = lane; q < SW / 2; q += 32) {  // pair q: columns k, k + 1
-        const int k = sg * SW + 2 * q, kb = k >> 6, r = k & 63, j = r >> 4, hi = (r >> 3) & 1, t = (r & 7) >> 1;
-        if (kb >= KT) break;
-        const T2 pr = as_t2<T2>(xs[(MT == 1 ? 0 : m * gv_pitch(KT)) + ((kb * 4 + t) * 4 + j) * 2 + hi]);
-        v += to_f(pr.x) + to_f(pr.y);
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0) xsum[c] = v;
-    }
-    __syncthreads();
-  }
-  const int nsg = (KT * 64 + SW - 1) / SW;
-  const float *sx0 = xsum + (MT == 1 ? 0 : min(2 * tid, M - 1) * nsg);
-  const float *sx1 = xsum + (MT == 1 ? 0 : min(2 * tid + 1, M - 1) * nsg);
   const ZC<T, 4> zc_sym = zc_make<T, 4>(8.f, 8.f);
   // (the lane's token row: gv_pitch(KT) slots = KT * 8 + 1 uint4 a row)
   const uint4 *xs4 = reinterpret_cast<const uint4 *>(xs) + 2 * tid + (MT == 1 ? 0 : min(gid, M - 1) * (KT * 8 + 1));
@@ -466,11 +408,10 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
   auto step = [&](const Buf &b) {
     const int t0 = st * W * U + wi * U, nv = KT - t0;
     const uint4 *xb = xs4 + t0 * 8;
-    const int sg0 = 64 * t0 / SW;  // the chunk's first segment
     if (nv >= U)
-      gv_chunk<T, ZM, TS, MT, true>(acc, b, xb, nv, zc_sym, sx0 + sg0, sx1 + sg0);
+      gv_chunk<T, ZM, TS, MT, true>(acc, b, xb, nv, zc_sym);
     else if (nv > 0)
-      gv_chunk<T, ZM, TS, MT, false>(acc, b, xb, nv, zc_sym, sx0 + sg0, sx1 + sg0);
+      gv_chunk<T, ZM, TS, MT, false>(acc, b, xb, nv, zc_sym);
     if (++st == spp) {  // the stripe is done: its 16 sums (per token) over the warps, in warp order
       if (MT == 1) {
         if (tid == 0) {
