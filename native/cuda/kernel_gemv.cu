@@ -165,6 +165,16 @@ __device__ __forceinline__ void gv_chunk(float (&acc)[4], const GvBuf<ZM, TS> &b
   using S = GvShape<ZM, TS>;
   using T2 = typename Tr<T, 4>::T2;
   constexpr int TPS = TS ? TS : 1;  // tiles per segment (a half-tile segment covers one tile's half)
+  if constexpr (GV_PROBE) {  // (the weights and parameters consumed, so each step still waits for its loads)
+    uint32_t v = 0u;
+#pragma unroll
+    for (int u = 0; u < GV_U; ++u)
+      if (FULL || u < nv) v ^= b.w[u].x ^ b.w[u].y ^ b.w[u].z ^ b.w[u].w;
+#pragma unroll
+    for (int g = 0; g < S::NSEG; ++g) v ^= b.par[g][0] ^ (b.par[g][1] << 16);
+    acc[0] += __uint_as_float(v & 0x007fffffu);
+    return;
+  }
 #pragma unroll
   for (int g = 0; g < S::NSEG; ++g) {
     const int first = gv_seg_first<TS>(g);
@@ -491,6 +501,7 @@ template <typename T, int ZM, int TS> cudaError_t launch_gemv_t(const Params &p,
   if ((e = cudaGetDevice(&dev)) != cudaSuccess) return e;
   if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return e;
   if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, GV_W * 32, smem)) != cudaSuccess) return e;
+  if (GV_PROBE) per_sm = std::min(per_sm, gv_minb<T, ZM, TS>());  // (the kernel's blocks per SM, not the probe's)
   const int64_t grid = std::min<int64_t>(pl.tiles, (int64_t)sms * std::max(1, per_sm));
   debug_occupancy(fn, "gemv", GV_W * 32, smem);
   return launch_ex(fn, dim3((unsigned)grid), GV_W * 32, smem, st, 1, p);
