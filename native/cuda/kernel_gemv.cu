@@ -501,7 +501,7 @@ template <typename T, int ZM, int TS> cudaError_t launch_gemv_t(const Params &p,
   if ((e = cudaGetDevice(&dev)) != cudaSuccess) return e;
   if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return e;
   if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, GV_W * 32, smem)) != cudaSuccess) return e;
-  if (GV_PROBE) per_sm = std::min(per_sm, gv_minb<T, ZM, TS>());  // (the kernel's blocks per SM, not the probe's)
+  if (GV_PROBE) per_sm = std::min(per_sm, gv_minb<T, ZM, TS>());  // (the kernel's launch bound, not the probe's)
   const int64_t grid = std::min<int64_t>(pl.tiles, (int64_t)sms * std::max(1, per_sm));
   debug_occupancy(fn, "gemv", GV_W * 32, smem);
   return launch_ex(fn, dim3((unsigned)grid), GV_W * 32, smem, st, 1, p);
