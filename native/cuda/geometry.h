@@ -88,14 +88,17 @@ static_assert(GV_STAGES == 2 || GV_STAGES == 3, "the gemv kernel's loop names tw
 #endif
 constexpr int GV_RING = W4P_GV_RING;
 static_assert(GV_RING == 0 || (GV_RING >= 3 && GV_RING <= 6 && GV_STAGES == 2), "a ring of 3-6 steps, or none");
-// diagnostics (0: off): the gemv kernel with each chunk's arithmetic (activation loads, dequantization, MMAs)
-// replaced by an XOR of its weight words into the sums, in as many blocks per SM as the kernel has. Its loads,
-// staging, stripe ends and stores run as they do; its outputs are meaningless. What the arithmetic costs the weight
-// stream: `tools/gpu_ab.py` against main's library. A build option (W4P_CUDA_DEFINES=-DW4P_GV_PROBE=1).
+// diagnostics (0: off): levels that each take one more part away from the gemv kernel, so that their times
+// against main's (`tools/gpu_ab.py`) say what each part costs the weight stream. 1: each chunk's arithmetic
+// (activation loads, dequantization, MMAs) replaced by an XOR of its words into the sums; 2: also no group
+// parameter loads; 3: also no stripe-end barrier and reduction (one warp stores its sums); 4: also three blocks per SM
+// (the launch bound asks the registers for it; 1-3: the kernel's blocks per SM). The weight loads, staging and stores
+// run as they do; the outputs are meaningless. A build option (W4P_CUDA_DEFINES=-DW4P_GV_PROBE=N).
 #ifndef W4P_GV_PROBE
 #define W4P_GV_PROBE 0
 #endif
-constexpr bool GV_PROBE = W4P_GV_PROBE != 0;
+constexpr int GV_PROBE = W4P_GV_PROBE;
+static_assert(GV_PROBE >= 0 && GV_PROBE <= 4, "probe levels 1-4, or none");
 constexpr int GV_MAX_M = 8;  // tokens: the MMA's eight B columns, one token each (M = 1 leaves seven idle)
 constexpr int GV_RED = 2 * GV_W * 16 * 4;  // the stripe sums' two buffers [2][GV_W][16] floats at M = 1
 // the staged activation rows' pitch in 32-bit slots at M > 1: 16 bytes past a row so that lanes gid and gid + 1,

@@ -83,7 +83,7 @@ __device__ __forceinline__ void gv_load(const Params &p, uint32_t woff, uint32_t
   const unsigned short *sc = (const unsigned short *)p.scales;
   const unsigned short *zp = (const unsigned short *)(ZM == 1 ? p.zeros : p.mins);
 #pragma unroll
-  for (int g = 0; g < S::NSEG; ++g) {
+  for (int g = 0; g < (GV_PROBE >= 2 ? 0 : S::NSEG); ++g) {
     const bool ok = FULL || gv_seg_first<TS>(g) < nv;
     const uint32_t off = gv_seg_off<TS>(p, t0, g, poff);
     b.par[g][0] = ok ? ld_u16g(sc + off) : 0u;
@@ -165,13 +165,14 @@ __device__ __forceinline__ void gv_chunk(float (&acc)[4], const GvBuf<ZM, TS> &b
   using S = GvShape<ZM, TS>;
   using T2 = typename Tr<T, 4>::T2;
   constexpr int TPS = TS ? TS : 1;  // tiles per segment (a half-tile segment covers one tile's half)
-  if constexpr (GV_PROBE) {  // (the weights and parameters consumed, so each step still waits for its loads)
+  if constexpr (GV_PROBE > 0) {  // (the weights and parameters consumed, so each step still waits for its loads)
     uint32_t v = 0u;
 #pragma unroll
     for (int u = 0; u < GV_U; ++u)
       if (FULL || u < nv) v ^= b.w[u].x ^ b.w[u].y ^ b.w[u].z ^ b.w[u].w;
 #pragma unroll
-    for (int g = 0; g < S::NSEG; ++g) v ^= b.par[g][0] ^ (b.par[g][1] << 16);
+    for (int g = 0; g < S::NSEG; ++g)
+      if (GV_PROBE < 2) v ^= b.par[g][0] ^ (b.par[g][1] << 16);
     acc[0] += __uint_as_float(v & 0x007fffffu);
     return;
   }
@@ -237,7 +238,8 @@ __device__ __forceinline__ void gv_chunk(float (&acc)[4], const GvBuf<ZM, TS> &b
 // the other and lane (gid, tid) reads row min(gid, M - 1)'s B pairs: the MMA's column gid is token gid, so the
 // weights' loads and dequantization serve every token at once. No row prologues there (one-row decode only).
 template <typename T, int ZM, int TS, int PRO, int MT>
-__global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel(const Params p) {
+__global__ void __launch_bounds__(GV_W * 32, (GV_PROBE >= 4 ? 3 : gv_minb<T, ZM, TS>()))
+    gemv_kernel(const Params p) {
   static_assert(MT == 1 || (MT == GV_MAX_M && PRO == W4P_ROW_PLAIN), "several tokens: plain rows only");
   constexpr int W = GV_W, U = GV_U, NT = W * 32;
   using Buf = GvBuf<ZM, TS>;
@@ -422,7 +424,12 @@ __global__ void __launch_bounds__(GV_W * 32, (gv_minb<T, ZM, TS>())) gemv_kernel
       gv_chunk<T, ZM, TS, MT, true>(acc, b, xb, nv, zc_sym);
     else if (nv > 0)
       gv_chunk<T, ZM, TS, MT, false>(acc, b, xb, nv, zc_sym);
-    if (++st == spp) {  // the stripe is done: its 16 sums (per token) over the warps, in warp order
+    if (++st == spp && GV_PROBE >= 3) {  // (the probe: warp 0's sums, no barrier)
+      if (wi == 0 && tid == 0 && 16 * s + gid < p.N) ((T *)p.y)[16 * s + gid] = from_f<T>(acc[0]);
+      acc[0] = 0.f;
+      st = 0;
+      s += G;
+    } else if (st == spp) {  // the stripe is done: its 16 sums (per token) over the warps, in warp order
       if (MT == 1) {
         if (tid == 0) {
           red[(buf * W + wi) * 16 + gid] = acc[0];
@@ -501,7 +508,7 @@ template <typename T, int ZM, int TS> cudaError_t launch_gemv_t(const Params &p,
   if ((e = cudaGetDevice(&dev)) != cudaSuccess) return e;
   if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return e;
   if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, GV_W * 32, smem)) != cudaSuccess) return e;
-  if (GV_PROBE) per_sm = std::min(per_sm, gv_minb<T, ZM, TS>());  // (the kernel's launch bound, not the probe's)
+  if (GV_PROBE > 0 && GV_PROBE < 4) per_sm = std::min(per_sm, gv_minb<T, ZM, TS>());  // (the kernel's bound)
   const int64_t grid = std::min<int64_t>(pl.tiles, (int64_t)sms * std::max(1, per_sm));
   debug_occupancy(fn, "gemv", GV_W * 32, smem);
   return launch_ex(fn, dim3((unsigned)grid), GV_W * 32, smem, st, 1, p);
