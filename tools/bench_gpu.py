@@ -617,9 +617,9 @@ def main() -> int:
                         for sp in (1, 2, 4):  # forced split-K counts against the planner's choice
                             sweep[f"ws_s{sp}"] = measure_w4(lins, k, n, m, "wgmma_ws", sp)
                         if m > 64:  # the 128-token tile's block heights, unsplit (W4P_CUDA_WS_ROWS)
-                            for rows in ("128", "192", "256"):
-                                sweep[f"ws_rows{rows}"] = measure_w4_env(lins, k, n, m, "wgmma_ws", 1,
-                                                                         {"W4P_CUDA_WS_ROWS": rows})
+                            for height in ("128", "192", "256"):
+                                sweep[f"ws_rows{height}"] = measure_w4_env(lins, k, n, m, "wgmma_ws", 1,
+                                                                           {"W4P_CUDA_WS_ROWS": height})
                     except Exception as exc:  # noqa: BLE001 - a driver without the TMA encoder
                         print(f"wgmma_ws: {exc}", file=sys.stderr)
                 if m <= 8:
