@@ -24,8 +24,7 @@ def _cuda_present() -> bool:
                                        ("ws_trace", ["--configs", "256x128:4"]),
                                        ("read_order", ["--shapes", "256x128"]),
                                        ("bench_lean_instances", ["--loops", "base,fold=1"]),
-                                       ("bench_attention", ["--lengths", "16,64"]),
-                                       ("sm_limit", ["--shape", "256x128"])])
+                                       ("bench_attention", ["--lengths", "16,64"])])
 def test_gpu_tools_without_a_device_say_so(tool, args):
     r = subprocess.run([sys.executable, str(ROOT / "tools" / f"{tool}.py"), *args],
                        capture_output=True, text=True, timeout=120)
@@ -591,16 +590,3 @@ def test_gpu_ab_refuses_bad_library_specs(tmp_path):
                        ([f"a={lib}", "b"], "NAME=PATH"), ([f"a={lib}", f"b={tmp_path / 'no.so'}"], "no such")):
         with pytest.raises(SystemExit, match=msg):
             gpu_ab.parse_libs(specs)
-
-
-def test_sm_limit_reads_its_shape_and_sm_counts():
-    tool = _tool("sm_limit")
-    assert tool.parse_shape("8192x28672") == (8192, 28672)
-    for bad in ("8192", "x28672", "8192x", "0x5", "ax5"):
-        with pytest.raises(ValueError, match="--shape"):
-            tool.parse_shape(bad)
-    assert tool.parse_sms("all, 99,88,,99", 132) == [132, 99, 88]
-    assert tool.parse_sms("132,all", 132) == [132]
-    for bad in ("0", "133", "x", ",", "-5"):
-        with pytest.raises(ValueError, match="--sms"):
-            tool.parse_sms(bad, 132)
