@@ -54,7 +54,10 @@ template <int ZM, int TS> struct GvBuf {
 
 __device__ __forceinline__ uint32_t ld_u16g(const unsigned short *p) {
   unsigned short v;
-  asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
+  if constexpr (GV_PAR == 2)
+    asm volatile("ld.global.nc.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
+  else
+    asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
   return v;
 }
 template <typename T> __device__ __forceinline__ T t_of(uint32_t raw) {
@@ -86,11 +89,11 @@ __device__ __forceinline__ void gv_load(const Params &p, uint32_t woff, uint32_t
   for (int g = 0; g < (GV_PROBE >= 2 ? 0 : S::NSEG); ++g) {
     const bool ok = FULL || gv_seg_first<TS>(g) < nv;
     const uint32_t off = gv_seg_off<TS>(p, t0, g, poff);
-    b.par[g][0] = ok ? ld_u16g(sc + off) : 0u;
-    b.par[g][1] = ok ? ld_u16g(sc + off + 8) : 0u;
+    b.par[g][0] = ok ? ld_u16g(sc + off) : 0u;  // (GV_PAR 1: poff holds the lane's row, gid or gid + 8)
+    if (GV_PAR != 1) b.par[g][1] = ok ? ld_u16g(sc + off + 8) : 0u;
     if (ZM != 0) {
       b.par[g][2] = ok ? ld_u16g(zp + off) : 0u;
-      b.par[g][3] = ok ? ld_u16g(zp + off + 8) : 0u;
+      if (GV_PAR != 1) b.par[g][3] = ok ? ld_u16g(zp + off + 8) : 0u;
     }
   }
 }
@@ -181,6 +184,17 @@ __device__ __forceinline__ void gv_chunk(float (&acc)[4], const GvBuf<ZM, TS> &b
     const int first = gv_seg_first<TS>(g);
     if (!FULL && first >= nv) break;
     const uint32_t *pr = b.par[g];
+    uint32_t xch[4];
+    if constexpr (GV_PAR == 1) {  // (the lane loaded one row's values, its odd or even neighbour the other's)
+      const bool odd = threadIdx.x & 1u;
+#pragma unroll
+      for (int v = 0; v < S::NV / 2; ++v) {
+        const uint32_t mine = b.par[g][2 * v], theirs = __shfl_xor_sync(0xffffffffu, mine, 1);
+        xch[2 * v] = odd ? theirs : mine;
+        xch[2 * v + 1] = odd ? mine : theirs;
+      }
+      pr = xch;
+    }
     float d[4] = {0.f, 0.f, 0.f, 0.f};  // the segment's MMA sums (one chain: two would cost four registers)
     ZC<T, 4> zc = zc_sym;
     T2 slo, shi, mlo, mhi;
@@ -261,7 +275,8 @@ __global__ void __launch_bounds__(GV_W * 32, (GV_PROBE >= 4 ? 3 : gv_minb<T, ZM,
   auto load = [&](Buf &b) {
     if (i_n < nsteps) {
       const int t0 = st_n * W * U + wi * U, nv = KT - t0;
-      const uint32_t woff = (uint32_t)(s_n * KT + t0) * 32u + (uint32_t)lane, poff = (uint32_t)(16 * s_n + gid);
+      const uint32_t woff = (uint32_t)(s_n * KT + t0) * 32u + (uint32_t)lane;
+      const uint32_t poff = (uint32_t)(16 * s_n + gid) + (GV_PAR == 1 ? 8u * (uint32_t)(lane & 1) : 0u);
       if (nv >= U)
         gv_load<ZM, TS, true>(p, woff, poff, t0, nv, b);
       else if (nv > 0)
