@@ -88,12 +88,13 @@ static_assert(GV_STAGES == 2 || GV_STAGES == 3, "the gemv kernel's loop names tw
 #endif
 constexpr int GV_RING = W4P_GV_RING;
 static_assert(GV_RING == 0 || (GV_RING >= 3 && GV_RING <= 6 && GV_STAGES == 2), "a ring of 3-6 steps, or none");
-// how the gemv kernel loads a segment's group parameters (rows gid and gid + 8, the same 32-byte sector): 0 two
-// loads a lane, without L1 allocation; 1 one load a lane (even lanes row gid, odd lanes gid + 8) and a shuffle
-// with the neighbour lane; 2 two loads a lane that allocate in L1, so the second finds the first's sector. A build
-// option (W4P_CUDA_DEFINES=-DW4P_GV_PAR=1 or 2) for A/Bs.
+// how the gemv kernel loads a segment's group parameters (rows gid and gid + 8, the same 32-byte sector): 2 (the
+// default) two loads a lane that allocate in L1, so the second finds the first's sector in flight or in L1 instead
+// of asking L2 again; 0 the same two without L1 allocation, as the weights are loaded; 1 one load a lane (even lanes
+// row gid, odd lanes gid + 8) and a shuffle with the neighbour lane. 0 and 1 are build options for A/Bs
+// (W4P_CUDA_DEFINES=-DW4P_GV_PAR=0 or 1).
 #ifndef W4P_GV_PAR
-#define W4P_GV_PAR 0
+#define W4P_GV_PAR 2
 #endif
 constexpr int GV_PAR = W4P_GV_PAR;
 static_assert(GV_PAR >= 0 && GV_PAR <= 2 && (GV_PAR == 0 || GV_RING == 0), "parameter loads 0-2, not with the ring");
