@@ -109,6 +109,7 @@ static_assert(GV_PAR >= 0 && GV_PAR <= 2 && (GV_PAR == 0 || GV_RING == 0), "para
 #endif
 constexpr int GV_PROBE = W4P_GV_PROBE;
 static_assert(GV_PROBE >= 0 && GV_PROBE <= 4, "probe levels 1-4, or none");
+static_assert(GV_PROBE == 0 || GV_PAR != 1, "the probe reads both of a lane's parameter rows");
 constexpr int GV_MAX_M = 8;  // tokens: the MMA's eight B columns, one token each (M = 1 leaves seven idle)
 constexpr int GV_RED = 2 * GV_W * 16 * 4;  // the stripe sums' two buffers [2][GV_W][16] floats at M = 1
 // the staged activation rows' pitch in 32-bit slots at M > 1: 16 bytes past a row so that lanes gid and gid + 1,

@@ -11,6 +11,7 @@
 // mostly for the next step's weights, with about half the issue slots used: section 20). So it issues few of them:
 //   * the group parameters once per group segment (GV_U tiles of one group; single tiles, or half tiles where
 //     groups end inside a tile), not once per tile, and the scale applied to the segment's MMA sums in fp32 once;
+//     their two rows' loads allocate in L1, so the second finds the sector the first asked for (GV_PAR);
 //   * 32-bit offsets with immediate per-tile displacements instead of 64-bit address arithmetic per tile;
 //   * the double buffer as two named register sets (the loop body runs two steps), so no register copies (three
 //     with GV_STAGES = 3: loads two steps ahead);
