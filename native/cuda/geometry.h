@@ -97,7 +97,7 @@ static_assert(GV_RING == 0 || (GV_RING >= 3 && GV_RING <= 6 && GV_STAGES == 2), 
 #define W4P_GV_PAR 2
 #endif
 constexpr int GV_PAR = W4P_GV_PAR;
-static_assert(GV_PAR >= 0 && GV_PAR <= 2 && (GV_PAR == 0 || GV_RING == 0), "parameter loads 0-2, not with the ring");
+static_assert(GV_PAR >= 0 && GV_PAR <= 2 && (GV_PAR != 1 || GV_RING == 0), "parameter loads 0-2; the ring copies both rows");
 // diagnostics (0: off): levels that each take one more part away from the gemv kernel, so that their times
 // against main's (`tools/gpu_ab.py`) say what each part costs the weight stream. 1: each chunk's arithmetic
 // (activation loads, dequantization, MMAs) replaced by an XOR of its words into the sums; 2: also no group
