@@ -440,40 +440,39 @@ __global__ void __launch_bounds__(GV_W * 32, (GV_PROBE >= 4 ? 3 : gv_minb<T, ZM,
       gv_chunk<T, ZM, TS, MT, true>(acc, b, xb, nv, zc_sym);
     else if (nv > 0)
       gv_chunk<T, ZM, TS, MT, false>(acc, b, xb, nv, zc_sym);
-    if (++st == spp && GV_PROBE >= 3) {  // (the probe: warp 0's sums, no barrier)
-      if (wi == 0 && tid == 0 && 16 * s + gid < p.N) ((T *)p.y)[16 * s + gid] = from_f<T>(acc[0]);
-      acc[0] = 0.f;
-      st = 0;
-      s += G;
-    } else if (st == spp) {  // the stripe is done: its 16 sums (per token) over the warps, in warp order
-      if (MT == 1) {
-        if (tid == 0) {
-          red[(buf * W + wi) * 16 + gid] = acc[0];
-          red[(buf * W + wi) * 16 + gid + 8] = acc[2];
-        }
+    if (++st == spp) {  // the stripe is done: its 16 sums (per token) over the warps, in warp order
+      if constexpr (GV_PROBE >= 3) {  // (the probe: warp 0's sums, no barrier)
+        if (wi == 0 && tid == 0 && 16 * s + gid < p.N) ((T *)p.y)[16 * s + gid] = from_f<T>(acc[0]);
       } else {
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          if (2 * tid + h < M) {
-            red[((buf * W + wi) * 16 + gid) * M + 2 * tid + h] = acc[h];
-            red[((buf * W + wi) * 16 + gid + 8) * M + 2 * tid + h] = acc[2 + h];
+        if (MT == 1) {
+          if (tid == 0) {
+            red[(buf * W + wi) * 16 + gid] = acc[0];
+            red[(buf * W + wi) * 16 + gid + 8] = acc[2];
           }
-      }
-      __syncthreads();  // (also: every thread has read the other buffer, written two stripes ago)
-      const int r = MT == 1 ? (int)threadIdx.x : (int)threadIdx.x / M, tok = (int)threadIdx.x - r * M;
-      const int row = 16 * s + r;
-      if ((MT == 1 ? threadIdx.x < 16 : r < 16) && row < p.N) {
-        float v = 0.f;
+        } else {
 #pragma unroll
-        for (int ww = 0; ww < W; ++ww) v += red[((buf * W + ww) * 16 + r) * M + tok];
-        float o = v;
-        if (p.bias) {  // a layer's bias into the one rounding; a residual after it (p.radd, M = 1)
-          const float b = to_f(((const T *)p.bias)[row]);
-          o = p.radd ? to_f(from_f<T>(v)) + b : v + b;
+          for (int h = 0; h < 2; ++h)
+            if (2 * tid + h < M) {
+              red[((buf * W + wi) * 16 + gid) * M + 2 * tid + h] = acc[h];
+              red[((buf * W + wi) * 16 + gid + 8) * M + 2 * tid + h] = acc[2 + h];
+            }
         }
-        ((T *)p.y)[(int64_t)tok * p.ldy + row] = from_f<T>(o);
+        __syncthreads();  // (also: every thread has read the other buffer, written two stripes ago)
+        const int r = MT == 1 ? (int)threadIdx.x : (int)threadIdx.x / M, tok = (int)threadIdx.x - r * M;
+        const int row = 16 * s + r;
+        if ((MT == 1 ? threadIdx.x < 16 : r < 16) && row < p.N) {
+          float v = 0.f;
+#pragma unroll
+          for (int ww = 0; ww < W; ++ww) v += red[((buf * W + ww) * 16 + r) * M + tok];
+          float o = v;
+          if (p.bias) {  // a layer's bias into the one rounding; a residual after it (p.radd, M = 1)
+            const float b = to_f(((const T *)p.bias)[row]);
+            o = p.radd ? to_f(from_f<T>(v)) + b : v + b;
+          }
+          ((T *)p.y)[(int64_t)tok * p.ldy + row] = from_f<T>(o);
+        }
+        buf ^= 1;
       }
-      buf ^= 1;
       acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
       st = 0;
       s += G;
