@@ -151,6 +151,16 @@ W4P_HD constexpr int wg_smem_bytes(int bn, int kp, bool as = false) {
 W4P_HD constexpr int ws_ypitch(int r) { return (r + 8) * 2; }
 constexpr int SK_READY = 8192;  // the second half of the counters (MAX_COUNTERS): slots stored per tile part
 constexpr int WS_IL_BN = 32;  // up to this token tile each slice goes to the tensor cores as soon as it is ready
+// how a wgmma_ws consumer waits before it rewrites a tile's A fragments (two tiles' registers, four-tile stages):
+// 0 (the default) one wgmma group per two tiles, waited for in full; 1 one group per tile (per wgmma where each
+// slice goes to the tensor cores as it is dequantized), so the wait is for tile u - 2's wgmmas only and tile u - 1's
+// run on while tile u is dequantized (one row tile per warpgroup, RS = 1; the 256-row blocks keep 0). A build
+// option for A/Bs (W4P_CUDA_DEFINES=-DW4P_WS_GRP=1).
+#ifndef W4P_WS_GRP
+#define W4P_WS_GRP 0
+#endif
+constexpr int WS_GRP = W4P_WS_GRP;
+static_assert(WS_GRP == 0 || WS_GRP == 1, "wgmma groups per two tiles (0) or per tile (1)");
 // RS: 16-row stripes per consumer warp, 1 (128-row blocks) or 2 (256-row blocks: each warpgroup runs two m64
 // row tiles against the same activation tile, which halves the activations' L2 traffic per weight row)
 // CW: consumer warpgroups, 2 or 3 (192-row blocks: RS = 1, the 128-token tile; more rows per block than 128 where

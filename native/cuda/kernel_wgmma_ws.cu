@@ -281,7 +281,14 @@ __global__ void __launch_bounds__(ws_threads(RS, CW, BN), ws_blocks_per_sm(BN, R
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             // the first half's A fragments are reused by the second (RS = 2: each tile's by the next)
-            if ((HALVES && u == 2 && j == 0) || (RS == 2 && u > 0 && j == 0)) {
+            if constexpr (WS_GRP == 1 && RS == 1) {  // tile u - 2's wgmmas must be done, tile u - 1's may run
+              if constexpr (IL) {  // (one group per wgmma: tile u - 1's four are the newest)
+                if (HALVES && u >= 2 && j == 0) asm volatile("wgmma.wait_group.sync.aligned 4;\n" ::: "memory");
+              } else {  // (one group per tile; at tile 3, tile 1's is the newest issued)
+                if (HALVES && u == 2 && j == 0) asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+                if (HALVES && u == 3 && j == 0) asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+              }
+            } else if ((HALVES && u == 2 && j == 0) || (RS == 2 && u > 0 && j == 0)) {
               asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
               asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
             }
@@ -307,6 +314,7 @@ __global__ void __launch_bounds__(ws_threads(RS, CW, BN), ws_blocks_per_sm(BN, R
               if constexpr (IL) {
                 asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
                 WgOp<T, BN>::mma(acc[0], a[u & 1][j], du + (uint64_t)(2 * j), 1);
+                if (WS_GRP == 1) asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
               } else if (((u & 1) == 1 || WS_KS == 1) && j == 3) {  // large token tiles: two tiles dequantized
                 // (one in one-tile stages), then their wgmmas
                 asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -315,12 +323,13 @@ __global__ void __launch_bounds__(ws_threads(RS, CW, BN), ws_blocks_per_sm(BN, R
                   const uint64_t dv = v < nt ? dst + (uint64_t)(v * (XT >> 4)) : dzero;
 #pragma unroll
                   for (int jj = 0; jj < 4; ++jj) WgOp<T, BN>::mma(acc[0], a[v & 1][jj], dv + (uint64_t)(2 * jj), 1);
+                  if (WS_GRP == 1) asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
                 }
               }
             }
           }
         }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        if (WS_GRP == 0 || RS == 2) asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
         // every lane frees the stage itself: with lane 0 arriving for its warp after __syncwarp, racecheck
         // (which does not follow __syncwarp) reported write-after-read hazards on refills; this costs nothing
