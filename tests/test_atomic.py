@@ -417,8 +417,53 @@ def test_force_does_not_replace_a_folder_that_holds_no_checkpoint(tmp_path, monk
     empty = tmp_path / "empty"
     empty.mkdir()
     hf = tmp_path / "hf"
-    hf.mkdir()
-    (hf / "config.json").write_text("{}")
-    (hf / "README.md").write_text("card")
+    (hf / "original").mkdir(parents=True)
+    (hf / ".cache" / "huggingface").mkdir(parents=True)
+    for name in ("config.json", "README.md", "model.safetensors", "original/consolidated.00.pth",
+                 "original/params.json", "original/tokenizer.model", ".cache/huggingface/model.safetensors.lock"):
+        (hf / name).write_text("x")
     for ok in (tmp_path / "ck", empty, hf):
         atomic.check_output(ok, force=True)
+
+
+@pytest.mark.parametrize("files,says", [
+    ({"config.json": "{}", "src/train.py": "code", "NOTES.md": "n"},
+     r"holds no checkpoint \(NOTES.md, config.json, src\)"),
+    ({"results.npy": "1", "thesis.tex": "t"}, r"holds no checkpoint \(results.npy, thesis.tex\)"),
+    ({"config.json": "{}", "model.safetensors": "w", "src/train.py": "code"},
+     r"holds src/train.py, which no checkpoint"),
+    ({"model.safetensors": "w", ".git/HEAD": "ref: refs/heads/main"}, r"holds .git/HEAD, which no checkpoint"),
+])
+def test_force_does_not_replace_a_project_folder(tmp_path, files, says):
+    """A reviewer's --force runs deleted a project folder that held a config.json beside its code, and one that
+    held a .npy beside a thesis: a folder is an earlier output only when it holds weights, tables or a manifest,
+    and its subfolders only what model folders hold."""
+    dst = tmp_path / "proj"
+    for name, text in files.items():
+        (dst / name).parent.mkdir(parents=True, exist_ok=True)
+        (dst / name).write_text(text)
+    with pytest.raises(IOFailure, match=says):
+        atomic.check_output(dst, force=True)
+    assert all((dst / name).read_text() == text for name, text in files.items())
+
+
+def test_force_does_not_replace_a_file_with_a_folder_or_a_foreign_file(tmp_path):
+    """``convert SRC notes.txt --force`` replaced the user's file with a checkpoint folder, and ``--to gguf
+    --force`` any file: a folder output replaces no file; a GGUF output only a GGUF file or an empty one."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    with pytest.raises(IOFailure, match="is a file, not an earlier output folder"):
+        atomic.check_output(notes, force=True)
+    gguf = (b"GGUF", "GGUF file")
+    with pytest.raises(IOFailure, match=r"is not a GGUF file \(it does not start with b'GGUF'\)"):
+        atomic.check_output(notes, force=True, magic=gguf)
+    assert notes.read_text() == "my notes"
+    earlier, blank = tmp_path / "earlier.gguf", tmp_path / "blank.gguf"
+    earlier.write_bytes(b"GGUF\x03\x00\x00\x00")
+    blank.write_bytes(b"")
+    for ok in (earlier, blank):
+        atomic.check_output(ok, force=True, magic=gguf)
+    link = tmp_path / "link"
+    link.symlink_to(notes)  # the link itself is replaced, never what it points to
+    atomic.check_output(link, force=True)
+    atomic.check_output(link, force=True, magic=gguf)

@@ -61,11 +61,32 @@ def test_cli_convert_no_clobber_and_force(tmp_path):
     proc = run_cli("convert", src, dst, "--force")  # a folder holding no checkpoint is not --force's to delete
     assert proc.returncode == 4 and "holds no checkpoint (keep.txt)" in proc.stderr
     assert (dst / "keep.txt").read_text() == "mine"
-    (dst / "config.json").write_text("{}")  # an earlier model folder: replaced whole
+    (dst / "config.json").write_text("{}")  # a config beside notes is a project's, not an output
+    proc = run_cli("convert", src, dst, "--force")
+    assert proc.returncode == 4 and "holds no checkpoint (config.json, keep.txt)" in proc.stderr
+    (dst / "model.safetensors").write_text("")  # an earlier model folder: replaced whole
     proc = run_cli("convert", src, dst, "--force", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["layers"] == 4
     assert not (dst / "keep.txt").exists()
+
+
+@pytest.mark.parametrize("to", ["w4pack", "gguf"])
+def test_cli_convert_force_does_not_replace_a_users_file(tmp_path, to):
+    """--force over notes.txt deleted it for a checkpoint folder (or a GGUF file): replaced are earlier outputs
+    only, and the dry run predicts the same refusal."""
+    src = tmp_path / "src"
+    write_model(src)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    says = "is a file, not an earlier output folder" if to == "w4pack" else "is not a GGUF file"
+    proc = run_cli("convert", src, notes, "--to", to, "--force")
+    assert proc.returncode == 4 and says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert notes.read_text() == "my notes"
+    proc = run_cli("convert", src, notes, "--to", to, "--force", "--dry-run", "--json")
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == doc["exit_code"] == 4 and says in doc["output_problems"][0], doc
+    assert notes.read_text() == "my notes"
 
 
 def test_cli_unknown_source(tmp_path):

@@ -326,7 +326,10 @@ def test_pull_refuses_to_clobber_and_validates(hub, ckpt: Path, tmp_path: Path, 
     with pytest.raises(BadInputError, match="is a file, not a folder"):
         pull(REPO, dest / "keep.txt" / "x", endpoint=hub.endpoint, token=TOKEN)
     assert (dest / "keep.txt").read_text() == "mine" and hub.count("resolve") == 0
-    (dest / "config.json").write_text("{}")  # an earlier model folder: --force replaces it
+    (dest / "config.json").write_text("{}")
+    with pytest.raises(IOFailure, match=r"holds no checkpoint \(config.json, keep.txt\)"):  # a project's config
+        pull(REPO, dest, endpoint=hub.endpoint, token=TOKEN, force=True)
+    (dest / "model.safetensors").write_text("")  # an earlier model folder: --force replaces it
     rc, out, err = _cli(["pull", REPO, str(dest), "--endpoint", hub.endpoint, "--token", TOKEN, "--force",
                          "--json"], capfd)
     assert rc == 0, err and json.loads(out)["layers"] == 4
@@ -353,7 +356,7 @@ def test_pull_force_replaces_in_one_step_and_is_restored_after_a_kill(hub, ckpt:
     push(ckpt, REPO, endpoint=hub.endpoint, token=TOKEN)
     dest = tmp_path / "dest"
     dest.mkdir()
-    (dest / "config.json").write_text("{}")  # an earlier model folder (--force replaces only those)
+    (dest / "model.safetensors").write_text("")  # an earlier model folder (--force replaces only those)
     if getattr(atomic, "_renameat2", "run") is not None:
         real_replace = os.replace
 

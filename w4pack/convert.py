@@ -83,7 +83,7 @@ def plan(src: str | Path, dst: str | Path | None = None, *, src_format: str | No
     exists = dst is not None and os.path.lexists(dst)
     if dst is not None:
         try:
-            check_output(Path(dst), force)
+            check_output(Path(dst), force, target.file_magic)
         except W4PackError as exc:
             output.append((f"{exc.one_line()} (the real run refuses it)", exc.exit_code))
     with open_source(src, src_format, **read_opts) as source:

@@ -402,7 +402,7 @@ def test_existing_output_needs_force(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "keep").exists()
     with pytest.raises(IOFailure, match="holds no checkpoint"):  # --force replaces earlier outputs only
         AWQ.write(src, tmp_path / "out", force=True)
-    (tmp_path / "out" / "config.json").write_text("{}")
+    (tmp_path / "out" / "model.safetensors").write_text("")
     AWQ.write(src, tmp_path / "out", force=True)
     assert not (tmp_path / "out" / "keep").exists()
 

@@ -305,6 +305,10 @@ def test_writer_refuses_to_clobber(tmp_path: Path) -> None:
     (tmp_path / "x.gguf").write_bytes(b"keep")
     assert main(["convert", str(tmp_path / "w4"), str(tmp_path / "x.gguf"), "--to", "gguf"]) == 4
     assert (tmp_path / "x.gguf").read_bytes() == b"keep"
+    # --force replaces an earlier GGUF, not a file of another kind
+    assert main(["convert", str(tmp_path / "w4"), str(tmp_path / "x.gguf"), "--to", "gguf", "--force"]) == 4
+    assert (tmp_path / "x.gguf").read_bytes() == b"keep"
+    (tmp_path / "x.gguf").write_bytes(b"GGUF-keep")
     assert main(["convert", str(tmp_path / "w4"), str(tmp_path / "x.gguf"), "--to", "gguf", "--force"]) == 0
     assert (tmp_path / "x.gguf").read_bytes() == src.read_bytes()
 
@@ -1101,7 +1105,7 @@ def test_interrupted_write_leaves_nothing_and_keeps_the_old_output(tmp_path: Pat
     w4 = tmp_path / "w4"
     convert(src, w4, show_progress=False)
     out = tmp_path / "x.gguf"
-    out.write_bytes(b"keep")
+    out.write_bytes(b"GGUF-keep")
     seen: list[str] = []
 
     def interrupted(self: Any, tensor: Any) -> None:
@@ -1112,4 +1116,4 @@ def test_interrupted_write_leaves_nothing_and_keeps_the_old_output(tmp_path: Pat
     with pytest.raises(KeyboardInterrupt):
         convert(w4, out, to="gguf", force=True, show_progress=False)
     assert len(seen) == 1 and re.fullmatch(r"\.x\.gguf\.w4pack-tmp-\d+\.\d+\.[0-9a-f]{12}-\w{8}", seen[0]), seen
-    assert out.read_bytes() == b"keep" and sorted(p.name for p in tmp_path.iterdir()) == ["w4", "x.gguf"]
+    assert out.read_bytes() == b"GGUF-keep" and sorted(p.name for p in tmp_path.iterdir()) == ["w4", "x.gguf"]

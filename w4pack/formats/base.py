@@ -176,6 +176,8 @@ class Format(abc.ABC):
     capabilities: Capabilities = Capabilities()
     #: the output is one file: a shard size does not apply and the destination is not a folder (GGUF)
     single_file: bool = False
+    #: a single file's leading bytes and the kind's name: ``--force`` replaces only an empty file or one of them
+    file_magic: tuple[bytes, str] | None = None
     #: it can store fused projections (``convert --fuse``)
     stores_fused: bool = False
     #: it can hold a quantized token embedding (a layer of role "embedding"); others get it dequantized

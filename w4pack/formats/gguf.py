@@ -57,6 +57,8 @@ class GGUFWarning(UserWarning):
 
 #: side file with the GGUF metadata (tokenizer vocabulary, chat template, ...) so that writing GGUF back keeps it
 METADATA_NAME = "gguf_metadata.json"
+#: what --force may replace at a GGUF output: an earlier GGUF file (or an empty file)
+GGUF_MAGIC = (b"GGUF", "GGUF file")
 #: keys the writer sets itself
 _WRITER_KEYS = {"general.architecture", "general.alignment"}
 _Q_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
@@ -1015,7 +1017,8 @@ def write_gguf(source: Source, out: Path, *, force: bool = False, show_progress:
                **options: Any) -> Path:
     """Write ``source`` as one GGUF file: quantized layers as Q4_0/Q4_1/Q8_0 when exact, others refused."""
     out = Path(out)
-    target = AtomicFile(out, force, hint="give a path ending in .gguf")  # refuses an existing DST before any work
+    # (refuses an existing DST before any work)
+    target = AtomicFile(out, force, hint="give a path ending in .gguf", magic=GGUF_MAGIC)
     cfg = dict(source.config or {})
     arch, kv = _target_arch(cfg)
     side = source.side_files()
@@ -1051,6 +1054,7 @@ class GGUFFormat(Format):
                                 notes=["scales (and Q4_1 minima) must be fp16 values",
                                        "integer zeros other than 8 need -scale*zero to be an fp16 (Q4_1)"])
     single_file = True
+    file_magic = GGUF_MAGIC
     packs_embeddings = True  # token_embd is written back in its own block type
     hub_files = (HubFiles("*.gguf", rank=1, single=True, what="GGUF"),)
 

@@ -35,7 +35,7 @@ from ..errors import BadInputError, IOFailure, W4PackError
 
 __all__ = ["AtomicFolder", "write_json_atomic", "check_output", "make_temp_dir", "move_into_place",
            "write_failure", "is_disk_full", "output_of", "umask_mode", "recover", "exchange", "refuse_foreign_folder",
-           "refuse_path_below_file"]
+           "refuse_foreign_file", "refuse_path_below_file"]
 
 MARKER = ".w4pack-incomplete"
 _TMP_TAG = ".w4pack-tmp-"
@@ -301,31 +301,64 @@ def umask_mode(mode: int = 0o777) -> int:
     return mode & ~mask
 
 
-def check_output(target: Path, force: bool) -> None:
+def check_output(target: Path, force: bool, magic: tuple[bytes, str] | None = None) -> None:
     """Refuse an existing output without force, before any work. A dangling symbolic link counts as existing:
     renaming the finished folder over it fails only at the very end ("Not a directory"). An output that an
-    interrupted --force run moved aside is put back first, so that it counts as existing."""
+    interrupted --force run moved aside is put back first, so that it counts as existing.
+
+    ``magic`` (the leading bytes, a name for them): the output is one file of that kind (GGUF), and --force
+    replaces only an empty file or one of that kind; without it the output is a folder, and --force replaces only
+    an earlier checkpoint folder, never a file (replacing deletes it, and a user's file is no earlier output)."""
     recover(target, clean=False)
     if not os.path.lexists(target):
         return
     if force:
-        if target.is_dir() and not target.is_symlink():
-            refuse_foreign_folder(target)
-        return
+        if target.is_symlink():
+            return  # the link itself is replaced; what it points to is left alone
+        if target.is_dir():
+            if magic is None:
+                refuse_foreign_folder(target)
+            return  # (a single-file writer refuses a folder as a bad argument)
+        if magic is not None and target.is_file():
+            refuse_foreign_file(target, *magic)
+            return
+        kind = "a file" if target.is_file() else "not a folder"
+        raise IOFailure(f"is {kind}, not an earlier output folder: --force replaces an earlier checkpoint folder, "
+                        "since replacing deletes what is there; remove it yourself or choose another output path",
+                        file=str(target))
     if target.is_symlink() and not target.exists():
         raise IOFailure(f"output is a symbolic link to {os.readlink(target)!r}, which does not exist; remove the "
                         "link or choose another output (--force replaces the link itself)", file=str(target))
     raise IOFailure("output already exists; replace it with --force", file=str(target))
 
 
-#: what an earlier output (w4pack's, a GPTQ/AWQ/compressed-tensors folder, quant tables, a model download) holds
-_MODEL_NAMES = frozenset({"w4pack.json", "config.json", "quantize_config.json", "quant_config.json"})
-_MODEL_SUFFIXES = (".safetensors", ".safetensors.index.json", ".gguf", ".toml", ".npy", ".bin", ".pt", ".pth")
+def refuse_foreign_file(target: Path, magic: bytes, what: str) -> None:
+    """--force replaces an earlier single-file output (or an empty file), not any file."""
+    try:
+        with open(target, "rb") as fh:
+            head = fh.read(len(magic))
+    except OSError:
+        return  # the writer's own attempt names what is wrong
+    if head and head != magic:
+        raise IOFailure(f"is not a {what} (it does not start with {magic!r}): --force replaces an earlier output, not "
+                        "any file, since replacing deletes it; remove it yourself or choose another output path",
+                        file=str(target))
+
+
+#: a folder is an earlier output (w4pack's, a GPTQ/AWQ/compressed-tensors folder, quant tables, a model download)
+#: when it holds one of these at its top (a config.json alone is also a project's, a .npy alone anyone's)
+_CHECKPOINT_NAMES = frozenset({"w4pack.json"})
+_CHECKPOINT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".gguf", ".toml", ".bin", ".pt", ".pth")
+#: what a model folder's subfolders hold (a download's original/ weights, tokenizer and config files); .cache is
+#: huggingface_hub's own bookkeeping in a downloaded folder
+_SUBFOLDER_SUFFIXES = _CHECKPOINT_SUFFIXES + (".json", ".model", ".txt", ".md", ".npy", ".tiktoken", ".jinja")
+_SUBFOLDER_ENTRIES_MAX = 10_000
 
 
 def refuse_foreign_folder(target: Path) -> None:
     """--force replaces an earlier output, not any folder: refuse the folder this process works in (or one
-    holding it) and a non-empty folder holding nothing a checkpoint holds (replacing deletes all of it)."""
+    holding it), a non-empty folder holding no checkpoint at its top, and one whose subfolders hold files no
+    model folder holds (source code, documents, a git repository): replacing deletes all of it."""
     try:
         here, there = Path.cwd().resolve(), target.resolve()
     except OSError:
@@ -337,12 +370,34 @@ def refuse_foreign_folder(target: Path) -> None:
         entries = sorted(os.listdir(target))
     except OSError:
         return  # the writer's own attempt names what is wrong
-    if entries and not any(e in _MODEL_NAMES or e.endswith(_MODEL_SUFFIXES) or e.startswith(".w4pack")
+    advice = ("--force replaces an earlier output, not any folder, since replacing deletes everything in it; "
+              "remove it yourself or choose another output path")
+    if entries and not any(e in _CHECKPOINT_NAMES or e.endswith(_CHECKPOINT_SUFFIXES) or e.startswith(".w4pack")
                            for e in entries):
         shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
-        raise IOFailure(f"holds no checkpoint ({shown}): --force replaces an earlier output, not any folder, since "
-                        "replacing deletes everything in it; remove it yourself or choose another output path",
-                        file=str(target))
+        raise IOFailure(f"holds no checkpoint ({shown}): {advice}", file=str(target))
+    stray = _stray_in_subfolders(target, entries)
+    if stray is not None:
+        raise IOFailure(f"holds {stray}: {advice}", file=str(target))
+
+
+def _stray_in_subfolders(target: Path, entries: list[str]) -> str | None:
+    """What a subfolder of ``target`` holds that no model folder does (the first such file, relative to target),
+    or None. Links are not followed (replacing removes a link, not what it points to)."""
+    seen = 0
+    for entry in entries:
+        sub = target / entry
+        if entry == ".cache" or entry.startswith(".w4pack") or sub.is_symlink() or not sub.is_dir():
+            continue
+        for root, dirs, files in os.walk(sub):
+            dirs.sort()
+            for name in sorted(files):
+                if not name.endswith(_SUBFOLDER_SUFFIXES):
+                    return f"{Path(root, name).relative_to(target)}, which no checkpoint holds"
+            seen += len(files) + len(dirs)
+            if seen > _SUBFOLDER_ENTRIES_MAX:
+                return f"more than {_SUBFOLDER_ENTRIES_MAX:,} entries in its subfolders"
+    return None
 
 
 def refuse_path_below_file(dst: Path) -> None:

@@ -23,10 +23,12 @@ class AtomicFile:
     """``with AtomicFile(out, force) as tmp: write the file tmp`` — renamed to ``out`` on success; on any failure
     (an interrupt included) nothing is left. ``out`` must not be a folder."""
 
-    def __init__(self, target: str | os.PathLike[str], force: bool = False, hint: str = "give a file path"):
+    def __init__(self, target: str | os.PathLike[str], force: bool = False, hint: str = "give a file path", *,
+                 magic: tuple[bytes, str]):
+        """``magic``: the file kind's leading bytes and name: --force replaces only an empty file or one of them."""
         self.target = Path(target).absolute()
         self.force = force
-        check_output(self.target, force)
+        check_output(self.target, force, magic)
         if self.target.is_dir():
             raise BadInputError(f"the output is a single file, not a folder; {hint}", file=str(target))
         self._dir: Path | None = None
