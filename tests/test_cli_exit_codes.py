@@ -62,6 +62,20 @@ def test_endpoint_that_is_not_a_url_is_a_usage_error(tmp_path: Path, capsys: pyt
     rc, err = _cli(capsys, "pull", "owner/name", tmp_path / "d")
     assert rc == 2 and "$HF_ENDPOINT must be an http:// or https:// URL" in err and "'localhost:8080'" in err
     assert not (tmp_path / "d").exists()
+    # hf:// sources read $HF_ENDPOINT too: the same usage error (it was "network failure", 4), before any request
+    import w4pack.hub as hub
+
+    def no_request(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a request was attempted")
+
+    monkeypatch.setattr(hub, "_api", no_request)
+    monkeypatch.setenv("HF_ENDPOINT", "notaurl")
+    for argv in (["convert", "hf://o/n", tmp_path / "x"], ["convert", "hf://o/n", tmp_path / "x", "--dry-run"],
+                 ["inspect", "hf://o/n@main/sub"]):
+        rc, err = _cli(capsys, *argv)
+        assert rc == 2 and err.startswith("w4pack: error: $HF_ENDPOINT must be an http:// or https:// URL") and \
+            "'notaurl'" in err, err
+    assert not (tmp_path / "x").exists()
 
 
 def test_ctrl_c_inside_a_command_says_interrupted(tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -78,8 +92,123 @@ def test_ctrl_c_inside_a_command_says_interrupted(tmp_path: Path, capsys: pytest
     capsys.readouterr()
     rc = main(["inspect", str(tmp_path / "ck")])
     err = capsys.readouterr().err
-    # (click ends the terminal's "^C" line first: one line of text after it)
-    assert rc == 130 and err.strip().splitlines() == ["w4pack: interrupted; no output was left half-written"], err
+    # stderr is not a terminal here: the one line alone, no blank line above it (click's "end the ^C line")
+    assert rc == 130 and err == "w4pack: interrupted; no output was left half-written\n", repr(err)
+    # on a terminal a newline first ends the line the "^C" echo or a progress bar left open
+    import w4pack.cli as cli_mod
+
+    monkeypatch.setattr(cli_mod, "_isatty", lambda stream: True)
+    rc = main(["inspect", str(tmp_path / "ck")])
+    assert rc == 130 and capsys.readouterr().err == "\nw4pack: interrupted; no output was left half-written\n"
+
+
+def test_ctrl_c_wrapped_by_an_import_says_interrupted(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python 3.11 wraps a KeyboardInterrupt raised in ``__set_name__`` (a lazy ``import huggingface_hub``) in a
+    RuntimeError: still "interrupted", 130, not "unexpected RuntimeError" (2)."""
+    import w4pack.cli.inspect_cmd as inspect_cmd
+
+    def import_interrupted(path: object) -> None:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as exc:
+            raise RuntimeError("Error calling __set_name__ on 'Field' instance 'name'") from exc
+
+    monkeypatch.setattr(inspect_cmd, "open_checkpoint", import_interrupted)
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "w4pack.json").write_text("{}")
+    rc, err = _cli(capsys, "inspect", tmp_path / "ck")
+    assert rc == 130 and err == "w4pack: interrupted; no output was left half-written\n", err
+
+
+def test_bare_w4pack_prints_the_formatted_help(capsys: pytest.CaptureFixture[str]) -> None:
+    """``w4pack`` alone: the help as ``--help`` formats it (on stderr, exit 2 as click 8.2+ does for a group run
+    without a command), not squashed into one "w4pack: error: Usage: ... Options: ..." line."""
+    capsys.readouterr()
+    assert main(["--help"]) == 0
+    help_text = capsys.readouterr().out
+    assert main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == help_text and "\nOptions:\n" in err and "w4pack: error" not in err, err
+
+
+_G = ("gptq", "gm_tiny_llama_b4_g64_descact_sym_v1_sharded")
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ctrl_c_after_the_output_is_in_place_is_a_success(as_json: bool, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C landing after the writer moved the output into place (here: while convert sums the sizes for its
+    summary) is a finished conversion: exit 0 and said so, not "interrupted" (130) beside a complete output. One
+    landing before the move is still 130 and leaves DST as it was (absent, or the old output with --force)."""
+    import json
+
+    import w4pack.convert as conv
+    from conftest import fixture_dir
+    from w4pack.checkpoint import validate_checkpoint
+
+    src = fixture_dir(*_G)
+    out = tmp_path / "out"
+    extra = ["--json"] if as_json else []
+
+    def ctrl_c(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(conv, "open_source", ctrl_c)  # before anything is written
+    assert main(["convert", str(src), str(out), *extra]) == 130 and not os.path.lexists(out)
+    capsys.readouterr()
+    monkeypatch.undo()
+    monkeypatch.setattr(conv, "tensor_bytes", ctrl_c)  # after the move into place
+    for force in ([], ["--force"]):
+        before = os.lstat(out).st_ino if force else None
+        rc = main(["convert", str(src), str(out), *extra, *force])
+        got, err = capsys.readouterr()
+        assert rc == 0 and err == "", (rc, err)
+        assert validate_checkpoint(out)["num_layers"] == 14 and os.lstat(out).st_ino != before
+        if as_json:
+            doc = json.loads(got)
+            assert doc["output"] == str(out.absolute()) and doc["format"] == "w4pack" and doc["summary"] is None
+        else:
+            assert got.startswith("converted ") and got.count("\n") == 1 and "output was complete" in got, got
+    # --force, interrupted before the move: the old output stays, 130
+    ino = os.lstat(out).st_ino
+    monkeypatch.setattr(conv, "open_source", ctrl_c)
+    assert main(["convert", str(src), str(out), "--force", *extra]) == 130 and os.lstat(out).st_ino == ino
+
+
+_CTRL_C_AFTER_PRINTING = r"""
+import atexit, os, signal, sys
+import click
+sys.argv = [os.path.join(os.path.dirname(sys.executable), "w4pack")] + sys.argv[1:]  # as the console script
+echo = click.echo
+def echo_then_ctrl_c(message=None, *args, **kwargs):
+    echo(message, *args, **kwargs)
+    if str(message).startswith("converted "):  # the user presses Ctrl-C just as the result is printed ...
+        os.kill(os.getpid(), signal.SIGINT)
+click.echo = echo_then_ctrl_c
+from w4pack.cli import entry
+atexit.register(os.kill, os.getpid(), signal.SIGINT)  # ... and again while the interpreter shuts down
+entry()
+"""
+
+
+def test_ctrl_c_after_the_result_is_printed_keeps_the_exit_status(tmp_path: Path) -> None:
+    """A Ctrl-C as "converted ..." is printed, or during the interpreter's shutdown, used to make a finished
+    conversion exit 130 (or die of SIGINT: -2) with a complete output; the outcome now stands: exit 0."""
+    import subprocess
+    import sys
+
+    from conftest import fixture_dir
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    env.pop("W4PACK_DEBUG", None)
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_AFTER_PRINTING, "convert", str(fixture_dir(*_G)),
+                           str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300,
+                          preexec_fn=_sigint_as_in_a_terminal)
+    assert proc.returncode == 0 and proc.stderr == "", (proc.returncode, proc.stderr[-800:])
+    assert proc.stdout.startswith("converted ") and (tmp_path / "out" / "w4pack.json").is_file()
 
 
 def _demo_checkpoint(out: Path) -> Path:

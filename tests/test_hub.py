@@ -475,6 +475,40 @@ def test_convert_from_hf_uses_only_needed_files(hub, ckpt: Path, tmp_path: Path,
     assert TOKEN not in out + err
 
 
+def test_malformed_endpoint_is_bad_input_for_hf_sources_too(hub, ckpt: Path, tmp_path: Path, capfd,  # noqa: ANN001
+                                                             monkeypatch) -> None:
+    """$HF_ENDPOINT that is not a URL: for hf:// sources it was "network failure" (4) from the client; now bad
+    input (2) naming $HF_ENDPOINT, as push/pull --endpoint, with no request made, a cached commit included."""
+    from w4pack.errors import BadInputError
+    from w4pack.hub import check_endpoint, push, resolve_source
+
+    push(ckpt, f"{USER}/src", endpoint=hub.endpoint, token=TOKEN)
+    monkeypatch.setenv("W4PACK_CACHE", str(tmp_path / "cache"))
+    local = resolve_source(f"hf://{USER}/src", endpoint=hub.endpoint, token=TOKEN)
+    sha = local.parent.name
+    monkeypatch.setenv("HF_ENDPOINT", "notaurl")
+    mark = len(hub.requests)
+    for spec in (f"hf://{USER}/src", f"hf://{USER}/src@{sha}"):  # (the second is in the cache: no request needed)
+        with pytest.raises(BadInputError, match=r"^\$HF_ENDPOINT must be an http:// or https:// URL .*'notaurl'"):
+            resolve_source(spec)
+    for argv in (["convert", f"hf://{USER}/src", str(tmp_path / "out")],
+                 ["convert", f"hf://{USER}/src", str(tmp_path / "out"), "--dry-run"],
+                 ["inspect", f"hf://{USER}/src"],
+                 ["verify", str(ckpt), "--against", f"hf://{USER}/src"]):
+        rc, out, err = _cli(argv, capfd)
+        assert rc == 2 and err.count("\n") == 1 and out == "", (argv, rc, out, err)
+        assert err.startswith("w4pack: error: $HF_ENDPOINT must be an http:// or https:// URL") and \
+            "network" not in err, err
+    assert len(hub.requests) == mark and not (tmp_path / "out").exists()
+    # an explicit endpoint is named as the caller passed it (the CLI's --endpoint), and wins over $HF_ENDPOINT
+    for bad in ("ftp://host/x", "http://", "localhost:8080", "http://[::1"):
+        with pytest.raises(BadInputError, match=r"^--endpoint must be"):
+            check_endpoint(bad, "--endpoint")
+    assert check_endpoint(hub.endpoint + "/") == hub.endpoint
+    monkeypatch.delenv("HF_ENDPOINT")
+    assert check_endpoint(None) == "https://huggingface.co"
+
+
 def test_convert_gptq_fixture_from_hf(hub, tmp_path: Path, monkeypatch, capfd) -> None:  # noqa: ANN001
     from conftest import fixture_dir
 

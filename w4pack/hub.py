@@ -37,7 +37,8 @@ from .store.atomic import (make_temp_dir, move_into_place, recover, refuse_forei
 from .store.checkpoint import CONFIG_NAME, INCOMPLETE_MARKER, MANIFEST_NAME, SIDE_FILES, validate_checkpoint
 from .errors import BadInputError, IOFailure, W4PackError
 
-__all__ = ["push", "pull", "model_card", "card_metadata", "resolve_source", "parse_hub_spec", "DEFAULT_ENDPOINT"]
+__all__ = ["push", "pull", "model_card", "card_metadata", "resolve_source", "parse_hub_spec", "check_endpoint",
+           "DEFAULT_ENDPOINT"]
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 CARD_NAME = "README.md"
@@ -62,9 +63,29 @@ _RETRY_WAIT = 1.0  # seconds before the 2nd attempt, doubled after
 # ---------------------------------------------------------------------------------------------
 # plumbing: endpoint, errors, progress
 # ---------------------------------------------------------------------------------------------
+def check_endpoint(endpoint: str | None, option: str = "endpoint") -> str:
+    """The Hub URL to use: ``endpoint`` (named ``option`` in errors: ``--endpoint`` on the command line), else
+    $HF_ENDPOINT, else huggingface.co. One that is not an http(s) URL is bad input (exit 2) naming where it came
+    from, refused before any request: the client would fail on it as a "network failure" (4) instead, or resolve
+    a cached source without noticing."""
+    from urllib.parse import urlsplit
+
+    if endpoint:
+        value, what = endpoint, option
+    else:
+        value, what = os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT, "$HF_ENDPOINT"
+    try:
+        parts = urlsplit(value)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+    except ValueError:  # an unbalanced [ in the host, a port out of range
+        ok = False
+    if not ok:
+        raise BadInputError(f"{what} must be an http:// or https:// URL such as {DEFAULT_ENDPOINT}, got {value!r}")
+    return value.rstrip("/")
+
+
 def _endpoint(endpoint: str | None) -> str:
-    ep = endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT
-    return ep.rstrip("/")
+    return check_endpoint(endpoint)
 
 
 def _check_repo_id(repo_id: str) -> None:

@@ -4,8 +4,10 @@ Commands live one per module and are imported only when used, so ``w4pack --help
 command with heavy dependencies (torch, transformers) costs nothing to the others.
 Exit codes: 0 ok, 1 verification failed, 2 bad input or usage, 3 unsupported input, 4 I/O, network or CUDA
 kernel failure (an existing output without --force included), 130 interrupted (Ctrl-C at any point, during the
-imports too: see w4pack._sigint). Library warnings (numpy's overflow, torch's notices) are not printed, so an error
-stays one line; w4pack's own notices are; W4PACK_DEBUG=1 shows everything, with tracebacks (same exit codes).
+imports too: see w4pack._sigint, until the command's outcome is settled: see ``settle``). ``w4pack`` without a
+command prints its help on stderr and exits 2, as click (8.2 and later) does for a group invoked without one.
+Library warnings (numpy's overflow, torch's notices) are not printed, so an error stays one line; w4pack's own
+notices are; W4PACK_DEBUG=1 shows everything, with tracebacks (same exit codes).
 """
 from __future__ import annotations
 
@@ -13,11 +15,11 @@ import errno
 import importlib
 import json
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import click
 
@@ -49,10 +51,26 @@ class BrokenPipe(Exception):
     which is "verification failed"."""
 
 
+class Interrupted(Exception):
+    """Ctrl-C inside a command, raised past click: click's own handling echoes an empty line on stderr first (to end
+    the terminal's "^C" line) whatever stderr is, so a log or pipe got a blank line above the one-line message."""
+
+
 class LazyGroup(click.Group):
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """``w4pack`` alone: the formatted help on stderr and exit 2 (a usage error), as click 8.2+ does for a group
+        invoked without a command; not squashed into the one error line other usage errors get, and the same
+        whatever click >= 8.1 is installed (8.1 printed it on stdout and exited 0)."""
+        if not args and self.no_args_is_help and not ctx.resilient_parsing:
+            click.echo(ctx.get_help(), err=True, color=ctx.color)
+            ctx.exit(EXIT_BAD_INPUT)
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise Interrupted() from None
         except OSError as exc:
             if exc.errno == errno.EPIPE:
                 raise BrokenPipe() from None
@@ -122,6 +140,7 @@ class SourcePath(click.Path):
             from ..hub import parse_hub_spec
 
             parse_hub_spec(value)
+            check_endpoint(None)  # $HF_ENDPOINT, which the download will use: refused here, before any work
         return super().convert(value, param, ctx)
 
 
@@ -199,19 +218,54 @@ def require_packed(path: str | os.PathLike[str], command: str, rest: str = "") -
 
 def check_endpoint(endpoint: str | None) -> None:
     """``--endpoint`` (or $HF_ENDPOINT) must be an http(s) URL: a usage error (exit 2) before any request, not a
-    network failure (4)."""
-    env = None if endpoint else os.environ.get("HF_ENDPOINT")
-    for value, what in ((endpoint, "--endpoint"), (env, "$HF_ENDPOINT")):
-        if not value:
-            continue
-        parts = urlsplit(value)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise BadInputError(f"{what} must be an http:// or https:// URL such as https://huggingface.co, "
-                                f"got {value!r}")
+    network failure (4). The check is the library's (w4pack.hub), which hf:// sources go through as well."""
+    from ..hub import check_endpoint as hub_check_endpoint
+
+    hub_check_endpoint(endpoint, "--endpoint")
+
+
+def settle() -> None:
+    """The command's outcome is decided (its output is in place, or nothing will be written): from here to the exit
+    a Ctrl-C is ignored, so it cannot turn a finished conversion into "interrupted" (130), nor kill the process
+    with SIGINT during the interpreter's shutdown (Python gives SIGINT its default action back there) after
+    "converted ..." was printed. ``main`` restores the caller's handler; ``entry`` keeps it to the end."""
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: no signal handling to change
+        pass
+
+
+def say_interrupted() -> None:
+    """The interrupt message, one line. A leading newline only when stderr is a terminal, to end the line the
+    terminal's "^C" echo (or a progress bar) left open; a log or a pipe gets the one line alone."""
+    lead = "\n" if _isatty(sys.stderr) else ""
+    click.echo(lead + _sigint.INTERRUPTED, err=True)
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: map every error to one line on stderr and a documented exit code."""
+    """Entry point: map every error to one line on stderr and a documented exit code. Run in-process (tests,
+    scripts), the caller's SIGINT handler is put back on return (``settle`` may have changed it)."""
+    try:
+        before = signal.getsignal(signal.SIGINT)
+    except ValueError:
+        before = None
+    try:
+        return _main(argv)
+    finally:
+        if before is not None and signal.getsignal(signal.SIGINT) is not before:
+            signal.signal(signal.SIGINT, before)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """``main`` without putting the SIGINT handler back: ``entry`` keeps a settled outcome's to the end."""
     try:
         _sigint.release()  # from here a Ctrl-C is a KeyboardInterrupt, which the commands clean up after
         debug = debug_enabled()
@@ -229,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 warnings.formatwarning = fmt
     except KeyboardInterrupt:  # between the handlers below, or while one of them prints
-        click.echo(_sigint.INTERRUPTED, err=True)
+        settle()
+        say_interrupted()
         return _sigint.EXIT_INTERRUPTED
 
 
@@ -270,6 +325,14 @@ def _traceback() -> None:
 
 
 def _run(argv: list[str] | None, debug: bool) -> int:
+    """The command, its errors mapped to one line and an exit status; once that status is known it stands."""
+    try:
+        return _run_command(argv, debug)
+    finally:
+        settle()
+
+
+def _run_command(argv: list[str] | None, debug: bool) -> int:
     try:
         rv = cli.main(args=argv, prog_name="w4pack", standalone_mode=False)
         return int(rv or 0) if isinstance(rv, int) else 0
@@ -289,7 +352,7 @@ def _run(argv: list[str] | None, debug: bool) -> int:
         return EXIT_IO
     except click.exceptions.Abort as exc:
         # click turns Ctrl-C inside a command into Abort (raised from the KeyboardInterrupt)
-        if isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):
+        if isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):  # (click already ended the line)
             click.echo(_sigint.INTERRUPTED, err=True)
             return _sigint.EXIT_INTERRUPTED
         click.echo("w4pack: aborted", err=True)
@@ -302,8 +365,8 @@ def _run(argv: list[str] | None, debug: bool) -> int:
         return EXIT_BAD_INPUT
     except click.exceptions.Exit as exc:
         return exc.exit_code
-    except KeyboardInterrupt:
-        click.echo(_sigint.INTERRUPTED, err=True)
+    except (Interrupted, KeyboardInterrupt):
+        say_interrupted()
         return _sigint.EXIT_INTERRUPTED
     except OSError as exc:
         if debug:
@@ -314,19 +377,35 @@ def _run(argv: list[str] | None, debug: bool) -> int:
     except Exception as exc:  # noqa: BLE001 - last line of defence: one line, no traceback
         if debug:
             _traceback()
+        if _from_interrupt(exc):  # Ctrl-C inside an import that wraps it (3.11's "Error calling __set_name__")
+            say_interrupted()
+            return _sigint.EXIT_INTERRUPTED
         click.echo(f"w4pack: error: unexpected {type(exc).__name__}: {exc} "
                    "(this is a bug or an input w4pack does not understand; W4PACK_DEBUG=1 shows a traceback)",
                    err=True)
         return EXIT_BAD_INPUT
 
 
+def _from_interrupt(exc: BaseException) -> bool:
+    """Whether a KeyboardInterrupt caused ``exc``: Python wraps one raised in a class's ``__set_name__`` (during a
+    lazy ``import huggingface_hub``) in a RuntimeError, which read "unexpected RuntimeError" and exit 2."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, KeyboardInterrupt):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
 def entry() -> None:
     """The ``w4pack`` command (console script and ``python -m w4pack``)."""
     try:
-        rc = main()
+        rc = _main()  # (not main: a settled outcome keeps SIGINT ignored through the shutdown)
         sys.stdout.flush()
         sys.stderr.flush()
-    except KeyboardInterrupt:  # after main returned, before the flush finished
+    except KeyboardInterrupt:  # after main returned, before the flush finished (an outcome not settled)
         rc = _sigint.EXIT_INTERRUPTED
         os.write(2, (_sigint.INTERRUPTED + "\n").encode())
     _sigint.exit_on_interrupt()  # interpreter shutdown (atexit hooks of torch and others): no traceback either

@@ -1,6 +1,7 @@
 """w4pack convert: any supported source → w4pack (default) or another format."""
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from pathlib import Path
@@ -10,7 +11,7 @@ import click
 
 from ..convert import MIN_SHARD_SIZE
 from ..errors import BadInputError
-from . import FORMAT_NAMES, SourcePath, check_format_name, detect_source, emit_json, plural, say_plan_error
+from . import FORMAT_NAMES, SourcePath, check_format_name, detect_source, emit_json, plural, say_plan_error, settle
 from .extras import needs_extras
 
 
@@ -88,10 +89,19 @@ def convert(src: Path, dst: Path, src_format: str | None, to: str | None, base: 
         return int(doc["exit_code"])
     from ..convert import GrowthWarning
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", GrowthWarning)  # said below as one line, with the sizes
-        result = do_convert(src, dst, src_format=src_format, to=to, force=force, max_shard_size=max_shard_size,
-                            **opts)
+    before = _identity(dst)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GrowthWarning)  # said below as one line, with the sizes
+            result = do_convert(src, dst, src_format=src_format, to=to, force=force, max_shard_size=max_shard_size,
+                                **opts)
+    except KeyboardInterrupt:
+        if not _committed(dst, before):
+            raise
+        settle()  # Ctrl-C after the output was moved into place (while the summary was computed): a success
+        _say_done_without_summary(src, dst, src_format, to, as_json)
+        return 0
+    settle()  # the output is in place: a Ctrl-C from here on cannot make this run "interrupted"
     for msg in result.get("warnings", []):
         click.echo(f"warning: {msg}", err=True)
     if as_json:
@@ -101,6 +111,34 @@ def convert(src: Path, dst: Path, src_format: str | None, to: str | None, base: 
                    f"{result['passthrough']} pass-through tensors, {result['bytes'] / 1e6:.1f} MB in "
                    f"{result['seconds']:.2f}s -> {result['output']}")
     return 0
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of ``path`` itself, None when there is nothing there."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _committed(dst: Path, before: tuple[int, int] | None) -> bool:
+    """Whether this run's output was moved into place: writers finish in a temporary sibling renamed to DST (an
+    exchange with --force), so DST then is another file or folder than before the run. A rename interrupted
+    before it happened, or undone, leaves DST as it was (or absent)."""
+    now = _identity(dst)
+    return now is not None and now != before
+
+
+def _say_done_without_summary(src: Path, dst: Path, src_format: str | None, to: str, as_json: bool) -> None:
+    """The outcome of a conversion whose complete output was in place when Ctrl-C came, before the summary (sizes,
+    time) was computed: success, with what is known."""
+    if as_json:
+        emit_json({"source": str(src), "source_format": src_format, "output": str(dst.absolute()), "format": to,
+                   "summary": None, "note": "interrupted after the output was complete; no summary computed"})
+    else:
+        click.echo(f"converted {src} ({src_format or 'detected'} -> {to}) -> {dst.absolute()} (Ctrl-C came after "
+                   "the output was complete; no summary computed)")
 
 
 def _default_target(dst: Path) -> str:

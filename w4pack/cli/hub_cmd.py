@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from . import check_endpoint, emit_json, plural, require_packed
+from . import check_endpoint, emit_json, plural, require_packed, settle
 from .extras import needs_extras
 
 _ENDPOINT_HELP = "Hub URL (default: $HF_ENDPOINT or https://huggingface.co)."
@@ -51,6 +51,7 @@ def push(path: Path, repo_id: str, private: bool, revision: str | None, commit_m
     result = do_push(path, repo_id, private=private, revision=revision, commit_message=commit_message,
                      create_pr=create_pr, endpoint=endpoint, token=token, dry_run=dry_run,
                      validate=not no_validate)
+    settle()  # committed on the Hub: a Ctrl-C from here on cannot make this push "interrupted"
     if as_json:
         result = {k: v for k, v in result.items() if k != "card"}
         emit_json(result)
@@ -94,6 +95,7 @@ def pull(repo_id: str, dest: Path, revision: str | None, endpoint: str | None, t
 
     check_endpoint(endpoint)
     out = do_pull(repo_id, dest, revision=revision, endpoint=endpoint, token=token, force=force)
+    settle()  # DEST is in place: a Ctrl-C from here on cannot make this pull "interrupted"
     report = validate_checkpoint(out, checksums=False)
     doc = {"repo_id": repo_id, "revision": revision or "main", "path": str(out), "layers": report["num_layers"],
            "shards": len(report["shards"]), "total_size": report["total_size"]}
