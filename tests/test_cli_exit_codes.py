@@ -375,6 +375,42 @@ def test_tensor_in_two_files_without_an_index(tmp_path: Path, capsys: pytest.Cap
     assert rc == 2 and "tensor w: defined in two shards, a.safetensors and b.safetensors" in err, err
 
 
+def test_one_shard_of_an_index_says_pass_the_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One shard given as the source was "has scales, g_idx but no qweight: a damaged GPTQ/AWQ checkpoint" (2) or
+    "cannot tell which format" (3, for the shard holding only embeddings): the shard is whole, the path is wrong."""
+    import json
+    import shutil
+
+    from conftest import fixture_dir
+    from w4pack.formats import open_source as formats_open_source
+    from w4pack.errors import BadInputError
+    from w4pack.sources import open_source
+
+    g = fixture_dir("gptq", "gm_tiny_llama_b4_g64_descact_sym_v1_sharded")
+    packed = tmp_path / "packed"
+    assert main(["convert", str(g), str(packed)]) == 0
+    for shard in (g / "model-00004-of-00005.safetensors", g / "model-00001-of-00005.safetensors"):
+        for argv in (["inspect", shard], ["inspect", shard, "--from", "gptq"], ["convert", shard, tmp_path / "out"],
+                     ["convert", shard, tmp_path / "out", "--dry-run"],
+                     ["convert", shard, tmp_path / "out", "--from", "awq"], ["verify", packed, "--against", shard]):
+            rc, err = _cli(capsys, *argv)
+            assert rc == 2 and f"{shard}: one of the 5 shards that model.safetensors.index.json lists, not a whole " \
+                               f"checkpoint: pass the folder {g}" in err, (argv, err)
+        for opener in (open_source, formats_open_source):
+            with pytest.raises(BadInputError, match="pass the folder"):
+                opener(shard)
+    assert not (tmp_path / "out").exists()
+    # a file the index lists alone is the whole checkpoint; a broken index is not what the user asked about
+    one = tmp_path / "one"
+    shutil.copytree(fixture_dir("gptq", "ag_b4_sym_g128"), one)
+    weights = one / "gptq_model-4bit-128g.safetensors"
+    index = one / "model.safetensors.index.json"
+    for text in (json.dumps({"weight_map": {"x": weights.name}}), "{broken"):
+        index.write_text(text)
+        capsys.readouterr()
+        assert main(["inspect", str(weights)]) == 0, capsys.readouterr().err
+
+
 def _demo_packed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
     """The demo's GPTQ checkpoint (tools/make_demo_checkpoint.py) packed into several shards."""
     import subprocess
@@ -650,19 +686,29 @@ def test_a_wrong_from_names_the_format_detected(tmp_path: Path, capsys: pytest.C
                                (["convert", gptq, tmp_path / "o", "--from", "compressed-tensors"],
                                 "compressed-tensors", "gptq"),
                                (["inspect", awq, "--from", "gptq"], "gptq", "awq"),
-                               (["verify", tmp_path, "--against", awq, "--from", "gptq"], "gptq", "awq")):
-        if argv[0] == "verify":  # a packed checkpoint to verify
+                               # was exit 3 (the GPTQ reader's "not GPTQ" is "unsupported"), and --from w4pack on a
+                               # GPTQ folder "no w4pack.json" without the hint
+                               (["inspect", "PACKED", "--from", "gptq"], "gptq", "w4pack"),
+                               (["inspect", "PACKED", "--from", "awq"], "awq", "w4pack"),
+                               (["convert", "PACKED", tmp_path / "o", "--from", "gptq"], "gptq", "w4pack"),
+                               (["inspect", gptq, "--from", "w4pack"], "w4pack", "gptq"),
+                               (["inspect", gguf, "--from", "w4pack"], "w4pack", "gguf"),
+                               (["verify", "PACKED", "--against", awq, "--from", "gptq"], "gptq", "awq")):
+        if not (tmp_path / "packed").exists():  # a packed checkpoint to verify, or to read with a wrong --from
             from w4pack.convert import convert
 
             convert(_demo_checkpoint(tmp_path / "gptq"), tmp_path / "packed", show_progress=False)
-            argv[1] = tmp_path / "packed"
+        argv = [tmp_path / "packed" if a == "PACKED" else a for a in argv]
         rc, err = _cli(capsys, *argv)
-        assert rc in (2, 3) and f"(detected format: {found}; drop --from {named}, or pass --from {found})" in err, \
+        assert rc == 2 and f"(detected format: {found}; drop --from {named}, or pass --from {found})" in err, \
             (argv, err)
     assert not (tmp_path / "o").exists()
-    # one family: the GPTQ reader takes v1 and v2 alike, so --from gptq-v2 on a v1 folder is no mistake
-    capsys.readouterr()
-    assert main(["convert", str(gptq), str(tmp_path / "o"), "--from", "gptq-v2", "--dry-run"]) == 0
+    # one family: --from gptq reads v1 and v2 as the checkpoint shows them; --from gptq-v2 forces v2, so on a
+    # symmetric v1 folder (every zero field 7) it is the mistake, and said so; where nothing tells, it decides
+    rc, err = _cli(capsys, "convert", gptq, tmp_path / "o", "--from", "gptq-v2", "--dry-run")
+    assert rc == 2 and "(detected format: gptq; drop --from gptq-v2, or pass --from gptq)" in err, err
+    asym = fixture_dir("gptq", "ag_b4_asym_g64")
+    assert main(["convert", str(asym), str(tmp_path / "o"), "--from", "gptq-v2", "--dry-run"]) == 0
 
 
 def test_a_folder_holding_a_gguf_file_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -62,3 +62,35 @@ def test_fused_gguf_round_trip_is_byte_identical(tmp_path: Path, capsys: pytest.
     _cli(capsys, "convert", gguf, tmp_path / "fused", "--fuse", "qkv,gate-up")
     _cli(capsys, "convert", tmp_path / "fused", tmp_path / "back.gguf", "--to", "gguf")
     assert (tmp_path / "back.gguf").read_bytes() == gguf.read_bytes()
+
+
+def test_refusal_gives_the_real_difference(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """llama.cpp's Q4_K_M mixes Q4_K and Q6_K in one block's q/k/v: the refusal said "act-order permutations differ
+    ... different column sets" (g_idx = k // group_size differs with the group size) for layers without act-order."""
+    from conftest import cli_one_line
+
+    pytest.importorskip("gguf", reason="install the gguf package: pip install -e '.[test]'")
+    src = QUANTS / "tiny-Q4_K_M.gguf"
+    rc, err = cli_one_line(capsys, "convert", src, tmp_path / "e", "--fuse", "qkv")
+    assert rc == 3 and f"{src}: tensor model.layers." in err and "cannot fuse" in err, err
+    assert "bits differs" in err and "group_size differs" in err and "act-order" not in err, err
+    assert "convert without --fuse qkv" in err and not (tmp_path / "e").exists()
+
+
+def test_act_order_is_the_reason_only_with_the_same_groups() -> None:
+    from rtn_helper import rtn_quantize
+
+    from w4pack.errors import UnsupportedError
+
+    w = np.random.default_rng(1).standard_normal((32, 128)).astype(np.float32)
+    plain = rtn_quantize(w, group_size=32, name="b.q_proj")
+    act1 = rtn_quantize(w, group_size=32, act_order=True, seed=1, name="b.k_proj")
+    act2 = rtn_quantize(w, group_size=32, act_order=True, seed=2, name="b.v_proj")
+    with pytest.raises(UnsupportedError, match="b.k_proj has act-order and b.q_proj has not: their groups along K"):
+        fuse_layers("b.qkv_proj", [plain, act1, act1.replace(name="b.v_proj")])
+    with pytest.raises(UnsupportedError, match=r"act-order permutations differ \(b.k_proj vs b.v_proj\)"):
+        fuse_layers("b.qkv_proj", [act1, act2])
+    coarse = rtn_quantize(w, group_size=64, name="b.k_proj")
+    with pytest.raises(UnsupportedError) as exc:
+        fuse_layers("b.qkv_proj", [plain, coarse])
+    assert "group_size differs (b.q_proj: 32, b.k_proj: 64)" in str(exc.value) and "act-order" not in str(exc.value)

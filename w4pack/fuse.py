@@ -77,9 +77,17 @@ def fusion_blockers(layers: list[CanonicalLayer]) -> list[str]:
             a, b = getattr(first, attr), getattr(other, attr)
             if a != b:
                 why.append(f"{attr} differs ({first.name}: {a}, {other.name}: {b})")
-        if first.in_features == other.in_features and not np.array_equal(first.g_idx, other.g_idx):
-            why.append(f"act-order permutations differ ({first.name} vs {other.name}): their groups along K "
-                       "are different column sets, so one packed layer cannot serve both")
+        # g_idx differs whenever the group sizes do (k // group_size): that is the group_size line above, and
+        # only with the same groups is a different column order the reason (it was given for any K-quant mix)
+        if first.in_features == other.in_features and first.group_size == other.group_size and \
+                not np.array_equal(first.g_idx, other.g_idx):
+            if first.act_order and other.act_order:
+                order = f"act-order permutations differ ({first.name} vs {other.name})"
+            else:
+                ordered, plain = (first, other) if first.act_order else (other, first)
+                order = f"{ordered.name} has act-order and {plain.name} has not"
+            why.append(f"{order}: their groups along K are different column sets, so one packed layer cannot serve "
+                       "both")
         if (first.bias is None) != (other.bias is None):
             why.append(f"only some parts have a bias ({first.name}: {first.bias is not None}, "
                        f"{other.name}: {other.bias is not None})")
@@ -88,11 +96,14 @@ def fusion_blockers(layers: list[CanonicalLayer]) -> list[str]:
     return why
 
 
-def fuse_layers(name: str, layers: list[CanonicalLayer]) -> tuple[CanonicalLayer, list[dict[str, Any]]]:
-    """Stack layers along N into one canonical layer; returns it and the parts' row ranges."""
+def fuse_layers(name: str, layers: list[CanonicalLayer], file: str | None = None,
+                way_out: str = "") -> tuple[CanonicalLayer, list[dict[str, Any]]]:
+    """Stack layers along N into one canonical layer; returns it and the parts' row ranges. A refusal names
+    ``file`` (the source) and ends with ``way_out`` when given."""
     why = fusion_blockers(layers)
     if why:
-        raise UnsupportedError(f"cannot fuse {', '.join(l.name for l in layers)}: " + "; ".join(why), tensor=name)
+        raise UnsupportedError(f"cannot fuse {', '.join(l.name for l in layers)}: " + "; ".join(why) + way_out,
+                               file=file, tensor=name)
     first = layers[0]
     rows, start = [], 0
     for l in layers:
@@ -147,7 +158,10 @@ class FusedSource(Source):
         if name not in self.plan:
             return self.inner.read_layer(name)
         parts = [self.inner.read_layer(p).replace(name=p) for p in self.plan[name]]
-        layer, rows = fuse_layers(name, parts)
+        leaf = name.rpartition(".")[2]
+        kind = next((k for k, (_parts, fused) in FUSIONS.items() if fused == leaf), None)
+        way_out = f" (convert without --fuse {kind}: the layers stay separate)" if kind else ""
+        layer, rows = fuse_layers(name, parts, str(self.path), way_out)
         self.fused[name] = rows
         return layer
 

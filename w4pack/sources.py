@@ -6,11 +6,11 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from .errors import BadInputError, W4PackError
-from .formats import check_read_options, detect, get_format
+from .errors import BadInputError, UnsupportedError, W4PackError
+from .formats import check_read_options, detect, get_format, refuse_a_shard
 from .formats.base import Source
 
-__all__ = ["is_hub_spec", "local_path", "source_format", "open_source"]
+__all__ = ["is_hub_spec", "local_path", "source_format", "open_source", "wrong_from"]
 
 
 def is_hub_spec(src: str | Path) -> bool:
@@ -63,23 +63,30 @@ def _open_as(fmt: str | None, path: Path, options: dict[str, Any]) -> Source:
     """The reader of ``fmt`` (else the detected format) on ``path``. When a named format's reader refuses the
     input and detection recognises it as another format, the error says so: "header length exceeds the file" is
     what the safetensors reader of --from awq says about a GGUF file, and the mistake to fix is the --from."""
+    refuse_a_shard(path)  # (with --from too: a named reader would misreport the missing tensors)
     name = fmt or detect(path)
     check_read_options(get_format(name), options, path)
     try:
         return get_format(name).open(path, **options)
     except W4PackError as exc:
-        if fmt is not None:
-            _name_the_detected_format(exc, path, get_format(name).name)
+        wrong = wrong_from(exc, path, get_format(name).name) if fmt is not None else None
+        if wrong is not None:
+            raise wrong from exc
         raise
 
 
-def _name_the_detected_format(exc: W4PackError, path: Path, named: str) -> None:
-    """Append "detected format: gguf; ..." to ``exc`` when detection finds a format other than ``named``."""
+def wrong_from(exc: W4PackError, path: str | Path, named: str) -> BadInputError | None:
+    """The reader's refusal ``exc`` as a wrong --from, when detection finds a format other than ``named``: the
+    reader's line + "(detected format: gguf; drop --from awq, or pass --from gguf)", bad usage (exit 2) whatever
+    the named reader's own code (a w4pack folder read --from gptq is "unsupported" to the GPTQ reader). None when
+    detection agrees, finds nothing, or the failure is not about the input (I/O, exit 4)."""
+    if not isinstance(exc, (BadInputError, UnsupportedError)):
+        return None
     try:
-        found = detect(path)
+        found = detect(Path(path))
     except W4PackError:
-        return
+        return None
     if found == named or any({found, named} <= fam for fam in _SAME_FAMILY):
-        return
-    exc.message += f" (detected format: {found}; drop --from {named}, or pass --from {found})"
-    exc.args = (exc.one_line(),)
+        return None
+    return BadInputError(f"{exc.message} (detected format: {found}; drop --from {named}, or pass --from {found})",
+                         file=exc.file, tensor=exc.tensor)

@@ -185,11 +185,65 @@ def test_metadata_contradicting_zeros_is_detected(tmp_path: Path, case: str, lab
         assert any("stored as" in n for n in src.info["notes"])
         assert_layer_is_truth(layer, truth_of(d, PREFIX))
         assert layer.zero_mode == "none"
-    # naming the format explicitly trusts it: the v2 bytes read as v1 give zeros of 9 (or 7), not 8
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with GPTQFormat.open(d, checkpoint_format=label) as forced:
-            assert forced.read_layer(PREFIX).zero_mode == "int"
+    # naming the version the zero points contradict is refused: read so, every zero would be off by one
+    with pytest.raises(BadInputError, match="symmetric layer") as exc:
+        GPTQFormat.open(d, checkpoint_format=label)
+    assert f"{PREFIX}.qzeros" in str(exc.value) and "detected format" in str(exc.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# a named version (--from gptq-v2, checkpoint_format=...) decides only where the checkpoint cannot tell
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case,named,detected", [
+    ("ag_tiny_llama_b4_g64_descact_sym", "gptq_v2", "gptq"),  # no checkpoint_format, sym, qzeros 0x77777777
+    ("gm_b4_sym_g128_descact_v1", "gptq_v2", "gptq"),
+    ("gm_b4_sym_g128_descact_v2", "gptq", "gptq-v2"),
+])
+def test_named_version_contradicted_by_symmetric_zeros_is_refused(case: str, named: str, detected: str) -> None:
+    d = fixture_dir("gptq", case)
+    with pytest.raises(BadInputError) as exc:
+        GPTQFormat.open(d, checkpoint_format=named)
+    err = exc.value
+    assert err.tensor is not None and err.tensor.endswith(".qzeros") and err.file and Path(err.file).parent == d
+    assert f"(detected format: {detected};" in err.message and f"'{named}'" in err.message
+
+
+@pytest.mark.parametrize("case,named", [("gm_b3_asym_g64_v1", "gptq_v2"), ("gm_b3_asym_g64_v2", "gptq"),
+                                        ("gm_b4_asym_g64_zero0_v2", "gptq")])
+def test_named_version_contradicted_by_the_config_is_refused(case: str, named: str) -> None:
+    d = fixture_dir("gptq", case)
+    with pytest.raises(BadInputError, match="the config says checkpoint_format") as exc:
+        GPTQFormat.open(d, checkpoint_format=named)
+    assert exc.value.file == str(d / "quantize_config.json") and "detected format: gptq" in exc.value.message
+
+
+def test_named_version_decides_only_where_nothing_tells(tmp_path: Path) -> None:
+    # asymmetric, no checkpoint_format (AutoGPTQ): the name decides, as before
+    with GPTQFormat.open(fixture_dir("gptq", "ag_b4_asym_g64"), checkpoint_format="gptq_v2") as src:
+        assert src.info["version"] == "gptq_v2"
+    # the config says v1 but the symmetric zero points are v2 (vLLM #38966): naming v2 agrees with the data
+    d = _relabel("gm_b4_sym_g128_descact_v2", tmp_path, checkpoint_format="gptq", format="gptq")
+    with GPTQFormat.open(d, checkpoint_format="gptq_v2") as src:
+        assert_layer_is_truth(src.read_layer(PREFIX), truth_of(d, PREFIX))
+    # naming the version the checkpoint shows reads the truth
+    d = fixture_dir("gptq", "gm_b4_sym_g128_descact_v2")
+    with GPTQFormat.open(d, checkpoint_format="gptq_v2") as src:
+        assert_layer_is_truth(src.read_layer(PREFIX), truth_of(d, PREFIX))
+
+
+def test_cli_from_gptq_v2_on_v1_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    s = fixture_dir("gptq", "ag_tiny_llama_b4_g64_descact_sym")
+    for cmd in (["convert", str(s), str(tmp_path / "v2w")], ["inspect", str(s)]):
+        assert cli_main([*cmd, "--from", "gptq-v2"]) == 2
+        out, err = capsys.readouterr()
+        assert len(err.strip().splitlines()) == 1 and out == ""
+        assert str(s / "gptq_model-4bit-64g.safetensors") in err and "--from gptq-v2" in err
+        assert "detected format: gptq;" in err and "Traceback" not in err
+    assert not (tmp_path / "v2w").exists()
+    # --from gptq names the family: a v2 checkpoint reads as v2
+    v2 = fixture_dir("gptq", "gm_b4_sym_g128_descact_v2")
+    assert cli_main(["convert", str(v2), str(tmp_path / "w"), "--from", "gptq"]) == 0
+    assert cli_main(["verify", str(tmp_path / "w"), "--against", str(v2)]) == 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -78,10 +78,19 @@ def test_mixed_bits_and_group_sizes_of_the_observer() -> None:
         assert all(src.read_layer(n).act_order for n in src.layer_names())
 
 
-def test_tables_need_base_weights(tmp_path: Path) -> None:
+def test_tables_need_base_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     d = fixture_dir("toml", "quant_toml_asym_actorder_observer")
     with pytest.raises(BadInputError, match="--base"):
         TOML.open(d / "quant_dir")
+    # the line says what to pass, in the CLI's words (it showed the Python keyword: "with --base (base=...)")
+    from conftest import cli_one_line
+
+    for argv in (["convert", d / "quant_dir", tmp_path / "out"], ["inspect", d / "quant_dir"]):
+        rc, err = cli_one_line(capsys, *argv)
+        assert rc == 2 and f"{d / 'quant_dir'}: TOML quant tables hold no weights: name the fp16/bf16/fp32 base " \
+                           "model their codes are rebuilt from with --base PATH (base=PATH in Python)" in err, err
+        assert "base=..." not in err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -8,7 +8,9 @@ from typing import Any
 import click
 
 from ..store.checkpoint import open_checkpoint
-from ..errors import BadInputError
+from ..errors import BadInputError, W4PackError
+from ..formats import refuse_a_shard
+from ..sources import wrong_from
 from . import FORMAT_NAMES, SourcePath, check_format_name, detect_source, emit_json, plural, say_plan_error
 from .extras import needs_extras
 
@@ -19,6 +21,25 @@ def _human(n: int) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
         n /= 1024  # type: ignore[assignment]
     return str(n)
+
+
+def _open_packed(path: Path, src_format: str | None) -> Any:
+    """The packed checkpoint at ``path``, its structure checked. With --from w4pack on another format's checkpoint
+    the refusal ("no w4pack.json") names the detected format, as every other wrong --from does (exit 2)."""
+    refuse_a_shard(path)  # (--from w4pack skips detection, which says so otherwise)
+    try:
+        ck = open_checkpoint(path)
+    except W4PackError as exc:
+        wrong = wrong_from(exc, path, "w4pack") if src_format else None
+        if wrong is not None:
+            raise wrong from exc
+        raise
+    try:
+        ck.check_structure()
+    except BaseException:
+        ck.close()
+        raise
+    return ck
 
 
 def natural_key(name: str) -> list[Any]:
@@ -88,8 +109,7 @@ def inspect(path: Path, as_json: bool, show_layers: bool, src_format: str | None
             click.echo(f"  problem: {problem}")
         say_plan_error(path, doc, "listed above")
         return int(doc["exit_code"])
-    with open_checkpoint(path) as ck:
-        ck.check_structure()
+    with _open_packed(path, src_format) as ck:
         s = ck.summary()
         if show_layers or as_json:
             s["layers"] = {n: {k: v for k, v in m.items() if k != "tensors"} for n, m in ck.manifest["layers"].items()}

@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInputError, UnsupportedError, W4PackError
+from ..store.folder import read_json
+from ..store.names import WEIGHT_SUFFIXES
 from .base import Capabilities, Format, HubFiles, Source, TensorData
 
-__all__ = ["REGISTRY", "get_format", "detect", "open_source", "check_read_options", "hub_files", "Format", "Source",
-           "Capabilities", "TensorData", "HubFiles"]
+__all__ = ["REGISTRY", "get_format", "detect", "open_source", "check_read_options", "refuse_a_shard", "hub_files",
+           "Format", "Source", "Capabilities", "TensorData", "HubFiles"]
 
 #: format name -> "module:Class"; modules are imported on first use so a broken optional
 #: dependency of one format does not break the others.
@@ -61,6 +63,7 @@ def detect(path: str | Path) -> str:
     p = Path(path)
     if not p.exists():
         raise BadInputError("does not exist", file=str(p))
+    refuse_a_shard(p)
     formats = _available()
     for name in _DETECT_ORDER:
         if name in formats and formats[name].detect(p):
@@ -152,6 +155,27 @@ def _declared_method(p: Path) -> str | None:
     return str(method) if method else None
 
 
+def refuse_a_shard(path: str | Path) -> None:
+    """A weights file that an index beside it lists with other shards is part of a checkpoint, not one: read alone
+    it lacks the layers' other tensors ("has scales but no qweight") or the configs' context ("cannot tell which
+    format"), which sends the user after damage that is not there. Bad input (exit 2) saying to pass the folder."""
+    p = Path(path)
+    if not p.is_file() or not p.name.endswith(WEIGHT_SUFFIXES):
+        return
+    for index in sorted(p.parent.glob("*.index.json")):
+        if not index.name.endswith(tuple(f"{s}.index.json" for s in WEIGHT_SUFFIXES)) or not index.is_file():
+            continue
+        try:
+            doc = read_json(index)
+        except BadInputError:
+            continue  # a broken index is the folder's error, reported when the folder is opened
+        wmap = doc.get("weight_map") if isinstance(doc, dict) else None
+        shards = {f for f in wmap.values() if isinstance(f, str)} if isinstance(wmap, dict) else set()
+        if p.name in shards and len(shards) > 1:
+            raise BadInputError(f"one of the {len(shards)} shards that {index.name} lists, not a whole checkpoint: "
+                                f"pass the folder {p.parent}", file=str(p))
+
+
 def hub_files() -> list[HubFiles]:
     """What the readers need from a Hub repository, as the formats declare it (w4pack.hub fetches it)."""
     return list(dict.fromkeys(k for fmt in _available().values() for k in fmt.hub_files))
@@ -162,6 +186,7 @@ def open_source(path: str | Path, fmt: str | None = None, **options: object) -> 
     if str(path).startswith("hf:/"):
         raise UnsupportedError("w4pack.formats.open_source opens local paths; open hf:// sources with "
                                "w4pack.sources.open_source", file=str(path))
+    refuse_a_shard(path)
     name = fmt or detect(path)
     f = get_format(name)
     check_read_options(f, options, path)

@@ -10,7 +10,8 @@ Reading decodes the peer's bytes exactly as the peers' kernels do (see ../shared
 
 Metadata is checked against the tensors: bits and group size must agree with the shapes (else
 BadInputError naming file and tensor), and symmetric layers whose zero fields say the other version
-than the config are read as what they hold, with a warning and a note in the source info.
+than the config are read as what they hold, with a warning and a note in the source info. A version the caller
+names (``--from gptq-v2``, ``checkpoint_format=``) decides only where neither tells; one they contradict is refused.
 
 Writing produces v1 by default (what the ecosystem reads) or v2 (``checkpoint_format="gptq_v2"``,
 ``--to gptq-v2``). v1 cannot store a zero point of 0 or 2**b unambiguously, so such layers are refused
@@ -172,6 +173,33 @@ def _declared_version(qc: dict[str, Any]) -> str:
     return V1
 
 
+def _stated_version(qc: dict[str, Any]) -> str | None:
+    """The version the config itself names (``checkpoint_format``, else ``format``), or None when it names none:
+    a missing key says nothing, so a named --from may decide (a v1 default would contradict every v2 --from)."""
+    named = qc.get("checkpoint_format") or qc.get("format")
+    if not named:
+        return None
+    version = _declared_version(qc)  # refuses the layouts w4pack cannot read, --from or not
+    return version if str(named).lower() in (V1, V2) else None
+
+
+def _config_naming_version(root: Path) -> Path:
+    """The config file whose checkpoint_format (or format) the reader took: quantize_config.json wins."""
+    for name in _CONFIG_FILES:
+        if (root / name).is_file():
+            doc = _read_json(root / name)
+            if isinstance(doc, dict) and (doc.get("checkpoint_format") or doc.get("format")):
+                return root / name
+    return root / "config.json"
+
+
+#: how a forced version was named: the CLI's --from and the Python option both, since the reader sees only the option
+_NAMED = {V2: "--from gptq-v2 (Python: checkpoint_format='gptq_v2')", V1: "checkpoint_format='gptq'"}
+_LABEL = {V1: "GPTQ v1", V2: "GPTQ v2"}
+#: what to do instead, per forced version
+_INSTEAD = {V2: "drop --from gptq-v2, or pass --from gptq", V1: "leave checkpoint_format out"}
+
+
 def _dynamic_override(dynamic: Any, module: str, file: str | None = None) -> tuple[bool, dict[str, Any]]:
     """GPTQModel ``dynamic``: the first pattern (re.match) that matches decides; ``-:`` skips the module."""
     if not isinstance(dynamic, dict):
@@ -221,6 +249,8 @@ class GPTQConfig:
     #: the file the ``dynamic`` rules are reported against
     file: str
     notes: tuple[str, ...] = ()
+    #: the version the config itself names, V1 or V2, or None when it names none (``version`` then defaults to V1)
+    stated: str | None = None
 
     @classmethod
     def parse(cls, qc: dict[str, Any], notes: list[str], root: Path, label: str, bits: int | None = None,
@@ -241,6 +271,7 @@ class GPTQConfig:
             qc["bits"] = int(bits)
         if group_size is not None:
             qc["group_size"] = int(group_size)
+        stated = _stated_version(qc)
         version = version or _declared_version(qc)
         base_name = qc.get("model_file_base_name") if isinstance(qc.get("model_file_base_name"), str) else None
         meta_q = (qc.get("meta") or {}).get("quantizer") if isinstance(qc.get("meta"), dict) else None
@@ -254,7 +285,8 @@ class GPTQConfig:
         return cls(bits=qc.get("bits"), group_size=qc.get("group_size"), sym=None if sym is None else bool(sym),
                    desc_act=None if desc_act is None else bool(desc_act), version=version,
                    dynamic=qc.get("dynamic") if isinstance(qc.get("dynamic"), dict) else None, base_name=base_name,
-                   quantizer=quantizer, empty=not qc, file=str(root / "quantize_config.json"), notes=tuple(notes))
+                   quantizer=quantizer, empty=not qc, file=str(root / "quantize_config.json"), notes=tuple(notes),
+                   stated=stated)
 
     def for_module(self, module: str) -> ModuleSettings:
         skip, over = _dynamic_override(self.dynamic, module, self.file)
@@ -297,7 +329,9 @@ class _Shapes(NamedTuple):
 class GPTQSource(Source):
     """An opened GPTQ checkpoint (folder or single file), read layer by layer from memory maps.
 
-    Options: ``checkpoint_format`` ("gptq"/"gptq_v2": trust this and skip auto-detection),
+    Options: ``checkpoint_format`` ("gptq"/"gptq_v2", what ``--from gptq-v2`` passes): the version where the
+    checkpoint cannot tell (no checkpoint_format in its config, asymmetric zero points); one its config or its
+    symmetric zero points contradict is refused, since reading it would put every zero point off by one,
     ``v1_zeros`` ("masking", the default, as AutoGPTQ/vLLM/transformers kernels decode v1 zeros; or
     "carry", as GPTQModel's own loader does: add the per-word constant back with carry), and ``bits`` /
     ``group_size`` for config-less files whose shapes cannot tell.
@@ -317,6 +351,8 @@ class GPTQSource(Source):
         self.cfg = GPTQConfig.parse(qc, notes, self.root, str(self.path), bits, group_size, checkpoint_format)
         self.declared = self.cfg.version
         self.forced = checkpoint_format is not None
+        #: a forced version that some layer's symmetric zero points confirm (then a config naming the other loses)
+        self._zeros_confirm = False
         self.config = {k: v for k, v in hf.items() if k != "quantization_config"}
         self.store = open_tensors(self.path, base_name=self.cfg.base_name)
         self.producer = self._producer()
@@ -358,6 +394,8 @@ class GPTQSource(Source):
                 contradicted.append(m)
             wrapped += sum(1 for q in plan.quirks if q.startswith("v1-zero-wrap"))
             self._plans[m] = plan
+        if self.forced:
+            self._refuse_contradicting_config()
         claimed = {t for p in self._plans.values() for t in p.tensors.values()}
         self._passthrough = [n for n in names if n not in claimed]
         if contradicted:
@@ -514,6 +552,8 @@ class GPTQSource(Source):
         """Trust the metadata, unless a symmetric layer's zero fields are uniformly the other version's value."""
         fields = self._fields(plan)
         half = 1 << (plan.bits - 1)
+        if self.forced:
+            self._refuse_contradicting_zeros(plan, fields)
         if not self.forced and plan.sym is not False and fields.size:
             lo, hi = int(fields.min()), int(fields.max())
             if lo == hi == half and self.declared == V1:
@@ -542,6 +582,36 @@ class GPTQSource(Source):
                         plan.notes.append(f"GPTQModel's own loader (adds {_ones_pattern(plan.bits):#x} per word, with "
                                           f"carry) reads {diff} zero(s) differently; open with v1_zeros='carry' to "
                                           "read them its way")
+
+    def _refuse_contradicting_zeros(self, plan: _Plan, fields: np.ndarray) -> None:
+        """A forced version on a symmetric layer whose zero fields all hold the other version's encoding of the
+        symmetric zero 2**(b-1) is a mistaken --from: read so, every zero point is off by one, silently."""
+        if plan.sym is False or not fields.size:
+            return
+        lo, hi = int(fields.min()), int(fields.max())
+        half = 1 << (plan.bits - 1)
+        shown = {half - 1: V1, half: V2}.get(lo) if lo == hi else None
+        if shown == self.declared:
+            self._zeros_confirm = True
+        elif shown is not None:
+            detected = "gptq-v2" if shown == V2 else "gptq"
+            qz = plan.tensors["qzeros"]
+            raise BadInputError(
+                f"{_NAMED[self.declared]} reads the zero points as {_LABEL[self.declared]}, but every zero field of "
+                f"this symmetric layer is {lo}, the {_LABEL[shown]} encoding of the zero {half} (detected format: "
+                f"{detected}; {_INSTEAD[self.declared]})", file=self.store.where[qz], tensor=qz)
+
+    def _refuse_contradicting_config(self) -> None:
+        """A forced version the config's own checkpoint_format contradicts, with no symmetric zero points to
+        confirm it: the config is the only evidence, and it says the other version."""
+        stated = self.cfg.stated
+        if stated is None or stated == self.declared or self._zeros_confirm:
+            return
+        cfg = _config_naming_version(self.root)
+        raise BadInputError(
+            f"{_NAMED[self.declared]} reads the zero points as {_LABEL[self.declared]}, but the config says "
+            f"checkpoint_format {stated!r} (detected format: {'gptq-v2' if stated == V2 else 'gptq'}; "
+            f"{_INSTEAD[self.declared]}, or correct the config if it is wrong)", file=str(cfg))
 
     def _carry_zeros(self, plan: _Plan) -> np.ndarray:
         words = np.asarray(self.store.get(plan.tensors["qzeros"])).view(np.uint32)

@@ -454,8 +454,8 @@ def _base_path(path: Path, folder: Path, base: Path | str | None) -> Path:
         if any(folder.glob("*.safetensors")):
             base = folder
         else:
-            raise BadInputError("TOML quant tables hold no weights; name the fp16/bf16/fp32 base model with "
-                                "--base (base=...)", file=str(path))
+            raise BadInputError("TOML quant tables hold no weights: name the fp16/bf16/fp32 base model their codes "
+                                "are rebuilt from with --base PATH (base=PATH in Python)", file=str(path))
     base_path = Path(base)
     if not base_path.exists():
         raise BadInputError("base model does not exist", file=str(base_path))
