@@ -80,7 +80,7 @@ def push(path: Path, repo_id: str, private: bool, revision: str | None, commit_m
 @click.option("--revision", default=None, help="Branch, tag or commit (default: main).")
 @click.option("--endpoint", default=None, metavar="URL", help=_ENDPOINT_HELP)
 @click.option("--token", default=None, metavar="TOKEN", help=_TOKEN_HELP, show_default=False)
-@click.option("--force", is_flag=True, help="Replace DEST if it exists.")
+@click.option("--force", is_flag=True, help="Replace DEST if it is an earlier download (a checkpoint folder).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
 @needs_extras("pull")
 def pull(repo_id: str, dest: Path, revision: str | None, endpoint: str | None, token: str | None, force: bool,
