@@ -681,6 +681,7 @@ def test_a_wrong_from_names_the_format_detected(tmp_path: Path, capsys: pytest.C
     gguf = fixture_dir("gguf", "q4_1_exact_in512_out256") / "tensors.gguf"
     gptq = fixture_dir("gptq", "ag_b4_sym_g128")
     awq = fixture_dir("awq", "tiny_llama_gemm_g128")
+    ct = fixture_dir("compressed-tensors", "sym_group128_in512_out256")
     for argv, named, found in ((["convert", gguf, tmp_path / "o", "--from", "awq"], "awq", "gguf"),
                                (["convert", gptq, tmp_path / "o", "--from", "w4pack", "--dry-run"], "w4pack", "gptq"),
                                (["convert", gptq, tmp_path / "o", "--from", "compressed-tensors"],
@@ -693,6 +694,10 @@ def test_a_wrong_from_names_the_format_detected(tmp_path: Path, capsys: pytest.C
                                (["convert", "PACKED", tmp_path / "o", "--from", "gptq"], "gptq", "w4pack"),
                                (["inspect", gptq, "--from", "w4pack"], "w4pack", "gptq"),
                                (["inspect", gguf, "--from", "w4pack"], "w4pack", "gguf"),
+                               # a reader that opens the folder and finds none of its layers (every tensor a
+                               # pass-through): was "the source holds no quantized layers", exit 3, no hint
+                               (["inspect", ct, "--from", "gptq"], "gptq", "compressed-tensors"),
+                               (["convert", ct, tmp_path / "o", "--from", "gptq-v2"], "gptq-v2", "compressed-tensors"),
                                (["verify", "PACKED", "--against", awq, "--from", "gptq"], "gptq", "awq")):
         if not (tmp_path / "packed").exists():  # a packed checkpoint to verify, or to read with a wrong --from
             from w4pack.convert import convert

@@ -501,7 +501,7 @@ def test_malformed_endpoint_is_bad_input_for_hf_sources_too(hub, ckpt: Path, tmp
             "network" not in err, err
     assert len(hub.requests) == mark and not (tmp_path / "out").exists()
     # an explicit endpoint is named as the caller passed it (the CLI's --endpoint), and wins over $HF_ENDPOINT
-    for bad in ("ftp://host/x", "http://", "localhost:8080", "http://[::1"):
+    for bad in ("ftp://host/x", "http://", "localhost:8080", "http://[::1", "https://exa mple.com"):
         with pytest.raises(BadInputError, match=r"^--endpoint must be"):
             check_endpoint(bad, "--endpoint")
     assert check_endpoint(hub.endpoint + "/") == hub.endpoint

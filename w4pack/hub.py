@@ -76,7 +76,7 @@ def check_endpoint(endpoint: str | None, option: str = "endpoint") -> str:
         value, what = os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT, "$HF_ENDPOINT"
     try:
         parts = urlsplit(value)
-        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and not any(c.isspace() for c in value)
     except ValueError:  # an unbalanced [ in the host, a port out of range
         ok = False
     if not ok:

@@ -62,17 +62,26 @@ _SAME_FAMILY = ({"gptq", "gptq-v2"},)
 def _open_as(fmt: str | None, path: Path, options: dict[str, Any]) -> Source:
     """The reader of ``fmt`` (else the detected format) on ``path``. When a named format's reader refuses the
     input and detection recognises it as another format, the error says so: "header length exceeds the file" is
-    what the safetensors reader of --from awq says about a GGUF file, and the mistake to fix is the --from."""
+    what the safetensors reader of --from awq says about a GGUF file, and the mistake to fix is the --from. A
+    named reader that opens the input but finds none of its layers there (the GPTQ reader on a compressed-tensors
+    folder: every tensor a pass-through) is the same mistake."""
     refuse_a_shard(path)  # (with --from too: a named reader would misreport the missing tensors)
     name = fmt or detect(path)
     check_read_options(get_format(name), options, path)
     try:
-        return get_format(name).open(path, **options)
+        source = get_format(name).open(path, **options)
     except W4PackError as exc:
         wrong = wrong_from(exc, path, get_format(name).name) if fmt is not None else None
         if wrong is not None:
             raise wrong from exc
         raise
+    if fmt is not None and not source.layer_names():
+        none = UnsupportedError(f"the {get_format(name).name} reader finds no quantized layers here", file=str(path))
+        wrong = wrong_from(none, path, get_format(name).name)
+        if wrong is not None:
+            source.close()
+            raise wrong
+    return source
 
 
 def wrong_from(exc: W4PackError, path: str | Path, named: str) -> BadInputError | None:

@@ -39,7 +39,8 @@ from .extras import needs_extras
                    "fields) instead of the compact form kept for GGUF K-quant, 5-bit and IQ4 layers (docs/LAYOUT.md "
                    "section 8); the folder grows, loading skips the expansion.")
 @click.option("--force", is_flag=True,
-              help="Replace DST if it is an earlier output: a checkpoint folder or GGUF file (never other files).")
+              help="Replace DST if it is an earlier output: a checkpoint folder (with --to gguf, a GGUF file); "
+                   "never other files or folders.")
 @click.option("--dry-run", is_flag=True,
               help="Print what would be converted (layers after --fuse) and every problem the real run would stop "
                    "at; write nothing. Exits with the code the real run would give.")
