@@ -409,6 +409,13 @@ def test_one_shard_of_an_index_says_pass_the_folder(tmp_path: Path, capsys: pyte
         index.write_text(text)
         capsys.readouterr()
         assert main(["inspect", str(weights)]) == 0, capsys.readouterr().err
+    # a packed folder's one shard was read as AWQ ("symmetric AWQ without qzeros is not supported", 3)
+    (shard,) = [e["file"] for e in json.loads((packed / "w4pack.json").read_text())["shards"]]
+    for argv in (["inspect", packed / shard], ["convert", packed / shard, tmp_path / "out"]):
+        rc, err = _cli(capsys, *argv)
+        assert rc == 2 and f"{packed / shard}: a shard of the packed checkpoint whose manifest w4pack.json lists " \
+                           f"it, not a checkpoint by itself: pass the folder {packed}" in err, (argv, err)
+    assert not (tmp_path / "out").exists()
 
 
 def _demo_packed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:

@@ -174,6 +174,17 @@ def refuse_a_shard(path: str | Path) -> None:
         if p.name in shards and len(shards) > 1:
             raise BadInputError(f"one of the {len(shards)} shards that {index.name} lists, not a whole checkpoint: "
                                 f"pass the folder {p.parent}", file=str(p))
+    manifest = p.parent / "w4pack.json"  # a packed folder's shards, one or many: its layers' meaning is the manifest's
+    if manifest.is_file():
+        try:
+            doc = read_json(manifest)
+        except BadInputError:
+            return  # a broken manifest is the folder's error, reported when the folder is opened
+        listed = doc.get("shards") if isinstance(doc, dict) else None
+        names = {e.get("file") for e in listed if isinstance(e, dict)} if isinstance(listed, list) else set()
+        if p.name in names:
+            raise BadInputError(f"a shard of the packed checkpoint whose manifest {manifest.name} lists it, not a "
+                                f"checkpoint by itself: pass the folder {p.parent}", file=str(p))
 
 
 def hub_files() -> list[HubFiles]:
