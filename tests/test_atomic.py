@@ -452,7 +452,7 @@ def test_force_does_not_replace_a_file_with_a_folder_or_a_foreign_file(tmp_path)
     --force`` any file: a folder output replaces no file; a GGUF output only a GGUF file or an empty one."""
     notes = tmp_path / "notes.txt"
     notes.write_text("my notes")
-    with pytest.raises(IOFailure, match="is a file, not an earlier output folder"):
+    with pytest.raises(IOFailure, match="is a file, not an earlier checkpoint folder"):
         atomic.check_output(notes, force=True)
     gguf = (b"GGUF", "GGUF file")
     with pytest.raises(IOFailure, match=r"is not a GGUF file \(it does not start with b'GGUF'\)"):

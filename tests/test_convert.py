@@ -79,7 +79,7 @@ def test_cli_convert_force_does_not_replace_a_users_file(tmp_path, to):
     write_model(src)
     notes = tmp_path / "notes.txt"
     notes.write_text("my notes")
-    says = "is a file, not an earlier output folder" if to == "w4pack" else "is not a GGUF file"
+    says = "is a file, not an earlier checkpoint folder" if to == "w4pack" else "is not a GGUF file"
     proc = run_cli("convert", src, notes, "--to", to, "--force")
     assert proc.returncode == 4 and says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert notes.read_text() == "my notes"

@@ -322,10 +322,10 @@ def check_output(target: Path, force: bool, magic: tuple[bytes, str] | None = No
         if magic is not None and target.is_file():
             refuse_foreign_file(target, *magic)
             return
-        kind = "a file" if target.is_file() else "not a folder"
-        raise IOFailure(f"is {kind}, not an earlier output folder: --force replaces an earlier checkpoint folder, "
-                        "since replacing deletes what is there; remove it yourself or choose another output path",
-                        file=str(target))
+        kind = "a file" if target.is_file() else "a pipe, socket or device"
+        want = f"an earlier {magic[1]}" if magic is not None else "an earlier checkpoint folder"
+        raise IOFailure(f"is {kind}, not {want}: --force replaces only that, since replacing deletes what is there; "
+                        "remove it yourself or choose another output path", file=str(target))
     if target.is_symlink() and not target.exists():
         raise IOFailure(f"output is a symbolic link to {os.readlink(target)!r}, which does not exist; remove the "
                         "link or choose another output (--force replaces the link itself)", file=str(target))
