@@ -84,10 +84,6 @@ def check_endpoint(endpoint: str | None, option: str = "endpoint") -> str:
     return value.rstrip("/")
 
 
-def _endpoint(endpoint: str | None) -> str:
-    return check_endpoint(endpoint)
-
-
 def _check_repo_id(repo_id: str) -> None:
     if not isinstance(repo_id, str) or not _REPO_ID.match(repo_id) or ".." in repo_id:
         raise BadInputError(f"repository id {repo_id!r} is not of the form owner/name")
@@ -573,7 +569,7 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
         raise BadInputError("not a folder (push takes a w4pack checkpoint folder)", file=str(folder))
     if create_pr and revision and "/" in revision:
         raise BadInputError(f"--create-pr opens a pull request against a branch; {revision!r} is not one")
-    ep = _endpoint(endpoint)
+    ep = check_endpoint(endpoint)
     summary: dict[str, Any] | None = None
     if validate:
         bars = None if progress is None else progress is True
@@ -718,7 +714,7 @@ def pull(repo_id: str, dest: str | os.PathLike[str], *, revision: str | None = N
     if force and target.is_dir() and not target.is_symlink():
         refuse_foreign_folder(target)  # (--force replaces an earlier download, not any folder)
     refuse_path_below_file(target)
-    ep = _endpoint(endpoint)
+    ep = check_endpoint(endpoint)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = make_temp_dir(target, "pull")  # the mode mkdir would give (umask), not mkdtemp's 0700
@@ -824,7 +820,7 @@ def resolve_source(spec: str, *, endpoint: str | None = None, token: str | None 
     from huggingface_hub import snapshot_download
 
     repo_id, rev, sub = parse_hub_spec(spec)
-    ep = _endpoint(endpoint)
+    ep = check_endpoint(endpoint)
     errs = dict(repo_id=repo_id, endpoint=ep, token=token, revision=rev)
     # one folder per (commit, sub-path): e.g. two GGUF files of one commit do not evict each other
     variant = "_" if not sub else re.sub(r"[^\w.\-]", "-", sub)

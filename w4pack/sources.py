@@ -65,7 +65,8 @@ def _open_as(fmt: str | None, path: Path, options: dict[str, Any]) -> Source:
     what the safetensors reader of --from awq says about a GGUF file, and the mistake to fix is the --from. A
     named reader that opens the input but finds none of its layers there (the GPTQ reader on a compressed-tensors
     folder: every tensor a pass-through) is the same mistake."""
-    refuse_a_shard(path)  # (with --from too: a named reader would misreport the missing tensors)
+    if fmt is not None:
+        refuse_a_shard(path)  # (detect does it otherwise: a named reader would misreport the missing tensors)
     name = fmt or detect(path)
     check_read_options(get_format(name), options, path)
     try:

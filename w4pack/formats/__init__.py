@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import BadInputError, UnsupportedError, W4PackError
 from ..store.folder import read_json
-from ..store.names import WEIGHT_SUFFIXES
+from ..store.names import MANIFEST_NAME, WEIGHT_SUFFIXES
 from .base import Capabilities, Format, HubFiles, Source, TensorData
 
 __all__ = ["REGISTRY", "get_format", "detect", "open_source", "check_read_options", "refuse_a_shard", "hub_files",
@@ -162,8 +162,9 @@ def refuse_a_shard(path: str | Path) -> None:
     p = Path(path)
     if not p.is_file() or not p.name.endswith(WEIGHT_SUFFIXES):
         return
+    index_suffixes = tuple(f"{s}.index.json" for s in WEIGHT_SUFFIXES)
     for index in sorted(p.parent.glob("*.index.json")):
-        if not index.name.endswith(tuple(f"{s}.index.json" for s in WEIGHT_SUFFIXES)) or not index.is_file():
+        if not index.name.endswith(index_suffixes) or not index.is_file():
             continue
         try:
             doc = read_json(index)
@@ -174,7 +175,7 @@ def refuse_a_shard(path: str | Path) -> None:
         if p.name in shards and len(shards) > 1:
             raise BadInputError(f"one of the {len(shards)} shards that {index.name} lists, not a whole checkpoint: "
                                 f"pass the folder {p.parent}", file=str(p))
-    manifest = p.parent / "w4pack.json"  # a packed folder's shards, one or many: its layers' meaning is the manifest's
+    manifest = p.parent / MANIFEST_NAME  # a packed folder's shards, one or many: its layers' meaning is the manifest's
     if manifest.is_file():
         try:
             doc = read_json(manifest)
@@ -197,7 +198,8 @@ def open_source(path: str | Path, fmt: str | None = None, **options: object) -> 
     if str(path).startswith("hf:/"):
         raise UnsupportedError("w4pack.formats.open_source opens local paths; open hf:// sources with "
                                "w4pack.sources.open_source", file=str(path))
-    refuse_a_shard(path)
+    if fmt is not None:
+        refuse_a_shard(path)  # (detect does it otherwise)
     name = fmt or detect(path)
     f = get_format(name)
     check_read_options(f, options, path)

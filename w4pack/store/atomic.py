@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import BadInputError, IOFailure, W4PackError
+from .names import MANIFEST_NAME, WEIGHT_SUFFIXES
 
 __all__ = ["AtomicFolder", "write_json_atomic", "check_output", "make_temp_dir", "move_into_place",
            "write_failure", "is_disk_full", "output_of", "umask_mode", "recover", "exchange", "refuse_foreign_folder",
@@ -347,8 +348,8 @@ def refuse_foreign_file(target: Path, magic: bytes, what: str) -> None:
 
 #: a folder is an earlier output (w4pack's, a GPTQ/AWQ/compressed-tensors folder, quant tables, a model download)
 #: when it holds one of these at its top (a config.json alone is also a project's, a .npy alone anyone's)
-_CHECKPOINT_NAMES = frozenset({"w4pack.json"})
-_CHECKPOINT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".gguf", ".toml", ".bin", ".pt", ".pth")
+_CHECKPOINT_NAMES = frozenset({MANIFEST_NAME})
+_CHECKPOINT_SUFFIXES = WEIGHT_SUFFIXES + (".safetensors.index.json", ".gguf", ".toml")
 #: what a model folder's subfolders hold (a download's original/ weights, tokenizer and config files); .cache is
 #: huggingface_hub's own bookkeeping in a downloaded folder
 _SUBFOLDER_SUFFIXES = _CHECKPOINT_SUFFIXES + (".json", ".model", ".txt", ".md", ".npy", ".tiktoken", ".jinja")
