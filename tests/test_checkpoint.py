@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -146,13 +147,95 @@ def _edit_json(path: Path, fn) -> None:
     path.write_text(json.dumps(doc))
 
 
+def _edit_header(path: Path, fn, extra: bytes = b"") -> None:
+    """Rewrite a safetensors file's JSON header through ``fn`` (padded to 8 bytes), appending ``extra`` to the data."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    fn(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:] + extra)
+
+
+def _shard_of(out: Path, tname: str) -> Path:
+    return out / json.loads((out / INDEX_NAME).read_text())["weight_map"][tname]
+
+
+def _add_unlisted_tensor(out: Path) -> None:
+    """A tensor appended to a shard (header and data) that no index entry lists."""
+    shard = _shard_of(out, "model.norm.weight")
+    end = max(e["data_offsets"][1] for k, e in json.loads(shard.read_bytes()[8:8 + int.from_bytes(
+        shard.read_bytes()[:8], "little")]).items() if k != "__metadata__")
+    _edit_header(shard, lambda h: h.update(sneaky={"dtype": "U8", "shape": [4], "data_offsets": [end, end + 4]}),
+                 extra=b"\1\2\3\4")
+
+
+def _list_unindexed_shard(out: Path) -> None:
+    """A shard the manifest checksums that the index names for no tensor."""
+    import hashlib
+
+    extra = out / "model-99999-of-99999.safetensors"
+    shutil.copyfile(sorted(out.glob("model-*.safetensors"))[0], extra)
+    raw = extra.read_bytes()
+    _edit_json(out / MANIFEST_NAME, lambda d: d["shards"].append(
+        {"file": extra.name, "sha256": hashlib.sha256(raw).hexdigest(), "size": len(raw)}))
+
+
+BIAS = "model.layers.0.mlp.down_proj.bias"
+
+
 @pytest.mark.parametrize("case", ["dotdot", "absolute", "symlink_out", "missing_shard", "contradicting_shape",
-                                  "truncated_shard", "incomplete_marker", "no_quant_config", "tensor_not_in_index"])
+                                  "truncated_shard", "incomplete_marker", "no_quant_config", "tensor_not_in_index",
+                                  "config_fifo", "index_fifo", "config_dev_zero", "config_link_out", "shard_fifo",
+                                  "tensor_not_listed", "shard_not_indexed", "bias_int16", "bias_dtype_contradicted",
+                                  "kv_heads_zero", "layers_string", "heads_not_multiple"])
 def test_hostile_folders(tmp_path, case):
     out = tmp_path / "ck"
     write_model(out)
     first = sorted(out.glob("model-*.safetensors"))[0]
     expect = None
+    if case in ("config_fifo", "index_fifo"):  # a reader that opened it would wait for a writer for ever
+        doc = out / ("config.json" if case == "config_fifo" else INDEX_NAME)
+        doc.unlink()
+        os.mkfifo(doc)
+        expect = "not a regular file"
+    elif case == "config_dev_zero":  # read whole, it would fill memory
+        (out / "config.json").unlink()
+        (out / "config.json").symlink_to("/dev/zero")
+        expect = "symbolic link out of the folder"
+    elif case == "config_link_out":
+        outside = tmp_path / "config.json"
+        shutil.move(out / "config.json", outside)
+        (out / "config.json").symlink_to(outside)
+        expect = "symbolic link out of the folder"
+    elif case == "shard_fifo":
+        first.unlink()
+        os.mkfifo(first)
+        expect = "not a regular file"
+    elif case == "tensor_not_listed":
+        _add_unlisted_tensor(out)
+        expect = "tensor sneaky: tensor is in the shard but not in the index"
+    elif case == "shard_not_indexed":
+        _list_unindexed_shard(out)
+        expect = "holds no tensor of the index"
+    elif case == "bias_int16":  # (same width: only the header's dtype changes)
+        _edit_header(_shard_of(out, BIAS), lambda h: h[BIAS].update(dtype="I16"))
+        _edit_json(out / MANIFEST_NAME, lambda d: d["layers"]["model.layers.0.mlp.down_proj"].update(bias_dtype=None))
+        expect = "int16 is not a float dtype"
+    elif case == "bias_dtype_contradicted":
+        _edit_json(out / MANIFEST_NAME,
+                   lambda d: d["layers"]["model.layers.0.mlp.down_proj"].update(bias_dtype="float32"))
+        expect = "stored as float16 but the manifest says float32"
+    elif case == "kv_heads_zero":
+        _edit_json(out / "config.json", lambda d: d.update(num_attention_heads=4, num_key_value_heads=0))
+        expect = "num_key_value_heads must be a positive integer, got 0"
+    elif case == "layers_string":
+        _edit_json(out / "config.json", lambda d: d.update(num_hidden_layers="2"))
+        expect = "num_hidden_layers must be a positive integer, got '2'"
+    elif case == "heads_not_multiple":
+        _edit_json(out / "config.json", lambda d: d.update(num_attention_heads=6, num_key_value_heads=4))
+        expect = "not a multiple of num_key_value_heads"
     if case == "dotdot":
         _edit_json(out / INDEX_NAME, lambda d: d["weight_map"].update({"model.norm.weight": "../x.safetensors"}))
         expect = "not a plain file name"
@@ -184,14 +267,18 @@ def test_hostile_folders(tmp_path, case):
     elif case == "tensor_not_in_index":
         _edit_json(out / INDEX_NAME, lambda d: d["weight_map"].pop("model.layers.0.mlp.down_proj.qweight"))
         expect = "missing from the index"
-    with pytest.raises(BadInputError, match=expect) as ei:
-        validate_checkpoint(out)
-    assert "\n" not in str(ei.value)
-    # and through the CLI: one line, exit 2, no traceback
-    proc = subprocess.run([sys.executable, "-m", "w4pack", "validate", str(out)], capture_output=True, text=True)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
-    assert proc.stdout == ""
+    with pytest.raises(BadInputError) as ei:  # (every case is the structure's: caught before any checksum)
+        validate_checkpoint(out, checksums=False)
+    assert "\n" not in str(ei.value) and re.search(expect, str(ei.value)), str(ei.value)
+    # and through the CLI: one line, exit 2, no traceback; inspect reads the same documents
+    for cmd in ("validate", "inspect"):
+        proc = subprocess.run([sys.executable, "-m", "w4pack", cmd, str(out)], capture_output=True, text=True,
+                              timeout=120)
+        if cmd == "inspect" and proc.returncode == 0:
+            continue  # (inspect reads headers only where it shows them: what it did not read it does not judge)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+        assert proc.stdout == ""
 
 
 KILLER = textwrap.dedent("""
@@ -596,8 +683,9 @@ TAMPERING = {
     "stray tokenizer": ("plain", lambda f: (f / "tokenizer.json").write_text("{}"), "tokenizer.json"),
     "layer entry removed": ("plain", lambda f: _drop_layer(f, "model.layers.1.mlp.up_proj", index_too=False),
                             INDEX_NAME),
+    # (the shard still holds the layer's tensors, which no index entry lists now)
     "layer removed, index re-signed": ("plain", lambda f: _drop_layer(f, "model.layers.1.mlp.down_proj",
-                                                                       index_too=True), MANIFEST_NAME),
+                                                                       index_too=True), "model-00001-of-00001"),
     "generation_config truncated, re-signed": ("plain", lambda f: _truncate_resigned(f, "generation_config.json"),
                                                "generation_config.json"),
     "generation_config a list, re-signed": ("plain", lambda f: _rewrite_resigned(f, "generation_config.json", "[]"),

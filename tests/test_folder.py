@@ -178,3 +178,24 @@ def test_json_string_that_is_not_unicode_is_refused(tmp_path: Path) -> None:
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "config.json" in lines[0] and "not valid Unicode" in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_read_json_reads_only_regular_files_of_bounded_size(tmp_path, monkeypatch):
+    """A FIFO named config.json would block a reader for ever and /dev/zero would fill its memory: both are refused
+    before a byte is read, and so is a file larger than any JSON document of a model folder."""
+    from w4pack.store import folder
+
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/zero")):
+        with pytest.raises(BadInputError, match="not a regular file") as ei:
+            folder.read_json(path)
+        assert str(path) in str(ei.value)
+    with pytest.raises(BadInputError, match="directory"):
+        folder.read_json(tmp_path)
+    big = tmp_path / "index.json"
+    big.write_text('{"weight_map": {}}' + " " * 64)
+    assert folder.read_json(big) == {"weight_map": {}}
+    monkeypatch.setattr(folder, "MAX_JSON_BYTES", 32)
+    with pytest.raises(BadInputError, match="larger than any JSON file"):
+        folder.read_json(big)

@@ -69,7 +69,8 @@ class UnsupportedError(W4PackError):
 
 
 class VerificationError(W4PackError):
-    """A check ran and failed: checksum mismatch in verify, numerics out of tolerance (exit 1)."""
+    """A check ran and failed (exit 1). ``w4pack.verify`` returns its findings as a report instead of raising
+    (``report.ok``); this class is for callers that turn a failed report into an exception with that status."""
 
     exit_code = EXIT_VERIFY
 

@@ -93,15 +93,17 @@ class CanonicalLayer:
         return dataclasses.replace(self, **changes)
 
     # -- validation ----------------------------------------------------------------------------
-    def validate(self, *, check_codes: bool = True) -> "CanonicalLayer":
+    def validate(self, *, check_codes: bool = True, tensors: dict[str, str] | None = None) -> "CanonicalLayer":
         """Check every invariant; raise BadInputError naming the layer and the broken rule.
 
         ``check_codes=False`` skips only the scan of every code for the bit range, for callers that
         guarantee it otherwise (codes split out of a ``bits``-wide stream, or the native packer, which
-        checks the range in the same pass)."""
+        checks the range in the same pass). ``tensors``: the stored tensor that holds each field ("scales",
+        "zeros", "bias"), so that a broken value is named by the tensor that holds it, not only the layer."""
 
-        def bad(msg: str) -> BadInputError:
-            return BadInputError(msg, tensor=self.name or None)
+        def bad(msg: str, field: str | None = None) -> BadInputError:
+            where = (tensors or {}).get(field or "")
+            return BadInputError(msg, tensor=where or self.name or None)
 
         if self.role not in ROLES:
             raise bad(f"role must be one of {ROLES}, got {self.role!r}")
@@ -131,7 +133,7 @@ class CanonicalLayer:
                       f"for K={k}, group_size={self.group_size}")
         s32 = to_float32(self.scales, self.scale_dtype)
         if not np.all(np.isfinite(s32)):
-            raise bad("scales contain NaN or infinity")
+            raise bad("scales contain NaN or infinity", "scales")
         if self.g_idx is None or not isinstance(self.g_idx, np.ndarray) or self.g_idx.shape != (k,):
             raise bad(f"g_idx must be an int32 array of shape [{k}]")
         if self.g_idx.dtype != np.int32:
@@ -151,12 +153,12 @@ class CanonicalLayer:
                 raise bad(f"integer zeros must have an integer dtype, got {self.zeros.dtype}")
             lo, hi = int(self.zeros.min()), int(self.zeros.max())
             if lo < 0 or hi > (1 << self.bits):
-                raise bad(f"integer zeros must lie in 0..{1 << self.bits}, got {lo}..{hi}")
+                raise bad(f"integer zeros must lie in 0..{1 << self.bits}, got {lo}..{hi}", "zeros")
         else:  # float minimum
             if self.zeros.dtype != FLOAT_DTYPES[self.scale_dtype]:
                 raise bad(f"float minima must share the scale dtype {self.scale_dtype}, got {self.zeros.dtype}")
             if not np.all(np.isfinite(to_float32(self.zeros, self.scale_dtype))):
-                raise bad("float minima contain NaN or infinity")
+                raise bad("float minima contain NaN or infinity", "zeros")
         self._check_range(s32, bad)
         if self.bias is not None:
             if self.bias_dtype is None and isinstance(self.bias, np.ndarray):
@@ -167,7 +169,7 @@ class CanonicalLayer:
             if self.bias.shape != (n,):
                 raise bad(f"bias shape {list(self.bias.shape)} != [N] = [{n}]")
             if not np.all(np.isfinite(to_float32(self.bias, self.bias_dtype))):
-                raise bad("bias contains NaN or infinity")
+                raise bad("bias contains NaN or infinity", "bias")
         return self
 
     def _check_range(self, s32: np.ndarray, bad: Any) -> None:

@@ -237,6 +237,9 @@ def unpack(packed: PackedLayer, name: str = "") -> CanonicalLayer:
     bias = None
     if "bias" in t:
         bias_dtype = m.get("bias_dtype") or "float16"
+        if not isinstance(bias_dtype, str) or bias_dtype not in FLOAT_DTYPES:
+            raise BadInputError(f"bias_dtype {str(bias_dtype)[:40]!r} is not a float dtype",
+                                tensor=f"{name}.bias" if name else "bias")
         _expect(t, "bias", (n,), FLOAT_DTYPES[bias_dtype], name)
         bias = np.array(t["bias"])
     layer = CanonicalLayer(
@@ -249,7 +252,9 @@ def unpack(packed: PackedLayer, name: str = "") -> CanonicalLayer:
         raise BadInputError(f"packed codes exceed the {m['bits']}-bit range", tensor=f"{name}.qweight")
     # the rest of the invariants (zero points in range, finite scales and minima, the bias); the codes were
     # checked just above
-    return layer.validate(check_codes=False)
+    names = m.get("tensors") or {}
+    return layer.validate(check_codes=False, tensors={"scales": names.get("scales"), "bias": names.get("bias"),
+                                                      "zeros": names.get("zeros") or names.get("mins")})
 
 
 def _check_pad(arr: np.ndarray, rows: int, cols: int, label: str) -> None:

@@ -31,9 +31,9 @@ import numpy as np
 from .._version import __version__
 from .atomic import check_output, is_disk_full, make_temp_dir, move_into_place, write_failure
 from ..core.canonical import CanonicalLayer
-from ..core.dtypes import dtype_name_of
+from ..core.dtypes import FLOAT_DTYPES, dtype_name_of
 from ..errors import BadInputError, IOFailure
-from .folder import brief, member as _safe_member, read_json as _read_json, read_side_json, side_file
+from .folder import brief, is_json_int, member as _safe_member, read_json as _read_json, read_side_json, side_file
 from ..core.layout import LAYOUT_NAME, LAYOUT_VERSION, TILE_K, TILE_N, PackedLayer, pack, tensor_suffixes, unpack
 from ..progress import Progress
 from .shards import ShardStream
@@ -107,18 +107,33 @@ def config_problem(config: dict[str, Any]) -> str | None:
     ``architectures`` (vLLM and w4pack's summary take the first class name of the list), ``model_type``
     (transformers' AutoConfig key) and ``num_hidden_layers`` (a loader builds that many decoder layers).
     ``"architectures": true`` used to end inspect and validate in "unexpected TypeError" and would stop vLLM
-    before the first layer; ``"num_hidden_layers": 1000000000`` made the architecture check take gigabytes."""
+    before the first layer; ``"num_hidden_layers": 1000000000`` made the architecture check take gigabytes. The
+    model's sizes (_SIZE_KEYS), where present, are positive integers, and the key/value heads divide the heads."""
     arch = config.get("architectures")
     if arch is not None and (not isinstance(arch, list) or not all(isinstance(a, str) and a for a in arch)):
         return f"architectures must be a list of model class names, got {brief(arch)}"
     mtype = config.get("model_type")
     if mtype is not None and not isinstance(mtype, str):
         return f"model_type must be a string, got {brief(mtype)}"
+    for key in _SIZE_KEYS:
+        v = config.get(key)
+        if v is not None and not (is_json_int(v) and v > 0):
+            return f"{key} must be a positive integer, got {brief(v)}"
     layers = config.get("num_hidden_layers")
-    if isinstance(layers, int) and not isinstance(layers, bool) and layers > MAX_DECODER_LAYERS:
+    if layers is not None and layers > MAX_DECODER_LAYERS:
         return (f"num_hidden_layers {layers} is more than any model has (at most {MAX_DECODER_LAYERS}); a loader "
                 "would build that many decoder layers")
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads is not None and kv is not None and heads % kv:
+        return (f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv} (each key/value head "
+                "serves a whole number of query heads)")
     return None
+
+
+#: the sizes of config.json a loader builds the model from: each a positive integer where present (a 0 divides by
+#: zero in the loader, a "2" or 2.5 is refused by transformers' own config classes)
+_SIZE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "vocab_size")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -473,6 +488,10 @@ class Checkpoint:
         if (root / INCOMPLETE_MARKER).exists():
             raise BadInputError("folder is an unfinished write (interrupted conversion); convert again",
                                 file=str(root))
+        # (the three documents everything else is checked against: a symbolic link out of the folder would make
+        # another folder's file this checkpoint's, FORMAT rule 1, the same rule as for shards and side files)
+        for doc in (MANIFEST_NAME, CONFIG_NAME, INDEX_NAME):
+            _safe_member(root, doc, "file", str(root / doc))
         mpath = root / MANIFEST_NAME
         if not mpath.is_file():
             raise BadInputError(f"no {MANIFEST_NAME}: not a w4pack checkpoint (or an unfinished write)", file=str(root))
@@ -503,10 +522,16 @@ class Checkpoint:
         for s in self.manifest["shards"]:
             p = _safe_member(root, s["file"], "shard", str(mpath))
             if not p.is_file():
-                raise BadInputError("shard named in the manifest is missing", file=str(p))
-        stray = set(self.weight_map.values()) - shard_files
+                raise BadInputError("shard named in the manifest is not a regular file" if os.path.lexists(p)
+                                    else "shard named in the manifest is missing", file=str(p))
+        named = set(self.weight_map.values())
+        stray = named - shard_files
         if stray:
             raise BadInputError(f"index names shard {sorted(stray)[0]!r} that the manifest does not checksum",
+                                file=str(ipath))
+        unnamed = shard_files - named
+        if unnamed:  # (its tensors would be no one's: every tensor of every shard is listed, FORMAT section 4)
+            raise BadInputError(f"shard {sorted(unnamed)[0]!r} of the manifest holds no tensor of the index",
                                 file=str(ipath))
         for name, meta in self.manifest["layers"].items():
             for suffix, tname in meta["tensors"].items():
@@ -582,8 +607,8 @@ class Checkpoint:
             fdt = self.dtype_name(tname)
             want = {"scales": meta["scale_dtype"], "mins": meta["scale_dtype"]}.get(suffix)
             if suffix == "bias":
-                want = meta.get("bias_dtype") or fdt
-                meta["bias_dtype"] = want
+                _check_bias_dtype(fdt, meta.get("bias_dtype"), self.path / self.weight_map[tname], tname)
+                want = meta["bias_dtype"] = fdt
             if want is not None and fdt != want:
                 raise BadInputError(f"stored as {fdt} but the manifest says {want}",
                                     file=str(self.path / self.weight_map[tname]), tensor=tname)
@@ -612,7 +637,7 @@ class Checkpoint:
             return unpack(packed, name=name)
         except BadInputError as exc:
             if exc.file is None:
-                tname = packed.meta["tensors"].get("qweight", name)
+                tname = exc.tensor if exc.tensor in self.weight_map else packed.meta["tensors"].get("qweight", name)
                 exc.file = str(self.path / self.weight_map.get(tname, ""))
                 exc.args = (exc.one_line(),)
             raise
@@ -621,10 +646,20 @@ class Checkpoint:
         """float32 (or ``dtype`` float64) [N, K] weights in the original input-channel order."""
         return self.layer(name).dequantize(dtype)
 
+    def check_shards(self) -> None:
+        """Open every shard header: each tensor the index lists is in its shard, and each tensor a shard holds is
+        listed, in that shard (FORMAT section 4). A tensor the index does not list is read by no one, or, where a
+        loader globs the shards, by some: a second copy of a listed tensor would be one loader's and not
+        another's."""
+        self.store.check_index()
+        for path, tname in self.store.unlisted():
+            raise BadInputError("tensor is in the shard but not in the index (every tensor of a shard is listed; "
+                                "convert the folder again)", file=path, tensor=tname)
+
     def check_structure(self) -> None:
         """Open every shard header and check every tensor's shape and dtype (no data read); then that the folder,
         the index, the fused table and the architecture agree with the manifest (``check_contents``)."""
-        self.store.check_index()
+        self.check_shards()
         for name in self.layers:
             self.packed_shapes_ok(name)
         self.check_contents()
@@ -774,6 +809,7 @@ class Checkpoint:
                 if shape != (n,):
                     raise BadInputError(f"shape {list(shape)} contradicts the manifest (expected [{n}])",
                                         file=str(self.path / fname), tensor=tname)
+                _check_bias_dtype(dt, meta.get("bias_dtype"), self.path / fname, tname)
                 continue
             want_shape, want_dt = expect[suffix]
             if shape != want_shape:
@@ -898,7 +934,7 @@ def validate_checkpoint(path: str | os.PathLike[str], *, checksums: bool = True,
     first problem; returns the checkpoint summary when all is well.
     """
     with open_checkpoint(path) as ck:
-        ck.store.check_index()
+        ck.check_shards()
         for name in ck.layers:
             ck.packed_shapes_ok(name)
         contents = ck.check_contents()
@@ -911,6 +947,16 @@ def validate_checkpoint(path: str | os.PathLike[str], *, checksums: bool = True,
         out["checks"] = ["schema", "index", "headers", "shapes"] + contents + (["sha256"] if checksums else []) + \
             (["unpack"] if deep else [])
         return out
+
+
+def _check_bias_dtype(stored: str, declared: str | None, file: Path, tname: str) -> None:
+    """A bias is stored as a float dtype, the manifest's ``bias_dtype`` where it names one (FORMAT section 3: a
+    reader that meets a bias without it takes the stored dtype)."""
+    if stored not in FLOAT_DTYPES:
+        raise BadInputError(f"dtype {stored} is not a float dtype (a bias is {', '.join(FLOAT_DTYPES)})",
+                            file=str(file), tensor=tname)
+    if declared is not None and stored != declared:
+        raise BadInputError(f"stored as {stored} but the manifest says {declared}", file=str(file), tensor=tname)
 
 
 def _check_perm(arr: np.ndarray, file: Path, tname: str) -> None:

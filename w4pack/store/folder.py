@@ -6,23 +6,42 @@ is refused the same way everywhere.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
 from ..errors import BadInputError, IOFailure
 
-__all__ = ["read_json", "read_side_json", "nesting", "json_problem", "MAX_JSON_DEPTH", "write_json", "member", "brief",
-           "is_json_int", "link_target_allowed", "side_file", "side_files"]
+__all__ = ["read_json", "read_side_json", "nesting", "json_problem", "MAX_JSON_DEPTH", "MAX_JSON_BYTES", "write_json",
+           "member", "brief", "is_json_int", "link_target_allowed", "side_file", "side_files"]
+
+
+#: the largest JSON file read: the largest a model folder holds are tokenizer files of a few tens of MB; reading a
+#: bigger one whole would take ten times its size in memory before anything could be said about it
+MAX_JSON_BYTES = 256 << 20
 
 
 def read_json(path: Path) -> Any:
-    """Parse a JSON file; a missing, unreadable, malformed or hostile file is bad input naming the file."""
+    """Parse a JSON file; a missing, unreadable, malformed or hostile file is bad input naming the file. Only a
+    regular file is read: a FIFO in its place would block the reader for ever, and /dev/zero would fill memory."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+        # (O_NONBLOCK: opening a FIFO must not wait for a writer; it changes nothing for a regular file)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with open(fd, encoding="utf-8", closefd=True) as fh:
+            st = os.fstat(fh.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise BadInputError("not a regular file (a JSON document of a model folder is a plain file)",
+                                    file=str(path))
+            if st.st_size > MAX_JSON_BYTES:
+                raise BadInputError(f"{st.st_size} bytes: larger than any JSON file of a model folder (at most "
+                                    f"{MAX_JSON_BYTES >> 20} MiB are read)", file=str(path))
+            text = fh.read(MAX_JSON_BYTES + 1)
         doc = json.loads(text, object_pairs_hook=unique_keys)
+    except BadInputError:
+        raise
     except DuplicateKeyError as exc:
         raise BadInputError(f"key {brief(exc.key)} appears twice in one object (readers disagree on which "
                             "value holds)", file=str(path)) from None

@@ -97,6 +97,10 @@ class TensorStore:
             for name in f.keys():
                 self._no_second_copy(name, path)
 
+    def unlisted(self) -> list[tuple[str, str]]:
+        """(file, tensor) for each tensor an opened shard holds that the index does not list (sorted)."""
+        return sorted((path, name) for name, path in self._unlisted.items() if name not in self.where)
+
     def _claim(self, name: str, path: str) -> None:
         self._no_second_copy(name, path)
         other = self._unlisted.get(name)

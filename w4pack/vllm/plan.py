@@ -79,7 +79,7 @@ class CheckpointPlan:
             # what `w4pack validate --no-checksums` reads of the shards: their headers only (no data), so that a
             # truncated shard, a tensor missing from it or one whose shape or dtype contradicts the manifest is
             # refused here, naming the file, rather than deep in the engine's weight loader
-            ckpt.store.check_index()
+            ckpt.check_shards()
             for name in ckpt.layers:
                 ckpt.packed_shapes_ok(name)
             ckpt.check_index_coverage()
