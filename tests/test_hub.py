@@ -325,6 +325,8 @@ def test_pull_refuses_to_clobber_and_validates(hub, ckpt: Path, tmp_path: Path, 
         pull(REPO, dest, endpoint=hub.endpoint, token=TOKEN, force=True)
     with pytest.raises(BadInputError, match="is a file, not a folder"):
         pull(REPO, dest / "keep.txt" / "x", endpoint=hub.endpoint, token=TOKEN)
+    with pytest.raises(IOFailure, match="is a file, not an earlier checkpoint folder"):  # it would become a folder
+        pull(REPO, dest / "keep.txt", endpoint=hub.endpoint, token=TOKEN, force=True)
     assert (dest / "keep.txt").read_text() == "mine" and hub.count("resolve") == 0
     (dest / "config.json").write_text("{}")
     with pytest.raises(IOFailure, match=r"holds no checkpoint \(config.json, keep.txt\)"):  # a project's config
@@ -612,3 +614,57 @@ def test_the_card_is_written_with_the_umask_mode(tmp_path: Path) -> None:
     card.write_text("old")
     _write_text_atomic(card, "new")
     assert card.read_text() == "new" and card.stat().st_mode & 0o777 == umask_mode(0o666)
+
+
+def test_card_names_the_bit_widths_the_layers_have(tmp_path: Path) -> None:
+    """An 8-bit checkpoint was tagged int4/4-bit and introduced as "4-bit weights"."""
+    from conftest import fixture_dir
+    from huggingface_hub import ModelCard
+
+    from w4pack.convert import convert
+    from w4pack.hub import model_card
+
+    out = tmp_path / "b8"
+    convert(fixture_dir("gptq", "ag_b8_sym_g128"), out, show_progress=False)
+    card = ModelCard(model_card(out))
+    tags = set(card.data.to_dict()["tags"])
+    assert {"w4pack", "int8", "8-bit"} <= tags and not {"int4", "4-bit"} & tags
+    assert "8-bit weights" in card.text and "4-bit" not in card.text.split("## Quantization")[0]
+
+
+def test_repacking_keeps_the_license_and_origin(tmp_path: Path) -> None:
+    """Re-sharding a packed folder kept its base model but dropped the license its card publishes."""
+    from huggingface_hub import ModelCard
+
+    from w4pack.convert import convert
+
+    first = make_checkpoint(tmp_path / "m", source={"format": "gptq", "base_model": "example-org/tiny-llama-base",
+                                                    "license": "llama2", "path": "hf://example-org/tiny-gptq"})
+    again = tmp_path / "again"
+    convert(first, again, show_progress=False)
+    meta = ModelCard((again / "README.md").read_text()).data.to_dict()
+    assert meta["license"] == "llama2" and meta["base_model"] == "example-org/tiny-llama-base"
+    notes = json.loads((again / "w4pack.json").read_text())["source"]["notes"]
+    assert "originally from hf://example-org/tiny-gptq" in notes
+
+
+def test_push_refuses_a_folder_that_is_no_checkpoint(hub, tmp_path: Path, capfd) -> None:  # noqa: ANN001
+    """--no-validate used to publish a GPTQ folder with a w4pack card ("layout `?` v?", "0 layers")."""
+    folder = tmp_path / "gptq"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"\0" * 16)
+    rc, out, err = _cli(["push", str(folder), REPO, "--endpoint", hub.endpoint, "--token", TOKEN, "--no-validate"],
+                        capfd)
+    assert rc == 2 and "no w4pack.json" in err and "w4pack convert" in err and len(err.strip().splitlines()) == 1
+    assert hub.requests == [] and not (folder / "README.md").exists()
+
+
+@pytest.mark.parametrize("card", [b"\xff\xfe\x00\x00garbage", b"---\nlicense: [mit\ntags: x\n---\n\nbody\n"],
+                         ids=["not-utf8", "bad-yaml"])
+def test_an_unreadable_card_is_named_on_one_line(hub, ckpt: Path, capfd, card: bytes) -> None:  # noqa: ANN001
+    (ckpt / "README.md").write_bytes(card)
+    rc, out, err = _cli(["push", str(ckpt), REPO, "--endpoint", hub.endpoint, "--token", TOKEN], capfd)
+    assert rc == 2 and f"{ckpt / 'README.md'}:" in err and len(err.strip().splitlines()) == 1, err
+    assert "\\n" not in err and "Traceback" not in err and "unexpected" not in err
+    assert hub.requests == [] and (ckpt / "README.md").read_bytes() == card

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ._version import __version__
-from .store.atomic import (make_temp_dir, move_into_place, recover, refuse_foreign_folder, refuse_path_below_file,
+from .store.atomic import (check_output, make_temp_dir, move_into_place, recover, refuse_path_below_file,
                            umask_mode)
 from .store.checkpoint import CONFIG_NAME, INCOMPLETE_MARKER, MANIFEST_NAME, SIDE_FILES, validate_checkpoint
 from .errors import BadInputError, IOFailure, W4PackError
@@ -305,12 +305,19 @@ def _existing_card(folder: Path) -> tuple[dict[str, Any], str]:
     p = folder / CARD_NAME
     if not p.is_file():
         return {}, ""
-    text = p.read_text(encoding="utf-8")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadInputError(f"the model card is not UTF-8 text (byte {exc.start}); fix it, or remove it and push "
+                            "writes a new one", file=str(p)) from None
+    except OSError as exc:
+        raise BadInputError(f"cannot read the model card: {exc.strerror}", file=str(p)) from None
     try:
         with _quiet_card_parser():
             card = ModelCard(text, ignore_metadata_errors=True)
     except Exception as exc:  # noqa: BLE001 - yaml errors and the like
-        raise BadInputError(f"cannot read the existing model card's front matter: {exc}", file=str(p)) from None
+        said = " ".join(str(exc).split())  # (a YAML error spans lines: one line, as every error here)
+        raise BadInputError(f"cannot read the existing model card's front matter: {said}", file=str(p)) from None
     return card.data.to_dict(), card.text
 
 
@@ -357,8 +364,9 @@ def _card_facts(folder: Path) -> dict[str, Any]:
                    bool(m.get("act_order")), m.get("scale_dtype"))] += 1
     shards = [s for s in manifest.get("shards") or [] if isinstance(s, dict)]
     arch = (config.get("architectures") or [None])[0] if isinstance(config.get("architectures"), list) else None
+    n_embed = sum(1 for m in layers.values() if isinstance(m, dict) and m.get("role") == "embedding")
     return {"manifest": manifest, "config": config, "source": source, "kinds": kinds, "shards": shards,
-            "arch": arch, "n_layers": len(layers), "n_pass": len(manifest.get("passthrough") or [])}
+            "arch": arch, "n_layers": len(layers), "n_embed": n_embed, "n_pass": len(manifest.get("passthrough") or [])}
 
 
 def _hub_id(base: Any) -> str | None:
@@ -387,18 +395,21 @@ def _card_metadata(facts: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]
     if arch.endswith("ForCausalLM"):
         meta["pipeline_tag"] = "text-generation"
     tags = [t for t in (old.get("tags") or []) if isinstance(t, str)]
-    want = ["w4pack", "int4", "4-bit"]
+    want = ["w4pack"]
+    for b in _bit_widths(facts):  # the widths the layers have: an 8-bit checkpoint is not tagged 4-bit
+        want += [f"int{b}", f"{b}-bit"]
     fmt = source.get("format")
     if fmt and fmt not in ("unknown", "w4pack"):
         want.append(str(fmt))
-    bits = sorted({k[0] for k in facts["kinds"] if isinstance(k[0], int)})
-    if any(b == 8 for b in bits):
-        want.append("int8")
     for t in want:
         if t not in tags:
             tags.append(t)
     meta["tags"] = tags
     return meta
+
+
+def _bit_widths(facts: dict[str, Any]) -> list[int]:
+    return sorted({k[0] for k in facts["kinds"] if isinstance(k[0], int) and not isinstance(k[0], bool)})
 
 
 def _card_body(folder: Path, facts: dict[str, Any], repo_id: str | None, name: str | None = None) -> str:
@@ -407,8 +418,10 @@ def _card_body(folder: Path, facts: dict[str, Any], repo_id: str | None, name: s
     layout = manifest.get("layout") or {}
     base = _hub_id(source.get("base_model") or _notes_value(source, "base_model"))
     lines = [CARD_BEGIN, f"# {name}", ""]
-    intro = (f"4-bit weights of [{base}](https://huggingface.co/{base}), " if base else "4-bit weights, ")
-    intro += (f"packed by w4pack {__version__} in the interleaved int4 layout "
+    widths = [str(b) for b in _bit_widths(facts)] or ["4"]
+    what = (widths[0] if len(widths) == 1 else ", ".join(widths[:-1]) + " and " + widths[-1]) + "-bit weights"
+    intro = f"{what} of [{base}](https://huggingface.co/{base}), " if base else f"{what}, "
+    intro += (f"packed by w4pack {__version__} in its interleaved tile layout "
               f"`{layout.get('name', '?')}` v{layout.get('version', '?')}")
     if source.get("format") and source.get("format") != "unknown":
         intro += f", converted losslessly from a `{source['format']}` checkpoint"
@@ -419,8 +432,9 @@ def _card_body(folder: Path, facts: dict[str, Any], repo_id: str | None, name: s
     lines += ["## Quantization", ""]
     if facts["arch"] or config.get("model_type"):
         lines.append(f"- architecture: `{facts['arch'] or '?'}` (model_type `{config.get('model_type', '?')}`)")
-    lines += [f"- quantized linear layers: {facts['n_layers']}; unquantized tensors passed through: "
-              f"{facts['n_pass']}",
+    embedded = f"; quantized token embeddings: {facts['n_embed']}" if facts["n_embed"] else ""
+    lines += [f"- quantized linear layers: {facts['n_layers'] - facts['n_embed']}{embedded}; unquantized tensors "
+              f"passed through: {facts['n_pass']}",
               f"- shards: {len(facts['shards'])}, "
               f"{_fmt_bytes(sum(int(s.get('size', 0)) for s in facts['shards']))} "
               f"(sha256 of each in `{MANIFEST_NAME}`)"]
@@ -575,6 +589,10 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
         bars = None if progress is None else progress is True
         summary = validate_checkpoint(folder, checksums=True, show_progress=bars)
     else:
+        if not (folder / MANIFEST_NAME).is_file():  # (its card would describe a w4pack checkpoint that is not there)
+            raise BadInputError(f"no {MANIFEST_NAME}: not a w4pack checkpoint, which push publishes (--no-validate "
+                                "skips checking one); convert the folder first: w4pack convert "
+                                f"{folder} OUT", file=str(folder))
         _say(f"WARNING: --no-validate: pushing {folder} WITHOUT checking it; an invalid or corrupted "
              "checkpoint may be published")
     up = _Upload.of(folder, model_card(folder, repo_id=repo_id), dry_run)
@@ -620,7 +638,7 @@ class _Upload:
     @classmethod
     def of(cls, folder: Path, card: str, dry_run: bool) -> "_Upload":
         card_path = folder / CARD_NAME
-        old_card = card_path.read_text(encoding="utf-8") if card_path.is_file() else None
+        old_card = card_path.read_text(encoding="utf-8") if card_path.is_file() else None  # (model_card read it)
         card_changed = old_card != card
         card_in_memory = False
         if card_changed and not dry_run:
@@ -711,8 +729,8 @@ def pull(repo_id: str, dest: str | os.PathLike[str], *, revision: str | None = N
     recover(target, clean=False)  # a destination an interrupted --force pull moved aside is put back first
     if target.exists() and not force:
         raise IOFailure("destination already exists; replace it with --force", file=str(target))
-    if force and target.is_dir() and not target.is_symlink():
-        refuse_foreign_folder(target)  # (--force replaces an earlier download, not any folder)
+    if force:
+        check_output(target, True)  # (--force replaces an earlier download, not any folder, and never a file)
     refuse_path_below_file(target)
     ep = check_endpoint(endpoint)
     try:

@@ -30,8 +30,15 @@ class W4PackSource(Source):
                      "notes": [f"repacked from {src.get('format', 'unknown')}"]}
         #: fused projections of the manifest, carried over by write_packed (w4pack.fuse)
         self.fused = dict(self.ckpt.manifest.get("fused") or {})
+        # what the model card publishes about the model's origin: its base model and its license (a license the
+        # first conversion took from a Hub source's card is a "license=" note of the manifest), and where it came from
         if src.get("base_model"):
             self.info["base_model"] = src["base_model"]
+        for note in src.get("notes") or []:
+            if isinstance(note, str) and note.startswith("license=") and len(note) > len("license="):
+                self.info["license"] = note.split("=", 1)[1]
+        if isinstance(src.get("path"), str) and src["path"].startswith("hf://"):
+            self.info["notes"].append(f"originally from {src['path']}")
 
     def layer_names(self) -> list[str]:
         return self.ckpt.layers
