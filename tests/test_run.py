@@ -368,8 +368,9 @@ def test_completion_is_passed_on_while_generated(tiny: Path) -> None:
 
     tok = load_tokenizer(tiny)
     pieces: list[str] = []
-    clock = _Clock(tok, pieces.append)
-    clock.put(torch.tensor([tok("The", add_special_tokens=False)["input_ids"]]))  # the prompt: not shown
+    prompt = tok("The", add_special_tokens=False)["input_ids"]
+    clock = _Clock(tok, pieces.append, prompt)
+    clock.put(torch.tensor([prompt]))  # the prompt: not shown
     seen = []
     for ch in "ab cd ef":
         clock.put(torch.tensor(tok(ch, add_special_tokens=False)["input_ids"]))
@@ -377,6 +378,37 @@ def test_completion_is_passed_on_while_generated(tiny: Path) -> None:
     clock.end()
     assert all("ab cd ef".startswith(s) for s in seen) and seen[2].startswith("ab ") and seen[5].startswith("ab cd ")
     assert "".join(pieces) == "ab cd ef" and len(clock.times) == 8
+
+
+def _metaspace_tokenizer():
+    """Words as SentencePiece tokenizers (Llama 2, Mistral) cut them: "▁w5" carries its leading space, and decoding
+    drops the space of the first token decoded."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"\u2581w{i}": i + 1 for i in range(20)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tk.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>")
+
+
+def test_completion_keeps_the_space_that_joins_it_to_the_prompt() -> None:
+    """Decoded alone, the new tokens " w16 w7" read "w16 w7", and the prompt "w5 w6" printed before them ran into
+    them ("w5 w6w16 w7"). The returned completion and the streamed text are the prompt's continuation."""
+    from w4pack.runtime.run import _Clock, completion_text
+
+    tok = _metaspace_tokenizer()
+    prompt, new = tok("w5 w6")["input_ids"], tok("w16 w7")["input_ids"]
+    assert tok.decode(new) == "w16 w7"  # (what the tokenizer does to a completion decoded alone)
+    assert completion_text(tok, prompt, new) == " w16 w7"
+    pieces: list[str] = []
+    clock = _Clock(tok, pieces.append, prompt)
+    clock.put(torch.tensor([prompt]))
+    for t in new:
+        clock.put(torch.tensor([t]))
+    clock.end()
+    assert "".join(pieces) == " w16 w7"
 
 
 def test_generate_streams_the_same_text_it_returns(tiny: Path) -> None:
@@ -449,3 +481,27 @@ def test_seed_without_temperature_is_pointed_out(tiny: Path, capsys: pytest.Capt
     rc, out, err = _cli(capsys, "run", str(tiny), "--prompt", "keeper", "--max-new-tokens", "2", "--seed", "3",
                         "--temperature", "0.7", "--json")
     assert rc == 0 and "warning" not in err
+
+
+def test_a_listed_tokenizer_file_that_is_gone_is_named(tiny: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Was, after the whole model had loaded: "no usable tokenizer in the folder; put the original model's
+    tokenizer files ... beside the source's weights and convert again (...transformers' message...)"."""
+    import shutil
+
+    folder = tmp_path / "w4"
+    shutil.copytree(tiny, folder)
+    (folder / "tokenizer.json").unlink()
+    rc, out, err = _cli(capsys, "run", str(folder), "--prompt", "The", "--max-new-tokens", "1")
+    assert rc == 2 and out == ""
+    assert err.strip() == (f"w4pack: error: {folder / 'tokenizer.json'}: file is missing, though w4pack.json lists "
+                           "it (the folder lost it after it was written): convert or download the checkpoint again")
+
+
+def test_a_window_past_the_models_context_is_refused(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--window 5000 on a model of 128 positions gave a perplexity of positions the model never saw, exit 0."""
+    rc, out, err = _cli(capsys, "run", str(tiny), "--perplexity", str(SAMPLE), "--window", "129", "--json")
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert "window 129 is longer than the model's context (max_position_embeddings 128); give --window 128" in err
+    rc, out, _err = _cli(capsys, "run", str(tiny), "--perplexity", str(SAMPLE), "--window", "128", "--json")
+    assert rc == 0 and json.loads(out)["window"] == 128

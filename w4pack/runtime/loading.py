@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..store.checkpoint import Checkpoint, open_checkpoint
+from ..store.checkpoint import MANIFEST_NAME, Checkpoint, open_checkpoint
 from ..errors import BadInputError, UnsupportedError
 from .saving import attach_save_pretrained
 
@@ -537,6 +537,10 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     _require_hf()
     from transformers import AutoTokenizer
 
+    gone = _listed_but_missing(Path(path))
+    if gone:  # (transformers would say it found no tokenizer, or fall back to another file, without naming this)
+        raise BadInputError(f"file is missing, though {MANIFEST_NAME} lists it (the folder lost it after it was "
+                            "written): convert or download the checkpoint again", file=str(Path(path) / gone[0]))
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, TypeError) as exc:
@@ -551,6 +555,19 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
                             f"(tokenizer.json, tokenizer_config.json) beside the source's weights and convert again "
                             f"(convert copies and checksums them; a file copied into a packed folder makes it "
                             f"invalid) ({why})", file=str(path)) from None
+
+
+def _listed_but_missing(folder: Path) -> list[str]:
+    """The files a w4pack manifest lists beside the shards (config, index, tokenizer and other side files) that the
+    folder no longer holds; [] for any other folder or an unreadable manifest (validate names what is wrong)."""
+    import json
+
+    try:
+        doc = json.loads((folder / MANIFEST_NAME).read_text(encoding="utf-8"))
+        names = [e["file"] for e in doc.get("files") or []] + list(doc.get("side_files") or [])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+    return sorted({n for n in names if isinstance(n, str) and "/" not in n and not os.path.lexists(folder / n)})
 
 
 def _gguf_without_tokenizer(folder: Path) -> bool:

@@ -19,23 +19,38 @@ from .decode import decode_mode
 __all__ = ["generate", "perplexity", "dequantized_model"]
 
 
+def completion_text(tok: Any, prompt_ids: list[int], new: list[int]) -> str:
+    """The text the new tokens add to the prompt's. Decoding them alone loses what joins them to the prompt: a
+    SentencePiece tokenizer (Llama 2, Mistral) drops the leading space of the first token it decodes, so "w5 w6"
+    continued by " w16" would read "w5 w6w16". Decoded with the prompt, the prompt's text is cut off instead."""
+    head = tok.decode(prompt_ids, skip_special_tokens=True)
+    full = tok.decode(prompt_ids + new, skip_special_tokens=True)
+    return full[len(head):] if full.startswith(head) else tok.decode(new, skip_special_tokens=True)
+
+
 class _Clock:
     """A transformers streamer that timestamps every new token (the first put() is the prompt) and, given
-    ``on_text``, passes the decoded text on as it grows (word by word, as transformers' TextStreamer cuts it)."""
+    ``on_text``, passes the decoded text on as it grows (word by word, as transformers' TextStreamer cuts it).
+    The stream decodes prompt and completion together and drops the prompt's text, for completion_text's reason."""
 
-    def __init__(self, tok: Any = None, on_text: Callable[[str], None] | None = None) -> None:
+    def __init__(self, tok: Any = None, on_text: Callable[[str], None] | None = None,
+                 prompt_ids: list[int] | None = None) -> None:
         self.times: list[float] = []
         self._prompt_seen = False
         self._text = None
         if on_text is not None:
             from transformers import TextStreamer
 
+            skip = [len(tok.decode(prompt_ids or [], skip_special_tokens=True))]  # prompt characters still to drop
+
             class _Text(TextStreamer):
                 def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
-                    if text:
-                        on_text(text)
+                    cut = min(skip[0], len(text))
+                    skip[0] -= cut
+                    if text[cut:]:
+                        on_text(text[cut:])
 
-            self._text = _Text(tok, skip_prompt=True, skip_special_tokens=True)
+            self._text = _Text(tok, skip_prompt=False, skip_special_tokens=True)
 
     def put(self, value: Any) -> None:
         if self._text is not None:
@@ -62,9 +77,10 @@ def _load(target: Any, device: str, precision: str, dtype: Any, threads: int | N
 
         path = str(target)
         with (status or nullcontext)():
+            tok = load_tokenizer(path)  # (first: a folder without a usable one is refused before the model loads)
             model = load_model(path, device=device, dtype=dtype, precision=precision, threads=threads,
                                compile=compile, engine=engine)
-            return model, load_tokenizer(path), path
+            return model, tok, path
     model, tok = target
     return model, tok, str(getattr(model, "w4pack_path", "<model>"))
 
@@ -154,7 +170,8 @@ def generate(target: Any, prompt: str, *, device: str = "cpu", max_new_tokens: i
                 torch.cuda.manual_seed_all(seed)
     else:
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-    clock = _Clock(tok, on_text)
+    prompt_ids = enc["input_ids"][0].tolist()
+    clock = _Clock(tok, on_text, prompt_ids)
     with torch.inference_mode():
         t1 = time.perf_counter()
         out = model.generate(**enc, streamer=clock, **kwargs)
@@ -174,7 +191,7 @@ def generate(target: Any, prompt: str, *, device: str = "cpu", max_new_tokens: i
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "prompt": prompt,
         "chat": chat,
-        "completion": tok.decode(new, skip_special_tokens=True),
+        "completion": completion_text(tok, prompt_ids, new),
         "prompt_tokens": n_prompt,
         "new_tokens": n_new,
         "token_ids": new,
@@ -185,6 +202,25 @@ def generate(target: Any, prompt: str, *, device: str = "cpu", max_new_tokens: i
         "tokens_per_s": round((n_new - 1) / decode_s, 2) if decode_s > 0 else None,
         "overall_tokens_per_s": round(n_new / (t2 - t1), 2) if t2 > t1 else None,
     }
+
+
+def _context_of(folder: Path) -> int | None:
+    """config.json's max_position_embeddings, or None (no such file or key: the loader says what is wrong)."""
+    from ..store.folder import is_json_int, read_json
+
+    try:
+        ctx = read_json(folder / "config.json").get("max_position_embeddings")
+    except (BadInputError, AttributeError):
+        return None
+    return ctx if is_json_int(ctx) and ctx > 0 else None
+
+
+def _check_window(window: int | None, ctx: int | None, path: Any) -> None:
+    """A window past the model's context would score positions it never saw in training (rotary positions beyond
+    max_position_embeddings): a number, but not the model's perplexity."""
+    if window is not None and isinstance(ctx, int) and window > ctx:
+        raise BadInputError(f"window {window} is longer than the model's context (max_position_embeddings {ctx}); "
+                            f"give --window {ctx} or less", file=str(path))
 
 
 def perplexity(target: Any, text_file: str | os.PathLike[str] | None = None, *, text: str | None = None,
@@ -209,6 +245,10 @@ def perplexity(target: Any, text_file: str | os.PathLike[str] | None = None, *, 
             text = p.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise BadInputError(f"cannot read the text: {exc}", file=str(p)) from None
+    if window is not None and window < 2:
+        raise BadInputError(f"window must be at least 2 tokens, got {window}")
+    if isinstance(target, (str, os.PathLike)):  # (the window checked before the model loads, from config.json)
+        _check_window(window, _context_of(Path(target)), Path(target))
     t0 = time.perf_counter()
     model, tok, path = _load(target, device, precision, dtype, threads, status=loading)  # one forward per window
     load_s = time.perf_counter() - t0
@@ -217,10 +257,9 @@ def perplexity(target: Any, text_file: str | os.PathLike[str] | None = None, *, 
     if ids.numel() < 2:
         raise BadInputError("the text has fewer than two tokens", file=str(text_file) if text_file else None)
     _check_token_ids(ids, model, path)
-    ctx = getattr(model.config, "max_position_embeddings", 1024) or 1024
-    win = int(window or min(ctx, 1024))
-    if win < 2:
-        raise BadInputError(f"window must be at least 2 tokens, got {win}")
+    ctx = getattr(model.config, "max_position_embeddings", None)
+    _check_window(window, ctx, path)
+    win = int(window or min(ctx or 1024, 1024))
     nll_sum, count = 0.0, 0
     t1 = time.perf_counter()
     starts = [s for s in range(0, ids.numel() - 1, win) if min(win, ids.numel() - s) >= 2]
