@@ -498,7 +498,8 @@ def test_library_warnings_stay_off_the_error_line(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "w4pack", "convert", str(ck), str(tmp_path / "m.gguf"), "--to", "gguf"]
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 3 and proc.stderr.count("\n") == 1, proc.stderr
-    assert proc.stderr.startswith("w4pack: error: model.layers.0.mlp.down_proj: GGUF cannot hold this layer")
+    assert proc.stderr.startswith(f"w4pack: error: {ck}: cannot write GGUF: model.layers.0.mlp.down_proj: GGUF "
+                                  "cannot hold this layer")  # (the source named, as every writer names it)
     proc = subprocess.run(argv, capture_output=True, text=True, env={**env, "W4PACK_DEBUG": "1"}, timeout=300)
     assert "RuntimeWarning" in proc.stderr
 

@@ -386,6 +386,7 @@ def test_branch_and_pull_request(hub, ckpt: Path, tmp_path: Path) -> None:  # no
     res = push(ckpt, REPO, endpoint=hub.endpoint, token=TOKEN, revision="dev", private=True)
     repo = hub.repos[REPO]
     assert repo.private and repo.refs["dev"] == res["commit"] and "w4pack.json" not in hub.files(REPO, "main")
+    assert f"w4pack pull {REPO} ./{REPO.split('/')[1]} --revision dev\n" in (ckpt / "README.md").read_text()
     out = pull(REPO, tmp_path / "dev", revision="dev", endpoint=hub.endpoint, token=TOKEN)
     assert folder_bytes(out) == folder_bytes(ckpt)
     with pytest.raises(Exception, match="404"):  # private: invisible to another user

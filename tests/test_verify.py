@@ -640,3 +640,20 @@ def test_api_arguments_refused_at_the_call(good: Path, kw: dict, says: str) -> N
 def test_cli_from_without_against_is_a_usage_error(good: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = run_cli(str(good), "--from", "gptq", capsys=capsys)
     assert rc == 2 and out == "" and "--from names the format of --against" in err
+
+
+def test_a_pass_through_tensor_says_how_it_differs() -> None:
+    """A round trip through GGUF widens bf16 norms to float32 with the same values; verify said only "differs from
+    the source", as for changed values."""
+    from w4pack.verify import _how_it_differs
+
+    bf16 = np.array([0x3F80, 0x4000, 0xBF00], np.uint16)  # 1.0, 2.0, -0.5
+    same = np.array([1.0, 2.0, -0.5], np.float32)
+    assert _how_it_differs(same, "float32", bf16, "bfloat16") == \
+        "stored as float32, the source's as bfloat16: the same values in another dtype"
+    assert _how_it_differs(same + 1, "float32", bf16, "bfloat16") == \
+        "stored as float32, the source's as bfloat16, and the values differ"
+    assert _how_it_differs(same[:2], "float32", bf16, "bfloat16") == "shape [2], the source's [3]"
+    assert _how_it_differs(same, "float32", same * 2, "float32") == "different values"
+    assert _how_it_differs(np.array([1, 2, 3], np.int64), "int64", np.array([1, 2, 3], np.int32), "int32") == \
+        "stored as int64, the source's as int32"

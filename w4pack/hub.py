@@ -412,7 +412,8 @@ def _bit_widths(facts: dict[str, Any]) -> list[int]:
     return sorted({k[0] for k in facts["kinds"] if isinstance(k[0], int) and not isinstance(k[0], bool)})
 
 
-def _card_body(folder: Path, facts: dict[str, Any], repo_id: str | None, name: str | None = None) -> str:
+def _card_body(folder: Path, facts: dict[str, Any], repo_id: str | None, name: str | None = None,
+               revision: str | None = None) -> str:
     manifest, source, config = facts["manifest"], facts["source"], facts["config"]
     name = repo_id or name or folder.name
     layout = manifest.get("layout") or {}
@@ -460,18 +461,19 @@ def _card_body(folder: Path, facts: dict[str, Any], repo_id: str | None, name: s
     if notes:
         lines += ["Conversion notes:", ""] + [f"- {n}" for n in notes] + [""]
     lines += _verify_section(manifest.get("verify"))
-    lines += _use_section(name, repo_id)
+    lines += _use_section(name, repo_id, revision)
     return "\n".join(lines) + "\n"
 
 
-def _use_section(name: str, repo_id: str | None) -> list[str]:
+def _use_section(name: str, repo_id: str | None, revision: str | None = None) -> list[str]:
     """How to install w4pack and load the model. w4pack is not on the package index: it installs from a clone of its
     repository or a wheel built there, and transformers needs the "w4pack" quantization method registered (an
     unknown quant_method only warns and leaves random weights), which ``import w4pack`` does. ``w4pack pull`` is
     shown only with the repository id (push renders the card with it): a folder's name is no repository id, and
     ``w4pack pull NAME`` would be refused."""
     local = f"./{name.split('/')[-1]}"
-    pull = [f"w4pack pull {repo_id} {local}"] if repo_id else []
+    rev = f" --revision {revision}" if revision and revision != "main" else ""  # (pull takes main by default)
+    pull = [f"w4pack pull {repo_id} {local}{rev}"] if repo_id else []
     return ["## Use", "",
             "w4pack is not on the Python package index: install it from a clone of its repository "
             "(`pip install '.[hf]'`, which builds its CPU kernels with a C compiler) or from a wheel built there "
@@ -488,14 +490,16 @@ def _use_section(name: str, repo_id: str | None) -> list[str]:
             f"tokenizer = AutoTokenizer.from_pretrained({local!r})", "```", "", CARD_END]
 
 
-def model_card(checkpoint: str | os.PathLike[str], *, repo_id: str | None = None, name: str | None = None) -> str:
+def model_card(checkpoint: str | os.PathLike[str], *, repo_id: str | None = None, name: str | None = None,
+               revision: str | None = None) -> str:
     """README.md text for a checkpoint folder: YAML front matter plus a generated body.
 
     An existing README.md is updated, not replaced: its metadata keys are kept (ours are set or merged:
     tags are a union, an explicit license wins) and only the part between the w4pack markers is rewritten;
     text outside the markers stays. The result is deterministic, so an unchanged folder gives a byte-equal
     card (a repeated push then uploads nothing). ``name`` titles a card without a repository id (default: the
-    folder's name; convert passes the output's name while it writes into a temporary folder).
+    folder's name; convert passes the output's name while it writes into a temporary folder). ``revision``: the
+    branch the card is pushed to, which its ``w4pack pull`` line names (other than main).
     """
     from huggingface_hub import ModelCard, ModelCardData
 
@@ -503,7 +507,7 @@ def model_card(checkpoint: str | os.PathLike[str], *, repo_id: str | None = None
     facts = _card_facts(folder)
     old_meta, old_body = _existing_card(folder)
     meta = _card_metadata(facts, old_meta)
-    body = _card_body(folder, facts, repo_id, name)
+    body = _card_body(folder, facts, repo_id, name, revision)
     begin = _CARD_BEGIN_RE.search(old_body)
     if begin and CARD_END in old_body[begin.end():]:
         head, rest = old_body[:begin.start()], old_body[begin.end():]
@@ -595,7 +599,8 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
                                 f"{folder} OUT", file=str(folder))
         _say(f"WARNING: --no-validate: pushing {folder} WITHOUT checking it; an invalid or corrupted "
              "checkpoint may be published")
-    up = _Upload.of(folder, model_card(folder, repo_id=repo_id), dry_run)
+    # (a pull request's card names the branch it is against: what the repository will hold once merged)
+    up = _Upload.of(folder, model_card(folder, repo_id=repo_id, revision=revision), dry_run)
     rev = revision or "main"
     base: dict[str, Any] = {"repo_id": repo_id, "endpoint": ep, "url": f"{ep}/{repo_id}", "revision": rev,
                             "create_pr": create_pr, "private": private, "validated": validate,

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from .core.arch import architecture_problem
+from .core.dtypes import FLOAT_DTYPES, to_float32
 from .core.layout import group_structure
 from .core.canonical import CanonicalLayer
 from .store.checkpoint import Checkpoint
@@ -742,6 +743,22 @@ def _compare_model_files(ck: Checkpoint, source: Any, problems: list[str]) -> No
             problems.append(f"{side.name} differs from the source's")
 
 
+def _how_it_differs(a: np.ndarray, a_dtype: str, b: np.ndarray, b_dtype: str) -> str:
+    """Why two pass-through tensors are not the same bytes, as one phrase: a writer that widens a tensor (GGUF keeps
+    norms as F32) leaves the values as they were, which is another finding than changed values."""
+    if a.shape != b.shape:
+        return f"shape {list(a.shape)}, the source's {list(b.shape)}"
+    if a_dtype != b_dtype:
+        floats = a_dtype in FLOAT_DTYPES and b_dtype in FLOAT_DTYPES
+        said = f"stored as {a_dtype}, the source's as {b_dtype}"
+        if not floats:
+            return said
+        if np.array_equal(to_float32(a, a_dtype), to_float32(b, b_dtype)):
+            return said + ": the same values in another dtype"
+        return said + ", and the values differ"
+    return "different values"
+
+
 def _compare_passthrough(ck: Checkpoint, source: Any, problems: list[str]) -> dict[str, Any]:
     """Pass-through tensors must be the source's bytes, dtype and shape, unchanged."""
     # a packed embedding that the source carries dequantized is compared with the layers (_check_exact)
@@ -758,7 +775,8 @@ def _compare_passthrough(ck: Checkpoint, source: Any, problems: list[str]) -> di
         same = (ck.dtype_name(tname) == t.dtype and a.shape == b.shape and a.dtype.itemsize == b.dtype.itemsize
                 and np.array_equal(np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8)))
         if not same:
-            problems.append(f"pass-through tensor {tname} differs from the source")
+            problems.append(f"pass-through tensor {tname} differs from the source: "
+                            + _how_it_differs(a, ck.dtype_name(tname), b, t.dtype))
         else:
             identical += 1
     for tname in sorted(mine - set(src)):  # a packed embedding of the source that this folder holds dequantized

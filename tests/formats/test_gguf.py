@@ -49,11 +49,13 @@ def tensors_by_name(path: Path) -> dict[str, Any]:
     return {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
 
 
-def make_gguf(path: Path, *, arch: str = "llama", seed: int = 0) -> dict[str, np.ndarray]:
+def make_gguf(path: Path, *, arch: str = "llama", seed: int = 0, license: str | None = None) -> dict[str, np.ndarray]:
     """A one-block model with every kind of tensor; returns gguf's dequantization of each tensor."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch=arch)
     w.add_name("w4pack synthetic")
+    if license is not None:
+        w.add_license(license)
     w.add_block_count(1)
     w.add_context_length(128)
     w.add_embedding_length(64)
@@ -1117,3 +1119,12 @@ def test_interrupted_write_leaves_nothing_and_keeps_the_old_output(tmp_path: Pat
         convert(w4, out, to="gguf", force=True, show_progress=False)
     assert len(seen) == 1 and re.fullmatch(r"\.x\.gguf\.w4pack-tmp-\d+\.\d+\.[0-9a-f]{12}-\w{8}", seen[0]), seen
     assert out.read_bytes() == b"GGUF-keep" and sorted(p.name for p in tmp_path.iterdir()) == ["w4", "x.gguf"]
+
+
+def test_the_gguf_license_reaches_the_model_card(tmp_path: Path) -> None:
+    """general.license (apache-2.0 in SmolLM2's GGUF) was dropped: the card of the packed folder named none."""
+    from huggingface_hub import ModelCard
+
+    make_gguf(tmp_path / "m.gguf", license="apache-2.0")
+    convert(tmp_path / "m.gguf", tmp_path / "w4", show_progress=False)
+    assert ModelCard((tmp_path / "w4" / "README.md").read_text()).data.to_dict()["license"] == "apache-2.0"

@@ -68,7 +68,7 @@ def push(path: Path, repo_id: str, private: bool, revision: str | None, commit_m
         click.echo(f"{result['url']} ({result['revision']}) already holds these {len(result['files'])} files; "
                    f"nothing to upload (commit {result['commit'][:12]})")
         return
-    where = result["pr_url"] or result["url"]
+    where = result["pr_url"] or (result["url"] + (f" ({result['revision']})" if result["revision"] != "main" else ""))
     deleted = f", deleted {len(result['deleted_files'])} stale" if result["deleted_files"] else ""
     click.echo(f"pushed {len(result['changed_files'])} changed of {len(result['files'])} files{deleted} to "
                f"{where} (commit {result['commit'][:12]})")

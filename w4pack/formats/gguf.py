@@ -382,6 +382,9 @@ class GGUFSource(Source):
         self.info = {"format": "gguf", "version": str(self.gmeta.version), "notes": self.notes, "quirks": self.quirks}
         if self.gmeta.name:
             self.info["base_model"] = self.gmeta.name
+        lic = self.gmeta.values.get("general.license")
+        if isinstance(lic, str) and lic.strip():  # (the model card publishes it, as it does a Hub source's)
+            self.info["license"] = lic.strip()
         self._export_tokenizer = export_tokenizer
         self._scratch = ScratchFolder("w4pack-gguf-tok-")
         self._side_files: list[Path] | None = None
@@ -947,7 +950,8 @@ def _plan(source: Source, jobs: list[tuple[str, str, str]], payloads: _Payloads)
         del data
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise UnsupportedError(problems[0] + more)
+        src = getattr(source, "path", None)  # (named as the other writers name it: the source that holds them)
+        raise UnsupportedError("cannot write GGUF: " + problems[0] + more, file=str(src) if src else None)
     seen: set[str] = set()
     for p in plans:
         if p.gname in seen:
