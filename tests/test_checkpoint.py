@@ -189,7 +189,7 @@ BIAS = "model.layers.0.mlp.down_proj.bias"
                                   "truncated_shard", "incomplete_marker", "no_quant_config", "tensor_not_in_index",
                                   "config_fifo", "index_fifo", "config_dev_zero", "config_link_out", "shard_fifo",
                                   "tensor_not_listed", "shard_not_indexed", "bias_int16", "bias_dtype_contradicted",
-                                  "kv_heads_zero", "layers_string", "heads_not_multiple"])
+                                  "kv_heads_zero", "layers_string", "heads_not_multiple", "total_size_wrong"])
 def test_hostile_folders(tmp_path, case):
     out = tmp_path / "ck"
     write_model(out)
@@ -233,6 +233,9 @@ def test_hostile_folders(tmp_path, case):
     elif case == "layers_string":
         _edit_json(out / "config.json", lambda d: d.update(num_hidden_layers="2"))
         expect = "num_hidden_layers must be a positive integer, got '2'"
+    elif case == "total_size_wrong":
+        _edit_json(out / INDEX_NAME, lambda d: d["metadata"].update(total_size=5))
+        expect = "metadata.total_size is 5, but the shards hold [0-9]+ bytes of tensor data"
     elif case == "heads_not_multiple":
         _edit_json(out / "config.json", lambda d: d.update(num_attention_heads=6, num_key_value_heads=4))
         expect = "not a multiple of num_key_value_heads"

@@ -73,11 +73,13 @@ def _load(target: Any, device: str, precision: str, dtype: Any, threads: int | N
           compile: bool | None = False, status: Status | None = None,
           engine: str | None = None) -> tuple[Any, Any, str]:
     if isinstance(target, (str, os.PathLike)):
+        from ..store.checkpoint import open_checkpoint
         from .loading import load_model, load_tokenizer
 
         path = str(target)
         with (status or nullcontext)():
-            tok = load_tokenizer(path)  # (first: a folder without a usable one is refused before the model loads)
+            open_checkpoint(path).close()  # (the folder's own errors first: a path that is not there, ...)
+            tok = load_tokenizer(path)  # (before the model: a folder without a usable one is refused at once)
             model = load_model(path, device=device, dtype=dtype, precision=precision, threads=threads,
                                compile=compile, engine=engine)
             return model, tok, path

@@ -514,6 +514,9 @@ class Checkpoint:
         index = _read_json(ipath)
         if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
             raise BadInputError("index has no weight_map object", file=str(ipath))
+        #: the index's metadata.total_size (the tensors' data bytes, FORMAT section 4), checked by check_shards
+        self.index_total = (index.get("metadata") or {}).get("total_size") \
+            if isinstance(index.get("metadata"), dict) else None
         self.weight_map: dict[str, str] = {}
         for tname, fname in index["weight_map"].items():
             _safe_member(root, fname, f"shard of tensor {tname}", str(ipath))
@@ -674,7 +677,22 @@ class Checkpoint:
         self.check_index_coverage()
         self.check_fused()
         self.check_quantization_config()
-        return ["listing", "json", "fused"] + (["architecture"] if self.check_architecture() else [])
+        checks = ["listing", "json", "fused"] + (["architecture"] if self.check_architecture() else [])
+        self.check_total_size()
+        return checks
+
+    def check_total_size(self) -> None:
+        """The index's metadata.total_size, where given, is the shards' tensor data bytes (FORMAT section 4): tools
+        size downloads and memory by it. Checked last: a folder whose tensors were removed also has a stale one,
+        and what is missing says more than the sum."""
+        if self.index_total is None:
+            return
+        self.store.check_index()  # (opens every shard header, once)
+        data = sum(end - begin for f in self.store.safetensors_files()
+                   for _dt, _shape, begin, end in f.entries.values())
+        if self.index_total != data:
+            raise BadInputError(f"metadata.total_size is {brief(self.index_total)}, but the shards hold {data} bytes "
+                                "of tensor data", file=str(self.path / INDEX_NAME))
 
     def check_quantization_config(self) -> None:
         """config.json's quantization_config says what the manifest implies (version 2: the writer derived it from

@@ -97,6 +97,10 @@ class TensorStore:
             for name in f.keys():
                 self._no_second_copy(name, path)
 
+    def safetensors_files(self) -> list[SafetensorsFile]:
+        """The safetensors files opened so far (after check_index: every shard)."""
+        return list(self._st.values())
+
     def unlisted(self) -> list[tuple[str, str]]:
         """(file, tensor) for each tensor an opened shard holds that the index does not list (sorted)."""
         return sorted((path, name) for name, path in self._unlisted.items() if name not in self.where)
