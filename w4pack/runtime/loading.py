@@ -537,10 +537,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     _require_hf()
     from transformers import AutoTokenizer
 
-    gone = _listed_but_missing(Path(path))
-    if gone:  # (transformers would say it found no tokenizer, or fall back to another file, without naming this)
-        raise BadInputError(f"file is missing, though {MANIFEST_NAME} lists it (the folder lost it after it was "
-                            "written): convert or download the checkpoint again", file=str(Path(path) / gone[0]))
+    check_listed_files(path)  # (transformers would say it found no tokenizer, or take another file, naming none)
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, TypeError) as exc:
@@ -555,6 +552,15 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
                             f"(tokenizer.json, tokenizer_config.json) beside the source's weights and convert again "
                             f"(convert copies and checksums them; a file copied into a packed folder makes it "
                             f"invalid) ({why})", file=str(path)) from None
+
+
+def check_listed_files(path: str | os.PathLike[str]) -> None:
+    """Refuse a folder that lost a file its manifest lists (a tokenizer file, the generation config), naming it:
+    a stat per file, where loading the model and then the tokenizer would end in transformers' own words."""
+    gone = _listed_but_missing(Path(path))
+    if gone:
+        raise BadInputError(f"file is missing, though {MANIFEST_NAME} lists it (the folder lost it after it was "
+                            "written): convert or download the checkpoint again", file=str(Path(path) / gone[0]))
 
 
 def _listed_but_missing(folder: Path) -> list[str]:

@@ -73,16 +73,14 @@ def _load(target: Any, device: str, precision: str, dtype: Any, threads: int | N
           compile: bool | None = False, status: Status | None = None,
           engine: str | None = None) -> tuple[Any, Any, str]:
     if isinstance(target, (str, os.PathLike)):
-        from ..store.checkpoint import open_checkpoint
-        from .loading import load_model, load_tokenizer
+        from .loading import check_listed_files, load_model, load_tokenizer
 
         path = str(target)
         with (status or nullcontext)():
-            open_checkpoint(path).close()  # (the folder's own errors first: a path that is not there, ...)
-            tok = load_tokenizer(path)  # (before the model: a folder without a usable one is refused at once)
+            check_listed_files(path)  # (a tokenizer file the folder lost is named before the model loads)
             model = load_model(path, device=device, dtype=dtype, precision=precision, threads=threads,
                                compile=compile, engine=engine)
-            return model, tok, path
+            return model, load_tokenizer(path), path
     model, tok = target
     return model, tok, str(getattr(model, "w4pack_path", "<model>"))
 
