@@ -236,6 +236,18 @@ def test_npy_path_escaping_the_folder(table_copy: tuple[Path, Path], path: str) 
     _bad(lambda: src.read_layer(LAYER), "quant.toml", f"tensor {LAYER}", "escapes")
 
 
+def test_npy_missing_or_not_a_regular_file(table_copy: tuple[Path, Path]) -> None:
+    """A FIFO in a table's place was called missing; opened, it would have blocked the reader."""
+    import os
+
+    q, base = table_copy
+    npy = q / f"{LAYER}.group_ids.npy"
+    npy.unlink()
+    _bad(lambda: TOML.open(q, base=base).read_layer(LAYER), f"'{npy.name}' is missing", f"tensor {LAYER}")
+    os.mkfifo(npy)
+    _bad(lambda: TOML.open(q, base=base).read_layer(LAYER), f"'{npy.name}' is not a regular file")
+
+
 def test_table_layer_missing_from_base(table_copy: tuple[Path, Path], tmp_path: Path) -> None:
     q, base = table_copy
     f = SafetensorsFile(base)

@@ -144,7 +144,7 @@ def npy_beside(folder: Path, rel: str, key: str) -> Path:
         if relp.is_absolute() or ".." in relp.parts or not p.resolve().is_relative_to(folder.resolve()):
             raise BadInputError(f"{key} path {rel!r} escapes the table folder")
         if not p.is_file():
-            raise BadInputError(f"{key} file {rel!r} is missing")
+            raise BadInputError(f"{key} file {rel!r} " + ("is not a regular file" if p.exists() else "is missing"))
     except BadInputError:
         raise
     except OSError as exc:
