@@ -390,3 +390,20 @@ def test_logits_survive_the_next_step(models: dict[str, Path]) -> None:
         got = [engine.forward(ids[:4])] + [engine.step(int(t)) for t in ids[4:7]]
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+def test_sampling_defaults_are_transformers_own() -> None:
+    """transformers samples with top_k 50 where neither the call nor the model's config sets one; the loop read the
+    unset value as "no top-k" and drew from the whole vocabulary (SmolLM2: 29 of 30 tokens outside the top 50)."""
+    import types
+
+    from transformers import GenerationConfig
+
+    from w4pack.runtime.lean import plan
+
+    model = types.SimpleNamespace(generation_config=GenerationConfig())
+    ids = torch.ones(1, 3, dtype=torch.long)
+    _ids_, cfg, _s = plan(model, (ids,), {"do_sample": True, "max_new_tokens": 4})
+    assert (cfg.top_k, cfg.top_p, cfg.temperature) == (50, 1.0, 1.0)
+    _ids_, cfg, _s = plan(model, (ids,), {"do_sample": True, "max_new_tokens": 4, "top_k": 0, "temperature": 0.7})
+    assert (cfg.top_k, cfg.temperature) == (0, 0.7)  # (what the call gives stays)

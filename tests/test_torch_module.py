@@ -265,3 +265,58 @@ def test_embedding_errors_name_the_layer() -> None:
         emb(torch.tensor([1, 32]))
     with pytest.raises(TypeError, match="^layer model.embed_tokens: embedding indices must be integers"):
         emb(torch.tensor([1.0]))
+
+
+def test_new_weights_written_in_place_are_used() -> None:
+    """load_state_dict copies into the same storage: the kernel built for the old weights kept serving them."""
+    a = W4Linear.from_canonical(_layer(48, 128, group_size=32, sym=False))
+    b = W4Linear.from_canonical(_layer(48, 128, group_size=32, sym=False))
+    x = torch.randn(3, 128)
+    with torch.no_grad():
+        a(x)  # (the kernel for a's weights is built)
+        a.load_state_dict(b.state_dict())
+        assert torch.equal(a(x), b(x))
+
+
+def test_gradient_with_respect_to_the_input() -> None:
+    """The eager layer returned a tensor without a grad_fn, so backward() ran and gave wrong gradients elsewhere."""
+    layer = _layer(40, 96, group_size=32, sym=False, with_bias=True)
+    mod = W4Linear.from_canonical(layer)
+    x = torch.randn(2, 3, 96, dtype=torch.float64).float().requires_grad_(True)
+    g = torch.randn(2, 3, 40)
+    (mod(x) * g).sum().backward()
+    want = g.double().reshape(-1, 40).numpy() @ layer.dequantize(np.float64)
+    assert x.grad is not None and np.abs(x.grad.reshape(-1, 96).numpy() - want).max() < 1e-4
+    compiled = torch.compile(mod, backend="aot_eager", fullgraph=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    (compiled(x2) * g).sum().backward()
+    assert torch.allclose(x2.grad, x.grad, atol=1e-5)
+    with torch.no_grad():  # (no gradient asked for: the plain path, and no grad_fn)
+        assert mod(x).grad_fn is None
+
+
+def test_an_empty_batch_gives_an_empty_result() -> None:
+    mod = W4Linear.from_canonical(_layer(48, 128, group_size=32, sym=True))
+    for shape in ((0, 128), (2, 0, 128)):
+        y = mod(torch.randn(*shape))
+        assert y.shape == (*shape[:-1], 48)
+
+
+def test_fused_views_see_an_inference_tensor_changed_in_place() -> None:
+    """Inference tensors keep no version counter: k_proj(x) after x.mul_(2) returned rows of the old x."""
+    from w4pack.fuse import fuse_layers
+
+    parts = _fused_parts()
+    fused_layer, rows = fuse_layers("a.qkv_proj", list(parts))
+    packed = pack(fused_layer)
+    fused = W4FusedLinear(packed.meta, rows, has_bias=False, device="meta")
+    fused.load_packed(packed)
+    views = [W4SliceLinear(fused, i) for i in range(3)]
+    with torch.inference_mode():
+        x = torch.randn(2, 64)
+        views[0](x)
+        x.mul_(2)
+        k = views[1](x)
+        fresh = W4SliceLinear(fused, 1)
+        fused._cache = None
+        assert torch.equal(k, fresh(x))

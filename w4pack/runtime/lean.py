@@ -598,15 +598,18 @@ class LeanDecoder(LoopBase):
 
 
 def signature(model: nn.Module) -> tuple[Any, ...]:
-    """What the loop was built from: every module object and the address of its first tensor, with the model's
-    dtype and device. ``generate`` rebuilds the loop when this changed (layers swapped, weights moved or
+    """What the loop was built from: every module object and the address and version of its first tensor, with the
+    model's dtype and device. ``generate`` rebuilds the loop when this changed (layers swapped, weights moved or
     replaced, as ``dequantized_model`` or ``.to()`` do)."""
+    from .torch_module import tensor_version
+
     out: list[Any] = []
     for mod in model.modules():
         t = next(iter(mod._buffers.values()), None) if mod._buffers else None
         if t is None:
             t = next(iter(mod._parameters.values()), None) if mod._parameters else None
-        out.append((id(mod), None if t is None else (t.data_ptr(), t.dtype, t.device.type)))
+        # (the version counter: load_state_dict copies new weights into the same storage)
+        out.append((id(mod), None if t is None else (t.data_ptr(), tensor_version(t), t.dtype, t.device.type)))
     return tuple(out)
 
 
@@ -644,6 +647,13 @@ def plan(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tup
             raise NotLean(f"generation option {key}={value!r}")
     if cfg.max_new_tokens is None and cfg.max_length is None:
         raise NotLean("no max_new_tokens or max_length")
+    # what transformers' generate samples with where the call and the model's config leave a value unset (its
+    # global defaults: top_k 50, not "no top-k"); the loop reads None as "not applied"
+    fill = getattr(GenerationConfig, "_get_default_generation_params", None)
+    fallback = fill() if callable(fill) else {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+    for key in ("temperature", "top_k", "top_p"):
+        if getattr(cfg, key, None) is None and fallback.get(key) is not None:
+            setattr(cfg, key, fallback[key])
     return ids, cfg, streamer
 
 

@@ -2,10 +2,10 @@
 
 Why not transformers' own save: the packed layers live in ``W4Linear`` buffers whose meaning is defined by the
 manifest (``w4pack.json``: layouts, fused rows, sha256 of every shard), which transformers does not write, so its
-output could not be read back. The loaded model's quantized layers cannot change (the packed buffers are frozen),
-so the folder it was loaded from *is* its serialization: its shards, index, manifest and config are copied into
-the target, then the target is validated with checksums. Pass-through tensors (embeddings, norms) can be changed
-in memory; a model whose pass-through tensors differ from the folder's is refused, naming the first one, because
+output could not be read back. The folder the model was loaded from *is* its serialization while its weights are
+the ones loaded: its shards, index, manifest, config and model card are copied into the target, then the target is
+validated with checksums. Weights can be changed in memory (a pass-through tensor, or a packed layer's buffers by
+load_state_dict); a model whose weights differ from the folder's is refused, naming the first tensor, because
 writing them would need a new packed checkpoint (convert the changed model's source instead).
 """
 from __future__ import annotations
@@ -16,6 +16,8 @@ import tempfile
 import types
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from ..errors import BadInputError, UnsupportedError
 from ..store.checkpoint import Checkpoint, open_checkpoint, validate_checkpoint
@@ -65,6 +67,24 @@ def _changed_passthrough(model: Any, ckpt: Checkpoint) -> str | None:
     return None
 
 
+def _changed_layer(model: Any, ckpt: Checkpoint) -> str | None:
+    """The first quantized layer whose packed buffers in ``model`` differ from the folder's (load_state_dict or
+    copy_ can write other packed weights into them), compared tensor by tensor, one layer in memory at a time."""
+    from .torch_module import W4Linear
+
+    for mod in model.modules():
+        name = getattr(mod, "layer_name", None)
+        if not isinstance(mod, W4Linear) or name not in ckpt.manifest["layers"]:
+            continue
+        mine, stored = mod.packed_layer().tensors, ckpt.packed(name).tensors
+        for suffix, arr in mine.items():
+            other = stored.get(suffix)
+            if other is None or other.shape != arr.shape or \
+                    not np.array_equal(np.ascontiguousarray(other).view(np.uint8), arr.view(np.uint8)):
+                return f"{name}.{suffix}"
+    return None
+
+
 def _copy_atomic(src: Path, dst: Path) -> None:
     """``src`` to ``dst`` through a temporary sibling renamed into place, so ``dst`` is never half-written."""
     fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", dir=dst.parent)
@@ -95,7 +115,7 @@ def save_packed(model: Any, save_directory: str | os.PathLike[str]) -> Path:
     if dst.exists() and not dst.is_dir():
         raise BadInputError("save_pretrained needs a directory, this is a file", file=str(dst))
     with open_checkpoint(src) as ckpt:
-        changed = _changed_passthrough(model, ckpt)
+        changed = _changed_passthrough(model, ckpt) or _changed_layer(model, ckpt)
         if changed is not None:
             raise UnsupportedError("changed after loading; save_pretrained writes the packed folder "
                                    "back as it was loaded and cannot store changed weights (quantize and convert the "
@@ -120,5 +140,13 @@ def save_packed(model: Any, save_directory: str | os.PathLike[str]) -> Path:
         if stale.is_file() and stale.name.endswith(WEIGHT_SUFFIXES) and stale.name not in listed:
             stale.unlink()
     _copy_atomic(src / MANIFEST_NAME, dst / MANIFEST_NAME)
+    # the model card describes the model: the source folder's goes with it; without one, a card an earlier save
+    # of another model left has its generated part rewritten for this one (the author's text around it kept)
+    if (src / CARD_NAME).is_file():
+        _copy_atomic(src / CARD_NAME, dst / CARD_NAME)
+    elif (dst / CARD_NAME).is_file():
+        from ..hub import _write_text_atomic, model_card
+
+        _write_text_atomic(dst / CARD_NAME, model_card(dst))
     validate_checkpoint(dst)
     return dst

@@ -240,12 +240,19 @@ class W4Linear(nn.Module):
         """y = x @ W.T (+ bias) with the native GEMM (``forward`` of a linear layer; a tied head's too)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{self._where()}input has {x.shape[-1]} features, the layer expects {self.in_features}")
-        if torch.compiler.is_compiling():
-            # traced graphs (torch.compile, torch.export) see one opaque custom-op node
+        if torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled()):
+            # traced graphs (torch.compile, torch.export) see one opaque custom-op node; the op also carries the
+            # gradient with respect to x (the packed weights are frozen: no gradient of their own)
             return torch.ops.w4pack.linear(x, self.qweight, self.handle, self.out_features, self.precision)
         # eager: the same kernel without the dispatcher round trip (~50 us a call, 10+ ms per decoded token
         # on a 30-layer model); CUDA graph capture records the kernel launch either way
         return self._run(x, self.precision)
+
+    def grad_input(self, grad_out: torch.Tensor) -> torch.Tensor:
+        """dL/dx = dL/dy @ W for y = x @ W.T (+ bias): the layer dequantized on each call, in float32, then the
+        gradient's dtype. For training what sits around frozen 4-bit layers (adapters, prompts); not fast."""
+        w = self.dequantize(torch.float32).to(grad_out.device)
+        return (grad_out.to(torch.float32) @ w).to(grad_out.dtype)
 
     def fold_ok(self, device: Any, dtype: torch.dtype) -> bool:
         """Whether ``fold`` runs on ``device`` for ``dtype`` activations: CUDA, fp16/bf16 and a layer the gemv
@@ -279,7 +286,9 @@ class W4Linear(nn.Module):
     def _kernel(self, device: torch.device) -> Any:
         """The native kernel object for ``device``, built on first use and after the buffers moved."""
         device = _normalize_device(device)
-        key = (str(device), self.qweight.data_ptr())
+        # (the versions: load_state_dict and copy_ write new weights into the same storage, which a key of the
+        # address alone would keep serving from the kernel built for the old ones)
+        key = (str(device), self.qweight.data_ptr(), tuple(tensor_version(b) for b in self._buffers.values()))
         k = self._prepared.get(key)
         if k is None:
             if self.qweight.device != device:
@@ -303,8 +312,10 @@ class W4Linear(nn.Module):
         return self
 
     def _run(self, x: torch.Tensor, precision: str) -> torch.Tensor:
-        kernel = self._kernel(x.device)
         lead = x.shape[:-1]
+        if x.numel() == 0:  # no rows: an empty result, as nn.Linear gives (the kernels take M >= 1)
+            return x.new_empty((*lead, self.out_features))
+        kernel = self._kernel(x.device)
         x2 = x.reshape(-1, self.in_features)
         with self._naming_errors():
             if x.device.type == "cpu":
@@ -331,6 +342,11 @@ class W4Linear(nn.Module):
         parts.append(f"bias={'bias' in self._buffers}")
         parts.append(f"precision={self.precision}")
         return ", ".join(parts)
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """The tensor's version counter (bumped by every in-place write), -1 for an inference tensor (none kept)."""
+    return -1 if t.is_inference() else t._version
 
 
 def _name_from_meta(meta: dict[str, Any]) -> str | None:
@@ -398,6 +414,34 @@ def _w4_linear_fake(x: torch.Tensor, qweight: torch.Tensor, handle: int, out_fea
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+@torch.library.custom_op("w4pack::linear_grad_input", mutates_args=())
+def _w4_grad_op(grad_out: torch.Tensor, qweight: torch.Tensor, handle: int, in_features: int) -> torch.Tensor:
+    """dL/dx of ``w4pack::linear`` (``W4Linear.grad_input``)."""
+    mod = _HANDLES.get(handle)
+    if mod is None:
+        raise RuntimeError(f"w4pack::linear_grad_input: module {handle} no longer exists")
+    return mod.grad_input(grad_out)
+
+
+@_w4_grad_op.register_fake
+def _w4_grad_fake(grad_out: torch.Tensor, qweight: torch.Tensor, handle: int, in_features: int) -> torch.Tensor:
+    return grad_out.new_empty((*grad_out.shape[:-1], in_features))
+
+
+def _linear_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    _x, qweight, handle, _n, _precision = inputs
+    ctx.qweight, ctx.handle = qweight, handle
+    ctx.in_features = _HANDLES[handle].in_features if handle in _HANDLES else int(_x.shape[-1])
+
+
+def _linear_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+    gx = torch.ops.w4pack.linear_grad_input(grad_out, ctx.qweight, ctx.handle, ctx.in_features)
+    return gx, None, None, None, None
+
+
+_w4_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
 # (typing.Optional: the schema inference of older torch releases, e.g. vLLM's, reads no PEP 604 unions)
 @torch.library.custom_op("w4pack::linear_fold", mutates_args=())
 def _w4_fold_op(x: torch.Tensor, qweight: torch.Tensor, handle: int, out_features: int,
@@ -430,20 +474,24 @@ class W4FusedLinear(W4Linear):
     def __init__(self, meta: dict[str, Any], parts: list[dict[str, Any]], **kwargs: Any):
         super().__init__(meta, **kwargs)
         self.parts = [{"name": p["name"], "rows": [int(p["rows"][0]), int(p["rows"][1])]} for p in parts]
-        self._cache: tuple[Any, int, torch.Tensor, set[int]] | None = None
+        self._cache: tuple[Any, Any, torch.Tensor, set[int]] | None = None  # (x, version or copy, out, served)
 
     def slice_forward(self, x: torch.Tensor, index: int) -> torch.Tensor:
         lo, hi = self.parts[index]["rows"]
         if torch.compiler.is_compiling():
             return self.forward(x)[..., lo:hi]
         c = self._cache
-        version = -1 if x.is_inference() else x._version  # inference tensors keep no version counter
-        if c is not None and c[0] is x and c[1] == version and index not in c[3]:
-            out, served = c[2], c[3]
+        # the same input, unchanged since the first view's call: its version counter tells; an inference tensor
+        # keeps none, so a copy of it is kept and compared (x.mul_(2) between q_proj(x) and k_proj(x) would
+        # otherwise give k from the old x)
+        if c is not None and c[0] is x and index not in c[3] and (
+                torch.equal(c[1], x) if isinstance(c[1], torch.Tensor) else c[1] == x._version):
+            mark, out, served = c[1], c[2], c[3]
         else:
             out, served = self.forward(x), set()
+            mark = x.clone() if x.is_inference() else x._version
         served.add(index)
-        self._cache = None if len(served) == len(self.parts) else (x, version, out, served)
+        self._cache = None if len(served) == len(self.parts) else (x, mark, out, served)
         return out[..., lo:hi]
 
     def extra_repr(self) -> str:
