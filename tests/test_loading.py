@@ -560,6 +560,29 @@ def test_save_pretrained_writes_the_packed_folder(tmp_path: Path, how: str) -> N
         model.save_pretrained(tmp_path / "changed")
 
 
+def test_save_pretrained_refuses_new_packed_weights_and_keeps_the_card(tmp_path: Path) -> None:
+    """load_state_dict of another layer's buffers: forward kept the old weights and save_pretrained wrote the
+    original folder. Now the forward uses the new ones and save refuses, naming the tensor. The folder's model card
+    goes with a save; one left there by a save of another model was kept before."""
+    src, _layers, _ref = _write(tmp_path, "llama", "gptq")
+    convert(src, tmp_path / "w4")
+    model = load_model(tmp_path / "w4", compile=False)
+    out = tmp_path / "saved"
+    out.mkdir()
+    (out / "README.md").write_text("a card of another model\n")
+    model.save_pretrained(out)
+    assert (out / "README.md").read_bytes() == (tmp_path / "w4" / "README.md").read_bytes()
+    a, b = model.model.layers[0].mlp.gate_proj, model.model.layers[0].mlp.up_proj
+    x = torch.randn(2, a.in_features)
+    with torch.no_grad():
+        before = a(x)
+        a.load_state_dict(b.state_dict())
+        assert torch.equal(a(x), b(x)) and not torch.equal(a(x), before)
+    with pytest.raises(UnsupportedError, match="model.layers.0.mlp.gate_proj.qweight.*changed after loading"):
+        model.save_pretrained(tmp_path / "changed")
+    assert not (tmp_path / "changed").exists()
+
+
 def test_a_folder_from_a_gguf_without_a_tokenizer_says_so(tmp_path: Path) -> None:
     """llama.cpp's tiny test GGUFs hold no tokenizer: "put the original model's tokenizer files beside the
     source's weights", followed by transformers' guesses about sentencepiece, fitted no single GGUF file."""
@@ -605,3 +628,37 @@ def test_each_layer_knows_its_name_for_its_errors(tmp_path: Path, how: str) -> N
     fused = next(iter(manifest["fused"]))
     with pytest.raises(ValueError, match=f"^layer {fused}: input has 3 features"):
         model.get_submodule(manifest["fused"][fused][0]["name"])(torch.randn(1, 3))
+
+
+def test_a_dtype_the_layers_cannot_run_is_refused_at_load(tmp_path: Path) -> None:
+    """torch.float64 loaded and failed at the first forward; torch.int8 raised transformers' ValueError."""
+    from transformers import AutoModelForCausalLM
+
+    src, _layers, _ref = _write(tmp_path, "llama", "gptq")
+    convert(src, tmp_path / "w4")
+    for dtype in (torch.float64, torch.int8):
+        with pytest.raises(BadInputError, match=f"dtype {dtype} is not one the packed layers run in"):
+            load_model(tmp_path / "w4", dtype=dtype)
+        with pytest.raises(BadInputError, match=f"dtype {dtype} is not one"):
+            AutoModelForCausalLM.from_pretrained(tmp_path / "w4", dtype=dtype)
+
+
+def test_a_source_checkpoint_given_to_load_model_says_convert_first(tmp_path: Path) -> None:
+    src, _layers, _ref = _write(tmp_path, "llama", "gptq")
+    with pytest.raises(BadInputError, match=r"a gptq checkpoint, not a packed w4pack folder; convert it first: "
+                                            r"w4pack convert .* OUT_DIR"):
+        load_model(src)
+
+
+def test_from_pretrained_with_a_device_map(tmp_path: Path) -> None:
+    """README: device_map works (accelerate comes with the [hf] extra, and with the test environment)."""
+    from transformers import AutoModelForCausalLM
+
+    src, _layers, _ref = _write(tmp_path, "llama", "gptq")
+    convert(src, tmp_path / "w4")
+    ref = load_model(tmp_path / "w4", compile=False)
+    single, _b, _m = _inputs()
+    for device_map in ("cpu", "auto", {"": "cpu"}):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "w4", device_map=device_map)
+        with torch.no_grad():
+            assert torch.equal(model(single).logits, ref(single).logits), device_map

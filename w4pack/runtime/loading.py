@@ -50,6 +50,9 @@ def resolve_dtype(dtype: Any, device: str, config: dict[str, Any] | None = None)
     import torch
 
     if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):  # (the kernels' activation dtypes)
+            raise BadInputError(f"dtype {dtype} is not one the packed layers run in (use float16, bfloat16 or "
+                                "float32)")
         return dtype
     names = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
@@ -478,10 +481,11 @@ def load_model(path: str | os.PathLike[str], device: Any = "cpu", dtype: Any = N
     chosen = resolve_engine(engine, compile)
     dev = torch.device(check_device(device))
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UnsupportedError("device cuda was asked for but torch sees no CUDA device")
+        raise UnsupportedError(f"device {dev} was asked for but torch sees no CUDA device")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise UnsupportedError(f"device {dev} was asked for but torch sees {torch.cuda.device_count()} CUDA "
                                "device(s); use cuda or cuda:N with N below that")
+    _refuse_unpacked(Path(path))
     with open_checkpoint(path) as ckpt:
         torch_dtype = resolve_dtype(dtype, str(dev), ckpt.config)
         config = _build_config(ckpt)
@@ -552,6 +556,23 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
                             f"(tokenizer.json, tokenizer_config.json) beside the source's weights and convert again "
                             f"(convert copies and checksums them; a file copied into a packed folder makes it "
                             f"invalid) ({why})", file=str(path)) from None
+
+
+def _refuse_unpacked(path: Path) -> None:
+    """A GPTQ, AWQ, compressed-tensors or GGUF checkpoint given to load_model: say which, and that it is converted
+    first ("no w4pack.json" is true, but not what to do)."""
+    if (path / MANIFEST_NAME).is_file() or not os.path.lexists(path):
+        return  # (open_checkpoint names what is wrong)
+    from ..errors import W4PackError
+    from ..formats import detect
+
+    try:
+        found = detect(path)
+    except W4PackError:
+        return
+    if found and found != "w4pack":
+        raise BadInputError(f"a {found} checkpoint, not a packed w4pack folder; convert it first: w4pack convert "
+                            f"{path} OUT_DIR (or w4pack.convert), then load OUT_DIR", file=str(path))
 
 
 def check_listed_files(path: str | os.PathLike[str]) -> None:
@@ -656,6 +677,10 @@ def register_transformers() -> bool:
                 raise ValueError("w4pack models load onto one device; pass device_map=None or one device")
 
         def update_dtype(self, dtype: Any) -> Any:
+            import torch
+
+            if isinstance(dtype, torch.dtype):
+                resolve_dtype(dtype, "cpu")  # (refused here, at load, not by the first forward)
             return dtype
 
         def _process_model_before_weight_loading(self, model: Any, **kwargs: Any) -> Any:
