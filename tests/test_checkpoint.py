@@ -190,7 +190,7 @@ BIAS = "model.layers.0.mlp.down_proj.bias"
                                   "config_fifo", "index_fifo", "config_dev_zero", "config_link_out", "shard_fifo",
                                   "tensor_not_listed", "shard_not_indexed", "bias_int16", "bias_dtype_contradicted",
                                   "kv_heads_zero", "layers_string", "heads_not_multiple", "total_size_wrong"])
-def test_hostile_folders(tmp_path, case):
+def test_hostile_folders(tmp_path, case, capsys):
     out = tmp_path / "ck"
     write_model(out)
     first = sorted(out.glob("model-*.safetensors"))[0]
@@ -274,14 +274,17 @@ def test_hostile_folders(tmp_path, case):
         validate_checkpoint(out, checksums=False)
     assert "\n" not in str(ei.value) and re.search(expect, str(ei.value)), str(ei.value)
     # and through the CLI: one line, exit 2, no traceback; inspect reads the same documents
+    from w4pack.cli import main as cli_main
+
+    capsys.readouterr()
     for cmd in ("validate", "inspect"):
-        proc = subprocess.run([sys.executable, "-m", "w4pack", cmd, str(out)], capture_output=True, text=True,
-                              timeout=120)
-        if cmd == "inspect" and proc.returncode == 0:
+        rc = cli_main([cmd, str(out)])
+        cap = capsys.readouterr()
+        if cmd == "inspect" and rc == 0:
             continue  # (inspect reads headers only where it shows them: what it did not read it does not judge)
-        assert proc.returncode == 2, proc.stderr
-        assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
-        assert proc.stdout == ""
+        assert rc == 2, cap.err
+        assert cap.err.count("\n") == 1 and "Traceback" not in cap.err and cap.err.startswith("w4pack: error: ")
+        assert cap.out == ""
 
 
 KILLER = textwrap.dedent("""
