@@ -16,7 +16,7 @@ VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.w4pack-installed
 
-.PHONY: test test-vllm demo native cuda cuda-if-useful clean bench-cpu bench-gpu bench-vllm
+.PHONY: test test-vllm test-cuda-options demo native cuda cuda-if-useful clean bench-cpu bench-gpu bench-vllm
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,11 @@ $(VLLM_STAMP): pyproject.toml setup.py
 	$(VLLM_PY) -m pip install -q --no-build-isolation -e ".[vllm,hf,gguf]" pytest hypothesis
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(VLLM_STAMP)
+
+# The CUDA build options CUDA.md offers for A/Bs, each compiled for sm_90a and checked for new register spills
+# (~2.5 min of nvcc on 2 cores; needs nvcc, no GPU): opt-in, so `make test` stays short; CI runs it.
+test-cuda-options: $(STAMP)
+	W4PACK_CUDA_OPTIONS=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_native_cuda.py -k build_options $(PYTEST_ARGS)
 
 test-vllm: native $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm_plugin $(PYTEST_ARGS)
