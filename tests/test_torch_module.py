@@ -143,7 +143,8 @@ def _fused_parts():
     return q, k, v
 
 
-def test_fused_slices_run_one_gemm_per_input() -> None:
+def _fused_views() -> tuple:
+    """(the q/k/v parts, their fused module, its three views)."""
     from w4pack.fuse import fuse_layers
 
     parts = _fused_parts()
@@ -151,7 +152,11 @@ def test_fused_slices_run_one_gemm_per_input() -> None:
     packed = pack(fused_layer)
     fused = W4FusedLinear(packed.meta, rows, has_bias=False, device="meta")
     fused.load_packed(packed)
-    views = [W4SliceLinear(fused, i) for i in range(3)]
+    return parts, fused, [W4SliceLinear(fused, i) for i in range(3)]
+
+
+def test_fused_slices_run_one_gemm_per_input() -> None:
+    parts, fused, views = _fused_views()
     calls = []
     real_run = fused._run
     fused._run = lambda x, p: (calls.append(1), real_run(x, p))[1]  # type: ignore[method-assign]
@@ -304,14 +309,7 @@ def test_an_empty_batch_gives_an_empty_result() -> None:
 
 def test_fused_views_see_an_inference_tensor_changed_in_place() -> None:
     """Inference tensors keep no version counter: k_proj(x) after x.mul_(2) returned rows of the old x."""
-    from w4pack.fuse import fuse_layers
-
-    parts = _fused_parts()
-    fused_layer, rows = fuse_layers("a.qkv_proj", list(parts))
-    packed = pack(fused_layer)
-    fused = W4FusedLinear(packed.meta, rows, has_bias=False, device="meta")
-    fused.load_packed(packed)
-    views = [W4SliceLinear(fused, i) for i in range(3)]
+    _parts, fused, views = _fused_views()
     with torch.inference_mode():
         x = torch.randn(2, 64)
         views[0](x)
