@@ -208,6 +208,7 @@ def test_bad_kernel_environment_is_a_usage_error(var: str, value: str, tmp_path:
 def test_good_device_names_are_accepted() -> None:
     assert [check_device(d) for d in ("cpu", "cuda", "cuda:0", "cuda:12")] == ["cpu", "cuda", "cuda:0", "cuda:12"]
     assert check_device(torch.device("cpu")) == "cpu" and check_device(torch.device("cuda", 1)) == "cuda:1"
+    assert check_device("cpu:0") == check_device(torch.device("cpu", 0)) == "cpu"  # (the string was refused)
 
 
 # -------------------------------------------------------------------------------------------------

@@ -118,3 +118,7 @@ def test_fifo_named_like_a_torch_file_is_one_line_exit_2(tmp_path: Path) -> None
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr
         assert f"{fifo}: not a regular file" in lines[0], proc.stderr
     assert not (tmp_path / "out").exists()
+    # in a folder given as the source it was "no weights found": named now
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    proc = _cli("inspect", tmp_path, "--from", "awq")
+    assert proc.returncode == 2 and f"{fifo}: not a regular file" in proc.stderr, proc.stderr

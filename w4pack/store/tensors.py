@@ -319,6 +319,11 @@ def _open_into(store: TensorStore, path: Path, base_name: str | None, pickles: s
         for p in pts:
             store.add_pt(p)
         return
+    odd = sorted(q.name for q in path.iterdir() if q.suffix in (".safetensors", ".pt", ".bin", ".pth")
+                 and q.exists() and not q.is_file())  # (a FIFO or device named like weights: never opened)
+    if odd:
+        raise BadInputError("not a regular file (a FIFO, device or socket named like a weights file)",
+                            file=str(path / odd[0]))
     raise BadInputError("no weights found (.safetensors, model.safetensors.index.json, .pt or .bin)", file=str(path))
 
 
