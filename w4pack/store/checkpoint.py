@@ -514,7 +514,7 @@ class Checkpoint:
         index = _read_json(ipath)
         if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
             raise BadInputError("index has no weight_map object", file=str(ipath))
-        #: the index's metadata.total_size (the tensors' data bytes, FORMAT section 4), checked by check_shards
+        #: the index's metadata.total_size (the tensors' data bytes, FORMAT section 4), checked by check_total_size
         self.index_total = (index.get("metadata") or {}).get("total_size") \
             if isinstance(index.get("metadata"), dict) else None
         self.weight_map: dict[str, str] = {}
