@@ -209,6 +209,8 @@ def test_good_device_names_are_accepted() -> None:
     assert [check_device(d) for d in ("cpu", "cuda", "cuda:0", "cuda:12")] == ["cpu", "cuda", "cuda:0", "cuda:12"]
     assert check_device(torch.device("cpu")) == "cpu" and check_device(torch.device("cuda", 1)) == "cuda:1"
     assert check_device("cpu:0") == check_device(torch.device("cpu", 0)) == "cpu"  # (the string was refused)
+    with pytest.raises(BadInputError, match="device must be cpu, cuda or cuda:N"):
+        check_device(np.array(["cpu", "cuda"]))  # (not a truth-value error from comparing an array)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -506,3 +508,6 @@ def test_a_window_past_the_models_context_is_refused(tiny: Path, capsys: pytest.
     assert "window 129 is longer than the model's context (max_position_embeddings 128); give --window 128" in err
     rc, out, _err = _cli(capsys, "run", str(tiny), "--perplexity", str(SAMPLE), "--window", "128", "--json")
     assert rc == 0 and json.loads(out)["window"] == 128
+    assert perplexity(tiny, SAMPLE, window="64")["window"] == 64  # (the API takes a number's text, as before)
+    with pytest.raises(BadInputError, match="window must be a whole number of tokens, got 'abc'"):
+        perplexity(tiny, SAMPLE, window="abc")

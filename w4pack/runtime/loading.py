@@ -40,7 +40,7 @@ def check_device(device: Any) -> str:
     (exit 2) here, before torch turns it into a RuntimeError."""
     if type(device).__name__ == "device" and type(device).__module__ == "torch":  # a torch.device, torch unimported
         device = "cpu" if device.type == "cpu" else str(device)
-    if device == "cpu:0":  # (torch's name for the one CPU device, as torch.device("cpu", 0) prints it)
+    if isinstance(device, str) and device == "cpu:0":  # (torch's name for the CPU device: torch.device("cpu", 0))
         return "cpu"
     if not isinstance(device, str) or not _DEVICE.fullmatch(device):
         raise BadInputError(f"device must be cpu, cuda or cuda:N (N a GPU index), got {device!r}")

@@ -245,8 +245,13 @@ def perplexity(target: Any, text_file: str | os.PathLike[str] | None = None, *, 
             text = p.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise BadInputError(f"cannot read the text: {exc}", file=str(p)) from None
-    if window is not None and window < 2:
-        raise BadInputError(f"window must be at least 2 tokens, got {window}")
+    if window is not None:
+        try:
+            window = int(window)  # (as before: "512" from a script's argument list is 512)
+        except (TypeError, ValueError):
+            raise BadInputError(f"window must be a whole number of tokens, got {window!r}") from None
+        if window < 2:
+            raise BadInputError(f"window must be at least 2 tokens, got {window}")
     if isinstance(target, (str, os.PathLike)):  # (the window checked before the model loads, from config.json)
         _check_window(window, _context_of(Path(target)), Path(target))
     t0 = time.perf_counter()

@@ -344,6 +344,11 @@ class W4Linear(nn.Module):
         return ", ".join(parts)
 
 
+def _mark(x: torch.Tensor) -> int:
+    """What tells a fused layer's input unchanged without a copy: its version counter (-1: an inference tensor)."""
+    return tensor_version(x)
+
+
 def tensor_version(t: torch.Tensor) -> int:
     """The tensor's version counter (bumped by every in-place write), -1 for an inference tensor (none kept)."""
     return -1 if t.is_inference() else t._version
@@ -481,15 +486,16 @@ class W4FusedLinear(W4Linear):
         if torch.compiler.is_compiling():
             return self.forward(x)[..., lo:hi]
         c = self._cache
-        # the same input, unchanged since the first view's call: its version counter tells; an inference tensor
-        # keeps none, so a copy of it is kept and compared (x.mul_(2) between q_proj(x) and k_proj(x) would
-        # otherwise give k from the old x)
+        # the same input, unchanged since the first view's call: its version counter tells. An inference tensor
+        # keeps none: on the CPU a copy of it is kept and compared (x.mul_(2) between q_proj(x) and k_proj(x)
+        # would otherwise give k from the old x); on CUDA the comparison would synchronize with the device at
+        # every layer and cannot run in a graph capture, so there the same tensor object is taken as unchanged
         if c is not None and c[0] is x and index not in c[3] and (
-                torch.equal(c[1], x) if isinstance(c[1], torch.Tensor) else c[1] == x._version):
+                torch.equal(c[1], x) if isinstance(c[1], torch.Tensor) else c[1] == _mark(x)):
             mark, out, served = c[1], c[2], c[3]
         else:
             out, served = self.forward(x), set()
-            mark = x.clone() if x.is_inference() else x._version
+            mark = x.clone() if x.is_inference() and x.device.type == "cpu" else _mark(x)
         served.add(index)
         self._cache = None if len(served) == len(self.parts) else (x, mark, out, served)
         return out[..., lo:hi]
