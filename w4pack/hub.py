@@ -34,7 +34,8 @@ from typing import Any, Callable, Iterator
 from ._version import __version__
 from .store.atomic import (check_output, make_temp_dir, move_into_place, recover, refuse_path_below_file,
                            umask_mode)
-from .store.checkpoint import CONFIG_NAME, INCOMPLETE_MARKER, MANIFEST_NAME, SIDE_FILES, validate_checkpoint
+from .store.checkpoint import (CONFIG_NAME, INCOMPLETE_MARKER, MANIFEST_NAME, SIDE_FILES, source_note,
+                               validate_checkpoint)
 from .errors import BadInputError, IOFailure, W4PackError
 
 __all__ = ["push", "pull", "model_card", "card_metadata", "resolve_source", "parse_hub_spec", "check_endpoint",
@@ -271,13 +272,6 @@ def _read_json(path: Path) -> dict[str, Any]:
         return {}
 
 
-def _notes_value(source: dict[str, Any], key: str) -> str | None:
-    for note in source.get("notes") or []:
-        if isinstance(note, str) and note.startswith(f"{key}="):
-            return note.split("=", 1)[1] or None
-    return None
-
-
 def card_metadata(folder: Path) -> dict[str, Any]:
     """The metadata of the model card (README.md) in ``folder``; {} when there is none."""
     return _existing_card(folder)[0]
@@ -381,14 +375,14 @@ def _hub_id(base: Any) -> str | None:
 def _card_metadata(facts: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
     source, config = facts["source"], facts["config"]
     meta = dict(old)
-    base = _hub_id(source.get("base_model") or _notes_value(source, "base_model"))
+    base = _hub_id(source.get("base_model") or source_note(source, "base_model"))
     if base:
         meta["base_model"] = base
         meta["base_model_relation"] = "quantized"
     elif meta.get("base_model") and not meta.get("base_model_relation"):
         meta["base_model_relation"] = "quantized"  # the author named the base; say how this derives from it
     meta["library_name"] = "w4pack"
-    lic = old.get("license") or _notes_value(source, "license") or config.get("license")
+    lic = old.get("license") or source_note(source, "license") or config.get("license")
     if lic:
         meta["license"] = str(lic)
     arch = facts["arch"] or ""
@@ -417,7 +411,7 @@ def _card_body(folder: Path, facts: dict[str, Any], repo_id: str | None, name: s
     manifest, source, config = facts["manifest"], facts["source"], facts["config"]
     name = repo_id or name or folder.name
     layout = manifest.get("layout") or {}
-    base = _hub_id(source.get("base_model") or _notes_value(source, "base_model"))
+    base = _hub_id(source.get("base_model") or source_note(source, "base_model"))
     lines = [CARD_BEGIN, f"# {name}", ""]
     widths = [str(b) for b in _bit_widths(facts)] or ["4"]
     what = (widths[0] if len(widths) == 1 else ", ".join(widths[:-1]) + " and " + widths[-1]) + "-bit weights"
@@ -643,7 +637,7 @@ class _Upload:
     @classmethod
     def of(cls, folder: Path, card: str, dry_run: bool) -> "_Upload":
         card_path = folder / CARD_NAME
-        old_card = card_path.read_text(encoding="utf-8") if card_path.is_file() else None  # (model_card read it)
+        old_card = card_path.read_text(encoding="utf-8") if card_path.is_file() else None
         card_changed = old_card != card
         card_in_memory = False
         if card_changed and not dry_run:

@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from ..core.canonical import CanonicalLayer
-from ..store.checkpoint import HEADER_ENTRY_BYTES, MANIFEST_NAME, Checkpoint, CheckpointWriter, check_layer_name
+from ..store.checkpoint import (HEADER_ENTRY_BYTES, MANIFEST_NAME, Checkpoint, CheckpointWriter, check_layer_name,
+                               source_note)
 from ..errors import UnsupportedError, W4PackError
 from ..store.folder import side_files
 from ..core.layout import pack
@@ -34,9 +35,9 @@ class W4PackSource(Source):
         # first conversion took from a Hub source's card is a "license=" note of the manifest), and where it came from
         if src.get("base_model"):
             self.info["base_model"] = src["base_model"]
-        for note in src.get("notes") or []:
-            if isinstance(note, str) and note.startswith("license=") and len(note) > len("license="):
-                self.info["license"] = note.split("=", 1)[1]
+        lic = source_note(src, "license")
+        if lic:
+            self.info["license"] = lic
         if isinstance(src.get("path"), str) and src["path"].startswith("hf://"):
             self.info["notes"].append(f"originally from {src['path']}")
 

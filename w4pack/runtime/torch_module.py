@@ -344,11 +344,6 @@ class W4Linear(nn.Module):
         return ", ".join(parts)
 
 
-def _mark(x: torch.Tensor) -> int:
-    """What tells a fused layer's input unchanged without a copy: its version counter (-1: an inference tensor)."""
-    return tensor_version(x)
-
-
 def tensor_version(t: torch.Tensor) -> int:
     """The tensor's version counter (bumped by every in-place write), -1 for an inference tensor (none kept)."""
     return -1 if t.is_inference() else t._version
@@ -491,11 +486,11 @@ class W4FusedLinear(W4Linear):
         # would otherwise give k from the old x); on CUDA the comparison would synchronize with the device at
         # every layer and cannot run in a graph capture, so there the same tensor object is taken as unchanged
         if c is not None and c[0] is x and index not in c[3] and (
-                torch.equal(c[1], x) if isinstance(c[1], torch.Tensor) else c[1] == _mark(x)):
+                torch.equal(c[1], x) if isinstance(c[1], torch.Tensor) else c[1] == tensor_version(x)):
             mark, out, served = c[1], c[2], c[3]
         else:
             out, served = self.forward(x), set()
-            mark = x.clone() if x.is_inference() and x.device.type == "cpu" else _mark(x)
+            mark = x.clone() if x.is_inference() and x.device.type == "cpu" else tensor_version(x)
         served.add(index)
         self._cache = None if len(served) == len(self.parts) else (x, mark, out, served)
         return out[..., lo:hi]

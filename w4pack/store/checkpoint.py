@@ -55,6 +55,7 @@ __all__ = [
     "parse_size",
     "check_layer_name",
     "config_problem",
+    "source_note",
 ]
 
 DEFAULT_MAX_SHARD = 2 * 1024**3
@@ -462,6 +463,15 @@ def _clean_source(src: dict[str, Any]) -> dict[str, Any]:
     if extra:
         out.setdefault("notes", []).extend(_text(f"{k}={v}") for k, v in sorted(extra.items()))
     return out
+
+
+def source_note(source: dict[str, Any], key: str) -> str | None:
+    """The value of a manifest source's ``key=value`` note (_clean_source writes the keys it has no field for
+    so), or None."""
+    for note in source.get("notes") or []:
+        if isinstance(note, str) and note.startswith(f"{key}="):
+            return note.split("=", 1)[1] or None
+    return None
 
 
 def _text(value: Any) -> str:
