@@ -166,24 +166,24 @@ def _non_persistent(model: Any) -> set[str]:
 
 
 def write_random_llama_gptq(folder: Path, *, seed: int, std: float, side_files: list[Path] | None = None,
-                            **config: Any) -> dict[str, CanonicalLayer]:
-    """A LlamaForCausalLM with random N(0, std) matrices, RTN-quantized (``quantize_model`` options in
-    ``config`` under the keys bits, group_size, sym, act_order) and written as a GPTQ checkpoint at ``folder``;
-    returns its layers. The rest of ``config`` goes to LlamaConfig."""
+                            model_type: str = "llama", **config: Any) -> dict[str, CanonicalLayer]:
+    """A causal LM (LlamaForCausalLM unless ``model_type`` names another) with random N(0, std) matrices,
+    RTN-quantized (``quantize_model`` options in ``config`` under the keys bits, group_size, sym, act_order) and
+    written as a GPTQ checkpoint at ``folder``; returns its layers. The rest of ``config`` goes to its config."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from w4pack.formats import get_format
 
     quant = {k: config.pop(k) for k in ("bits", "group_size", "sym", "act_order") if k in config}
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**config), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config), dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, std)
     layers, tensors = quantize_model(model, **quant)
     cfg = model.config.to_dict()
-    cfg["architectures"] = ["LlamaForCausalLM"]
+    cfg["architectures"] = [type(model).__name__]
     get_format("gptq").write(MemorySource(cfg, layers, tensors, side_files), folder)
     return layers

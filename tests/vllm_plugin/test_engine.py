@@ -184,6 +184,25 @@ def _tp1_and_tp2_generate_as_w4pack_run(tmp: Path, folder: Path, prompts: list[l
         assert [g[:len(w)] for g, w in zip(got, want)] == want, tp
 
 
+def test_phi3_merged_layers_as_the_checkpoint_stores_them_tp1_and_tp2(tmp_path):
+    """Phi-3 stores q/k/v and gate/up merged (qkv_proj, gate_up_proj) in the checkpoint itself, no --fuse table:
+    each rank takes its share of every part. Before: refused at create ("output rows [512] do not match the
+    model's [256, 128, 128]")."""
+    from rtn_helper import write_random_llama_gptq
+
+    from w4pack.checkpoint import Checkpoint
+    from w4pack.convert import convert
+
+    write_random_llama_gptq(
+        tmp_path / "gptq", seed=5, std=0.08, model_type="phi3", group_size=64, sym=True, hidden_size=256,
+        intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+        max_position_embeddings=256, eos_token_id=None, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    convert(tmp_path / "gptq", tmp_path / "w4")
+    with Checkpoint(tmp_path / "w4") as ckpt:
+        assert "model.layers.0.self_attn.qkv_proj" in ckpt.manifest["layers"] and not ckpt.manifest.get("fused")
+    _tp1_and_tp2_generate_as_w4pack_run(tmp_path, tmp_path / "w4", TOKEN_PROMPTS, 16, 128)
+
+
 # -- llama.cpp's own K-quant file: packed embedding and packed (untied) head ---------------------------
 def test_k_quant_gguf_with_packed_embedding_and_head_tp1_and_tp2(tmp_path):
     """tiny-Q4_K_M.gguf as llama.cpp wrote it (Q4_K token table, Q6_K output head, compact storage), converted

@@ -166,6 +166,63 @@ def test_fused_checkpoint_gate_up(device, tp):
         _close(got, want, device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("tp,kv_heads", [(1, 2), (2, 2), (4, 2)])
+def test_merged_layer_stored_as_such_qkv(device, act_order, tp, kv_heads):
+    """A checkpoint that stores q/k/v as one layer (Phi-3's qkv_proj, no --fuse table): each rank serves its share
+    of each of the engine's three parts, k and v replicated where the ranks outnumber the kv heads."""
+    rng = _seed("merged-qkv", act_order, tp)
+    head, heads, k = 32, 4, 160
+    rows = [heads * head, kv_heads * head, kv_heads * head]
+    layer = random_layer(rng, sum(rows), k, 4, 32, "int", act_order)
+    packed = pack(layer)
+    name = "attn.qkv_proj"
+    plan = LayerPlan(name, [LayerPart(name, _meta(name, packed))])
+    replicas = max(1, tp // kv_heads)
+    kv_per = rows[1] // tp * replicas
+    out_sizes = [rows[0] // tp, kv_per, kv_per]
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    ref = x.astype(np.float64) @ layer.dequantize(np.float64).T
+    q, kk, v = np.split(ref, np.cumsum(rows)[:2], axis=1)
+    for rank in range(tp):
+        served = _serve(QKVParallelLinear, plan, {name: packed}, rank, tp, out_sizes, k, device, replicas)
+        got = served.method.apply(served, torch.from_numpy(x).to(device, _dtype(device)))
+        r = rank // replicas
+        want = np.concatenate([q[:, rank * out_sizes[0]:(rank + 1) * out_sizes[0]],
+                               kk[:, r * kv_per:(r + 1) * kv_per], v[:, r * kv_per:(r + 1) * kv_per]], axis=1)
+        _close(got, want, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_merged_layer_stored_as_such_gate_up(device, tp):
+    """Phi-3's gate_up_proj as the checkpoint stores it: [gate | up], each split across the ranks."""
+    rng = _seed("merged-gate-up", tp)
+    layer = random_layer(rng, 2 * 96, 128, 4, 64, "float", False)
+    packed = pack(layer)
+    name = "mlp.gate_up_proj"
+    plan = LayerPlan(name, [LayerPart(name, _meta(name, packed))])
+    x = rng.standard_normal((2, 128)).astype(np.float32)
+    ref = x.astype(np.float64) @ layer.dequantize(np.float64).T
+    per = 96 // tp
+    for rank in range(tp):
+        served = _serve(MergedColumnParallelLinear, plan, {name: packed}, rank, tp, [per, per], 128, device)
+        got = served.method.apply(served, torch.from_numpy(x).to(device, _dtype(device)))
+        want = np.concatenate([ref[:, rank * per:(rank + 1) * per], ref[:, 96 + rank * per:96 + (rank + 1) * per]],
+                              axis=1)
+        _close(got, want, device)
+
+
+def test_merged_layer_of_another_size_still_refused():
+    rng = _seed("merged-wrong")
+    packed = pack(random_layer(rng, 160, 64, 4, 32, "none", False))
+    name = "mlp.gate_up_proj"
+    plan = LayerPlan(name, [LayerPart(name, _meta(name, packed))])
+    with pytest.raises(BadInputError, match=r"output rows \[160\] do not match the model's \[96, 96\]"):
+        _serve(MergedColumnParallelLinear, plan, {name: packed}, 0, 1, [96, 96], 64, "cpu")
+
+
 def test_engine_bias_added_after_gemm():
     rng = _seed("bias")
     layer = random_layer(rng, 48, 128, 4, 64, "none", False)

@@ -108,6 +108,13 @@ class PackedLinearMethod:
                       partition_sizes: list[int]) -> None:
         """The checkpoint's layers must have the shapes the engine's model builds; say which does not."""
         parts = self.plan.parts
+        full = _full_sizes(layer, kind, tp_size, partition_sizes)
+        if len(parts) == 1 and not parts[0].sub_rows and len(full) > 1 and sum(full) == parts[0].shape[0]:
+            # the checkpoint stores the merged layer itself (Phi-3's qkv_proj, gate_up_proj): its rows are the
+            # engine's parts in order, so each rank takes its share of every part, as for a --fuse'd layer
+            bounds = np.cumsum([0] + full)
+            parts[0].sub_rows = [(f"{parts[0].name}[{i}]", int(bounds[i]), int(bounds[i + 1]))
+                                 for i in range(len(full))]
         rows: list[tuple[str, int]] = []
         for p in parts:
             rows += [(n, hi - lo) for n, lo, hi in p.sub_rows] if p.sub_rows else [(p.name, p.shape[0])]
@@ -115,7 +122,6 @@ class PackedLinearMethod:
             if p.shape[1] != input_size:
                 raise BadInputError(f"the checkpoint's layer takes {p.shape[1]} inputs, the model's "
                                     f"{self.plan.prefix} takes {input_size}", tensor=p.name)
-        full = _full_sizes(layer, kind, tp_size, partition_sizes)
         if len(full) != len(rows) or any(a != n for a, (_, n) in zip(full, rows)):
             raise BadInputError(f"the checkpoint's output rows {[n for _, n in rows]} do not match the model's "
                                 f"{full} for {self.plan.prefix}", tensor=rows[0][0])

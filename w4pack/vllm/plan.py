@@ -219,10 +219,7 @@ class CheckpointPlan:
 def _check_config(ckpt: Any) -> None:
     """The manifest and config.json must describe the same layout (the loader trusts the manifest per layer)."""
     qc = ckpt.config.get("quantization_config") or {}
-    fused_cfg = qc.get("fused")
-    if fused_cfg is not None and fused_cfg != (ckpt.manifest.get("fused") or {}):
-        raise BadInputError("config.json's quantization_config.fused disagrees with the manifest's fused table",
-                            file=str(Path(ckpt.path) / "config.json"))
+    ckpt.check_fused()
     layout = ckpt.manifest.get("layout") or {}
     if layout and (layout.get("name"), layout.get("version")) != (qc.get("layout"), qc.get("layout_version")):
         raise BadInputError(f"config.json says layout {qc.get('layout')} v{qc.get('layout_version')} but the "
