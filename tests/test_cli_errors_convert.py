@@ -164,3 +164,75 @@ def test_dry_run_lists_a_refused_fusion_unfused(tmp_path: Path, capsys: pytest.C
     out = capsys.readouterr().out
     assert ": 32 quantized layers (34 in the source, 3 of them fused into 1)" in out
     assert not (tmp_path / "dd").exists()
+
+
+def _ct_with_config(tmp: Path, name: str, **changes: object) -> Path:
+    """The compressed-tensors tiny Llama with config.json changed (a value of None drops the key)."""
+    import shutil
+
+    src = tmp / name
+    shutil.copytree(fixture_dir("compressed-tensors", "tiny_llama_w4a16_sym_g128"), src)
+    cfg_path = src / "config.json"
+    cfg_path.chmod(0o644)
+    cfg = json.loads(cfg_path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    cfg_path.write_text(json.dumps(cfg))
+    return src
+
+
+@pytest.mark.parametrize("changes,reason", [
+    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "model_type 'mistral' has no GGUF tensor"),
+    ({"num_attention_heads": None, "num_key_value_heads": None, "head_dim": None},
+     "lacks num_attention_heads: cannot apply llama.cpp's q/k permutation"),
+    ({"num_attention_heads": None, "num_key_value_heads": None, "head_dim": 16},
+     "lacks num_attention_heads: cannot apply llama.cpp's q/k permutation"),
+])
+def test_gguf_config_refusals_in_the_dry_run_as_in_the_real_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                changes: dict, reason: str) -> None:
+    """Before: the dry run said "would succeed" (exit 0) where the real run refused (exit 3); with head_dim and no
+    head count the real run died with "unexpected TypeError"."""
+    src = _ct_with_config(tmp_path, "src", **changes)
+    capsys.readouterr()
+    assert main(["convert", str(src), str(tmp_path / "x.gguf"), "--to", "gguf", "--dry-run", "--json"]) == 3
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["exit_code"] == 3 and reason in doc["problems"][0], doc["problems"]
+    rc, err = _cli(capsys, "convert", src, tmp_path / "x.gguf", "--to", "gguf")
+    assert rc == 3 and reason in err, err
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_gguf_writer_notes_reach_the_json_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: the GGUF writer's notes went to stderr only; --json's document had no "warnings"."""
+    from w4pack.formats.gguf import GGUFWarning
+
+    packed = tmp_path / "w4"
+    assert main(["convert", str(fixture_dir("compressed-tensors", "tiny_llama_w4a16_sym_g128")), str(packed)]) == 0
+    capsys.readouterr()
+    assert main(["convert", str(packed), str(tmp_path / "x.gguf"), "--to", "gguf", "--json"]) == 0
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    spread = [w for w in doc["warnings"] if "carry the group's scale in each block" in w]
+    assert len(spread) == 1 and f"warning: {spread[0]}" in err.splitlines(), (doc, err)
+    assert len(err.splitlines()) == len(doc["warnings"])  # each said once
+    from w4pack.convert import convert  # the Python API: in the summary, and still issued as a warning
+
+    with pytest.warns(GGUFWarning, match="carry the group's scale"):
+        res = convert(packed, tmp_path / "y.gguf", to="gguf", show_progress=False)
+    assert any("carry the group's scale" in w for w in res["warnings"])
+
+
+def test_dry_run_does_not_promise_force_replaces_what_it_refuses(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: "note: DST exists; --force replaces it" and then "cannot write: DST: holds no checkpoint"."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "main.py").write_text("x\n")
+    capsys.readouterr()
+    assert main(["convert", str(fixture_dir("gptq", "ag_b4_sym_g128")), str(proj), "--force", "--dry-run"]) == 4
+    out = capsys.readouterr().out
+    assert "cannot write" in out and "--force replaces it" not in out, out
+    assert "1 quantized layer," in out and "1 quantized layers" not in out, out

@@ -185,3 +185,18 @@ def test_usage_errors_are_one_line(argv: list[str], says: str, capsys: pytest.Ca
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("w4pack: error: ") and says in err, err
     assert "--help)" in err
+
+
+def test_inspect_names_per_channel_layers_and_keys_its_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: --layers printed a per-channel layer as "g-1" while the kinds line said "per-channel", and the JSON
+    of a packed folder lacked the source_format key a source's JSON has."""
+    src = fixture_dir("gptq", "ag_b4_sym_gm1")
+    for path in (src, tmp_path / "w4"):
+        if path != src:
+            _cli(capsys, "convert", src, path)
+        rc, out, _ = _cli(capsys, "inspect", path, "--layers")
+        assert rc == 0 and "per-channel" in out and "g-1" not in out, out
+    rc, out, _ = _cli(capsys, "inspect", tmp_path / "w4", "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["source_format"] == "w4pack" and doc["layer_kinds"][0]["group_size"] == -1
+    assert json.loads(_cli(capsys, "inspect", src, "--json")[1])["source_format"] == "gptq"

@@ -1,14 +1,15 @@
 """convert: any supported source → w4pack (or another format), streaming, atomic, with a plan for --dry-run."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .store.checkpoint import config_problem, parse_size
-from .errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNSUPPORTED, BadInputError, W4PackError
+from .errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNSUPPORTED, BadInputError, W4PackError, W4PackWarning
 from .formats import get_format
 from .formats import embeddings
 from .sources import open_source, source_format as _source_format
@@ -249,7 +250,7 @@ def _refuse_overlap(src: str | Path, dst: str | Path, force: bool, what: str = "
                             "part of the source; choose another output", file=str(dst))
 
 
-class GrowthWarning(UserWarning):
+class GrowthWarning(W4PackWarning):
     """A conversion wrote markedly more bytes than the source holds (tensors carried unquantized, wider scales)."""
 
 
@@ -272,6 +273,22 @@ def growth_is_notable(src_bytes: int, out_bytes: int) -> bool:
 
 def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 10_000_000 else f"{n / 1e6:.3f} MB"
+
+
+@contextlib.contextmanager
+def _notices() -> Iterator[list[str]]:
+    """The text of each w4pack warning issued inside (once each, in order): ``convert``'s summary carries them
+    for scripts, which see no stderr. Every warning caught is issued again on the way out, as if not caught."""
+    texts: list[str] = []
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", W4PackWarning)
+            yield texts
+    finally:  # (also when the conversion fails: what was said before the error still counts)
+        texts.extend(dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, W4PackWarning)))
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
 def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, to: str = "w4pack",
@@ -303,26 +320,27 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
     write_opts = {k: v for k, v in options.items() if k not in ("base",)}
     target = get_format(to)
     _refuse_writer_options(target, options)
-    with step(f"reading {src}", False if str(src).startswith("hf:") else show_progress):
-        source = open_source(src, src_format, **read_opts)
-    with source:
-        if fuse:
-            source = FusedSource(source, fuse)
-        source = unfused_for(embeddings.for_target(source, target, keep_packed=not float_embeddings), target)
-        problems = source_problems(target, source, str(src))  # before anything is written, not at the end
-        if problems:
-            raise problems[0]
-        if force or not os.path.lexists(dst):
-            # side files are built once per source (a GGUF's tokenizer export takes seconds): announced here
-            # rather than left as a silent tail after the writer's progress bar
-            with step("preparing side files (config, tokenizer)", show_progress):
-                source.side_files()
-        out = target.write(source, Path(dst), force=force, max_shard_size=max_shard_size,
-                           show_progress=show_progress, **write_opts)
-        n_layers = len(source.layer_names())
-        fused = source.fused_layers()
-        n_pass = len(source.passthrough_names())
-        info = dict(source.info)
+    with _notices() as notices:  # the readers' and writers' warnings, for the summary as well
+        with step(f"reading {src}", False if str(src).startswith("hf:") else show_progress):
+            source = open_source(src, src_format, **read_opts)
+        with source:
+            if fuse:
+                source = FusedSource(source, fuse)
+            source = unfused_for(embeddings.for_target(source, target, keep_packed=not float_embeddings), target)
+            problems = source_problems(target, source, str(src))  # before anything is written, not at the end
+            if problems:
+                raise problems[0]
+            if force or not os.path.lexists(dst):
+                # side files are built once per source (a GGUF's tokenizer export takes seconds): announced here
+                # rather than left as a silent tail after the writer's progress bar
+                with step("preparing side files (config, tokenizer)", show_progress):
+                    source.side_files()
+            out = target.write(source, Path(dst), force=force, max_shard_size=max_shard_size,
+                               show_progress=show_progress, **write_opts)
+            n_layers = len(source.layer_names())
+            fused = source.fused_layers()
+            n_pass = len(source.passthrough_names())
+            info = dict(source.info)
     out_path = Path(out)  # a folder, or one file for single-file formats (GGUF)
     size = out_path.stat().st_size if out_path.is_file() else \
         sum(p.stat().st_size for p in out_path.iterdir() if p.is_file())
@@ -341,8 +359,10 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
             msg = (f"{out}: the output's tensors ({_mb(out_size)}) are larger than those of the source {src} "
                    f"({_mb(src_size)}, x{out_size / max(src_size, 1):.2f}); see the notes for tensors "
                    "carried unquantized or widened")
-            result["warnings"] = [msg]
+            notices.append(msg)
             warnings.warn(msg, GrowthWarning, stacklevel=2)
+    if notices:
+        result["warnings"] = notices
     if fuse:
         result["fused"] = fused
     return result

@@ -11,6 +11,7 @@ __all__ = [
     "UnsupportedError",
     "VerificationError",
     "IOFailure",
+    "W4PackWarning",
     "EXIT_OK",
     "EXIT_VERIFY",
     "EXIT_BAD_INPUT",
@@ -24,6 +25,11 @@ EXIT_VERIFY = 1
 EXIT_BAD_INPUT = 2
 EXIT_UNSUPPORTED = 3
 EXIT_IO = 4
+
+
+class W4PackWarning(UserWarning):
+    """Base class of w4pack's notices (the source contradicts itself, the output grew, a GGUF needed F32):
+    ``convert`` also returns those it issued in its summary's ``warnings``, where scripts read them."""
 
 
 class W4PackError(Exception):

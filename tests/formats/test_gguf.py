@@ -1085,16 +1085,25 @@ def test_tokenizer_keys_llama_cpp_reads(prefix: bool, bos: bool, tmp_path: Path)
     assert fields["tokenizer.ggml.bos_token_id"].contents() == 0
 
 
-def test_gguf_tokenizer_not_exported_is_said_at_convert_time(tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gguf_tokenizer_not_exported_is_said_at_convert_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 32.3: without transformers the converted folder has no tokenizer; convert says so on stderr, with the
-    fix, instead of leaving it to a later `run` error."""
+    fix, instead of leaving it to a later `run` error (and in --json's "warnings")."""
+    import re
+
     make_tokenizer_gguf(tmp_path / "t.gguf")
     monkeypatch.setitem(sys.modules, "transformers", None)
-    with pytest.warns(UserWarning, match=r"tokenizer is not exported \(transformers is not installed\).*"
-                                         r"pip install 'w4pack\[hf\]'\) and convert again"):
-        rc = main(["convert", str(tmp_path / "t.gguf"), str(tmp_path / "w4")])
+    said = re.compile(r"tokenizer is not exported \(transformers is not installed\).*"
+                      r"pip install 'w4pack\[hf\]'\) and convert again")
+    capsys.readouterr()
+    rc = main(["convert", str(tmp_path / "t.gguf"), str(tmp_path / "w4")])
+    err = capsys.readouterr().err
     assert rc == 0 and not (tmp_path / "w4" / "tokenizer.json").exists()
+    assert len([line for line in err.splitlines() if line.startswith("warning: ") and said.search(line)]) == 1, err
+    rc = main(["convert", str(tmp_path / "t.gguf"), str(tmp_path / "w4b"), "--json"])
+    assert rc == 0 and any(said.search(w) for w in json.loads(capsys.readouterr().out)["warnings"])
+    with pytest.warns(UserWarning, match=said):  # the Python API issues it as a warning
+        convert(tmp_path / "t.gguf", tmp_path / "w4c", show_progress=False)
 
 
 def test_interrupted_write_leaves_nothing_and_keeps_the_old_output(tmp_path: Path,

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from ..convert import MIN_SHARD_SIZE
-from ..errors import BadInputError
+from ..errors import BadInputError, W4PackWarning
 from . import FORMAT_NAMES, SourcePath, check_format_name, detect_source, emit_json, plural, say_plan_error, settle
 from .extras import needs_extras
 
@@ -89,14 +89,21 @@ def convert(src: Path, dst: Path, src_format: str | None, to: str | None, base: 
             _print_plan(src, dst, to, doc)
         say_plan_error(src, doc, "in the JSON's problems" if as_json else "listed above")
         return int(doc["exit_code"])
-    from ..convert import GrowthWarning
-
     before = _identity(dst)
+    held: list[warnings.WarningMessage] = []
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", GrowthWarning)  # said below as one line, with the sizes
-            result = do_convert(src, dst, src_format=src_format, to=to, force=force, max_shard_size=max_shard_size,
-                                **opts)
+        try:
+            with warnings.catch_warnings(record=True) as held:  # w4pack's: said below from the summary's "warnings"
+                result = do_convert(src, dst, src_format=src_format, to=to, force=force,
+                                    max_shard_size=max_shard_size, **opts)
+        except BaseException:  # no summary: what w4pack said before the error goes out before it
+            for msg in dict.fromkeys(str(w.message) for w in held if issubclass(w.category, W4PackWarning)):
+                click.echo(f"warning: {msg}", err=True)
+            raise
+        finally:  # the others as if not held (shown under W4PACK_DEBUG=1, dropped otherwise)
+            for w in held:
+                if not issubclass(w.category, W4PackWarning):
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
     except KeyboardInterrupt:
         if not _committed(dst, before):
             raise
@@ -157,11 +164,13 @@ def _print_plan(src: Path, dst: Path, to: str, doc: dict[str, Any]) -> None:
     fused = doc["fused"]
     of_source = (f" ({doc['source_layers']} in the source, {sum(len(p) for p in fused.values())} of them fused "
                  f"into {len(fused)})" if fused else "")
-    click.echo(f"{src} ({doc['source_format']}) -> {dst} ({to}): {len(doc['layers'])} quantized layers{of_source}, "
-               f"{len(doc['passthrough'])} pass-through tensors, side files: {', '.join(doc['side_files']) or 'none'}")
+    counts = (f"{plural(len(doc['layers']), 'quantized layer')}{of_source}, "
+              f"{plural(len(doc['passthrough']), 'pass-through tensor')}")
+    click.echo(f"{src} ({doc['source_format']}) -> {dst} ({to}): {counts}, side files: "
+               f"{', '.join(doc['side_files']) or 'none'}")
     for note in doc["source_info"].get("notes", []):
         click.echo(f"  note: {note}")
-    if doc["destination_exists"] and doc["force"]:
+    if doc["destination_exists"] and doc["force"] and not doc["output_problems"]:
         click.echo(f"  note: {dst} exists; --force replaces it")
     for line in group_problems(doc["problems"]):
         click.echo(f"  cannot convert: {line}")

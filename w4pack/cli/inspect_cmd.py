@@ -100,7 +100,8 @@ def inspect(path: Path, as_json: bool, show_layers: bool, src_format: str | None
         layers = sorted(doc["layers"], key=lambda m: natural_key(m["name"]))
         for layer in layers if show_layers else layers[:10]:
             click.echo(f"  {layer['name']}: {layer['shape'][0]}x{layer['shape'][1]} {layer['bits']}-bit "
-                       f"g{layer['group_size']} zero={layer['zero_mode']}{' act-order' if layer['act_order'] else ''}")
+                       f"{_group_label(layer['group_size'])} zero={layer['zero_mode']}"
+                       f"{' act-order' if layer['act_order'] else ''}")
         if not show_layers and len(layers) > 10:
             click.echo(f"  ... {len(layers) - 10} more (--layers lists all)")
         for note in doc["source_info"].get("notes", []) + doc["source_info"].get("quirks", []):
@@ -114,7 +115,7 @@ def inspect(path: Path, as_json: bool, show_layers: bool, src_format: str | None
         if show_layers or as_json:
             s["layers"] = {n: {k: v for k, v in m.items() if k != "tensors"} for n, m in ck.manifest["layers"].items()}
         if as_json:
-            emit_json(s)
+            emit_json({"source_format": "w4pack", **s})  # PATH's format, the key a source's document has too
             return 0
         lay = s["layout"]
         click.echo(f"{path}: w4pack checkpoint, layout {lay['name']} v{lay['version']}")
@@ -124,7 +125,7 @@ def inspect(path: Path, as_json: bool, show_layers: bool, src_format: str | None
             click.echo(f"  model: {s['architecture']} ({s['model_type']})")
         click.echo(f"  quantized layers: {s['num_layers']}   pass-through tensors: {s['num_passthrough']}")
         for kind in s["layer_kinds"]:
-            g = "per-channel" if kind["group_size"] == -1 else f"group {kind['group_size']}"
+            g = _group_label(kind["group_size"], "group ")
             click.echo(f"    {kind['count']:5d} x {kind['bits']}-bit, {g}, zero {kind['zero_mode']}"
                        + (", act-order" if kind["act_order"] else ""))
         click.echo(f"  {plural(len(s['shards']), 'shard')}, {_human(s['total_size'])} "
@@ -140,5 +141,11 @@ def inspect(path: Path, as_json: bool, show_layers: bool, src_format: str | None
                 m = s["layers"][n]
                 padded = (f" (padded to {m['padded_shape'][0]}x{m['padded_shape'][1]})"
                           if list(m["padded_shape"]) != list(m["shape"]) else "")
-                click.echo(f"    {n}: {m['shape'][0]}x{m['shape'][1]}{padded} {m['bits']}-bit g{m['group_size']} "
-                           f"{m['zero_mode']} {m['scale_dtype']}{' act-order' if m['act_order'] else ''}")
+                click.echo(f"    {n}: {m['shape'][0]}x{m['shape'][1]}{padded} {m['bits']}-bit "
+                           f"{_group_label(m['group_size'])} {m['zero_mode']} {m['scale_dtype']}"
+                           f"{' act-order' if m['act_order'] else ''}")
+
+
+def _group_label(group_size: int, prefix: str = "g") -> str:
+    """"g128" (or "group 128"), and "per-channel" for -1, the manifest's value for one group per row."""
+    return "per-channel" if group_size == -1 else f"{prefix}{group_size}"

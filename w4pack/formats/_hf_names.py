@@ -233,7 +233,7 @@ def config_to_metadata(cfg: dict[str, Any]) -> tuple[str, dict[str, tuple[str, A
     head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // heads if heads and cfg.get("hidden_size") else None)
     if head_dim:
         out[f"{arch}.rope.dimension_count"] = ("u32", int(head_dim))
-        if not cfg.get("hidden_size") or int(head_dim) != int(cfg["hidden_size"]) // int(heads):
+        if not cfg.get("hidden_size") or not heads or int(head_dim) != int(cfg["hidden_size"]) // int(heads):
             out[f"{arch}.attention.key_length"] = ("u32", int(head_dim))
             out[f"{arch}.attention.value_length"] = ("u32", int(head_dim))
     theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta"))

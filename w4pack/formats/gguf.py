@@ -36,7 +36,7 @@ import numpy as np
 
 from ..core.canonical import CanonicalLayer
 from ..core.dtypes import to_float32
-from ..errors import BadInputError, UnsupportedError
+from ..errors import BadInputError, UnsupportedError, W4PackWarning
 from ..store.folder import brief, read_json, side_file
 from ..store.gguffile import GGUFFile, gguf_module, is_gguf, open_gguf
 from ..store.scratch import ScratchFolder, read_text
@@ -52,7 +52,7 @@ __all__ = ["GGUFFormat", "GGUFMeta", "GGUFSource", "GGUFWarning", "tokenizer_met
 BLOCK = 32
 
 
-class GGUFWarning(UserWarning):
+class GGUFWarning(W4PackWarning):
     """Something a written GGUF lacks (e.g. a tokenizer), said once per file."""
 
 #: side file with the GGUF metadata (tokenizer vocabulary, chat template, ...) so that writing GGUF back keeps it
@@ -757,6 +757,21 @@ def _target_arch(cfg: dict[str, Any]) -> tuple[str, dict[str, tuple[str, Any]]]:
     return meta_out if meta_out is not None else ("llama", {})
 
 
+def _config_problems(source: Source) -> list[str]:
+    """What the writer refuses in config.json, as the dry run reports it: an architecture without a tensor
+    mapping, and q/k layers to permute for llama.cpp without the head counts that say how."""
+    cfg = dict(source.config or {})
+    try:
+        arch, _ = _target_arch(cfg)
+    except UnsupportedError as exc:
+        return [exc.message]
+    if names.permutes_qk(arch) and not cfg.get("num_attention_heads"):
+        qk = next((n for n in source.layer_names() if ".self_attn.q_proj" in n or ".self_attn.k_proj" in n), None)
+        if qk is not None:
+            return [f"{qk}: config.json lacks num_attention_heads: cannot apply llama.cpp's q/k permutation"]
+    return []
+
+
 def _saved_metadata(side: list[Path]) -> dict[str, Any]:
     """The source GGUF's metadata saved beside a converted checkpoint ({} when the source was not a GGUF)."""
     for p in side:
@@ -1078,7 +1093,7 @@ class GGUFFormat(Format):
 
     @classmethod
     def check_writable(cls, source: Source) -> list[str]:
-        problems = []
+        problems = _config_problems(source)
         for name in source.layer_names():
             layer = source.read_layer(name)
             if _source_gguf_type(layer) is not None:  # written in its own block type, else exactly as F32

@@ -36,7 +36,7 @@ from ..core import fastpath
 from ..core.canonical import CanonicalLayer
 from ..store.checkpoint import parse_size
 from ..core.dtypes import FLOAT_DTYPES
-from ..errors import BadInputError, IOFailure, UnsupportedError, W4PackError
+from ..errors import BadInputError, IOFailure, UnsupportedError, W4PackError, W4PackWarning
 from ..store.folder import brief, copy_side_files, is_json_int, read_json as _read_json, side_files, write_json
 from ..core.layout import PackedLayer, group_structure, pack_with_qweight
 from ..progress import Progress
@@ -58,7 +58,7 @@ _CONFIG_FILES = ("quantize_config.json", "quant_config.json")
 DEFAULT_MAX_SHARD = "4GB"
 
 
-class GPTQWarning(UserWarning):
+class GPTQWarning(W4PackWarning):
     """The checkpoint's metadata contradicts its tensors (e.g. a "gptq" config over v2 zero points)."""
 
 
