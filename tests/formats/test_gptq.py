@@ -761,3 +761,25 @@ def test_backtracking_dynamic_pattern_is_refused_not_run(tmp_path: Path) -> None
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert str(qc_path) in lines[0] and "nests a repetition inside a repetition" in lines[0], proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_unknown_checkpoint_format_refused_unless_from_names_the_version(tmp_path: Path, capsys) -> None:
+    """Before: any checkpoint_format w4pack did not know was read as v1 without a word: a checkpoint storing v2
+    zero points under another name got every zero shifted by one."""
+    from conftest import cli_one_line
+
+    src = tmp_path / "g"
+    shutil.copytree(fixture_dir("gptq", "gm_b3_asym_g64_v2"), src)
+    qc_path = src / "quantize_config.json"
+    qc_path.chmod(0o644)
+    qc = json.loads(qc_path.read_text())
+    assert qc["checkpoint_format"] == "gptq_v2"
+    qc_path.write_text(json.dumps(dict(qc, checkpoint_format="gptq_v3")))
+    rc, err = cli_one_line(capsys, "inspect", src)
+    assert rc == 3 and "quantize_config.json: GPTQ checkpoint_format 'gptq_v3' is not one w4pack knows" in err, err
+    rc, err = cli_one_line(capsys, "convert", src, tmp_path / "out")
+    assert rc == 3 and not (tmp_path / "out").exists()
+    truth = GPTQFormat.open(fixture_dir("gptq", "gm_b3_asym_g64_v2"))
+    forced = get_format("gptq-v2").open(src)
+    name = truth.layer_names()[0]
+    assert np.array_equal(forced.read_layer(name).zeros, truth.read_layer(name).zeros)

@@ -163,24 +163,33 @@ def _quant_config(root: Path) -> tuple[dict[str, Any], dict[str, Any], list[str]
 
 
 def _declared_version(qc: dict[str, Any]) -> str:
-    fmt = qc.get("checkpoint_format") or qc.get("format") or V1
-    fmt = str(fmt).lower()
+    fmt = _named_format(qc) or V1
     if fmt in (V1, V2):
         return fmt
-    if fmt in ("gptq_p", "marlin", "bitblas", "ipex", "qqq"):
-        raise UnsupportedError(f"GPTQ checkpoint_format {fmt!r} stores a different layout; only 'gptq' (v1) and "
-                               "'gptq_v2' are readable")
-    return V1
+    # an unknown name may store anything, zero points v1 or v2 among them: read as v1, it would shift every zero
+    raise UnsupportedError(f"GPTQ checkpoint_format {fmt!r} is not one w4pack knows; only 'gptq' (v1) and 'gptq_v2' "
+                           "are readable (--from gptq or --from gptq-v2 reads it as that version)")
 
 
-def _stated_version(qc: dict[str, Any]) -> str | None:
-    """The version the config itself names (``checkpoint_format``, else ``format``), or None when it names none:
-    a missing key says nothing, so a named --from may decide (a v1 default would contradict every v2 --from)."""
+def _named_format(qc: dict[str, Any]) -> str | None:
+    """``checkpoint_format`` (else ``format``) lower-cased, None when neither is given; the layouts w4pack cannot
+    read are refused here, --from or not."""
     named = qc.get("checkpoint_format") or qc.get("format")
     if not named:
         return None
-    version = _declared_version(qc)  # refuses the layouts w4pack cannot read, --from or not
-    return version if str(named).lower() in (V1, V2) else None
+    fmt = str(named).lower()
+    if fmt in ("gptq_p", "marlin", "bitblas", "ipex", "qqq"):
+        raise UnsupportedError(f"GPTQ checkpoint_format {fmt!r} stores a different layout; only 'gptq' (v1) and "
+                               "'gptq_v2' are readable")
+    return fmt
+
+
+def _stated_version(qc: dict[str, Any]) -> str | None:
+    """The version the config itself names (``checkpoint_format``, else ``format``), or None when it names none
+    or a name w4pack does not know: a missing key says nothing, so a named --from may decide (a v1 default would
+    contradict every v2 --from)."""
+    fmt = _named_format(qc)
+    return fmt if fmt in (V1, V2) else None
 
 
 def _config_naming_version(root: Path) -> Path:
@@ -271,8 +280,11 @@ class GPTQConfig:
             qc["bits"] = int(bits)
         if group_size is not None:
             qc["group_size"] = int(group_size)
-        stated = _stated_version(qc)
-        version = version or _declared_version(qc)
+        try:
+            stated = _stated_version(qc)
+            version = version or _declared_version(qc)
+        except UnsupportedError as exc:  # named with the config file that says it
+            raise UnsupportedError(exc.message, file=str(_config_naming_version(root))) from None
         base_name = qc.get("model_file_base_name") if isinstance(qc.get("model_file_base_name"), str) else None
         meta_q = (qc.get("meta") or {}).get("quantizer") if isinstance(qc.get("meta"), dict) else None
         if meta_q:
