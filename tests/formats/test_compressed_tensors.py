@@ -585,3 +585,95 @@ def test_a_refusal_names_the_source_and_counts_the_other_layers(tmp_path: Path) 
                                                r"\(and \d+ more layer\(s\)\)") as exc:
         convert(tmp_path / "w4", tmp_path / "ct", to="compressed-tensors", show_progress=False)
     assert exc.value.file == str(tmp_path / "w4") and not (tmp_path / "ct").exists()
+
+
+def _legacy_pack_rows(vals: np.ndarray, bits: int) -> np.ndarray:
+    """Older compressed-tensors' packing of odd widths: 32 // b whole values per int32, low value first."""
+    per = 32 // bits
+    r, c = vals.shape
+    padded = np.zeros((r, -(-c // per) * per), np.uint64)
+    padded[:, :c] = vals
+    shifts = np.arange(per, dtype=np.uint64) * np.uint64(bits)
+    return (padded.reshape(r, -1, per) << shifts).sum(axis=2).astype(np.uint32).view(np.int32)
+
+
+def test_whole_values_per_word_zero_points_of_older_3bit_files(tmp_path: Path) -> None:
+    """Older compressed-tensors pack 3-bit codes and zero points 10 whole values a word. Before: the codes were
+    read so, the zero points refused ("fits neither packed [6, 4] nor unpacked [64, 4]")."""
+    rng = np.random.default_rng(11)
+    n, k, g = 64, 128, 4
+    layer = CanonicalLayer(codes=rng.integers(0, 8, (n, k)).astype(np.uint8),
+                           scales=rng.uniform(0.01, 0.05, (n, g)).astype(np.float16), bits=3, group_size=k // g,
+                           zero_mode="int", zeros=rng.integers(0, 8, (n, g)).astype(np.uint8), scale_dtype="float16")
+    CT.write(MemSource({PREFIX: layer}), tmp_path / "new")
+    old = tmp_path / "old"
+    shutil.copytree(tmp_path / "new", old)
+    shard = next(old.glob("*.safetensors"))
+    tensors = tensors_of(shard)
+    tensors[f"{PREFIX}.weight_packed"] = ("int32", _legacy_pack_rows(layer.codes, 3))
+    tensors[f"{PREFIX}.weight_zero_point"] = ("int32", np.ascontiguousarray(_legacy_pack_rows(layer.zeros.T, 3).T))
+    assert tensors[f"{PREFIX}.weight_zero_point"][1].shape == (7, g)  # against 6 rows of the dense stream
+    write_safetensors(shard, [(t, a, d) for t, (d, a) in tensors.items()])
+    with CT.open(old) as s:
+        got = s.read_layer(PREFIX)
+    assert np.array_equal(got.codes, layer.codes) and np.array_equal(got.zero_points(), layer.zeros)
+    assert "whole values per int32" in got.source["quirk"]
+
+
+def _edit_scheme(folder: Path, **changes: Any) -> None:
+    cfg_path = folder / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    weights = next(iter(cfg["quantization_config"]["config_groups"].values()))["weights"]
+    for key, value in changes.items():
+        if value is None:
+            weights.pop(key, None)
+        else:
+            weights[key] = value
+    cfg_path.write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("bits,group,changes", [
+    (4, 64, {"strategy": "GROUP", "type": "INT"}),  # the peer lower-cases both
+    (4, -1, {"strategy": None, "group_size": -1}),  # no strategy, group size -1: channel
+    (8, 64, {"num_bits": None}),  # the peer's default width is 8
+])
+def test_scheme_defaults_and_spellings_as_compressed_tensors_reads_them(tmp_path: Path, bits: int, group: int,
+                                                                        changes: dict) -> None:
+    """Before: upper case was refused ("weight type 'INT'"), a missing num_bits read as 4 and a missing strategy
+    with group size -1 as group."""
+    layer = rand_layer(96, 128, bits=bits, group=group, asym=True, seed=bits)
+    CT.write(MemSource({PREFIX: layer}), tmp_path / "m")
+    _edit_scheme(tmp_path / "m", **changes)
+    with CT.open(tmp_path / "m") as s:
+        assert s.read_layer(PREFIX).equals(layer)
+
+
+def test_scheme_without_strategy_or_group_size_is_the_tensor_strategy(tmp_path: Path) -> None:
+    """Before: refused ("weight_scale shape [1] is not [128 rows, groups]"), read as the channel strategy."""
+    bare = fixture_dir(FAMILY, "sym_tensor_in256_out128") / "model.safetensors"
+    (tmp_path / "m").mkdir()
+    shutil.copy(bare, tmp_path / "m" / "model.safetensors")
+    weights = {"num_bits": 4, "type": "int", "symmetric": True}  # as a hand-written config may say it
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}}))
+    with CT.open(tmp_path / "m") as s, CT.open(bare) as t:
+        name = t.layer_names()[0]
+        got = s.read_layer(name)
+        assert got.equals(t.read_layer(name)) and got.source["strategy"] == "tensor"
+
+
+@pytest.mark.parametrize("ignore", [{"a": 1}, [1, 2], "lm_head"])
+def test_ignore_must_be_names(tmp_path: Path, ignore: Any) -> None:
+    """Before: any JSON value was turned into strings and accepted; the peer refuses what is not a list of names."""
+    layer = rand_layer(32, 64, seed=3)
+    CT.write(MemSource({PREFIX: layer}), tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["quantization_config"]["ignore"] = ignore
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    if isinstance(ignore, str):  # one name, as a list of one
+        with CT.open(tmp_path / "m") as s:
+            assert s.read_layer(PREFIX).equals(layer)
+        return
+    with pytest.raises(BadInputError, match="ignore must be a list of module names"):
+        CT.open(tmp_path / "m")

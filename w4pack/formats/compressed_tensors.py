@@ -62,7 +62,7 @@ def unpack_rows(words: np.ndarray, bits: int, count: int) -> np.ndarray:
 
 
 def _unpack_rows_legacy(words: np.ndarray, bits: int, count: int) -> np.ndarray:
-    """compressed-tensors < 0.17 for odd widths: 32 // b whole values per word, the top bits unused."""
+    """Older compressed-tensors for odd widths: 32 // b whole values per word, the top bits unused."""
     per = 32 // bits
     u = np.ascontiguousarray(words).astype("<u4", copy=False).astype(np.uint64)
     shifts = (np.arange(per, dtype=np.uint64) * bits)
@@ -153,10 +153,14 @@ class WeightScheme:
 
     @classmethod
     def parse(cls, gname: str, targets: list[str], w: dict[str, Any], fmt: str) -> "WeightScheme":
-        return cls(group=gname, targets=tuple(targets), type=str(w.get("type", "int")), bits=int(w.get("num_bits", 4)),
-                   symmetric=bool(w.get("symmetric", True)),
-                   strategy=str(w.get("strategy") or ("group" if w.get("group_size") else "channel")),
-                   group_size=w.get("group_size"), format=fmt)
+        """The defaults and spellings of compressed-tensors' own QuantizationArgs: 8 bits, int, symmetric; a
+        missing strategy is group for a positive group size, channel for -1, tensor without one; strategy and type
+        in any case."""
+        gs = w.get("group_size")
+        strategy = w.get("strategy") or ("tensor" if gs is None else "channel" if gs == -1 else "group")
+        return cls(group=gname, targets=tuple(targets), type=str(w.get("type") or "int").lower(),
+                   bits=int(w.get("num_bits", 8)), symmetric=bool(w.get("symmetric", True)),
+                   strategy=str(strategy).lower(), group_size=gs, format=fmt)
 
 
 @dataclass(frozen=True)
@@ -185,7 +189,10 @@ class CTConfig:
                                    "compressed", file=label)
         schemes = _parse_groups(q.get("config_groups") or {}, fmt, label)
         ign = q.get("ignore") or []
-        ignore = [str(x) for x in (ign if isinstance(ign, list) else [ign])]
+        ignore = [ign] if isinstance(ign, str) else ign
+        if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
+            raise BadInputError(f"ignore must be a list of module names or re: patterns, got {brief(ign)}",
+                                file=label)
         _check_patterns(ignore, "ignore", label)
         if q.get("sparsity_config"):
             sc = q["sparsity_config"]
@@ -336,8 +343,12 @@ class CompressedTensorsSource(Source):
         zp = self._get(zp_name)
         label = self._label(zp_name)
         packed_shape = (-(-n * bits // 32), ng)
-        if strategy != "tensor" and zp.dtype == np.int32 and zp.shape == packed_shape and zp.shape != (n, ng):
-            return unpack_rows(np.ascontiguousarray(zp.T), bits, n).T.copy(), None
+        legacy_shape = (-(-n // (32 // bits)), ng)  # whole values per word, as the codes of older files (3-bit)
+        if strategy != "tensor" and zp.dtype == np.int32 and zp.shape != (n, ng):
+            if zp.shape == packed_shape:
+                return unpack_rows(np.ascontiguousarray(zp.T), bits, n).T.copy(), None
+            if zp.shape == legacy_shape:
+                return _unpack_rows_legacy(np.ascontiguousarray(zp.T), bits, n).T.copy(), None
         if not (zp.size == n * ng or (strategy == "tensor" and zp.size == 1)):
             raise BadInputError(f"weight_zero_point shape {list(zp.shape)} {zp.dtype} fits neither packed "
                                 f"{list(packed_shape)} nor unpacked [{n}, {ng}]", file=label, tensor=zp_name)
@@ -463,14 +474,14 @@ class CompressedTensorsSource(Source):
         return bits, k
 
     def _codes(self, tp: str, packed: np.ndarray, bits: int, k: int, notes: dict[str, Any]) -> np.ndarray:
-        """codes [N, K] from the dense bit stream, or the pre-0.17 whole-values-per-word packing."""
+        """codes [N, K] from the dense bit stream, or the older whole-values-per-word packing (3-bit)."""
         words = packed.shape[1]
         dense = -(-k * bits // 32)
         legacy = -(-k // (32 // bits))
         if words == dense:
             return unpack_rows(packed, bits, k)
         if words == legacy:
-            notes["quirk"] = f"pre-0.17 packing: {32 // bits} values per int32"
+            notes["quirk"] = f"older packing: {32 // bits} whole values per int32"
             return _unpack_rows_legacy(packed, bits, k)
         raise BadInputError(f"weight_packed has {words} words per row; {k} {bits}-bit values need {dense}",
                             file=self._label(tp), tensor=tp)
