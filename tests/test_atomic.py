@@ -279,6 +279,7 @@ def test_dead_writers_leftovers_are_removed_live_and_foreign_ones_kept(tmp_path,
     assert mine.is_dir() and link.is_symlink() and _files(target)["precious-0.bin"] == "precious 0"
     assert all(p.is_dir() for p in keep.values())
     assert f"left alone: {keep['legacy']}" in err and f"left alone: {keep['other_host']}" in err
+    assert str(mine) not in err  # this process's own folder is no other run's
     assert sorted(_files(dst)) == ["new-0.bin", "new-1.bin", "new-2.bin"]
 
 
@@ -293,18 +294,21 @@ LIVE = textwrap.dedent("""
 """)
 
 
-def test_live_writers_temporary_folder_is_left_alone(tmp_path):
-    """Another process writing the same DST right now: its folder stays; once it is killed, the next run removes
-    it (a reused PID would not fool the check: the start time is in the name too)."""
+def test_live_writers_temporary_folder_is_left_alone(tmp_path, capfd):
+    """Another process writing the same DST right now: its folder stays, named on stderr (FORMAT rule 4; it was
+    not named); once it is killed, the next run removes it (a reused PID would not fool the check: the start time
+    is in the name too)."""
     dst = tmp_path / "dst"
     proc = subprocess.Popen([sys.executable, "-c", LIVE, str(dst)], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": _pythonpath()})
     try:
         theirs = Path(proc.stdout.readline().strip())
         assert theirs.name.startswith(f".dst.w4pack-tmp-{proc.pid}.")
+        capfd.readouterr()
         with atomic.AtomicFolder(dst) as tmp:
             _make(tmp, "new")
         assert (theirs / "part.bin").is_file()
+        assert f"left alone: {theirs}, being written by another w4pack run" in capfd.readouterr().err
     finally:
         proc.kill()
         proc.wait()

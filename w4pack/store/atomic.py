@@ -96,7 +96,8 @@ def _leftover_re(target: Path) -> re.Pattern[str]:
 
 
 def _owner_state(m: re.Match[str]) -> str:
-    """``dead``, ``alive`` or ``unknown`` (another host or container, or no owner recorded: left alone)."""
+    """``dead``, ``alive`` (another running process), ``own`` (this process) or ``unknown`` (another host or
+    container, or no owner recorded: left alone)."""
     if m.group("pid") is None:
         return "unknown"
     pid, start, ident = int(m.group("pid")), int(m.group("start")), m.group("id")
@@ -108,14 +109,16 @@ def _owner_state(m: re.Match[str]) -> str:
     if ident[8:] != ns:
         return "unknown"
     if start and os.path.isdir("/proc/self"):
-        return "alive" if _start_time(pid) == start else "dead"
+        if _start_time(pid) != start:
+            return "dead"
+        return "own" if pid == _me else "alive"
     try:  # no /proc: a PID that exists counts as alive (it may be reused: then the folder stays, never wrongly goes)
         os.kill(pid, 0)
     except ProcessLookupError:
         return "dead"
     except OSError:
         pass
-    return "alive"
+    return "own" if pid == _me else "alive"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,7 +237,7 @@ def _restore(target: Path, found: list[tuple[Path, str, str]]) -> list[str]:
     if os.path.lexists(target):
         return []
     for path, tag, state in found:
-        if tag != _OLD_TAG or state == "alive" or not _ours(path) or not os.path.lexists(path / "x"):
+        if tag != _OLD_TAG or state in ("alive", "own") or not _ours(path) or not os.path.lexists(path / "x"):
             continue
         try:
             _rename_noreplace(path / "x", target)
@@ -247,7 +250,8 @@ def _restore(target: Path, found: list[tuple[Path, str, str]]) -> list[str]:
 
 
 def _clean(found: list[tuple[Path, str, str]]) -> list[str]:
-    """Remove the leftovers of writers that are gone; name the ones left alone (owner unknown), once."""
+    """Remove the leftovers of writers that are gone; name the ones left alone (another run's, or an unknown
+    owner's), once."""
     notes = []
     for path, _tag, state in found:
         if not os.path.lexists(path):
@@ -261,6 +265,9 @@ def _clean(found: list[tuple[Path, str, str]]) -> list[str]:
             _reported.add(str(path))
             notes.append(f"left alone: {path}, from an older w4pack or another machine; remove it if no w4pack "
                          "run is writing there")
+        elif state == "alive" and str(path) not in _reported:
+            _reported.add(str(path))
+            notes.append(f"left alone: {path}, being written by another w4pack run that is still running")
     return notes
 
 
