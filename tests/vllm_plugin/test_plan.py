@@ -33,6 +33,20 @@ def _config_without(folder: Path, tmp: Path, key: str) -> Path:
     return copy
 
 
+def test_layers_the_model_lacks_refused_before_the_engine_loads(fused, tmp_path):
+    """Before: a config.json with fewer decoder layers than the manifest passed here and failed in the worker's
+    weight loader with vLLM's "There is no module or parameter named 'layers.1'"."""
+    import shutil
+
+    shutil.copytree(fused, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["num_hidden_layers"] -= 1
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(BadInputError, match=f"layers.{cfg['num_hidden_layers']}.") as err:
+        CheckpointPlan.from_folder(tmp_path / "m")
+    assert "w4pack validate" in str(err.value)
+
+
 def test_fused_layers_planned_with_their_parts(fused):
     plan = CheckpointPlan.from_folder(fused)
     qkv = next(name for name in plan.fused if name.endswith("qkv_proj"))

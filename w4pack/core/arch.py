@@ -156,7 +156,7 @@ def architecture_problem(config: dict[str, Any], layers: dict[str, dict[str, Any
             held[part["name"]] = (hi - lo, k)
     for name in held:
         if name not in required and name not in optional:
-            return name, (f"the checkpoint has a layer that a {mtype} model with {count} decoder layers does "
+            return name, (f"the checkpoint has a layer that a {mtype} model with {count} decoder layer{'' if count == 1 else 's'} does "
                           "not have (see config.json)"), True
     for name, want in {**required, **optional}.items():
         if name in held:

@@ -83,6 +83,7 @@ class CheckpointPlan:
             for name in ckpt.layers:
                 ckpt.packed_shapes_ok(name)
             ckpt.check_index_coverage()
+            ckpt.check_architecture()  # a layer the model lacks: else vLLM's loader names only its own module
             layers = {name: {k: v for k, v in meta.items() if k != "source"}
                       for name, meta in ckpt.manifest["layers"].items()}
             biases = {}
