@@ -354,7 +354,9 @@ def test_openai_server_completions_and_chat(smollm2, smollm2_reference, tmp_path
 
 
 def test_bad_checkpoint_refused_before_loading(act_order_llama, tmp_path):
-    """A manifest layer whose shape disagrees with config.json: one clear error naming the layer."""
+    """A manifest layer whose shape disagrees with config.json: one clear error naming the layer, from the
+    configuration (the architecture check) before any worker starts, for a model type w4pack knows; the method's
+    own check at create covers the others (test_method.py)."""
     import shutil
 
     bad = tmp_path / "bad"
@@ -362,8 +364,8 @@ def test_bad_checkpoint_refused_before_loading(act_order_llama, tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["intermediate_size"] = 640
     (bad / "config.json").write_text(json.dumps(cfg))
-    assert "model.layers.0.mlp.gate_proj: the checkpoint's output rows [576, 576] do not match the model's " \
-           "[640, 640]" in _engine_fails(tmp_path, bad, 256)
+    assert "tensor model.layers.0.mlp.gate_proj: layer is [576, 320] but the llama model of config.json needs " \
+           "[640, 320]" in _engine_fails(tmp_path, bad, 256)
 
 
 def _config_errors(tmp: Path, cases: list[dict]) -> list[str | None]:
