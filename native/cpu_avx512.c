@@ -439,28 +439,24 @@ T512 void w4p_tile_avx512vnni(const w4p_job *J, int tile, int64_t m0, int64_t m1
 #endif
 
 #if defined(__x86_64__) || defined(__i386__)
-/* Read stream for the bandwidth benchmark: four interleaved sequential streams (one per quarter of
- * the buffer, so the hardware prefetchers track several pages at once), software prefetch ahead,
- * XOR-folded so nothing is optimised away. */
+/* Read stream for the bandwidth benchmark (the limit the GEMV rows are held against): one sequential
+ * stream, 256 bytes a step into four accumulators, XOR-folded so nothing is optimised away. */
 T512 uint64_t w4p_read_stream_avx512(const void *buf, size_t bytes) {
     const char *p = buf;
-    const size_t q = bytes / 4 / 256 * 256;
+    const size_t q = bytes / 256 * 256;
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
     for (size_t i = 0; i < q; i += 256) {
-        for (int s = 0; s < 4; s++) _mm_prefetch(p + s * q + i + 4096, _MM_HINT_T0);
-        for (int j = 0; j < 256; j += 64) {
-            a0 = _mm512_xor_si512(a0, _mm512_loadu_si512((const void *)(p + i + j)));
-            a1 = _mm512_xor_si512(a1, _mm512_loadu_si512((const void *)(p + q + i + j)));
-            a2 = _mm512_xor_si512(a2, _mm512_loadu_si512((const void *)(p + 2 * q + i + j)));
-            a3 = _mm512_xor_si512(a3, _mm512_loadu_si512((const void *)(p + 3 * q + i + j)));
-        }
+        a0 = _mm512_xor_si512(a0, _mm512_loadu_si512((const void *)(p + i)));
+        a1 = _mm512_xor_si512(a1, _mm512_loadu_si512((const void *)(p + i + 64)));
+        a2 = _mm512_xor_si512(a2, _mm512_loadu_si512((const void *)(p + i + 128)));
+        a3 = _mm512_xor_si512(a3, _mm512_loadu_si512((const void *)(p + i + 192)));
     }
     a0 = _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
     uint64_t out[8];
     _mm512_storeu_si512((void *)out, a0);
     uint64_t h = 0;
     for (int j = 0; j < 8; j++) h ^= out[j];
-    for (size_t i = 4 * q; i < bytes; i++) h ^= (uint64_t)(unsigned char)p[i];
+    for (size_t i = q; i < bytes; i++) h ^= (uint64_t)(unsigned char)p[i];
     return h;
 }
 #endif

@@ -317,6 +317,10 @@ def test_replay_groups_one_finding_per_class() -> None:
                                                   (("gptq", "wrong-exit", "inspect", "append"), 9),
                                                   (("ct", "inconsistent", "convert", "rename tensor"), 4)]
     assert [r["index"] for _, r in fuzz.replay_groups(doc, per_class=False)] == [3, 9, 4]
+    # one mutation with findings in three commands opens three groups, and runs once (it ran three times)
+    one = {"findings": [{"reader": "gptq", "index": 6, "target": "a", "mutation": "set quant_method", "spec": {},
+                         "findings": [f("wrong-exit", c) for c in ("inspect", "convert", "validate")]}]}
+    assert [r["index"] for _, r in fuzz.replay_groups(one, per_class=True)] == [6]
 
 
 def test_replay_reruns_a_recorded_finding_on_this_tree(tmp_path: Path) -> None:

@@ -590,3 +590,58 @@ def test_gpu_ab_refuses_bad_library_specs(tmp_path):
                        ([f"a={lib}", "b"], "NAME=PATH"), ([f"a={lib}", f"b={tmp_path / 'no.so'}"], "no such")):
         with pytest.raises(SystemExit, match=msg):
             gpu_ab.parse_libs(specs)
+
+
+def test_gpu_ab_leaves_no_library_where_none_was_installed(tmp_path, monkeypatch, capsys):
+    """Before: the last library tested stayed installed at w4pack/_lib when none had been."""
+    gpu_ab = _tool("gpu_ab")
+    libdir = tmp_path / "_lib"
+    monkeypatch.setattr(gpu_ab, "LIBDIR", libdir)
+    monkeypatch.setattr(gpu_ab, "LIB", libdir / "libw4p_cuda.so")
+    a, b = tmp_path / "a.so", tmp_path / "b.so"
+    a.write_bytes(b"A")
+    b.write_bytes(b"B")
+    monkeypatch.setattr(gpu_ab, "run_one", lambda lib, bench_args, timeout: [
+        {"kind": "run", "gpu": "TestGPU"},
+        {"kind": "gemm", "K": 64, "N": 128, "M": 1, "w4pack_us": 1.0, "cublas_mm_us": 3.0, "cublas_linear_us": 3.0}])
+    assert gpu_ab.main([f"a={a}", f"b={b}", "--", "--ms", "1"]) == 0
+    assert not (libdir / "libw4p_cuda.so").exists()
+
+
+@pytest.mark.skipif(_cuda_present(), reason="a CUDA device is present (this checks the message on a machine without one)")
+@pytest.mark.parametrize("tool,args", [("bench_run", ["--shapes", "smollm2", "--batches", "1", "--modes", "eager"]),
+                                       ("bench_tp", ["--shape", "tiny"])])
+def test_cuda_default_benches_without_a_device_say_so(tool, args):
+    """Before: their default --device cuda died in a torch traceback on a machine without a GPU."""
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / f"{tool}.py"), *args],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip() == f"{tool}: " + r.stderr.strip().split(": ", 1)[1], r.stderr
+    assert "no CUDA device" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["bench_cpu.py", "--shapes", "4096"], "'4096' is not KxN"),
+    (["bench_cpu_decode.py", "--tokens", "1"], "--tokens must be at least 2"),
+    (["cuda_sass_cmp.py", "/nonexistent_a", "/nonexistent_b"], "no cubins found"),
+    (["make_q4_k_m.py", "/nonexistent.gguf", "/tmp/x.gguf"], "no such file"),
+])
+def test_tools_refuse_bad_arguments_in_one_line(argv, says):
+    """Before: a traceback (bench_cpu, bench_cpu_decode, make_q4_k_m) or a false "IDENTICAL" (cuda_sass_cmp)."""
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / argv[0]), *argv[1:]], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (r.stdout, r.stderr)
+
+
+def test_make_demo_checkpoint_refuses_an_existing_output_in_one_line(tmp_path):
+    tool = [sys.executable, str(ROOT / "tools" / "make_demo_checkpoint.py"), str(tmp_path / "d")]
+    assert subprocess.run(tool, capture_output=True, timeout=120).returncode == 0
+    r = subprocess.run(tool, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 4 and "output already exists" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("tool", ["demo", "get_smollm2"])
+def test_tools_without_options_still_answer_help(tool):
+    """Before: demo.py ran (and replaced out/demo) on --help; get_smollm2.py fetched the model."""
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / f"{tool}.py"), "--help"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stdout

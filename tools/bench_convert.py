@@ -1,7 +1,7 @@
 """Conversion benchmark: a 7B-shaped GPTQ checkpoint → w4pack, against a plain copy of the same bytes.
 
-Generates (once, cached) Llama-2-7B-shaped GPTQ checkpoints with 2 and 32 decoder layers: 4-bit,
-group 128, symmetric v1 zeros, random codes and scales, fp16 embeddings / norms / lm_head passed
+Generates Llama-2-7B-shaped GPTQ checkpoints (kept with --keep, else deleted at the end) with 2 and 32 decoder
+layers: 4-bit, group 128, symmetric v1 zeros, random codes and scales, fp16 embeddings / norms / lm_head passed
 through, sharded at 2 GB with an index like real ones. Then it times, several runs each, medians:
 
 * a plain copy of the source folder (shutil.copy2 = in-kernel copy on Linux, plus fsync of every file,
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -195,7 +196,10 @@ def main() -> None:
         src = args.work / f"llama7b-gptq-{layers}L{'-act' if args.act_order else ''}"
         if not src.exists():
             t0 = time.perf_counter()
-            generate(src, layers, args.act_order)
+            # in a child of its own: the convert children are forked from this process, and a child's peak RSS
+            # counts what it inherits, so this process must not grow by the generator's memory
+            with multiprocessing.get_context("spawn").Pool(1) as pool:
+                pool.apply(generate, (src, layers, args.act_order))
             print(f"generated {src} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         gb = folder_bytes(src) / 1e9
         dst_copy, dst_conv = args.work / "copy-out", args.work / "conv-out"

@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the table and every run here")
     ap.add_argument("--llama-child", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.tokens < 2 or args.reps < 1:
+        ap.error("--tokens must be at least 2 (a rate needs two tokens) and --reps at least 1")
     if args.llama_child:
         return llama_child(args.llama_child, args.prompt, args.tokens, args.threads, args.llama_extra_bufts)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

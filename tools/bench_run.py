@@ -325,6 +325,9 @@ def main() -> int:
         ap.error(str(exc))
     import torch
 
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("bench_run: no CUDA device (--device cpu times the CPU)", file=sys.stderr)
+        return 2
     dtype = torch.float16 if args.device.startswith("cuda") else torch.float32
     modes = [m for m in args.modes.split(",") if m]
     if not set(modes) <= set(MODES):

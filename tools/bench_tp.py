@@ -108,6 +108,9 @@ def main() -> int:
 
     size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_tp: no CUDA device (--device cpu runs the ranks on gloo)", file=sys.stderr)
+        return 2
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         device = torch.device("cuda", torch.cuda.current_device())

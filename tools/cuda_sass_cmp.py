@@ -51,6 +51,8 @@ def load(d):
     per_arch = {}
     for cub in sorted(c for c in glob.glob(os.path.join(d, '*.cubin')) if 'dlink' not in c):
         m = re.search(r'sm_(\w+)\.cubin$', cub) or re.search(r'compute_(\w+)\.cubin$', cub)
+        if m is None:
+            raise SystemExit(f'cuda_sass_cmp: {cub}: not named *.sm_XX.cubin (nvcc -keep names them so)')
         arch = m.group(1)
         secs = sections(cub)
         nm = norm(list(secs))
@@ -125,7 +127,14 @@ def main(argv=None):
     ap.add_argument('--removed', action='append', default=[], metavar='REGEX',
                     help='the first build\'s kernels that the second removes on purpose')
     args = ap.parse_args(argv)
-    lines, ok = compare(load(args.before), load(args.after), args.rename, args.removed, args.families)
+    builds = []
+    for d in (args.before, args.after):
+        build = load(d)
+        if not build:  # (a mistyped path, or a build without -keep: nothing compared is no "IDENTICAL")
+            print(f'cuda_sass_cmp: {d}: no cubins found (a build folder made with nvcc -keep)', file=sys.stderr)
+            return 2
+        builds.append(build)
+    lines, ok = compare(*builds, args.rename, args.removed, args.families)
     print('\n'.join(lines))
     return 0 if ok else 1
 

@@ -104,5 +104,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog=f"It replaces {WORK} on every run.").parse_args()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     main()

@@ -1597,18 +1597,17 @@ def mutation_kind(desc: str) -> str:
 
 
 def replay_groups(doc: dict[str, Any], per_class: bool) -> list[tuple[tuple[str, ...], dict[str, Any]]]:
-    """The recorded findings to rerun, each with its group key; per class, the first of each group."""
+    """The recorded findings to rerun, each once with its (first new) group key; per class, the first record of
+    each group: a record that opens several groups (one mutation, findings in several commands) runs once."""
     out: list[tuple[tuple[str, ...], dict[str, Any]]] = []
     seen: set[tuple[str, ...]] = set()
     for rec in doc.get("findings", []):
-        for f in rec["findings"]:
-            key = (rec["reader"], f["cls"], f["command"], mutation_kind(rec["mutation"]))
-            if per_class and key in seen:
-                continue
-            seen.add(key)
-            out.append((key, rec))
-            if not per_class:
-                break
+        keys = [(rec["reader"], f["cls"], f["command"], mutation_kind(rec["mutation"])) for f in rec["findings"]]
+        new = [k for k in keys if k not in seen]
+        seen.update(keys)
+        if not keys or (per_class and not new):
+            continue
+        out.append(((new or keys)[0], rec))
     return out
 
 

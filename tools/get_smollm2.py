@@ -76,6 +76,9 @@ def smollm2_gguf(install: bool = True, quiet: bool = True) -> Path:
 
 
 def main() -> int:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     try:
         print(smollm2_gguf(quiet=False))
     except RuntimeError as exc:

@@ -26,6 +26,7 @@ from w4pack.canonical import CanonicalLayer  # noqa: E402
 from w4pack.dtypes import from_float32  # noqa: E402
 from w4pack.formats import get_format  # noqa: E402
 from w4pack.formats.base import Source, TensorData  # noqa: E402
+from w4pack.errors import W4PackError  # noqa: E402
 
 HIDDEN, INTER, LAYERS = 256, 704, 2
 VOCAB = 100  # the character tokenizer: 4 special tokens, 95 printable ASCII characters, newline
@@ -115,7 +116,7 @@ class RandomLlama(Source):
         return list(self._side)
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
     ap.add_argument("--seed", type=int, default=0)
@@ -124,10 +125,14 @@ def main() -> None:
     tok_dir = Path(tempfile.mkdtemp(prefix="w4pack-demo-tok-"))
     try:
         get_format("gptq").write(RandomLlama(args.seed, char_tokenizer(tok_dir)), args.out, force=args.force)
+    except W4PackError as exc:  # (an existing output without --force: 4, as the w4pack commands exit)
+        print(f"make_demo_checkpoint: {exc.one_line()}", file=sys.stderr)
+        return exc.exit_code
     finally:
         shutil.rmtree(tok_dir, ignore_errors=True)
     print(args.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -142,6 +142,12 @@ def main(src: str, out: str) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        raise SystemExit(__doc__)
-    raise SystemExit(main(sys.argv[1], sys.argv[2]))
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("src", help="the GGUF to re-quantize")
+    ap.add_argument("out", help="the Q4_K_M GGUF to write")
+    args = ap.parse_args()
+    if not Path(args.src).is_file():
+        ap.error(f"{args.src}: no such file")
+    raise SystemExit(main(args.src, args.out))
