@@ -783,3 +783,19 @@ def test_unknown_checkpoint_format_refused_unless_from_names_the_version(tmp_pat
     forced = get_format("gptq-v2").open(src)
     name = truth.layer_names()[0]
     assert np.array_equal(forced.read_layer(name).zeros, truth.read_layer(name).zeros)
+
+
+def test_quantize_config_naming_another_method_is_named(tmp_path: Path, capsys) -> None:
+    """config.json says gptq, quantize_config.json (which wins) another method. Before: "cannot tell which format
+    this is" (found by tools/fuzz.py); now the file and the method."""
+    from conftest import cli_one_line
+
+    src = tmp_path / "g"
+    shutil.copytree(fixture_dir("gptq", "ag_b4_sym_g128"), src)
+    qc_path = src / "quantize_config.json"
+    qc_path.chmod(0o644)
+    qc_path.write_text(json.dumps(dict(json.loads(qc_path.read_text()), quant_method="gptqx")))
+    cfg = {"model_type": "llama", "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}}
+    (src / "config.json").write_text(json.dumps(cfg))
+    rc, err = cli_one_line(capsys, "inspect", src)
+    assert rc == 3 and f"{qc_path}: quant_method is 'gptqx', not gptq" in err, err

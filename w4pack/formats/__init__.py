@@ -103,14 +103,15 @@ _METHOD_FORMAT = {"llm-awq": "awq"}
 
 def _raise_reader_error(p: Path, fmt: type[Format] | None) -> None:
     """A folder whose config.json declares a method a reader takes, refused by that reader's detection (a mistyped
-    field, a lost tensor): the reader's own error when it opens the folder names what is wrong (bad input, exit 2)
-    where "cannot tell which format" would send the user to --from."""
+    field, a lost tensor, another file's contradicting quant_method): the reader's own error when it opens the
+    folder names what is wrong (bad input, exit 2; or what it cannot read, 3) where "cannot tell which format"
+    would send the user to --from."""
     if fmt is None:
         return
     try:
         with fmt.open(p):
             pass
-    except BadInputError:
+    except (BadInputError, UnsupportedError):
         raise
     except W4PackError:
         return

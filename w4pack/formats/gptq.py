@@ -192,12 +192,13 @@ def _stated_version(qc: dict[str, Any]) -> str | None:
     return fmt if fmt in (V1, V2) else None
 
 
-def _config_naming_version(root: Path) -> Path:
-    """The config file whose checkpoint_format (or format) the reader took: quantize_config.json wins."""
+def _config_naming_version(root: Path, keys: tuple[str, ...] = ("checkpoint_format", "format")) -> Path:
+    """The config file whose checkpoint_format (or format; or another of ``keys``) the reader took:
+    quantize_config.json wins."""
     for name in _CONFIG_FILES:
         if (root / name).is_file():
             doc = _read_json(root / name)
-            if isinstance(doc, dict) and (doc.get("checkpoint_format") or doc.get("format")):
+            if isinstance(doc, dict) and any(doc.get(k) for k in keys):
                 return root / name
     return root / "config.json"
 
@@ -269,7 +270,8 @@ class GPTQConfig:
         qc = dict(qc)
         qm = qc.get("quant_method")
         if qm is not None and str(qm).lower() != "gptq":
-            raise UnsupportedError(f"quantization_config says quant_method={qm!r}, not GPTQ", file=label)
+            raise UnsupportedError(f"quant_method is {qm!r}, not gptq", file=str(_config_naming_version(
+                root, ("quant_method",))))
         if qc.get("is_marlin_format"):
             raise UnsupportedError("is_marlin_format: qweight was repacked for Marlin on disk; re-export it in the "
                                    "plain GPTQ layout", file=label)
