@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -144,6 +145,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # ---------------------------------------------------------------------------------------------------------------
 # skip reasons say what would enable the test
+def edit_json(path: Path, changes: dict[str, Any], at: Callable[[dict], dict] = lambda doc: doc) -> None:
+    """Rewrite the JSON file ``path`` with ``changes`` applied to the object ``at`` picks (a value of None drops
+    the key): the tests' way of damaging or varying a config."""
+    doc = json.loads(path.read_text())
+    target = at(doc)
+    for key, value in changes.items():
+        if value is None:
+            target.pop(key, None)
+        else:
+            target[key] = value
+    path.write_text(json.dumps(doc))
+
+
 def cli_one_line(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str]:
     """(exit status, stderr) of the CLI run in-process; stderr must be exactly one line and no traceback (the
     project's rule for every failure)."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cli_one_line as _cli, fixture_dir
+from conftest import REPO, cli_one_line as _cli, edit_json, fixture_dir
 from w4pack.cli import main
 
 MOE_GGUF = REPO / "tests" / "data" / "llama_quantize" / "tiny-moe-Q4_K_M.gguf"
@@ -172,15 +172,8 @@ def _ct_with_config(tmp: Path, name: str, **changes: object) -> Path:
 
     src = tmp / name
     shutil.copytree(fixture_dir("compressed-tensors", "tiny_llama_w4a16_sym_g128"), src)
-    cfg_path = src / "config.json"
-    cfg_path.chmod(0o644)
-    cfg = json.loads(cfg_path.read_text())
-    for key, value in changes.items():
-        if value is None:
-            cfg.pop(key, None)
-        else:
-            cfg[key] = value
-    cfg_path.write_text(json.dumps(cfg))
+    (src / "config.json").chmod(0o644)
+    edit_json(src / "config.json", changes)
     return src
 
 

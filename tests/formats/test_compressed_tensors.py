@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import MemSource, fixture_cases, fixture_dir
+from conftest import MemSource, edit_json, fixture_cases, fixture_dir
 from w4pack.canonical import CanonicalLayer
 from w4pack.checkpoint import open_checkpoint
 from w4pack.cli import main
@@ -621,15 +621,8 @@ def test_whole_values_per_word_zero_points_of_older_3bit_files(tmp_path: Path) -
 
 
 def _edit_scheme(folder: Path, **changes: Any) -> None:
-    cfg_path = folder / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    weights = next(iter(cfg["quantization_config"]["config_groups"].values()))["weights"]
-    for key, value in changes.items():
-        if value is None:
-            weights.pop(key, None)
-        else:
-            weights[key] = value
-    cfg_path.write_text(json.dumps(cfg))
+    edit_json(folder / "config.json", changes,
+              lambda cfg: next(iter(cfg["quantization_config"]["config_groups"].values()))["weights"])
 
 
 @pytest.mark.parametrize("bits,group,changes", [
