@@ -287,7 +287,12 @@ def _notices() -> Iterator[list[str]]:
             yield texts
     finally:  # (also when the conversion fails: what was said before the error still counts)
         texts.extend(dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, W4PackWarning)))
+        said: set[str] = set()
         for w in caught:
+            if issubclass(w.category, W4PackWarning):  # ("always" caught each repeat: said once, as before)
+                if str(w.message) in said:
+                    continue
+                said.add(str(w.message))
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
