@@ -648,3 +648,23 @@ def test_llama_decode_refuses_dimensions_that_overflow_an_int(heads: int, kv: in
     fp = lambda a: ffi.cast("float *", a.ctypes.data)  # noqa: E731
     rc = lib.w4p_llama_decode(dims, layers, 0, fp(h), 0, fp(rot), fp(rot))
     assert rc != 0 and "too large" in ffi.string(lib.w4p_last_error()).decode()
+
+
+def test_read_stream_reads_every_byte_once():
+    """The bench's bandwidth stream (w4p_cpu_read_stream): its XOR fold is the model's on random bytes and an odd
+    length, so a changed loop that skips or re-reads part of the buffer fails here (the AVX-512 form: 256-byte
+    steps into four 64-byte lanes, then the tail byte by byte; elsewhere the 8-byte-word fold)."""
+    from w4pack.native.cpu import ffi, lib
+
+    rng = np.random.default_rng(5)
+    buf = rng.integers(0, 256, (1 << 20) + 77, dtype=np.uint8)
+    got = lib.w4p_cpu_read_stream(ffi.from_buffer(buf), buf.nbytes)
+    if "avx512novnni" in isa_info()["available"] or "avx512vnni" in isa_info()["available"]:
+        q = buf.nbytes // 256 * 256
+        want = int(np.bitwise_xor.reduce(buf[:q].view(np.uint64)))
+        for b in buf[q:]:
+            want ^= int(b)
+    else:
+        n = buf.nbytes // 8
+        want = int(np.bitwise_xor.reduce(buf[:n * 8].view(np.uint64)))
+    assert got == want

@@ -10,8 +10,8 @@ is printed, so the spread is visible beside the difference.
     W4P_CUDA_DEFINES=-DW4P_GV_STAGES=3 W4P_CUDA_OUT=$PWD/ab/s3/libw4p_cuda.so bash native/cuda/build.sh
     python tools/gpu_ab.py main=ab/main/libw4p_cuda.so s3=ab/s3/libw4p_cuda.so --rounds 3 -- --ms 1 --no-gemlite
 
-The library installed before the run is put back afterwards (none stays where none was). ``--json OUT`` keeps every record, tagged with
-``lib`` and ``round``.
+The library installed before the run is put back afterwards (none stays where none was). ``--json OUT`` keeps
+every record, tagged with ``lib`` and ``round``.
 """
 from __future__ import annotations
 

@@ -286,13 +286,11 @@ def _notices() -> Iterator[list[str]]:
             warnings.simplefilter("always", W4PackWarning)
             yield texts
     finally:  # (also when the conversion fails: what was said before the error still counts)
-        texts.extend(dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, W4PackWarning)))
-        said: set[str] = set()
         for w in caught:
             if issubclass(w.category, W4PackWarning):  # ("always" caught each repeat: said once, as before)
-                if str(w.message) in said:
+                if str(w.message) in texts:
                     continue
-                said.add(str(w.message))
+                texts.append(str(w.message))
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 

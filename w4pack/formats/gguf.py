@@ -757,6 +757,9 @@ def _target_arch(cfg: dict[str, Any]) -> tuple[str, dict[str, tuple[str, Any]]]:
     return meta_out if meta_out is not None else ("llama", {})
 
 
+_NO_HEADS = "config.json lacks num_attention_heads: cannot apply llama.cpp's q/k permutation"
+
+
 def _config_problems(source: Source) -> list[str]:
     """What the writer refuses in config.json, as the dry run reports it: an architecture without a tensor
     mapping, and q/k layers to permute for llama.cpp without the head counts that say how."""
@@ -768,7 +771,7 @@ def _config_problems(source: Source) -> list[str]:
     if names.permutes_qk(arch) and not cfg.get("num_attention_heads"):
         qk = next((n for n in source.layer_names() if ".self_attn.q_proj" in n or ".self_attn.k_proj" in n), None)
         if qk is not None:
-            return [f"{qk}: config.json lacks num_attention_heads: cannot apply llama.cpp's q/k permutation"]
+            return [f"{qk}: {_NO_HEADS}"]
     return []
 
 
@@ -823,8 +826,7 @@ class _Payloads:
             return None
         n_head = self.heads if ".q_proj" in hf else self.kv_heads
         if not n_head:
-            raise UnsupportedError("config.json lacks num_attention_heads: cannot apply llama.cpp's q/k permutation",
-                                   tensor=hf)
+            raise UnsupportedError(_NO_HEADS, tensor=hf)
         return np.argsort(rotary_row_permutation(rows, int(n_head)))
 
     def exact_requant(self, gname: str, arr: np.ndarray) -> np.ndarray | None:

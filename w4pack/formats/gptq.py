@@ -192,9 +192,8 @@ def _stated_version(qc: dict[str, Any]) -> str | None:
     return fmt if fmt in (V1, V2) else None
 
 
-def _config_naming_version(root: Path, keys: tuple[str, ...] = ("checkpoint_format", "format")) -> Path:
-    """The config file whose checkpoint_format (or format; or another of ``keys``) the reader took:
-    quantize_config.json wins."""
+def _config_naming(root: Path, keys: tuple[str, ...] = ("checkpoint_format", "format")) -> Path:
+    """The config file whose ``keys`` (the version's by default) the reader took: quantize_config.json wins."""
     for name in _CONFIG_FILES:
         if (root / name).is_file():
             doc = _read_json(root / name)
@@ -270,8 +269,8 @@ class GPTQConfig:
         qc = dict(qc)
         qm = qc.get("quant_method")
         if qm is not None and str(qm).lower() != "gptq":
-            raise UnsupportedError(f"quant_method is {qm!r}, not gptq", file=str(_config_naming_version(
-                root, ("quant_method",))))
+            raise UnsupportedError(f"quant_method is {qm!r}, not gptq",
+                                   file=str(_config_naming(root, ("quant_method",))))
         if qc.get("is_marlin_format"):
             raise UnsupportedError("is_marlin_format: qweight was repacked for Marlin on disk; re-export it in the "
                                    "plain GPTQ layout", file=label)
@@ -286,7 +285,7 @@ class GPTQConfig:
             stated = _stated_version(qc)
             version = version or _declared_version(qc)
         except UnsupportedError as exc:  # named with the config file that says it
-            raise UnsupportedError(exc.message, file=str(_config_naming_version(root))) from None
+            raise UnsupportedError(exc.message, file=str(_config_naming(root))) from None
         base_name = qc.get("model_file_base_name") if isinstance(qc.get("model_file_base_name"), str) else None
         meta_q = (qc.get("meta") or {}).get("quantizer") if isinstance(qc.get("meta"), dict) else None
         if meta_q:
@@ -621,7 +620,7 @@ class GPTQSource(Source):
         stated = self.cfg.stated
         if stated is None or stated == self.declared or self._zeros_confirm:
             return
-        cfg = _config_naming_version(self.root)
+        cfg = _config_naming(self.root)
         raise BadInputError(
             f"{_NAMED[self.declared]} reads the zero points as {_LABEL[self.declared]}, but the config says "
             f"checkpoint_format {stated!r} (detected format: {'gptq-v2' if stated == V2 else 'gptq'}; "

@@ -93,7 +93,9 @@ class PackedLinearMethod:
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra: Any) -> None:
         kind, rank, size = layer_partition(layer)
-        self._check_shapes(layer, kind, size, input_size, output_partition_sizes)
+        full = _full_sizes(layer, kind, size, output_partition_sizes)
+        self._split_stored_merge(full)
+        self._check_shapes(input_size, full)
         device = torch.empty(0).device
         _check_native(device, self.plan.prefix)
         layer.w4pack_loaded = {}
@@ -104,17 +106,20 @@ class PackedLinearMethod:
             layer.register_parameter(suffix, param)
         layer.w4pack_params = self.plan.suffixes()
 
-    def _check_shapes(self, layer: nn.Module, kind: str, tp_size: int, input_size: int,
-                      partition_sizes: list[int]) -> None:
-        """The checkpoint's layers must have the shapes the engine's model builds; say which does not."""
+    def _split_stored_merge(self, full: list[int]) -> None:
+        """A checkpoint that stores a merged layer itself (Phi-3's qkv_proj, gate_up_proj) holds the engine's parts
+        (unsharded rows ``full``) in order: cut it so, as a --fuse'd layer's table does, and each rank takes its
+        share of every part."""
         parts = self.plan.parts
-        full = _full_sizes(layer, kind, tp_size, partition_sizes)
         if len(parts) == 1 and not parts[0].sub_rows and len(full) > 1 and sum(full) == parts[0].shape[0]:
-            # the checkpoint stores the merged layer itself (Phi-3's qkv_proj, gate_up_proj): its rows are the
-            # engine's parts in order, so each rank takes its share of every part, as for a --fuse'd layer
             bounds = np.cumsum([0] + full)
             parts[0].sub_rows = [(f"{parts[0].name}[{i}]", int(bounds[i]), int(bounds[i + 1]))
                                  for i in range(len(full))]
+
+    def _check_shapes(self, input_size: int, full: list[int]) -> None:
+        """The checkpoint's layers must have the shapes the engine's model builds (``full``: each part's unsharded
+        rows); say which does not."""
+        parts = self.plan.parts
         rows: list[tuple[str, int]] = []
         for p in parts:
             rows += [(n, hi - lo) for n, lo, hi in p.sub_rows] if p.sub_rows else [(p.name, p.shape[0])]
